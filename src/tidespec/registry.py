@@ -1,0 +1,325 @@
+"""MLflow model registry for EAGLE3 drafts (DESIGN.md "Registry").
+
+Names: experiment ``tidespec/<target_id[:12]>``, registered model ``tidespec-draft-<target_id[:12]>``.
+Aliases: ``challenger`` (last candidate), ``champion`` (serving). MLflow keeps no alias history,
+so the registered model carries a tag ``champion_history`` = comma-separated versions, oldest
+first, current champion last; ``rollback`` pops it.
+
+A model version's ``source`` is the run's ``draft/`` artifact directory (the checkpoint as
+saved: config.json + model.safetensors); there is no pyfunc flavour. Every function takes the
+tracking URI explicitly and uses its own ``MlflowClient``; no global MLflow state is touched.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+HISTORY_TAG = "champion_history"
+ARTIFACT_DIR = "draft"
+VERSION_TAG_KEYS = ("target_id", "snapshot_rev", "params_sha", "workload_mix",
+                    "acceptance_length", "baseline_acceptance_length")
+_BATCH = {"metrics": 1000, "params": 100, "tags": 100}  # MLflow log_batch limits per call
+
+
+class RegistryError(RuntimeError):
+    """A registry operation is impossible as asked; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Outcome of a promotion/rollback: ``version`` is the one decided about."""
+
+    promoted: bool
+    reason: str
+    version: str
+    previous_champion: str | None
+
+
+@dataclass(frozen=True)
+class ModelVersionInfo:
+    version: str
+    run_id: str | None
+    source: str
+    tags: dict[str, str]
+
+
+# ---------------------------------------------------------------- names / client
+
+
+def experiment_name(target_id: str) -> str:
+    return f"tidespec/{target_id[:12]}"
+
+
+def model_name(target_id: str) -> str:
+    return f"tidespec-draft-{target_id[:12]}"
+
+
+def _client(tracking_uri: str) -> MlflowClient:
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def _not_found(e: MlflowException) -> bool:
+    return e.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
+
+
+def ensure_experiment(tracking_uri: str, target_id: str) -> str:
+    """Experiment id of ``experiment_name(target_id)``, created if missing."""
+    c = _client(tracking_uri)
+    name = experiment_name(target_id)
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            c.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    try:
+        return c.create_experiment(name, tags={"target_id": target_id})
+    except MlflowException:  # lost a creation race
+        return c.get_experiment_by_name(name).experiment_id
+
+
+def ensure_registered_model(tracking_uri: str, target_id: str) -> str:
+    """Name of the registered model for ``target_id``, created (tagged ``target_id``) if missing."""
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    try:
+        c.get_registered_model(name)
+    except MlflowException as e:
+        if not _not_found(e):
+            raise
+        try:
+            c.create_registered_model(name, tags={"target_id": target_id},
+                                      description=f"EAGLE3 draft for target {target_id}")
+        except MlflowException as e2:
+            if e2.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+                raise
+    return name
+
+
+# ---------------------------------------------------------------- logging a candidate
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}} -> {"a.b": "1"}``; values stringified (MLflow params are strings)."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out |= _flatten(v, f"{key}.")
+        else:
+            out[key] = str(v)[:6000]  # MLflow param value limit
+    return out
+
+
+def _chunks(xs: list, n: int):
+    for i in range(0, len(xs), n):
+        yield xs[i:i + n]
+
+
+def _log_batched(c: MlflowClient, run_id: str, metrics=(), params=(), tags=()) -> None:
+    for kind, items in (("metrics", list(metrics)), ("params", list(params)), ("tags", list(tags))):
+        for chunk in _chunks(items, _BATCH[kind]):
+            c.log_batch(run_id, **{kind: chunk})
+
+
+def _fmt(x: float) -> str:
+    return repr(float(x))
+
+
+def log_candidate(tracking_uri: str, target_id: str, checkpoint_dir: Path, params: dict,
+                  metrics: dict[str, float], tags: dict[str, str],
+                  step_metrics: dict[str, list[float]] | None = None,
+                  run_name: str | None = None) -> tuple[str, str]:
+    """Log a trained draft as a run + new model version, alias ``challenger``.
+
+    ``params`` may be nested (flattened to ``a.b``); ``metrics`` are final values (names may
+    contain ``/``, e.g. ``accepted_per_pos/0``); ``step_metrics`` are per-step series (e.g.
+    ``train/loss``, step = list index). ``checkpoint_dir`` is uploaded as artifacts under
+    ``draft/``. Version tags = ``tags`` + ``target_id`` + the metrics ``acceptance_length`` and
+    ``baseline_acceptance_length`` when given. Returns ``(run_id, version)``.
+    Raises FileNotFoundError if ``checkpoint_dir`` is not a directory; MlflowException on server errors.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint dir {checkpoint_dir} does not exist; train/export a draft first")
+    c = _client(tracking_uri)
+    exp_id = ensure_experiment(tracking_uri, target_id)
+    name = ensure_registered_model(tracking_uri, target_id)
+    vtags = {k: str(v) for k, v in tags.items()} | {"target_id": target_id}
+    for k in ("acceptance_length", "baseline_acceptance_length"):
+        if k in metrics:
+            vtags[k] = _fmt(metrics[k])
+    run = c.create_run(exp_id, run_name=run_name, tags=vtags)
+    run_id = run.info.run_id
+    try:
+        now = int(time.time() * 1000)
+        ms = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
+        for k, series in (step_metrics or {}).items():
+            ms += [Metric(k, float(v), now, i) for i, v in enumerate(series)]
+        _log_batched(c, run_id, metrics=ms,
+                     params=[Param(k, v) for k, v in _flatten(params).items()])
+        c.log_artifacts(run_id, str(checkpoint_dir), ARTIFACT_DIR)
+    except BaseException:
+        c.set_terminated(run_id, "FAILED")
+        raise
+    c.set_terminated(run_id, "FINISHED")
+    mv = c.create_model_version(name, source=f"{run.info.artifact_uri}/{ARTIFACT_DIR}",
+                                run_id=run_id, tags=vtags)
+    c.set_registered_model_alias(name, CHALLENGER, mv.version)
+    return run_id, str(mv.version)
+
+
+# ---------------------------------------------------------------- champion / history
+
+
+def _alias_version(c: MlflowClient, name: str, alias: str) -> str | None:
+    try:
+        return str(c.get_model_version_by_alias(name, alias).version)
+    except MlflowException as e:
+        if _not_found(e) or e.error_code == "INVALID_PARAMETER_VALUE":
+            return None
+        raise
+
+
+def _history(c: MlflowClient, name: str) -> list[str]:
+    raw = c.get_registered_model(name).tags.get(HISTORY_TAG, "")
+    return [v for v in raw.split(",") if v]
+
+
+def _set_history(c: MlflowClient, name: str, hist: list[str]) -> None:
+    c.set_registered_model_tag(name, HISTORY_TAG, ",".join(hist))
+
+
+def _record(c: MlflowClient, name: str, version: str, decision: str, reason: str) -> None:
+    """Write ``decision``/``decision_reason`` on the version and on its run."""
+    c.set_model_version_tag(name, version, "decision", decision)
+    c.set_model_version_tag(name, version, "decision_reason", reason)
+    run_id = c.get_model_version(name, version).run_id
+    if run_id:
+        c.log_batch(run_id, tags=[RunTag("decision", decision), RunTag("decision_reason", reason)])
+
+
+def _make_champion(c: MlflowClient, name: str, version: str) -> str | None:
+    """Move alias ``champion`` to ``version``, append it to the history; return the previous champion."""
+    prev = _alias_version(c, name, CHAMPION)
+    c.set_registered_model_alias(name, CHAMPION, version)
+    hist = _history(c, name)
+    if prev and (not hist or hist[-1] != prev):  # alias moved outside tidespec: keep it traceable
+        hist.append(prev)
+    _set_history(c, name, hist + [version])
+    return prev
+
+
+def champion(tracking_uri: str, target_id: str) -> ModelVersionInfo | None:
+    """The version under alias ``champion``, or None (no model or no champion yet)."""
+    c = _client(tracking_uri)
+    try:
+        mv = c.get_model_version_by_alias(model_name(target_id), CHAMPION)
+    except MlflowException as e:
+        if _not_found(e) or e.error_code == "INVALID_PARAMETER_VALUE":
+            return None
+        raise
+    return ModelVersionInfo(version=str(mv.version), run_id=mv.run_id, source=mv.source, tags=dict(mv.tags))
+
+
+def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | None:
+    """Download the champion's ``draft/`` checkpoint into ``dest``; return the checkpoint dir
+    (``dest/draft``), or None when there is no champion."""
+    info = champion(tracking_uri, target_id)
+    if info is None:
+        return None
+    import mlflow.artifacts  # local import: keeps module import light
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    local = mlflow.artifacts.download_artifacts(artifact_uri=info.source, dst_path=str(dest),
+                                                tracking_uri=tracking_uri)
+    return Path(local)
+
+
+# ---------------------------------------------------------------- decisions
+
+
+def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate_tau: float,
+                      champion_tau: float | None, min_relative_gain: float, lossless: bool) -> Decision:
+    """Promote ``version`` to ``champion`` iff ``lossless`` and (no champion yet or
+    ``candidate_tau >= champion_tau * (1 + min_relative_gain)``); τ in tokens per target forward,
+    both measured on the same holdout. The decision is recorded as tags ``decision`` /
+    ``decision_reason`` on the version and its run.
+    Raises RegistryError if a champion exists but ``champion_tau`` is None (evaluate it first).
+    """
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    version = str(version)
+    current = _alias_version(c, name, CHAMPION)
+    if current is not None and champion_tau is None:
+        raise RegistryError(f"{name}: champion v{current} exists but champion_tau is None; "
+                            "evaluate the champion on the same holdout and pass its τ")
+    if current == version:
+        reason, ok = f"v{version} is already champion", False
+    elif not lossless:
+        reason, ok = "losslessness check failed: never promoted", False
+    elif not math.isfinite(candidate_tau):
+        reason, ok = f"candidate τ={candidate_tau} is not finite", False
+    elif current is None:
+        reason, ok = f"first champion (τ={candidate_tau:.4f})", True
+    else:
+        bar = champion_tau * (1 + min_relative_gain)
+        ok = candidate_tau >= bar
+        cmp = ">=" if ok else "<"
+        reason = (f"τ {candidate_tau:.4f} {cmp} {bar:.4f} = champion v{current} τ {champion_tau:.4f} "
+                  f"× (1 + {min_relative_gain:g})")
+    if ok:
+        _make_champion(c, name, version)
+    d = Decision(promoted=ok, reason=reason, version=version, previous_champion=current)
+    _record(c, name, version, "promoted" if ok else "rejected", reason)
+    return d
+
+
+def promote(tracking_uri: str, target_id: str, version: str, reason: str) -> Decision:
+    """Make ``version`` champion unconditionally (manual override), recording ``reason``.
+    Raises MlflowException if the version does not exist."""
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    version = str(version)
+    c.get_model_version(name, version)  # fail fast on a wrong version
+    prev = _make_champion(c, name, version)
+    d = Decision(promoted=True, reason=f"manual: {reason}", version=version, previous_champion=prev)
+    _record(c, name, version, "promoted", d.reason)
+    return d
+
+
+def rollback(tracking_uri: str, target_id: str) -> Decision:
+    """Move ``champion`` back to the previous champion in ``champion_history``.
+
+    Returns a Decision about the restored version (``previous_champion`` = the demoted one, which
+    gets ``decision=rolled_back``). Raises RegistryError when there is no previous champion.
+    """
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    current = _alias_version(c, name, CHAMPION)
+    if current is None:
+        raise RegistryError(f"{name}: no champion to roll back; promote a version first")
+    hist = _history(c, name)
+    while hist and hist[-1] == current:
+        hist.pop()
+    if not hist:
+        raise RegistryError(f"{name}: v{current} is the only champion so far; nothing to roll back to "
+                            "(use promote to pick a version by hand)")
+    target = hist[-1]
+    c.set_registered_model_alias(name, CHAMPION, target)
+    _set_history(c, name, hist)
+    reason = f"rollback from v{current}"
+    _record(c, name, current, "rolled_back", f"rolled back to v{target}")
+    _record(c, name, target, "restored", reason)
+    d = Decision(promoted=True, reason=reason, version=target, previous_champion=current)
+    return d

@@ -1,0 +1,196 @@
+"""Embedded EAGLE3 trainer (CPU): training-time test over captured hidden states.
+
+Loss (SpecForge `specforge/core/loss.py::_compute_loss`, `training/strategies/base.py`):
+L = Σ_j decay^j · L_j, L_j = mean over valid positions of −Σ_v p_target(v) · log q_draft(v), where
+p_target = softmax of the target's logits restricted to the draft vocab (t2d), from the captured
+final hidden state through the target's lm_head; positions whose target argmax is outside the draft
+vocab are dropped. Per-position accuracy acc_j (argmax agreement at TTT step j) gives the
+simulated acceptance length 1 + Σ_k Π_{j≤k} acc_j.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import DraftParams, TrainParams
+from ..engine.stats import simulated_acceptance_length
+from ..models.eagle3 import (Eagle3Config, Eagle3Draft, build_vocab, count_tokens, load_checkpoint,
+                             remap_lm_head, save_checkpoint)
+from ..models.target import Target
+
+
+@dataclass
+class Example:
+    """One training sequence: aux `[T, 3H]` fp32, ids `[T]` int64, target logits over the draft
+    vocab `[T, Vd]` bf16, valid `[T]` bool (generated position whose target argmax is in-vocab)."""
+
+    aux: torch.Tensor
+    ids: torch.Tensor
+    tlogits: torch.Tensor
+    valid: torch.Tensor
+
+
+def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int) -> list[Example]:
+    """Turn capture records into examples (target logits computed once, restricted to the draft vocab)."""
+    out = []
+    cols = t2d.nonzero().squeeze(-1)
+    for r in records:
+        T = min(int(r["input_ids"].shape[0]), max_len)
+        if T < 3:
+            continue
+        hid = r["hidden_states"][:T].float()
+        with torch.no_grad():
+            full = target.logits_from_hidden(hid)  # [T, V]
+        valid = r["loss_mask"][:T].bool() & t2d[full.argmax(-1)]
+        out.append(Example(r["aux_hidden_states"][:T].float(), r["input_ids"][:T].long(),
+                           full[:, cols].to(torch.bfloat16), valid))
+    return out
+
+
+def batches(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random):
+    """Length-bucketed padded batches of at most `max_tokens` (B·T_max) tokens."""
+    order = sorted(range(len(examples)), key=lambda i: examples[i].ids.shape[0])
+    groups, cur = [], []
+    for i in order:
+        t = examples[i].ids.shape[0]
+        if cur and (len(cur) + 1) * t > max_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    if shuffle:
+        rng.shuffle(groups)
+    for g in groups:
+        ex = [examples[i] for i in g]
+        T = max(e.ids.shape[0] for e in ex)
+        pad = lambda t, v=0: F.pad(t, (0, 0) * (t.dim() - 1) + (0, T - t.shape[0]), value=v)  # noqa: E731
+        yield (torch.stack([pad(e.aux) for e in ex]), torch.stack([pad(e.ids) for e in ex]),
+               torch.stack([pad(e.tlogits) for e in ex]), torch.stack([pad(e.valid, False) for e in ex]),
+               torch.stack([pad(torch.ones(e.ids.shape[0], dtype=torch.bool), False) for e in ex]))
+
+
+def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int, decay: float):
+    """Returns (loss, [correct_j], [count_j]) for one padded batch.
+
+    aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid/key_valid `[B,T]` bool.
+    Step j row t is trained on the target distribution at position t+1+j.
+    """
+    hs = draft.ttt_forward(aux, ids, steps, key_valid)
+    loss = torch.zeros(())
+    correct, count = [], []
+    for j, h in enumerate(hs):
+        tl = F.pad(tlogits[:, 1 + j:], (0, 0, 0, 1 + j))
+        m = F.pad(valid[:, 1 + j:], (0, 1 + j), value=False)
+        n = int(m.sum())
+        if n == 0:
+            correct.append(0)
+            count.append(0)
+            continue
+        logits = draft.logits(h[m])  # only valid rows pay for the lm_head
+        tp = torch.softmax(tl[m].float(), -1)
+        lj = -(tp * torch.log_softmax(logits, -1)).sum(-1).mean()
+        loss = loss + decay ** j * lj
+        correct.append(int((logits.argmax(-1) == tp.argmax(-1)).sum()))
+        count.append(n)
+    return loss, correct, count
+
+
+def evaluate_examples(draft, examples, steps, batch_tokens) -> list[float]:
+    """Per-step accuracy on examples (no grad)."""
+    corr, cnt = [0] * steps, [0] * steps
+    with torch.no_grad():
+        for aux, ids, tl, valid, kv in batches(examples, batch_tokens, False, random.Random(0)):
+            _, c, n = ttt_loss(draft, aux, ids, tl, valid, kv, steps, 1.0)
+            corr = [a + b for a, b in zip(corr, c)]
+            cnt = [a + b for a, b in zip(cnt, n)]
+    return [c / n if n else 0.0 for c, n in zip(corr, cnt)]
+
+
+def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) -> Eagle3Draft:
+    """New draft (lm_head rows from the target's) or warm start from `init`, remapped to the new vocab."""
+    cfg = Eagle3Config.for_target(target.cfg, target.aux_layers, dparams.draft_vocab_size,
+                                  dparams.intermediate_size, target.target_id)
+    d2t, t2d = build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size)
+    head = target.lm_head_weight.float()
+    if init is not None:
+        draft = load_checkpoint(init, target.embed.float(), target.target_id)
+        if draft.config.draft_vocab_size != cfg.draft_vocab_size:
+            raise ValueError(f"warm start {init} has draft_vocab_size {draft.config.draft_vocab_size}, "
+                             f"params say {cfg.draft_vocab_size}; set train.warm_start: false to retrain")
+        remap_lm_head(draft, d2t, t2d, head)
+        return draft
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    draft.set_embed(target.embed.float())
+    remap_lm_head(draft, d2t, t2d, head)
+    return draft
+
+
+def train_draft(train_records: list[dict], val_records: list[dict], target: Target, dparams: DraftParams,
+                tparams: TrainParams, out: Path, init: Path | None = None,
+                progress: Callable[[int, int, float], None] | None = None) -> dict:
+    """Train (or warm-start) a draft and save it to `out`. Returns metrics (names per DESIGN.md):
+    `train/loss` (per epoch list), `train/acc_{j}`, `val/acc_{j}`, `simulated_acceptance_length`,
+    `train_tokens_per_s`, `train_seconds`. Raises ValueError for an empty training set.
+    """
+    if not train_records:
+        raise ValueError("no training records after curation; capture more traffic")
+    batch_tokens = tparams.batch_tokens
+    if tparams.threads:
+        torch.set_num_threads(tparams.threads)
+    counts = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
+    draft = init_draft(target, dparams, counts, init)
+    draft.train()
+    ex_train = prepare(train_records, target, draft.t2d, tparams.max_seq_len)
+    ex_val = prepare(val_records, target, draft.t2d, tparams.max_seq_len)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tparams.lr, weight_decay=tparams.weight_decay)
+    nb = sum(1 for _ in batches(ex_train, batch_tokens, False, random.Random(0)))
+    total = max(1, nb * tparams.epochs)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, total // 20)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    rng = random.Random(tparams.seed)
+    torch.manual_seed(tparams.seed)
+    losses, step, tokens, t0 = [], 0, 0, time.perf_counter()
+    steps = tparams.ttt_steps
+    corr, cnt = [0] * steps, [0] * steps
+    for ep in range(tparams.epochs):
+        ep_loss, ep_n = 0.0, 0
+        corr, cnt = [0] * steps, [0] * steps
+        for aux, ids, tl, valid, kv in batches(ex_train, batch_tokens, True, rng):
+            loss, c, n = ttt_loss(draft, aux, ids, tl, valid, kv, steps, tparams.loss_decay)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            tokens += int(kv.sum())
+            ep_loss += float(loss.detach())
+            ep_n += 1
+            corr = [a + b for a, b in zip(corr, c)]
+            cnt = [a + b for a, b in zip(cnt, n)]
+            if progress:
+                progress(step, total, float(loss.detach()))
+        losses.append(ep_loss / max(ep_n, 1))
+    secs = time.perf_counter() - t0
+    draft.eval()
+    train_acc = [c / n if n else 0.0 for c, n in zip(corr, cnt)]
+    val_acc = evaluate_examples(draft, ex_val, steps, batch_tokens) if ex_val else train_acc
+    metrics = {"train/loss": losses, "train_seconds": secs, "train_tokens_per_s": tokens / secs if secs else 0.0,
+               "simulated_acceptance_length": simulated_acceptance_length(val_acc),
+               "train_examples": len(ex_train), "val_examples": len(ex_val)}
+    metrics.update({f"train/acc_{j}": a for j, a in enumerate(train_acc)})
+    metrics.update({f"val/acc_{j}": a for j, a in enumerate(val_acc)})
+    save_checkpoint(draft, out, extra={"warm_start": str(init) if init else None})
+    (Path(out) / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics

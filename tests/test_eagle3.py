@@ -1,0 +1,161 @@
+"""EAGLE3 draft: shapes, TTT == incremental inference, training lowers the loss, checkpoint layout."""
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tidespec.config import DraftParams, TrainParams
+from tidespec.models.eagle3 import (DraftRunner, Eagle3Config, Eagle3Draft, build_vocab, load_checkpoint,
+                                    save_checkpoint)
+from tidespec.train.trainer import batches, init_draft, prepare, train_draft, ttt_loss
+
+
+def _draft(tiny_target, vd=64, seed=0):
+    torch.manual_seed(seed)
+    cfg = Eagle3Config.for_target(tiny_target.cfg, tiny_target.aux_layers, vd, target_id=tiny_target.target_id)
+    d = Eagle3Draft(cfg)
+    d.set_embed(tiny_target.embed)
+    counts = Counter({i: 1000 - i for i in range(3, 200)})
+    d.set_vocab(*build_vocab(counts, vd, cfg.vocab_size))
+    return d
+
+
+def _records(target, n=6, T=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    recs = []
+    for _ in range(n):
+        ids = torch.randint(3, target.cfg.vocab_size, (T,), generator=g)
+        out = target.forward(ids, target.new_cache(T))
+        m = torch.zeros(T, dtype=torch.uint8)
+        m[T // 4:] = 1
+        recs.append({"input_ids": ids.int(), "loss_mask": m, "aux_hidden_states": out.aux.bfloat16(),
+                     "hidden_states": out.hidden.bfloat16()})
+    return recs
+
+
+def test_forward_shapes(tiny_target):
+    d = _draft(tiny_target)
+    H, B, T = tiny_target.cfg.hidden_size, 2, 12
+    aux = torch.randn(B, T, 3 * H)
+    ids = torch.randint(0, 320, (B, T))
+    hs = d.ttt_forward(aux, ids, steps=3)
+    assert len(hs) == 3 and all(h.shape == (B, T, H) for h in hs)
+    assert d.logits(hs[0]).shape == (B, T, 64) and d.logits(hs[0]).dtype == torch.float32
+    assert d.fc.weight.shape == (H, 3 * H)
+    assert d.midlayer.self_attn.q_proj.weight.shape[1] == 2 * H  # [embedding; hidden]
+
+
+def test_ttt_matches_incremental_inference(tiny_target):
+    """The serving path (DraftRunner) computes exactly what TTT trains: step j at row t == chain step j."""
+    d = _draft(tiny_target).eval()
+    H, T = tiny_target.cfg.hidden_size, 10
+    torch.manual_seed(1)
+    aux, ids = torch.randn(1, T, 3 * H), torch.randint(0, 320, (1, T))
+    with torch.no_grad():
+        hs = d.ttt_forward(aux, ids, steps=3)
+    r = DraftRunner(d)
+    t = 5  # row: extend rows 0..t with target features, then chain 2 steps feeding the TTT tokens
+    cache = r.new_cache(64)
+    h, _ = r.extend(aux[0, :t + 1], ids[0, 1:t + 2], cache)
+    torch.testing.assert_close(h[-1], hs[0][0, t], atol=1e-5, rtol=1e-5)
+    h1, _ = r.step(h[-1:], ids[0, t + 2:t + 3], cache)
+    torch.testing.assert_close(h1[0], hs[1][0, t], atol=1e-5, rtol=1e-5)
+    h2, _ = r.step(h1, ids[0, t + 3:t + 4], cache)
+    torch.testing.assert_close(h2[0], hs[2][0, t], atol=1e-5, rtol=1e-5)
+
+
+def test_training_step_lowers_loss(tiny_target):
+    d = _draft(tiny_target)
+    ex = prepare(_records(tiny_target), tiny_target, d.t2d, 64)
+    batch = next(batches(ex, 4096, False, random.Random(0)))
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        loss, _, _ = ttt_loss(d, *batch, steps=3, decay=0.8)
+        first = float(loss.detach()) if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    last = float(ttt_loss(d, *batch, steps=3, decay=0.8)[0])
+    assert last < 0.7 * first, (first, last)
+
+
+def test_build_vocab_rules():
+    counts = Counter({10: 5, 3: 9, 7: 1})
+    d2t, t2d = build_vocab(counts, draft_vocab_size=6, vocab_size=20)  # more slots than distinct tokens
+    used = torch.arange(6) + d2t
+    assert used.tolist() == sorted(used.tolist()) and len(set(used.tolist())) == 6
+    assert {3, 7, 10} <= set(used.tolist())
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and int(t2d.sum()) == 6
+    assert t2d[used].all()
+    with pytest.raises(ValueError):
+        build_vocab(counts, 30, 20)
+
+
+# Checkpoint contract: key names/shapes as loaded by SGLang `python/sglang/srt/models/llama_eagle3.py`
+# (load_weights: fc, midlayer.*, norm, lm_head, d2t → hot_token_id; t2d skipped) and vLLM
+# `vllm/model_executor/models/llama_eagle3.py` @00bd1493 (unprefixed keys, midlayer.→layers.0.,
+# d2t→draft_id_to_target_id), as summarised in ../shared/EAGLE3-FORMAT.md §1/§9.
+EXPECTED = {
+    "fc.weight": lambda H, I, nq, nk, V, Vd: (H, 3 * H),
+    "midlayer.self_attn.q_proj.weight": lambda H, I, nq, nk, V, Vd: (nq, 2 * H),
+    "midlayer.self_attn.k_proj.weight": lambda H, I, nq, nk, V, Vd: (nk, 2 * H),
+    "midlayer.self_attn.v_proj.weight": lambda H, I, nq, nk, V, Vd: (nk, 2 * H),
+    "midlayer.self_attn.o_proj.weight": lambda H, I, nq, nk, V, Vd: (H, nq),
+    "midlayer.mlp.gate_proj.weight": lambda H, I, nq, nk, V, Vd: (I, H),
+    "midlayer.mlp.up_proj.weight": lambda H, I, nq, nk, V, Vd: (I, H),
+    "midlayer.mlp.down_proj.weight": lambda H, I, nq, nk, V, Vd: (H, I),
+    "midlayer.input_layernorm.weight": lambda H, I, nq, nk, V, Vd: (H,),
+    "midlayer.hidden_norm.weight": lambda H, I, nq, nk, V, Vd: (H,),
+    "midlayer.post_attention_layernorm.weight": lambda H, I, nq, nk, V, Vd: (H,),
+    "norm.weight": lambda H, I, nq, nk, V, Vd: (H,),
+    "lm_head.weight": lambda H, I, nq, nk, V, Vd: (Vd, H),
+    "d2t": lambda H, I, nq, nk, V, Vd: (Vd,),
+    "t2d": lambda H, I, nq, nk, V, Vd: (V,),
+}
+
+
+def test_checkpoint_layout_and_roundtrip(tiny_target, tmp_path):
+    d = _draft(tiny_target)
+    save_checkpoint(d, tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    c = d.config
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["vocab_size"] == 320 and cfg["draft_vocab_size"] == 64 and cfg["target_hidden_size"] == 64
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang, output-of-layer
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM, input-of-layer
+    assert "norm_before_residual" not in cfg
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
+        assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
+    assert keys == set(EXPECTED)  # no embed_tokens, no "model." prefix
+    dims = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim, c.vocab_size, c.draft_vocab_size)
+    assert shapes == {k: f(*dims) for k, f in EXPECTED.items()}
+    back = load_checkpoint(tmp_path / "ck", tiny_target.embed, tiny_target.target_id)
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    with pytest.raises(ValueError, match="trained for target"):
+        load_checkpoint(tmp_path / "ck", tiny_target.embed, "f" * 64)
+
+
+def test_warm_start_remaps_vocab(tiny_target, tmp_path):
+    recs = _records(tiny_target, n=4)
+    dp, tp = DraftParams(draft_vocab_size=64), TrainParams(epochs=1, ttt_steps=2, batch_tokens=256)
+    m = train_draft(recs[:3], recs[3:], tiny_target, dp, tp, tmp_path / "a")
+    assert len(m["train/loss"]) == 1 and m["simulated_acceptance_length"] >= 1.0
+    a = load_checkpoint(tmp_path / "a", tiny_target.embed)
+    shifted = Counter({i: 1000 - i for i in range(100, 300)})
+    b = init_draft(tiny_target, dp, shifted, tmp_path / "a")
+    ids_a = (torch.arange(64) + a.d2t).tolist()
+    ids_b = (torch.arange(64) + b.d2t).tolist()
+    assert ids_a != ids_b
+    for i, t in enumerate(ids_b):  # kept ids keep their trained rows; new ids take the target's row
+        if t in ids_a:
+            assert torch.equal(b.lm_head.weight[i], a.lm_head.weight[ids_a.index(t)])
+        else:
+            assert torch.equal(b.lm_head.weight[i], tiny_target.lm_head_weight[t].float())

@@ -1,0 +1,148 @@
+"""Real MLflow/Prefect servers on loopback: registry promotion rules and service lifecycle."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import uuid
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from mlflow import MlflowClient
+from safetensors.numpy import save_file
+
+from tidespec import registry, services
+
+pytestmark = pytest.mark.services
+
+
+@pytest.fixture
+def tid() -> str:
+    """A fresh 64-hex target id, so tests sharing the session server never collide."""
+    return uuid.uuid4().hex * 2
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    """A tiny fake draft checkpoint: config.json + model.safetensors."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8}))
+    rng = np.random.default_rng(0)
+    save_file({"fc.weight": rng.standard_normal((8, 24)).astype(np.float32),
+               "d2t": np.arange(4, dtype=np.int64)}, str(d / "model.safetensors"))
+    return d
+
+
+def _log(uri, tid, ckpt, tau, **kw):
+    return registry.log_candidate(
+        uri, tid, ckpt, params={"train": {"lr": 1e-4, "steps": 3}, "k": 4},
+        metrics={"acceptance_length": tau, "baseline_acceptance_length": 1.0, "accepted_per_pos/0": 0.7},
+        tags={"snapshot_rev": "abc.dir", "params_sha": "p1", "workload_mix": "code:1.0"},
+        step_metrics={"train/loss": [3.0, 2.0, 1.5]}, **kw)
+
+
+def test_first_candidate_becomes_champion(mlflow_server, tid, ckpt):
+    run_id, v = _log(mlflow_server, tid, ckpt, 2.0, run_name="cand-1")
+    c = MlflowClient(mlflow_server, mlflow_server)
+    name = registry.model_name(tid)
+    assert name == f"tidespec-draft-{tid[:12]}"
+    assert c.get_model_version_by_alias(name, "challenger").version == v
+    mv = c.get_model_version(name, v)
+    for k in registry.VERSION_TAG_KEYS:
+        assert k in mv.tags, k
+    assert mv.tags["target_id"] == tid and float(mv.tags["acceptance_length"]) == 2.0
+    run = c.get_run(run_id)
+    assert run.data.params["train.lr"] == "0.0001" and run.data.metrics["accepted_per_pos/0"] == 0.7
+    assert [m.value for m in c.get_metric_history(run_id, "train/loss")] == [3.0, 2.0, 1.5]
+    assert c.get_experiment(run.info.experiment_id).name == registry.experiment_name(tid)
+
+    assert registry.champion(mlflow_server, tid) is None
+    d = registry.promote_if_better(mlflow_server, tid, v, 2.0, None, 0.02, lossless=True)
+    assert d.promoted and d.previous_champion is None and d.version == v
+    champ = registry.champion(mlflow_server, tid)
+    assert champ.version == v and champ.run_id == run_id and champ.tags["decision"] == "promoted"
+
+
+def test_worse_rejected_better_promoted_rollback(mlflow_server, tid, ckpt):
+    uri = mlflow_server
+    _, v1 = _log(uri, tid, ckpt, 2.0)
+    assert registry.promote_if_better(uri, tid, v1, 2.0, None, 0.02, True).promoted
+    with pytest.raises(registry.RegistryError, match="champion_tau"):
+        registry.promote_if_better(uri, tid, v1, 2.0, None, 0.02, True)
+
+    run2, v2 = _log(uri, tid, ckpt, 2.03)  # below 2.0 * 1.02
+    d2 = registry.promote_if_better(uri, tid, v2, 2.03, 2.0, 0.02, True)
+    assert not d2.promoted and d2.previous_champion == v1 and "<" in d2.reason
+    c = MlflowClient(uri, uri)
+    mv2 = c.get_model_version(registry.model_name(tid), v2)
+    assert mv2.tags["decision"] == "rejected" and mv2.tags["decision_reason"] == d2.reason
+    assert c.get_run(run2).data.tags["decision"] == "rejected"
+    assert registry.champion(uri, tid).version == v1
+
+    _, v3 = _log(uri, tid, ckpt, 2.2)
+    d3 = registry.promote_if_better(uri, tid, v3, 2.2, 2.0, 0.02, True)
+    assert d3.promoted and d3.previous_champion == v1
+    assert registry.champion(uri, tid).version == v3
+
+    rb = registry.rollback(uri, tid)
+    assert rb.promoted and rb.version == v1 and rb.previous_champion == v3
+    assert registry.champion(uri, tid).version == v1
+    assert c.get_model_version(registry.model_name(tid), v3).tags["decision"] == "rolled_back"
+    with pytest.raises(registry.RegistryError, match="nothing to roll back"):
+        registry.rollback(uri, tid)
+
+    d = registry.promote(uri, tid, v2, "operator override")
+    assert d.promoted and d.previous_champion == v1 and registry.champion(uri, tid).version == v2
+    assert registry.rollback(uri, tid).version == v1
+
+
+def test_non_lossless_never_promoted(mlflow_server, tid, ckpt):
+    _, v = _log(mlflow_server, tid, ckpt, 4.0)
+    d = registry.promote_if_better(mlflow_server, tid, v, 4.0, None, 0.0, lossless=False)
+    assert not d.promoted and "lossless" in d.reason
+    assert registry.champion(mlflow_server, tid) is None
+    _, v1 = _log(mlflow_server, tid, ckpt, 2.0)
+    assert registry.promote_if_better(mlflow_server, tid, v1, 2.0, None, 0.0, True).promoted
+    d = registry.promote_if_better(mlflow_server, tid, v, 4.0, 2.0, 0.0, lossless=False)
+    assert not d.promoted and registry.champion(mlflow_server, tid).version == v1
+
+
+def test_download_champion_identical(mlflow_server, tid, ckpt, tmp_path):
+    assert registry.download_champion(mlflow_server, tid, tmp_path / "none") is None
+    _, v = _log(mlflow_server, tid, ckpt, 2.0)
+    registry.promote_if_better(mlflow_server, tid, v, 2.0, None, 0.02, True)
+    got = registry.download_champion(mlflow_server, tid, tmp_path / "dl")
+    assert sorted(p.name for p in got.iterdir()) == ["config.json", "model.safetensors"]
+    for f in ckpt.iterdir():
+        assert (got / f.name).read_bytes() == f.read_bytes()
+
+
+def test_up_reuses_running_prefect(prefect_server, services_state_dir):
+    before = services.status(services_state_dir)["prefect"]
+    assert before["healthy"] and before["url"] == prefect_server
+    again = services.up(services_state_dir, which=("prefect",))["prefect"]
+    assert again.pid == before["pid"] and again.url == prefect_server
+    assert services.env_for({"prefect": again}) == {"PREFECT_API_URL": prefect_server}
+
+
+def test_up_idempotent_then_down_stops(tmp_path, mlflow_server, services_state_dir):
+    sd = tmp_path / "svc"
+    # seed with the session server's already-migrated db: a fresh one costs ~10 s of migrations
+    (sd / "mlflow").mkdir(parents=True)
+    with sqlite3.connect(services_state_dir / "mlflow" / "mlflow.db") as src, \
+            sqlite3.connect(sd / "mlflow" / "mlflow.db") as dst:
+        src.backup(dst)
+    a = services.up(sd, which=("mlflow",))["mlflow"]
+    try:
+        b = services.up(sd, which=("mlflow",))["mlflow"]
+        assert (a.pid, a.url) == (b.pid, b.url)
+        assert services.env_for({"mlflow": b}) == {"MLFLOW_TRACKING_URI": b.url}
+        assert services.status(sd)["mlflow"]["healthy"]
+    finally:
+        assert services.down(sd, which=("mlflow",)) == ["mlflow"]
+    assert not psutil.pid_exists(a.pid) or psutil.Process(a.pid).status() == psutil.STATUS_ZOMBIE
+    assert services.status(sd) == {} and not (sd / "mlflow.json").exists()
+    assert services.down(sd) == []

@@ -1,0 +1,72 @@
+"""DVC versioning in a throwaway git repo with a local-directory remote."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tidespec import versioning
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """One repo for the module (each dvc call costs ~1 s); tests use distinct paths in it."""
+    root = tmp_path_factory.mktemp("dvc")
+    r = root / "repo"
+    versioning.ensure_repo(r, str(root / "remote"))
+    versioning.ensure_repo(r, str(root / "remote"))  # idempotent
+    return r
+
+
+def test_track_push_delete_pull_roundtrip(repo):
+    snap = repo / "data" / "snap1"
+    (snap / "shards").mkdir(parents=True)
+    (snap / "manifest.jsonl").write_text('{"request_id": "r1"}\n')
+    (snap / "shards" / "000.safetensors").write_bytes(bytes(range(256)) * 64)
+    want = _files(snap)
+
+    rev = versioning.track(repo, Path("data/snap1"))
+    assert rev.endswith(".dir") and rev == versioning.snapshot_rev(repo, Path("data/snap1"))
+    sha = versioning.commit_git(repo, "track snap1")
+    assert sha and versioning.commit_git(repo, "again") is None
+    assert versioning.git(repo, "status", "--porcelain", "data").stdout == ""
+    versioning.push(repo, [Path("data/snap1")])
+
+    shutil.rmtree(snap)
+    shutil.rmtree(repo / ".dvc" / "cache")
+    versioning.pull(repo, [repo / "data" / "snap1"])
+    assert _files(snap) == want
+
+
+def test_snapshot_rev_is_content_hash(repo):
+    for name in ("a", "b"):
+        d = repo / name
+        d.mkdir()
+        (d / "x.bin").write_bytes(b"same content")
+    ra, rb = versioning.track(repo, Path("a")), versioning.track(repo, Path("b"))
+    assert ra == rb
+    assert versioning.track(repo, Path("a")) == ra  # re-add unchanged: same rev
+    (repo / "a" / "x.bin").write_bytes(b"other content")
+    assert versioning.track(repo, Path("a")) != ra
+
+
+def test_errors_name_command_and_fix(tmp_path):
+    with pytest.raises(versioning.VersioningError) as e:
+        versioning.push(tmp_path)  # not a repo
+    assert "dvc push" in str(e.value) and "ensure_repo" in e.value.hint
+
+
+def test_repro_runs_stage_and_commits_lock(repo):
+    (repo / "src.txt").write_text("in\n")
+    (repo / "dvc.yaml").write_text(
+        "stages:\n  copy:\n    cmd: cp src.txt out.txt\n    deps: [src.txt]\n    outs: [out.txt]\n")
+    out = versioning.repro(repo, "copy")
+    assert "copy" in out and (repo / "out.txt").read_text() == "in\n"
+    assert versioning.commit_git(repo, "repro copy")
+    assert "dvc.lock" in versioning.git(repo, "show", "--name-only", "HEAD").stdout
