@@ -74,3 +74,50 @@ def real_target():
     from tidespec.cycle import get_target
 
     return get_target(Params())
+
+
+def tiny_params_yaml(target_dir) -> str:
+    return f"""
+target: {{source: "{target_dir}"}}
+engine: {{num_draft_tokens: 3, max_seq_len: 256, max_new_tokens: 24}}
+draft: {{draft_vocab_size: 64}}
+capture: {{shard_max_records: 4}}
+curate: {{window: 2, min_tokens: 4, val_fraction: 0.2}}
+train: {{ttt_steps: 2, epochs: 2, batch_tokens: 512, max_seq_len: 128}}
+evaluate: {{max_new_tokens: 16, min_relative_gain: 0.0}}
+"""
+
+
+def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool = False):
+    """A workspace with params.yaml, one sealed snapshot captured by the engine on the tiny target,
+    holdout prompts, and (optionally) a champion draft. Returns (Workspace, Params, Target)."""
+    import torch
+
+    from tidespec.capture.store import seal
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.config import load_params
+    from tidespec.cycle import Workspace, get_target, write_eval_prompts
+    from tidespec.engine.speculative import Engine
+    from tidespec.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab, save_checkpoint
+
+    (root / "params.yaml").write_text(tiny_params_yaml(target_dir))
+    params = load_params(root / "params.yaml")
+    target = get_target(params)[0]
+    ws = Workspace(root)
+    eng = Engine(target, None, 3, 256)
+    w = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, shard_max_records=4)
+    g = torch.Generator().manual_seed(0)
+    for i in range(n_requests):
+        prompt = torch.randint(3, 320, (8,), generator=g).tolist()
+        out = eng.generate(prompt, 24, capture=True)
+        w.submit(out.record, request_id=f"req{i}", workload="code", acceptance_length=1.0, prompt_id=f"p{i}")
+    w.close()
+    seal(ws.capture_dir(target.target_id), ws.snapshots, target.target_id)
+    write_eval_prompts(ws.eval_prompts, [(f"h{i}", "code", torch.randint(3, 320, (6,), generator=g).tolist())
+                                         for i in range(3)])
+    if champion:
+        torch.manual_seed(1)
+        d = Eagle3Draft(Eagle3Config.for_target(target.cfg, target.aux_layers, 64, target_id=target.target_id))
+        d.set_vocab(*build_vocab(__import__("collections").Counter(), 64, target.cfg.vocab_size))
+        save_checkpoint(d, ws.champion)
+    return ws, params, target

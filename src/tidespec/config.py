@@ -70,6 +70,7 @@ class TrainParams(_Strict):
     loss_decay: float = Field(0.8, gt=0, le=1)  # Σ_j decay^j · L_j (SpecForge ploss_decay)
     max_seq_len: int = Field(512, ge=8)
     batch_tokens: int = Field(1024, ge=8)  # padded B·T per optimizer step
+    loss_on_prompt: bool = False  # also fit the target at prompt positions (SpecForge: False)
     warm_start: bool = True
     seed: int = 0
     threads: int | None = None

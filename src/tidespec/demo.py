@@ -29,7 +29,7 @@ from .cycle import Workspace, get_target, runner_for, write_eval_prompts
 from .deploy.local import reload_if_changed
 from .engine.speculative import Engine
 
-console = Console()
+console = Console(width=None if Console().is_terminal else 120)
 
 
 def _progress() -> Progress:
@@ -150,8 +150,7 @@ def run_demo(root: Path, params_path: Path) -> dict:
     dec = res["register"]
     table = Table(title=f"{w.prompts} holdout: {rep['num_prompts']} prompts × ≤{rep['max_new_tokens']} tokens, "
                         f"greedy, k={rep['num_draft_tokens']}, {params.target.dtype}, CPU")
-    for c in ("draft", "τ (acceptance length)", "acceptance rate", "tokens/s", "speed-up", "ITL p50 ms",
-              "outputs = target-only"):
+    for c in ("draft", "τ", "accept rate", "tokens/s", "speed-up", "ITL p50 ms", "= target-only"):
         table.add_column(c)
     base = rep["baseline"]
     rows = [("no speculation", base, None), ("static draft (generic)", rep["champion"], "champion"),

@@ -38,8 +38,13 @@ class Example:
     valid: torch.Tensor
 
 
-def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int) -> list[Example]:
-    """Turn capture records into examples (target logits computed once, restricted to the draft vocab)."""
+def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int,
+            loss_on_prompt: bool = False) -> list[Example]:
+    """Turn capture records into examples (target logits computed once, restricted to the draft vocab).
+
+    `loss_on_prompt`: also learn the target's distribution at prompt positions (loss_mask == 0).
+    SpecForge masks them; on small captures they are extra in-domain signal for free.
+    """
     out = []
     cols = t2d.nonzero().squeeze(-1)
     for r in records:
@@ -49,7 +54,8 @@ def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int
         hid = r["hidden_states"][:T].float()
         with torch.no_grad():
             full = target.logits_from_hidden(hid)  # [T, V]
-        valid = r["loss_mask"][:T].bool() & t2d[full.argmax(-1)]
+        keep = torch.ones(T, dtype=torch.bool) if loss_on_prompt else r["loss_mask"][:T].bool()
+        valid = keep & t2d[full.argmax(-1)]
         out.append(Example(r["aux_hidden_states"][:T].float(), r["input_ids"][:T].long(),
                            full[:, cols].to(torch.bfloat16), valid))
     return out
@@ -150,7 +156,7 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     counts = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
     draft = init_draft(target, dparams, counts, init)
     draft.train()
-    ex_train = prepare(train_records, target, draft.t2d, tparams.max_seq_len)
+    ex_train = prepare(train_records, target, draft.t2d, tparams.max_seq_len, tparams.loss_on_prompt)
     ex_val = prepare(val_records, target, draft.t2d, tparams.max_seq_len)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tparams.lr, weight_decay=tparams.weight_decay)

