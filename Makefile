@@ -24,7 +24,7 @@ demo: assets               ## services up, static draft, serve+capture, snapshot
 	$(VENV)/bin/tidespec demo
 
 test: assets               ## full suite; starts Prefect/MLflow servers on 127.0.0.1 itself
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 services-up: install
 	$(VENV)/bin/tidespec services up

@@ -79,7 +79,7 @@ def test_training_step_lowers_loss(tiny_target):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    last = float(ttt_loss(d, *batch, steps=3, decay=0.8)[0])
+    last = float(ttt_loss(d, *batch, steps=3, decay=0.8)[0].detach())
     assert last < 0.7 * first, (first, last)
 
 

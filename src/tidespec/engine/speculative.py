@@ -1,10 +1,11 @@
-"""Chain speculative decoding with an EAGLE3 draft and greedy verification (one target forward per step).
+"""Chain speculative decoding with an EAGLE3 draft: one target forward verifies k drafted tokens.
 
-Algorithm: Leviathan et al. 2023 (arXiv 2211.17192) §2 with greedy acceptance: the draft proposes
-k tokens autoregressively (EAGLE-3 feeds its own hidden state forward, arXiv 2503.01840 §3);
-the target scores [last token, d_1..d_k] in one forward; the longest prefix where d_i equals the
-target's argmax is accepted and the target's own token at the first mismatch is the bonus. The
-output is therefore the target's greedy output, token for token (fp32: see models/target.py).
+Algorithm: Leviathan et al. 2023 (arXiv 2211.17192) §2: the draft proposes k tokens
+autoregressively (EAGLE-3 feeds its own hidden state forward, arXiv 2503.01840 §3); the target
+scores [last token, d_1..d_k] in one forward. Greedy: the longest prefix where d_i equals the
+target's argmax is accepted and the target's own token at the first mismatch is the bonus, so the
+output is the target's greedy output token for token (fp32: see models/target.py). Sampling:
+lossless rejection sampling (engine/sampling.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from ..models.eagle3 import DraftRunner
 from ..models.target import Target
+from .sampling import GREEDY, SamplingParams, rejection_verify, sample, warp
 from .stats import RequestTiming, SpecDecodingStats
 
 
@@ -101,11 +103,13 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, speculative: bool = True,
-                 k: int | None = None, capture: bool = False, request_id: str | None = None) -> Generation:
-        """Greedy generation of up to `max_new_tokens` after `prompt_ids` (stops at EOS).
+                 k: int | None = None, capture: bool = False, request_id: str | None = None,
+                 sampling: SamplingParams = GREEDY) -> Generation:
+        """Generate up to `max_new_tokens` after `prompt_ids` (stops at EOS); greedy by default.
 
         Raises ValueError for an empty prompt, k < 1, or prompt + max_new_tokens beyond
-        `max_seq_len` (the fix: shorten the prompt or raise engine.max_seq_len).
+        `max_seq_len` (the fix: shorten the prompt or raise engine.max_seq_len); bad sampling
+        values are refused when `SamplingParams` is built.
         """
         if not prompt_ids:
             raise ValueError("empty prompt: send at least one token")
@@ -121,6 +125,12 @@ class Engine:
         with self._lock:
             draft, version = (self._draft, self._draft_version) if speculative else (None, None)
         rid = request_id or uuid.uuid4().hex
+        greedy = sampling.greedy
+        gen_rng = None if greedy else sampling.generator()
+
+        def pick(logits: torch.Tensor) -> int:
+            return int(logits.argmax()) if greedy else sample(warp(logits, sampling), gen_rng)
+
         eos = set(self.target.cfg.eos_token_ids)
         stats = SpecDecodingStats(k if draft else 0)
         timing = RequestTiming()
@@ -131,7 +141,7 @@ class Engine:
 
         t0 = time.perf_counter()
         out = tgt.forward(prompt, cache, need_hidden=capture or draft is not None)
-        nxt = int(out.logits[-1].argmax())
+        nxt = pick(out.logits[-1])
         if capture:
             rows.add(out, len(prompt_ids))
         gen = [nxt]
@@ -149,15 +159,20 @@ class Engine:
                 out = tgt.forward(torch.tensor([nxt]), cache, need_hidden=capture)
                 if capture:
                     rows.add(out, 1)
-                nxt = int(out.logits[0].argmax())
+                nxt = pick(out.logits[0])
                 gen.append(nxt)
                 timing.steps.append((time.perf_counter() - t1, 1))
                 continue
             # draft k tokens (chain)
             base = dcache.length
-            drafts = []
+            drafts, qs = [], []
             for j in range(k):
-                d = draft.to_target_ids(dl.argmax().view(1))
+                if greedy:
+                    d = draft.to_target_ids(dl.argmax().view(1))
+                else:
+                    q = draft.to_target_probs(warp(dl, sampling))
+                    d = torch.multinomial(q, 1, generator=gen_rng)
+                    qs.append(q)
                 drafts.append(int(d))
                 if j < k - 1:
                     h, dl = draft.step(h, d, dcache)
@@ -165,11 +180,15 @@ class Engine:
             # verify in one target forward
             L = cache.length
             out = tgt.forward(torch.tensor([nxt] + drafts), cache, need_hidden=True)
-            preds = out.logits.argmax(-1).tolist()
-            n = 0
-            while n < k and drafts[n] == preds[n]:
-                n += 1
-            new = drafts[:n] + [preds[n]]
+            if greedy:
+                preds = out.logits.argmax(-1).tolist()
+                n = 0
+                while n < k and drafts[n] == preds[n]:
+                    n += 1
+                new = drafts[:n] + [preds[n]]
+            else:
+                n, tok = rejection_verify(warp(out.logits, sampling), torch.stack(qs), drafts, gen_rng)
+                new = drafts[:n] + [tok]
             cache.crop(L + n + 1)
             if capture:
                 rows.add(out, n + 1)

@@ -268,6 +268,7 @@ class DraftRunner:
         self.down = PackedLinear(L.mlp.down_proj.weight.detach())
         self.lm_head = PackedLinear(draft.lm_head.weight.detach())
         self.d2t = draft.d2t.clone()
+        self.used = torch.arange(self.d2t.shape[0]) + self.d2t  # target ids of the draft vocab
         self.nq = c.num_attention_heads * c.head_dim
         self.nk = c.num_key_value_heads * c.head_dim
 
@@ -311,6 +312,12 @@ class DraftRunner:
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids: `draft + d2t[draft]`."""
         return draft_ids + self.d2t[draft_ids]
+
+    def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """Scatter draft-vocab probabilities `[Vd]` into the target vocab `[V]` (zeros elsewhere)."""
+        out = torch.zeros(self.config.vocab_size, dtype=probs.dtype)
+        out[self.used] = probs
+        return out
 
 
 # -- draft vocabulary (SpecForge `data/preprocessing.py::generate_vocab_mapping_file`) --------
