@@ -5,6 +5,7 @@ bad data fails fast and leaves the champion serving.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -67,11 +68,12 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     if not target_id:
         target_id = cycle.get_target(load_params(params_path))[0].target_id
     cur = curate(root, params_path, target_id)
-    log.info("curated %s train / %s val records, drift %s", cur["num_train"], cur["num_val"], cur["drift_jsd"])
+    drift = "n/a (first curated set)" if cur["drift_jsd"] is None else f"{cur['drift_jsd']:.3f} bits (JSD)"
+    log.info("curated %s train / %s val records, drift vs previous set: %s", cur["num_train"], cur["num_val"], drift)
     champ = fetch_champion(root, tracking_uri, target_id)
     tm = train(root, params_path, cur["curated"], champ)
     rep = evaluate(root, params_path, champ)
-    mix = __import__("json").loads(Path(cur["curated"]).read_text()).get("workload_mix", {})
+    mix = json.loads(Path(cur["curated"]).read_text()).get("workload_mix", {})
     dec = register(params_path, target_id, str(_ws(root).candidate), rep, tm, tracking_uri, snapshot_rev, mix)
     log.info("register: version %s promoted=%s (%s)", dec["version"], dec["promoted"], dec["reason"])
     dep = deploy(root, tracking_uri, target_id)

@@ -1,4 +1,6 @@
 """Engine: the lean target forward matches transformers; speculative greedy == target-only greedy."""
+from collections import Counter
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ def _random_runner(target, vd, seed=0):
     torch.manual_seed(seed)
     d = Eagle3Draft(Eagle3Config.for_target(target.cfg, target.aux_layers, vd, target_id=target.target_id))
     d.set_embed(target.embed)
-    d.set_vocab(*build_vocab(__import__("collections").Counter(), vd, target.cfg.vocab_size))
+    d.set_vocab(*build_vocab(Counter(), vd, target.cfg.vocab_size))
     return DraftRunner(d)
 
 

@@ -1,4 +1,6 @@
 """Lossless rejection sampling: exact one-step probabilities, chi-square over 20k draws, end to end."""
+from collections import Counter
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -64,7 +66,7 @@ def test_end_to_end_first_speculative_token(tiny_target):
     torch.manual_seed(0)
     d = Eagle3Draft(Eagle3Config.for_target(T.cfg, T.aux_layers, 64, target_id=T.target_id))
     d.set_embed(T.embed)
-    d.set_vocab(*build_vocab(__import__("collections").Counter({i: 1 for i in range(64)}), 64, T.cfg.vocab_size))
+    d.set_vocab(*build_vocab(Counter({i: 1 for i in range(64)}), 64, T.cfg.vocab_size))
     eng = Engine(T, DraftRunner(d), num_draft_tokens=2, max_seq_len=16)
     N = 2000
     counts = torch.zeros(T.cfg.vocab_size)
@@ -83,7 +85,7 @@ def test_seeded_sampling_is_reproducible_and_speculation_is_exercised(tiny_targe
     T = tiny_target
     d = Eagle3Draft(Eagle3Config.for_target(T.cfg, T.aux_layers, 64, target_id=T.target_id))
     d.set_embed(T.embed)
-    d.set_vocab(*build_vocab(__import__("collections").Counter(), 64, T.cfg.vocab_size))
+    d.set_vocab(*build_vocab(Counter(), 64, T.cfg.vocab_size))
     eng = Engine(T, DraftRunner(d), num_draft_tokens=3, max_seq_len=128)
     a = eng.generate([5, 6, 7], 32, sampling=SamplingParams(0.8, top_p=0.9, seed=7))
     b = eng.generate([5, 6, 7], 32, sampling=SamplingParams(0.8, top_p=0.9, seed=7))

@@ -70,3 +70,15 @@ def test_repro_runs_stage_and_commits_lock(repo):
     assert "copy" in out and (repo / "out.txt").read_text() == "in\n"
     assert versioning.commit_git(repo, "repro copy")
     assert "dvc.lock" in versioning.git(repo, "show", "--name-only", "HEAD").stdout
+
+
+def test_machine_local_remote_stays_out_of_project_config(tmp_path):
+    r = tmp_path / "repo"
+    versioning.ensure_repo(r, str(tmp_path / "remote"), machine_local=True)
+    assert str(tmp_path / "remote") in (r / ".dvc" / "config.local").read_text()
+    assert "remote" not in (r / ".dvc" / "config").read_text()
+    (r / "d").mkdir()
+    (r / "d" / "x").write_text("1")
+    versioning.track(r, r / "d")
+    versioning.push(r)
+    assert any((tmp_path / "remote").rglob("*"))

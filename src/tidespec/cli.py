@@ -125,5 +125,22 @@ def _uri() -> str:
     return uri
 
 
+def main() -> None:
+    """Console entry point: bad input (ValueError/FileNotFoundError) → one clear line, exit 2."""
+    import sys
+    try:
+        app(standalone_mode=False)
+    except (ValueError, FileNotFoundError) as e:
+        Console(stderr=True).print(f"[red]error:[/red] {e}")
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:  # usage errors (typer's click) keep their own formatting
+        if hasattr(e, "show") and hasattr(e, "exit_code"):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
 if __name__ == "__main__":
-    app()
+    main()

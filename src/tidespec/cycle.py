@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,6 @@ from .engine.speculative import Engine
 from .engine.stats import SpecDecodingStats, itl_percentiles
 from .models.eagle3 import DraftRunner, load_checkpoint
 from .models.target import Target, convert_gguf, load_target
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

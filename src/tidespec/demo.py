@@ -25,7 +25,7 @@ from .bootstrap import prompt_ids, teacher_force
 from .capture.store import seal
 from .capture.writer import CaptureWriter
 from .config import Params, load_params
-from .cycle import Workspace, get_target, runner_for, write_eval_prompts
+from .cycle import Workspace, get_target, write_eval_prompts
 from .deploy.local import reload_if_changed
 from .engine.speculative import Engine
 
@@ -73,7 +73,7 @@ def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(out.with_suffix(".tmp"), out)
     console.print(f"static draft: {len(recs)} conversations, simulated τ {m['simulated_acceptance_length']:.2f}, "
-                  f"{m['train_seconds']:.0f} s")
+                  f"trained in {m['train_seconds']:.0f} s")
     return out
 
 
@@ -126,15 +126,15 @@ def run_demo(root: Path, params_path: Path) -> dict:
             writer.submit(g.record, request_id=g.request_id, workload=p.workload,
                           acceptance_length=g.stats.acceptance_length, prompt_id=p.id)
             taus.append(g.stats.acceptance_length)
-            pg.update(t, advance=1, info=f"τ {g.stats.acceptance_length:.2f}  {g.tokens_per_s:.1f} tok/s")
+            pg.update(t, advance=1, info=f"last τ {g.stats.acceptance_length:.2f}  {g.tokens_per_s:.1f} tok/s")
     writer.close()
     console.print(f"captured {writer.written_total} requests, {writer.bytes_total / 1e6:.1f} MB, "
-                  f"dropped {writer.dropped_total}; serving τ {sum(taus) / len(taus):.2f}")
+                  f"dropped {writer.dropped_total}; mean serving τ {sum(taus) / len(taus):.2f}")
 
     # 3. snapshot → DVC
     snap = seal(ws.capture_dir(tid), ws.snapshots, tid)
     with console.status("dvc add + push snapshot"):
-        versioning.ensure_repo(root, str(ws.state / "dvc-remote"))
+        versioning.ensure_repo(root, str(ws.state / "dvc-remote"), machine_local=True)
         rev = versioning.track(root, snap.path)
         versioning.push(root, [snap.path.with_name(snap.path.name + ".dvc")])
     console.print(f"snapshot {snap.snapshot_id}: {snap.num_records} records, {snap.num_tokens} tokens, dvc rev {rev}")

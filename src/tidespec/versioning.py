@@ -80,12 +80,14 @@ def _git_toplevel(repo: Path) -> Path | None:
     return Path(p.stdout.strip()).resolve() if p.returncode == 0 else None
 
 
-def ensure_repo(repo: Path, remote_url: str, remote_name: str = "local") -> None:
+def ensure_repo(repo: Path, remote_url: str, remote_name: str = "local", machine_local: bool = False) -> None:
     """Make ``repo`` a git + DVC repo whose default remote ``remote_name`` is ``remote_url``.
 
     Idempotent. ``git init`` if not in a git work tree (and sets a local user.email/name when
     none is configured, so commits work); ``dvc init`` (``--subdir`` inside a bigger git repo);
-    analytics off, autostage on. Raises VersioningError.
+    analytics off, autostage on. ``machine_local``: the remote is a path on this machine, so it is
+    written to the git-ignored ``.dvc/config.local`` and nothing is auto-staged (used by the demo in
+    a user's checkout). Raises VersioningError.
     """
     repo = Path(repo).resolve()
     repo.mkdir(parents=True, exist_ok=True)
@@ -100,12 +102,16 @@ def ensure_repo(repo: Path, remote_url: str, remote_name: str = "local") -> None
         dvc(repo, "init", "-q", *([] if top == repo else ["--subdir"]))
     # each dvc call costs ~1 s of startup: read once, write only what differs
     have = dict(line.split("=", 1) for line in dvc(repo, "config", "-l", "--project").splitlines() if "=" in line)
-    want = {"core.analytics": "false", "core.autostage": "true", "core.check_update": "false"}
+    want = {"core.analytics": "false", "core.autostage": "false" if machine_local else "true",
+            "core.check_update": "false"}
     for key, val in want.items():
         if have.get(key) != val:
             dvc(repo, "config", key, val)
+    scope = ["--local"] if machine_local else []
+    if machine_local:
+        have = dict(line.split("=", 1) for line in dvc(repo, "config", "-l", "--local").splitlines() if "=" in line)
     if have.get(f"remote.{remote_name}.url") != remote_url or have.get("core.remote") != remote_name:
-        dvc(repo, "remote", "add", "-d", "-f", remote_name, remote_url)
+        dvc(repo, "remote", "add", *scope, "-d", "-f", remote_name, remote_url)
 
 
 def snapshot_rev(repo: Path, path: Path) -> str:

@@ -14,11 +14,14 @@ the same physical states as SGLang/vLLM's "input of layer" default `[2, L//2, L-
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ..assets import sha256_file
 
 
 @dataclass(frozen=True)
@@ -230,15 +233,6 @@ class Target:
         return self.lm_head(hidden.to(self.dtype)).float()
 
 
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
-
-
 def load_hf(path: str | Path, gguf_file: str | None = None):
     """Load `(model, tokenizer | None)` with transformers from a dir (+ optional GGUF file in it).
 
@@ -279,8 +273,8 @@ def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
-    cfg["tidespec_source"] = {"gguf_file": gguf_file, "sha256": file_sha256(Path(src_dir) / gguf_file)}
-    (tmp / "config.json").write_text(__import__("json").dumps(cfg, indent=2))
+    cfg["tidespec_source"] = {"gguf_file": gguf_file, "sha256": sha256_file(Path(src_dir) / gguf_file)}
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(tmp)
     tmp.replace(out)
     return out
@@ -290,15 +284,15 @@ def target_id_for(path: Path, gguf_file: str | None) -> str:
     """sha256 of the weights file (GGUF) or of config.json + safetensors files of an HF dir."""
     path = Path(path)
     if gguf_file:
-        return file_sha256(path / gguf_file)
+        return sha256_file(path / gguf_file)
     cfg = path / "config.json"
     if cfg.exists():  # a converted GGUF keeps the GGUF's identity
-        src = __import__("json").loads(cfg.read_text()).get("tidespec_source")
+        src = json.loads(cfg.read_text()).get("tidespec_source")
         if src:
             return src["sha256"]
     h = hashlib.sha256()
     for f in sorted(path.glob("config.json")) + sorted(path.glob("*.safetensors")):
-        h.update(file_sha256(f).encode())
+        h.update(sha256_file(f).encode())
     return h.hexdigest()
 
 
@@ -311,4 +305,4 @@ def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.floa
 
 
 __all__ = ["TargetConfig", "TargetOutput", "Target", "KVCache", "load_target", "load_hf",
-           "target_id_for", "file_sha256", "rms_norm", "apply_rope", "rope_tables", "convert_gguf", "PackedLinear"]
+           "target_id_for", "rms_norm", "apply_rope", "rope_tables", "convert_gguf", "PackedLinear"]
