@@ -27,7 +27,7 @@ def test_dvc_repro_reruns_cycle(tmp_path, tiny_target_dir, monkeypatch):
     assert "curate" in out and "evaluate" in out
     rep = json.loads((repo / "data" / "work" / "eval.json").read_text())
     assert rep["lossless"] is True and rep["num_prompts"] == 3
-    assert rep["candidate"]["acceptance_length"] >= 1.0 and rep["champion"] is not None
+    assert rep["candidate"]["num_drafts"] > 0 and rep["champion"] is not None
     assert (repo / "dvc.lock").exists() and (repo / "data" / "work" / "candidate" / "model.safetensors").exists()
     again = versioning.repro(repo)  # nothing changed: every stage is skipped
     assert "didn't change" in again or "up to date" in again, again

@@ -147,7 +147,7 @@ def test_warm_start_remaps_vocab(tiny_target, tmp_path):
     recs = _records(tiny_target, n=4)
     dp, tp = DraftParams(draft_vocab_size=64), TrainParams(epochs=1, ttt_steps=2, batch_tokens=256)
     m = train_draft(recs[:3], recs[3:], tiny_target, dp, tp, tmp_path / "a")
-    assert len(m["train/loss"]) == 1 and m["simulated_acceptance_length"] >= 1.0
+    assert len(m["train/loss"]) == 1 and m["train/loss"][0] > 0 and 0 <= m["val/acc_0"] <= 1
     a = load_checkpoint(tmp_path / "a", tiny_target.embed)
     shifted = Counter({i: 1000 - i for i in range(100, 300)})
     b = init_draft(tiny_target, dp, shifted, tmp_path / "a")
