@@ -38,6 +38,9 @@ def test_roundtrip_and_manifest(tmp_path):
     assert shards == sorted({r.shard for r in rows})
     assert oct(os.stat(tmp_path / "cap").st_mode & 0o777) == "0o700"
     assert w.written_total == 7 and w.dropped_total == 0 and w.bytes_total > 0
+    w.close()  # idempotent
+    assert not w.submit(recs[0], request_id="late", workload="code", acceptance_length=1.0)
+    assert w.dropped_total == 1 and len(read_manifest(tmp_path / "cap")) == 7
 
 
 def test_unlisted_and_torn_files_are_ignored(tmp_path):

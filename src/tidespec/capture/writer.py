@@ -44,6 +44,9 @@ class CaptureWriter:
     def submit(self, record: dict[str, torch.Tensor], *, request_id: str, workload: str,
                acceptance_length: float, prompt_id: str = "") -> bool:
         """Enqueue one finished request (tensors per store.FIELDS). Returns False if dropped."""
+        if not self._thread.is_alive():
+            self.dropped_total += 1
+            return False
         meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length),
                     prompt_id=prompt_id, ts=utc_now())
         try:
@@ -70,6 +73,9 @@ class CaptureWriter:
             raise RuntimeError(f"capture writer failed: {self.error}") from self.error
 
     def close(self) -> None:
+        """Flush and stop the writer thread; idempotent. Later `submit` calls are dropped and counted."""
+        if not self._thread.is_alive():
+            return
         self.flush()
         self.q.put(_STOP)
         self._thread.join(timeout=30)
