@@ -55,6 +55,21 @@ def make_tiny_target(path, seed: int = 0):
     return path
 
 
+def random_draft(target, vd: int = 64, counts=None, seed: int = 0):
+    """A randomly initialised EAGLE3 draft for `target`: embedding attached, vocab from `counts`."""
+    from collections import Counter
+
+    import torch
+
+    from tidespec.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab
+
+    torch.manual_seed(seed)
+    d = Eagle3Draft(Eagle3Config.for_target(target.cfg, target.aux_layers, vd, target_id=target.target_id))
+    d.set_embed(target.embed)
+    d.set_vocab(*build_vocab(counts or Counter(), vd, target.cfg.vocab_size))
+    return d
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("tiny-target"))
@@ -98,7 +113,7 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     from tidespec.config import load_params
     from tidespec.cycle import Workspace, get_target, write_eval_prompts
     from tidespec.engine.speculative import Engine
-    from tidespec.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab, save_checkpoint
+    from tidespec.models.eagle3 import save_checkpoint
 
     (root / "params.yaml").write_text(tiny_params_yaml(target_dir))
     params = load_params(root / "params.yaml")
@@ -116,8 +131,5 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     write_eval_prompts(ws.eval_prompts, [(f"h{i}", "code", torch.randint(3, 320, (6,), generator=g).tolist())
                                          for i in range(3)])
     if champion:
-        torch.manual_seed(1)
-        d = Eagle3Draft(Eagle3Config.for_target(target.cfg, target.aux_layers, 64, target_id=target.target_id))
-        d.set_vocab(*build_vocab(__import__("collections").Counter(), 64, target.cfg.vocab_size))
-        save_checkpoint(d, ws.champion)
+        save_checkpoint(random_draft(target, 64, seed=1), ws.champion)
     return ws, params, target

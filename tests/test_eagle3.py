@@ -7,20 +7,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import random_draft
 from tidespec.config import DraftParams, TrainParams
-from tidespec.models.eagle3 import (DraftRunner, Eagle3Config, Eagle3Draft, build_vocab, load_checkpoint,
-                                    save_checkpoint)
+from tidespec.models.eagle3 import DraftRunner, build_vocab, load_checkpoint, save_checkpoint
 from tidespec.train.trainer import batches, init_draft, prepare, train_draft, ttt_loss
 
 
 def _draft(tiny_target, vd=64, seed=0):
-    torch.manual_seed(seed)
-    cfg = Eagle3Config.for_target(tiny_target.cfg, tiny_target.aux_layers, vd, target_id=tiny_target.target_id)
-    d = Eagle3Draft(cfg)
-    d.set_embed(tiny_target.embed)
-    counts = Counter({i: 1000 - i for i in range(3, 200)})
-    d.set_vocab(*build_vocab(counts, vd, cfg.vocab_size))
-    return d
+    return random_draft(tiny_target, vd, Counter({i: 1000 - i for i in range(3, 200)}), seed)
 
 
 def _records(target, n=6, T=40, seed=0):

@@ -1,20 +1,15 @@
 """Engine: the lean target forward matches transformers; speculative greedy == target-only greedy."""
-from collections import Counter
-
 import pytest
 import torch
 
 from tidespec.engine.speculative import Engine
 from tidespec.engine.stats import SpecDecodingStats, simulated_acceptance_length
-from tidespec.models.eagle3 import DraftRunner, Eagle3Config, Eagle3Draft, build_vocab, load_checkpoint
+from conftest import random_draft
+from tidespec.models.eagle3 import DraftRunner, load_checkpoint
 
 
 def _random_runner(target, vd, seed=0):
-    torch.manual_seed(seed)
-    d = Eagle3Draft(Eagle3Config.for_target(target.cfg, target.aux_layers, vd, target_id=target.target_id))
-    d.set_embed(target.embed)
-    d.set_vocab(*build_vocab(Counter(), vd, target.cfg.vocab_size))
-    return DraftRunner(d)
+    return DraftRunner(random_draft(target, vd, seed=seed))
 
 
 def test_lean_forward_matches_transformers(tiny_target_dir, tiny_target):

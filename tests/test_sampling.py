@@ -1,13 +1,12 @@
 """Lossless rejection sampling: exact one-step probabilities, chi-square over 20k draws, end to end."""
-from collections import Counter
-
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from tidespec.engine.sampling import SamplingParams, first_token_prob, rejection_verify, warp
 from tidespec.engine.speculative import Engine
-from tidespec.models.eagle3 import DraftRunner, Eagle3Config, Eagle3Draft, build_vocab
+from conftest import random_draft
+from tidespec.models.eagle3 import DraftRunner
 
 
 def _dist(V, seed, sharp=2.0):
@@ -63,11 +62,7 @@ def test_end_to_end_first_speculative_token(tiny_target):
     for t1 in p1.nonzero().squeeze(-1).tolist():
         c.crop(3)
         marg += p1[t1] * warp(T.forward(torch.tensor([t1]), c, need_hidden=False).logits[0], sp)
-    torch.manual_seed(0)
-    d = Eagle3Draft(Eagle3Config.for_target(T.cfg, T.aux_layers, 64, target_id=T.target_id))
-    d.set_embed(T.embed)
-    d.set_vocab(*build_vocab(Counter({i: 1 for i in range(64)}), 64, T.cfg.vocab_size))
-    eng = Engine(T, DraftRunner(d), num_draft_tokens=2, max_seq_len=16)
+    eng = Engine(T, DraftRunner(random_draft(T, 64)), num_draft_tokens=2, max_seq_len=16)
     N = 2000
     counts = torch.zeros(T.cfg.vocab_size)
     for i in range(N):
@@ -81,12 +76,7 @@ def test_end_to_end_first_speculative_token(tiny_target):
 
 
 def test_seeded_sampling_is_reproducible_and_speculation_is_exercised(tiny_target):
-    torch.manual_seed(0)
-    T = tiny_target
-    d = Eagle3Draft(Eagle3Config.for_target(T.cfg, T.aux_layers, 64, target_id=T.target_id))
-    d.set_embed(T.embed)
-    d.set_vocab(*build_vocab(Counter(), 64, T.cfg.vocab_size))
-    eng = Engine(T, DraftRunner(d), num_draft_tokens=3, max_seq_len=128)
+    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), num_draft_tokens=3, max_seq_len=128)
     a = eng.generate([5, 6, 7], 32, sampling=SamplingParams(0.8, top_p=0.9, seed=7))
     b = eng.generate([5, 6, 7], 32, sampling=SamplingParams(0.8, top_p=0.9, seed=7))
     assert a.tokens == b.tokens and a.stats.num_drafts > 0
