@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from tidespec.engine.speculative import Engine
+from tidespec.engine.adaptive import AdaptiveK, Calibration, predicted_tau
+from tidespec.engine.sampling import SamplingParams
+from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats, simulated_acceptance_length
 from conftest import random_draft
 from tidespec.models.eagle3 import DraftRunner, load_checkpoint
@@ -51,9 +53,110 @@ def test_bad_input_is_refused_engine_keeps_serving(tiny_target):
         eng.generate(list(range(3, 63)), 8)
     with pytest.raises(ValueError, match="k"):
         eng.generate([5, 6], 8, k=0)
+    with pytest.raises(ValueError, match="token ids"):
+        eng.generate([5, 999], 8)
+    with pytest.raises(ValueError, match="temperature"):
+        eng.generate([5, 6], 8, sampling=SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="top_p"):
+        eng.generate([5, 6], 8, sampling=SamplingParams(temperature=1, top_p=0))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1, top_p=1.5)
+    with pytest.raises(ValueError, match="empty prompt"):  # a bad request in a batch: nothing runs
+        eng.generate_batch([Request([5, 6], 8), Request([], 8)])
     with pytest.raises(ValueError):
         Engine(tiny_target, None, num_draft_tokens=0)
-    assert len(eng.generate([5, 6, 7], 8).tokens) >= 1
+    assert eng.num_unfinished == 0
+    assert len(eng.generate([5, 6, 7], 8).tokens) == 8
+
+
+def _prompts(n, seed, lo=1, hi=20):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 320, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_batched_equals_alone(tiny_target):
+    """Mixed batch (speculative or not, k 1..4, capture, sampling, different lengths) == each alone."""
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=3, max_seq_len=128, max_batch=8)
+    reqs = [Request(p, 20 + 3 * i, speculative=i % 3 != 0, k=1 + i % 4, capture=i % 2 == 0,
+                    sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=i) if i == 5 else SamplingParams())
+            for i, p in enumerate(_prompts(7, 1))]
+    alone = [eng.generate_batch([r])[0] for r in reqs]
+    batch = eng.generate_batch(reqs)
+    for a, b, r in zip(alone, batch, reqs):
+        assert a.tokens == b.tokens and len(b.tokens) == r.max_new_tokens
+        if r.capture:
+            torch.testing.assert_close(a.record["aux_hidden_states"], b.record["aux_hidden_states"], atol=0, rtol=0)
+        assert a.stats.num_accepted_tokens == b.stats.num_accepted_tokens
+    assert sum(g.stats.num_drafts for g in batch) > 0
+
+
+def test_requests_join_and_leave_between_steps(tiny_target):
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=2, max_seq_len=128, max_batch=2)
+    ps = _prompts(4, 2)
+    ref = [eng.generate(p, 12 + 4 * i, speculative=False).tokens for i, p in enumerate(ps)]
+    futs = [eng.submit(Request(ps[0], 12)), eng.submit(Request(ps[1], 16))]
+    eng.step()
+    eng.step()
+    futs.append(eng.submit(Request(ps[2], 20)))  # waits: max_batch = 2
+    assert eng.num_unfinished == 3 and len(eng._running) == 2
+    finished = []
+    while not all(f.done() for f in futs):
+        finished += eng.step()
+        if len(futs) == 3 and futs[0].done():
+            futs.append(eng.submit(Request(ps[3], 24)))  # joins after the first left
+    assert [f.result().tokens for f in futs] == ref
+    assert {g.request_id for g in finished} == {f.result().request_id for f in futs}
+    assert eng.num_unfinished == 0
+
+
+def test_error_in_a_step_fails_its_requests_engine_keeps_serving(tiny_target, monkeypatch):
+    eng = Engine(tiny_target, None, 2, 64)
+    fut = eng.submit(Request([5, 6], 4))
+    monkeypatch.setattr(eng.target, "forward_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    eng.step()
+    with pytest.raises(RuntimeError, match="boom"):
+        fut.result()
+    monkeypatch.undo()
+    assert len(eng.generate([5, 6], 4).tokens) == 4
+
+
+def _cal(target_ms, draft_ms):
+    return Calibration(tuple(target_ms), draft_ms, "test", 128)
+
+
+def test_adaptive_k_cost_model_and_off_switch():
+    cal = _cal([100, 110, 120, 130, 140], 5)  # T_target(n) for n = 1..5, T_draft 5 ms
+    pol = AdaptiveK(cal, prior=0.9, alpha=1.0, probe_every=4)
+    assert predicted_tau([0.9, 0.9], 2) == pytest.approx(1 + 0.9 + 0.81)
+    tps = pol.predicted_tokens_per_s("code")
+    assert tps[0] == pytest.approx(10.0)
+    assert tps[4] == pytest.approx(1000 * predicted_tau([0.9] * 4, 4) / (140 + 20))
+    assert pol.choose("code") == 4
+    pol.observe("code", 4, 1)  # alpha 1: a = [1, 0, prior, prior]
+    assert pol.acceptance("code") == pytest.approx([1.0, 0.0, 0.9, 0.9])
+    assert pol.best_k("code") == 1  # τ(1) = 2 for 115 ms beats everything else
+    pol.observe("chat", 2, 0)  # a1 = 0: nothing beats plain decoding
+    ks = [pol.choose("chat") for _ in range(8)]
+    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]  # off, with a probe (best k >= 1) every 4th step of the class
+    assert pol.report()["chat"]["speculation"] is False and pol.report()["code"]["k"] == 1
+    pol.reset()
+    assert pol.acceptance("code") == [0.9] * 4
+
+
+def test_adaptive_engine_is_lossless_and_learns(tiny_target):
+    cal = _cal([100, 104, 108, 112, 116], 2)
+    pol = AdaptiveK(cal, prior=0.9, alpha=0.2, probe_every=8)
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=4, max_seq_len=256, adaptive=pol)
+    ps = _prompts(6, 3)
+    ref = [eng.generate(p, 40, speculative=False).tokens for p in ps]
+    gens = eng.generate_batch([Request(p, 40, workload="code") for p in ps])
+    assert [g.tokens for g in gens] == ref
+    # a random draft is almost never accepted: the policy learns to switch speculation off, but probes
+    rep = pol.report()["code"]
+    assert rep["k"] == 0 and rep["predicted_speedup"] == 1.0
+    assert pol.acceptance("code")[0] < 0.3
+    assert 0 < sum(g.stats.num_drafts for g in gens) < sum(len(g.tokens) for g in gens) / 2
 
 
 def test_draft_of_other_target_is_refused(tiny_target):
@@ -110,3 +213,10 @@ def test_lossless_on_real_target(real_target, tmp_path):
             total = total.merge(g.stats)
         if name == "trained":
             assert total.num_accepted_tokens > 0  # the accept path was exercised, not only rejections
+    # batched (all prompts in one batch) and adaptive k: still the target's greedy output
+    pol = AdaptiveK(Calibration((90.0, 100.0, 110.0, 120.0, 130.0), 5.0, "test", 128), prior=0.8, alpha=0.3)
+    eng = Engine(target, trained, num_draft_tokens=4, max_seq_len=512, adaptive=pol, max_batch=8)
+    gens = eng.generate_batch([Request(prompt_ids(tok, p), 64, workload="code" if "def" in p else "chat")
+                               for p in PROMPTS])
+    assert [g.tokens for g in gens] == [ref[p] for p in PROMPTS]
+    assert sum(g.stats.num_drafts for g in gens) > 0 and set(pol.report()) == {"code", "chat"}

@@ -14,6 +14,8 @@ services_app = typer.Typer(help="Start/stop the local Prefect and MLflow servers
 stage_app = typer.Typer(help="DVC stages (dvc.yaml): curate, train, evaluate.")
 app.add_typer(services_app, name="services")
 app.add_typer(stage_app, name="stage")
+bench_app = typer.Typer(help="Benchmarks; results to bench/results/*.json + a markdown table.")
+app.add_typer(bench_app, name="bench")
 console = Console()
 PARAMS = typer.Option(Path("params.yaml"), "--params", help="params.yaml")
 ROOT = typer.Option(Path("."), "--root", help="workspace root (data/ lives here)")
@@ -125,6 +127,39 @@ def _uri() -> str:
     return uri
 
 
+@bench_app.command("engine")
+def bench_engine(root: Path = ROOT, params: Path = PARAMS,
+                 static: Path = typer.Option(None, help="static draft dir (default: the cached bootstrap draft)"),
+                 adapted: Path = typer.Option(None, help="adapted draft dir (default: <root>/data/drafts/champion)"),
+                 prompts: int = typer.Option(8, min=1, help="prompts per workload"),
+                 max_new_tokens: int = typer.Option(128, min=1),
+                 threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
+                 prompt_lookup: int = typer.Option(10, min=1, help="HF prompt_lookup_num_tokens"),
+                 workload: list[str] = typer.Option(["code", "chat"], help="code and/or chat"),
+                 out: Path = typer.Option(Path("bench/results"))):
+    """tidespec vs HF generate and HF prompt lookup (code + chat), capture on/off, profile."""
+    from . import assets
+    from .bench import engine as bench
+    from .config import load_params
+    from .cycle import Workspace, get_target
+    from .demo import static_draft_dir
+    p = load_params(params)
+    target, _ = get_target(p)
+    static = static or static_draft_dir(p, target.target_id, assets.cache_dir())
+    adapted = adapted or Workspace(root.resolve()).champion
+    for name, d in (("static", static), ("adapted", adapted)):
+        if not (Path(d) / "model.safetensors").exists():
+            raise ValueError(f"{name} draft not found at {d}: run `make demo` first (it trains both), "
+                             f"or pass --{name} DIR")
+    bad = set(workload) - {"code", "chat"}
+    if bad:
+        raise ValueError(f"unknown workload(s) {sorted(bad)}; use code and/or chat")
+    res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
+                    progress=console.print)
+    console.print((out / "engine.md").read_text())
+    console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
+
+
 def main() -> None:
     """Console entry point: bad input (ValueError/FileNotFoundError) → one clear line, exit 2."""
     import sys
@@ -144,3 +179,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

@@ -48,12 +48,17 @@ def load_flow(root: Path):
     return mod.tide_cycle
 
 
+def static_draft_dir(params: Params, target_id: str, cache: Path) -> Path:
+    """Where the static draft for these params lives in the download cache (keyed by their hash)."""
+    key = hashlib.sha256(json.dumps([target_id, params.bootstrap.model_dump(), params.draft.model_dump(),
+                                     params.train.model_dump()], sort_keys=True).encode()).hexdigest()[:12]
+    return cache / "bootstrap" / f"static-{key}"
+
+
 def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
     """Train (or reuse) the static generic-chat draft; returns its checkpoint dir."""
     from .train.trainer import train_draft
-    key = hashlib.sha256(json.dumps([target.target_id, params.bootstrap.model_dump(), params.draft.model_dump(),
-                                     params.train.model_dump()], sort_keys=True).encode()).hexdigest()[:12]
-    out = cache / "bootstrap" / f"static-{key}"
+    out = static_draft_dir(params, target.target_id, cache)
     if (out / "model.safetensors").exists():
         console.print(f"static draft: reusing cached bootstrap {out}")
         return out

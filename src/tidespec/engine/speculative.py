@@ -1,4 +1,5 @@
-"""Chain speculative decoding with an EAGLE3 draft: one target forward verifies k drafted tokens.
+"""Chain speculative decoding with an EAGLE3 draft, batched: one target forward verifies k drafted
+tokens for every running request.
 
 Algorithm: Leviathan et al. 2023 (arXiv 2211.17192) §2: the draft proposes k tokens
 autoregressively (EAGLE-3 feeds its own hidden state forward, arXiv 2503.01840 §3); the target
@@ -6,18 +7,26 @@ scores [last token, d_1..d_k] in one forward. Greedy: the longest prefix where d
 target's argmax is accepted and the target's own token at the first mismatch is the bonus, so the
 output is the target's greedy output token for token (fp32: see models/target.py). Sampling:
 lossless rejection sampling (engine/sampling.py).
+
+Batching (vLLM v1 style continuous batching): requests join and leave between steps; a step runs
+one ragged target forward over every running request's new tokens (prefills included, no padding:
+`Target.forward_batch`), each request with its own k (fixed, or chosen per step by
+`adaptive.AdaptiveK`). Per-request output is identical to running it alone (greedy).
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from ..models.eagle3 import DraftRunner
-from ..models.target import Target
+from ..models.target import Segment, Target
+from .adaptive import AdaptiveK
 from .sampling import GREEDY, SamplingParams, rejection_verify, sample, warp
 from .stats import RequestTiming, SpecDecodingStats
 
@@ -60,23 +69,87 @@ class _Rows:
         self.hidden.append(out.hidden[:n])
 
 
-class Engine:
-    """Embedded single-sequence engine: target + optional EAGLE3 draft, hot-swappable.
 
-    `set_draft` swaps the draft atomically; a request keeps the draft it started with, so requests
-    in flight finish unchanged and the next request uses the new one.
+@dataclass(frozen=True)
+class Request:
+    """One generation request.
+
+    k: drafts per step; None = the engine's adaptive policy (or its fixed k when it has none).
+    workload: class label the adaptive policy keys its acceptance estimate on (e.g. "code", "chat").
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    speculative: bool = True
+    k: int | None = None
+    capture: bool = False
+    request_id: str | None = None
+    sampling: SamplingParams = GREEDY
+    workload: str = "default"
+
+
+class _Seq:
+    """Decode state of one running request."""
+
+    def __init__(self, req: Request, rid: str, draft, version, target: Target, max_len: int):
+        self.req, self.rid, self.draft, self.version = req, rid, draft, version
+        self.cache = target.new_cache(max_len)
+        self.dcache = draft.new_cache(max_len) if draft is not None else None
+        self.rng = None if req.sampling.greedy else req.sampling.generator()
+        self.gen: list[int] = []
+        self.nxt = -1
+        self.h = self.dl = None  # draft chain start: hidden [1, H], logits [Vd]
+        self.backlog: list[tuple[torch.Tensor, torch.Tensor]] = []  # (aux rows, next tokens) not yet fed to the draft
+        self.stats = SpecDecodingStats(0)
+        self.timing = RequestTiming()
+        self.rows = _Rows()
+        self.t_submit = time.perf_counter()
+        self.future: Future = Future()
+        self.k = 0  # drafts this step
+        self.drafts: list[int] = []
+        self.qs: list[torch.Tensor] = []  # draft probs per drafted token (sampling)
+        self.base = 0  # draft cache length before this step's chain
+        self.d: torch.Tensor | None = None  # last drafted token
+        self.finished = False
+
+    def emitted(self, new: list[int], eos: set[int]) -> None:
+        self.gen.extend(new)
+        self.nxt = new[-1]
+        self.finished = len(self.gen) >= self.req.max_new_tokens or any(t in eos for t in new)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        if self.rng is None:
+            return int(logits.argmax())
+        return sample(warp(logits, self.req.sampling), self.rng)
+
+
+class Engine:
+    """Embedded engine: target + optional EAGLE3 draft (hot-swappable), continuous batching.
+
+    `generate` runs one request; `generate_batch` / `submit` run many together, up to `max_batch`
+    per step (the rest wait). Any thread may drive the engine: `step()` is serialised, and every
+    caller waiting on a result steps all running requests. `set_draft` swaps the draft atomically;
+    a request keeps the draft it started with. `adaptive` (AdaptiveK) picks k per step and class.
     """
 
     def __init__(self, target: Target, draft: DraftRunner | None = None, num_draft_tokens: int = 4,
-                 max_seq_len: int = 1024, draft_version: str | None = None):
+                 max_seq_len: int = 1024, draft_version: str | None = None, max_batch: int = 8,
+                 adaptive: AdaptiveK | None = None):
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens (k) must be >= 1; use speculative=False to turn speculation off")
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
         self.target = target
         self.k = num_draft_tokens
         self.max_seq_len = max_seq_len
-        self._lock = threading.Lock()
+        self.max_batch = max_batch
+        self.adaptive = adaptive
+        self._lock = threading.Lock()  # draft swap + queues
+        self._step_lock = threading.Lock()  # one step at a time
         self._draft = draft
         self._draft_version = draft_version
+        self._waiting: list[_Seq] = []
+        self._running: list[_Seq] = []
         if draft is not None:
             self._check_draft(draft)
 
@@ -91,131 +164,219 @@ class Engine:
             raise ValueError(f"draft trained for target {c.target_id[:12]}, serving {self.target.target_id[:12]}")
 
     def set_draft(self, draft: DraftRunner | None, version: str | None = None) -> None:
-        """Swap the draft (None = no speculation). Raises ValueError for a draft of another target."""
+        """Swap the draft (None = no speculation). Raises ValueError for a draft of another target.
+        The adaptive policy's acceptance estimates restart from its prior (they described the old draft)."""
         if draft is not None:
             self._check_draft(draft)
         with self._lock:
             self._draft, self._draft_version = draft, version
+        if self.adaptive is not None:
+            self.adaptive.reset()
 
     @property
     def draft_version(self) -> str | None:
         return self._draft_version
 
-    @torch.inference_mode()
+    # -- admission ------------------------------------------------------------------------
+    def _k_max(self, req: Request) -> int:
+        if req.k is not None:
+            return req.k
+        return self.adaptive.k_max if self.adaptive is not None else self.k
+
+    def validate(self, req: Request) -> None:
+        """Raise ValueError naming the fix for a request the engine cannot run."""
+        if not req.prompt_ids:
+            raise ValueError("empty prompt: send at least one token")
+        if req.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if req.k is not None and req.k < 1:
+            raise ValueError("k (num_draft_tokens) must be >= 1; use speculative=False to turn speculation off")
+        V = self.target.cfg.vocab_size
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= V:
+            raise ValueError(f"prompt token ids must be in [0, {V})")
+        need = len(req.prompt_ids) + req.max_new_tokens + self._k_max(req) + 1
+        if need > self.max_seq_len:
+            raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) + k + 1 = "
+                             f"{need} exceeds max_seq_len {self.max_seq_len}; shorten the prompt or raise "
+                             "engine.max_seq_len")
+
+    def submit(self, req: Request) -> Future:
+        """Queue a request; returns a Future resolving to its Generation. Raises ValueError for bad input."""
+        self.validate(req)
+        with self._lock:
+            draft, version = (self._draft, self._draft_version) if req.speculative else (None, None)
+            seq = _Seq(req, req.request_id or uuid.uuid4().hex, draft, version, self.target, self.max_seq_len)
+            seq.stats = SpecDecodingStats(self._k_max(req) if draft is not None else 0)
+            self._waiting.append(seq)
+        return seq.future
+
+    def generate_batch(self, reqs: list[Request]) -> list[Generation]:
+        """Run requests together; returns their Generations in order. Validates all before running any."""
+        for r in reqs:
+            self.validate(r)
+        futs = [self.submit(r) for r in reqs]
+        for f in futs:
+            while not f.done():
+                self.step()
+        return [f.result() for f in futs]
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, speculative: bool = True,
                  k: int | None = None, capture: bool = False, request_id: str | None = None,
-                 sampling: SamplingParams = GREEDY) -> Generation:
+                 sampling: SamplingParams = GREEDY, workload: str = "default") -> Generation:
         """Generate up to `max_new_tokens` after `prompt_ids` (stops at EOS); greedy by default.
 
-        Raises ValueError for an empty prompt, k < 1, or prompt + max_new_tokens beyond
-        `max_seq_len` (the fix: shorten the prompt or raise engine.max_seq_len); bad sampling
-        values are refused when `SamplingParams` is built.
+        Raises ValueError for an empty prompt, k < 1, ids outside the vocab, or prompt +
+        max_new_tokens beyond `max_seq_len` (the fix: shorten the prompt or raise
+        engine.max_seq_len); bad sampling values are refused when `SamplingParams` is built.
         """
-        if not prompt_ids:
-            raise ValueError("empty prompt: send at least one token")
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        k = self.k if k is None else k
-        if k < 1:
-            raise ValueError("k (num_draft_tokens) must be >= 1")
-        need = len(prompt_ids) + max_new_tokens + k + 1
-        if need > self.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + k + 1 = {need} "
-                             f"exceeds max_seq_len {self.max_seq_len}; shorten the prompt or raise engine.max_seq_len")
-        with self._lock:
-            draft, version = (self._draft, self._draft_version) if speculative else (None, None)
-        rid = request_id or uuid.uuid4().hex
-        greedy = sampling.greedy
-        gen_rng = None if greedy else sampling.generator()
+        req = Request(list(prompt_ids), max_new_tokens, speculative, k, capture, request_id, sampling, workload)
+        return self.generate_batch([req])[0]
 
-        def pick(logits: torch.Tensor) -> int:
-            return int(logits.argmax()) if greedy else sample(warp(logits, sampling), gen_rng)
+    @property
+    def num_unfinished(self) -> int:
+        """Requests waiting or running."""
+        return len(self._running) + len(self._waiting)
 
-        eos = set(self.target.cfg.eos_token_ids)
-        stats = SpecDecodingStats(k if draft else 0)
-        timing = RequestTiming()
-        rows = _Rows()
-        tgt = self.target
-        cache = tgt.new_cache(self.max_seq_len)
-        prompt = torch.tensor(prompt_ids, dtype=torch.int64)
+    # -- one engine step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Generation]:
+        """Admit waiting requests, run one draft+verify step for all running ones, retire finished.
 
-        t0 = time.perf_counter()
-        out = tgt.forward(prompt, cache, need_hidden=capture or draft is not None)
-        nxt = pick(out.logits[-1])
-        if capture:
-            rows.add(out, len(prompt_ids))
-        gen = [nxt]
-        dcache = None
-        if draft is not None:
-            dcache = draft.new_cache(self.max_seq_len)
-            shifted = torch.cat([prompt[1:], torch.tensor([nxt])])
-            h, dl = draft.extend(out.aux, shifted, dcache)
-            h, dl = h[-1:], dl[-1]
-        timing.prefill_s = time.perf_counter() - t0
+        Returns the Generations finished in this step. An unexpected error fails the requests of
+        this step (their futures raise) and leaves the engine serving.
+        """
+        with self._step_lock:
+            with self._lock:
+                n_new = max(0, self.max_batch - len(self._running))
+                new, self._waiting = self._waiting[:n_new], self._waiting[n_new:]
+            running = self._running
+            t0 = time.perf_counter()
+            try:
+                self._plan(running)
+                self._draft_chain([s for s in running if s.k])
+                outs = self._verify(new, running)
+            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+                for s in new + running:
+                    s.future.set_exception(e)
+                self._running = []
+                return []
+            dt = time.perf_counter() - t0
+            for s, out in zip(new, outs[:len(new)]):
+                self._after_prefill(s, out, time.perf_counter() - s.t_submit)
+            for s, out in zip(running, outs[len(new):]):
+                self._after_verify(s, out, dt)
+            if self.adaptive is not None and len(running) == 1 and not new and running[0].req.k is None:
+                self.adaptive.observe_time(running[0].k, 1000 * dt)
+            done = [s for s in new + running if s.finished]
+            self._running = [s for s in new + running if s not in done]
+            return [self._finish(s) for s in done]
 
-        while len(gen) < max_new_tokens and nxt not in eos:
-            t1 = time.perf_counter()
-            if draft is None:
-                out = tgt.forward(torch.tensor([nxt]), cache, need_hidden=capture)
-                if capture:
-                    rows.add(out, 1)
-                nxt = pick(out.logits[0])
-                gen.append(nxt)
-                timing.steps.append((time.perf_counter() - t1, 1))
-                continue
-            # draft k tokens (chain)
-            base = dcache.length
-            drafts, qs = [], []
-            for j in range(k):
-                if greedy:
-                    d = draft.to_target_ids(dl.argmax().view(1))
-                else:
-                    q = draft.to_target_probs(warp(dl, sampling))
-                    d = torch.multinomial(q, 1, generator=gen_rng)
-                    qs.append(q)
-                drafts.append(int(d))
-                if j < k - 1:
-                    h, dl = draft.step(h, d, dcache)
-                    dl = dl[0]
-            # verify in one target forward
-            L = cache.length
-            out = tgt.forward(torch.tensor([nxt] + drafts), cache, need_hidden=True)
-            if greedy:
-                preds = out.logits.argmax(-1).tolist()
-                n = 0
-                while n < k and drafts[n] == preds[n]:
-                    n += 1
-                new = drafts[:n] + [preds[n]]
+    @functools.cached_property
+    def _eos(self) -> set[int]:
+        return set(self.target.cfg.eos_token_ids)
+
+    def _plan(self, running: list[_Seq]) -> None:
+        """Pick this step's k per request and feed pending target rows to drafts that will draft."""
+        for s in running:
+            if s.draft is None:
+                s.k = 0
+            elif s.req.k is not None:
+                s.k = s.req.k
+            elif self.adaptive is not None:
+                s.k = self.adaptive.choose(s.req.workload)
             else:
-                n, tok = rejection_verify(warp(out.logits, sampling), torch.stack(qs), drafts, gen_rng)
-                new = drafts[:n] + [tok]
-            cache.crop(L + n + 1)
-            if capture:
-                rows.add(out, n + 1)
-            stats.observe(k, n)
-            dcache.length = base
-            h, dl = draft.extend(out.aux[:n + 1], torch.tensor(new), dcache)
-            h, dl = h[-1:], dl[-1]
-            gen.extend(new)
-            nxt = new[-1]
-            timing.steps.append((time.perf_counter() - t1, len(new)))
-            if any(t in eos for t in new):
-                break
+                s.k = self.k
+        todo = [s for s in running if s.k and s.backlog]
+        for draft in {id(s.draft): s.draft for s in todo}.values():
+            group = [s for s in todo if s.draft is draft]
+            items = [(torch.cat([a for a, _ in s.backlog]), torch.cat([t for _, t in s.backlog]), s.dcache)
+                     for s in group]
+            for s, (h, dl) in zip(group, draft.extend_batch(items)):
+                s.h, s.dl, s.backlog = h, dl, []
 
-        # truncate at EOS / max_new_tokens: the accepted stream is the greedy stream, so this is exact
-        finish = "length"
+    def _draft_chain(self, seqs: list[_Seq]) -> None:
+        """Chain drafting: k tokens per request; draft forwards batched across requests per position."""
+        for s in seqs:
+            s.drafts, s.qs, s.base = [], [], s.dcache.length
+        for j in range(max((s.k for s in seqs), default=0)):
+            active = [s for s in seqs if s.k > j]
+            for s in active:
+                if s.rng is None:
+                    d = s.draft.to_target_ids(s.dl.argmax().view(1))
+                else:
+                    q = s.draft.to_target_probs(warp(s.dl, s.req.sampling))
+                    d = torch.multinomial(q, 1, generator=s.rng)
+                    s.qs.append(q)
+                s.drafts.append(int(d))
+                s.d = d
+            stepping = [s for s in active if s.k > j + 1]
+            for draft in {id(s.draft): s.draft for s in stepping}.values():
+                group = [s for s in stepping if s.draft is draft]
+                for s, (h, dl) in zip(group, draft.step_batch([(s.h, s.d.view(1), s.dcache) for s in group])):
+                    s.h, s.dl = h, dl
+
+    def _verify(self, new: list[_Seq], running: list[_Seq]):
+        segs = [Segment(torch.tensor(s.req.prompt_ids, dtype=torch.int64), s.cache, last_only=True) for s in new]
+        segs += [Segment(torch.tensor([s.nxt] + s.drafts[:s.k]), s.cache) for s in running]
+        if not segs:
+            return []
+        need_hidden = any(s.draft is not None or s.req.capture for s in new + running)
+        return self.target.forward_batch(segs, need_hidden=need_hidden)
+
+    def _after_prefill(self, s: _Seq, out, ttft_s: float) -> None:
+        prompt = torch.tensor(s.req.prompt_ids, dtype=torch.int64)
+        s.emitted([s.pick(out.logits[-1])], self._eos)
+        s.k = 0
+        if s.req.capture:
+            s.rows.add(out, len(prompt))
+        if s.draft is not None:
+            s.backlog.append((out.aux, torch.cat([prompt[1:], torch.tensor([s.nxt])])))
+        s.timing.prefill_s = ttft_s
+
+    def _after_verify(self, s: _Seq, out, dt: float) -> None:
+        k, L = s.k, s.cache.length - s.k - 1
+        if k == 0:
+            n, new = 0, [s.pick(out.logits[0])]
+        elif s.rng is None:
+            preds = out.logits.argmax(-1).tolist()
+            n = 0
+            while n < k and s.drafts[n] == preds[n]:
+                n += 1
+            new = s.drafts[:n] + [preds[n]]
+        else:
+            n, tok = rejection_verify(warp(out.logits, s.req.sampling), torch.stack(s.qs), s.drafts, s.rng)
+            new = s.drafts[:n] + [tok]
+        s.cache.crop(L + n + 1)
+        if s.req.capture:
+            s.rows.add(out, n + 1)
+        if k:
+            s.stats.observe(k, n)
+            s.dcache.length = s.base
+            if s.req.k is None and self.adaptive is not None:
+                self.adaptive.observe(s.req.workload, k, n)
+        if s.draft is not None:
+            s.backlog.append((out.aux[:n + 1], torch.tensor(new)))
+        s.emitted(new, self._eos)
+        s.timing.steps.append((dt, len(new)))
+
+    def _finish(self, s: _Seq) -> Generation:
+        # truncate at EOS / max_new_tokens: the accepted stream is the target's stream, so this is exact
+        gen, finish, eos = s.gen, "length", self._eos
         for i, t in enumerate(gen):
             if t in eos:
                 gen, finish = gen[:i + 1], "stop"
                 break
-        gen = gen[:max_new_tokens]
-        gen_result = Generation(rid, len(prompt_ids), gen, stats, timing, version, finish_reason=finish)
-        if capture:
-            T = len(prompt_ids) + len(gen) - 1
-            ids = torch.tensor(prompt_ids + gen[:-1], dtype=torch.int32)
+        gen = gen[:s.req.max_new_tokens]
+        res = Generation(s.rid, len(s.req.prompt_ids), gen, s.stats, s.timing, s.version, finish_reason=finish)
+        if s.req.capture:
+            p = list(s.req.prompt_ids)
+            T = len(p) + len(gen) - 1
             mask = torch.zeros(T, dtype=torch.uint8)
-            mask[len(prompt_ids):] = 1
-            gen_result.record = {"input_ids": ids, "loss_mask": mask,
-                                 "aux_hidden_states": torch.cat(rows.aux)[:T],
-                                 "hidden_states": torch.cat(rows.hidden)[:T]}
-        return gen_result
+            mask[len(p):] = 1
+            res.record = {"input_ids": torch.tensor(p + gen[:-1], dtype=torch.int32), "loss_mask": mask,
+                          "aux_hidden_states": torch.cat(s.rows.aux)[:T],
+                          "hidden_states": torch.cat(s.rows.hidden)[:T]}
+        s.cache = s.dcache = None  # free the KV memory now
+        s.backlog = []
+        s.future.set_result(res)
+        return res

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .target import PackedLinear, apply_rope, rope_tables
+from .target import PackedLinear, apply_rope, gqa_attention, rope_tables
 
 ARCH = "LlamaForCausalLMEagle3"
 
@@ -276,38 +276,69 @@ class DraftRunner:
         return DraftCache(self.config, max_len)
 
     @torch.inference_mode()
-    def _layer(self, tok: torch.Tensor, g: torch.Tensor, cache: DraftCache):
+    def _layer(self, toks: list[torch.Tensor], g: torch.Tensor, caches: list[DraftCache], last_only: bool):
+        """The draft layer over a ragged batch (flattened rows, per-sequence attention; see
+        `Target.forward_batch`). toks: `[n_i]` each; g: `[Σn_i, H]`. Returns per sequence
+        (pre-norm hidden `[n_i, H]`, logits `[n_i or 1, Vd]` fp32)."""
         c, d, L = self.config, self.draft, self.draft.midlayer
-        n, p = tok.shape[0], cache.length
-        emb = F.embedding(tok, d.embed)
+        ns, ps = [t.shape[0] for t in toks], [cc.length for cc in caches]
+        for cc, p, n in zip(caches, ps, ns):
+            if p + n > cc.max_len:
+                raise ValueError(f"draft cache overflow ({p + n} > {cc.max_len})")
+        N, hd = sum(ns), c.head_dim
+        emb = F.embedding(torch.cat(toks), d.embed)
         x = torch.cat([L.input_layernorm(emb), L.hidden_norm(g)], dim=-1)
         qkv = self.qkv_w(x)
-        pos = slice(p, p + n)
-        cos, sin = d.rope_cos[pos], d.rope_sin[pos]
-        q = apply_rope(qkv[:, :self.nq].view(n, -1, c.head_dim).transpose(0, 1), cos, sin)
-        k = apply_rope(qkv[:, self.nq:self.nq + self.nk].view(n, -1, c.head_dim).transpose(0, 1), cos, sin)
-        v = qkv[:, self.nq + self.nk:].view(n, -1, c.head_dim).transpose(0, 1)
-        cache.k[:, pos], cache.v[:, pos] = k, v
-        mask = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p) if n > 1 else None
-        a = F.scaled_dot_product_attention(q, cache.k[:, :p + n], cache.v[:, :p + n], attn_mask=mask,
-                                           enable_gqa=True)
-        cache.length = p + n
-        h = g + self.o(a.transpose(0, 1).reshape(n, self.nq))
+        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(ps, ns)])
+        cos, sin = d.rope_cos[pos][:, None], d.rope_sin[pos][:, None]
+        q = apply_rope(qkv[:, :self.nq].view(N, -1, hd), cos, sin)
+        k = apply_rope(qkv[:, self.nq:self.nq + self.nk].view(N, -1, hd), cos, sin)
+        v = qkv[:, self.nq + self.nk:].view(N, -1, hd)
+        outs, o = [], 0
+        for cc, p, n in zip(caches, ps, ns):
+            cc.k[:, p:p + n], cc.v[:, p:p + n] = k[o:o + n].transpose(0, 1), v[o:o + n].transpose(0, 1)
+            mask = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p) if n > 1 else None
+            a = gqa_attention(q[o:o + n].transpose(0, 1), cc.k[:, :p + n], cc.v[:, :p + n], mask)
+            outs.append(a.transpose(0, 1).reshape(n, self.nq))
+            cc.length = p + n
+            o += n
+        h = g + self.o(torch.cat(outs) if len(outs) > 1 else outs[0])
         gu = self.gate_up(L.post_attention_layernorm(h))
         gg, uu = gu.split(c.intermediate_size, dim=-1)
         h = h + self.down(F.silu(gg) * uu)
-        return h, self.lm_head(d.norm(h)).float()
+        ends = torch.tensor(ns).cumsum(0)
+        rows = (ends - 1) if last_only else torch.arange(N)
+        logits = self.lm_head(d.norm(h[rows])).float()
+        hs = h.split(ns)
+        ls = logits.split([1] * len(ns) if last_only else ns)
+        return list(zip(hs, ls))
 
     def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor, cache: DraftCache):
         """Rows with target features: aux `[n, 3Ht]`, next_tokens `[n]` (token after each row).
 
         Returns (pre-norm hidden `[n, H]`, draft logits `[n, Vd]` fp32).
         """
-        return self._layer(next_tokens, self.fc(aux.float()), cache)
+        return self._layer([next_tokens], self.fc(aux.float()), [cache], last_only=False)[0]
 
     def step(self, hidden: torch.Tensor, token: torch.Tensor, cache: DraftCache):
         """One chain step: hidden `[1, H]` (previous draft output), token `[1]` → (hidden, logits)."""
-        return self._layer(token, hidden, cache)
+        return self._layer([token], hidden, [cache], last_only=False)[0]
+
+    def extend_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, DraftCache]]):
+        """Batched `extend` over sequences `(aux [n_i, 3Ht], next_tokens [n_i], cache)`.
+
+        Returns per sequence (last pre-norm hidden `[1, H]`, last-row logits `[Vd]` fp32): the
+        chain's starting point (only the last row's prediction is drafted from).
+        """
+        g = self.fc(torch.cat([a for a, _, _ in items]).float())
+        out = self._layer([t for _, t, _ in items], g, [c for _, _, c in items], last_only=True)
+        return [(h[-1:], lg[0]) for h, lg in out]
+
+    def step_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, DraftCache]]):
+        """Batched `step` over sequences `(hidden [1, H], token [1], cache)` → [(hidden [1, H], logits [Vd])]."""
+        g = torch.cat([h for h, _, _ in items])
+        out = self._layer([t for _, t, _ in items], g, [c for _, _, c in items], last_only=True)
+        return [(h, lg[0]) for h, lg in out]
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids: `draft + d2t[draft]`."""

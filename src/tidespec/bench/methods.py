@@ -1,0 +1,153 @@
+"""What a benchmark worker process runs: one decoding method, one request at a time.
+
+Methods: HF transformers `generate` (greedy, no speculation), HF prompt-lookup decoding
+(`prompt_lookup_num_tokens`, Saxena 2023; transformers `generation/candidate_generator.py`),
+and the tidespec engine (no speculation, or an EAGLE3 draft at fixed or adaptive k, with capture
+optional). Each worker is its own process so its peak RSS is its own.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """name: row label; kind: "hf" | "tidespec"; prompt_lookup: HF PLD window (0 = off);
+    draft: checkpoint dir (None = no speculation); k: fixed k (None = adaptive); capture: on/off."""
+
+    name: str
+    kind: str
+    prompt_lookup: int = 0
+    draft: str | None = None
+    k: int | None = None
+    capture: bool = False
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class _TimingStreamer:
+    """HF streamer that timestamps every `put` (one per target forward; PLD puts several tokens)."""
+
+    def __init__(self):
+        self.t = [time.perf_counter()]
+        self.n: list[int] = []
+        self.first = True
+
+    def put(self, value):
+        if self.first:  # generate() first puts the prompt
+            self.first = False
+            return
+        self.t.append(time.perf_counter())
+        self.n.append(int(value.numel()))
+
+    def end(self):
+        pass
+
+
+class HFMethod:
+    def __init__(self, spec: MethodSpec, params):
+        from transformers import AutoModelForCausalLM
+
+        from ..cycle import target_dir
+        self.spec = spec
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir(params.target.source),
+                                                          dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], max_new: int, workload: str) -> dict:
+        st = _TimingStreamer()
+        kw = {"prompt_lookup_num_tokens": self.spec.prompt_lookup} if self.spec.prompt_lookup else {}
+        x = torch.tensor([ids])
+        out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                  streamer=st, pad_token_id=self.model.config.eos_token_id, **kw)
+        steps = [(b - a, n) for a, b, n in zip(st.t[1:], st.t[2:], st.n[1:])]
+        tokens = out[0, len(ids):].tolist()
+        return {"tokens": tokens, "ttft_s": st.t[1] - st.t[0], "steps": steps,
+                "forwards": len(st.n), "drafts": None}
+
+
+class TidespecMethod:
+    def __init__(self, spec: MethodSpec, params, capture_dir: Path | None = None):
+        from .. import assets
+        from ..cycle import get_target, runner_for
+        from ..engine.adaptive import AdaptiveK, load_or_calibrate
+        from ..engine.speculative import Engine
+        self.spec = spec
+        target, _ = get_target(params)
+        runner = runner_for(Path(spec.draft), target) if spec.draft else None
+        if spec.draft and runner is None:
+            raise FileNotFoundError(f"draft {spec.draft} not found")
+        adaptive = None
+        if runner is not None and spec.k is None:
+            cal = load_or_calibrate(target, runner, params.engine.num_draft_tokens, assets.cache_dir())
+            adaptive = AdaptiveK(cal)
+        self.engine = Engine(target, runner, spec.k or params.engine.num_draft_tokens, params.engine.max_seq_len,
+                             adaptive=adaptive)
+        self.writer = None
+        if spec.capture:
+            from ..capture.writer import CaptureWriter
+            self.writer = CaptureWriter(capture_dir, target.target_id, params.capture.queue_size,
+                                        params.capture.shard_max_records)
+
+    def run(self, ids: list[int], max_new: int, workload: str) -> dict:
+        g = self.engine.generate(ids, max_new, speculative=self.spec.draft is not None, k=self.spec.k,
+                                 capture=self.spec.capture, workload=workload)
+        if self.writer is not None:
+            self.writer.submit(g.record, request_id=g.request_id, workload=workload,
+                               acceptance_length=g.stats.acceptance_length)
+        s = g.stats
+        return {"tokens": g.tokens, "ttft_s": g.timing.prefill_s, "steps": g.timing.steps,
+                "forwards": 1 + len(g.timing.steps),
+                "drafts": {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                           "num_accepted_tokens": s.num_accepted_tokens,
+                           "num_accepted_tokens_per_pos": s.num_accepted_tokens_per_pos}}
+
+    def info(self) -> dict:
+        a = self.engine.adaptive
+        d = {"adaptive": a.report() if a else None,
+             "calibration_ms": {"target": list(a.cal.target_ms), "draft_step": a.cal.draft_ms} if a else None}
+        if self.writer is not None:
+            self.writer.close()
+            d["capture"] = {"written": self.writer.written_total, "dropped": self.writer.dropped_total,
+                            "bytes": self.writer.bytes_total}
+        return d
+
+    def profile(self, ids: list[int], max_new: int, workload: str) -> str:
+        """Op-level CPU profile of one request (torch.profiler), top ops by self time."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            self.run(ids, max_new, workload)
+        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=48)
+
+
+def worker(conn, spec: MethodSpec, params_dict: dict, threads: int, capture_dir: str | None) -> None:
+    """Process entry: build the method, then serve ("run" | "info" | "stop") messages."""
+    from ..config import Params
+    torch.set_num_threads(threads)
+    try:
+        params = Params.model_validate(params_dict)
+        m = HFMethod(spec, params) if spec.kind == "hf" else TidespecMethod(
+            spec, params, Path(capture_dir) if capture_dir else None)
+        conn.send(("ready", peak_rss_mb()))
+    except Exception as e:  # noqa: BLE001 - report to the coordinator
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        op, *args = conn.recv()
+        if op == "stop":
+            break
+        try:
+            if op == "run":
+                res = m.run(*args)
+            else:
+                res = m.info() if hasattr(m, "info") else {}
+            conn.send(("ok", res, peak_rss_mb()))
+        except Exception as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -1,0 +1,216 @@
+"""Adaptive num_draft_tokens (k) and the speculation off-switch, per workload class.
+
+Cost model (Leviathan et al. 2023, arXiv 2211.17192 §3.4, with measured costs instead of a
+constant ratio): one speculative step with k drafts emits τ(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j tokens
+on average, where a_j is the conditional acceptance at draft position j, and costs
+T_target(k+1) + k·T_draft (k-1 chain steps plus the draft's catch-up over the verified rows).
+k = 0 is plain decoding: 1 token per T_target(1). The policy picks argmax_k τ(k) / cost(k); k = 0
+wins (speculation off) when no k is predicted to beat plain decoding.
+
+a_j is an EMA per workload class over verify steps that reached position j; the step costs start
+from a calibration measured at start-up (cached per machine + target) and then follow an EMA of
+the measured single-request step times, so a noisy calibration or a loaded machine corrects itself.
+A class with
+speculation off still probes every `probe_every`-th step (with the best k ≥ 1), so a draft that
+improves (hot-swap) or a workload that turns structured is noticed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured costs (ms) on this machine: target_ms[n-1] = one target forward of n tokens
+    (n = 1..k_max+1, batch 1, at `context` cached tokens); draft_ms = one draft chain step."""
+
+    target_ms: tuple[float, ...]
+    draft_ms: float
+    key: str
+    context: int
+
+    @property
+    def k_max(self) -> int:
+        return len(self.target_ms) - 1
+
+    def step_ms(self, k: int) -> float:
+        """Predicted wall time (ms) of one decode step with k drafts (k = 0: no speculation)."""
+        return self.target_ms[k] + (k * self.draft_ms if k else 0.0)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibration_key(target, runner, k_max: int) -> str:
+    """Machine + target + draft shape + threads: a calibration is reused only where it was measured."""
+    d = runner.config if runner is not None else None
+    parts = [_cpu_model(), os.cpu_count(), torch.get_num_threads(), torch.__version__, target.target_id,
+             target.cfg.hidden_size, target.cfg.num_layers, str(target.dtype), k_max,
+             (d.hidden_size, d.intermediate_size, d.draft_vocab_size) if d else None]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(1000 * (time.perf_counter() - t))
+    return statistics.median(ts)
+
+
+@torch.inference_mode()
+def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 5) -> Calibration:
+    """Time target forwards of 1..k_max+1 tokens and one draft step (medians of `reps`)."""
+    g = torch.Generator().manual_seed(0)
+    V = target.cfg.vocab_size
+    cache = target.new_cache(context + k_max + 2)
+    target.forward(torch.randint(0, V, (context,), generator=g), cache, need_hidden=False)
+
+    def tgt(n):
+        ids = torch.randint(0, V, (n,), generator=g)
+
+        def f():
+            cache.length = context
+            target.forward(ids, cache, need_hidden=True)
+        return f
+
+    tms = tuple(_median_ms(tgt(n), reps) for n in range(1, k_max + 2))
+    dms = 0.0
+    if runner is not None:
+        dc = runner.new_cache(context + 2)
+        aux = torch.randn(context, 3 * target.cfg.hidden_size, generator=g)
+        runner.extend(aux, torch.randint(0, V, (context,), generator=g), dc)
+        h = torch.randn(1, runner.config.hidden_size, generator=g)
+        tok = torch.tensor([1])
+
+        def dstep():
+            dc.length = context
+            runner.step_batch([(h, tok, dc)])
+        dms = _median_ms(dstep, reps * 4)
+    return Calibration(tms, dms, calibration_key(target, runner, k_max), context)
+
+
+def load_or_calibrate(target, runner, k_max: int, cache_dir: Path | None) -> Calibration:
+    """Calibration cached as JSON under `cache_dir/calibration/<key>.json` (measured once per machine)."""
+    key = calibration_key(target, runner, k_max)
+    path = Path(cache_dir) / "calibration" / f"{key}.json" if cache_dir else None
+    if path is not None and path.exists():
+        d = json.loads(path.read_text())
+        return Calibration(tuple(d["target_ms"]), d["draft_ms"], d["key"], d["context"])
+    cal = calibrate(target, runner, k_max)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(cal), indent=2))
+        tmp.replace(path)
+    return cal
+
+
+def predicted_tau(acc: list[float], k: int) -> float:
+    """τ(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j from conditional per-position acceptance `acc`."""
+    tau, run = 1.0, 1.0
+    for a in acc[:k]:
+        run *= a
+        tau += run
+    return tau
+
+
+class AdaptiveK:
+    """Chooses k per workload class from an EMA of conditional per-position acceptance.
+
+    prior: initial a_j for an unseen class (optimistic, so a new class tries speculation);
+    alpha: EMA weight of one observation; probe_every: with speculation off, every n-th step
+    of the class runs the best k ≥ 1 to keep the estimate fresh. Thread-safe.
+    """
+
+    def __init__(self, calibration: Calibration, prior: float = 0.6, alpha: float = 0.05,
+                 probe_every: int = 32):
+        if not 0 <= prior <= 1 or not 0 < alpha <= 1 or probe_every < 1:
+            raise ValueError("AdaptiveK needs 0 <= prior <= 1, 0 < alpha <= 1, probe_every >= 1")
+        self.cal = calibration
+        self.k_max = calibration.k_max
+        self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
+        self._acc: dict[str, list[float]] = {}
+        self._steps: dict[str, int] = {}
+        self._ms = [calibration.step_ms(k) for k in range(self.k_max + 1)]  # EMA of measured step ms
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Forget all estimates (e.g. after a draft hot-swap)."""
+        with self._lock:
+            self._acc.clear()
+            self._steps.clear()
+
+    def acceptance(self, workload: str) -> list[float]:
+        with self._lock:
+            return list(self._acc.get(workload, [self.prior] * self.k_max))
+
+    def predicted_tokens_per_s(self, workload: str) -> list[float]:
+        """Predicted tokens/s for k = 0..k_max."""
+        acc = self.acceptance(workload)
+        ms = self.step_ms()
+        return [1000 * predicted_tau(acc, k) / ms[k] for k in range(self.k_max + 1)]
+
+    def step_ms(self) -> list[float]:
+        """Current cost estimate (ms) of one step with k = 0..k_max drafts."""
+        with self._lock:
+            return list(self._ms)
+
+    def observe_time(self, k: int, ms: float, alpha: float = 0.1) -> None:
+        """A measured single-request step with k drafts took `ms` (batched steps are not comparable)."""
+        if 0 <= k <= self.k_max and ms > 0:
+            with self._lock:
+                self._ms[k] += alpha * (ms - self._ms[k])
+
+    def best_k(self, workload: str) -> int:
+        tps = self.predicted_tokens_per_s(workload)
+        return max(range(len(tps)), key=tps.__getitem__)
+
+    def choose(self, workload: str) -> int:
+        """k for the next step of a request of this class (0 = plain decoding)."""
+        tps = self.predicted_tokens_per_s(workload)
+        k = max(range(len(tps)), key=tps.__getitem__)
+        with self._lock:
+            n = self._steps[workload] = self._steps.get(workload, 0) + 1
+        if k == 0 and n % self.probe_every == 0:
+            k = max(range(1, len(tps)), key=tps.__getitem__)
+        return k
+
+    def observe(self, workload: str, k: int, accepted: int) -> None:
+        """One verify step: k drafts, the first `accepted` accepted. Updates positions 1..min(accepted+1, k)."""
+        if k < 1:
+            return
+        with self._lock:
+            acc = self._acc.setdefault(workload, [self.prior] * self.k_max)
+            for j in range(min(accepted + 1, k, self.k_max)):
+                acc[j] += self.alpha * (float(j < accepted) - acc[j])
+
+    def report(self) -> dict[str, dict]:
+        """Per class: chosen k, predicted speed-up over plain decoding, conditional acceptance."""
+        out = {}
+        for w in list(self._acc):
+            tps = self.predicted_tokens_per_s(w)
+            k = max(range(len(tps)), key=tps.__getitem__)
+            out[w] = {"k": k, "speculation": k > 0, "predicted_speedup": tps[k] / tps[0],
+                      "step_ms": [round(x, 2) for x in self.step_ms()],
+                      "conditional_acceptance": [round(a, 4) for a in self.acceptance(w)]}
+        return out

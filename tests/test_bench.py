@@ -1,0 +1,60 @@
+"""Benchmark bookkeeping (pure functions) and the cached start-up calibration."""
+import json
+
+import pytest
+
+from conftest import random_draft
+from tidespec.bench.engine import markdown, ratios, summarize
+from tidespec.engine.adaptive import load_or_calibrate
+from tidespec.models.eagle3 import DraftRunner
+
+
+def _r(pid, tokens, ttft, steps, drafts=None):
+    return {"id": pid, "tokens": tokens, "ttft_s": ttft, "steps": steps, "forwards": 1 + len(steps), "drafts": drafts}
+
+
+def test_summarize_counts_tokens_tau_itl_and_matches():
+    ref = {"a": [1, 2, 3, 4], "b": [5, 6]}
+    rows = [_r("a", [1, 2, 3, 4], 0.5, [(0.2, 2), (0.1, 1)],
+               {"num_drafts": 2, "num_draft_tokens": 8, "num_accepted_tokens": 1, "num_accepted_tokens_per_pos": [1, 0, 0, 0]}),
+            _r("b", [5, 7], 0.5, [(0.1, 1)],
+               {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [0, 0, 0, 0]})]
+    s = summarize(rows, ref)
+    assert s["tokens"] == 6 and s["wall_s"] == pytest.approx(1.4)
+    assert s["tokens_per_s"] == pytest.approx(6 / 1.4)
+    assert s["tau"] == pytest.approx(6 / 5)  # 5 target forwards (2 prefills + 3 steps)
+    assert s["itl_ms_p50"] == pytest.approx(100.0)  # samples 100, 100, 100, 100
+    assert s["identical_to_target_only"] == 0.5
+    assert s["acceptance_length"] == pytest.approx(1.5) and s["acceptance_rate"] == pytest.approx(1 / 8)
+    assert s["accepted_per_pos"] == [0.5, 0, 0, 0]
+    assert s["spec_steps_fraction"] == pytest.approx(2 / 3)
+
+
+def test_ratios_and_markdown():
+    def row(tps, itl):
+        return {"tokens_per_s": tps, "itl_ms_p50": itl, "itl_ms_p99": itl, "tau": 1.0, "ttft_ms_p50": 1.0,
+                "peak_rss_mb": 1.0, "identical_to_target_only": 1.0}
+    rows = {"tidespec_no_spec": {"code": row(10, 100)}, "tidespec_adapted_adaptive": {"code": row(15, 66)},
+            "tidespec_adapted_adaptive_capture": {"code": row(14.7, 67.32)}, "hf_prompt_lookup_10": {"code": row(12, 80)},
+            "hf_generate": {"code": row(8, 120)}}
+    r = ratios(rows, 4, 10)
+    assert r["code: tidespec_adapted_adaptive / no_spec"] == pytest.approx(1.5)
+    assert r["code: tidespec_adapted_adaptive / hf_prompt_lookup"] == pytest.approx(1.25)
+    assert r["code: tidespec_no_spec / hf_generate"] == pytest.approx(1.25)
+    assert r["code: capture ITL p50 overhead %"] == pytest.approx(2.0)
+    md = markdown({"date": "d", "machine": {"cpu": "c", "cores": 2, "threads": 2, "torch": "t"},
+                   "setup": {"dtype": "float32", "prompts_per_workload": 1, "max_new_tokens": 8, "k": 4,
+                             "prompt_lookup_num_tokens": 10}, "results": rows, "ratios": r, "info": {}})
+    assert "| tidespec_adapted_adaptive | 15.00 |" in md and "code: tidespec_adapted_adaptive / no_spec: 1.500" in md
+
+
+def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path):
+    runner = DraftRunner(random_draft(tiny_target, 64))
+    cal = load_or_calibrate(tiny_target, runner, 3, tmp_path)
+    assert len(cal.target_ms) == 4 and all(t > 0 for t in cal.target_ms) and cal.draft_ms > 0
+    (f,) = (tmp_path / "calibration").glob("*.json")
+    d = json.loads(f.read_text())
+    d["draft_ms"] = 123.0  # the cached file is what is used next time
+    f.write_text(json.dumps(d))
+    assert load_or_calibrate(tiny_target, runner, 3, tmp_path).draft_ms == 123.0
+    assert load_or_calibrate(tiny_target, runner, 2, tmp_path).key != cal.key  # another k_max: measured anew
