@@ -89,6 +89,10 @@ def test_batched_equals_alone(tiny_target):
             torch.testing.assert_close(a.record["aux_hidden_states"], b.record["aux_hidden_states"], atol=0, rtol=0)
         assert a.stats.num_accepted_tokens == b.stats.num_accepted_tokens
     assert sum(g.stats.num_drafts for g in batch) > 0
+    tot = eng.stats.summary()  # engine aggregates: the 7 alone + the 7 batched
+    assert tot["num_requests"] == 14 and tot["num_generated_tokens"] == 2 * sum(len(g.tokens) for g in batch)
+    assert tot["num_drafts"] == 2 * sum(g.stats.num_drafts for g in batch)
+    assert tot["per_workload"]["default"]["num_accepted_tokens"] == 2 * sum(g.stats.num_accepted_tokens for g in batch)
 
 
 def test_requests_join_and_leave_between_steps(tiny_target):
@@ -108,6 +112,17 @@ def test_requests_join_and_leave_between_steps(tiny_target):
     assert [f.result().tokens for f in futs] == ref
     assert {g.request_id for g in finished} == {f.result().request_id for f in futs}
     assert eng.num_unfinished == 0
+
+
+def test_threads_calling_generate_share_steps(tiny_target):
+    """Four client threads at once: every caller steps all running requests; outputs as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=3, max_seq_len=128, max_batch=4)
+    ps = _prompts(4, 4)
+    ref = [eng.generate(p, 24).tokens for p in ps]
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda p: eng.generate(p, 24).tokens, ps))
+    assert got == ref and eng.num_unfinished == 0
 
 
 def test_error_in_a_step_fails_its_requests_engine_keeps_serving(tiny_target, monkeypatch):
@@ -142,6 +157,11 @@ def test_adaptive_k_cost_model_and_off_switch():
     assert pol.report()["chat"]["speculation"] is False and pol.report()["code"]["k"] == 1
     pol.reset()
     assert pol.acceptance("code") == [0.9] * 4
+    # measured step times replace the calibration; unmeasured k scale by the observed load
+    pol.observe_time(0, 200.0, alpha=1.0)  # plain decoding measured 2x slower than calibrated
+    assert pol.step_ms() == pytest.approx([200, 230, 260, 290, 320])
+    pol.observe_time(2, 130.0, alpha=1.0)  # k = 2 measured at 130 ms: load = 130 / 130 = 1
+    assert pol.step_ms() == pytest.approx([200, 115, 130, 145, 160])
 
 
 def test_adaptive_engine_is_lossless_and_learns(tiny_target):

@@ -25,9 +25,13 @@ class TargetParams(_Strict):
 
 
 class EngineParams(_Strict):
-    num_draft_tokens: int = Field(4, ge=1, le=16)  # k
+    num_draft_tokens: int = Field(4, ge=1, le=16)  # k (fixed), or the largest k adaptive may pick
     max_seq_len: int = Field(1024, ge=16)
     max_new_tokens: int = Field(96, ge=1)
+    max_batch: int = Field(8, ge=1)  # running requests per step (continuous batching)
+    adaptive: bool = True  # serving: pick k per workload class, switch speculation off where it loses
+    adaptive_prior: float = Field(0.6, ge=0, le=1)  # starting per-position acceptance of a new class
+    adaptive_probe_every: int = Field(32, ge=1)  # with speculation off, probe every n-th step
 
 
 class DraftParams(_Strict):

@@ -94,6 +94,21 @@ def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
     return DraftRunner(load_checkpoint(Path(path), target.embed, target.target_id))
 
 
+def make_engine(params: Params, target: Target, runner: DraftRunner | None = None, version: str | None = None,
+                adaptive: bool | None = None) -> Engine:
+    """The serving engine as params.yaml says (`engine.*`). Adaptive k calibrates once per machine
+    (cached under the download cache) when there is a draft; evaluation passes adaptive=False to
+    measure τ at a fixed k."""
+    from .assets import cache_dir
+    from .engine.adaptive import AdaptiveK, load_or_calibrate
+    e = params.engine
+    pol = None
+    if (e.adaptive if adaptive is None else adaptive) and runner is not None:
+        cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir())
+        pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every)
+    return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, version, max_batch=e.max_batch, adaptive=pol)
+
+
 # -- curate -----------------------------------------------------------------------------------
 def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
     """Curate the newest snapshots into `ws.curated`; previous index (if any) gives the drift."""

@@ -25,13 +25,14 @@ from .methods import MethodSpec, worker
 def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lookup: int) -> list[MethodSpec]:
     m = [MethodSpec("hf_generate", "hf"),
          MethodSpec(f"hf_prompt_lookup_{prompt_lookup}", "hf", prompt_lookup=prompt_lookup),
-         MethodSpec("tidespec_no_spec", "tidespec")]
+         MethodSpec("tidespec_no_spec", "tidespec"),
+         MethodSpec("tidespec_no_spec_capture", "tidespec", capture=True)]
     if static is not None:
         m.append(MethodSpec("tidespec_static_adaptive", "tidespec", draft=str(static)))
     if adapted is not None:
         m += [MethodSpec(f"tidespec_adapted_k{k}", "tidespec", draft=str(adapted), k=k),
-              MethodSpec("tidespec_adapted_adaptive", "tidespec", draft=str(adapted)),
-              MethodSpec("tidespec_adapted_adaptive_capture", "tidespec", draft=str(adapted), capture=True)]
+              MethodSpec(f"tidespec_adapted_k{k}_capture", "tidespec", draft=str(adapted), k=k, capture=True),
+              MethodSpec("tidespec_adapted_adaptive", "tidespec", draft=str(adapted))]
     return m
 
 
@@ -190,10 +191,11 @@ def ratios(rows: dict, k: int, pl: int) -> dict:
                 tps("tidespec_adapted_adaptive", w) / tps(f"hf_prompt_lookup_{pl}", w))
         if tps("hf_generate", w) and base:
             r[f"{w}: tidespec_no_spec / hf_generate"] = base / tps("hf_generate", w)
-        a, c = rows.get("tidespec_adapted_adaptive", {}).get(w), rows.get("tidespec_adapted_adaptive_capture", {}).get(w)
-        if a and c:
-            r[f"{w}: capture ITL p50 overhead %"] = 100 * (c["itl_ms_p50"] / a["itl_ms_p50"] - 1)
-            r[f"{w}: capture tokens/s overhead %"] = 100 * (1 - c["tokens_per_s"] / a["tokens_per_s"])
+        for base_m in ("tidespec_no_spec", f"tidespec_adapted_k{k}"):
+            a, c = rows.get(base_m, {}).get(w), rows.get(f"{base_m}_capture", {}).get(w)
+            if a and c:
+                r[f"{w}: capture ITL p50 overhead % ({base_m})"] = 100 * (c["itl_ms_p50"] / a["itl_ms_p50"] - 1)
+                r[f"{w}: capture tokens/s overhead % ({base_m})"] = 100 * (1 - c["tokens_per_s"] / a["tokens_per_s"])
     return r
 
 

@@ -75,21 +75,15 @@ class HFMethod:
 
 class TidespecMethod:
     def __init__(self, spec: MethodSpec, params, capture_dir: Path | None = None):
-        from .. import assets
-        from ..cycle import get_target, runner_for
-        from ..engine.adaptive import AdaptiveK, load_or_calibrate
-        from ..engine.speculative import Engine
+        from ..cycle import get_target, make_engine, runner_for
         self.spec = spec
         target, _ = get_target(params)
         runner = runner_for(Path(spec.draft), target) if spec.draft else None
         if spec.draft and runner is None:
             raise FileNotFoundError(f"draft {spec.draft} not found")
-        adaptive = None
-        if runner is not None and spec.k is None:
-            cal = load_or_calibrate(target, runner, params.engine.num_draft_tokens, assets.cache_dir())
-            adaptive = AdaptiveK(cal)
-        self.engine = Engine(target, runner, spec.k or params.engine.num_draft_tokens, params.engine.max_seq_len,
-                             adaptive=adaptive)
+        eng = params.engine.model_copy(update={"num_draft_tokens": spec.k or params.engine.num_draft_tokens})
+        self.engine = make_engine(params.model_copy(update={"engine": eng}), target, runner,
+                                  adaptive=runner is not None and spec.k is None)
         self.writer = None
         if spec.capture:
             from ..capture.writer import CaptureWriter

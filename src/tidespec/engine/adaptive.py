@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -67,19 +66,20 @@ def calibration_key(target, runner, k_max: int) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def _median_ms(fn, reps: int) -> float:
+def _min_ms(fn, reps: int) -> float:
+    """Fastest of `reps` runs (ms): on a shared machine the minimum is the least disturbed."""
     fn()  # warm-up
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         ts.append(1000 * (time.perf_counter() - t))
-    return statistics.median(ts)
+    return min(ts)
 
 
 @torch.inference_mode()
 def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 5) -> Calibration:
-    """Time target forwards of 1..k_max+1 tokens and one draft step (medians of `reps`)."""
+    """Time target forwards of 1..k_max+1 tokens and one draft step (fastest of `reps`)."""
     g = torch.Generator().manual_seed(0)
     V = target.cfg.vocab_size
     cache = target.new_cache(context + k_max + 2)
@@ -93,7 +93,7 @@ def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 5) -> 
             target.forward(ids, cache, need_hidden=True)
         return f
 
-    tms = tuple(_median_ms(tgt(n), reps) for n in range(1, k_max + 2))
+    tms = tuple(_min_ms(tgt(n), reps) for n in range(1, k_max + 2))
     dms = 0.0
     if runner is not None:
         dc = runner.new_cache(context + 2)
@@ -105,7 +105,7 @@ def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 5) -> 
         def dstep():
             dc.length = context
             runner.step_batch([(h, tok, dc)])
-        dms = _median_ms(dstep, reps * 4)
+        dms = _min_ms(dstep, reps * 4)
     return Calibration(tms, dms, calibration_key(target, runner, k_max), context)
 
 
@@ -151,14 +151,16 @@ class AdaptiveK:
         self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
         self._acc: dict[str, list[float]] = {}
         self._steps: dict[str, int] = {}
-        self._ms = [calibration.step_ms(k) for k in range(self.k_max + 1)]  # EMA of measured step ms
+        self._ms: dict[int, float] = {}  # EMA of measured single-request step ms, per k
+        self._load = 1.0  # EMA of measured / calibrated, scales the k not measured yet
         self._lock = threading.Lock()
 
     def reset(self) -> None:
-        """Forget all estimates (e.g. after a draft hot-swap)."""
+        """Forget acceptance and measured step times (after a draft hot-swap); keep the load factor."""
         with self._lock:
             self._acc.clear()
             self._steps.clear()
+            self._ms.clear()
 
     def acceptance(self, workload: str) -> list[float]:
         with self._lock:
@@ -173,13 +175,17 @@ class AdaptiveK:
     def step_ms(self) -> list[float]:
         """Current cost estimate (ms) of one step with k = 0..k_max drafts."""
         with self._lock:
-            return list(self._ms)
+            return [self._ms.get(k, self.cal.step_ms(k) * self._load) for k in range(self.k_max + 1)]
 
     def observe_time(self, k: int, ms: float, alpha: float = 0.1) -> None:
-        """A measured single-request step with k drafts took `ms` (batched steps are not comparable)."""
+        """A measured single-request step with k drafts took `ms` (batched steps are not comparable).
+
+        Updates that k's EMA and the machine-load factor applied to the k not measured yet."""
         if 0 <= k <= self.k_max and ms > 0:
             with self._lock:
-                self._ms[k] += alpha * (ms - self._ms[k])
+                prev = self._ms.get(k, self.cal.step_ms(k) * self._load)
+                self._ms[k] = prev + alpha * (ms - prev)
+                self._load += alpha * (ms / self.cal.step_ms(k) - self._load)
 
     def best_k(self, workload: str) -> int:
         tps = self.predicted_tokens_per_s(workload)

@@ -28,7 +28,7 @@ from ..models.eagle3 import DraftRunner
 from ..models.target import Segment, Target
 from .adaptive import AdaptiveK
 from .sampling import GREEDY, SamplingParams, rejection_verify, sample, warp
-from .stats import RequestTiming, SpecDecodingStats
+from .stats import EngineStats, RequestTiming, SpecDecodingStats
 
 
 @dataclass
@@ -67,7 +67,6 @@ class _Rows:
     def add(self, out, n: int):
         self.aux.append(out.aux[:n])
         self.hidden.append(out.hidden[:n])
-
 
 
 @dataclass(frozen=True)
@@ -150,6 +149,8 @@ class Engine:
         self._draft_version = draft_version
         self._waiting: list[_Seq] = []
         self._running: list[_Seq] = []
+        self.stats = EngineStats()  # aggregates over finished requests (read under `stats_lock`)
+        self.stats_lock = threading.Lock()
         if draft is not None:
             self._check_draft(draft)
 
@@ -255,16 +256,16 @@ class Engine:
                 self._plan(running)
                 self._draft_chain([s for s in running if s.k])
                 outs = self._verify(new, running)
+                dt = time.perf_counter() - t0
+                for s, out in zip(new, outs[:len(new)]):
+                    self._after_prefill(s, out, time.perf_counter() - s.t_submit)
+                for s, out in zip(running, outs[len(new):]):
+                    self._after_verify(s, out, dt)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
                 for s in new + running:
                     s.future.set_exception(e)
                 self._running = []
                 return []
-            dt = time.perf_counter() - t0
-            for s, out in zip(new, outs[:len(new)]):
-                self._after_prefill(s, out, time.perf_counter() - s.t_submit)
-            for s, out in zip(running, outs[len(new):]):
-                self._after_verify(s, out, dt)
             if self.adaptive is not None and len(running) == 1 and not new and running[0].req.k is None:
                 self.adaptive.observe_time(running[0].k, 1000 * dt)
             done = [s for s in new + running if s.finished]
@@ -376,6 +377,8 @@ class Engine:
             res.record = {"input_ids": torch.tensor(p + gen[:-1], dtype=torch.int32), "loss_mask": mask,
                           "aux_hidden_states": torch.cat(s.rows.aux)[:T],
                           "hidden_states": torch.cat(s.rows.hidden)[:T]}
+        with self.stats_lock:
+            self.stats.add(s.req.workload, s.stats, s.timing, len(gen))
         s.cache = s.dcache = None  # free the KV memory now
         s.backlog = []
         s.future.set_result(res)

@@ -82,6 +82,32 @@ class RequestTiming:
         return [1000 * s / n for s, n in self.steps for _ in range(n) if n]
 
 
+@dataclass
+class EngineStats:
+    """Engine-wide aggregates since start: spec-decode counters overall and per workload class,
+    finished requests, generated tokens, and the last `itl_window` inter-token latencies (ms)."""
+
+    spec: SpecDecodingStats = field(default_factory=lambda: SpecDecodingStats(0))
+    per_workload: dict[str, SpecDecodingStats] = field(default_factory=dict)
+    num_requests: int = 0
+    num_generated_tokens: int = 0
+    itl_ms: list[float] = field(default_factory=list)
+    itl_window: int = 10_000
+
+    def add(self, workload: str, stats: SpecDecodingStats, timing: RequestTiming, tokens: int) -> None:
+        self.spec = self.spec.merge(stats)
+        self.per_workload[workload] = self.per_workload.get(workload, SpecDecodingStats(0)).merge(stats)
+        self.num_requests += 1
+        self.num_generated_tokens += tokens
+        self.itl_ms = (self.itl_ms + timing.itl_ms())[-self.itl_window:]
+
+    def summary(self) -> dict:
+        d = {"num_requests": self.num_requests, "num_generated_tokens": self.num_generated_tokens,
+             **self.spec.metrics(), **itl_percentiles(self.itl_ms)}
+        d["per_workload"] = {w: s.metrics() for w, s in self.per_workload.items()}
+        return d
+
+
 def itl_percentiles(samples: list[float]) -> dict[str, float]:
     if not samples:
         return {"itl_ms_p50": float("nan"), "itl_ms_p99": float("nan")}
