@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install assets demo test services-up services-down clean
+.PHONY: install assets demo test bench services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 $(STAMP): pyproject.toml constraints.txt
@@ -25,6 +25,9 @@ demo: assets               ## services up, static draft, serve+capture, snapshot
 
 test: assets               ## full suite; starts Prefect/MLflow servers on 127.0.0.1 itself
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+bench: assets              ## engine benchmark vs HF generate / prompt lookup (needs the drafts `make demo` trains)
+	$(VENV)/bin/tidespec bench engine
 
 services-up: install
 	$(VENV)/bin/tidespec services up

@@ -59,3 +59,5 @@ def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path):
     f.write_text(json.dumps(d))
     assert load_or_calibrate(tiny_target, runner, 3, tmp_path).draft_ms == 123.0
     assert load_or_calibrate(tiny_target, runner, 2, tmp_path).key != cal.key  # another k_max: measured anew
+    f.write_text("{not json")  # a corrupt cache file is measured again, not an error
+    assert load_or_calibrate(tiny_target, runner, 3, tmp_path).draft_ms != 123.0

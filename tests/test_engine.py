@@ -63,8 +63,22 @@ def test_bad_input_is_refused_engine_keeps_serving(tiny_target):
         SamplingParams(temperature=1, top_p=1.5)
     with pytest.raises(ValueError, match="empty prompt"):  # a bad request in a batch: nothing runs
         eng.generate_batch([Request([5, 6], 8), Request([], 8)])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate([5, 6], 2.5)
+    with pytest.raises(ValueError, match="k"):
+        eng.generate([5, 6], 4, k=2.5)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(temperature=1, seed=2**70)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(temperature=1, top_k=2.5)
     with pytest.raises(ValueError):
         Engine(tiny_target, None, num_draft_tokens=0)
+    with pytest.raises(ValueError, match="context"):
+        Engine(tiny_target, None, 3, max_seq_len=tiny_target.cfg.max_position + 1)
+    assert len(eng.generate(list(range(3, 57)), 8, speculative=False, k=100).tokens) == 8  # k unused without a draft
+    # a temperature too small for the softmax counts as greedy (vLLM's 1e-5), instead of NaN probabilities
+    assert eng.generate([5, 6, 7], 8, sampling=SamplingParams(temperature=1e-45)).tokens == \
+        eng.generate([5, 6, 7], 8).tokens
     assert eng.num_unfinished == 0
     assert len(eng.generate([5, 6, 7], 8).tokens) == 8
 
@@ -125,6 +139,45 @@ def test_threads_calling_generate_share_steps(tiny_target):
     assert got == ref and eng.num_unfinished == 0
 
 
+def test_one_requests_error_does_not_fail_its_batch_mates(tiny_target, monkeypatch):
+    import tidespec.engine.speculative as spec
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=2, max_seq_len=64)
+    ref = eng.generate([5, 6, 7], 10).tokens
+    monkeypatch.setattr(spec, "rejection_verify", lambda *a: (_ for _ in ()).throw(RuntimeError("sampler bug")))
+    bad = eng.submit(Request([8, 9], 10, sampling=SamplingParams(temperature=1.0, seed=0)))
+    good = eng.submit(Request([5, 6, 7], 10))
+    while not (bad.done() and good.done()):
+        eng.step()
+    with pytest.raises(RuntimeError, match="sampler bug"):
+        bad.result()
+    assert good.result().tokens == ref
+
+
+def test_cancelled_request_is_dropped_and_callbacks_may_reenter(tiny_target):
+    import threading
+    eng = Engine(tiny_target, None, 2, 64)
+    ref = eng.generate([5, 6], 6).tokens
+    a, b = eng.submit(Request([5, 6], 6)), eng.submit(Request([5, 6], 6))
+    assert a.cancel()
+    seen = []
+    b.add_done_callback(lambda f: seen.append(eng.generate([5, 6], 6).tokens))  # runs inside step()
+    t = threading.Thread(target=lambda: [eng.step() for _ in range(12)], daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "step() deadlocked on a re-entrant done-callback"
+    assert b.result().tokens == ref and seen == [ref] and a.cancelled() and eng.num_unfinished == 0
+
+
+def test_seeded_sampling_is_reproducible_with_adaptive_k(tiny_target):
+    pol = AdaptiveK(_cal([100, 104, 108], 2), prior=0.9, alpha=0.5)
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=2, max_seq_len=128, adaptive=pol)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
+    first = eng.generate([5, 6, 7], 30, sampling=sp).tokens
+    for _ in range(3):  # the policy's state moves between runs; a seeded request keeps the engine's k
+        eng.generate([9, 10], 30)
+        assert eng.generate([5, 6, 7], 30, sampling=sp).tokens == first
+
+
 def test_error_in_a_step_fails_its_requests_engine_keeps_serving(tiny_target, monkeypatch):
     eng = Engine(tiny_target, None, 2, 64)
     fut = eng.submit(Request([5, 6], 4))
@@ -157,6 +210,11 @@ def test_adaptive_k_cost_model_and_off_switch():
     assert pol.report()["chat"]["speculation"] is False and pol.report()["code"]["k"] == 1
     pol.reset()
     assert pol.acceptance("code") == [0.9] * 4
+    for bad in ([100], [100, 0], [100, float("nan")]):  # k_max 0, zero or non-finite costs
+        with pytest.raises(ValueError, match="calibration"):
+            _cal(bad, 5)
+    pol.observe_time(1, float("inf"))  # ignored
+    assert all(x == x and x < 1e9 for x in pol.step_ms())
     # measured step times replace the calibration; unmeasured k scale by the observed load
     pol.observe_time(0, 200.0, alpha=1.0)  # plain decoding measured 2x slower than calibrated
     assert pol.step_ms() == pytest.approx([200, 230, 260, 290, 320])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import threading
@@ -37,6 +38,13 @@ class Calibration:
     draft_ms: float
     key: str
     context: int
+
+    def __post_init__(self):
+        ms = [*self.target_ms, self.draft_ms]
+        if len(self.target_ms) < 2 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in ms) \
+                or min(self.target_ms) <= 0 or self.draft_ms < 0:
+            raise ValueError("calibration needs target_ms for 1..k_max+1 tokens (k_max >= 1), all finite and > 0, "
+                             "and draft_ms >= 0; delete the cached file to measure again")
 
     @property
     def k_max(self) -> int:
@@ -79,7 +87,10 @@ def _min_ms(fn, reps: int) -> float:
 
 @torch.inference_mode()
 def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 5) -> Calibration:
-    """Time target forwards of 1..k_max+1 tokens and one draft step (fastest of `reps`)."""
+    """Time target forwards of 1..k_max+1 tokens and one draft step (fastest of `reps`).
+    Raises ValueError for k_max < 1."""
+    if k_max < 1:
+        raise ValueError(f"k_max must be >= 1, got {k_max}")
     g = torch.Generator().manual_seed(0)
     V = target.cfg.vocab_size
     cache = target.new_cache(context + k_max + 2)
@@ -114,8 +125,11 @@ def load_or_calibrate(target, runner, k_max: int, cache_dir: Path | None) -> Cal
     key = calibration_key(target, runner, k_max)
     path = Path(cache_dir) / "calibration" / f"{key}.json" if cache_dir else None
     if path is not None and path.exists():
-        d = json.loads(path.read_text())
-        return Calibration(tuple(d["target_ms"]), d["draft_ms"], d["key"], d["context"])
+        try:
+            d = json.loads(path.read_text())
+            return Calibration(tuple(d["target_ms"]), d["draft_ms"], d["key"], d["context"])
+        except (ValueError, KeyError, TypeError):  # corrupt or foreign file: measure again
+            path.unlink(missing_ok=True)
     cal = calibrate(target, runner, k_max)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +195,7 @@ class AdaptiveK:
         """A measured single-request step with k drafts took `ms` (batched steps are not comparable).
 
         Updates that k's EMA and the machine-load factor applied to the k not measured yet."""
-        if 0 <= k <= self.k_max and ms > 0:
+        if 0 <= k <= self.k_max and math.isfinite(ms) and ms > 0:
             with self._lock:
                 prev = self._ms.get(k, self.cal.step_ms(k) * self._load)
                 self._ms[k] = prev + alpha * (ms - prev)

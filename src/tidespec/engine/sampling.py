@@ -8,6 +8,7 @@ p and q are the *warped* distributions (temperature, top-k, top-p applied to bot
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy. top_k 0 = off. seed None = nondeterministic."""
+    """temperature 0 = greedy (below 1e-5 counts as 0, as in vLLM: smaller values overflow the
+    softmax). top_k 0 = off. seed None = nondeterministic. Bad values raise ValueError."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -23,16 +25,19 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        num = (int, float)
+        if not isinstance(self.temperature, num) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, num) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < 1e-5
 
     def generator(self) -> torch.Generator:
         g = torch.Generator()

@@ -110,6 +110,7 @@ class _Seq:
         self.base = 0  # draft cache length before this step's chain
         self.d: torch.Tensor | None = None  # last drafted token
         self.finished = False
+        self.error: BaseException | None = None
 
     def emitted(self, new: list[int], eos: set[int]) -> None:
         self.gen.extend(new)
@@ -138,6 +139,9 @@ class Engine:
             raise ValueError("num_draft_tokens (k) must be >= 1; use speculative=False to turn speculation off")
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if max_seq_len > target.cfg.max_position:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the target's context {target.cfg.max_position}; "
+                             "lower engine.max_seq_len")
         self.target = target
         self.k = num_draft_tokens
         self.max_seq_len = max_seq_len
@@ -179,25 +183,39 @@ class Engine:
         return self._draft_version
 
     # -- admission ------------------------------------------------------------------------
+    def _adaptive_for(self, req: Request) -> bool:
+        """Adaptive k for this request? Not with a fixed k, and not for seeded sampling (the random
+        stream a seed fixes depends on k, so a seeded request keeps the engine's k: reproducible)."""
+        return self.adaptive is not None and req.k is None and (req.sampling.greedy or req.sampling.seed is None)
+
     def _k_max(self, req: Request) -> int:
         if req.k is not None:
             return req.k
-        return self.adaptive.k_max if self.adaptive is not None else self.k
+        return self.adaptive.k_max if self._adaptive_for(req) else self.k
 
     def validate(self, req: Request) -> None:
         """Raise ValueError naming the fix for a request the engine cannot run."""
-        if not req.prompt_ids:
-            raise ValueError("empty prompt: send at least one token")
-        if req.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if req.k is not None and req.k < 1:
-            raise ValueError("k (num_draft_tokens) must be >= 1; use speculative=False to turn speculation off")
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not isinstance(req.prompt_ids, (list, tuple)) or not req.prompt_ids:
+            raise ValueError("empty prompt: send at least one token id")
         V = self.target.cfg.vocab_size
-        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= V:
-            raise ValueError(f"prompt token ids must be in [0, {V})")
-        need = len(req.prompt_ids) + req.max_new_tokens + self._k_max(req) + 1
+        if not all(is_int(t) and 0 <= t < V for t in req.prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {V})")
+        if not is_int(req.max_new_tokens) or req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
+        if req.k is not None and (not is_int(req.k) or req.k < 1):
+            raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {req.k!r}; "
+                             "use speculative=False to turn speculation off")
+        if not isinstance(req.sampling, SamplingParams):
+            raise ValueError("sampling must be a SamplingParams")
+        if not isinstance(req.workload, str):
+            raise ValueError(f"workload must be a string label, got {type(req.workload).__name__}")
+        k = self._k_max(req) if req.speculative else 0
+        need = len(req.prompt_ids) + req.max_new_tokens + k + 1
         if need > self.max_seq_len:
-            raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) + k + 1 = "
+            raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) + k ({k}) + 1 = "
                              f"{need} exceeds max_seq_len {self.max_seq_len}; shorten the prompt or raise "
                              "engine.max_seq_len")
 
@@ -243,34 +261,53 @@ class Engine:
     def step(self) -> list[Generation]:
         """Admit waiting requests, run one draft+verify step for all running ones, retire finished.
 
-        Returns the Generations finished in this step. An unexpected error fails the requests of
-        this step (their futures raise) and leaves the engine serving.
+        Returns the Generations finished in this step. An error in the shared forward fails this
+        step's requests; an error in one request's own bookkeeping fails only that request; the
+        engine keeps serving. Futures are resolved after the step lock is released, so a
+        done-callback may call back into the engine. A request cancelled before it starts is dropped.
         """
+        results: list[tuple[_Seq, Generation | BaseException]] = []
         with self._step_lock:
             with self._lock:
                 n_new = max(0, self.max_batch - len(self._running))
                 new, self._waiting = self._waiting[:n_new], self._waiting[n_new:]
+            new = [s for s in new if s.future.set_running_or_notify_cancel()]
             running = self._running
             t0 = time.perf_counter()
             try:
                 self._plan(running)
                 self._draft_chain([s for s in running if s.k])
                 outs = self._verify(new, running)
-                dt = time.perf_counter() - t0
-                for s, out in zip(new, outs[:len(new)]):
-                    self._after_prefill(s, out, time.perf_counter() - s.t_submit)
-                for s, out in zip(running, outs[len(new):]):
-                    self._after_verify(s, out, dt)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-                for s in new + running:
-                    s.future.set_exception(e)
+                results = [(s, e) for s in new + running]
                 self._running = []
-                return []
-            if self.adaptive is not None and len(running) == 1 and not new and running[0].req.k is None:
-                self.adaptive.observe_time(running[0].k, 1000 * dt)
-            done = [s for s in new + running if s.finished]
-            self._running = [s for s in new + running if s not in done]
-            return [self._finish(s) for s in done]
+            else:
+                dt = time.perf_counter() - t0
+                for i, (s, out) in enumerate(zip(new + running, outs)):
+                    try:
+                        if i < len(new):
+                            self._after_prefill(s, out, time.perf_counter() - s.t_submit)
+                        else:
+                            self._after_verify(s, out, dt)
+                    except Exception as e:  # noqa: BLE001 - this request only
+                        s.error = e
+                if len(running) == 1 and not new and self._adaptive_for(running[0].req) and running[0].error is None:
+                    self.adaptive.observe_time(running[0].k, 1000 * dt)
+                done = [s for s in new + running if s.finished or s.error is not None]
+                self._running = [s for s in new + running if not (s.finished or s.error is not None)]
+                for s in done:
+                    try:
+                        results.append((s, s.error if s.error is not None else self._finish(s)))
+                    except Exception as e:  # noqa: BLE001
+                        results.append((s, e))
+        for s, r in results:  # outside the lock
+            s.cache = s.dcache = None  # free the KV memory now
+            s.backlog = []
+            if isinstance(r, BaseException):
+                s.future.set_exception(r)
+            else:
+                s.future.set_result(r)
+        return [r for _, r in results if not isinstance(r, BaseException)]
 
     @functools.cached_property
     def _eos(self) -> set[int]:
@@ -283,7 +320,7 @@ class Engine:
                 s.k = 0
             elif s.req.k is not None:
                 s.k = s.req.k
-            elif self.adaptive is not None:
+            elif self._adaptive_for(s.req):
                 s.k = self.adaptive.choose(s.req.workload)
             else:
                 s.k = self.k
@@ -353,7 +390,7 @@ class Engine:
         if k:
             s.stats.observe(k, n)
             s.dcache.length = s.base
-            if s.req.k is None and self.adaptive is not None:
+            if self._adaptive_for(s.req):
                 self.adaptive.observe(s.req.workload, k, n)
         if s.draft is not None:
             s.backlog.append((out.aux[:n + 1], torch.tensor(new)))
@@ -379,7 +416,4 @@ class Engine:
                           "hidden_states": torch.cat(s.rows.hidden)[:T]}
         with self.stats_lock:
             self.stats.add(s.req.workload, s.stats, s.timing, len(gen))
-        s.cache = s.dcache = None  # free the KV memory now
-        s.backlog = []
-        s.future.set_result(res)
         return res
