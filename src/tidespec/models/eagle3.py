@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .target import PackedLinear, apply_rope, gqa_attention, rope_tables
+from .target import PackedLinear, apply_rope, causal_bias, gqa_attention, rope_tables
 
 ARCH = "LlamaForCausalLMEagle3"
 
@@ -103,6 +103,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.dtype == torch.float32:  # fused kernel, same values
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -297,7 +299,7 @@ class DraftRunner:
         outs, o = [], 0
         for cc, p, n in zip(caches, ps, ns):
             cc.k[:, p:p + n], cc.v[:, p:p + n] = k[o:o + n].transpose(0, 1), v[o:o + n].transpose(0, 1)
-            mask = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p) if n > 1 else None
+            mask = causal_bias(n, p, c.num_attention_heads // c.num_key_value_heads)
             a = gqa_attention(q[o:o + n].transpose(0, 1), cc.k[:, :p + n], cc.v[:, :p + n], mask)
             outs.append(a.transpose(0, 1).reshape(n, self.nq))
             cc.length = p + n
