@@ -53,6 +53,7 @@ def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path):
     runner = DraftRunner(random_draft(tiny_target, 64))
     cal = load_or_calibrate(tiny_target, runner, 3, tmp_path)
     assert len(cal.target_ms) == 4 and all(t > 0 for t in cal.target_ms) and cal.draft_ms > 0
+    assert list(cal.target_ms) == sorted(cal.target_ms)  # a longer verify is never predicted cheaper
     (f,) = (tmp_path / "calibration").glob("*.json")
     d = json.loads(f.read_text())
     d["draft_ms"] = 123.0  # the cached file is what is used next time

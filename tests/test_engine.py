@@ -210,6 +210,12 @@ def test_adaptive_k_cost_model_and_off_switch():
     assert pol.report()["chat"]["speculation"] is False and pol.report()["code"]["k"] == 1
     pol.reset()
     assert pol.acceptance("code") == [0.9] * 4
+    slow = AdaptiveK(cal, prior=0.9, alpha=0.05)
+    for n in (1, 0, 0, 0):  # the first 1/alpha observations are averaged: the prior is forgotten at once
+        slow.observe("x", 1, n)
+    assert slow.acceptance("x")[0] == pytest.approx(0.25)
+    pol.observe_time(0, 1e6)  # a load spike at most doubles the estimate
+    assert pol.step_ms()[0] <= 2 * 100 * 1.0001
     for bad in ([100], [100, 0], [100, float("nan")]):  # k_max 0, zero or non-finite costs
         with pytest.raises(ValueError, match="calibration"):
             _cal(bad, 5)

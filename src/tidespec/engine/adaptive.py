@@ -7,7 +7,8 @@ T_target(k+1) + k·T_draft (k-1 chain steps plus the draft's catch-up over the v
 k = 0 is plain decoding: 1 token per T_target(1). The policy picks argmax_k τ(k) / cost(k); k = 0
 wins (speculation off) when no k is predicted to beat plain decoding.
 
-a_j is an EMA per workload class over verify steps that reached position j; the step costs start
+a_j is a running mean, then (after 1/alpha observations) an EMA, per workload class over verify
+steps that reached position j; the step costs start
 from a calibration measured at start-up (cached per machine + target) and then follow an EMA of
 the measured single-request step times, so a noisy calibration or a loaded machine corrects itself.
 A class with
@@ -65,10 +66,19 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _code_hash() -> str:
+    """The forward code's identity: a calibration measured before a kernel change is not reused."""
+    from ..models import eagle3, target
+    h = hashlib.sha256()
+    for mod in (target, eagle3):
+        h.update(Path(mod.__file__).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def calibration_key(target, runner, k_max: int) -> str:
-    """Machine + target + draft shape + threads: a calibration is reused only where it was measured."""
+    """Machine + code + target + draft shape + threads: a calibration is reused only where it was measured."""
     d = runner.config if runner is not None else None
-    parts = [_cpu_model(), os.cpu_count(), torch.get_num_threads(), torch.__version__, target.target_id,
+    parts = [_cpu_model(), os.cpu_count(), torch.get_num_threads(), torch.__version__, _code_hash(), target.target_id,
              target.cfg.hidden_size, target.cfg.num_layers, str(target.dtype), k_max,
              (d.hidden_size, d.intermediate_size, d.draft_vocab_size) if d else None]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
@@ -86,7 +96,7 @@ def _min_ms(fn, reps: int) -> float:
 
 
 @torch.inference_mode()
-def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 5) -> Calibration:
+def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 7) -> Calibration:
     """Time target forwards of 1..k_max+1 tokens and one draft step (fastest of `reps`).
     Raises ValueError for k_max < 1."""
     if k_max < 1:
@@ -104,7 +114,11 @@ def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 5) -> 
             target.forward(ids, cache, need_hidden=True)
         return f
 
-    tms = tuple(_min_ms(tgt(n), reps) for n in range(1, k_max + 2))
+    fns = [tgt(n) for n in range(1, k_max + 2)]
+    best = [_min_ms(f, 1) for f in fns]
+    for _ in range(reps):  # round-robin, so a burst of load hits every size, not one
+        best = [min(b, _min_ms(f, 1)) for b, f in zip(best, fns)]
+    tms = tuple(max(best[:i + 1]) for i in range(len(best)))  # a longer verify is never cheaper
     dms = 0.0
     if runner is not None:
         dc = runner.new_cache(context + 2)
@@ -152,8 +166,9 @@ class AdaptiveK:
     """Chooses k per workload class from an EMA of conditional per-position acceptance.
 
     prior: initial a_j for an unseen class (optimistic, so a new class tries speculation);
-    alpha: EMA weight of one observation; probe_every: with speculation off, every n-th step
-    of the class runs the best k ≥ 1 to keep the estimate fresh. Thread-safe.
+    alpha: EMA weight of one observation (the first 1/alpha observations are averaged);
+    probe_every: with speculation off, every n-th step of the class runs the best k ≥ 1 to keep
+    the estimate fresh. Thread-safe.
     """
 
     def __init__(self, calibration: Calibration, prior: float = 0.6, alpha: float = 0.05,
@@ -164,6 +179,7 @@ class AdaptiveK:
         self.k_max = calibration.k_max
         self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
         self._acc: dict[str, list[float]] = {}
+        self._obs: dict[str, list[int]] = {}  # observations per position (running mean until 1/alpha)
         self._steps: dict[str, int] = {}
         self._ms: dict[int, float] = {}  # EMA of measured single-request step ms, per k
         self._load = 1.0  # EMA of measured / calibrated, scales the k not measured yet
@@ -173,6 +189,7 @@ class AdaptiveK:
         """Forget acceptance and measured step times (after a draft hot-swap); keep the load factor."""
         with self._lock:
             self._acc.clear()
+            self._obs.clear()
             self._steps.clear()
             self._ms.clear()
 
@@ -198,6 +215,7 @@ class AdaptiveK:
         if 0 <= k <= self.k_max and math.isfinite(ms) and ms > 0:
             with self._lock:
                 prev = self._ms.get(k, self.cal.step_ms(k) * self._load)
+                ms = min(max(ms, 0.5 * prev), 2.0 * prev)  # a load spike moves the estimate, not replaces it
                 self._ms[k] = prev + alpha * (ms - prev)
                 self._load += alpha * (ms / self.cal.step_ms(k) - self._load)
 
@@ -221,8 +239,10 @@ class AdaptiveK:
             return
         with self._lock:
             acc = self._acc.setdefault(workload, [self.prior] * self.k_max)
+            obs = self._obs.setdefault(workload, [0] * self.k_max)
             for j in range(min(accepted + 1, k, self.k_max)):
-                acc[j] += self.alpha * (float(j < accepted) - acc[j])
+                obs[j] += 1
+                acc[j] += max(self.alpha, 1.0 / obs[j]) * (float(j < accepted) - acc[j])
 
     def report(self) -> dict[str, dict]:
         """Per class: chosen k, predicted speed-up over plain decoding, conditional acceptance."""
