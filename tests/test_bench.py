@@ -62,3 +62,17 @@ def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path):
     assert load_or_calibrate(tiny_target, runner, 2, tmp_path).key != cal.key  # another k_max: measured anew
     f.write_text("{not json")  # a corrupt cache file is measured again, not an error
     assert load_or_calibrate(tiny_target, runner, 3, tmp_path).draft_ms != 123.0
+
+
+def test_bench_engine_without_drafts_says_what_to_do(tmp_path):
+    """Refused before any model is fetched or loaded, naming the fix."""
+    from pathlib import Path
+
+    from tidespec.cli import bench_engine
+    params = Path(__file__).resolve().parents[1] / "params.yaml"
+    with pytest.raises(ValueError, match="make demo"):
+        bench_engine(root=tmp_path, params=params, static=None, adapted=None, prompts=1, max_new_tokens=1,
+                     threads=1, prompt_lookup=10, workload=["code"], out=tmp_path / "out")
+    with pytest.raises(ValueError, match="unknown workload"):
+        bench_engine(root=tmp_path, params=params, static=None, adapted=None, prompts=1, max_new_tokens=1,
+                     threads=1, prompt_lookup=10, workload=["poetry"], out=tmp_path / "out")

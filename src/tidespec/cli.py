@@ -131,8 +131,8 @@ def _uri() -> str:
 def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                  static: Path = typer.Option(None, help="static draft dir (default: the cached bootstrap draft)"),
                  adapted: Path = typer.Option(None, help="adapted draft dir (default: <root>/data/drafts/champion)"),
-                 prompts: int = typer.Option(8, min=1, help="prompts per workload"),
-                 max_new_tokens: int = typer.Option(128, min=1),
+                 prompts: int = typer.Option(6, min=1, help="prompts per workload"),
+                 max_new_tokens: int = typer.Option(96, min=1),
                  threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
                  prompt_lookup: int = typer.Option(10, min=1, help="HF prompt_lookup_num_tokens"),
                  workload: list[str] = typer.Option(["code", "chat"], help="code and/or chat"),
@@ -141,19 +141,23 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     from . import assets
     from .bench import engine as bench
     from .config import load_params
-    from .cycle import Workspace, get_target
+    from .cycle import Workspace
     from .demo import static_draft_dir
     p = load_params(params)
-    target, _ = get_target(p)
-    static = static or static_draft_dir(p, target.target_id, assets.cache_dir())
-    adapted = adapted or Workspace(root.resolve()).champion
-    for name, d in (("static", static), ("adapted", adapted)):
-        if not (Path(d) / "model.safetensors").exists():
-            raise ValueError(f"{name} draft not found at {d}: run `make demo` first (it trains both), "
-                             f"or pass --{name} DIR")
     bad = set(workload) - {"code", "chat"}
     if bad:
         raise ValueError(f"unknown workload(s) {sorted(bad)}; use code and/or chat")
+    adapted = adapted or Workspace(root.resolve()).champion
+    if not (Path(adapted) / "model.safetensors").exists():  # checked before any model is fetched or loaded
+        raise ValueError(f"adapted draft not found at {adapted}: run `make demo` first (it trains both), "
+                         "or pass --adapted DIR")
+    if static is None:
+        from .cycle import target_dir
+        from .models.target import target_id_for
+        static = static_draft_dir(p, target_id_for(target_dir(p.target.source), None), assets.cache_dir())
+    if not (Path(static) / "model.safetensors").exists():
+        raise ValueError(f"static draft not found at {static}: run `make demo` first (it trains both), "
+                         "or pass --static DIR")
     res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
                     progress=console.print)
     console.print((out / "engine.md").read_text())

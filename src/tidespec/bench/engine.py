@@ -104,8 +104,8 @@ def summarize(results: list[dict], ref: dict[str, list[int]]) -> dict:
     return out
 
 
-def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts: int = 8,
-        max_new_tokens: int = 128, threads: int | None = None, prompt_lookup: int = 10,
+def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts: int = 6,
+        max_new_tokens: int = 96, threads: int | None = None, prompt_lookup: int = 10,
         workloads: tuple[str, ...] = ("code", "chat"), profile: bool = True, progress=print) -> dict:
     """Run the benchmark; writes `out/engine.json` and `out/engine.md`, returns the result dict."""
     from ..cycle import get_target
