@@ -304,3 +304,20 @@ def test_lossless_on_real_target(real_target, tmp_path):
                                for p in PROMPTS])
     assert [g.tokens for g in gens] == [ref[p] for p in PROMPTS]
     assert sum(g.stats.num_drafts for g in gens) > 0 and set(pol.report()) == {"code", "chat"}
+
+
+def test_replay_interleaves_configs_and_counts_mismatches(tiny_target):
+    from tidespec.cycle import replay
+    order = []
+
+    class Spy(Engine):
+        def generate(self, ids, n, **kw):
+            order.append((self.draft_version, len(ids)))
+            return super().generate(ids, n, **kw)
+
+    ps = [{"id": str(i), "input_ids": p} for i, p in enumerate(_prompts(3, 5))]
+    base, spec = Spy(tiny_target, None, 3, 128), Spy(tiny_target, _random_runner(tiny_target, 64), 3, 128, "d")
+    runs = replay({"base": (base, False), "spec": (spec, True)}, ps, 12, reference="base")
+    assert [v for v, _ in order] == [None, "d"] * 3  # prompt by prompt, every config in turn
+    assert runs["spec"]["outputs"] == runs["base"]["outputs"] and runs["spec"]["metrics"]["mismatches"] == 0
+    assert runs["spec"]["metrics"]["num_drafts"] > 0 and runs["base"]["metrics"]["new_tokens"] == 36

@@ -153,37 +153,46 @@ def read_eval_prompts(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def replay(engine: Engine, prompts: list[dict], max_new_tokens: int, speculative: bool,
-           reference: dict[str, list[int]] | None = None, progress=None) -> dict:
-    """Run the prompts greedily; returns metrics and outputs. With `reference` (id → tokens from
-    target-only decoding), counts outputs that differ (`mismatches`).
+def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new_tokens: int,
+           reference: str | None = None, progress=None) -> dict[str, dict]:
+    """Run the prompts greedily through every configuration, interleaved prompt by prompt (so
+    machine load drifts hit all of them alike). configs: name → (engine, speculative).
 
-    Metrics: acceptance_length, acceptance_rate, accepted_per_pos/{i}, tokens_per_s (generated
-    tokens / wall seconds incl. prefill), itl_ms_p50/p99, new_tokens, seconds.
+    Returns name → {"metrics", "outputs", "mismatched_ids"}; with `reference` (a config name, run
+    first per prompt) mismatches count outputs that differ from that config's. Metrics:
+    acceptance_length, acceptance_rate, accepted_per_pos/{i}, tokens_per_s (generated tokens / wall
+    seconds incl. prefill), itl_ms_p50/p99, new_tokens, seconds, mismatches.
     """
-    stats = SpecDecodingStats(engine.k if speculative else 0)
-    outs, itl, toks, secs, mism = {}, [], 0, 0.0, []
+    acc = {name: {"stats": SpecDecodingStats(eng.k if spec else 0), "outs": {}, "itl": [], "toks": 0, "secs": 0.0}
+           for name, (eng, spec) in configs.items()}
     for p in prompts:
-        g = engine.generate(p["input_ids"], max_new_tokens, speculative=speculative)
-        outs[p["id"]] = g.tokens
-        stats = stats.merge(g.stats)
-        itl += g.timing.itl_ms()
-        toks += len(g.tokens)
-        secs += g.timing.prefill_s + g.timing.decode_s
-        if reference is not None and reference.get(p["id"]) != g.tokens:
-            mism.append(p["id"])
-        if progress:
-            progress()
-    m = stats.metrics() if speculative else {"acceptance_length": 1.0}
-    m.update(itl_percentiles(itl))
-    m.update({"tokens_per_s": toks / secs if secs else 0.0, "new_tokens": toks, "seconds": secs,
-              "mismatches": len(mism)})
-    return {"metrics": m, "outputs": outs, "mismatched_ids": mism}
+        for name, (eng, spec) in configs.items():
+            g = eng.generate(p["input_ids"], max_new_tokens, speculative=spec)
+            a = acc[name]
+            a["outs"][p["id"]] = g.tokens
+            a["stats"] = a["stats"].merge(g.stats)
+            a["itl"] += g.timing.itl_ms()
+            a["toks"] += len(g.tokens)
+            a["secs"] += g.timing.prefill_s + g.timing.decode_s
+            if progress:
+                progress()
+    res = {}
+    for name, (_, spec) in configs.items():
+        a = acc[name]
+        ref = acc[reference]["outs"] if reference else None
+        mism = [i for i, t in a["outs"].items() if ref is not None and ref.get(i) != t]
+        m = a["stats"].metrics() if spec else {"acceptance_length": 1.0}
+        m.update(itl_percentiles(a["itl"]))
+        m.update({"tokens_per_s": a["toks"] / a["secs"] if a["secs"] else 0.0, "new_tokens": a["toks"],
+                  "seconds": a["secs"], "mismatches": len(mism)})
+        res[name] = {"metrics": m, "outputs": a["outs"], "mismatched_ids": mism}
+    return res
 
 
 def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path | None,
                   prompts_path: Path, out: Path, progress=None) -> dict:
-    """Replay the holdout with no speculation, the champion and the candidate, side by side.
+    """Replay the holdout with no speculation, the champion and the candidate, side by side
+    (interleaved per prompt, fixed k = engine.num_draft_tokens).
 
     Report: {"baseline": m, "champion": m | None, "candidate": m, "lossless": bool,
     "speedup": {...}} where each m is `replay`'s metrics. Lossless = the candidate's and the
@@ -192,20 +201,23 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
     target, _ = get_target(params)
     prompts = read_eval_prompts(prompts_path)
     n = params.evaluate.max_new_tokens
-    eng = Engine(target, None, params.engine.num_draft_tokens, params.engine.max_seq_len)
-    base = replay(eng, prompts, n, False, progress=progress)
-    ref = base["outputs"]
-    rep = {"baseline": base["metrics"], "num_prompts": len(prompts), "max_new_tokens": n,
-           "num_draft_tokens": params.engine.num_draft_tokens}
+    e = params.engine
+
+    def engine(runner, name):
+        return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, name)
+
+    configs = {"baseline": (engine(None, None), False)}
     champ = runner_for(champion, target)
-    rep["champion"] = None
     if champ is not None:
-        eng.set_draft(champ, "champion")
-        rep["champion"] = replay(eng, prompts, n, True, ref, progress=progress)["metrics"]
-    eng.set_draft(runner_for(candidate, target), "candidate")
-    rep["candidate"] = replay(eng, prompts, n, True, ref, progress=progress)["metrics"]
+        configs["champion"] = (engine(champ, "champion"), True)
+    configs["candidate"] = (engine(runner_for(candidate, target), "candidate"), True)
+    runs = replay(configs, prompts, n, reference="baseline", progress=progress)
+    rep = {"baseline": runs["baseline"]["metrics"], "num_prompts": len(prompts), "max_new_tokens": n,
+           "num_draft_tokens": e.num_draft_tokens,
+           "champion": runs["champion"]["metrics"] if champ is not None else None,
+           "candidate": runs["candidate"]["metrics"]}
     rep["lossless"] = rep["candidate"]["mismatches"] == 0 and (champ is None or rep["champion"]["mismatches"] == 0)
-    bt = base["metrics"]["tokens_per_s"] or 1.0
+    bt = rep["baseline"]["tokens_per_s"] or 1.0
     rep["speedup"] = {k: rep[k]["tokens_per_s"] / bt for k in ("champion", "candidate") if rep[k]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=2))
