@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..engine.stats import itl_percentiles
 from .methods import MethodSpec, worker
 
 
@@ -86,8 +87,7 @@ def summarize(results: list[dict], ref: dict[str, list[int]]) -> dict:
     fwd = sum(r["forwards"] for r in results)
     out = {"requests": len(results), "tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall if wall else 0.0,
            "tau": toks / fwd if fwd else 0.0,
-           "itl_ms_p50": float(np.percentile(itl, 50)) if itl else float("nan"),
-           "itl_ms_p99": float(np.percentile(itl, 99)) if itl else float("nan"),
+           **itl_percentiles(itl),
            "ttft_ms_p50": float(np.median([1000 * r["ttft_s"] for r in results])),
            "identical_to_target_only": sum(r["tokens"] == ref[r["id"]] for r in results) / len(results)}
     d = [r["drafts"] for r in results if r["drafts"]]

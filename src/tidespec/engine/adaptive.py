@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .stats import simulated_acceptance_length
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -154,12 +156,12 @@ def load_or_calibrate(target, runner, k_max: int, cache_dir: Path | None) -> Cal
 
 
 def predicted_tau(acc: list[float], k: int) -> float:
-    """τ(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j from conditional per-position acceptance `acc`."""
-    tau, run = 1.0, 1.0
-    for a in acc[:k]:
-        run *= a
-        tau += run
-    return tau
+    """τ(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j from conditional per-position acceptance `acc` (first k used)."""
+    return simulated_acceptance_length(acc[:k])
+
+
+def _argmax(xs: list[float], lo: int = 0) -> int:
+    return max(range(lo, len(xs)), key=xs.__getitem__)
 
 
 class AdaptiveK:
@@ -220,18 +222,16 @@ class AdaptiveK:
                 self._load += alpha * (ms / self.cal.step_ms(k) - self._load)
 
     def best_k(self, workload: str) -> int:
-        tps = self.predicted_tokens_per_s(workload)
-        return max(range(len(tps)), key=tps.__getitem__)
+        """k with the highest predicted tokens/s (0 = plain decoding), no probing."""
+        return _argmax(self.predicted_tokens_per_s(workload))
 
     def choose(self, workload: str) -> int:
         """k for the next step of a request of this class (0 = plain decoding)."""
         tps = self.predicted_tokens_per_s(workload)
-        k = max(range(len(tps)), key=tps.__getitem__)
+        k = _argmax(tps)
         with self._lock:
             n = self._steps[workload] = self._steps.get(workload, 0) + 1
-        if k == 0 and n % self.probe_every == 0:
-            k = max(range(1, len(tps)), key=tps.__getitem__)
-        return k
+        return _argmax(tps, lo=1) if k == 0 and n % self.probe_every == 0 else k
 
     def observe(self, workload: str, k: int, accepted: int) -> None:
         """One verify step: k drafts, the first `accepted` accepted. Updates positions 1..min(accepted+1, k)."""
@@ -249,7 +249,7 @@ class AdaptiveK:
         out = {}
         for w in list(self._acc):
             tps = self.predicted_tokens_per_s(w)
-            k = max(range(len(tps)), key=tps.__getitem__)
+            k = _argmax(tps)
             out[w] = {"k": k, "speculation": k > 0, "predicted_speedup": tps[k] / tps[0],
                       "step_ms": [round(x, 2) for x in self.step_ms()],
                       "conditional_acceptance": [round(a, 4) for a in self.acceptance(w)]}

@@ -123,6 +123,13 @@ class _Seq:
         return sample(warp(logits, self.req.sampling), self.rng)
 
 
+def _by_draft(seqs: list[_Seq]):
+    """(draft, its requests) groups: requests keep the draft they started with, so after a hot-swap
+    one step may hold two drafts; each group runs one batched draft forward."""
+    for draft in {id(s.draft): s.draft for s in seqs}.values():
+        yield draft, [s for s in seqs if s.draft is draft]
+
+
 class Engine:
     """Embedded engine: target + optional EAGLE3 draft (hot-swappable), continuous batching.
 
@@ -324,9 +331,8 @@ class Engine:
                 s.k = self.adaptive.choose(s.req.workload)
             else:
                 s.k = self.k
-        todo = [s for s in running if s.k and s.backlog]
-        for draft in {id(s.draft): s.draft for s in todo}.values():
-            group = [s for s in todo if s.draft is draft]
+            s.drafts, s.qs = [], []
+        for draft, group in _by_draft([s for s in running if s.k and s.backlog]):
             items = [(torch.cat([a for a, _ in s.backlog]), torch.cat([t for _, t in s.backlog]), s.dcache)
                      for s in group]
             for s, (h, dl) in zip(group, draft.extend_batch(items)):
@@ -335,7 +341,7 @@ class Engine:
     def _draft_chain(self, seqs: list[_Seq]) -> None:
         """Chain drafting: k tokens per request; draft forwards batched across requests per position."""
         for s in seqs:
-            s.drafts, s.qs, s.base = [], [], s.dcache.length
+            s.base = s.dcache.length
         for j in range(max((s.k for s in seqs), default=0)):
             active = [s for s in seqs if s.k > j]
             for s in active:
@@ -347,15 +353,13 @@ class Engine:
                     s.qs.append(q)
                 s.drafts.append(int(d))
                 s.d = d
-            stepping = [s for s in active if s.k > j + 1]
-            for draft in {id(s.draft): s.draft for s in stepping}.values():
-                group = [s for s in stepping if s.draft is draft]
+            for draft, group in _by_draft([s for s in active if s.k > j + 1]):
                 for s, (h, dl) in zip(group, draft.step_batch([(s.h, s.d.view(1), s.dcache) for s in group])):
                     s.h, s.dl = h, dl
 
     def _verify(self, new: list[_Seq], running: list[_Seq]):
         segs = [Segment(torch.tensor(s.req.prompt_ids, dtype=torch.int64), s.cache, last_only=True) for s in new]
-        segs += [Segment(torch.tensor([s.nxt] + s.drafts[:s.k]), s.cache) for s in running]
+        segs += [Segment(torch.tensor([s.nxt] + s.drafts), s.cache) for s in running]
         if not segs:
             return []
         need_hidden = any(s.draft is not None or s.req.capture for s in new + running)

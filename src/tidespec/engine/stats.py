@@ -95,6 +95,7 @@ class EngineStats:
     itl_window: int = 10_000
 
     def add(self, workload: str, stats: SpecDecodingStats, timing: RequestTiming, tokens: int) -> None:
+        """Fold in one finished request (its counters, its ITL samples in ms, `tokens` generated)."""
         self.spec = self.spec.merge(stats)
         self.per_workload[workload] = self.per_workload.get(workload, SpecDecodingStats(0)).merge(stats)
         self.num_requests += 1
@@ -102,6 +103,7 @@ class EngineStats:
         self.itl_ms = (self.itl_ms + timing.itl_ms())[-self.itl_window:]
 
     def summary(self) -> dict:
+        """Flat dict: counts, τ, acceptance rate, accepted_per_pos/i, itl_ms_p50/p99 (ms), per_workload."""
         d = {"num_requests": self.num_requests, "num_generated_tokens": self.num_generated_tokens,
              **self.spec.metrics(), **itl_percentiles(self.itl_ms)}
         d["per_workload"] = {w: s.metrics() for w, s in self.per_workload.items()}
