@@ -72,6 +72,9 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     log.info("curated %s train / %s val records, drift vs previous set: %s", cur["num_train"], cur["num_val"], drift)
     champ = fetch_champion(root, tracking_uri, target_id)
     tm = train(root, params_path, cur["curated"], champ)
+    if tm.get("skipped"):
+        log.warning("cycle skipped, champion untouched: %s", tm["skipped"])
+        return {"curate": cur, "skipped": tm["skipped"]}
     rep = evaluate(root, params_path, champ)
     mix = json.loads(Path(cur["curated"]).read_text()).get("workload_mix", {})
     dec = register(params_path, target_id, str(_ws(root).candidate), rep, tm, tracking_uri, snapshot_rev, mix)

@@ -98,7 +98,7 @@ engine: {{num_draft_tokens: 3, max_seq_len: 256, max_new_tokens: 24}}
 draft: {{draft_vocab_size: 64}}
 capture: {{shard_max_records: 4}}
 curate: {{window: 2, min_tokens: 4, val_fraction: 0.2}}
-train: {{ttt_steps: 2, epochs: 2, batch_tokens: 512, max_seq_len: 128}}
+train: {{ttt_steps: 2, epochs: 2, batch_tokens: 512, max_seq_len: 128, min_train_tokens: 16}}
 evaluate: {{max_new_tokens: 16, min_relative_gain: 0.0}}
 """
 

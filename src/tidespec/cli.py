@@ -76,6 +76,9 @@ def stage_train(root: Path = ROOT, params: Path = PARAMS):
     from .cycle import step_train
     ws = _ws(root)
     m = step_train(ws, load_params(params), ws.curated, ws.champion if ws.champion.exists() else None, ws.candidate)
+    if m.get("skipped"):
+        console.print(f"[red]cycle skipped, champion untouched:[/red] {m['skipped']}")
+        raise typer.Exit(3)
     console.print_json(json.dumps({k: v for k, v in m.items() if k != "train/loss"}))
 
 
@@ -97,6 +100,9 @@ def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         raise typer.BadParameter("set MLFLOW_TRACKING_URI (eval $(tidespec services up))")
     res = load_flow(root.resolve())(root=str(root.resolve()), params_path=str(params), snapshot_rev=snapshot_rev)
+    if res.get("skipped"):
+        console.print(f"cycle skipped, champion untouched: {res['skipped']}")
+        return
     console.print_json(json.dumps(res["register"]))
 
 

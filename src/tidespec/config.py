@@ -63,6 +63,7 @@ class CurateParams(_Strict):
     min_tokens: int = Field(8, ge=1)
     max_tokens: int = Field(1024, ge=8)
     val_fraction: float = Field(0.1, ge=0, lt=1)  # by request id: validation for loss/acc
+    replay_fraction: float = Field(0.25, ge=0, lt=1)  # share of the train set drawn from older snapshots
     seed: int = 0
 
 
@@ -76,6 +77,10 @@ class TrainParams(_Strict):
     batch_tokens: int = Field(1024, ge=8)  # padded B·T per optimizer step
     loss_on_prompt: bool = False  # also fit the target at prompt positions (SpecForge: False)
     warm_start: bool = True
+    backend: Literal["embedded", "specforge"] = "embedded"  # specforge: its CLI in its own env, CUDA only
+    specforge_bin: str = "specforge"  # the `specforge` executable of that environment
+    checkpoint_every: int = Field(50, ge=0)  # optimizer steps between resumable state saves (0: epoch ends only)
+    min_train_tokens: int = Field(512, ge=1)  # fewer curated tokens: the cycle is skipped, champion untouched
     seed: int = 0
     threads: int | None = None
 

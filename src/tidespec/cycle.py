@@ -117,24 +117,61 @@ def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
         os.replace(ws.curated, prev)
     r = curate_mod.curate(ws.snapshots, target_id, params.curate, ws.curated, previous=prev)
     return {"curated": str(r.path), "num_train": r.num_train, "num_val": r.num_val,
-            "num_tokens": r.num_tokens, "dropped": r.dropped, "drift_jsd": r.drift_jsd}
+            "num_tokens": r.num_tokens, "dropped": r.dropped, "drift_jsd": r.drift_jsd,
+            "num_replay": r.num_replay}
 
 
 # -- train ------------------------------------------------------------------------------------
+def skip_reason(params: Params, curated: Path) -> str | None:
+    """Why a cycle should not train on this curated set (None: go ahead): too few tokens."""
+    idx = json.loads(Path(curated).read_text())
+    n = sum(e["num_tokens"] for e in idx["train"])
+    if n < params.train.min_train_tokens:
+        return (f"curated training set has {n} tokens in {len(idx['train'])} records, below "
+                f"train.min_train_tokens={params.train.min_train_tokens}; capture more traffic (dropped: {idx['dropped']})")
+    return None
+
+
 def step_train(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path,
                progress=None) -> dict:
     """Train a candidate from the curated index, warm-started from `init` when given and
-    `train.warm_start`. Returns the trainer's metrics. Raises ValueError on an empty set."""
+    `train.warm_start`. Returns the trainer's metrics, or {"skipped": reason} when the set is too
+    small (`skip_reason`; nothing is written, the champion keeps serving). A killed run resumes
+    from its last training-state checkpoint. Raises ValueError for another target's set."""
     from .train.trainer import train_draft
     target, _ = get_target(params)
     idx = json.loads(Path(curated).read_text())
     if idx["target_id"] != target.target_id:
         raise ValueError(f"curated set is for target {idx['target_id'][:12]}, loaded target is "
                          f"{target.target_id[:12]}; curate snapshots of this target")
+    reason = skip_reason(params, curated)
+    if reason:
+        return {"skipped": reason}
     train = curate_mod.load_records(idx["train"])
     val = curate_mod.load_records(idx["val"])
+    if params.train.backend == "specforge":
+        return _train_specforge(params, target, train, val, out)
     init = init if (init is not None and params.train.warm_start and Path(init).exists()) else None
     return train_draft(train, val, target, params.draft, params.train, out, init=init, progress=progress)
+
+
+def _train_specforge(params: Params, target: Target, train: list[dict], val: list[dict], out: Path) -> dict:
+    """SpecForge CLI backend (CUDA only; raises SpecForgeUnavailable elsewhere). It starts from
+    scratch (no warm start: SpecForge loads its own checkpoints); validation accuracy is measured
+    with the embedded trainer's code so both backends report the same metrics."""
+    from .engine.stats import simulated_acceptance_length
+    from .models.eagle3 import load_checkpoint
+    from .train.specforge import train_specforge
+    from .train.trainer import evaluate_examples, prepare
+    m = train_specforge(train, target, target_dir(params.target.source), params.draft, params.train, out,
+                        params.train.specforge_bin)
+    draft = load_checkpoint(out, target.embed.float(), target.target_id)
+    ex = prepare(val, target, draft.t2d, params.train.max_seq_len)
+    acc = evaluate_examples(draft, ex, params.train.ttt_steps, params.train.batch_tokens) if ex else []
+    m.update({f"val/acc_{j}": a for j, a in enumerate(acc)})
+    m["simulated_acceptance_length"] = simulated_acceptance_length(acc) if acc else None
+    (Path(out) / "train_metrics.json").write_text(json.dumps(m, indent=2))
+    return m
 
 
 # -- evaluate ---------------------------------------------------------------------------------

@@ -151,6 +151,8 @@ def run_demo(root: Path, params_path: Path) -> dict:
                          tracking_uri=uri)
     # 5. reload and report
     reload_if_changed(engine, ws.champion)
+    if res.get("skipped"):
+        raise RuntimeError(f"demo cycle skipped: {res['skipped']}; lower train.min_train_tokens or serve more prompts")
     rep = res["evaluate"]
     dec = res["register"]
     table = Table(title=f"{w.prompts} holdout: {rep['num_prompts']} prompts × ≤{rep['max_new_tokens']} tokens, "

@@ -9,10 +9,12 @@ simulated acceptance length 1 + Σ_k Π_{j≤k} acc_j.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,6 +27,7 @@ from ..engine.stats import simulated_acceptance_length
 from ..models.eagle3 import (Eagle3Config, Eagle3Draft, build_vocab, count_tokens, load_checkpoint,
                              remap_lm_head, save_checkpoint)
 from ..models.target import Target
+from .resume import clear_state, fingerprint, load_state, save_state, state_dir
 
 
 @dataclass
@@ -39,17 +42,24 @@ class Example:
 
 
 def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int,
-            loss_on_prompt: bool = False) -> list[Example]:
+            loss_on_prompt: bool = False, dropped: Counter | None = None) -> list[Example]:
     """Turn capture records into examples (target logits computed once, restricted to the draft vocab).
 
     `loss_on_prompt`: also learn the target's distribution at prompt positions (loss_mask == 0).
     SpecForge masks them; on small captures they are extra in-domain signal for free.
+    Records with NaN/Inf hidden states or shorter than 3 tokens are dropped and counted in
+    `dropped` (keys `non_finite`, `too_short`).
     """
     out = []
+    dropped = Counter() if dropped is None else dropped
     cols = t2d.nonzero().squeeze(-1)
     for r in records:
         T = min(int(r["input_ids"].shape[0]), max_len)
         if T < 3:
+            dropped["too_short"] += 1
+            continue
+        if not (torch.isfinite(r["hidden_states"][:T]).all() and torch.isfinite(r["aux_hidden_states"][:T]).all()):
+            dropped["non_finite"] += 1
             continue
         hid = r["hidden_states"][:T].float()
         with torch.no_grad():
@@ -88,10 +98,13 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
     """Returns (loss, [correct_j], [count_j]) for one padded batch.
 
     aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid/key_valid `[B,T]` bool.
-    Step j row t is trained on the target distribution at position t+1+j.
+    Step j row t is trained on the target distribution at position t+1+j. As SpecForge
+    (`core/loss.py`), L_j sums the cross-entropy over step j's valid rows and divides by all
+    (non-padding) positions, so later steps, with fewer valid rows, weigh less.
     """
     hs = draft.ttt_forward(aux, ids, steps, key_valid)
     loss = torch.zeros(())
+    denom = max(int(key_valid.sum()), 1)
     correct, count = [], []
     for j, h in enumerate(hs):
         tl = F.pad(tlogits[:, 1 + j:], (0, 0, 0, 1 + j))
@@ -103,7 +116,7 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
             continue
         logits = draft.logits(h[m])  # only valid rows pay for the lm_head
         tp = torch.softmax(tl[m].float(), -1)
-        lj = -(tp * torch.log_softmax(logits, -1)).sum(-1).mean()
+        lj = -(tp * torch.log_softmax(logits, -1)).sum() / denom
         loss = loss + decay ** j * lj
         correct.append(int((logits.argmax(-1) == tp.argmax(-1)).sum()))
         count.append(n)
@@ -141,12 +154,26 @@ def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) 
     return draft
 
 
+def _data_fingerprint(records: list[dict]) -> str:
+    h = hashlib.sha256()
+    for r in records:
+        h.update(r["input_ids"].to(torch.int32).numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
 def train_draft(train_records: list[dict], val_records: list[dict], target: Target, dparams: DraftParams,
                 tparams: TrainParams, out: Path, init: Path | None = None,
                 progress: Callable[[int, int, float], None] | None = None) -> dict:
-    """Train (or warm-start) a draft and save it to `out`. Returns metrics (names per DESIGN.md):
-    `train/loss` (per epoch list), `train/acc_{j}`, `val/acc_{j}`, `simulated_acceptance_length`,
-    `train_tokens_per_s`, `train_seconds`. Raises ValueError for an empty training set.
+    """Train (or warm-start) a draft and save it to `out` (config.json + model.safetensors + train_metrics.json).
+
+    Resumable: the training state (weights, AdamW, LR schedule, epoch, batch, RNG) is saved every
+    `train.checkpoint_every` optimizer steps and at each epoch end under `<out>.train-state/`; a rerun
+    with the same data, params and warm start continues from it and gives the same weights as an
+    uninterrupted run. Returns metrics (names per DESIGN.md): `train/loss` (per epoch list),
+    `train/acc_{j}`, `val/acc_{j}`, `simulated_acceptance_length`, `train_tokens_per_s` (non-padding
+    tokens per second of optimizer steps), `train_seconds`, `train_tokens`, `dropped/{reason}`,
+    `skipped_nonfinite_steps`, `resumed_from_step`. Raises ValueError for an empty training set.
     """
     if not train_records:
         raise ValueError("no training records after curation; capture more traffic")
@@ -156,8 +183,11 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     counts = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
     draft = init_draft(target, dparams, counts, init)
     draft.train()
-    ex_train = prepare(train_records, target, draft.t2d, tparams.max_seq_len, tparams.loss_on_prompt)
-    ex_val = prepare(val_records, target, draft.t2d, tparams.max_seq_len)
+    dropped: Counter = Counter()
+    ex_train = prepare(train_records, target, draft.t2d, tparams.max_seq_len, tparams.loss_on_prompt, dropped)
+    ex_val = prepare(val_records, target, draft.t2d, tparams.max_seq_len, dropped=Counter())
+    if not ex_train:
+        raise ValueError(f"every training record was dropped ({dict(dropped)}); capture more traffic")
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tparams.lr, weight_decay=tparams.weight_decay)
     nb = sum(1 for _ in batches(ex_train, batch_tokens, False, random.Random(0)))
@@ -166,37 +196,73 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
         opt, lambda s: min(1.0, (s + 1) / max(1, total // 20)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     rng = random.Random(tparams.seed)
     torch.manual_seed(tparams.seed)
-    losses, step, tokens, t0 = [], 0, 0, time.perf_counter()
     steps = tparams.ttt_steps
-    corr, cnt = [0] * steps, [0] * steps
-    for ep in range(tparams.epochs):
-        ep_loss, ep_n = 0.0, 0
-        corr, cnt = [0] * steps, [0] * steps
-        for aux, ids, tl, valid, kv in batches(ex_train, batch_tokens, True, rng):
+    sdir = state_dir(out)
+    fp = fingerprint(tparams.model_dump(exclude={"threads"}), dparams.model_dump(), str(init) if init else None,
+                     _data_fingerprint(train_records))
+    st = load_state(sdir, fp)
+    run = {"step": 0, "epoch": 0, "batches_done": 0, "losses": [], "tokens": 0, "seconds": 0.0, "skipped": 0,
+           "ep_loss": 0.0, "ep_n": 0, "corr": [0] * steps, "cnt": [0] * steps, "epoch_rng": rng.getstate()}
+    resumed_from = 0
+    if st is not None:
+        draft.load_state_dict(st["draft"])
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        run = st["run"]
+        resumed_from = run["step"]
+
+    def checkpoint():
+        save_state(sdir, {"fingerprint": fp, "draft": draft.state_dict(), "opt": opt.state_dict(),
+                          "sched": sched.state_dict(), "run": run})
+
+    every = tparams.checkpoint_every
+    for ep in range(run["epoch"], tparams.epochs):
+        rng.setstate(run["epoch_rng"])  # the epoch's batch order, reproducible on resume
+        t0 = time.perf_counter()
+        for bi, (aux, ids, tl, valid, kv) in enumerate(batches(ex_train, batch_tokens, True, rng)):
+            if bi < run["batches_done"]:
+                continue
             loss, c, n = ttt_loss(draft, aux, ids, tl, valid, kv, steps, tparams.loss_decay)
+            run["batches_done"] = bi + 1
+            if not torch.isfinite(loss):  # a bad batch must not poison the weights
+                run["skipped"] += 1
+                continue
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
-            step += 1
-            tokens += int(kv.sum())
-            ep_loss += float(loss.detach())
-            ep_n += 1
-            corr = [a + b for a, b in zip(corr, c)]
-            cnt = [a + b for a, b in zip(cnt, n)]
+            run["step"] += 1
+            run["tokens"] += int(kv.sum())
+            run["ep_loss"] += float(loss.detach())
+            run["ep_n"] += 1
+            run["corr"] = [a + b for a, b in zip(run["corr"], c)]
+            run["cnt"] = [a + b for a, b in zip(run["cnt"], n)]
             if progress:
-                progress(step, total, float(loss.detach()))
-        losses.append(ep_loss / max(ep_n, 1))
-    secs = time.perf_counter() - t0
+                progress(run["step"], total, float(loss.detach()))
+            if every and run["step"] % every == 0:
+                run["seconds"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                checkpoint()
+        run["seconds"] += time.perf_counter() - t0
+        train_acc = [c / n if n else 0.0 for c, n in zip(run["corr"], run["cnt"])]
+        run["losses"].append(run["ep_loss"] / max(run["ep_n"], 1))
+        run.update(epoch=ep + 1, batches_done=0, ep_loss=0.0, ep_n=0, corr=[0] * steps, cnt=[0] * steps,
+                   epoch_rng=rng.getstate(), last_train_acc=train_acc)
+        checkpoint()
     draft.eval()
-    train_acc = [c / n if n else 0.0 for c, n in zip(corr, cnt)]
+    train_acc = run.get("last_train_acc", [0.0] * steps)
     val_acc = evaluate_examples(draft, ex_val, steps, batch_tokens) if ex_val else train_acc
-    metrics = {"train/loss": losses, "train_seconds": secs, "train_tokens_per_s": tokens / secs if secs else 0.0,
+    secs = run["seconds"]
+    metrics = {"train/loss": run["losses"], "train_seconds": secs,
+               "train_tokens_per_s": run["tokens"] / secs if secs else 0.0, "train_tokens": run["tokens"],
                "simulated_acceptance_length": simulated_acceptance_length(val_acc),
-               "train_examples": len(ex_train), "val_examples": len(ex_val)}
+               "train_examples": len(ex_train), "val_examples": len(ex_val),
+               "skipped_nonfinite_steps": run["skipped"], "resumed_from_step": resumed_from}
+    metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
     metrics.update({f"train/acc_{j}": a for j, a in enumerate(train_acc)})
     metrics.update({f"val/acc_{j}": a for j, a in enumerate(val_acc)})
     save_checkpoint(draft, out, extra={"warm_start": str(init) if init else None})
     (Path(out) / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
+    clear_state(sdir)
     return metrics

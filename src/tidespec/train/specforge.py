@@ -1,0 +1,167 @@
+"""SpecForge training backend (GPU): our snapshots → SpecForge offline data → `specforge train` → export.
+
+SpecForge 0.2.0 pins torch 2.11 / transformers 5.8.1 / sglang 0.5.14 and its EAGLE3 loss is a
+Triton GPU kernel, so it lives in its own environment and is driven through its CLI (a process
+boundary, never an import). Facts from sgl-project/SpecForge @ a6b6b0230009d15ec2a97a57384e6f53f0f96946:
+- `specforge train -c CONFIG` (`specforge/cli.py`); single process needs no torchrun; config
+  schema `specforge/config/schema.py` (every section `extra="forbid"`); offline mode when
+  `data.hidden_states_path` is set, with `deployment.mode: local_colocated`.
+- offline files: `*.ckpt` under hidden_states_path, `torch.load`ed dicts with `input_ids` `[L]`
+  int64, `loss_mask` `[L]` int64, `hidden_state` `[1, L, H]` bf16 (final post-norm hidden: it
+  feeds the frozen lm_head), `aux_hidden_state` `[1, L, 3H]` bf16
+  (`specforge/algorithms/eagle3/data.py::normalize_offline_sample`, `scripts/prepare_hidden_states.py`).
+- vocab mapping: `torch.save({"d2t": [Vd] int64 offsets, "t2d": [V] bool})`
+  (`specforge/data/preprocessing.py::process_token_dict_to_mappings`).
+- target head: the target dir needs exactly one `*.index.json` naming `lm_head_key`
+  (`specforge/modeling/target/target_head.py`); tied-embedding targets point it at the embedding.
+- checkpoints `output_dir/{run_id}-step{N}/` with a `{run_id}-latest` link; export
+  `specforge export --to sglang --checkpoint DIR --draft-config JSON --output-dir OUT
+  --vocab-mapping PT` writes config.json + model.safetensors (`specforge/export/`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import safe_open
+
+from ..config import DraftParams, TrainParams
+from ..models.eagle3 import Eagle3Config, build_vocab, count_tokens, load_checkpoint, save_checkpoint
+from ..models.target import Target
+
+
+class SpecForgeUnavailable(RuntimeError):
+    """The SpecForge backend cannot run here (no CUDA device, or no `specforge` executable)."""
+
+
+def unavailable_reason(bin_path: str) -> str | None:
+    """Why `specforge train` cannot run on this machine, or None when it can."""
+    exe = shutil.which(bin_path)
+    if exe is None:
+        return (f"SpecForge CLI {bin_path!r} not found: install SpecForge in its own environment "
+                "(it pins torch 2.11 / sglang 0.5.14) and set train.specforge_bin to its `specforge` executable")
+    if shutil.which("nvidia-smi") is None or subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode:
+        return ("SpecForge needs a CUDA GPU (its EAGLE3 loss is a Triton GPU kernel; no nvidia-smi / no device "
+                "here); use train.backend: embedded on CPU")
+    return None
+
+
+def write_offline_data(records: list[dict], out: Path, max_len: int) -> int:
+    """Write capture records as SpecForge offline samples `out/rows_{a}-{a+2000}/data_{i}.ckpt`.
+
+    Shapes/dtypes as the module docstring; sequences cut to `max_len`. The last loss-mask entry is
+    zeroed (it has no next token to predict, as SpecForge's own capture does). Returns the count.
+    """
+    n = 0
+    for i, r in enumerate(records):
+        T = min(int(r["input_ids"].shape[0]), max_len)
+        lm = r["loss_mask"][:T].to(torch.int64).clone()
+        lm[-1] = 0
+        sample = {"input_ids": r["input_ids"][:T].to(torch.int64), "loss_mask": lm,
+                  "hidden_state": r["hidden_states"][:T].to(torch.bfloat16).unsqueeze(0),
+                  "aux_hidden_state": r["aux_hidden_states"][:T].to(torch.bfloat16).unsqueeze(0)}
+        d = out / f"rows_{i // 2000 * 2000}-{i // 2000 * 2000 + 2000}"
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save(sample, d / f"data_{i}.ckpt")
+        n += 1
+    return n
+
+
+def target_view(target_dir: Path, out: Path) -> tuple[Path, str]:
+    """A directory SpecForge's TargetHead reads: links to the target's files plus a
+    `model.safetensors.index.json`. Returns (dir, lm_head_key); tied embeddings → the embedding key."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(target_dir).iterdir():
+        link = out / f.name
+        if not link.exists():
+            link.symlink_to(f.resolve())
+    weight_map = {}
+    for st in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(st), "pt") as fh:
+            weight_map.update({k: st.name for k in fh.keys()})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    key = "lm_head.weight" if "lm_head.weight" in weight_map else "model.embed_tokens.weight"
+    return out, key
+
+
+def train_config(target_view_dir: Path, lm_head_key: str, draft_config: Path, vocab_mapping: Path,
+                 data_dir: Path, out_dir: Path, tparams: TrainParams, resume_from: Path | None = None) -> dict:
+    """The SpecForge YAML (as a dict) for offline EAGLE3 training with tidespec's params."""
+    training = {"strategy": "eagle3", "num_epochs": tparams.epochs, "learning_rate": tparams.lr,
+                "ttt_length": tparams.ttt_steps, "batch_size": 1, "attention_backend": "sdpa",
+                "save_interval": tparams.checkpoint_every, "seed": tparams.seed}
+    if resume_from is not None:
+        training["resume_from"] = str(resume_from)
+    return {"model": {"target_model_path": str(target_view_dir), "draft_model_config": str(draft_config),
+                      "vocab_mapping_path": str(vocab_mapping), "lm_head_key": lm_head_key,
+                      "target_backend": "sglang", "torch_dtype": "bfloat16"},
+            "data": {"hidden_states_path": str(data_dir), "max_length": tparams.max_seq_len,
+                     "cache_dir": str(out_dir / "cache")},
+            "training": training, "run_id": "tidespec", "output_dir": str(out_dir / "runs"),
+            "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}}}
+
+
+def commands(bin_path: str, config: Path, checkpoint: Path, draft_config: Path, vocab_mapping: Path,
+             export_dir: Path) -> tuple[list[str], list[str]]:
+    """(train argv, export argv)."""
+    train = [bin_path, "train", "--config", str(config)]
+    export = [bin_path, "export", "--to", "sglang", "--checkpoint", str(checkpoint), "--draft-config",
+              str(draft_config), "--output-dir", str(export_dir), "--vocab-mapping", str(vocab_mapping)]
+    return train, export
+
+
+def prepare_run(train_records: list[dict], target: Target, target_dir: Path, dparams: DraftParams,
+                tparams: TrainParams, work: Path) -> dict:
+    """Write everything `specforge train` needs under `work`; returns paths and the draft config."""
+    cfg = Eagle3Config.for_target(target.cfg, target.aux_layers, dparams.draft_vocab_size,
+                                  dparams.intermediate_size, target.target_id)
+    counts: Counter = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
+    d2t, t2d = build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size)
+    work.mkdir(parents=True, exist_ok=True)
+    mapping = work / "vocab_mapping.pt"
+    torch.save({"d2t": d2t, "t2d": t2d}, mapping)
+    draft_json = work / "draft_config.json"
+    draft_json.write_text(json.dumps(cfg.to_hf(), indent=2))
+    data = work / "hidden_states"
+    shutil.rmtree(data, ignore_errors=True)
+    n = write_offline_data(train_records, data, tparams.max_seq_len)
+    view, key = target_view(target_dir, work / "target")
+    runs = work / "runs"
+    latest = runs / "tidespec-latest"
+    conf = train_config(view, key, draft_json, mapping, data, work, tparams,
+                        resume_from=latest if latest.exists() else None)
+    (work / "specforge.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
+    return {"config": work / "specforge.yaml", "draft_config": draft_json, "vocab_mapping": mapping,
+            "data": data, "num_samples": n, "checkpoint": runs, "export": work / "export", "eagle3": cfg}
+
+
+def train_specforge(train_records: list[dict], target: Target, target_dir: Path, dparams: DraftParams,
+                    tparams: TrainParams, out: Path, bin_path: str = "specforge", log=print) -> dict:
+    """Train with SpecForge and write a tidespec checkpoint at `out` (same layout as the embedded
+    trainer, tidespec fields added to config.json). Raises SpecForgeUnavailable when it cannot run
+    here and RuntimeError (with the log tail) when SpecForge fails. A rerun resumes from
+    SpecForge's `-latest` checkpoint."""
+    reason = unavailable_reason(bin_path)
+    if reason:
+        raise SpecForgeUnavailable(reason)
+    work = Path(out).with_name(Path(out).name + ".specforge")
+    run = prepare_run(train_records, target, target_dir, dparams, tparams, work)
+    train_argv, export_argv = commands(bin_path, run["config"], run["checkpoint"], run["draft_config"],
+                                       run["vocab_mapping"], run["export"])
+    for argv in (train_argv, export_argv):
+        log(" ".join(argv))
+        p = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if p.returncode:
+            raise RuntimeError(f"{argv[1]} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
+    draft = load_checkpoint(run["export"], target.embed)  # SpecForge's export, validated by our loader
+    if draft.config.aux_layer_ids != tuple(target.aux_layers) or draft.config.vocab_size != target.cfg.vocab_size:
+        raise RuntimeError(f"SpecForge export {run['export']} does not match the target: {draft.config}")
+    object.__setattr__(draft.config, "target_id", target.target_id)  # frozen; the export has no tidespec fields
+    save_checkpoint(draft, out, extra={"trainer": "specforge", "specforge_config": str(run["config"])})
+    return {"backend": "specforge", "num_samples": run["num_samples"], "export": str(run["export"])}

@@ -1,0 +1,106 @@
+"""SpecForge backend: offline-data conversion, target view, config fields, argv; unavailable without CUDA.
+
+Field names below are those of SpecForge's schema (sgl-project/SpecForge @ a6b6b0230009d15ec2a97a57384e6f53f0f96946,
+`specforge/config/schema.py`; every section rejects unknown keys, so a typo here would fail there).
+"""
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+import yaml
+
+from conftest import make_tiny_workspace
+from tidespec.config import DraftParams, TrainParams
+from tidespec.train import specforge as sf
+
+SCHEMA = {
+    "top": {"model", "data", "training", "tracking", "profiling", "runtime", "deployment", "run_id", "output_dir"},
+    "model": {"target_model_path", "draft_model_config", "target_backend", "vocab_mapping_path", "embedding_key",
+              "lm_head_key", "torch_dtype", "draft_checkpoint_path"},
+    "data": {"train_data_path", "prompts_path", "hidden_states_path", "max_length", "chat_template", "cache_dir"},
+    "training": {"strategy", "num_epochs", "max_steps", "batch_size", "accumulation_steps", "learning_rate",
+                 "ttt_length", "attention_backend", "save_interval", "log_interval", "max_checkpoints",
+                 "resume_from", "seed", "fsdp_sharding"},
+}
+
+
+def _recs(target, n=3, T=20):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, target.cfg.vocab_size, (T,), generator=g)
+        o = target.forward(ids, target.new_cache(T))
+        m = torch.zeros(T, dtype=torch.uint8)
+        m[5:] = 1
+        out.append({"input_ids": ids.int(), "loss_mask": m, "aux_hidden_states": o.aux.bfloat16(),
+                    "hidden_states": o.hidden.bfloat16()})
+    return out
+
+
+def test_offline_samples_match_specforge_layout(tiny_target, tmp_path):
+    recs = _recs(tiny_target)
+    assert sf.write_offline_data(recs, tmp_path / "hs", max_len=16) == 3
+    files = sorted((tmp_path / "hs").rglob("*.ckpt"))
+    assert [f.relative_to(tmp_path / "hs").as_posix() for f in files] == [
+        "rows_0-2000/data_0.ckpt", "rows_0-2000/data_1.ckpt", "rows_0-2000/data_2.ckpt"]
+    s = torch.load(files[1], weights_only=False)
+    H = tiny_target.cfg.hidden_size
+    assert set(s) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+    assert s["input_ids"].shape == (16,) and s["input_ids"].dtype == torch.int64
+    assert s["loss_mask"].dtype == torch.int64 and s["loss_mask"].tolist() == [0] * 5 + [1] * 10 + [0]
+    assert s["hidden_state"].shape == (1, 16, H) and s["hidden_state"].dtype == torch.bfloat16
+    assert s["aux_hidden_state"].shape == (1, 16, 3 * H)
+    assert torch.equal(s["aux_hidden_state"][0], recs[1]["aux_hidden_states"][:16])
+
+
+def test_target_view_and_config(tiny_target, tiny_target_dir, tmp_path):
+    recs = _recs(tiny_target)
+    run = sf.prepare_run(recs, tiny_target, tiny_target_dir, DraftParams(draft_vocab_size=64),
+                         TrainParams(epochs=2, ttt_steps=4, lr=2e-4), tmp_path / "w")
+    conf = yaml.safe_load(run["config"].read_text())
+    assert set(conf) <= SCHEMA["top"]
+    for sec in ("model", "data", "training"):
+        assert set(conf[sec]) <= SCHEMA[sec], sec
+    assert conf["training"]["ttt_length"] == 4 and conf["training"]["num_epochs"] == 2
+    assert conf["training"]["learning_rate"] == 2e-4 and conf["deployment"]["mode"] == "local_colocated"
+    assert conf["data"]["hidden_states_path"] == str(run["data"]) and run["num_samples"] == 3
+    view = tmp_path / "w" / "target"
+    import json
+    index = json.loads((view / "model.safetensors.index.json").read_text())
+    assert conf["model"]["lm_head_key"] in index["weight_map"]  # the tiny target ties its embedding
+    assert conf["model"]["lm_head_key"] == "model.embed_tokens.weight" and (view / "config.json").exists()
+    m = torch.load(run["vocab_mapping"])
+    assert m["d2t"].dtype == torch.int64 and m["d2t"].shape == (64,) and m["t2d"].shape == (320,)
+    cfg = json.loads(run["draft_config"].read_text())
+    assert cfg["draft_vocab_size"] == 64 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    tr, ex = sf.commands("specforge", run["config"], run["checkpoint"], run["draft_config"], run["vocab_mapping"],
+                         run["export"])
+    assert tr == ["specforge", "train", "--config", str(run["config"])]
+    assert ex[:4] == ["specforge", "export", "--to", "sglang"] and "--vocab-mapping" in ex
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this checks the no-GPU path")
+def test_unavailable_without_cuda_says_why(tmp_path, tiny_target_dir, monkeypatch):
+    assert "not found" in sf.unavailable_reason("no-such-specforge-binary")
+    monkeypatch.setattr(sf.shutil, "which", lambda name: None if name == "nvidia-smi" else "/usr/bin/" + name)
+    assert "needs a CUDA GPU" in sf.unavailable_reason("specforge")
+    from tidespec.cycle import step_curate, step_train
+    ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir)
+    step_curate(ws, params, target.target_id)
+    p = params.model_copy(update={"train": params.train.model_copy(update={"backend": "specforge",
+                                                                         "min_train_tokens": 8})})
+    with pytest.raises(sf.SpecForgeUnavailable, match="CUDA GPU"):
+        step_train(ws, p, ws.curated, None, ws.candidate)
+    assert not ws.candidate.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(sf.unavailable_reason("specforge") is not None, reason="needs CUDA + a SpecForge env")
+def test_specforge_trains_a_loadable_draft(tiny_target, tiny_target_dir, tmp_path):
+    recs = _recs(tiny_target, n=8, T=40)
+    sf.train_specforge(recs, tiny_target, tiny_target_dir, DraftParams(draft_vocab_size=64),
+                       TrainParams(epochs=1, ttt_steps=2), tmp_path / "d")
+    from tidespec.models.eagle3 import load_checkpoint
+    d = load_checkpoint(tmp_path / "d", tiny_target.embed, tiny_target.target_id)
+    assert d.config.draft_vocab_size == 64 and Counter((torch.arange(64) + d.d2t).tolist()).most_common(1)[0][1] == 1

@@ -1,0 +1,182 @@
+"""Trainer robustness: resume after a kill, NaN/Inf records, too-small sets, replay buffer, other targets."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import make_tiny_workspace
+from tidespec.capture.store import seal
+from tidespec.capture.writer import CaptureWriter
+from tidespec.config import CurateParams, DraftParams, TrainParams
+from tidespec.curate import curate
+from tidespec.models.eagle3 import load_checkpoint
+from tidespec.train.resume import state_dir
+from tidespec.train.trainer import train_draft
+
+
+def _records(target, n=6, T=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    recs = []
+    for _ in range(n):
+        ids = torch.randint(3, target.cfg.vocab_size, (T,), generator=g)
+        out = target.forward(ids, target.new_cache(T))
+        m = torch.zeros(T, dtype=torch.uint8)
+        m[T // 4:] = 1
+        recs.append({"input_ids": ids.int(), "loss_mask": m, "aux_hidden_states": out.aux.bfloat16(),
+                     "hidden_states": out.hidden.bfloat16()})
+    return recs
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tiny_target, tmp_path):
+    recs = _records(tiny_target, n=8)
+    dp = DraftParams(draft_vocab_size=64)
+    tp = TrainParams(epochs=3, ttt_steps=2, batch_tokens=80, checkpoint_every=2, lr=3e-3)
+    full = train_draft(recs[:6], recs[6:], tiny_target, dp, tp, tmp_path / "full")
+    assert full["resumed_from_step"] == 0 and not state_dir(tmp_path / "full").exists()
+
+    def kill_at_5(step, total, loss):
+        if step == 5:
+            raise Killed()
+    with pytest.raises(Killed):
+        train_draft(recs[:6], recs[6:], tiny_target, dp, tp, tmp_path / "cut", progress=kill_at_5)
+    assert (state_dir(tmp_path / "cut") / "state.pt").exists() and not (tmp_path / "cut").exists()
+    again = train_draft(recs[:6], recs[6:], tiny_target, dp, tp, tmp_path / "cut")
+    assert again["resumed_from_step"] == 4  # the last checkpoint before the kill
+    assert again["train/loss"] == full["train/loss"]
+    a = load_checkpoint(tmp_path / "full").state_dict()
+    b = load_checkpoint(tmp_path / "cut").state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_changed_params_do_not_resume_a_stale_state(tiny_target, tmp_path):
+    recs = _records(tiny_target, n=6)
+    dp = DraftParams(draft_vocab_size=64)
+    tp = TrainParams(epochs=2, ttt_steps=2, batch_tokens=80, checkpoint_every=1)
+
+    def kill(step, total, loss):
+        if step == 3:
+            raise Killed()
+    with pytest.raises(Killed):
+        train_draft(recs[:5], recs[5:], tiny_target, dp, tp, tmp_path / "o", progress=kill)
+    m = train_draft(recs[:5], recs[5:], tiny_target, dp, tp.model_copy(update={"lr": 5e-4}), tmp_path / "o")
+    assert m["resumed_from_step"] == 0
+
+
+def test_nonfinite_records_are_dropped_and_counted(tiny_target, tmp_path):
+    recs = _records(tiny_target, n=5)
+    recs[1]["aux_hidden_states"][7, 3] = float("nan")
+    recs[2]["hidden_states"][0, 0] = float("inf")
+    m = train_draft(recs[:4], recs[4:], tiny_target, DraftParams(draft_vocab_size=64),
+                    TrainParams(epochs=1, ttt_steps=2, batch_tokens=256), tmp_path / "d")
+    assert m["dropped/non_finite"] == 2 and m["train_examples"] == 2
+    sd = load_checkpoint(tmp_path / "d").state_dict()
+    assert all(torch.isfinite(v.float()).all() for v in sd.values())
+    with pytest.raises(ValueError, match="every training record was dropped"):
+        train_draft(recs[1:3], [], tiny_target, DraftParams(draft_vocab_size=64), TrainParams(epochs=1),
+                    tmp_path / "e")
+
+
+def test_draft_vocab_larger_than_distinct_tokens(tiny_target, tmp_path):
+    recs = _records(tiny_target, n=3, T=20)
+    distinct = len({t for r in recs for t in r["input_ids"].tolist()})
+    assert distinct < 200
+    m = train_draft(recs[:2], recs[2:], tiny_target, DraftParams(draft_vocab_size=300),
+                    TrainParams(epochs=1, ttt_steps=2), tmp_path / "v")
+    d = load_checkpoint(tmp_path / "v")
+    used = (torch.arange(300) + d.d2t).tolist()
+    assert len(set(used)) == 300 and max(used) < 320 and m["train_examples"] == 2
+
+
+def _rec(T, seed, H=8):
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, 100, (T,), generator=g).int(),
+            "loss_mask": torch.tensor([0] * 4 + [1] * (T - 4), dtype=torch.uint8),
+            "aux_hidden_states": torch.randn(T, 3 * H, generator=g).bfloat16(),
+            "hidden_states": torch.randn(T, H, generator=g).bfloat16()}
+
+
+def _snapshot(root, tid, wl, seeds, record_tid=None):
+    w = CaptureWriter(root / "cap", record_tid or tid, shard_max_records=8)
+    for s in seeds:
+        w.submit(_rec(12, s), request_id=f"{wl}{s}", workload=wl, acceptance_length=1.0)
+    w.close()
+    return seal(root / "cap", root / "snaps", record_tid or tid)
+
+
+def test_replay_buffer_mixes_older_snapshots(tmp_path):
+    _snapshot(tmp_path, "tid", "code", range(0, 20))
+    time.sleep(0.01)
+    _snapshot(tmp_path, "tid", "chat", range(100, 130))
+    p = CurateParams(window=1, val_fraction=0.2, replay_fraction=0.25)
+    r = curate(tmp_path / "snaps", "tid", p, tmp_path / "c.json")
+    idx = json.loads((tmp_path / "c.json").read_text())
+    fresh = [e for e in idx["train"] if not e.get("replay")]
+    replay = [e for e in idx["train"] if e.get("replay")]
+    assert {e["workload"] for e in fresh} == {"chat"} and {e["workload"] for e in replay} == {"code"}
+    assert r.num_replay == len(replay) == round(len(fresh) * 0.25 / 0.75)
+    assert idx["workload_mix"] == {"chat": len(fresh), "code": len(replay)}
+    assert all(e["workload"] == "chat" for e in idx["val"])  # holdout stays on the current window
+    none = curate(tmp_path / "snaps", "tid", p.model_copy(update={"replay_fraction": 0.0}), tmp_path / "d.json")
+    assert none.num_replay == 0
+
+
+def test_snapshot_of_another_target_is_refused(tmp_path):
+    s = _snapshot(tmp_path, "other", "code", range(3))
+    dest = tmp_path / "snaps" / "tid" / s.path.name  # misplaced under our target's directory
+    dest.parent.mkdir(parents=True)
+    os.replace(s.path, dest)
+    with pytest.raises(ValueError, match="holds records of target other"):
+        curate(tmp_path / "snaps", "tid", CurateParams(), tmp_path / "c.json")
+
+
+def test_too_small_set_skips_the_cycle(tmp_path, tiny_target_dir):
+    from tidespec.cycle import step_curate, step_train
+    ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir, n_requests=4, champion=True)
+    before = (ws.champion / "model.safetensors").read_bytes()
+    step_curate(ws, params, target.target_id)
+    p = params.model_copy(update={"train": params.train.model_copy(update={"min_train_tokens": 10_000})})
+    res = step_train(ws, p, ws.curated, ws.champion, ws.candidate)
+    assert "below train.min_train_tokens=10000" in res["skipped"]
+    assert not ws.candidate.exists() and (ws.champion / "model.safetensors").read_bytes() == before
+
+
+def test_stage_train_resumes_after_kill_9(tmp_path, tiny_target_dir):
+    """A real SIGKILL mid-training (`tidespec stage train` in a subprocess), then a rerun resumes."""
+    ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir, n_requests=12)
+    txt = (tmp_path / "params.yaml").read_text().replace(
+        "train: {ttt_steps: 2, epochs: 2,", "train: {checkpoint_every: 1, ttt_steps: 2, epochs: 150,")
+    (tmp_path / "params.yaml").write_text(txt)
+    from tidespec.cycle import step_curate
+    from tidespec.config import load_params
+    step_curate(ws, load_params(tmp_path / "params.yaml"), target.target_id)
+    cmd = [sys.executable, "-m", "tidespec.cli", "stage", "train", "--root", str(tmp_path),
+           "--params", str(tmp_path / "params.yaml")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = state_dir(ws.candidate) / "state.pt"
+    deadline = time.time() + 120
+    while time.time() < deadline and not state.exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert state.exists() and not ws.candidate.exists()
+    saved = torch.load(state, weights_only=False)["run"]["step"]
+    assert saved > 0
+    txt = (tmp_path / "params.yaml").read_text()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads((ws.candidate / "train_metrics.json").read_text())
+    assert m["resumed_from_step"] >= saved and len(m["train/loss"]) == 150
+    assert not state.exists()
