@@ -76,3 +76,41 @@ def test_bench_engine_without_drafts_says_what_to_do(tmp_path):
     with pytest.raises(ValueError, match="unknown workload"):
         bench_engine(root=tmp_path, params=params, static=None, adapted=None, prompts=1, max_new_tokens=1,
                      threads=1, prompt_lookup=10, workload=["poetry"], out=tmp_path / "out")
+
+
+def test_bench_train_on_tiny_target(tmp_path, tiny_target_dir):
+    """`bench train` end to end on the tiny target: snapshot, curate, train with a learning curve, replay τ."""
+    import json as _json
+
+    import torch as _torch
+
+    from tidespec.bench import train as bt
+    from tidespec.config import load_params
+    from tidespec.cycle import get_target
+    from conftest import tiny_params_yaml
+    (tmp_path / "params.yaml").write_text(tiny_params_yaml(tiny_target_dir))
+    p = load_params(tmp_path / "params.yaml")
+    target = get_target(p)[0]
+    g = _torch.Generator().manual_seed(0)
+    prompts = [(f"p{i}", _torch.randint(3, 320, (6,), generator=g).tolist()) for i in range(10)]
+    shift = [(f"m{i}", _torch.randint(3, 60, (5,), generator=g).tolist()) for i in range(8)]
+    rep = bt.run(p, tmp_path / "out", tmp_path / "root", target, prompts[:7], prompts[7:], max_new_tokens=12,
+                 fractions=(0.5, 1.0), progress=lambda s: None, shift=("math", shift[:6], shift[6:]))
+    assert [r["train_records"] for r in rep["runs"]] == [4, 7]  # 7 requests, half rounded
+    for r in rep["runs"]:
+        e = r["evaluate"]
+        assert e["mismatches"] == 0 and e["new_tokens"] == 3 * 12  # greedy replay == target-only outputs
+        assert 1.0 <= e["acceptance_length"] <= p.engine.num_draft_tokens + 1
+        assert len(r["curve"]) == p.train.epochs and len(r["curve"][0]["holdout_acc"]) == p.train.ttt_steps
+        assert r["cycle_seconds"]["total"] >= r["cycle_seconds"]["train"] > 0
+    assert rep["snapshot"]["train"]["records"] == 7 and rep["snapshot"]["holdout"]["records"] == 3
+    assert _json.loads((tmp_path / "out" / "train.json").read_text())["runs"][1]["fraction"] == 1.0
+    assert "τ at k=3" in (tmp_path / "out" / "train.md").read_text()
+    f = rep["forgetting"]
+    assert f["replay_0.0"]["num_replay"] == 0 and f["replay_0.25"]["num_replay"] == 2  # round(6 * .25 / .75)
+    assert f["replay_0.25"]["train_records"] == 8 and f["snapshot"]["train"]["records"] == 6
+    for key in ("replay_0.0", "replay_0.25"):
+        assert 1.0 <= f[key]["code"]["simulated_tau"] <= 4.0 and len(f[key]["math"]["acc"]) == p.train.ttt_steps
+    assert "Forgetting" in (tmp_path / "out" / "train.md").read_text()
+    again = bt.build_snapshot(tmp_path / "root", target, prompts[:7], prompts[7:], 12)  # cached
+    assert again == rep["snapshot"]

@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 
 import pytest
 import torch
@@ -174,7 +173,6 @@ def test_stage_train_resumes_after_kill_9(tmp_path, tiny_target_dir):
     assert state.exists() and not ws.candidate.exists()
     saved = torch.load(state, weights_only=False)["run"]["step"]
     assert saved > 0
-    txt = (tmp_path / "params.yaml").read_text()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads((ws.candidate / "train_metrics.json").read_text())

@@ -133,6 +133,60 @@ def _uri() -> str:
     return uri
 
 
+@bench_app.command("train")
+def bench_train(params: Path = PARAMS,
+                max_new_tokens: int = typer.Option(256, min=8, help="generated tokens per snapshot request"),
+                train_prompts: int = typer.Option(0, min=0, help="HumanEval train prompts served (0: all)"),
+                holdout_prompts: int = typer.Option(0, min=0, help="holdout prompts (0: all)"),
+                fractions: str = typer.Option("1.0", help="comma-separated data fractions, e.g. 0.25,0.5,1.0 "
+                                              "('' with --shift: reuse the last 100% draft)"),
+                epochs: int = typer.Option(None, min=1, help="override train.epochs"),
+                init: Path = typer.Option(None, help="warm start from this draft dir (default: from scratch)"),
+                threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
+                root: Path = typer.Option(None, help="snapshot/work dir (default: <cache>/bench/code-<target>-<tokens>)"),
+                shift: str = typer.Option("gsm-en", help="second workload for the forgetting/replay check ('' = skip)"),
+                shift_prompts: int = typer.Option(48, min=2, help="prompts of the shifted workload (30% held out)"),
+                out: Path = typer.Option(Path("bench/results"))):
+    """EAGLE3 training on a fixed code snapshot: τ at k on the holdout, tokens/s, time per cycle."""
+    from . import assets
+    from .bench import train as bench
+    from .config import load_params
+    from .cycle import get_target
+    p = load_params(params)
+    try:
+        fr = tuple(float(x) for x in fractions.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"--fractions {fractions!r}: comma-separated numbers in (0, 1]") from None
+    if not (fr or shift) or not all(0 < f <= 1 for f in fr):
+        raise typer.BadParameter(f"--fractions {fractions!r}: each must be in (0, 1]")
+    if init is not None and not (init / "model.safetensors").exists():
+        raise typer.BadParameter(f"--init {init}: not a draft dir (needs config.json + model.safetensors)")
+    if epochs:
+        p = p.model_copy(update={"train": p.train.model_copy(update={"epochs": epochs})})
+    if threads:
+        torch_threads(threads)
+    assets.fetch_all()
+    target, tok = get_target(p)
+    tr, ho = bench.humaneval_prompts(tok, p)
+    tr, ho = tr[: train_prompts or None], ho[: holdout_prompts or None]
+    root = root or assets.cache_dir() / "bench" / f"code-{target.target_id[:12]}-{len(tr)}x{len(ho)}-{max_new_tokens}"
+    sh = None
+    if shift:
+        from . import prompts as prompt_sets
+        from .bootstrap import prompt_ids
+        sp = prompt_sets.load(shift)[:shift_prompts]
+        s_tr, s_ho = prompt_sets.split(sp, p.workload.holdout_fraction, p.workload.seed)
+        sh = (shift, [(x.id, prompt_ids(tok, x.text)) for x in s_tr], [(x.id, prompt_ids(tok, x.text)) for x in s_ho])
+    rep = bench.run(p, out, root, target, tr, ho, max_new_tokens, fr, init, progress=console.print, shift=sh)
+    console.print((out / "train.md").read_text())
+    console.print(f"wrote {out / 'train.json'} and {out / 'train.md'} in {rep['wall_s'] / 60:.1f} min")
+
+
+def torch_threads(n: int) -> None:
+    import torch
+    torch.set_num_threads(n)
+
+
 @bench_app.command("engine")
 def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                  static: Path = typer.Option(None, help="static draft dir (default: the cached bootstrap draft)"),

@@ -164,8 +164,12 @@ def _data_fingerprint(records: list[dict]) -> str:
 
 def train_draft(train_records: list[dict], val_records: list[dict], target: Target, dparams: DraftParams,
                 tparams: TrainParams, out: Path, init: Path | None = None,
-                progress: Callable[[int, int, float], None] | None = None) -> dict:
+                progress: Callable[[int, int, float], None] | None = None,
+                on_epoch: Callable[[int, Eagle3Draft], dict] | None = None) -> dict:
     """Train (or warm-start) a draft and save it to `out` (config.json + model.safetensors + train_metrics.json).
+
+    `on_epoch(epoch, draft)` runs after each epoch (draft in eval mode, no grad); its dicts are
+    returned in order as metrics["curve"] (benchmarks log learning curves with it).
 
     Resumable: the training state (weights, AdamW, LR schedule, epoch, batch, RNG) is saved every
     `train.checkpoint_every` optimizer steps and at each epoch end under `<out>.train-state/`; a rerun
@@ -249,6 +253,12 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
         run["losses"].append(run["ep_loss"] / max(run["ep_n"], 1))
         run.update(epoch=ep + 1, batches_done=0, ep_loss=0.0, ep_n=0, corr=[0] * steps, cnt=[0] * steps,
                    epoch_rng=rng.getstate(), last_train_acc=train_acc)
+        if on_epoch:
+            draft.eval()
+            with torch.no_grad():
+                run.setdefault("curve", []).append({"epoch": ep + 1, "train_tokens": run["tokens"],
+                                                    "train_seconds": run["seconds"], **on_epoch(ep + 1, draft)})
+            draft.train()
         checkpoint()
     draft.eval()
     train_acc = run.get("last_train_acc", [0.0] * steps)
@@ -258,7 +268,8 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
                "train_tokens_per_s": run["tokens"] / secs if secs else 0.0, "train_tokens": run["tokens"],
                "simulated_acceptance_length": simulated_acceptance_length(val_acc),
                "train_examples": len(ex_train), "val_examples": len(ex_val),
-               "skipped_nonfinite_steps": run["skipped"], "resumed_from_step": resumed_from}
+               "skipped_nonfinite_steps": run["skipped"], "resumed_from_step": resumed_from,
+               "curve": run.get("curve", [])}
     metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
     metrics.update({f"train/acc_{j}": a for j, a in enumerate(train_acc)})
     metrics.update({f"val/acc_{j}": a for j, a in enumerate(val_acc)})
