@@ -104,3 +104,27 @@ def test_specforge_trains_a_loadable_draft(tiny_target, tiny_target_dir, tmp_pat
     from tidespec.models.eagle3 import load_checkpoint
     d = load_checkpoint(tmp_path / "d", tiny_target.embed, tiny_target.target_id)
     assert d.config.draft_vocab_size == 64 and Counter((torch.arange(64) + d.d2t).tolist()).most_common(1)[0][1] == 1
+
+
+def test_stale_work_dir_and_user_index_are_never_reused(tiny_target, tiny_target_dir, tmp_path):
+    """Breaker findings: another cycle's SpecForge run is not resumed; the target's own index.json is
+    not written through a link; NaN records are not exported."""
+    import json
+    recs = _recs(tiny_target)
+    work = tmp_path / "w"
+    tp = TrainParams(epochs=1)
+    run = sf.prepare_run(recs, tiny_target, tiny_target_dir, DraftParams(draft_vocab_size=64), tp, work)
+    latest = run["checkpoint"] / "tidespec-latest"
+    latest.mkdir(parents=True)  # as if SpecForge had saved a checkpoint
+    again = sf.prepare_run(recs, tiny_target, tiny_target_dir, DraftParams(draft_vocab_size=64), tp, work)
+    assert yaml.safe_load(again["config"].read_text())["training"]["resume_from"] == str(latest)  # same run
+    recs[0]["aux_hidden_states"][1, 1] = float("nan")
+    other = sf.prepare_run(recs, tiny_target, tiny_target_dir, DraftParams(draft_vocab_size=64), tp, work)
+    assert "resume_from" not in yaml.safe_load(other["config"].read_text())["training"] and not latest.exists()
+    assert other["num_samples"] == 2  # the NaN record is not exported
+    user = tmp_path / "user-model"
+    shutil.copytree(tiny_target_dir, user)
+    (user / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"keep": 1}, "weight_map": {}}))
+    sf.target_view(user, tmp_path / "view")
+    assert json.loads((user / "model.safetensors.index.json").read_text())["metadata"] == {"keep": 1}
+    assert not (tmp_path / "view" / "model.safetensors.index.json").is_symlink()

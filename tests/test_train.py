@@ -178,3 +178,61 @@ def test_stage_train_resumes_after_kill_9(tmp_path, tiny_target_dir):
     m = json.loads((ws.candidate / "train_metrics.json").read_text())
     assert m["resumed_from_step"] >= saved and len(m["train/loss"]) == 150
     assert not state.exists()
+
+
+def test_resume_state_is_keyed_on_contents_not_paths(tiny_target, tmp_path):
+    """A replaced warm start at the same path, or changed loss masks, start fresh (breaker findings)."""
+    from conftest import random_draft
+    from tidespec.models.eagle3 import save_checkpoint
+    recs = _records(tiny_target, n=6)
+    dp = DraftParams(draft_vocab_size=64)
+    tp = TrainParams(epochs=2, ttt_steps=2, batch_tokens=80, checkpoint_every=1)
+    save_checkpoint(random_draft(tiny_target, 64, seed=1), tmp_path / "champ")
+
+    def kill(step, total, loss):
+        if step == 3:
+            raise Killed()
+    with pytest.raises(Killed):
+        train_draft(recs[:5], recs[5:], tiny_target, dp, tp, tmp_path / "o", init=tmp_path / "champ", progress=kill)
+    save_checkpoint(random_draft(tiny_target, 64, seed=2), tmp_path / "champ")  # rollback/promote: same path
+    m = train_draft(recs[:5], recs[5:], tiny_target, dp, tp, tmp_path / "o", init=tmp_path / "champ")
+    assert m["resumed_from_step"] == 0
+    with pytest.raises(Killed):
+        train_draft(recs[:5], recs[5:], tiny_target, dp, tp, tmp_path / "p", progress=kill)
+    for r in recs:
+        r["loss_mask"][2] = 1 - r["loss_mask"][2]
+    m = train_draft(recs[:5], recs[5:], tiny_target, dp, tp, tmp_path / "p")
+    assert m["resumed_from_step"] == 0
+
+
+def test_record_without_learnable_positions_is_dropped(tiny_target, tmp_path):
+    recs = _records(tiny_target, n=4, T=60)
+    recs[0]["loss_mask"][:] = 0
+    recs[0]["loss_mask"][55:] = 1  # generated tokens all beyond max_seq_len
+    tp = TrainParams(epochs=1, ttt_steps=2, max_seq_len=48, batch_tokens=48, loss_on_prompt=False)
+    m = train_draft(recs[:3], recs[3:], tiny_target, DraftParams(draft_vocab_size=64), tp, tmp_path / "d")
+    assert m["dropped/no_valid_positions"] == 1 and m["train_examples"] == 2
+
+
+def test_nonfinite_hyperparameters_are_refused():
+    from pydantic import ValidationError
+    for bad in ({"lr": float("inf")}, {"weight_decay": float("nan")}, {"threads": -1}):
+        with pytest.raises(ValidationError):
+            TrainParams(**bad)
+    with pytest.raises(ValidationError):
+        DraftParams(intermediate_size=0)
+
+
+def test_skip_counts_only_new_traffic(tmp_path):
+    """Replayed old records do not lift a tiny new window over train.min_train_tokens."""
+    from tidespec.config import Params
+    from tidespec.cycle import skip_reason
+    _snapshot(tmp_path, "tid", "code", range(0, 40))
+    time.sleep(0.01)
+    _snapshot(tmp_path, "tid", "chat", range(100, 102))
+    cp = CurateParams(window=1, val_fraction=0.0, replay_fraction=0.9)
+    curate(tmp_path / "snaps", "tid", cp, tmp_path / "c.json")
+    idx = json.loads((tmp_path / "c.json").read_text())
+    assert sum(e["num_tokens"] for e in idx["train"]) >= 200 and idx["num_replay"] >= 18
+    p = Params(train=TrainParams(min_train_tokens=100))
+    assert "24 new tokens in 2 records" in skip_reason(p, tmp_path / "c.json")

@@ -159,7 +159,7 @@ def bench_train(params: Path = PARAMS,
         raise typer.BadParameter(f"--fractions {fractions!r}: comma-separated numbers in (0, 1]") from None
     if not (fr or shift) or not all(0 < f <= 1 for f in fr):
         raise typer.BadParameter(f"--fractions {fractions!r}: each must be in (0, 1]")
-    if init is not None and not (init / "model.safetensors").exists():
+    if init is not None and not ((init / "model.safetensors").exists() and (init / "config.json").exists()):
         raise typer.BadParameter(f"--init {init}: not a draft dir (needs config.json + model.safetensors)")
     if epochs:
         p = p.model_copy(update={"train": p.train.model_copy(update={"epochs": epochs})})

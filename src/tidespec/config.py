@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TargetParams(_Strict):
@@ -36,7 +36,7 @@ class EngineParams(_Strict):
 
 class DraftParams(_Strict):
     draft_vocab_size: int = Field(4096, ge=2)
-    intermediate_size: int | None = None  # None = target's
+    intermediate_size: int | None = Field(None, ge=1)  # None = target's
 
 
 class CaptureParams(_Strict):
@@ -82,7 +82,7 @@ class TrainParams(_Strict):
     checkpoint_every: int = Field(50, ge=0)  # optimizer steps between resumable state saves (0: epoch ends only)
     min_train_tokens: int = Field(512, ge=1)  # fewer curated tokens: the cycle is skipped, champion untouched
     seed: int = 0
-    threads: int | None = None
+    threads: int | None = Field(None, ge=1)
 
 
 class EvaluateParams(_Strict):

@@ -104,11 +104,11 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     train, val = [], []
     for r in chosen:
         (val if _val_bucket(r["request_id"], params.seed) < params.val_fraction else train).append(r)
-    replay = []
+    replay, replay_dropped = [], Counter()
     if params.replay_fraction > 0 and older:
         pool = []
         for snap in reversed(older):
-            pool += _scan(snap, target_id, params, seen, dropped, Counter(), tag={"replay": True})
+            pool += _scan(snap, target_id, params, seen, replay_dropped, Counter(), tag={"replay": True})
         pool = [r for r in pool if _val_bucket(r["request_id"], params.seed) >= params.val_fraction]
         want = round(len(train) * params.replay_fraction / (1 - params.replay_fraction))
         replay = sorted(pool, key=lambda r: _val_bucket("replay:" + r["request_id"], params.seed))[:want]
@@ -118,7 +118,8 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
         prev = json.loads(Path(previous).read_text())
         drift = jsd_bits(counts, Counter({int(k): v for k, v in prev.get("token_counts", {}).items()}))
     index = {"target_id": target_id, "snapshots": [str(s) for s in snaps], "replay_snapshots": [str(s) for s in older],
-             "train": train, "val": val, "num_replay": len(replay), "dropped": dict(dropped), "drift_jsd": drift,
+             "train": train, "val": val, "num_replay": len(replay), "dropped": dict(dropped),
+             "replay_dropped": dict(replay_dropped), "drift_jsd": drift,
              "workload_mix": dict(Counter(r["workload"] for r in train)),
              "token_counts": {str(k): v for k, v in counts.items()}}
     out = Path(out)

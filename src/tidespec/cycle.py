@@ -123,11 +123,13 @@ def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
 
 # -- train ------------------------------------------------------------------------------------
 def skip_reason(params: Params, curated: Path) -> str | None:
-    """Why a cycle should not train on this curated set (None: go ahead): too few tokens."""
+    """Why a cycle should not train on this curated set (None: go ahead): too few new tokens
+    (the window's records; replayed ones do not count)."""
     idx = json.loads(Path(curated).read_text())
-    n = sum(e["num_tokens"] for e in idx["train"])
+    fresh = [e for e in idx["train"] if not e.get("replay")]  # replayed old records are not new traffic
+    n = sum(e["num_tokens"] for e in fresh)
     if n < params.train.min_train_tokens:
-        return (f"curated training set has {n} tokens in {len(idx['train'])} records, below "
+        return (f"curated training set has {n} new tokens in {len(fresh)} records, below "
                 f"train.min_train_tokens={params.train.min_train_tokens}; capture more traffic (dropped: {idx['dropped']})")
     return None
 

@@ -114,6 +114,9 @@ def run(params: Params, out: Path, root: Path, target: Target, train_p, hold_p, 
     (workload name, train prompts, holdout prompts) for the forgetting/replay measurement, run
     warm-started from the largest fraction's draft. Returns the report."""
     t_start = time.perf_counter()
+    base = root / "work" / f"candidate-{max(fractions) if fractions else 1.0}"  # the forgetting run's warm start
+    if shift is not None and not fractions and not (base / "model.safetensors").exists():
+        raise FileNotFoundError(f"no trained code draft at {base}: run with a data fraction of 1.0 first")
     snap = build_snapshot(root, target, train_p, hold_p, max_new_tokens, params.engine.max_batch, progress)
     holdout = [json.loads(x) for x in (root / "holdout.jsonl").read_text().splitlines()]
     hold_recs = [r for _, r in iter_records(list_snapshots(root / "holdout", target.target_id)[0])]
@@ -156,9 +159,6 @@ def run(params: Params, out: Path, root: Path, target: Target, train_p, hold_p, 
                                                        "evaluate": t_eval, "total": time.perf_counter() - t0}})
     shifted = None
     if shift is not None:
-        base = root / "work" / f"candidate-{max(fractions) if fractions else 1.0}"  # no fractions: reuse the last run's
-        if not (base / "model.safetensors").exists():
-            raise FileNotFoundError(f"no trained code draft at {base}: run with a data fraction of 1.0 first")
         shifted = forgetting(params, root, target, base, shift[0], shift[1], shift[2], max_new_tokens, progress)
     rep = {"date": time.strftime("%Y-%m-%d"), "machine": {"cpu": platform.processor() or platform.machine(),
                                                           "threads": torch.get_num_threads()},
@@ -210,7 +210,7 @@ def forgetting(params: Params, root: Path, target: Target, base_draft: Path, nam
     info = json.loads(meta.read_text())
     code_hold = [r for _, r in iter_records(list_snapshots(root / "holdout", tid)[0])]
     new_hold = [r for _, r in iter_records(list_snapshots(sroot / "holdout", tid)[0])]
-    res = {"workload": name, "snapshot": info, "base": {"code": holdout_tau(target, base_draft, code_hold, params),
+    res = {"workload": name, "snapshot": info, "base_draft": base_draft.name, "base": {"code": holdout_tau(target, base_draft, code_hold, params),
                                                          name: holdout_tau(target, base_draft, new_hold, params)}}
     for rf in (0.0, params.curate.replay_fraction):
         cp = params.model_copy(update={"curate": params.curate.model_copy(update={
@@ -258,7 +258,7 @@ def markdown(rep: dict) -> str:
     if f:
         n = f["workload"]
         lines += ["", f"Forgetting: a second cycle on `{n}` ({f['snapshot']['train']['records']} requests), warm-started "
-                  "from the 100% draft; simulated τ at k (teacher-forced holdout accuracy):", "",
+                  f"from `{f['base_draft']}`; simulated τ at k (teacher-forced holdout accuracy):", "",
                   f"| draft | replay records | code holdout | {n} holdout |", "|---|---|---|---|",
                   f"| before (code draft) | - | {f['base']['code']['simulated_tau']:.2f} | "
                   f"{f['base'][n]['simulated_tau']:.2f} |"]

@@ -22,6 +22,24 @@ def fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def records_fingerprint(records: list[dict]) -> str:
+    """sha256 (16 hex) over every tensor field of every record, in order (bf16 hashed by its bits)."""
+    h = hashlib.sha256()
+    for r in records:
+        for f in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states"):
+            t = r[f].contiguous()
+            h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+def weights_digest(draft_dir: Path | None) -> str | None:
+    """sha256 (16 hex) of a draft dir's model.safetensors (None → None): a warm start by content, not path."""
+    if draft_dir is None:
+        return None
+    return hashlib.sha256((Path(draft_dir) / "model.safetensors").read_bytes()).hexdigest()[:16]
+
+
 def state_dir(out: Path) -> Path:
     """Where the training state for output dir `out` lives: `<out>.train-state/` beside it."""
     out = Path(out)

@@ -34,6 +34,7 @@ from safetensors import safe_open
 from ..config import DraftParams, TrainParams
 from ..models.eagle3 import Eagle3Config, build_vocab, count_tokens, load_checkpoint, save_checkpoint
 from ..models.target import Target
+from .resume import fingerprint, records_fingerprint
 
 
 class SpecForgeUnavailable(RuntimeError):
@@ -56,11 +57,15 @@ def write_offline_data(records: list[dict], out: Path, max_len: int) -> int:
     """Write capture records as SpecForge offline samples `out/rows_{a}-{a+2000}/data_{i}.ckpt`.
 
     Shapes/dtypes as the module docstring; sequences cut to `max_len`. The last loss-mask entry is
-    zeroed (it has no next token to predict, as SpecForge's own capture does). Returns the count.
+    zeroed (it has no next token to predict, as SpecForge's own capture does). Records with NaN/Inf
+    hidden states or under 3 tokens are skipped. Returns the number written.
     """
     n = 0
-    for i, r in enumerate(records):
+    for r in records:
         T = min(int(r["input_ids"].shape[0]), max_len)
+        if T < 3 or not (torch.isfinite(r["hidden_states"][:T]).all() and torch.isfinite(r["aux_hidden_states"][:T]).all()):
+            continue  # as the embedded trainer: NaN/Inf or too short → dropped (the caller counts the gap)
+        i = n
         lm = r["loss_mask"][:T].to(torch.int64).clone()
         lm[-1] = 0
         sample = {"input_ids": r["input_ids"][:T].to(torch.int64), "loss_mask": lm,
@@ -76,11 +81,11 @@ def write_offline_data(records: list[dict], out: Path, max_len: int) -> int:
 def target_view(target_dir: Path, out: Path) -> tuple[Path, str]:
     """A directory SpecForge's TargetHead reads: links to the target's files plus a
     `model.safetensors.index.json`. Returns (dir, lm_head_key); tied embeddings → the embedding key."""
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # fresh links: the target may have changed
+    out.mkdir(parents=True)
     for f in Path(target_dir).iterdir():
-        link = out / f.name
-        if not link.exists():
-            link.symlink_to(f.resolve())
+        if not f.name.endswith(".index.json"):  # ours is written below; never write through a link
+            (out / f.name).symlink_to(f.resolve())
     weight_map = {}
     for st in sorted(Path(target_dir).glob("*.safetensors")):
         with safe_open(str(st), "pt") as fh:
@@ -118,12 +123,18 @@ def commands(bin_path: str, config: Path, checkpoint: Path, draft_config: Path, 
 
 def prepare_run(train_records: list[dict], target: Target, target_dir: Path, dparams: DraftParams,
                 tparams: TrainParams, work: Path) -> dict:
-    """Write everything `specforge train` needs under `work`; returns paths and the draft config."""
+    """Write everything `specforge train` needs under `work`; returns paths and the draft config.
+    A `work` dir left by a run with other data/params/target is wiped first (resume only the same run)."""
     cfg = Eagle3Config.for_target(target.cfg, target.aux_layers, dparams.draft_vocab_size,
                                   dparams.intermediate_size, target.target_id)
     counts: Counter = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
     d2t, t2d = build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size)
+    fp = fingerprint(tparams.model_dump(exclude={"threads"}), dparams.model_dump(), target.target_id,
+                     records_fingerprint(train_records))
+    if (work / "fingerprint").exists() and (work / "fingerprint").read_text() != fp:
+        shutil.rmtree(work)  # another cycle's run: never resume it
     work.mkdir(parents=True, exist_ok=True)
+    (work / "fingerprint").write_text(fp)
     mapping = work / "vocab_mapping.pt"
     torch.save({"d2t": d2t, "t2d": t2d}, mapping)
     draft_json = work / "draft_config.json"
@@ -146,7 +157,7 @@ def train_specforge(train_records: list[dict], target: Target, target_dir: Path,
     """Train with SpecForge and write a tidespec checkpoint at `out` (same layout as the embedded
     trainer, tidespec fields added to config.json). Raises SpecForgeUnavailable when it cannot run
     here and RuntimeError (with the log tail) when SpecForge fails. A rerun resumes from
-    SpecForge's `-latest` checkpoint."""
+    SpecForge's `-latest` checkpoint of the same run (same data, params, target)."""
     reason = unavailable_reason(bin_path)
     if reason:
         raise SpecForgeUnavailable(reason)
@@ -163,5 +174,7 @@ def train_specforge(train_records: list[dict], target: Target, target_dir: Path,
     if draft.config.aux_layer_ids != tuple(target.aux_layers) or draft.config.vocab_size != target.cfg.vocab_size:
         raise RuntimeError(f"SpecForge export {run['export']} does not match the target: {draft.config}")
     object.__setattr__(draft.config, "target_id", target.target_id)  # frozen; the export has no tidespec fields
-    save_checkpoint(draft, out, extra={"trainer": "specforge", "specforge_config": str(run["config"])})
-    return {"backend": "specforge", "num_samples": run["num_samples"], "export": str(run["export"])}
+    save_checkpoint(draft, out, extra={"trainer": "specforge"})
+    shutil.rmtree(work, ignore_errors=True)  # done: the next cycle must not resume this run
+    return {"backend": "specforge", "num_samples": run["num_samples"],
+            "dropped": len(train_records) - run["num_samples"]}

@@ -9,7 +9,6 @@ simulated acceptance length 1 + Σ_k Π_{j≤k} acc_j.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -27,7 +26,7 @@ from ..engine.stats import simulated_acceptance_length
 from ..models.eagle3 import (Eagle3Config, Eagle3Draft, build_vocab, count_tokens, load_checkpoint,
                              remap_lm_head, save_checkpoint)
 from ..models.target import Target
-from .resume import clear_state, fingerprint, load_state, save_state, state_dir
+from .resume import clear_state, fingerprint, load_state, records_fingerprint, save_state, state_dir, weights_digest
 
 
 @dataclass
@@ -47,8 +46,9 @@ def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int
 
     `loss_on_prompt`: also learn the target's distribution at prompt positions (loss_mask == 0).
     SpecForge masks them; on small captures they are extra in-domain signal for free.
-    Records with NaN/Inf hidden states or shorter than 3 tokens are dropped and counted in
-    `dropped` (keys `non_finite`, `too_short`).
+    Records with NaN/Inf hidden states, shorter than 3 tokens, or without a position to learn
+    (all cut off by `max_len`, or every target argmax outside the draft vocab) are dropped and
+    counted in `dropped` (keys `non_finite`, `too_short`, `no_valid_positions`).
     """
     out = []
     dropped = Counter() if dropped is None else dropped
@@ -66,6 +66,9 @@ def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int
             full = target.logits_from_hidden(hid)  # [T, V]
         keep = torch.ones(T, dtype=torch.bool) if loss_on_prompt else r["loss_mask"][:T].bool()
         valid = keep & t2d[full.argmax(-1)]
+        if not valid[1:].any():  # nothing to learn (e.g. generation cut off by max_len, or out of vocab)
+            dropped["no_valid_positions"] += 1
+            continue
         out.append(Example(r["aux_hidden_states"][:T].float(), r["input_ids"][:T].long(),
                            full[:, cols].to(torch.bfloat16), valid))
     return out
@@ -154,14 +157,6 @@ def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) 
     return draft
 
 
-def _data_fingerprint(records: list[dict]) -> str:
-    h = hashlib.sha256()
-    for r in records:
-        h.update(r["input_ids"].to(torch.int32).numpy().tobytes())
-        h.update(b"|")
-    return h.hexdigest()[:16]
-
-
 def train_draft(train_records: list[dict], val_records: list[dict], target: Target, dparams: DraftParams,
                 tparams: TrainParams, out: Path, init: Path | None = None,
                 progress: Callable[[int, int, float], None] | None = None,
@@ -177,7 +172,10 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     uninterrupted run. Returns metrics (names per DESIGN.md): `train/loss` (per epoch list),
     `train/acc_{j}`, `val/acc_{j}`, `simulated_acceptance_length`, `train_tokens_per_s` (non-padding
     tokens per second of optimizer steps), `train_seconds`, `train_tokens`, `dropped/{reason}`,
-    `skipped_nonfinite_steps`, `resumed_from_step`. Raises ValueError for an empty training set.
+    `val_dropped/{reason}`, `skipped_nonfinite_steps` (batches with a non-finite loss or nothing to
+    learn), `resumed_from_step`. The resume fingerprint covers params, every record's tensors, the
+    target (id, dtype, aux layers) and the warm start's weights. Raises ValueError for an empty
+    training set, or when training diverged (non-finite weights; nothing is saved).
     """
     if not train_records:
         raise ValueError("no training records after curation; capture more traffic")
@@ -189,7 +187,8 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     draft.train()
     dropped: Counter = Counter()
     ex_train = prepare(train_records, target, draft.t2d, tparams.max_seq_len, tparams.loss_on_prompt, dropped)
-    ex_val = prepare(val_records, target, draft.t2d, tparams.max_seq_len, dropped=Counter())
+    val_dropped: Counter = Counter()
+    ex_val = prepare(val_records, target, draft.t2d, tparams.max_seq_len, dropped=val_dropped)
     if not ex_train:
         raise ValueError(f"every training record was dropped ({dict(dropped)}); capture more traffic")
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -202,8 +201,8 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     torch.manual_seed(tparams.seed)
     steps = tparams.ttt_steps
     sdir = state_dir(out)
-    fp = fingerprint(tparams.model_dump(exclude={"threads"}), dparams.model_dump(), str(init) if init else None,
-                     _data_fingerprint(train_records))
+    fp = fingerprint(tparams.model_dump(exclude={"threads"}), dparams.model_dump(), weights_digest(init),
+                     target.target_id, str(target.dtype), list(target.aux_layers), records_fingerprint(train_records))
     st = load_state(sdir, fp)
     run = {"step": 0, "epoch": 0, "batches_done": 0, "losses": [], "tokens": 0, "seconds": 0.0, "skipped": 0,
            "ep_loss": 0.0, "ep_n": 0, "corr": [0] * steps, "cnt": [0] * steps, "epoch_rng": rng.getstate()}
@@ -228,7 +227,7 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
                 continue
             loss, c, n = ttt_loss(draft, aux, ids, tl, valid, kv, steps, tparams.loss_decay)
             run["batches_done"] = bi + 1
-            if not torch.isfinite(loss):  # a bad batch must not poison the weights
+            if not loss.requires_grad or not torch.isfinite(loss):  # nothing to learn / a bad batch
                 run["skipped"] += 1
                 continue
             opt.zero_grad(set_to_none=True)
@@ -261,6 +260,8 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
             draft.train()
         checkpoint()
     draft.eval()
+    if not all(torch.isfinite(p).all() for p in params):
+        raise ValueError(f"training diverged (non-finite weights; lr {tparams.lr}); nothing saved, lower train.lr")
     train_acc = run.get("last_train_acc", [0.0] * steps)
     val_acc = evaluate_examples(draft, ex_val, steps, batch_tokens) if ex_val else train_acc
     secs = run["seconds"]
@@ -271,6 +272,7 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
                "skipped_nonfinite_steps": run["skipped"], "resumed_from_step": resumed_from,
                "curve": run.get("curve", [])}
     metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
+    metrics.update({f"val_dropped/{k}": v for k, v in val_dropped.items()})
     metrics.update({f"train/acc_{j}": a for j, a in enumerate(train_acc)})
     metrics.update({f"val/acc_{j}": a for j, a in enumerate(val_acc)})
     save_checkpoint(draft, out, extra={"warm_start": str(init) if init else None})
