@@ -241,6 +241,8 @@ def markdown(rep: dict) -> str:
              f"{rep['params']['draft']['draft_vocab_size']}; init: {rep['init'] or 'scratch'}.", "",
              f"| data | records | τ at k={k} (replay) | per-position acceptance | = target-only | simulated τ (holdout) "
              "| train tok/s | cycle s (curate/train/eval) |", "|---|---|---|---|---|---|---|---|"]
+    if not rep["runs"]:  # a forgetting-only run (--fractions ''): no training table
+        lines = lines[:-3]
     for r in rep["runs"]:
         e, t, c = r["evaluate"], r["train"], r["cycle_seconds"]
         pos = "/".join(f"{e[f'accepted_per_pos/{i}']:.2f}" for i in range(k))
@@ -248,8 +250,9 @@ def markdown(rep: dict) -> str:
                      f"{'yes' if e['mismatches'] == 0 else 'NO (' + str(e['mismatches']) + ')'} | "
                      f"{t['simulated_acceptance_length']:.2f} | {t['train_tokens_per_s']:.0f} | "
                      f"{c['total']:.0f} ({c['curate']:.0f}/{c['train']:.0f}/{c['evaluate']:.0f}) |")
-    lines += ["", "Learning curve (holdout teacher-forced accuracy per TTT step, after each epoch):", "",
-              "| data | epoch | train tokens | holdout acc_0..acc_{n} | simulated τ |", "|---|---|---|---|---|"]
+    if rep["runs"]:
+        lines += ["", "Learning curve (holdout teacher-forced accuracy per TTT step, after each epoch):", "",
+                  "| data | epoch | train tokens | holdout acc_0..acc_{n} | simulated τ |", "|---|---|---|---|---|"]
     for r in rep["runs"]:
         for c in r["curve"]:
             lines.append(f"| {r['fraction']:.0%} | {c['epoch']} | {c['train_tokens']} | "
