@@ -236,3 +236,13 @@ def test_skip_counts_only_new_traffic(tmp_path):
     assert sum(e["num_tokens"] for e in idx["train"]) >= 200 and idx["num_replay"] >= 18
     p = Params(train=TrainParams(min_train_tokens=100))
     assert "24 new tokens in 2 records" in skip_reason(p, tmp_path / "c.json")
+
+
+def test_params_file_typos_are_errors(tmp_path):
+    from tidespec.config import load_params
+    with pytest.raises(FileNotFoundError, match="drop --params"):
+        load_params(tmp_path / "parms.yaml")
+    (tmp_path / "p.yaml").write_text("train: [a\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_params(tmp_path / "p.yaml")
+    assert load_params(tmp_path / "params.yaml").train.ttt_steps == 4  # the default name may be absent

@@ -75,7 +75,10 @@ def stage_train(root: Path = ROOT, params: Path = PARAMS):
     from .config import load_params
     from .cycle import step_train
     ws = _ws(root)
-    m = step_train(ws, load_params(params), ws.curated, ws.champion if ws.champion.exists() else None, ws.candidate)
+    p = load_params(params)
+    from .cycle import preflight
+    preflight(p)
+    m = step_train(ws, p, ws.curated, ws.champion if ws.champion.exists() else None, ws.candidate)
     if m.get("skipped"):
         console.print(f"[red]cycle skipped, champion untouched:[/red] {m['skipped']}")
         raise typer.Exit(3)
@@ -99,6 +102,9 @@ def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
     from .demo import load_flow
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         raise typer.BadParameter("set MLFLOW_TRACKING_URI (eval $(tidespec services up))")
+    from .config import load_params
+    from .cycle import preflight
+    preflight(load_params(params))
     res = load_flow(root.resolve())(root=str(root.resolve()), params_path=str(params), snapshot_rev=snapshot_rev)
     if res.get("skipped"):
         console.print(f"cycle skipped, champion untouched: {res['skipped']}")
@@ -161,6 +167,13 @@ def bench_train(params: Path = PARAMS,
         raise typer.BadParameter(f"--fractions {fractions!r}: each must be in (0, 1]")
     if init is not None and not ((init / "model.safetensors").exists() and (init / "config.json").exists()):
         raise typer.BadParameter(f"--init {init}: not a draft dir (needs config.json + model.safetensors)")
+    if p.train.backend != "embedded":
+        raise typer.BadParameter("bench train measures the embedded trainer; set train.backend: embedded "
+                                 "(the SpecForge backend runs in its own environment on a GPU)")
+    if shift:
+        from . import prompts as prompt_sets
+        if shift not in prompt_sets.NAMES:
+            raise typer.BadParameter(f"--shift {shift!r}: unknown prompt set; valid: {', '.join(prompt_sets.NAMES)}")
     if epochs:
         p = p.model_copy(update={"train": p.train.model_copy(update={"epochs": epochs})})
     if threads:
@@ -231,6 +244,12 @@ def main() -> None:
         app(standalone_mode=False)
     except (ValueError, FileNotFoundError) as e:
         Console(stderr=True).print(f"[red]error:[/red] {e}")
+        sys.exit(2)
+    except RuntimeError as e:
+        from .train.specforge import SpecForgeUnavailable
+        if not isinstance(e, SpecForgeUnavailable):
+            raise
+        Console(stderr=True).print(f"[red]unavailable:[/red] {e}")
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)

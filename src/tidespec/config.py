@@ -113,11 +113,18 @@ class Params(_Strict):
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate params.yaml. Raises ValueError naming the file and the bad key."""
+    """Read and validate params.yaml. A missing `params.yaml` (the default name) means the defaults;
+    any other missing path is a FileNotFoundError (a typo must not silently run on defaults).
+    Raises ValueError naming the file and the bad key or the YAML error."""
     path = Path(path)
     if not path.exists():
-        return Params()
-    raw = yaml.safe_load(path.read_text()) or {}
+        if path.name == "params.yaml":
+            return Params()
+        raise FileNotFoundError(f"params file {path} not found; fix the path or drop --params to use ./params.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
     try:
         return Params.model_validate(raw)
     except ValidationError as e:

@@ -134,6 +134,16 @@ def skip_reason(params: Params, curated: Path) -> str | None:
     return None
 
 
+def preflight(params: Params) -> None:
+    """Fail before serving or loading anything when the configured trainer cannot run here
+    (train.backend: specforge without CUDA or without its CLI). Raises SpecForgeUnavailable."""
+    if params.train.backend == "specforge":
+        from .train.specforge import SpecForgeUnavailable, unavailable_reason
+        reason = unavailable_reason(params.train.specforge_bin)
+        if reason:
+            raise SpecForgeUnavailable(reason)
+
+
 def step_train(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path,
                progress=None) -> dict:
     """Train a candidate from the curated index, warm-started from `init` when given and
@@ -141,6 +151,9 @@ def step_train(ws: Workspace, params: Params, curated: Path, init: Path | None, 
     small (`skip_reason`; nothing is written, the champion keeps serving). A killed run resumes
     from its last training-state checkpoint. Raises ValueError for another target's set."""
     from .train.trainer import train_draft
+    if not Path(curated).exists():
+        raise FileNotFoundError(f"curated index {curated} missing: run `tidespec stage curate` (or the flow) first")
+    preflight(params)
     target, _ = get_target(params)
     idx = json.loads(Path(curated).read_text())
     if idx["target_id"] != target.target_id:

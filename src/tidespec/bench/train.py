@@ -116,7 +116,8 @@ def run(params: Params, out: Path, root: Path, target: Target, train_p, hold_p, 
     t_start = time.perf_counter()
     base = root / "work" / f"candidate-{max(fractions) if fractions else 1.0}"  # the forgetting run's warm start
     if shift is not None and not fractions and not (base / "model.safetensors").exists():
-        raise FileNotFoundError(f"no trained code draft at {base}: run with a data fraction of 1.0 first")
+        raise FileNotFoundError(f"no trained code draft at {base}: run with a data fraction of 1.0 first, with the "
+                                "same --max-new-tokens/--train-prompts/--holdout-prompts (they name the snapshot dir)")
     snap = build_snapshot(root, target, train_p, hold_p, max_new_tokens, params.engine.max_batch, progress)
     holdout = [json.loads(x) for x in (root / "holdout.jsonl").read_text().splitlines()]
     hold_recs = [r for _, r in iter_records(list_snapshots(root / "holdout", target.target_id)[0])]
