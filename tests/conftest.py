@@ -70,6 +70,22 @@ def random_draft(target, vd: int = 64, counts=None, seed: int = 0):
     return d
 
 
+def tiny_records(target, n: int = 6, T: int = 40, seed: int = 0) -> list[dict]:
+    """Capture-format records of random token ids run through `target` (loss on the last 3/4)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    recs = []
+    for _ in range(n):
+        ids = torch.randint(3, target.cfg.vocab_size, (T,), generator=g)
+        out = target.forward(ids, target.new_cache(T))
+        m = torch.zeros(T, dtype=torch.uint8)
+        m[T // 4:] = 1
+        recs.append({"input_ids": ids.int(), "loss_mask": m, "aux_hidden_states": out.aux.bfloat16(),
+                     "hidden_states": out.hidden.bfloat16()})
+    return recs
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("tiny-target"))

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import random_draft
+from conftest import random_draft, tiny_records
 from tidespec.config import DraftParams, TrainParams
 from tidespec.models.eagle3 import DraftRunner, build_vocab, load_checkpoint, save_checkpoint
 from tidespec.train.trainer import batches, init_draft, prepare, train_draft, ttt_loss
@@ -16,17 +16,7 @@ def _draft(tiny_target, vd=64, seed=0):
     return random_draft(tiny_target, vd, Counter({i: 1000 - i for i in range(3, 200)}), seed)
 
 
-def _records(target, n=6, T=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    recs = []
-    for _ in range(n):
-        ids = torch.randint(3, target.cfg.vocab_size, (T,), generator=g)
-        out = target.forward(ids, target.new_cache(T))
-        m = torch.zeros(T, dtype=torch.uint8)
-        m[T // 4:] = 1
-        recs.append({"input_ids": ids.int(), "loss_mask": m, "aux_hidden_states": out.aux.bfloat16(),
-                     "hidden_states": out.hidden.bfloat16()})
-    return recs
+_records = tiny_records
 
 
 def test_forward_shapes(tiny_target):

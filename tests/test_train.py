@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import make_tiny_workspace
+from conftest import make_tiny_workspace, tiny_records
 from tidespec.capture.store import seal
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CurateParams, DraftParams, TrainParams
@@ -19,17 +19,7 @@ from tidespec.train.resume import state_dir
 from tidespec.train.trainer import train_draft
 
 
-def _records(target, n=6, T=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    recs = []
-    for _ in range(n):
-        ids = torch.randint(3, target.cfg.vocab_size, (T,), generator=g)
-        out = target.forward(ids, target.new_cache(T))
-        m = torch.zeros(T, dtype=torch.uint8)
-        m[T // 4:] = 1
-        recs.append({"input_ids": ids.int(), "loss_mask": m, "aux_hidden_states": out.aux.bfloat16(),
-                     "hidden_states": out.hidden.bfloat16()})
-    return recs
+_records = tiny_records
 
 
 class Killed(Exception):
