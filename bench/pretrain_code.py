@@ -6,9 +6,12 @@ cut into chunks), wrapped as chat answers ("```python ...```") and teacher-force
 every position — as the static bootstrap does with ShareGPT). The draft trained on it is the
 `--init` of a `tidespec bench train` run on the fixed HumanEval snapshot.
 
-    .venv/bin/python bench/pretrain_code.py --chunks 240 --out /tmp/code-pretrained
+    PYTHONPATH=src .venv/bin/python bench/pretrain_code.py --chunks 300 --epochs 2 --out /tmp/code-pretrained
     .venv/bin/tidespec bench train --init /tmp/code-pretrained --fractions 1.0 --shift '' \
-        --max-new-tokens 192 --epochs 6 --out bench/results/init-code
+        --max-new-tokens 192 --epochs 6 --out /tmp/init-code
+
+The committed figures: bench/results/pretrain-code-summary.json (this script) and
+bench/results/train-init-code.{json,md} (the bench run).
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def chunks(tok, n: int, max_tokens: int) -> list[list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--chunks", type=int, default=240)
+    ap.add_argument("--chunks", type=int, default=300)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--out", type=Path, required=True)
