@@ -177,7 +177,8 @@ def bench_train(params: Path = PARAMS,
     if epochs:
         p = p.model_copy(update={"train": p.train.model_copy(update={"epochs": epochs})})
     if threads:
-        torch_threads(threads)
+        import torch
+        torch.set_num_threads(threads)
     assets.fetch_all()
     target, tok = get_target(p)
     tr, ho = bench.humaneval_prompts(tok, p)
@@ -193,11 +194,6 @@ def bench_train(params: Path = PARAMS,
     rep = bench.run(p, out, root, target, tr, ho, max_new_tokens, fr, init, progress=console.print, shift=sh)
     console.print((out / "train.md").read_text())
     console.print(f"wrote {out / 'train.json'} and {out / 'train.md'} in {rep['wall_s'] / 60:.1f} min")
-
-
-def torch_threads(n: int) -> None:
-    import torch
-    torch.set_num_threads(n)
 
 
 @bench_app.command("engine")

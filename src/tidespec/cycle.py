@@ -177,12 +177,11 @@ def _train_specforge(params: Params, target: Target, train: list[dict], val: lis
     from .engine.stats import simulated_acceptance_length
     from .models.eagle3 import load_checkpoint
     from .train.specforge import train_specforge
-    from .train.trainer import evaluate_examples, prepare
+    from .train.trainer import holdout_accuracy
     m = train_specforge(train, target, target_dir(params.target.source), params.draft, params.train, out,
                         params.train.specforge_bin)
-    draft = load_checkpoint(out, target.embed.float(), target.target_id)
-    ex = prepare(val, target, draft.t2d, params.train.max_seq_len)
-    acc = evaluate_examples(draft, ex, params.train.ttt_steps, params.train.batch_tokens) if ex else []
+    acc = holdout_accuracy(load_checkpoint(out, target.embed.float(), target.target_id).eval(), target, val,
+                           params.train)
     m.update({f"val/acc_{j}": a for j, a in enumerate(acc)})
     m["simulated_acceptance_length"] = simulated_acceptance_length(acc) if acc else None
     (Path(out) / "train_metrics.json").write_text(json.dumps(m, indent=2))

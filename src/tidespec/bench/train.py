@@ -28,7 +28,7 @@ from ..engine.speculative import Engine, Request
 from ..engine.stats import SpecDecodingStats, simulated_acceptance_length
 from ..models.eagle3 import DraftRunner, load_checkpoint
 from ..models.target import Target
-from ..train.trainer import evaluate_examples, prepare, train_draft
+from ..train.trainer import evaluate_examples, holdout_accuracy, prepare, train_draft
 
 
 def humaneval_prompts(tok, params: Params) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
@@ -66,7 +66,10 @@ def serve_and_capture(target: Target, prompts: list[tuple[str, list[int]]], max_
 
 def build_snapshot(root: Path, target: Target, train_p, hold_p, max_new_tokens: int, max_batch: int = 8,
                    progress: Callable[[str], None] = print) -> dict:
-    """The fixed code snapshot under `root` (reused when `root/snapshot.json` exists)."""
+    """Serve and seal the fixed snapshot under `root` (reused when `root/snapshot.json` exists):
+    train prompts → `root/data/snapshots/<target>/`, holdout → `root/holdout/<target>/` plus
+    `root/holdout.jsonl` (ids, prompt ids, target-only reference outputs). Returns the metadata
+    (records, tokens, serve tokens/s and seconds per part)."""
     meta = root / "snapshot.json"
     if meta.exists():
         return json.loads(meta.read_text())
@@ -89,8 +92,10 @@ def build_snapshot(root: Path, target: Target, train_p, hold_p, max_new_tokens: 
 
 def replay_tau(target: Target, draft_dir: Path, holdout: list[dict], k: int, max_new_tokens: int,
                max_batch: int = 8) -> dict:
-    """Greedy speculative replay of the holdout (batched): τ, acceptance, per-position acceptance
-    (unconditional, vLLM's `accepted_per_pos`), mismatches vs the target-only reference outputs."""
+    """Greedy speculative replay of the holdout, batched (`cycle.replay` runs one request at a time
+    to interleave configurations; here only τ matters): τ, acceptance rate, per-position acceptance
+    (unconditional, vLLM's `accepted_per_pos`), mismatches vs the target-only reference outputs,
+    seconds (wall), new_tokens."""
     runner = DraftRunner(load_checkpoint(draft_dir, target.embed, target.target_id))
     L = max(len(h["input_ids"]) for h in holdout) + max_new_tokens + k + 2
     eng = Engine(target, runner, k, L, max_batch=max_batch)
@@ -175,10 +180,8 @@ def run(params: Params, out: Path, root: Path, target: Target, train_p, hold_p, 
 
 def holdout_tau(target: Target, draft_dir: Path, recs: list[dict], params: Params) -> dict:
     """Teacher-forced holdout accuracy per TTT step and the simulated τ at k (no replay: cheap)."""
-    d = load_checkpoint(draft_dir, target.embed.float(), target.target_id).eval()
-    ex = prepare(recs, target, d.t2d, params.train.max_seq_len)
-    with torch.no_grad():
-        acc = evaluate_examples(d, ex, params.train.ttt_steps, params.train.batch_tokens)
+    acc = holdout_accuracy(load_checkpoint(draft_dir, target.embed.float(), target.target_id).eval(), target, recs,
+                           params.train)
     return {"acc": acc, "simulated_tau": simulated_acceptance_length(acc[: params.engine.num_draft_tokens])}
 
 
@@ -231,6 +234,8 @@ def forgetting(params: Params, root: Path, target: Target, base_draft: Path, nam
 
 
 def markdown(rep: dict) -> str:
+    """The report `run` returns, as the markdown written to train.md (tables: τ per fraction,
+    learning curve, forgetting)."""
     k = rep["num_draft_tokens"]
     s = rep["snapshot"]
     lines = [f"# EAGLE3 training on a fixed code snapshot ({rep['date']})", "",

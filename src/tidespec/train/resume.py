@@ -70,4 +70,5 @@ def load_state(d: Path, fp: str) -> dict | None:
 
 
 def clear_state(d: Path) -> None:
+    """Remove a state dir (after a finished run); a missing dir is fine."""
     shutil.rmtree(d, ignore_errors=True)

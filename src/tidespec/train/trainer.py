@@ -127,7 +127,8 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
 
 
 def evaluate_examples(draft, examples, steps, batch_tokens) -> list[float]:
-    """Per-step accuracy on examples (no grad)."""
+    """Teacher-forced accuracy per TTT step (argmax agreement with the target, in [0, 1]; `steps`
+    values) over prepared `examples`, batched by `batch_tokens`; no grad."""
     corr, cnt = [0] * steps, [0] * steps
     with torch.no_grad():
         for aux, ids, tl, valid, kv in batches(examples, batch_tokens, False, random.Random(0)):
@@ -135,6 +136,13 @@ def evaluate_examples(draft, examples, steps, batch_tokens) -> list[float]:
             corr = [a + b for a, b in zip(corr, c)]
             cnt = [a + b for a, b in zip(cnt, n)]
     return [c / n if n else 0.0 for c, n in zip(corr, cnt)]
+
+
+def holdout_accuracy(draft: Eagle3Draft, target: Target, records: list[dict], tparams: TrainParams) -> list[float]:
+    """`evaluate_examples` on capture records (generated positions only; prepared with the draft's
+    vocab). Returns `tparams.ttt_steps` accuracies, empty when no record is usable."""
+    ex = prepare(records, target, draft.t2d, tparams.max_seq_len)
+    return evaluate_examples(draft, ex, tparams.ttt_steps, tparams.batch_tokens) if ex else []
 
 
 def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) -> Eagle3Draft:
