@@ -40,8 +40,17 @@ class DraftParams(_Strict):
 
 
 class CaptureParams(_Strict):
-    queue_size: int = Field(64, ge=1)
+    queue_size: int = Field(64, ge=1)  # finished requests waiting for the writer; full → dropped, counted
     shard_max_records: int = Field(16, ge=1)
+    sample_rate: float = Field(1.0, gt=0, le=1)  # share of requests captured (by request-id hash)
+    max_acceptance_rate: float | None = Field(None, ge=0, le=1)  # TIDE filter: keep requests served below it
+    compression: Literal["none", "zstd"] = "none"  # zstd: byte-shuffled bf16, ~0.68× the bytes
+    disk_quota_mb: float | None = Field(None, gt=0)  # unsealed capture bytes; over it capture stops (counted)
+    min_free_disk_mb: float = Field(512, ge=0)  # stop capture (counted) before the filesystem fills
+    seal_min_tokens: int = Field(16384, ge=1)  # seal a snapshot once this many tokens are unsealed
+    seal_max_age_s: float | None = Field(3600, gt=0)  # ... or once the oldest unsealed record is this old
+    keep_local_snapshots: int = Field(8, ge=1)  # retention: older sealed snapshots live only on the DVC remote
+    store_text: bool = False  # raw prompt/completion text in the manifest (off: token ids + hidden states only)
 
 
 class BootstrapParams(_Strict):
@@ -105,6 +114,9 @@ class Params(_Strict):
     def _check(self):
         if self.curate.max_tokens < self.curate.min_tokens:
             raise ValueError("curate.max_tokens must be >= curate.min_tokens")
+        if self.capture.keep_local_snapshots < self.curate.window:
+            raise ValueError(f"capture.keep_local_snapshots ({self.capture.keep_local_snapshots}) must be >= "
+                             f"curate.window ({self.curate.window}): curate reads the window's snapshots locally")
         return self
 
     def sha(self) -> str:

@@ -1,116 +1,324 @@
 """Asynchronous capture writer: a bounded queue drained by a background thread.
 
-`submit` never blocks the engine: when the queue is full the record is dropped and counted
-(`capture_dropped_total`). Records are converted to bf16 and written on the writer thread.
+`submit` never blocks the engine: it only enqueues. Records are dropped and counted by reason
+(`capture_dropped_total{reason}`) when the queue is full (slow disk), the quota
+(`capture.disk_quota_mb`, unsealed bytes) or the free-disk floor (`capture.min_free_disk_mb`)
+is reached, or the writer is closed/failed. The TIDE filter (`capture.sample_rate` at
+admission, `capture.max_acceptance_rate` at finish; TIDE/"online speculative decoding" keep the
+requests the draft serves worst) counts what it skips as `filtered{reason}`.
+
+On the writer thread: bf16 conversion, shard encoding (optionally zstd), atomic write, manifest
+append, and sealing into a snapshot when `seal_min_tokens` unsealed tokens or `seal_max_age_s`
+is reached. The slow follow-up of a seal (`on_seal`: DVC add/push, Prefect event, retention)
+runs on a second thread, so it never stalls capture.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
+import shutil
 import threading
 import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from .store import ManifestRow, append_manifest, private_dir, prompt_hash, utc_now, write_shard
+from .store import (ManifestRow, SnapshotInfo, append_manifest, parse_ts, private_dir, prompt_hash,
+                    read_manifest, recover, seal, shard_name, utc_now, write_shard)
 
 log = logging.getLogger(__name__)
 _STOP = object()
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CaptureStats:
+    """Counters of one writer (Prometheus names: `capture_<field>`; bytes/token for the bench)."""
+
+    written_total: int
+    tokens_total: int
+    bytes_total: int  # shard bytes written (after compression)
+    dropped: dict[str, int] = field(default_factory=dict)  # reason → records
+    filtered: dict[str, int] = field(default_factory=dict)  # reason → requests not captured by the filter
+    sealed_total: int = 0
+    unsealed_tokens: int = 0
+    queue_depth: int = 0
+    publish_errors: int = 0
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_total / self.tokens_total if self.tokens_total else 0.0
+
+
+def _bucket(request_id: str, seed: int) -> float:
+    h = hashlib.sha256(f"capture:{seed}:{request_id}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2 ** 64
 
 
 class CaptureWriter:
     """Writes finished requests to `directory` as shards of up to `shard_max_records` records.
 
-    Counters: `written_total`, `dropped_total`, `bytes_total` (shard bytes on disk).
+    With `snapshots_root`, seals `directory` into `snapshots_root/<target_id>/<sid>/` when
+    `seal_min_tokens` unsealed tokens or `seal_max_age_s` (age of the oldest unsealed record)
+    is reached, then calls `on_seal(SnapshotInfo)` on a publisher thread. On start it removes
+    temp files and finishes seals a crash interrupted (publishing those too).
     """
 
-    def __init__(self, directory: Path, target_id: str, queue_size: int = 64, shard_max_records: int = 16):
+    def __init__(self, directory: Path, target_id: str, queue_size: int = 64, shard_max_records: int = 16, *,
+                 compression: str = "none", disk_quota_mb: float | None = None, min_free_disk_mb: float = 0.0,
+                 sample_rate: float = 1.0, max_acceptance_rate: float | None = None, store_text: bool = False,
+                 snapshots_root: Path | None = None, seal_min_tokens: int | None = None,
+                 seal_max_age_s: float | None = None, on_seal: Callable[[SnapshotInfo], object] | None = None,
+                 idle_flush_s: float = 2.0, seed: int = 0):
+        if compression not in ("none", "zstd"):
+            raise ValueError(f"compression must be 'none' or 'zstd', got {compression!r}")
         self.dir = private_dir(Path(directory))
-        for tmp in self.dir.glob(".*.tmp"):  # leftovers of a crash: never in the manifest
-            tmp.unlink(missing_ok=True)
-        self.manifest = self.dir / "manifest.jsonl"
         self.target_id = target_id
         self.shard_max = shard_max_records
+        self.compression = compression
+        self.quota = disk_quota_mb * MB if disk_quota_mb else None
+        self.min_free = min_free_disk_mb * MB
+        self.sample_rate, self.max_acceptance_rate, self.seed = sample_rate, max_acceptance_rate, seed
+        self.store_text = store_text
+        self.snapshots_root = Path(snapshots_root) if snapshots_root else None
+        self.seal_min_tokens, self.seal_max_age_s = seal_min_tokens, seal_max_age_s
+        self.on_seal = on_seal
+        self.idle_flush_s = idle_flush_s
+        self.manifest = self.dir / "manifest.jsonl"
         self.q: queue.Queue = queue.Queue(maxsize=queue_size)
-        self.written_total = 0
-        self.dropped_total = 0
-        self.bytes_total = 0
+        self._lock = threading.Lock()  # counters
+        self._dropped: Counter = Counter()
+        self._filtered: Counter = Counter()
+        self.written_total = self.tokens_total = self.bytes_total = self.sealed_total = 0
+        self.publish_errors = 0
         self.error: BaseException | None = None
+        self._full: str | None = None  # latched drop reason (quota / disk) until a seal frees space
         self._pending: list[tuple[dict, dict]] = []
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tidespec-publish") if on_seal else None
+        for info in recover(self.dir, self.snapshots_root, target_id):
+            self._publish(info)
+        self._rescan()
         self._thread = threading.Thread(target=self._run, name="tidespec-capture", daemon=True)
         self._thread.start()
 
-    def submit(self, record: dict[str, torch.Tensor], *, request_id: str, workload: str,
-               acceptance_length: float, prompt_id: str = "") -> bool:
-        """Enqueue one finished request (tensors per store.FIELDS). Returns False if dropped."""
-        if not self._thread.is_alive():
-            self.dropped_total += 1
-            return False
-        meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length),
-                    prompt_id=prompt_id, ts=utc_now())
-        try:
-            self.q.put_nowait((record, meta))
-            return True
-        except queue.Full:
-            self.dropped_total += 1
-            return False
+    @classmethod
+    def from_params(cls, directory: Path, target_id: str, p, snapshots_root: Path | None = None,
+                    on_seal: Callable[[SnapshotInfo], object] | None = None, **kw) -> "CaptureWriter":
+        """A writer configured by `params.capture` (CaptureParams)."""
+        return cls(directory, target_id, p.queue_size, p.shard_max_records, compression=p.compression,
+                   disk_quota_mb=p.disk_quota_mb, min_free_disk_mb=p.min_free_disk_mb, sample_rate=p.sample_rate,
+                   max_acceptance_rate=p.max_acceptance_rate, store_text=p.store_text,
+                   snapshots_root=snapshots_root, seal_min_tokens=p.seal_min_tokens,
+                   seal_max_age_s=p.seal_max_age_s, on_seal=on_seal, **kw)
 
-    def flush(self, timeout_s: float = 60.0) -> None:
-        """Block until everything queued so far is on disk (pending shard written)."""
-        done = threading.Event()
+    # -- engine side (never blocks) -------------------------------------------------------
+    def wants(self, request_id: str) -> bool:
+        """Admission: capture this request? (`sample_rate`, by request-id hash; counts `sampled_out`).
+        Ask before serving so unsampled requests do not even collect hidden states."""
+        if self.sample_rate >= 1.0 or _bucket(request_id, self.seed) < self.sample_rate:
+            return True
+        with self._lock:
+            self._filtered["sampled_out"] += 1
+        return False
+
+    def submit(self, record: dict[str, torch.Tensor], *, request_id: str, workload: str,
+               acceptance_length: float, prompt_id: str = "", acceptance_rate: float | None = None,
+               text: dict | None = None) -> bool:
+        """Enqueue one finished request (tensors per store.FIELDS, any float dtype: cast to bf16 on the
+        writer thread). `acceptance_rate`: serving-time accepted/drafted (None: no drafts), filtered
+        by `max_acceptance_rate`. `text` ({"prompt", "completion"}) is kept only with `store_text`.
+        Returns True if queued; False if filtered or dropped (both counted)."""
+        if (self.max_acceptance_rate is not None and acceptance_rate is not None
+                and acceptance_rate >= self.max_acceptance_rate):
+            with self._lock:
+                self._filtered["high_acceptance"] += 1
+            return False
+        reason = self._full or (None if self._thread.is_alive() else ("failed" if self.error else "closed"))
+        if reason is None:
+            meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length),
+                        acceptance_rate=None if acceptance_rate is None else float(acceptance_rate),
+                        prompt_id=prompt_id, ts=utc_now(), text=text if self.store_text else None)
+            try:
+                self.q.put_nowait((record, meta))
+                return True
+            except queue.Full:
+                reason = "queue_full"
+        with self._lock:
+            self._dropped[reason] += 1
+        return False
+
+    def stats(self) -> CaptureStats:
+        with self._lock:
+            return CaptureStats(self.written_total, self.tokens_total, self.bytes_total, dict(self._dropped),
+                                dict(self._filtered), self.sealed_total, self._unsealed_tokens, self.q.qsize(),
+                                self.publish_errors)
+
+    @property
+    def dropped_total(self) -> int:
+        with self._lock:
+            return sum(self._dropped.values())
+
+    # -- control ---------------------------------------------------------------------------
+    def _command(self, name: str, timeout_s: float) -> Future:
+        fut: Future = Future()
         deadline = time.monotonic() + timeout_s
         while True:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"capture writer is not running ({self.error or 'closed'})")
             try:
-                self.q.put(("flush", done), timeout=0.1)
-                break
+                self.q.put((name, fut), timeout=0.1)
+                return fut
             except queue.Full:
                 if time.monotonic() > deadline:
-                    raise TimeoutError("capture queue did not drain")
-        if not done.wait(max(0.0, deadline - time.monotonic())):
-            raise TimeoutError("capture flush timed out")
+                    raise TimeoutError("capture queue did not drain") from None
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Block until everything queued so far is on disk (pending shard written). Raises
+        RuntimeError if the writer failed, TimeoutError if the disk is too slow."""
+        self._command("flush", timeout_s).result(timeout_s)
         if self.error:
             raise RuntimeError(f"capture writer failed: {self.error}") from self.error
 
-    def close(self) -> None:
-        """Flush and stop the writer thread; idempotent. Later `submit` calls are dropped and counted."""
-        if not self._thread.is_alive():
-            return
-        self.flush()
-        self.q.put(_STOP)
-        self._thread.join(timeout=30)
+    def seal_now(self, timeout_s: float = 120.0) -> SnapshotInfo | None:
+        """Write what is queued and seal it into a snapshot now (None if nothing was captured).
+        Needs `snapshots_root`."""
+        if self.snapshots_root is None:
+            raise ValueError("this writer has no snapshots_root: construct it with one to seal")
+        return self._command("seal", timeout_s).result(timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Flush, stop the writer thread and wait for publishing; idempotent. Later `submit`
+        calls are dropped and counted (`closed`). Unsealed records stay for the next writer."""
+        if self._thread.is_alive():
+            try:
+                self.flush(timeout_s)
+            finally:
+                self.q.put(_STOP)
+                self._thread.join(timeout=timeout_s)
+        if self._publisher:
+            self._publisher.shutdown(wait=True)
+
+    # -- writer thread ---------------------------------------------------------------------
+    def _rescan(self) -> None:
+        rows = read_manifest(self.dir)
+        with self._lock:
+            self._unsealed_tokens = sum(r.num_tokens for r in rows)
+        self._oldest = min((parse_ts(r.ts) for r in rows), default=None)
+        self._usage = sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file())
 
     def _run(self) -> None:
         while True:
-            item = self.q.get()
+            try:
+                item = self.q.get(timeout=self.idle_flush_s)
+            except queue.Empty:
+                item = ("idle", None)
             if item is _STOP:
                 return
+            kind, arg = item if isinstance(item[0], str) else ("record", None)
             try:
-                if item[0] == "flush":
+                if kind == "record":
+                    self._pending.append(item)
+                    if len(self._pending) >= self.shard_max:
+                        self._write_pending()
+                elif kind == "idle":  # traffic paused: nothing lingers in memory; space may be back
                     self._write_pending()
-                    item[1].set()
+                    if self._full and self._disk_reason(0) is None:
+                        self._full = None
+                else:  # flush | seal
+                    self._write_pending()
+                    info = self._seal("manual") if kind == "seal" else None
+                    arg.set_result(info)
                     continue
-                self._pending.append(item)
-                if len(self._pending) >= self.shard_max:
-                    self._write_pending()
-            except Exception as e:  # keep serving; report on flush
+                self._maybe_seal()
+            except Exception as e:  # noqa: BLE001 - keep serving; reported on flush
                 log.exception("capture write failed")
                 self.error = e
-                if item[0] == "flush":
-                    item[1].set()
+                with self._lock:
+                    self._dropped["write_error"] += len(self._pending)
+                self._pending = []
+                if kind in ("flush", "seal") and not arg.done():
+                    arg.set_exception(e)
+
+    def _disk_reason(self, nbytes: int) -> str | None:
+        if self.quota is not None and self._usage + nbytes > self.quota:
+            return "disk_quota"
+        if self.min_free and shutil.disk_usage(self.dir).free - nbytes < self.min_free:
+            return "disk_full"
+        return None
 
     def _write_pending(self) -> None:
         if not self._pending:
             return
-        name = f"shard-{time.time_ns()}.safetensors"
-        records = [r for r, _ in self._pending]
-        path = write_shard(self.dir, name, records)
+        batch, self._pending = self._pending, []
+        est = sum(sum(t.numel() * 2 for t in r.values()) for r, _ in batch)  # bf16 upper bound
+        reason = self._disk_reason(est)
+        if reason:
+            self._full = reason
+            with self._lock:
+                self._dropped[reason] += len(batch)
+            log.warning("capture stopped (%s): %d records dropped; seal/free space to resume", reason, len(batch))
+            return
+        name = shard_name(f"shard-{time.time_ns()}", self.compression)
+        path = write_shard(self.dir, name, [r for r, _ in batch], self.compression)
         rows = [ManifestRow(request_id=m["request_id"], ts=m["ts"], workload=m["workload"],
                             target_id=self.target_id, num_tokens=int(r["input_ids"].shape[0]),
                             acceptance_length=m["acceptance_length"], shard=name, offset=i,
-                            prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"])
-                for i, (r, m) in enumerate(self._pending)]
+                            prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"],
+                            acceptance_rate=m["acceptance_rate"], text=m["text"])
+                for i, (r, m) in enumerate(batch)]
         append_manifest(self.manifest, rows)
-        self.bytes_total += path.stat().st_size
-        self.written_total += len(rows)
-        self._pending = []
+        size = path.stat().st_size
+        ntok = sum(r.num_tokens for r in rows)
+        self._usage += size
+        self._oldest = min(self._oldest or time.time(), min(parse_ts(r.ts) for r in rows))
+        with self._lock:
+            self.bytes_total += size
+            self.written_total += len(rows)
+            self.tokens_total += ntok
+            self._unsealed_tokens += ntok
+
+    def _maybe_seal(self) -> None:
+        if self.snapshots_root is None or self._oldest is None:
+            return
+        if self.seal_min_tokens and self._unsealed_tokens >= self.seal_min_tokens:
+            self._seal("tokens")
+        elif self.seal_max_age_s and time.time() - self._oldest >= self.seal_max_age_s:
+            self._write_pending()
+            self._seal("age")
+
+    def _seal(self, reason: str) -> SnapshotInfo | None:
+        if self.snapshots_root is None:
+            raise ValueError("no snapshots_root")
+        info = seal(self.dir, self.snapshots_root, self.target_id, reason)
+        self._rescan()
+        self._full = None if self._disk_reason(0) is None else self._full
+        if info:
+            with self._lock:
+                self.sealed_total += 1
+            self._publish(info)
+        return info
+
+    def _publish(self, info: SnapshotInfo) -> None:
+        if self._publisher is None:
+            return
+
+        def run():
+            try:
+                self.on_seal(info)
+            except Exception:  # noqa: BLE001 - the snapshot is sealed locally; publishing retries on the next seal
+                log.exception("publishing snapshot %s failed", info.snapshot_id)
+                with self._lock:
+                    self.publish_errors += 1
+        self._publisher.submit(run)
+
+
+__all__ = ["CaptureWriter", "CaptureStats"]
