@@ -1,8 +1,9 @@
 """Shared pytest fixtures.
 
 Service fixtures (session scoped, started on free loopback ports under one tmp state dir,
-stopped at session end): ``services_state_dir``, ``mlflow_server``, ``prefect_server``
-(each server fixture yields its URL: MLFLOW_TRACKING_URI / PREFECT_API_URL).
+stopped at session end): ``services_state_dir``, ``mlflow_server``, ``prefect_server``,
+``moto_server`` (each server fixture yields its URL: MLFLOW_TRACKING_URI / PREFECT_API_URL /
+AWS_ENDPOINT_URL).
 """
 
 from __future__ import annotations
@@ -34,6 +35,26 @@ def prefect_server(services_state_dir):
     svc = services.up(services_state_dir, which=("prefect",))["prefect"]
     yield svc.url
     services.down(services_state_dir, which=("prefect",))
+
+
+@pytest.fixture(scope="session")
+def moto_server(services_state_dir):
+    """AWS endpoint URL of a real moto server (S3 + SageMaker API emulator) for this session."""
+    from tidespec import services
+
+    svc = services.up(services_state_dir, which=("moto",))["moto"]
+    yield svc.url
+    services.down(services_state_dir, which=("moto",))
+
+
+@pytest.fixture
+def aws_env(moto_server, monkeypatch):
+    """Client env for the moto server (endpoint, test credentials, region); returns the endpoint."""
+    from tidespec import services
+
+    for k, v in (services.MOTO_ENV | {"AWS_ENDPOINT_URL": moto_server}).items():
+        monkeypatch.setenv(k, v)
+    return moto_server
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -112,22 +133,22 @@ def tiny_params_yaml(target_dir) -> str:
 target: {{source: "{target_dir}"}}
 engine: {{num_draft_tokens: 3, max_seq_len: 256, max_new_tokens: 24}}
 draft: {{draft_vocab_size: 64}}
-capture: {{shard_max_records: 4}}
-curate: {{window: 2, min_tokens: 4, val_fraction: 0.2}}
+capture: {{shard_max_records: 4, keep_local_snapshots: 2}}
+curate: {{window: 2, min_tokens: 4, val_fraction: 0.2, holdout_fraction: 0.25}}
 train: {{ttt_steps: 2, epochs: 2, batch_tokens: 512, max_seq_len: 128, min_train_tokens: 16}}
 evaluate: {{max_new_tokens: 16, min_relative_gain: 0.0}}
 """
 
 
-def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool = False):
+def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool = False, seed: int = 0):
     """A workspace with params.yaml, one sealed snapshot captured by the engine on the tiny target,
-    holdout prompts, and (optionally) a champion draft. Returns (Workspace, Params, Target)."""
+    and (optionally) a champion draft (curate splits the holdout off the snapshot). Returns (Workspace, Params, Target)."""
     import torch
 
     from tidespec.capture.store import seal
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
-    from tidespec.cycle import Workspace, get_target, write_eval_prompts
+    from tidespec.cycle import Workspace, get_target
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
 
@@ -137,15 +158,14 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     ws = Workspace(root)
     eng = Engine(target, None, 3, 256)
     w = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, shard_max_records=4)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     for i in range(n_requests):
         prompt = torch.randint(3, 320, (8,), generator=g).tolist()
         out = eng.generate(prompt, 24, capture=True)
-        w.submit(out.record, request_id=f"req{i}", workload="code", acceptance_length=1.0, prompt_id=f"p{i}")
+        rid = f"req{i}" if seed == 0 else f"req{seed}-{i}"
+        w.submit(out.record, request_id=rid, workload="code", acceptance_length=1.0, prompt_id=f"p{i}")
     w.close()
     seal(ws.capture_dir(target.target_id), ws.snapshots, target.target_id)
-    write_eval_prompts(ws.eval_prompts, [(f"h{i}", "code", torch.randint(3, 320, (6,), generator=g).tolist())
-                                         for i in range(3)])
     if champion:
         save_checkpoint(random_draft(target, 64, seed=1), ws.champion)
     return ws, params, target

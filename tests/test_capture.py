@@ -1,14 +1,18 @@
-"""Capture: round trip, manifest ↔ shards, torn shards ignored, sealing, curate split + drift."""
+"""Capture: round trip (both codecs), manifest ↔ shards, torn shards ignored, drop reasons, filter,
+quota, auto-seal, privacy; curate splits (no leakage) and drift."""
 import json
 import os
+import threading
+import time
+from collections import Counter
 
 import pytest
 import torch
 
-from tidespec.capture.store import list_snapshots, read_manifest, read_record, seal
+from tidespec.capture.store import list_snapshots, load_snapshot, read_manifest, read_record, seal
 from tidespec.capture.writer import CaptureWriter
-from tidespec.config import CurateParams
-from tidespec.curate import curate, jsd_bits
+from tidespec.config import CurateParams, Params
+from tidespec.curate import curate, jsd_bits, snapshot_drift
 
 
 def _rec(T, H=8, seed=0, prompt_len=4):
@@ -20,27 +24,66 @@ def _rec(T, H=8, seed=0, prompt_len=4):
             "hidden_states": torch.randn(T, H, generator=g).bfloat16()}
 
 
-def test_roundtrip_and_manifest(tmp_path):
-    w = CaptureWriter(tmp_path / "cap", "tid", queue_size=16, shard_max_records=3)
+def _mode(p):
+    return oct(os.stat(p).st_mode & 0o777)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_roundtrip_and_manifest(tmp_path, compression):
+    w = CaptureWriter(tmp_path / "cap", "tid", queue_size=16, shard_max_records=3, compression=compression)
     recs = [_rec(10 + i, seed=i) for i in range(7)]
     for i, r in enumerate(recs):
-        assert w.submit(r, request_id=f"r{i}", workload="code", acceptance_length=1.5)
+        # fp32 hidden states in (as the engine produces them): stored as bf16
+        fp32 = dict(r, aux_hidden_states=r["aux_hidden_states"].float(), hidden_states=r["hidden_states"].float())
+        assert w.submit(fp32, request_id=f"r{i}", workload="code", acceptance_length=1.5, text={"prompt": "secret"})
     w.close()
     rows = read_manifest(tmp_path / "cap")
     assert [r.request_id for r in rows] == [f"r{i}" for i in range(7)]
     assert len({r.shard for r in rows}) == 3  # 3 + 3 + 1 (flushed on close)
+    assert all(r.text is None for r in rows)  # store_text off: no raw text
     for row, r in zip(rows, recs):
         back = read_record(tmp_path / "cap", row)
         assert row.num_tokens == r["input_ids"].shape[0]
         for k in r:
             assert back[k].dtype == r[k].dtype and torch.equal(back[k], r[k]), k
-    shards = sorted(p.name for p in (tmp_path / "cap").glob("*.safetensors"))
+    shards = sorted(p.name for p in (tmp_path / "cap").glob("shard-*"))
     assert shards == sorted({r.shard for r in rows})
-    assert oct(os.stat(tmp_path / "cap").st_mode & 0o777) == "0o700"
-    assert w.written_total == 7 and w.dropped_total == 0 and w.bytes_total > 0
+    assert all(s.endswith(".zst") == (compression == "zstd") for s in shards)
+    assert _mode(tmp_path / "cap") == "0o700"
+    assert {_mode(p) for p in (tmp_path / "cap").iterdir()} == {"0o600"}
+    st = w.stats()
+    assert st.written_total == 7 and st.dropped_total == 0 and st.tokens_total == sum(range(10, 17))
+    raw_bytes_per_token = 4 * 8 * 2 + 4 + 1  # (3H + H) bf16 + int32 id + uint8 mask
+    assert st.bytes_per_token == pytest.approx(st.bytes_total / st.tokens_total)
+    assert st.bytes_per_token > (raw_bytes_per_token if compression == "none" else 0)
     w.close()  # idempotent
     assert not w.submit(recs[0], request_id="late", workload="code", acceptance_length=1.0)
-    assert w.dropped_total == 1 and len(read_manifest(tmp_path / "cap")) == 7
+    assert w.stats().dropped == {"closed": 1} and len(read_manifest(tmp_path / "cap")) == 7
+
+
+def test_zstd_is_smaller_on_smooth_states(tmp_path):
+    """Byte-shuffled zstd pays on hidden states (exponent bytes repeat); random bf16 would not."""
+    g = torch.Generator().manual_seed(0)
+    T, H = 64, 64
+    base = torch.randn(1, 4 * H, generator=g)
+    h = (base + 0.05 * torch.randn(T, 4 * H, generator=g)).bfloat16()
+    r = {"input_ids": torch.arange(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
+         "aux_hidden_states": h[:, :3 * H], "hidden_states": h[:, 3 * H:]}
+    sizes = {}
+    for c in ("none", "zstd"):
+        w = CaptureWriter(tmp_path / c, "tid", compression=c)
+        w.submit(r, request_id="a", workload="x", acceptance_length=1.0)
+        w.close()
+        sizes[c] = w.stats().bytes_total
+        assert torch.equal(read_record(tmp_path / c, read_manifest(tmp_path / c)[0])["hidden_states"], r["hidden_states"])
+    assert sizes["zstd"] < 0.8 * sizes["none"]
+
+
+def test_store_text_opt_in(tmp_path):
+    w = CaptureWriter(tmp_path / "cap", "tid", store_text=True)
+    w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0, text={"prompt": "p", "completion": "c"})
+    w.close()
+    assert read_manifest(tmp_path / "cap")[0].text == {"prompt": "p", "completion": "c"}
 
 
 def test_unlisted_and_torn_files_are_ignored(tmp_path):
@@ -57,50 +100,175 @@ def test_unlisted_and_torn_files_are_ignored(tmp_path):
     snap = seal(tmp_path / "cap", tmp_path / "snaps", "tid")
     assert snap.num_records == 1 and [r.request_id for r in read_manifest(snap.path)] == ["a"]
     assert not (snap.path / "shard-999.safetensors").exists()
+    assert _mode(snap.path) == "0o700" and {_mode(p) for p in snap.path.iterdir()} == {"0o600"}
 
 
-def test_full_queue_drops_and_counts(tmp_path, monkeypatch):
-    import time
-
+def test_hung_disk_drops_never_blocks(tmp_path, monkeypatch):
+    """The disk hangs (write_shard blocks): submit still returns at once, the overflow is counted."""
     import tidespec.capture.writer as wm
+    entered, gate = threading.Event(), threading.Event()
     real = wm.write_shard
-    monkeypatch.setattr(wm, "write_shard", lambda *a: (time.sleep(0.05), real(*a))[1])  # slow disk
+    monkeypatch.setattr(wm, "write_shard", lambda *a: (entered.set(), gate.wait(), real(*a))[2])
     w = CaptureWriter(tmp_path / "cap", "tid", queue_size=2, shard_max_records=1)
-    t0 = time.perf_counter()
-    ok = [w.submit(_rec(6, seed=i), request_id=str(i), workload="x", acceptance_length=1.0) for i in range(50)]
-    submit_s = time.perf_counter() - t0
+    assert w.submit(_rec(6), request_id="first", workload="x", acceptance_length=1.0)
+    assert entered.wait(30)  # the writer thread is now stuck in the disk write
+    done = threading.Event()
+    ok = []
+    threading.Thread(target=lambda: (ok.extend(w.submit(_rec(6, seed=i), request_id=str(i), workload="x",
+                                                        acceptance_length=1.0) for i in range(50)), done.set())).start()
+    assert done.wait(30), "submit blocked on a hung disk"
+    gate.set()
     w.close()
-    assert ok.count(False) > 0 and submit_s < 50 * 0.05 / 2  # never waited for the disk
-    assert w.dropped_total == ok.count(False) and w.written_total == ok.count(True)
-    assert len(read_manifest(tmp_path / "cap")) == w.written_total
+    st = w.stats()
+    assert ok.count(True) == 2 and st.dropped == {"queue_full": 48}  # 2 fit the queue
+    assert st.written_total == 3 and len(read_manifest(tmp_path / "cap")) == 3
 
 
-def test_seal_curate_split_and_drift(tmp_path):
-    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=4)
+def test_filter_sampling_and_acceptance_threshold(tmp_path):
+    w = CaptureWriter(tmp_path / "cap", "tid", sample_rate=0.25, max_acceptance_rate=0.5)
+    wanted = [w.wants(f"req-{i}") for i in range(400)]
+    assert 0.18 < sum(wanted) / 400 < 0.32 and wanted == [w.wants(f"req-{i}") for i in range(400)]  # deterministic
+    rates = [None, 0.1, 0.49, 0.5, 0.9]  # None: served without drafts → kept
+    kept = [w.submit(_rec(6, seed=i), request_id=f"a{i}", workload="x", acceptance_length=1.0, acceptance_rate=a)
+            for i, a in enumerate(rates)]
+    w.close()
+    assert kept == [True, True, True, False, False]
+    st = w.stats()
+    assert st.filtered == {"sampled_out": 2 * (400 - sum(wanted)), "high_acceptance": 2}
+    assert [r.acceptance_rate for r in read_manifest(tmp_path / "cap")] == [None, 0.1, 0.49]
+
+
+def test_disk_quota_stops_capture_until_seal(tmp_path):
+    rec = _rec(64, H=64)  # ~33 KB a record in bf16
+    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=1, disk_quota_mb=0.1,
+                      snapshots_root=tmp_path / "snaps")
+    for i in range(6):
+        w.submit(rec, request_id=f"r{i}", workload="x", acceptance_length=1.0)
+    w.flush()
+    st = w.stats()
+    assert st.written_total == 3 and st.dropped == {"disk_quota": 3}  # 3 × 33 KB < 100 KB < 4 × 33 KB
+    assert sum(p.stat().st_size for p in (tmp_path / "cap").iterdir()) <= 0.1 * 2 ** 20
+    assert not w.submit(rec, request_id="x", workload="x", acceptance_length=1.0)  # latched: dropped at once
+    info = w.seal_now()
+    assert info.num_records == 3
+    assert w.submit(rec, request_id="r9", workload="x", acceptance_length=1.0)  # space is back
+    w.close()
+    assert w.stats().written_total == 4 and w.stats().dropped == {"disk_quota": 4}
+
+
+def test_min_free_disk_stops_capture(tmp_path):
+    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=1, min_free_disk_mb=1e12)  # an exabyte free? no
+    w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
+    w.close()
+    assert w.stats().dropped == {"disk_full": 1} and read_manifest(tmp_path / "cap") == []
+
+
+def test_auto_seal_on_tokens_and_age(tmp_path):
+    infos = []
+    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=2, snapshots_root=tmp_path / "snaps",
+                      seal_min_tokens=40, seal_max_age_s=1.0, on_seal=infos.append, idle_flush_s=0.1)
+    for i in range(4):  # 4 × 12 tokens: sealed once 48 >= 40 are written
+        w.submit(_rec(12, seed=i), request_id=f"r{i}", workload="x", acceptance_length=1.0)
+    w.flush()
+    deadline = time.monotonic() + 10
+    while len(infos) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(i.reason, i.num_records, i.num_tokens) for i in infos] == [("tokens", 4, 48)]
+    w.submit(_rec(12, seed=9), request_id="late", workload="x", acceptance_length=1.0)  # then traffic stops
+    while len(infos) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    w.close()
+    assert [(i.reason, i.num_records) for i in infos] == [("tokens", 4), ("age", 1)]
+    assert [p.name for p in list_snapshots(tmp_path / "snaps", "tid")] == [i.snapshot_id for i in infos]
+    meta = load_snapshot(infos[0].path)
+    assert meta.bytes_per_token == pytest.approx(meta.num_bytes / 48) and meta.num_bytes > 0
+
+
+def _write_snapshot(tmp_path, name, records):
+    w = CaptureWriter(tmp_path / f"cap-{name}", "tid", shard_max_records=8)
+    for rid, r in records:
+        w.submit(r, request_id=rid, workload=name, acceptance_length=1.0)
+    w.close()
+    return seal(tmp_path / f"cap-{name}", tmp_path / "snaps", "tid")
+
+
+def test_curate_splits_without_leakage(tmp_path):
+    """The same prompt sent again under new request ids (later snapshots) never lands in two splits."""
+    recs = [(f"r{i}", _rec(12, seed=i)) for i in range(60)]
+    _write_snapshot(tmp_path, "a", recs[:40])
+    # snapshot b: 20 new prompts + 20 prompts of snapshot a again, new request ids, new completions
+    again = []
     for i in range(20):
-        w.submit(_rec(12, seed=i), request_id=f"r{i}", workload="code", acceptance_length=1.0)
-    w.submit(_rec(12, seed=0), request_id="dup", workload="code", acceptance_length=1.0)  # same prompt as r0
+        r = _rec(12, seed=1000 + i)
+        r["input_ids"][:4] = recs[i][1]["input_ids"][:4]
+        again.append((f"again{i}", r))
+    _write_snapshot(tmp_path, "b", recs[40:] + again)
     bad = _rec(12, seed=99)
     bad["aux_hidden_states"][3, 0] = float("nan")
-    w.submit(bad, request_id="nan", workload="code", acceptance_length=1.0)
-    w.close()
-    s1 = seal(tmp_path / "cap", tmp_path / "snaps", "tid")
-    assert s1.num_records == 22 and list_snapshots(tmp_path / "snaps", "tid") == [s1.path]
-    assert read_manifest(tmp_path / "cap") == []
-    p = CurateParams(val_fraction=0.3)
-    r = curate(tmp_path / "snaps", "tid", p, tmp_path / "c1.json")
-    idx = json.loads((tmp_path / "c1.json").read_text())
-    tr, va = {e["request_id"] for e in idx["train"]}, {e["request_id"] for e in idx["val"]}
-    assert not tr & va and len(tr | va) == 20
-    assert r.dropped == {"duplicate_prompt": 1, "non_finite": 1}
-    assert r.drift_jsd is None
-    r2 = curate(tmp_path / "snaps", "tid", p, tmp_path / "c2.json", previous=tmp_path / "c1.json")
-    assert r2.drift_jsd == pytest.approx(0.0, abs=1e-9)  # same data: no drift
+    _write_snapshot(tmp_path, "c", [("nan", bad), ("short", _rec(3, seed=5, prompt_len=1))])
+    p = CurateParams(window=3, val_fraction=0.2, holdout_fraction=0.25, min_tokens=4)
+    r = curate(tmp_path / "snaps", "tid", p, tmp_path / "work" / "curated.json")
+    idx = json.loads(r.path.read_text())
+    splits = {k: idx[k] for k in ("train", "val", "holdout")}
+    ids = {k: {e["request_id"] for e in v} for k, v in splits.items()}
+    hashes = {k: {e["prompt_hash"] for e in v} for k, v in splits.items()}
+    for a, b in (("train", "val"), ("train", "holdout"), ("val", "holdout")):
+        assert not ids[a] & ids[b] and not hashes[a] & hashes[b], (a, b)
+    assert sum(len(v) for v in ids.values()) == 60  # 80 requests, 60 distinct prompts
+    assert r.dropped == {"duplicate_prompt": 20, "non_finite": 1, "length": 1}
+    assert {e["request_id"] for e in idx["train"] + idx["val"] + idx["holdout"]} >= {f"again{i}" for i in range(20)}
+    assert 8 <= len(ids["holdout"]) <= 22 and 5 <= len(ids["val"]) <= 20  # ~25 % and ~20 % of 60
+    # the holdout file holds exactly the holdout requests' prompts
+    rows = [json.loads(x) for x in r.holdout.read_text().splitlines()]
+    assert {x["id"] for x in rows} == ids["holdout"] and all(len(x["input_ids"]) == 4 for x in rows)
+    # a prompt keeps its split in the next cycle, whatever request id it comes with
+    r2 = curate(tmp_path / "snaps", "tid", p.model_copy(update={"window": 1}), tmp_path / "work" / "c2.json")
+    idx2 = json.loads(r2.path.read_text())
+    for k in splits:
+        assert {e["prompt_hash"] for e in idx2[k]} <= hashes[k]
     with pytest.raises(ValueError, match="no sealed snapshots"):
         curate(tmp_path / "snaps", "other", p, tmp_path / "c3.json")
 
 
+def _text_records(texts, seed):
+    """Real text as byte-level token ids (no tokenizer needed): 64-byte prompt, rest generated."""
+    out = []
+    for i, t in enumerate(texts):
+        ids = torch.tensor(list(t.encode())[:200], dtype=torch.int32)
+        m = torch.ones(len(ids), dtype=torch.uint8)
+        m[:64] = 0
+        h = torch.zeros(len(ids), 8).bfloat16()
+        out.append((f"{seed}-{i}", {"input_ids": ids, "loss_mask": m, "aux_hidden_states": torch.cat([h, h, h], 1),
+                                    "hidden_states": h}))
+    return out
+
+
+def test_drift_rises_on_shift_and_stays_low_on_repeat(tmp_path):
+    from tidespec import prompts
+    code, math = [p.text for p in prompts.load("humaneval")], [p.text for p in prompts.load("gsm-en")]
+    p = CurateParams(window=1, val_fraction=0.1, holdout_fraction=0.1)
+    first = _write_snapshot(tmp_path, "code1", _text_records(code[:40], "a"))
+    c1 = curate(tmp_path / "snaps", "tid", p, tmp_path / "c1.json")
+    assert c1.drift_jsd is None
+    repeat = _write_snapshot(tmp_path, "code2", _text_records(code[40:80], "b"))
+    c2 = curate(tmp_path / "snaps", "tid", p, tmp_path / "c2.json", previous=tmp_path / "c1.json")
+    shift = _write_snapshot(tmp_path, "math", _text_records(math[:40], "c"))
+    c3 = curate(tmp_path / "snaps", "tid", p, tmp_path / "c3.json", previous=tmp_path / "c2.json")
+    assert c3.drift_jsd > 3 * c2.drift_jsd and c3.drift_jsd > 0.06 > 0.03 > c2.drift_jsd
+    # the publisher's check: a fresh snapshot against the last curated set
+    assert snapshot_drift(repeat.path, tmp_path / "c1.json") < 0.03 < 0.06 < snapshot_drift(shift.path, tmp_path / "c1.json")
+    assert c1.dropped == {} and snapshot_drift(first.path, tmp_path / "c1.json") == pytest.approx(0.0, abs=1e-9)
+
+
 def test_jsd_bounds():
-    from collections import Counter
     assert jsd_bits(Counter({1: 5}), Counter({2: 5})) == pytest.approx(1.0)
     assert jsd_bits(Counter({1: 5, 2: 5}), Counter({1: 1, 2: 1})) == pytest.approx(0.0)
+
+
+def test_params_validate_capture_and_splits():
+    with pytest.raises(ValueError, match="keep_local_snapshots"):
+        Params.model_validate({"capture": {"keep_local_snapshots": 2}, "curate": {"window": 4}})
+    with pytest.raises(ValueError, match="holdout_fraction"):
+        Params.model_validate({"curate": {"val_fraction": 0.5, "holdout_fraction": 0.5}})
+    with pytest.raises(ValueError):
+        Params.model_validate({"capture": {"compression": "gzip"}})

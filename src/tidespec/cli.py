@@ -87,7 +87,7 @@ def stage_train(root: Path = ROOT, params: Path = PARAMS):
 
 @stage_app.command("evaluate")
 def stage_evaluate(root: Path = ROOT, params: Path = PARAMS):
-    """Replay data/eval/holdout.jsonl: target-only, champion, candidate → data/work/eval.json."""
+    """Replay data/work/holdout.jsonl (curated holdout traffic): target-only, champion, candidate → data/work/eval.json."""
     from .config import load_params
     from .cycle import step_evaluate
     ws = _ws(root)

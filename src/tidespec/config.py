@@ -61,9 +61,8 @@ class BootstrapParams(_Strict):
 
 class WorkloadParams(_Strict):
     prompts: str = "humaneval"  # prompt set name (tidespec.prompts.load)
-    serve_prompts: int = Field(40, ge=1)  # training-split prompts served (captured) per phase
-    holdout_prompts: int = Field(12, ge=1)  # holdout prompts replayed by evaluate
-    holdout_fraction: float = Field(0.3, gt=0, lt=1)
+    serve_prompts: int = Field(40, ge=1)  # prompts served (captured) per phase; curate splits the holdout off
+    holdout_fraction: float = Field(0.3, gt=0, lt=1)  # bench train: prompt-level split of the prompt set
     seed: int = 0
 
 
@@ -71,7 +70,10 @@ class CurateParams(_Strict):
     window: int = Field(4, ge=1)  # newest snapshots of this target used for training
     min_tokens: int = Field(8, ge=1)
     max_tokens: int = Field(1024, ge=8)
-    val_fraction: float = Field(0.1, ge=0, lt=1)  # by request id: validation for loss/acc
+    val_fraction: float = Field(0.1, ge=0, lt=1)  # by request (grouped by prompt): validation for loss/acc
+    holdout_fraction: float = Field(0.25, ge=0, lt=1)  # by request (grouped by prompt): replayed by evaluate
+    max_holdout: int = Field(32, ge=1)  # holdout requests replayed per cycle (evaluate cost)
+    drift_threshold: float = Field(0.3, ge=0, le=1)  # JSD bits of a new snapshot vs the last curated set → cycle
     replay_fraction: float = Field(0.25, ge=0, lt=1)  # share of the train set drawn from older snapshots
     seed: int = 0
 
@@ -114,6 +116,8 @@ class Params(_Strict):
     def _check(self):
         if self.curate.max_tokens < self.curate.min_tokens:
             raise ValueError("curate.max_tokens must be >= curate.min_tokens")
+        if self.curate.val_fraction + self.curate.holdout_fraction >= 1:
+            raise ValueError("curate.val_fraction + curate.holdout_fraction must be < 1 (nothing left to train on)")
         if self.capture.keep_local_snapshots < self.curate.window:
             raise ValueError(f"capture.keep_local_snapshots ({self.capture.keep_local_snapshots}) must be >= "
                              f"curate.window ({self.curate.window}): curate reads the window's snapshots locally")

@@ -1,14 +1,19 @@
-"""Curate: choose a window of snapshots, filter, dedupe, split validation, measure drift.
+"""Curate: choose a window of snapshots, filter, dedupe, split train/val/holdout, measure drift.
 
 Output is a small JSON index (records are referenced, not copied): the train step reads the
-tensors from the snapshots it names. Drift = Jensen–Shannon divergence (bits, in [0, 1]) of the
-generated-token distribution against the previous curated set.
+tensors from the snapshots it names; `holdout.jsonl` beside it holds the holdout requests'
+prompts (token ids) that evaluate replays. Splits are by request, grouped by prompt: the bucket
+is a seeded hash of the prompt hash (request id when absent), and duplicates are dropped first,
+so no prompt is in two splits, and a prompt keeps its split across cycles. Drift = Jensen–Shannon
+divergence (bits, in [0, 1]) of the token distribution (prompt + generated) against the
+previous curated set.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +33,37 @@ class CurateResult:
     dropped: dict[str, int]
     drift_jsd: float | None
     num_replay: int = 0
+    num_holdout: int = 0
+    holdout: Path | None = None
 
 
-def _val_bucket(request_id: str, seed: int) -> float:
-    h = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
+def _val_bucket(key: str, seed: int) -> float:
+    h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     return int.from_bytes(h[:8], "big") / 2 ** 64
+
+
+def split_of(entry: dict, params: CurateParams) -> str:
+    """"holdout" | "val" | "train" for an index entry, from its prompt hash (or request id)."""
+    b = _val_bucket(entry.get("prompt_hash") or entry["request_id"], params.seed)
+    if b < params.holdout_fraction:
+        return "holdout"
+    return "val" if b < params.holdout_fraction + params.val_fraction else "train"
+
+
+def snapshot_token_counts(snap: Path) -> Counter:
+    """Token-id counts (prompt + generated) over a snapshot's records."""
+    counts: Counter = Counter()
+    for row in read_manifest(snap):
+        counts.update(read_record(snap, row)["input_ids"].tolist())
+    return counts
+
+
+def snapshot_drift(snap: Path, curated: Path) -> float | None:
+    """JSD (bits) of a snapshot's token distribution vs the curated index `curated` (None if absent)."""
+    if not Path(curated).exists():
+        return None
+    prev = json.loads(Path(curated).read_text()).get("token_counts", {})
+    return jsd_bits(snapshot_token_counts(snap), Counter({int(k): v for k, v in prev.items()}))
 
 
 def jsd_bits(a: Counter, b: Counter) -> float:
@@ -52,9 +83,10 @@ def jsd_bits(a: Counter, b: Counter) -> float:
 
 
 def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: Counter, counts: Counter,
-          tag: dict | None = None) -> list[dict]:
+          tag: dict | None = None, holdout: bool | None = True) -> list[dict]:
     """Index entries of one snapshot that pass the filters; updates `seen` (prompt keys), `dropped`
-    (reason → count) and `counts` (generated-token counts). Raises ValueError on another target's rows."""
+    (reason → count) and `counts` (token counts). With `holdout`, entries carry their prompt token
+    ids (`prompt_ids`, for the holdout file). Raises ValueError on another target's rows."""
     out = []
     for row in read_manifest(snap):
         if row.target_id != target_id:
@@ -73,22 +105,29 @@ def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: 
             dropped["non_finite"] += 1
             continue
         seen.add(key)
-        counts.update(rec["input_ids"][rec["loss_mask"].bool()].tolist())
-        out.append({"snapshot": str(snap), "shard": row.shard, "offset": row.offset, "request_id": row.request_id,
-                    "num_tokens": row.num_tokens, "workload": row.workload, **(tag or {})})
+        counts.update(rec["input_ids"].tolist())
+        e = {"snapshot": str(snap), "shard": row.shard, "offset": row.offset, "request_id": row.request_id,
+             "num_tokens": row.num_tokens, "workload": row.workload, "prompt_hash": row.prompt_hash, **(tag or {})}
+        if holdout is not None:
+            e["prompt_ids"] = rec["input_ids"][rec["loss_mask"] == 0].tolist()
+        out.append(e)
     return out
 
 
 def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path,
            previous: Path | None = None) -> CurateResult:
-    """Build the curated index `out` (JSON) from the newest `params.window` snapshots of `target_id`.
+    """Build the curated index `out` (JSON) and `out.parent/holdout.jsonl` from the newest
+    `params.window` snapshots of `target_id`.
 
     Drops (counted by reason): too short/long, duplicate prompt (newest kept), non-finite hidden
-    states. Replay buffer: `params.replay_fraction` of the training set is drawn (seeded, by request
-    id) from the older snapshots outside the window, so a draft does not forget earlier workloads
-    (entries tagged `"replay": true`; experience replay as in continual learning, e.g. Rolnick et
-    al. 2019). Raises ValueError when no snapshot exists for the target (the fix: capture traffic
-    and seal a snapshot first) or when a snapshot holds another target's records.
+    states. Splits (see module docstring): holdout (`holdout_fraction`, at most `max_holdout`
+    requests, replayed by evaluate; the rest of that bucket is not trained on either), val
+    (`val_fraction`, training validation), train. Replay buffer: `params.replay_fraction` of the
+    training set is drawn (seeded) from train-bucket records of the older snapshots outside the
+    window, so a draft does not forget earlier workloads (entries tagged `"replay": true`;
+    experience replay as in continual learning, e.g. Rolnick et al. 2019). Raises ValueError when no
+    snapshot exists for the target (the fix: capture traffic and seal a snapshot first) or when a
+    snapshot holds another target's records.
     """
     all_snaps = list_snapshots(snapshots_root, target_id)
     snaps, older = all_snaps[-params.window:], all_snaps[:-params.window]
@@ -101,15 +140,20 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     chosen: list[dict] = []
     for snap in reversed(snaps):  # newest first, so dedupe keeps the newest
         chosen += _scan(snap, target_id, params, seen, dropped, counts)
-    train, val = [], []
+    parts: dict[str, list[dict]] = {"train": [], "val": [], "holdout": []}
     for r in chosen:
-        (val if _val_bucket(r["request_id"], params.seed) < params.val_fraction else train).append(r)
+        parts[split_of(r, params)].append(r)
+    train, val = parts["train"], parts["val"]
+    holdout = sorted(parts["holdout"], key=lambda r: _val_bucket("order:" + r["request_id"], params.seed))
+    holdout = holdout[:params.max_holdout]
+    for r in train + val:
+        r.pop("prompt_ids", None)
     replay, replay_dropped = [], Counter()
     if params.replay_fraction > 0 and older:
         pool = []
         for snap in reversed(older):
-            pool += _scan(snap, target_id, params, seen, replay_dropped, Counter(), tag={"replay": True})
-        pool = [r for r in pool if _val_bucket(r["request_id"], params.seed) >= params.val_fraction]
+            pool += _scan(snap, target_id, params, seen, replay_dropped, Counter(), tag={"replay": True}, holdout=None)
+        pool = [r for r in pool if split_of(r, params) == "train"]
         want = round(len(train) * params.replay_fraction / (1 - params.replay_fraction))
         replay = sorted(pool, key=lambda r: _val_bucket("replay:" + r["request_id"], params.seed))[:want]
     train += replay
@@ -117,24 +161,34 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     if previous and Path(previous).exists():
         prev = json.loads(Path(previous).read_text())
         drift = jsd_bits(counts, Counter({int(k): v for k, v in prev.get("token_counts", {}).items()}))
-    index = {"target_id": target_id, "snapshots": [str(s) for s in snaps], "replay_snapshots": [str(s) for s in older],
-             "train": train, "val": val, "num_replay": len(replay), "dropped": dict(dropped),
-             "replay_dropped": dict(replay_dropped), "drift_jsd": drift,
-             "workload_mix": dict(Counter(r["workload"] for r in train)),
-             "token_counts": {str(k): v for k, v in counts.items()}}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    hold_path = out.with_name("holdout.jsonl")
+    with open(hold_path, "w") as f:
+        for r in holdout:
+            f.write(json.dumps({"id": r["request_id"], "workload": r["workload"], "input_ids": r["prompt_ids"],
+                                "prompt_hash": r["prompt_hash"]}) + "\n")
+    holdout_index = [{k: v for k, v in r.items() if k != "prompt_ids"} for r in holdout]
+    for r in train + val + holdout_index:  # relative to the index: a clone or another machine reads the same set
+        r["snapshot"] = os.path.relpath(r["snapshot"], out.parent)
+    index = {"target_id": target_id, "snapshots": [os.path.relpath(s, out.parent) for s in snaps],
+             "replay_snapshots": [os.path.relpath(s, out.parent) for s in older],
+             "train": train, "val": val, "holdout": holdout_index, "num_replay": len(replay),
+             "dropped": dict(dropped), "replay_dropped": dict(replay_dropped), "drift_jsd": drift,
+             "workload_mix": dict(Counter(r["workload"] for r in train)),
+             "token_counts": {str(k): v for k, v in counts.items()}}
     out.write_text(json.dumps(index))
     return CurateResult(out, len(train), len(val), sum(r["num_tokens"] for r in train), dict(dropped), drift,
-                        len(replay))
+                        len(replay), len(holdout), hold_path)
 
 
-def load_records(entries: list[dict]) -> list[dict[str, torch.Tensor]]:
-    """Read the tensors of curated index entries."""
+def load_records(entries: list[dict], base: Path) -> list[dict[str, torch.Tensor]]:
+    """Read the tensors of curated index entries; `base`: the index's directory (entry paths are
+    relative to it)."""
     from .capture.store import ManifestRow
     out = []
     for e in entries:
         row = ManifestRow(request_id=e["request_id"], ts="", workload=e.get("workload", ""), target_id="",
                           num_tokens=e["num_tokens"], acceptance_length=0.0, shard=e["shard"], offset=e["offset"])
-        out.append(read_record(Path(e["snapshot"]), row))
+        out.append(read_record(Path(base) / e["snapshot"], row))
     return out

@@ -56,7 +56,8 @@ class Workspace:
 
     @property
     def eval_prompts(self) -> Path:
-        return self.root / "data" / "eval" / "holdout.jsonl"
+        """Holdout requests' prompts, written by curate (replayed by evaluate)."""
+        return self.work / "holdout.jsonl"
 
     @property
     def state(self) -> Path:
@@ -117,8 +118,8 @@ def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
         os.replace(ws.curated, prev)
     r = curate_mod.curate(ws.snapshots, target_id, params.curate, ws.curated, previous=prev)
     return {"curated": str(r.path), "num_train": r.num_train, "num_val": r.num_val,
-            "num_tokens": r.num_tokens, "dropped": r.dropped, "drift_jsd": r.drift_jsd,
-            "num_replay": r.num_replay}
+            "num_holdout": r.num_holdout, "holdout": str(r.holdout), "num_tokens": r.num_tokens,
+            "dropped": r.dropped, "drift_jsd": r.drift_jsd, "num_replay": r.num_replay}
 
 
 # -- train ------------------------------------------------------------------------------------
@@ -162,8 +163,8 @@ def step_train(ws: Workspace, params: Params, curated: Path, init: Path | None, 
     reason = skip_reason(params, curated)
     if reason:
         return {"skipped": reason}
-    train = curate_mod.load_records(idx["train"])
-    val = curate_mod.load_records(idx["val"])
+    train = curate_mod.load_records(idx["train"], Path(curated).parent)
+    val = curate_mod.load_records(idx["val"], Path(curated).parent)
     if params.train.backend == "specforge":
         return _train_specforge(params, target, train, val, out)
     init = init if (init is not None and params.train.warm_start and Path(init).exists()) else None
@@ -189,19 +190,15 @@ def _train_specforge(params: Params, target: Target, train: list[dict], val: lis
 
 
 # -- evaluate ---------------------------------------------------------------------------------
-def write_eval_prompts(path: Path, items: list[tuple[str, str, list[int]]]) -> Path:
-    """Holdout prompts as JSONL rows {id, workload, input_ids} (token ids: no tokenizer needed later)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for pid, wl, ids in items:
-            f.write(json.dumps({"id": pid, "workload": wl, "input_ids": ids}) + "\n")
-    return path
-
-
 def read_eval_prompts(path: Path) -> list[dict]:
+    """Rows {id, workload, input_ids} of a holdout file. Raises FileNotFoundError (run curate) or
+    ValueError (empty: no holdout traffic)."""
     if not Path(path).exists():
-        raise FileNotFoundError(f"holdout prompts {path} missing; the demo writes them (tidespec demo)")
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        raise FileNotFoundError(f"holdout prompts {path} missing; run `tidespec stage curate` (or the flow) first")
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} has no holdout requests: capture more traffic or raise curate.holdout_fraction")
+    return rows
 
 
 def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new_tokens: int,

@@ -1,8 +1,8 @@
 """`tidespec demo`: one real TIDE cycle on CPU, end to end, on SmolLM2-135M and HumanEval.
 
 1. static draft: EAGLE3 trained on teacher-forced ShareGPT (cached), registered as the first champion;
-2. serve the HumanEval training split with speculative decoding on the static draft, capturing;
-3. seal the capture into a snapshot, `dvc add` + `dvc push` to the local remote;
+2. serve HumanEval prompts with speculative decoding on the static draft, capturing (async writer);
+3. seal the capture into a snapshot, `dvc add` + `dvc push` to the local remote (publisher thread);
 4. run the Prefect flow `tide_cycle` (curate → train → evaluate → register → deploy);
 5. reload the champion into the engine and print the side-by-side table.
 """
@@ -22,10 +22,10 @@ from rich.table import Table
 
 from . import assets, prompts, registry, services, versioning
 from .bootstrap import prompt_ids, teacher_force
-from .capture.store import seal
+from .capture.publish import Publisher
 from .capture.writer import CaptureWriter
 from .config import Params, load_params
-from .cycle import Workspace, get_target, write_eval_prompts
+from .cycle import Workspace, get_target
 from .deploy.local import reload_if_changed
 from .engine.speculative import Engine
 
@@ -104,11 +104,9 @@ def run_demo(root: Path, params_path: Path) -> dict:
     console.print(f"target {tid[:12]}: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, "
                   f"aux layers {list(target.aux_layers)}, {params.target.dtype}")
 
-    # workload: HumanEval split by prompt id; serve the training split, evaluate on the holdout
+    # workload: HumanEval prompts, served with capture; curate splits the holdout off that traffic
     w = params.workload
-    train_p, hold_p = prompts.split(prompts.load(w.prompts), w.holdout_fraction, w.seed)
-    train_p, hold_p = train_p[: w.serve_prompts], hold_p[: w.holdout_prompts]
-    write_eval_prompts(ws.eval_prompts, [(p.id, p.workload, prompt_ids(tok, p.text)) for p in hold_p])
+    served = prompts.load(w.prompts)[: w.serve_prompts]
 
     # 1. static draft → first champion
     static = bootstrap_static(params, target, tok, cache)
@@ -123,27 +121,32 @@ def run_demo(root: Path, params_path: Path) -> dict:
     reload_if_changed(engine, ws.champion)
     console.print(f"serving champion v{engine.draft_version} (static draft)")
 
-    # 2. serve + capture
-    writer = CaptureWriter(ws.capture_dir(tid), tid, params.capture.queue_size, params.capture.shard_max_records)
+    # 2. serve + capture (async writer; the seal publishes: dvc add + push, retention, drift, event)
+    versioning.ensure_repo(root, str(ws.state / "dvc-remote"), machine_local=True)
+    pub = Publisher(root, ws.snapshots, params.capture.keep_local_snapshots, ws.curated,
+                    params.curate.drift_threshold, commit=False)
+    writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture, ws.snapshots, on_seal=pub)
     taus = []
     with _progress() as pg:
-        t = pg.add_task(f"serve {w.prompts} (train split) with capture", total=len(train_p), info="")
-        for p in train_p:
+        t = pg.add_task(f"serve {w.prompts} with capture", total=len(served), info="")
+        for p in served:
             g = engine.generate(prompt_ids(tok, p.text), params.engine.max_new_tokens, capture=True)
-            writer.submit(g.record, request_id=g.request_id, workload=p.workload,
-                          acceptance_length=g.stats.acceptance_length, prompt_id=p.id)
+            writer.submit_generation(g, p.workload, p.id, text={"prompt": p.text, "completion": tok.decode(g.tokens)})
             taus.append(g.stats.acceptance_length)
             pg.update(t, advance=1, info=f"last τ {g.stats.acceptance_length:.2f}  {g.tokens_per_s:.1f} tok/s")
-    writer.close()
-    console.print(f"captured {writer.written_total} requests, {writer.bytes_total / 1e6:.1f} MB, "
-                  f"dropped {writer.dropped_total}; mean serving τ {sum(taus) / len(taus):.2f}")
 
     # 3. snapshot → DVC
-    snap = seal(ws.capture_dir(tid), ws.snapshots, tid)
-    with console.status("dvc add + push snapshot"):
-        versioning.ensure_repo(root, str(ws.state / "dvc-remote"), machine_local=True)
-        rev = versioning.track(root, snap.path)
-        versioning.push(root, [snap.path.with_name(snap.path.name + ".dvc")])
+    with console.status("seal snapshot; dvc add + push"):
+        snap = writer.seal_now()
+        writer.close()  # waits for the publisher
+    cs = writer.stats()
+    console.print(f"captured {cs.written_total} requests, {cs.bytes_total / 1e6:.1f} MB "
+                  f"({cs.bytes_per_token:.0f} bytes/token, {params.capture.compression}), dropped {cs.dropped_total}, "
+                  f"filtered {sum(cs.filtered.values())}; mean serving τ {sum(taus) / len(taus):.2f}")
+    if snap is None or not pub.published:
+        raise RuntimeError(f"nothing sealed/published (dropped: {cs.dropped}, filtered: {cs.filtered}, "
+                           f"publish errors: {cs.publish_errors}); see the log above")
+    rev = pub.published[-1]["snapshot_rev"]
     console.print(f"snapshot {snap.snapshot_id}: {snap.num_records} records, {snap.num_tokens} tokens, dvc rev {rev}")
 
     # 4. the Prefect flow

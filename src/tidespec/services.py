@@ -1,4 +1,4 @@
-"""Start/stop the local services tidespec talks to (Prefect, MLflow) on 127.0.0.1.
+"""Start/stop the local services tidespec talks to (Prefect, MLflow; moto for S3/SageMaker) on 127.0.0.1.
 
 Every server runs as its own process group (``start_new_session=True``), logs to
 ``<state_dir>/<name>.log`` and is recorded in ``<state_dir>/<name>.json``
@@ -30,7 +30,10 @@ from pathlib import Path
 import psutil
 
 HOST = "127.0.0.1"
-NAMES = ("prefect", "mlflow")
+NAMES = ("prefect", "mlflow")  # `up()` default; "moto" (S3 + SageMaker API emulator) is opt-in
+ALL = (*NAMES, "moto")
+# moto accepts any credentials; clients still need some (and a region) to sign requests
+MOTO_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 STOP_GRACE_S = 10.0
 
 # Popen handles of servers started by this process, so they get reaped (no zombies).
@@ -95,9 +98,9 @@ def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _health_url(url: str) -> str:
-    # prefect: url is the API url (…/api) → …/api/health; mlflow: …/health
-    return f"{url}/health"
+def _health_url(url: str, name: str = "") -> str:
+    # prefect: url is the API url (…/api) → …/api/health; mlflow: …/health; moto: its state API
+    return f"{url}/moto-api/data.json" if name == "moto" else f"{url}/health"
 
 
 def _alive(pid: int, create_time: float | None = None) -> bool:
@@ -200,7 +203,7 @@ def _await(ln: _Launch, timeout_s: float) -> Service:
     (its process group is then killed).
     """
     svc, proc = ln.svc, ln.proc
-    health = _health_url(svc.url)
+    health = _health_url(svc.url, svc.name)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -279,7 +282,21 @@ def start_mlflow(state_dir: Path, port: int | None = None, artifacts: str | None
     return _await(_launch_mlflow(state_dir, port, artifacts), timeout_s)
 
 
-_LAUNCHERS = {"prefect": _launch_prefect, "mlflow": _launch_mlflow}
+def _launch_moto(state_dir: Path, port: int | None = None) -> _Launch:
+    state_dir = Path(state_dir).resolve()
+    port = _pick_port(state_dir, "moto", port)
+    cmd = [_bin("moto_server"), "-H", HOST, "-p", str(port)]
+    return _launch("moto", cmd, MOTO_ENV, state_dir, f"http://{HOST}:{port}", port)
+
+
+def start_moto(state_dir: Path, port: int | None = None, timeout_s: float = 60) -> Service:
+    """Start ``moto_server`` (in-memory S3 + SageMaker API) on 127.0.0.1:``port``; ``url`` is the
+    AWS endpoint URL (``AWS_ENDPOINT_URL``, a DVC remote's ``endpointurl``). State is lost on stop.
+    Raises ServiceError after ``timeout_s`` seconds or if it exits (install ``moto[server]``)."""
+    return _await(_launch_moto(state_dir, port), timeout_s)
+
+
+_LAUNCHERS = {"prefect": _launch_prefect, "mlflow": _launch_mlflow, "moto": _launch_moto}
 
 
 def _stop_pid(pid: int, grace_s: float = STOP_GRACE_S) -> None:
@@ -308,7 +325,7 @@ def _reusable(state_dir: Path, name: str, timeout_s: float) -> Service | None:
     svc = Service(name=name, url=rec["url"], pid=int(rec["pid"]), log=Path(rec["log"]))
     deadline = time.monotonic() + timeout_s
     while True:
-        if _http_ok(_health_url(svc.url)):
+        if _http_ok(_health_url(svc.url, name)):
             return svc
         if time.monotonic() > deadline or not _alive(svc.pid, rec.get("create_time")):
             _stop_pid(svc.pid)  # alive but unhealthy: replace it
@@ -343,7 +360,7 @@ def up(state_dir: Path | None = None, which: tuple[str, ...] = NAMES,
     return {n: out[n] for n in which}
 
 
-def down(state_dir: Path | None = None, which: tuple[str, ...] = NAMES) -> list[str]:
+def down(state_dir: Path | None = None, which: tuple[str, ...] = ALL) -> list[str]:
     """Stop the recorded servers in ``which`` (only pids from state files) and remove their state files.
 
     Returns the names that were running.
@@ -366,18 +383,20 @@ def status(state_dir: Path | None = None) -> dict[str, dict]:
     """``{name: record + {"alive": bool, "healthy": bool}}`` for each state file present."""
     state_dir = Path(state_dir or default_state_dir()).resolve()
     out = {}
-    for name in NAMES:
+    for name in ALL:
         rec = _read_state(state_dir, name)
         if rec is None:
             continue
         alive = _alive(int(rec["pid"]), rec.get("create_time"))
         rec["alive"] = alive
-        rec["healthy"] = alive and _http_ok(_health_url(rec["url"]))
+        rec["healthy"] = alive and _http_ok(_health_url(rec["url"], name))
         out[name] = rec
     return out
 
 
 def env_for(services: dict[str, Service]) -> dict[str, str]:
-    """Client env for ``services``: PREFECT_API_URL and/or MLFLOW_TRACKING_URI."""
-    keys = {"prefect": "PREFECT_API_URL", "mlflow": "MLFLOW_TRACKING_URI"}
-    return {keys[n]: s.url for n, s in services.items() if n in keys}
+    """Client env for ``services``: PREFECT_API_URL, MLFLOW_TRACKING_URI, and for moto
+    AWS_ENDPOINT_URL + test credentials/region."""
+    keys = {"prefect": "PREFECT_API_URL", "mlflow": "MLFLOW_TRACKING_URI", "moto": "AWS_ENDPOINT_URL"}
+    env = {keys[n]: s.url for n, s in services.items() if n in keys}
+    return env | (MOTO_ENV if "moto" in services else {})

@@ -8,6 +8,7 @@ Analytics and update checks are off (env + repo config): nothing phones home.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -80,14 +81,19 @@ def _git_toplevel(repo: Path) -> Path | None:
     return Path(p.stdout.strip()).resolve() if p.returncode == 0 else None
 
 
-def ensure_repo(repo: Path, remote_url: str, remote_name: str = "local", machine_local: bool = False) -> None:
+def ensure_repo(repo: Path, remote_url: str, remote_name: str = "local", machine_local: bool = False,
+                endpoint_url: str | None = None, sse: str | None = "AES256", cache_type: str | None = None) -> None:
     """Make ``repo`` a git + DVC repo whose default remote ``remote_name`` is ``remote_url``.
 
     Idempotent. ``git init`` if not in a git work tree (and sets a local user.email/name when
     none is configured, so commits work); ``dvc init`` (``--subdir`` inside a bigger git repo);
     analytics off, autostage on. ``machine_local``: the remote is a path on this machine, so it is
     written to the git-ignored ``.dvc/config.local`` and nothing is auto-staged (used by the demo in
-    a user's checkout). Raises VersioningError.
+    a user's checkout). An ``s3://`` remote gets ``endpointurl`` (a moto server, MinIO...) when
+    given and server-side encryption ``sse`` (hidden states can be inverted to recover prompts);
+    credentials come from the usual AWS env/profile. ``cache_type`` (e.g. ``"hardlink,copy"``:
+    immutable snapshots then cost no second copy on disk). The cache dir is made 0700.
+    Raises VersioningError.
     """
     repo = Path(repo).resolve()
     repo.mkdir(parents=True, exist_ok=True)
@@ -112,6 +118,16 @@ def ensure_repo(repo: Path, remote_url: str, remote_name: str = "local", machine
         have = dict(line.split("=", 1) for line in dvc(repo, "config", "-l", "--local").splitlines() if "=" in line)
     if have.get(f"remote.{remote_name}.url") != remote_url or have.get("core.remote") != remote_name:
         dvc(repo, "remote", "add", *scope, "-d", "-f", remote_name, remote_url)
+    opts = {}
+    if remote_url.startswith("s3://"):
+        opts = {"endpointurl": endpoint_url, "sse": sse}
+    for key, val in opts.items():
+        if val and have.get(f"remote.{remote_name}.{key}") != val:
+            dvc(repo, "remote", "modify", *scope, remote_name, key, val)
+    if cache_type and have.get("cache.type") != cache_type:
+        dvc(repo, "config", *scope, "cache.type", cache_type)
+    from .capture.store import private_dir
+    private_dir(repo / ".dvc" / "cache")
 
 
 def snapshot_rev(repo: Path, path: Path) -> str:
@@ -153,6 +169,36 @@ def push(repo: Path, targets: list[Path] | None = None, remote: str | None = Non
 def pull(repo: Path, targets: list[Path] | None = None, remote: str | None = None) -> str:
     """``dvc pull [targets]``: fetch into the cache and check out the workspace; returns output."""
     return dvc(repo, "pull", *(["-r", remote] if remote else []), *_targets(repo, targets))
+
+
+def drop_local(repo: Path, path: Path, keep: list[Path] = ()) -> int:
+    """Retention: delete the workspace copy of the DVC-tracked directory ``path`` and its objects
+    in the local cache (kept on the remote; ``dvc pull <path>.dvc`` restores it). Objects also
+    listed by a tracked dir in ``keep`` stay. Uses DVC 3's documented cache layout
+    (``files/md5/<2>/<rest>``; a ``.dir`` object is a JSON list of ``{md5, relpath}``).
+    Returns the bytes freed from the cache. Raises VersioningError if ``path`` is not tracked."""
+    repo, path = Path(repo), Path(path)
+    cache = repo / ".dvc" / "cache" / "files" / "md5"
+
+    def obj(md5: str) -> Path:
+        return cache / md5[:2] / md5[2:]
+
+    def listing(p: Path) -> list[dict]:
+        f = obj(snapshot_rev(repo, p))
+        return json.loads(f.read_text()) if f.exists() else []
+
+    rev = snapshot_rev(repo, path)
+    keep_md5 = {e["md5"] for k in keep for e in listing(Path(k))}
+    freed = 0
+    for e in listing(path):
+        f = obj(e["md5"])
+        if e["md5"] not in keep_md5 and f.exists():
+            freed += f.stat().st_size
+            f.unlink()
+    full = path if path.is_absolute() else repo / path
+    shutil.rmtree(full, ignore_errors=True)
+    obj(rev).unlink(missing_ok=True)
+    return freed
 
 
 def repro(repo: Path, stage: str | None = None) -> str:

@@ -87,15 +87,13 @@ class TidespecMethod:
         self.writer = None
         if spec.capture:
             from ..capture.writer import CaptureWriter
-            self.writer = CaptureWriter(capture_dir, target.target_id, params.capture.queue_size,
-                                        params.capture.shard_max_records)
+            self.writer = CaptureWriter.from_params(capture_dir, target.target_id, params.capture)
 
     def run(self, ids: list[int], max_new: int, workload: str) -> dict:
         g = self.engine.generate(ids, max_new, speculative=self.spec.draft is not None, k=self.spec.k,
                                  capture=self.spec.capture, workload=workload)
         if self.writer is not None:
-            self.writer.submit(g.record, request_id=g.request_id, workload=workload,
-                               acceptance_length=g.stats.acceptance_length)
+            self.writer.submit_generation(g, workload)
         s = g.stats
         return {"tokens": g.tokens, "ttft_s": g.timing.prefill_s, "steps": g.timing.steps,
                 "forwards": 1 + len(g.timing.steps),
@@ -109,8 +107,9 @@ class TidespecMethod:
              "calibration_ms": {"target": list(a.cal.target_ms), "draft_step": a.cal.draft_ms} if a else None}
         if self.writer is not None:
             self.writer.close()
-            d["capture"] = {"written": self.writer.written_total, "dropped": self.writer.dropped_total,
-                            "bytes": self.writer.bytes_total}
+            cs = self.writer.stats()
+            d["capture"] = {"written": cs.written_total, "dropped": cs.dropped_total, "bytes": cs.bytes_total,
+                            "bytes_per_token": cs.bytes_per_token}
         return d
 
     def profile(self, ids: list[int], max_new: int, workload: str) -> str:

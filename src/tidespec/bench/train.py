@@ -132,12 +132,12 @@ def run(params: Params, out: Path, root: Path, target: Target, train_p, hold_p, 
     for frac in fractions:
         t0 = time.perf_counter()
         cp = params.model_copy(update={"curate": params.curate.model_copy(update={
-            "val_fraction": 0.0, "window": 1, "max_tokens": 100_000})})
+            "val_fraction": 0.0, "holdout_fraction": 0.0, "window": 1, "max_tokens": 100_000})})
         cur = step_curate(ws, cp, target.target_id)
         idx = json.loads(Path(cur["curated"]).read_text())
         entries = sorted(idx["train"], key=lambda e: e["request_id"])
         entries = entries[: max(1, round(len(entries) * frac))]
-        train_recs = load_records(entries)
+        train_recs = load_records(entries, Path(cur["curated"]).parent)
         t_curate = time.perf_counter() - t0
         hold_ex: list = []
 
@@ -218,11 +218,12 @@ def forgetting(params: Params, root: Path, target: Target, base_draft: Path, nam
                                                          name: holdout_tau(target, base_draft, new_hold, params)}}
     for rf in (0.0, params.curate.replay_fraction):
         cp = params.model_copy(update={"curate": params.curate.model_copy(update={
-            "val_fraction": 0.0, "window": 1, "max_tokens": 100_000, "replay_fraction": rf})})
+            "val_fraction": 0.0, "holdout_fraction": 0.0, "window": 1, "max_tokens": 100_000,
+            "replay_fraction": rf})})
         cur = step_curate(Workspace(sroot), cp, tid)
         idx = json.loads(Path(cur["curated"]).read_text())
         cand = sroot / "work" / f"candidate-replay{rf}"
-        tm = train_draft(load_records(idx["train"]), [], target, params.draft, params.train, cand, init=base_draft)
+        tm = train_draft(load_records(idx["train"], Path(cur["curated"]).parent), [], target, params.draft, params.train, cand, init=base_draft)
         r = {"replay_fraction": rf, "num_replay": idx["num_replay"], "train_records": len(idx["train"]),
              "train_seconds": tm["train_seconds"], "code": holdout_tau(target, cand, code_hold, params),
              name: holdout_tau(target, cand, new_hold, params)}

@@ -156,6 +156,16 @@ class CaptureWriter:
             self._dropped[reason] += 1
         return False
 
+    def submit_generation(self, gen, workload: str = "default", prompt_id: str = "", text: dict | None = None) -> bool:
+        """`submit` a finished engine Generation (request made with capture=True): its record,
+        request id, serving-time τ and acceptance rate (None when it was served without drafts)."""
+        if gen.record is None:
+            raise ValueError(f"request {gen.request_id} has no capture record: submit it with capture=True")
+        st = gen.stats
+        return self.submit(gen.record, request_id=gen.request_id, workload=workload,
+                           acceptance_length=st.acceptance_length, prompt_id=prompt_id, text=text,
+                           acceptance_rate=st.acceptance_rate if st.num_draft_tokens else None)
+
     def stats(self) -> CaptureStats:
         with self._lock:
             return CaptureStats(self.written_total, self.tokens_total, self.bytes_total, dict(self._dropped),

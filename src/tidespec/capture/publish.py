@@ -1,0 +1,79 @@
+"""What happens after a seal (on the writer's publisher thread, never the serving path):
+`dvc add` + `dvc push` the snapshot (+ git commit of its `.dvc` file), retention, drift, event.
+
+Retention: the newest `capture.keep_local_snapshots` sealed snapshots stay on local disk; older
+ones are pushed (idempotent) then dropped locally with their cache objects (`dvc pull
+<sid>.dvc` restores one). A snapshot that is not on the remote is never dropped.
+
+Trigger: `tidespec.capture.threshold` is emitted when the snapshot was sealed on the token
+threshold, or its token distribution drifted from the last curated set by more than
+`curate.drift_threshold` bits (JSD).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import events, versioning
+from .store import SnapshotInfo, list_snapshots
+
+log = logging.getLogger(__name__)
+
+
+def apply_retention(repo: Path, snapshots_root: Path, target_id: str, keep: int) -> list[str]:
+    """Drop local copies of all but the newest `keep` snapshots of `target_id` (DVC-tracked ones
+    only, after making sure the remote has them). Returns the dropped snapshot ids.
+    Raises VersioningError when the push fails (nothing is dropped then)."""
+    snaps = list_snapshots(snapshots_root, target_id)
+    old, kept = snaps[:-keep], snaps[-keep:]
+    kept = [s for s in kept if s.with_name(s.name + ".dvc").exists()]
+    dropped = []
+    for s in old:
+        dvcfile = s.with_name(s.name + ".dvc")
+        if not dvcfile.exists():
+            log.warning("retention: %s is not DVC-tracked, kept locally", s)
+            continue
+        versioning.push(repo, [dvcfile])
+        versioning.drop_local(repo, s, keep=kept)
+        dropped.append(s.name)
+    return dropped
+
+
+@dataclass
+class Publisher:
+    """`on_seal` callback of a CaptureWriter. `repo`: the git+DVC repo holding the snapshots (set
+    up with versioning.ensure_repo); `curated`: the last curated index (drift reference);
+    `commit`: git-commit the `.dvc` files (off in a user's checkout: the demo). Each call's
+    result is appended to `published`."""
+
+    repo: Path
+    snapshots_root: Path
+    keep_local: int = 8
+    curated: Path | None = None
+    drift_threshold: float = 0.3
+    commit: bool = True
+    emit: bool = True
+    published: list = field(default_factory=list)
+
+    def __call__(self, info: SnapshotInfo) -> dict:
+        from ..curate import snapshot_drift
+        rev = versioning.track(self.repo, info.path)
+        versioning.push(self.repo, [info.path.with_name(info.path.name + ".dvc")])
+        sha = versioning.commit_git(self.repo, f"snapshot {info.snapshot_id}: {info.num_records} records, "
+                                               f"{info.num_tokens} tokens ({info.reason})") if self.commit else None
+        dropped = apply_retention(self.repo, self.snapshots_root, info.target_id, self.keep_local)
+        drift = snapshot_drift(info.path, self.curated) if self.curated else None
+        trigger = "tokens" if info.reason == "tokens" else (
+            "drift" if drift is not None and drift >= self.drift_threshold else None)
+        out = {"snapshot_id": info.snapshot_id, "snapshot_rev": rev, "git_commit": sha, "dropped_local": dropped,
+               "drift_jsd": drift, "trigger": trigger, "event_id": None}
+        if trigger and self.emit:
+            out["event_id"] = events.capture_threshold(info.snapshot_id, info.target_id, {
+                "trigger": trigger, "snapshot_rev": rev, "num_records": info.num_records,
+                "num_tokens": info.num_tokens, "bytes_per_token": round(info.bytes_per_token, 1),
+                "drift_jsd": drift, "workloads": info.workloads})
+        log.info("published %s", json.dumps(out))
+        self.published.append(out)
+        return out

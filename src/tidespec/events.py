@@ -1,0 +1,35 @@
+"""Prefect events adapter: what tidespec tells the orchestrator (`prefect.events.emit_event`).
+
+`tidespec.capture.threshold` (resource `tidespec.snapshot.<snapshot_id>`) is emitted when a
+sealed snapshot should start a cycle: enough new tokens, or a workload drift above
+`curate.drift_threshold`. A Prefect deployment trigger on that event name runs `tide_cycle`
+(prefect.yaml). Events go only to the server in PREFECT_API_URL (never an ephemeral server).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+CAPTURE_THRESHOLD = "tidespec.capture.threshold"
+
+
+def emit(event: str, resource_id: str, payload: dict, labels: dict[str, str] | None = None,
+         timeout_s: float = 10.0) -> str | None:
+    """Send one event and wait (≤ `timeout_s` s) until the client has delivered it. Returns the
+    event id, or None when no Prefect server is configured (PREFECT_API_URL unset)."""
+    if not os.environ.get("PREFECT_API_URL"):
+        log.warning("PREFECT_API_URL unset: event %s for %s not sent", event, resource_id)
+        return None
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+    ev = emit_event(event=event, resource={"prefect.resource.id": resource_id, **(labels or {})}, payload=payload)
+    EventsWorker.drain_all(timeout=timeout_s)
+    return str(ev.id) if ev else None
+
+
+def capture_threshold(snapshot_id: str, target_id: str, payload: dict) -> str | None:
+    """Emit `tidespec.capture.threshold` for a sealed snapshot (payload: reason, tokens, drift...)."""
+    return emit(CAPTURE_THRESHOLD, f"tidespec.snapshot.{snapshot_id}",
+                {"snapshot_id": snapshot_id, "target_id": target_id, **payload},
+                {"tidespec.target_id": target_id[:12]})
