@@ -46,9 +46,9 @@ def evaluate(root: str, params_path: str, champion: str | None) -> dict:
 
 @task(name="register", retries=2, retry_delay_seconds=5)
 def register(params_path: str, target_id: str, candidate: str, report: dict, train_metrics: dict,
-             tracking_uri: str, snapshot_rev: str, workload_mix: dict) -> dict:
+             tracking_uri: str, snapshot_rev: str, workload_mix: dict, drift_jsd: float | None = None) -> dict:
     return cycle.step_register(load_params(params_path), target_id, Path(candidate), report, train_metrics,
-                               tracking_uri, snapshot_rev, workload_mix)
+                               tracking_uri, snapshot_rev, workload_mix, drift_jsd)
 
 
 @task(name="deploy", retries=2, retry_delay_seconds=5)
@@ -69,7 +69,8 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
         target_id = cycle.get_target(load_params(params_path))[0].target_id
     cur = curate(root, params_path, target_id)
     drift = "n/a (first curated set)" if cur["drift_jsd"] is None else f"{cur['drift_jsd']:.3f} bits (JSD)"
-    log.info("curated %s train / %s val records, drift vs previous set: %s", cur["num_train"], cur["num_val"], drift)
+    log.info("curated %s train / %s val / %s holdout records, drift vs previous set: %s", cur["num_train"],
+             cur["num_val"], cur["num_holdout"], drift)
     champ = fetch_champion(root, tracking_uri, target_id)
     tm = train(root, params_path, cur["curated"], champ)
     if tm.get("skipped"):
@@ -77,7 +78,8 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
         return {"curate": cur, "skipped": tm["skipped"]}
     rep = evaluate(root, params_path, champ)
     mix = json.loads(Path(cur["curated"]).read_text()).get("workload_mix", {})
-    dec = register(params_path, target_id, str(_ws(root).candidate), rep, tm, tracking_uri, snapshot_rev, mix)
+    dec = register(params_path, target_id, str(_ws(root).candidate), rep, tm, tracking_uri, snapshot_rev, mix,
+                   cur["drift_jsd"])
     log.info("register: version %s promoted=%s (%s)", dec["version"], dec["promoted"], dec["reason"])
     dep = deploy(root, tracking_uri, target_id)
     return {"curate": cur, "train": {k: v for k, v in tm.items() if k != "train/loss"}, "evaluate": rep,

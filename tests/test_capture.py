@@ -272,3 +272,50 @@ def test_params_validate_capture_and_splits():
         Params.model_validate({"curate": {"val_fraction": 0.5, "holdout_fraction": 0.5}})
     with pytest.raises(ValueError):
         Params.model_validate({"capture": {"compression": "gzip"}})
+
+
+def test_prometheus_exposition(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tidespec.capture.metrics import CaptureCollector
+    w = CaptureWriter(tmp_path / "cap", "tid", max_acceptance_rate=0.5)
+    reg = CollectorRegistry()
+    reg.register(CaptureCollector(w))
+    w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
+    w.submit(_rec(6), request_id="b", workload="x", acceptance_length=3.0, acceptance_rate=0.9)
+    w.close()
+    w.submit(_rec(6), request_id="c", workload="x", acceptance_length=1.0)
+    text = generate_latest(reg).decode()
+    assert "tidespec:capture_written_total 1.0" in text and "tidespec:capture_tokens_total 6.0" in text
+    assert 'tidespec:capture_dropped_total{reason="closed"} 1.0' in text
+    assert 'tidespec:capture_dropped_total{reason="queue_full"} 0.0' in text
+    assert 'tidespec:capture_filtered_total{reason="high_acceptance"} 1.0' in text
+    assert f"tidespec:capture_bytes_total {float(w.stats().bytes_total)}" in text
+
+
+def test_cli_seals_leftover_capture_and_lists(tmp_path, monkeypatch):
+    """After a crash: `tidespec snapshots seal` finishes the interrupted seal and seals the rest."""
+    import tidespec.capture.store as store
+    from typer.testing import CliRunner
+
+    from tidespec.cli import app
+    cap = tmp_path / "data" / "capture" / "tid"
+    w = CaptureWriter(cap, "tid-full-id", shard_max_records=2)
+    for i in range(3):
+        w.submit(_rec(6, seed=i), request_id=f"a{i}", workload="x", acceptance_length=1.0)
+    w.close()
+    monkeypatch.setattr(store, "_finish_seal", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        seal(cap, tmp_path / "data" / "snapshots", "tid-full-id")
+    monkeypatch.undo()
+    w = CaptureWriter(cap, "tid-full-id")  # a new server starts before anyone sealed: recovery runs
+    w.submit(_rec(6, seed=7), request_id="b0", workload="x", acceptance_length=1.0)
+    w.close()
+    r = CliRunner().invoke(app, ["snapshots", "seal", "--root", str(tmp_path), "--no-publish"])
+    assert r.exit_code == 0, r.output
+    snaps = list_snapshots(tmp_path / "data" / "snapshots", "tid-full-id")
+    assert [[x.request_id for x in read_manifest(s)] for s in snaps] == [["a0", "a1", "a2"], ["b0"]]
+    from tidespec import cli
+    monkeypatch.setattr(cli.console, "width", 200)
+    out = CliRunner().invoke(app, ["snapshots", "list", "--root", str(tmp_path)]).output
+    assert snaps[0].name in out and "local only" in out

@@ -10,9 +10,11 @@ from rich.console import Console
 
 app = typer.Typer(help="tidespec: self-improving speculative decoding (capture → curate → train → "
                        "evaluate → register → deploy).", no_args_is_help=True)
-services_app = typer.Typer(help="Start/stop the local Prefect and MLflow servers.")
+services_app = typer.Typer(help="Start/stop the local Prefect and MLflow servers (and moto with --moto).")
 stage_app = typer.Typer(help="DVC stages (dvc.yaml): curate, train, evaluate.")
 app.add_typer(services_app, name="services")
+snap_app = typer.Typer(help="Captured snapshots: list, seal what is captured, pull one back from the DVC remote.")
+app.add_typer(snap_app, name="snapshots")
 app.add_typer(stage_app, name="stage")
 bench_app = typer.Typer(help="Benchmarks; results to bench/results/*.json + a markdown table.")
 app.add_typer(bench_app, name="bench")
@@ -36,9 +38,11 @@ def demo(root: Path = ROOT, params: Path = PARAMS):
 
 
 @services_app.command("up")
-def services_up(state: Path = typer.Option(Path(".tidespec/services"))):
+def services_up(state: Path = typer.Option(Path(".tidespec/services")),
+                moto: bool = typer.Option(False, help="also a moto server (S3 + SageMaker API emulator)")):
+    """Start Prefect + MLflow (and moto) on 127.0.0.1; prints the client env to export."""
     from . import services
-    svc = services.up(state)
+    svc = services.up(state, which=services.NAMES + (("moto",) if moto else ()))
     for k, v in services.env_for(svc).items():
         console.print(f"export {k}={v}")
 
@@ -58,6 +62,68 @@ def services_status(state: Path = typer.Option(Path(".tidespec/services"))):
 def _ws(root: Path):
     from .cycle import Workspace
     return Workspace(root.resolve())
+
+
+@snap_app.command("list")
+def snapshots_list(root: Path = ROOT):
+    """Sealed snapshots per target: local, or only on the DVC remote (retention); records, tokens, bytes/token."""
+    from rich.table import Table
+
+    from .capture.store import load_snapshot
+    ws = _ws(root)
+    t = Table("target", "snapshot", "where", "records", "tokens", "bytes/token", "sealed on")
+    for tdir in sorted(p for p in ws.snapshots.glob("*") if p.is_dir()):
+        sids = sorted({p.name.removesuffix(".dvc") for p in tdir.iterdir() if not p.name.startswith(".")})
+        for sid in sids:
+            d = tdir / sid
+            if (d / "snapshot.json").exists():
+                i = load_snapshot(d)
+                where = "local + remote" if d.with_name(sid + ".dvc").exists() else "local only"
+                t.add_row(tdir.name[:12], sid, where, str(i.num_records), str(i.num_tokens),
+                          f"{i.bytes_per_token:.0f}", i.reason)
+            elif d.with_name(sid + ".dvc").exists():
+                t.add_row(tdir.name[:12], sid, "remote only (tidespec snapshots pull)", "", "", "", "")
+    console.print(t)
+
+
+@snap_app.command("seal")
+def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
+                   publish: bool = typer.Option(True, help="dvc add + push, retention, drift, Prefect event"),
+                   commit: bool = typer.Option(False, help="git-commit the snapshot's .dvc file")):
+    """Seal what is captured under data/capture (finishing seals a crash interrupted) into snapshots."""
+    from .capture.publish import Publisher
+    from .capture.store import read_rows, read_manifest, recover, seal
+    from .config import load_params
+    ws = _ws(root)
+    p = load_params(params)
+    pub = Publisher(ws.root, ws.snapshots, p.capture.keep_local_snapshots, ws.curated, p.curate.drift_threshold,
+                    commit=commit) if publish else None
+    if pub and not (ws.root / ".dvc").is_dir():
+        raise ValueError(f"{ws.root} is not a DVC repo: run `dvc init` and add a remote, or pass --no-publish")
+    sealed = []
+    for cap in sorted(d for d in (ws.root / "data" / "capture").glob("*") if d.is_dir()):
+        rows = read_manifest(cap) or [r for f in cap.glob("sealing-*.jsonl") for r in read_rows(f)]
+        if not rows:
+            continue
+        tid = rows[0].target_id
+        infos = recover(cap, ws.snapshots, tid)
+        info = seal(cap, ws.snapshots, tid)
+        for i in infos + ([info] if info else []):
+            sealed.append({"snapshot_id": i.snapshot_id, "records": i.num_records, "tokens": i.num_tokens,
+                           **(pub(i) if pub else {})})
+    console.print_json(json.dumps(sealed, default=str))
+
+
+@snap_app.command("pull")
+def snapshots_pull(snapshot_id: str, root: Path = ROOT):
+    """Restore a snapshot that retention left only on the DVC remote (`dvc pull <sid>.dvc`)."""
+    from . import versioning
+    ws = _ws(root)
+    found = list(ws.snapshots.glob(f"*/{snapshot_id}.dvc"))
+    if not found:
+        raise ValueError(f"no {snapshot_id}.dvc under {ws.snapshots}: `tidespec snapshots list` shows the ids")
+    versioning.pull(ws.root, found)
+    console.print(f"pulled {found[0].with_suffix('')}")
 
 
 @stage_app.command("curate")
@@ -231,6 +297,18 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                     progress=console.print)
     console.print((out / "engine.md").read_text())
     console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
+
+
+@bench_app.command("capture")
+def bench_capture(params: Path = PARAMS, prompts: int = typer.Option(8, min=1),
+                  max_new_tokens: int = typer.Option(64, min=1), rounds: int = typer.Option(3, min=1),
+                  out: Path = typer.Option(Path("bench/results"))):
+    """Capture cost: ITL and tokens/s with capture off / raw / zstd / hung disk, bytes per token."""
+    from .bench import capture as bench
+    from .config import load_params
+    rep = bench.run(load_params(params), out, prompts, max_new_tokens, rounds, progress=console.print)
+    console.print((out / "capture.md").read_text())
+    console.print(f"wrote {out / 'capture.json'} and {out / 'capture.md'} in {rep['setup']['wall_s']:.0f} s")
 
 
 def main() -> None:

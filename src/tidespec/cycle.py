@@ -274,8 +274,10 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
 
 # -- register / deploy ------------------------------------------------------------------------
 def step_register(params: Params, target_id: str, candidate: Path, report: dict, train_metrics: dict,
-                  tracking_uri: str, snapshot_rev: str = "", workload_mix: dict | None = None) -> dict:
-    """Log the candidate as a model version (alias challenger) and apply the promotion rule."""
+                  tracking_uri: str, snapshot_rev: str = "", workload_mix: dict | None = None,
+                  drift_jsd: float | None = None) -> dict:
+    """Log the candidate as a model version (alias challenger) and apply the promotion rule.
+    `drift_jsd`: curate's workload drift (bits) vs the previous curated set, logged as a metric."""
     from . import registry
     cand = report["candidate"]
     champ = report.get("champion")
@@ -286,6 +288,8 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     for k, v in train_metrics.items():
         if isinstance(v, (int, float)):
             metrics[k] = float(v)
+    if drift_jsd is not None:
+        metrics["drift_jsd"] = float(drift_jsd)
     step_metrics = {"train/loss": list(train_metrics.get("train/loss", []))}
     tags = {"snapshot_rev": snapshot_rev, "params_sha": params.sha(),
             "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"])}

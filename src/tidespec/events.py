@@ -15,16 +15,22 @@ CAPTURE_THRESHOLD = "tidespec.capture.threshold"
 
 
 def emit(event: str, resource_id: str, payload: dict, labels: dict[str, str] | None = None,
-         timeout_s: float = 10.0) -> str | None:
-    """Send one event and wait (≤ `timeout_s` s) until the client has delivered it. Returns the
-    event id, or None when no Prefect server is configured (PREFECT_API_URL unset)."""
-    if not os.environ.get("PREFECT_API_URL"):
+         api_url: str | None = None, timeout_s: float = 10.0) -> str | None:
+    """Send one event to the Prefect server at `api_url` (default: env PREFECT_API_URL) and wait
+    (≤ `timeout_s` s) until the client has delivered it. Returns the event id, or None when no
+    server is configured. The URL is applied as a temporary setting: a process whose Prefect
+    settings were loaded earlier (without it) would otherwise start an ephemeral server."""
+    api_url = api_url or os.environ.get("PREFECT_API_URL")
+    if not api_url:
         log.warning("PREFECT_API_URL unset: event %s for %s not sent", event, resource_id)
         return None
     from prefect.events import emit_event
     from prefect.events.worker import EventsWorker
-    ev = emit_event(event=event, resource={"prefect.resource.id": resource_id, **(labels or {})}, payload=payload)
-    EventsWorker.drain_all(timeout=timeout_s)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        ev = emit_event(event=event, resource={"prefect.resource.id": resource_id, **(labels or {})},
+                        payload=payload)
+        EventsWorker.drain_all(timeout=timeout_s)
     return str(ev.id) if ev else None
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+log = logging.getLogger(__name__)
 FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 DTYPES = {"input_ids": torch.int32, "loss_mask": torch.uint8,
           "aux_hidden_states": torch.bfloat16, "hidden_states": torch.bfloat16}
@@ -191,7 +193,7 @@ def append_manifest(manifest: Path, rows: list[ManifestRow]) -> None:
         os.fsync(fh.fileno())
 
 
-def _read_rows(path: Path) -> list[ManifestRow]:
+def read_rows(path: Path) -> list[ManifestRow]:
     if not path.exists():
         return []
     rows = []
@@ -205,7 +207,7 @@ def _read_rows(path: Path) -> list[ManifestRow]:
 
 def read_manifest(directory: Path) -> list[ManifestRow]:
     """Rows of `directory/manifest.jsonl`; a torn last line (crash mid-append) is ignored."""
-    return _read_rows(Path(directory) / MANIFEST)
+    return read_rows(Path(directory) / MANIFEST)
 
 
 def iter_records(directory: Path) -> Iterator[tuple[ManifestRow, dict[str, torch.Tensor]]]:
@@ -252,7 +254,7 @@ def _finish_seal(capture_dir: Path, snapshots_root: Path, target_id: str, sid: s
     """Build snapshot `sid` from `capture_dir/sealing-<sid>.jsonl`, then drop the capture's copies.
     Idempotent: rerun after a crash at any point gives the same snapshot."""
     sealing = capture_dir / f"sealing-{sid}.jsonl"
-    rows = _read_rows(sealing)
+    rows = read_rows(sealing)
     dest = Path(snapshots_root) / target_id / sid
     if rows and not (dest / "snapshot.json").exists():
         private_dir(dest.parent)
@@ -295,8 +297,8 @@ def load_snapshot(path: Path) -> SnapshotInfo:
 
 
 def recover(capture_dir: Path, snapshots_root: Path | None = None, target_id: str | None = None) -> list[SnapshotInfo]:
-    """After a crash: remove temp files (never in a manifest) and finish interrupted seals.
-    Returns the snapshots it finished."""
+    """After a crash: remove temp files (never in a manifest) and finish interrupted seals (when
+    `snapshots_root` is given; else they are left, logged). Returns the snapshots it finished."""
     capture_dir = Path(capture_dir)
     if not capture_dir.exists():
         return []
@@ -305,10 +307,11 @@ def recover(capture_dir: Path, snapshots_root: Path | None = None, target_id: st
     done = []
     for sealing in sorted(capture_dir.glob("sealing-*.jsonl")):
         sid = sealing.stem.removeprefix("sealing-")
-        rows = _read_rows(sealing)
+        rows = read_rows(sealing)
         tid = target_id or (rows[0].target_id if rows else "")
-        if snapshots_root is None:
-            raise ValueError(f"{sealing} is an interrupted seal: pass snapshots_root to finish it")
+        if snapshots_root is None:  # left for whoever seals (`tidespec snapshots seal`)
+            log.warning("%s is an interrupted seal; `tidespec snapshots seal` finishes it", sealing)
+            continue
         info = _finish_seal(capture_dir, snapshots_root, tid, sid, "recovered")
         if info:
             done.append(info)
