@@ -319,3 +319,16 @@ def test_cli_seals_leftover_capture_and_lists(tmp_path, monkeypatch):
     monkeypatch.setattr(cli.console, "width", 200)
     out = CliRunner().invoke(app, ["snapshots", "list", "--root", str(tmp_path)]).output
     assert snaps[0].name in out and "local only" in out
+
+
+def test_one_writer_per_capture_dir(tmp_path):
+    from tidespec.capture.store import CaptureDirBusy
+    w = CaptureWriter(tmp_path / "cap", "tid")
+    w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
+    with pytest.raises(CaptureDirBusy, match="seal_now"):
+        seal(tmp_path / "cap", tmp_path / "snaps", "tid")  # would race the writer's appends
+    with pytest.raises(CaptureDirBusy):
+        CaptureWriter(tmp_path / "cap", "tid")
+    w.close()
+    assert seal(tmp_path / "cap", tmp_path / "snaps", "tid").num_records == 1  # released on close
+    CaptureWriter(tmp_path / "cap", "tid").close()

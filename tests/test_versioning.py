@@ -82,3 +82,32 @@ def test_machine_local_remote_stays_out_of_project_config(tmp_path):
     versioning.track(r, r / "d")
     versioning.push(r)
     assert any((tmp_path / "remote").rglob("*"))
+
+
+def test_failed_publish_is_retried_by_the_next(tmp_path):
+    """Remote down during one publish: the snapshot stays local; the next publish pushes it too,
+    and only then may retention drop it."""
+    import torch
+
+    from tidespec.capture.publish import Publisher
+    from tidespec.capture.writer import CaptureWriter
+    r, remote = tmp_path / "repo", tmp_path / "remote"
+    versioning.ensure_repo(r, str(remote))
+    remote.write_text("not a directory")  # the remote is unusable
+    snaps = r / "data" / "snapshots"
+    pub = Publisher(r, snaps, keep_local=1, emit=False, commit=False)
+    w = CaptureWriter(r / "data" / "capture", "tid", snapshots_root=snaps, on_seal=pub)
+    rec = {"input_ids": torch.arange(8, dtype=torch.int32), "loss_mask": torch.ones(8, dtype=torch.uint8),
+           "aux_hidden_states": torch.zeros(8, 6), "hidden_states": torch.zeros(8, 2)}
+    w.submit(rec, request_id="a", workload="x", acceptance_length=1.0)
+    first = w.seal_now()
+    w._publisher.submit(lambda: None).result()  # wait for the publisher
+    assert w.stats().publish_errors == 1 and (snaps / "tid" / first.snapshot_id).exists()
+    remote.unlink()  # the remote is back
+    w.submit(dict(rec, input_ids=rec["input_ids"] + 1), request_id="b", workload="x", acceptance_length=1.0)
+    second = w.seal_now()
+    w.close()
+    assert pub.published[-1]["dropped_local"] == [first.snapshot_id]  # keep_local=1, and now it is on the remote
+    assert (snaps / "tid" / f"{first.snapshot_id}.dvc").exists() and (snaps / "tid" / second.snapshot_id).exists()
+    versioning.pull(r, [snaps / "tid" / f"{first.snapshot_id}.dvc"])
+    assert (snaps / "tid" / first.snapshot_id / "manifest.jsonl").exists()

@@ -92,7 +92,7 @@ def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
                    commit: bool = typer.Option(False, help="git-commit the snapshot's .dvc file")):
     """Seal what is captured under data/capture (finishing seals a crash interrupted) into snapshots."""
     from .capture.publish import Publisher
-    from .capture.store import read_rows, read_manifest, recover, seal
+    from .capture.store import lock_capture_dir, read_manifest, read_rows, recover, seal, unlock
     from .config import load_params
     ws = _ws(root)
     p = load_params(params)
@@ -106,8 +106,12 @@ def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
         if not rows:
             continue
         tid = rows[0].target_id
-        infos = recover(cap, ws.snapshots, tid)
-        info = seal(cap, ws.snapshots, tid)
+        fd = lock_capture_dir(cap)  # CaptureDirBusy while a server's writer runs there
+        try:
+            infos = recover(cap, ws.snapshots, tid)
+            info = seal(cap, ws.snapshots, tid, lock=False)
+        finally:
+            unlock(fd)
         for i in infos + ([info] if info else []):
             sealed.append({"snapshot_id": i.snapshot_id, "records": i.num_records, "tokens": i.num_tokens,
                            **(pub(i) if pub else {})})
@@ -312,7 +316,8 @@ def bench_capture(params: Path = PARAMS, prompts: int = typer.Option(8, min=1),
 
 
 def main() -> None:
-    """Console entry point: bad input (ValueError/FileNotFoundError) → one clear line, exit 2."""
+    """Console entry point: bad input (ValueError/FileNotFoundError), an unavailable backend, a busy
+    capture dir or a failed git/dvc command → one clear line (with the fix), exit 2."""
     import sys
     try:
         app(standalone_mode=False)
@@ -320,10 +325,13 @@ def main() -> None:
         Console(stderr=True).print(f"[red]error:[/red] {e}")
         sys.exit(2)
     except RuntimeError as e:
+        from .capture.store import CaptureDirBusy
         from .train.specforge import SpecForgeUnavailable
-        if not isinstance(e, SpecForgeUnavailable):
+        from .versioning import VersioningError
+        if not isinstance(e, (SpecForgeUnavailable, CaptureDirBusy, VersioningError)):
             raise
-        Console(stderr=True).print(f"[red]unavailable:[/red] {e}")
+        label = "unavailable" if isinstance(e, SpecForgeUnavailable) else "error"
+        Console(stderr=True).print(f"[red]{label}:[/red] {e}")
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)

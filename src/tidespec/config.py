@@ -62,7 +62,7 @@ class BootstrapParams(_Strict):
 class WorkloadParams(_Strict):
     prompts: str = "humaneval"  # prompt set name (tidespec.prompts.load)
     serve_prompts: int = Field(40, ge=1)  # prompts served (captured) per phase; curate splits the holdout off
-    holdout_fraction: float = Field(0.3, gt=0, lt=1)  # bench train: prompt-level split of the prompt set
+    holdout_fraction: float = Field(0.3, gt=0, lt=1)  # prompt-level split: demo serves the rest, benches these
     seed: int = 0
 
 

@@ -104,9 +104,10 @@ def run_demo(root: Path, params_path: Path) -> dict:
     console.print(f"target {tid[:12]}: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, "
                   f"aux layers {list(target.aux_layers)}, {params.target.dtype}")
 
-    # workload: HumanEval prompts, served with capture; curate splits the holdout off that traffic
+    # workload: HumanEval's prompt-level train split, served with capture (the other split stays
+    # unseen for the benchmarks); curate splits the holdout requests off that traffic
     w = params.workload
-    served = prompts.load(w.prompts)[: w.serve_prompts]
+    served = prompts.split(prompts.load(w.prompts), w.holdout_fraction, w.seed)[0][: w.serve_prompts]
 
     # 1. static draft → first champion
     static = bootstrap_static(params, target, tok, cache)

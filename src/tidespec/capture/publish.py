@@ -1,6 +1,9 @@
 """What happens after a seal (on the writer's publisher thread, never the serving path):
 `dvc add` + `dvc push` the snapshot (+ git commit of its `.dvc` file), retention, drift, event.
 
+A snapshot whose publish failed (remote down...) stays local; the next publish tracks and
+pushes it too, and retention drops a snapshot only after pushing it.
+
 Retention: the newest `capture.keep_local_snapshots` sealed snapshots stay on local disk; older
 ones are pushed (idempotent) then dropped locally with their cache objects (`dvc pull
 <sid>.dvc` restores one). A snapshot that is not on the remote is never dropped.
@@ -59,8 +62,14 @@ class Publisher:
 
     def __call__(self, info: SnapshotInfo) -> dict:
         from ..curate import snapshot_drift
-        rev = versioning.track(self.repo, info.path)
-        versioning.push(self.repo, [info.path.with_name(info.path.name + ".dvc")])
+        # this snapshot, and any earlier one whose publish failed (still untracked)
+        todo = [s for s in list_snapshots(self.snapshots_root, info.target_id)
+                if s != info.path and not s.with_name(s.name + ".dvc").exists()] + [info.path]
+        for s in todo:
+            rev = versioning.track(self.repo, s)
+        # push every local tracked snapshot: one whose earlier push failed goes now (a no-op for the rest)
+        versioning.push(self.repo, [s.with_name(s.name + ".dvc") for s in list_snapshots(self.snapshots_root,
+                                    info.target_id) if s.with_name(s.name + ".dvc").exists()])
         sha = versioning.commit_git(self.repo, f"snapshot {info.snapshot_id}: {info.num_records} records, "
                                                f"{info.num_tokens} tokens ({info.reason})") if self.commit else None
         dropped = apply_retention(self.repo, self.snapshots_root, info.target_id, self.keep_local)
@@ -68,6 +77,7 @@ class Publisher:
         trigger = "tokens" if info.reason == "tokens" else (
             "drift" if drift is not None and drift >= self.drift_threshold else None)
         out = {"snapshot_id": info.snapshot_id, "snapshot_rev": rev, "git_commit": sha, "dropped_local": dropped,
+               "also_published": [s.name for s in todo[:-1]],
                "drift_jsd": drift, "trigger": trigger, "event_id": None}
         if trigger and self.emit:
             out["event_id"] = events.capture_threshold(info.snapshot_id, info.target_id, {

@@ -322,16 +322,46 @@ def recover(capture_dir: Path, snapshots_root: Path | None = None, target_id: st
     return done
 
 
-def seal(capture_dir: Path, snapshots_root: Path, target_id: str, reason: str = "manual") -> SnapshotInfo | None:
+class CaptureDirBusy(RuntimeError):
+    """Another writer (or sealer) holds this capture directory."""
+
+
+def lock_capture_dir(capture_dir: Path) -> int:
+    """Exclusive advisory lock (flock on `<dir>/.lock`, released by the kernel if the holder dies):
+    one writer or sealer per capture dir. Returns the fd to pass to `unlock`. Raises CaptureDirBusy."""
+    import fcntl
+    fd = os.open(private_dir(Path(capture_dir)) / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CaptureDirBusy(f"{capture_dir} is in use by another capture writer or sealer (one per directory): "
+                             "stop it, or seal through it (CaptureWriter.seal_now)") from None
+    return fd
+
+
+def unlock(fd: int) -> None:
+    os.close(fd)  # closing the descriptor releases the flock
+
+
+def seal(capture_dir: Path, snapshots_root: Path, target_id: str, reason: str = "manual",
+         lock: bool = True) -> SnapshotInfo | None:
     """Move every record listed in the capture manifest into a new immutable snapshot.
 
     Layout: `snapshots_root/<target_id>/<snapshot_id>/{shards, manifest.jsonl, snapshot.json}`
     (snapshot.json: counts, bytes, bytes_per_token, workloads, first/last ts, reason). Unlisted
-    files (temp or torn shards) stay behind. Returns None when nothing was captured. Not safe
-    against a writer appending concurrently: a running CaptureWriter seals through `seal_now()`.
-    Raises ValueError when the capture holds records of another target.
+    files (temp or torn shards) stay behind. Returns None when nothing was captured. Takes the
+    capture dir's lock (`lock=False` only for its holder: the writer thread). Raises CaptureDirBusy
+    while a writer runs there (seal through it: `CaptureWriter.seal_now()`), ValueError when the
+    capture holds records of another target.
     """
     capture_dir = Path(capture_dir)
+    if lock:
+        fd = lock_capture_dir(capture_dir)
+        try:
+            return seal(capture_dir, snapshots_root, target_id, reason, lock=False)
+        finally:
+            unlock(fd)
     recover(capture_dir, snapshots_root, target_id)
     rows = read_manifest(capture_dir)
     if not rows:

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from .store import (ManifestRow, SnapshotInfo, append_manifest, parse_ts, private_dir, prompt_hash,
-                    read_manifest, recover, seal, shard_name, utc_now, write_shard)
+from .store import (ManifestRow, SnapshotInfo, append_manifest, lock_capture_dir, parse_ts, private_dir,
+                    prompt_hash, read_manifest, recover, seal, shard_name, unlock, utc_now, write_shard)
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -70,7 +70,9 @@ class CaptureWriter:
     With `snapshots_root`, seals `directory` into `snapshots_root/<target_id>/<sid>/` when
     `seal_min_tokens` unsealed tokens or `seal_max_age_s` (age of the oldest unsealed record)
     is reached, then calls `on_seal(SnapshotInfo)` on a publisher thread. On start it removes
-    temp files and finishes seals a crash interrupted (publishing those too).
+    temp files and finishes seals a crash interrupted (publishing those too). Holds an exclusive
+    lock on `directory` until `close()`: a second writer or an offline `seal` there raises
+    CaptureDirBusy.
     """
 
     def __init__(self, directory: Path, target_id: str, queue_size: int = 64, shard_max_records: int = 16, *,
@@ -82,6 +84,7 @@ class CaptureWriter:
         if compression not in ("none", "zstd"):
             raise ValueError(f"compression must be 'none' or 'zstd', got {compression!r}")
         self.dir = private_dir(Path(directory))
+        self._lockfd = lock_capture_dir(self.dir)  # one writer per directory; raises CaptureDirBusy
         self.target_id = target_id
         self.shard_max = shard_max_records
         self.compression = compression
@@ -208,14 +211,19 @@ class CaptureWriter:
     def close(self, timeout_s: float = 60.0) -> None:
         """Flush, stop the writer thread and wait for publishing; idempotent. Later `submit`
         calls are dropped and counted (`closed`). Unsealed records stay for the next writer."""
-        if self._thread.is_alive():
-            try:
-                self.flush(timeout_s)
-            finally:
-                self.q.put(_STOP)
-                self._thread.join(timeout=timeout_s)
-        if self._publisher:
-            self._publisher.shutdown(wait=True)
+        try:
+            if self._thread.is_alive():
+                try:
+                    self.flush(timeout_s)
+                finally:
+                    self.q.put(_STOP)
+                    self._thread.join(timeout=timeout_s)
+        finally:
+            if self._publisher:
+                self._publisher.shutdown(wait=True)
+            if self._lockfd is not None and not self._thread.is_alive():
+                unlock(self._lockfd)
+                self._lockfd = None
 
     # -- writer thread ---------------------------------------------------------------------
     def _rescan(self) -> None:
@@ -308,7 +316,7 @@ class CaptureWriter:
     def _seal(self, reason: str) -> SnapshotInfo | None:
         if self.snapshots_root is None:
             raise ValueError("no snapshots_root")
-        info = seal(self.dir, self.snapshots_root, self.target_id, reason)
+        info = seal(self.dir, self.snapshots_root, self.target_id, reason, lock=False)
         self._rescan()
         self._full = None if self._disk_reason(0) is None else self._full
         if info:
@@ -324,7 +332,7 @@ class CaptureWriter:
         def run():
             try:
                 self.on_seal(info)
-            except Exception:  # noqa: BLE001 - the snapshot is sealed locally; publishing retries on the next seal
+            except Exception:  # noqa: BLE001 - the snapshot stays local; the next publish picks it up
                 log.exception("publishing snapshot %s failed", info.snapshot_id)
                 with self._lock:
                     self.publish_errors += 1
