@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install assets demo test bench bench-train services-up services-down clean
+.PHONY: install assets demo test bench bench-train bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 $(STAMP): pyproject.toml constraints.txt
@@ -31,6 +31,9 @@ bench: assets              ## engine benchmark vs HF generate / prompt lookup (n
 
 bench-train: assets        ## EAGLE3 training on a fixed HumanEval snapshot: τ at k=4 on the holdout, tok/s, cycle time
 	$(VENV)/bin/tidespec bench train --max-new-tokens 192 --fractions 0.5,1.0 --epochs 6
+
+bench-capture: assets      ## capture cost on the serving path (ITL, tokens/s: off / raw / zstd / hung disk), bytes per token
+	$(VENV)/bin/tidespec bench capture --prompts 6
 
 services-up: install
 	$(VENV)/bin/tidespec services up

@@ -15,7 +15,8 @@ so a record is never lost nor sealed twice.
 
 Compression (`capture.compression: zstd`): bf16 tensors are byte-shuffled (high bytes, then low
 bytes: sign/exponent bytes compress ~2.6×, mantissa bytes barely) and the shard is zstd-compressed
-as a whole (`*.safetensors.zst`); measured 0.68× the raw size at ~350 MB/s (bench capture).
+as a whole (`*.safetensors.zst`): 0.72× the raw size on HumanEval traffic, 41 µs of CPU per token
+(`tidespec bench capture`).
 """
 from __future__ import annotations
 

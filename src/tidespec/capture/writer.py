@@ -49,6 +49,8 @@ class CaptureStats:
     unsealed_tokens: int = 0
     queue_depth: int = 0
     publish_errors: int = 0
+    write_cpu_s: float = 0.0  # writer-thread CPU time spent encoding + writing shards (s)
+    write_wall_s: float = 0.0  # wall time of the same (incl. fsync waits) (s)
 
     @property
     def dropped_total(self) -> int:
@@ -103,6 +105,7 @@ class CaptureWriter:
         self._filtered: Counter = Counter()
         self.written_total = self.tokens_total = self.bytes_total = self.sealed_total = 0
         self.publish_errors = 0
+        self.write_cpu_s = self.write_wall_s = 0.0
         self.error: BaseException | None = None
         self._full: str | None = None  # latched drop reason (quota / disk) until a seal frees space
         self._pending: list[tuple[dict, dict]] = []
@@ -173,7 +176,7 @@ class CaptureWriter:
         with self._lock:
             return CaptureStats(self.written_total, self.tokens_total, self.bytes_total, dict(self._dropped),
                                 dict(self._filtered), self.sealed_total, self._unsealed_tokens, self.q.qsize(),
-                                self.publish_errors)
+                                self.publish_errors, self.write_cpu_s, self.write_wall_s)
 
     @property
     def dropped_total(self) -> int:
@@ -285,6 +288,7 @@ class CaptureWriter:
                 self._dropped[reason] += len(batch)
             log.warning("capture stopped (%s): %d records dropped; seal/free space to resume", reason, len(batch))
             return
+        c0, w0 = time.thread_time(), time.perf_counter()
         name = shard_name(f"shard-{time.time_ns()}", self.compression)
         path = write_shard(self.dir, name, [r for r, _ in batch], self.compression)
         rows = [ManifestRow(request_id=m["request_id"], ts=m["ts"], workload=m["workload"],
@@ -299,6 +303,8 @@ class CaptureWriter:
         self._usage += size
         self._oldest = min(self._oldest or time.time(), min(parse_ts(r.ts) for r in rows))
         with self._lock:
+            self.write_cpu_s += time.thread_time() - c0
+            self.write_wall_s += time.perf_counter() - w0
             self.bytes_total += size
             self.written_total += len(rows)
             self.tokens_total += ntok
