@@ -365,3 +365,140 @@ def test_engine_serves_through_a_hung_disk(tmp_path, tiny_target):
     assert outs == [eng.generate(p, 16).tokens for p in prompts]
     st = w.stats()
     assert st.written_total == 3 and st.dropped == {"queue_full": 5}
+
+
+# -- found by trying to break it ----------------------------------------------------------------
+def test_torn_manifest_tail_does_not_swallow_later_rows(tmp_path):
+    w = CaptureWriter(tmp_path / "cap", "tid")
+    for i in range(2):
+        w.submit(_rec(6, seed=i), request_id=f"a{i}", workload="x", acceptance_length=1.0)
+    w.close()
+    m = tmp_path / "cap" / "manifest.jsonl"
+    m.write_bytes(m.read_bytes()[:-40])  # crash mid-append of the last row (never acknowledged)
+    w = CaptureWriter(tmp_path / "cap", "tid", snapshots_root=tmp_path / "snaps")
+    w.submit(_rec(6, seed=5), request_id="after_restart", workload="x", acceptance_length=1.0)
+    w.flush()
+    assert [r.request_id for r in read_manifest(tmp_path / "cap")] == ["a0", "after_restart"]
+    info = w.seal_now()
+    w.close()
+    assert [r.request_id for r in read_manifest(info.path)] == ["a0", "after_restart"]
+    assert not list((tmp_path / "cap").glob("shard-*"))  # the torn row's shard went with its shard-mate
+
+
+def test_bad_records_are_refused_at_submit_and_the_writer_goes_on(tmp_path):
+    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=3)
+    good = _rec(6)
+    bad = [{k: v for k, v in good.items() if k != "hidden_states"},
+           dict(good, loss_mask=good["loss_mask"][:4]),
+           dict(good, hidden_states=good["hidden_states"][:3]),
+           dict(good, aux_hidden_states=good["aux_hidden_states"][:, :5]),
+           dict(good, input_ids=torch.full((6,), 2 ** 40)),
+           dict(good, input_ids=good["input_ids"].float()),
+           dict(good, loss_mask=torch.full((6,), 7, dtype=torch.uint8)),
+           dict(good, hidden_states=torch.empty(6, 8, device="meta")),
+           dict(good, input_ids=[1, 2, 3]),
+           {k: v[:0] for k, v in good.items()}]
+    w.submit(good, request_id="g0", workload="x", acceptance_length=1.0)
+    for b in bad:
+        with pytest.raises(ValueError, match="submit_generation"):
+            w.submit(b, request_id="bad", workload="x", acceptance_length=1.0)
+    shared = dict(good)  # two records sharing one tensor object (safetensors refuses shared storage)
+    w.submit(shared, request_id="g1", workload="x", acceptance_length=1.0)
+    w.submit(dict(shared), request_id="g2", workload="x", acceptance_length=1.0)
+    w.close()
+    assert [r.request_id for r in read_manifest(tmp_path / "cap")] == ["g0", "g1", "g2"]
+    assert w.stats().dropped == {}
+
+
+def test_seal_failure_keeps_capturing(tmp_path):
+    (tmp_path / "snaps").write_text("not a directory")
+    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=2, snapshots_root=tmp_path / "snaps",
+                      seal_min_tokens=10)
+    for i in range(10):
+        w.submit(_rec(6, seed=i), request_id=f"r{i}", workload="x", acceptance_length=1.0)
+    w.close()
+    st = w.stats()
+    assert st.written_total == 10 and st.dropped == {} and st.seal_errors == 1  # retried after SEAL_RETRY_S
+    (tmp_path / "snaps").unlink()  # fixed: the next writer finishes the interrupted seal, then seals the rest
+    w = CaptureWriter(tmp_path / "cap", "tid", snapshots_root=tmp_path / "snaps")
+    w.seal_now()
+    w.close()
+    got = [r.request_id for s in list_snapshots(tmp_path / "snaps", "tid") for r in read_manifest(s)]
+    assert sorted(got) == sorted(f"r{i}" for i in range(10))
+
+
+def test_close_racing_submits_loses_nothing_uncounted(tmp_path):
+    w = CaptureWriter(tmp_path / "cap", "tid", queue_size=256, shard_max_records=4)
+    accepted, stop = [], threading.Event()
+
+    def spam(k):
+        i = 0
+        while not stop.is_set():
+            if w.submit(_rec(6, seed=i), request_id=f"{k}-{i}", workload="x", acceptance_length=1.0):
+                accepted.append(f"{k}-{i}")
+            i += 1
+    ts = [threading.Thread(target=spam, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    time.sleep(0.3)
+    w.close()
+    stop.set()
+    for t in ts:
+        t.join()
+    written = {r.request_id for r in read_manifest(tmp_path / "cap")}
+    assert set(accepted) == written and w.stats().written_total == len(written) > 0
+    assert set(w.stats().dropped) <= {"closed", "queue_full"}
+
+
+def test_close_returns_within_its_timeout_on_a_stalled_disk(tmp_path):
+    gate, entered = threading.Event(), threading.Event()
+    w = CaptureWriter(tmp_path / "cap", "tid", queue_size=2, shard_max_records=1)
+    real = w._write_pending
+    w._write_pending = lambda: (entered.set(), gate.wait(), real())[2]
+    w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
+    assert entered.wait(10)
+    for i in range(4):
+        w.submit(_rec(6, seed=i), request_id=f"b{i}", workload="x", acceptance_length=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="stalled"):
+        w.close(timeout_s=1.0)
+    assert time.monotonic() - t0 < 5
+    gate.set()
+    w.close()  # the disk is back: everything queued gets written
+    assert [r.request_id for r in read_manifest(tmp_path / "cap")] == ["a", "b0", "b1"]
+
+
+def test_corrupt_shard_is_named_and_skipped_by_curate(tmp_path, caplog):
+    from tidespec.capture.store import CorruptShard
+    for c in ("none", "zstd"):
+        w = CaptureWriter(tmp_path / f"cap-{c}", "tid", shard_max_records=2, compression=c)
+        for i in range(4):
+            w.submit(_rec(12, seed=i + (10 if c == "zstd" else 0)), request_id=f"{c}{i}", workload="x",
+                     acceptance_length=1.0)
+        w.close()
+        info = seal(tmp_path / f"cap-{c}", tmp_path / "snaps", "tid")
+        rows = read_manifest(info.path)
+        shard = info.path / rows[0].shard
+        shard.write_bytes(shard.read_bytes()[:100])  # truncated on disk
+        with pytest.raises(CorruptShard, match=rows[0].shard):
+            read_record(info.path, rows[0])
+    r = curate(tmp_path / "snaps", "tid", CurateParams(window=2, holdout_fraction=0.0, val_fraction=0.0),
+               tmp_path / "work" / "curated.json")
+    assert r.dropped == {"unreadable": 4} and r.num_train == 4
+    assert "snapshots pull" in caplog.text
+    assert _mode(r.path) == _mode(r.holdout) == "0o600"
+
+
+def test_snapshot_ids_never_collide(tmp_path, monkeypatch):
+    import tidespec.capture.store as store
+    real = store.new_snapshot_id
+    ids = iter(["s1-aaaa", "s1-aaaa", "s1-aaaa", "s2-bbbb"])
+    monkeypatch.setattr(store, "new_snapshot_id", lambda: next(ids, None) or real())
+    for name in ("a", "b"):
+        w = CaptureWriter(tmp_path / name, "tid")
+        w.submit(_rec(6, seed=ord(name)), request_id=name, workload="x", acceptance_length=1.0)
+        w.close()
+        seal(tmp_path / name, tmp_path / "snaps", "tid")
+    snaps = list_snapshots(tmp_path / "snaps", "tid")
+    assert [s.name for s in snaps] == ["s1-aaaa", "s2-bbbb"]
+    assert [[r.request_id for r in read_manifest(s)] for s in snaps] == [["a"], ["b"]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from collections import Counter
@@ -20,8 +21,10 @@ from pathlib import Path
 
 import torch
 
-from .capture.store import list_snapshots, read_manifest, read_record
+from .capture.store import CorruptShard, list_snapshots, read_manifest, read_record, write_private
 from .config import CurateParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,12 @@ def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: 
         if key in seen:
             dropped["duplicate_prompt"] += 1
             continue
-        rec = read_record(snap, row)
+        try:
+            rec = read_record(snap, row)
+        except (CorruptShard, FileNotFoundError) as e:  # one bad shard must not block the cycle
+            log.error("%s", e)
+            dropped["unreadable"] += 1
+            continue
         if not (torch.isfinite(rec["aux_hidden_states"].float()).all()
                 and torch.isfinite(rec["hidden_states"].float()).all()):
             dropped["non_finite"] += 1
@@ -120,7 +128,7 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     `params.window` snapshots of `target_id`.
 
     Drops (counted by reason): too short/long, duplicate prompt (newest kept), non-finite hidden
-    states. Splits (see module docstring): holdout (`holdout_fraction`, at most `max_holdout`
+    states, unreadable (a corrupt or missing shard: logged with the fix, the rest is curated). Splits (see module docstring): holdout (`holdout_fraction`, at most `max_holdout`
     requests, replayed by evaluate; the rest of that bucket is not trained on either), val
     (`val_fraction`, training validation), train. Replay buffer: `params.replay_fraction` of the
     training set is drawn (seeded) from train-bucket records of the older snapshots outside the
@@ -163,11 +171,10 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
         drift = jsd_bits(counts, Counter({int(k): v for k, v in prev.get("token_counts", {}).items()}))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    hold_path = out.with_name("holdout.jsonl")
-    with open(hold_path, "w") as f:
-        for r in holdout:
-            f.write(json.dumps({"id": r["request_id"], "workload": r["workload"], "input_ids": r["prompt_ids"],
-                                "prompt_hash": r["prompt_hash"]}) + "\n")
+    hold_path = out.with_name("holdout.jsonl")  # prompts (token ids): private, like the snapshots
+    write_private(hold_path, "".join(json.dumps({"id": r["request_id"], "workload": r["workload"],
+                                                 "input_ids": r["prompt_ids"], "prompt_hash": r["prompt_hash"]}) + "\n"
+                                     for r in holdout).encode())
     holdout_index = [{k: v for k, v in r.items() if k != "prompt_ids"} for r in holdout]
     for r in train + val + holdout_index:  # relative to the index: a clone or another machine reads the same set
         r["snapshot"] = os.path.relpath(r["snapshot"], out.parent)
@@ -177,7 +184,7 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
              "dropped": dict(dropped), "replay_dropped": dict(replay_dropped), "drift_jsd": drift,
              "workload_mix": dict(Counter(r["workload"] for r in train)),
              "token_counts": {str(k): v for k, v in counts.items()}}
-    out.write_text(json.dumps(index))
+    write_private(out, json.dumps(index).encode())
     return CurateResult(out, len(train), len(val), sum(r["num_tokens"] for r in train), dict(dropped), drift,
                         len(replay), len(holdout), hold_path)
 

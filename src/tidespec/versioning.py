@@ -128,6 +128,8 @@ def ensure_repo(repo: Path, remote_url: str, remote_name: str = "local", machine
         dvc(repo, "config", *scope, "cache.type", cache_type)
     from .capture.store import private_dir
     private_dir(repo / ".dvc" / "cache")
+    if "://" not in remote_url:  # a local remote holds the same hidden states
+        private_dir(Path(remote_url) if Path(remote_url).is_absolute() else repo / remote_url)
 
 
 def snapshot_rev(repo: Path, path: Path) -> str:

@@ -95,7 +95,7 @@ def private_dir(d: Path) -> Path:
     return d
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     """Write `data` to `path` created 0600 (never world-readable, not even briefly), fsynced."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
@@ -103,6 +103,35 @@ def _write_private(path: Path, data: bytes) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.chmod(path, 0o600)
+
+
+def validate_record(r: dict) -> int:
+    """Check one capture record against the contract; returns T. Raises ValueError naming the fix:
+    all four fields, torch tensors on CPU-readable devices, `input_ids`/`loss_mask` `[T]` integer
+    (ids in [0, 2**31), mask 0/1), `aux_hidden_states` `[T, 3H]` and `hidden_states` `[T, H]`
+    floating point, T >= 1."""
+    fix = "submit Generation.record of a capture=True request (CaptureWriter.submit_generation)"
+    if not isinstance(r, dict) or any(f not in r for f in FIELDS):
+        missing = [f for f in FIELDS if not isinstance(r, dict) or f not in r]
+        raise ValueError(f"capture record lacks {missing}: {fix}")
+    bad = [f for f in FIELDS if not isinstance(r[f], torch.Tensor) or r[f].is_meta]
+    if bad:
+        raise ValueError(f"capture record fields {bad} are not materialised torch tensors: {fix}")
+    ids, mask, aux, hid = (r[f] for f in FIELDS)
+    T = ids.shape[0] if ids.dim() == 1 else -1
+    if T < 1 or mask.shape != (T,) or hid.dim() != 2 or hid.shape[0] != T or aux.shape != (T, 3 * hid.shape[1]):
+        raise ValueError(f"capture record shapes input_ids {tuple(ids.shape)}, loss_mask {tuple(mask.shape)}, "
+                         f"aux_hidden_states {tuple(aux.shape)}, hidden_states {tuple(hid.shape)}: need [T], [T], "
+                         f"[T, 3H], [T, H] with T >= 1; {fix}")
+    if ids.is_floating_point() or ids.is_complex() or mask.is_floating_point():
+        raise ValueError(f"input_ids/loss_mask must be integer tensors (got {ids.dtype}, {mask.dtype}); {fix}")
+    if not (aux.is_floating_point() and hid.is_floating_point()):
+        raise ValueError(f"hidden states must be floating point (got {aux.dtype}, {hid.dtype}); {fix}")
+    if int(ids.min()) < 0 or int(ids.max()) >= 2 ** 31:
+        raise ValueError(f"input_ids outside [0, 2**31): token ids of the target's vocab expected; {fix}")
+    if mask.numel() and int(mask.max()) > 1 or int(mask.min()) < 0:
+        raise ValueError(f"loss_mask must hold 0/1 (1 = generated token); {fix}")
+    return T
 
 
 # -- shard codec ------------------------------------------------------------------------------
@@ -123,11 +152,9 @@ def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "non
         raise ValueError(f"capture.compression must be one of {CODECS}, got {compression!r}")
     tensors, shapes = {}, {}
     for i, r in enumerate(records):
-        missing = [f for f in FIELDS if f not in r]
-        if missing:
-            raise ValueError(f"capture record {i} lacks {missing}: submit Generation.record of a capture=True request")
-        for f in FIELDS:
-            t = r[f].to(DTYPES[f]).contiguous()
+        validate_record(r)
+        for f in FIELDS:  # a copy: records may share storage (safetensors refuses shared tensors)
+            t = r[f].detach().to("cpu", DTYPES[f], copy=True).contiguous()
             if compression == "zstd" and t.dtype == torch.bfloat16:
                 shapes[f"{i}.{f}"] = list(t.shape)
                 t = _shuffle(t)
@@ -144,13 +171,14 @@ def shard_name(stem: str, compression: str) -> str:
     return f"{stem}.safetensors" + (".zst" if compression == "zstd" else "")
 
 
-def write_shard(directory: Path, name: str, records: list[dict[str, torch.Tensor]],
+def write_shard(directory: Path, name: str, records: list[dict[str, torch.Tensor]] | bytes,
                 compression: str = "none") -> Path:
-    """Atomically write `records` as one shard `directory/name` (0600): temp file, fsync, rename,
-    fsync dir. Returns the final path. Raises ValueError (codec/record), OSError (disk)."""
-    data = encode_shard(records, compression)
+    """Atomically write `records` (or their `encode_shard` bytes) as one shard `directory/name`
+    (0600): temp file, fsync, rename, fsync dir. Returns the final path. Raises ValueError
+    (codec/record), OSError (disk)."""
+    data = records if isinstance(records, bytes) else encode_shard(records, compression)
     tmp = directory / f".{name}.tmp"
-    _write_private(tmp, data)
+    write_private(tmp, data)
     final = directory / name
     os.replace(tmp, final)
     _fsync_dir(directory)
@@ -173,25 +201,53 @@ def _header_meta(raw: bytes) -> dict:
     return json.loads(raw[8:8 + n]).get("__metadata__", {})
 
 
+class CorruptShard(ValueError):
+    """A shard listed in a manifest cannot be read (truncated, overwritten, bit rot)."""
+
+
 def read_record(directory: Path, row: ManifestRow) -> dict[str, torch.Tensor]:
-    """Load one record's tensors (see module docstring for shapes/dtypes), either codec."""
+    """Load one record's tensors (see module docstring for shapes/dtypes), either codec.
+    Raises FileNotFoundError (shard missing) or CorruptShard naming the shard and the fix."""
     path = Path(directory) / row.shard
-    if row.shard.endswith(".zst"):
-        t = _decoded(str(path), path.stat().st_mtime_ns)
-        return {k: t[f"{row.offset}.{k}"] for k in FIELDS}
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(f"{row.offset}.{k}") for k in FIELDS}
+    try:
+        if row.shard.endswith(".zst"):
+            t = _decoded(str(path), path.stat().st_mtime_ns)
+            return {k: t[f"{row.offset}.{k}"] for k in FIELDS}
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(f"{row.offset}.{k}") for k in FIELDS}
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors/zstd raise their own types
+        raise CorruptShard(f"shard {path} (record {row.request_id}, offset {row.offset}) is unreadable "
+                           f"({type(e).__name__}: {e}); restore the snapshot with `tidespec snapshots pull "
+                           f"{Path(directory).name}` (or `dvc pull`), or move it out of the snapshots dir") from e
 
 
 # -- manifest ---------------------------------------------------------------------------------
 def append_manifest(manifest: Path, rows: list[ManifestRow]) -> None:
     """Append rows as JSON lines and fsync (after the shard rename). The file is created 0600."""
+    data = "".join(json.dumps(asdict(r)) + "\n" for r in rows).encode()
     fd = os.open(manifest, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    with os.fdopen(fd, "a") as fh:
-        for r in rows:
-            fh.write(json.dumps(asdict(r)) + "\n")
-        fh.flush()
+    try:
+        os.write(fd, data)  # one write; a crash may still tear it: `trim_torn_tail` on restart
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def trim_torn_tail(manifest: Path) -> int:
+    """Cut a partial last line (a crash mid-append: a row never acknowledged) so the next append
+    starts on a fresh line. Returns the bytes removed."""
+    if not manifest.exists():
+        return 0
+    with open(manifest, "rb+") as fh:
+        data = fh.read()
+        if not data or data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1
+        fh.truncate(keep)
         os.fsync(fh.fileno())
+    return len(data) - keep
 
 
 def read_rows(path: Path) -> list[ManifestRow]:
@@ -235,7 +291,8 @@ class SnapshotInfo:
 
 
 def new_snapshot_id() -> str:
-    return "s" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    """`s<UTC time, µs>-<4 random hex>`: sorts by time; replicas sealing at once do not collide."""
+    return "s" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ") + "-" + os.urandom(2).hex()
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -276,7 +333,7 @@ def _finish_seal(capture_dir: Path, snapshots_root: Path, target_id: str, sid: s
                 "bytes_per_token": nbytes / ntok if ntok else 0.0, "workloads": workloads,
                 "first_ts": min(r.ts for r in rows), "last_ts": max(r.ts for r in rows),
                 "codecs": sorted({"zstd" if s.endswith(".zst") else "none" for s in shards})}
-        _write_private(tmp / "snapshot.json", json.dumps(info, indent=2).encode())
+        write_private(tmp / "snapshot.json", json.dumps(info, indent=2).encode())
         _fsync_dir(tmp)
         os.replace(tmp, dest)
         _fsync_dir(dest.parent)
@@ -298,13 +355,22 @@ def load_snapshot(path: Path) -> SnapshotInfo:
 
 
 def recover(capture_dir: Path, snapshots_root: Path | None = None, target_id: str | None = None) -> list[SnapshotInfo]:
-    """After a crash: remove temp files (never in a manifest) and finish interrupted seals (when
-    `snapshots_root` is given; else they are left, logged). Returns the snapshots it finished."""
+    """After a crash: remove temp files and shards no manifest lists (never acknowledged), cut a
+    torn manifest tail, and finish interrupted seals (when `snapshots_root` is given; else they are
+    left, logged). Call it only while holding the capture dir's lock. Returns the snapshots it finished."""
     capture_dir = Path(capture_dir)
     if not capture_dir.exists():
         return []
     for tmp in capture_dir.glob(".*.tmp"):
         tmp.unlink(missing_ok=True)
+    if trim_torn_tail(capture_dir / MANIFEST):
+        log.warning("%s: cut a torn last line (crash mid-append; that record was never acknowledged)", capture_dir)
+    listed = {r.shard for r in read_manifest(capture_dir)}
+    listed |= {r.shard for f in capture_dir.glob("sealing-*.jsonl") for r in read_rows(f)}
+    for shard in capture_dir.glob("shard-*"):  # written, but its manifest rows never were: not acknowledged
+        if shard.name not in listed:
+            log.warning("%s: removing unlisted shard %s (crash before its manifest append)", capture_dir, shard.name)
+            shard.unlink(missing_ok=True)
     done = []
     for sealing in sorted(capture_dir.glob("sealing-*.jsonl")):
         sid = sealing.stem.removeprefix("sealing-")
@@ -371,6 +437,8 @@ def seal(capture_dir: Path, snapshots_root: Path, target_id: str, reason: str = 
     if others:
         raise ValueError(f"capture {capture_dir} holds records of other targets {sorted(others)}; seal them separately")
     sid = new_snapshot_id()
+    while (Path(snapshots_root) / target_id / sid).exists() or (Path(snapshots_root) / target_id / f".{sid}.tmp").exists():
+        sid = new_snapshot_id()
     os.replace(capture_dir / MANIFEST, capture_dir / f"sealing-{sid}.jsonl")
     _fsync_dir(capture_dir)
     return _finish_seal(capture_dir, snapshots_root, target_id, sid, reason)

@@ -14,7 +14,9 @@ runs on a second thread, so it never stalls capture.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import queue
 import shutil
@@ -28,12 +30,14 @@ from typing import Callable
 
 import torch
 
-from .store import (ManifestRow, SnapshotInfo, append_manifest, lock_capture_dir, parse_ts, private_dir,
-                    prompt_hash, read_manifest, recover, seal, shard_name, unlock, utc_now, write_shard)
+from .store import (ManifestRow, SnapshotInfo, append_manifest, encode_shard, lock_capture_dir, parse_ts,
+                    private_dir, prompt_hash, read_manifest, recover, seal, shard_name, unlock, utc_now,
+                    validate_record, write_shard)
 
 log = logging.getLogger(__name__)
 _STOP = object()
 MB = 1 << 20
+SEAL_RETRY_S = 60.0  # after a failed seal (snapshots root unwritable...), capture goes on; retry then
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class CaptureStats:
     unsealed_tokens: int = 0
     queue_depth: int = 0
     publish_errors: int = 0
+    seal_errors: int = 0
     write_cpu_s: float = 0.0  # writer-thread CPU time spent encoding + writing shards (s)
     write_wall_s: float = 0.0  # wall time of the same (incl. fsync waits) (s)
 
@@ -104,7 +109,10 @@ class CaptureWriter:
         self._dropped: Counter = Counter()
         self._filtered: Counter = Counter()
         self.written_total = self.tokens_total = self.bytes_total = self.sealed_total = 0
-        self.publish_errors = 0
+        self.publish_errors = self.seal_errors = 0
+        self._seal_retry_at = 0.0
+        self._closing = False
+        self._submit_lock = threading.Lock()  # orders submits against close(): nothing enters after STOP
         self.write_cpu_s = self.write_wall_s = 0.0
         self.error: BaseException | None = None
         self._full: str | None = None  # latched drop reason (quota / disk) until a seal frees space
@@ -142,22 +150,25 @@ class CaptureWriter:
         """Enqueue one finished request (tensors per store.FIELDS, any float dtype: cast to bf16 on the
         writer thread). `acceptance_rate`: serving-time accepted/drafted (None: no drafts), filtered
         by `max_acceptance_rate`. `text` ({"prompt", "completion"}) is kept only with `store_text`.
-        Returns True if queued; False if filtered or dropped (both counted)."""
+        Returns True if queued; False if filtered or dropped (both counted). Raises ValueError for a
+        record that breaks the contract (`store.validate_record`), before anything is queued."""
         if (self.max_acceptance_rate is not None and acceptance_rate is not None
                 and acceptance_rate >= self.max_acceptance_rate):
             with self._lock:
                 self._filtered["high_acceptance"] += 1
             return False
-        reason = self._full or (None if self._thread.is_alive() else ("failed" if self.error else "closed"))
-        if reason is None:
-            meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length),
-                        acceptance_rate=None if acceptance_rate is None else float(acceptance_rate),
-                        prompt_id=prompt_id, ts=utc_now(), text=text if self.store_text else None)
-            try:
-                self.q.put_nowait((record, meta))
-                return True
-            except queue.Full:
-                reason = "queue_full"
+        validate_record(record)
+        meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length),
+                    acceptance_rate=None if acceptance_rate is None else float(acceptance_rate),
+                    prompt_id=prompt_id, ts=utc_now(), text=text if self.store_text else None)
+        with self._submit_lock:
+            reason = "closed" if self._closing or not self._thread.is_alive() else self._full
+            if reason is None:
+                try:
+                    self.q.put_nowait((record, meta))
+                    return True
+                except queue.Full:
+                    reason = "queue_full"
         with self._lock:
             self._dropped[reason] += 1
         return False
@@ -176,7 +187,7 @@ class CaptureWriter:
         with self._lock:
             return CaptureStats(self.written_total, self.tokens_total, self.bytes_total, dict(self._dropped),
                                 dict(self._filtered), self.sealed_total, self._unsealed_tokens, self.q.qsize(),
-                                self.publish_errors, self.write_cpu_s, self.write_wall_s)
+                                self.publish_errors, self.seal_errors, self.write_cpu_s, self.write_wall_s)
 
     @property
     def dropped_total(self) -> int:
@@ -199,10 +210,13 @@ class CaptureWriter:
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Block until everything queued so far is on disk (pending shard written). Raises
-        RuntimeError if the writer failed, TimeoutError if the disk is too slow."""
+        RuntimeError if a write failed since the last flush (once), TimeoutError if the disk is too
+        slow (`timeout_s`)."""
         self._command("flush", timeout_s).result(timeout_s)
-        if self.error:
-            raise RuntimeError(f"capture writer failed: {self.error}") from self.error
+        err, self.error = self.error, None  # reported once; the writer keeps going
+        if err:
+            raise RuntimeError(f"capture writer failed since the last flush (records counted as dropped "
+                               f"'write_error'): {err}") from err
 
     def seal_now(self, timeout_s: float = 120.0) -> SnapshotInfo | None:
         """Write what is queued and seal it into a snapshot now (None if nothing was captured).
@@ -212,21 +226,32 @@ class CaptureWriter:
         return self._command("seal", timeout_s).result(timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Flush, stop the writer thread and wait for publishing; idempotent. Later `submit`
-        calls are dropped and counted (`closed`). Unsealed records stay for the next writer."""
+        """Write everything queued, stop the writer thread and wait for publishing; idempotent.
+        Later `submit` calls are dropped and counted (`closed`). Unsealed records stay for the next
+        writer. Raises TimeoutError when the disk does not let it finish in `timeout_s` s,
+        RuntimeError if a write failed since the last flush."""
+        with self._submit_lock:
+            self._closing = True  # from here submits are dropped ("closed"): nothing follows STOP
+        deadline = time.monotonic() + timeout_s
         try:
             if self._thread.is_alive():
                 try:
-                    self.flush(timeout_s)
-                finally:
-                    self.q.put(_STOP)
-                    self._thread.join(timeout=timeout_s)
+                    self.q.put(_STOP, timeout=timeout_s)  # after every queued record: all get written
+                except queue.Full:
+                    log.error("capture writer stuck (disk?): %d records not written", self.q.qsize())
+                self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+                if self._thread.is_alive():
+                    raise TimeoutError(f"capture writer did not finish within {timeout_s:g} s (disk stalled?); "
+                                       "its records stay queued in this process")
         finally:
             if self._publisher:
-                self._publisher.shutdown(wait=True)
+                self._publisher.shutdown(wait=not self._thread.is_alive())
             if self._lockfd is not None and not self._thread.is_alive():
                 unlock(self._lockfd)
                 self._lockfd = None
+        err, self.error = self.error, None
+        if err:
+            raise RuntimeError(f"capture writer failed (records counted as dropped 'write_error'): {err}") from err
 
     # -- writer thread ---------------------------------------------------------------------
     def _rescan(self) -> None:
@@ -243,6 +268,10 @@ class CaptureWriter:
             except queue.Empty:
                 item = ("idle", None)
             if item is _STOP:
+                try:
+                    self._write_pending()
+                except Exception as e:  # noqa: BLE001
+                    self._fail(e, [])
                 return
             kind, arg = item if isinstance(item[0], str) else ("record", None)
             try:
@@ -261,13 +290,16 @@ class CaptureWriter:
                     continue
                 self._maybe_seal()
             except Exception as e:  # noqa: BLE001 - keep serving; reported on flush
-                log.exception("capture write failed")
-                self.error = e
-                with self._lock:
-                    self._dropped["write_error"] += len(self._pending)
-                self._pending = []
+                self._fail(e, [])
                 if kind in ("flush", "seal") and not arg.done():
                     arg.set_exception(e)
+
+    def _fail(self, e: BaseException, batch: list) -> None:
+        log.error("capture write failed (%d records dropped): %r", len(batch) + len(self._pending), e)
+        self.error = e
+        with self._lock:
+            self._dropped["write_error"] += len(batch) + len(self._pending)
+        self._pending = []
 
     def _disk_reason(self, nbytes: int) -> str | None:
         if self.quota is not None and self._usage + nbytes > self.quota:
@@ -280,27 +312,38 @@ class CaptureWriter:
         if not self._pending:
             return
         batch, self._pending = self._pending, []
-        est = sum(sum(t.numel() * 2 for t in r.values()) for r, _ in batch)  # bf16 upper bound
-        reason = self._disk_reason(est)
+        c0, w0 = time.thread_time(), time.perf_counter()
+        try:
+            data = encode_shard([r for r, _ in batch], self.compression)
+            rows = [ManifestRow(request_id=m["request_id"], ts=m["ts"], workload=m["workload"],
+                                target_id=self.target_id, num_tokens=int(r["input_ids"].shape[0]),
+                                acceptance_length=m["acceptance_length"], shard="", offset=i,
+                                prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"],
+                                acceptance_rate=m["acceptance_rate"], text=m["text"])
+                    for i, (r, m) in enumerate(batch)]
+        except Exception as e:  # noqa: BLE001 - one bad batch (validated at submit: should not happen)
+            self._fail(e, batch)
+            return
+        size = len(data) + 512 * len(rows)  # + manifest lines
+        reason = self._disk_reason(size)
         if reason:
-            self._full = reason
+            # latch (drop at submit) only when sealing can free space; a lone oversized batch is just dropped
+            self._full = reason if (reason == "disk_full" or self._usage > 0) else None
             with self._lock:
                 self._dropped[reason] += len(batch)
-            log.warning("capture stopped (%s): %d records dropped; seal/free space to resume", reason, len(batch))
+            log.warning("capture %s: %d records dropped; a seal or free space resumes it", reason, len(batch))
             return
-        c0, w0 = time.thread_time(), time.perf_counter()
         name = shard_name(f"shard-{time.time_ns()}", self.compression)
-        path = write_shard(self.dir, name, [r for r, _ in batch], self.compression)
-        rows = [ManifestRow(request_id=m["request_id"], ts=m["ts"], workload=m["workload"],
-                            target_id=self.target_id, num_tokens=int(r["input_ids"].shape[0]),
-                            acceptance_length=m["acceptance_length"], shard=name, offset=i,
-                            prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"],
-                            acceptance_rate=m["acceptance_rate"], text=m["text"])
-                for i, (r, m) in enumerate(batch)]
-        append_manifest(self.manifest, rows)
+        rows = [dataclasses.replace(r, shard=name) for r in rows]
+        try:
+            path = write_shard(self.dir, name, data)
+            append_manifest(self.manifest, rows)
+        except Exception as e:  # noqa: BLE001 - disk error: these records are lost, counted
+            self._fail(e, batch)
+            return
         size = path.stat().st_size
         ntok = sum(r.num_tokens for r in rows)
-        self._usage += size
+        self._usage += size + sum(len(json.dumps(dataclasses.asdict(r))) + 1 for r in rows)
         self._oldest = min(self._oldest or time.time(), min(parse_ts(r.ts) for r in rows))
         with self._lock:
             self.write_cpu_s += time.thread_time() - c0
@@ -311,13 +354,22 @@ class CaptureWriter:
             self._unsealed_tokens += ntok
 
     def _maybe_seal(self) -> None:
-        if self.snapshots_root is None or self._oldest is None:
+        if self.snapshots_root is None or self._oldest is None or time.monotonic() < self._seal_retry_at:
             return
+        reason = None
         if self.seal_min_tokens and self._unsealed_tokens >= self.seal_min_tokens:
-            self._seal("tokens")
+            reason = "tokens"
         elif self.seal_max_age_s and time.time() - self._oldest >= self.seal_max_age_s:
             self._write_pending()
-            self._seal("age")
+            reason = "age"
+        if reason:
+            try:
+                self._seal(reason)
+            except Exception as e:  # noqa: BLE001 - capture goes on into the capture dir (quota applies)
+                log.error("seal failed (retry in %.0f s; capture continues): %r", SEAL_RETRY_S, e)
+                with self._lock:
+                    self.seal_errors += 1
+                self._seal_retry_at = time.monotonic() + SEAL_RETRY_S
 
     def _seal(self, reason: str) -> SnapshotInfo | None:
         if self.snapshots_root is None:
