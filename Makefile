@@ -41,6 +41,6 @@ services-up: install
 services-down: install
 	$(VENV)/bin/tidespec services down
 
-clean:                     ## stop services, drop generated data (keeps the download cache)
+clean:                     ## stop services, drop generated data: data/ (snapshots too), .tidespec/ (services, DVC remote); keeps the download cache
 	-$(VENV)/bin/tidespec services down
-	rm -rf data/capture data/work data/eval data/drafts .tidespec
+	rm -rf data .tidespec

@@ -93,6 +93,7 @@ def test_failed_publish_is_retried_by_the_next(tmp_path):
     from tidespec.capture.writer import CaptureWriter
     r, remote = tmp_path / "repo", tmp_path / "remote"
     versioning.ensure_repo(r, str(remote))
+    shutil.rmtree(remote)
     remote.write_text("not a directory")  # the remote is unusable
     snaps = r / "data" / "snapshots"
     pub = Publisher(r, snaps, keep_local=1, emit=False, commit=False)
@@ -104,6 +105,7 @@ def test_failed_publish_is_retried_by_the_next(tmp_path):
     w._publisher.submit(lambda: None).result()  # wait for the publisher
     assert w.stats().publish_errors == 1 and (snaps / "tid" / first.snapshot_id).exists()
     remote.unlink()  # the remote is back
+    remote.mkdir(mode=0o700)
     w.submit(dict(rec, input_ids=rec["input_ids"] + 1), request_id="b", workload="x", acceptance_length=1.0)
     second = w.seal_now()
     w.close()

@@ -49,12 +49,14 @@ def services_up(state: Path = typer.Option(Path(".tidespec/services")),
 
 @services_app.command("down")
 def services_down(state: Path = typer.Option(Path(".tidespec/services"))):
+    """Stop the servers recorded under --state (only the pids it started)."""
     from . import services
     console.print(f"stopped: {services.down(state)}")
 
 
 @services_app.command("status")
 def services_status(state: Path = typer.Option(Path(".tidespec/services"))):
+    """Recorded servers: url, pid, alive, healthy (JSON)."""
     from . import services
     console.print_json(json.dumps(services.status(state), default=str))
 
@@ -67,11 +69,12 @@ def _ws(root: Path):
 @snap_app.command("list")
 def snapshots_list(root: Path = ROOT):
     """Sealed snapshots per target: local, or only on the DVC remote (retention); records, tokens, bytes/token."""
-    from rich.table import Table
+    from rich.table import Column, Table
 
     from .capture.store import load_snapshot
     ws = _ws(root)
-    t = Table("target", "snapshot", "where", "records", "tokens", "bytes/token", "sealed on")
+    t = Table("target", Column("snapshot", no_wrap=True, min_width=29), "where", "records", "tokens",
+              "bytes/token", "sealed on")
     for tdir in sorted(p for p in ws.snapshots.glob("*") if p.is_dir()):
         sids = sorted({p.name.removesuffix(".dvc") for p in tdir.iterdir() if not p.name.startswith(".")})
         for sid in sids:

@@ -63,8 +63,8 @@ class Publisher:
     def __call__(self, info: SnapshotInfo) -> dict:
         from ..curate import snapshot_drift
         # this snapshot, and any earlier one whose publish failed (still untracked)
-        todo = [s for s in list_snapshots(self.snapshots_root, info.target_id)
-                if s != info.path and not s.with_name(s.name + ".dvc").exists()] + [info.path]
+        todo = [s for s in list_snapshots(self.snapshots_root, info.target_id)  # older only: newer ones have
+                if s.name < info.path.name and not s.with_name(s.name + ".dvc").exists()] + [info.path]  # their own
         for s in todo:
             rev = versioning.track(self.repo, s)
         # push every local tracked snapshot: one whose earlier push failed goes now (a no-op for the rest)
