@@ -113,3 +113,39 @@ def test_failed_publish_is_retried_by_the_next(tmp_path):
     assert (snaps / "tid" / f"{first.snapshot_id}.dvc").exists() and (snaps / "tid" / second.snapshot_id).exists()
     versioning.pull(r, [snaps / "tid" / f"{first.snapshot_id}.dvc"])
     assert (snaps / "tid" / first.snapshot_id / "manifest.jsonl").exists()
+
+
+def test_drift_above_threshold_triggers_a_cycle_event(tmp_path, monkeypatch):
+    """A snapshot sealed by hand (no token trigger) still asks for a cycle when its workload drifted
+    from the last curated set; a repeat of the same workload does not."""
+    from test_capture import _text_records
+
+    from tidespec import events, prompts
+    from tidespec.capture.publish import Publisher
+    from tidespec.capture.store import seal
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.config import CurateParams
+    from tidespec.curate import curate
+    sent = []
+    monkeypatch.setattr(events, "capture_threshold", lambda sid, tid, payload: sent.append(payload) or "ev")
+    r = tmp_path / "repo"
+    versioning.ensure_repo(r, str(tmp_path / "remote"))
+    snaps = r / "data" / "snapshots"
+    code, math = [p.text for p in prompts.load("humaneval")], [p.text for p in prompts.load("gsm-en")]
+
+    def snapshot(name, texts):
+        w = CaptureWriter(r / "data" / "capture" / name, "tid")
+        for rid, rec in _text_records(texts, name):
+            w.submit(rec, request_id=rid, workload=name, acceptance_length=1.0)
+        w.close()
+        return seal(r / "data" / "capture" / name, snaps, "tid")
+
+    snapshot("code1", code[:40])
+    curate(snaps, "tid", CurateParams(window=1), r / "data" / "work" / "curated.json")
+    pub = Publisher(r, snaps, keep_local=8, curated=r / "data" / "work" / "curated.json", drift_threshold=0.05,
+                    commit=False)
+    repeat = pub(snapshot("code2", code[40:80]))
+    shift = pub(snapshot("math", math[:40]))
+    assert repeat["trigger"] is None and repeat["drift_jsd"] < 0.03 and repeat["event_id"] is None
+    assert shift["trigger"] == "drift" and shift["drift_jsd"] > 0.05 and shift["event_id"] == "ev"
+    assert [p["trigger"] for p in sent] == ["drift"] and sent[0]["drift_jsd"] == shift["drift_jsd"]
