@@ -10,7 +10,6 @@ previous curated set.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -23,6 +22,7 @@ import torch
 
 from .capture.store import CorruptShard, list_snapshots, read_manifest, read_record, write_private
 from .config import CurateParams
+from .hashing import unit_hash
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,7 @@ class CurateResult:
 
 
 def _val_bucket(key: str, seed: int) -> float:
-    h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2 ** 64
+    return unit_hash(f"{seed}:{key}")
 
 
 def split_of(entry: dict, params: CurateParams) -> str:
@@ -86,10 +85,10 @@ def jsd_bits(a: Counter, b: Counter) -> float:
 
 
 def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: Counter, counts: Counter,
-          tag: dict | None = None, holdout: bool | None = True) -> list[dict]:
+          tag: dict | None = None, keep_prompt_ids: bool = True) -> list[dict]:
     """Index entries of one snapshot that pass the filters; updates `seen` (prompt keys), `dropped`
-    (reason → count) and `counts` (token counts). With `holdout`, entries carry their prompt token
-    ids (`prompt_ids`, for the holdout file). Raises ValueError on another target's rows."""
+    (reason → count) and `counts` (token counts). With `keep_prompt_ids`, entries carry their prompt
+    token ids (`prompt_ids`, for the holdout file). Raises ValueError on another target's rows."""
     out = []
     for row in read_manifest(snap):
         if row.target_id != target_id:
@@ -116,7 +115,7 @@ def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: 
         counts.update(rec["input_ids"].tolist())
         e = {"snapshot": str(snap), "shard": row.shard, "offset": row.offset, "request_id": row.request_id,
              "num_tokens": row.num_tokens, "workload": row.workload, "prompt_hash": row.prompt_hash, **(tag or {})}
-        if holdout is not None:
+        if keep_prompt_ids:
             e["prompt_ids"] = rec["input_ids"][rec["loss_mask"] == 0].tolist()
         out.append(e)
     return out
@@ -160,7 +159,8 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     if params.replay_fraction > 0 and older:
         pool = []
         for snap in reversed(older):
-            pool += _scan(snap, target_id, params, seen, replay_dropped, Counter(), tag={"replay": True}, holdout=None)
+            pool += _scan(snap, target_id, params, seen, replay_dropped, Counter(), tag={"replay": True},
+                          keep_prompt_ids=False)
         pool = [r for r in pool if split_of(r, params) == "train"]
         want = round(len(train) * params.replay_fraction / (1 - params.replay_fraction))
         replay = sorted(pool, key=lambda r: _val_bucket("replay:" + r["request_id"], params.seed))[:want]

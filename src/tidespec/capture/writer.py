@@ -15,7 +15,6 @@ runs on a second thread, so it never stalls capture.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import queue
@@ -30,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ..hashing import unit_hash
 from .store import (ManifestRow, SnapshotInfo, append_manifest, encode_shard, lock_capture_dir, parse_ts,
                     private_dir, prompt_hash, read_manifest, recover, seal, shard_name, unlock, utc_now,
                     validate_record, write_shard)
@@ -64,11 +64,6 @@ class CaptureStats:
     @property
     def bytes_per_token(self) -> float:
         return self.bytes_total / self.tokens_total if self.tokens_total else 0.0
-
-
-def _bucket(request_id: str, seed: int) -> float:
-    h = hashlib.sha256(f"capture:{seed}:{request_id}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2 ** 64
 
 
 class CaptureWriter:
@@ -138,7 +133,7 @@ class CaptureWriter:
     def wants(self, request_id: str) -> bool:
         """Admission: capture this request? (`sample_rate`, by request-id hash; counts `sampled_out`).
         Ask before serving so unsampled requests do not even collect hidden states."""
-        if self.sample_rate >= 1.0 or _bucket(request_id, self.seed) < self.sample_rate:
+        if self.sample_rate >= 1.0 or unit_hash(f"capture:{self.seed}:{request_id}") < self.sample_rate:
             return True
         with self._lock:
             self._filtered["sampled_out"] += 1
@@ -184,15 +179,11 @@ class CaptureWriter:
                            acceptance_rate=st.acceptance_rate if st.num_draft_tokens else None)
 
     def stats(self) -> CaptureStats:
+        """A consistent snapshot of the counters (thread-safe; cheap enough for every scrape)."""
         with self._lock:
             return CaptureStats(self.written_total, self.tokens_total, self.bytes_total, dict(self._dropped),
                                 dict(self._filtered), self.sealed_total, self._unsealed_tokens, self.q.qsize(),
                                 self.publish_errors, self.seal_errors, self.write_cpu_s, self.write_wall_s)
-
-    @property
-    def dropped_total(self) -> int:
-        with self._lock:
-            return sum(self._dropped.values())
 
     # -- control ---------------------------------------------------------------------------
     def _command(self, name: str, timeout_s: float) -> Future:
@@ -314,7 +305,7 @@ class CaptureWriter:
         batch, self._pending = self._pending, []
         c0, w0 = time.thread_time(), time.perf_counter()
         try:
-            data = encode_shard([r for r, _ in batch], self.compression)
+            data = encode_shard([r for r, _ in batch], self.compression, validated=True)  # checked at submit
             rows = [ManifestRow(request_id=m["request_id"], ts=m["ts"], workload=m["workload"],
                                 target_id=self.target_id, num_tokens=int(r["input_ids"].shape[0]),
                                 acceptance_length=m["acceptance_length"], shard="", offset=i,
