@@ -1,7 +1,8 @@
-"""Prefect flow `tide_cycle`: curate → train → evaluate → register → deploy (thin: logic in tidespec.cycle).
+"""Prefect flow `tide_cycle`: curate → train → evaluate → register → deploy (thin: logic in tidespec).
 
-Tasks pass paths/URIs only. Retries only where failure is transient (MLflow unreachable);
-bad data fails fast and leaves the champion serving.
+Deployed by prefect.yaml (`tide-cycle`: interval schedule + trigger on `tidespec.capture.threshold`).
+Tasks pass paths/URIs only. Retries only for transient failures (a service unreachable:
+`orchestrate.retry_if_transient`); bad data fails at once and leaves the champion serving.
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from tidespec import cycle, registry
+from tidespec import cycle, orchestrate, registry
 from tidespec.config import load_params
+
+TRANSIENT = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": orchestrate.retry_if_transient}
 
 
 def _ws(root: str) -> cycle.Workspace:
@@ -24,17 +27,22 @@ def curate(root: str, params_path: str, target_id: str) -> dict:
     return cycle.step_curate(_ws(root), load_params(params_path), target_id)
 
 
-@task(name="champion", retries=2, retry_delay_seconds=5)
+@task(name="champion", **TRANSIENT)
 def fetch_champion(root: str, tracking_uri: str, target_id: str) -> str | None:
-    dest = _ws(root).work / "champion"
-    got = registry.download_champion(tracking_uri, target_id, dest)
+    got = registry.download_champion(tracking_uri, target_id, _ws(root).work / "champion")
     return str(got) if got else None
 
 
-@task(name="train")
+@task(name="train", **TRANSIENT)
 def train(root: str, params_path: str, curated: str, init: str | None) -> dict:
-    ws = _ws(root)
-    return cycle.step_train(ws, load_params(params_path), Path(curated), Path(init) if init else None, ws.candidate)
+    ws, params = _ws(root), load_params(params_path)
+    if params.train.work_pool:  # its own deployment on that pool (paths on a shared file system)
+        if reason := cycle.skip_reason(params, Path(curated)):
+            return {"skipped": reason}
+        return orchestrate.train_on_pool(params.train.work_pool, {
+            "root": str(ws.root), "params_path": str(Path(params_path).resolve()), "curated": curated,
+            "init": init, "out": str(ws.candidate)}, ws.candidate)
+    return cycle.step_train(ws, params, Path(curated), Path(init) if init else None, ws.candidate)
 
 
 @task(name="evaluate")
@@ -44,33 +52,43 @@ def evaluate(root: str, params_path: str, champion: str | None) -> dict:
                                ws.eval_prompts, ws.eval_report)
 
 
-@task(name="register", retries=2, retry_delay_seconds=5)
+@task(name="register", **TRANSIENT)
 def register(params_path: str, target_id: str, candidate: str, report: dict, train_metrics: dict,
-             tracking_uri: str, snapshot_rev: str, workload_mix: dict, drift_jsd: float | None = None) -> dict:
+             tracking_uri: str, snapshot_rev: str, workload_mix: dict, drift_jsd: float | None = None,
+             trigger: str = "manual") -> dict:
     return cycle.step_register(load_params(params_path), target_id, Path(candidate), report, train_metrics,
-                               tracking_uri, snapshot_rev, workload_mix, drift_jsd)
+                               tracking_uri, snapshot_rev, workload_mix, drift_jsd, trigger)
 
 
-@task(name="deploy", retries=2, retry_delay_seconds=5)
+@task(name="deploy", **TRANSIENT)
 def deploy(root: str, tracking_uri: str, target_id: str) -> dict:
     return cycle.step_deploy(_ws(root), tracking_uri, target_id)
 
 
 @flow(name="tide_cycle", log_prints=True)
 def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str = "",
-               snapshot_rev: str = "", tracking_uri: str | None = None) -> dict:
-    """One adaptation cycle over the snapshots under `root`/data/snapshots/<target_id>."""
+               snapshot_rev: str = "", tracking_uri: str | None = None, trigger: str = "manual",
+               force: bool = False) -> dict:
+    """One adaptation cycle over the snapshots under `root`/data/snapshots/<target_id>.
+
+    trigger: why it runs (manual, schedule, tokens, drift: from the event). A cycle with no sealed
+    snapshot newer than the last completed cycle's is skipped unless `force`."""
     log = get_run_logger()
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking_uri:
         raise ValueError("no MLflow tracking URI: pass tracking_uri or set MLFLOW_TRACKING_URI "
                          "(tidespec services up prints it)")
+    params = load_params(params_path)
     if not target_id:
-        target_id = cycle.get_target(load_params(params_path))[0].target_id
+        target_id = cycle.get_target(params)[0].target_id
+    ws = _ws(root)
+    if not force and (why := cycle.nothing_new(ws, target_id)):
+        log.info("cycle skipped, champion untouched: %s", why)
+        return {"skipped": why}
     cur = curate(root, params_path, target_id)
     drift = "n/a (first curated set)" if cur["drift_jsd"] is None else f"{cur['drift_jsd']:.3f} bits (JSD)"
-    log.info("curated %s train / %s val / %s holdout records, drift vs previous set: %s", cur["num_train"],
-             cur["num_val"], cur["num_holdout"], drift)
+    log.info("trigger %s: curated %s train / %s val / %s holdout records, drift vs previous set: %s", trigger,
+             cur["num_train"], cur["num_val"], cur["num_holdout"], drift)
     champ = fetch_champion(root, tracking_uri, target_id)
     tm = train(root, params_path, cur["curated"], champ)
     if tm.get("skipped"):
@@ -78,9 +96,10 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
         return {"curate": cur, "skipped": tm["skipped"]}
     rep = evaluate(root, params_path, champ)
     mix = json.loads(Path(cur["curated"]).read_text()).get("workload_mix", {})
-    dec = register(params_path, target_id, str(_ws(root).candidate), rep, tm, tracking_uri, snapshot_rev, mix,
-                   cur["drift_jsd"])
+    dec = register(params_path, target_id, str(ws.candidate), rep, tm, tracking_uri, snapshot_rev, mix,
+                   cur["drift_jsd"], trigger)
     log.info("register: version %s promoted=%s (%s)", dec["version"], dec["promoted"], dec["reason"])
     dep = deploy(root, tracking_uri, target_id)
-    return {"curate": cur, "train": {k: v for k, v in tm.items() if k != "train/loss"}, "evaluate": rep,
+    cycle.mark_done(ws, Path(cur["curated"]))
+    return {"curate": cur, "train": {k: v for k, v in tm.items() if not isinstance(v, list)}, "evaluate": rep,
             "register": dec, "deploy": dep}

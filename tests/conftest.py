@@ -3,7 +3,7 @@
 Service fixtures (session scoped, started on free loopback ports under one tmp state dir,
 stopped at session end): ``services_state_dir``, ``mlflow_server``, ``prefect_server``,
 ``moto_server`` (each server fixture yields its URL: MLFLOW_TRACKING_URI / PREFECT_API_URL /
-AWS_ENDPOINT_URL).
+AWS_ENDPOINT_URL), ``prefect_worker`` (a process worker on pool ``tidespec``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,17 @@ def prefect_server(services_state_dir):
     svc = services.up(services_state_dir, which=("prefect",))["prefect"]
     yield svc.url
     services.down(services_state_dir, which=("prefect",))
+
+
+@pytest.fixture(scope="session")
+def prefect_worker(services_state_dir, prefect_server, mlflow_server):
+    """A Prefect process worker on pool ``tidespec`` (its flow runs get MLFLOW_TRACKING_URI) for
+    this session; yields the Service."""
+    from tidespec import services
+
+    svc = services.up(services_state_dir, which=("prefect", "mlflow", "worker"))["worker"]
+    yield svc
+    services.down(services_state_dir, which=("worker",))
 
 
 @pytest.fixture(scope="session")

@@ -35,3 +35,26 @@ def test_tide_cycle_flow_registers_champion(tmp_path, tiny_target_dir, prefect_s
     assert info is not None and info.version == dec["version"]
     assert info.tags["snapshot_rev"] == "test-rev" and info.tags["params_sha"] == params.sha()
     assert served_version(ws.champion) == dec["version"]  # deployed locally
+    # MLflow: per-workload τ, per-position acceptance, loss curve, lineage, PNG plots
+    from mlflow import MlflowClient
+    c = MlflowClient(mlflow_server)
+    run = c.get_run(dec["run_id"])
+    m = run.data.metrics
+    assert m["acceptance_length/code"] == pytest.approx(rep["candidate"]["acceptance_length"])  # one workload
+    assert m["accepted_per_pos/0"] == pytest.approx(rep["candidate"]["accepted_per_pos/0"])
+    losses = [x.value for x in c.get_metric_history(dec["run_id"], "train/loss")]
+    import json
+    logged = json.loads((ws.candidate / "train_metrics.json").read_text())["train/loss"]
+    assert losses == pytest.approx(logged) and len(losses) == 2  # one point per epoch (2 epochs)
+    assert run.data.tags["trigger"] == "manual" and run.data.tags["target_id"] == target.target_id
+    pngs = sorted(a.path for a in c.list_artifacts(dec["run_id"], "plots"))
+    assert pngs == ["plots/per_position_acceptance.png", "plots/tau_over_cycles.png", "plots/train_loss.png"]
+    png = c.download_artifacts(dec["run_id"], "plots/tau_over_cycles.png", str(tmp_path))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert run.data.tags["decision"] == "promoted"
+    # a scheduled run with no new snapshot is skipped (champion untouched); force retrains
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        again = flow(root=str(tmp_path), params_path=str(tmp_path / "params.yaml"), target_id=target.target_id,
+                     tracking_uri=mlflow_server, trigger="schedule")
+    assert "no snapshot newer" in again["skipped"]
+    assert registry.champion(mlflow_server, target.target_id).version == dec["version"]

@@ -39,12 +39,19 @@ def demo(root: Path = ROOT, params: Path = PARAMS):
 
 @services_app.command("up")
 def services_up(state: Path = typer.Option(Path(".tidespec/services")),
-                moto: bool = typer.Option(False, help="also a moto server (S3 + SageMaker API emulator)")):
-    """Start Prefect + MLflow (and moto) on 127.0.0.1; prints the client env to export."""
-    from . import services
-    svc = services.up(state, which=services.NAMES + (("moto",) if moto else ()))
+                moto: bool = typer.Option(False, help="also a moto server (S3 + SageMaker API emulator)"),
+                pool: list[str] = typer.Option([], help="also a worker on this work pool (repeatable), e.g. "
+                                                        "tidespec-train for train.work_pool")):
+    """Start Prefect + a process worker (pool tidespec) + MLflow (and moto) on 127.0.0.1, create
+    the work pools ./prefect.yaml names; prints the client env to export. Idempotent."""
+    from . import orchestrate, services
+    svc = services.up(state, which=services.NAMES + (("moto",) if moto else ()), pools=tuple(pool))
+    if Path("prefect.yaml").exists():
+        orchestrate.ensure_pools(svc["prefect"].url, orchestrate.yaml_pools(Path(".")))
     for k, v in services.env_for(svc).items():
         console.print(f"export {k}={v}")
+    workers = ", ".join(f"{n} (pid {s.pid})" for n, s in svc.items() if n.startswith("worker"))
+    Console(stderr=True).print(f"workers: {workers}; next: prefect deploy --all (with the env above)")
 
 
 @services_app.command("down")

@@ -90,6 +90,7 @@ class TrainParams(_Strict):
     warm_start: bool = True
     backend: Literal["embedded", "specforge"] = "embedded"  # specforge: its CLI in its own env, CUDA only
     specforge_bin: str = "specforge"  # the `specforge` executable of that environment
+    work_pool: str | None = None  # train as deployment tide-train on this Prefect pool (prefect.yaml: tidespec-train)
     checkpoint_every: int = Field(50, ge=0)  # optimizer steps between resumable state saves (0: epoch ends only)
     min_train_tokens: int = Field(512, ge=1)  # fewer curated tokens: the cycle is skipped, champion untouched
     seed: int = 0

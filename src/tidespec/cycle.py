@@ -63,6 +63,11 @@ class Workspace:
     def state(self) -> Path:
         return self.root / ".tidespec"
 
+    @property
+    def last_cycle(self) -> Path:
+        """Snapshots the last completed cycle curated (`mark_done`)."""
+        return self.work / "last_cycle.json"
+
 
 # -- target -----------------------------------------------------------------------------------
 def target_dir(source: str) -> Path:
@@ -111,6 +116,30 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
 
 
 # -- curate -----------------------------------------------------------------------------------
+def nothing_new(ws: Workspace, target_id: str) -> str | None:
+    """Why a cycle has nothing to do (None: go ahead): no sealed snapshot of `target_id` that the
+    last completed cycle did not already curate. A scheduled run then skips instead of retraining
+    on the same data."""
+    from .capture.store import list_snapshots
+    snaps = {s.name for s in list_snapshots(ws.snapshots, target_id)}
+    if not snaps:
+        return f"no sealed snapshots for target {target_id[:12]} under {ws.snapshots} (capture traffic first)"
+    done = set(json.loads(ws.last_cycle.read_text())["snapshots"]) if ws.last_cycle.exists() else set()
+    if snaps <= done:
+        return f"no snapshot newer than the last cycle's ({len(done)} curated); pass force=True to retrain anyway"
+    return None
+
+
+def mark_done(ws: Workspace, curated: Path) -> None:
+    """Record the snapshots of a completed cycle's curated set (read by `nothing_new`)."""
+    idx = json.loads(Path(curated).read_text())
+    names = sorted({Path(s).name for s in idx["snapshots"] + idx.get("replay_snapshots", [])})
+    prev = json.loads(ws.last_cycle.read_text())["snapshots"] if ws.last_cycle.exists() else []
+    tmp = ws.last_cycle.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"snapshots": sorted(set(prev) | set(names))}))
+    os.replace(tmp, ws.last_cycle)
+
+
 def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
     """Curate the newest snapshots into `ws.curated`; previous index (if any) gives the drift."""
     prev = ws.curated.with_name("curated.prev.json")
@@ -208,17 +237,20 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
 
     Returns name → {"metrics", "outputs", "mismatched_ids"}; with `reference` (a config name, run
     first per prompt) mismatches count outputs that differ from that config's. Metrics:
-    acceptance_length, acceptance_rate, accepted_per_pos/{i}, tokens_per_s (generated tokens / wall
-    seconds incl. prefill), itl_ms_p50/p99, new_tokens, seconds, mismatches.
+    acceptance_length, acceptance_rate, accepted_per_pos/{i}, acceptance_length/{workload} (τ per
+    workload tag of the prompts), tokens_per_s (generated tokens / wall seconds incl. prefill),
+    itl_ms_p50/p99, new_tokens, seconds, mismatches.
     """
-    acc = {name: {"stats": SpecDecodingStats(eng.k if spec else 0), "outs": {}, "itl": [], "toks": 0, "secs": 0.0}
-           for name, (eng, spec) in configs.items()}
+    acc = {name: {"stats": SpecDecodingStats(eng.k if spec else 0), "outs": {}, "itl": [], "toks": 0, "secs": 0.0,
+                  "by_workload": {}} for name, (eng, spec) in configs.items()}
     for p in prompts:
         for name, (eng, spec) in configs.items():
             g = eng.generate(p["input_ids"], max_new_tokens, speculative=spec)
             a = acc[name]
             a["outs"][p["id"]] = g.tokens
             a["stats"] = a["stats"].merge(g.stats)
+            wl = p.get("workload", "default")
+            a["by_workload"][wl] = a["by_workload"].get(wl, SpecDecodingStats(eng.k if spec else 0)).merge(g.stats)
             a["itl"] += g.timing.itl_ms()
             a["toks"] += len(g.tokens)
             a["secs"] += g.timing.prefill_s + g.timing.decode_s
@@ -230,6 +262,9 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
         ref = acc[reference]["outs"] if reference else None
         mism = [i for i, t in a["outs"].items() if ref is not None and ref.get(i) != t]
         m = a["stats"].metrics() if spec else {"acceptance_length": 1.0}
+        if spec:  # τ per workload class (the holdout's workload tags)
+            m.update({f"acceptance_length/{wl}": st.metrics()["acceptance_length"]
+                      for wl, st in sorted(a["by_workload"].items())})
         m.update(itl_percentiles(a["itl"]))
         m.update({"tokens_per_s": a["toks"] / a["secs"] if a["secs"] else 0.0, "new_tokens": a["toks"],
                   "seconds": a["secs"], "mismatches": len(mism)})
@@ -275,9 +310,11 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
 # -- register / deploy ------------------------------------------------------------------------
 def step_register(params: Params, target_id: str, candidate: Path, report: dict, train_metrics: dict,
                   tracking_uri: str, snapshot_rev: str = "", workload_mix: dict | None = None,
-                  drift_jsd: float | None = None) -> dict:
-    """Log the candidate as a model version (alias challenger) and apply the promotion rule.
-    `drift_jsd`: curate's workload drift (bits) vs the previous curated set, logged as a metric."""
+                  drift_jsd: float | None = None, trigger: str = "manual") -> dict:
+    """Log the candidate as a model version (alias challenger) with its metrics, training curves,
+    lineage tags and plots (τ over cycles, per-position acceptance, loss), then apply the
+    promotion rule (registry.promote_if_better). `drift_jsd`: curate's workload drift (bits) vs
+    the previous curated set; `trigger`: what started the cycle (tag)."""
     from . import registry
     cand = report["candidate"]
     champ = report.get("champion")
@@ -290,17 +327,32 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
             metrics[k] = float(v)
     if drift_jsd is not None:
         metrics["drift_jsd"] = float(drift_jsd)
-    step_metrics = {"train/loss": list(train_metrics.get("train/loss", []))}
-    tags = {"snapshot_rev": snapshot_rev, "params_sha": params.sha(),
-            "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"])}
+    losses = list(train_metrics.get("train/loss", []))
+    tags = {"snapshot_rev": snapshot_rev, "params_sha": params.sha(), "trigger": trigger,
+            "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
+            "num_holdout_prompts": str(report.get("num_prompts", ""))}
     run_id, version = registry.log_candidate(tracking_uri, target_id, candidate, params.model_dump(mode="json"),
-                                             metrics, tags, step_metrics=step_metrics)
+                                             metrics, tags, step_metrics={"train/loss": losses})
     current = registry.champion(tracking_uri, target_id)
     champ_tau = champ["acceptance_length"] if (champ and current) else None
     d = registry.promote_if_better(tracking_uri, target_id, version, cand["acceptance_length"], champ_tau,
                                    params.evaluate.min_relative_gain, bool(report["lossless"]))
+    registry.log_figures(tracking_uri, run_id, _figures(tracking_uri, target_id, report, losses))
     return {"run_id": run_id, "version": version, "promoted": d.promoted, "reason": d.reason,
             "previous_champion": d.previous_champion}
+
+
+def _figures(tracking_uri: str, target_id: str, report: dict, losses: list[float]) -> dict:
+    from . import plots, registry
+
+    def per_pos(m):
+        n = sum(k.startswith("accepted_per_pos/") for k in m) if m else 0
+        return [m[f"accepted_per_pos/{i}"] for i in range(n)] if m else None
+    figs = {"tau_over_cycles": plots.tau_over_cycles(registry.cycle_history(tracking_uri, target_id)),
+            "per_position_acceptance": plots.per_position(per_pos(report["candidate"]), per_pos(report.get("champion")))}
+    if losses:
+        figs["train_loss"] = plots.loss(losses)
+    return figs
 
 
 def step_deploy(ws: Workspace, tracking_uri: str, target_id: str) -> dict:

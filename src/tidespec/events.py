@@ -34,8 +34,10 @@ def emit(event: str, resource_id: str, payload: dict, labels: dict[str, str] | N
     return str(ev.id) if ev else None
 
 
-def capture_threshold(snapshot_id: str, target_id: str, payload: dict) -> str | None:
-    """Emit `tidespec.capture.threshold` for a sealed snapshot (payload: reason, tokens, drift...)."""
+def capture_threshold(snapshot_id: str, target_id: str, payload: dict, api_url: str | None = None) -> str | None:
+    """Emit `tidespec.capture.threshold` for a sealed snapshot (payload: trigger, snapshot_rev,
+    tokens, drift...; prefect.yaml's trigger maps target_id, snapshot_rev, trigger to the
+    tide-cycle run's parameters)."""
     return emit(CAPTURE_THRESHOLD, f"tidespec.snapshot.{snapshot_id}",
                 {"snapshot_id": snapshot_id, "target_id": target_id, **payload},
-                {"tidespec.target_id": target_id[:12]})
+                {"tidespec.target_id": target_id[:12]}, api_url=api_url)

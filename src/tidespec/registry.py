@@ -246,6 +246,45 @@ def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | N
     return Path(local)
 
 
+def cycle_history(tracking_uri: str, target_id: str) -> list[dict]:
+    """Every registered version of ``target_id``'s draft, oldest first: {version, run_id,
+    acceptance_length, baseline_acceptance_length (champion τ on the same holdout, None for the
+    first), decision (promoted / rejected / rolled_back / restored / None)}. From version tags,
+    so it needs no run search."""
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    try:
+        mvs = c.search_model_versions(f"name = '{name}'")
+    except MlflowException as e:
+        if _not_found(e):
+            return []
+        raise
+    out = []
+    for mv in sorted(mvs, key=lambda m: int(m.version)):
+        t = mv.tags
+        if "acceptance_length" not in t:
+            continue
+        base = t.get("baseline_acceptance_length")
+        out.append({"version": str(mv.version), "run_id": mv.run_id, "acceptance_length": float(t["acceptance_length"]),
+                    "baseline_acceptance_length": float(base) if base else None, "decision": t.get("decision")})
+    return out
+
+
+def log_figures(tracking_uri: str, run_id: str, figures: dict) -> list[str]:
+    """Log matplotlib figures as PNG artifacts ``plots/<name>.png`` of ``run_id`` (closing them).
+    Returns the artifact paths."""
+    import matplotlib.pyplot as plt
+    c = _client(tracking_uri)
+    paths = []
+    for name, fig in figures.items():
+        try:
+            c.log_figure(run_id, fig, f"plots/{name}.png")
+            paths.append(f"plots/{name}.png")
+        finally:
+            plt.close(fig)
+    return paths
+
+
 # ---------------------------------------------------------------- decisions
 
 

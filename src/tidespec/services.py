@@ -1,4 +1,5 @@
-"""Start/stop the local services tidespec talks to (Prefect, MLflow; moto for S3/SageMaker) on 127.0.0.1.
+"""Start/stop the local services tidespec talks to (Prefect server + a process worker, MLflow; moto
+for S3/SageMaker) on 127.0.0.1.
 
 Every server runs as its own process group (``start_new_session=True``), logs to
 ``<state_dir>/<name>.log`` and is recorded in ``<state_dir>/<name>.json``
@@ -30,8 +31,10 @@ from pathlib import Path
 import psutil
 
 HOST = "127.0.0.1"
-NAMES = ("prefect", "mlflow")  # `up()` default; "moto" (S3 + SageMaker API emulator) is opt-in
+NAMES = ("prefect", "mlflow", "worker")  # `up()` default; "moto" (S3 + SageMaker API emulator) is opt-in
 ALL = (*NAMES, "moto")
+POOL = "tidespec"  # the process work pool prefect.yaml's deployments use (the worker creates it)
+WORKER_POLL_S = "2"  # worker polling interval (Prefect default 10 s): a triggered cycle starts in ~2 s
 # moto accepts any credentials; clients still need some (and a region) to sign requests
 MOTO_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 STOP_GRACE_S = 10.0
@@ -99,7 +102,7 @@ def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
 
 
 def _health_url(url: str, name: str = "") -> str:
-    # prefect: url is the API url (…/api) → …/api/health; mlflow: …/health; moto: its state API
+    # prefect: url is the API url (…/api) → …/api/health; mlflow, worker healthcheck: …/health; moto: its state API
     return f"{url}/moto-api/data.json" if name == "moto" else f"{url}/health"
 
 
@@ -156,8 +159,8 @@ def _read_state(state_dir: Path, name: str) -> dict | None:
         return None
 
 
-def _write_state(state_dir: Path, svc: Service, port: int) -> None:
-    rec = asdict(svc) | {
+def _write_state(state_dir: Path, svc: Service, port: int, extra: dict | None = None) -> None:
+    rec = asdict(svc) | (extra or {}) | {
         "log": str(svc.log),
         "port": port,
         "create_time": psutil.Process(svc.pid).create_time(),
@@ -180,6 +183,7 @@ class _Launch:
     proc: subprocess.Popen
     port: int
     state_dir: Path
+    extra: dict | None = None  # recorded in the state file (the worker: the service URLs it was started with)
 
 
 def _launch(name: str, cmd: list[str], env_extra: dict[str, str], state_dir: Path,
@@ -211,7 +215,7 @@ def _await(ln: _Launch, timeout_s: float) -> Service:
             raise ServiceError(f"{svc.name} server exited with code {proc.returncode} before becoming "
                                f"healthy; see {svc.log}:\n{_log_tail(svc.log)}")
         if _http_ok(health):
-            _write_state(ln.state_dir, svc, ln.port)
+            _write_state(ln.state_dir, svc, ln.port, ln.extra)
             return svc
         time.sleep(0.25)
     _stop_pid(proc.pid)
@@ -296,7 +300,39 @@ def start_moto(state_dir: Path, port: int | None = None, timeout_s: float = 60) 
     return _await(_launch_moto(state_dir, port), timeout_s)
 
 
+def _launch_worker(state_dir: Path, deps: dict[str, Service], pool: str = POOL, port: int | None = None) -> _Launch:
+    """A Prefect process worker polling ``pool`` (created as a process pool if missing). Its flow
+    runs inherit its env: the service URLs in ``deps`` (PREFECT_API_URL, MLFLOW_TRACKING_URI, moto's
+    AWS_ENDPOINT_URL). Health: the worker's own healthcheck server on ``port`` (``/health``)."""
+    state_dir = Path(state_dir).resolve()
+    name = "worker" if pool == POOL else f"worker-{pool}"
+    home = state_dir / name
+    home.mkdir(parents=True, exist_ok=True)
+    port = _pick_port(state_dir, name, port)
+    env = env_for(deps) | {
+        "PREFECT_HOME": str(home),
+        "PREFECT_WORKER_WEBSERVER_HOST": HOST,
+        "PREFECT_WORKER_WEBSERVER_PORT": str(port),
+        "PREFECT_WORKER_QUERY_SECONDS": WORKER_POLL_S,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    cmd = [_bin("prefect"), "worker", "start", "--pool", pool, "--type", "process", "--name", f"tidespec-{name}",
+           "--with-healthcheck"]
+    ln = _launch(name, cmd, env, state_dir, f"http://{HOST}:{port}", port)
+    ln.extra = {"pool": pool, "deps": env_for(deps)}
+    return ln
+
+
+def start_worker(state_dir: Path, deps: dict[str, Service], pool: str = POOL, timeout_s: float = 90) -> Service:
+    """Start a Prefect process worker on ``pool`` (see ``_launch_worker``); ``deps`` must hold a
+    "prefect" Service. Blocks until its healthcheck answers. Raises ServiceError."""
+    if "prefect" not in deps:
+        raise ServiceError("a worker needs the Prefect server: start it first (services.up)")
+    return _await(_launch_worker(state_dir, deps, pool), timeout_s)
+
+
 _LAUNCHERS = {"prefect": _launch_prefect, "mlflow": _launch_mlflow, "moto": _launch_moto}
+_DEPENDENT = {"worker": _launch_worker}  # launched after the servers it talks to are healthy
 
 
 def _stop_pid(pid: int, grace_s: float = STOP_GRACE_S) -> None:
@@ -334,21 +370,49 @@ def _reusable(state_dir: Path, name: str, timeout_s: float) -> Service | None:
 
 
 def up(state_dir: Path | None = None, which: tuple[str, ...] = NAMES,
-       timeout_s: float = 90) -> dict[str, Service]:
+       timeout_s: float = 90, pools: tuple[str, ...] = ()) -> dict[str, Service]:
     """Ensure the services in ``which`` run; idempotent (a healthy recorded server is reused).
 
-    Missing servers are launched together, then awaited (``timeout_s`` seconds each).
+    Missing servers are launched together, then awaited (``timeout_s`` seconds each); then the
+    worker (pool ``POOL``) and one more worker per extra work pool in ``pools`` (named
+    ``worker-<pool>``, e.g. the pool ``train.work_pool`` names). A worker started against other
+    server URLs than the current ones is restarted.
     Raises ServiceError (unknown name, start failure; servers already launched are stopped).
     """
     state_dir = Path(state_dir or default_state_dir()).resolve()
-    unknown = [n for n in which if n not in _LAUNCHERS]
+    unknown = [n for n in which if n not in _LAUNCHERS and n not in _DEPENDENT]
     if unknown:
-        raise ServiceError(f"unknown service(s) {unknown}; choose from {list(_LAUNCHERS)}")
+        raise ServiceError(f"unknown service(s) {unknown}; choose from {list(ALL)}")
+    if "worker" in which and "prefect" not in which:
+        raise ServiceError("the worker needs the Prefect server: start both (which=('prefect', 'worker', ...))")
     out: dict[str, Service] = {}
     for name in which:
         if (svc := _reusable(state_dir, name, timeout_s)) is not None:
             out[name] = svc
-    launches = [_LAUNCHERS[n](state_dir) for n in which if n not in out]
+    servers = [n for n in which if n in _LAUNCHERS]
+    _start(state_dir, [_LAUNCHERS[n](state_dir) for n in servers if n not in out], out, timeout_s)
+    deps = {n: out[n] for n in servers}
+    if pools and "prefect" not in deps:
+        raise ServiceError("extra pool workers need the Prefect server: include 'prefect' in which")
+    wanted = {**({"worker": POOL} if "worker" in which else {}), **{f"worker-{p}": p for p in pools if p != POOL}}
+    for name in wanted:
+        if name not in out and (svc := _reusable(state_dir, name, timeout_s)) is not None:
+            out[name] = svc
+        if name in out and (_read_state(state_dir, name) or {}).get("deps") != env_for(deps):
+            _stop_pid(out.pop(name).pid)  # started against other server URLs: restart it
+    _start(state_dir, [_launch_worker(state_dir, deps, p) for n, p in wanted.items() if n not in out], out, timeout_s)
+    return {n: out[n] for n in (*which, *wanted) if n in out}
+
+
+def recorded(state_dir: Path | None = None) -> list[str]:
+    """Names with a state file under ``state_dir``: the fixed services, then ``worker-<pool>`` ones."""
+    state_dir = Path(state_dir or default_state_dir()).resolve()
+    extra = sorted(f.stem for f in state_dir.glob("worker-*.json")) if state_dir.is_dir() else []
+    return [n for n in ALL if _state_file(state_dir, n).exists()] + extra
+
+
+def _start(state_dir: Path, launches: list[_Launch], out: dict[str, Service], timeout_s: float) -> None:
+    """Await ``launches`` into ``out``; on a failure stop every one of them not yet healthy, re-raise."""
     try:
         for ln in launches:
             out[ln.svc.name] = _await(ln, timeout_s)
@@ -357,17 +421,16 @@ def up(state_dir: Path | None = None, which: tuple[str, ...] = NAMES,
             if ln.svc.name not in out:
                 _stop_pid(ln.proc.pid)
         raise
-    return {n: out[n] for n in which}
 
 
-def down(state_dir: Path | None = None, which: tuple[str, ...] = ALL) -> list[str]:
-    """Stop the recorded servers in ``which`` (only pids from state files) and remove their state files.
-
-    Returns the names that were running.
+def down(state_dir: Path | None = None, which: tuple[str, ...] | None = None) -> list[str]:
+    """Stop the recorded servers in ``which`` (default: every one recorded; only pids from state
+    files) and remove their state files. Workers stop first. Returns the names that were running.
     """
     state_dir = Path(state_dir or default_state_dir()).resolve()
     stopped = []
-    for name in which:
+    which = recorded(state_dir) if which is None else which
+    for name in sorted(which, key=lambda n: not n.startswith("worker")):  # workers first: they talk to the servers
         rec = _read_state(state_dir, name)
         if rec is None:
             continue
@@ -380,10 +443,11 @@ def down(state_dir: Path | None = None, which: tuple[str, ...] = ALL) -> list[st
 
 
 def status(state_dir: Path | None = None) -> dict[str, dict]:
-    """``{name: record + {"alive": bool, "healthy": bool}}`` for each state file present."""
+    """``{name: record + {"alive": bool, "healthy": bool}}`` for each state file present (the worker's
+    record adds ``pool``)."""
     state_dir = Path(state_dir or default_state_dir()).resolve()
     out = {}
-    for name in ALL:
+    for name in recorded(state_dir):
         rec = _read_state(state_dir, name)
         if rec is None:
             continue
@@ -396,7 +460,7 @@ def status(state_dir: Path | None = None) -> dict[str, dict]:
 
 def env_for(services: dict[str, Service]) -> dict[str, str]:
     """Client env for ``services``: PREFECT_API_URL, MLFLOW_TRACKING_URI, and for moto
-    AWS_ENDPOINT_URL + test credentials/region."""
+    AWS_ENDPOINT_URL + test credentials/region (workers add nothing)."""
     keys = {"prefect": "PREFECT_API_URL", "mlflow": "MLFLOW_TRACKING_URI", "moto": "AWS_ENDPOINT_URL"}
     env = {keys[n]: s.url for n, s in services.items() if n in keys}
     return env | (MOTO_ENV if "moto" in services else {})

@@ -1,0 +1,157 @@
+"""Prefect adapter: deployments (prefect.yaml), transient-failure retries, training on another pool.
+
+Deployments (prefect.yaml at the project root, `prefect deploy --all`):
+- `tide_cycle/tide-cycle` on pool `tidespec`: interval schedule + an event trigger on
+  `tidespec.capture.threshold` (parameters from the event payload), deployment concurrency 1.
+- `tide_train/tide-train` on pool `tidespec-train`: the train step alone, started by the cycle
+  with `run_deployment` when `train.work_pool` is set (a team's cheaper/GPU machines).
+Flow runs pass paths/URIs only (Prefect docs: "Deployments", "Event triggers", "run_deployment").
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import requests
+
+CYCLE_DEPLOYMENT = "tide_cycle/tide-cycle"
+TRAIN_DEPLOYMENT = "tide_train/tide-train"
+TRANSIENT_MLFLOW_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}
+
+
+class OrchestrationError(RuntimeError):
+    """A deployment is missing, misconfigured or its run failed; the message names the fix."""
+
+
+# -- retries ----------------------------------------------------------------------------------
+def is_transient(exc: BaseException | None) -> bool:
+    """True iff `exc` (or an exception it was raised from) is a failure worth retrying: a service
+    unreachable or overloaded (connection refused/reset, timeout, HTTP 5xx/429). Bad data
+    (ValueError, FileNotFoundError, a registry rule) is never transient."""
+    import httpx
+    from mlflow.exceptions import MlflowException
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout,
+                            httpx.TransportError)):
+            return True
+        if isinstance(exc, httpx.HTTPStatusError) and (exc.response.status_code >= 500
+                                                       or exc.response.status_code == 429):
+            return True
+        if isinstance(exc, MlflowException) and exc.error_code in TRANSIENT_MLFLOW_CODES:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def retry_if_transient(task, task_run, state) -> bool:
+    """Prefect `retry_condition_fn`: retry a failed task only for transient failures."""
+    return is_transient(state.result(raise_on_failure=False) if state.is_failed() else None)
+
+
+# -- deployments ------------------------------------------------------------------------------
+def ensure_pools(api_url: str, names: list[str], pool_type: str = "process") -> list[str]:
+    """Create the work pools in `names` that the server at `api_url` lacks (type `pool_type`);
+    return the ones created. `prefect deploy --no-prompt` refuses a deployment on a missing pool."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    async def go(c):
+        made = []
+        for n in names:
+            try:
+                await c.read_work_pool(n)
+            except ObjectNotFound:
+                try:
+                    await c.create_work_pool(WorkPoolCreate(name=n, type=pool_type))
+                    made.append(n)
+                except ObjectAlreadyExists:
+                    pass
+        return made
+    return _call(api_url, go)
+
+
+def _call(api_url: str, fn):
+    """Run `await fn(client)` against the Prefect server at `api_url`."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    async def go():
+        async with get_client() as c:
+            return await fn(c)
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        return asyncio.run(go())
+
+
+def yaml_pools(project: Path) -> list[str]:
+    """Work pools named by the deployments in `project`/prefect.yaml."""
+    import yaml
+    doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
+    return sorted({d["work_pool"]["name"] for d in doc.get("deployments", []) if d.get("work_pool", {}).get("name")})
+
+
+def deploy(project: Path, api_url: str, names: tuple[str, ...] = (), timeout_s: float = 300) -> str:
+    """`prefect deploy` (all deployments of `project`/prefect.yaml, or `names`) against the server
+    at `api_url`, run from `project` (the pull step records it as the flow runs' working dir).
+    The work pools it names are created first when missing (process pools). Returns the CLI
+    output. Raises OrchestrationError with that output when it fails."""
+    if not (Path(project) / "prefect.yaml").exists():
+        raise OrchestrationError(f"no prefect.yaml in {project}: run from the tidespec project root")
+    ensure_pools(api_url, yaml_pools(project))
+    exe = Path(sys.executable).with_name("prefect")
+    sel = [a for n in names for a in ("--name", n)] or ["--all"]
+    cmd = [str(exe) if exe.exists() else "prefect", "--no-prompt", "deploy", *sel]
+    env = os.environ | {"PREFECT_API_URL": api_url}
+    r = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode != 0:
+        raise OrchestrationError(f"`prefect deploy` in {project} failed (rc {r.returncode}); is the Prefect "
+                                 f"server at {api_url} up (tidespec services up)?\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+    return r.stdout
+
+
+async def _deployment(client, name: str):
+    from prefect.exceptions import ObjectNotFound
+    try:
+        return await client.read_deployment_by_name(name)
+    except ObjectNotFound:
+        raise OrchestrationError(f"deployment {name} not found on the Prefect server; run `prefect deploy --all` "
+                                 "in the project root (tidespec services up starts the server and worker)") from None
+
+
+def train_on_pool(pool: str, parameters: dict, out: Path, timeout_s: float | None = None) -> dict:
+    """Run the train step as deployment `tide_train/tide-train` on work pool `pool` and wait.
+
+    `parameters` are the tide_train flow's (root, params_path, curated, init, out: paths on a file
+    system both pools see). Returns the trainer's metrics, read from the `out`/train_metrics.json
+    that run writes (a stale one is removed first). Raises OrchestrationError when the deployment
+    is missing, sits on another pool (the fix: deploy it on `pool` or set train.work_pool to its
+    pool), or its run does not complete or writes no metrics."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def check():
+        async with get_client() as c:
+            return await _deployment(c, TRAIN_DEPLOYMENT)
+    dep = run_coro_as_sync(check())
+    if dep.work_pool_name != pool:
+        raise OrchestrationError(f"{TRAIN_DEPLOYMENT} is deployed on work pool {dep.work_pool_name!r}, "
+                                 f"train.work_pool is {pool!r}: set train.work_pool to it, or change its "
+                                 "work_pool in prefect.yaml and run `prefect deploy --all`")
+    metrics = Path(out) / "train_metrics.json"
+    metrics.unlink(missing_ok=True)
+    run = run_deployment(TRAIN_DEPLOYMENT, parameters=parameters, timeout=timeout_s, as_subflow=True)
+    if not (run.state and run.state.is_completed()):
+        raise OrchestrationError(f"train run {run.name} on pool {pool} ended {run.state.name if run.state else None}: "
+                                 f"{run.state.message if run.state else 'no state (timed out?)'}; see its logs "
+                                 f"in the Prefect UI (is a worker polling {pool}? tidespec services up --pool {pool})")
+    if not metrics.exists():
+        raise OrchestrationError(f"train run {run.name} completed but wrote no {metrics}: the pool's workers must "
+                                 "see the same project directory (a shared file system), or train on SageMaker")
+    return json.loads(metrics.read_text())

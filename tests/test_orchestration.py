@@ -1,0 +1,179 @@
+"""prefect.yaml deployments against a real Prefect server + process worker: schedule, event trigger,
+concurrency limit; an event starts a real cycle run on the tiny target."""
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_tiny_workspace
+
+pytestmark = pytest.mark.services
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _project(tmp_path, tiny_target_dir):
+    shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")
+    shutil.copytree(REPO / "flows", tmp_path / "flows", ignore=shutil.ignore_patterns("__pycache__"))
+    return make_tiny_workspace(tmp_path, tiny_target_dir)
+
+
+def _client_call(api, fn):
+    from tidespec.orchestrate import _call
+    return _call(api, fn)
+
+
+def _wait_run(api, deployment_id, done, timeout_s=300):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = _client_call(api, lambda c: c.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))))
+        hit = [r for r in runs if done(r)]
+        if hit:
+            return hit[0]
+        time.sleep(2)
+    raise AssertionError(f"no matching run of deployment {deployment_id} in {timeout_s} s: "
+                         f"{[(r.name, r.state_name, r.parameters) for r in runs]}")
+
+
+def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, prefect_server, prefect_worker,
+                                                    mlflow_server):
+    from tidespec import events, orchestrate, registry
+
+    ws, params, target = _project(tmp_path, tiny_target_dir)
+    orchestrate.deploy(tmp_path, prefect_server)
+    dep = _client_call(prefect_server, lambda c: c.read_deployment_by_name(orchestrate.CYCLE_DEPLOYMENT))
+    train = _client_call(prefect_server, lambda c: c.read_deployment_by_name(orchestrate.TRAIN_DEPLOYMENT))
+    # schedule, pool, concurrency, pull step = the project dir
+    assert dep.work_pool_name == "tidespec" and train.work_pool_name == "tidespec-train"
+    assert [s.schedule.interval.total_seconds() for s in dep.schedules] == [21600.0]
+    assert all(s.active for s in dep.schedules)
+    assert dep.global_concurrency_limit is not None and dep.global_concurrency_limit.limit == 1
+    assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path)}}]
+    assert dep.parameters == {"root": ".", "params_path": "params.yaml"}
+    # the event trigger, as an automation owned by the deployment
+    autos = _client_call(prefect_server, lambda c: c.read_resource_related_automations(
+        f"prefect.deployment.{dep.id}"))
+    assert len(autos) == 1
+    trig = autos[0].trigger
+    assert trig.expect == {events.CAPTURE_THRESHOLD} and trig.posture == "Reactive"
+    assert trig.match.model_dump()["prefect.resource.id"] == "tidespec.snapshot.*"
+    act = autos[0].actions[0]
+    assert act.type == "run-deployment" and act.parameters["snapshot_rev"] == "{{ event.payload.snapshot_rev }}"
+
+    # the publisher's event starts a cycle run on the worker, with parameters from the payload
+    eid = events.capture_threshold("snap-test", target.target_id, {"trigger": "tokens", "snapshot_rev": "rev-abc"},
+                                   api_url=prefect_server)
+    assert eid
+    run = _wait_run(prefect_server, dep.id, lambda r: r.parameters.get("snapshot_rev") == "rev-abc"
+                    and r.state is not None and r.state.is_final())
+    assert run.state.is_completed(), run.state
+    assert run.parameters["target_id"] == target.target_id and run.parameters["trigger"] == "tokens"
+    champ = registry.champion(mlflow_server, target.target_id)
+    assert champ is not None and champ.tags["snapshot_rev"] == "rev-abc"
+    assert (ws.champion / "config.json").exists()  # deployed locally by the run, in the project dir
+
+
+def test_train_on_another_pool(tmp_path, tiny_target_dir, prefect_server, prefect_worker, mlflow_server,
+                               services_state_dir):
+    """train.work_pool set: the cycle's train step runs as deployment tide-train on that pool's own
+    worker; stopping that worker leaves the others (and the servers) running."""
+    import psutil
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tidespec import orchestrate, services
+    from tidespec.demo import load_flow
+
+    ws, params, target = _project(tmp_path, tiny_target_dir)
+    text = (tmp_path / "params.yaml").read_text().replace("train: {", "train: {work_pool: tidespec-train, ")
+    (tmp_path / "params.yaml").write_text(text)
+    orchestrate.deploy(tmp_path, prefect_server)
+    again = services.up(services_state_dir, which=("prefect", "mlflow", "worker"), pools=("tidespec-train",))
+    assert again["worker"].pid == prefect_worker.pid  # idempotent: the running worker is reused
+    tw = again["worker-tidespec-train"]
+    try:
+        with temporary_settings({PREFECT_API_URL: prefect_server}):
+            res = load_flow(tmp_path)(root=str(tmp_path), params_path=str(tmp_path / "params.yaml"),
+                                      target_id=target.target_id, tracking_uri=mlflow_server)
+        # the train run: a tide_train flow run of the tide-train deployment, completed
+        dep = _client_call(prefect_server, lambda c: c.read_deployment_by_name(orchestrate.TRAIN_DEPLOYMENT))
+        run = _wait_run(prefect_server, dep.id, lambda r: r.state is not None and r.state.is_final(), 30)
+        assert run.state.is_completed() and run.parameters["out"] == str(ws.candidate)
+        assert res["train"]["train_examples"] > 0 and res["register"]["promoted"] is True
+        assert (ws.candidate / "model.safetensors").exists()
+    finally:
+        assert services.down(services_state_dir, which=("worker-tidespec-train",)) == ["worker-tidespec-train"]
+    assert not psutil.pid_exists(tw.pid) or psutil.Process(tw.pid).status() == psutil.STATUS_ZOMBIE
+    st = services.status(services_state_dir)
+    assert st["worker"]["healthy"] and st["prefect"]["healthy"] and "worker-tidespec-train" not in st
+
+
+def test_train_pool_mismatch_names_the_fix(tmp_path, tiny_target_dir, prefect_server):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tidespec import orchestrate
+
+    _project(tmp_path, tiny_target_dir)
+    orchestrate.deploy(tmp_path, prefect_server, names=("tide-train",))
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        with pytest.raises(orchestrate.OrchestrationError, match="set train.work_pool to it"):
+            orchestrate.train_on_pool("gpu-pool", {}, tmp_path / "out")
+
+
+def test_is_transient_classifies_real_errors():
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from tidespec import registry
+    from tidespec.orchestrate import is_transient
+    from tidespec.services import free_port
+
+    port = free_port()  # nothing listens: a real connection-refused, as MLflow raises it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        with pytest.raises(MlflowException) as down:
+            MlflowClient(f"http://127.0.0.1:{port}").get_experiment_by_name("x")
+    assert is_transient(down.value)
+    assert not is_transient(ValueError("curated set is for another target"))
+    assert not is_transient(registry.RegistryError("no champion to roll back"))
+    assert not is_transient(FileNotFoundError("holdout missing"))
+    try:
+        try:
+            raise ConnectionResetError("peer reset")
+        except ConnectionResetError as e:
+            raise RuntimeError("upload failed") from e
+    except RuntimeError as wrapped:
+        assert is_transient(wrapped)
+
+
+def test_tasks_retry_only_transient_failures(prefect_server):
+    """A task with the flow's retry policy retries a connection error, not bad data."""
+    from prefect import flow, task
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tidespec.orchestrate import retry_if_transient
+
+    calls = {"conn": 0, "data": 0}
+
+    @task(retries=2, retry_delay_seconds=0, retry_condition_fn=retry_if_transient)
+    def flaky(kind):
+        calls[kind] += 1
+        if kind == "conn" and calls[kind] < 3:
+            raise ConnectionRefusedError("mlflow down")
+        if kind == "data":
+            raise ValueError("bad record")
+        return calls[kind]
+
+    @flow
+    def f():
+        ok = flaky("conn")
+        fut = flaky.submit("data")
+        fut.wait()
+        return ok, fut.state.is_failed()
+
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        ok, data_failed = f()
+    assert calls == {"conn": 3, "data": 1}  # 2 retries after connection errors; none after bad data
+    assert ok == 3 and data_failed
