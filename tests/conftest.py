@@ -151,9 +151,12 @@ evaluate: {{max_new_tokens: 16, min_relative_gain: 0.0}}
 """
 
 
-def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool = False, seed: int = 0):
+def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool = False, seed: int = 0,
+                        max_token: int = 320):
     """A workspace with params.yaml, one sealed snapshot captured by the engine on the tiny target,
-    and (optionally) a champion draft (curate splits the holdout off the snapshot). Returns (Workspace, Params, Target)."""
+    and (optionally) a champion draft (curate splits the holdout off the snapshot). Prompt token ids
+    are drawn from [3, max_token): a small range makes holdout tokens fit the draft vocabulary (a
+    learnable workload). Returns (Workspace, Params, Target)."""
     import torch
 
     from tidespec.capture.store import seal
@@ -171,7 +174,7 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     w = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, shard_max_records=4)
     g = torch.Generator().manual_seed(seed)
     for i in range(n_requests):
-        prompt = torch.randint(3, 320, (8,), generator=g).tolist()
+        prompt = torch.randint(3, max_token, (8,), generator=g).tolist()
         out = eng.generate(prompt, 24, capture=True)
         rid = f"req{i}" if seed == 0 else f"req{seed}-{i}"
         w.submit(out.record, request_id=rid, workload="code", acceptance_length=1.0, prompt_id=f"p{i}")

@@ -193,23 +193,29 @@ def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
 
 
 @app.command()
-def promote(version: str, reason: str = "manual promotion", params: Path = PARAMS):
-    """Move the `champion` alias to VERSION."""
-    from . import registry
-    from .config import load_params
-    from .cycle import get_target
-    tid = get_target(load_params(params))[0].target_id
-    console.print(registry.promote(_uri(), tid, version, reason))
+def promote(version: str, reason: str = typer.Option(..., help="why (recorded on the version and its run)"),
+            root: Path = ROOT, params: Path = PARAMS):
+    """Move the `champion` alias to VERSION by hand (a version that failed the losslessness check
+    is refused), then deploy it locally (data/drafts/champion)."""
+    _decide(root, params, lambda reg, uri, tid: reg.promote(uri, tid, version, reason))
 
 
 @app.command()
-def rollback(params: Path = PARAMS):
-    """Move `champion` back to the previous champion."""
+def rollback(root: Path = ROOT, params: Path = PARAMS):
+    """Move `champion` back to the previous champion, then deploy it locally."""
+    _decide(root, params, lambda reg, uri, tid: reg.rollback(uri, tid))
+
+
+def _decide(root: Path, params: Path, act) -> None:
     from . import registry
     from .config import load_params
-    from .cycle import get_target
+    from .cycle import get_target, step_deploy
+    uri = _uri()
     tid = get_target(load_params(params))[0].target_id
-    console.print(registry.rollback(_uri(), tid))
+    d = act(registry, uri, tid)
+    dep = step_deploy(_ws(root), uri, tid)
+    console.print(f"champion v{d.version} (was v{d.previous_champion}): {d.reason}; deployed v{dep['version']} "
+                  f"to {dep['path']}", highlight=False)
 
 
 def _uri() -> str:
@@ -327,7 +333,8 @@ def bench_capture(params: Path = PARAMS, prompts: int = typer.Option(8, min=1),
 
 def main() -> None:
     """Console entry point: bad input (ValueError/FileNotFoundError), an unavailable backend, a busy
-    capture dir or a failed git/dvc command → one clear line (with the fix), exit 2."""
+    capture dir, a failed git/dvc command, a refused registry decision, a missing deployment or a
+    service that will not start → one clear line (with the fix), exit 2."""
     import sys
     try:
         app(standalone_mode=False)
@@ -336,9 +343,13 @@ def main() -> None:
         sys.exit(2)
     except RuntimeError as e:
         from .capture.store import CaptureDirBusy
+        from .orchestrate import OrchestrationError
+        from .registry import RegistryError
+        from .services import ServiceError
         from .train.specforge import SpecForgeUnavailable
         from .versioning import VersioningError
-        if not isinstance(e, (SpecForgeUnavailable, CaptureDirBusy, VersioningError)):
+        if not isinstance(e, (SpecForgeUnavailable, CaptureDirBusy, VersioningError, RegistryError,
+                              OrchestrationError, ServiceError)):
             raise
         label = "unavailable" if isinstance(e, SpecForgeUnavailable) else "error"
         Console(stderr=True).print(f"[red]{label}:[/red] {e}")

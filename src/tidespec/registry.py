@@ -325,12 +325,20 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
 
 
 def promote(tracking_uri: str, target_id: str, version: str, reason: str) -> Decision:
-    """Make ``version`` champion unconditionally (manual override), recording ``reason``.
-    Raises MlflowException if the version does not exist."""
+    """Make ``version`` champion by hand (no τ rule), recording ``reason``. Raises RegistryError
+    when the version does not exist or failed the losslessness check (tag ``lossless=False``)."""
     c = _client(tracking_uri)
     name = model_name(target_id)
     version = str(version)
-    c.get_model_version(name, version)  # fail fast on a wrong version
+    try:
+        mv = c.get_model_version(name, version)
+    except MlflowException as e:
+        if _not_found(e) or e.error_code == "INVALID_PARAMETER_VALUE":
+            raise RegistryError(f"{name} has no version {version!r}; see the versions in the MLflow UI") from None
+        raise
+    if mv.tags.get("lossless") == "False":
+        raise RegistryError(f"{name} v{version} failed evaluation's losslessness check (its outputs differ from "
+                            "the target's): it is never promoted; fix the draft/engine and run a new cycle")
     prev = _make_champion(c, name, version)
     d = Decision(promoted=True, reason=f"manual: {reason}", version=version, previous_champion=prev)
     _record(c, name, version, "promoted", d.reason)

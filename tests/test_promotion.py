@@ -1,0 +1,119 @@
+"""Promotion gate end to end on the tiny target (real MLflow server): a deliberately worse candidate
+(trained on shuffled targets) is rejected, a candidate that fails the losslessness check is never
+promoted (not even by hand), and `tidespec promote` / `tidespec rollback` move the champion and
+redeploy it locally."""
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_workspace
+
+pytestmark = pytest.mark.services
+
+
+def _shuffled_workspace(root, ws, params, target):
+    """A second workspace whose only snapshot holds ws's records with their token ids relabelled
+    by a random permutation of the vocabulary: the hidden states no longer predict the labels
+    (a deliberately bad training set: shuffled targets)."""
+    from tidespec import curate
+    from tidespec.capture.store import list_snapshots, seal
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.cycle import Workspace
+
+    ws2 = Workspace(root)
+    root.mkdir()
+    (root / "params.yaml").write_text((ws.root / "params.yaml").read_text())
+    idx = json.loads(ws.curated.read_text())
+    recs = curate.load_records(idx["train"] + idx["val"], ws.curated.parent)
+    w = CaptureWriter(ws2.capture_dir(target.target_id), target.target_id, shard_max_records=4)
+    sigma = torch.randperm(target.cfg.vocab_size, generator=torch.Generator().manual_seed(7)).int()
+    for i, r in enumerate(recs):
+        r = dict(r)
+        r["input_ids"] = sigma[r["input_ids"].long()]
+        w.submit(r, request_id=f"shuf{i}", workload="code", acceptance_length=1.0, prompt_id=f"s{i}")
+    w.close()
+    seal(ws2.capture_dir(target.target_id), ws2.snapshots, target.target_id)
+    assert len(list_snapshots(ws2.snapshots, target.target_id)) == 1
+    return ws2
+
+
+def _force_accept_all(monkeypatch):
+    """A verifier bug on engines named "candidate": every draft token is accepted (outputs are no
+    longer the target's). Evaluation must catch it."""
+    from tidespec.engine.speculative import Engine
+
+    orig = Engine._after_verify
+
+    def buggy(self, s, out, dt):
+        if s.version == "candidate" and s.k:
+            for i, t in enumerate(s.drafts):
+                out.logits[i, t] = float("inf")
+        return orig(self, s, out, dt)
+    monkeypatch.setattr(Engine, "_after_verify", buggy)
+
+
+def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, tiny_target_dir, mlflow_server, monkeypatch):
+    from typer.testing import CliRunner
+
+    from tidespec import cycle, registry
+    from tidespec.cli import app
+    from tidespec.deploy.local import served_version
+
+    (tmp_path / "main").mkdir()
+    # 48 requests over a 9-token prompt alphabet: the tiny target's continuations are learnable
+    ws, params, target = make_tiny_workspace(tmp_path / "main", tiny_target_dir, n_requests=48, max_token=12)
+    tid = target.target_id
+    params = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"min_relative_gain": 0.02})})
+
+    # cycle 1: a properly trained draft becomes champion
+    cycle.step_curate(ws, params, tid)
+    tm = cycle.step_train(ws, params, ws.curated, None, ws.candidate)
+    rep = cycle.step_evaluate(ws, params, ws.candidate, None, ws.eval_prompts, ws.eval_report)
+    d1 = cycle.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, "rev-1")
+    assert d1["promoted"] and rep["lossless"]
+    cycle.step_deploy(ws, mlflow_server, tid)
+    tau1 = rep["candidate"]["acceptance_length"]
+    assert tau1 > 1.5  # the tiny target is learnable: the comparison below means something
+
+    # cycle 2: trained (from scratch) on shuffled targets → worse on the same holdout → rejected
+    ws2 = _shuffled_workspace(tmp_path / "shuf", ws, params, target)
+    cycle.step_curate(ws2, params, tid)
+    bad = tmp_path / "bad-candidate"
+    tm2 = cycle.step_train(ws2, params, ws2.curated, None, bad)
+    rep2 = cycle.step_evaluate(ws, params, bad, ws.champion, ws.eval_prompts, tmp_path / "eval2.json")
+    assert rep2["lossless"] and rep2["champion"]["acceptance_length"] == pytest.approx(tau1)
+    assert rep2["candidate"]["acceptance_length"] < tau1
+    d2 = cycle.step_register(params, tid, bad, rep2, tm2, mlflow_server, "rev-shuffled")
+    assert not d2["promoted"] and d2["previous_champion"] == d1["version"]
+    assert "<" in d2["reason"] and f"champion v{d1['version']}" in d2["reason"]
+    assert registry.champion(mlflow_server, tid).version == d1["version"]
+
+    # cycle 3: the trained draft again, but the verifier accepts everything → outputs differ → never promoted
+    with monkeypatch.context() as m:
+        _force_accept_all(m)
+        rep3 = cycle.step_evaluate(ws, params, ws.candidate, ws.champion, ws.eval_prompts, tmp_path / "eval3.json")
+    assert not rep3["lossless"] and rep3["candidate"]["mismatches"] > 0
+    assert rep3["candidate"]["acceptance_length"] > tau1  # its τ looks great: the gate must not care
+    d3 = cycle.step_register(params, tid, ws.candidate, rep3, tm, mlflow_server, "rev-lossy")
+    assert not d3["promoted"] and "losslessness" in d3["reason"]
+
+    # by hand: the lossy one is refused; the worse one can be forced in, then rolled back
+    runner = CliRunner()
+    env = {"MLFLOW_TRACKING_URI": mlflow_server}
+    common = ["--root", str(ws.root), "--params", str(ws.root / "params.yaml")]
+    r = runner.invoke(app, ["promote", d3["version"], "--reason", "try", *common], env=env)
+    assert isinstance(r.exception, registry.RegistryError) and "never promoted" in str(r.exception)
+    r = runner.invoke(app, ["promote", d2["version"], "--reason", "canary by hand", *common], env=env)
+    assert r.exit_code == 0, r.output
+    assert registry.champion(mlflow_server, tid).version == d2["version"] and served_version(ws.champion) == d2["version"]
+    r = runner.invoke(app, ["rollback", *common], env=env)
+    assert r.exit_code == 0, r.output
+    assert f"champion v{d1['version']} (was v{d2['version']})" in r.output
+    assert registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
+    # every decision recorded with its reason, on the version and its run
+    hist = {h["version"]: h["decision"] for h in registry.cycle_history(mlflow_server, tid)}
+    assert hist == {d1["version"]: "restored", d2["version"]: "rolled_back", d3["version"]: "rejected"}
+    from mlflow import MlflowClient
+    run = MlflowClient(mlflow_server).get_run(d3["run_id"])
+    assert run.data.tags["decision"] == "rejected" and "losslessness" in run.data.tags["decision_reason"]
