@@ -36,6 +36,9 @@ def fetch_champion(root: str, tracking_uri: str, target_id: str) -> str | None:
 @task(name="train", **TRANSIENT)
 def train(root: str, params_path: str, curated: str, init: str | None) -> dict:
     ws, params = _ws(root), load_params(params_path)
+    if params.train.sagemaker:  # a SageMaker training job: data and draft travel through S3
+        from tidespec.train.sagemaker import train_on_sagemaker
+        return train_on_sagemaker(params, Path(curated), Path(init) if init else None, ws.candidate)
     if params.train.work_pool:  # its own deployment on that pool (paths on a shared file system)
         if reason := cycle.skip_reason(params, Path(curated)):
             return {"skipped": reason}

