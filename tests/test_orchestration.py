@@ -24,6 +24,7 @@ def _client_call(api, fn):
 
 
 def _wait_run(api, deployment_id, done, timeout_s=300):
+    """First run of the deployment (by id) for which done(run) holds."""
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     deadline = time.monotonic() + timeout_s
@@ -34,8 +35,7 @@ def _wait_run(api, deployment_id, done, timeout_s=300):
         if hit:
             return hit[0]
         time.sleep(2)
-    raise AssertionError(f"no matching run of deployment {deployment_id} in {timeout_s} s: "
-                         f"{[(r.name, r.state_name, r.parameters) for r in runs]}")
+    raise AssertionError(f"no matching run of deployment {deployment_id} in {timeout_s} s")
 
 
 def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, prefect_server, prefect_worker,
@@ -67,8 +67,7 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     eid = events.capture_threshold("snap-test", target.target_id, {"trigger": "tokens", "snapshot_rev": "rev-abc"},
                                    api_url=prefect_server)
     assert eid
-    run = _wait_run(prefect_server, dep.id, lambda r: r.parameters.get("snapshot_rev") == "rev-abc"
-                    and r.state is not None and r.state.is_final())
+    run = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": "rev-abc"}, 300)
     assert run.state.is_completed(), run.state
     assert run.parameters["target_id"] == target.target_id and run.parameters["trigger"] == "tokens"
     champ = registry.champion(mlflow_server, target.target_id)

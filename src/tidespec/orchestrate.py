@@ -124,6 +124,33 @@ async def _deployment(client, name: str):
                                  "in the project root (tidespec services up starts the server and worker)") from None
 
 
+def wait_for_run(api_url: str, deployment: str, parameters: dict, timeout_s: float = 1800, poll_s: float = 2.0,
+                 on_poll=None):
+    """Wait for a flow run of `deployment` whose parameters include `parameters` (e.g. the
+    snapshot_rev an event carried) to reach a final state; return it (prefect FlowRun).
+    `on_poll(run | None)` is called each poll (progress). Raises OrchestrationError when no such
+    run ends within `timeout_s` seconds (naming the worker log to read)."""
+    import time
+
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    dep = _call(api_url, lambda c: _deployment(c, deployment))
+    flt = DeploymentFilter(id=DeploymentFilterId(any_=[dep.id]))
+    deadline = time.monotonic() + timeout_s
+    run = None
+    while time.monotonic() < deadline:
+        runs = _call(api_url, lambda c: c.read_flow_runs(deployment_filter=flt))
+        mine = [r for r in runs if all(r.parameters.get(k) == v for k, v in parameters.items())]
+        run = max(mine, key=lambda r: r.created) if mine else None
+        if on_poll:
+            on_poll(run)
+        if run is not None and run.state is not None and run.state.is_final():
+            return run
+        time.sleep(poll_s)
+    state = run.state.name if run and run.state else "no run created (is the trigger deployed? prefect deploy --all)"
+    raise OrchestrationError(f"no {deployment} run with {parameters} finished in {timeout_s:g} s (last: {state}); "
+                             "see the worker log (tidespec services status) and the run in the Prefect UI")
+
+
 def train_on_pool(pool: str, parameters: dict, out: Path, timeout_s: float | None = None) -> dict:
     """Run the train step as deployment `tide_train/tide-train` on work pool `pool` and wait.
 

@@ -221,9 +221,19 @@ def _make_champion(c: MlflowClient, name: str, version: str) -> str | None:
 
 def champion(tracking_uri: str, target_id: str) -> ModelVersionInfo | None:
     """The version under alias ``champion``, or None (no model or no champion yet)."""
+    return _by_alias(tracking_uri, target_id, CHAMPION)
+
+
+def challenger(tracking_uri: str, target_id: str) -> ModelVersionInfo | None:
+    """The version under alias ``challenger`` (the last candidate; its tags carry ``decision`` and
+    ``decision_reason``), or None."""
+    return _by_alias(tracking_uri, target_id, CHALLENGER)
+
+
+def _by_alias(tracking_uri: str, target_id: str, alias: str) -> ModelVersionInfo | None:
     c = _client(tracking_uri)
     try:
-        mv = c.get_model_version_by_alias(model_name(target_id), CHAMPION)
+        mv = c.get_model_version_by_alias(model_name(target_id), alias)
     except MlflowException as e:
         if _not_found(e) or e.error_code == "INVALID_PARAMETER_VALUE":
             return None
