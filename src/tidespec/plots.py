@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def tau_over_cycles(history: list[dict]):
@@ -28,6 +29,7 @@ def tau_over_cycles(history: list[dict]):
     if base:
         ax.plot(*zip(*base), "x--", color="tab:orange", lw=1, label="champion τ (same holdout)")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="model version (cycle)", ylabel="acceptance length τ", title="τ over cycles")
     ax.legend(fontsize=8)
     fig.tight_layout()
