@@ -14,6 +14,8 @@ forks ~15 processes / 3 GB). MLflow's file store is broken in >=3.13: sqlite onl
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -369,6 +371,19 @@ def _reusable(state_dir: Path, name: str, timeout_s: float) -> Service | None:
         time.sleep(0.25)
 
 
+@contextlib.contextmanager
+def _locked(state_dir: Path):
+    """Exclusive lock on ``<state_dir>/.lock`` (flock; released on exit or process death): one
+    ``up``/``down`` at a time per state dir, so two concurrent ``up`` calls never start two servers."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / ".lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def up(state_dir: Path | None = None, which: tuple[str, ...] = NAMES,
        timeout_s: float = 90, pools: tuple[str, ...] = ()) -> dict[str, Service]:
     """Ensure the services in ``which`` run; idempotent (a healthy recorded server is reused).
@@ -380,11 +395,19 @@ def up(state_dir: Path | None = None, which: tuple[str, ...] = NAMES,
     Raises ServiceError (unknown name, start failure; servers already launched are stopped).
     """
     state_dir = Path(state_dir or default_state_dir()).resolve()
+    with _locked(state_dir):
+        return _up(state_dir, which, timeout_s, pools)
+
+
+def _up(state_dir: Path, which: tuple[str, ...], timeout_s: float, pools: tuple[str, ...]) -> dict[str, Service]:
     unknown = [n for n in which if n not in _LAUNCHERS and n not in _DEPENDENT]
     if unknown:
         raise ServiceError(f"unknown service(s) {unknown}; choose from {list(ALL)}")
     if "worker" in which and "prefect" not in which:
         raise ServiceError("the worker needs the Prefect server: start both (which=('prefect', 'worker', ...))")
+    bad = [p for p in pools if not p or not all(ch.isalnum() or ch in "-_." for ch in p)]
+    if bad:
+        raise ServiceError(f"work pool names {bad} are not valid: use letters, digits, '-', '_' or '.'")
     out: dict[str, Service] = {}
     for name in which:
         if (svc := _reusable(state_dir, name, timeout_s)) is not None:
@@ -428,6 +451,13 @@ def down(state_dir: Path | None = None, which: tuple[str, ...] | None = None) ->
     files) and remove their state files. Workers stop first. Returns the names that were running.
     """
     state_dir = Path(state_dir or default_state_dir()).resolve()
+    if not state_dir.is_dir():
+        return []
+    with _locked(state_dir):
+        return _down(state_dir, which)
+
+
+def _down(state_dir: Path, which: tuple[str, ...] | None) -> list[str]:
     stopped = []
     which = recorded(state_dir) if which is None else which
     for name in sorted(which, key=lambda n: not n.startswith("worker")):  # workers first: they talk to the servers
