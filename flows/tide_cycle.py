@@ -83,7 +83,7 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
                          "(tidespec services up prints it)")
     params = load_params(params_path)
     if not target_id:
-        target_id = cycle.get_target(params)[0].target_id
+        target_id = cycle.target_id(params)
     ws = _ws(root)
     if not force and (why := cycle.nothing_new(ws, target_id)):
         log.info("cycle skipped, champion untouched: %s", why)

@@ -107,13 +107,20 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, tiny_target
     r = runner.invoke(app, ["promote", d2["version"], "--reason", "canary by hand", *common], env=env)
     assert r.exit_code == 0, r.output
     assert registry.champion(mlflow_server, tid).version == d2["version"] and served_version(ws.champion) == d2["version"]
-    r = runner.invoke(app, ["rollback", *common], env=env)
+    r = runner.invoke(app, ["promote", d2["version"], "--reason", "again", *common], env=env)
+    assert r.exit_code == 0 and "already champion; nothing changed" in r.output  # a no-op, not a new entry
+    r = runner.invoke(app, ["rollback", "--reason", "canary p99 regressed", *common], env=env)
     assert r.exit_code == 0, r.output
     assert f"champion v{d1['version']} (was v{d2['version']})" in r.output
     assert registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
     # every decision recorded with its reason, on the version and its run
     hist = {h["version"]: h["decision"] for h in registry.cycle_history(mlflow_server, tid)}
     assert hist == {d1["version"]: "restored", d2["version"]: "rolled_back", d3["version"]: "rejected"}
+    trail = registry.decisions(mlflow_server, tid, d2["version"])  # the audit trail keeps every decision
+    assert [t.split(" ", 1)[1].split(":")[0] for t in trail] == ["rejected", "promoted", "rolled_back"]
+    assert "canary by hand" in trail[1] and "canary p99 regressed" in trail[2] and "<" in trail[0]
+    assert registry.decisions(mlflow_server, tid, d1["version"])[-1].endswith(
+        f"restored: rollback from v{d2['version']}: canary p99 regressed")
     from mlflow import MlflowClient
     run = MlflowClient(mlflow_server).get_run(d3["run_id"])
     assert run.data.tags["decision"] == "rejected" and "losslessness" in run.data.tags["decision_reason"]

@@ -51,7 +51,8 @@ def services_up(state: Path = typer.Option(Path(".tidespec/services")),
     for k, v in services.env_for(svc).items():
         console.print(f"export {k}={v}")
     workers = ", ".join(f"{n} (pid {s.pid})" for n, s in svc.items() if n.startswith("worker"))
-    Console(stderr=True).print(f"workers: {workers}; next: prefect deploy --all (with the env above)")
+    Console(stderr=True).print(f"workers: {workers}; next: prefect --no-prompt deploy --all "
+                                f"(with the env above)")
 
 
 @services_app.command("down")
@@ -196,22 +197,23 @@ def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
 def promote(version: str, reason: str = typer.Option(..., help="why (recorded on the version and its run)"),
             root: Path = ROOT, params: Path = PARAMS):
     """Move the `champion` alias to VERSION by hand (a version that failed the losslessness check
-    is refused), then deploy it locally (data/drafts/champion)."""
+    is refused), then deploy it locally (data/drafts/champion). Needs MLFLOW_TRACKING_URI."""
     _decide(root, params, lambda reg, uri, tid: reg.promote(uri, tid, version, reason))
 
 
 @app.command()
-def rollback(root: Path = ROOT, params: Path = PARAMS):
-    """Move `champion` back to the previous champion, then deploy it locally."""
-    _decide(root, params, lambda reg, uri, tid: reg.rollback(uri, tid))
+def rollback(reason: str = typer.Option("", help="why (recorded with the decision)"), root: Path = ROOT,
+             params: Path = PARAMS):
+    """Move `champion` back to the previous champion, then deploy it locally. Needs MLFLOW_TRACKING_URI."""
+    _decide(root, params, lambda reg, uri, tid: reg.rollback(uri, tid, reason))
 
 
 def _decide(root: Path, params: Path, act) -> None:
     from . import registry
     from .config import load_params
-    from .cycle import get_target, step_deploy
+    from .cycle import step_deploy, target_id
     uri = _uri()
-    tid = get_target(load_params(params))[0].target_id
+    tid = target_id(load_params(params))
     d = act(registry, uri, tid)
     dep = step_deploy(_ws(root), uri, tid)
     console.print(f"champion v{d.version} (was v{d.previous_champion}): {d.reason}; deployed v{dep['version']} "

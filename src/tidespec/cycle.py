@@ -87,6 +87,12 @@ def _target(source: str, dtype: str, aux: tuple | None) -> tuple[Target, object]
     return load_target(target_dir(source), dtype=getattr(torch, dtype), aux_layers=aux)
 
 
+def target_id(params: Params) -> str:
+    """The target's id (sha256 of its weights, `models.target.target_id_for`) without loading it."""
+    from .models.target import target_id_for
+    return target_id_for(target_dir(params.target.source), None)
+
+
 def get_target(params: Params) -> tuple[Target, object]:
     """(Target, tokenizer or None), cached per process (tasks pass params, not tensors)."""
     t = params.target

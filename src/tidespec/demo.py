@@ -98,7 +98,7 @@ def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env:
     with console.status("prefect deploy (prefect.yaml: tide-cycle, tide-train)"):
         orchestrate.deploy(root, api)
     ws.eval_report.unlink(missing_ok=True)
-    events.capture_threshold(sid, tid, {"trigger": "manual", "snapshot_rev": rev}, api_url=api)
+    events.capture_threshold(sid, tid, {"trigger": "demo", "snapshot_rev": rev}, api_url=api)
     console.print(f"event {events.CAPTURE_THRESHOLD} (snapshot {sid}) → trigger → {orchestrate.CYCLE_DEPLOYMENT} run")
     with console.status("tide_cycle run on the worker: curate → train → evaluate → register → deploy") as st:
         run = orchestrate.wait_for_run(api, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, timeout_s=3600,
@@ -211,6 +211,7 @@ def run_demo(root: Path, params_path: Path) -> dict:
     console.print(f"registered version {dec['version']}: promoted={dec['promoted']} ({dec['reason']}); "
                   f"serving v{engine.draft_version}")
     console.print(f"MLflow: {uri}/#/models/{registry.model_name(tid)}   Prefect: {env['PREFECT_API_URL'][:-4]}/runs")
+    console.print("services keep running (the UIs above); stop them with `tidespec services down` (or make clean)")
     console.print(f"snapshot: {snap.path.relative_to(root)} (dvc rev {rev});  eval report: "
                   f"{ws.eval_report.relative_to(root)};  demo wall time {wall / 60:.1f} min")
     summary = {"wall_s": wall, "snapshot": snap.snapshot_id, "snapshot_rev": rev, "register": dec,

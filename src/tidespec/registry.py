@@ -25,6 +25,7 @@ from mlflow.exceptions import MlflowException
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 HISTORY_TAG = "champion_history"
+HISTORY_MAX = 500  # champions kept in the history tag (MLflow tag values ≤ 5000 chars)
 ARTIFACT_DIR = "draft"
 VERSION_TAG_KEYS = ("target_id", "snapshot_rev", "params_sha", "workload_mix",
                     "acceptance_length", "baseline_acceptance_length")
@@ -200,12 +201,24 @@ def _set_history(c: MlflowClient, name: str, hist: list[str]) -> None:
 
 
 def _record(c: MlflowClient, name: str, version: str, decision: str, reason: str) -> None:
-    """Write ``decision``/``decision_reason`` on the version and on its run."""
-    c.set_model_version_tag(name, version, "decision", decision)
-    c.set_model_version_tag(name, version, "decision_reason", reason)
-    run_id = c.get_model_version(name, version).run_id
-    if run_id:
-        c.log_batch(run_id, tags=[RunTag("decision", decision), RunTag("decision_reason", reason)])
+    """Write ``decision``/``decision_reason`` (the latest) on the version and on its run, and append
+    the decision to the audit trail: tag ``decision.<n>`` = ``<UTC time> <decision>: <reason>``
+    (n = 0, 1, ...; never overwritten)."""
+    mv = c.get_model_version(name, version)
+    n = sum(k.startswith("decision.") for k in mv.tags)
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    entry = f"{at} {decision}: {reason}"[:5000]
+    for k, v in (("decision", decision), ("decision_reason", reason[:5000]), (f"decision.{n}", entry)):
+        c.set_model_version_tag(name, version, k, v)
+    if mv.run_id:
+        c.log_batch(mv.run_id, tags=[RunTag("decision", decision), RunTag("decision_reason", reason[:5000]),
+                                     RunTag(f"decision.{n}", entry)])
+
+
+def decisions(tracking_uri: str, target_id: str, version: str) -> list[str]:
+    """The audit trail of ``version``: every decision recorded on it, oldest first."""
+    tags = _client(tracking_uri).get_model_version(model_name(target_id), str(version)).tags
+    return [tags[f"decision.{i}"] for i in range(sum(k.startswith("decision.") for k in tags))]
 
 
 def _make_champion(c: MlflowClient, name: str, version: str) -> str | None:
@@ -215,7 +228,7 @@ def _make_champion(c: MlflowClient, name: str, version: str) -> str | None:
     hist = _history(c, name)
     if prev and (not hist or hist[-1] != prev):  # alias moved outside tidespec: keep it traceable
         hist.append(prev)
-    _set_history(c, name, hist + [version])
+    _set_history(c, name, (hist + [version])[-HISTORY_MAX:])
     return prev
 
 
@@ -335,8 +348,9 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
 
 
 def promote(tracking_uri: str, target_id: str, version: str, reason: str) -> Decision:
-    """Make ``version`` champion by hand (no τ rule), recording ``reason``. Raises RegistryError
-    when the version does not exist or failed the losslessness check (tag ``lossless=False``)."""
+    """Make ``version`` champion by hand (no τ rule), recording ``reason``; the current champion
+    is left as is (Decision with promoted=False, nothing recorded). Raises RegistryError when the
+    version does not exist or failed the losslessness check (tag ``lossless=False``)."""
     c = _client(tracking_uri)
     name = model_name(target_id)
     version = str(version)
@@ -346,6 +360,9 @@ def promote(tracking_uri: str, target_id: str, version: str, reason: str) -> Dec
         if _not_found(e) or e.error_code == "INVALID_PARAMETER_VALUE":
             raise RegistryError(f"{name} has no version {version!r}; see the versions in the MLflow UI") from None
         raise
+    if _alias_version(c, name, CHAMPION) == version:
+        return Decision(promoted=False, reason=f"v{version} is already champion; nothing changed", version=version,
+                        previous_champion=version)
     if mv.tags.get("lossless") == "False":
         raise RegistryError(f"{name} v{version} failed evaluation's losslessness check (its outputs differ from "
                             "the target's): it is never promoted; fix the draft/engine and run a new cycle")
@@ -355,8 +372,9 @@ def promote(tracking_uri: str, target_id: str, version: str, reason: str) -> Dec
     return d
 
 
-def rollback(tracking_uri: str, target_id: str) -> Decision:
-    """Move ``champion`` back to the previous champion in ``champion_history``.
+def rollback(tracking_uri: str, target_id: str, reason: str = "") -> Decision:
+    """Move ``champion`` back to the previous champion in ``champion_history``; ``reason`` (why)
+    is recorded with the decision.
 
     Returns a Decision about the restored version (``previous_champion`` = the demoted one, which
     gets ``decision=rolled_back``). Raises RegistryError when there is no previous champion.
@@ -375,8 +393,9 @@ def rollback(tracking_uri: str, target_id: str) -> Decision:
     target = hist[-1]
     c.set_registered_model_alias(name, CHAMPION, target)
     _set_history(c, name, hist)
-    reason = f"rollback from v{current}"
-    _record(c, name, current, "rolled_back", f"rolled back to v{target}")
+    why = f": {reason}" if reason else ""
+    reason = f"rollback from v{current}{why}"
+    _record(c, name, current, "rolled_back", f"rolled back to v{target}{why}")
     _record(c, name, target, "restored", reason)
     d = Decision(promoted=True, reason=reason, version=target, previous_champion=current)
     return d
