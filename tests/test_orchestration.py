@@ -61,7 +61,7 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     assert trig.expect == {events.CAPTURE_THRESHOLD} and trig.posture == "Reactive"
     assert trig.match.model_dump()["prefect.resource.id"] == "tidespec.snapshot.*"
     act = autos[0].actions[0]
-    assert act.type == "run-deployment" and act.parameters["snapshot_rev"] == "{{ event.payload.snapshot_rev }}"
+    assert act.type == "run-deployment" and act.parameters["snapshot_rev"] == "{{ (event.payload.snapshot_rev or '') }}"
 
     # the publisher's event starts a cycle run on the worker, with parameters from the payload
     eid = events.capture_threshold("snap-test", target.target_id, {"trigger": "tokens", "snapshot_rev": "rev-abc"},
@@ -73,6 +73,12 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     champ = registry.champion(mlflow_server, target.target_id)
     assert champ is not None and champ.tags["snapshot_rev"] == "rev-abc"
     assert (ws.champion / "config.json").exists()  # deployed locally by the run, in the project dir
+    # another emitter's partial payload still starts a run ("" for what is missing); nothing new → skipped
+    events.emit(events.CAPTURE_THRESHOLD, "tidespec.snapshot.other", {"snapshot_rev": "rev-partial"},
+                api_url=prefect_server)
+    run2 = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": "rev-partial"}, 300)
+    assert run2.state.is_completed() and run2.parameters["target_id"] == "" and run2.parameters["trigger"] == "event"
+    assert registry.champion(mlflow_server, target.target_id).version == champ.version
 
 
 def test_train_on_another_pool(tmp_path, tiny_target_dir, prefect_server, prefect_worker, mlflow_server,
@@ -176,3 +182,44 @@ def test_tasks_retry_only_transient_failures(prefect_server):
         ok, data_failed = f()
     assert calls == {"conn": 3, "data": 1}  # 2 retries after connection errors; none after bad data
     assert ok == 3 and data_failed
+
+
+def test_mlflow_5xx_is_transient_4xx_is_not():
+    """An overloaded server (5xx/429, as a proxy in front of MLflow answers) is transient once the
+    client has given up retrying; a 404 is not."""
+    import http.server
+    import threading
+
+    from mlflow import MlflowClient
+
+    from tidespec.orchestrate import is_transient
+
+    code = {"v": 503}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(code["v"])
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    got = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        mp.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+        for c in (503, 500, 429, 404):
+            code["v"] = c
+            with pytest.raises(Exception) as e:
+                MlflowClient(f"http://127.0.0.1:{srv.server_port}").get_experiment("1")
+            got[c] = is_transient(e.value)
+    srv.shutdown()
+    assert got == {503: True, 500: True, 429: True, 404: False}
+    try:  # bad data raised while handling a connection error stays bad data
+        try:
+            raise ConnectionError("reset")
+        except ConnectionError:
+            raise ValueError("curated set is for another target")
+    except ValueError as e:
+        assert not is_transient(e)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_workspace
+from conftest import make_tiny_target, make_tiny_workspace
 
 pytestmark = pytest.mark.services
 
@@ -53,7 +53,7 @@ def _force_accept_all(monkeypatch):
     monkeypatch.setattr(Engine, "_after_verify", buggy)
 
 
-def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, tiny_target_dir, mlflow_server, monkeypatch):
+def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_server, monkeypatch):
     from typer.testing import CliRunner
 
     from tidespec import cycle, registry
@@ -61,8 +61,10 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, tiny_target
     from tidespec.deploy.local import served_version
 
     (tmp_path / "main").mkdir()
-    # 48 requests over a 9-token prompt alphabet: the tiny target's continuations are learnable
-    ws, params, target = make_tiny_workspace(tmp_path / "main", tiny_target_dir, n_requests=48, max_token=12)
+    # 48 requests over a 9-token prompt alphabet: the tiny target's continuations are learnable. Its own
+    # tiny target (another target id): the session's shared one has champions from other tests
+    ws, params, target = make_tiny_workspace(tmp_path / "main", make_tiny_target(tmp_path / "target", seed=5),
+                                             n_requests=48, max_token=12)
     tid = target.target_id
     params = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"min_relative_gain": 0.02})})
 
@@ -72,6 +74,10 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, tiny_target
     rep = cycle.step_evaluate(ws, params, ws.candidate, None, ws.eval_prompts, ws.eval_report)
     d1 = cycle.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, "rev-1")
     assert d1["promoted"] and rep["lossless"]
+    # a retried register (e.g. after a connection reset) finds its version: no second registration
+    again = cycle.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, "rev-1")
+    assert again["version"] == d1["version"] and again["promoted"]
+    assert [h["version"] for h in registry.cycle_history(mlflow_server, tid)] == [d1["version"]]
     cycle.step_deploy(ws, mlflow_server, tid)
     tau1 = rep["candidate"]["acceptance_length"]
     assert tau1 > 1.5  # the tiny target is learnable: the comparison below means something

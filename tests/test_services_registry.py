@@ -99,6 +99,29 @@ def test_worse_rejected_better_promoted_rollback(mlflow_server, tid, ckpt):
     assert registry.rollback(uri, tid).version == v1
 
 
+def test_gate_refuses_when_champion_moved_during_the_cycle(mlflow_server, tid, ckpt):
+    """A candidate evaluated against v1 is not promoted over a v2 promoted by hand meanwhile."""
+    uri = mlflow_server
+    _, v1 = _log(uri, tid, ckpt, 2.0)
+    registry.promote_if_better(uri, tid, v1, 2.0, None, 0.02, True)
+    _, v2 = _log(uri, tid, ckpt, 3.0)
+    registry.promote(uri, tid, v2, "hotfix by hand")
+    _, v3 = _log(uri, tid, ckpt, 2.1)
+    d = registry.promote_if_better(uri, tid, v3, 2.1, 2.0, 0.02, True, evaluated_champion=v1)
+    assert not d.promoted and f"evaluated against v{v1}, champion is now v{v2}" in d.reason
+    assert registry.champion(uri, tid).version == v2
+    # versions are normalised: " 1" / "01" name version 1; junk is refused with the fix
+    assert registry.promote(uri, tid, f" 0{v1}", "typo").version == v1
+    assert registry.champion(uri, tid).version == v1
+    for bad in ("abc", "0", "-1", "99"):
+        with pytest.raises(registry.RegistryError):
+            registry.promote(uri, tid, bad, "x")
+    # a deleted earlier champion is skipped by rollback
+    MlflowClient(uri, uri).delete_model_version(registry.model_name(tid), v2)
+    with pytest.raises(registry.RegistryError, match="deleted versions skipped"):
+        registry.rollback(uri, tid)
+
+
 def test_non_lossless_never_promoted(mlflow_server, tid, ckpt):
     _, v = _log(mlflow_server, tid, ckpt, 4.0)
     d = registry.promote_if_better(mlflow_server, tid, v, 4.0, None, 0.0, lossless=False)
@@ -141,8 +164,15 @@ def test_up_idempotent_then_down_stops(tmp_path, mlflow_server, services_state_d
         assert (a.pid, a.url) == (b.pid, b.url)
         assert services.env_for({"mlflow": b}) == {"MLFLOW_TRACKING_URI": b.url}
         assert services.status(sd)["mlflow"]["healthy"]
+        # the main process dies, its uvicorn child keeps serving: down still stops the whole group
+        children = psutil.Process(a.pid).children(recursive=True)
+        psutil.Process(a.pid).kill()
+        psutil.Process(a.pid).wait(10) if a.pid not in services._CHILDREN else services._CHILDREN[a.pid].wait(10)
+        assert services.status(sd)["mlflow"]["alive"] is False
     finally:
         assert services.down(sd, which=("mlflow",)) == ["mlflow"]
     assert not psutil.pid_exists(a.pid) or psutil.Process(a.pid).status() == psutil.STATUS_ZOMBIE
+    assert children and not any(ch.is_running() and ch.status() != psutil.STATUS_ZOMBIE for ch in children)
+    assert not services._http_ok(f"{a.url}/health")
     assert services.status(sd) == {} and not (sd / "mlflow.json").exists()
     assert services.down(sd) == []

@@ -301,8 +301,10 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
         configs["champion"] = (engine(champ, "champion"), True)
     configs["candidate"] = (engine(runner_for(candidate, target), "candidate"), True)
     runs = replay(configs, prompts, n, reference="baseline", progress=progress)
+    from .deploy.local import served_version
     rep = {"baseline": runs["baseline"]["metrics"], "num_prompts": len(prompts), "max_new_tokens": n,
            "num_draft_tokens": e.num_draft_tokens,
+           "champion_version": served_version(champion) if champ is not None else None,
            "champion": runs["champion"]["metrics"] if champ is not None else None,
            "candidate": runs["candidate"]["metrics"]}
     rep["lossless"] = rep["candidate"]["mismatches"] == 0 and (champ is None or rep["champion"]["mismatches"] == 0)
@@ -317,33 +319,48 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
 def step_register(params: Params, target_id: str, candidate: Path, report: dict, train_metrics: dict,
                   tracking_uri: str, snapshot_rev: str = "", workload_mix: dict | None = None,
                   drift_jsd: float | None = None, trigger: str = "manual") -> dict:
-    """Log the candidate as a model version (alias challenger) with its metrics, training curves,
-    lineage tags and plots (τ over cycles, per-position acceptance, loss), then apply the
-    promotion rule (registry.promote_if_better). `drift_jsd`: curate's workload drift (bits) vs
-    the previous curated set; `trigger`: what started the cycle (tag)."""
+    """Log the candidate as a model version (alias challenger) with its metrics, training curves
+    and lineage tags, apply the promotion rule (registry.promote_if_better, against the champion
+    version evaluate measured: `report["champion_version"]`), then log plots (τ over cycles,
+    per-position acceptance, loss; best effort: a failure there is logged, not raised). Idempotent: a retry finds the version it already
+    logged (tag `draft_sha256` + snapshot_rev) and returns its decision instead of registering the
+    same draft twice. `drift_jsd`: curate's drift (bits) vs the previous curated set; `trigger`:
+    what started the cycle (tag)."""
     from . import registry
-    cand = report["candidate"]
-    champ = report.get("champion")
-    metrics = {k: float(v) for k, v in cand.items() if isinstance(v, (int, float))}
-    metrics["baseline_tokens_per_s"] = report["baseline"]["tokens_per_s"]
-    if champ:
-        metrics["baseline_acceptance_length"] = champ["acceptance_length"]
-    for k, v in train_metrics.items():
-        if isinstance(v, (int, float)):
-            metrics[k] = float(v)
-    if drift_jsd is not None:
-        metrics["drift_jsd"] = float(drift_jsd)
-    losses = list(train_metrics.get("train/loss", []))
-    tags = {"snapshot_rev": snapshot_rev, "params_sha": params.sha(), "trigger": trigger,
-            "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
-            "num_holdout_prompts": str(report.get("num_prompts", ""))}
-    run_id, version = registry.log_candidate(tracking_uri, target_id, candidate, params.model_dump(mode="json"),
-                                             metrics, tags, step_metrics={"train/loss": losses})
+    from .assets import sha256_file
+    cand, champ = report["candidate"], report.get("champion")
+    key = {"draft_sha256": sha256_file(Path(candidate) / "model.safetensors"), "snapshot_rev": snapshot_rev}
+    prior = registry.find_version(tracking_uri, target_id, key)
+    if prior is not None and prior.tags.get("decision"):
+        return {"run_id": prior.run_id, "version": prior.version, "promoted": prior.tags["decision"] == "promoted",
+                "reason": prior.tags.get("decision_reason", ""), "previous_champion": None}
+    if prior is not None:
+        run_id, version = prior.run_id, prior.version
+    else:
+        metrics = {k: float(v) for k, v in cand.items() if isinstance(v, (int, float))}
+        metrics["baseline_tokens_per_s"] = report["baseline"]["tokens_per_s"]
+        if champ:
+            metrics["baseline_acceptance_length"] = champ["acceptance_length"]
+        metrics |= {k: float(v) for k, v in train_metrics.items() if isinstance(v, (int, float))}
+        if drift_jsd is not None:
+            metrics["drift_jsd"] = float(drift_jsd)
+        losses = list(train_metrics.get("train/loss", []))
+        tags = {**key, "params_sha": params.sha(), "trigger": trigger,
+                "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
+                "num_holdout_prompts": str(report.get("num_prompts", ""))}
+        run_id, version = registry.log_candidate(tracking_uri, target_id, candidate, params.model_dump(mode="json"),
+                                                 metrics, tags, step_metrics={"train/loss": losses})
     current = registry.champion(tracking_uri, target_id)
     champ_tau = champ["acceptance_length"] if (champ and current) else None
     d = registry.promote_if_better(tracking_uri, target_id, version, cand["acceptance_length"], champ_tau,
-                                   params.evaluate.min_relative_gain, bool(report["lossless"]))
-    registry.log_figures(tracking_uri, run_id, _figures(tracking_uri, target_id, report, losses))
+                                   params.evaluate.min_relative_gain, bool(report["lossless"]),
+                                   evaluated_champion=report.get("champion_version") if champ else None)
+    try:  # plots are a view: failing to draw or upload them does not undo or block the decision
+        losses = list(train_metrics.get("train/loss", []))
+        registry.log_figures(tracking_uri, run_id, _figures(tracking_uri, target_id, report, losses))
+    except Exception as e:  # noqa: BLE001
+        import logging
+        logging.getLogger(__name__).warning("plots not logged for run %s: %s", run_id, e)
     return {"run_id": run_id, "version": version, "promoted": d.promoted, "reason": d.reason,
             "previous_champion": d.previous_champion}
 

@@ -29,18 +29,26 @@ class OrchestrationError(RuntimeError):
 # -- retries ----------------------------------------------------------------------------------
 def is_transient(exc: BaseException | None) -> bool:
     """True iff `exc` (or an exception it was raised from) is a failure worth retrying: a service
-    unreachable or overloaded (connection refused/reset, timeout, HTTP 5xx/429). Bad data
-    (ValueError, FileNotFoundError, a registry rule) is never transient."""
+    unreachable or overloaded (connection refused/reset, timeout, HTTP 5xx/429, a client that gave
+    up after retrying those). Bad data (ValueError, missing file, a registry rule, permissions) is
+    never transient, even when raised while handling a connection error."""
     import httpx
+    import urllib3
     from mlflow.exceptions import MlflowException
+
+    from .registry import RegistryError
+    bad_data = (ValueError, TypeError, KeyError, LookupError, FileNotFoundError, PermissionError, RegistryError,
+                OrchestrationError)
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
+        if isinstance(exc, bad_data):
+            return False
         if isinstance(exc, (ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout,
-                            httpx.TransportError)):
+                            requests.exceptions.RetryError, urllib3.exceptions.MaxRetryError, httpx.TransportError)):
             return True
-        if isinstance(exc, httpx.HTTPStatusError) and (exc.response.status_code >= 500
-                                                       or exc.response.status_code == 429):
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(exc, (httpx.HTTPStatusError, requests.HTTPError)) and status and (status >= 500 or status == 429):
             return True
         if isinstance(exc, MlflowException) and exc.error_code in TRANSIENT_MLFLOW_CODES:
             return True
@@ -124,6 +132,35 @@ async def _deployment(client, name: str):
                                  "in the project root (tidespec services up starts the server and worker)") from None
 
 
+def crash_runs(api_url: str, pool: str, message: str) -> list[str]:
+    """Set the Running/Pending flow runs of work pool `pool` to Crashed (`message`); returns their
+    names. For runs whose worker is gone (services.down)."""
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
+                                                WorkPoolFilter, WorkPoolFilterName)
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    async def go(c):
+        runs = await c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+                any_=[StateType.RUNNING, StateType.PENDING]))),
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
+        for r in runs:
+            await c.set_flow_run_state(r.id, Crashed(message=message), force=True)
+        return [r.name for r in runs]
+    return _call(api_url, go)
+
+
+def _polling_workers(api_url: str, pool: str, within_s: float = 90) -> list[str]:
+    """Names of workers that polled `pool` in the last `within_s` seconds."""
+    from datetime import datetime, timedelta, timezone
+
+    async def go(c):
+        return await c.read_workers_for_work_pool(pool)
+    cut = datetime.now(timezone.utc) - timedelta(seconds=within_s)
+    return [w.name for w in _call(api_url, go) if w.last_heartbeat_time and w.last_heartbeat_time >= cut]
+
+
 def wait_for_run(api_url: str, deployment: str, parameters: dict, timeout_s: float = 1800, poll_s: float = 2.0,
                  on_poll=None):
     """Wait for a flow run of `deployment` whose parameters include `parameters` (e.g. the
@@ -151,7 +188,7 @@ def wait_for_run(api_url: str, deployment: str, parameters: dict, timeout_s: flo
                              "see the worker log (tidespec services status) and the run in the Prefect UI")
 
 
-def train_on_pool(pool: str, parameters: dict, out: Path, timeout_s: float | None = None) -> dict:
+def train_on_pool(pool: str, parameters: dict, out: Path, timeout_s: float | None = 86400) -> dict:
     """Run the train step as deployment `tide_train/tide-train` on work pool `pool` and wait.
 
     `parameters` are the tide_train flow's (root, params_path, curated, init, out: paths on a file
@@ -173,6 +210,10 @@ def train_on_pool(pool: str, parameters: dict, out: Path, timeout_s: float | Non
                                  "work_pool in prefect.yaml and run `prefect deploy --all`")
     metrics = Path(out) / "train_metrics.json"
     metrics.unlink(missing_ok=True)
+    from prefect.settings import PREFECT_API_URL
+    if not _polling_workers(PREFECT_API_URL.value(), pool):
+        raise OrchestrationError(f"no worker polls work pool {pool!r}: start one (tidespec services up --pool {pool}) "
+                                 "or unset train.work_pool to train in the cycle's own process")
     run = run_deployment(TRAIN_DEPLOYMENT, parameters=parameters, timeout=timeout_s, as_subflow=True)
     if not (run.state and run.state.is_completed()):
         raise OrchestrationError(f"train run {run.name} on pool {pool} ended {run.state.name if run.state else None}: "

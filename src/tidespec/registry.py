@@ -12,6 +12,7 @@ tracking URI explicitly and uses its own ``MlflowClient``; no global MLflow stat
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -182,12 +183,37 @@ def log_candidate(tracking_uri: str, target_id: str, checkpoint_dir: Path, param
 # ---------------------------------------------------------------- champion / history
 
 
+def _version(c: MlflowClient, name: str, version) -> str:
+    """``version`` normalised ("01", " 1" → "1") and checked to exist. Raises RegistryError."""
+    v = str(version).strip()
+    if not v.isdigit() or int(v) < 1:
+        raise RegistryError(f"{name}: version {version!r} is not a version number (1, 2, ...)")
+    v = str(int(v))
+    try:
+        c.get_model_version(name, v)
+    except MlflowException as e:
+        if _not_found(e) or e.error_code == "INVALID_PARAMETER_VALUE":
+            raise RegistryError(f"{name} has no version {v}; see the versions in the MLflow UI") from None
+        raise
+    return v
+
+
 def _alias_version(c: MlflowClient, name: str, alias: str) -> str | None:
     try:
         return str(c.get_model_version_by_alias(name, alias).version)
     except MlflowException as e:
         if _not_found(e) or e.error_code == "INVALID_PARAMETER_VALUE":
             return None
+        raise
+
+
+def _exists(c: MlflowClient, name: str, version: str) -> bool:
+    try:
+        c.get_model_version(name, version)
+        return True
+    except MlflowException as e:
+        if _not_found(e) or e.error_code == "INVALID_PARAMETER_VALUE":
+            return False
         raise
 
 
@@ -256,7 +282,8 @@ def _by_alias(tracking_uri: str, target_id: str, alias: str) -> ModelVersionInfo
 
 def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | None:
     """Download the champion's ``draft/`` checkpoint into ``dest``; return the checkpoint dir
-    (``dest/draft``), or None when there is no champion."""
+    (``dest/draft``, with ``version.json`` = {version, run_id}: what was evaluated), or None when
+    there is no champion."""
     info = champion(tracking_uri, target_id)
     if info is None:
         return None
@@ -264,9 +291,10 @@ def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | N
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    local = mlflow.artifacts.download_artifacts(artifact_uri=info.source, dst_path=str(dest),
-                                                tracking_uri=tracking_uri)
-    return Path(local)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=info.source, dst_path=str(dest),
+                                                     tracking_uri=tracking_uri))
+    (local / "version.json").write_text(json.dumps({"version": info.version, "run_id": info.run_id}))
+    return local
 
 
 def cycle_history(tracking_uri: str, target_id: str) -> list[dict]:
@@ -285,12 +313,37 @@ def cycle_history(tracking_uri: str, target_id: str) -> list[dict]:
     out = []
     for mv in sorted(mvs, key=lambda m: int(m.version)):
         t = mv.tags
-        if "acceptance_length" not in t:
+        tau, base = _float(t.get("acceptance_length")), _float(t.get("baseline_acceptance_length"))
+        if tau is None:  # not a cycle's candidate (e.g. a bootstrap draft), or a hand-edited tag
             continue
-        base = t.get("baseline_acceptance_length")
-        out.append({"version": str(mv.version), "run_id": mv.run_id, "acceptance_length": float(t["acceptance_length"]),
-                    "baseline_acceptance_length": float(base) if base else None, "decision": t.get("decision")})
+        out.append({"version": str(mv.version), "run_id": mv.run_id, "acceptance_length": tau,
+                    "baseline_acceptance_length": base, "decision": t.get("decision")})
     return out
+
+
+def _float(x: str | None) -> float | None:
+    try:
+        v = float(x) if x is not None else None
+    except ValueError:
+        return None
+    return v if v is not None and math.isfinite(v) else None
+
+
+def find_version(tracking_uri: str, target_id: str, tags: dict[str, str]) -> ModelVersionInfo | None:
+    """The newest version of ``target_id``'s draft whose tags include ``tags`` (e.g. the
+    candidate's ``draft_sha256``: a retried register finds what it already logged), or None."""
+    c = _client(tracking_uri)
+    try:
+        mvs = c.search_model_versions(f"name = '{model_name(target_id)}'")
+    except MlflowException as e:
+        if _not_found(e):
+            return None
+        raise
+    hits = [m for m in mvs if all(m.tags.get(k) == v for k, v in tags.items())]
+    if not hits:
+        return None
+    m = max(hits, key=lambda m: int(m.version))
+    return ModelVersionInfo(version=str(m.version), run_id=m.run_id, source=m.source, tags=dict(m.tags))
 
 
 def log_figures(tracking_uri: str, run_id: str, figures: dict) -> list[str]:
@@ -312,22 +365,29 @@ def log_figures(tracking_uri: str, run_id: str, figures: dict) -> list[str]:
 
 
 def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate_tau: float,
-                      champion_tau: float | None, min_relative_gain: float, lossless: bool) -> Decision:
+                      champion_tau: float | None, min_relative_gain: float, lossless: bool,
+                      evaluated_champion: str | None = None) -> Decision:
     """Promote ``version`` to ``champion`` iff ``lossless`` and (no champion yet or
     ``candidate_tau >= champion_tau * (1 + min_relative_gain)``); τ in tokens per target forward,
-    both measured on the same holdout. The decision is recorded as tags ``decision`` /
-    ``decision_reason`` on the version and its run.
+    both measured on the same holdout. ``evaluated_champion``: the champion version ``champion_tau``
+    was measured on; when the alias has moved since (a manual promote/rollback during the cycle),
+    the candidate is not promoted (it was not compared with the current champion). The decision is
+    recorded (``_record``). MLflow aliases have no compare-and-set: two gates racing at the same
+    instant can both pass; the tide-cycle deployment runs one cycle at a time.
     Raises RegistryError if a champion exists but ``champion_tau`` is None (evaluate it first).
     """
     c = _client(tracking_uri)
     name = model_name(target_id)
-    version = str(version)
+    version = _version(c, name, version)
     current = _alias_version(c, name, CHAMPION)
     if current is not None and champion_tau is None:
         raise RegistryError(f"{name}: champion v{current} exists but champion_tau is None; "
                             "evaluate the champion on the same holdout and pass its τ")
     if current == version:
         reason, ok = f"v{version} is already champion", False
+    elif evaluated_champion is not None and current != str(evaluated_champion):
+        reason, ok = (f"champion changed during the cycle (evaluated against v{evaluated_champion}, champion is now "
+                      f"v{current}): not compared with the current champion, not promoted; run a new cycle"), False
     elif not lossless:
         reason, ok = "losslessness check failed: never promoted", False
     elif not math.isfinite(candidate_tau):
@@ -353,13 +413,8 @@ def promote(tracking_uri: str, target_id: str, version: str, reason: str) -> Dec
     version does not exist or failed the losslessness check (tag ``lossless=False``)."""
     c = _client(tracking_uri)
     name = model_name(target_id)
-    version = str(version)
-    try:
-        mv = c.get_model_version(name, version)
-    except MlflowException as e:
-        if _not_found(e) or e.error_code == "INVALID_PARAMETER_VALUE":
-            raise RegistryError(f"{name} has no version {version!r}; see the versions in the MLflow UI") from None
-        raise
+    version = _version(c, name, version)
+    mv = c.get_model_version(name, version)
     if _alias_version(c, name, CHAMPION) == version:
         return Decision(promoted=False, reason=f"v{version} is already champion; nothing changed", version=version,
                         previous_champion=version)
@@ -385,11 +440,11 @@ def rollback(tracking_uri: str, target_id: str, reason: str = "") -> Decision:
     if current is None:
         raise RegistryError(f"{name}: no champion to roll back; promote a version first")
     hist = _history(c, name)
-    while hist and hist[-1] == current:
+    while hist and (hist[-1] == current or not _exists(c, name, hist[-1])):  # deleted versions cannot come back
         hist.pop()
     if not hist:
-        raise RegistryError(f"{name}: v{current} is the only champion so far; nothing to roll back to "
-                            "(use promote to pick a version by hand)")
+        raise RegistryError(f"{name}: no earlier champion than v{current} (deleted versions skipped); nothing to "
+                            "roll back to (use promote to pick a version by hand)")
     target = hist[-1]
     c.set_registered_model_alias(name, CHAMPION, target)
     _set_history(c, name, hist)

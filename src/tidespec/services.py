@@ -358,7 +358,11 @@ def _stop_pid(pid: int, grace_s: float = STOP_GRACE_S) -> None:
 def _reusable(state_dir: Path, name: str, timeout_s: float) -> Service | None:
     """The recorded service if its pid is alive and it answers health (waits ``timeout_s`` if starting)."""
     rec = _read_state(state_dir, name)
-    if not rec or not _alive(int(rec["pid"]), rec.get("create_time")):
+    if not rec or "create_time" not in rec:  # no record, or one we cannot tell from a reused pid
+        return None
+    if not _alive(int(rec["pid"]), rec["create_time"]):
+        if _group_alive(int(rec["pid"])):  # the main process died, its children (e.g. uvicorn) did not
+            _stop_pid(int(rec["pid"]))
         return None
     svc = Service(name=name, url=rec["url"], pid=int(rec["pid"]), log=Path(rec["log"]))
     deadline = time.monotonic() + timeout_s
@@ -409,10 +413,10 @@ def _up(state_dir: Path, which: tuple[str, ...], timeout_s: float, pools: tuple[
     if bad:
         raise ServiceError(f"work pool names {bad} are not valid: use letters, digits, '-', '_' or '.'")
     out: dict[str, Service] = {}
-    for name in which:
+    servers = [n for n in which if n in _LAUNCHERS]
+    for name in servers:  # workers after: one cannot be healthy while its server is down
         if (svc := _reusable(state_dir, name, timeout_s)) is not None:
             out[name] = svc
-    servers = [n for n in which if n in _LAUNCHERS]
     _start(state_dir, [_LAUNCHERS[n](state_dir) for n in servers if n not in out], out, timeout_s)
     deps = {n: out[n] for n in servers}
     if pools and "prefect" not in deps:
@@ -425,6 +429,19 @@ def _up(state_dir: Path, which: tuple[str, ...], timeout_s: float, pools: tuple[
             _stop_pid(out.pop(name).pid)  # started against other server URLs: restart it
     _start(state_dir, [_launch_worker(state_dir, deps, p) for n, p in wanted.items() if n not in out], out, timeout_s)
     return {n: out[n] for n in (*which, *wanted) if n in out}
+
+
+def _crash_orphans(rec: dict) -> None:
+    """Mark the flow runs a stopped worker was running as Crashed (they died with it; left
+    Running they would hold the deployment's concurrency slot until its lease expires)."""
+    api, pool = rec.get("deps", {}).get("PREFECT_API_URL"), rec.get("pool")
+    if not (api and pool):
+        return
+    try:
+        from .orchestrate import crash_runs
+        crash_runs(api, pool, f"worker on pool {pool} stopped by tidespec services down")
+    except Exception as e:  # noqa: BLE001  (the server may be down too; nothing to mark then)
+        print(f"warning: could not mark runs of pool {pool} crashed: {e}", file=sys.stderr)
 
 
 def recorded(state_dir: Path | None = None) -> list[str]:
@@ -465,9 +482,11 @@ def _down(state_dir: Path, which: tuple[str, ...] | None) -> list[str]:
         if rec is None:
             continue
         pid = int(rec["pid"])
-        if _alive(pid, rec.get("create_time")):
-            _stop_pid(pid)
+        if "create_time" in rec and (_alive(pid, rec["create_time"]) or _group_alive(pid)):
+            _stop_pid(pid)  # the whole process group: a server's children outlive a killed parent
             stopped.append(name)
+            if name.startswith("worker"):
+                _crash_orphans(rec)
         _state_file(state_dir, name).unlink(missing_ok=True)
     return stopped
 
