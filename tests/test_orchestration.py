@@ -223,3 +223,25 @@ def test_mlflow_5xx_is_transient_4xx_is_not():
             raise ValueError("curated set is for another target")
     except ValueError as e:
         assert not is_transient(e)
+
+
+def test_crash_runs_frees_a_dead_workers_runs(tmp_path, tiny_target_dir, prefect_server):
+    """services.down marks the runs of a stopped worker Crashed: a run left Running would hold the
+    deployment's concurrency slot."""
+    from prefect.states import Running
+
+    from tidespec import orchestrate
+
+    _project(tmp_path, tiny_target_dir)
+    orchestrate.deploy(tmp_path, prefect_server, names=("tide-train",))
+
+    async def running(c):
+        dep = await c.read_deployment_by_name(orchestrate.TRAIN_DEPLOYMENT)
+        run = await c.create_flow_run_from_deployment(dep.id, parameters={"curated": "x", "out": "y"})
+        await c.set_flow_run_state(run.id, Running(), force=True)
+        return run
+    run = _client_call(prefect_server, running)
+    assert orchestrate.crash_runs(prefect_server, "tidespec-train", "worker stopped") == [run.name]
+    after = _client_call(prefect_server, lambda c: c.read_flow_run(run.id))
+    assert after.state.is_crashed() and after.state.message == "worker stopped"
+    assert orchestrate.crash_runs(prefect_server, "tidespec-train", "again") == []
