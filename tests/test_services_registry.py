@@ -138,7 +138,8 @@ def test_download_champion_identical(mlflow_server, tid, ckpt, tmp_path):
     _, v = _log(mlflow_server, tid, ckpt, 2.0)
     registry.promote_if_better(mlflow_server, tid, v, 2.0, None, 0.02, True)
     got = registry.download_champion(mlflow_server, tid, tmp_path / "dl")
-    assert sorted(p.name for p in got.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in got.iterdir()) == ["config.json", "model.safetensors", "version.json"]
+    assert json.loads((got / "version.json").read_text())["version"] == v  # what evaluate compares against
     for f in ckpt.iterdir():
         assert (got / f.name).read_bytes() == f.read_bytes()
 
