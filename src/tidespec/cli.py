@@ -194,6 +194,42 @@ def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
 
 
 @app.command()
+def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", port: int = 8000,
+          capture: bool = typer.Option(True, help="capture finished requests into data/capture (TIDE)"),
+          max_queue: int = typer.Option(64, min=1, help="requests waiting+running before 429"),
+          timeout_s: float = typer.Option(300.0, help="per-request timeout (504 after)")):
+    """OpenAI-compatible server (/v1/completions, /v1/chat/completions, /health, /metrics,
+    /admin/draft with $TIDESPEC_ADMIN_TOKEN) on the target + the served champion draft."""
+    import uvicorn
+
+    from .capture.writer import CaptureWriter
+    from .config import load_params
+    from .cycle import get_target, make_engine, runner_for
+    from .deploy.local import served_version
+    from .engine.server import ADMIN_TOKEN_ENV, ServerConfig, build_app
+    p, ws = load_params(params), _ws(root)
+    target, tok = get_target(p)
+    runner = runner_for(ws.champion, target)
+    engine = make_engine(p, target, runner, served_version(ws.champion) if runner else None)
+    writer = CaptureWriter.from_params(ws.capture_dir(target.target_id), target.target_id, p.capture,
+                                       ws.snapshots) if capture else None
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    load = None
+    if uri:
+        from . import registry
+        def load(ref):  # noqa: E306
+            return registry.download_version(uri, target.target_id, ref, ws.work / "served")
+    cfg = ServerConfig(model=p.target.source, max_queue=max_queue, request_timeout_s=timeout_s,
+                       max_tokens=p.engine.max_new_tokens, drafts_dir=ws.root / "data" / "drafts",
+                       admin_token=os.environ.get(ADMIN_TOKEN_ENV))
+    try:
+        uvicorn.run(build_app(engine, tok, cfg, writer, load), host=host, port=port)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+@app.command()
 def promote(version: str, reason: str = typer.Option(..., help="why (recorded on the version and its run)"),
             root: Path = ROOT, params: Path = PARAMS):
     """Move the `champion` alias to VERSION by hand (a version that failed the losslessness check

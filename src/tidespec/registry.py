@@ -297,6 +297,25 @@ def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | N
     return local
 
 
+def download_version(tracking_uri: str, target_id: str, ref: str, dest: Path) -> Path:
+    """Download version ``ref`` (a number, or an alias such as ``champion``) into ``dest``; returns
+    the checkpoint dir (with ``version.json``). Raises LookupError for an unknown version/alias."""
+    import mlflow.artifacts
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    try:
+        v = _version(c, name, ref) if str(ref).strip().isdigit() else _alias_version(c, name, str(ref))
+    except RegistryError as e:
+        raise LookupError(str(e)) from None
+    if v is None:
+        raise LookupError(f"{name} has no alias {ref!r}")
+    mv = c.get_model_version(name, v)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(Path(dest) / f"v{v}"),
+                                                     tracking_uri=tracking_uri))
+    (local / "version.json").write_text(json.dumps({"version": v, "run_id": mv.run_id}))
+    return local
+
+
 def cycle_history(tracking_uri: str, target_id: str) -> list[dict]:
     """Every registered version of ``target_id``'s draft, oldest first: {version, run_id,
     acceptance_length, baseline_acceptance_length (champion τ on the same holdout, None for the

@@ -1,0 +1,94 @@
+"""tidespec serve's HTTP app on the tiny target (FastAPI TestClient, real engine thread)."""
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import make_tiny_target, random_draft
+
+
+@pytest.fixture
+def served(tiny_target, tmp_path):
+    from tidespec.engine.server import ServerConfig, build_app
+    from tidespec.engine.speculative import Engine
+    from tidespec.models.eagle3 import DraftRunner, save_checkpoint
+
+    drafts = tmp_path / "drafts"
+    save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
+    save_checkpoint(random_draft(tiny_target, 64, seed=2), drafts / "v2")
+    from tidespec.models.eagle3 import load_checkpoint
+    eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)),
+                 3, 256, "v1")
+    cfg = ServerConfig(max_tokens=16, drafts_dir=drafts, admin_token="s3cret")
+    with TestClient(build_app(eng, None, cfg)) as c:
+        yield c, eng, drafts
+
+
+def _prom(c, name):
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_completions_lossless_usage_and_metrics(served, tiny_target):
+    from tidespec.engine.speculative import Engine
+
+    c, eng, _ = served
+    ref = Engine(tiny_target, None, 3, 256)
+    prompts = [[5, 17, 33, 2 + i, 90, 41] for i in range(4)]
+    total = 0
+    for p in prompts:
+        r = c.post("/v1/completions", json={"model": "x", "prompt": p, "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        want = ref.generate(p, 12, speculative=False).tokens
+        assert body["tidespec"]["token_ids"] == want  # speculative serving == target-only greedy
+        assert body["usage"] == {"prompt_tokens": len(p), "completion_tokens": len(want),
+                                 "total_tokens": len(p) + len(want)}
+        assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] in ("length", "stop")
+        total += len(want)
+    assert _prom(c, "tidespec:generation_tokens_total") == total
+    assert _prom(c, "tidespec:spec_decode_num_drafts_total") > 0
+    assert _prom(c, 'tidespec:draft_info{version="v1"}') == 1
+    assert c.get("/health").json()["draft_version"] == "v1"
+
+
+def test_bad_requests_get_clear_4xx(served, tiny_target):
+    from tidespec.engine.server import ServerConfig, build_app
+    from tidespec.engine.speculative import Engine
+
+    c, _, _ = served
+    assert "token ids" in c.post("/v1/completions", json={"prompt": "hello"}).json()["detail"]
+    assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 400
+    assert c.post("/v1/completions", json={"prompt": [1, 2], "stream": True}).status_code == 400
+    assert c.post("/v1/completions", json={"prompt": [10**6]}).status_code == 400  # id outside the vocab
+    assert c.post("/v1/completions", json={"prompt": [5], "top_p": 0}).status_code == 422
+    with TestClient(build_app(Engine(tiny_target, None, 3, 256), None, ServerConfig(max_queue=0))) as full:
+        r = full.post("/v1/completions", json={"prompt": [5, 6]})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert _prom(full, "tidespec:request_rejected_total") == 1
+
+
+def test_admin_swap_auth_traversal_wrong_target(served, tmp_path):
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.models.target import load_target
+
+    c, eng, drafts = served
+    ok = {"Authorization": "Bearer s3cret"}
+    assert c.post("/admin/draft", json={"path": "v2"}).status_code == 401
+    assert c.post("/admin/draft", json={"path": "v2"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert c.post("/admin/draft", json={"path": "../../etc"}, headers=ok).status_code == 400
+    (tmp_path / "outside").mkdir()
+    (drafts / "link").symlink_to(tmp_path / "outside")
+    assert c.post("/admin/draft", json={"path": "link"}, headers=ok).status_code == 400  # symlink escape
+    assert c.post("/admin/draft", json={"version": "3"}, headers=ok).status_code == 400  # no registry here
+    other, _ = load_target(make_tiny_target(tmp_path / "other", seed=9))
+    save_checkpoint(random_draft(other, 64), drafts / "foreign")
+    r = c.post("/admin/draft", json={"path": "foreign"}, headers=ok)
+    assert r.status_code == 409 and "keeps serving" in r.json()["detail"]
+    assert eng.draft_version == "v1"
+    r = c.post("/admin/draft", json={"path": "v2"}, headers=ok)
+    assert r.status_code == 200 and r.json() == {"draft_version": "v2"}
+    assert c.get("/health").json()["draft_version"] == "v2"
+    out = c.post("/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 8}).json()
+    assert out["tidespec"]["draft_version"] == "v2"
+    assert _prom(c, 'tidespec:draft_info{version="v2"}') == 1
