@@ -59,7 +59,6 @@ def test_bad_requests_get_clear_4xx(served, tiny_target):
     c, _, _ = served
     assert "token ids" in c.post("/v1/completions", json={"prompt": "hello"}).json()["detail"]
     assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 400
-    assert c.post("/v1/completions", json={"prompt": [1, 2], "stream": True}).status_code == 400
     assert c.post("/v1/completions", json={"prompt": [10**6]}).status_code == 400  # id outside the vocab
     assert c.post("/v1/completions", json={"prompt": [5], "top_p": 0}).status_code == 422
     with TestClient(build_app(Engine(tiny_target, None, 3, 256), None, ServerConfig(max_queue=0))) as full:
@@ -92,3 +91,23 @@ def test_admin_swap_auth_traversal_wrong_target(served, tmp_path):
     out = c.post("/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 8}).json()
     assert out["tidespec"]["draft_version"] == "v2"
     assert _prom(c, 'tidespec:draft_info{version="v2"}') == 1
+
+
+def test_streaming_pieces_concatenate_to_the_output(served, tiny_target):
+    import json
+
+    from tidespec.engine.speculative import Engine
+
+    c, _, _ = served
+    p = [5, 17, 33, 8, 90, 41]
+    want = Engine(tiny_target, None, 3, 256).generate(p, 14, speculative=False).tokens
+    with c.stream("POST", "/v1/completions", json={"prompt": p, "max_tokens": 14, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    pieces = [ch["tidespec"]["token_ids"] for ch in chunks[:-1]]
+    assert sum(pieces, []) == want and len(pieces) > 1  # several steps, in order, nothing past EOS/max
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] in ("length", "stop") and last["usage"]["completion_tokens"] == len(want)
+    assert all(ch["object"] == "text_completion" and ch["choices"][0]["finish_reason"] is None for ch in chunks[:-1])

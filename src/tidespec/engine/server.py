@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server over the embedded engine (FastAPI + uvicorn): `tidespec serve`.
 
-Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI request/response shapes;
-`stream` is not served yet), `GET /health`, `GET /metrics` (Prometheus, spec-decode names after
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI request/response shapes,
+`stream: true` as server-sent events), `GET /health`, `GET /metrics` (Prometheus, spec-decode names after
 vLLM `vllm/v1/spec_decode/metrics.py` and `vllm/v1/metrics/loggers.py`, prefix `tidespec:`),
 `POST /admin/draft` (bearer token: swap the draft between engine steps; requests in flight
 finish on the draft they started with). One background thread steps the engine (continuous
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
@@ -177,31 +178,72 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
 
-    async def run(prompt_ids: list[int], body: _Sampling) -> Generation:
-        if body.stream:
-            raise HTTPException(400, "stream=true is not served yet; send stream=false")
+    def admit(prompt_ids: list[int], body: _Sampling, on_tokens=None) -> tuple[EngineRequest, Future]:
+        """Queue the request (429 when full, 400 for bad input)."""
         if engine.num_unfinished >= cfg.max_queue:
             metrics.rejected.inc()
             raise HTTPException(429, f"{engine.num_unfinished} requests queued (max {cfg.max_queue}); retry later",
                                 headers={"Retry-After": "1"})
         n = min(body.max_tokens or cfg.max_tokens, cfg.max_tokens)
         req = EngineRequest(prompt_ids, n, capture=writer is not None, request_id=uuid.uuid4().hex,
-                            sampling=sampling(body), workload=body.workload or cfg.workload)
+                            sampling=sampling(body), workload=body.workload or cfg.workload, on_tokens=on_tokens)
         try:
             fut = loop.submit(req)
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         metrics.running.set(engine.num_unfinished)
+        return req, fut
+
+    def finished(req: EngineRequest, g: Generation) -> None:
+        metrics.observe(g)
+        metrics.running.set(engine.num_unfinished)
+        if writer is not None and g.record is not None:
+            writer.submit_generation(g, req.workload)
+
+    async def run(prompt_ids: list[int], body: _Sampling) -> Generation:
+        req, fut = admit(prompt_ids, body)
         try:
             g = await asyncio.wait_for(asyncio.wrap_future(fut), cfg.request_timeout_s)
         except asyncio.TimeoutError:
             fut.cancel()  # dropped if it had not started; a running one finishes, unreported
             raise HTTPException(504, f"request took longer than {cfg.request_timeout_s:g} s") from None
-        metrics.observe(g)
-        metrics.running.set(engine.num_unfinished)
-        if writer is not None and g.record is not None:
-            writer.submit_generation(g, req.workload)
+        finished(req, g)
         return g
+
+    def stream(prompt_ids: list[int], body: _Sampling, chunk: Callable[[str, list[int], str | None], dict],
+               final: Callable[[Generation], dict]) -> StreamingResponse:
+        """Server-sent events (OpenAI streaming): one `data: {chunk}` per engine step with new
+        tokens, a last chunk with finish_reason and usage, then `data: [DONE]`."""
+        aio = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req, fut = admit(prompt_ids, body, on_tokens=lambda t: aio.call_soon_threadsafe(q.put_nowait, t))
+        fut.add_done_callback(lambda f: aio.call_soon_threadsafe(q.put_nowait, None))
+
+        async def events():
+            toks, said = [], ""
+            deadline = time.monotonic() + cfg.request_timeout_s
+            while True:
+                try:
+                    new = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    fut.cancel()
+                    yield f"data: {json.dumps({'error': {'message': 'request timed out', 'code': 504}})}\n\n"
+                    return
+                if new is None:
+                    break
+                toks += new
+                full = text(toks)  # decode the whole prefix: multi-token characters come out whole
+                yield f"data: {json.dumps(chunk(full[len(said):], new, None))}\n\n"
+                said = full
+            exc = fut.exception()
+            if exc is not None:
+                yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 500}})}\n\n"
+                return
+            g = fut.result()
+            finished(req, g)
+            yield f"data: {json.dumps(final(g))}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     def usage(g: Generation) -> dict:
         return {"prompt_tokens": g.prompt_len, "completion_tokens": len(g.tokens),
@@ -222,6 +264,17 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
             ids = tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
         else:
             ids = list(body.prompt)
+        if body.stream:
+            cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+            def chunk(delta, toks, reason):
+                return {"id": cid, "object": "text_completion", "created": now, "model": cfg.model,
+                        "choices": [{"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}],
+                        "tidespec": {"token_ids": toks}}
+
+            def final(g):
+                return chunk("", [], g.finish_reason) | {"usage": usage(g), "tidespec": ext(g)}
+            return stream(ids, body, chunk, final)
         g = await run(ids, body)
         return {"id": f"cmpl-{g.request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": cfg.model, "choices": [{"index": 0, "text": text(g.tokens), "finish_reason": g.finish_reason,
@@ -233,7 +286,21 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise HTTPException(400, "this server's target has no chat template: use /v1/completions")
         from ..bootstrap import chat_ids
-        g = await run(chat_ids(tokenizer, [m.model_dump() for m in body.messages], True), body)
+        ids = chat_ids(tokenizer, [m.model_dump() for m in body.messages], True)
+        if body.stream:
+            cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+            def chunk(delta, toks, reason, first=[True]):  # noqa: B006 (role only in the first delta)
+                d = {"content": delta} | ({"role": "assistant"} if first[0] else {})
+                first[0] = False
+                return {"id": cid, "object": "chat.completion.chunk", "created": now, "model": cfg.model,
+                        "choices": [{"index": 0, "delta": d if reason is None else {}, "finish_reason": reason}],
+                        "tidespec": {"token_ids": toks}}
+
+            def final(g):
+                return chunk("", [], g.finish_reason) | {"usage": usage(g), "tidespec": ext(g)}
+            return stream(ids, body, chunk, final)
+        g = await run(ids, body)
         return {"id": f"chatcmpl-{g.request_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": cfg.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text(g.tokens)},

@@ -16,6 +16,7 @@ one ragged target forward over every running request's new tokens (prefills incl
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import threading
 import time
 import uuid
@@ -75,6 +76,8 @@ class Request:
 
     k: drafts per step; None = the engine's adaptive policy (or its fixed k when it has none).
     workload: class label the adaptive policy keys its acceptance estimate on (e.g. "code", "chat").
+    on_tokens: streaming: called on the engine thread with each step's new output tokens (already
+    cut at EOS / max_new_tokens, so the pieces concatenate to the final output); must not block.
     """
 
     prompt_ids: list[int]
@@ -85,6 +88,7 @@ class Request:
     request_id: str | None = None
     sampling: SamplingParams = GREEDY
     workload: str = "default"
+    on_tokens: Callable[[list[int]], None] | None = field(default=None, compare=False)
 
 
 class _Seq:
@@ -111,11 +115,19 @@ class _Seq:
         self.d: torch.Tensor | None = None  # last drafted token
         self.finished = False
         self.error: BaseException | None = None
+        self.sent = 0  # output tokens already streamed
 
     def emitted(self, new: list[int], eos: set[int]) -> None:
         self.gen.extend(new)
         self.nxt = new[-1]
         self.finished = len(self.gen) >= self.req.max_new_tokens or any(t in eos for t in new)
+        if self.req.on_tokens is not None:
+            out = self.gen[:self.req.max_new_tokens]
+            stop = next((i for i, t in enumerate(out) if t in eos), None)
+            out = out if stop is None else out[:stop + 1]
+            fresh, self.sent = out[self.sent:], len(out)
+            if fresh:
+                self.req.on_tokens(fresh)
 
     def pick(self, logits: torch.Tensor) -> int:
         if self.rng is None:
