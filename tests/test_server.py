@@ -111,3 +111,31 @@ def test_streaming_pieces_concatenate_to_the_output(served, tiny_target):
     last = chunks[-1]
     assert last["choices"][0]["finish_reason"] in ("length", "stop") and last["usage"]["completion_tokens"] == len(want)
     assert all(ch["object"] == "text_completion" and ch["choices"][0]["finish_reason"] is None for ch in chunks[:-1])
+
+
+def test_load_with_hot_swap_no_errors_outputs_unchanged(tiny_target, tmp_path):
+    """16 concurrent clients for 8 s over real HTTP (uvicorn); the draft is swapped half-way: no
+    error status, every greedy output equals target-only output, both drafts served."""
+    from tidespec.bench.serve import load, serve_in_thread
+    from tidespec.engine.server import ServerConfig, build_app
+    from tidespec.engine.speculative import Engine
+    from tidespec.models.eagle3 import DraftRunner, load_checkpoint, save_checkpoint
+
+    drafts = tmp_path / "drafts"
+    save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
+    save_checkpoint(random_draft(tiny_target, 64, seed=2), drafts / "v2")
+    eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)),
+                 3, 256, "v1", max_batch=8)
+    prompts = [[5 + i, 17, 33, 8 + 2 * i, 90, 41 + i] for i in range(8)]
+    ref = Engine(tiny_target, None, 3, 256)
+    reference = {i: ref.generate(p, 12, speculative=False).tokens for i, p in enumerate(prompts)}
+    srv = serve_in_thread(build_app(eng, None, ServerConfig(max_tokens=12, drafts_dir=drafts, admin_token="t")))
+    try:
+        rep = load(srv.url, prompts, reference, clients=16, duration_s=8, max_tokens=12, swap={"path": "v2"},
+                   admin_token="t")
+    finally:
+        srv.stop()
+    assert set(rep["status"]) == {200} and rep["requests"] >= 16, rep
+    assert rep["mismatches"] == 0 and rep["swap"]["status"] == 200
+    assert set(rep["versions"]) == {"v1", "v2"}  # requests before and after the swap
+    assert rep["rss_mib_max"] - rep["rss_mib_start"] < 300

@@ -320,6 +320,52 @@ def bench_train(params: Path = PARAMS,
     console.print(f"wrote {out / 'train.json'} and {out / 'train.md'} in {rep['wall_s'] / 60:.1f} min")
 
 
+@bench_app.command("serve")
+def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.Option(64, min=1),
+                duration_s: float = typer.Option(60.0, min=1), prompts: int = typer.Option(16, min=1),
+                max_tokens: int = typer.Option(32, min=1), out: Path = typer.Option(Path("bench/results"))):
+    """Load test of the HTTP server on the real target with the served champion: CLIENTS concurrent
+    greedy clients on 127.0.0.1 for DURATION_S, a draft hot-swap half-way (to a copy of the champion
+    under another version name), outputs checked against target-only. Writes OUT/serve.json."""
+    import shutil
+
+    from . import assets
+    from . import prompts as prompt_sets
+    from .bench.serve import load, serve_in_thread
+    from .bootstrap import prompt_ids
+    from .config import load_params
+    from .cycle import get_target, make_engine, runner_for
+    from .deploy.local import served_version
+    from .engine.server import ServerConfig, build_app
+    p, ws = load_params(params), _ws(root)
+    assets.fetch_all()
+    target, tok = get_target(p)
+    runner = runner_for(ws.champion, target)
+    if runner is None:
+        raise FileNotFoundError(f"no served champion at {ws.champion}: run `make demo` first")
+    swap_dir = ws.champion.with_name("bench-swap")
+    shutil.rmtree(swap_dir, ignore_errors=True)
+    shutil.copytree(ws.champion, swap_dir)
+    (swap_dir / "version.json").unlink(missing_ok=True)
+    held_out = prompt_sets.split(prompt_sets.load(p.workload.prompts), p.workload.holdout_fraction, p.workload.seed)[1]
+    ids = [prompt_ids(tok, x.text) for x in held_out[:prompts]]
+    engine = make_engine(p, target, runner, served_version(ws.champion))
+    with console.status(f"target-only reference outputs for {len(ids)} prompts"):
+        reference = {i: engine.generate(x, max_tokens, speculative=False).tokens for i, x in enumerate(ids)}
+    srv = serve_in_thread(build_app(engine, tok, ServerConfig(max_queue=clients, max_tokens=max_tokens,
+                                                                drafts_dir=swap_dir.parent, admin_token="bench")))
+    try:
+        with console.status(f"{clients} clients for {duration_s:g} s, hot-swap at {duration_s / 2:g} s"):
+            rep = load(srv.url, ids, reference, clients, duration_s, max_tokens, {"path": swap_dir.name}, "bench")
+    finally:
+        srv.stop()
+    rep |= {"clients": clients, "duration_s": duration_s, "prompts": len(ids), "max_tokens": max_tokens,
+            "k": p.engine.num_draft_tokens, "max_batch": p.engine.max_batch, "adaptive": p.engine.adaptive}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(json.dumps(rep, indent=2, default=str))
+    console.print_json(json.dumps(rep, default=str))
+
+
 @bench_app.command("engine")
 def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                  static: Path = typer.Option(None, help="static draft dir (default: the cached bootstrap draft)"),
