@@ -96,8 +96,8 @@ class _Seq:
 
     def __init__(self, req: Request, rid: str, draft, version, target: Target, max_len: int):
         self.req, self.rid, self.draft, self.version = req, rid, draft, version
-        self.cache = target.new_cache(max_len)
-        self.dcache = draft.new_cache(max_len) if draft is not None else None
+        self.cache = self.dcache = None  # KV caches: allocated on admission (`alloc`), not while queued
+        self._target, self._max_len = target, max_len
         self.rng = None if req.sampling.greedy else req.sampling.generator()
         self.gen: list[int] = []
         self.nxt = -1
@@ -116,6 +116,12 @@ class _Seq:
         self.finished = False
         self.error: BaseException | None = None
         self.sent = 0  # output tokens already streamed
+
+    def alloc(self) -> None:
+        """Allocate the target and draft KV caches (`max_len` positions each): a queued request
+        holds none, so memory is bounded by the running batch, not by the queue."""
+        self.cache = self._target.new_cache(self._max_len)
+        self.dcache = self.draft.new_cache(self._max_len) if self.draft is not None else None
 
     def emitted(self, new: list[int], eos: set[int]) -> None:
         self.gen.extend(new)
@@ -294,6 +300,8 @@ class Engine:
             running = self._running
             t0 = time.perf_counter()
             try:
+                for s in new:
+                    s.alloc()
                 self._plan(running)
                 self._draft_chain([s for s in running if s.k])
                 outs = self._verify(new, running)
