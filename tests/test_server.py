@@ -139,3 +139,29 @@ def test_load_with_hot_swap_no_errors_outputs_unchanged(tiny_target, tmp_path):
     assert rep["mismatches"] == 0 and rep["swap"]["status"] == 200
     assert set(rep["versions"]) == {"v1", "v2"}  # requests before and after the swap
     assert rep["rss_mib_max"] - rep["rss_mib_start"] < 300
+
+
+def test_deploy_notifies_a_running_server(tiny_target, tmp_path):
+    """The cycle's deploy step (notify_server) makes a running server swap to the new champion dir;
+    a wrong token or no server is reported, never raised."""
+    import json
+
+    from tidespec.bench.serve import serve_in_thread
+    from tidespec.deploy.local import notify_server
+    from tidespec.engine.server import ServerConfig, build_app
+    from tidespec.engine.speculative import Engine
+    from tidespec.models.eagle3 import save_checkpoint
+
+    drafts = tmp_path / "data" / "drafts"
+    save_checkpoint(random_draft(tiny_target, 64, seed=3), drafts / "champion")
+    (drafts / "champion" / "version.json").write_text(json.dumps({"version": "7", "run_id": "r"}))
+    eng = Engine(tiny_target, None, 3, 256)
+    srv = serve_in_thread(build_app(eng, None, ServerConfig(drafts_dir=drafts, admin_token="t")))
+    try:
+        assert notify_server(drafts / "champion", srv.url, "wrong")["status"] == 401 and eng.draft_version is None
+        got = notify_server(drafts / "champion", srv.url, "t")
+        assert got == {"server": srv.url, "status": 200, "draft_version": "7"} and eng.draft_version == "7"
+    finally:
+        srv.stop()
+    assert "unreachable" in notify_server(drafts / "champion", srv.url, "t")["error"]
+    assert notify_server(drafts / "champion", None, None) == {"server": None}

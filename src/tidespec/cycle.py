@@ -379,6 +379,11 @@ def _figures(tracking_uri: str, target_id: str, report: dict, losses: list[float
 
 
 def step_deploy(ws: Workspace, tracking_uri: str, target_id: str) -> dict:
-    """Local deploy: materialise the registry champion at `ws.champion` (atomic swap)."""
-    from .deploy.local import deploy_champion
-    return deploy_champion(tracking_uri, target_id, ws.champion)
+    """Local deploy: materialise the registry champion at `ws.champion` (atomic swap), then ask a
+    running `tidespec serve` ($TIDESPEC_SERVER_URL) to hot-swap to it (`notify_server`: never
+    fails the cycle; a server that is down loads the champion when it starts)."""
+    from .deploy.local import deploy_champion, notify_server
+    dep = deploy_champion(tracking_uri, target_id, ws.champion)
+    if dep["version"] is not None:
+        dep["server"] = notify_server(ws.champion)
+    return dep

@@ -57,3 +57,28 @@ def reload_if_changed(engine, dest: Path) -> bool:
         return False
     engine.set_draft(runner_for(Path(dest), engine.target), v)
     return True
+
+
+SERVER_URL_ENV = "TIDESPEC_SERVER_URL"
+
+
+def notify_server(dest: Path, url: str | None = None, token: str | None = None, timeout_s: float = 60.0) -> dict:
+    """Tell a running `tidespec serve` (at `url`, default $TIDESPEC_SERVER_URL) to swap to the draft
+    at `dest` (POST /admin/draft {"path": dest's name}, bearer $TIDESPEC_ADMIN_TOKEN); `dest` must be
+    inside the server's drafts dir (data/drafts). Never raises: returns {"server": None} when no
+    server is configured, {"status", "draft_version"} or {"error"}: a server that is down loads
+    the champion from `dest` when it starts."""
+    import httpx
+    url = url or os.environ.get(SERVER_URL_ENV)
+    if not url:
+        return {"server": None}
+    token = token or os.environ.get("TIDESPEC_ADMIN_TOKEN", "")
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/admin/draft", json={"path": Path(dest).name},
+                       headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return {"server": url, "error": f"unreachable: {e}"}
+    body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    if r.status_code != 200:
+        return {"server": url, "status": r.status_code, "error": body.get("detail", r.text[:200])}
+    return {"server": url, "status": 200, "draft_version": body.get("draft_version")}
