@@ -210,10 +210,16 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
         finished(req, g)
         return g
 
-    def stream(prompt_ids: list[int], body: _Sampling, chunk: Callable[[str, list[int], str | None], dict],
-               final: Callable[[Generation], dict]) -> StreamingResponse:
+    def stream(prompt_ids: list[int], body: _Sampling, obj: str, choice: Callable[[str, str | None], dict]
+               ) -> StreamingResponse:
         """Server-sent events (OpenAI streaming): one `data: {chunk}` per engine step with new
-        tokens, a last chunk with finish_reason and usage, then `data: [DONE]`."""
+        tokens, a last chunk with finish_reason and usage, then `data: [DONE]`. `obj`: the chunk
+        object name; `choice(delta_text, finish_reason)`: the chunk's choice."""
+        cid, now = f"{'chatcmpl' if obj.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(choice_: dict, extra: dict) -> str:
+            env = {"id": cid, "object": obj, "created": now, "model": cfg.model, "choices": [choice_]}
+            return f"data: {json.dumps(env | extra)}\n\n"
         aio = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         req, fut = admit(prompt_ids, body, on_tokens=lambda t: aio.call_soon_threadsafe(q.put_nowait, t))
@@ -233,7 +239,7 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
                     break
                 toks += new
                 full = text(toks)  # decode the whole prefix: multi-token characters come out whole
-                yield f"data: {json.dumps(chunk(full[len(said):], new, None))}\n\n"
+                yield chunk(choice(full[len(said):], None), {"tidespec": {"token_ids": new}})
                 said = full
             exc = fut.exception()
             if exc is not None:
@@ -241,7 +247,7 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
                 return
             g = fut.result()
             finished(req, g)
-            yield f"data: {json.dumps(final(g))}\n\n"
+            yield chunk(choice("", g.finish_reason), {"usage": usage(g), "tidespec": ext(g)})
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -265,16 +271,8 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
         else:
             ids = list(body.prompt)
         if body.stream:
-            cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-            def chunk(delta, toks, reason):
-                return {"id": cid, "object": "text_completion", "created": now, "model": cfg.model,
-                        "choices": [{"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}],
-                        "tidespec": {"token_ids": toks}}
-
-            def final(g):
-                return chunk("", [], g.finish_reason) | {"usage": usage(g), "tidespec": ext(g)}
-            return stream(ids, body, chunk, final)
+            return stream(ids, body, "text_completion",
+                          lambda d, r: {"index": 0, "text": d, "finish_reason": r, "logprobs": None})
         g = await run(ids, body)
         return {"id": f"cmpl-{g.request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": cfg.model, "choices": [{"index": 0, "text": text(g.tokens), "finish_reason": g.finish_reason,
@@ -288,18 +286,13 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
         from ..bootstrap import chat_ids
         ids = chat_ids(tokenizer, [m.model_dump() for m in body.messages], True)
         if body.stream:
-            cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+            first = [True]
 
-            def chunk(delta, toks, reason, first=[True]):  # noqa: B006 (role only in the first delta)
-                d = {"content": delta} | ({"role": "assistant"} if first[0] else {})
+            def choice(d, r):  # the role goes in the first delta only
+                delta = {} if r else {"content": d} | ({"role": "assistant"} if first[0] else {})
                 first[0] = False
-                return {"id": cid, "object": "chat.completion.chunk", "created": now, "model": cfg.model,
-                        "choices": [{"index": 0, "delta": d if reason is None else {}, "finish_reason": reason}],
-                        "tidespec": {"token_ids": toks}}
-
-            def final(g):
-                return chunk("", [], g.finish_reason) | {"usage": usage(g), "tidespec": ext(g)}
-            return stream(ids, body, chunk, final)
+                return {"index": 0, "delta": delta, "finish_reason": r}
+            return stream(ids, body, "chat.completion.chunk", choice)
         g = await run(ids, body)
         return {"id": f"chatcmpl-{g.request_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": cfg.model,
