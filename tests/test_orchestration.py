@@ -1,7 +1,6 @@
 """prefect.yaml deployments against a real Prefect server + process worker: schedule, event trigger,
 concurrency limit; an event starts a real cycle run on the tiny target."""
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -21,21 +20,6 @@ def _project(tmp_path, tiny_target_dir):
 def _client_call(api, fn):
     from tidespec.orchestrate import _call
     return _call(api, fn)
-
-
-def _wait_run(api, deployment_id, done, timeout_s=300):
-    """First run of the deployment (by id) for which done(run) holds."""
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        runs = _client_call(api, lambda c: c.read_flow_runs(
-            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))))
-        hit = [r for r in runs if done(r)]
-        if hit:
-            return hit[0]
-        time.sleep(2)
-    raise AssertionError(f"no matching run of deployment {deployment_id} in {timeout_s} s")
 
 
 def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, prefect_server, prefect_worker,
@@ -103,9 +87,8 @@ def test_train_on_another_pool(tmp_path, tiny_target_dir, prefect_server, prefec
             res = load_flow(tmp_path)(root=str(tmp_path), params_path=str(tmp_path / "params.yaml"),
                                       target_id=target.target_id, tracking_uri=mlflow_server)
         # the train run: a tide_train flow run of the tide-train deployment, completed
-        dep = _client_call(prefect_server, lambda c: c.read_deployment_by_name(orchestrate.TRAIN_DEPLOYMENT))
-        run = _wait_run(prefect_server, dep.id, lambda r: r.state is not None and r.state.is_final(), 30)
-        assert run.state.is_completed() and run.parameters["out"] == str(ws.candidate)
+        run = orchestrate.wait_for_run(prefect_server, orchestrate.TRAIN_DEPLOYMENT, {"out": str(ws.candidate)}, 30)
+        assert run.state.is_completed()
         assert res["train"]["train_examples"] > 0 and res["register"]["promoted"] is True
         assert (ws.candidate / "model.safetensors").exists()
     finally:

@@ -37,7 +37,7 @@ def is_transient(exc: BaseException | None) -> bool:
     from mlflow.exceptions import MlflowException
 
     from .registry import RegistryError
-    bad_data = (ValueError, TypeError, KeyError, LookupError, FileNotFoundError, PermissionError, RegistryError,
+    bad_data = (ValueError, TypeError, LookupError, FileNotFoundError, PermissionError, RegistryError,
                 OrchestrationError)
     seen = set()
     while exc is not None and id(exc) not in seen:

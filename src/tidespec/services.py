@@ -333,8 +333,7 @@ def start_worker(state_dir: Path, deps: dict[str, Service], pool: str = POOL, ti
     return _await(_launch_worker(state_dir, deps, pool), timeout_s)
 
 
-_LAUNCHERS = {"prefect": _launch_prefect, "mlflow": _launch_mlflow, "moto": _launch_moto}
-_DEPENDENT = {"worker": _launch_worker}  # launched after the servers it talks to are healthy
+_LAUNCHERS = {"prefect": _launch_prefect, "mlflow": _launch_mlflow, "moto": _launch_moto}  # workers: after these
 
 
 def _stop_pid(pid: int, grace_s: float = STOP_GRACE_S) -> None:
@@ -404,7 +403,7 @@ def up(state_dir: Path | None = None, which: tuple[str, ...] = NAMES,
 
 
 def _up(state_dir: Path, which: tuple[str, ...], timeout_s: float, pools: tuple[str, ...]) -> dict[str, Service]:
-    unknown = [n for n in which if n not in _LAUNCHERS and n not in _DEPENDENT]
+    unknown = [n for n in which if n not in ALL]
     if unknown:
         raise ServiceError(f"unknown service(s) {unknown}; choose from {list(ALL)}")
     if "worker" in which and "prefect" not in which:

@@ -62,6 +62,8 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, req: EngineRequest) -> Future:
+        """Queue `req` and wake the stepping thread; the Future resolves to its Generation.
+        Raises ValueError for a request the engine refuses (`Engine.validate`)."""
         fut = self.engine.submit(req)
         with self._wake:
             self._wake.notify()
@@ -107,6 +109,7 @@ class Metrics:
             self.per_pos.labels(position=str(i))
 
     def observe(self, g: Generation) -> None:
+        """Add one finished request: its spec-decode counters, tokens, finish reason, ITLs (s)."""
         st = g.stats
         self.num_drafts.inc(st.num_drafts)
         self.num_draft_tokens.inc(st.num_draft_tokens)

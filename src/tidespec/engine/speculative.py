@@ -16,10 +16,10 @@ one ragged target forward over every running request's new tokens (prefills incl
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -127,11 +127,11 @@ class _Seq:
         self.gen.extend(new)
         self.nxt = new[-1]
         self.finished = len(self.gen) >= self.req.max_new_tokens or any(t in eos for t in new)
-        if self.req.on_tokens is not None:
-            out = self.gen[:self.req.max_new_tokens]
-            stop = next((i for i, t in enumerate(out) if t in eos), None)
-            out = out if stop is None else out[:stop + 1]
-            fresh, self.sent = out[self.sent:], len(out)
+        if self.req.on_tokens is not None:  # streamed pieces hold no EOS until the last: scan only the new ones
+            fresh = self.gen[self.sent:self.req.max_new_tokens]
+            stop = next((i for i, t in enumerate(fresh) if t in eos), None)
+            fresh = fresh if stop is None else fresh[:stop + 1]
+            self.sent += len(fresh)
             if fresh:
                 self.req.on_tokens(fresh)
 
