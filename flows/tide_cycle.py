@@ -64,8 +64,8 @@ def register(params_path: str, target_id: str, candidate: str, report: dict, tra
 
 
 @task(name="deploy", **TRANSIENT)
-def deploy(root: str, tracking_uri: str, target_id: str) -> dict:
-    return cycle.step_deploy(_ws(root), tracking_uri, target_id)
+def deploy(root: str, tracking_uri: str, target_id: str, params_path: str = "params.yaml") -> dict:
+    return cycle.step_deploy(_ws(root), tracking_uri, target_id, load_params(params_path))
 
 
 @flow(name="tide_cycle", log_prints=True)
@@ -102,7 +102,7 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     dec = register(params_path, target_id, str(ws.candidate), rep, tm, tracking_uri, snapshot_rev, mix,
                    cur["drift_jsd"], trigger)
     log.info("register: version %s promoted=%s (%s)", dec["version"], dec["promoted"], dec["reason"])
-    dep = deploy(root, tracking_uri, target_id)
+    dep = deploy(root, tracking_uri, target_id, params_path)
     cycle.mark_done(ws, Path(cur["curated"]))
     return {"curate": cur, "train": {k: v for k, v in tm.items() if not isinstance(v, list)}, "evaluate": rep,
             "register": dec, "deploy": dep}

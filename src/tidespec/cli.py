@@ -18,6 +18,8 @@ app.add_typer(snap_app, name="snapshots")
 app.add_typer(stage_app, name="stage")
 bench_app = typer.Typer(help="Benchmarks; results to bench/results/*.json + a markdown table.")
 app.add_typer(bench_app, name="bench")
+deploy_app = typer.Typer(help="Deploy the champion draft to serving endpoints (SageMaker blue/green).")
+app.add_typer(deploy_app, name="deploy")
 console = Console()
 PARAMS = typer.Option(Path("params.yaml"), "--params", help="params.yaml")
 ROOT = typer.Option(Path("."), "--root", help="workspace root (data/ lives here)")
@@ -196,8 +198,12 @@ def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
 @app.command()
 def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", port: int = 8000,
           capture: bool = typer.Option(True, help="capture finished requests into data/capture (TIDE)"),
-          max_queue: int = typer.Option(64, min=1, help="requests waiting+running before 429"),
-          timeout_s: float = typer.Option(300.0, help="per-request timeout (504 after)")):
+          max_queue: int = typer.Option(None, min=1, help="requests waiting+running before 429 "
+                                                          "(default serve.max_queue)"),
+          timeout_s: float = typer.Option(None, min=0.001, help="per-request timeout, s (504 after; default "
+                                                                "serve.request_timeout_s)"),
+          max_tokens: int = typer.Option(None, min=1, help="cap of a request's max_tokens (default "
+                                                           "serve.max_tokens, else engine.max_new_tokens)")):
     """OpenAI-compatible server (/v1/completions, /v1/chat/completions, /health, /metrics,
     /admin/draft with $TIDESPEC_ADMIN_TOKEN) on the target + the served champion draft."""
     import uvicorn
@@ -219,8 +225,11 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
         from . import registry
         def load(ref):  # noqa: E306
             return registry.download_version(uri, target.target_id, ref, ws.work / "served")
-    cfg = ServerConfig(model=p.target.source, max_queue=max_queue, request_timeout_s=timeout_s,
-                       max_tokens=p.engine.max_new_tokens, drafts_dir=ws.root / "data" / "drafts",
+    sv = p.serve
+    cfg = ServerConfig(model=p.target.source, max_queue=max_queue or sv.max_queue,
+                       request_timeout_s=timeout_s or sv.request_timeout_s,
+                       max_tokens=max_tokens or sv.max_tokens or p.engine.max_new_tokens,
+                       drafts_dir=ws.root / "data" / "drafts",
                        admin_token=os.environ.get(ADMIN_TOKEN_ENV))
     try:
         uvicorn.run(build_app(engine, tok, cfg, writer, load), host=host, port=port)
@@ -249,9 +258,10 @@ def _decide(root: Path, params: Path, act) -> None:
     from .config import load_params
     from .cycle import step_deploy, target_id
     uri = _uri()
-    tid = target_id(load_params(params))
+    p = load_params(params)
+    tid = target_id(p)
     d = act(registry, uri, tid)
-    dep = step_deploy(_ws(root), uri, tid)
+    dep = step_deploy(_ws(root), uri, tid, p)
     console.print(f"champion v{d.version} (was v{d.previous_champion}): {d.reason}; deployed v{dep['version']} "
                   f"to {dep['path']}", highlight=False)
 
@@ -415,6 +425,47 @@ def bench_capture(params: Path = PARAMS, prompts: int = typer.Option(8, min=1),
     console.print(f"wrote {out / 'capture.json'} and {out / 'capture.md'} in {rep['setup']['wall_s']:.0f} s")
 
 
+@deploy_app.command("sagemaker")
+def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.profiles name: gpu (SGLang) | trn2 "
+                                                          "(vLLM-neuron) or your own"),
+                     version: str = typer.Option(None, help="registry version or alias to deploy (needs "
+                                                            "MLFLOW_TRACKING_URI); default: data/drafts/champion"),
+                     draft: Path = typer.Option(None, help="a draft checkpoint dir instead"),
+                     dry_run: bool = typer.Option(False, "--dry-run", help="print the requests; call nothing"),
+                     wait: bool = typer.Option(True, help="wait until InService on the new config"),
+                     root: Path = ROOT, params: Path = PARAMS):
+    """Upload the champion draft to S3 and create or blue/green-update the profile's SageMaker endpoint
+    (Model with the engine's EAGLE3 settings, EndpointConfig, auto-rollback alarms); waits."""
+    from .config import load_params
+    from .cycle import target_id
+    from .deploy import sagemaker as smd
+    p = load_params(params)
+    if p.deploy.sagemaker is None:
+        raise ValueError(f"{params}: deploy.sagemaker is not configured (role_arn, s3_prefix, target_model); "
+                         "see infra/README.md")
+    tid = target_id(p)
+    if draft is not None and version is not None:
+        raise typer.BadParameter("give one of --version and --draft")
+    if version is not None:
+        from . import registry
+        try:
+            path = registry.download_version(_uri(), tid, version, _ws(root).work / "sagemaker-draft")
+        except LookupError as e:
+            raise ValueError(f"{e}; list versions in the MLflow UI or pass --draft DIR") from None
+        art = smd.check_draft(path, tid)
+    else:
+        art = smd.check_draft(draft or _ws(root).champion, tid)
+    if dry_run:
+        uri, local = smd.resolve_target(p, p.deploy.sagemaker)
+        if local is not None:
+            uri = f"{p.deploy.sagemaker.s3_prefix}/targets/{tid[:16]}/"
+        plan = smd.plan(p, p.deploy.sagemaker, profile, art, tid, uri, smd.region_of(p.deploy.sagemaker))
+        print(json.dumps(plan.to_json(), indent=2, default=str))
+        return
+    out = smd.deploy_endpoint(p, profile, art, tid, wait=wait)
+    console.print(json.dumps(out, indent=2, default=str), highlight=False)
+
+
 def main() -> None:
     """Console entry point: bad input (ValueError/FileNotFoundError), an unavailable backend, a busy
     capture dir, a failed git/dvc command, a refused registry decision, a missing deployment or a
@@ -427,13 +478,14 @@ def main() -> None:
         sys.exit(2)
     except RuntimeError as e:
         from .capture.store import CaptureDirBusy
+        from .deploy.sagemaker import SageMakerDeployFailed
         from .orchestrate import OrchestrationError
         from .registry import RegistryError
         from .services import ServiceError
         from .train.specforge import SpecForgeUnavailable
         from .versioning import VersioningError
         if not isinstance(e, (SpecForgeUnavailable, CaptureDirBusy, VersioningError, RegistryError,
-                              OrchestrationError, ServiceError)):
+                              OrchestrationError, ServiceError, SageMakerDeployFailed)):
             raise
         label = "unavailable" if isinstance(e, SpecForgeUnavailable) else "error"
         Console(stderr=True).print(f"[red]{label}:[/red] {e}")

@@ -13,6 +13,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .deploy.sagemaker import SageMakerDeployParams
 from .train.sagemaker import SageMakerTrainParams
 
 
@@ -105,6 +106,20 @@ class EvaluateParams(_Strict):
     max_new_tokens: int = Field(96, ge=1)
 
 
+class ServeParams(_Strict):
+    """`tidespec serve` limits (CLI flags override). max_tokens: cap (and default) of a request's
+    max_tokens (None: engine.max_new_tokens); request_timeout_s: a request still unfinished after it
+    gets 504; max_queue: requests waiting + running before 429 (Retry-After)."""
+
+    max_queue: int = Field(64, ge=1)
+    request_timeout_s: float = Field(300.0, gt=0)
+    max_tokens: int | None = Field(None, ge=1)
+
+
+class DeployParams(_Strict):
+    sagemaker: SageMakerDeployParams | None = None  # `tidespec deploy sagemaker --profile gpu|trn2`
+
+
 class Params(_Strict):
     target: TargetParams = TargetParams()
     engine: EngineParams = EngineParams()
@@ -115,6 +130,8 @@ class Params(_Strict):
     curate: CurateParams = CurateParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
+    serve: ServeParams = ServeParams()
+    deploy: DeployParams = DeployParams()
 
     @model_validator(mode="after")
     def _check(self):

@@ -378,12 +378,20 @@ def _figures(tracking_uri: str, target_id: str, report: dict, losses: list[float
     return figs
 
 
-def step_deploy(ws: Workspace, tracking_uri: str, target_id: str) -> dict:
+def step_deploy(ws: Workspace, tracking_uri: str, target_id: str, params: Params | None = None) -> dict:
     """Local deploy: materialise the registry champion at `ws.champion` (atomic swap), then ask a
     running `tidespec serve` ($TIDESPEC_SERVER_URL) to hot-swap to it (`notify_server`: never
-    fails the cycle; a server that is down loads the champion when it starts)."""
+    fails the cycle; a server that is down loads the champion when it starts). Then each SageMaker
+    profile in `deploy.sagemaker.on_promote` gets it (blue/green; "unchanged" when the endpoint
+    already serves this draft). Raises as `deploy_endpoint` (a failed endpoint update rolls back on
+    AWS; the local deploy has happened)."""
     from .deploy.local import deploy_champion, notify_server
     dep = deploy_champion(tracking_uri, target_id, ws.champion)
     if dep["version"] is not None:
         dep["server"] = notify_server(ws.champion)
+        sm = params.deploy.sagemaker if params is not None else None
+        if sm is not None and sm.on_promote:
+            from .deploy import sagemaker as smd
+            art = smd.check_draft(ws.champion, target_id)
+            dep["sagemaker"] = {prof: smd.deploy_endpoint(params, prof, art, target_id) for prof in sm.on_promote}
     return dep

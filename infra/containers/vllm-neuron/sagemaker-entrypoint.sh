@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# SageMaker entrypoint for vLLM (with the Neuron plugin on trn2): every SM_VLLM_<NAME>=<value> in the
+# container environment becomes `--<name> <value>` of `vllm serve` (NAME lowercased, '_' → '-';
+# an empty value gives a bare flag), the same convention as vLLM's
+# examples/online_serving/sagemaker-entrypoint.sh and the AWS DLCs. SageMaker sends traffic to port
+# 8080 (/ping, /invocations, which vLLM's OpenAI server provides). Values are passed as one argument
+# each, so JSON such as SM_VLLM_SPECULATIVE_CONFIG survives intact. The command is $VLLM_CMD
+# (default: vllm serve); SageMaker's own `serve` argument is ignored.
+set -euo pipefail
+args=(--port "${SAGEMAKER_BIND_TO_PORT:-8080}" --host 0.0.0.0)
+while IFS= read -r -d '' kv; do
+  key=${kv%%=*}
+  val=${kv#*=}
+  [[ $key == SM_VLLM_* ]] || continue
+  name=${key#SM_VLLM_}
+  name=${name,,}
+  args+=("--${name//_/-}")
+  [[ -n $val ]] && args+=("$val")
+done < <(env -0 | sort -z)
+read -r -a cmd <<< "${VLLM_CMD:-vllm serve}"
+exec "${cmd[@]}" "${args[@]}"

@@ -1,0 +1,368 @@
+"""SageMaker deployer: request builders, the CLI end to end on a moto server, the blue/green update.
+
+moto 5.2.5 implements CreateModel/EndpointConfig/Endpoint, Describe*, List*, Delete*, CloudWatch
+alarms, CloudFormation, S3. It does not implement UpdateEndpoint (HTTP 500) and rejects the
+instance types of the real profiles (ml.g6e, ml.p5, ml.trn2; it takes ml.g4dn). So:
+- the end-to-end runs (CLI on moto, infra/ CloudFormation stack on moto) use a gpu profile on
+  ml.g4dn.xlarge;
+- the exact requests for the default profiles (ml.g6e.2xlarge SGLang, ml.trn2.48xlarge vLLM-neuron)
+  and for UpdateEndpoint are checked with botocore's Stubber;
+- the update path on moto sends UpdateEndpoint to a Stubber-checked client and applies its effect
+  on moto by recreating the endpoint on the new config (what AWS does after a successful blue/green),
+  so everything around it (alarms, waiting, pruning, idempotence) runs for real.
+"""
+import json
+import os
+import subprocess
+import sys
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.stub import ANY, Stubber
+from conftest import random_draft
+from pydantic import ValidationError
+
+from tidespec.config import Params
+from tidespec.deploy import sagemaker as smd
+from tidespec.models.eagle3 import save_checkpoint
+
+ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"
+ROOT = Path(__file__).resolve().parents[1]
+NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+
+
+def _params(target_dir, **sm) -> Params:
+    base = {"role_arn": ROLE, "s3_prefix": "s3://tide-deploy/tidespec", "region": "us-east-1", "poll_s": 0.05,
+            "wait_timeout_s": 30}
+    return Params.model_validate({"target": {"source": str(target_dir)}, "engine": {"num_draft_tokens": 3},
+                                  "deploy": {"sagemaker": base | sm}})
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tiny_target, tmp_path_factory):
+    """Two different drafts for the tiny target (v1, v2), with version.json as a local deploy writes."""
+    out = []
+    for v in (1, 2):
+        d = save_checkpoint(random_draft(tiny_target, seed=v), tmp_path_factory.mktemp(f"draft-v{v}"))
+        (d / "version.json").write_text(json.dumps({"version": str(v), "run_id": "r"}))
+        out.append(d)
+    return out
+
+
+# -- pure --------------------------------------------------------------------------------------------
+def test_profiles_merge_defaults_and_reject_bad_values(tiny_target_dir):
+    p = _params(tiny_target_dir, profiles={"gpu": {"instance_count": 3}}).deploy.sagemaker
+    gpu = p.profile("gpu")
+    assert (gpu.engine, gpu.instance_type, gpu.instance_count) == ("sglang", "ml.g6e.2xlarge", 3)
+    assert p.profiles["trn2"].instance_type == "ml.trn2.48xlarge"
+    with pytest.raises(ValueError, match="needs image_uri"):
+        p.profile("trn2")
+    with pytest.raises(ValueError, match="no SageMaker profile 'tpu'"):
+        p.profile("tpu")
+    for bad, msg in [({"profiles": {"gpu": {"instance_type": "ml.trn2.48xlarge"}}}, "does not fit engine sglang"),
+                     ({"profiles": {"trn2": {"instance_type": "ml.g6e.2xlarge"}}}, "does not fit engine vllm"),
+                     ({"on_promote": ["tpu"]}, "on_promote names profile 'tpu'"),
+                     ({"num_steps": 3, "num_draft_tokens": 6}, "num_steps \\+ 1"),
+                     ({"role_arn": "tidespec"}, "not an IAM role ARN"),
+                     ({"s3_prefix": "bucket/prefix"}, "not an S3 URI"),
+                     ({"canary": {"percent": 80}}, "less than or equal to 50"),
+                     ({"profiles": {"gpu": {"instnce_type": "ml.g5.xlarge"}}}, "instnce_type")]:
+        with pytest.raises(ValidationError, match=msg):
+            _params(tiny_target_dir, **bad)
+
+
+def test_container_env_per_engine(tiny_target_dir, draft_dirs):
+    p = _params(tiny_target_dir, profiles={"trn2": {"image_uri": "img:1"}}).deploy.sagemaker
+    art = smd.check_draft(draft_dirs[0], None)
+    spec = smd.spec_settings(p, 3)
+    assert spec == {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
+    env = smd.container_env(p.profile("gpu"), "/opt/ml/model", spec, art)
+    assert env == {"SM_SGLANG_MODEL_PATH": "/opt/ml/model", "SM_SGLANG_SPECULATIVE_ALGORITHM": "EAGLE3",
+                   "SM_SGLANG_SPECULATIVE_DRAFT_MODEL_PATH": "/opt/ml/additional-model-data-sources/draft",
+                   "SM_SGLANG_SPECULATIVE_NUM_STEPS": "3", "SM_SGLANG_SPECULATIVE_EAGLE_TOPK": "1",
+                   "SM_SGLANG_SPECULATIVE_NUM_DRAFT_TOKENS": "4", "SM_SGLANG_TP_SIZE": "1",
+                   "TIDESPEC_DRAFT_VERSION": "1", "TIDESPEC_DRAFT_SHA256": art.sha256}
+    env = smd.container_env(p.profile("trn2"), "/opt/ml/model", spec, art)
+    assert json.loads(env["SM_VLLM_SPECULATIVE_CONFIG"]) == {
+        "method": "eagle3", "model": "/opt/ml/additional-model-data-sources/draft", "num_speculative_tokens": 3}
+    assert env["SM_VLLM_TENSOR_PARALLEL_SIZE"] == "64" and env["SM_VLLM_MODEL"] == "/opt/ml/model"
+    assert smd.spec_settings(_params(tiny_target_dir, num_steps=5, eagle_topk=4,
+                                     num_draft_tokens=8).deploy.sagemaker, 3) == \
+        {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8}
+
+
+def test_names_alarms_update_and_outcome():
+    assert smd.resource_name("tidespec-abc-gpu", "12", NOW) == "tidespec-abc-gpu-v12-20261130120000"
+    with pytest.raises(ValueError, match="too long"):
+        smd.resource_name("e" * 50, "12", NOW)
+    canary = smd.CanaryParams(percent=20, wait_s=300, alarm_p99_latency_ms=2000)
+    alarms = smd.alarm_requests("ep", canary)
+    assert [a["MetricName"] for a in alarms] == ["Invocation5XXErrors", "ModelLatency"]
+    assert alarms[1]["Threshold"] == 2_000_000.0 and alarms[1]["ExtendedStatistic"] == "p99"  # µs
+    two = smd.update_request("ep", "cfg", 2, canary, alarms)["DeploymentConfig"]
+    assert two["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"] == {
+        "Type": "CANARY", "WaitIntervalInSeconds": 300, "CanarySize": {"Type": "CAPACITY_PERCENT", "Value": 20}}
+    assert two["AutoRollbackConfiguration"] == {"Alarms": [{"AlarmName": "ep-5xx"}, {"AlarmName": "ep-p99-latency"}]}
+    one = smd.update_request("ep", "cfg", 1, canary, alarms)["DeploymentConfig"]["BlueGreenUpdatePolicy"]
+    assert one["TrafficRoutingConfiguration"] == {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": 300}
+    d = {"EndpointName": "ep", "EndpointConfigName": "new", "EndpointStatus": "Updating"}
+    assert smd.endpoint_outcome(d, "new") is False
+    assert smd.endpoint_outcome(d | {"EndpointStatus": "InService"}, "new") is True
+    with pytest.raises(smd.SageMakerDeployFailed, match="rolled back to old.*alarm fired"):
+        smd.endpoint_outcome(d | {"EndpointStatus": "InService", "EndpointConfigName": "old"}, "new")
+    with pytest.raises(smd.SageMakerDeployFailed, match="Failed: CUDA OOM"):
+        smd.endpoint_outcome(d | {"EndpointStatus": "Failed", "FailureReason": "CUDA OOM"}, "new")
+
+
+def test_check_draft_refuses_other_target_and_broken_dirs(tiny_target, draft_dirs, tmp_path):
+    art = smd.check_draft(draft_dirs[0], tiny_target.target_id)
+    assert art.version == "1" and len(art.sha256) == 64
+    with pytest.raises(ValueError, match="trained for target"):
+        smd.check_draft(draft_dirs[0], "f" * 64)
+    with pytest.raises(FileNotFoundError, match="not a draft checkpoint"):
+        smd.check_draft(tmp_path, None)
+    with pytest.raises(ValueError, match="target_model is not set"):
+        smd.resolve_target(Params.model_validate({"deploy": {"sagemaker": {"role_arn": ROLE,
+                                                                           "s3_prefix": "s3://tide-x/p"}}}),
+                           Params.model_validate({"deploy": {"sagemaker": {"role_arn": ROLE, "s3_prefix":
+                                                                           "s3://tide-x/p"}}}).deploy.sagemaker)
+
+
+# -- exact requests (Stubber) for what moto does not take -------------------------------------------
+def _arn(kind: str, name: str) -> str:
+    return f"arn:aws:sagemaker:us-west-2:123456789012:{kind}/{name.lower()}"
+
+
+def _stubbed_sm():
+    sm = boto3.client("sagemaker", region_name="us-west-2", aws_access_key_id="x", aws_secret_access_key="x")
+    return sm, Stubber(sm)
+
+
+@pytest.mark.parametrize("profile", ["gpu", "trn2"])
+def test_default_profiles_exact_create_requests(tiny_target, tiny_target_dir, draft_dirs, profile):
+    """First deploy of the real profiles (ml.g6e.2xlarge / ml.trn2.48xlarge, which moto rejects):
+    every SageMaker request checked field by field; S3/CloudWatch are not involved (plan only)."""
+    params = _params(tiny_target_dir, region="us-west-2", target_model="s3://tide-deploy/targets/smol/",
+                     profiles={"trn2": {"image_uri": "111122223333.dkr.ecr.us-west-2.amazonaws.com/vn:1"}})
+    art = smd.check_draft(draft_dirs[0], tiny_target.target_id)
+    plan = smd.plan(params, params.deploy.sagemaker, profile, art, tiny_target.target_id,
+                    "s3://tide-deploy/targets/smol/", "us-west-2", NOW)
+    ep = f"tidespec-{tiny_target.target_id[:12]}-{profile}"
+    name = f"{ep}-v1-20261130120000"
+    sm, stub = _stubbed_sm()
+    image = (smd.SGLANG_DLC.format(region="us-west-2") if profile == "gpu"
+             else "111122223333.dkr.ecr.us-west-2.amazonaws.com/vn:1")
+    tags = [{"Key": "project", "Value": "tidespec"}, {"Key": "tidespec:endpoint", "Value": ep},
+            {"Key": "tidespec:draft_sha256", "Value": art.sha256[:16]}, {"Key": "tidespec:draft_version", "Value": "1"}]
+    stub.add_response("create_model", {"ModelArn": _arn("model", name)}, {
+        "ModelName": name, "ExecutionRoleArn": ROLE, "Tags": tags,
+        "PrimaryContainer": {
+            "Image": image, "Mode": "SingleModel",
+            "ModelDataSource": {"S3DataSource": {"S3Uri": "s3://tide-deploy/targets/smol/", "S3DataType": "S3Prefix",
+                                                 "CompressionType": "None"}},
+            "AdditionalModelDataSources": [{"ChannelName": "draft", "S3DataSource": {
+                "S3Uri": f"s3://tide-deploy/tidespec/drafts/{art.sha256[:16]}/", "S3DataType": "S3Prefix",
+                "CompressionType": "None"}}],
+            "Environment": ANY}})
+    it = "ml.g6e.2xlarge" if profile == "gpu" else "ml.trn2.48xlarge"
+    timeout = 1800 if profile == "gpu" else 3600
+    stub.add_response("create_endpoint_config", {"EndpointConfigArn": _arn("endpoint-config", name)}, {
+        "EndpointConfigName": name, "Tags": tags,
+        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": name, "InstanceType": it,
+                                "InitialInstanceCount": 1, "ContainerStartupHealthCheckTimeoutInSeconds": timeout,
+                                "ModelDataDownloadTimeoutInSeconds": timeout}]})
+    stub.add_response("create_endpoint", {"EndpointArn": _arn("endpoint", ep)},
+                      {"EndpointName": ep, "EndpointConfigName": name, "Tags": tags})
+    with stub:  # the boto3 calls deploy_endpoint makes for a new endpoint, from the plan
+        sm.create_model(**plan.model)
+        sm.create_endpoint_config(**plan.endpoint_config)
+        sm.create_endpoint(EndpointName=plan.endpoint, EndpointConfigName=plan.config_name,
+                           Tags=plan.endpoint_config["Tags"])
+    stub.assert_no_pending_responses()
+    env = plan.model["PrimaryContainer"]["Environment"]
+    key = "SM_SGLANG_SPECULATIVE_DRAFT_MODEL_PATH" if profile == "gpu" else "SM_VLLM_SPECULATIVE_CONFIG"
+    assert "/opt/ml/additional-model-data-sources/draft" in env[key]
+
+
+def test_update_exact_request_and_rollback(aws_env, tiny_target, tiny_target_dir, draft_dirs):
+    """deploy_endpoint on an InService endpoint serving v1: S3 and CloudWatch on moto, SageMaker
+    stubbed (UpdateEndpoint is not in moto). The alarm fires during the canary → AWS rolls back →
+    the describe shows the old config: SageMakerDeployFailed, old config still live, nothing pruned."""
+    bucket = f"tide-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    params = _params(tiny_target_dir, s3_prefix=f"s3://{bucket}/t", target_model="org/target",
+                     profiles={"gpu": {"instance_count": 2}})
+    tid = tiny_target.target_id
+    ep, old = f"tidespec-{tid[:12]}-gpu", f"tidespec-{tid[:12]}-gpu-v1-20261129000000"
+    new = f"{ep}-v2-20261130120000"
+    sm, stub = _stubbed_sm()
+    stub.add_response("describe_endpoint", {"EndpointName": ep, "EndpointArn": _arn("endpoint", ep), "EndpointConfigName": old,
+                                            "EndpointStatus": "InService", "CreationTime": NOW,
+                                            "LastModifiedTime": NOW}, {"EndpointName": ep})
+    stub.add_response("describe_endpoint_config", {"EndpointConfigName": old, "EndpointConfigArn": _arn("endpoint-config", old),
+                                                   "CreationTime": NOW, "ProductionVariants": [
+                                                       {"VariantName": "AllTraffic", "ModelName": old}]},
+                      {"EndpointConfigName": old})
+    stub.add_response("describe_model", {"ModelName": old, "ModelArn": _arn("model", old), "CreationTime": NOW,
+                                         "PrimaryContainer": {"Image": "i", "Environment": {
+                                             "TIDESPEC_DRAFT_SHA256": "0" * 64}}}, {"ModelName": old})
+    stub.add_response("create_model", {"ModelArn": _arn("model", new)}, {"ModelName": new, "ExecutionRoleArn": ROLE,
+                                                               "PrimaryContainer": ANY, "Tags": ANY})
+    stub.add_response("create_endpoint_config", {"EndpointConfigArn": _arn("endpoint-config", new)},
+                      {"EndpointConfigName": new, "ProductionVariants": ANY, "Tags": ANY})
+    stub.add_response("update_endpoint", {"EndpointArn": _arn("endpoint", ep)}, {
+        "EndpointName": ep, "EndpointConfigName": new, "RetainAllVariantProperties": False,
+        "DeploymentConfig": {
+            "BlueGreenUpdatePolicy": {
+                "TrafficRoutingConfiguration": {"Type": "CANARY", "WaitIntervalInSeconds": 600,
+                                                "CanarySize": {"Type": "CAPACITY_PERCENT", "Value": 10}},
+                "TerminationWaitInSeconds": 600, "MaximumExecutionTimeoutInSeconds": 3600},
+            "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": f"{ep}-5xx"},
+                                                     {"AlarmName": f"{ep}-p99-latency"}]}}})
+    for status, cfg, reason in [("Updating", old, None), ("Updating", old, None),
+                                ("InService", old, "Alarm tidespec-5xx in ALARM state")]:
+        resp = {"EndpointName": ep, "EndpointArn": _arn("endpoint", ep), "EndpointConfigName": cfg, "EndpointStatus": status,
+                "CreationTime": NOW, "LastModifiedTime": NOW}
+        stub.add_response("describe_endpoint", resp | ({"FailureReason": reason} if reason else {}),
+                          {"EndpointName": ep})
+    art = smd.check_draft(draft_dirs[1], tid)
+    with stub, pytest.raises(smd.SageMakerDeployFailed, match=f"rolled back to {old}.*tidespec-5xx"):
+        smd.deploy_endpoint(params, "gpu", art, tid, sm=sm, now=NOW)
+    stub.assert_no_pending_responses()  # no prune after a failed update
+    alarms = boto3.client("cloudwatch").describe_alarms(AlarmNamePrefix=ep)["MetricAlarms"]
+    assert {a["AlarmName"] for a in alarms} == {f"{ep}-5xx", f"{ep}-p99-latency"}
+    head = boto3.client("s3").head_object(Bucket=bucket, Key=f"t/drafts/{art.sha256[:16]}/model.safetensors")
+    assert head["ServerSideEncryption"] == "AES256"
+
+
+# -- end to end on moto -----------------------------------------------------------------------------
+class _MotoWithUpdate:
+    """The moto SageMaker client, except UpdateEndpoint: its request is validated by a Stubber-wrapped
+    client (botocore's model checks), then applied on moto as the successful result of a blue/green
+    update (the endpoint recreated on the new config)."""
+
+    def __init__(self, sm):
+        self._sm, self.updates = sm, []
+        self._check = boto3.client("sagemaker", region_name=sm.meta.region_name, aws_access_key_id="x",
+                                   aws_secret_access_key="x")
+
+    def __getattr__(self, name):
+        return getattr(self._sm, name)
+
+    def update_endpoint(self, **req):
+        with Stubber(self._check) as stub:
+            stub.add_response("update_endpoint", {"EndpointArn": _arn("endpoint", req["EndpointName"])}, req)
+            self._check.update_endpoint(**req)  # raises ParamValidationError on a malformed request
+        self.updates.append(req)
+        self._sm.delete_endpoint(EndpointName=req["EndpointName"])
+        self._sm.create_endpoint(EndpointName=req["EndpointName"], EndpointConfigName=req["EndpointConfigName"])
+        return {"EndpointArn": self._sm.describe_endpoint(EndpointName=req["EndpointName"])["EndpointArn"]}
+
+
+def _stack(tmp_path) -> dict:
+    """Deploy infra/cloudformation/tidespec-sagemaker.yaml on moto; returns its outputs."""
+    cf = boto3.client("cloudformation")
+    name = f"tidespec-{uuid.uuid4().hex[:8]}"
+    cf.create_stack(StackName=name, TemplateBody=(ROOT / "infra/cloudformation/tidespec-sagemaker.yaml").read_text(),
+                    Parameters=[{"ParameterKey": "BucketName", "ParameterValue": f"tide-{uuid.uuid4().hex[:12]}"},
+                                {"ParameterKey": "RoleName", "ParameterValue": name}],
+                    Capabilities=["CAPABILITY_NAMED_IAM"])
+    st = cf.describe_stacks(StackName=name)["Stacks"][0]
+    assert st["StackStatus"] == "CREATE_COMPLETE"
+    return {o["OutputKey"]: o["OutputValue"] for o in st["Outputs"]}
+
+
+def test_cli_deploys_to_moto_end_to_end(aws_env, tiny_target, tiny_target_dir, draft_dirs, tmp_path):
+    """`tidespec deploy sagemaker --profile gpu` as a user runs it, against the infra/ stack on moto:
+    target dir and draft uploaded (SSE), Model/EndpointConfig/alarms/endpoint created, InService;
+    a second run is a no-op; v2 then goes through the blue/green path and v1's resources are pruned."""
+    out = _stack(tmp_path)
+    s3_prefix, role = out["S3Prefix"], out["ExecutionRoleArn"]
+    (tmp_path / "data" / "drafts").mkdir(parents=True)
+    champion = tmp_path / "data" / "drafts" / "champion"
+    import shutil
+    shutil.copytree(draft_dirs[0], champion)
+    (tmp_path / "params.yaml").write_text(json.dumps({
+        "target": {"source": str(tiny_target_dir)}, "engine": {"num_draft_tokens": 3},
+        "deploy": {"sagemaker": {"role_arn": role, "s3_prefix": s3_prefix, "poll_s": 0.1, "wait_timeout_s": 60,
+                                 "keep_versions": 1,
+                                 "profiles": {"gpu": {"instance_type": "ml.g4dn.xlarge"}}}}}))
+    env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "tidespec.cli", "deploy", "sagemaker", "--profile", "gpu",
+                            "--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"), *args],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr + r.stdout
+        return r.stdout
+
+    plan = json.loads(cli("--dry-run"))
+    assert plan["endpoint_config"]["ProductionVariants"][0]["InstanceType"] == "ml.g4dn.xlarge"
+    sm, s3 = boto3.client("sagemaker"), boto3.client("s3")
+    assert sm.list_endpoints()["Endpoints"] == [] or all(
+        e["EndpointName"] != plan["endpoint"] for e in sm.list_endpoints()["Endpoints"])  # dry run: nothing made
+
+    res = json.loads(cli())
+    ep = res["endpoint"]
+    assert res["action"] == "create" and res["status"] == "InService"
+    desc = sm.describe_endpoint(EndpointName=ep)
+    assert desc["EndpointStatus"] == "InService" and desc["EndpointConfigName"] == res["endpoint_config"]
+    model = sm.describe_model(ModelName=res["model"])
+    c = model["PrimaryContainer"]
+    art = smd.check_draft(champion, tiny_target.target_id)
+    assert c["Environment"]["SM_SGLANG_SPECULATIVE_NUM_DRAFT_TOKENS"] == "4"
+    assert c["Environment"]["TIDESPEC_DRAFT_SHA256"] == art.sha256
+    assert c["Image"] == smd.SGLANG_DLC.format(region="us-east-1")
+    assert model["ExecutionRoleArn"] == role
+    # the draft and target bytes on S3 are the local ones (SSE-S3)
+    bucket, key = c["AdditionalModelDataSources"][0]["S3DataSource"]["S3Uri"].removeprefix("s3://").split("/", 1)
+    for f in ("config.json", "model.safetensors"):
+        obj = s3.get_object(Bucket=bucket, Key=key + f)
+        assert obj["Body"].read() == (champion / f).read_bytes() and obj["ServerSideEncryption"] == "AES256"
+    tb, tk = c["ModelDataSource"]["S3DataSource"]["S3Uri"].removeprefix("s3://").split("/", 1)
+    assert s3.get_object(Bucket=tb, Key=tk + "model.safetensors")["Body"].read() == \
+        (Path(tiny_target_dir) / "model.safetensors").read_bytes()
+    alarms = boto3.client("cloudwatch").describe_alarms(AlarmNamePrefix=ep)["MetricAlarms"]
+    assert sorted(a["MetricName"] for a in alarms) == ["Invocation5XXErrors", "ModelLatency"]
+
+    again = json.loads(cli())
+    assert again["action"] == "unchanged" and again["endpoint_config"] == res["endpoint_config"]
+
+    # v2 through the blue/green path (UpdateEndpoint validated, applied on moto), v1 pruned (keep 1)
+    params = Params.model_validate(json.loads((tmp_path / "params.yaml").read_text()))
+    moto_sm = _MotoWithUpdate(sm)
+    art2 = smd.check_draft(draft_dirs[1], tiny_target.target_id)
+    r2 = smd.deploy_endpoint(params, "gpu", art2, tiny_target.target_id, sm=moto_sm)
+    assert r2["action"] == "update" and r2["previous_config"] == res["endpoint_config"]
+    upd = moto_sm.updates[0]
+    assert upd["EndpointConfigName"] == r2["endpoint_config"]
+    assert upd["DeploymentConfig"]["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"]["Type"] == "ALL_AT_ONCE"
+    assert sm.describe_endpoint(EndpointName=ep)["EndpointConfigName"] == r2["endpoint_config"]
+    assert set(r2["deleted"]) == {res["endpoint_config"], res["model"]}
+    live = {m["ModelName"] for m in sm.list_models(NameContains=ep)["Models"]}
+    assert live == {r2["model"]}
+
+
+def test_cli_errors_name_the_fix(tmp_path):
+    (tmp_path / "params.yaml").write_text("engine: {num_draft_tokens: 3}\n")
+    r = subprocess.run([sys.executable, "-m", "tidespec.cli", "deploy", "sagemaker", "--profile", "gpu", "--params",
+                        str(tmp_path / "params.yaml"), "--root", str(tmp_path)], capture_output=True, text=True,
+                       env=os.environ | {"PYTHONPATH": str(ROOT / "src")}, timeout=120)
+    assert r.returncode == 2 and "deploy.sagemaker is not configured" in r.stderr
+
+
+def test_vllm_neuron_entrypoint_maps_env_to_flags(tmp_path):
+    """infra/containers/vllm-neuron/sagemaker-entrypoint.sh: SM_VLLM_* → `vllm serve` flags, JSON intact."""
+    show = tmp_path / "show.sh"
+    show.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    show.chmod(0o755)
+    spec = json.dumps({"method": "eagle3", "model": smd.DRAFT_DIR, "num_speculative_tokens": 4})
+    env = {"PATH": os.environ["PATH"], "VLLM_CMD": f"{show} serve", "SM_VLLM_MODEL": "/opt/ml/model",
+           "SM_VLLM_SPECULATIVE_CONFIG": spec, "SM_VLLM_ENABLE_PREFIX_CACHING": "", "OTHER": "x"}
+    r = subprocess.run(["bash", str(ROOT / "infra/containers/vllm-neuron/sagemaker-entrypoint.sh"), "serve"],
+                       capture_output=True, text=True, env=env, check=True)
+    assert r.stdout.splitlines() == ["serve", "--port", "8080", "--host", "0.0.0.0", "--enable-prefix-caching",
+                                     "--model", "/opt/ml/model", "--speculative-config", spec]
