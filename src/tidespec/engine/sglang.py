@@ -1,0 +1,312 @@
+"""SGLang engine adapter (CUDA only): launch args, server process, client, capture.
+
+SGLang 0.5.23 pins torch 2.14.1 / transformers 5.19 and CUDA-only kernels, so it never shares our
+venv: it runs as its own server process (`<python> -m sglang.launch_server …`, `python` being the
+interpreter of SGLang's environment) or container, and we talk HTTP. Facts from the sglang 0.5.23
+wheel (`srt/arg_groups/fields/{spec,exec_}.py`, `arg_groups/{validation,speculative}_hook.py`,
+`srt/models/llama.py`, `srt/entrypoints/http_server.py`, `managers/io_struct.py`):
+
+- serving: `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
+  --speculative-num-steps S --speculative-eagle-topk K --speculative-num-draft-tokens N`; with
+  topk 1 SGLang forces N = S + 1. `--enable-metrics` exposes `sglang:spec_accept_length` etc.
+- capture: `--enable-return-aux-hidden-states` runs the *target alone* (it rejects a draft path
+  and resets the algorithm; `--speculative-algorithm EAGLE3` only names the layer convention) and
+  `--return-aux-hidden-state-layer-ids a b c` (space-separated ints). For Llama-family models SGLang
+  captures the input of layer id+1, i.e. the **output of layer id** — the same output-of-layer ids
+  as SpecForge and our `target.aux_layers`, passed through unchanged. (deepseek_v2/glm4_moe_lite
+  add the +1 only when the first id is 1, gpt_oss unless max id = L: so the first id must be 1 for
+  those — checked.) The last decoder layer cannot be captured this way (nothing follows it).
+- A request with `"return_hidden_states": true` to `/generate` gets `meta_info.hidden_states`:
+  `[0]` = the prefill rows `[n, D]` (only the rows computed in the last prefill pass: radix-cache
+  hits and earlier chunks are missing, hence `--disable-radix-cache` and a chunked-prefill size
+  ≥ the longest sequence), then one row per decoded token. D = 3·H in aux mode (low|mid|high
+  concatenated), H with `--enable-return-hidden-states` (the final post-norm state the lm_head
+  reads — what our capture stores as `hidden_states`). One server mode per process: a capture
+  needs two target-only servers (aux, last) next to the serving one.
+- `/health_generate`: 200 once a 1-token generate succeeds (503 while starting).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+SGLANG_VERSION = "0.5.23"
+CONDITIONAL_PLUS_ONE = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
+                        "GptOssForCausalLM")
+PROBE = ("import json, torch, sglang; print(json.dumps({'sglang': sglang.__version__, "
+         "'cuda': torch.cuda.is_available()}))")
+
+
+class SGLangUnavailable(RuntimeError):
+    """SGLang cannot run here (no CUDA device, or no SGLang environment); the message names the fix."""
+
+
+class SGLangError(RuntimeError):
+    """The SGLang server failed to start, died, or answered outside its contract."""
+
+
+@dataclass(frozen=True)
+class SGLangLaunch:
+    """One SGLang server process. mode: `serve` (EAGLE3 with `draft_path`, or the target alone
+    without it), `capture_aux` (target alone, returns aux hidden states `[T, 3H]`), `capture_last`
+    (target alone, returns final hidden states `[T, H]`). aux_layer_ids: output-of-layer ids
+    (tidespec/SpecForge convention), required for capture_aux. capture_max_len: the longest
+    sequence a capture request may send (the chunked-prefill size, so prefill is one pass)."""
+
+    model_path: str
+    mode: Literal["serve", "capture_aux", "capture_last"] = "serve"
+    python: str = "python"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    dtype: str = "auto"
+    mem_fraction_static: float | None = None
+    draft_path: str | None = None
+    num_steps: int = 4
+    eagle_topk: int = 1
+    num_draft_tokens: int | None = None  # None: num_steps + 1 (chain) when topk is 1
+    aux_layer_ids: tuple[int, ...] | None = None
+    capture_max_len: int = 4096
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def check_aux_ids(ids, num_layers: int, architecture: str = "LlamaForCausalLM") -> tuple[int, ...]:
+    """Validate output-of-layer aux ids for SGLang's capture: distinct, ascending, 0 ≤ id < L-1 (the
+    last layer's output is not capturable), first id 1 for the archs whose +1 is conditional.
+    Returns them unchanged (SGLang applies the +1). Raises ValueError naming the fix."""
+    ids = tuple(int(i) for i in ids)
+    if len(ids) != 3 or list(ids) != sorted(set(ids)):
+        raise ValueError(f"aux layer ids {ids}: need 3 distinct ascending ids (low, mid, high)")
+    if ids[0] < 0 or ids[-1] >= num_layers - 1:
+        raise ValueError(f"aux layer ids {ids}: SGLang captures outputs of layers 0..{num_layers - 2} "
+                         f"(the last layer's output has no following layer); use e.g. "
+                         f"[1, {num_layers // 2 - 1}, {num_layers - 4}]")
+    if architecture in CONDITIONAL_PLUS_ONE and ids[0] != 1:
+        raise ValueError(f"{architecture}: SGLang reads these ids as output-of-layer only when the first is 1; "
+                         f"got {ids}")
+    return ids
+
+
+def launch_args(cfg: SGLangLaunch) -> list[str]:
+    """The full command line of the server process. Raises ValueError for an inconsistent config."""
+    a = [cfg.python, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
+         "--port", str(cfg.port), "--tp-size", str(cfg.tp_size), "--dtype", cfg.dtype]
+    if cfg.mem_fraction_static is not None:
+        a += ["--mem-fraction-static", f"{cfg.mem_fraction_static:g}"]
+    if cfg.mode == "serve":
+        a += ["--enable-metrics"]
+        if cfg.draft_path:
+            n = cfg.num_draft_tokens or (cfg.num_steps + 1 if cfg.eagle_topk == 1 else None)
+            if n is None:
+                raise ValueError("eagle_topk > 1 needs num_draft_tokens (the verify tree size)")
+            if cfg.eagle_topk == 1 and n != cfg.num_steps + 1:
+                raise ValueError(f"with eagle_topk 1 SGLang uses num_steps + 1 = {cfg.num_steps + 1} draft tokens, "
+                                 f"not {n}")
+            a += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", cfg.draft_path,
+                  "--speculative-num-steps", str(cfg.num_steps), "--speculative-eagle-topk", str(cfg.eagle_topk),
+                  "--speculative-num-draft-tokens", str(n)]
+    else:
+        if cfg.draft_path:
+            raise ValueError("capture servers run the target alone: SGLang rejects a draft path with "
+                             "--enable-return-aux-hidden-states")
+        a += ["--disable-radix-cache", "--chunked-prefill-size", str(cfg.capture_max_len),
+              "--context-length", str(cfg.capture_max_len + 8)]
+        if cfg.mode == "capture_aux":
+            if not cfg.aux_layer_ids:
+                raise ValueError("capture_aux needs aux_layer_ids (output-of-layer ids, e.g. target.aux_layers)")
+            a += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+                  "--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layer_ids)]
+        else:
+            a += ["--enable-return-hidden-states"]
+    return a + list(cfg.extra_args)
+
+
+def unavailable_reason(python: str) -> str | None:
+    """Why SGLang cannot run with interpreter `python`, or None when it can (SGLang importable, a
+    CUDA device visible to that interpreter's torch)."""
+    try:
+        r = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        return (f"no Python at {python!r}: install sglang=={SGLANG_VERSION} in its own environment (it pins "
+                "torch 2.14.1 and CUDA kernels) and pass that environment's python")
+    except subprocess.TimeoutExpired:
+        return f"{python} did not answer the SGLang probe within 120 s"
+    if r.returncode != 0:
+        return (f"{python} cannot import sglang ({(r.stderr.strip().splitlines() or ['?'])[-1]}): install "
+                f"sglang=={SGLANG_VERSION} in that environment; on CPU use `tidespec serve` (the embedded engine)")
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    if not info.get("cuda"):
+        return ("SGLang needs a CUDA GPU (torch.cuda.is_available() is False here); on CPU use `tidespec serve` "
+                "(the embedded engine)")
+    return None
+
+
+class SGLangServer:
+    """A running SGLang server (context manager): `start()` probes availability, spawns the process in
+    its own session (log to `log_path`), waits for /health_generate; `stop()` SIGTERMs the group,
+    SIGKILL after `grace_s`."""
+
+    def __init__(self, cfg: SGLangLaunch, log_path: Path, ready_timeout_s: float = 900.0, grace_s: float = 30.0):
+        self.cfg, self.log_path = cfg, Path(log_path)
+        self.ready_timeout_s, self.grace_s = ready_timeout_s, grace_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> SGLangServer:
+        """Raises SGLangUnavailable (with the fix), SGLangError (exited early / not ready in time;
+        with the log tail)."""
+        reason = unavailable_reason(self.cfg.python)
+        if reason:
+            raise SGLangUnavailable(reason)
+        args = launch_args(self.cfg)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def _wait_ready(self) -> None:
+        import httpx
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SGLangError(f"SGLang server exited with {self.proc.returncode} while starting; log "
+                                  f"{self.log_path}:\n{self._tail()}")
+            try:
+                if httpx.get(f"{self.cfg.url}/health_generate", timeout=30).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise SGLangError(f"SGLang server not ready after {self.ready_timeout_s:g} s; log {self.log_path}:\n"
+                          f"{self._tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(self.grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> SGLangServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- client -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SGLangResult:
+    """One /generate answer: output_ids `[n]`, meta_info as returned, spec stats when present
+    (`spec_verify_ct` verify steps, `spec_accept_length` τ)."""
+
+    output_ids: list[int]
+    meta_info: dict
+
+    @property
+    def acceptance_length(self) -> float | None:
+        v = self.meta_info.get("spec_accept_length")
+        return None if v is None else float(v)
+
+
+def generate(url: str, input_ids: list[int], max_new_tokens: int, return_hidden_states: bool = False,
+             timeout_s: float = 600.0, client=None) -> SGLangResult:
+    """Greedy `/generate` on token ids. Raises SGLangError on a non-200 or a reply without output_ids."""
+    import httpx
+    body = {"input_ids": list(map(int, input_ids)),
+            "sampling_params": {"max_new_tokens": int(max_new_tokens), "temperature": 0.0},
+            "return_hidden_states": bool(return_hidden_states)}
+    post = (client or httpx).post
+    r = post(f"{url.rstrip('/')}/generate", json=body, timeout=timeout_s)
+    if r.status_code != 200:
+        raise SGLangError(f"SGLang /generate {r.status_code}: {r.text[:300]}")
+    d = r.json()
+    if isinstance(d, list):
+        d = d[0]
+    if "output_ids" not in d or "meta_info" not in d:
+        raise SGLangError(f"SGLang /generate reply without output_ids/meta_info: keys {sorted(d)}")
+    return SGLangResult([int(t) for t in d["output_ids"]], d["meta_info"])
+
+
+def prefill_rows(meta_info: dict, n_tokens: int, width: int) -> torch.Tensor:
+    """The prefill block of `meta_info.hidden_states` as `[n_tokens, width]` fp32. Raises SGLangError
+    when it is missing or has another shape (radix-cache hit or chunked prefill: the fix is named)."""
+    hs = meta_info.get("hidden_states")
+    if not hs:
+        raise SGLangError("no hidden_states in the reply: the capture server needs --enable-return-aux-hidden-"
+                          "states / --enable-return-hidden-states and the request return_hidden_states=true")
+    block = torch.tensor(hs[0], dtype=torch.float32)
+    if block.dim() == 1:
+        block = block.unsqueeze(0)
+    if tuple(block.shape) != (n_tokens, width):
+        raise SGLangError(f"prefill hidden states {tuple(block.shape)}, expected ({n_tokens}, {width}): launch the "
+                          "capture server with --disable-radix-cache and --chunked-prefill-size >= the sequence "
+                          "length (SGLangLaunch capture modes do)")
+    return block
+
+
+def capture_record(aux_url: str, last_url: str, input_ids: list[int], loss_mask: list[int], hidden_size: int,
+                   client=None) -> dict[str, torch.Tensor]:
+    """A capture record (store.FIELDS) for one served sequence (prompt + completion ids) from the two
+    target-only capture servers: aux `[T, 3H]` and final `[T, H]` hidden states, bf16. Raises
+    SGLangError (shapes), ValueError (mask length)."""
+    T = len(input_ids)
+    if len(loss_mask) != T:
+        raise ValueError(f"loss_mask has {len(loss_mask)} entries for {T} tokens")
+    aux = prefill_rows(generate(aux_url, input_ids, 1, True, client=client).meta_info, T, 3 * hidden_size)
+    last = prefill_rows(generate(last_url, input_ids, 1, True, client=client).meta_info, T, hidden_size)
+    return {"input_ids": torch.tensor(input_ids, dtype=torch.int32),
+            "loss_mask": torch.tensor(loss_mask, dtype=torch.uint8),
+            "aux_hidden_states": aux.to(torch.bfloat16), "hidden_states": last.to(torch.bfloat16)}
+
+
+def serve_and_capture(serve_url: str, aux_url: str, last_url: str, prompt_ids: list[int], max_new_tokens: int,
+                      hidden_size: int, client=None) -> tuple[SGLangResult, dict[str, torch.Tensor]]:
+    """Serve one prompt on the EAGLE3 server, then capture its sequence: (the serving result with its
+    τ, the capture record) — for `CaptureWriter.submit`. Same layout as the embedded engine's
+    records: input_ids = prompt + completion[:-1] (the last token was never fed to the target), loss
+    mask 1 on the completion positions."""
+    res = generate(serve_url, prompt_ids, max_new_tokens, client=client)
+    if not res.output_ids:
+        raise SGLangError("SGLang returned no tokens; nothing to capture")
+    seq = list(prompt_ids) + res.output_ids[:-1]
+    mask = [0] * len(prompt_ids) + [1] * (len(res.output_ids) - 1)
+    return res, capture_record(aux_url, last_url, seq, mask, hidden_size, client=client)
+
+
+def submit_capture(writer, res: SGLangResult, record: dict[str, torch.Tensor], request_id: str,
+                   workload: str = "default") -> bool:
+    """Hand a `serve_and_capture` result to a `CaptureWriter` (same snapshots as the embedded engine):
+    serving-time τ from SGLang's `spec_accept_length` (1.0 without speculation), acceptance rate from
+    `spec_accept_rate` when given. Returns what `CaptureWriter.submit` returns."""
+    rate = res.meta_info.get("spec_accept_rate")
+    return writer.submit(record, request_id=request_id, workload=workload,
+                         acceptance_length=res.acceptance_length or 1.0,
+                         acceptance_rate=None if rate is None else float(rate))
