@@ -366,3 +366,35 @@ def test_vllm_neuron_entrypoint_maps_env_to_flags(tmp_path):
                        capture_output=True, text=True, env=env, check=True)
     assert r.stdout.splitlines() == ["serve", "--port", "8080", "--host", "0.0.0.0", "--enable-prefix-caching",
                                      "--model", "/opt/ml/model", "--speculative-config", spec]
+
+
+@pytest.mark.services
+def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, tmp_path):
+    """step_deploy with deploy.sagemaker.on_promote: registry champion → data/drafts/champion (local)
+    → the gpu endpoint on moto serves the same draft bytes; a second run changes nothing."""
+    from conftest import make_tiny_target
+
+    from tidespec import registry
+    from tidespec.cycle import Workspace, step_deploy
+    from tidespec.models.target import load_target
+    # its own target (seed 11): a registry model no other test touches on the shared MLflow server
+    tdir = make_tiny_target(tmp_path / "target", seed=11)
+    target = load_target(tdir)[0]
+    tid = target.target_id
+    draft = save_checkpoint(random_draft(target), tmp_path / "draft")
+    bucket = f"tide-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    ep = f"tide-{uuid.uuid4().hex[:8]}"
+    params = _params(tdir, s3_prefix=f"s3://{bucket}/t", target_model="org/target", endpoint_name=ep,
+                     on_promote=["gpu"], profiles={"gpu": {"instance_type": "ml.g4dn.xlarge"}})
+    _, v = registry.log_candidate(mlflow_server, tid, draft, params={"k": 3},
+                                  metrics={"acceptance_length": 2.0}, tags={"snapshot_rev": f"s-{ep}"})
+    registry.promote(mlflow_server, tid, v, reason="test")
+    ws = Workspace(tmp_path / "ws")
+    dep = step_deploy(ws, mlflow_server, tid, params)
+    sm_dep = dep["sagemaker"]["gpu"]
+    assert dep["version"] == v and sm_dep["action"] in ("create", "update") and sm_dep["status"] == "InService"
+    env = boto3.client("sagemaker").describe_model(ModelName=sm_dep["model"])["PrimaryContainer"]["Environment"]
+    assert env["TIDESPEC_DRAFT_SHA256"] == smd.sha256_file(ws.champion / "model.safetensors")
+    assert env["TIDESPEC_DRAFT_VERSION"] == str(v)
+    assert step_deploy(ws, mlflow_server, tid, params)["sagemaker"]["gpu"]["action"] == "unchanged"
