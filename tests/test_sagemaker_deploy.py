@@ -13,6 +13,7 @@ instance types of the real profiles (ml.g6e, ml.p5, ml.trn2; it takes ml.g4dn). 
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -105,7 +106,7 @@ def test_names_alarms_update_and_outcome():
     two = smd.update_request("ep", "cfg", 2, canary, alarms)["DeploymentConfig"]
     assert two["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"] == {
         "Type": "CANARY", "WaitIntervalInSeconds": 300, "CanarySize": {"Type": "CAPACITY_PERCENT", "Value": 20}}
-    assert two["AutoRollbackConfiguration"] == {"Alarms": [{"AlarmName": "ep-5xx"}, {"AlarmName": "ep-p99-latency"}]}
+    assert two["AutoRollbackConfiguration"] == {"Alarms": [{"AlarmName": "tidespec-ep-5xx"}, {"AlarmName": "tidespec-ep-p99-latency"}]}  # operator policy: alarm:tidespec-*
     one = smd.update_request("ep", "cfg", 1, canary, alarms)["DeploymentConfig"]["BlueGreenUpdatePolicy"]
     assert one["TrafficRoutingConfiguration"] == {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": 300}
     d = {"EndpointName": "ep", "EndpointConfigName": "new", "EndpointStatus": "Updating"}
@@ -164,7 +165,7 @@ def test_default_profiles_exact_create_requests(tiny_target, tiny_target_dir, dr
             "ModelDataSource": {"S3DataSource": {"S3Uri": "s3://tide-deploy/targets/smol/", "S3DataType": "S3Prefix",
                                                  "CompressionType": "None"}},
             "AdditionalModelDataSources": [{"ChannelName": "draft", "S3DataSource": {
-                "S3Uri": f"s3://tide-deploy/tidespec/drafts/{art.sha256[:16]}/", "S3DataType": "S3Prefix",
+                "S3Uri": f"s3://tide-deploy/tidespec/drafts/{art.key}/", "S3DataType": "S3Prefix",
                 "CompressionType": "None"}}],
             "Environment": ANY}})
     it = "ml.g6e.2xlarge" if profile == "gpu" else "ml.trn2.48xlarge"
@@ -206,9 +207,6 @@ def test_update_exact_request_and_rollback(aws_env, tiny_target, tiny_target_dir
                                                    "CreationTime": NOW, "ProductionVariants": [
                                                        {"VariantName": "AllTraffic", "ModelName": old}]},
                       {"EndpointConfigName": old})
-    stub.add_response("describe_model", {"ModelName": old, "ModelArn": _arn("model", old), "CreationTime": NOW,
-                                         "PrimaryContainer": {"Image": "i", "Environment": {
-                                             "TIDESPEC_DRAFT_SHA256": "0" * 64}}}, {"ModelName": old})
     stub.add_response("create_model", {"ModelArn": _arn("model", new)}, {"ModelName": new, "ExecutionRoleArn": ROLE,
                                                                "PrimaryContainer": ANY, "Tags": ANY})
     stub.add_response("create_endpoint_config", {"EndpointConfigArn": _arn("endpoint-config", new)},
@@ -223,19 +221,23 @@ def test_update_exact_request_and_rollback(aws_env, tiny_target, tiny_target_dir
             "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": f"{ep}-5xx"},
                                                      {"AlarmName": f"{ep}-p99-latency"}]}}})
     for status, cfg, reason in [("Updating", old, None), ("Updating", old, None),
+                                ("InService", old, "Alarm tidespec-5xx in ALARM state"),
                                 ("InService", old, "Alarm tidespec-5xx in ALARM state")]:
         resp = {"EndpointName": ep, "EndpointArn": _arn("endpoint", ep), "EndpointConfigName": cfg, "EndpointStatus": status,
                 "CreationTime": NOW, "LastModifiedTime": NOW}
         stub.add_response("describe_endpoint", resp | ({"FailureReason": reason} if reason else {}),
                           {"EndpointName": ep})
+    # rolled back: the unused new config and model are deleted (never the live one), nothing pruned
+    stub.add_response("delete_endpoint_config", {}, {"EndpointConfigName": new})
+    stub.add_response("delete_model", {}, {"ModelName": new})
     art = smd.check_draft(draft_dirs[1], tid)
     with stub, pytest.raises(smd.SageMakerDeployFailed, match=f"rolled back to {old}.*tidespec-5xx"):
         smd.deploy_endpoint(params, "gpu", art, tid, sm=sm, now=NOW)
-    stub.assert_no_pending_responses()  # no prune after a failed update
+    stub.assert_no_pending_responses()
     alarms = boto3.client("cloudwatch").describe_alarms(AlarmNamePrefix=ep)["MetricAlarms"]
     assert {a["AlarmName"] for a in alarms} == {f"{ep}-5xx", f"{ep}-p99-latency"}
-    head = boto3.client("s3").head_object(Bucket=bucket, Key=f"t/drafts/{art.sha256[:16]}/model.safetensors")
-    assert head["ServerSideEncryption"] == "AES256"
+    head = boto3.client("s3").head_object(Bucket=bucket, Key=f"t/drafts/{art.key}/model.safetensors")
+    assert head["ServerSideEncryption"] == "AES256" and head["Metadata"]["sha256"] == art.sha256
 
 
 # -- end to end on moto -----------------------------------------------------------------------------
@@ -283,10 +285,13 @@ def test_cli_deploys_to_moto_end_to_end(aws_env, tiny_target, tiny_target_dir, d
     s3_prefix, role = out["S3Prefix"], out["ExecutionRoleArn"]
     (tmp_path / "data" / "drafts").mkdir(parents=True)
     champion = tmp_path / "data" / "drafts" / "champion"
-    import shutil
     shutil.copytree(draft_dirs[0], champion)
+    tdir = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, tdir)
+    (tdir / ".git").mkdir()
+    (tdir / ".git" / "config").write_text("[core]\n")
     (tmp_path / "params.yaml").write_text(json.dumps({
-        "target": {"source": str(tiny_target_dir)}, "engine": {"num_draft_tokens": 3},
+        "target": {"source": str(tdir)}, "engine": {"num_draft_tokens": 3},
         "deploy": {"sagemaker": {"role_arn": role, "s3_prefix": s3_prefix, "poll_s": 0.1, "wait_timeout_s": 60,
                                  "keep_versions": 1,
                                  "profiles": {"gpu": {"instance_type": "ml.g4dn.xlarge"}}}}}))
@@ -325,11 +330,25 @@ def test_cli_deploys_to_moto_end_to_end(aws_env, tiny_target, tiny_target_dir, d
     tb, tk = c["ModelDataSource"]["S3DataSource"]["S3Uri"].removeprefix("s3://").split("/", 1)
     assert s3.get_object(Bucket=tb, Key=tk + "model.safetensors")["Body"].read() == \
         (Path(tiny_target_dir) / "model.safetensors").read_bytes()
+    keys = {o["Key"][len(tk):] for o in s3.list_objects_v2(Bucket=tb, Prefix=tk)["Contents"]}
+    assert keys == {"config.json", "model.safetensors", "generation_config.json"} - (
+        set() if (tdir / "generation_config.json").exists() else {"generation_config.json"})  # no .git/
     alarms = boto3.client("cloudwatch").describe_alarms(AlarmNamePrefix=ep)["MetricAlarms"]
     assert sorted(a["MetricName"] for a in alarms) == ["Invocation5XXErrors", "ModelLatency"]
 
     again = json.loads(cli())
     assert again["action"] == "unchanged" and again["endpoint_config"] == res["endpoint_config"]
+    # same draft, another instance count: not "unchanged" (goes through the update path below)
+    p_more = Params.model_validate(json.loads((tmp_path / "params.yaml").read_text()) | {})
+    more = p_more.model_copy(deep=True)
+    plan_more = smd.plan(more.model_copy(update={"deploy": more.deploy.model_copy(update={
+        "sagemaker": more.deploy.sagemaker.model_copy(update={"profiles": {
+            "gpu": more.deploy.sagemaker.profiles["gpu"].model_copy(update={"instance_count": 2})}})})}),
+        more.deploy.sagemaker.model_copy(update={"profiles": {
+            "gpu": more.deploy.sagemaker.profiles["gpu"].model_copy(update={"instance_count": 2})}}),
+        "gpu", art, tiny_target.target_id, plan["model"]["PrimaryContainer"]["ModelDataSource"]["S3DataSource"][
+            "S3Uri"], "us-east-1")
+    assert not smd.live_matches(sm, res["endpoint_config"], plan_more)
 
     # v2 through the blue/green path (UpdateEndpoint validated, applied on moto), v1 pruned (keep 1)
     params = Params.model_validate(json.loads((tmp_path / "params.yaml").read_text()))
@@ -342,7 +361,7 @@ def test_cli_deploys_to_moto_end_to_end(aws_env, tiny_target, tiny_target_dir, d
     assert upd["DeploymentConfig"]["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"]["Type"] == "ALL_AT_ONCE"
     assert sm.describe_endpoint(EndpointName=ep)["EndpointConfigName"] == r2["endpoint_config"]
     assert set(r2["deleted"]) == {res["endpoint_config"], res["model"]}
-    live = {m["ModelName"] for m in sm.list_models(NameContains=ep)["Models"]}
+    live = {m["ModelName"] for m in sm.list_models(NameContains=ep)["Models"] if m["ModelName"].startswith(ep)}
     assert live == {r2["model"]}
 
 
@@ -361,7 +380,8 @@ def test_vllm_neuron_entrypoint_maps_env_to_flags(tmp_path):
     show.chmod(0o755)
     spec = json.dumps({"method": "eagle3", "model": smd.DRAFT_DIR, "num_speculative_tokens": 4})
     env = {"PATH": os.environ["PATH"], "VLLM_CMD": f"{show} serve", "SM_VLLM_MODEL": "/opt/ml/model",
-           "SM_VLLM_SPECULATIVE_CONFIG": spec, "SM_VLLM_ENABLE_PREFIX_CACHING": "", "OTHER": "x"}
+           "SM_VLLM_SPECULATIVE_CONFIG": spec, "SM_VLLM_ENABLE_PREFIX_CACHING": "", "OTHER": "x",
+           "SM_VLLM_PORT": "9000", "SM_VLLM_": "y"}
     r = subprocess.run(["bash", str(ROOT / "infra/containers/vllm-neuron/sagemaker-entrypoint.sh"), "serve"],
                        capture_output=True, text=True, env=env, check=True)
     assert r.stdout.splitlines() == ["serve", "--port", "8080", "--host", "0.0.0.0", "--enable-prefix-caching",
@@ -385,8 +405,8 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
     bucket = f"tide-{uuid.uuid4().hex[:10]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
     ep = f"tide-{uuid.uuid4().hex[:8]}"
-    params = _params(tdir, s3_prefix=f"s3://{bucket}/t", target_model="org/target", endpoint_name=ep,
-                     on_promote=["gpu"], profiles={"gpu": {"instance_type": "ml.g4dn.xlarge"}})
+    params = _params(tdir, s3_prefix=f"s3://{bucket}/t", target_model="org/target", on_promote=["gpu"],
+                     profiles={"gpu": {"instance_type": "ml.g4dn.xlarge", "endpoint_name": ep}})
     _, v = registry.log_candidate(mlflow_server, tid, draft, params={"k": 3},
                                   metrics={"acceptance_length": 2.0}, tags={"snapshot_rev": f"s-{ep}"})
     registry.promote(mlflow_server, tid, v, reason="test")
@@ -398,3 +418,48 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
     assert env["TIDESPEC_DRAFT_SHA256"] == smd.sha256_file(ws.champion / "model.safetensors")
     assert env["TIDESPEC_DRAFT_VERSION"] == str(v)
     assert step_deploy(ws, mlflow_server, tid, params)["sagemaker"]["gpu"]["action"] == "unchanged"
+
+
+def test_collisions_and_sloppy_values_are_refused(tiny_target_dir):
+    for bad, msg in [({"profiles": {"gpu": {"endpoint_name": "app"}, "big": {"engine": "sglang", "instance_type":
+                                                                              "ml.p5.48xlarge", "endpoint_name": "app"}}},
+                      "same endpoint_name"),
+                     ({"profiles": {"gpu_small": {"engine": "sglang", "instance_type": "ml.g5.xlarge"}}},
+                      "profile name 'gpu_small'"),
+                     ({"target_model": "s3:/bucket/x"}, "not an S3 URI"),
+                     ({"num_draft_tokens": 9}, "needs num_steps"),
+                     ({"on_promote": ["gpu", "gpu"]}, "twice"),
+                     ({"role_arn": ROLE + "\n"}, "not an IAM role ARN"),
+                     ({"profiles": {"gpu": {"instance_type": "ml.g6e.banana"}}}, "does not fit"),
+                     ({"tags": {"aws:owner": "me"}}, "no aws: prefix")]:
+        with pytest.raises(ValidationError, match=msg):
+            _params(tiny_target_dir, **bad)
+
+
+def test_failed_create_leaves_nothing_behind(aws_env, tiny_target, tiny_target_dir, draft_dirs):
+    """moto rejects ml.g5 in CreateEndpointConfig: the Model created just before is deleted again."""
+    from botocore.exceptions import ClientError
+    bucket = f"tide-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    ep = f"tidespec-{uuid.uuid4().hex[:8]}"
+    params = _params(tiny_target_dir, s3_prefix=f"s3://{bucket}/t", target_model="org/target",
+                     profiles={"gpu": {"instance_type": "ml.g5.xlarge", "endpoint_name": ep}})
+    with pytest.raises(ClientError, match="instanceType"):
+        smd.deploy_endpoint(params, "gpu", smd.check_draft(draft_dirs[0], tiny_target.target_id),
+                            tiny_target.target_id)
+    models = boto3.client("sagemaker").list_models(NameContains=ep)["Models"]
+    assert [m["ModelName"] for m in models if m["ModelName"].startswith(ep)] == []  # (moto ignores NameContains)
+
+
+def test_missing_bucket_and_swapped_draft_name_the_fix(aws_env, tiny_target, tiny_target_dir, draft_dirs, tmp_path):
+    params = _params(tiny_target_dir, s3_prefix=f"s3://tide-missing-{uuid.uuid4().hex[:8]}/t",
+                     target_model="org/target", profiles={"gpu": {"instance_type": "ml.g4dn.xlarge"}})
+    art = smd.check_draft(draft_dirs[0], tiny_target.target_id)
+    with pytest.raises(ValueError, match="does not exist or is not accessible"):
+        smd.deploy_endpoint(params, "gpu", art, tiny_target.target_id)
+    d = tmp_path / "champion"
+    shutil.copytree(draft_dirs[0], d)
+    checked = smd.check_draft(d, tiny_target.target_id)
+    shutil.copyfile(draft_dirs[1] / "model.safetensors", d / "model.safetensors")  # a promotion swaps it
+    with pytest.raises(ValueError, match="changed since it was checked"):
+        smd.deploy_endpoint(params, "gpu", checked, tiny_target.target_id)

@@ -68,7 +68,7 @@ def test_capture_args_and_layer_ids():
 
 
 def test_unavailable_names_the_fix(tmp_path):
-    assert "no Python at" in sg.unavailable_reason(str(tmp_path / "nope" / "python"))
+    assert "no usable Python at" in sg.unavailable_reason(str(tmp_path / "nope" / "python"))
     if sg.unavailable_reason(sys.executable) is not None:  # this venv: no sglang (or no CUDA)
         r = sg.unavailable_reason(sys.executable)
         assert "cannot import sglang" in r or "needs a CUDA GPU" in r
@@ -113,6 +113,31 @@ def test_server_starts_waits_and_stops_its_process_group(fake_python, tmp_path):
     assert srv.proc.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
+
+
+def test_probe_and_port_problems_are_reported(tmp_path, fake_python):
+    old = tmp_path / "old-python"
+    old.write_text(f"#!{sys.executable}\nprint('banner'); print('{{\"sglang\": \"0.4.0\", \"cuda\": true}}')\n")
+    old.chmod(0o755)
+    assert "older than 0.5.23" in sg.unavailable_reason(str(old))
+    noisy = tmp_path / "noisy-python"
+    noisy.write_text(f"#!{sys.executable}\nprint('no json here')\n")
+    noisy.chmod(0o755)
+    assert "without the expected JSON" in sg.unavailable_reason(str(noisy))
+    assert "no usable Python" in sg.unavailable_reason(str(tmp_path))  # a directory
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(sg.SGLangError, match=f"port {port} .* is in use"):
+            sg.SGLangServer(sg.SGLangLaunch("/m", python=fake_python, port=port), tmp_path / "x.log").start()
+    for bad, msg in [(dict(mode="capture"), "one of serve"), (dict(port=0), "port"),
+                     (dict(mem_fraction_static=1.5), "mem_fraction_static"),
+                     (dict(num_steps=3, num_draft_tokens=2), "num_draft_tokens 2")]:
+        with pytest.raises(ValueError, match=msg):
+            sg.SGLangLaunch("/m", **bad)
+    assert sg.SGLangLaunch("/m", host="::1", port=9).url == "http://[::1]:9"
 
 
 def test_server_that_dies_reports_its_log(fake_python, tmp_path, monkeypatch):

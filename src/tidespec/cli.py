@@ -226,6 +226,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
         def load(ref):  # noqa: E306
             return registry.download_version(uri, target.target_id, ref, ws.work / "served")
     sv = p.serve
+    if timeout_s is not None and not timeout_s < float("inf"):
+        raise typer.BadParameter("--timeout-s must be finite")
     cfg = ServerConfig(model=p.target.source, max_queue=max_queue or sv.max_queue,
                        request_timeout_s=timeout_s or sv.request_timeout_s,
                        max_tokens=max_tokens or sv.max_tokens or p.engine.max_new_tokens,
@@ -458,18 +460,18 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
     if dry_run:
         uri, local = smd.resolve_target(p, p.deploy.sagemaker)
         if local is not None:
-            uri = f"{p.deploy.sagemaker.s3_prefix}/targets/{tid[:16]}/"
+            uri = smd.target_prefix(p.deploy.sagemaker.s3_prefix, tid)
         plan = smd.plan(p, p.deploy.sagemaker, profile, art, tid, uri, smd.region_of(p.deploy.sagemaker))
         print(json.dumps(plan.to_json(), indent=2, default=str))
         return
-    out = smd.deploy_endpoint(p, profile, art, tid, wait=wait)
+    out = smd.deploy_endpoint(p, profile, art, tid, wait=wait, lock_dir=_ws(root).work)
     console.print(json.dumps(out, indent=2, default=str), highlight=False)
 
 
 def main() -> None:
     """Console entry point: bad input (ValueError/FileNotFoundError), an unavailable backend, a busy
-    capture dir, a failed git/dvc command, a refused registry decision, a missing deployment or a
-    service that will not start → one clear line (with the fix), exit 2."""
+    capture dir, a failed git/dvc command, a refused registry decision, a missing deployment, a
+    service that will not start, a SageMaker rollback or an AWS error → one clear line, exit 2."""
     import sys
     try:
         app(standalone_mode=False)
@@ -492,8 +494,13 @@ def main() -> None:
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except Exception as e:  # usage errors (typer's click) keep their own formatting
-        if hasattr(e, "show") and hasattr(e, "exit_code"):
+    except Exception as e:
+        from boto3.exceptions import Boto3Error
+        from botocore.exceptions import BotoCoreError, ClientError
+        if isinstance(e, (ClientError, BotoCoreError, Boto3Error)):  # AWS said no: one line, exit 2
+            Console(stderr=True).print(f"[red]aws error:[/red] {e}")
+            sys.exit(2)
+        if hasattr(e, "show") and hasattr(e, "exit_code"):  # usage errors (typer's click) keep their formatting
             e.show()
             sys.exit(e.exit_code)
         raise

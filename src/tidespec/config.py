@@ -141,6 +141,9 @@ class Params(_Strict):
             raise ValueError("curate.val_fraction + curate.holdout_fraction must be < 1 (nothing left to train on)")
         if self.train.work_pool and self.train.sagemaker:
             raise ValueError("set one of train.work_pool (a Prefect pool) and train.sagemaker (a training job)")
+        if self.serve.max_tokens is not None and self.serve.max_tokens >= self.engine.max_seq_len:
+            raise ValueError(f"serve.max_tokens ({self.serve.max_tokens}) must be < engine.max_seq_len "
+                             f"({self.engine.max_seq_len}): prompt and completion share the sequence")
         if self.capture.keep_local_snapshots < self.curate.window:
             raise ValueError(f"capture.keep_local_snapshots ({self.capture.keep_local_snapshots}) must be >= "
                              f"curate.window ({self.curate.window}): curate reads the window's snapshots locally")
@@ -164,6 +167,9 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of sections (target:, engine:, ...), got {type(raw).__name__}")
+    raw = {k: ({} if v is None and k in Params.model_fields else v) for k, v in raw.items()}
     try:
         return Params.model_validate(raw)
     except ValidationError as e:

@@ -393,5 +393,6 @@ def step_deploy(ws: Workspace, tracking_uri: str, target_id: str, params: Params
         if sm is not None and sm.on_promote:
             from .deploy import sagemaker as smd
             art = smd.check_draft(ws.champion, target_id)
-            dep["sagemaker"] = {prof: smd.deploy_endpoint(params, prof, art, target_id) for prof in sm.on_promote}
+            dep["sagemaker"] = {prof: smd.deploy_endpoint(params, prof, art, target_id, lock_dir=ws.work)
+                                for prof in sm.on_promote}
     return dep

@@ -5,7 +5,8 @@
 # examples/online_serving/sagemaker-entrypoint.sh and the AWS DLCs. SageMaker sends traffic to port
 # 8080 (/ping, /invocations, which vLLM's OpenAI server provides). Values are passed as one argument
 # each, so JSON such as SM_VLLM_SPECULATIVE_CONFIG survives intact. The command is $VLLM_CMD
-# (default: vllm serve); SageMaker's own `serve` argument is ignored.
+# (default: vllm serve, split on spaces); SageMaker's own `serve` argument is ignored.
+# SM_VLLM_PORT / SM_VLLM_HOST are ignored (SageMaker health-checks 8080 on all interfaces).
 set -euo pipefail
 args=(--port "${SAGEMAKER_BIND_TO_PORT:-8080}" --host 0.0.0.0)
 while IFS= read -r -d '' kv; do
@@ -14,6 +15,10 @@ while IFS= read -r -d '' kv; do
   [[ $key == SM_VLLM_* ]] || continue
   name=${key#SM_VLLM_}
   name=${name,,}
+  if [[ -z $name || $name == port || $name == host ]]; then
+    echo "sagemaker-entrypoint: ignoring $key" >&2
+    continue
+  fi
   args+=("--${name//_/-}")
   [[ -n $val ]] && args+=("$val")
 done < <(env -0 | sort -z)

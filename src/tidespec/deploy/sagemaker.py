@@ -31,10 +31,12 @@ UpdateEndpoint `DeploymentConfig`) and botocore's sagemaker service model.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import re
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -44,13 +46,14 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..train.sagemaker import ENV_KEY_RE, ROLE_ARN_RE, parse_s3_uri
+from ..train.sagemaker import ENV_KEY_RE, parse_s3_uri
 
 if TYPE_CHECKING:
     from ..config import Params
 
 log = logging.getLogger(__name__)
 
+ROLE_RE = re.compile(r"arn:aws[a-z\-]*:iam::\d{12}:role/[\w+=,.@\-/]{1,512}")
 NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # EndpointName / ModelName / EndpointConfigName
 VARIANT = "AllTraffic"
 DRAFT_CHANNEL = "draft"
@@ -86,6 +89,7 @@ class EndpointProfile(_Strict):
     engine: Literal["sglang", "vllm-neuron"]
     instance_type: str
     instance_count: int = Field(1, ge=1)
+    endpoint_name: str | None = None  # None → tidespec-<target_id[:12]>-<profile>
     image_uri: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     startup_timeout_s: int = Field(1800, ge=60, le=3600)  # ContainerStartupHealthCheckTimeoutInSeconds
@@ -98,13 +102,21 @@ class EndpointProfile(_Strict):
     @classmethod
     def _env(cls, v):
         for k, val in v:
-            if not ENV_KEY_RE.match(k) or len(val) > 1024:
+            if not ENV_KEY_RE.fullmatch(k) or len(val) > 1024:
                 raise ValueError(f"environment {k!r}: keys [a-zA-Z_][a-zA-Z0-9_]*, values ≤1024 chars")
+        return v
+
+    @field_validator("endpoint_name")
+    @classmethod
+    def _endpoint(cls, v):
+        if v is not None and (not NAME_RE.fullmatch(v) or len(v) > 40):
+            raise ValueError(f"endpoint_name {v!r}: letters, digits and '-', at most 40 chars (model and "
+                             "config names append a version and a timestamp)")
         return v
 
     @model_validator(mode="after")
     def _family(self):
-        m = re.fullmatch(r"ml\.([a-z0-9]+)\.[a-z0-9]+", self.instance_type)
+        m = re.fullmatch(r"ml\.([a-z0-9]+)\.(?:\d*x?large|medium|small)", self.instance_type)
         fams = GPU_FAMILIES if self.engine == "sglang" else TRN2_FAMILIES
         if not m or m.group(1) not in fams:
             raise ValueError(f"instance_type {self.instance_type!r} does not fit engine {self.engine}: use "
@@ -149,14 +161,14 @@ class SageMakerDeployParams(_Strict):
     s3_prefix: str
     target_model: str | None = None
     region: str | None = None
-    endpoint_name: str | None = None  # None → tidespec-<target_id[:12]>-<profile>
-    profiles: dict[str, EndpointProfile] = Field(default_factory=lambda: dict(DEFAULT_PROFILES))
+    profiles: dict[str, EndpointProfile] = Field(
+        default_factory=lambda: {k: EndpointProfile(**v) for k, v in DEFAULT_PROFILES.items()})
     num_steps: int | None = Field(None, ge=1, le=16)
     eagle_topk: int = Field(1, ge=1, le=16)
     num_draft_tokens: int | None = Field(None, ge=2, le=64)
     canary: CanaryParams = CanaryParams()
     keep_versions: int = Field(2, ge=1)
-    poll_s: float = Field(30, gt=0)
+    poll_s: float = Field(30, ge=0.01)
     wait_timeout_s: float = Field(5400, gt=0)
     on_promote: tuple[str, ...] = ()  # profiles the cycle's deploy step updates after a promotion
     tags: tuple[tuple[str, str], ...] = ()
@@ -176,7 +188,7 @@ class SageMakerDeployParams(_Strict):
     @field_validator("role_arn")
     @classmethod
     def _role(cls, v):
-        if not ROLE_ARN_RE.match(v):
+        if not ROLE_RE.fullmatch(v):
             raise ValueError(f"{v!r} is not an IAM role ARN (arn:aws:iam::<12-digit account>:role/<name>)")
         return v
 
@@ -186,16 +198,38 @@ class SageMakerDeployParams(_Strict):
         parse_s3_uri(v)
         return v.rstrip("/")
 
-    @field_validator("endpoint_name")
+    @field_validator("tags")
     @classmethod
-    def _endpoint(cls, v):
-        if v is not None and (not NAME_RE.match(v) or len(v) > 40):
-            raise ValueError(f"endpoint_name {v!r}: letters, digits and '-', at most 40 chars (model and "
-                             "config names append a version and a timestamp)")
+    def _tag_values(cls, v):
+        for k, val in v:
+            if not 0 < len(k) <= 128 or len(val) > 256 or k.lower().startswith("aws:"):
+                raise ValueError(f"tag {k!r}: keys 1..128 chars (no aws: prefix), values ≤256 chars")
+        if len(v) > 40:
+            raise ValueError("at most 40 tags")
+        return v
+
+    @field_validator("target_model")
+    @classmethod
+    def _target(cls, v):
+        if v is not None and (v.lower().startswith("s3:") or "://" in v):
+            parse_s3_uri(v)  # an S3 URI must be a valid one (not silently a hub id)
+        elif v is not None and not re.fullmatch(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?", v):
+            raise ValueError(f"target_model {v!r}: an s3://bucket/prefix URI or a hub id such as org/model")
         return v
 
     @model_validator(mode="after")
     def _check(self):
+        for name in self.profiles:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,15}", name):
+                raise ValueError(f"profile name {name!r}: lowercase letters, digits and '-', at most 16 chars "
+                                 "(it becomes part of the endpoint name)")
+        named = [p.endpoint_name for p in self.profiles.values() if p.endpoint_name]
+        if len(named) != len(set(named)):
+            raise ValueError("two profiles name the same endpoint_name; each profile serves its own endpoint")
+        if len(set(self.on_promote)) != len(self.on_promote):
+            raise ValueError(f"on_promote lists a profile twice: {list(self.on_promote)}")
+        if self.num_draft_tokens is not None and self.num_steps is None:
+            raise ValueError("num_draft_tokens needs num_steps (SGLang requires both or neither)")
         for name in self.on_promote:
             if name not in self.profiles:
                 raise ValueError(f"on_promote names profile {name!r}; defined: {sorted(self.profiles)}")
@@ -211,6 +245,8 @@ class SageMakerDeployParams(_Strict):
             raise ValueError(f"no SageMaker profile {name!r} in deploy.sagemaker.profiles; defined: "
                              f"{sorted(self.profiles)}")
         prof = self.profiles[name]
+        if prof.engine == "vllm-neuron" and self.eagle_topk != 1:
+            raise ValueError(f"profile {name!r}: vLLM drafts a chain (eagle_topk 1), got eagle_topk {self.eagle_topk}")
         if prof.engine == "vllm-neuron" and not prof.image_uri:
             raise ValueError(f"profile {name!r} (vllm-neuron) needs image_uri: a vLLM-Neuron serving image in your "
                              f"ECR (deploy.sagemaker.profiles.{name}.image_uri; see infra/README.md, 'Images')")
@@ -219,11 +255,17 @@ class SageMakerDeployParams(_Strict):
 
 @dataclass(frozen=True)
 class DraftArtifact:
-    """A draft checkpoint to serve: its dir, registry version (or None), sha256 of model.safetensors."""
+    """A draft checkpoint to serve: its dir, registry version (or None), sha256 of model.safetensors
+    (the registry's `draft_sha256`) and of config.json. `key`: the S3 content address of both."""
 
     path: Path
     version: str | None
     sha256: str
+    config_sha256: str = ""
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.sha256}:{self.config_sha256}".encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -260,11 +302,8 @@ def sha256_file(path: Path) -> str:
 
 
 def endpoint_name(sm_params: SageMakerDeployParams, target_id: str, profile: str) -> str:
-    """`deploy.sagemaker.endpoint_name`, else `tidespec-<target_id[:12]>-<profile>`."""
-    name = sm_params.endpoint_name or f"tidespec-{target_id[:12]}-{re.sub(r'[^a-zA-Z0-9-]', '-', profile)}"
-    if not NAME_RE.match(name):
-        raise ValueError(f"endpoint name {name!r} is not valid for SageMaker")
-    return name
+    """The profile's `endpoint_name`, else `tidespec-<target_id[:12]>-<profile>`."""
+    return sm_params.profiles[profile].endpoint_name or f"tidespec-{target_id[:12]}-{profile}"
 
 
 def resource_name(endpoint: str, version: str | None, now: datetime | None = None) -> str:
@@ -272,8 +311,8 @@ def resource_name(endpoint: str, version: str | None, now: datetime | None = Non
     ts = f"{(now or datetime.now(UTC)):%Y%m%d%H%M%S}"
     v = f"v{re.sub(r'[^a-zA-Z0-9]', '', str(version))}" if version else "local"
     name = f"{endpoint}-{v}-{ts}"
-    if not NAME_RE.match(name) or len(name) > 63:
-        raise ValueError(f"resource name {name!r} too long or invalid: shorten deploy.sagemaker.endpoint_name")
+    if not NAME_RE.fullmatch(name) or len(name) > 63:
+        raise ValueError(f"resource name {name!r} too long or invalid: shorten the profile's endpoint_name")
     return name
 
 
@@ -353,13 +392,14 @@ def alarm_requests(endpoint: str, canary: CanaryParams) -> tuple[dict, ...]:
     """PutMetricAlarm kwargs of the auto-rollback alarms (AWS/SageMaker per-variant metrics, 1-min
     periods): 5xx count ≥ alarm_5xx, and ModelLatency p99 (µs) > alarm_p99_latency_ms."""
     dims = [{"Name": "EndpointName", "Value": endpoint}, {"Name": "VariantName", "Value": VARIANT}]
-    out = [{"AlarmName": f"{endpoint}-5xx", "Namespace": "AWS/SageMaker", "MetricName": "Invocation5XXErrors",
+    base = endpoint if endpoint.startswith("tidespec-") else f"tidespec-{endpoint}"  # operator policy: alarm:tidespec-*
+    out = [{"AlarmName": f"{base}-5xx", "Namespace": "AWS/SageMaker", "MetricName": "Invocation5XXErrors",
             "Dimensions": dims, "Statistic": "Sum", "Period": 60, "EvaluationPeriods": 1,
             "Threshold": float(canary.alarm_5xx), "ComparisonOperator": "GreaterThanOrEqualToThreshold",
             "TreatMissingData": "notBreaching",
             "AlarmDescription": "tidespec blue/green auto-rollback: 5xx from the endpoint"}]
     if canary.alarm_p99_latency_ms is not None:
-        out.append({"AlarmName": f"{endpoint}-p99-latency", "Namespace": "AWS/SageMaker",
+        out.append({"AlarmName": f"{base}-p99-latency", "Namespace": "AWS/SageMaker",
                     "MetricName": "ModelLatency", "Dimensions": dims, "ExtendedStatistic": "p99", "Period": 60,
                     "EvaluationPeriods": 2, "Threshold": canary.alarm_p99_latency_ms * 1000.0,
                     "ComparisonOperator": "GreaterThanThreshold", "TreatMissingData": "notBreaching",
@@ -411,47 +451,97 @@ def check_draft(path: Path, target_id: str | None, version: str | None = None) -
     `target_id` when given) and hash it. Raises FileNotFoundError / ValueError (as load_checkpoint)."""
     from ..models.eagle3 import load_checkpoint
     path = Path(path)
-    load_checkpoint(path, target_id=target_id)
-    if version is None and (path / "version.json").exists():
-        version = json.loads((path / "version.json").read_text()).get("version")
-    return DraftArtifact(path, None if version is None else str(version), sha256_file(path / "model.safetensors"))
+    try:
+        load_checkpoint(path, target_id=target_id)
+        if version is None and (path / "version.json").exists():
+            meta = json.loads((path / "version.json").read_text())
+            if not isinstance(meta, dict):
+                raise ValueError(f"{path / 'version.json'}: expected an object with 'version'")
+            version = meta.get("version")
+    except (FileNotFoundError, ValueError):
+        raise
+    except Exception as e:  # noqa: BLE001 — corrupt safetensors / JSON, a dir where a file belongs
+        raise ValueError(f"{path}: not a readable draft checkpoint ({type(e).__name__}: {e})") from None
+    return DraftArtifact(path, None if version is None else str(version), sha256_file(path / "model.safetensors"),
+                         sha256_file(path / "config.json"))
 
 
-def _exists(s3, bucket: str, key: str, size: int) -> bool:
+def private_copy(draft: DraftArtifact, dest: Path) -> DraftArtifact:
+    """Copy the draft's files into `dest` and re-hash them there, so what is uploaded is what was
+    checked even if the source dir is swapped meanwhile (a promotion, a rollback). Raises ValueError
+    when the model bytes changed since `check_draft`."""
+    import shutil
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in DRAFT_FILES:
+        shutil.copyfile(draft.path / f, dest / f)
+    sha = sha256_file(dest / "model.safetensors")
+    if sha != draft.sha256:
+        raise ValueError(f"draft {draft.path} changed since it was checked (a promotion or rollback meanwhile?); "
+                         "deploy again")
+    return DraftArtifact(dest, draft.version, sha, sha256_file(dest / "config.json"))
+
+
+def _head(s3, bucket: str, key: str) -> dict | None:
     from botocore.exceptions import ClientError
     try:
-        return s3.head_object(Bucket=bucket, Key=key)["ContentLength"] == size
+        return s3.head_object(Bucket=bucket, Key=key)
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-            return False
+            return None
         raise
 
 
-def upload_dir(s3, files: list[tuple[Path, str]], uri: str) -> tuple[str, int]:
-    """Upload (local path, relative key) pairs below prefix `uri` with SSE-S3, skipping objects of the
-    same size already there (the prefix is content-addressed). Returns (prefix URI ending '/', uploaded)."""
+def check_bucket(s3, s3_prefix: str) -> None:
+    """Raise ValueError naming the fix when the prefix's bucket is missing or not accessible."""
+    from botocore.exceptions import ClientError
+    bucket, _ = parse_s3_uri(s3_prefix)
+    try:
+        s3.head_bucket(Bucket=bucket)
+    except ClientError as e:
+        raise ValueError(f"S3 bucket {bucket} does not exist or is not accessible with these credentials "
+                         f"({e.response.get('Error', {}).get('Code')}): create it (infra/cloudformation/"
+                         "tidespec-sagemaker.yaml) or fix deploy.sagemaker.s3_prefix") from None
+
+
+def upload_dir(s3, files: list[tuple[Path, str, str | None]], uri: str) -> tuple[str, int]:
+    """Upload (local path, relative key, sha256 or None) below prefix `uri` with SSE-S3. An object
+    already there is kept when its `sha256` metadata matches (or, without a sha, its size does).
+    Returns (prefix URI ending '/', files uploaded)."""
     bucket, key = parse_s3_uri(uri)
     key = key.strip("/") + "/" if key.strip("/") else ""
     n = 0
-    for path, rel in files:
-        if not _exists(s3, bucket, key + rel, path.stat().st_size):
-            s3.upload_file(str(path), bucket, key + rel, ExtraArgs={"ServerSideEncryption": "AES256"})
+    for path, rel, sha in files:
+        head = _head(s3, bucket, key + rel)
+        same = head is not None and (head.get("Metadata", {}).get("sha256") == sha if sha
+                                     else head["ContentLength"] == path.stat().st_size)
+        if not same:
+            extra = {"ServerSideEncryption": "AES256"} | ({"Metadata": {"sha256": sha}} if sha else {})
+            s3.upload_file(str(path), bucket, key + rel, ExtraArgs=extra)
             n += 1
     return f"s3://{bucket}/{key}", n
 
 
 def upload_draft(s3, draft: DraftArtifact, s3_prefix: str) -> tuple[str, int]:
-    """config.json + model.safetensors → `<s3_prefix>/drafts/<sha256[:16]>/`."""
-    return upload_dir(s3, [(draft.path / f, f) for f in DRAFT_FILES], f"{s3_prefix}/drafts/{draft.sha256[:16]}/")
+    """config.json + model.safetensors → `<s3_prefix>/drafts/<draft.key>/` (sha256 in object metadata)."""
+    files = [(draft.path / "config.json", "config.json", draft.config_sha256 or sha256_file(draft.path / "config.json")),
+             (draft.path / "model.safetensors", "model.safetensors", draft.sha256)]
+    return upload_dir(s3, files, f"{s3_prefix}/drafts/{draft.key}/")
+
+
+def target_prefix(s3_prefix: str, target_id: str) -> str:
+    return f"{s3_prefix}/targets/{target_id[:16]}/"
 
 
 def upload_target(s3, target_dir: Path, s3_prefix: str, target_id: str) -> tuple[str, int]:
-    """A local HF target dir (every file) → `<s3_prefix>/targets/<target_id[:16]>/`."""
+    """A local HF target dir → `<s3_prefix>/targets/<target_id[:16]>/` (the id is the weights' sha256,
+    so same-size objects are kept); hidden files and dirs (.git, .cache) are skipped."""
     target_dir = Path(target_dir)
-    files = [(p, p.relative_to(target_dir).as_posix()) for p in sorted(target_dir.rglob("*")) if p.is_file()]
     if not (target_dir / "config.json").exists():
         raise FileNotFoundError(f"{target_dir} is not a HF model dir (no config.json)")
-    return upload_dir(s3, files, f"{s3_prefix}/targets/{target_id[:16]}/")
+    files = [(p, p.relative_to(target_dir).as_posix(), None) for p in sorted(target_dir.rglob("*"))
+             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(target_dir).parts)]
+    return upload_dir(s3, files, target_prefix(s3_prefix, target_id))
 
 
 def resolve_target(params: Params, sm_params: SageMakerDeployParams) -> tuple[str, Path | None]:
@@ -489,7 +579,7 @@ def plan(params: Params, sm_params: SageMakerDeployParams, profile_name: str, dr
     profile = sm_params.profile(profile_name)
     endpoint = endpoint_name(sm_params, target_id, profile_name)
     name = resource_name(endpoint, draft.version, now)
-    draft_s3 = f"{sm_params.s3_prefix}/drafts/{draft.sha256[:16]}/"
+    draft_s3 = f"{sm_params.s3_prefix}/drafts/{draft.key}/"
     spec = spec_settings(sm_params, params.engine.num_draft_tokens)
     return DeployPlan(profile_name, endpoint,
                       model_request(name, sm_params, profile, region, target_uri, draft_s3, spec, draft, endpoint),
@@ -566,71 +656,131 @@ def _clients(region: str, sm=None, s3=None, cw=None):
 
 
 def deploy_endpoint(params: Params, profile_name: str, draft: DraftArtifact, target_id: str,
-                    sm=None, s3=None, cw=None, wait: bool = True, now: datetime | None = None) -> dict:
+                    sm=None, s3=None, cw=None, wait: bool = True, now: datetime | None = None,
+                    lock_dir: Path | None = None) -> dict:
     """Upload the draft (and a local target dir), create Model + EndpointConfig + alarms, create the
     endpoint or update it blue/green, wait, prune. Returns {"endpoint", "action" (create|update|
-    unchanged), "model", "endpoint_config", "draft_s3", "status", "deleted"}. Re-deploying the draft
-    the endpoint already serves is "unchanged" (nothing created). Raises ValueError when
-    deploy.sagemaker is not configured, SageMakerDeployFailed, TimeoutError, botocore ClientError."""
+    unchanged), "model", "endpoint_config", "draft_s3", "previous_config", "status", "deleted"}.
+    "unchanged": the live Model/EndpointConfig already equal the plan (same draft bytes, image,
+    env, instances). Resources created by a deploy that fails before the endpoint takes them, or
+    whose update rolled back, are deleted; the live endpoint is never touched then. `lock_dir`:
+    serialise deploys of one endpoint from this machine (a lock file there). Raises ValueError
+    (not configured, bad input, missing bucket, draft changed meanwhile), SageMakerDeployFailed
+    (rolled back / failed / endpoint busy), TimeoutError, botocore errors."""
     sm_params = params.deploy.sagemaker
     if sm_params is None:
         raise ValueError("deploy.sagemaker is not configured in params.yaml (role_arn, s3_prefix, target_model; "
                          "see infra/README.md)")
-    sm_params.profile(profile_name)  # fail before any upload
+    prof = sm_params.profile(profile_name)  # fail before any upload
     target_uri, local_target = resolve_target(params, sm_params)
+    if local_target is not None:
+        target_uri = target_prefix(sm_params.s3_prefix, target_id)
     region = region_of(sm_params, sm)
     sm, s3, cw = _clients(region, sm, s3, cw)
     endpoint = endpoint_name(sm_params, target_id, profile_name)
-    current = _describe(sm, endpoint)
-    if current is not None and current["EndpointStatus"] in ("Creating", "Updating", "SystemUpdating",
-                                                             "RollingBack", "Deleting"):
-        raise SageMakerDeployFailed(f"endpoint {endpoint} is {current['EndpointStatus']}; wait for it to settle "
-                                    "and deploy again")
-    if current is not None and current["EndpointStatus"] == "InService" and \
-            _serves(sm, current["EndpointConfigName"], draft.sha256):
-        return {"endpoint": endpoint, "action": "unchanged", "endpoint_config": current["EndpointConfigName"],
-                "status": "InService", "deleted": []}
-    if local_target is not None:
-        target_uri, n = upload_target(s3, local_target, sm_params.s3_prefix, target_id)
-        log.info("target %s → %s (%d files uploaded)", local_target, target_uri, n)
-    draft_s3, n = upload_draft(s3, draft, sm_params.s3_prefix)
-    log.info("draft v%s → %s (%d files uploaded)", draft.version, draft_s3, n)
-    p = plan(params, sm_params, profile_name, draft, target_id, target_uri, region, now)
-    sm.create_model(**p.model)
-    sm.create_endpoint_config(**p.endpoint_config)
-    for a in p.alarms:
-        cw.put_metric_alarm(**a)
-    if current is None or current["EndpointStatus"] == "Failed":
-        if current is not None:  # a failed endpoint cannot be updated: replace it
-            sm.delete_endpoint(EndpointName=endpoint)
-            _wait_gone(sm, endpoint, sm_params.wait_timeout_s, sm_params.poll_s)
-        sm.create_endpoint(EndpointName=endpoint, EndpointConfigName=p.config_name,
-                           Tags=p.endpoint_config["Tags"])
-        action = "create"
-    else:
-        prof = sm_params.profile(profile_name)
-        sm.update_endpoint(**update_request(endpoint, p.config_name, prof.instance_count, sm_params.canary,
-                                            p.alarms))
-        action = "update"
-    out = {"endpoint": endpoint, "action": action, "model": p.model_name, "endpoint_config": p.config_name,
-           "draft_s3": draft_s3, "previous_config": current and current.get("EndpointConfigName"),
-           "status": "submitted", "deleted": []}
-    if not wait:
+    with _endpoint_lock(lock_dir, endpoint), tempfile.TemporaryDirectory(prefix="tidespec-deploy-") as tmp:
+        draft = private_copy(draft, Path(tmp) / "draft")
+        p = plan(params, sm_params, profile_name, draft, target_id, target_uri, region, now)
+        current = _describe(sm, endpoint)
+        if current is not None and current["EndpointStatus"] in BUSY:
+            raise SageMakerDeployFailed(f"endpoint {endpoint} is {current['EndpointStatus']}; wait for it to "
+                                        "settle and deploy again")
+        for a in p.alarms:  # idempotent; thresholds may change without a redeploy
+            cw.put_metric_alarm(**a)
+        if current is not None and current["EndpointStatus"] == "InService" and \
+                live_matches(sm, current["EndpointConfigName"], p):
+            return {"endpoint": endpoint, "action": "unchanged", "endpoint_config": current["EndpointConfigName"],
+                    "status": "InService", "deleted": []}
+        check_bucket(s3, sm_params.s3_prefix)
+        if local_target is not None:
+            _, n = upload_target(s3, local_target, sm_params.s3_prefix, target_id)
+            log.info("target %s → %s (%d files uploaded)", local_target, target_uri, n)
+        draft_s3, n = upload_draft(s3, draft, sm_params.s3_prefix)
+        log.info("draft v%s → %s (%d files uploaded)", draft.version, draft_s3, n)
+        created: list[tuple[str, str]] = []
+        try:
+            sm.create_model(**p.model)
+            created.append(("model", p.model_name))
+            sm.create_endpoint_config(**p.endpoint_config)
+            created.append(("config", p.config_name))
+            if current is None or current["EndpointStatus"] == "Failed":
+                if current is not None:  # a failed endpoint cannot be updated: replace it
+                    sm.delete_endpoint(EndpointName=endpoint)
+                    _wait_gone(sm, endpoint, sm_params.wait_timeout_s, sm_params.poll_s)
+                sm.create_endpoint(EndpointName=endpoint, EndpointConfigName=p.config_name,
+                                   Tags=p.endpoint_config["Tags"])
+                action = "create"
+            else:
+                sm.update_endpoint(**update_request(endpoint, p.config_name, prof.instance_count, sm_params.canary,
+                                                    p.alarms))
+                action = "update"
+        except BaseException:
+            _delete(sm, created)
+            raise
+        out = {"endpoint": endpoint, "action": action, "model": p.model_name, "endpoint_config": p.config_name,
+               "draft_s3": draft_s3, "previous_config": current and current.get("EndpointConfigName"),
+               "status": "submitted", "deleted": []}
+        if not wait:
+            return out
+        try:
+            desc = wait_endpoint(sm, endpoint, p.config_name, sm_params.wait_timeout_s, sm_params.poll_s)
+        except SageMakerDeployFailed:
+            live = _describe(sm, endpoint)
+            if action == "update" and live is not None and live.get("EndpointConfigName") != p.config_name:
+                _delete(sm, created)  # rolled back: the new model/config serve nothing
+            raise
+        out["status"] = desc["EndpointStatus"]
+        out["deleted"] = prune(sm, endpoint, sm_params.keep_versions, p.config_name)
         return out
-    desc = wait_endpoint(sm, endpoint, p.config_name, sm_params.wait_timeout_s, sm_params.poll_s)
-    out["status"] = desc["EndpointStatus"]
-    out["deleted"] = prune(sm, endpoint, sm_params.keep_versions, p.config_name)
-    return out
 
 
-def _serves(sm, config_name: str, sha256: str) -> bool:
-    """Whether the endpoint config's model carries this draft (TIDESPEC_DRAFT_SHA256 in its env)."""
+BUSY = ("Creating", "Updating", "SystemUpdating", "RollingBack", "Deleting")  # UpdateRollbackFailed: an update repairs it
+
+
+def live_matches(sm, config_name: str, p: DeployPlan) -> bool:
+    """Whether the live EndpointConfig and its Model equal the plan (variant settings, role, image,
+    model data sources, environment), ignoring names and tags."""
     cfg = sm.describe_endpoint_config(EndpointConfigName=config_name)
-    for v in cfg["ProductionVariants"]:
-        env = sm.describe_model(ModelName=v["ModelName"]).get("PrimaryContainer", {}).get("Environment", {})
-        if env.get("TIDESPEC_DRAFT_SHA256") == sha256:
-            return True
-    return False
+    variants = cfg.get("ProductionVariants", [])
+    want = {k: v for k, v in p.endpoint_config["ProductionVariants"][0].items() if k != "ModelName"}
+    if len(variants) != 1 or any(variants[0].get(k) != v for k, v in want.items()):
+        return False
+    m = sm.describe_model(ModelName=variants[0]["ModelName"])
+    have = m.get("PrimaryContainer", {})
+    return m.get("ExecutionRoleArn") == p.model["ExecutionRoleArn"] and all(
+        have.get(k) == v for k, v in p.model["PrimaryContainer"].items() if k != "Mode")
+
+
+def _delete(sm, created: list[tuple[str, str]]) -> None:
+    """Best-effort removal of what a failed deploy created (config before model)."""
+    for kind, name in reversed(created):
+        try:
+            if kind == "config":
+                sm.delete_endpoint_config(EndpointConfigName=name)
+            else:
+                sm.delete_model(ModelName=name)
+        except Exception as e:  # noqa: BLE001 — cleanup must not mask the original error
+            log.warning("could not delete %s %s: %s", kind, name, e)
+
+
+@contextlib.contextmanager
+def _endpoint_lock(lock_dir: Path | None, endpoint: str):
+    if lock_dir is None:
+        yield
+        return
+    import fcntl
+    Path(lock_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(lock_dir) / f"sagemaker-{endpoint}.lock"
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SageMakerDeployFailed(f"another deploy of endpoint {endpoint} is running (lock {path}); wait for "
+                                        "it to finish") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _wait_gone(sm, endpoint: str, timeout_s: float, poll_s: float) -> None:

@@ -77,15 +77,30 @@ class SGLangLaunch:
     capture_max_len: int = 4096
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
+    def __post_init__(self):
+        if self.mode not in ("serve", "capture_aux", "capture_last"):
+            raise ValueError(f"mode {self.mode!r}: one of serve, capture_aux, capture_last")
+        if not 0 < self.port < 65536 or self.tp_size < 1 or self.num_steps < 1 or self.eagle_topk < 1:
+            raise ValueError("port must be 1..65535; tp_size, num_steps and eagle_topk >= 1")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < self.num_steps + 1:
+            raise ValueError(f"num_draft_tokens {self.num_draft_tokens} < num_steps + 1 = {self.num_steps + 1}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static {self.mem_fraction_static} must be in (0, 1)")
+        if self.capture_max_len < 2:
+            raise ValueError("capture_max_len must be >= 2")
+
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
 
 def check_aux_ids(ids, num_layers: int, architecture: str = "LlamaForCausalLM") -> tuple[int, ...]:
     """Validate output-of-layer aux ids for SGLang's capture: distinct, ascending, 0 ≤ id < L-1 (the
     last layer's output is not capturable), first id 1 for the archs whose +1 is conditional.
     Returns them unchanged (SGLang applies the +1). Raises ValueError naming the fix."""
+    if any(isinstance(i, bool) or int(i) != i for i in ids):
+        raise ValueError(f"aux layer ids {tuple(ids)}: integers only")
     ids = tuple(int(i) for i in ids)
     if len(ids) != 3 or list(ids) != sorted(set(ids)):
         raise ValueError(f"aux layer ids {ids}: need 3 distinct ascending ids (low, mid, high)")
@@ -126,8 +141,12 @@ def launch_args(cfg: SGLangLaunch) -> list[str]:
         if cfg.mode == "capture_aux":
             if not cfg.aux_layer_ids:
                 raise ValueError("capture_aux needs aux_layer_ids (output-of-layer ids, e.g. target.aux_layers)")
+            ids = tuple(int(i) for i in cfg.aux_layer_ids)
+            if list(ids) != sorted(set(ids)) or min(ids) < 0:
+                raise ValueError(f"aux_layer_ids {ids}: distinct, ascending, >= 0 (check_aux_ids validates "
+                                 "against the model)")
             a += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-                  "--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layer_ids)]
+                  "--return-aux-hidden-state-layer-ids", *map(str, ids)]
         else:
             a += ["--enable-return-hidden-states"]
     return a + list(cfg.extra_args)
@@ -136,21 +155,54 @@ def launch_args(cfg: SGLangLaunch) -> list[str]:
 def unavailable_reason(python: str) -> str | None:
     """Why SGLang cannot run with interpreter `python`, or None when it can (SGLang importable, a
     CUDA device visible to that interpreter's torch)."""
+    fix = (f"install sglang>={SGLANG_VERSION} in its own environment (it pins torch 2.14.1 and CUDA kernels) and "
+           "pass that environment's python; on CPU use `tidespec serve` (the embedded engine)")
     try:
         r = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
-    except FileNotFoundError:
-        return (f"no Python at {python!r}: install sglang=={SGLANG_VERSION} in its own environment (it pins "
-                "torch 2.14.1 and CUDA kernels) and pass that environment's python")
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, OSError) as e:
+        return f"no usable Python at {python!r} ({type(e).__name__}): {fix}"
     except subprocess.TimeoutExpired:
         return f"{python} did not answer the SGLang probe within 120 s"
     if r.returncode != 0:
-        return (f"{python} cannot import sglang ({(r.stderr.strip().splitlines() or ['?'])[-1]}): install "
-                f"sglang=={SGLANG_VERSION} in that environment; on CPU use `tidespec serve` (the embedded engine)")
-    info = json.loads(r.stdout.strip().splitlines()[-1])
+        return f"{python} cannot import sglang ({(r.stderr.strip().splitlines() or ['?'])[-1]}): {fix}"
+    info = None
+    for line in reversed(r.stdout.strip().splitlines()):
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict) and "sglang" in d:
+            info = d
+            break
+    if info is None:
+        return f"{python} answered the SGLang probe without the expected JSON line: {r.stdout[-200:]!r}"
+    if _version(str(info["sglang"])) < _version(SGLANG_VERSION):
+        return (f"sglang {info['sglang']} is older than {SGLANG_VERSION} (the aux-hidden-state capture flags): "
+                f"{fix}")
     if not info.get("cuda"):
         return ("SGLang needs a CUDA GPU (torch.cuda.is_available() is False here); on CPU use `tidespec serve` "
                 "(the embedded engine)")
     return None
+
+
+def _version(v: str) -> tuple[int, ...]:
+    """'0.5.23.post1' → (0, 5, 23); unparsable parts count as 0."""
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit()) or "0"
+        out.append(int(digits) if part[:1].isdigit() else 0)
+    return tuple(out)
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 class SGLangServer:
@@ -170,6 +222,9 @@ class SGLangServer:
         if reason:
             raise SGLangUnavailable(reason)
         args = launch_args(self.cfg)
+        if not _port_free(self.cfg.host, self.cfg.port):  # else another server's health would pass for ours
+            raise SGLangError(f"port {self.cfg.port} on {self.cfg.host} is in use: stop what listens there or "
+                              "choose another port")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -194,7 +249,8 @@ class SGLangServer:
                 raise SGLangError(f"SGLang server exited with {self.proc.returncode} while starting; log "
                                   f"{self.log_path}:\n{self._tail()}")
             try:
-                if httpx.get(f"{self.cfg.url}/health_generate", timeout=30).status_code == 200:
+                ok = httpx.get(f"{self.cfg.url}/health_generate", timeout=30).status_code == 200
+                if ok and self.proc.poll() is None:
                     return
             except httpx.HTTPError:
                 pass
@@ -203,16 +259,28 @@ class SGLangServer:
                           f"{self._tail()}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the whole process group (its workers too, even when the main process already
+        exited), SIGKILL what is left after `grace_s`."""
+        if self.proc is None:
             return
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(self.grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline:
+            self.proc.poll()
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.proc.wait(10)
 
     def __enter__(self) -> SGLangServer:
         return self.start() if self.proc is None else self
@@ -247,12 +315,13 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, return_hidden_
     r = post(f"{url.rstrip('/')}/generate", json=body, timeout=timeout_s)
     if r.status_code != 200:
         raise SGLangError(f"SGLang /generate {r.status_code}: {r.text[:300]}")
-    d = r.json()
-    if isinstance(d, list):
-        d = d[0]
-    if "output_ids" not in d or "meta_info" not in d:
-        raise SGLangError(f"SGLang /generate reply without output_ids/meta_info: keys {sorted(d)}")
-    return SGLangResult([int(t) for t in d["output_ids"]], d["meta_info"])
+    try:
+        d = r.json()
+        d = d[0] if isinstance(d, list) else d
+        return SGLangResult([int(t) for t in d["output_ids"]], dict(d["meta_info"]))
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise SGLangError(f"SGLang /generate reply outside its contract ({type(e).__name__}: {e}): "
+                          f"{r.text[:200]!r}") from None
 
 
 def prefill_rows(meta_info: dict, n_tokens: int, width: int) -> torch.Tensor:
@@ -262,13 +331,18 @@ def prefill_rows(meta_info: dict, n_tokens: int, width: int) -> torch.Tensor:
     if not hs:
         raise SGLangError("no hidden_states in the reply: the capture server needs --enable-return-aux-hidden-"
                           "states / --enable-return-hidden-states and the request return_hidden_states=true")
-    block = torch.tensor(hs[0], dtype=torch.float32)
+    try:
+        block = torch.tensor(hs[0], dtype=torch.float32)
+    except (ValueError, TypeError) as e:
+        raise SGLangError(f"hidden_states[0] is not a [rows, width] array of numbers: {e}") from None
     if block.dim() == 1:
         block = block.unsqueeze(0)
     if tuple(block.shape) != (n_tokens, width):
         raise SGLangError(f"prefill hidden states {tuple(block.shape)}, expected ({n_tokens}, {width}): launch the "
                           "capture server with --disable-radix-cache and --chunked-prefill-size >= the sequence "
                           "length (SGLangLaunch capture modes do)")
+    if not torch.isfinite(block).all():
+        raise SGLangError("hidden states contain NaN/Inf; refusing to capture them")
     return block
 
 
