@@ -311,13 +311,17 @@ def test_replay_interleaves_configs_and_counts_mismatches(tiny_target):
     order = []
 
     class Spy(Engine):
-        def generate(self, ids, n, **kw):
-            order.append((self.draft_version, len(ids)))
-            return super().generate(ids, n, **kw)
+        def generate_batch(self, reqs):
+            order.append((self.draft_version, len(reqs)))
+            return super().generate_batch(reqs)
 
     ps = [{"id": str(i), "input_ids": p} for i, p in enumerate(_prompts(3, 5))]
     base, spec = Spy(tiny_target, None, 3, 128), Spy(tiny_target, _random_runner(tiny_target, 64), 3, 128, "d")
     runs = replay({"base": (base, False), "spec": (spec, True)}, ps, 12, reference="base")
-    assert [v for v, _ in order] == [None, "d"] * 3  # prompt by prompt, every config in turn
+    assert order == [(None, 1), ("d", 1)] * 3  # prompt by prompt, every config in turn
     assert runs["spec"]["outputs"] == runs["base"]["outputs"] and runs["spec"]["metrics"]["mismatches"] == 0
     assert runs["spec"]["metrics"]["num_drafts"] > 0 and runs["base"]["metrics"]["new_tokens"] == 36
+    order.clear()  # concurrency 2: waves of two requests in one engine batch, configs still interleaved
+    runs2 = replay({"base": (base, False), "spec": (spec, True)}, ps, 12, reference="base", concurrency=2)
+    assert order == [(None, 2), ("d", 2), (None, 1), ("d", 1)]
+    assert runs2["spec"]["outputs"] == runs["base"]["outputs"] and runs2["spec"]["metrics"]["mismatches"] == 0

@@ -332,6 +332,23 @@ def bench_train(params: Path = PARAMS,
     console.print(f"wrote {out / 'train.json'} and {out / 'train.md'} in {rep['wall_s'] / 60:.1f} min")
 
 
+@bench_app.command("shift")
+def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quick", help="2 phases, concurrency "
+                                                                                       "1 and 8, fewer prompts "
+                                                                                       "(≈10 min on 2 cores)"),
+                out: Path = typer.Option(Path("bench/results")),
+                work: Path = typer.Option(Path(".tidespec/bench-shift"), help="scratch workspace (wiped)")):
+    """The workload-shift experiment: chat → code → math EN → math KO/JA at concurrency 1/4/8, no-spec vs
+    static vs adapting draft with automatic cycles; writes bench/results/shift-<date>.{json,md,png}."""
+    from .bench import shift
+    from .config import load_params
+    cfg = shift.ShiftConfig.quick() if quick else shift.ShiftConfig()
+    rep = shift.run(load_params(params), out, work.resolve(), cfg, progress=console.print)
+    stem = f"shift-{__import__('datetime').date.today().isoformat()}"
+    console.print((out / f"{stem}.md").read_text())
+    console.print(f"wrote {out / stem}.json/.md/-*.png in {rep['wall_s'] / 60:.1f} min")
+
+
 @bench_app.command("serve")
 def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.Option(64, min=1),
                 duration_s: float = typer.Option(60.0, min=1), prompts: int = typer.Option(16, min=1),

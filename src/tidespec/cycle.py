@@ -237,29 +237,39 @@ def read_eval_prompts(path: Path) -> list[dict]:
 
 
 def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new_tokens: int,
-           reference: str | None = None, progress=None) -> dict[str, dict]:
-    """Run the prompts greedily through every configuration, interleaved prompt by prompt (so
-    machine load drifts hit all of them alike). configs: name → (engine, speculative).
+           reference: str | None = None, progress=None, concurrency: int = 1) -> dict[str, dict]:
+    """Run the prompts greedily through every configuration, `concurrency` requests at a time (one
+    engine batch), interleaved wave by wave (so machine load drifts hit all configurations alike).
+    configs: name → (engine, speculative); an engine batches up to its max_batch.
 
     Returns name → {"metrics", "outputs", "mismatched_ids"}; with `reference` (a config name, run
-    first per prompt) mismatches count outputs that differ from that config's. Metrics:
+    first per wave) mismatches count outputs that differ from that config's. Metrics:
     acceptance_length, acceptance_rate, accepted_per_pos/{i}, acceptance_length/{workload} (τ per
-    workload tag of the prompts), tokens_per_s (generated tokens / wall seconds incl. prefill),
-    itl_ms_p50/p99, new_tokens, seconds, mismatches.
+    workload tag of the prompts), tokens_per_s (generated tokens / wall seconds of the waves, incl.
+    prefill), itl_ms_p50/p99, new_tokens, seconds, mismatches.
     """
+    import time
+    from .engine.speculative import Request
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     acc = {name: {"stats": SpecDecodingStats(eng.k if spec else 0), "outs": {}, "itl": [], "toks": 0, "secs": 0.0,
                   "by_workload": {}} for name, (eng, spec) in configs.items()}
-    for p in prompts:
+    for w in range(0, len(prompts), concurrency):
+        wave = prompts[w:w + concurrency]
         for name, (eng, spec) in configs.items():
-            g = eng.generate(p["input_ids"], max_new_tokens, speculative=spec)
+            reqs = [Request(list(p["input_ids"]), max_new_tokens, spec, workload=p.get("workload", "default"))
+                    for p in wave]
+            t0 = time.perf_counter()
+            gens = eng.generate_batch(reqs)
             a = acc[name]
-            a["outs"][p["id"]] = g.tokens
-            a["stats"] = a["stats"].merge(g.stats)
-            wl = p.get("workload", "default")
-            a["by_workload"][wl] = a["by_workload"].get(wl, SpecDecodingStats(eng.k if spec else 0)).merge(g.stats)
-            a["itl"] += g.timing.itl_ms()
-            a["toks"] += len(g.tokens)
-            a["secs"] += g.timing.prefill_s + g.timing.decode_s
+            a["secs"] += time.perf_counter() - t0
+            for p, g in zip(wave, gens):
+                a["outs"][p["id"]] = g.tokens
+                a["stats"] = a["stats"].merge(g.stats)
+                wl = p.get("workload", "default")
+                a["by_workload"][wl] = a["by_workload"].get(wl, SpecDecodingStats(eng.k if spec else 0)).merge(g.stats)
+                a["itl"] += g.timing.itl_ms()
+                a["toks"] += len(g.tokens)
             if progress:
                 progress()
     res = {}

@@ -274,9 +274,13 @@ class CaptureWriter:
                     self._write_pending()
                     if self._full and self._disk_reason(0) is None:
                         self._full = None
-                else:  # flush | seal
+                else:  # flush | seal (a flush also applies the seal thresholds, as a record would)
                     self._write_pending()
-                    info = self._seal("manual") if kind == "seal" else None
+                    if kind == "seal":
+                        info = self._seal("manual")
+                    else:
+                        self._maybe_seal()
+                        info = None
                     arg.set_result(info)
                     continue
                 self._maybe_seal()

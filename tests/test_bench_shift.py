@@ -1,0 +1,98 @@
+"""bench shift: batched side-by-side measurement, summary against the goals, report + plots (tiny target).
+
+The full experiment (`tidespec bench shift`) needs SmolLM2 and ~45 min; here its pieces run on the
+tiny target with real engines: outputs of every arm and concurrency must equal target-only.
+"""
+import json
+
+import pytest
+from conftest import random_draft
+
+from tidespec.bench import shift
+from tidespec.config import Params
+from tidespec.engine.speculative import Engine
+
+
+@pytest.fixture(scope="module")
+def arms(tiny_target):
+    d = random_draft(tiny_target, seed=3)
+    from tidespec.models.eagle3 import DraftRunner
+    return {"none": (Engine(tiny_target, None, 3, 256, max_batch=4), False),
+            "static": (Engine(tiny_target, DraftRunner(d), 3, 256, max_batch=4), True),
+            "adapted": (Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), 3, 256, max_batch=4), True)}
+
+
+def _prompts(n, phase, seed=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [{"id": f"{phase}/{i}", "input_ids": torch.randint(3, 300, (6 + i,), generator=g).tolist(),
+             "workload": phase} for i in range(n)]
+
+
+def test_measure_is_lossless_at_every_concurrency(arms):
+    cfg = shift.ShiftConfig(concurrency=(1, 3), max_new_tokens=10)
+    m = shift.measure(arms, _prompts(5, "code"), cfg, None)
+    ref = m["reference"]
+    assert len(ref) == 5 and all(len(t) == 10 for t in ref.values())
+    for c in (1, 3):
+        row = m["by_concurrency"][c]
+        assert set(row) == {"none", "static", "adapted"}
+        for name, r in row.items():
+            assert r["mismatches"] == 0, (c, name)
+            assert r["new_tokens"] == 50 and r["tokens_per_s"] > 0
+        assert row["none"]["acceptance_length"] == 1.0
+        assert 1.0 <= row["static"]["acceptance_length"] <= 4.0
+    # the same draft gives the same τ whatever the batching (greedy, identical streams)
+    assert m["by_concurrency"][1]["static"]["acceptance_length"] == pytest.approx(
+        m["by_concurrency"][3]["static"]["acceptance_length"])
+    after = shift.measure({k: v for k, v in arms.items() if k != "none"}, _prompts(5, "code"), cfg, ref)
+    assert all(r["mismatches"] == 0 for c in (1, 3) for r in after["by_concurrency"][c].values())
+
+
+def test_summary_report_and_plots(arms, tmp_path):
+    cfg = shift.ShiftConfig(phases=("chat", "code"), concurrency=(1, 2), max_new_tokens=8)
+    rep = {"config": {"phases": list(cfg.phases), "eval_prompts": 3, "max_new_tokens": 8}, "k": 3, "cpu_threads": 2,
+           "wall_s": 12.0, "phases": [], "cycles": [
+               {"phase": "chat", "snapshot": "s1", "snapshot_tokens": 900, "cycle_s": 130.0, "promoted": True,
+                "version": "2", "reason": "r", "candidate_tau": 1.4, "champion_tau": 1.2, "drift_jsd": None,
+                "train_s": 60.0},
+               {"phase": "code", "snapshot": "s2", "snapshot_tokens": 950, "cycle_s": 700.0, "promoted": False,
+                "version": "3", "reason": "r", "candidate_tau": 1.1, "champion_tau": 1.3, "drift_jsd": 0.4,
+                "train_s": 70.0}]}
+    for ph in cfg.phases:
+        ps = _prompts(3, ph)
+        before = shift.measure(arms, ps, cfg, None)
+        after = shift.measure(arms, ps, cfg, before.pop("reference"))
+        rep["phases"].append({"phase": ph, "title": ph, "before": before["by_concurrency"],
+                              "after": after["by_concurrency"]})
+    rep["contrast"] = {"open-ended": {"structured": False, "num_prompts": 3, "k_chosen": 0, "acceptance": [],
+                                      "itl_ms_p50_none": 50.0, "itl_ms_p50_spec": 52.0, "tokens_per_s_none": 20.0,
+                                      "tokens_per_s_spec": 19.0, "speedup": 0.95, "tau": 1.0, "mismatches": 0}}
+    rep["summary"] = s = shift.summarize(rep)
+    assert len(s["rows"]) == 4  # 2 phases × 2 concurrencies
+    r = next(r for r in s["rows"] if r["phase"] == "code" and r["concurrency"] == 2)
+    code_after = rep["phases"][1]["after"][2]
+    assert r["adapted_over_static"] == pytest.approx(code_after["adapted"]["tokens_per_s"] /
+                                                     code_after["static"]["tokens_per_s"])
+    g = s["goals"]
+    assert g["cycle_s_max"] == 700.0 and g["cycles_promoted"] == 1 and g["lossless"] is True
+    assert g["met"]["cycle ≤ 10 min"] is False  # 700 s
+    assert g["met"]["open-ended never slower than no speculation"] is False  # 0.95×
+    assert g["tau_code_adapted"] == pytest.approx(rep["phases"][1]["after"][1]["adapted"]["acceptance_length"])
+    paths = shift.write_report(rep, tmp_path, "shift-test")
+    for p in paths.values():
+        assert p.stat().st_size > 5000  # a rendered PNG
+    md = (tmp_path / "shift-test.md").read_text()
+    assert "| code | 2 |" in md and "NOT met: cycle ≤ 10 min" in md and "![τ](shift-test-tau.png)" in md
+    back = json.loads((tmp_path / "shift-test.json").read_text())
+    assert back["summary"]["goals"]["cycle_s_max"] == 700.0
+
+
+def test_bench_params_set_the_threshold_to_the_phase_traffic():
+    p = shift.bench_params(Params(), shift.ShiftConfig(traffic_prompts=10, traffic_max_new_tokens=80,
+                                                       train_epochs=2, concurrency=(1, 16)))
+    assert p.capture.seal_min_tokens == int(10 * (80 + 120) * 0.6) and p.capture.seal_max_age_s is None
+    assert p.train.epochs == 2 and p.engine.max_batch == 16
+    assert p.evaluate.max_new_tokens == 48 and p.curate.max_holdout == 12
+    with pytest.raises(ValueError, match="unknown phase"):
+        shift.phase_prompts("poetry", Params())
