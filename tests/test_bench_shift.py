@@ -65,7 +65,9 @@ def test_summary_report_and_plots(arms, tmp_path):
         after = shift.measure(arms, ps, cfg, before.pop("reference"))
         rep["phases"].append({"phase": ph, "title": ph, "before": before["by_concurrency"],
                               "after": after["by_concurrency"]})
-    rep["contrast"] = {"open-ended": {"structured": False, "num_prompts": 3, "k_chosen": 0, "acceptance": [],
+    rep["contrast"] = {"_cost_model": {"target_ms": [50.0, 60.0, 65.0, 70.0], "draft_ms": 10.0,
+                                       "step_ms": [50.0, 70.0, 85.0, 100.0], "breakeven_tau": [1.0, 1.4, 1.7, 2.0]},
+                       "open-ended": {"structured": False, "num_prompts": 3, "k_chosen": 0, "acceptance": [],
                                       "itl_ms_p50_none": 50.0, "itl_ms_p50_spec": 52.0, "tokens_per_s_none": 20.0,
                                       "tokens_per_s_spec": 19.0, "speedup": 0.95, "tau": 1.0, "mismatches": 0}}
     rep["summary"] = s = shift.summarize(rep)
@@ -83,6 +85,7 @@ def test_summary_report_and_plots(arms, tmp_path):
     for p in paths.values():
         assert p.stat().st_size > 5000  # a rendered PNG
     md = (tmp_path / "shift-test.md").read_text()
+    assert "break-even τ k=1: 1.40, k=2: 1.70, k=3: 2.00" in md and g["breakeven_tau_k"] == 2.0
     assert "| code | 2 |" in md and "NOT met: cycle ≤ 10 min" in md and "![τ](shift-test-tau.png)" in md
     back = json.loads((tmp_path / "shift-test.json").read_text())
     assert back["summary"]["goals"]["cycle_s_max"] == 700.0

@@ -263,7 +263,11 @@ def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:
     none = Engine(target, None, params.engine.num_draft_tokens, params.engine.max_seq_len)
     warm = [p for ps in groups.values() for p in ps[:1]]  # the policy learns each class online
     replay({"adaptive": (spec, True)}, warm, cfg.max_new_tokens // 2)
-    out = {}
+    cal = spec.adaptive.cal
+    base = cal.step_ms(0)
+    out = {"_cost_model": {"target_ms": list(cal.target_ms), "draft_ms": cal.draft_ms,
+                           "step_ms": [cal.step_ms(k) for k in range(cal.k_max + 1)],
+                           "breakeven_tau": [cal.step_ms(k) / base for k in range(cal.k_max + 1)]}}
     for g, ps in groups.items():
         runs = replay({"none": (none, False), "adaptive": (spec, True)}, ps, cfg.max_new_tokens, reference="none")
         a, n = runs["adaptive"]["metrics"], runs["none"]["metrics"]
@@ -304,13 +308,15 @@ def summarize(rep: dict) -> dict:
     code = [r for r in rows if r["phase"] == "code"]
     cyc = [c["cycle_s"] for c in rep["cycles"] if not c.get("skipped")]
     open_ = rep.get("contrast", {}).get("open-ended")
+    cost = rep.get("contrast", {}).get("_cost_model")
     goals = {
         "adapted_over_static_shifted_min": min((r["adapted_over_static"] for r in shifted), default=None),
         "adapted_over_static_shifted_max": max((r["adapted_over_static"] for r in shifted), default=None),
         "tau_code_k": k, "tau_code_adapted": code[0]["tau_adapted"] if code else None,
         "open_ended_speedup_vs_none": open_["speedup"] if open_ else None,
         "cycle_s_max": max(cyc) if cyc else None, "cycles_promoted": sum(bool(c.get("promoted")) for c in rep["cycles"]),
-        "cycles": len(rep["cycles"]), "lossless": all(r["mismatches"] == 0 for r in rows)}
+        "cycles": len(rep["cycles"]), "lossless": all(r["mismatches"] == 0 for r in rows),
+        "breakeven_tau_k": cost["breakeven_tau"][k] if cost and k < len(cost["breakeven_tau"]) else None}
     goals["met"] = {
         "adapted/static ≥ 1.5× on shifted phases": bool(goals["adapted_over_static_shifted_min"] and
                                                         goals["adapted_over_static_shifted_min"] >= 1.5),
@@ -356,7 +362,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     for ax, c in zip(axes[0], cs):
         key = str(c) if str(c) in phases[0]["before"] else c
         for arm, style in (("none", ":"), ("static", "s--"), ("adapted", "o-")):
-            ys = [(p[s][key].get(arm) or p["before"][key][arm])["tokens_per_s"] for p in phases for s in ("before", "after")]
+            ys = [p[s][key][arm]["tokens_per_s"] for p in phases for s in ("before", "after")]
             ax.plot(range(len(xs)), ys, style, label=arm)
         ax.set_xticks(range(len(xs)), xs, fontsize=7)
         ax.set_title(f"concurrency {c}")
@@ -423,9 +429,22 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
               "| group | structured | k chosen | τ | ITL p50 ms none | ITL p50 ms spec | tok/s none | tok/s spec | speed-up |",
               "|---|---|---|---|---|---|---|---|---|"]
         for grp, c in rep["contrast"].items():
+            if grp.startswith("_"):
+                continue
             L.append(f"| {grp} | {'yes' if c['structured'] else 'no'} | {c['k_chosen']} | {c['tau']:.2f} | "
                      f"{c['itl_ms_p50_none']:.0f} | {c['itl_ms_p50_spec']:.0f} | {c['tokens_per_s_none']:.1f} | "
                      f"{c['tokens_per_s_spec']:.1f} | {c['speedup']:.2f}× |")
+    cost = (rep.get("contrast") or {}).get("_cost_model")
+    if cost:
+        k = rep["k"]
+        L += ["", "## The limit that binds: step cost vs τ (measured on this machine, batch 1)", "",
+              f"One plain decode step costs {cost['step_ms'][0]:.0f} ms; a step with k drafts costs the verify of k+1 "
+              f"tokens plus k draft steps ({cost['draft_ms']:.1f} ms each): " + ", ".join(
+                  f"k={i}: {ms:.0f} ms" for i, ms in enumerate(cost["step_ms"])) + ". Speculation pays only when τ "
+              "exceeds the cost ratio: break-even τ " + ", ".join(
+                  f"k={i}: {b:.2f}" for i, b in enumerate(cost["breakeven_tau"]) if i) +
+              f". At k={k} the drafts above need τ > {cost['breakeven_tau'][k]:.2f} to beat no speculation; the "
+              "adapted τ per phase is in the tables."]
     L += ["", "## Goals (issue 8) and where this run landed", ""]
     for name, ok in g["met"].items():
         L.append(f"- {'met' if ok else 'NOT met'}: {name}")
