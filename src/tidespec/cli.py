@@ -344,7 +344,7 @@ def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
     from .config import load_params
     cfg = shift.ShiftConfig.quick() if quick else shift.ShiftConfig()
     rep = shift.run(load_params(params), out, work.resolve(), cfg, progress=console.print)
-    stem = f"shift-{__import__('datetime').date.today().isoformat()}"
+    stem = rep["stem"]
     console.print((out / f"{stem}.md").read_text())
     console.print(f"wrote {out / stem}.json/.md/-*.png in {rep['wall_s'] / 60:.1f} min")
 

@@ -13,8 +13,8 @@ Then the structured vs open-ended contrast: ITL with and without speculation und
 k policy (k per workload from measured acceptance and step costs, spec off where it loses) on
 code + MT-Bench extraction (structured) and MT-Bench writing/roleplay/humanities (open-ended).
 
-Writes bench/results/shift-<date>.json, shift-<date>.md and PNG plots; every figure comes from
-the run. Prompts: held-out and traffic sets are disjoint (seeded split by id; GSM by problem, so
+Writes bench/results/shift-<date>.json, shift-<date>.md and PNG plots (`--quick`:
+shift-quick-<date>.*); every figure comes from the run. Prompts: held-out and traffic sets are disjoint (seeded split by id; GSM by problem, so
 a problem's translations stay on one side); chat skips the ShareGPT records the bootstrap used.
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ class ShiftConfig:
     contrast_prompts: int = 4  # per group in the structured / open-ended contrast
     cycle_eval_tokens: int = 48  # evaluate step of each cycle: max new tokens per holdout replay
     cycle_max_holdout: int = 12
+    name: str = "shift"  # results: <out>/<name>-<date>.{json,md} and PNGs
     train_epochs: int | None = None  # None: params.train.epochs
     seed: int = 0
 
@@ -56,7 +57,7 @@ class ShiftConfig:
     def quick(cls) -> "ShiftConfig":
         return cls(phases=("chat", "code"), concurrency=(1, 8), eval_prompts=4, traffic_prompts=12,
                    max_new_tokens=32, traffic_max_new_tokens=64, contrast_prompts=2, train_epochs=3,
-                   cycle_eval_tokens=32, cycle_max_holdout=6)
+                   cycle_eval_tokens=32, cycle_max_holdout=6, name="shift-quick")
 
 
 PHASE_TITLES = {"chat": "generic chat (ShareGPT)", "code": "code (HumanEval)", "math-en": "math EN (GSM8K)",
@@ -141,8 +142,9 @@ def _arms(target, params: Params, runners: dict) -> dict:
 
 # -- the run -----------------------------------------------------------------------------------------
 def bench_params(params: Params, cfg: ShiftConfig) -> Params:
-    """Params of the run: the seal threshold set so a phase's traffic triggers one cycle; optional
-    shorter training."""
+    """Params of the run (written to the workspace's params.yaml, which the cycles read): a default
+    seal threshold (each phase's writer sets its own from its traffic), bigger batches, a shorter
+    evaluate step, optional shorter training."""
     est = cfg.traffic_prompts * (cfg.traffic_max_new_tokens + 120)  # ~prompt + completion tokens
     upd = {"capture": params.capture.model_copy(update={"seal_min_tokens": int(est * 0.6), "seal_max_age_s": None}),
            "engine": params.engine.model_copy(update={"max_batch": max(params.engine.max_batch, max(cfg.concurrency))}),
@@ -180,7 +182,7 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
     static_runner = runner_for(static, target)
     flow = load_flow(Path(__file__).resolve().parents[3])
     seals: queue.Queue = queue.Queue()
-    writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture, ws.snapshots, on_seal=seals.put)
+    writer = None
     rep = {"config": asdict(cfg), "params_sha": params.sha(), "target_id": tid, "k": params.engine.num_draft_tokens,
            "cpu_threads": _threads(), "phases": [], "cycles": []}
     try:
@@ -192,7 +194,14 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
                              hold, cfg, None)
             ref = before.pop("reference")
             progress(f"{phase}: before: {_brief(before)}")
+            # the seal threshold of this phase: 60 % of its traffic's tokens (prompt lengths differ a lot
+            # between English and KO/JA tokenisations), so each phase triggers one cycle
+            thr = int(0.6 * sum(len(p["input_ids"]) + cfg.traffic_max_new_tokens for p in traffic))
+            writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
+                update={"seal_min_tokens": thr}), ws.snapshots, on_seal=seals.put)
             cyc = _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress)
+            writer.close()
+            writer = None
             rep["cycles"] += cyc
             champ = runner_for(ws.champion, target)
             after = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ}),
@@ -206,11 +215,13 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
         rep["contrast"] = _contrast(params, target, tok, ws, cfg, progress,
                                     split_phase(phase_prompts("code", params), tok, cfg)[1])
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         services.down(ws.state / "services", which=("prefect", "mlflow"))
     rep["wall_s"] = time.perf_counter() - t0
     rep["summary"] = summarize(rep)
-    write_report(rep, out, f"shift-{date.today().isoformat()}")
+    rep["stem"] = f"{cfg.name}-{date.today().isoformat()}"
+    write_report(rep, out, rep["stem"])
     return rep
 
 
