@@ -451,11 +451,12 @@ def recorded(state_dir: Path | None = None) -> list[str]:
 
 
 def _start(state_dir: Path, launches: list[_Launch], out: dict[str, Service], timeout_s: float) -> None:
-    """Await ``launches`` into ``out``; on a failure stop every one of them not yet healthy, re-raise."""
+    """Await ``launches`` into ``out``; on a failure (or Ctrl-C) stop every one of them not yet
+    healthy (they are not recorded yet, so `down` could not find them), re-raise."""
     try:
         for ln in launches:
             out[ln.svc.name] = _await(ln, timeout_s)
-    except ServiceError:
+    except BaseException:
         for ln in launches:
             if ln.svc.name not in out:
                 _stop_pid(ln.proc.pid)
