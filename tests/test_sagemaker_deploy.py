@@ -331,24 +331,23 @@ def test_cli_deploys_to_moto_end_to_end(aws_env, tiny_target, tiny_target_dir, d
     assert s3.get_object(Bucket=tb, Key=tk + "model.safetensors")["Body"].read() == \
         (Path(tiny_target_dir) / "model.safetensors").read_bytes()
     keys = {o["Key"][len(tk):] for o in s3.list_objects_v2(Bucket=tb, Prefix=tk)["Contents"]}
-    assert keys == {"config.json", "model.safetensors", "generation_config.json"} - (
-        set() if (tdir / "generation_config.json").exists() else {"generation_config.json"})  # no .git/
+    local = {p.relative_to(tdir).as_posix() for p in tdir.rglob("*") if p.is_file()}
+    assert ".git/config" in local and keys == local - {".git/config"}  # hidden dirs are not uploaded
     alarms = boto3.client("cloudwatch").describe_alarms(AlarmNamePrefix=ep)["MetricAlarms"]
     assert sorted(a["MetricName"] for a in alarms) == ["Invocation5XXErrors", "ModelLatency"]
 
     again = json.loads(cli())
     assert again["action"] == "unchanged" and again["endpoint_config"] == res["endpoint_config"]
     # same draft, another instance count: not "unchanged" (goes through the update path below)
-    p_more = Params.model_validate(json.loads((tmp_path / "params.yaml").read_text()) | {})
-    more = p_more.model_copy(deep=True)
-    plan_more = smd.plan(more.model_copy(update={"deploy": more.deploy.model_copy(update={
-        "sagemaker": more.deploy.sagemaker.model_copy(update={"profiles": {
-            "gpu": more.deploy.sagemaker.profiles["gpu"].model_copy(update={"instance_count": 2})}})})}),
-        more.deploy.sagemaker.model_copy(update={"profiles": {
-            "gpu": more.deploy.sagemaker.profiles["gpu"].model_copy(update={"instance_count": 2})}}),
-        "gpu", art, tiny_target.target_id, plan["model"]["PrimaryContainer"]["ModelDataSource"]["S3DataSource"][
-            "S3Uri"], "us-east-1")
-    assert not smd.live_matches(sm, res["endpoint_config"], plan_more)
+    raw = json.loads((tmp_path / "params.yaml").read_text())
+    target_uri = plan["model"]["PrimaryContainer"]["ModelDataSource"]["S3DataSource"]["S3Uri"]
+
+    def plan_for(r):
+        p = Params.model_validate(r)
+        return smd.plan(p, p.deploy.sagemaker, "gpu", art, tiny_target.target_id, target_uri, "us-east-1")
+    assert smd.live_matches(sm, res["endpoint_config"], plan_for(raw))
+    raw["deploy"]["sagemaker"]["profiles"]["gpu"]["instance_count"] = 2
+    assert not smd.live_matches(sm, res["endpoint_config"], plan_for(raw))
 
     # v2 through the blue/green path (UpdateEndpoint validated, applied on moto), v1 pruned (keep 1)
     params = Params.model_validate(json.loads((tmp_path / "params.yaml").read_text()))

@@ -11,14 +11,11 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from .deploy.sagemaker import SageMakerDeployParams
+from .strict import Strict as _Strict
 from .train.sagemaker import SageMakerTrainParams
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TargetParams(_Strict):

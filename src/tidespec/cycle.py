@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 from . import curate as curate_mod
 from .config import Params
-from .engine.speculative import Engine
+from .engine.speculative import Engine, Request
 from .engine.stats import SpecDecodingStats, itl_percentiles
 from .models.eagle3 import DraftRunner, load_checkpoint
 from .models.target import Target, convert_gguf, load_target
@@ -246,10 +247,8 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
     first per wave) mismatches count outputs that differ from that config's. Metrics:
     acceptance_length, acceptance_rate, accepted_per_pos/{i}, acceptance_length/{workload} (τ per
     workload tag of the prompts), tokens_per_s (generated tokens / wall seconds of the waves, incl.
-    prefill), itl_ms_p50/p99, new_tokens, seconds, mismatches.
+    prefill), itl_ms_p50/p99, new_tokens, seconds, mismatches. Raises ValueError for concurrency < 1.
     """
-    import time
-    from .engine.speculative import Request
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     acc = {name: {"stats": SpecDecodingStats(eng.k if spec else 0), "outs": {}, "itl": [], "toks": 0, "secs": 0.0,

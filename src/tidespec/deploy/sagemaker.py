@@ -44,8 +44,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from ..assets import sha256_file
+from ..strict import Strict as _Strict
+from ..strict import pairs
 from ..train.sagemaker import ENV_KEY_RE, parse_s3_uri
 
 if TYPE_CHECKING:
@@ -72,14 +75,6 @@ class SageMakerDeployFailed(RuntimeError):
     """The endpoint did not end InService on the new config (failed, or rolled back to the old one)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-def _pairs(v):
-    return tuple(v.items()) if isinstance(v, Mapping) else v
-
-
 class EndpointProfile(_Strict):
     """One serving profile. engine: `sglang` (GPU) or `vllm-neuron` (trn2). image_uri None → the
     AWS SGLang DLC of the region (sglang only; the Neuron image must be named). Timeouts in s
@@ -96,7 +91,7 @@ class EndpointProfile(_Strict):
     download_timeout_s: int = Field(1800, ge=60, le=3600)  # ModelDataDownloadTimeoutInSeconds
     environment: tuple[tuple[str, str], ...] = ()
 
-    _env_in = field_validator("environment", mode="before")(classmethod(lambda cls, v: _pairs(v)))
+    _env_in = field_validator("environment", mode="before")(classmethod(lambda cls, v: pairs(v)))
 
     @field_validator("environment")
     @classmethod
@@ -173,7 +168,7 @@ class SageMakerDeployParams(_Strict):
     on_promote: tuple[str, ...] = ()  # profiles the cycle's deploy step updates after a promotion
     tags: tuple[tuple[str, str], ...] = ()
 
-    _tags_in = field_validator("tags", mode="before")(classmethod(lambda cls, v: _pairs(v)))
+    _tags_in = field_validator("tags", mode="before")(classmethod(lambda cls, v: pairs(v)))
 
     @field_validator("profiles", mode="before")
     @classmethod
@@ -293,14 +288,6 @@ class DeployPlan:
 
 
 # -- pure helpers -----------------------------------------------------------------------------------
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def endpoint_name(sm_params: SageMakerDeployParams, target_id: str, profile: str) -> str:
     """The profile's `endpoint_name`, else `tidespec-<target_id[:12]>-<profile>`."""
     return sm_params.profiles[profile].endpoint_name or f"tidespec-{target_id[:12]}-{profile}"
@@ -346,7 +333,7 @@ def container_env(profile: EndpointProfile, model_path: str, spec: Mapping[str, 
 
 
 def image_uri(profile: EndpointProfile, region: str) -> str:
-    """The profile's image, or the region's AWS SGLang DLC for engine sglang."""
+    """The profile's image URI, or the AWS SGLang DLC URI of `region` (e.g. "us-west-2")."""
     return profile.image_uri or SGLANG_DLC.format(region=region)
 
 
@@ -530,6 +517,7 @@ def upload_draft(s3, draft: DraftArtifact, s3_prefix: str) -> tuple[str, int]:
 
 
 def target_prefix(s3_prefix: str, target_id: str) -> str:
+    """S3 prefix URI (ends with '/') a local target dir is uploaded to: keyed by its weights' id."""
     return f"{s3_prefix}/targets/{target_id[:16]}/"
 
 
@@ -561,6 +549,8 @@ def resolve_target(params: Params, sm_params: SageMakerDeployParams) -> tuple[st
 
 # -- plan / apply -----------------------------------------------------------------------------------
 def region_of(sm_params: SageMakerDeployParams, sm=None) -> str:
+    """deploy.sagemaker.region, else the client's, else boto3's default (AWS_REGION / profile).
+    Raises ValueError naming the fix when none is set."""
     if sm_params.region:
         return sm_params.region
     if sm is not None and sm.meta.region_name:

@@ -185,13 +185,13 @@ def unavailable_reason(python: str) -> str | None:
     return None
 
 
-def _version(v: str) -> tuple[int, ...]:
-    """'0.5.23.post1' → (0, 5, 23); unparsable parts count as 0."""
-    out = []
-    for part in v.split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit()) or "0"
-        out.append(int(digits) if part[:1].isdigit() else 0)
-    return tuple(out)
+def _version(v: str):
+    """PEP 440 version; an unparsable one sorts below every release."""
+    from packaging.version import InvalidVersion, Version
+    try:
+        return Version(v)
+    except InvalidVersion:
+        return Version("0")
 
 
 def _port_free(host: str, port: int) -> bool:

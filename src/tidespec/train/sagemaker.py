@@ -39,7 +39,10 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from ..strict import Strict as _Strict
+from ..strict import pairs
 
 if TYPE_CHECKING:
     from ..config import Params
@@ -59,11 +62,6 @@ LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 CHECKPOINT_LOCAL = "/opt/ml/checkpoints"
 DEFAULT_PREFIX = "tidespec-draft"
 WAIT_SLACK_S = 3600  # launcher-side wait beyond the job's own limit (provisioning, image pull, upload)
-
-
-class _Strict(BaseModel):
-    # = tidespec.config._Strict, not imported from there: config.py imports this module for `train.sagemaker`
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class SageMakerTrainingFailed(RuntimeError):
@@ -123,10 +121,7 @@ class SageMakerTrainParams(_Strict):
         parse_s3_uri(v)
         return v.rstrip("/")
 
-    @field_validator("environment", "tags", mode="before")
-    @classmethod
-    def _pairs(cls, v):
-        return tuple(v.items()) if isinstance(v, Mapping) else v
+    _pairs = field_validator("environment", "tags", mode="before")(classmethod(lambda cls, v: pairs(v)))
 
     @field_validator("environment")
     @classmethod
