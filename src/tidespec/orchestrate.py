@@ -188,14 +188,26 @@ def wait_for_run(api_url: str, deployment: str, parameters: dict, timeout_s: flo
                              "see the worker log (tidespec services status) and the run in the Prefect UI")
 
 
-def train_on_pool(pool: str, parameters: dict, out: Path, timeout_s: float | None = 86400) -> dict:
+def _await_worker(api_url: str, pool: str, wait_s: float) -> list[str]:
+    """Polling workers on `pool`, waiting up to `wait_s` s for one: a worker that just started
+    answers its healthcheck before its first heartbeat reaches the server."""
+    import time
+    deadline = time.monotonic() + wait_s
+    while not (names := _polling_workers(api_url, pool)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return names
+
+
+def train_on_pool(pool: str, parameters: dict, out: Path, timeout_s: float | None = 86400,
+                  worker_wait_s: float = 30) -> dict:
     """Run the train step as deployment `tide_train/tide-train` on work pool `pool` and wait.
 
     `parameters` are the tide_train flow's (root, params_path, curated, init, out: paths on a file
     system both pools see). Returns the trainer's metrics, read from the `out`/train_metrics.json
     that run writes (a stale one is removed first). Raises OrchestrationError when the deployment
     is missing, sits on another pool (the fix: deploy it on `pool` or set train.work_pool to its
-    pool), or its run does not complete or writes no metrics."""
+    pool), no worker polls `pool` within `worker_wait_s` s, or its run does not complete or writes
+    no metrics."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.utilities.asyncutils import run_coro_as_sync
@@ -211,8 +223,8 @@ def train_on_pool(pool: str, parameters: dict, out: Path, timeout_s: float | Non
     metrics = Path(out) / "train_metrics.json"
     metrics.unlink(missing_ok=True)
     from prefect.settings import PREFECT_API_URL
-    if not _polling_workers(PREFECT_API_URL.value(), pool):
-        raise OrchestrationError(f"no worker polls work pool {pool!r}: start one (tidespec services up --pool {pool}) "
+    if not _await_worker(PREFECT_API_URL.value(), pool, worker_wait_s):
+        raise OrchestrationError(f"no worker polls work pool {pool!r} (waited {worker_wait_s:g} s): start one (tidespec services up --pool {pool}) "
                                  "or unset train.work_pool to train in the cycle's own process")
     run = run_deployment(TRAIN_DEPLOYMENT, parameters=parameters, timeout=timeout_s, as_subflow=True)
     if not (run.state and run.state.is_completed()):
