@@ -228,6 +228,16 @@ def test_adaptive_k_cost_model_and_off_switch():
     assert pol.step_ms() == pytest.approx([200, 115, 130, 145, 160])
 
 
+def test_adaptive_k_margin_keeps_break_even_classes_off():
+    cal = _cal([100, 100], 0)  # k = 1 costs what plain decoding costs: τ(1) = 1 + a1 is the gain
+    for margin, a1, k in ((0.05, 0.03, 0), (0.0, 0.03, 1), (0.05, 0.06, 1)):
+        pol = AdaptiveK(cal, prior=a1, alpha=1.0, margin=margin)
+        assert pol.best_k("chat") == k, (margin, a1)
+        assert pol.report() == {} and pol.choose("chat") == k
+    with pytest.raises(ValueError, match="margin"):
+        AdaptiveK(cal, margin=1.0)
+
+
 def test_adaptive_engine_is_lossless_and_learns(tiny_target):
     cal = _cal([100, 104, 108, 112, 116], 2)
     pol = AdaptiveK(cal, prior=0.9, alpha=0.2, probe_every=8)

@@ -32,6 +32,7 @@ class EngineParams(_Strict):
     adaptive: bool = True  # serving: pick k per workload class, switch speculation off where it loses
     adaptive_prior: float = Field(0.6, ge=0, le=1)  # starting per-position acceptance of a new class
     adaptive_probe_every: int = Field(32, ge=1)  # with speculation off, probe every n-th step
+    adaptive_margin: float = Field(0.05, ge=0, lt=1)  # speculate only if predicted >= (1+margin) x plain
 
 
 class DraftParams(_Strict):

@@ -118,7 +118,8 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
     pol = None
     if (e.adaptive if adaptive is None else adaptive) and runner is not None:
         cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir())
-        pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every)
+        pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every,
+                        margin=e.adaptive_margin)
     return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, version, max_batch=e.max_batch, adaptive=pol)
 
 

@@ -278,13 +278,15 @@ def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:
     replay({"adaptive": (spec, True)}, warm, cfg.max_new_tokens // 2)
     cal = spec.adaptive.cal
     base = cal.step_ms(0)
-    out = {"_cost_model": {"target_ms": list(cal.target_ms), "draft_ms": cal.draft_ms,
+    out = {"_cost_model": {"target_ms": list(cal.target_ms), "draft_ms": cal.draft_ms, "margin": spec.adaptive.margin,
                            "step_ms": [cal.step_ms(k) for k in range(cal.k_max + 1)],
                            "breakeven_tau": [cal.step_ms(k) / base for k in range(cal.k_max + 1)]}}
     for g, ps in groups.items():
         runs = replay({"none": (none, False), "adaptive": (spec, True)}, ps, cfg.max_new_tokens, reference="none")
         a, n = runs["adaptive"]["metrics"], runs["none"]["metrics"]
+        pol = spec.adaptive.report().get(g, {})
         out[g] = {"structured": g != "open-ended", "num_prompts": len(ps), "k_chosen": spec.adaptive.best_k(g),
+                  "predicted_speedup": pol.get("predicted_speedup"), "policy_step_ms": pol.get("step_ms"),
                   "acceptance": spec.adaptive.acceptance(g), "itl_ms_p50_none": n["itl_ms_p50"],
                   "itl_ms_p50_spec": a["itl_ms_p50"], "tokens_per_s_none": n["tokens_per_s"],
                   "tokens_per_s_spec": a["tokens_per_s"], "speedup": a["tokens_per_s"] / n["tokens_per_s"],
@@ -440,13 +442,20 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
                  f"{djs} | {c['candidate_tau']:.2f} | {cts} | {'promoted' if c['promoted'] else 'rejected'} "
                  f"v{c['version']} |")
     if rep.get("contrast"):
+        margin = (rep["contrast"].get("_cost_model") or {}).get("margin")
         L += ["", "## Structured vs open-ended (adaptive k per workload, final champion, concurrency 1)", "",
-              "| group | structured | k chosen | τ | ITL p50 ms none | ITL p50 ms spec | tok/s none | tok/s spec | speed-up |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "The policy (`engine.adaptive`) learns each group's per-position acceptance online and picks the k "
+              "with the best predicted tokens/s; speculation stays off (k = 0, with a probe step every "
+              "`adaptive_probe_every` steps) unless it is predicted to beat plain decoding"
+              + (f" by {100 * margin:.0f} %" if margin is not None else "") + ".", "",
+              "| group | structured | k chosen | predicted | τ | ITL p50 ms none | ITL p50 ms spec | tok/s none | "
+              "tok/s spec | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
         for grp, c in rep["contrast"].items():
             if grp.startswith("_"):
                 continue
-            L.append(f"| {grp} | {'yes' if c['structured'] else 'no'} | {c['k_chosen']} | {c['tau']:.2f} | "
+            pred = c.get("predicted_speedup")
+            L.append(f"| {grp} | {'yes' if c['structured'] else 'no'} | {c['k_chosen']} | "
+                     f"{'' if pred is None else f'{pred:.2f}×'} | {c['tau']:.2f} | "
                      f"{c['itl_ms_p50_none']:.0f} | {c['itl_ms_p50_spec']:.0f} | {c['tokens_per_s_none']:.1f} | "
                      f"{c['tokens_per_s_spec']:.1f} | {c['speedup']:.2f}× |")
     cost = (rep.get("contrast") or {}).get("_cost_model")

@@ -4,8 +4,10 @@ Cost model (Leviathan et al. 2023, arXiv 2211.17192 §3.4, with measured costs i
 constant ratio): one speculative step with k drafts emits τ(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j tokens
 on average, where a_j is the conditional acceptance at draft position j, and costs
 T_target(k+1) + k·T_draft (k-1 chain steps plus the draft's catch-up over the verified rows).
-k = 0 is plain decoding: 1 token per T_target(1). The policy picks argmax_k τ(k) / cost(k); k = 0
-wins (speculation off) when no k is predicted to beat plain decoding.
+k = 0 is plain decoding: 1 token per T_target(1). The policy picks argmax_k τ(k) / cost(k) over
+k ≥ 1, and keeps speculation on only if that beats plain decoding by `margin` (default 5 %): near
+break-even the prediction's error (a few steps of acceptance, step costs that move with load)
+is larger than the gain, and a wrong "on" costs up to the whole draft overhead.
 
 a_j is a running mean, then (after 1/alpha observations) an EMA, per workload class over verify
 steps that reached position j; the step costs start
@@ -170,16 +172,17 @@ class AdaptiveK:
     prior: initial a_j for an unseen class (optimistic, so a new class tries speculation);
     alpha: EMA weight of one observation (the first 1/alpha observations are averaged);
     probe_every: with speculation off, every n-th step of the class runs the best k ≥ 1 to keep
-    the estimate fresh. Thread-safe.
+    the estimate fresh; margin: the predicted gain over plain decoding (0.05 = 5 %) below which
+    speculation stays off. Thread-safe.
     """
 
     def __init__(self, calibration: Calibration, prior: float = 0.6, alpha: float = 0.05,
-                 probe_every: int = 32):
-        if not 0 <= prior <= 1 or not 0 < alpha <= 1 or probe_every < 1:
-            raise ValueError("AdaptiveK needs 0 <= prior <= 1, 0 < alpha <= 1, probe_every >= 1")
+                 probe_every: int = 32, margin: float = 0.05):
+        if not 0 <= prior <= 1 or not 0 < alpha <= 1 or probe_every < 1 or not 0 <= margin < 1:
+            raise ValueError("AdaptiveK needs 0 <= prior <= 1, 0 < alpha <= 1, probe_every >= 1, 0 <= margin < 1")
         self.cal = calibration
         self.k_max = calibration.k_max
-        self.prior, self.alpha, self.probe_every = prior, alpha, probe_every
+        self.prior, self.alpha, self.probe_every, self.margin = prior, alpha, probe_every, margin
         self._acc: dict[str, list[float]] = {}
         self._obs: dict[str, list[int]] = {}  # observations per position (running mean until 1/alpha)
         self._steps: dict[str, int] = {}
@@ -221,14 +224,20 @@ class AdaptiveK:
                 self._ms[k] = prev + alpha * (ms - prev)
                 self._load += alpha * (ms / self.cal.step_ms(k) - self._load)
 
+    def _pick(self, tps: list[float]) -> int:
+        k = _argmax(tps, lo=1)
+        return k if tps[k] >= (1 + self.margin) * tps[0] else 0
+
     def best_k(self, workload: str) -> int:
-        """k with the highest predicted tokens/s (0 = plain decoding), no probing."""
-        return _argmax(self.predicted_tokens_per_s(workload))
+        """The k ≥ 1 with the highest predicted tokens/s if it beats plain decoding by `margin`,
+        else 0 (speculation off); no probing."""
+        return self._pick(self.predicted_tokens_per_s(workload))
 
     def choose(self, workload: str) -> int:
-        """k for the next step of a request of this class (0 = plain decoding)."""
+        """k for the next step of a request of this class (0 = plain decoding; with speculation
+        off, every `probe_every`-th step probes the best k ≥ 1)."""
         tps = self.predicted_tokens_per_s(workload)
-        k = _argmax(tps)
+        k = self._pick(tps)
         with self._lock:
             n = self._steps[workload] = self._steps.get(workload, 0) + 1
         return _argmax(tps, lo=1) if k == 0 and n % self.probe_every == 0 else k
@@ -249,7 +258,7 @@ class AdaptiveK:
         out = {}
         for w in list(self._acc):
             tps = self.predicted_tokens_per_s(w)
-            k = _argmax(tps)
+            k = self._pick(tps)
             out[w] = {"k": k, "speculation": k > 0, "predicted_speedup": tps[k] / tps[0],
                       "step_ms": [round(x, 2) for x in self.step_ms()],
                       "conditional_acceptance": [round(a, 4) for a in self.acceptance(w)]}
