@@ -177,3 +177,34 @@ def test_up_idempotent_then_down_stops(tmp_path, mlflow_server, services_state_d
     assert not services._http_ok(f"{a.url}/health")
     assert services.status(sd) == {} and not (sd / "mlflow.json").exists()
     assert services.down(sd) == []
+
+
+def test_caller_killed_while_a_server_starts_leaves_it_recorded(tmp_path, mlflow_server, services_state_dir):
+    """`up` SIGKILLed before its server is healthy: the server is on record, so the next `up`
+    adopts it (no second server, no orphan) and `down` stops it."""
+    import subprocess
+    import sys
+    import time
+
+    sd = tmp_path / "svc"
+    (sd / "mlflow").mkdir(parents=True)
+    with sqlite3.connect(services_state_dir / "mlflow" / "mlflow.db") as src, \
+            sqlite3.connect(sd / "mlflow" / "mlflow.db") as dst:
+        src.backup(dst)
+    code = f"from tidespec import services; services.up({str(sd)!r}, which=('mlflow',))"
+    caller = subprocess.Popen([sys.executable, "-c", code])
+    deadline, started = time.monotonic() + 60, []
+    while not started and time.monotonic() < deadline and caller.poll() is None:
+        started = [p for p in psutil.Process(caller.pid).children() if "mlflow" in " ".join(p.cmdline())]
+        time.sleep(0.05)
+    assert started, "the caller never launched mlflow"
+    caller.kill()
+    caller.wait(10)
+    server = started[0]
+    assert not services._http_ok(f"{json.loads((sd / 'mlflow.json').read_text())['url']}/health")  # still starting
+    try:
+        again = services.up(sd, which=("mlflow",))["mlflow"]
+        assert again.pid == server.pid and services._http_ok(f"{again.url}/health")
+    finally:
+        assert services.down(sd, which=("mlflow",)) == ["mlflow"]
+    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE

@@ -189,8 +189,11 @@ class _Launch:
 
 
 def _launch(name: str, cmd: list[str], env_extra: dict[str, str], state_dir: Path,
-            url: str, port: int) -> _Launch:
-    """Start ``cmd`` in its own session (process group), output appended to ``<state_dir>/<name>.log``."""
+            url: str, port: int, extra: dict | None = None) -> _Launch:
+    """Start ``cmd`` in its own session (process group), output appended to ``<state_dir>/<name>.log``.
+
+    The state file is written at once (not when healthy): if the caller dies while the server is
+    starting (SIGKILL, a killed CI job), ``down`` still finds and stops it, and ``up`` reuses it."""
     state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / f"{name}.log"
     with open(log, "ab") as fh:
@@ -199,14 +202,20 @@ def _launch(name: str, cmd: list[str], env_extra: dict[str, str], state_dir: Pat
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=os.environ | env_extra, start_new_session=True, cwd=state_dir)
     _CHILDREN[proc.pid] = proc
-    return _Launch(Service(name=name, url=url, pid=proc.pid, log=log), proc, port, state_dir)
+    ln = _Launch(Service(name=name, url=url, pid=proc.pid, log=log), proc, port, state_dir, extra)
+    try:
+        _write_state(state_dir, ln.svc, port, extra)
+    except BaseException:
+        _stop_pid(proc.pid)
+        raise
+    return ln
 
 
 def _await(ln: _Launch, timeout_s: float) -> Service:
-    """Wait until the launched server's health answers 200, then record its state file.
+    """Wait until the launched server's health answers 200, then record it as started.
 
     Raises ServiceError if the process exits early or is not healthy in ``timeout_s`` seconds
-    (its process group is then killed).
+    (its process group is then killed and its state file removed).
     """
     svc, proc = ln.svc, ln.proc
     health = _health_url(svc.url, svc.name)
@@ -214,6 +223,7 @@ def _await(ln: _Launch, timeout_s: float) -> Service:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             _CHILDREN.pop(proc.pid, None)
+            _forget(ln)
             raise ServiceError(f"{svc.name} server exited with code {proc.returncode} before becoming "
                                f"healthy; see {svc.log}:\n{_log_tail(svc.log)}")
         if _http_ok(health):
@@ -221,8 +231,16 @@ def _await(ln: _Launch, timeout_s: float) -> Service:
             return svc
         time.sleep(0.25)
     _stop_pid(proc.pid)
+    _forget(ln)
     raise ServiceError(f"{svc.name} server did not become healthy in {timeout_s:g} s; see {svc.log} "
                        f"(raise timeout_s on a slow machine):\n{_log_tail(svc.log)}")
+
+
+def _forget(ln: _Launch) -> None:
+    """Remove the state file of a launch that did not come up (only if it still names that pid)."""
+    rec = _read_state(ln.state_dir, ln.svc.name)
+    if rec and int(rec.get("pid", -1)) == ln.svc.pid:
+        _state_file(ln.state_dir, ln.svc.name).unlink(missing_ok=True)
 
 
 def _pick_port(state_dir: Path, name: str, port: int | None) -> int:
@@ -320,9 +338,7 @@ def _launch_worker(state_dir: Path, deps: dict[str, Service], pool: str = POOL, 
     }
     cmd = [_bin("prefect"), "worker", "start", "--pool", pool, "--type", "process", "--name", f"tidespec-{name}",
            "--with-healthcheck"]
-    ln = _launch(name, cmd, env, state_dir, f"http://{HOST}:{port}", port)
-    ln.extra = {"pool": pool, "deps": env_for(deps)}
-    return ln
+    return _launch(name, cmd, env, state_dir, f"http://{HOST}:{port}", port, {"pool": pool, "deps": env_for(deps)})
 
 
 def start_worker(state_dir: Path, deps: dict[str, Service], pool: str = POOL, timeout_s: float = 90) -> Service:
@@ -451,8 +467,8 @@ def recorded(state_dir: Path | None = None) -> list[str]:
 
 
 def _start(state_dir: Path, launches: list[_Launch], out: dict[str, Service], timeout_s: float) -> None:
-    """Await ``launches`` into ``out``; on a failure (or Ctrl-C) stop every one of them not yet
-    healthy (they are not recorded yet, so `down` could not find them), re-raise."""
+    """Await ``launches`` into ``out``; on a failure (or Ctrl-C) stop and forget every one of them
+    not yet healthy (a half-started set is never left behind), re-raise."""
     try:
         for ln in launches:
             out[ln.svc.name] = _await(ln, timeout_s)
@@ -460,6 +476,7 @@ def _start(state_dir: Path, launches: list[_Launch], out: dict[str, Service], ti
         for ln in launches:
             if ln.svc.name not in out:
                 _stop_pid(ln.proc.pid)
+                _forget(ln)
         raise
 
 
