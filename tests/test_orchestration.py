@@ -110,6 +110,19 @@ def test_train_pool_mismatch_names_the_fix(tmp_path, tiny_target_dir, prefect_se
             orchestrate.train_on_pool("gpu-pool", {}, tmp_path / "out")
 
 
+def test_await_worker_waits_for_a_first_heartbeat(monkeypatch):
+    """A just-started worker answers its healthcheck before the server has its heartbeat: the
+    train step waits for it (up to worker_wait_s) instead of failing at once."""
+    from tidespec import orchestrate
+
+    seen = iter([[], [], ["tidespec-worker-train"]])
+    monkeypatch.setattr(orchestrate, "_polling_workers", lambda api, pool: next(seen))
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    assert orchestrate._await_worker("http://x/api", "train", 30) == ["tidespec-worker-train"]
+    monkeypatch.setattr(orchestrate, "_polling_workers", lambda api, pool: [])
+    assert orchestrate._await_worker("http://x/api", "train", 0) == []
+
+
 def test_is_transient_classifies_real_errors():
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException

@@ -193,18 +193,20 @@ def test_caller_killed_while_a_server_starts_leaves_it_recorded(tmp_path, mlflow
         src.backup(dst)
     code = f"from tidespec import services; services.up({str(sd)!r}, which=('mlflow',))"
     caller = subprocess.Popen([sys.executable, "-c", code])
-    deadline, started = time.monotonic() + 60, []
-    while not started and time.monotonic() < deadline and caller.poll() is None:
-        started = [p for p in psutil.Process(caller.pid).children() if "mlflow" in " ".join(p.cmdline())]
-        time.sleep(0.05)
-    assert started, "the caller never launched mlflow"
-    caller.kill()
-    caller.wait(10)
-    server = started[0]
-    assert not services._http_ok(f"{json.loads((sd / 'mlflow.json').read_text())['url']}/health")  # still starting
+    state, deadline, server = sd / "mlflow.json", time.monotonic() + 60, None
     try:
+        while server is None and time.monotonic() < deadline and caller.poll() is None:
+            rec = json.loads(state.read_text()) if state.exists() else {}  # written by a rename: whole or absent
+            kids = {p.pid: p for p in psutil.Process(caller.pid).children()}
+            server = kids.get(rec.get("pid"))
+            time.sleep(0.02)
+        assert server is not None, "the caller never recorded a launched mlflow"
+        caller.kill()
+        caller.wait(10)
+        assert not services._http_ok(f"{rec['url']}/health")  # killed while its server was still starting
         again = services.up(sd, which=("mlflow",))["mlflow"]
         assert again.pid == server.pid and services._http_ok(f"{again.url}/health")
     finally:
+        caller.kill()
         assert services.down(sd, which=("mlflow",)) == ["mlflow"]
     assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE

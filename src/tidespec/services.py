@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -432,7 +433,7 @@ def _up(state_dir: Path, which: tuple[str, ...], timeout_s: float, pools: tuple[
     for name in servers:  # workers after: one cannot be healthy while its server is down
         if (svc := _reusable(state_dir, name, timeout_s)) is not None:
             out[name] = svc
-    _start(state_dir, [_LAUNCHERS[n](state_dir) for n in servers if n not in out], out, timeout_s)
+    _start(state_dir, [functools.partial(_LAUNCHERS[n], state_dir) for n in servers if n not in out], out, timeout_s)
     deps = {n: out[n] for n in servers}
     if pools and "prefect" not in deps:
         raise ServiceError("extra pool workers need the Prefect server: include 'prefect' in which")
@@ -442,7 +443,8 @@ def _up(state_dir: Path, which: tuple[str, ...], timeout_s: float, pools: tuple[
             out[name] = svc
         if name in out and (_read_state(state_dir, name) or {}).get("deps") != env_for(deps):
             _stop_pid(out.pop(name).pid)  # started against other server URLs: restart it
-    _start(state_dir, [_launch_worker(state_dir, deps, p) for n, p in wanted.items() if n not in out], out, timeout_s)
+    _start(state_dir, [functools.partial(_launch_worker, state_dir, deps, p) for n, p in wanted.items() if n not in out],
+           out, timeout_s)
     return {n: out[n] for n in (*which, *wanted) if n in out}
 
 
@@ -466,10 +468,14 @@ def recorded(state_dir: Path | None = None) -> list[str]:
     return [n for n in ALL if _state_file(state_dir, n).exists()] + extra
 
 
-def _start(state_dir: Path, launches: list[_Launch], out: dict[str, Service], timeout_s: float) -> None:
-    """Await ``launches`` into ``out``; on a failure (or Ctrl-C) stop and forget every one of them
-    not yet healthy (a half-started set is never left behind), re-raise."""
+def _start(state_dir: Path, launchers: list, out: dict[str, Service], timeout_s: float) -> None:
+    """Call ``launchers`` (each starts one server, returns its _Launch), then await them into
+    ``out``; on a failure (or Ctrl-C), launching or awaiting, stop and forget every one of them not
+    yet healthy (a half-started set is never left behind), re-raise."""
+    launches: list[_Launch] = []
     try:
+        for start in launchers:
+            launches.append(start())
         for ln in launches:
             out[ln.svc.name] = _await(ln, timeout_s)
     except BaseException:

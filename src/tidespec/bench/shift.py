@@ -7,7 +7,9 @@ Traffic shifts phase by phase (generic chat → code → math EN → math KO/JA)
 2. serve the phase's traffic prompts on the adapting draft with capture on; when the capture
    writer seals a snapshot (capture.seal_min_tokens reached) the TIDE cycle runs — the real
    `tide_cycle` flow in-process against Prefect + MLflow servers: curate → train (warm start) →
-   evaluate → register (gate) → deploy — and the engine reloads the champion;
+   evaluate → register (gate) → deploy — and the engine reloads the champion; the threshold is
+   half the phase's traffic tokens, so each phase triggers one cycle, and the remainder is sealed
+   at the phase's end (a snapshot later cycles replay, no cycle of its own);
 3. measure static and adapting again.
 Then the structured vs open-ended contrast: ITL with and without speculation under the adaptive
 k policy (k per workload from measured acceptance and step costs, spec off where it loses) on
@@ -196,14 +198,18 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
                              hold, cfg, None)
             ref = before.pop("reference")
             progress(f"{phase}: before: {_brief(before)}")
-            # the seal threshold of this phase: 60 % of its traffic's tokens (prompt lengths differ a lot
-            # between English and KO/JA tokenisations), so each phase triggers one cycle
-            thr = int(0.6 * sum(len(p["input_ids"]) + cfg.traffic_max_new_tokens for p in traffic))
+            # the seal threshold of this phase: half its traffic's tokens at most (prompt lengths differ a
+            # lot between English and KO/JA tokenisations; completions may stop early), so each phase
+            # triggers exactly one cycle
+            thr = int(0.5 * sum(len(p["input_ids"]) + cfg.traffic_max_new_tokens for p in traffic))
             writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
                 update={"seal_min_tokens": thr}), ws.snapshots, on_seal=seals.put)
             cyc = _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress)
+            rest = writer.seal_now()  # the phase's remainder: a snapshot the next cycles replay, not a cycle
             writer.close()
             writer = None
+            while not seals.empty():
+                seals.get()
             rep["cycles"] += cyc
             champ = runner_for(ws.champion, target)
             after = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ}),
@@ -211,7 +217,9 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
             after.pop("reference")
             progress(f"{phase}: after: {_brief(after)}")
             rep["phases"].append({"phase": phase, "title": PHASE_TITLES[phase], "num_eval_prompts": len(hold),
-                                  "num_traffic_prompts": len(traffic), "before": before["by_concurrency"],
+                                  "num_traffic_prompts": len(traffic), "seal_min_tokens": thr,
+                                  "remainder_snapshot_tokens": rest.num_tokens if rest else 0,
+                                  "before": before["by_concurrency"],
                                   "after": after["by_concurrency"],
                                   "champion_version": json.loads((ws.champion / "version.json").read_text())["version"]})
         rep["contrast"] = _contrast(params, target, tok, ws, cfg, progress,

@@ -226,7 +226,7 @@ class AdaptiveK:
 
     def _pick(self, tps: list[float]) -> int:
         k = _argmax(tps, lo=1)
-        return k if tps[k] >= (1 + self.margin) * tps[0] else 0
+        return k if tps[k] > (1 + self.margin) * tps[0] else 0
 
     def best_k(self, workload: str) -> int:
         """The k ≥ 1 with the highest predicted tokens/s if it beats plain decoding by `margin`,
