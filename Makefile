@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install assets demo test bench bench-train bench-capture services-up services-down clean
+.PHONY: install assets demo test bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 $(STAMP): pyproject.toml constraints.txt
@@ -31,6 +31,12 @@ bench: assets              ## engine benchmark vs HF generate / prompt lookup (n
 
 bench-train: assets        ## EAGLE3 training on a fixed HumanEval snapshot: τ at k=4 on the holdout, tok/s, cycle time
 	$(VENV)/bin/tidespec bench train --max-new-tokens 192 --fractions 0.5,1.0 --epochs 6
+
+bench-shift: assets        ## workload-shift experiment (chat → code → math EN → math KO/JA), ≤ 60 min on 2 cores
+	$(VENV)/bin/tidespec bench shift
+
+bench-shift-quick: assets  ## its --quick mode (chat → code, concurrency 1 and 8), ≤ 10 min
+	$(VENV)/bin/tidespec bench shift --quick
 
 bench-capture: assets      ## capture cost on the serving path (ITL, tokens/s: off / raw / zstd / hung disk), bytes per token
 	$(VENV)/bin/tidespec bench capture --prompts 6
