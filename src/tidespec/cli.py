@@ -345,7 +345,7 @@ def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
     cfg = shift.ShiftConfig.quick() if quick else shift.ShiftConfig()
     rep = shift.run(load_params(params), out, work.resolve(), cfg, progress=console.print)
     stem = rep["stem"]
-    console.print((out / f"{stem}.md").read_text())
+    console.print((out / f"{stem}.md").read_text(), markup=False, soft_wrap=True)  # markdown, not rich markup
     console.print(f"wrote {out / stem}.json/.md/-*.png in {rep['wall_s'] / 60:.1f} min")
 
 
