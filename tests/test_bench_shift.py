@@ -91,10 +91,12 @@ def test_summary_report_and_plots(arms, tmp_path):
     assert back["summary"]["goals"]["cycle_s_max"] == 700.0
 
 
-def test_bench_params_set_the_threshold_to_the_phase_traffic():
-    p = shift.bench_params(Params(), shift.ShiftConfig(traffic_prompts=10, traffic_max_new_tokens=80,
-                                                       train_epochs=2, concurrency=(1, 16)))
-    assert p.capture.seal_min_tokens == int(10 * (80 + 120) * 0.6) and p.capture.seal_max_age_s is None
+def test_bench_params_and_the_phase_threshold():
+    cfg = shift.ShiftConfig(traffic_prompts=10, traffic_max_new_tokens=80, train_epochs=2, concurrency=(1, 16))
+    traffic = [{"input_ids": [1] * n} for n in (20, 120, 301)]  # KO/JA prompts tokenise longer
+    assert shift.phase_threshold(traffic, cfg) == (20 + 120 + 301 + 3 * 80) // 2
+    p = shift.bench_params(Params(), cfg)
+    assert p.capture.seal_max_age_s is None and p.capture.seal_min_tokens == Params().capture.seal_min_tokens
     assert p.train.epochs == 2 and p.engine.max_batch == 16
     assert p.evaluate.max_new_tokens == 48 and p.curate.max_holdout == 12
     with pytest.raises(ValueError, match="unknown phase"):

@@ -16,8 +16,9 @@ k policy (k per workload from measured acceptance and step costs, spec off where
 code + MT-Bench extraction (structured) and MT-Bench writing/roleplay/humanities (open-ended).
 
 Writes bench/results/shift-<date>.json, shift-<date>.md and PNG plots (`--quick`:
-shift-quick-<date>.*); every figure comes from the run. Prompts: held-out and traffic sets are disjoint (seeded split by id; GSM by problem, so
-a problem's translations stay on one side); chat skips the ShareGPT records the bootstrap used.
+shift-quick-<date>.*); every figure comes from the run. Prompts: held-out and traffic sets are
+disjoint (seeded split by id; GSM by problem, so a problem's translations stay on one side); chat
+skips the ShareGPT records the bootstrap used.
 """
 from __future__ import annotations
 
@@ -145,12 +146,18 @@ def _arms(target, params: Params, runners: dict) -> dict:
 
 
 # -- the run -----------------------------------------------------------------------------------------
+def phase_threshold(traffic: list[dict], cfg: ShiftConfig) -> int:
+    """A phase's seal threshold (tokens): half its traffic's prompt + max completion tokens, so the
+    phase triggers exactly one cycle even when completions stop early (prompt lengths differ a lot
+    between English and KO/JA tokenisations, hence per phase); the remainder is sealed at its end."""
+    return int(0.5 * sum(len(p["input_ids"]) + cfg.traffic_max_new_tokens for p in traffic))
+
+
 def bench_params(params: Params, cfg: ShiftConfig) -> Params:
-    """Params of the run (written to the workspace's params.yaml, which the cycles read): a default
-    seal threshold (each phase's writer sets its own from its traffic), bigger batches, a shorter
-    evaluate step, optional shorter training."""
-    est = cfg.traffic_prompts * (cfg.traffic_max_new_tokens + 120)  # ~prompt + completion tokens
-    upd = {"capture": params.capture.model_copy(update={"seal_min_tokens": int(est * 0.6), "seal_max_age_s": None}),
+    """Params of the run (written to the workspace's params.yaml, which the cycles read): no age-based
+    seal (each phase's writer seals at `phase_threshold`), bigger batches, a shorter evaluate step,
+    optional shorter training."""
+    upd = {"capture": params.capture.model_copy(update={"seal_max_age_s": None}),
            "engine": params.engine.model_copy(update={"max_batch": max(params.engine.max_batch, max(cfg.concurrency))}),
            "evaluate": params.evaluate.model_copy(update={"max_new_tokens": cfg.cycle_eval_tokens}),
            "curate": params.curate.model_copy(update={"max_holdout": cfg.cycle_max_holdout})}
@@ -198,10 +205,7 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
                              hold, cfg, None)
             ref = before.pop("reference")
             progress(f"{phase}: before: {_brief(before)}")
-            # the seal threshold of this phase: half its traffic's tokens at most (prompt lengths differ a
-            # lot between English and KO/JA tokenisations; completions may stop early), so each phase
-            # triggers exactly one cycle
-            thr = int(0.5 * sum(len(p["input_ids"]) + cfg.traffic_max_new_tokens for p in traffic))
+            thr = phase_threshold(traffic, cfg)
             writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
                 update={"seal_min_tokens": thr}), ws.snapshots, on_seal=seals.put)
             cyc = _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress)
