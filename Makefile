@@ -5,14 +5,14 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install assets demo test bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
+.PHONY: install assets demo test repro bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[test]'
+	$(PIP) install -q -c constraints.txt -e '.[serve,mlops,aws,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,6 +25,9 @@ demo: assets               ## services up, static draft, serve+capture, snapshot
 
 test: assets               ## full suite; starts Prefect/MLflow servers on 127.0.0.1 itself
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+repro: assets              ## rerun a cycle from the DVC-tracked snapshots (dvc repro: curate → train → evaluate → register), then deploy the champion
+	eval "$$($(VENV)/bin/tidespec services up)" && $(VENV)/bin/dvc repro && $(VENV)/bin/tidespec deploy local
 
 bench: assets              ## engine benchmark vs HF generate / prompt lookup (needs the drafts `make demo` trains)
 	$(VENV)/bin/tidespec bench engine

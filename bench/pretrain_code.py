@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tidespec.bootstrap import teacher_force
 from tidespec.config import load_params
-from tidespec.cycle import get_target
+from tidespec.runtime import get_target
 from tidespec.train.trainer import train_draft
 
 

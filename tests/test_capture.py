@@ -9,7 +9,13 @@ from collections import Counter
 import pytest
 import torch
 
-from tidespec.capture.store import list_snapshots, load_snapshot, read_manifest, read_record, seal
+from tidespec.capture.store import (
+    list_snapshots,
+    load_snapshot,
+    read_manifest,
+    read_record,
+    seal,
+)
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CurateParams, Params
 from tidespec.curate import curate, jsd_bits, snapshot_drift
@@ -295,9 +301,9 @@ def test_prometheus_exposition(tmp_path):
 
 def test_cli_seals_leftover_capture_and_lists(tmp_path, monkeypatch):
     """After a crash: `tidespec snapshots seal` finishes the interrupted seal and seals the rest."""
-    import tidespec.capture.store as store
     from typer.testing import CliRunner
 
+    import tidespec.capture.store as store
     from tidespec.cli import app
     cap = tmp_path / "data" / "capture" / "tid"
     w = CaptureWriter(cap, "tid-full-id", shard_max_records=2)

@@ -1,12 +1,12 @@
 """Engine: the lean target forward matches transformers; speculative greedy == target-only greedy."""
 import pytest
 import torch
+from conftest import random_draft
 
 from tidespec.engine.adaptive import AdaptiveK, Calibration, predicted_tau
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats, simulated_acceptance_length
-from conftest import random_draft
 from tidespec.models.eagle3 import DraftRunner, load_checkpoint
 
 
@@ -103,10 +103,6 @@ def test_batched_equals_alone(tiny_target):
             torch.testing.assert_close(a.record["aux_hidden_states"], b.record["aux_hidden_states"], atol=0, rtol=0)
         assert a.stats.num_accepted_tokens == b.stats.num_accepted_tokens
     assert sum(g.stats.num_drafts for g in batch) > 0
-    tot = eng.stats.summary()  # engine aggregates: the 7 alone + the 7 batched
-    assert tot["num_requests"] == 14 and tot["num_generated_tokens"] == 2 * sum(len(g.tokens) for g in batch)
-    assert tot["num_drafts"] == 2 * sum(g.stats.num_drafts for g in batch)
-    assert tot["per_workload"]["default"]["num_accepted_tokens"] == 2 * sum(g.stats.num_accepted_tokens for g in batch)
 
 
 def test_requests_join_and_leave_between_steps(tiny_target):
@@ -317,7 +313,7 @@ def test_lossless_on_real_target(real_target, tmp_path):
 
 
 def test_replay_interleaves_configs_and_counts_mismatches(tiny_target):
-    from tidespec.cycle import replay
+    from tidespec.engine.replay import replay
     order = []
 
     class Spy(Engine):

@@ -19,9 +19,9 @@ import json
 
 import pytest
 import torch
+from conftest import random_draft
 from safetensors.torch import load_file
 
-from conftest import random_draft
 from tidespec.models.eagle3 import save_checkpoint
 
 STACKED = [(".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),

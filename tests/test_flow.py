@@ -1,6 +1,5 @@
 """The Prefect flow tide_cycle against a real Prefect server and MLflow server, on a tiny target."""
 import pytest
-
 from conftest import make_tiny_workspace
 
 pytestmark = pytest.mark.services
@@ -11,11 +10,10 @@ def test_tide_cycle_flow_registers_champion(tmp_path, tiny_target_dir, prefect_s
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from tidespec import registry
-    from tidespec.demo import load_flow
-    from tidespec.deploy.local import served_version
+    from tidespec.flows.cycle import tide_cycle as flow
+    from tidespec.workspace import served_version
 
     ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir)
-    flow = load_flow(tmp_path)
     with temporary_settings({PREFECT_API_URL: prefect_server}):
         res = flow(root=str(tmp_path), params_path=str(tmp_path / "params.yaml"), target_id=target.target_id,
                    snapshot_rev="test-rev", tracking_uri=mlflow_server)
@@ -58,3 +56,14 @@ def test_tide_cycle_flow_registers_champion(tmp_path, tiny_target_dir, prefect_s
                      tracking_uri=mlflow_server, trigger="schedule")
     assert "no snapshot newer" in again["skipped"]
     assert registry.champion(mlflow_server, target.target_id).version == dec["version"]
+    # lineage on the event route: the event's rev + every curated snapshot's rev
+    (sid,) = [p.name for p in (ws.snapshots / target.target_id).iterdir() if p.is_dir()]
+    assert list(json.loads(info.tags["snapshot_revs"])) == [sid]
+    assert json.loads(info.tags["snapshot_revs"])[sid].startswith("untracked:")  # no DVC in this workspace
+    # the schedule route (no event payload) records lineage too: the newest window snapshot's rev
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        forced = flow(root=str(tmp_path), params_path=str(tmp_path / "params.yaml"), target_id=target.target_id,
+                      tracking_uri=mlflow_server, trigger="schedule", force=True)
+    mv = c.get_model_version(registry.model_name(target.target_id), forced["register"]["version"])
+    assert mv.tags["snapshot_rev"] == json.loads(info.tags["snapshot_revs"])[sid] != ""
+    assert mv.tags["snapshot_revs"] == info.tags["snapshot_revs"] and mv.tags["params_sha"] == params.sha()

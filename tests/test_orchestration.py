@@ -4,7 +4,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import make_tiny_workspace
 
 pytestmark = pytest.mark.services
@@ -12,8 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _project(tmp_path, tiny_target_dir):
-    shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")
-    shutil.copytree(REPO / "flows", tmp_path / "flows", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")  # entrypoints are module paths: no flow files
     return make_tiny_workspace(tmp_path, tiny_target_dir)
 
 
@@ -32,6 +30,7 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     train = _client_call(prefect_server, lambda c: c.read_deployment_by_name(orchestrate.TRAIN_DEPLOYMENT))
     # schedule, pool, concurrency, pull step = the project dir
     assert dep.work_pool_name == "tidespec" and train.work_pool_name == "tidespec-train"
+    assert dep.entrypoint == "tidespec.flows.cycle:tide_cycle" and train.entrypoint == "tidespec.flows.train:tide_train"
     assert [s.schedule.interval.total_seconds() for s in dep.schedules] == [21600.0]
     assert all(s.active for s in dep.schedules)
     assert dep.global_concurrency_limit is not None and dep.global_concurrency_limit.limit == 1
@@ -56,6 +55,10 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     assert run.parameters["target_id"] == target.target_id and run.parameters["trigger"] == "tokens"
     champ = registry.champion(mlflow_server, target.target_id)
     assert champ is not None and champ.tags["snapshot_rev"] == "rev-abc"
+    import json
+    revs = json.loads(champ.tags["snapshot_revs"])  # lineage: every snapshot of the curated window
+    assert sorted(revs) == sorted(p.name for p in (ws.snapshots / target.target_id).iterdir() if p.is_dir())
+    assert all(revs.values()) and champ.tags["params_sha"] == params.sha()
     assert (ws.champion / "config.json").exists()  # deployed locally by the run, in the project dir
     # another emitter's partial payload still starts a run ("" for what is missing); nothing new → skipped
     events.emit(events.CAPTURE_THRESHOLD, "tidespec.snapshot.other", {"snapshot_rev": "rev-partial"},
@@ -73,7 +76,7 @@ def test_train_on_another_pool(tmp_path, tiny_target_dir, prefect_server, prefec
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from tidespec import orchestrate, services
-    from tidespec.demo import load_flow
+    from tidespec.flows.cycle import tide_cycle
 
     ws, params, target = _project(tmp_path, tiny_target_dir)
     text = (tmp_path / "params.yaml").read_text().replace("train: {", "train: {work_pool: tidespec-train, ")
@@ -84,7 +87,7 @@ def test_train_on_another_pool(tmp_path, tiny_target_dir, prefect_server, prefec
     tw = again["worker-tidespec-train"]
     try:
         with temporary_settings({PREFECT_API_URL: prefect_server}):
-            res = load_flow(tmp_path)(root=str(tmp_path), params_path=str(tmp_path / "params.yaml"),
+            res = tide_cycle(root=str(tmp_path), params_path=str(tmp_path / "params.yaml"),
                                       target_id=target.target_id, tracking_uri=mlflow_server)
         # the train run: a tide_train flow run of the tide-train deployment, completed
         run = orchestrate.wait_for_run(prefect_server, orchestrate.TRAIN_DEPLOYMENT, {"out": str(ws.candidate)}, 30)

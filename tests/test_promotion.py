@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_tiny_target, make_tiny_workspace
 
 pytestmark = pytest.mark.services
@@ -19,7 +18,7 @@ def _shuffled_workspace(root, ws, params, target):
     from tidespec import curate
     from tidespec.capture.store import list_snapshots, seal
     from tidespec.capture.writer import CaptureWriter
-    from tidespec.cycle import Workspace
+    from tidespec.workspace import Workspace
 
     ws2 = Workspace(root)
     root.mkdir()
@@ -58,7 +57,7 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
 
     from tidespec import cycle, registry
     from tidespec.cli import app
-    from tidespec.deploy.local import served_version
+    from tidespec.workspace import served_version
 
     (tmp_path / "main").mkdir()
     # 48 requests over a 9-token prompt alphabet: the tiny target's continuations are learnable. Its own
@@ -70,12 +69,12 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
 
     # cycle 1: a properly trained draft becomes champion
     cycle.step_curate(ws, params, tid)
-    tm = cycle.step_train(ws, params, ws.curated, None, ws.candidate)
+    tm = cycle.train_candidate(ws, params, ws.curated, None, ws.candidate)
     rep = cycle.step_evaluate(ws, params, ws.candidate, None, ws.eval_prompts, ws.eval_report)
-    d1 = cycle.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, "rev-1")
+    d1 = cycle.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, cycle.lineage(ws.curated, "rev-1"))
     assert d1["promoted"] and rep["lossless"]
     # a retried register (e.g. after a connection reset) finds its version: no second registration
-    again = cycle.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, "rev-1")
+    again = cycle.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, cycle.lineage(ws.curated, "rev-1"))
     assert again["version"] == d1["version"] and again["promoted"]
     assert [h["version"] for h in registry.cycle_history(mlflow_server, tid)] == [d1["version"]]
     cycle.step_deploy(ws, mlflow_server, tid)
@@ -86,11 +85,11 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     ws2 = _shuffled_workspace(tmp_path / "shuf", ws, params, target)
     cycle.step_curate(ws2, params, tid)
     bad = tmp_path / "bad-candidate"
-    tm2 = cycle.step_train(ws2, params, ws2.curated, None, bad)
+    tm2 = cycle.train_candidate(ws2, params, ws2.curated, None, bad)
     rep2 = cycle.step_evaluate(ws, params, bad, ws.champion, ws.eval_prompts, tmp_path / "eval2.json")
     assert rep2["lossless"] and rep2["champion"]["acceptance_length"] == pytest.approx(tau1)
     assert rep2["candidate"]["acceptance_length"] < tau1
-    d2 = cycle.step_register(params, tid, bad, rep2, tm2, mlflow_server, "rev-shuffled")
+    d2 = cycle.step_register(params, tid, bad, rep2, tm2, mlflow_server, cycle.lineage(ws2.curated, "rev-shuffled"))
     assert not d2["promoted"] and d2["previous_champion"] == d1["version"]
     assert "<" in d2["reason"] and f"champion v{d1['version']}" in d2["reason"]
     assert registry.champion(mlflow_server, tid).version == d1["version"]
@@ -101,7 +100,7 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
         rep3 = cycle.step_evaluate(ws, params, ws.candidate, ws.champion, ws.eval_prompts, tmp_path / "eval3.json")
     assert not rep3["lossless"] and rep3["candidate"]["mismatches"] > 0
     assert rep3["candidate"]["acceptance_length"] > tau1  # its τ looks great: the gate must not care
-    d3 = cycle.step_register(params, tid, ws.candidate, rep3, tm, mlflow_server, "rev-lossy")
+    d3 = cycle.step_register(params, tid, ws.candidate, rep3, tm, mlflow_server, cycle.lineage(ws.curated, "rev-lossy"))
     assert not d3["promoted"] and "losslessness" in d3["reason"]
 
     # by hand: the lossy one is refused; the worse one can be forced in, then rolled back
@@ -130,3 +129,44 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     from mlflow import MlflowClient
     run = MlflowClient(mlflow_server).get_run(d3["run_id"])
     assert run.data.tags["decision"] == "rejected" and "losslessness" in run.data.tags["decision_reason"]
+
+
+def test_promote_by_hand_refuses_a_version_never_evaluated(tmp_path, mlflow_server):
+    """`tidespec promote VERSION` needs an evaluated version: what the cycle's register step writes
+    after evaluate (tag lossless='True' and a finite acceptance_length). A bare registration, or
+    one with a τ but no losslessness check, is refused with the fix; an evaluated one goes in."""
+    import uuid
+
+    from tidespec import registry
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("{}")
+    tid = uuid.uuid4().hex * 2  # a target of its own: no champion from other tests
+    uri = mlflow_server
+
+    def log(metrics, tags):
+        return registry.log_candidate(uri, tid, ck, {"k": 3}, metrics, tags)[1]
+
+    bare = log({}, {})
+    tau_only = log({"acceptance_length": 2.5}, {})
+    nan_tau = log({"acceptance_length": float("nan")}, {"lossless": "True"})
+    lossy = log({"acceptance_length": 3.0}, {"lossless": "False"})
+    good = log({"acceptance_length": 2.0}, {"lossless": "True"})
+    for v in (bare, tau_only, nan_tau):
+        with pytest.raises(registry.RegistryError, match="never evaluated") as e:
+            registry.promote(uri, tid, v, "looks fine to me")
+        assert "run `tidespec cycle`" in str(e.value) and f"v{v}" in str(e.value)
+    assert "has neither" in str(pytest.raises(registry.RegistryError, registry.promote, uri, tid, bare, "x").value)
+    with pytest.raises(registry.RegistryError, match="losslessness check"):
+        registry.promote(uri, tid, lossy, "x")
+    with pytest.raises(registry.RegistryError, match="losslessness check"):  # not even as a bootstrap
+        registry.promote(uri, tid, lossy, "x", allow_unevaluated=True)
+    assert registry.champion(uri, tid) is None  # nothing moved, nothing recorded
+    assert all(registry.decisions(uri, tid, v) == [] for v in (bare, tau_only, nan_tau, lossy))
+
+    d = registry.promote(uri, tid, good, "evaluated, by hand")
+    assert d.promoted and d.reason == "manual: evaluated, by hand" and registry.champion(uri, tid).version == good
+    # the bootstrap path (demo / bench shift: the first static draft) says so in the audit trail
+    d = registry.promote(uri, tid, bare, "bootstrap", allow_unevaluated=True)
+    assert d.promoted and d.previous_champion == good and "unevaluated" in d.reason
+    assert registry.decisions(uri, tid, bare)[-1].endswith("promoted: manual, unevaluated (bootstrap): bootstrap")

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from tidespec.config import Params
 from tidespec.deploy import sagemaker as smd
 from tidespec.models.eagle3 import save_checkpoint
+from tidespec.sagemaker_config import CanaryParams
 
 ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def test_names_alarms_update_and_outcome():
     assert smd.resource_name("tidespec-abc-gpu", "12", NOW) == "tidespec-abc-gpu-v12-20261130120000"
     with pytest.raises(ValueError, match="too long"):
         smd.resource_name("e" * 50, "12", NOW)
-    canary = smd.CanaryParams(percent=20, wait_s=300, alarm_p99_latency_ms=2000)
+    canary = CanaryParams(percent=20, wait_s=300, alarm_p99_latency_ms=2000)
     alarms = smd.alarm_requests("ep", canary)
     assert [a["MetricName"] for a in alarms] == ["Invocation5XXErrors", "ModelLatency"]
     assert alarms[1]["Threshold"] == 2_000_000.0 and alarms[1]["ExtendedStatistic"] == "p99"  # µs
@@ -407,7 +408,8 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
     params = _params(tdir, s3_prefix=f"s3://{bucket}/t", target_model="org/target", on_promote=["gpu"],
                      profiles={"gpu": {"instance_type": "ml.g4dn.xlarge", "endpoint_name": ep}})
     _, v = registry.log_candidate(mlflow_server, tid, draft, params={"k": 3},
-                                  metrics={"acceptance_length": 2.0}, tags={"snapshot_rev": f"s-{ep}"})
+                                  metrics={"acceptance_length": 2.0},
+                                  tags={"snapshot_rev": f"s-{ep}", "lossless": "True"})  # evaluated: promotable
     registry.promote(mlflow_server, tid, v, reason="test")
     ws = Workspace(tmp_path / "ws")
     dep = step_deploy(ws, mlflow_server, tid, params)

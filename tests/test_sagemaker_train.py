@@ -9,6 +9,7 @@ Stopped/Failed/InProgress paths of `wait` use the real moto client with a botoco
 handler rewriting the status of the parsed DescribeTrainingJob response (the only piece not served
 by moto, named where used).
 """
+import hashlib
 import io
 import json
 import os
@@ -24,10 +25,10 @@ from botocore.config import Config
 from conftest import make_tiny_workspace
 from pydantic import ValidationError
 
+from tidespec.aws import NAME_RE, WaitTimeout, upload_dir
+from tidespec.sagemaker_config import SageMakerTrainParams
 from tidespec.train.sagemaker import (
-    JOB_NAME_RE,
     SageMakerTrainingFailed,
-    SageMakerTrainParams,
     TrainingJob,
     container_main,
     download_model,
@@ -35,7 +36,6 @@ from tidespec.train.sagemaker import (
     launch,
     train_on_sagemaker,
     training_job_request,
-    upload_inputs,
     wait,
 )
 
@@ -171,9 +171,9 @@ def test_params_spot_wait_and_normalisation():
 def test_job_name():
     names = {job_name() for _ in range(50)}
     assert len(names) == 50
-    assert all(JOB_NAME_RE.fullmatch(n) and n.startswith("tidespec-draft-") for n in names)
+    assert all(NAME_RE.fullmatch(n) and n.startswith("tidespec-draft-") for n in names)
     odd = job_name("--My_Team's draft/" + "x" * 80)
-    assert JOB_NAME_RE.fullmatch(odd) and len(odd) <= 63 and odd.startswith("My-Team-s-draft-")
+    assert NAME_RE.fullmatch(odd) and len(odd) <= 63 and odd.startswith("My-Team-s-draft-")
     assert re.fullmatch(r"tidespec-draft-\d{8}-\d{6}-[0-9a-f]{6}", job_name())
     for bad in ("-lead", "trail-", "has_underscore", "x" * 64):
         with pytest.raises(ValueError, match="must match"):
@@ -191,7 +191,7 @@ def test_launch_uploads_and_creates_job(aws_env, tmp_path):
     (b / "model.safetensors").write_bytes(os.urandom(1234))
     p = _params(bucket, instance_type="ml.trn1.2xlarge")
     job = launch(p, {"curated": a, "init": b}, {"params": '{"x":1}'})
-    assert isinstance(job, TrainingJob) and JOB_NAME_RE.fullmatch(job.name)
+    assert isinstance(job, TrainingJob) and NAME_RE.fullmatch(job.name)
     base = f"s3://{bucket}/drafts/{job.name}"
     assert job.checkpoint_s3 == f"{base}/checkpoints/" and job.output_s3 == f"{base}/output/model.tar.gz"
 
@@ -212,17 +212,19 @@ def test_launch_uploads_and_creates_job(aws_env, tmp_path):
         want = _files(local)
         assert keys == sorted(prefix + k for k in want)
         for k, data in want.items():
-            assert s3.head_object(Bucket=bucket, Key=prefix + k)["ServerSideEncryption"] == "AES256"
+            head = s3.head_object(Bucket=bucket, Key=prefix + k)
+            assert head["ServerSideEncryption"] == "AES256"
+            assert head["Metadata"]["sha256"] == hashlib.sha256(data).hexdigest()
             assert s3.get_object(Bucket=bucket, Key=prefix + k)["Body"].read() == data
 
 
-def test_upload_inputs_errors(aws_env, tmp_path):
+def test_upload_dir_errors(aws_env, tmp_path):
     s3 = boto3.client("s3")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        upload_inputs(s3, tmp_path / "nope", "s3://tide-bucket/x/")
+        upload_dir(s3, tmp_path / "nope", "s3://tide-bucket/x/")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no files"):
-        upload_inputs(s3, tmp_path / "empty", f"s3://{_bucket()}/x/")
+        upload_dir(s3, tmp_path / "empty", f"s3://{_bucket()}/x/")
 
 
 def test_train_on_sagemaker_end_to_end(aws_env, tmp_path, tiny_target_dir, monkeypatch):
@@ -336,7 +338,7 @@ def test_wait_completed_stopped_failed_timeout(aws_env, tmp_path):
     sm = boto3.client("sagemaker")
     calls = _status_override(sm, "InProgress")
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=rf"{job.name} still InProgress after 0.5s.*StopTrainingJob"):
+    with pytest.raises(WaitTimeout, match=rf"{job.name} still InProgress after 0.5s.*StopTrainingJob"):
         wait(job, sm, timeout_s=0.5, poll_s=0.1)
     assert 0.3 < time.monotonic() - t0 < 3 and len(calls) >= 4 and set(calls) == {job.name}
 

@@ -1,12 +1,23 @@
 """Lossless rejection sampling: exact one-step probabilities, chi-square over 20k draws, end to end."""
 import pytest
 import torch
+from conftest import random_draft
 from scipy.stats import chisquare
 
-from tidespec.engine.sampling import SamplingParams, first_token_prob, rejection_verify, warp
+from tidespec.engine.sampling import SamplingParams, rejection_verify, warp
 from tidespec.engine.speculative import Engine
-from conftest import random_draft
 from tidespec.models.eagle3 import DraftRunner
+
+
+def first_token_prob(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Exact probability `[V]` that `rejection_verify` emits token x first (one step, rows p[0], q[0]).
+
+    P(x) = q(x)·min(1, p(x)/q(x)) + (1 − Σ_y min(p(y), q(y))) · norm(max(p − q, 0))(x); equals p(x).
+    """
+    acc = torch.minimum(p, q)
+    resid = (p - q).clamp_min(0)
+    z = resid.sum()
+    return acc + (1 - acc.sum()) * (resid / z if z > 0 else p)
 
 
 def _dist(V, seed, sharp=2.0):

@@ -1,15 +1,15 @@
 """tidespec serve's HTTP app on the tiny target (FastAPI TestClient, real engine thread)."""
 import pytest
-from fastapi.testclient import TestClient
-
 from conftest import make_tiny_target, random_draft
+from fastapi.testclient import TestClient
 
 
 @pytest.fixture
 def served(tiny_target, tmp_path):
-    from tidespec.engine.server import ServerConfig, build_app
+    from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import DraftRunner, save_checkpoint
+    from tidespec.server import build_app
 
     drafts = tmp_path / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
@@ -17,8 +17,7 @@ def served(tiny_target, tmp_path):
     from tidespec.models.eagle3 import load_checkpoint
     eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)),
                  3, 256, "v1")
-    cfg = ServerConfig(max_tokens=16, drafts_dir=drafts, admin_token="s3cret")
-    with TestClient(build_app(eng, None, cfg)) as c:
+    with TestClient(build_app(eng, None, ServeParams(max_tokens=16), drafts_dir=drafts, admin_token="s3cret")) as c:
         yield c, eng, drafts
 
 
@@ -53,15 +52,17 @@ def test_completions_lossless_usage_and_metrics(served, tiny_target):
 
 
 def test_bad_requests_get_clear_4xx(served, tiny_target):
-    from tidespec.engine.server import ServerConfig, build_app
+    from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
+    from tidespec.server import build_app
 
     c, _, _ = served
     assert "token ids" in c.post("/v1/completions", json={"prompt": "hello"}).json()["detail"]
     assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 400
     assert c.post("/v1/completions", json={"prompt": [10**6]}).status_code == 400  # id outside the vocab
     assert c.post("/v1/completions", json={"prompt": [5], "top_p": 0}).status_code == 422
-    with TestClient(build_app(Engine(tiny_target, None, 3, 256), None, ServerConfig(max_queue=0))) as full:
+    with TestClient(build_app(Engine(tiny_target, None, 3, 256), None,
+                               ServeParams.model_construct(max_queue=0, request_timeout_s=300.0, max_tokens=16))) as full:
         r = full.post("/v1/completions", json={"prompt": [5, 6]})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert _prom(full, "tidespec:request_rejected_total") == 1
@@ -117,9 +118,10 @@ def test_load_with_hot_swap_no_errors_outputs_unchanged(tiny_target, tmp_path):
     """16 concurrent clients for 8 s over real HTTP (uvicorn); the draft is swapped half-way: no
     error status, every greedy output equals target-only output, both drafts served."""
     from tidespec.bench.serve import load, serve_in_thread
-    from tidespec.engine.server import ServerConfig, build_app
+    from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import DraftRunner, load_checkpoint, save_checkpoint
+    from tidespec.server import build_app
 
     drafts = tmp_path / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
@@ -129,7 +131,7 @@ def test_load_with_hot_swap_no_errors_outputs_unchanged(tiny_target, tmp_path):
     prompts = [[5 + i, 17, 33, 8 + 2 * i, 90, 41 + i] for i in range(8)]
     ref = Engine(tiny_target, None, 3, 256)
     reference = {i: ref.generate(p, 12, speculative=False).tokens for i, p in enumerate(prompts)}
-    srv = serve_in_thread(build_app(eng, None, ServerConfig(max_tokens=12, drafts_dir=drafts, admin_token="t")))
+    srv = serve_in_thread(build_app(eng, None, ServeParams(max_tokens=12), drafts_dir=drafts, admin_token="t"))
     try:
         rep = load(srv.url, prompts, reference, clients=16, duration_s=8, max_tokens=12, swap={"path": "v2"},
                    admin_token="t")
@@ -147,16 +149,17 @@ def test_deploy_notifies_a_running_server(tiny_target, tmp_path):
     import json
 
     from tidespec.bench.serve import serve_in_thread
+    from tidespec.config import ServeParams
     from tidespec.deploy.local import notify_server
-    from tidespec.engine.server import ServerConfig, build_app
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.server import build_app
 
     drafts = tmp_path / "data" / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=3), drafts / "champion")
     (drafts / "champion" / "version.json").write_text(json.dumps({"version": "7", "run_id": "r"}))
     eng = Engine(tiny_target, None, 3, 256)
-    srv = serve_in_thread(build_app(eng, None, ServerConfig(drafts_dir=drafts, admin_token="t")))
+    srv = serve_in_thread(build_app(eng, None, ServeParams(max_tokens=256), drafts_dir=drafts, admin_token="t"))
     try:
         assert notify_server(drafts / "champion", srv.url, "wrong")["status"] == 401 and eng.draft_version is None
         got = notify_server(drafts / "champion", srv.url, "t")
@@ -165,3 +168,29 @@ def test_deploy_notifies_a_running_server(tiny_target, tmp_path):
         srv.stop()
     assert "unreachable" in notify_server(drafts / "champion", srv.url, "t")["error"]
     assert notify_server(drafts / "champion", None, None) == {"server": None}
+
+
+def test_capture_sample_rate_over_http_and_counters_on_metrics(tiny_target, tmp_path):
+    """capture.sample_rate 0.5: the engine asks the writer at admission, so about half of 40 served
+    requests are captured (the rest counted as sampled_out), and /metrics shows the writer's counters."""
+    from tidespec.capture.store import read_manifest
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.config import CaptureParams, ServeParams
+    from tidespec.engine.speculative import Engine
+    from tidespec.server import build_app
+
+    w = CaptureWriter.from_params(tmp_path / "cap", tiny_target.target_id, CaptureParams(sample_rate=0.5))
+    eng = Engine(tiny_target, None, 3, 256, capture=w)
+    n = 40
+    with TestClient(build_app(eng, None, ServeParams(max_tokens=4))) as c:
+        for i in range(n):
+            r = c.post("/v1/completions", json={"prompt": [5, 17, 33, i % 50 + 3], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        w.flush()
+        written, skipped = _prom(c, "tidespec:capture_written_total"), _prom(c, 'tidespec:capture_filtered_total'
+                                                                                '{reason="sampled_out"}')
+    w.close()
+    rows = read_manifest(tmp_path / "cap")
+    # request ids are random uuids: binomial(40, 0.5) lies in [10, 30] with probability 0.998
+    assert 10 <= len(rows) <= 30 and written == len(rows) and written + skipped == n
+    assert all(4 <= r.num_tokens <= 7 for r in rows)  # whole requests: prompt (4) + generated (≤ 4) - 1

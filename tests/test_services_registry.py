@@ -40,7 +40,7 @@ def _log(uri, tid, ckpt, tau, **kw):
     return registry.log_candidate(
         uri, tid, ckpt, params={"train": {"lr": 1e-4, "steps": 3}, "k": 4},
         metrics={"acceptance_length": tau, "baseline_acceptance_length": 1.0, "accepted_per_pos/0": 0.7},
-        tags={"snapshot_rev": "abc.dir", "params_sha": "p1", "workload_mix": "code:1.0"},
+        tags={"snapshot_rev": "abc.dir", "params_sha": "p1", "workload_mix": "code:1.0", "lossless": "True"},
         step_metrics={"train/loss": [3.0, 2.0, 1.5]}, **kw)
 
 

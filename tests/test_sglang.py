@@ -240,11 +240,12 @@ SGLANG_PY = os.environ.get("TIDESPEC_SGLANG_PYTHON", "python")
 def test_real_sglang_serves_losslessly_and_captures(tmp_path, real_target):
     """SmolLM2 (HF dir converted from the GGUF) + a draft: SGLang's greedy output equals our target-only
     output; its capture record matches the embedded engine's within bf16 noise."""
+    from conftest import random_draft
+
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.runtime import target_dir
     from tidespec.services import free_port
-    from conftest import random_draft
-    from tidespec.cycle import target_dir
     target, tok = real_target
     hf = Path(target_dir("smollm2"))  # the GGUF dequantised once into an HF dir
     champion = ROOT / "data/drafts/champion"

@@ -12,8 +12,8 @@ from pathlib import Path
 import boto3
 import pytest
 import torch
-
 from conftest import make_tiny_workspace
+
 from tidespec import versioning
 from tidespec.capture.publish import Publisher
 from tidespec.capture.store import list_snapshots
@@ -114,8 +114,9 @@ def test_publish_s3_sse_retention_event_and_fresh_clone_pull(tmp_path, aws_env, 
 TAU_KEYS = ("acceptance_length", "acceptance_rate", "num_drafts", "num_accepted_tokens", "mismatches")
 
 
-def test_fresh_clone_reproduces_older_cycle_metrics(tmp_path, aws_env, tiny_target_dir, monkeypatch):
+def test_fresh_clone_reproduces_older_cycle_metrics(tmp_path, aws_env, tiny_target_dir, monkeypatch, mlflow_server):
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)  # the register stage
     bucket = _bucket(aws_env, "tidespec-repro")
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -126,10 +127,19 @@ def test_fresh_clone_reproduces_older_cycle_metrics(tmp_path, aws_env, tiny_targ
     (s1,) = list_snapshots(ws.snapshots, target.target_id)
     versioning.track(repo, s1)
     out = versioning.repro(repo)
-    assert "curate" in out and "evaluate" in out and (repo / "dvc.lock").exists()
+    assert "curate" in out and "register" in out and (repo / "dvc.lock").exists()
     m1 = json.loads(ws.eval_report.read_text())
     t1 = json.loads((ws.candidate / "train_metrics.json").read_text())
     assert m1["lossless"] is True and m1["candidate"]["num_drafts"] > 0 and m1["champion"] is not None
+    # the dvc repro route registers with lineage: the DVC rev of the curated snapshot, the params hash
+    from mlflow import MlflowClient
+
+    from tidespec import registry
+    reg = json.loads((ws.work / "register.json").read_text())
+    mv = MlflowClient(mlflow_server).get_model_version(registry.model_name(target.target_id), reg["version"])
+    rev1 = versioning.snapshot_rev(repo, s1)
+    assert json.loads(mv.tags["snapshot_revs"]) == {s1.name: rev1} and mv.tags["snapshot_rev"] == rev1
+    assert rev1.endswith(".dir") and mv.tags["params_sha"] == params.sha() and mv.tags["trigger"] == "dvc-repro"
     again = versioning.repro(repo)  # nothing changed: every stage is skipped
     assert "didn't change" in again or "up to date" in again, again
     versioning.push(repo)

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 import yaml
-
 from conftest import make_tiny_workspace
+
 from tidespec.config import DraftParams, TrainParams
 from tidespec.train import specforge as sf
 
@@ -85,13 +85,13 @@ def test_unavailable_without_cuda_says_why(tmp_path, tiny_target_dir, monkeypatc
     assert "not found" in sf.unavailable_reason("no-such-specforge-binary")
     monkeypatch.setattr(sf.shutil, "which", lambda name: None if name == "nvidia-smi" else "/usr/bin/" + name)
     assert "needs a CUDA GPU" in sf.unavailable_reason("specforge")
-    from tidespec.cycle import step_curate, step_train
+    from tidespec.cycle import step_curate, train_candidate
     ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir)
     step_curate(ws, params, target.target_id)
     p = params.model_copy(update={"train": params.train.model_copy(update={"backend": "specforge",
                                                                          "min_train_tokens": 8})})
     with pytest.raises(sf.SpecForgeUnavailable, match="CUDA GPU"):
-        step_train(ws, p, ws.curated, None, ws.candidate)
+        train_candidate(ws, p, ws.curated, None, ws.candidate)
     assert not ws.candidate.exists()
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import make_tiny_workspace, tiny_records
+
 from tidespec.capture.store import seal
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CurateParams, DraftParams, TrainParams
@@ -17,7 +17,6 @@ from tidespec.curate import curate
 from tidespec.models.eagle3 import load_checkpoint
 from tidespec.train.resume import state_dir
 from tidespec.train.trainer import train_draft
-
 
 _records = tiny_records
 
@@ -130,12 +129,12 @@ def test_snapshot_of_another_target_is_refused(tmp_path):
 
 
 def test_too_small_set_skips_the_cycle(tmp_path, tiny_target_dir):
-    from tidespec.cycle import step_curate, step_train
+    from tidespec.cycle import step_curate, train_candidate
     ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir, n_requests=4, champion=True)
     before = (ws.champion / "model.safetensors").read_bytes()
     step_curate(ws, params, target.target_id)
     p = params.model_copy(update={"train": params.train.model_copy(update={"min_train_tokens": 10_000})})
-    res = step_train(ws, p, ws.curated, ws.champion, ws.candidate)
+    res = train_candidate(ws, p, ws.curated, ws.champion, ws.candidate)
     assert "below train.min_train_tokens=10000" in res["skipped"]
     assert not ws.candidate.exists() and (ws.champion / "model.safetensors").read_bytes() == before
 
@@ -146,8 +145,8 @@ def test_stage_train_resumes_after_kill_9(tmp_path, tiny_target_dir):
     txt = (tmp_path / "params.yaml").read_text().replace(
         "train: {ttt_steps: 2, epochs: 2,", "train: {checkpoint_every: 1, ttt_steps: 2, epochs: 150,")
     (tmp_path / "params.yaml").write_text(txt)
-    from tidespec.cycle import step_curate
     from tidespec.config import load_params
+    from tidespec.cycle import step_curate
     step_curate(ws, load_params(tmp_path / "params.yaml"), target.target_id)
     cmd = [sys.executable, "-m", "tidespec.cli", "stage", "train", "--root", str(tmp_path),
            "--params", str(tmp_path / "params.yaml")]
@@ -173,6 +172,7 @@ def test_stage_train_resumes_after_kill_9(tmp_path, tiny_target_dir):
 def test_resume_state_is_keyed_on_contents_not_paths(tiny_target, tmp_path):
     """A replaced warm start at the same path, or changed loss masks, start fresh (breaker findings)."""
     from conftest import random_draft
+
     from tidespec.models.eagle3 import save_checkpoint
     recs = _records(tiny_target, n=6)
     dp = DraftParams(draft_vocab_size=64)
@@ -216,7 +216,7 @@ def test_nonfinite_hyperparameters_are_refused():
 def test_skip_counts_only_new_traffic(tmp_path):
     """Replayed old records do not lift a tiny new window over train.min_train_tokens."""
     from tidespec.config import Params
-    from tidespec.cycle import skip_reason
+    from tidespec.train.entry import skip_reason
     _snapshot(tmp_path, "tid", "code", range(0, 40))
     time.sleep(0.01)
     _snapshot(tmp_path, "tid", "chat", range(100, 102))
@@ -236,3 +236,90 @@ def test_params_file_typos_are_errors(tmp_path):
     with pytest.raises(ValueError, match="not valid YAML"):
         load_params(tmp_path / "p.yaml")
     assert load_params(tmp_path / "params.yaml").train.ttt_steps == 4  # the default name may be absent
+
+
+# -- simulated τ: conditional acceptance over the chains greedy speculative decoding runs ------------
+def test_simulated_tau_is_conditional_over_visited_chains_not_the_unconditional_product():
+    """A constructed case (k = 2): per chain start, whether draft steps 0 and 1 are right.
+    Greedy speculative decoding starts at position 0; a chain with a leading run L emits
+    min(L, k) + 1 tokens, so the chains start at 0, 3, 4, 7 with runs 2, 0, 2, 1: τ = 1 + 5/4."""
+    from tidespec.engine.stats import simulated_acceptance_length
+    from tidespec.train.trainer import HoldoutEval, chain_starts, conditional_acceptance
+
+    right = torch.tensor([[1, 1], [0, 1], [1, 0], [0, 0], [1, 1], [0, 0], [0, 0], [1, 0]], dtype=torch.bool)
+    uncond = right.float().mean(0).tolist()  # [4/8, 3/8]: step j right whatever steps < j did
+    ev = HoldoutEval(uncond, 2, [(list(range(8)), right)])
+    assert chain_starts(list(range(8)), [2, 0, 1, 0, 2, 0, 0, 1], 2) == [0, 3, 4, 7]
+    assert ev.chains(2) == 4 and ev.conditional(2) == pytest.approx([3 / 4, 2 / 3])
+    assert ev.simulated_tau(2) == pytest.approx(2.25)  # = 1 + (2 + 0 + 2 + 1) / 4
+    assert ev.simulated_tau(1) == pytest.approx(1.8)  # chains at 0, 2, 4, 6, 7: runs 1, 1, 1, 0, 1
+    # the old computation: Π of unconditional per-step accuracies -> 1 + 1/2 + 3/16, wrong
+    assert simulated_acceptance_length(uncond) == pytest.approx(1.6875)
+    # conditional, but over every position rather than the chains the engine runs -> 1 + 6/8, also not τ
+    assert simulated_acceptance_length(conditional_acceptance(right)) == pytest.approx(1.75)
+    assert conditional_acceptance(torch.tensor([[0, 1], [0, 1]], dtype=torch.bool)) == [0.0, 0.0]  # none reached 1
+    assert HoldoutEval([], 2).simulated_tau(2) is None and HoldoutEval([], 2).conditional() == []
+
+
+def test_simulated_tau_matches_greedy_engine_replay(tiny_target, tmp_path):
+    """Train a draft for one epoch on the tiny target's own greedy outputs, then on held-out greedy
+    outputs compare the teacher-forced simulated τ (HoldoutEval) with τ measured by the engine
+    replaying the same prompts greedily with speculative decoding at the same k."""
+    from tidespec.engine.speculative import Engine, Request
+    from tidespec.engine.stats import SpecDecodingStats, simulated_acceptance_length
+    from tidespec.models.eagle3 import DraftRunner
+    from tidespec.train.trainer import holdout_accuracy
+
+    k, N = 3, 24
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 12, (8,), generator=g).tolist() for _ in range(52)]  # learnable: small alphabet
+    cap = Engine(tiny_target, None, k, 256, max_batch=8)
+    gens = cap.generate_batch([Request(p, N, speculative=False, capture=True) for p in prompts])
+    train, hold = gens[:40], gens[40:]
+    tp = TrainParams(epochs=1, ttt_steps=k, batch_tokens=512, max_seq_len=128)  # a few steps: a mediocre draft
+    m = train_draft([x.record for x in train], [x.record for x in hold], tiny_target, DraftParams(draft_vocab_size=64),
+                    tp, tmp_path / "d")
+    draft = load_checkpoint(tmp_path / "d", tiny_target.embed.float(), tiny_target.target_id)
+    ev = holdout_accuracy(draft.eval(), tiny_target, [x.record for x in hold], tp)
+    assert m["simulated_acceptance_length"] == pytest.approx(ev.simulated_tau(k))
+    assert [m[f"val/cond_acc_{j}"] for j in range(k)] == pytest.approx(ev.conditional(k))
+
+    eng = Engine(tiny_target, DraftRunner(load_checkpoint(tmp_path / "d", tiny_target.embed, tiny_target.target_id)),
+                 k, 256)
+    stats, capped, steps = SpecDecodingStats(k), 0, 0
+    for p, ref in zip(prompts[40:], hold):
+        out = eng.generate(p, N, speculative=True, k=k)
+        assert out.tokens == ref.tokens  # lossless: the holdout text is what the engine emits
+        stats = stats.merge(out.stats)
+        T, t = len(p) + N - 1, len(p) - 1  # record length; the first chain starts at the prompt's last row
+        for _, emitted in out.timing.steps:  # (seconds, accepted drafts + bonus token) per verify step
+            capped += min(emitted - 1, T - 1 - t)  # drafts accepted past the text's end are not scorable
+            steps += 1
+            t += emitted
+    tau_engine, tau_capped = stats.acceptance_length, 1 + capped / steps
+    tau_sim = ev.simulated_tau(k)
+    assert 1.5 < tau_sim < 1 + k - 0.2  # a draft that is right often, but not always: the case that matters
+    # Teacher forcing on the target's own greedy tokens feeds the draft exactly the chain's inputs
+    # wherever the prefix was accepted, and the walk visits the engine's chain starts: both sides count
+    # the same chains with the same accepted runs. The tolerance covers rounding only (the holdout's
+    # hidden states are stored in bf16, the engine's are fp32: a near-tie argmax may flip).
+    assert ev.chains(k) == stats.num_drafts == steps
+    assert tau_sim == pytest.approx(tau_capped, abs=0.02)
+    # the engine also counts drafts accepted past max_new_tokens (at most k per sequence, last chain)
+    assert tau_capped <= tau_engine <= tau_capped + k * len(hold) / steps
+    # the old figure, Π of unconditional per-step accuracies over every position, is off by much more
+    assert abs(simulated_acceptance_length(ev.acc[:k]) - tau_capped) > 0.15
+
+
+def test_no_validation_records_reports_no_val_metrics(tiny_target, tmp_path):
+    """Without validation records there is no val/* and no simulated τ (never the training
+    accuracy under val/, as before)."""
+    recs = _records(tiny_target, n=4)
+    tp = TrainParams(epochs=1, ttt_steps=2, batch_tokens=256)
+    m = train_draft(recs, [], tiny_target, DraftParams(draft_vocab_size=64), tp, tmp_path / "d")
+    assert m["simulated_acceptance_length"] is None and m["val_examples"] == 0
+    assert not [k for k in m if k.startswith("val/") or k == "val_positions"]
+    assert 0 <= m["train/acc_0"] <= 1
+    m = train_draft(recs[:3], recs[3:], tiny_target, DraftParams(draft_vocab_size=64), tp, tmp_path / "e")
+    assert 1.0 <= m["simulated_acceptance_length"] <= 3.0 and m["val_positions"] == 30  # 40 tokens, last 3/4 generated
+    assert {f"val/acc_{j}" for j in range(2)} | {f"val/cond_acc_{j}" for j in range(2)} <= set(m)

@@ -1,4 +1,4 @@
-"""Strict configuration: `params.yaml` as pydantic models (`extra="forbid"`), service URLs from env.
+"""Strict configuration: `params.yaml` as pydantic models (`extra="forbid"`). The bottom layer.
 
 A typo in params.yaml is an error naming the bad key, never a silently ignored knob.
 """
@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from .deploy.sagemaker import SageMakerDeployParams
+from .sagemaker_config import SageMakerDeployParams, SageMakerTrainParams
 from .strict import Strict as _Strict
-from .train.sagemaker import SageMakerTrainParams
 
 
 class TargetParams(_Strict):
@@ -105,13 +103,16 @@ class EvaluateParams(_Strict):
 
 
 class ServeParams(_Strict):
-    """`tidespec serve` limits (CLI flags override). max_tokens: cap (and default) of a request's
-    max_tokens (None: engine.max_new_tokens); request_timeout_s: a request still unfinished after it
-    gets 504; max_queue: requests waiting + running before 429 (Retry-After)."""
+    """`tidespec serve` settings, the one serve config (CLI flags override). max_tokens: cap (and
+    default) of a request's max_tokens (None: engine.max_new_tokens, see `Params.serve_resolved`);
+    request_timeout_s: a request still unfinished after it gets 504; max_queue: requests waiting +
+    running before 429 (Retry-After); served_model_name: the `model` id responses carry (None:
+    target.source, as vLLM's --served-model-name defaults to the model path)."""
 
     max_queue: int = Field(64, ge=1)
-    request_timeout_s: float = Field(300.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
     max_tokens: int | None = Field(None, ge=1)
+    served_model_name: str | None = Field(None, min_length=1)
 
 
 class DeployParams(_Strict):
@@ -147,6 +148,13 @@ class Params(_Strict):
                              f"curate.window ({self.curate.window}): curate reads the window's snapshots locally")
         return self
 
+    def serve_resolved(self) -> ServeParams:
+        """`serve` with its defaults filled from the rest: max_tokens ← engine.max_new_tokens,
+        served_model_name ← target.source."""
+        s = self.serve
+        return s.model_copy(update={"max_tokens": s.max_tokens or self.engine.max_new_tokens,
+                                    "served_model_name": s.served_model_name or self.target.source})
+
     def sha(self) -> str:
         """Short sha256 of the canonical JSON (the `params_sha` lineage tag)."""
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
@@ -173,7 +181,3 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     except ValidationError as e:
         raise ValueError(f"{path}: invalid params (fix the keys below):\n{e}") from None
 
-
-def service_urls() -> dict[str, str | None]:
-    """Service endpoints from the environment (set by `tidespec services up`)."""
-    return {"prefect": os.environ.get("PREFECT_API_URL"), "mlflow": os.environ.get("MLFLOW_TRACKING_URI")}

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .capture.store import CorruptShard, list_snapshots, read_manifest, read_record, write_private
+from .capture.store import (
+    CorruptShard,
+    ManifestRow,
+    list_snapshots,
+    read_manifest,
+    read_record,
+    write_private,
+)
 from .config import CurateParams
 from .hashing import unit_hash
 
@@ -192,7 +199,6 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
 def load_records(entries: list[dict], base: Path) -> list[dict[str, torch.Tensor]]:
     """Read the tensors of curated index entries; `base`: the index's directory (entry paths are
     relative to it)."""
-    from .capture.store import ManifestRow
     out = []
     for e in entries:
         row = ManifestRow(request_id=e["request_id"], ts="", workload=e.get("workload", ""), target_id="",

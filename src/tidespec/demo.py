@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -19,17 +18,28 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from . import assets, prompts, registry, services, versioning
+from . import assets, events, orchestrate, prompts, registry, services, versioning
 from .bootstrap import prompt_ids, teacher_force
 from .capture.publish import Publisher
 from .capture.writer import CaptureWriter
 from .config import Params, load_params
-from .cycle import Workspace, get_target
+from .cycle import step_deploy
 from .deploy.local import reload_if_changed
 from .engine.speculative import Engine
+from .flows.cycle import tide_cycle
+from .runtime import get_target
+from .train.entry import preflight
+from .train.trainer import train_draft
+from .workspace import Workspace
 
 console = Console(width=None if Console().is_terminal else 120)
 
@@ -37,17 +47,6 @@ console = Console(width=None if Console().is_terminal else 120)
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
-
-
-def load_flow(root: Path):
-    """Import flows/tide_cycle.py from the project root."""
-    path = root / "flows" / "tide_cycle.py"
-    if not path.exists():
-        path = Path(__file__).resolve().parents[2] / "flows" / "tide_cycle.py"
-    spec = importlib.util.spec_from_file_location("tidespec_flows_tide_cycle", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.tide_cycle
 
 
 def static_draft_dir(params: Params, target_id: str, cache: Path) -> Path:
@@ -59,7 +58,6 @@ def static_draft_dir(params: Params, target_id: str, cache: Path) -> Path:
 
 def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
     """Train (or reuse) the static generic-chat draft; returns its checkpoint dir."""
-    from .train.trainer import train_draft
     out = static_draft_dir(params, target.target_id, cache)
     if (out / "model.safetensors").exists():
         console.print(f"static draft: reusing cached bootstrap {out}")
@@ -79,7 +77,9 @@ def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
         m = train_draft(recs[n_val:], recs[:n_val], target, params.draft, tp, out.with_suffix(".tmp"), progress=cb)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(out.with_suffix(".tmp"), out)
-    console.print(f"static draft: {len(recs)} conversations, simulated τ {m['simulated_acceptance_length']:.2f}, "
+    sim = m["simulated_acceptance_length"]
+    console.print(f"static draft: {len(recs)} conversations, simulated τ "
+                  f"{'n/a (no validation records)' if sim is None else f'{sim:.2f}'}, "
                   f"trained in {m['train_seconds']:.0f} s")
     return out
 
@@ -88,12 +88,11 @@ def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env:
     """The cycle for the demo's snapshot. With root/prefect.yaml and root/params.yaml: deploy, emit
     the snapshot's `tidespec.capture.threshold` event, wait for the triggered run; results are read
     back from the eval report and the registry. Otherwise: the flow in-process."""
-    from . import events, orchestrate
     api, uri = env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"]
     if not (root / "prefect.yaml").exists() or Path(params_path).resolve() != (root / "params.yaml").resolve():
         console.print("no prefect.yaml here or another params file: running tide_cycle in-process")
         with console.status("Prefect flow tide_cycle: curate → train → evaluate → register → deploy"):
-            return load_flow(root)(root=str(root), params_path=str(params_path), target_id=tid, snapshot_rev=rev,
+            return tide_cycle(root=str(root), params_path=str(params_path), target_id=tid, snapshot_rev=rev,
                                    tracking_uri=uri)
     with console.status("prefect deploy (prefect.yaml: tide-cycle, tide-train)"):
         orchestrate.deploy(root, api)
@@ -121,7 +120,6 @@ def run_demo(root: Path, params_path: Path) -> dict:
     t_start = time.perf_counter()
     root = root.resolve()
     params = load_params(params_path)
-    from .cycle import preflight
     preflight(params)  # e.g. train.backend: specforge without a GPU: say so before serving anything
     ws = Workspace(root)
     cache = assets.cache_dir()
@@ -150,24 +148,26 @@ def run_demo(root: Path, params_path: Path) -> dict:
         _, v = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {},
                                       {"role": "static-bootstrap", "params_sha": params.sha()},
                                       run_name="static-bootstrap")
-        registry.promote(uri, tid, v, "bootstrap: first draft (generic ShareGPT), no champion yet")
-    from .cycle import step_deploy
+        registry.promote(uri, tid, v, "bootstrap: first draft (generic ShareGPT), no champion yet",
+                         allow_unevaluated=True)
     step_deploy(ws, uri, tid)
-    engine = Engine(target, None, params.engine.num_draft_tokens, params.engine.max_seq_len)
-    reload_if_changed(engine, ws.champion)
-    console.print(f"serving champion v{engine.draft_version} (static draft)")
 
-    # 2. serve + capture (async writer; the seal publishes: dvc add + push, retention, drift, event)
+    # 2. serve + capture: the engine's capture hook feeds the async writer; the seal publishes
+    # (dvc add + push, retention, drift, event)
     versioning.ensure_repo(root, str(ws.state / "dvc-remote"), machine_local=True)
     pub = Publisher(root, ws.snapshots, params.capture.keep_local_snapshots, ws.curated,
                     params.curate.drift_threshold, commit=False)
-    writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture, ws.snapshots, on_seal=pub)
+    writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture, ws.snapshots, on_seal=pub,
+                                       detokenize=tok.decode)
+    engine = Engine(target, None, params.engine.num_draft_tokens, params.engine.max_seq_len, capture=writer)
+    reload_if_changed(engine, ws.champion)
+    console.print(f"serving champion v{engine.draft_version} (static draft)")
     taus = []
     with _progress() as pg:
         t = pg.add_task(f"serve {w.prompts} with capture", total=len(served), info="")
         for p in served:
-            g = engine.generate(prompt_ids(tok, p.text), params.engine.max_new_tokens, capture=True)
-            writer.submit_generation(g, p.workload, p.id, text={"prompt": p.text, "completion": tok.decode(g.tokens)})
+            g = engine.generate(prompt_ids(tok, p.text), params.engine.max_new_tokens, workload=p.workload,
+                                prompt_id=p.id)
             taus.append(g.stats.acceptance_length)
             pg.update(t, advance=1, info=f"last τ {g.stats.acceptance_length:.2f}  {g.tokens_per_s:.1f} tok/s")
 
@@ -193,19 +193,14 @@ def run_demo(root: Path, params_path: Path) -> dict:
         raise RuntimeError(f"demo cycle skipped: {res['skipped']}; lower train.min_train_tokens or serve more prompts")
     rep = res["evaluate"]
     dec = res["register"]
-    table = Table(title=f"{w.prompts} holdout: {rep['num_prompts']} prompts × ≤{rep['max_new_tokens']} tokens, "
-                        f"greedy, k={rep['num_draft_tokens']}, {params.target.dtype}, CPU")
-    for c in ("draft", "τ", "accept rate", "tokens/s", "speed-up", "ITL p50 ms", "= target-only"):
+    title = (f"{w.prompts} holdout: {rep['num_prompts']} prompts × ≤{rep['max_new_tokens']} tokens, "
+             f"greedy, k={rep['num_draft_tokens']}, {params.target.dtype}, CPU")
+    rows = result_rows(rep)
+    table = Table(title=title)
+    for c in rows[0]:
         table.add_column(c)
-    base = rep["baseline"]
-    rows = [("no speculation", base, None), ("static draft (generic)", rep["champion"], "champion"),
-            ("adapted draft (this cycle)", rep["candidate"], "candidate")]
-    for name, m, key in rows:
-        if m is None:
-            continue
-        table.add_row(name, f"{m['acceptance_length']:.2f}", f"{m.get('acceptance_rate', 0):.2f}" if key else "-",
-                      f"{m['tokens_per_s']:.1f}", f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}×",
-                      f"{m['itl_ms_p50']:.0f}", "yes" if m.get("mismatches", 0) == 0 else f"NO ({m['mismatches']})")
+    for r in rows:
+        table.add_row(*r.values())
     console.print(table)
     wall = time.perf_counter() - t_start
     console.print(f"registered version {dec['version']}: promoted={dec['promoted']} ({dec['reason']}); "
@@ -217,4 +212,39 @@ def run_demo(root: Path, params_path: Path) -> dict:
     summary = {"wall_s": wall, "snapshot": snap.snapshot_id, "snapshot_rev": rev, "register": dec,
                "evaluate": rep, "served_version": engine.draft_version}
     (ws.work / "demo_summary.json").write_text(json.dumps(summary, indent=2))
+    results = root / "bench" / "results"
+    if results.is_dir():  # a checkout: the README's demo figures cite these files
+        (results / "demo.json").write_text(json.dumps(summary | {"table": rows}, indent=2))
+        (results / "demo.md").write_text(markdown(title, rows, summary))
+        console.print(f"results: {results / 'demo.json'} and demo.md")
     return summary
+
+
+def result_rows(rep: dict) -> list[dict[str, str]]:
+    """The demo table's rows (no speculation, static champion, adapted candidate) from an eval report."""
+    base, rows = rep["baseline"], []
+    for name, m, spec in (("no speculation", base, False), ("static draft (generic)", rep["champion"], True),
+                          ("adapted draft (this cycle)", rep["candidate"], True)):
+        if m is None:
+            continue
+        per_pos = " / ".join(f"{m[f'accepted_per_pos/{i}']:.2f}" for i in range(rep["num_draft_tokens"])
+                             if f"accepted_per_pos/{i}" in m) or "-"
+        rows.append({"draft": name, "τ": f"{m['acceptance_length']:.2f}",
+                     "accept rate": f"{m.get('acceptance_rate', 0):.2f}" if spec else "-",
+                     "per-position acceptance": per_pos if spec else "-",
+                     "tokens/s": f"{m['tokens_per_s']:.1f}", "speed-up": f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}×",
+                     "ITL p50 ms": f"{m['itl_ms_p50']:.0f}",
+                     "= target-only": "yes" if m.get("mismatches", 0) == 0 else f"NO ({m['mismatches']})"})
+    return rows
+
+
+def markdown(title: str, rows: list[dict[str, str]], summary: dict) -> str:
+    """bench/results/demo.md: the printed table as markdown, with the decision and wall time."""
+    head = list(rows[0])
+    lines = [f"# tidespec demo ({time.strftime('%Y-%m-%d')})", "", title, "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r.values()) + " |" for r in rows]
+    d = summary["register"]
+    lines += ["", f"Version {d['version']} promoted={d['promoted']} ({d['reason']}); snapshot "
+              f"{summary['snapshot']} (dvc rev {summary['snapshot_rev']}); wall {summary['wall_s'] / 60:.1f} min.", ""]
+    return "\n".join(lines)

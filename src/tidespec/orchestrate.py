@@ -17,12 +17,15 @@ from pathlib import Path
 
 import requests
 
+from .errors import TidespecError
+from .registry import RegistryError
+
 CYCLE_DEPLOYMENT = "tide_cycle/tide-cycle"
 TRAIN_DEPLOYMENT = "tide_train/tide-train"
 TRANSIENT_MLFLOW_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}
 
 
-class OrchestrationError(RuntimeError):
+class OrchestrationError(TidespecError):
     """A deployment is missing, misconfigured or its run failed; the message names the fix."""
 
 
@@ -36,7 +39,6 @@ def is_transient(exc: BaseException | None) -> bool:
     import urllib3
     from mlflow.exceptions import MlflowException
 
-    from .registry import RegistryError
     bad_data = (ValueError, TypeError, LookupError, FileNotFoundError, PermissionError, RegistryError,
                 OrchestrationError)
     seen = set()
@@ -135,8 +137,13 @@ async def _deployment(client, name: str):
 def crash_runs(api_url: str, pool: str, message: str) -> list[str]:
     """Set the Running/Pending flow runs of work pool `pool` to Crashed (`message`); returns their
     names. For runs whose worker is gone (services.down)."""
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
-                                                WorkPoolFilter, WorkPoolFilterName)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        WorkPoolFilter,
+        WorkPoolFilterName,
+    )
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 

@@ -226,14 +226,6 @@ def sharegpt_conversations(cache: Path | None = None, limit: int | None = None) 
     return [conv for _, conv in _sharegpt_iter(cache, limit, ShareGPTStats())]
 
 
-def sharegpt_stats(cache: Path | None = None) -> ShareGPTStats:
-    """Counts from a full pass over the ShareGPT file (records recovered, skipped, stripped)."""
-    stats = ShareGPTStats()
-    for _ in _sharegpt_iter(cache, None, stats):
-        pass
-    return stats
-
-
 # --- multilingual GSM-Symbolic -----------------------------------------------------------------
 
 def gsm(lang: str, cache: Path | None = None) -> list[Prompt]:

@@ -1,4 +1,4 @@
-"""MLflow model registry for EAGLE3 drafts (DESIGN.md "Registry").
+"""MLflow model registry for EAGLE3 drafts (README, "Orchestration and the registry").
 
 Names: experiment ``tidespec/<target_id[:12]>``, registered model ``tidespec-draft-<target_id[:12]>``.
 Aliases: ``challenger`` (last candidate), ``champion`` (serving). MLflow keeps no alias history,
@@ -8,11 +8,13 @@ first, current champion last; ``rollback`` pops it.
 A model version's ``source`` is the run's ``draft/`` artifact directory (the checkpoint as
 saved: config.json + model.safetensors); there is no pyfunc flavour. Every function takes the
 tracking URI explicitly and uses its own ``MlflowClient``; no global MLflow state is touched.
+
+One file (~500 lines): logging, the alias history, the promotion gate and its audit trail share
+the registry's conventions (names, tags) and are tested together against a real MLflow server.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -22,6 +24,9 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
+
+from .errors import TidespecError
+from .workspace import write_version
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -33,7 +38,7 @@ VERSION_TAG_KEYS = ("target_id", "snapshot_rev", "params_sha", "workload_mix",
 _BATCH = {"metrics": 1000, "params": 100, "tags": 100}  # MLflow log_batch limits per call
 
 
-class RegistryError(RuntimeError):
+class RegistryError(TidespecError):
     """A registry operation is impossible as asked; the message names the fix."""
 
 
@@ -293,7 +298,7 @@ def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | N
     dest.mkdir(parents=True, exist_ok=True)
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=info.source, dst_path=str(dest),
                                                      tracking_uri=tracking_uri))
-    (local / "version.json").write_text(json.dumps({"version": info.version, "run_id": info.run_id}))
+    write_version(local, info.version, info.run_id)
     return local
 
 
@@ -312,7 +317,7 @@ def download_version(tracking_uri: str, target_id: str, ref: str, dest: Path) ->
     mv = c.get_model_version(name, v)
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(Path(dest) / f"v{v}"),
                                                      tracking_uri=tracking_uri))
-    (local / "version.json").write_text(json.dumps({"version": v, "run_id": mv.run_id}))
+    write_version(local, v, mv.run_id)
     return local
 
 
@@ -426,10 +431,33 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
     return d
 
 
-def promote(tracking_uri: str, target_id: str, version: str, reason: str) -> Decision:
+def evaluation_problem(tags: dict[str, str]) -> str | None:
+    """Why version tags do not show a passed evaluation (None: they do). An evaluated version
+    carries what the cycle's register step writes after `evaluate`: tag ``lossless`` (``"True"``:
+    speculative greedy outputs == the target's on the holdout) and tag ``acceptance_length`` (the
+    candidate's measured τ, tokens per target forward, finite)."""
+    lossless, tau = tags.get("lossless"), tags.get("acceptance_length")
+    if lossless == "False":
+        return "failed evaluation's losslessness check (its outputs differ from the target's): it is never promoted"
+    if lossless != "True" or _float(tau) is None:
+        have = ", ".join(f"{k}={tags[k]!r}" for k in ("lossless", "acceptance_length") if k in tags) or "neither"
+        return (f"was never evaluated (needs tags lossless='True' and a finite acceptance_length; has {have}): "
+                "it is not promoted blind")
+    return None
+
+
+def promote(tracking_uri: str, target_id: str, version: str, reason: str, *,
+            allow_unevaluated: bool = False) -> Decision:
     """Make ``version`` champion by hand (no τ rule), recording ``reason``; the current champion
-    is left as is (Decision with promoted=False, nothing recorded). Raises RegistryError when the
-    version does not exist or failed the losslessness check (tag ``lossless=False``)."""
+    is left as is (Decision with promoted=False, nothing recorded).
+
+    Only an evaluated version is promoted (``evaluation_problem``: tags ``lossless="True"`` and a
+    finite ``acceptance_length``, as the cycle's register step writes them).
+    ``allow_unevaluated=True`` (bootstrap only: the first static draft, when no evaluation is
+    possible yet) skips the "never evaluated" check and records ``unevaluated`` in the reason; a
+    version tagged ``lossless=False`` is refused even then.
+    Raises RegistryError when the version does not exist, failed the losslessness check, or was
+    never evaluated (the message names the fix: pick an evaluated version, or run a cycle)."""
     c = _client(tracking_uri)
     name = model_name(target_id)
     version = _version(c, name, version)
@@ -437,11 +465,15 @@ def promote(tracking_uri: str, target_id: str, version: str, reason: str) -> Dec
     if _alias_version(c, name, CHAMPION) == version:
         return Decision(promoted=False, reason=f"v{version} is already champion; nothing changed", version=version,
                         previous_champion=version)
-    if mv.tags.get("lossless") == "False":
-        raise RegistryError(f"{name} v{version} failed evaluation's losslessness check (its outputs differ from "
-                            "the target's): it is never promoted; fix the draft/engine and run a new cycle")
+    problem = evaluation_problem(dict(mv.tags))
+    if problem and (mv.tags.get("lossless") == "False" or not allow_unevaluated):
+        fix = ("fix the draft/engine and run a new cycle" if mv.tags.get("lossless") == "False" else
+               "promote a version that a cycle evaluated and registered (its tags carry lossless and "
+               "acceptance_length; see the versions in the MLflow UI), or run `tidespec cycle` to evaluate a candidate")
+        raise RegistryError(f"{name} v{version} {problem}; {fix}")
+    why = f"manual: {reason}" if not problem else f"manual, unevaluated (bootstrap): {reason}"
     prev = _make_champion(c, name, version)
-    d = Decision(promoted=True, reason=f"manual: {reason}", version=version, previous_champion=prev)
+    d = Decision(promoted=True, reason=why, version=version, previous_champion=prev)
     _record(c, name, version, "promoted", d.reason)
     return d
 

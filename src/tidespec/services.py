@@ -10,6 +10,9 @@ Every server runs as its own process group (``start_new_session=True``), logs to
 Measured (2-core box): Prefect 3.9 healthy in ~13 s; MLflow 3.17 in ~7 s with
 ``--workers 1`` and ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`` (without them it
 forks ~15 processes / 3 GB). MLflow's file store is broken in >=3.13: sqlite only.
+
+One file (~540 lines): the servers share one lifecycle (launch, record, health, adopt, stop by
+process group) and its crash cases; each server is a small launcher function.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from pathlib import Path
 
 import psutil
 
+from .errors import TidespecError
+from .orchestrate import crash_runs
+
 HOST = "127.0.0.1"
 NAMES = ("prefect", "mlflow", "worker")  # `up()` default; "moto" (S3 + SageMaker API emulator) is opt-in
 ALL = (*NAMES, "moto")
@@ -46,7 +52,7 @@ STOP_GRACE_S = 10.0
 _CHILDREN: dict[int, subprocess.Popen] = {}
 
 
-class ServiceError(RuntimeError):
+class ServiceError(TidespecError):
     """A service failed to start, answer or stop; the message names the fix."""
 
 
@@ -284,41 +290,11 @@ def _launch_mlflow(state_dir: Path, port: int | None = None, artifacts: str | No
     return _launch("mlflow", cmd, env, state_dir, f"http://{HOST}:{port}", port)
 
 
-def start_prefect(state_dir: Path, port: int | None = None, timeout_s: float = 90) -> Service:
-    """Start ``prefect server start`` on 127.0.0.1:``port`` (free port if None).
-
-    State (sqlite db, PREFECT_HOME) under ``<state_dir>/prefect``. Returns a Service whose
-    ``url`` is the API url ``http://127.0.0.1:P/api``. Blocks until ``/api/health`` is 200.
-    Raises ServiceError after ``timeout_s`` seconds or if the server exits.
-    """
-    return _await(_launch_prefect(state_dir, port), timeout_s)
-
-
-def start_mlflow(state_dir: Path, port: int | None = None, artifacts: str | None = None,
-                 timeout_s: float = 90) -> Service:
-    """Start ``mlflow server`` on 127.0.0.1:``port`` with a sqlite backend under ``<state_dir>/mlflow``.
-
-    Artifacts are proxied by the server (``--serve-artifacts``; runs get ``mlflow-artifacts:/``
-    URIs), stored at ``artifacts`` (any URI the server can write, e.g. ``s3://bucket/prefix``) or
-    ``<state_dir>/mlflow/artifacts``; so clients need only the tracking URI, no shared disk or
-    storage credentials. Blocks until ``/health`` is 200. Raises ServiceError after
-    ``timeout_s`` seconds or if the server exits.
-    """
-    return _await(_launch_mlflow(state_dir, port, artifacts), timeout_s)
-
-
 def _launch_moto(state_dir: Path, port: int | None = None) -> _Launch:
     state_dir = Path(state_dir).resolve()
     port = _pick_port(state_dir, "moto", port)
     cmd = [_bin("moto_server"), "-H", HOST, "-p", str(port)]
     return _launch("moto", cmd, MOTO_ENV, state_dir, f"http://{HOST}:{port}", port)
-
-
-def start_moto(state_dir: Path, port: int | None = None, timeout_s: float = 60) -> Service:
-    """Start ``moto_server`` (in-memory S3 + SageMaker API) on 127.0.0.1:``port``; ``url`` is the
-    AWS endpoint URL (``AWS_ENDPOINT_URL``, a DVC remote's ``endpointurl``). State is lost on stop.
-    Raises ServiceError after ``timeout_s`` seconds or if it exits (install ``moto[server]``)."""
-    return _await(_launch_moto(state_dir, port), timeout_s)
 
 
 def _launch_worker(state_dir: Path, deps: dict[str, Service], pool: str = POOL, port: int | None = None) -> _Launch:
@@ -340,14 +316,6 @@ def _launch_worker(state_dir: Path, deps: dict[str, Service], pool: str = POOL, 
     cmd = [_bin("prefect"), "worker", "start", "--pool", pool, "--type", "process", "--name", f"tidespec-{name}",
            "--with-healthcheck"]
     return _launch(name, cmd, env, state_dir, f"http://{HOST}:{port}", port, {"pool": pool, "deps": env_for(deps)})
-
-
-def start_worker(state_dir: Path, deps: dict[str, Service], pool: str = POOL, timeout_s: float = 90) -> Service:
-    """Start a Prefect process worker on ``pool`` (see ``_launch_worker``); ``deps`` must hold a
-    "prefect" Service. Blocks until its healthcheck answers. Raises ServiceError."""
-    if "prefect" not in deps:
-        raise ServiceError("a worker needs the Prefect server: start it first (services.up)")
-    return _await(_launch_worker(state_dir, deps, pool), timeout_s)
 
 
 _LAUNCHERS = {"prefect": _launch_prefect, "mlflow": _launch_mlflow, "moto": _launch_moto}  # workers: after these
@@ -455,7 +423,6 @@ def _crash_orphans(rec: dict) -> None:
     if not (api and pool):
         return
     try:
-        from .orchestrate import crash_runs
         crash_runs(api, pool, f"worker on pool {pool} stopped by tidespec services down")
     except Exception as e:  # noqa: BLE001  (the server may be down too; nothing to mark then)
         print(f"warning: could not mark runs of pool {pool} crashed: {e}", file=sys.stderr)

@@ -1,6 +1,5 @@
 """The strict pydantic base of every params section (SpecForge style): unknown keys are errors,
-values are frozen and finite. Its own module so that config.py and the AWS modules it imports
-(train/sagemaker.py, deploy/sagemaker.py) share it without an import cycle."""
+values are frozen and finite. Bottom layer: config.py and sagemaker_config.py build on it."""
 from __future__ import annotations
 
 from collections.abc import Mapping

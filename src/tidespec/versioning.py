@@ -17,6 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from .capture.store import private_dir
+from .errors import TidespecError
+
 TIMEOUT_S = 600.0
 _ENV = {"DVC_NO_ANALYTICS": "1", "DVC_NO_UPDATER": "1", "GIT_TERMINAL_PROMPT": "0"}
 _HINTS = (  # (substring of stderr, fix)
@@ -29,7 +32,7 @@ _HINTS = (  # (substring of stderr, fix)
 )
 
 
-class VersioningError(RuntimeError):
+class VersioningError(TidespecError):
     """A git/dvc command failed; ``cmd``, ``stderr`` (tail) and ``hint`` say what and how to fix."""
 
     def __init__(self, cmd: list[str], stderr: str, hint: str):
@@ -126,7 +129,6 @@ def ensure_repo(repo: Path, remote_url: str, remote_name: str = "local", machine
             dvc(repo, "remote", "modify", *scope, remote_name, key, val)
     if cache_type and have.get("cache.type") != cache_type:
         dvc(repo, "config", *scope, "cache.type", cache_type)
-    from .capture.store import private_dir
     private_dir(repo / ".dvc" / "cache")
     if "://" not in remote_url:  # a local remote holds the same hidden states
         private_dir(Path(remote_url) if Path(remote_url).is_absolute() else repo / remote_url)

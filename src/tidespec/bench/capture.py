@@ -22,10 +22,13 @@ from typing import Callable
 
 import torch
 
+from ..bootstrap import prompt_ids
 from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.speculative import Engine
 from ..engine.stats import itl_percentiles
+from ..prompts import load
+from ..runtime import get_target
 
 CONFIGS = ("off", "raw", "zstd", "hung_disk")
 
@@ -41,21 +44,19 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
     """Serve `n_prompts` HumanEval prompts × `max_new_tokens` × `rounds` per configuration; write
     `<out>/capture.json` and `.md`. Returns the report: per configuration ITL p50/p99 (ms),
     tokens/s, their ratios to capture off, bytes per captured token, writer CPU (µs/token and share
-    of serving time), drops by reason. Loads the real target (params.target)."""
-    from ..bootstrap import prompt_ids
-    from ..cycle import get_target
-    from ..prompts import load
+    of serving time), drops by reason. Loads the real target (params.target). Each configuration
+    has its own engine over the one target, its writer as the engine's capture sink."""
     t0 = time.perf_counter()
     target, tok = get_target(params)
     prompts = [prompt_ids(tok, p.text) for p in load("humaneval")[:n_prompts]]
-    eng = Engine(target, None, 1, params.engine.max_seq_len)
-    eng.generate(prompts[0], 8, speculative=False)  # warm-up
+    Engine(target, None, 1, params.engine.max_seq_len).generate(prompts[0], 8, speculative=False)  # warm-up
     tmp = Path(tempfile.mkdtemp(prefix="tidespec-bench-capture-"))
     gate = threading.Event()
     writers = {c: CaptureWriter(tmp / c, target.target_id, 2 if c == "hung_disk" else 64, 1,
                                 compression="none" if c == "raw" else "zstd", idle_flush_s=3600.0)
                for c in CONFIGS if c != "off"}
     _hang(writers["hung_disk"], gate)
+    engines = {c: Engine(target, None, 1, params.engine.max_seq_len, capture=writers.get(c)) for c in CONFIGS}
     acc = {c: {"itl": [], "tokens": 0, "seconds": 0.0} for c in CONFIGS}
     n = 0
     for r in range(rounds):
@@ -64,9 +65,7 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
             order = CONFIGS[n % 4:] + CONFIGS[:n % 4]
             n += 1
             for c in order:
-                g = eng.generate(ids, max_new_tokens, speculative=False, capture=c != "off")
-                if c != "off":
-                    writers[c].submit_generation(g, "code")
+                g = engines[c].generate(ids, max_new_tokens, speculative=False, workload="code")
                 a = acc[c]
                 a["itl"] += g.timing.itl_ms()
                 a["tokens"] += len(g.tokens)

@@ -1,7 +1,11 @@
 """`tidespec bench engine`: the engine against what a user would otherwise run, side by side.
 
 One run, interleaved: every prompt goes to every method in turn (rotating order), each method in
-its own worker process (own peak RSS), same prompts, same max tokens, greedy, fixed CPU threads.
+its own worker process, same prompts, same max tokens, greedy, fixed CPU threads. Workers are
+started with the `spawn` context (fork + exec of a fresh interpreter: nothing of the coordinator,
+which has loaded the target to tokenize, is inherited), and each reports its own address space's
+peak RSS (`methods.peak_rss_mb`: VmHWM, not `ru_maxrss`, which Linux carries over fork + exec and
+so reported the coordinator's ~1830 MB for every method).
 Workloads: code (HumanEval holdout split, the adapted draft never saw it) and open-ended chat
 (MT-Bench first turns). Output: `<out>/engine.json` + `<out>/engine.md`.
 """
@@ -19,8 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import prompts
+from ..bootstrap import prompt_ids
+from ..engine.adaptive import _cpu_model
 from ..engine.stats import itl_percentiles
-from .methods import MethodSpec, worker
+from ..runtime import get_target
+from .methods import MethodSpec, TidespecMethod, worker
 
 
 def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lookup: int) -> list[MethodSpec]:
@@ -39,8 +47,6 @@ def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lo
 
 def workload_prompts(tok, params, n: int) -> dict[str, list[tuple[str, list[int]]]]:
     """{"code": HumanEval holdout, "chat": MT-Bench turn 1}, n each, as (id, chat-templated ids)."""
-    from .. import prompts
-    from ..bootstrap import prompt_ids
     w = params.workload
     _, hold = prompts.split(prompts.load("humaneval"), w.holdout_fraction, w.seed)
     chat = [p for p in prompts.load("mtbench") if p.workload == "chat"]
@@ -60,6 +66,7 @@ class _Worker:
         msg = self.conn.recv()
         if msg[0] == "error":
             raise RuntimeError(f"bench worker {self.spec.name}: {msg[1]}")
+        self.rss = max(self.rss, msg[1])  # peak RSS (MB) of the worker after loading its method
 
     def call(self, *msg):
         self.conn.send(msg)
@@ -108,13 +115,12 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
         max_new_tokens: int = 96, threads: int | None = None, prompt_lookup: int = 10,
         workloads: tuple[str, ...] = ("code", "chat"), profile: bool = True, progress=print) -> dict:
     """Run the benchmark; writes `out/engine.json` and `out/engine.md`, returns the result dict."""
-    from ..cycle import get_target
     threads = threads or torch.get_num_threads()
     _, tok = get_target(params)
     wl = {k: v for k, v in workload_prompts(tok, params, n_prompts).items() if k in workloads}
     k = params.engine.num_draft_tokens
     specs = default_methods(static, adapted, k, prompt_lookup)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn")  # not fork: a worker's memory must not start as a copy of ours
     pdict = params.model_dump(mode="json")
     cap_dir = tempfile.mkdtemp(prefix="tidespec-bench-capture-")
     raw: dict[str, dict[str, list]] = {s.name: {w: [] for w in wl} for s in specs}
@@ -144,7 +150,6 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
             w.stop()
     prof = None
     if profile:  # in this process, after the workers (its memory is not theirs)
-        from .methods import TidespecMethod
         draft = adapted or static
         m = TidespecMethod(MethodSpec("profile", "tidespec", draft=str(draft) if draft else None, k=k), params)
         prof = m.profile(wl[next(iter(wl))][0][1], 48, "profile")
@@ -171,7 +176,6 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
 
 
 def _cpu() -> str:
-    from ..engine.adaptive import _cpu_model
     return _cpu_model()
 
 

@@ -3,16 +3,23 @@
 Methods: HF transformers `generate` (greedy, no speculation), HF prompt-lookup decoding
 (`prompt_lookup_num_tokens`, Saxena 2023; transformers `generation/candidate_generator.py`),
 and the tidespec engine (no speculation, or an EAGLE3 draft at fixed or adaptive k, with capture
-optional). Each worker is its own process so its peak RSS is its own.
+optional). Each worker is its own spawned process (fresh interpreter, fresh address space) and
+reports its peak RSS as its own address space's high-water mark (`peak_rss_mb`), so a method's
+peak RSS is the memory it needs, not the coordinator's.
 """
 from __future__ import annotations
 
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..capture.writer import CaptureWriter
+from ..config import Params
+from ..runtime import get_target, make_engine, runner_for, target_dir
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,24 @@ class MethodSpec:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """Peak resident set size (MB = 2**20 bytes) of this process's own address space.
+
+    Linux: ``VmHWM`` from /proc/self/status. It belongs to the address space, and exec() starts a
+    new one, so a worker started with the ``spawn`` (or ``forkserver``) context reports only what
+    it loaded itself. ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` is not usable here: Linux
+    carries it over fork + exec, so a spawned worker reported at least the coordinator's RSS at
+    spawn time (~1830 MB once the coordinator had loaded the target). Elsewhere (no /proc):
+    ``ru_maxrss`` (KiB on Linux/BSD, bytes on macOS), with the same caveat.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
 class _TimingStreamer:
@@ -55,7 +79,6 @@ class HFMethod:
     def __init__(self, spec: MethodSpec, params):
         from transformers import AutoModelForCausalLM
 
-        from ..cycle import target_dir
         self.spec = spec
         self.model = AutoModelForCausalLM.from_pretrained(target_dir(params.target.source),
                                                           dtype=torch.float32).eval()
@@ -75,25 +98,20 @@ class HFMethod:
 
 class TidespecMethod:
     def __init__(self, spec: MethodSpec, params, capture_dir: Path | None = None):
-        from ..cycle import get_target, make_engine, runner_for
         self.spec = spec
         target, _ = get_target(params)
         runner = runner_for(Path(spec.draft), target) if spec.draft else None
         if spec.draft and runner is None:
             raise FileNotFoundError(f"draft {spec.draft} not found")
         eng = params.engine.model_copy(update={"num_draft_tokens": spec.k or params.engine.num_draft_tokens})
+        self.writer = (CaptureWriter.from_params(capture_dir, target.target_id, params.capture)
+                       if spec.capture else None)
         self.engine = make_engine(params.model_copy(update={"engine": eng}), target, runner,
-                                  adaptive=runner is not None and spec.k is None)
-        self.writer = None
-        if spec.capture:
-            from ..capture.writer import CaptureWriter
-            self.writer = CaptureWriter.from_params(capture_dir, target.target_id, params.capture)
+                                  adaptive=runner is not None and spec.k is None, capture=self.writer)
 
     def run(self, ids: list[int], max_new: int, workload: str) -> dict:
         g = self.engine.generate(ids, max_new, speculative=self.spec.draft is not None, k=self.spec.k,
-                                 capture=self.spec.capture, workload=workload)
-        if self.writer is not None:
-            self.writer.submit_generation(g, workload)
+                                 capture=self.spec.capture, workload=workload)  # captured: the engine hands it on
         s = g.stats
         return {"tokens": g.tokens, "ttft_s": g.timing.prefill_s, "steps": g.timing.steps,
                 "forwards": 1 + len(g.timing.steps),
@@ -122,7 +140,6 @@ class TidespecMethod:
 
 def worker(conn, spec: MethodSpec, params_dict: dict, threads: int, capture_dir: str | None) -> None:
     """Process entry: build the method, then serve ("run" | "info" | "stop") messages."""
-    from ..config import Params
     torch.set_num_threads(threads)
     try:
         params = Params.model_validate(params_dict)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
+from ..services import free_port
+
 
 @dataclass
 class ServerThread:
@@ -34,7 +36,6 @@ def serve_in_thread(app, port: int | None = None, timeout_s: float = 30.0) -> Se
     import httpx
     import uvicorn
 
-    from ..services import free_port
     port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=server.run, name="tidespec-uvicorn", daemon=True)

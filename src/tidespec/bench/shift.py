@@ -19,6 +19,9 @@ Writes bench/results/shift-<date>.json, shift-<date>.md and PNG plots (`--quick`
 shift-quick-<date>.*); every figure comes from the run. Prompts: held-out and traffic sets are
 disjoint (seeded split by id; GSM by problem, so a problem's translations stay on one side); chat
 skips the ShareGPT records the bootstrap used.
+
+One file (~490 lines): prompts, measurement, the run and its report form one experiment whose
+numbers must be read together.
 """
 from __future__ import annotations
 
@@ -34,8 +37,18 @@ from pathlib import Path
 import yaml
 
 from .. import prompts as P
+from .. import registry, services
+from ..assets import cache_dir
 from ..bootstrap import prompt_ids
+from ..capture.writer import CaptureWriter
 from ..config import Params
+from ..cycle import step_deploy
+from ..demo import bootstrap_static
+from ..engine.replay import replay
+from ..engine.speculative import Request
+from ..flows.cycle import tide_cycle
+from ..runtime import get_target, make_engine, runner_for
+from ..workspace import Workspace, served_version
 
 
 @dataclass(frozen=True)
@@ -124,9 +137,8 @@ def contrast_prompts(tok, cfg: ShiftConfig, code_holdout: list[dict]) -> dict[st
 
 # -- measurement ---------------------------------------------------------------------------------------
 def measure(arms: dict, prompts: list[dict], cfg: ShiftConfig, reference: dict | None) -> dict:
-    """Per concurrency: every arm side by side (`cycle.replay`, waves interleaved). arms: name →
+    """Per concurrency: every arm side by side (`engine.replay`, waves interleaved). arms: name →
     (engine, speculative). Returns {c: {arm: metrics + mismatches vs `reference` outputs}}."""
-    from ..cycle import replay
     out = {}
     for c in cfg.concurrency:
         runs = replay(arms, prompts, cfg.max_new_tokens, reference="none" if "none" in arms else None, concurrency=c)
@@ -141,7 +153,6 @@ def measure(arms: dict, prompts: list[dict], cfg: ShiftConfig, reference: dict |
 def _arms(target, params: Params, runners: dict) -> dict:
     """name → (engine at fixed k, speculative) for `measure`; batches up to engine.max_batch (bench_params
     raises it to the largest concurrency)."""
-    from ..cycle import make_engine
     return {name: (make_engine(params, target, r, adaptive=False), r is not None) for name, r in runners.items()}
 
 
@@ -168,11 +179,6 @@ def bench_params(params: Params, cfg: ShiftConfig) -> Params:
 
 def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print) -> dict:
     """The experiment; returns the report dict (also written to out/shift-<date>.json + .md + PNGs)."""
-    from .. import registry, services
-    from ..capture.writer import CaptureWriter
-    from ..cycle import Workspace, get_target, runner_for, step_deploy
-    from ..demo import bootstrap_static, load_flow
-    from ..assets import cache_dir
     t0 = time.perf_counter()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -188,10 +194,10 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
     static = bootstrap_static(base, target, tok, cache_dir())  # keyed by the unmodified params: cached by `make demo`
     _, v = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {},
                                   {"role": "static-bootstrap", "params_sha": params.sha()}, run_name="static")
-    registry.promote(uri, tid, v, "bench shift: the static draft is the first champion")
+    registry.promote(uri, tid, v, "bench shift: the static draft is the first champion", allow_unevaluated=True)
     step_deploy(ws, uri, tid)
     static_runner = runner_for(static, target)
-    flow = load_flow(Path(__file__).resolve().parents[3])
+    flow = tide_cycle
     seals: queue.Queue = queue.Queue()
     writer = None
     rep = {"config": asdict(cfg), "params_sha": params.sha(), "target_id": tid, "k": params.engine.num_draft_tokens,
@@ -225,7 +231,7 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
                                   "remainder_snapshot_tokens": rest.num_tokens if rest else 0,
                                   "before": before["by_concurrency"],
                                   "after": after["by_concurrency"],
-                                  "champion_version": json.loads((ws.champion / "version.json").read_text())["version"]})
+                                  "champion_version": served_version(ws.champion)})
         rep["contrast"] = _contrast(params, target, tok, ws, cfg, progress,
                                     split_phase(phase_prompts("code", params), tok, cfg,
                                                 params.workload.holdout_fraction)[1])
@@ -243,18 +249,14 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
 def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress) -> list:
     """Serve `traffic` in waves of max concurrency with capture; a sealed snapshot runs the cycle at
     once (serving waits: 2 cores) and the champion reloads. Returns the cycles' records."""
-    from ..cycle import make_engine, runner_for
-    from ..deploy.local import served_version
-    from ..engine.speculative import Request
-    eng = make_engine(params, target, runner_for(ws.champion, target), served_version(ws.champion), adaptive=False)
+    eng = make_engine(params, target, runner_for(ws.champion, target), served_version(ws.champion), adaptive=False,
+                      capture=writer)
     c = max(cfg.concurrency)
     cycles = []
     for w in range(0, len(traffic), c):
         wave = traffic[w:w + c]
-        gens = eng.generate_batch([Request(list(p["input_ids"]), cfg.traffic_max_new_tokens, True, capture=True,
-                                           workload=phase) for p in wave])
-        for p, g in zip(wave, gens):
-            writer.submit_generation(g, phase, p["id"])
+        eng.generate_batch([Request(list(p["input_ids"]), cfg.traffic_max_new_tokens, True, workload=phase,
+                                    prompt_id=p["id"]) for p in wave])  # captured by the engine's hook
         writer.flush()
         while True:
             try:  # a flush applies the seal threshold; on_seal runs on the writer's publisher thread
@@ -282,7 +284,6 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
 
 def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:
     """ITL with and without speculation per workload group under the adaptive k policy (final champion)."""
-    from ..cycle import make_engine, replay, runner_for
     groups = contrast_prompts(tok, cfg, code_hold)
     spec = make_engine(params, target, runner_for(ws.champion, target), adaptive=True)
     none = make_engine(params, target, None)

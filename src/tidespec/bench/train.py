@@ -4,7 +4,8 @@
    on (continuous batching), sealed as a snapshot; the holdout split (disjoint problems) is
    captured the same way into a separate holdout snapshot, with its target-only outputs;
 2. per data fraction: curate → train from scratch (or warm start) → evaluate, timed as one cycle;
-   after every epoch the holdout's teacher-forced per-position accuracy (learning curve);
+   after every epoch the holdout's teacher-forced accuracy per TTT step (unconditional) and the
+   simulated τ from the conditional per-position acceptance (`trainer.evaluate_holdout`; learning curve);
 3. evaluate: the holdout prompts replayed greedily with speculative decoding at k =
    engine.num_draft_tokens: τ, per-position acceptance, and outputs == the target-only outputs.
 Output: `<out>/train.json` + `<out>/train.md`.
@@ -19,22 +20,23 @@ from typing import Callable
 
 import torch
 
+from .. import prompts
+from ..bootstrap import prompt_ids
 from ..capture.store import iter_records, list_snapshots, seal
 from ..capture.writer import CaptureWriter
 from ..config import Params
-from ..cycle import Workspace, step_curate
 from ..curate import load_records
+from ..cycle import step_curate
 from ..engine.speculative import Engine, Request
-from ..engine.stats import SpecDecodingStats, simulated_acceptance_length
+from ..engine.stats import SpecDecodingStats
 from ..models.eagle3 import DraftRunner, load_checkpoint
 from ..models.target import Target
-from ..train.trainer import evaluate_examples, holdout_accuracy, prepare, train_draft
+from ..train.trainer import evaluate_holdout, holdout_accuracy, prepare, train_draft
+from ..workspace import Workspace
 
 
 def humaneval_prompts(tok, params: Params) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
     """(train, holdout) HumanEval prompts as (id, chat-templated ids), split as the demo splits them."""
-    from .. import prompts
-    from ..bootstrap import prompt_ids
     w = params.workload
     tr, ho = prompts.split(prompts.load("humaneval"), w.holdout_fraction, w.seed)
     return [(p.id, prompt_ids(tok, p.text)) for p in tr], [(p.id, prompt_ids(tok, p.text)) for p in ho]
@@ -44,10 +46,10 @@ def serve_and_capture(target: Target, prompts: list[tuple[str, list[int]]], max_
                       workload: str, max_batch: int = 8, progress: Callable[[int], None] | None = None) -> dict:
     """Greedy target-only generation of every prompt (continuous batching), captured to `capture_dir`.
     Returns {id: generated token ids} and tokens/s."""
-    eng = Engine(target, None, 1, max(len(p) for _, p in prompts) + max_new_tokens + 1, max_batch=max_batch)
     w = CaptureWriter(capture_dir, target.target_id, shard_max_records=16)
+    eng = Engine(target, None, 1, max(len(p) for _, p in prompts) + max_new_tokens + 1, max_batch=max_batch, capture=w)
     futs = {pid: eng.submit(Request(ids, max_new_tokens, speculative=False, capture=True, request_id=pid,
-                                    workload=workload)) for pid, ids in prompts}
+                                    workload=workload, prompt_id=pid)) for pid, ids in prompts}  # the engine captures
     t0, outs, done = time.perf_counter(), {}, 0
     while eng.num_unfinished:
         eng.step()
@@ -55,7 +57,6 @@ def serve_and_capture(target: Target, prompts: list[tuple[str, list[int]]], max_
             if pid not in outs and f.done():
                 g = f.result()
                 outs[pid] = g.tokens
-                w.submit(g.record, request_id=pid, workload=workload, acceptance_length=1.0, prompt_id=pid)
                 done += 1
                 if progress:
                     progress(done)
@@ -75,9 +76,9 @@ def build_snapshot(root: Path, target: Target, train_p, hold_p, max_new_tokens: 
         return json.loads(meta.read_text())
     ws = Workspace(root)
     info = {"target_id": target.target_id, "max_new_tokens": max_new_tokens}
-    for name, prompts, snaps in (("train", train_p, ws.snapshots), ("holdout", hold_p, root / "holdout")):
-        progress(f"snapshot: serving {len(prompts)} {name} prompts × ≤{max_new_tokens} tokens (target only, capture on)")
-        res = serve_and_capture(target, prompts, max_new_tokens, root / f"capture-{name}", "code", max_batch)
+    for name, part, snaps in (("train", train_p, ws.snapshots), ("holdout", hold_p, root / "holdout")):
+        progress(f"snapshot: serving {len(part)} {name} prompts × ≤{max_new_tokens} tokens (target only, capture on)")
+        res = serve_and_capture(target, part, max_new_tokens, root / f"capture-{name}", "code", max_batch)
         s = seal(root / f"capture-{name}", snaps, target.target_id)
         info[name] = {"snapshot": str(s.path), "records": s.num_records, "tokens": s.num_tokens,
                       "generated_tokens": sum(map(len, res["outputs"].values())),
@@ -85,7 +86,7 @@ def build_snapshot(root: Path, target: Target, train_p, hold_p, max_new_tokens: 
         if name == "holdout":
             (root / "holdout.jsonl").write_text("".join(
                 json.dumps({"id": pid, "workload": "code", "input_ids": ids, "reference": res["outputs"][pid]}) + "\n"
-                for pid, ids in prompts))
+                for pid, ids in part))
     meta.write_text(json.dumps(info, indent=2))
     return info
 
@@ -144,10 +145,11 @@ def run(params: Params, out: Path, root: Path, target: Target, train_p, hold_p, 
         def on_epoch(ep, draft):
             if not hold_ex:
                 hold_ex.extend(prepare(hold_recs, target, draft.t2d, params.train.max_seq_len))
-            acc = evaluate_examples(draft, hold_ex, params.train.ttt_steps, params.train.batch_tokens)
-            progress(f"  fraction {frac}: epoch {ep} holdout acc {[round(a, 3) for a in acc]} "
-                     f"simulated τ {simulated_acceptance_length(acc[:k]):.2f}")
-            return {"holdout_acc": acc, "holdout_simulated_tau": simulated_acceptance_length(acc[:k])}
+            ev = evaluate_holdout(draft, hold_ex, params.train.ttt_steps, params.train.batch_tokens)
+            tau = ev.simulated_tau(k)
+            progress(f"  fraction {frac}: epoch {ep} holdout acc {[round(a, 3) for a in ev.acc]} "
+                     f"conditional {[round(a, 3) for a in ev.conditional(k)]} simulated τ {_f(tau)}")
+            return {"holdout_acc": ev.acc, "holdout_conditional": ev.conditional(k), "holdout_simulated_tau": tau}
 
         cand = root / "work" / f"candidate-{frac}"
         progress(f"train: {len(train_recs)} records ({sum(int(r['input_ids'].shape[0]) for r in train_recs)} tokens), "
@@ -179,10 +181,18 @@ def run(params: Params, out: Path, root: Path, target: Target, train_p, hold_p, 
 
 
 def holdout_tau(target: Target, draft_dir: Path, recs: list[dict], params: Params) -> dict:
-    """Teacher-forced holdout accuracy per TTT step and the simulated τ at k (no replay: cheap)."""
-    acc = holdout_accuracy(load_checkpoint(draft_dir, target.embed.float(), target.target_id).eval(), target, recs,
-                           params.train)
-    return {"acc": acc, "simulated_tau": simulated_acceptance_length(acc[: params.engine.num_draft_tokens])}
+    """Teacher-forced holdout evaluation (no replay: cheap): {"acc": unconditional accuracy per TTT
+    step, "conditional": conditional acceptance per position, "simulated_tau": τ at k =
+    engine.num_draft_tokens from the conditional acceptances (None: no usable holdout record)}."""
+    ev = holdout_accuracy(load_checkpoint(draft_dir, target.embed.float(), target.target_id).eval(), target, recs,
+                          params.train)
+    k = params.engine.num_draft_tokens
+    return {"acc": ev.acc, "conditional": ev.conditional(k),
+            "simulated_tau": ev.simulated_tau(k)}
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def forgetting(params: Params, root: Path, target: Target, base_draft: Path, name: str, train_p, hold_p,
@@ -227,9 +237,9 @@ def forgetting(params: Params, root: Path, target: Target, base_draft: Path, nam
         r = {"replay_fraction": rf, "num_replay": idx["num_replay"], "train_records": len(idx["train"]),
              "train_seconds": tm["train_seconds"], "code": holdout_tau(target, cand, code_hold, params),
              name: holdout_tau(target, cand, new_hold, params)}
-        progress(f"shift {name}, replay {rf}: code holdout simulated τ {res['base']['code']['simulated_tau']:.2f} → "
-                 f"{r['code']['simulated_tau']:.2f}; {name} {res['base'][name]['simulated_tau']:.2f} → "
-                 f"{r[name]['simulated_tau']:.2f}")
+        progress(f"shift {name}, replay {rf}: code holdout simulated τ {_f(res['base']['code']['simulated_tau'])} → "
+                 f"{_f(r['code']['simulated_tau'])}; {name} {_f(res['base'][name]['simulated_tau'])} → "
+                 f"{_f(r[name]['simulated_tau'])}")
         res[f"replay_{rf}"] = r
     return res
 
@@ -246,36 +256,40 @@ def markdown(rep: dict) -> str:
              f"{s['holdout']['records']} disjoint problems. Params: ttt_steps {rep['params']['train']['ttt_steps']}, "
              f"epochs {rep['params']['train']['epochs']}, lr {rep['params']['train']['lr']}, draft_vocab_size "
              f"{rep['params']['draft']['draft_vocab_size']}; init: {rep['init'] or 'scratch'}.", "",
-             f"| data | records | τ at k={k} (replay) | per-position acceptance | = target-only | simulated τ (holdout) "
+             f"| data | records | τ at k={k} (replay) | per-position acceptance | = target-only | simulated τ at k={k} (holdout) "
              "| train tok/s | cycle s (curate/train/eval) |", "|---|---|---|---|---|---|---|---|"]
     if not rep["runs"]:  # a forgetting-only run (--fractions ''): no training table
         lines = lines[:-3]
     for r in rep["runs"]:
         e, t, c = r["evaluate"], r["train"], r["cycle_seconds"]
         pos = "/".join(f"{e[f'accepted_per_pos/{i}']:.2f}" for i in range(k))
+        # the final draft on the holdout at the replay's k (the trainer's own figure is at k = ttt_steps)
+        sim = r["curve"][-1]["holdout_simulated_tau"] if r["curve"] else t["simulated_acceptance_length"]
         lines.append(f"| {r['fraction']:.0%} | {r['train_records']} | {e['acceptance_length']:.2f} | {pos} | "
                      f"{'yes' if e['mismatches'] == 0 else 'NO (' + str(e['mismatches']) + ')'} | "
-                     f"{t['simulated_acceptance_length']:.2f} | {t['train_tokens_per_s']:.0f} | "
+                     f"{_f(sim)} | {t['train_tokens_per_s']:.0f} | "
                      f"{c['total']:.0f} ({c['curate']:.0f}/{c['train']:.0f}/{c['evaluate']:.0f}) |")
     if rep["runs"]:
-        lines += ["", "Learning curve (holdout teacher-forced accuracy per TTT step, after each epoch):", "",
+        lines += ["", "Learning curve (holdout, teacher-forced, after each epoch): acc_j = top-1 agreement at TTT "
+                  "step j whatever steps < j did (unconditional); simulated τ at k = 1 + Σ_i Π_{j≤i} a_j from the "
+                  "conditional acceptance a_j (step j right given steps < j right):", "",
                   "| data | epoch | train tokens | holdout acc_0..acc_{n} | simulated τ |", "|---|---|---|---|---|"]
     for r in rep["runs"]:
         for c in r["curve"]:
             lines.append(f"| {r['fraction']:.0%} | {c['epoch']} | {c['train_tokens']} | "
-                         f"{' / '.join(f'{a:.2f}' for a in c['holdout_acc'])} | {c['holdout_simulated_tau']:.2f} |")
+                         f"{' / '.join(f'{a:.2f}' for a in c['holdout_acc'])} | {_f(c['holdout_simulated_tau'])} |")
     f = rep.get("forgetting")
     if f:
         n = f["workload"]
         lines += ["", f"Forgetting: a second cycle on `{n}` ({f['snapshot']['train']['records']} requests), warm-started "
-                  f"from `{f['base_draft']}`; simulated τ at k (teacher-forced holdout accuracy):", "",
+                  f"from `{f['base_draft']}`; simulated τ at k (teacher-forced holdout, conditional acceptance):", "",
                   f"| draft | replay records | code holdout | {n} holdout |", "|---|---|---|---|",
-                  f"| before (code draft) | - | {f['base']['code']['simulated_tau']:.2f} | "
-                  f"{f['base'][n]['simulated_tau']:.2f} |"]
+                  f"| before (code draft) | - | {_f(f['base']['code']['simulated_tau'])} | "
+                  f"{_f(f['base'][n]['simulated_tau'])} |"]
         for key in [k_ for k_ in f if k_.startswith("replay_")]:
             r = f[key]
             lines.append(f"| after, replay_fraction {r['replay_fraction']} | {r['num_replay']} | "
-                         f"{r['code']['simulated_tau']:.2f} | {r[n]['simulated_tau']:.2f} |")
+                         f"{_f(r['code']['simulated_tau'])} | {_f(r[n]['simulated_tau'])} |")
     lines += ["", f"Serving the snapshot: {s['train']['serve_tokens_per_s']:.1f} tok/s (batch ≤ 8, capture on). "
               f"Wall time {rep['wall_s'] / 60:.1f} min. Reproduce: `tidespec bench train` (see README)."]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,6 @@
 """Prometheus exposition of a CaptureWriter's counters (prometheus-client custom collector).
 
-Names follow vLLM's `vllm:<name>` style with the `tidespec:` prefix (DESIGN.md metrics):
+Names follow vLLM's `vllm:<name>` style with the `tidespec:` prefix (`tidespec serve` registers it on /metrics):
 `tidespec:capture_written_total`, `tidespec:capture_tokens_total`, `tidespec:capture_bytes_total`,
 `tidespec:capture_dropped_total{reason}`, `tidespec:capture_filtered_total{reason}`,
 `tidespec:capture_snapshots_sealed_total`, `tidespec:capture_publish_errors_total`,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import events, versioning
+from ..curate import snapshot_drift
 from .store import SnapshotInfo, list_snapshots
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ class Publisher:
         dropped_local, also_published, drift_jsd (bits | None), trigger ("tokens" | "drift" | None),
         event_id}. Raises VersioningError (dvc/git failed: the snapshot stays local, the next call
         retries it)."""
-        from ..curate import snapshot_drift
         # this snapshot, and any earlier one whose publish failed (still untracked)
         todo = [s for s in list_snapshots(self.snapshots_root, info.target_id)  # older only: newer ones have
                 if s.name < info.path.name and not s.with_name(s.name + ".dvc").exists()] + [info.path]  # their own

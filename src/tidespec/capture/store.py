@@ -1,6 +1,6 @@
 """Capture store: safetensors shards + JSONL manifest; snapshots (sealed, immutable).
 
-Contract (DESIGN.md "Capture record"): per finished request `input_ids [T] int32`,
+Contract (the capture record, docs/architecture.md): per finished request `input_ids [T] int32`,
 `loss_mask [T] uint8`, `aux_hidden_states [T, 3H] bf16`, `hidden_states [T, H] bf16`.
 
 Crash safety: a shard is written to a temp name, fsynced, renamed (and the directory fsynced);
@@ -17,6 +17,9 @@ Compression (`capture.compression: zstd`): bf16 tensors are byte-shuffled (high 
 bytes: sign/exponent bytes compress ~2.6×, mantissa bytes barely) and the shard is zstd-compressed
 as a whole (`*.safetensors.zst`): 0.72× the raw size on HumanEval traffic, 41 µs of CPU per token
 (`tidespec bench capture`).
+
+One file (~460 lines): the shard format, the manifest and sealing share one crash-safety protocol
+(write order, fsyncs, recovery), which is easier to audit in one place.
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from ..errors import TidespecError
 
 log = logging.getLogger(__name__)
 FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
@@ -396,7 +401,7 @@ def recover(capture_dir: Path, snapshots_root: Path | None = None, target_id: st
     return done
 
 
-class CaptureDirBusy(RuntimeError):
+class CaptureDirBusy(TidespecError):
     """Another writer (or sealer) holds this capture directory."""
 
 

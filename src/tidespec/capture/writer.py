@@ -11,6 +11,9 @@ On the writer thread: bf16 conversion, shard encoding (optionally zstd), atomic 
 append, and sealing into a snapshot when `seal_min_tokens` unsealed tokens or `seal_max_age_s`
 is reached. The slow follow-up of a seal (`on_seal`: DVC add/push, Prefect event, retention)
 runs on a second thread, so it never stalls capture.
+
+The engine owns the wiring: `Engine(capture=writer)` asks `wants()` at admission and hands
+`submit_generation()` each captured request (`engine.speculative.CaptureSink`).
 """
 from __future__ import annotations
 
@@ -30,9 +33,25 @@ from typing import Callable
 import torch
 
 from ..hashing import unit_hash
-from .store import (ManifestRow, SnapshotInfo, append_manifest, encode_shard, lock_capture_dir, parse_ts,
-                    private_dir, prompt_hash, read_manifest, recover, seal, shard_name, unlock, utc_now,
-                    validate_record, write_shard)
+from .metrics import CaptureCollector
+from .store import (
+    ManifestRow,
+    SnapshotInfo,
+    append_manifest,
+    encode_shard,
+    lock_capture_dir,
+    parse_ts,
+    private_dir,
+    prompt_hash,
+    read_manifest,
+    recover,
+    seal,
+    shard_name,
+    unlock,
+    utc_now,
+    validate_record,
+    write_shard,
+)
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -82,7 +101,7 @@ class CaptureWriter:
                  sample_rate: float = 1.0, max_acceptance_rate: float | None = None, store_text: bool = False,
                  snapshots_root: Path | None = None, seal_min_tokens: int | None = None,
                  seal_max_age_s: float | None = None, on_seal: Callable[[SnapshotInfo], object] | None = None,
-                 idle_flush_s: float = 2.0, seed: int = 0):
+                 idle_flush_s: float = 2.0, seed: int = 0, detokenize: Callable[[list[int]], str] | None = None):
         if compression not in ("none", "zstd"):
             raise ValueError(f"compression must be 'none' or 'zstd', got {compression!r}")
         self.dir = private_dir(Path(directory))
@@ -93,7 +112,7 @@ class CaptureWriter:
         self.quota = disk_quota_mb * MB if disk_quota_mb else None
         self.min_free = min_free_disk_mb * MB
         self.sample_rate, self.max_acceptance_rate, self.seed = sample_rate, max_acceptance_rate, seed
-        self.store_text = store_text
+        self.store_text, self.detokenize = store_text, detokenize
         self.snapshots_root = Path(snapshots_root) if snapshots_root else None
         self.seal_min_tokens, self.seal_max_age_s = seal_min_tokens, seal_max_age_s
         self.on_seal = on_seal
@@ -168,15 +187,26 @@ class CaptureWriter:
             self._dropped[reason] += 1
         return False
 
-    def submit_generation(self, gen, workload: str = "default", prompt_id: str = "", text: dict | None = None) -> bool:
-        """`submit` a finished engine Generation (request made with capture=True): its record,
-        request id, serving-time τ and acceptance rate (None when it was served without drafts)."""
+    def submit_generation(self, gen, workload: str = "default", prompt_id: str = "") -> bool:
+        """`submit` a finished engine Generation that was captured (the engine's capture hook calls
+        this: `engine.speculative.CaptureSink`): its record, request id, serving-time τ and
+        acceptance rate (None when it was served without drafts). With `store_text` and a
+        `detokenize` callable, prompt and completion text go into the manifest. Raises ValueError
+        for a Generation without a record."""
         if gen.record is None:
             raise ValueError(f"request {gen.request_id} has no capture record: submit it with capture=True")
         st = gen.stats
+        text = None
+        if self.store_text and self.detokenize is not None:
+            ids = gen.record["input_ids"].tolist()
+            text = {"prompt": self.detokenize(ids[:gen.prompt_len]), "completion": self.detokenize(gen.tokens)}
         return self.submit(gen.record, request_id=gen.request_id, workload=workload,
                            acceptance_length=st.acceptance_length, prompt_id=prompt_id, text=text,
                            acceptance_rate=st.acceptance_rate if st.num_draft_tokens else None)
+
+    def collector(self):
+        """A prometheus-client collector over this writer's counters (`capture.metrics`)."""
+        return CaptureCollector(self)
 
     def stats(self) -> CaptureStats:
         """A consistent snapshot of the counters (thread-safe; cheap enough for every scrape)."""

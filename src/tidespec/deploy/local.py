@@ -6,13 +6,16 @@ checkpoint says which registry version it is. A running engine picks it up with
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import httpx
+
 from .. import registry
+from ..runtime import runner_for
+from ..workspace import served_version, write_version
 
 
 def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
@@ -30,7 +33,7 @@ def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
     stage = dest.with_name(dest.name + ".new")
     shutil.rmtree(stage, ignore_errors=True)
     shutil.copytree(got, stage)
-    (stage / "version.json").write_text(json.dumps({"version": info.version, "run_id": info.run_id}))
+    write_version(stage, info.version, info.run_id)
     old = dest.with_name(dest.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if dest.exists():
@@ -41,17 +44,11 @@ def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
     return {"version": info.version, "path": str(dest)}
 
 
-def served_version(dest: Path) -> str | None:
-    f = Path(dest) / "version.json"
-    return json.loads(f.read_text())["version"] if f.exists() else None
-
-
 def reload_if_changed(engine, dest: Path) -> bool:
     """Swap the engine's draft when `dest` holds another version. Returns True on a swap.
 
     A draft for another target or with wrong shapes raises ValueError and the old one keeps serving.
     """
-    from ..cycle import runner_for
     v = served_version(dest)
     if v is None or v == engine.draft_version:
         return False
@@ -68,7 +65,6 @@ def notify_server(dest: Path, url: str | None = None, token: str | None = None, 
     inside the server's drafts dir (data/drafts). Never raises: returns {"server": None} when no
     server is configured, {"status", "draft_version"} or {"error"}: a server that is down loads
     the champion from `dest` when it starts."""
-    import httpx
     url = url or os.environ.get(SERVER_URL_ENV)
     if not url:
         return {"server": None}

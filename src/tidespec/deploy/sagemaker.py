@@ -25,9 +25,12 @@ One deploy (`deploy_endpoint`):
    fleet failed its health checks) leaves the old config serving and raises SageMakerDeployFailed;
 7. delete this endpoint's older models/configs beyond `keep_versions` (never the live one).
 
-API calls go through boto3 clients configured from the environment (AWS_ENDPOINT_URL for moto in
-tests). Request shapes: the SageMaker API reference (CreateModel, CreateEndpointConfig,
-UpdateEndpoint `DeploymentConfig`) and botocore's sagemaker service model.
+API calls go through `tidespec.aws` (boto3 clients configured from the environment, AWS_ENDPOINT_URL
+for moto in tests; SSE-S3 uploads with sha256 metadata; the polling loop); the params schemas live in
+`tidespec.sagemaker_config`. Request shapes: the SageMaker API reference (CreateModel,
+CreateEndpointConfig, UpdateEndpoint `DeploymentConfig`) and botocore's sagemaker service model.
+It stays one module (over 400 lines) because the request builders, the draft checks and
+`deploy_endpoint` form one transaction whose create / roll-back / prune steps share names and state.
 """
 from __future__ import annotations
 
@@ -36,28 +39,23 @@ import hashlib
 import json
 import logging
 import re
+import shutil
 import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, field_validator, model_validator
-
+from .. import aws
 from ..assets import sha256_file
-from ..strict import Strict as _Strict
-from ..strict import pairs
-from ..train.sagemaker import ENV_KEY_RE, parse_s3_uri
-
-if TYPE_CHECKING:
-    from ..config import Params
+from ..aws import NAME_RE, parse_s3_uri
+from ..config import Params
+from ..errors import TidespecError
+from ..models.eagle3 import load_checkpoint
+from ..sagemaker_config import CanaryParams, EndpointProfile, SageMakerDeployParams
 
 log = logging.getLogger(__name__)
 
-ROLE_RE = re.compile(r"arn:aws[a-z\-]*:iam::\d{12}:role/[\w+=,.@\-/]{1,512}")
-NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # EndpointName / ModelName / EndpointConfigName
 VARIANT = "AllTraffic"
 DRAFT_CHANNEL = "draft"
 MODEL_DIR = "/opt/ml/model"
@@ -66,186 +64,11 @@ DRAFT_FILES = ("config.json", "model.safetensors")
 # AWS SGLang DLC for SageMaker (aws/deep-learning-containers release notes, sglang 0.5.x); the account
 # 763104351884 hosts the DLCs in most regions. Pin your own tag in params for production.
 SGLANG_DLC = "763104351884.dkr.ecr.{region}.amazonaws.com/sglang:0.5-gpu-py312-cu129-ubuntu22.04-sagemaker-v1"
-GPU_FAMILIES = ("g4dn", "g5", "g6", "g6e", "p4d", "p4de", "p5", "p5e", "p5en")
-TRN2_FAMILIES = ("trn2",)
 TERMINAL_BAD = ("Failed", "UpdateRollbackFailed")
 
 
-class SageMakerDeployFailed(RuntimeError):
+class SageMakerDeployFailed(TidespecError):
     """The endpoint did not end InService on the new config (failed, or rolled back to the old one)."""
-
-
-class EndpointProfile(_Strict):
-    """One serving profile. engine: `sglang` (GPU) or `vllm-neuron` (trn2). image_uri None → the
-    AWS SGLang DLC of the region (sglang only; the Neuron image must be named). Timeouts in s
-    (SageMaker allows 60..3600). environment: extra container env, e.g. SM_SGLANG_MEM_FRACTION_STATIC
-    or SM_VLLM_MAX_MODEL_LEN (values ≤ 1024 chars)."""
-
-    engine: Literal["sglang", "vllm-neuron"]
-    instance_type: str
-    instance_count: int = Field(1, ge=1)
-    endpoint_name: str | None = None  # None → tidespec-<target_id[:12]>-<profile>
-    image_uri: str | None = None
-    tensor_parallel_size: int = Field(1, ge=1)
-    startup_timeout_s: int = Field(1800, ge=60, le=3600)  # ContainerStartupHealthCheckTimeoutInSeconds
-    download_timeout_s: int = Field(1800, ge=60, le=3600)  # ModelDataDownloadTimeoutInSeconds
-    environment: tuple[tuple[str, str], ...] = ()
-
-    _env_in = field_validator("environment", mode="before")(classmethod(lambda cls, v: pairs(v)))
-
-    @field_validator("environment")
-    @classmethod
-    def _env(cls, v):
-        for k, val in v:
-            if not ENV_KEY_RE.fullmatch(k) or len(val) > 1024:
-                raise ValueError(f"environment {k!r}: keys [a-zA-Z_][a-zA-Z0-9_]*, values ≤1024 chars")
-        return v
-
-    @field_validator("endpoint_name")
-    @classmethod
-    def _endpoint(cls, v):
-        if v is not None and (not NAME_RE.fullmatch(v) or len(v) > 40):
-            raise ValueError(f"endpoint_name {v!r}: letters, digits and '-', at most 40 chars (model and "
-                             "config names append a version and a timestamp)")
-        return v
-
-    @model_validator(mode="after")
-    def _family(self):
-        m = re.fullmatch(r"ml\.([a-z0-9]+)\.(?:\d*x?large|medium|small)", self.instance_type)
-        fams = GPU_FAMILIES if self.engine == "sglang" else TRN2_FAMILIES
-        if not m or m.group(1) not in fams:
-            raise ValueError(f"instance_type {self.instance_type!r} does not fit engine {self.engine}: use "
-                             + ", ".join(f"ml.{f}.*" for f in fams))
-        return self
-
-
-class CanaryParams(_Strict):
-    """Blue/green update knobs (UpdateEndpoint DeploymentConfig). percent: canary share of the new
-    fleet's capacity (SageMaker takes ≤ 50 %; used when instance_count ≥ 2); wait_s: canary (or, with
-    one instance, baking) period watched by the alarms; alarm_5xx: Invocation5XXErrors per minute that
-    trips the rollback; alarm_p99_latency_ms: ModelLatency p99 that does (None: no latency alarm)."""
-
-    percent: int = Field(10, ge=1, le=50)
-    wait_s: int = Field(600, ge=0, le=3600)  # WaitIntervalInSeconds
-    termination_wait_s: int = Field(600, ge=0, le=3600)  # blue fleet kept this long after the switch
-    max_execution_s: int = Field(3600, ge=600, le=14400)  # MaximumExecutionTimeoutInSeconds
-    alarm_5xx: int = Field(1, ge=1)
-    alarm_p99_latency_ms: float | None = Field(30000, gt=0)
-
-
-# built-in profiles; a profile of the same name in params.yaml overrides these keys only
-DEFAULT_PROFILES = {
-    "gpu": {"engine": "sglang", "instance_type": "ml.g6e.2xlarge"},
-    "trn2": {"engine": "vllm-neuron", "instance_type": "ml.trn2.48xlarge", "tensor_parallel_size": 64,
-             "startup_timeout_s": 3600, "download_timeout_s": 3600},
-}
-
-
-class SageMakerDeployParams(_Strict):
-    """`deploy.sagemaker` in params.yaml.
-
-    target_model: where the endpoint gets the target's weights — an S3 prefix holding its HF model
-    dir (uncompressed; → /opt/ml/model), or a Hugging Face hub id the container downloads (gated
-    models need HF_TOKEN in the profile's environment). None: upload `target.source` when it is a
-    local HF dir. num_steps / eagle_topk / num_draft_tokens: SGLang's --speculative-* (None:
-    engine.num_draft_tokens steps, topk 1, steps+1 draft tokens; vLLM's num_speculative_tokens =
-    num_steps). keep_versions: models/configs of this endpoint kept (for a manual rollback).
-    """
-
-    role_arn: str
-    s3_prefix: str
-    target_model: str | None = None
-    region: str | None = None
-    profiles: dict[str, EndpointProfile] = Field(
-        default_factory=lambda: {k: EndpointProfile(**v) for k, v in DEFAULT_PROFILES.items()})
-    num_steps: int | None = Field(None, ge=1, le=16)
-    eagle_topk: int = Field(1, ge=1, le=16)
-    num_draft_tokens: int | None = Field(None, ge=2, le=64)
-    canary: CanaryParams = CanaryParams()
-    keep_versions: int = Field(2, ge=1)
-    poll_s: float = Field(30, ge=0.01)
-    wait_timeout_s: float = Field(5400, gt=0)
-    on_promote: tuple[str, ...] = ()  # profiles the cycle's deploy step updates after a promotion
-    tags: tuple[tuple[str, str], ...] = ()
-
-    _tags_in = field_validator("tags", mode="before")(classmethod(lambda cls, v: pairs(v)))
-
-    @field_validator("profiles", mode="before")
-    @classmethod
-    def _merge(cls, v):
-        v = dict(v or {})
-        for name, d in DEFAULT_PROFILES.items():
-            given = v.get(name, {})
-            if isinstance(given, Mapping):
-                v[name] = {**d, **given}
-        return v
-
-    @field_validator("role_arn")
-    @classmethod
-    def _role(cls, v):
-        if not ROLE_RE.fullmatch(v):
-            raise ValueError(f"{v!r} is not an IAM role ARN (arn:aws:iam::<12-digit account>:role/<name>)")
-        return v
-
-    @field_validator("s3_prefix")
-    @classmethod
-    def _prefix(cls, v):
-        parse_s3_uri(v)
-        return v.rstrip("/")
-
-    @field_validator("tags")
-    @classmethod
-    def _tag_values(cls, v):
-        for k, val in v:
-            if not 0 < len(k) <= 128 or len(val) > 256 or k.lower().startswith("aws:"):
-                raise ValueError(f"tag {k!r}: keys 1..128 chars (no aws: prefix), values ≤256 chars")
-        if len(v) > 40:
-            raise ValueError("at most 40 tags")
-        return v
-
-    @field_validator("target_model")
-    @classmethod
-    def _target(cls, v):
-        if v is not None and (v.lower().startswith("s3:") or "://" in v):
-            parse_s3_uri(v)  # an S3 URI must be a valid one (not silently a hub id)
-        elif v is not None and not re.fullmatch(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?", v):
-            raise ValueError(f"target_model {v!r}: an s3://bucket/prefix URI or a hub id such as org/model")
-        return v
-
-    @model_validator(mode="after")
-    def _check(self):
-        for name in self.profiles:
-            if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,15}", name):
-                raise ValueError(f"profile name {name!r}: lowercase letters, digits and '-', at most 16 chars "
-                                 "(it becomes part of the endpoint name)")
-        named = [p.endpoint_name for p in self.profiles.values() if p.endpoint_name]
-        if len(named) != len(set(named)):
-            raise ValueError("two profiles name the same endpoint_name; each profile serves its own endpoint")
-        if len(set(self.on_promote)) != len(self.on_promote):
-            raise ValueError(f"on_promote lists a profile twice: {list(self.on_promote)}")
-        if self.num_draft_tokens is not None and self.num_steps is None:
-            raise ValueError("num_draft_tokens needs num_steps (SGLang requires both or neither)")
-        for name in self.on_promote:
-            if name not in self.profiles:
-                raise ValueError(f"on_promote names profile {name!r}; defined: {sorted(self.profiles)}")
-        if self.eagle_topk == 1 and self.num_steps and self.num_draft_tokens \
-                and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError("with eagle_topk 1, num_draft_tokens must be num_steps + 1 (a chain)")
-        return self
-
-    def profile(self, name: str) -> EndpointProfile:
-        """The named profile, ready to deploy. Raises ValueError naming the defined profiles, or the
-        missing image of a vllm-neuron profile."""
-        if name not in self.profiles:
-            raise ValueError(f"no SageMaker profile {name!r} in deploy.sagemaker.profiles; defined: "
-                             f"{sorted(self.profiles)}")
-        prof = self.profiles[name]
-        if prof.engine == "vllm-neuron" and self.eagle_topk != 1:
-            raise ValueError(f"profile {name!r}: vLLM drafts a chain (eagle_topk 1), got eagle_topk {self.eagle_topk}")
-        if prof.engine == "vllm-neuron" and not prof.image_uri:
-            raise ValueError(f"profile {name!r} (vllm-neuron) needs image_uri: a vLLM-Neuron serving image in your "
-                             f"ECR (deploy.sagemaker.profiles.{name}.image_uri; see infra/README.md, 'Images')")
-        return prof
 
 
 @dataclass(frozen=True)
@@ -436,7 +259,6 @@ def endpoint_outcome(desc: dict, config_name: str) -> bool:
 def check_draft(path: Path, target_id: str | None, version: str | None = None) -> DraftArtifact:
     """Validate a draft dir (config.json + model.safetensors in the EAGLE3 layout, trained for
     `target_id` when given) and hash it. Raises FileNotFoundError / ValueError (as load_checkpoint)."""
-    from ..models.eagle3 import load_checkpoint
     path = Path(path)
     try:
         load_checkpoint(path, target_id=target_id)
@@ -457,7 +279,6 @@ def private_copy(draft: DraftArtifact, dest: Path) -> DraftArtifact:
     """Copy the draft's files into `dest` and re-hash them there, so what is uploaded is what was
     checked even if the source dir is swapped meanwhile (a promotion, a rollback). Raises ValueError
     when the model bytes changed since `check_draft`."""
-    import shutil
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for f in DRAFT_FILES:
@@ -469,51 +290,12 @@ def private_copy(draft: DraftArtifact, dest: Path) -> DraftArtifact:
     return DraftArtifact(dest, draft.version, sha, sha256_file(dest / "config.json"))
 
 
-def _head(s3, bucket: str, key: str) -> dict | None:
-    from botocore.exceptions import ClientError
-    try:
-        return s3.head_object(Bucket=bucket, Key=key)
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-            return None
-        raise
-
-
-def check_bucket(s3, s3_prefix: str) -> None:
-    """Raise ValueError naming the fix when the prefix's bucket is missing or not accessible."""
-    from botocore.exceptions import ClientError
-    bucket, _ = parse_s3_uri(s3_prefix)
-    try:
-        s3.head_bucket(Bucket=bucket)
-    except ClientError as e:
-        raise ValueError(f"S3 bucket {bucket} does not exist or is not accessible with these credentials "
-                         f"({e.response.get('Error', {}).get('Code')}): create it (infra/cloudformation/"
-                         "tidespec-sagemaker.yaml) or fix deploy.sagemaker.s3_prefix") from None
-
-
-def upload_dir(s3, files: list[tuple[Path, str, str | None]], uri: str) -> tuple[str, int]:
-    """Upload (local path, relative key, sha256 or None) below prefix `uri` with SSE-S3. An object
-    already there is kept when its `sha256` metadata matches (or, without a sha, its size does).
-    Returns (prefix URI ending '/', files uploaded)."""
-    bucket, key = parse_s3_uri(uri)
-    key = key.strip("/") + "/" if key.strip("/") else ""
-    n = 0
-    for path, rel, sha in files:
-        head = _head(s3, bucket, key + rel)
-        same = head is not None and (head.get("Metadata", {}).get("sha256") == sha if sha
-                                     else head["ContentLength"] == path.stat().st_size)
-        if not same:
-            extra = {"ServerSideEncryption": "AES256"} | ({"Metadata": {"sha256": sha}} if sha else {})
-            s3.upload_file(str(path), bucket, key + rel, ExtraArgs=extra)
-            n += 1
-    return f"s3://{bucket}/{key}", n
-
-
 def upload_draft(s3, draft: DraftArtifact, s3_prefix: str) -> tuple[str, int]:
-    """config.json + model.safetensors → `<s3_prefix>/drafts/<draft.key>/` (sha256 in object metadata)."""
+    """config.json + model.safetensors → `<s3_prefix>/drafts/<draft.key>/` (SSE-S3, sha256 in object
+    metadata; objects already there with the same sha256 are kept). Returns (prefix URI, uploaded)."""
     files = [(draft.path / "config.json", "config.json", draft.config_sha256 or sha256_file(draft.path / "config.json")),
              (draft.path / "model.safetensors", "model.safetensors", draft.sha256)]
-    return upload_dir(s3, files, f"{s3_prefix}/drafts/{draft.key}/")
+    return aws.upload_files(s3, files, f"{s3_prefix}/drafts/{draft.key}/")
 
 
 def target_prefix(s3_prefix: str, target_id: str) -> str:
@@ -523,13 +305,13 @@ def target_prefix(s3_prefix: str, target_id: str) -> str:
 
 def upload_target(s3, target_dir: Path, s3_prefix: str, target_id: str) -> tuple[str, int]:
     """A local HF target dir → `<s3_prefix>/targets/<target_id[:16]>/` (the id is the weights' sha256,
-    so same-size objects are kept); hidden files and dirs (.git, .cache) are skipped."""
+    so same-size objects are kept); hidden files and dirs (.git, .cache) are skipped. SSE-S3 and
+    sha256 metadata on every object sent. Returns (prefix URI, uploaded). Raises FileNotFoundError
+    without config.json."""
     target_dir = Path(target_dir)
     if not (target_dir / "config.json").exists():
         raise FileNotFoundError(f"{target_dir} is not a HF model dir (no config.json)")
-    files = [(p, p.relative_to(target_dir).as_posix(), None) for p in sorted(target_dir.rglob("*"))
-             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(target_dir).parts)]
-    return upload_dir(s3, files, target_prefix(s3_prefix, target_id))
+    return aws.upload_dir(s3, target_dir, target_prefix(s3_prefix, target_id), skip_hidden=True)
 
 
 def resolve_target(params: Params, sm_params: SageMakerDeployParams) -> tuple[str, Path | None]:
@@ -555,8 +337,7 @@ def region_of(sm_params: SageMakerDeployParams, sm=None) -> str:
         return sm_params.region
     if sm is not None and sm.meta.region_name:
         return sm.meta.region_name
-    import boto3
-    r = boto3.session.Session().region_name
+    r = aws.default_region()
     if not r:
         raise ValueError("no AWS region: set deploy.sagemaker.region or AWS_REGION")
     return r
@@ -579,32 +360,26 @@ def plan(params: Params, sm_params: SageMakerDeployParams, profile_name: str, dr
 
 
 def _describe(sm, endpoint: str) -> dict | None:
-    from botocore.exceptions import ClientError
+    """DescribeEndpoint, or None when the endpoint does not exist. Raises other ClientErrors."""
     try:
         return sm.describe_endpoint(EndpointName=endpoint)
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") == "ValidationException" and "not find" in str(e).lower():
+    except Exception as e:
+        err = getattr(e, "response", None) or {}
+        if err.get("Error", {}).get("Code") == "ValidationException" and "not find" in str(e).lower():
             return None
         raise
 
 
 def wait_endpoint(sm, endpoint: str, config_name: str, timeout_s: float, poll_s: float) -> dict:
-    """Poll DescribeEndpoint until `endpoint_outcome` is True; returns the description. Raises
-    SageMakerDeployFailed (failed / rolled back), TimeoutError (the update keeps going on AWS)."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while True:
-        desc = sm.describe_endpoint(EndpointName=endpoint)
-        if endpoint_outcome(desc, config_name):
-            return desc
-        if desc["EndpointStatus"] != last:
-            last = desc["EndpointStatus"]
-            log.info("endpoint %s: %s", endpoint, last)
-        if time.monotonic() + poll_s > deadline:
-            raise TimeoutError(f"endpoint {endpoint} still {desc['EndpointStatus']} after {timeout_s:g}s; the "
-                               f"deployment continues on AWS (watch `aws sagemaker describe-endpoint "
-                               f"--endpoint-name {endpoint}`)")
-        time.sleep(poll_s)
+    """Poll DescribeEndpoint every `poll_s` s until `endpoint_outcome` is True; returns the
+    description. Raises SageMakerDeployFailed (failed / rolled back), aws.WaitTimeout (a
+    TimeoutError) after `timeout_s` s (the update keeps going on AWS)."""
+    return aws.wait_until(
+        lambda: sm.describe_endpoint(EndpointName=endpoint), lambda d: endpoint_outcome(d, config_name),
+        timeout_s, poll_s, what=f"endpoint {endpoint}", state=lambda d: d["EndpointStatus"],
+        timeout_message=lambda d, t: (
+            f"endpoint {endpoint} still {d['EndpointStatus']} after {t:g}s; the deployment continues on AWS "
+            f"(watch `aws sagemaker describe-endpoint --endpoint-name {endpoint}`)"))
 
 
 def prune(sm, endpoint: str, keep: int, live_config: str) -> list[str]:
@@ -639,12 +414,6 @@ def _paginate(fn, key: str, **kw):
             return
 
 
-def _clients(region: str, sm=None, s3=None, cw=None):
-    import boto3
-    return (sm or boto3.client("sagemaker", region_name=region), s3 or boto3.client("s3", region_name=region),
-            cw or boto3.client("cloudwatch", region_name=region))
-
-
 def deploy_endpoint(params: Params, profile_name: str, draft: DraftArtifact, target_id: str,
                     sm=None, s3=None, cw=None, wait: bool = True, now: datetime | None = None,
                     lock_dir: Path | None = None) -> dict:
@@ -666,7 +435,8 @@ def deploy_endpoint(params: Params, profile_name: str, draft: DraftArtifact, tar
     if local_target is not None:
         target_uri = target_prefix(sm_params.s3_prefix, target_id)
     region = region_of(sm_params, sm)
-    sm, s3, cw = _clients(region, sm, s3, cw)
+    sm, s3, cw = (sm or aws.client("sagemaker", region), s3 or aws.client("s3", region),
+                  cw or aws.client("cloudwatch", region))
     endpoint = endpoint_name(sm_params, target_id, profile_name)
     with _endpoint_lock(lock_dir, endpoint), tempfile.TemporaryDirectory(prefix="tidespec-deploy-") as tmp:
         draft = private_copy(draft, Path(tmp) / "draft")
@@ -681,7 +451,7 @@ def deploy_endpoint(params: Params, profile_name: str, draft: DraftArtifact, tar
                 live_matches(sm, current["EndpointConfigName"], p):
             return {"endpoint": endpoint, "action": "unchanged", "endpoint_config": current["EndpointConfigName"],
                     "status": "InService", "deleted": []}
-        check_bucket(s3, sm_params.s3_prefix)
+        aws.check_bucket(s3, sm_params.s3_prefix, "deploy.sagemaker.s3_prefix")
         if local_target is not None:
             _, n = upload_target(s3, local_target, sm_params.s3_prefix, target_id)
             log.info("target %s → %s (%d files uploaded)", local_target, target_uri, n)
@@ -774,8 +544,7 @@ def _endpoint_lock(lock_dir: Path | None, endpoint: str):
 
 
 def _wait_gone(sm, endpoint: str, timeout_s: float, poll_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _describe(sm, endpoint) is not None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"endpoint {endpoint} still deleting after {timeout_s:g}s")
-        time.sleep(poll_s)
+    """Poll until the endpoint no longer exists. Raises aws.WaitTimeout after `timeout_s` s."""
+    aws.wait_until(lambda: _describe(sm, endpoint), lambda d: d is None, timeout_s, poll_s,
+                   what=f"endpoint {endpoint}", state=lambda d: d["EndpointStatus"],
+                   timeout_message=lambda d, t: f"endpoint {endpoint} still deleting after {t:g}s")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..models import eagle3, target
 from .stats import simulated_acceptance_length
 
 
@@ -72,7 +73,6 @@ def _cpu_model() -> str:
 
 def _code_hash() -> str:
     """The forward code's identity: a calibration measured before a kernel change is not reused."""
-    from ..models import eagle3, target
     h = hashlib.sha256()
     for mod in (target, eagle3):
         h.update(Path(mod.__file__).read_bytes())

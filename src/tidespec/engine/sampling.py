@@ -91,14 +91,3 @@ def rejection_verify(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gen: t
         z = float(resid.sum())
         return i, sample(resid / z if z > 0 else p[i], gen)
     return k, sample(p[k], gen)
-
-
-def first_token_prob(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Exact probability `[V]` that `rejection_verify` emits token x first (one step, rows p[0], q[0]).
-
-    P(x) = q(x)·min(1, p(x)/q(x)) + (1 − Σ_y min(p(y), q(y))) · norm(max(p − q, 0))(x); equals p(x).
-    """
-    acc = torch.minimum(p, q)
-    resid = (p - q).clamp_min(0)
-    z = resid.sum()
-    return acc + (1 - acc.sum()) * (resid / z if z > 0 else p)

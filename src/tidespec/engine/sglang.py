@@ -38,6 +38,8 @@ from typing import Literal
 
 import torch
 
+from ..errors import TidespecError, Unavailable
+
 SGLANG_VERSION = "0.5.23"
 CONDITIONAL_PLUS_ONE = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
                         "GptOssForCausalLM")
@@ -45,11 +47,11 @@ PROBE = ("import json, torch, sglang; print(json.dumps({'sglang': sglang.__versi
          "'cuda': torch.cuda.is_available()}))")
 
 
-class SGLangUnavailable(RuntimeError):
+class SGLangUnavailable(Unavailable):
     """SGLang cannot run here (no CUDA device, or no SGLang environment); the message names the fix."""
 
 
-class SGLangError(RuntimeError):
+class SGLangError(TidespecError):
     """The SGLang server failed to start, died, or answered outside its contract."""
 
 

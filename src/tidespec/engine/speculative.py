@@ -12,16 +12,22 @@ Batching (vLLM v1 style continuous batching): requests join and leave between st
 one ragged target forward over every running request's new tokens (prefills included, no padding:
 `Target.forward_batch`), each request with its own k (fixed, or chosen per step by
 `adaptive.AdaptiveK`). Per-request output is identical to running it alone (greedy).
+
+One file (~480 lines): admission, the step (draft → verify → accept) and the per-request state it
+mutates are one state machine; the proposer (`models.eagle3.DraftRunner`) and the acceptance rule
+(`sampling`) live apart.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,7 +35,9 @@ from ..models.eagle3 import DraftRunner
 from ..models.target import Segment, Target
 from .adaptive import AdaptiveK
 from .sampling import GREEDY, SamplingParams, rejection_verify, sample, warp
-from .stats import EngineStats, RequestTiming, SpecDecodingStats
+from .stats import RequestTiming, SpecDecodingStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,7 +45,7 @@ class Generation:
     """Result of one request.
 
     tokens: generated ids (prompt excluded); stats: per-request spec-decode counters; timing:
-    prefill and per-step wall times; record: capture tensors (when `capture=True`):
+    prefill and per-step wall times; record: capture tensors (when the request was captured):
     input_ids `[T]` int32, loss_mask `[T]` uint8, aux_hidden_states `[T, 3H]`, hidden_states `[T, H]`
     where T = tokens the target processed (prompt + generated minus the last, whose hidden state
     is never computed).
@@ -56,6 +64,19 @@ class Generation:
     def tokens_per_s(self) -> float:
         t = self.timing.prefill_s + self.timing.decode_s
         return len(self.tokens) / t if t > 0 else 0.0
+
+
+class CaptureSink(Protocol):
+    """Where an engine hands captured requests (`capture.writer.CaptureWriter` is one).
+
+    `wants(request_id)` is asked once at admission (sample rate: an unwanted request does not
+    even collect hidden states); `submit_generation(gen, workload, prompt_id)` gets each captured
+    request's finished Generation on the engine thread and must only enqueue (never block).
+    """
+
+    def wants(self, request_id: str) -> bool: ...
+
+    def submit_generation(self, gen: Generation, workload: str = "default", prompt_id: str = "") -> bool: ...
 
 
 @dataclass
@@ -78,30 +99,35 @@ class Request:
     workload: class label the adaptive policy keys its acceptance estimate on (e.g. "code", "chat").
     on_tokens: streaming: called on the engine thread with each step's new output tokens (already
     cut at EOS / max_new_tokens, so the pieces concatenate to the final output); must not block.
+    capture: None = ask the engine's capture sink at admission (no sink: not captured); True =
+    collect the record (`Generation.record`; handed to the sink too when there is one); False = never.
+    prompt_id: the prompt's id in its set (capture manifest), "" when unknown.
     """
 
     prompt_ids: list[int]
     max_new_tokens: int
     speculative: bool = True
     k: int | None = None
-    capture: bool = False
+    capture: bool | None = None
     request_id: str | None = None
     sampling: SamplingParams = GREEDY
     workload: str = "default"
     on_tokens: Callable[[list[int]], None] | None = field(default=None, compare=False)
+    prompt_id: str = ""
 
 
 class _Seq:
     """Decode state of one running request."""
 
-    def __init__(self, req: Request, rid: str, draft, version, target: Target, max_len: int):
+    def __init__(self, req: Request, rid: str, draft, version, target: Target, max_len: int, capture: bool):
         self.req, self.rid, self.draft, self.version = req, rid, draft, version
-        self.cache = self.dcache = None  # KV caches: allocated on admission (`alloc`), not while queued
+        self.capture = capture  # collect hidden-state rows for a capture record
+        self.cache = self.draft_cache = None  # KV caches: allocated on admission (`alloc`), not while queued
         self._target, self._max_len = target, max_len
         self.rng = None if req.sampling.greedy else req.sampling.generator()
         self.gen: list[int] = []
-        self.nxt = -1
-        self.h = self.dl = None  # draft chain start: hidden [1, H], logits [Vd]
+        self.next_token = -1
+        self.draft_hidden = self.draft_logits = None  # draft chain start: hidden [1, H], logits [Vd]
         self.backlog: list[tuple[torch.Tensor, torch.Tensor]] = []  # (aux rows, next tokens) not yet fed to the draft
         self.stats = SpecDecodingStats(0)
         self.timing = RequestTiming()
@@ -110,9 +136,9 @@ class _Seq:
         self.future: Future = Future()
         self.k = 0  # drafts this step
         self.drafts: list[int] = []
-        self.qs: list[torch.Tensor] = []  # draft probs per drafted token (sampling)
+        self.draft_probs: list[torch.Tensor] = []  # draft probs per drafted token (sampling)
         self.base = 0  # draft cache length before this step's chain
-        self.d: torch.Tensor | None = None  # last drafted token
+        self.last_draft: torch.Tensor | None = None  # last drafted token
         self.finished = False
         self.error: BaseException | None = None
         self.sent = 0  # output tokens already streamed
@@ -121,11 +147,11 @@ class _Seq:
         """Allocate the target and draft KV caches (`max_len` positions each): a queued request
         holds none, so memory is bounded by the running batch, not by the queue."""
         self.cache = self._target.new_cache(self._max_len)
-        self.dcache = self.draft.new_cache(self._max_len) if self.draft is not None else None
+        self.draft_cache = self.draft.new_cache(self._max_len) if self.draft is not None else None
 
     def emitted(self, new: list[int], eos: set[int]) -> None:
         self.gen.extend(new)
-        self.nxt = new[-1]
+        self.next_token = new[-1]
         self.finished = len(self.gen) >= self.req.max_new_tokens or any(t in eos for t in new)
         if self.req.on_tokens is not None:  # streamed pieces hold no EOS until the last: scan only the new ones
             fresh = self.gen[self.sent:self.req.max_new_tokens]
@@ -155,11 +181,13 @@ class Engine:
     per step (the rest wait). Any thread may drive the engine: `step()` is serialised, and every
     caller waiting on a result steps all running requests. `set_draft` swaps the draft atomically;
     a request keeps the draft it started with. `adaptive` (AdaptiveK) picks k per step and class.
+    `capture` (CaptureSink): asked at admission whether it wants each request, handed the record of
+    each captured request when it finishes (TIDE's capture: the engine owns the wiring).
     """
 
     def __init__(self, target: Target, draft: DraftRunner | None = None, num_draft_tokens: int = 4,
                  max_seq_len: int = 1024, draft_version: str | None = None, max_batch: int = 8,
-                 adaptive: AdaptiveK | None = None):
+                 adaptive: AdaptiveK | None = None, capture: CaptureSink | None = None):
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens (k) must be >= 1; use speculative=False to turn speculation off")
         if max_batch < 1:
@@ -172,14 +200,13 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self.adaptive = adaptive
+        self.capture = capture
         self._lock = threading.Lock()  # draft swap + queues
         self._step_lock = threading.Lock()  # one step at a time
         self._draft = draft
         self._draft_version = draft_version
         self._waiting: list[_Seq] = []
         self._running: list[_Seq] = []
-        self.stats = EngineStats()  # aggregates over finished requests (read under `stats_lock`)
-        self.stats_lock = threading.Lock()
         if draft is not None:
             self._check_draft(draft)
 
@@ -247,9 +274,11 @@ class Engine:
     def submit(self, req: Request) -> Future:
         """Queue a request; returns a Future resolving to its Generation. Raises ValueError for bad input."""
         self.validate(req)
+        rid = req.request_id or uuid.uuid4().hex
+        capture = req.capture if req.capture is not None else (self.capture is not None and self.capture.wants(rid))
         with self._lock:
             draft, version = (self._draft, self._draft_version) if req.speculative else (None, None)
-            seq = _Seq(req, req.request_id or uuid.uuid4().hex, draft, version, self.target, self.max_seq_len)
+            seq = _Seq(req, rid, draft, version, self.target, self.max_seq_len, bool(capture))
             seq.stats = SpecDecodingStats(self._k_max(req) if draft is not None else 0)
             self._waiting.append(seq)
         return seq.future
@@ -265,15 +294,16 @@ class Engine:
         return [f.result() for f in futs]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, speculative: bool = True,
-                 k: int | None = None, capture: bool = False, request_id: str | None = None,
-                 sampling: SamplingParams = GREEDY, workload: str = "default") -> Generation:
+                 k: int | None = None, capture: bool | None = None, request_id: str | None = None,
+                 sampling: SamplingParams = GREEDY, workload: str = "default", prompt_id: str = "") -> Generation:
         """Generate up to `max_new_tokens` after `prompt_ids` (stops at EOS); greedy by default.
 
         Raises ValueError for an empty prompt, k < 1, ids outside the vocab, or prompt +
         max_new_tokens beyond `max_seq_len` (the fix: shorten the prompt or raise
         engine.max_seq_len); bad sampling values are refused when `SamplingParams` is built.
         """
-        req = Request(list(prompt_ids), max_new_tokens, speculative, k, capture, request_id, sampling, workload)
+        req = Request(list(prompt_ids), max_new_tokens, speculative, k, capture, request_id, sampling, workload,
+                      prompt_id=prompt_id)
         return self.generate_batch([req])[0]
 
     @property
@@ -328,7 +358,7 @@ class Engine:
                     except Exception as e:  # noqa: BLE001
                         results.append((s, e))
         for s, r in results:  # outside the lock
-            s.cache = s.dcache = None  # free the KV memory now
+            s.cache = s.draft_cache = None  # free the KV memory now
             s.backlog = []
             if isinstance(r, BaseException):
                 s.future.set_exception(r)
@@ -351,48 +381,48 @@ class Engine:
                 s.k = self.adaptive.choose(s.req.workload)
             else:
                 s.k = self.k
-            s.drafts, s.qs = [], []
+            s.drafts, s.draft_probs = [], []
         for draft, group in _by_draft([s for s in running if s.k and s.backlog]):
-            items = [(torch.cat([a for a, _ in s.backlog]), torch.cat([t for _, t in s.backlog]), s.dcache)
+            items = [(torch.cat([a for a, _ in s.backlog]), torch.cat([t for _, t in s.backlog]), s.draft_cache)
                      for s in group]
             for s, (h, dl) in zip(group, draft.extend_batch(items)):
-                s.h, s.dl, s.backlog = h, dl, []
+                s.draft_hidden, s.draft_logits, s.backlog = h, dl, []
 
     def _draft_chain(self, seqs: list[_Seq]) -> None:
         """Chain drafting: k tokens per request; draft forwards batched across requests per position."""
         for s in seqs:
-            s.base = s.dcache.length
+            s.base = s.draft_cache.length
         for j in range(max((s.k for s in seqs), default=0)):
             active = [s for s in seqs if s.k > j]
             for s in active:
                 if s.rng is None:
-                    d = s.draft.to_target_ids(s.dl.argmax().view(1))
+                    d = s.draft.to_target_ids(s.draft_logits.argmax().view(1))
                 else:
-                    q = s.draft.to_target_probs(warp(s.dl, s.req.sampling))
+                    q = s.draft.to_target_probs(warp(s.draft_logits, s.req.sampling))
                     d = torch.multinomial(q, 1, generator=s.rng)
-                    s.qs.append(q)
+                    s.draft_probs.append(q)
                 s.drafts.append(int(d))
-                s.d = d
+                s.last_draft = d
             for draft, group in _by_draft([s for s in active if s.k > j + 1]):
-                for s, (h, dl) in zip(group, draft.step_batch([(s.h, s.d.view(1), s.dcache) for s in group])):
-                    s.h, s.dl = h, dl
+                for s, (h, dl) in zip(group, draft.step_batch([(s.draft_hidden, s.last_draft.view(1), s.draft_cache) for s in group])):
+                    s.draft_hidden, s.draft_logits = h, dl
 
     def _verify(self, new: list[_Seq], running: list[_Seq]):
         segs = [Segment(torch.tensor(s.req.prompt_ids, dtype=torch.int64), s.cache, last_only=True) for s in new]
-        segs += [Segment(torch.tensor([s.nxt] + s.drafts), s.cache) for s in running]
+        segs += [Segment(torch.tensor([s.next_token] + s.drafts), s.cache) for s in running]
         if not segs:
             return []
-        need_hidden = any(s.draft is not None or s.req.capture for s in new + running)
+        need_hidden = any(s.draft is not None or s.capture for s in new + running)
         return self.target.forward_batch(segs, need_hidden=need_hidden)
 
     def _after_prefill(self, s: _Seq, out, ttft_s: float) -> None:
         prompt = torch.tensor(s.req.prompt_ids, dtype=torch.int64)
         s.emitted([s.pick(out.logits[-1])], self._eos)
         s.k = 0
-        if s.req.capture:
+        if s.capture:
             s.rows.add(out, len(prompt))
         if s.draft is not None:
-            s.backlog.append((out.aux, torch.cat([prompt[1:], torch.tensor([s.nxt])])))
+            s.backlog.append((out.aux, torch.cat([prompt[1:], torch.tensor([s.next_token])])))
         s.timing.prefill_s = ttft_s
 
     def _after_verify(self, s: _Seq, out, dt: float) -> None:
@@ -406,14 +436,14 @@ class Engine:
                 n += 1
             new = s.drafts[:n] + [preds[n]]
         else:
-            n, tok = rejection_verify(warp(out.logits, s.req.sampling), torch.stack(s.qs), s.drafts, s.rng)
+            n, tok = rejection_verify(warp(out.logits, s.req.sampling), torch.stack(s.draft_probs), s.drafts, s.rng)
             new = s.drafts[:n] + [tok]
         s.cache.crop(L + n + 1)
-        if s.req.capture:
+        if s.capture:
             s.rows.add(out, n + 1)
         if k:
             s.stats.observe(k, n)
-            s.dcache.length = s.base
+            s.draft_cache.length = s.base
             if self._adaptive_for(s.req):
                 self.adaptive.observe(s.req.workload, k, n)
         if s.draft is not None:
@@ -430,7 +460,7 @@ class Engine:
                 break
         gen = gen[:s.req.max_new_tokens]
         res = Generation(s.rid, len(s.req.prompt_ids), gen, s.stats, s.timing, s.version, finish_reason=finish)
-        if s.req.capture:
+        if s.capture:
             p = list(s.req.prompt_ids)
             T = len(p) + len(gen) - 1
             mask = torch.zeros(T, dtype=torch.uint8)
@@ -438,6 +468,9 @@ class Engine:
             res.record = {"input_ids": torch.tensor(p + gen[:-1], dtype=torch.int32), "loss_mask": mask,
                           "aux_hidden_states": torch.cat(s.rows.aux)[:T],
                           "hidden_states": torch.cat(s.rows.hidden)[:T]}
-        with self.stats_lock:
-            self.stats.add(s.req.workload, s.stats, s.timing, len(gen))
+        if s.capture and self.capture is not None:
+            try:  # the sink only enqueues; a refused record is its business, never the request's
+                self.capture.submit_generation(res, s.req.workload, s.req.prompt_id)
+            except Exception:  # noqa: BLE001
+                log.exception("capture sink refused request %s", s.rid)
         return res

@@ -82,34 +82,6 @@ class RequestTiming:
         return [1000 * s / n for s, n in self.steps for _ in range(n) if n]
 
 
-@dataclass
-class EngineStats:
-    """Engine-wide aggregates since start: spec-decode counters overall and per workload class,
-    finished requests, generated tokens, and the last `itl_window` inter-token latencies (ms)."""
-
-    spec: SpecDecodingStats = field(default_factory=lambda: SpecDecodingStats(0))
-    per_workload: dict[str, SpecDecodingStats] = field(default_factory=dict)
-    num_requests: int = 0
-    num_generated_tokens: int = 0
-    itl_ms: list[float] = field(default_factory=list)
-    itl_window: int = 10_000
-
-    def add(self, workload: str, stats: SpecDecodingStats, timing: RequestTiming, tokens: int) -> None:
-        """Fold in one finished request (its counters, its ITL samples in ms, `tokens` generated)."""
-        self.spec = self.spec.merge(stats)
-        self.per_workload[workload] = self.per_workload.get(workload, SpecDecodingStats(0)).merge(stats)
-        self.num_requests += 1
-        self.num_generated_tokens += tokens
-        self.itl_ms = (self.itl_ms + timing.itl_ms())[-self.itl_window:]
-
-    def summary(self) -> dict:
-        """Flat dict: counts, τ, acceptance rate, accepted_per_pos/i, itl_ms_p50/p99 (ms), per_workload."""
-        d = {"num_requests": self.num_requests, "num_generated_tokens": self.num_generated_tokens,
-             **self.spec.metrics(), **itl_percentiles(self.itl_ms)}
-        d["per_workload"] = {w: s.metrics() for w, s in self.per_workload.items()}
-        return d
-
-
 def itl_percentiles(samples: list[float]) -> dict[str, float]:
     if not samples:
         return {"itl_ms_p50": float("nan"), "itl_ms_p99": float("nan")}
@@ -118,7 +90,19 @@ def itl_percentiles(samples: list[float]) -> dict[str, float]:
 
 
 def simulated_acceptance_length(acc: list[float]) -> float:
-    """1 + Σ_k Π_{j≤k} acc_j from per-position (conditional) accuracies (DESIGN.md cost model)."""
+    """Expected tokens per target forward with k = len(acc) chained drafts: τ = 1 + Σ_{i<k} Π_{j≤i} a_j.
+
+    `acc`: the CONDITIONAL acceptance per draft position, a_j = P(draft token j accepted | draft
+    tokens 0..j-1 accepted), each in [0, 1] (position 0 first). Π_{j≤i} a_j is then the probability
+    that the first i+1 drafts are all accepted, so τ = 1 + E[min(L, k)] with L the number of
+    leading accepted drafts (the bonus token is the 1). Source: the expected accepted prefix of
+    chained drafting (Leviathan et al. 2023, arXiv 2211.17192 §3, there with one i.i.d. rate) with
+    per-position rates, as EAGLE-3's training-time test evaluates drafts step by step (arXiv
+    2503.01840 §3). Feeding unconditional per-step accuracies (step j right regardless of steps
+    < j, e.g. the trainer's `val/acc_{j}`) gives a different, wrong number: drafts' errors at
+    consecutive steps are correlated. Producers of conditional a_j: `train.trainer.evaluate_holdout`
+    (teacher-forced) and `engine.adaptive.AdaptiveK` (from verify steps). Returns 1.0 for [].
+    """
     tau, run = 1.0, 1.0
     for a in acc:
         run *= a

@@ -4,10 +4,13 @@ Sources: EAGLE-3 (Li et al., arXiv 2503.01840, §3); module layout, names and th
 (TTT) attention pattern follow SpecForge `specforge/modeling/draft/llama3_eagle.py` and
 `specforge/algorithms/eagle3/model.py`; the checkpoint follows what SGLang
 `python/sglang/srt/models/llama_eagle3.py` and vLLM `vllm/model_executor/models/llama_eagle3.py`
-load (facts in ../shared/EAGLE3-FORMAT.md §1–§3, §9).
+load (both loaders' name mapping is replayed in tests/test_export_compat.py).
 
 Shapes: H = draft hidden, Ht = target hidden (== H here, so the target embedding is shared),
 V = target vocab, Vd = draft vocab. The embedding is the target's, frozen, never saved.
+
+One file (~450 lines) because model, TTT forward, serving runner and checkpoint format must change
+together: the test that the runner computes what the TTT unroll trains reads them side by side.
 """
 from __future__ import annotations
 

@@ -177,7 +177,7 @@ class Target:
 
     Build with `Target.from_hf(model)` or `load_target(path)`. All tensors are on CPU.
     dtype: fp32 by default — fp32 multi-token verification reproduces one-token greedy
-    exactly, bf16 does not (../shared/STACK.md, "numerics trap").
+    exactly, bf16 does not (README, "Design choices, measured").
     """
 
     def __init__(self, cfg: TargetConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
@@ -332,6 +332,7 @@ def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
     dir and renames, so a killed conversion leaves nothing half-written.
     """
     import shutil
+
     from safetensors.torch import save_file
     out = Path(out)
     if (out / "config.json").exists():

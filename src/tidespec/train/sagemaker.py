@@ -1,8 +1,9 @@
 """Train the draft as a SageMaker training job (cheaper GPU or Trainium machines than the serving box).
 
-Launcher side (boto3; endpoints from the environment, e.g. AWS_ENDPOINT_URL, never hard-coded):
+Launcher side (AWS calls through `tidespec.aws`: boto3 clients configured from the environment,
+e.g. AWS_ENDPOINT_URL, never hard-coded; boto3 is imported only when a call is made):
 `train_on_sagemaker` stages the curated index plus the snapshot dirs it references, uploads them
-(SSE-S3, AES256) to `<s3_prefix>/<job>/input/<channel>/`, calls CreateTrainingJob, polls
+(SSE-S3 AES256, sha256 metadata) to `<s3_prefix>/<job>/input/<channel>/`, calls CreateTrainingJob, polls
 DescribeTrainingJob, downloads `model.tar.gz` and unpacks the draft checkpoint into `out`.
 
 S3 layout of one job (everything under `<s3_prefix>/<job>/`):
@@ -31,32 +32,27 @@ import shutil
 import sys
 import tarfile
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import Field, field_validator, model_validator
-
-from ..strict import Strict as _Strict
-from ..strict import pairs
-
-if TYPE_CHECKING:
-    from ..config import Params
+from .. import aws
+from ..aws import NAME_RE, parse_s3_uri
+from ..config import Params
+from ..errors import TidespecError
+from ..runtime import get_target, target_dir
+from ..sagemaker_config import SageMakerTrainParams
+from .entry import skip_reason, train_here
 
 log = logging.getLogger(__name__)
 
 # CreateTrainingJob limits (botocore sagemaker service model)
-JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
-ROLE_ARN_RE = re.compile(r"^arn:aws[a-z\-]*:iam::\d{12}:role/?[a-zA-Z_0-9+=,.@\-_/]+$")
 CHANNEL_RE = re.compile(r"^[A-Za-z0-9.\-_]{1,64}$")
-ENV_KEY_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]{0,511}$")
-S3_URI_RE = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(.*))?$")
 MAX_HPS, MAX_HP_KEY, MAX_HP_VALUE = 100, 256, 2500
-MAX_CHANNELS, MAX_TAGS, MAX_ENV_VALUE = 20, 50, 512
+MAX_CHANNELS = 20
 TERMINAL = ("Completed", "Failed", "Stopped")
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 CHECKPOINT_LOCAL = "/opt/ml/checkpoints"
@@ -64,95 +60,8 @@ DEFAULT_PREFIX = "tidespec-draft"
 WAIT_SLACK_S = 3600  # launcher-side wait beyond the job's own limit (provisioning, image pull, upload)
 
 
-class SageMakerTrainingFailed(RuntimeError):
+class SageMakerTrainingFailed(TidespecError):
     """A SageMaker training job ended Failed or Stopped."""
-
-
-class SageMakerTrainParams(_Strict):
-    """`train.sagemaker` in params.yaml: where and how the draft trains on SageMaker.
-
-    instance_type: GPU `ml.g5.*` (A10G 24 GB), `ml.p4d.*` (A100), `ml.p5.*` (H100), or Trainium
-    `ml.trn1.*` / `ml.trn1n.*` (the image must then carry torch-neuronx). Times in seconds.
-    use_spot: managed spot training; `max_wait_s` (>= max_runtime_s; None → max_runtime_s) bounds
-    runtime plus waiting for spot capacity. Raises pydantic ValidationError on a bad value.
-    """
-
-    role_arn: str  # IAM execution role SageMaker assumes (S3 read/write on s3_prefix, CloudWatch logs)
-    image_uri: str  # training image with tidespec installed (e.g. ECR, built from this project)
-    instance_type: str = "ml.g5.2xlarge"
-    instance_count: int = Field(1, ge=1)
-    volume_gb: int = Field(50, ge=1)  # EBS volume per instance (channels are copied onto it)
-    max_runtime_s: int = Field(86400, ge=1)
-    s3_prefix: str  # s3://bucket/prefix: inputs, checkpoints and outputs of every job go below it
-    use_spot: bool = False
-    max_wait_s: int | None = Field(None, ge=1)
-    region: str | None = None  # None → the environment's (AWS_REGION / AWS_DEFAULT_REGION / profile)
-    poll_s: float = Field(30, gt=0)  # DescribeTrainingJob interval
-    # extra container env (values ≤512 chars) and job tags (≤49 besides project=tidespec): a mapping in
-    # params.yaml, kept as (key, value) pairs so the frozen model stays hashable
-    environment: tuple[tuple[str, str], ...] = ()
-    tags: tuple[tuple[str, str], ...] = ()
-
-    @field_validator("role_arn")
-    @classmethod
-    def _role(cls, v: str) -> str:
-        if not ROLE_ARN_RE.match(v):
-            raise ValueError(f"{v!r} is not an IAM role ARN (arn:aws:iam::<12-digit account>:role/<name>)")
-        return v
-
-    @field_validator("image_uri")
-    @classmethod
-    def _image(cls, v: str) -> str:
-        if not v.strip() or len(v) > 255:
-            raise ValueError("image_uri must be a non-empty image reference of at most 255 chars")
-        return v
-
-    @field_validator("instance_type")
-    @classmethod
-    def _instance(cls, v: str) -> str:
-        if not re.fullmatch(r"ml\.[a-z0-9-]+\.[a-z0-9]+", v):
-            raise ValueError(f"{v!r} is not a SageMaker instance type (ml.<family>.<size>, e.g. ml.g5.2xlarge, "
-                             "ml.trn1.2xlarge)")
-        return v
-
-    @field_validator("s3_prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        parse_s3_uri(v)
-        return v.rstrip("/")
-
-    _pairs = field_validator("environment", "tags", mode="before")(classmethod(lambda cls, v: pairs(v)))
-
-    @field_validator("environment")
-    @classmethod
-    def _env(cls, v: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-        for k, val in v:
-            if not ENV_KEY_RE.match(k) or len(val) > MAX_ENV_VALUE:
-                raise ValueError(f"environment {k!r}: keys [a-zA-Z_][a-zA-Z0-9_]*, values ≤{MAX_ENV_VALUE} chars")
-        return v
-
-    @field_validator("tags")
-    @classmethod
-    def _tags(cls, v: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-        for k, val in v:
-            if not 0 < len(k) <= 128 or len(val) > 256:
-                raise ValueError(f"tag {k!r}: keys 1..128 chars, values ≤256 chars")
-        return v
-
-    @model_validator(mode="after")
-    def _spot(self):
-        if self.max_wait_s is not None and not self.use_spot:
-            raise ValueError("max_wait_s applies to spot training only: set use_spot: true or drop max_wait_s")
-        if self.max_wait_s is not None and self.max_wait_s < self.max_runtime_s:
-            raise ValueError(f"max_wait_s ({self.max_wait_s}) must be >= max_runtime_s ({self.max_runtime_s})")
-        if len(self.tags) + 1 > MAX_TAGS:
-            raise ValueError(f"at most {MAX_TAGS - 1} tags")
-        return self
-
-    @property
-    def wait_limit_s(self) -> int:
-        """The job's own time limit (s): MaxWaitTimeInSeconds with spot, else MaxRuntimeInSeconds."""
-        return (self.max_wait_s or self.max_runtime_s) if self.use_spot else self.max_runtime_s
 
 
 @dataclass(frozen=True)
@@ -166,21 +75,13 @@ class TrainingJob:
 
 
 # -- pure helpers -------------------------------------------------------------------------------
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """`s3://bucket/key/prefix` → (bucket, "key/prefix"); the key may be empty. Raises ValueError."""
-    m = S3_URI_RE.match(uri)
-    if not m or ".." in m.group(1):
-        raise ValueError(f"{uri!r} is not an S3 URI of the form s3://bucket/prefix (lowercase bucket name)")
-    return m.group(1), m.group(2) or ""
-
-
 def job_name(prefix: str = DEFAULT_PREFIX) -> str:
     """A valid, unique training-job name: `<prefix>-<UTC yyyymmdd-HHMMSS>-<6 hex>` (≤63 chars).
     Characters outside [a-zA-Z0-9-] in `prefix` become '-'; the prefix is cut to fit."""
     p = re.sub(r"[^a-zA-Z0-9-]", "-", prefix).strip("-") or DEFAULT_PREFIX
     suffix = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
     name = f"{p[:63 - len(suffix) - 1].rstrip('-')}-{suffix}"
-    assert JOB_NAME_RE.match(name), name
+    assert NAME_RE.fullmatch(name), name
     return name
 
 
@@ -214,8 +115,8 @@ def training_job_request(job_name: str, params: SageMakerTrainParams, inputs: di
     S3 prefix URI (File mode, FullyReplicated: every instance gets all of it). Output path is
     `params.s3_prefix` (artifacts land at <s3_prefix>/<job>/output/model.tar.gz). Raises ValueError
     on an invalid job name, channel name, S3 URI or hyperparameter (named)."""
-    if not JOB_NAME_RE.match(job_name):
-        raise ValueError(f"job name {job_name!r} must match {JOB_NAME_RE.pattern} (use job_name())")
+    if not NAME_RE.fullmatch(job_name):
+        raise ValueError(f"job name {job_name!r} must match {NAME_RE.pattern} (use job_name())")
     if not 0 < len(inputs) <= MAX_CHANNELS:
         raise ValueError(f"{len(inputs)} input channels; SageMaker takes 1..{MAX_CHANNELS}")
     for ch, uri in inputs.items():
@@ -263,33 +164,7 @@ def job_outcome(desc: dict) -> bool:
     return False
 
 
-# -- S3 -------------------------------------------------------------------------------------------
-def _files(root: Path):
-    """(path, posix path relative to root) of every file below root, following symlinked dirs."""
-    for d, _, names in os.walk(root, followlinks=True):
-        for n in sorted(names):
-            p = Path(d) / n
-            yield p, p.relative_to(root).as_posix()
-
-
-def upload_inputs(s3, local_dir: Path, s3_uri: str) -> str:
-    """Upload the tree under `local_dir` (symlinked dirs followed) to `s3_uri` with SSE-S3 (AES256),
-    keeping relative paths. Returns the prefix URI (ends with '/'). Raises FileNotFoundError for a
-    missing dir, ValueError for an empty one or a bad URI."""
-    local_dir = Path(local_dir)
-    if not local_dir.is_dir():
-        raise FileNotFoundError(f"input dir {local_dir} does not exist")
-    bucket, key = parse_s3_uri(s3_uri)
-    key = key.rstrip("/") + "/" if key.strip("/") else ""
-    n = 0
-    for path, rel in _files(local_dir):
-        s3.upload_file(str(path), bucket, key + rel, ExtraArgs={"ServerSideEncryption": "AES256"})
-        n += 1
-    if not n:
-        raise ValueError(f"input dir {local_dir} holds no files; nothing to train on")
-    return f"s3://{bucket}/{key}"
-
-
+# -- model archive ------------------------------------------------------------------------------
 def _safe_members(tar: tarfile.TarFile, archive: str) -> list[tarfile.TarInfo]:
     """Members of a model archive, refusing links, devices, absolute paths and '..' (ValueError)."""
     members = tar.getmembers()
@@ -305,7 +180,6 @@ def download_model(job_description: dict, s3, dest: Path) -> Path:
     Returns dest (a draft checkpoint dir: config.json, model.safetensors, train_metrics.json).
     Raises FileNotFoundError naming the S3 key when the archive is missing, ValueError for an
     unsafe member (nothing is extracted then)."""
-    from botocore.exceptions import ClientError
     uri = job_description["ModelArtifacts"]["S3ModelArtifacts"]
     bucket, key = parse_s3_uri(uri)
     dest = Path(dest)
@@ -314,8 +188,8 @@ def download_model(job_description: dict, s3, dest: Path) -> Path:
         local = Path(tmp) / "model.tar.gz"
         try:
             s3.download_file(bucket, key, str(local))
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        except Exception as e:
+            if aws.is_not_found(e):
                 raise FileNotFoundError(f"model archive s3://{bucket}/{key} of job "
                                         f"{job_description.get('TrainingJobName')} not found") from None
             raise
@@ -328,23 +202,25 @@ def download_model(job_description: dict, s3, dest: Path) -> Path:
 
 # -- launch / wait --------------------------------------------------------------------------------
 def _clients(params: SageMakerTrainParams, sm=None, s3=None):
-    import boto3
-    return (sm or boto3.client("sagemaker", region_name=params.region),
-            s3 or boto3.client("s3", region_name=params.region))
+    """(sagemaker, s3) clients: the given ones, else built for params.region. Raises AWSUnavailable."""
+    return sm or aws.client("sagemaker", params.region), s3 or aws.client("s3", params.region)
 
 
 def launch(params: SageMakerTrainParams, inputs: dict[str, Path], hyperparameters: dict[str, str],
            sm=None, s3=None, name: str | None = None) -> TrainingJob:
     """Upload each channel dir to `<s3_prefix>/<job>/input/<channel>/` and create the training job
     (name: `name` or `job_name()`). Clients default to boto3's, configured from the environment.
-    Raises as `training_job_request` / `upload_inputs`, botocore ClientError from the API."""
+    Each channel is uploaded with SSE-S3 and sha256 metadata (`aws.upload_dir`). Raises as
+    `training_job_request` / `aws.upload_dir` (FileNotFoundError: missing dir, ValueError: empty
+    dir), AWSUnavailable without boto3, botocore ClientError from the API."""
     sm, s3 = _clients(params, sm, s3)
     name = name or job_name()
-    if not JOB_NAME_RE.match(name):
-        raise ValueError(f"job name {name!r} must match {JOB_NAME_RE.pattern} (use job_name())")
+    if not NAME_RE.fullmatch(name):
+        raise ValueError(f"job name {name!r} must match {NAME_RE.pattern} (use job_name())")
     lay = job_layout(params, name)
     check_hyperparameters(hyperparameters)  # fail before uploading anything
-    uris = {ch: upload_inputs(s3, Path(d), f"{lay['input']}/{ch}/") for ch, d in inputs.items()}
+    uris = {ch: aws.upload_dir(s3, Path(d), f"{lay['input']}/{ch}/", skip_unchanged=False)[0]  # fresh prefix
+            for ch, d in inputs.items()}
     req = training_job_request(name, params, uris, hyperparameters, lay["checkpoints"])
     arn = sm.create_training_job(**req)["TrainingJobArn"]
     log.info("SageMaker training job %s created on %s×%s", name, params.instance_count, params.instance_type)
@@ -354,25 +230,17 @@ def launch(params: SageMakerTrainParams, inputs: dict[str, Path], hyperparameter
 def wait(job: TrainingJob | str, sm=None, timeout_s: float = 86400 + WAIT_SLACK_S, poll_s: float = 30.0) -> dict:
     """Poll DescribeTrainingJob every `poll_s` s until Completed; returns the description.
     Raises SageMakerTrainingFailed (Failed/Stopped, with FailureReason and the CloudWatch log group),
-    TimeoutError after `timeout_s` s (the job keeps running: stop it with StopTrainingJob)."""
-    import boto3
-    sm = sm or boto3.client("sagemaker")
+    aws.WaitTimeout (a TimeoutError) after `timeout_s` s (the job keeps running: stop it with
+    StopTrainingJob), AWSUnavailable without boto3 when no client is given."""
+    sm = sm or aws.client("sagemaker")
     name = job.name if isinstance(job, TrainingJob) else job
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while True:
-        desc = sm.describe_training_job(TrainingJobName=name)
-        if job_outcome(desc):
-            return desc
-        if desc.get("SecondaryStatus") != last:
-            last = desc.get("SecondaryStatus")
-            log.info("training job %s: %s / %s", name, desc["TrainingJobStatus"], last)
-        if time.monotonic() + poll_s > deadline:
-            raise TimeoutError(
-                f"SageMaker training job {name} still {desc['TrainingJobStatus']} after {timeout_s:g}s; it keeps "
-                f"running (and billing): stop it with StopTrainingJob (`aws sagemaker stop-training-job "
-                f"--training-job-name {name}`) or wait again; logs: CloudWatch {LOG_GROUP}")
-        time.sleep(poll_s)
+    return aws.wait_until(
+        lambda: sm.describe_training_job(TrainingJobName=name), job_outcome, timeout_s, poll_s,
+        what=f"training job {name}", state=lambda d: f"{d['TrainingJobStatus']} / {d.get('SecondaryStatus')}",
+        timeout_message=lambda d, t: (
+            f"SageMaker training job {name} still {d['TrainingJobStatus']} after {t:g}s; it keeps "
+            f"running (and billing): stop it with StopTrainingJob (`aws sagemaker stop-training-job "
+            f"--training-job-name {name}`) or wait again; logs: CloudWatch {LOG_GROUP}"))
 
 
 # -- launcher used by the cycle -------------------------------------------------------------------
@@ -420,7 +288,6 @@ def train_on_sagemaker(params: Params, curated_json: Path, init: Path | None, ou
     `sm_params` None → params.train.sagemaker. `on_launched(job)` runs right after CreateTrainingJob
     (progress reporting; tests emulate the container there). Raises ValueError when SageMaker is not
     configured, and as `launch` / `wait` / `download_model`."""
-    from ..cycle import skip_reason
     sm_params = sm_params or getattr(params.train, "sagemaker", None)
     if sm_params is None:
         raise ValueError("train.sagemaker is not configured in params.yaml (role_arn, image_uri, s3_prefix)")
@@ -464,7 +331,6 @@ def container_params(hps: dict, target_dir: Path | None) -> Params:
     """Params from the `params` hyperparameter (JSON string, or an already decoded dict), without
     `train.sagemaker` (training here is local), target.source → the `target` channel when given.
     Raises KeyError without `params`, pydantic ValidationError on invalid params."""
-    from ..config import Params
     raw = hps["params"]
     raw = json.loads(raw) if isinstance(raw, str) else dict(raw)
     raw.get("train", {}).pop("sagemaker", None)
@@ -474,7 +340,6 @@ def container_params(hps: dict, target_dir: Path | None) -> Params:
 
 
 def _train_in_container(env: Mapping[str, str]) -> dict:
-    from ..cycle import Workspace, step_train
     curated_dir = _channel(env, "curated")
     hps = read_hyperparameters(env)
     curated_json = (curated_dir / str(hps.get("curated", "curated.json"))).resolve()
@@ -487,7 +352,9 @@ def _train_in_container(env: Mapping[str, str]) -> dict:
     ckpt = Path(env.get("TIDESPEC_SM_CHECKPOINT_DIR", CHECKPOINT_LOCAL))
     # train under the synced checkpoint dir so the resume state (<out>.train-state) survives a spot restart
     out = ckpt / "model" if ckpt.is_dir() else model_dir
-    metrics = step_train(Workspace(curated_dir), params, curated_json, init if init.is_dir() else None, out)
+    target_model, _ = get_target(params)
+    metrics = train_here(params, target_model, target_dir(params.target.source), curated_json,
+                         init if init.is_dir() else None, out)
     model_dir.mkdir(parents=True, exist_ok=True)
     if out != model_dir and out.is_dir():
         shutil.copytree(out, model_dir, dirs_exist_ok=True)

@@ -32,12 +32,19 @@ import yaml
 from safetensors import safe_open
 
 from ..config import DraftParams, TrainParams
-from ..models.eagle3 import Eagle3Config, build_vocab, count_tokens, load_checkpoint, save_checkpoint
+from ..errors import Unavailable
+from ..models.eagle3 import (
+    Eagle3Config,
+    build_vocab,
+    count_tokens,
+    load_checkpoint,
+    save_checkpoint,
+)
 from ..models.target import Target
 from .resume import fingerprint, records_fingerprint
 
 
-class SpecForgeUnavailable(RuntimeError):
+class SpecForgeUnavailable(Unavailable):
     """The SpecForge backend cannot run here (no CUDA device, or no `specforge` executable)."""
 
 

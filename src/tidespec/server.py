@@ -5,8 +5,9 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI request/r
 vLLM `vllm/v1/spec_decode/metrics.py` and `vllm/v1/metrics/loggers.py`, prefix `tidespec:`),
 `POST /admin/draft` (bearer token: swap the draft between engine steps; requests in flight
 finish on the draft they started with). One background thread steps the engine (continuous
-batching); requests beyond `max_queue` waiting get 429. Finished requests go to the capture
-writer when one is given.
+batching); requests beyond `serve.max_queue` waiting get 429. Capture is the engine's own hook
+(`Engine(capture=writer)`): the server only exposes the writer's counters on /metrics and flushes
+it on shutdown. Limits come from `config.ServeParams` (params.yaml `serve:`), the one serve config.
 """
 from __future__ import annotations
 
@@ -19,36 +20,31 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from .sampling import SamplingParams
-from .speculative import Engine, Generation
-from .speculative import Request as EngineRequest
+from .bootstrap import chat_ids
+from .config import ServeParams
+from .engine.sampling import SamplingParams
+from .engine.speculative import Engine, Generation
+from .engine.speculative import Request as EngineRequest
+from .runtime import runner_for
+from .workspace import served_version
 
 ADMIN_TOKEN_ENV = "TIDESPEC_ADMIN_TOKEN"
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """max_queue: requests waiting + running before 429; request_timeout_s: per request (504
-    after); max_tokens: default and cap of `max_tokens`; drafts_dir: `/admin/draft` paths must lie
-    inside it; admin_token: bearer token for /admin (None: admin disabled, 403)."""
-
-    model: str = "tidespec"
-    max_queue: int = 64
-    request_timeout_s: float = 300.0
-    max_tokens: int = 256
-    drafts_dir: Path | None = None
-    admin_token: str | None = None
-    workload: str = "default"
+DEFAULT_WORKLOAD = "default"
 
 
 class EngineLoop:
@@ -158,21 +154,32 @@ class DraftSwap(BaseModel):
     version: str | None = None  # a registry version, or an alias ("champion", "challenger")
 
 
-def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig(), writer=None,
+def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, *, model: str = "tidespec",
+              drafts_dir: Path | None = None, admin_token: str | None = None,
               load_version: Callable[[str], Path] | None = None) -> FastAPI:
-    """The FastAPI app. `tokenizer`: HF tokenizer (None: token-id prompts only, no chat);
-    `writer`: a CaptureWriter (finished requests captured); `load_version(v)`: registry version or
-    alias → local checkpoint dir (raises LookupError for an unknown one)."""
+    """The FastAPI app. `tokenizer`: HF tokenizer (None: token-id prompts only, no chat); `serve`:
+    the limits (max_queue, request_timeout_s in s, max_tokens: default and cap of a request's
+    max_tokens, which must be resolved: `Params.serve_resolved()`); `model`: the served model id;
+    `drafts_dir`: `/admin/draft` paths must lie inside it; `admin_token`: bearer token for /admin
+    (None: admin disabled, 403); `load_version(v)`: registry version or alias → local checkpoint dir
+    (raises LookupError for an unknown one). The engine's capture sink (if any) is flushed on
+    shutdown and its counters are served on /metrics. Raises ValueError for unresolved max_tokens."""
+    cfg = serve or ServeParams()
+    if cfg.max_tokens is None:
+        raise ValueError("serve.max_tokens is unresolved: pass Params.serve_resolved() (engine.max_new_tokens)")
+    writer = engine.capture
     loop = EngineLoop(engine)
     metrics = Metrics(engine.k)
     metrics.set_draft(engine.draft_version)
+    if writer is not None and hasattr(writer, "collector"):
+        metrics.registry.register(writer.collector())
     app = FastAPI(title="tidespec", version="0.1")
     app.state.loop, app.state.metrics = loop, metrics
 
     @app.on_event("shutdown")
     def _shutdown():  # finish in-flight requests, then flush capture
         loop.close()
-        if writer is not None:
+        if writer is not None and hasattr(writer, "flush"):
             writer.flush()
 
     def sampling(body: _Sampling) -> SamplingParams:
@@ -188,8 +195,8 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
             raise HTTPException(429, f"{engine.num_unfinished} requests queued (max {cfg.max_queue}); retry later",
                                 headers={"Retry-After": "1"})
         n = min(body.max_tokens or cfg.max_tokens, cfg.max_tokens)
-        req = EngineRequest(prompt_ids, n, capture=writer is not None, request_id=uuid.uuid4().hex,
-                            sampling=sampling(body), workload=body.workload or cfg.workload, on_tokens=on_tokens)
+        req = EngineRequest(prompt_ids, n, request_id=uuid.uuid4().hex, sampling=sampling(body),
+                            workload=body.workload or DEFAULT_WORKLOAD, on_tokens=on_tokens)
         try:
             fut = loop.submit(req)
         except ValueError as e:
@@ -200,8 +207,6 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
     def finished(req: EngineRequest, g: Generation) -> None:
         metrics.observe(g)
         metrics.running.set(engine.num_unfinished)
-        if writer is not None and g.record is not None:
-            writer.submit_generation(g, req.workload)
 
     async def run(prompt_ids: list[int], body: _Sampling) -> Generation:
         req, fut = admit(prompt_ids, body)
@@ -221,7 +226,7 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
         cid, now = f"{'chatcmpl' if obj.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(choice_: dict, extra: dict) -> str:
-            env = {"id": cid, "object": obj, "created": now, "model": cfg.model, "choices": [choice_]}
+            env = {"id": cid, "object": obj, "created": now, "model": model, "choices": [choice_]}
             return f"data: {json.dumps(env | extra)}\n\n"
         aio = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -278,7 +283,7 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
                           lambda d, r: {"index": 0, "text": d, "finish_reason": r, "logprobs": None})
         g = await run(ids, body)
         return {"id": f"cmpl-{g.request_id}", "object": "text_completion", "created": int(time.time()),
-                "model": cfg.model, "choices": [{"index": 0, "text": text(g.tokens), "finish_reason": g.finish_reason,
+                "model": model, "choices": [{"index": 0, "text": text(g.tokens), "finish_reason": g.finish_reason,
                                                  "logprobs": None}],
                 "usage": usage(g), "tidespec": ext(g)}
 
@@ -286,7 +291,6 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
     async def chat(body: ChatRequest):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise HTTPException(400, "this server's target has no chat template: use /v1/completions")
-        from ..bootstrap import chat_ids
         ids = chat_ids(tokenizer, [m.model_dump() for m in body.messages], True)
         if body.stream:
             first = [True]
@@ -298,7 +302,7 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
             return stream(ids, body, "chat.completion.chunk", choice)
         g = await run(ids, body)
         return {"id": f"chatcmpl-{g.request_id}", "object": "chat.completion", "created": int(time.time()),
-                "model": cfg.model,
+                "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text(g.tokens)},
                              "finish_reason": g.finish_reason}],
                 "usage": usage(g), "tidespec": ext(g)}
@@ -313,11 +317,11 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
 
     @app.post("/admin/draft")
     def swap(body: DraftSwap, request: Request):
-        _authorize(request, cfg.admin_token)
+        _authorize(request, admin_token)
         if (body.path is None) == (body.version is None):
             raise HTTPException(400, "send exactly one of path (a draft dir) or version (registry version or alias)")
         if body.path is not None:
-            path, version = _inside(body.path, cfg.drafts_dir), Path(body.path).name
+            path, version = _inside(body.path, drafts_dir), Path(body.path).name
         else:
             if load_version is None:
                 raise HTTPException(400, "this server has no registry (set MLFLOW_TRACKING_URI): swap by path")
@@ -326,8 +330,6 @@ def build_app(engine: Engine, tokenizer=None, cfg: ServerConfig = ServerConfig()
             except LookupError as e:
                 raise HTTPException(404, str(e)) from None
             version = body.version
-        from ..deploy.local import served_version
-        from ..cycle import runner_for
         version = served_version(path) or version
         try:
             runner = runner_for(path, engine.target)

@@ -1,6 +1,7 @@
-"""Prefect flow `tide_cycle`: curate → train → evaluate → register → deploy (thin: logic in tidespec).
+"""Prefect flow `tide_cycle`: curate → train → evaluate → register → deploy (thin: logic in `tidespec.cycle`).
 
-Deployed by prefect.yaml (`tide-cycle`: interval schedule + trigger on `tidespec.capture.threshold`).
+Deployed by prefect.yaml (`tide-cycle`, entrypoint `tidespec.flows.cycle:tide_cycle`: interval
+schedule + trigger on `tidespec.capture.threshold`).
 Tasks pass paths/URIs only. Retries only for transient failures (a service unreachable:
 `orchestrate.retry_if_transient`); bad data fails at once and leaves the champion serving.
 """
@@ -12,14 +13,16 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from tidespec import cycle, orchestrate, registry
-from tidespec.config import load_params
+from .. import cycle, orchestrate, registry
+from ..config import load_params
+from ..runtime import target_id as target_id_of
+from ..workspace import Workspace
 
 TRANSIENT = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": orchestrate.retry_if_transient}
 
 
-def _ws(root: str) -> cycle.Workspace:
-    return cycle.Workspace(Path(root).resolve())
+def _ws(root: str) -> Workspace:
+    return Workspace(Path(root).resolve())
 
 
 @task(name="curate")
@@ -35,17 +38,9 @@ def fetch_champion(root: str, tracking_uri: str, target_id: str) -> str | None:
 
 @task(name="train", **TRANSIENT)
 def train(root: str, params_path: str, curated: str, init: str | None) -> dict:
-    ws, params = _ws(root), load_params(params_path)
-    if params.train.sagemaker:  # a SageMaker training job: data and draft travel through S3
-        from tidespec.train.sagemaker import train_on_sagemaker
-        return train_on_sagemaker(params, Path(curated), Path(init) if init else None, ws.candidate)
-    if params.train.work_pool:  # its own deployment on that pool (paths on a shared file system)
-        if reason := cycle.skip_reason(params, Path(curated)):
-            return {"skipped": reason}
-        return orchestrate.train_on_pool(params.train.work_pool, {
-            "root": str(ws.root), "params_path": str(Path(params_path).resolve()), "curated": curated,
-            "init": init, "out": str(ws.candidate)}, ws.candidate)
-    return cycle.step_train(ws, params, Path(curated), Path(init) if init else None, ws.candidate)
+    ws = _ws(root)
+    return cycle.train_candidate(ws, load_params(params_path), Path(curated), Path(init) if init else None,
+                                 ws.candidate, params_path=Path(params_path))
 
 
 @task(name="evaluate")
@@ -57,10 +52,11 @@ def evaluate(root: str, params_path: str, champion: str | None) -> dict:
 
 @task(name="register", **TRANSIENT)
 def register(params_path: str, target_id: str, candidate: str, report: dict, train_metrics: dict,
-             tracking_uri: str, snapshot_rev: str, workload_mix: dict, drift_jsd: float | None = None,
-             trigger: str = "manual") -> dict:
+             tracking_uri: str, curated: str, snapshot_rev: str, workload_mix: dict,
+             drift_jsd: float | None = None, trigger: str = "manual") -> dict:
     return cycle.step_register(load_params(params_path), target_id, Path(candidate), report, train_metrics,
-                               tracking_uri, snapshot_rev, workload_mix, drift_jsd, trigger)
+                               tracking_uri, cycle.lineage(Path(curated), snapshot_rev), workload_mix, drift_jsd,
+                               trigger)
 
 
 @task(name="deploy", **TRANSIENT)
@@ -83,7 +79,7 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
                          "(tidespec services up prints it)")
     params = load_params(params_path)
     if not target_id:
-        target_id = cycle.target_id(params)
+        target_id = target_id_of(params)
     ws = _ws(root)
     if not force and (why := cycle.nothing_new(ws, target_id)):
         log.info("cycle skipped, champion untouched: %s", why)
@@ -99,8 +95,8 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
         return {"curate": cur, "skipped": tm["skipped"]}
     rep = evaluate(root, params_path, champ)
     mix = json.loads(Path(cur["curated"]).read_text()).get("workload_mix", {})
-    dec = register(params_path, target_id, str(ws.candidate), rep, tm, tracking_uri, snapshot_rev, mix,
-                   cur["drift_jsd"], trigger)
+    dec = register(params_path, target_id, str(ws.candidate), rep, tm, tracking_uri, cur["curated"], snapshot_rev,
+                   mix, cur["drift_jsd"], trigger)
     log.info("register: version %s promoted=%s (%s)", dec["version"], dec["promoted"], dec["reason"])
     dep = deploy(root, tracking_uri, target_id, params_path)
     cycle.mark_done(ws, Path(cur["curated"]))

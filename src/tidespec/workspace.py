@@ -1,0 +1,103 @@
+"""Where a workspace keeps its files, and the one reader/writer of a draft's `version.json`.
+
+Bottom layer (paths and JSON only): every other module asks `Workspace` for a path instead of
+joining its own. The layout (under `root`):
+
+    data/capture/<target_id[:12]>/    live capture (writer's shards + manifest)
+    data/snapshots/<target_id>/<sid>/ sealed snapshots (DVC-tracked)
+    data/work/                        the cycle's scratch: curated.json, holdout.jsonl, candidate/, eval.json
+    data/drafts/champion/             the served draft (+ version.json)
+    .tidespec/                        services' state, DVC remote, locks
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+VERSION_FILE = "version.json"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where a cycle's files live (all under `root`)."""
+
+    root: Path
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.data / "snapshots"
+
+    def capture_dir(self, target_id: str) -> Path:
+        return self.data / "capture" / target_id[:12]
+
+    @property
+    def work(self) -> Path:
+        return self.data / "work"
+
+    @property
+    def curated(self) -> Path:
+        return self.work / "curated.json"
+
+    @property
+    def candidate(self) -> Path:
+        return self.work / "candidate"
+
+    @property
+    def eval_report(self) -> Path:
+        return self.work / "eval.json"
+
+    @property
+    def register_report(self) -> Path:
+        """The register step's decision (`tidespec stage register`, dvc.yaml)."""
+        return self.work / "register.json"
+
+    @property
+    def drafts(self) -> Path:
+        """Drafts a server may load (`/admin/draft` paths must lie inside)."""
+        return self.data / "drafts"
+
+    @property
+    def champion(self) -> Path:
+        return self.drafts / "champion"
+
+    @property
+    def eval_prompts(self) -> Path:
+        """Holdout requests' prompts, written by curate (replayed by evaluate)."""
+        return self.work / "holdout.jsonl"
+
+    @property
+    def state(self) -> Path:
+        return self.root / ".tidespec"
+
+    @property
+    def last_cycle(self) -> Path:
+        """Snapshots the last completed cycle curated (`cycle.mark_done`)."""
+        return self.work / "last_cycle.json"
+
+
+def read_version(draft_dir: Path) -> dict | None:
+    """`{"version": str, "run_id": str}` of a draft dir that came from the registry, None when the
+    dir has no version.json. Raises ValueError for a version.json that is not such an object."""
+    f = Path(draft_dir) / VERSION_FILE
+    if not f.exists():
+        return None
+    meta = json.loads(f.read_text())
+    if not isinstance(meta, dict) or "version" not in meta:
+        raise ValueError(f"{f}: expected an object with 'version'")
+    return {"version": str(meta["version"]), "run_id": str(meta.get("run_id", ""))}
+
+
+def served_version(draft_dir: Path) -> str | None:
+    """Registry version of the draft in `draft_dir` (None: not from the registry, or no draft)."""
+    meta = read_version(draft_dir)
+    return meta["version"] if meta else None
+
+
+def write_version(draft_dir: Path, version: str, run_id: str) -> None:
+    """Record which registry version (and MLflow run) `draft_dir` holds."""
+    (Path(draft_dir) / VERSION_FILE).write_text(json.dumps({"version": str(version), "run_id": run_id}))
