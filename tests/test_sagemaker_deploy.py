@@ -349,6 +349,20 @@ def test_cli_deploys_to_moto_end_to_end(aws_env, tiny_target, tiny_target_dir, d
     assert smd.live_matches(sm, res["endpoint_config"], plan_for(raw))
     raw["deploy"]["sagemaker"]["profiles"]["gpu"]["instance_count"] = 2
     assert not smd.live_matches(sm, res["endpoint_config"], plan_for(raw))
+    # data capture switched on: not "unchanged" either; a live config with the same capture settings is
+    raw["deploy"]["sagemaker"]["profiles"]["gpu"]["instance_count"] = 1
+    raw["deploy"]["sagemaker"]["data_capture"] = {"enabled": True, "sampling_percentage": 50}
+    cap = plan_for(raw)
+    assert not smd.live_matches(sm, res["endpoint_config"], cap)
+    sm.create_endpoint_config(**(cap.endpoint_config | {"EndpointConfigName": "cap-check", "ProductionVariants": [
+        cap.endpoint_config["ProductionVariants"][0] | {"ModelName": res["model"]}]}))
+    assert sm.describe_endpoint_config(EndpointConfigName="cap-check")["DataCaptureConfig"]["DestinationS3Uri"] == \
+        f"{s3_prefix.rstrip('/')}/capture"
+    assert smd.live_matches(sm, "cap-check", cap)
+    raw["deploy"]["sagemaker"]["data_capture"]["sampling_percentage"] = 60
+    assert not smd.live_matches(sm, "cap-check", plan_for(raw))
+    sm.delete_endpoint_config(EndpointConfigName="cap-check")
+    del raw["deploy"]["sagemaker"]["data_capture"]
 
     # v2 through the blue/green path (UpdateEndpoint validated, applied on moto), v1 pruned (keep 1)
     params = Params.model_validate(json.loads((tmp_path / "params.yaml").read_text()))
@@ -363,6 +377,21 @@ def test_cli_deploys_to_moto_end_to_end(aws_env, tiny_target, tiny_target_dir, d
     assert set(r2["deleted"]) == {res["endpoint_config"], res["model"]}
     live = {m["ModelName"] for m in sm.list_models(NameContains=ep)["Models"] if m["ModelName"].startswith(ep)}
     assert live == {r2["model"]}
+
+
+def test_data_capture_config_request(tiny_target_dir):
+    """deploy.sagemaker.data_capture → CreateEndpointConfig DataCaptureConfig (AWS API shape); off by default."""
+    from tidespec.sagemaker_config import DataCaptureParams
+    assert smd.data_capture_config(_params(tiny_target_dir).deploy.sagemaker) is None
+    p = _params(tiny_target_dir, data_capture={"enabled": True, "sampling_percentage": 25, "kms_key_id": "alias/k"})
+    assert smd.data_capture_config(p.deploy.sagemaker) == {
+        "EnableCapture": True, "InitialSamplingPercentage": 25, "DestinationS3Uri": "s3://tide-deploy/tidespec/capture",
+        "CaptureOptions": [{"CaptureMode": "Input"}, {"CaptureMode": "Output"}],
+        "CaptureContentTypeHeader": {"JsonContentTypes": ["application/json"]}, "KmsKeyId": "alias/k"}
+    for bad in ({"sampling_percentage": 101}, {"destination": "bucket/prefix"}, {"json_content_types": []},
+                {"enbled": True}):
+        with pytest.raises(ValidationError):
+            DataCaptureParams(**bad)
 
 
 def test_cli_errors_name_the_fix(tmp_path):

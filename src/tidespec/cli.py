@@ -1,4 +1,9 @@
-"""`tidespec` command line (typer)."""
+"""`tidespec` command line (typer), the top layer.
+
+Each command imports what it runs inside its function: `tidespec serve` must start on a serve-only
+install (no Prefect, MLflow, DVC or boto3: `pip install 'tidespec[serve]'`) and `--help` stays fast.
+These imports only point down (tests/test_architecture.py checks function-level imports too).
+"""
 from __future__ import annotations
 
 import json

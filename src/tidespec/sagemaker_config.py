@@ -184,6 +184,29 @@ class EndpointProfile(_Strict):
         return self
 
 
+class DataCaptureParams(_Strict):
+    """SageMaker Data Capture on the endpoint (`deploy.sagemaker.data_capture`): the endpoint logs
+    request and response bodies as JSON Lines under `destination` (default `<s3_prefix>/capture`),
+    one object per endpoint/variant/hour (AWS SageMaker Developer Guide, "Capture data from
+    real-time endpoint"; API: CreateEndpointConfig `DataCaptureConfig`). This is the production
+    traffic tidespec's capture flow reads back. sampling_percentage: 0–100 of requests;
+    kms_key_id: KMS key for the captured objects (None: the bucket's default encryption);
+    json_content_types: content types recorded as JSON text (others are base64)."""
+
+    enabled: bool = False
+    sampling_percentage: int = Field(100, ge=0, le=100)
+    destination: str | None = None
+    kms_key_id: str | None = Field(None, min_length=1)
+    json_content_types: tuple[str, ...] = Field(("application/json",), min_length=1, max_length=10)
+
+    @field_validator("destination")
+    @classmethod
+    def _s3(cls, v):
+        if v is not None:
+            parse_s3_uri(v)
+        return v
+
+
 class CanaryParams(_Strict):
     """Blue/green update knobs (UpdateEndpoint DeploymentConfig). percent: canary share of the new
     fleet's capacity (SageMaker takes ≤ 50 %; used when instance_count ≥ 2); wait_s: canary (or, with
@@ -231,6 +254,7 @@ class SageMakerDeployParams(_Strict):
     keep_versions: int = Field(2, ge=1)
     poll_s: float = Field(30, ge=0.01)
     wait_timeout_s: float = Field(5400, gt=0)
+    data_capture: DataCaptureParams = DataCaptureParams()
     on_promote: tuple[str, ...] = ()  # profiles the cycle's deploy step updates after a promotion
     tags: tuple[tuple[str, str], ...] = ()
 

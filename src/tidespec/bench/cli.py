@@ -1,5 +1,6 @@
 """`tidespec bench ...`: the benchmark commands (typer sub-app of `tidespec`). Results go to
-bench/results/*.json + a markdown table; each command's module in this package does the work."""
+bench/results/*.json + a markdown table; each command's module in this package does the work and is
+imported when the command runs (as in `tidespec.cli`: `--help` stays fast)."""
 from __future__ import annotations
 
 import json

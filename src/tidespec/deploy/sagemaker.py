@@ -186,10 +186,28 @@ def model_request(name: str, sm_params: SageMakerDeployParams, profile: Endpoint
             "Tags": _tags(sm_params, endpoint, draft)}
 
 
+def data_capture_config(sm_params: SageMakerDeployParams) -> dict | None:
+    """CreateEndpointConfig `DataCaptureConfig` from `deploy.sagemaker.data_capture` (None: off):
+    request (Input) and response (Output) bodies, JSON content types as text, to the destination
+    (default `<s3_prefix>/capture`)."""
+    dc = sm_params.data_capture
+    if not dc.enabled:
+        return None
+    out = {"EnableCapture": True, "InitialSamplingPercentage": dc.sampling_percentage,
+           "DestinationS3Uri": dc.destination or f"{sm_params.s3_prefix.rstrip('/')}/capture",
+           "CaptureOptions": [{"CaptureMode": "Input"}, {"CaptureMode": "Output"}],
+           "CaptureContentTypeHeader": {"JsonContentTypes": list(dc.json_content_types)}}
+    if dc.kms_key_id:
+        out["KmsKeyId"] = dc.kms_key_id
+    return out
+
+
 def endpoint_config_request(name: str, model_name: str, profile: EndpointProfile,
                             sm_params: SageMakerDeployParams, draft: DraftArtifact, endpoint: str) -> dict:
-    """CreateEndpointConfig kwargs: one variant `AllTraffic` on the profile's instances."""
-    return {"EndpointConfigName": name,
+    """CreateEndpointConfig kwargs: one variant `AllTraffic` on the profile's instances, plus
+    `DataCaptureConfig` when `deploy.sagemaker.data_capture.enabled`."""
+    capture = data_capture_config(sm_params)
+    return ({"DataCaptureConfig": capture} if capture else {}) | {"EndpointConfigName": name,
             "ProductionVariants": [{"VariantName": VARIANT, "ModelName": model_name,
                                     "InstanceType": profile.instance_type,
                                     "InitialInstanceCount": profile.instance_count,
@@ -501,6 +519,8 @@ def live_matches(sm, config_name: str, p: DeployPlan) -> bool:
     """Whether the live EndpointConfig and its Model equal the plan (variant settings, role, image,
     model data sources, environment), ignoring names and tags."""
     cfg = sm.describe_endpoint_config(EndpointConfigName=config_name)
+    if _capture_key(cfg.get("DataCaptureConfig")) != _capture_key(p.endpoint_config.get("DataCaptureConfig")):
+        return False  # capture settings changed: a new config through the same update path
     variants = cfg.get("ProductionVariants", [])
     want = {k: v for k, v in p.endpoint_config["ProductionVariants"][0].items() if k != "ModelName"}
     if len(variants) != 1 or any(variants[0].get(k) != v for k, v in want.items()):
@@ -509,6 +529,15 @@ def live_matches(sm, config_name: str, p: DeployPlan) -> bool:
     have = m.get("PrimaryContainer", {})
     return m.get("ExecutionRoleArn") == p.model["ExecutionRoleArn"] and all(
         have.get(k) == v for k, v in p.model["PrimaryContainer"].items() if k != "Mode")
+
+
+def _capture_key(dc: dict | None) -> tuple:
+    """What matters of a DataCaptureConfig for "unchanged" (absent or disabled → off)."""
+    if not dc or not dc.get("EnableCapture"):
+        return ()
+    modes = tuple(sorted(o["CaptureMode"] for o in dc.get("CaptureOptions", [])))
+    types = tuple(sorted((dc.get("CaptureContentTypeHeader") or {}).get("JsonContentTypes", [])))
+    return (dc.get("InitialSamplingPercentage"), dc.get("DestinationS3Uri"), dc.get("KmsKeyId"), modes, types)
 
 
 def _delete(sm, created: list[tuple[str, str]]) -> None:
