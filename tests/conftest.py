@@ -184,3 +184,34 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     if champion:
         save_checkpoint(random_draft(target, 64, seed=1), ws.champion)
     return ws, params, target
+
+
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def add_tiny_tokenizer(path):
+    """A byte-level tokenizer for the tiny target (ids 0 pad, 1 <|im_start|> = bos, 2 <|im_end|> = eos,
+    then the 256 byte symbols: 259 < vocab 320) with a ChatML template, saved beside its weights so
+    `load_target` returns it: text in, text out, like SmolLM2. Returns `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + pre_tokenizers.ByteLevel.alphabet())}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(specials)
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                            pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tok_target_dir(tmp_path_factory, tiny_target_dir):
+    """The tiny target's weights plus `add_tiny_tokenizer` (same target id)."""
+    import shutil
+    d = tmp_path_factory.mktemp("tiny-target-tok") / "model"
+    shutil.copytree(tiny_target_dir, d)
+    return add_tiny_tokenizer(d)

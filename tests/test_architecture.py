@@ -10,20 +10,22 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "tidespec"
+PACKAGE = "(tidespec/__init__)"
 
 # low → high; a module may import its own layer and the layers below it, never above
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "strict", "hashing", "config", "sagemaker_config", "workspace", "assets", "plots")),
+    ("base", (PACKAGE, "errors", "strict", "hashing", "config", "sagemaker_config", "workspace", "assets", "plots")),
     ("models", ("models", "models.target", "models.eagle3", "prompts", "bootstrap")),
     ("engine", ("engine", "engine.stats", "engine.sampling", "engine.adaptive", "engine.speculative",
                 "engine.replay", "capture", "capture.store", "capture.metrics")),
-    ("data+train", ("capture.writer", "curate", "train", "train.resume", "train.trainer", "train.specforge",
+    ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "curate", "train", "train.resume",
+                    "train.trainer", "train.specforge",
                     "train.entry", "runtime")),
     ("serve", ("server",)),
-    ("adapters", ("registry", "versioning", "orchestrate", "events", "services", "aws", "train.sagemaker",
+    ("adapters", ("registry", "versioning", "orchestrate", "events", "services", "aws", "train.sagemaker", "capture.ingest",
                   "deploy", "deploy.sagemaker", "deploy.local", "engine.sglang", "capture.publish")),
     ("steps", ("cycle",)),
-    ("entry points", ("flows", "flows.cycle", "flows.train", "demo", "bench", "bench.*", "cli")),
+    ("entry points", ("flows", "flows.cycle", "flows.train", "flows.capture", "demo", "bench", "bench.*", "cli")),
 ]
 
 
@@ -32,7 +34,8 @@ def _modules(root: Path) -> dict[str, Path]:
     for f in root.rglob("*.py"):
         rel = f.relative_to(root).with_suffix("")
         out[".".join(rel.parts).removesuffix(".__init__").removesuffix("__init__")] = f
-    return {k: v for k, v in out.items() if k}
+    out[PACKAGE] = out.pop("")  # the package's own __init__: in the base layer (it must import nothing)
+    return out
 
 
 def _layer(mod: str) -> int:
@@ -52,7 +55,7 @@ def _imports(mod: str, path: Path, mods: dict[str, Path]) -> set[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = ["tidespec"] + (mod.split(".") if mod else [])
+                base = ["tidespec"] + (mod.split(".") if mod != PACKAGE else [])
                 base = base[: len(base) - node.level + (1 if is_pkg else 0)]
                 prefix = ".".join(base + ([node.module] if node.module else []))
             else:
@@ -66,7 +69,8 @@ def _imports(mod: str, path: Path, mods: dict[str, Path]) -> set[str]:
             n = n.removeprefix("tidespec").removeprefix(".")
             while n and n not in mods:
                 n = n.rpartition(".")[0]
-            if n and n != mod:
+            n = n or PACKAGE
+            if n != mod and not (mod == PACKAGE and n == PACKAGE):
                 out.add(n)
     return out
 
@@ -132,6 +136,7 @@ def test_imports_point_down_and_no_cycles():
     ("config.py", "from .cli import app\n"),  # module level
     ("engine/speculative.py", "def _f():\n    from ..cycle import step_curate\n"),  # hidden in a function
     ("registry.py", "import tidespec.demo\n"),  # absolute form
+    ("__init__.py", "from .cli import app\n"),  # the package's own __init__
 ])
 def test_an_injected_upward_import_is_caught(tmp_path, where, line):
     root = tmp_path / "tidespec"

@@ -331,3 +331,38 @@ def test_replay_interleaves_configs_and_counts_mismatches(tiny_target):
     runs2 = replay({"base": (base, False), "spec": (spec, True)}, ps, 12, reference="base", concurrency=2)
     assert order == [(None, 2), ("d", 2), (None, 1), ("d", 1)]
     assert runs2["spec"]["outputs"] == runs["base"]["outputs"] and runs2["spec"]["metrics"]["mismatches"] == 0
+
+
+class _Sink:
+    """A capture sink that wants every other request (or raises at admission)."""
+
+    def __init__(self, fail: bool = False):
+        self.asked, self.got, self.fail = [], [], fail
+
+    def wants(self, rid):
+        self.asked.append(rid)
+        if self.fail:
+            raise OSError("disk gone")
+        return len(self.asked) % 2 == 1
+
+    def submit_generation(self, g, workload="default", prompt_id=""):
+        self.got.append((g.request_id, workload, prompt_id))
+        return True
+
+
+def test_capture_sink_is_asked_once_at_admission_and_fed_at_finish(tiny_target):
+    """The engine owns capture: `wants` once per request at admission; a wanted request's record goes
+    to the sink (once, with its workload and prompt id), an unwanted one collects no hidden states;
+    capture=False never asks; a sink failing at admission leaves the request served, uncaptured."""
+    sink = _Sink()
+    eng = Engine(tiny_target, None, 3, 256, capture=sink)
+    gens = [eng.generate([5, 17, 33, i + 3], 6, request_id=f"r{i}", workload="code", prompt_id=f"p{i}")
+            for i in range(4)]
+    assert sink.asked == ["r0", "r1", "r2", "r3"]
+    assert sink.got == [("r0", "code", "p0"), ("r2", "code", "p2")]
+    assert [g.record is not None for g in gens] == [True, False, True, False]
+    eng.generate([5, 17, 33], 4, capture=False, request_id="never")
+    assert "never" not in sink.asked
+    bad = Engine(tiny_target, None, 3, 256, capture=_Sink(fail=True))
+    g = bad.generate([5, 17, 33], 4)
+    assert g.record is None and len(g.tokens) == 4

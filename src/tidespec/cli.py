@@ -20,7 +20,7 @@ from .errors import TidespecError
 app = typer.Typer(help="tidespec: self-improving speculative decoding (capture → curate → train → "
                        "evaluate → register → deploy).", no_args_is_help=True)
 services_app = typer.Typer(help="Start/stop the local Prefect and MLflow servers (and moto with --moto).")
-stage_app = typer.Typer(help="DVC stages (dvc.yaml): curate, train, evaluate.")
+stage_app = typer.Typer(help="DVC stages (dvc.yaml): curate, train, evaluate, register.")
 app.add_typer(services_app, name="services")
 snap_app = typer.Typer(help="Captured snapshots: list, seal what is captured, pull one back from the DVC remote.")
 app.add_typer(snap_app, name="snapshots")
@@ -233,6 +233,17 @@ def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
         console.print(f"cycle skipped, champion untouched: {res['skipped']}")
         return
     console.print_json(json.dumps(res["register"]))
+
+
+@app.command()
+def ingest(root: Path = ROOT, params: Path = PARAMS,
+           publish: bool = typer.Option(True, help="seal → dvc add + push + the tidespec.capture.threshold event")):
+    """Production traffic → snapshots: read new SageMaker Data Capture objects (ingest.sources, else the
+    deploy profiles' capture prefixes), rehydrate the target's hidden states from their text, write them
+    through the capture writer (the `tide_capture` flow, run here once). Exactly once (ledger + event ids)."""
+    from .flows.capture import tide_capture
+    res = tide_capture(root=str(root.resolve()), params_path=str(params), publish=publish)
+    console.print_json(json.dumps(res, default=str))
 
 
 @app.command()

@@ -25,6 +25,7 @@ from .engine.replay import replay
 from .engine.speculative import Engine
 from .orchestrate import train_on_pool
 from .runtime import get_target, runner_for, target_dir
+from .runtime import target_id as target_id_of
 from .train.entry import preflight, skip_reason, train_here
 from .train.sagemaker import train_on_sagemaker
 from .workspace import Workspace, served_version
@@ -79,7 +80,15 @@ def train_candidate(ws: Workspace, params: Params, curated: Path, init: Path | N
     new tokens: the champion keeps serving). Raises SpecForgeUnavailable before loading anything
     when the backend cannot run, FileNotFoundError for a missing curated index, ValueError for
     another target's set, OrchestrationError / SageMakerTrainingFailed from the remote routes."""
-    preflight(params)
+    if not here and (params.train.sagemaker or params.train.work_pool):  # nothing leaves for another target
+        if not Path(curated).exists():
+            raise FileNotFoundError(f"curated index {curated} missing: run `tidespec stage curate` (or the flow) first")
+        got, want = json.loads(Path(curated).read_text())["target_id"], target_id_of(params)
+        if got != want:
+            raise ValueError(f"curated set is for target {got[:12]}, params.yaml's target is {want[:12]}; "
+                             "curate snapshots of this target")
+    else:
+        preflight(params)  # the backend runs here: fail before loading anything (the job or pool has the GPU)
     if not here and params.train.sagemaker:  # a SageMaker training job: data and draft travel through S3
         return train_on_sagemaker(params, Path(curated), Path(init) if init else None, Path(out))
     if not here and params.train.work_pool:  # its own deployment on that pool (paths on a shared file system)
@@ -157,9 +166,14 @@ def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
         snap = (base / rel).resolve()
         if snap.with_name(snap.name + ".dvc").exists():
             revs[snap.name] = versioning.snapshot_rev(snap.parent, snap)
+        elif not (snap / "manifest.jsonl").exists():
+            raise FileNotFoundError(f"snapshot {snap.name} of {curated} is gone and DVC does not track it: "
+                                    "restore it (tidespec snapshots pull) or curate again")
         else:
             manifest = hashlib.sha256((snap / "manifest.jsonl").read_bytes()).hexdigest()[:16]
             revs[snap.name] = f"untracked:{manifest}"
+    if not revs:
+        raise ValueError(f"{curated} names no snapshot: no data lineage; curate sealed snapshots first")
     newest = Path(idx["snapshots"][-1]).name if idx["snapshots"] else ""
     return {"snapshot_rev": snapshot_rev or revs.get(newest, ""), "snapshot_revs": json.dumps(revs, sort_keys=True)}
 
@@ -175,7 +189,7 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     same draft twice. `data`: `lineage()` of the curated set (tags snapshot_rev, snapshot_revs);
     `drift_jsd`: curate's drift (bits) vs the previous curated set; `trigger`: what started the
     cycle (tag). Raises ValueError for empty lineage."""
-    if not data.get("snapshot_rev") or not data.get("snapshot_revs"):
+    if not data.get("snapshot_rev") or not json.loads(data.get("snapshot_revs") or "{}"):
         raise ValueError("no data lineage for this candidate: pass lineage(curated) (snapshot revs of its curated set)")
     cand, champ = report["candidate"], report.get("champion")
     key = {"draft_sha256": sha256_file(Path(candidate) / "model.safetensors"), "snapshot_rev": data["snapshot_rev"]}

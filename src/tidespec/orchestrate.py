@@ -22,6 +22,7 @@ from .registry import RegistryError
 
 CYCLE_DEPLOYMENT = "tide_cycle/tide-cycle"
 TRAIN_DEPLOYMENT = "tide_train/tide-train"
+CAPTURE_DEPLOYMENT = "tide_capture/tide-capture"
 TRANSIENT_MLFLOW_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}
 
 

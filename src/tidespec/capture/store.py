@@ -63,6 +63,7 @@ class ManifestRow:
     prompt_id: str = ""
     acceptance_rate: float | None = None  # serving-time accepted / drafted (None: served without drafts)
     text: dict | None = None  # {"prompt", "completion"} only with capture.store_text: true
+    origin: str = "live"  # live (served here) | rehydrated (endpoint text → one prefill) | regenerated (no response)
 
 
 def utc_now() -> str:

@@ -160,7 +160,7 @@ class CaptureWriter:
 
     def submit(self, record: dict[str, torch.Tensor], *, request_id: str, workload: str,
                acceptance_length: float, prompt_id: str = "", acceptance_rate: float | None = None,
-               text: dict | None = None) -> bool:
+               text: dict | None = None, origin: str = "live") -> bool:
         """Enqueue one finished request (tensors per store.FIELDS, any float dtype: cast to bf16 on the
         writer thread). `acceptance_rate`: serving-time accepted/drafted (None: no drafts), filtered
         by `max_acceptance_rate`. `text` ({"prompt", "completion"}) is kept only with `store_text`.
@@ -172,7 +172,7 @@ class CaptureWriter:
                 self._filtered["high_acceptance"] += 1
             return False
         validate_record(record)
-        meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length),
+        meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length), origin=origin,
                     acceptance_rate=None if acceptance_rate is None else float(acceptance_rate),
                     prompt_id=prompt_id, ts=utc_now(), text=text if self.store_text else None)
         with self._submit_lock:
@@ -344,7 +344,7 @@ class CaptureWriter:
                                 target_id=self.target_id, num_tokens=int(r["input_ids"].shape[0]),
                                 acceptance_length=m["acceptance_length"], shard="", offset=i,
                                 prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"],
-                                acceptance_rate=m["acceptance_rate"], text=m["text"])
+                                acceptance_rate=m["acceptance_rate"], text=m["text"], origin=m["origin"])
                     for i, (r, m) in enumerate(batch)]
         except Exception as e:  # noqa: BLE001 - one bad batch (validated at submit: should not happen)
             self._fail(e, batch)

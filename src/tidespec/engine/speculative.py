@@ -275,13 +275,24 @@ class Engine:
         """Queue a request; returns a Future resolving to its Generation. Raises ValueError for bad input."""
         self.validate(req)
         rid = req.request_id or uuid.uuid4().hex
-        capture = req.capture if req.capture is not None else (self.capture is not None and self.capture.wants(rid))
+        capture = req.capture if req.capture is not None else self._wanted(rid)
         with self._lock:
             draft, version = (self._draft, self._draft_version) if req.speculative else (None, None)
             seq = _Seq(req, rid, draft, version, self.target, self.max_seq_len, bool(capture))
             seq.stats = SpecDecodingStats(self._k_max(req) if draft is not None else 0)
             self._waiting.append(seq)
         return seq.future
+
+    def _wanted(self, rid: str) -> bool:
+        """The capture sink's admission answer; a sink that fails is logged and the request served
+        uncaptured (capture never fails a request)."""
+        if self.capture is None:
+            return False
+        try:
+            return bool(self.capture.wants(rid))
+        except Exception:  # noqa: BLE001
+            log.exception("capture sink failed at admission of request %s; serving it uncaptured", rid)
+            return False
 
     def generate_batch(self, reqs: list[Request]) -> list[Generation]:
         """Run requests together; returns their Generations in order. Validates all before running any."""
@@ -360,6 +371,11 @@ class Engine:
         for s, r in results:  # outside the lock
             s.cache = s.draft_cache = None  # free the KV memory now
             s.backlog = []
+            if s.capture and self.capture is not None and not isinstance(r, BaseException):
+                try:  # after the step lock: a slow sink cannot stall the batch; a failing one never fails the request
+                    self.capture.submit_generation(r, s.req.workload, s.req.prompt_id)
+                except Exception:  # noqa: BLE001
+                    log.exception("capture sink refused request %s", s.rid)
             if isinstance(r, BaseException):
                 s.future.set_exception(r)
             else:
@@ -468,9 +484,4 @@ class Engine:
             res.record = {"input_ids": torch.tensor(p + gen[:-1], dtype=torch.int32), "loss_mask": mask,
                           "aux_hidden_states": torch.cat(s.rows.aux)[:T],
                           "hidden_states": torch.cat(s.rows.hidden)[:T]}
-        if s.capture and self.capture is not None:
-            try:  # the sink only enqueues; a refused record is its business, never the request's
-                self.capture.submit_generation(res, s.req.workload, s.req.prompt_id)
-            except Exception:  # noqa: BLE001
-                log.exception("capture sink refused request %s", s.rid)
         return res

@@ -1,0 +1,178 @@
+"""Production traffic back into snapshots: SageMaker Data Capture objects → exchanges → rehydrated
+records → the capture writer (then sealed, DVC-tracked and announced like live capture).
+
+An endpoint with data capture on (`deploy.sagemaker.data_capture`) writes JSON Lines objects under
+`<destination>/<endpoint>/<variant>/yyyy/mm/dd/hh/…jsonl` (AWS SageMaker Developer Guide, "Capture
+data from real-time endpoint"). For each new object: `capture.exchange.parse_object` (bad lines
+counted by reason, the raw object never modified or deleted), the target's chat template gives the
+prompt ids, the response text (or, when the endpoint recorded none, the target's own greedy output,
+marked `regenerated`) the generated ids, and one prefill through the target rebuilds the record
+(`capture.rehydrate`): the same record the embedded engine captures live.
+
+Exactly once, across kills at any point:
+- a per-source ledger (`<state>/ingest/<sha of source>.jsonl`, one fsynced line per object, written
+  only after the writer flushed that object's records to disk) says which objects are done: they are
+  never re-read;
+- an object read again after a kill between its records and its ledger line is deduplicated by the
+  event id (the record's `request_id`), against every request id already in the capture dir, its
+  sealing manifests and the target's snapshots: nothing is counted twice, and what the kill lost is
+  written on the second pass.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+
+from .. import aws
+from ..config import Params
+from ..deploy.sagemaker import data_capture_config, endpoint_name
+from ..engine.speculative import Engine
+from ..workspace import Workspace
+from .exchange import parse_object
+from .rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids
+from .store import list_snapshots, read_manifest, read_rows
+from .writer import CaptureWriter
+
+log = logging.getLogger(__name__)
+FLUSH_EVERY = 16  # records between writer flushes (below any sane capture.queue_size: nothing is dropped)
+
+
+def default_sources(params: Params, target_id: str) -> list[str]:
+    """`ingest.sources`, else `<data capture destination>/<endpoint>/` of every deploy.sagemaker
+    profile (data capture on)."""
+    if params.ingest.sources:
+        return [s.rstrip("/") + "/" for s in params.ingest.sources]
+    sm = params.deploy.sagemaker
+    dc = data_capture_config(sm) if sm is not None else None
+    if dc is None:
+        return []
+    return [f"{dc['DestinationS3Uri'].rstrip('/')}/{endpoint_name(sm, target_id, p)}/" for p in sorted(sm.profiles)]
+
+
+def ledger_path(ws: Workspace, source: str) -> Path:
+    """The source's ledger file (under the workspace state dir)."""
+    return ws.state / "ingest" / (hashlib.sha256(source.encode()).hexdigest()[:16] + ".jsonl")
+
+
+def read_ledger(path: Path) -> dict[str, dict]:
+    """Object key → its ledger entry; a torn last line (a kill mid-append) is ignored."""
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[e["key"]] = e
+    return done
+
+
+def append_ledger(path: Path, entry: dict) -> None:
+    """Append one object's entry and fsync (after its records are on disk)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def captured_ids(capture_dir: Path, snapshots_root: Path, target_id: str) -> set[str]:
+    """Request ids already written for this target: the capture dir's manifest and sealing
+    manifests, and every local snapshot's manifest."""
+    ids = {r.request_id for r in read_manifest(capture_dir)}
+    for f in Path(capture_dir).glob("sealing-*.jsonl"):
+        ids |= {r.request_id for r in read_rows(f)}
+    for snap in list_snapshots(snapshots_root, target_id):
+        ids |= {r.request_id for r in read_manifest(snap)}
+    return ids
+
+
+def list_objects(s3, source: str) -> list[dict]:
+    """Capture objects (`*.jsonl`) under an `s3://bucket/prefix/` source, oldest key first (keys
+    carry the hour): [{"key", "etag", "size"}]."""
+    bucket, prefix = aws.parse_s3_uri(source)
+    out = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        out += [{"key": o["Key"], "etag": o["ETag"].strip('"'), "size": o["Size"]}
+                for o in page.get("Contents", []) if o["Key"].endswith(".jsonl")]
+    return sorted(out, key=lambda o: o["key"])
+
+
+def _workload(params: Params, source: str) -> str:
+    """`ingest.workload`, else the endpoint name: the last part of the source prefix."""
+    if params.ingest.workload:
+        return params.ingest.workload
+    return aws.parse_s3_uri(source)[1].rstrip("/").rsplit("/", 1)[-1] or "endpoint"
+
+
+def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, writer: CaptureWriter,
+                  progress=None) -> dict:
+    """Ingest every object of `source` not in its ledger. Returns counts: objects, records,
+    rehydrated, regenerated, skipped {reason: n} (parse reasons + `duplicate_event`, `too_long`,
+    `unsupported_request`, `write_dropped`). Raises AWS errors (listing/reading) and
+    ValueError for a source that is not an S3 URI; the ledger and the records stay consistent."""
+    if tok is None:
+        raise ValueError(f"target {params.target.source} has no tokenizer: endpoint text cannot be tokenized")
+    led = ledger_path(ws, source)
+    done = read_ledger(led)
+    seen = captured_ids(writer.dir, ws.snapshots, writer.target_id)
+    eos = target.cfg.eos_token_ids[0]
+    engine = Engine(target, None, 1, params.engine.max_seq_len)  # regenerates missing responses
+    rep = {"source": source, "objects": 0, "records": 0, "rehydrated": 0, "regenerated": 0, "skipped": Counter()}
+    bucket, _ = aws.parse_s3_uri(source)
+    for obj in list_objects(s3, source):
+        if obj["key"] in done:
+            continue
+        body = s3.get_object(Bucket=bucket, Key=obj["key"])["Body"].read()
+        exchanges, reasons = parse_object(body, model=params.ingest.served_model)
+        rep["skipped"].update({k: v for k, v in reasons.items() if k != "missing_response"})
+        wl, n_obj = _workload(params, source), 0
+        for ex in exchanges:
+            if ex.event_id in seen:
+                rep["skipped"]["duplicate_event"] += 1
+                continue
+            try:
+                prompt = request_prompt_ids(tok, ex.route, ex.request)
+            except ValueError:
+                rep["skipped"]["unsupported_request"] += 1
+                continue
+            room = target.cfg.max_position - len(prompt)
+            if room < 2:  # stated rule: a prompt that leaves no room for a response is skipped, not cut
+                rep["skipped"]["too_long"] += 1
+                continue
+            origin = "rehydrated"
+            if ex.response_text is None:
+                n_new = min(params.ingest.max_new_tokens, engine.max_seq_len - len(prompt) - 1)
+                if n_new < 1:
+                    rep["skipped"]["too_long"] += 1
+                    continue
+                gen, origin = regenerate(engine, prompt, n_new), "regenerated"
+            else:
+                gen = completion_ids(tok, ex.response_text, ex.finish_reason, eos)[:room]  # cut at the context
+            if not gen:
+                rep["skipped"]["empty_response"] += 1
+                continue
+            rec = rehydrate(target, prompt, gen)
+            text = {"prompt": json.dumps(ex.request.get("messages", ex.request.get("prompt"))),
+                    "completion": ex.response_text or tok.decode(gen, skip_special_tokens=True)}
+            if not writer.submit(rec, request_id=ex.event_id, workload=wl, acceptance_length=0.0, prompt_id=ex.event_id,
+                                 text=text, origin=origin):
+                rep["skipped"]["write_dropped"] += 1  # counted by the writer too (disk quota/full, closed)
+                continue
+            seen.add(ex.event_id)
+            rep[origin] += 1
+            n_obj += 1
+            if n_obj % FLUSH_EVERY == 0:
+                writer.flush()
+        writer.flush()  # this object's records are on disk before its ledger line
+        append_ledger(led, {"key": obj["key"], "etag": obj["etag"], "records": n_obj, "skipped": dict(reasons)})
+        rep["objects"] += 1
+        rep["records"] += n_obj
+        if progress:
+            progress(f"{obj['key']}: {n_obj} records, skipped {dict(reasons)}")
+    rep["skipped"] = dict(rep["skipped"])
+    return rep

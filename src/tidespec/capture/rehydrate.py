@@ -1,0 +1,140 @@
+"""Rebuild capture records from logged text: production endpoints (SageMaker/SGLang/vLLM) log the
+request and the response *text*, not the engine's tensors.
+
+One prefill of prompt + response through the target gives the record the embedded engine would
+have captured live (`Engine._finish`): the same input_ids / loss_mask, and hidden states equal up to
+fp32 rounding (the live path runs the prompt in one block and later rows one step or one verify
+block at a time; attention and small-M GEMMs over other block sizes round differently: measured
+max |diff| 6e-7 on the tiny test target, 4e-4 on SmolLM2-135M, ~0.15 % of the generated rows' elements
+differ after the bf16 storage cast; tests/test_rehydrate.py). Exact only when the response text
+re-tokenises to the ids the engine produced (true for ordinary text; decode/encode is not a bijection).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..bootstrap import chat_ids
+from ..engine.sampling import GREEDY, SamplingParams
+from ..engine.speculative import Engine
+from ..models.target import Segment, Target
+
+_ROUTES = {"chat": "chat", "/v1/chat/completions": "chat", "completions": "completions",
+           "/v1/completions": "completions"}
+_ROLES = ("system", "user", "assistant")  # what `tidespec serve` accepts (server.ChatMessage)
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _content(m, i: int, part_sep: str) -> str:
+    c = m.get("content") if isinstance(m, dict) else None
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in c):
+        return part_sep.join(p["text"] for p in c)
+    raise ValueError(f"messages[{i}].content must be a string or a list of {{'type': 'text', 'text': ...}} parts "
+                     "(images, audio and other parts are unsupported)")
+
+
+def request_prompt_ids(tok, route: str, request: dict, *, part_sep: str = "\n") -> list[int]:
+    """Prompt ids `list[int]` exactly as `tidespec serve` builds them for `request` (a logged body).
+
+    route "chat" (or "/v1/chat/completions"): `request["messages"]` (roles system/user/assistant,
+    content a string or a list of text parts joined with `part_sep`, "\\n" as vLLM joins them)
+    through the chat template with the generation prompt. route "completions" (or
+    "/v1/completions"): `request["prompt"]` as text (tokenised without special tokens) or as token
+    ids; a one-element list is that one prompt. Raises ValueError naming what is unsupported: an
+    unknown route, a batch of several prompts, an empty prompt, a missing/malformed field, a text
+    prompt without a tokenizer, a chat without a chat template.
+    """
+    kind = _ROUTES.get(route)
+    if kind is None:
+        raise ValueError(f"unsupported route {route!r}: use 'chat' or 'completions'")
+    if not isinstance(request, dict):
+        raise ValueError("request must be the logged JSON body (a dict)")  # noqa: TRY004
+    if kind == "chat":
+        msgs = request.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError("chat request without messages: 'messages' must be a non-empty list")
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("chat request needs a tokenizer with a chat template")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in _ROLES:
+                raise ValueError(f"messages[{i}]: unsupported role {m.get('role') if isinstance(m, dict) else m!r}; "
+                                 f"tidespec serve accepts {_ROLES}")
+        return chat_ids(tok, [{"role": m["role"], "content": _content(m, i, part_sep)} for i, m in enumerate(msgs)],
+                        True)
+    p = request.get("prompt")
+    if isinstance(p, list) and p and not _is_ids(p):  # OpenAI batch form: a list of prompts
+        if len(p) != 1:
+            raise ValueError(f"a batch of {len(p)} prompts is unsupported: log one prompt per exchange")
+        p = p[0]
+    if isinstance(p, str):
+        if tok is None:
+            raise ValueError("text prompt needs a tokenizer: pass the target's tokenizer or log token ids")
+        p = list(tok(p, add_special_tokens=False)["input_ids"])
+    if not _is_ids(p) or not p:
+        raise ValueError("completions request needs 'prompt': a non-empty string or list of token ids")
+    return list(p)
+
+
+def completion_ids(tok, text: str, finish_reason: str | None, eos_id: int) -> list[int]:
+    """Generated ids `list[int]` the live engine produced for a response `text`: the text's ids
+    (no special tokens) plus `eos_id` when finish_reason == "stop" (`Generation.tokens` keeps the
+    EOS the response text omits; tidespec serve has no stop strings, so "stop" means EOS).
+    finish_reason "length" or None (unknown): the text's ids only. Raises ValueError for another
+    finish_reason (e.g. "tool_calls", "abort") or a non-string text.
+    """
+    if finish_reason not in ("stop", "length", None):
+        raise ValueError(f"unsupported finish_reason {finish_reason!r}: expected 'stop', 'length' or None")
+    if not isinstance(text, str):
+        raise ValueError(f"response text must be a string, got {type(text).__name__}")  # noqa: TRY004
+    ids = list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+    return ids + [int(eos_id)] if finish_reason == "stop" else ids
+
+
+def rehydrate(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The capture record of an exchange, from one prefill of `prompt + gen[:-1]` (fresh KV cache).
+
+    Returns, with T = len(prompt) + len(gen) - 1 (the last generated token is never fed back):
+    input_ids `[T]` int32, loss_mask `[T]` uint8 (1 from len(prompt) on), aux_hidden_states
+    `[T, 3H]` and hidden_states `[T, H]` in the target dtype (fp32 by default): the live record
+    before the writer's bf16 cast. Raises ValueError for an empty prompt or generation, ids outside
+    the vocab, or prompt + gen longer than the target context (`cfg.max_position`).
+    """
+    p, g = list(prompt_ids), list(gen_ids)
+    if not p:
+        raise ValueError("empty prompt: nothing to condition on")
+    if not g:
+        raise ValueError("empty generation: no response to rehydrate; regenerate it (`regenerate`) "
+                         "and mark the record regenerated, or drop the exchange")
+    n, cap, V = len(p) + len(g), target.cfg.max_position, target.cfg.vocab_size
+    if n > cap:
+        raise ValueError(f"prompt ({len(p)}) + generation ({len(g)}) = {n} tokens exceeds the target context "
+                         f"max_position {cap}; truncate the generation to {max(cap - len(p), 0)} tokens or drop "
+                         "the exchange")
+    if not all(isinstance(t, int) and 0 <= t < V for t in p + g):
+        raise ValueError(f"token ids must be integers in [0, {V})")
+    ids = p + g[:-1]
+    T = len(ids)
+    out = target.forward_batch([Segment(torch.tensor(ids, dtype=torch.int64), target.new_cache(T), last_only=True)],
+                               need_hidden=True)[0]
+    mask = torch.zeros(T, dtype=torch.uint8)
+    mask[len(p):] = 1
+    return {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask,
+            "aux_hidden_states": out.aux, "hidden_states": out.hidden}
+
+
+def regenerate(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
+               sampling: SamplingParams = GREEDY) -> list[int]:
+    """The target's own response `list[int]` (speculative=False, not captured) for an exchange
+    logged without one; the caller marks the record `regenerated`. Ends with the EOS id when it
+    stopped there, as `Generation.tokens`. Raises ValueError as `Engine.validate` (empty prompt,
+    prompt + max_new_tokens beyond engine.max_seq_len, ...)."""
+    return list(engine.generate(list(prompt_ids), max_new_tokens, speculative=False, capture=False,
+                                sampling=sampling).tokens)
+
+
+__all__ = ["completion_ids", "regenerate", "rehydrate", "request_prompt_ids"]

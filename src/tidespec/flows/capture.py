@@ -1,0 +1,51 @@
+"""Prefect flow `tide_capture`: production traffic (SageMaker Data Capture) → rehydrated records →
+snapshots (thin: logic in `tidespec.capture.ingest`). Deployed by prefect.yaml (`tide-capture`,
+entrypoint `tidespec.flows.capture:tide_capture`, interval schedule). A sealed snapshot publishes
+like live capture: `dvc add` + push and the `tidespec.capture.threshold` event that starts
+`tide_cycle`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from .. import aws
+from ..capture.ingest import default_sources, ingest_source
+from ..capture.publish import Publisher
+from ..capture.writer import CaptureWriter
+from ..config import load_params
+from ..runtime import get_target
+from ..workspace import Workspace
+
+
+@flow(name="tide_capture", log_prints=True)
+def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: bool = True) -> dict:
+    """Ingest every new capture object of the configured sources (`ingest.sources`, else the
+    deploy profiles' data capture prefixes) into `root`'s snapshots. `publish`: seal → DVC + event
+    (needs `root` to be a DVC repo). Returns per-source counts. A run with no new objects does
+    nothing (the ledger)."""
+    log = get_run_logger()
+    ws, params = Workspace(Path(root).resolve()), load_params(params_path)
+    target, tok = get_target(params)
+    sources = default_sources(params, target.target_id)
+    if not sources:
+        why = "no capture source: set ingest.sources or enable deploy.sagemaker.data_capture"
+        log.warning("ingest skipped: %s", why)
+        return {"skipped": why}
+    pub = None
+    if publish:
+        if not (ws.root / ".dvc").is_dir():
+            raise ValueError(f"{ws.root} is not a DVC repo: `dvc init` and add a remote, or run with publish=False")
+        pub = Publisher(ws.root, ws.snapshots, params.capture.keep_local_snapshots, ws.curated,
+                        params.curate.drift_threshold, commit=False)
+    writer = CaptureWriter.from_params(ws.ingest_dir(target.target_id), target.target_id, params.capture,
+                                       ws.snapshots, on_seal=pub)
+    s3 = aws.client("s3")
+    try:
+        reports = [ingest_source(src, s3, ws, params, target, tok, writer, progress=log.info) for src in sources]
+    finally:
+        writer.close()  # flushes; waits for the publisher (DVC + event) of what sealed
+    for r in reports:
+        log.info("%s: %s objects, %s records (%s regenerated), skipped %s", r["source"], r["objects"], r["records"],
+                 r["regenerated"], r["skipped"])
+    return {"sources": reports, "published": list(pub.published) if pub else []}

@@ -1,0 +1,39 @@
+"""cycle.lineage: the data lineage every registered version carries, never empty."""
+import json
+
+import pytest
+
+from conftest import make_tiny_workspace
+
+
+def test_lineage_of_a_curated_set(tmp_path, tiny_target_dir):
+    from tidespec import cycle
+    ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir)
+    cycle.step_curate(ws, params, target.target_id)
+    (snap,) = [p for p in (ws.snapshots / target.target_id).iterdir() if p.is_dir()]
+    got = cycle.lineage(ws.curated)
+    revs = json.loads(got["snapshot_revs"])
+    assert list(revs) == [snap.name] and revs[snap.name].startswith("untracked:")  # no DVC here
+    assert got["snapshot_rev"] == revs[snap.name]
+    assert cycle.lineage(ws.curated, "ev-rev")["snapshot_rev"] == "ev-rev"  # the event's rev wins
+    # a DVC-tracked snapshot: its .dvc md5
+    (snap.parent / (snap.name + ".dvc")).write_text("outs:\n- md5: abc123.dir\n  path: x\n")
+    assert json.loads(cycle.lineage(ws.curated)["snapshot_revs"]) == {snap.name: "abc123.dir"}
+    (snap.parent / (snap.name + ".dvc")).unlink()
+    # an index that names no snapshot, or whose untracked snapshot is gone: refused, naming the fix
+    idx = json.loads(ws.curated.read_text())
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(idx | {"snapshots": [], "replay_snapshots": []}))
+    with pytest.raises(ValueError, match="names no snapshot"):
+        cycle.lineage(empty)
+    (snap / "manifest.jsonl").rename(snap / "gone.jsonl")
+    with pytest.raises(FileNotFoundError, match="snapshots pull"):
+        cycle.lineage(ws.curated)
+
+
+def test_register_refuses_empty_lineage(tmp_path):
+    from tidespec import cycle
+    from tidespec.config import Params
+    for data in ({}, {"snapshot_rev": "x"}, {"snapshot_rev": "x", "snapshot_revs": "{}"}):
+        with pytest.raises(ValueError, match="lineage"):
+            cycle.step_register(Params(), "t" * 64, tmp_path, {"candidate": {}}, {}, "http://127.0.0.1:9", data)
