@@ -438,7 +438,8 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
                      profiles={"gpu": {"instance_type": "ml.g4dn.xlarge", "endpoint_name": ep}})
     _, v = registry.log_candidate(mlflow_server, tid, draft, params={"k": 3},
                                   metrics={"acceptance_length": 2.0},
-                                  tags={"snapshot_rev": f"s-{ep}", "lossless": "True"})  # evaluated: promotable
+                                  tags={"snapshot_rev": f"s-{ep}", "lossless": "True",  # evaluated: promotable
+                                        "tuned_k.gpu": "2"})  # the register step's window for this endpoint
     registry.promote(mlflow_server, tid, v, reason="test")
     ws = Workspace(tmp_path / "ws")
     dep = step_deploy(ws, mlflow_server, tid, params)
@@ -447,7 +448,46 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
     env = boto3.client("sagemaker").describe_model(ModelName=sm_dep["model"])["PrimaryContainer"]["Environment"]
     assert env["TIDESPEC_DRAFT_SHA256"] == smd.sha256_file(ws.champion / "model.safetensors")
     assert env["TIDESPEC_DRAFT_VERSION"] == str(v)
+    assert (env["SM_SGLANG_SPECULATIVE_NUM_STEPS"], env["SM_SGLANG_SPECULATIVE_NUM_DRAFT_TOKENS"]) == ("2", "3")
+    assert json.loads((ws.champion / "version.json").read_text())["tuned_k"] == {"gpu": 2}
     assert step_deploy(ws, mlflow_server, tid, params)["sagemaker"]["gpu"]["action"] == "unchanged"
+
+
+def test_tuned_window_per_profile_and_speculation_off(tiny_target_dir, draft_dirs):
+    """τ(k) from per-position acceptance, speed-up τ(k) / (1 + (verify + draft)·k): the best k per
+    profile, 0 (no speculative settings at all) when none reaches min_speedup; the deploy applies it."""
+    from tidespec.engine.stats import tau_by_k
+    from tidespec.sagemaker_config import EndpointProfile
+    per_pos = [0.6, 0.4, 0.2, 0.05]
+    assert tau_by_k(per_pos) == pytest.approx([1.0, 1.6, 2.0, 2.2, 2.25])
+    gpu = EndpointProfile(engine="sglang", instance_type="ml.g6e.2xlarge")  # 0.07 per step
+    w = smd.tuned_window(gpu, per_pos, 1.05)
+    # speed-ups 1.6/1.07=1.495, 2.0/1.14=1.754, 2.2/1.21=1.818, 2.25/1.28=1.758 → k = 3
+    assert w["k"] == 3 and w["predicted_speedup"] == pytest.approx(2.2 / 1.21)
+    slow = EndpointProfile(engine="vllm-neuron", instance_type="ml.trn2.48xlarge", image_uri="x/y:1",
+                           verify_cost_per_token=0.4, draft_cost=0.3)
+    assert smd.tuned_window(slow, per_pos, 1.05) == {"k": 0, "predicted_speedup": 1.0, "tau_k": tau_by_k(per_pos)}
+    assert smd.tuned_window(gpu, [0.02, 0.0], 1.05)["k"] == 0  # a draft that is never accepted: off
+    # the plan: k from the draft's version.json per profile; 0 → no speculative env for either engine
+    meta = json.loads((draft_dirs[0] / "version.json").read_text())
+    (draft_dirs[0] / "version.json").write_text(json.dumps(meta | {"tuned_k": {"gpu": 0, "trn2": 2}}))
+    try:
+        art = smd.check_draft(draft_dirs[0], None)
+    finally:
+        (draft_dirs[0] / "version.json").write_text(json.dumps(meta))
+    assert art.tuned_k == (("gpu", 0), ("trn2", 2))
+    p = _params(tiny_target_dir, profiles={"trn2": {"image_uri": "123456789012.dkr.ecr.us-east-1.amazonaws.com/v:1"}})
+    env = smd.plan(p, p.deploy.sagemaker, "gpu", art, "t" * 64, "org/m", "us-east-1").model["PrimaryContainer"][
+        "Environment"]
+    assert not any("SPECULATIVE" in k for k in env) and env["SM_SGLANG_MODEL_PATH"] == "org/m"
+    env = smd.plan(p, p.deploy.sagemaker, "trn2", art, "t" * 64, "org/m", "us-east-1").model["PrimaryContainer"][
+        "Environment"]
+    assert json.loads(env["SM_VLLM_SPECULATIVE_CONFIG"])["num_speculative_tokens"] == 2
+    # the register step's per-profile windows from the candidate's replay metrics
+    from tidespec.cycle import tune_windows
+    wins = tune_windows(p, {f"accepted_per_pos/{i}": a for i, a in enumerate(per_pos)} | {"acceptance_length": 2.25})
+    assert {k: w["k"] for k, w in wins.items()} == {"gpu": 3, "trn2": 3}
+    assert tune_windows(Params(), {"accepted_per_pos/0": 0.6}) == {}  # no deploy.sagemaker: nothing to tune
 
 
 def test_collisions_and_sloppy_values_are_refused(tiny_target_dir):

@@ -153,6 +153,20 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
 
 
 # -- register / deploy ------------------------------------------------------------------------
+def tune_windows(params: Params, metrics: dict) -> dict[str, dict]:
+    """Per deploy profile, the goodput-optimal number of speculative steps for the candidate on this
+    holdout (`deploy.sagemaker.tuned_window`: τ(k) from the replay's per-position acceptance, the
+    profile's step cost), or k = 0 (speculation off) when no k beats `deploy.sagemaker.min_speedup`.
+    {} without deploy.sagemaker."""
+    sm = params.deploy.sagemaker
+    if sm is None:
+        return {}
+    n = sum(k.startswith("accepted_per_pos/") for k in metrics)
+    per_pos = [metrics[f"accepted_per_pos/{i}"] for i in range(n)]
+    return {name: smd.tuned_window(prof, per_pos, sm.min_speedup) for name, prof in sorted(sm.profiles.items())}
+
+
+
 def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
     """Data lineage of a curated set, however the cycle was started: `snapshot_revs` (JSON
     {snapshot id: DVC rev} of every snapshot the set was drawn from, window and replay; the rev is
@@ -188,7 +202,9 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     logged (tag `draft_sha256` + snapshot_rev) and returns its decision instead of registering the
     same draft twice. `data`: `lineage()` of the curated set (tags snapshot_rev, snapshot_revs);
     `drift_jsd`: curate's drift (bits) vs the previous curated set; `trigger`: what started the
-    cycle (tag). Raises ValueError for empty lineage."""
+    cycle (tag). With deploy.sagemaker, each profile's tuned window goes on the version (tags
+    `tuned_k.<profile>`, metrics `tau_k/<k>`, `predicted_speedup/<profile>`; `tune_windows`) and into
+    the result's `tuned_k`. Raises ValueError for empty lineage."""
     if not data.get("snapshot_rev") or not json.loads(data.get("snapshot_revs") or "{}"):
         raise ValueError("no data lineage for this candidate: pass lineage(curated) (snapshot revs of its curated set)")
     cand, champ = report["candidate"], report.get("champion")
@@ -196,7 +212,8 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     prior = registry.find_version(tracking_uri, target_id, key)
     if prior is not None and prior.tags.get("decision"):
         return {"run_id": prior.run_id, "version": prior.version, "promoted": prior.tags["decision"] == "promoted",
-                "reason": prior.tags.get("decision_reason", ""), "previous_champion": None}
+                "reason": prior.tags.get("decision_reason", ""), "previous_champion": None,
+                "tuned_k": registry.tuned_k(prior.tags)}
     if prior is not None:
         run_id, version = prior.run_id, prior.version
     else:
@@ -208,7 +225,12 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
         if drift_jsd is not None:
             metrics["drift_jsd"] = float(drift_jsd)
         losses = list(train_metrics.get("train/loss", []))
+        windows = tune_windows(params, cand)
+        if windows:  # τ(k) on the holdout and each endpoint's window (deploy sagemaker applies it)
+            metrics |= {f"tau_k/{k}": t for k, t in enumerate(next(iter(windows.values()))["tau_k"])}
+            metrics |= {f"predicted_speedup/{p}": w["predicted_speedup"] for p, w in windows.items()}
         tags = {**key, "snapshot_revs": data["snapshot_revs"], "params_sha": params.sha(), "trigger": trigger,
+                **{f"tuned_k.{p}": str(w["k"]) for p, w in windows.items()},
                 "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
                 "num_holdout_prompts": str(report.get("num_prompts", ""))}
         run_id, version = registry.log_candidate(tracking_uri, target_id, candidate, params.model_dump(mode="json"),
@@ -224,7 +246,8 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     except Exception as e:  # noqa: BLE001
         log.warning("plots not logged for run %s: %s", run_id, e)
     return {"run_id": run_id, "version": version, "promoted": d.promoted, "reason": d.reason,
-            "previous_champion": d.previous_champion}
+            "previous_champion": d.previous_champion,
+            "tuned_k": {p: w["k"] for p, w in tune_windows(params, cand).items()}}
 
 
 def _figures(tracking_uri: str, target_id: str, report: dict, losses: list[float]) -> dict:

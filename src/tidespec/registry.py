@@ -285,6 +285,11 @@ def _by_alias(tracking_uri: str, target_id: str, alias: str) -> ModelVersionInfo
     return ModelVersionInfo(version=str(mv.version), run_id=mv.run_id, source=mv.source, tags=dict(mv.tags))
 
 
+def tuned_k(tags: dict[str, str]) -> dict[str, int]:
+    """profile → k from a version's `tuned_k.<profile>` tags (the register step's per-endpoint window)."""
+    return {k.removeprefix("tuned_k."): int(v) for k, v in tags.items() if k.startswith("tuned_k.")}
+
+
 def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | None:
     """Download the champion's ``draft/`` checkpoint into ``dest``; return the checkpoint dir
     (``dest/draft``, with ``version.json`` = {version, run_id}: what was evaluated), or None when
@@ -298,7 +303,7 @@ def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | N
     dest.mkdir(parents=True, exist_ok=True)
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=info.source, dst_path=str(dest),
                                                      tracking_uri=tracking_uri))
-    write_version(local, info.version, info.run_id)
+    write_version(local, info.version, info.run_id, tuned_k(info.tags))
     return local
 
 
@@ -317,7 +322,7 @@ def download_version(tracking_uri: str, target_id: str, ref: str, dest: Path) ->
     mv = c.get_model_version(name, v)
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(Path(dest) / f"v{v}"),
                                                      tracking_uri=tracking_uri))
-    write_version(local, v, mv.run_id)
+    write_version(local, v, mv.run_id, tuned_k(dict(mv.tags)))
     return local
 
 

@@ -155,6 +155,15 @@ class EndpointProfile(_Strict):
     startup_timeout_s: int = Field(1800, ge=60, le=3600)  # ContainerStartupHealthCheckTimeoutInSeconds
     download_timeout_s: int = Field(1800, ge=60, le=3600)  # ModelDataDownloadTimeoutInSeconds
     environment: tuple[tuple[str, str], ...] = ()
+    # step cost relative to a 1-token target step, for choosing the window per endpoint:
+    # cost(k) = 1 + verify_cost_per_token·k + draft_cost·k (the cost model of Leviathan et al.
+    # 2023, arXiv 2211.17192 §3.4: c = draft/target step time; verifying k+1 tokens ≈ one target step
+    # while decoding is memory-bound, as on GPUs at small batch). Defaults: 0.02 per verified token (a
+    # margin over that idealisation) and 0.05 per draft step (an EAGLE3 head is one decoder layer + a
+    # draft-vocab lm_head against the target's L = 30–80 layers). Measure yours (`tidespec bench engine`
+    # measures the embedded engine's: 1-token 51–70 ms, 5-token verify 1.2–1.4×, draft step ~2.5 ms on CPU).
+    verify_cost_per_token: float = Field(0.02, ge=0, le=10)
+    draft_cost: float = Field(0.05, ge=0, le=10)
 
     _env_in = field_validator("environment", mode="before")(classmethod(lambda cls, v: pairs(v)))
 
@@ -255,6 +264,7 @@ class SageMakerDeployParams(_Strict):
     poll_s: float = Field(30, ge=0.01)
     wait_timeout_s: float = Field(5400, gt=0)
     data_capture: DataCaptureParams = DataCaptureParams()
+    min_speedup: float = Field(1.05, ge=1.0)  # tuned window: speculate on an endpoint only if predicted ≥ this
     on_promote: tuple[str, ...] = ()  # profiles the cycle's deploy step updates after a promotion
     tags: tuple[tuple[str, str], ...] = ()
 

@@ -85,7 +85,8 @@ class Workspace:
 
 
 def read_version(draft_dir: Path) -> dict | None:
-    """`{"version": str, "run_id": str}` of a draft dir that came from the registry, None when the
+    """`{"version": str, "run_id": str, "tuned_k": {profile: k}}` of a draft dir that came from the
+    registry (tuned_k: the per-endpoint window the register step chose, {} when none), None when the
     dir has no version.json. Raises ValueError for a version.json that is not such an object."""
     f = Path(draft_dir) / VERSION_FILE
     if not f.exists():
@@ -93,7 +94,10 @@ def read_version(draft_dir: Path) -> dict | None:
     meta = json.loads(f.read_text())
     if not isinstance(meta, dict) or "version" not in meta:
         raise ValueError(f"{f}: expected an object with 'version'")
-    return {"version": str(meta["version"]), "run_id": str(meta.get("run_id", ""))}
+    tuned = meta.get("tuned_k", {})
+    if not isinstance(tuned, dict) or not all(isinstance(k, int) and k >= 0 for k in tuned.values()):
+        raise ValueError(f"{f}: tuned_k must map profile names to non-negative integers")
+    return {"version": str(meta["version"]), "run_id": str(meta.get("run_id", "")), "tuned_k": tuned}
 
 
 def served_version(draft_dir: Path) -> str | None:
@@ -102,6 +106,8 @@ def served_version(draft_dir: Path) -> str | None:
     return meta["version"] if meta else None
 
 
-def write_version(draft_dir: Path, version: str, run_id: str) -> None:
-    """Record which registry version (and MLflow run) `draft_dir` holds."""
-    (Path(draft_dir) / VERSION_FILE).write_text(json.dumps({"version": str(version), "run_id": run_id}))
+def write_version(draft_dir: Path, version: str, run_id: str, tuned_k: dict[str, int] | None = None) -> None:
+    """Record which registry version (and MLflow run) `draft_dir` holds, and the per-endpoint window
+    its register step tuned (profile → k, 0 = speculation off)."""
+    meta = {"version": str(version), "run_id": run_id} | ({"tuned_k": dict(tuned_k)} if tuned_k else {})
+    (Path(draft_dir) / VERSION_FILE).write_text(json.dumps(meta))

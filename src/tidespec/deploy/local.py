@@ -33,7 +33,7 @@ def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
     stage = dest.with_name(dest.name + ".new")
     shutil.rmtree(stage, ignore_errors=True)
     shutil.copytree(got, stage)
-    write_version(stage, info.version, info.run_id)
+    write_version(stage, info.version, info.run_id, registry.tuned_k(info.tags))
     old = dest.with_name(dest.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if dest.exists():

@@ -51,8 +51,10 @@ from ..assets import sha256_file
 from ..aws import NAME_RE, parse_s3_uri
 from ..config import Params
 from ..errors import TidespecError
+from ..engine.stats import tau_by_k
 from ..models.eagle3 import load_checkpoint
 from ..sagemaker_config import CanaryParams, EndpointProfile, SageMakerDeployParams
+from ..workspace import read_version
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +76,14 @@ class SageMakerDeployFailed(TidespecError):
 @dataclass(frozen=True)
 class DraftArtifact:
     """A draft checkpoint to serve: its dir, registry version (or None), sha256 of model.safetensors
-    (the registry's `draft_sha256`) and of config.json. `key`: the S3 content address of both."""
+    (the registry's `draft_sha256`) and of config.json, the per-profile window the register step
+    tuned (from version.json). `key`: the S3 content address of both files."""
 
     path: Path
     version: str | None
     sha256: str
     config_sha256: str = ""
+    tuned_k: tuple[tuple[str, int], ...] = ()  # (profile, k) the register step chose (0: speculation off)
 
     @property
     def key(self) -> str:
@@ -126,8 +130,26 @@ def resource_name(endpoint: str, version: str | None, now: datetime | None = Non
     return name
 
 
-def spec_settings(sm_params: SageMakerDeployParams, k: int) -> dict[str, int]:
-    """SGLang EAGLE3 knobs {num_steps, eagle_topk, num_draft_tokens}; k = engine.num_draft_tokens."""
+def tuned_window(profile: EndpointProfile, per_pos: list[float], min_speedup: float) -> dict:
+    """The goodput-optimal number of speculative steps for one endpoint profile, from the holdout's
+    per-position acceptance (`accepted_per_pos/{i}` of a chain replay at K) and the profile's step
+    cost: predicted speed-up(k) = τ(k) / (1 + verify_cost_per_token·k + draft_cost·k) (Leviathan et
+    al. 2023, arXiv 2211.17192 §3.4), k = 1..K. Returns {"k": best k, or 0 (speculation off) when no k
+    reaches `min_speedup`, "predicted_speedup": at that k (1.0 when off), "tau_k": [τ(0..K)]}."""
+    taus = tau_by_k(per_pos)
+    speed = [taus[k] / (1 + (profile.verify_cost_per_token + profile.draft_cost) * k) for k in range(len(taus))]
+    k = max(range(1, len(taus)), key=lambda i: speed[i], default=0)
+    if k == 0 or speed[k] < min_speedup:
+        return {"k": 0, "predicted_speedup": 1.0, "tau_k": taus}
+    return {"k": k, "predicted_speedup": speed[k], "tau_k": taus}
+
+
+def spec_settings(sm_params: SageMakerDeployParams, k: int) -> dict[str, int] | None:
+    """SGLang EAGLE3 knobs {num_steps, eagle_topk, num_draft_tokens}; k: the window (the profile's
+    tuned k, else engine.num_draft_tokens); `deploy.sagemaker.num_steps` overrides both. None when
+    k is 0 and nothing overrides: speculation off on that endpoint."""
+    if not sm_params.num_steps and k == 0:
+        return None
     steps = sm_params.num_steps or k
     topk = sm_params.eagle_topk
     return {"num_steps": steps, "eagle_topk": topk,
@@ -137,20 +159,21 @@ def spec_settings(sm_params: SageMakerDeployParams, k: int) -> dict[str, int]:
 def container_env(profile: EndpointProfile, model_path: str, spec: Mapping[str, int],
                   draft: DraftArtifact) -> dict[str, str]:
     """Container environment of the Model. SGLang: SM_SGLANG_* (→ launch_server flags); vLLM-neuron:
-    SM_VLLM_* with SPECULATIVE_CONFIG as JSON. Profile environment entries override."""
+    SM_VLLM_* with SPECULATIVE_CONFIG as JSON; `spec` None: no speculative settings (the tuned
+    window found none that pays). Profile environment entries override."""
     if profile.engine == "sglang":
-        env = {"SM_SGLANG_MODEL_PATH": model_path,
-               "SM_SGLANG_SPECULATIVE_ALGORITHM": "EAGLE3",
+        env = {"SM_SGLANG_MODEL_PATH": model_path, "SM_SGLANG_TP_SIZE": str(profile.tensor_parallel_size)}
+        if spec is not None:
+            env |= {"SM_SGLANG_SPECULATIVE_ALGORITHM": "EAGLE3",
                "SM_SGLANG_SPECULATIVE_DRAFT_MODEL_PATH": DRAFT_DIR,
                "SM_SGLANG_SPECULATIVE_NUM_STEPS": str(spec["num_steps"]),
                "SM_SGLANG_SPECULATIVE_EAGLE_TOPK": str(spec["eagle_topk"]),
-               "SM_SGLANG_SPECULATIVE_NUM_DRAFT_TOKENS": str(spec["num_draft_tokens"]),
-               "SM_SGLANG_TP_SIZE": str(profile.tensor_parallel_size)}
+               "SM_SGLANG_SPECULATIVE_NUM_DRAFT_TOKENS": str(spec["num_draft_tokens"])}
     else:
-        cfg = {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": spec["num_steps"]}
-        env = {"SM_VLLM_MODEL": model_path,
-               "SM_VLLM_TENSOR_PARALLEL_SIZE": str(profile.tensor_parallel_size),
-               "SM_VLLM_SPECULATIVE_CONFIG": json.dumps(cfg, separators=(",", ":"))}
+        env = {"SM_VLLM_MODEL": model_path, "SM_VLLM_TENSOR_PARALLEL_SIZE": str(profile.tensor_parallel_size)}
+        if spec is not None:
+            cfg = {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": spec["num_steps"]}
+            env["SM_VLLM_SPECULATIVE_CONFIG"] = json.dumps(cfg, separators=(",", ":"))
     env |= {"TIDESPEC_DRAFT_VERSION": str(draft.version or ""), "TIDESPEC_DRAFT_SHA256": draft.sha256}
     return env | dict(profile.environment)
 
@@ -280,17 +303,14 @@ def check_draft(path: Path, target_id: str | None, version: str | None = None) -
     path = Path(path)
     try:
         load_checkpoint(path, target_id=target_id)
-        if version is None and (path / "version.json").exists():
-            meta = json.loads((path / "version.json").read_text())
-            if not isinstance(meta, dict):
-                raise ValueError(f"{path / 'version.json'}: expected an object with 'version'")
-            version = meta.get("version")
+        meta = read_version(path) or {}
+        version = meta.get("version") if version is None else version
     except (FileNotFoundError, ValueError):
         raise
     except Exception as e:  # noqa: BLE001 — corrupt safetensors / JSON, a dir where a file belongs
         raise ValueError(f"{path}: not a readable draft checkpoint ({type(e).__name__}: {e})") from None
     return DraftArtifact(path, None if version is None else str(version), sha256_file(path / "model.safetensors"),
-                         sha256_file(path / "config.json"))
+                         sha256_file(path / "config.json"), tuple(sorted(meta.get("tuned_k", {}).items())))
 
 
 def private_copy(draft: DraftArtifact, dest: Path) -> DraftArtifact:
@@ -305,7 +325,7 @@ def private_copy(draft: DraftArtifact, dest: Path) -> DraftArtifact:
     if sha != draft.sha256:
         raise ValueError(f"draft {draft.path} changed since it was checked (a promotion or rollback meanwhile?); "
                          "deploy again")
-    return DraftArtifact(dest, draft.version, sha, sha256_file(dest / "config.json"))
+    return DraftArtifact(dest, draft.version, sha, sha256_file(dest / "config.json"), draft.tuned_k)
 
 
 def upload_draft(s3, draft: DraftArtifact, s3_prefix: str) -> tuple[str, int]:
@@ -369,7 +389,7 @@ def plan(params: Params, sm_params: SageMakerDeployParams, profile_name: str, dr
     endpoint = endpoint_name(sm_params, target_id, profile_name)
     name = resource_name(endpoint, draft.version, now)
     draft_s3 = f"{sm_params.s3_prefix}/drafts/{draft.key}/"
-    spec = spec_settings(sm_params, params.engine.num_draft_tokens)
+    spec = spec_settings(sm_params, dict(draft.tuned_k).get(profile_name, params.engine.num_draft_tokens))
     return DeployPlan(profile_name, endpoint,
                       model_request(name, sm_params, profile, region, target_uri, draft_s3, spec, draft, endpoint),
                       endpoint_config_request(name, name, profile, sm_params, draft, endpoint),

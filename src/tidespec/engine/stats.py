@@ -82,6 +82,18 @@ class RequestTiming:
         return [1000 * s / n for s, n in self.steps for _ in range(n) if n]
 
 
+def tau_by_k(per_pos: list[float]) -> list[float]:
+    """τ(k) for k = 0..K from one chain replay at K: `per_pos[i]` = accepted at position i / drafts
+    (`SpecDecodingStats.accepted_per_pos`). A chain accepts position i only if every earlier one was
+    accepted and drafting fewer tokens does not change the earlier ones (greedy chains), so
+    τ(k) = 1 + Σ_{i<k} per_pos[i] exactly (the cost model's τ(k) = 1 + Σ_i Π_{j≤i} a_j, Leviathan et
+    al. 2023, arXiv 2211.17192 §3.1, with per_pos[i] = Π_{j≤i} a_j)."""
+    out = [1.0]
+    for p in per_pos:
+        out.append(out[-1] + p)
+    return out
+
+
 def itl_percentiles(samples: list[float]) -> dict[str, float]:
     if not samples:
         return {"itl_ms_p50": float("nan"), "itl_ms_p99": float("nan")}

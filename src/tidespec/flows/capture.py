@@ -14,7 +14,7 @@ from ..capture.ingest import default_sources, ingest_source
 from ..capture.publish import Publisher
 from ..capture.writer import CaptureWriter
 from ..config import load_params
-from ..runtime import get_target
+from ..runtime import get_target, target_id
 from ..workspace import Workspace
 
 
@@ -26,12 +26,12 @@ def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: boo
     nothing (the ledger)."""
     log = get_run_logger()
     ws, params = Workspace(Path(root).resolve()), load_params(params_path)
-    target, tok = get_target(params)
-    sources = default_sources(params, target.target_id)
-    if not sources:
+    sources = default_sources(params, target_id(params))
+    if not sources:  # checked before loading the target: a schedule with nothing configured costs nothing
         why = "no capture source: set ingest.sources or enable deploy.sagemaker.data_capture"
         log.warning("ingest skipped: %s", why)
         return {"skipped": why}
+    target, tok = get_target(params)
     pub = None
     if publish:
         if not (ws.root / ".dvc").is_dir():
