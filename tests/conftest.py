@@ -215,3 +215,22 @@ def tiny_tok_target_dir(tmp_path_factory, tiny_target_dir):
     d = tmp_path_factory.mktemp("tiny-target-tok") / "model"
     shutil.copytree(tiny_target_dir, d)
     return add_tiny_tokenizer(d)
+
+
+def add_tiny_word_tokenizer(path):
+    """A word-level tokenizer over all 320 ids of the tiny target (0 "<|endoftext|>", 1 "<|im_start|>",
+    2 "<|im_end|>" = eos (the only special token), 3 "user", 4 "assistant", 5 "system", then "t6".."t319";
+    whitespace-split) with a ChatML template: any generated id sequence decodes to text that encodes
+    back to the same ids, so text capture can be compared with live capture exactly. Returns `path`."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+    words += [f"t{i}" for i in range(len(words), TINY["vocab_size"])]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.add_tokens([AddedToken(w, normalized=False) for w in words[:2]])
+    tk.add_special_tokens([AddedToken("<|im_end|>", normalized=False)])
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", chat_template=TINY_CHAT_TEMPLATE
+                            ).save_pretrained(path)
+    return path

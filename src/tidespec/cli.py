@@ -248,7 +248,8 @@ def ingest(root: Path = ROOT, params: Path = PARAMS,
 
 @app.command()
 def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", port: int = 8000,
-          capture: bool = typer.Option(True, help="capture finished requests into data/capture (TIDE)"),
+          capture: bool = typer.Option(True, help="capture finished requests into data/capture (TIDE; capture.mode: "
+                                                  "hidden states, or text for `tidespec ingest`)"),
           max_queue: int = typer.Option(None, min=1, help="requests waiting+running before 429 "
                                                           "(default serve.max_queue)"),
           timeout_s: float = typer.Option(None, min=0.001, help="per-request timeout, s (504 after; default "
@@ -259,6 +260,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     /admin/draft with $TIDESPEC_ADMIN_TOKEN) on the target + the served champion draft."""
     import uvicorn
 
+    from .capture.text import TextCapture
     from .capture.writer import CaptureWriter
     from .config import load_params
     from .runtime import get_target, make_engine, runner_for
@@ -270,15 +272,18 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     flags = {"max_queue": max_queue, "request_timeout_s": timeout_s, "max_tokens": max_tokens}
     p = p.model_copy(update={"serve": p.serve.model_copy(update={k: v for k, v in flags.items() if v is not None})})
     target, tok = get_target(p)
+    hidden, text = capture and p.capture.mode == "hidden", capture and p.capture.mode == "text"
     writer = CaptureWriter.from_params(ws.capture_dir(target.target_id), target.target_id, p.capture,
-                                       ws.snapshots, detokenize=tok.decode if tok is not None else None) if capture else None
+                                       ws.snapshots, detokenize=tok.decode if tok is not None else None) if hidden else None
+    text_capture = TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate) if text else None
     runner = runner_for(ws.champion, target)
     engine = make_engine(p, target, runner, served_version(ws.champion) if runner else None, capture=writer)
     sv = p.serve_resolved()
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
                               admin_token=os.environ.get(ADMIN_TOKEN_ENV),
-                              load_version=_registry_loader(target.target_id, ws)), host=host, port=port)
+                              load_version=_registry_loader(target.target_id, ws), text_capture=text_capture),
+                    host=host, port=port)
     finally:
         if writer is not None:
             writer.close()

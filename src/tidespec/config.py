@@ -39,6 +39,11 @@ class DraftParams(_Strict):
 
 
 class CaptureParams(_Strict):
+    """Capture of served traffic. mode: `hidden` (the engine's hidden states + token ids, the
+    training records) or `text` (`tidespec serve` logs request and response bodies in the SageMaker
+    Data Capture format under data/capture/<target>-text; `tidespec ingest` rehydrates them)."""
+
+    mode: Literal["hidden", "text"] = "hidden"
     queue_size: int = Field(64, ge=1)  # finished requests waiting for the writer; full → dropped, counted
     shard_max_records: int = Field(16, ge=1)
     sample_rate: float = Field(1.0, gt=0, le=1)  # share of requests captured (by request-id hash)

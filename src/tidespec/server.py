@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,7 @@ from .engine.speculative import Request as EngineRequest
 from .runtime import runner_for
 from .workspace import served_version
 
+log = logging.getLogger(__name__)
 ADMIN_TOKEN_ENV = "TIDESPEC_ADMIN_TOKEN"
 DEFAULT_WORKLOAD = "default"
 
@@ -156,14 +158,16 @@ class DraftSwap(BaseModel):
 
 def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, *, model: str = "tidespec",
               drafts_dir: Path | None = None, admin_token: str | None = None,
-              load_version: Callable[[str], Path] | None = None) -> FastAPI:
+              load_version: Callable[[str], Path] | None = None, text_capture=None) -> FastAPI:
     """The FastAPI app. `tokenizer`: HF tokenizer (None: token-id prompts only, no chat); `serve`:
     the limits (max_queue, request_timeout_s in s, max_tokens: default and cap of a request's
     max_tokens, which must be resolved: `Params.serve_resolved()`); `model`: the served model id;
     `drafts_dir`: `/admin/draft` paths must lie inside it; `admin_token`: bearer token for /admin
     (None: admin disabled, 403); `load_version(v)`: registry version or alias → local checkpoint dir
-    (raises LookupError for an unknown one). The engine's capture sink (if any) is flushed on
-    shutdown and its counters are served on /metrics. Raises ValueError for unresolved max_tokens."""
+    (raises LookupError for an unknown one); `text_capture` (`capture.text.TextCapture`,
+    `capture.mode: text`): each finished request's request and response bodies are logged in the
+    Data Capture format. The engine's capture sink (if any) is flushed on shutdown and its counters
+    are served on /metrics. Raises ValueError for unresolved max_tokens."""
     cfg = serve or ServeParams()
     if cfg.max_tokens is None:
         raise ValueError("serve.max_tokens is unresolved: pass Params.serve_resolved() (engine.max_new_tokens)")
@@ -181,6 +185,8 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
         loop.close()
         if writer is not None and hasattr(writer, "flush"):
             writer.flush()
+        if text_capture is not None:
+            text_capture.close()
 
     def sampling(body: _Sampling) -> SamplingParams:
         try:
@@ -234,7 +240,7 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
         fut.add_done_callback(lambda f: aio.call_soon_threadsafe(q.put_nowait, None))
 
         async def events():
-            toks, said = [], ""
+            toks, said, sent = [], "", []
             deadline = time.monotonic() + cfg.request_timeout_s
             while True:
                 try:
@@ -247,7 +253,8 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                     break
                 toks += new
                 full = text(toks)  # decode the whole prefix: multi-token characters come out whole
-                yield chunk(choice(full[len(said):], None), {"tidespec": {"token_ids": new}})
+                sent.append(chunk(choice(full[len(said):], None), {"tidespec": {"token_ids": new}}))
+                yield sent[-1]
                 said = full
             exc = fut.exception()
             if exc is not None:
@@ -255,9 +262,18 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                 return
             g = fut.result()
             finished(req, g)
-            yield chunk(choice("", g.finish_reason), {"usage": usage(g), "tidespec": ext(g)})
-            yield "data: [DONE]\n\n"
+            sent += [chunk(choice("", g.finish_reason), {"usage": usage(g), "tidespec": ext(g)}), "data: [DONE]\n\n"]
+            yield sent[-2]
+            yield sent[-1]
+            log_text(body, "".join(sent), g.request_id)
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    def log_text(body: _Sampling, response: dict | str, request_id: str) -> None:
+        if text_capture is not None:  # never fails a request: a full disk is logged, the answer still goes out
+            try:
+                text_capture.log(request_id, body.model_dump(exclude_none=True), response)
+            except OSError:
+                log.exception("text capture of request %s failed", request_id)
 
     def usage(g: Generation) -> dict:
         return {"prompt_tokens": g.prompt_len, "completion_tokens": len(g.tokens),
@@ -282,10 +298,12 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
             return stream(ids, body, "text_completion",
                           lambda d, r: {"index": 0, "text": d, "finish_reason": r, "logprobs": None})
         g = await run(ids, body)
-        return {"id": f"cmpl-{g.request_id}", "object": "text_completion", "created": int(time.time()),
+        resp = {"id": f"cmpl-{g.request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": model, "choices": [{"index": 0, "text": text(g.tokens), "finish_reason": g.finish_reason,
-                                                 "logprobs": None}],
+                                             "logprobs": None}],
                 "usage": usage(g), "tidespec": ext(g)}
+        log_text(body, resp, g.request_id)
+        return resp
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
@@ -301,11 +319,13 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                 return {"index": 0, "delta": delta, "finish_reason": r}
             return stream(ids, body, "chat.completion.chunk", choice)
         g = await run(ids, body)
-        return {"id": f"chatcmpl-{g.request_id}", "object": "chat.completion", "created": int(time.time()),
+        resp = {"id": f"chatcmpl-{g.request_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text(g.tokens)},
                              "finish_reason": g.finish_reason}],
                 "usage": usage(g), "tidespec": ext(g)}
+        log_text(body, resp, g.request_id)
+        return resp
 
     @app.get("/health")
     def health():

@@ -35,6 +35,10 @@ class Workspace:
     def capture_dir(self, target_id: str) -> Path:
         return self.data / "capture" / target_id[:12]
 
+    def text_capture_dir(self, target_id: str) -> Path:
+        """Text capture of `tidespec serve` (`capture.mode: text`): Data Capture JSON Lines."""
+        return self.data / "capture" / f"{target_id[:12]}-text"
+
     def ingest_dir(self, target_id: str) -> Path:
         """Capture dir of ingested production traffic (its own writer: a live server keeps its own)."""
         return self.data / "capture" / f"{target_id[:12]}-ingest"

@@ -45,7 +45,7 @@ def default_sources(params: Params, target_id: str) -> list[str]:
     """`ingest.sources`, else `<data capture destination>/<endpoint>/` of every deploy.sagemaker
     profile (data capture on)."""
     if params.ingest.sources:
-        return [s.rstrip("/") + "/" for s in params.ingest.sources]
+        return [s.rstrip("/") + "/" if s.startswith("s3://") else s for s in params.ingest.sources]
     sm = params.deploy.sagemaker
     dc = data_capture_config(sm) if sm is not None else None
     if dc is None:
@@ -92,8 +92,15 @@ def captured_ids(capture_dir: Path, snapshots_root: Path, target_id: str) -> set
 
 
 def list_objects(s3, source: str) -> list[dict]:
-    """Capture objects (`*.jsonl`) under an `s3://bucket/prefix/` source, oldest key first (keys
-    carry the hour): [{"key", "etag", "size"}]."""
+    """Capture objects (`*.jsonl`) under a source, oldest key first (keys carry the hour):
+    [{"key", "etag", "size"}]. `s3://bucket/prefix/`: listed with `s3` (the key is the S3 key);
+    a local directory (the text capture of `tidespec serve`, `capture.mode: text`): its files (the
+    key is the path relative to it, the etag its size and mtime)."""
+    if not source.startswith("s3://"):
+        root = Path(source)
+        return sorted(({"key": str(p.relative_to(root)), "etag": f"{p.stat().st_size}-{p.stat().st_mtime_ns}",
+                        "size": p.stat().st_size} for p in root.rglob("*.jsonl") if p.is_file()),
+                      key=lambda o: o["key"])
     bucket, prefix = aws.parse_s3_uri(source)
     out = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
@@ -102,16 +109,24 @@ def list_objects(s3, source: str) -> list[dict]:
     return sorted(out, key=lambda o: o["key"])
 
 
+def read_object(s3, source: str, key: str) -> bytes:
+    """The bytes of one capture object (S3 GetObject, or the local file)."""
+    if not source.startswith("s3://"):
+        return (Path(source) / key).read_bytes()
+    return s3.get_object(Bucket=aws.parse_s3_uri(source)[0], Key=key)["Body"].read()
+
+
 def _workload(params: Params, source: str) -> str:
-    """`ingest.workload`, else the endpoint name: the last part of the source prefix."""
+    """`ingest.workload`, else the endpoint name: the last part of the source prefix (or directory)."""
     if params.ingest.workload:
         return params.ingest.workload
-    return aws.parse_s3_uri(source)[1].rstrip("/").rsplit("/", 1)[-1] or "endpoint"
+    prefix = aws.parse_s3_uri(source)[1] if source.startswith("s3://") else source
+    return prefix.rstrip("/").rsplit("/", 1)[-1] or "endpoint"
 
 
 def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, writer: CaptureWriter,
                   progress=None) -> dict:
-    """Ingest every object of `source` not in its ledger. Returns counts: objects, records,
+    """Ingest every object of `source` (S3 prefix or local directory) not in its ledger. Returns counts: objects, records,
     rehydrated, regenerated, skipped {reason: n} (parse reasons + `duplicate_event`, `too_long`,
     `unsupported_request`, `write_dropped`). Raises AWS errors (listing/reading) and
     ValueError for a source that is not an S3 URI; the ledger and the records stay consistent."""
@@ -123,11 +138,10 @@ def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, w
     eos = target.cfg.eos_token_ids[0]
     engine = Engine(target, None, 1, params.engine.max_seq_len)  # regenerates missing responses
     rep = {"source": source, "objects": 0, "records": 0, "rehydrated": 0, "regenerated": 0, "skipped": Counter()}
-    bucket, _ = aws.parse_s3_uri(source)
     for obj in list_objects(s3, source):
         if obj["key"] in done:
             continue
-        body = s3.get_object(Bucket=bucket, Key=obj["key"])["Body"].read()
+        body = read_object(s3, source, obj["key"])
         exchanges, reasons = parse_object(body, model=params.ingest.served_model)
         rep["skipped"].update({k: v for k, v in reasons.items() if k != "missing_response"})
         wl, n_obj = _workload(params, source), 0
