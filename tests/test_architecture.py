@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("adapters", ("registry", "versioning", "orchestrate", "events", "services", "aws", "train.sagemaker", "capture.ingest",
                   "deploy", "deploy.sagemaker", "deploy.local", "engine.sglang", "capture.publish")),
     ("steps", ("cycle",)),
-    ("entry points", ("flows", "flows.cycle", "flows.train", "flows.capture", "demo", "bench", "bench.*", "cli")),
+    ("entry points", ("flows", "flows.cycle", "flows.train", "flows.capture", "demo", "demo_sagemaker", "bench", "bench.*", "cli")),
 ]
 
 

@@ -45,8 +45,14 @@ def fetch():
 
 
 @app.command()
-def demo(root: Path = ROOT, params: Path = PARAMS):
+def demo(root: Path = ROOT, params: Path = PARAMS,
+         sagemaker: bool = typer.Option(False, "--sagemaker", help="the production loop on a local moto server: "
+                                        "endpoint with data capture → tide_capture → tide_cycle → tuned window")):
     """Run one full TIDE cycle on CPU and print no-spec / static / adapted side by side."""
+    if sagemaker:
+        from .demo_sagemaker import run_demo_sagemaker
+        run_demo_sagemaker(root, params)
+        return
     from .demo import run_demo
     run_demo(root, params)
 

@@ -91,7 +91,8 @@ def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env:
     api, uri = env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"]
     if not (root / "prefect.yaml").exists() or Path(params_path).resolve() != (root / "params.yaml").resolve():
         console.print("no prefect.yaml here or another params file: running tide_cycle in-process")
-        with console.status("Prefect flow tide_cycle: curate → train → evaluate → register → deploy"):
+        with console.status("Prefect flow tide_cycle: curate → train → evaluate → register → deploy"), \
+                orchestrate.using_api(api):
             return tide_cycle(root=str(root), params_path=str(params_path), target_id=tid, snapshot_rev=rev,
                                    tracking_uri=uri)
     with console.status("prefect deploy (prefect.yaml: tide-cycle, tide-train)"):

@@ -9,6 +9,7 @@ Flow runs pass paths/URIs only (Prefect docs: "Deployments", "Event triggers", "
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -65,6 +66,16 @@ def retry_if_transient(task, task_run, state) -> bool:
 
 
 # -- deployments ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def using_api(api_url: str):
+    """Run flows called in-process inside this block against the Prefect server at `api_url`.
+    Prefect reads PREFECT_API_URL into its settings when it is imported, so setting the environment
+    afterwards is not enough (a flow would start a temporary server of its own)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        yield
+
+
 def ensure_pools(api_url: str, names: list[str], pool_type: str = "process") -> list[str]:
     """Create the work pools in `names` that the server at `api_url` lacks (type `pool_type`);
     return the ones created. `prefect deploy --no-prompt` refuses a deployment on a missing pool."""

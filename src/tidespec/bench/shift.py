@@ -36,8 +36,8 @@ from pathlib import Path
 
 import yaml
 
+from .. import orchestrate, registry, services
 from .. import prompts as P
-from .. import registry, services
 from ..assets import cache_dir
 from ..bootstrap import prompt_ids
 from ..capture.writer import CaptureWriter
@@ -265,8 +265,9 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
                 break
             t = time.perf_counter()
             progress(f"{phase}: snapshot {snap.snapshot_id} sealed ({snap.num_tokens} tokens) → tide_cycle")
-            res = flow(root=str(work), params_path=str(work / "params.yaml"), target_id=tid,
-                       snapshot_rev=snap.snapshot_id, tracking_uri=uri, trigger="bench-shift")
+            with orchestrate.using_api(os.environ["PREFECT_API_URL"]):  # the servers `run` started
+                res = flow(root=str(work), params_path=str(work / "params.yaml"), target_id=tid,
+                           snapshot_rev=snap.snapshot_id, tracking_uri=uri, trigger="bench-shift")
             secs = time.perf_counter() - t
             rec = {"phase": phase, "snapshot": snap.snapshot_id, "snapshot_tokens": snap.num_tokens,
                    "cycle_s": secs, "skipped": res.get("skipped")}

@@ -50,8 +50,8 @@ from .. import aws
 from ..assets import sha256_file
 from ..aws import NAME_RE, parse_s3_uri
 from ..config import Params
-from ..errors import TidespecError
 from ..engine.stats import tau_by_k
+from ..errors import TidespecError
 from ..models.eagle3 import load_checkpoint
 from ..sagemaker_config import CanaryParams, EndpointProfile, SageMakerDeployParams
 from ..workspace import read_version
