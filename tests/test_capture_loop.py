@@ -77,6 +77,8 @@ def test_endpoint_traffic_closes_the_loop(tmp_path, tiny_target_dir):
     mp = pytest.MonkeyPatch()
     for k, v in env.items():
         mp.setenv(k, v)
+    api = orchestrate.using_api(env["PREFECT_API_URL"])  # Prefect read its settings at import: point it here
+    api.__enter__()
     try:
         proj = tmp_path / "proj"
         proj.mkdir()
@@ -148,5 +150,6 @@ def test_endpoint_traffic_closes_the_loop(tmp_path, tiny_target_dir):
         assert sorted(read_ledger(ledger_path(ws, src))) == [f"{key}/12/00-00-000-a.jsonl",
                                                                f"{key}/13/00-00-000-b.jsonl"]
     finally:
+        api.__exit__(None, None, None)
         mp.undo()
         services.down(state)
