@@ -170,3 +170,27 @@ def test_kill9_at_random_points_loses_nothing_counts_nothing_twice(project):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert _ids(ws, target) == sorted(want)
+
+
+def test_a_writer_that_drops_stops_the_ingest_without_losing_the_object(project):
+    """A full capture quota: the ingest stops at that object without its ledger line; the next run
+    (space freed) writes every valid exchange exactly once."""
+    from tidespec import aws
+    from tidespec.capture.ingest import default_sources, ingest_source, ledger_path, read_ledger
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.config import load_params
+    from tidespec.runtime import get_target
+    from tidespec.workspace import Workspace
+    root, want, _ = project
+    ws, params = Workspace(root), load_params(root / "params.yaml")
+    target, tok = get_target(params)
+    (src,) = default_sources(params, target.target_id)
+    tiny = params.capture.model_copy(update={"disk_quota_mb": 0.001, "min_free_disk_mb": 0})  # 1 kB: the first shard
+    w = CaptureWriter.from_params(ws.ingest_dir(target.target_id), target.target_id, tiny)
+    try:
+        rep = ingest_source(src, aws.client("s3"), ws, params, target, tok, w)
+    finally:
+        w.close()
+    assert "stopped" in rep and rep["objects"] == 0 and read_ledger(ledger_path(ws, src)) == {}
+    (again,), ws, target = _ingest(root)
+    assert again["objects"] == 3 and _ids(ws, target) == sorted(want)

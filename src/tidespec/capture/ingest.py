@@ -128,8 +128,10 @@ def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, w
                   progress=None) -> dict:
     """Ingest every object of `source` (S3 prefix or local directory) not in its ledger. Returns counts: objects, records,
     rehydrated, regenerated, skipped {reason: n} (parse reasons + `duplicate_event`, `too_long`,
-    `unsupported_request`, `write_dropped`). Raises AWS errors (listing/reading) and
-    ValueError for a source that is not an S3 URI; the ledger and the records stay consistent."""
+    `unsupported_request`, `unsupported_response`, `empty_response`), and `stopped` (why) when the
+    capture writer refused a record: that object gets no ledger line and is read again next time.
+    Raises AWS errors (listing/reading) and ValueError for a target without a tokenizer or a bad
+    S3 URI; the ledger and the records stay consistent."""
     if tok is None:
         raise ValueError(f"target {params.target.source} has no tokenizer: endpoint text cannot be tokenized")
     led = ledger_path(ws, source)
@@ -144,7 +146,7 @@ def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, w
         body = read_object(s3, source, obj["key"])
         exchanges, reasons = parse_object(body, model=params.ingest.served_model)
         rep["skipped"].update({k: v for k, v in reasons.items() if k != "missing_response"})
-        wl, n_obj = _workload(params, source), 0
+        wl, n_obj, dropped0 = _workload(params, source), 0, writer.stats().dropped_total
         for ex in exchanges:
             if ex.event_id in seen:
                 rep["skipped"]["duplicate_event"] += 1
@@ -166,23 +168,42 @@ def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, w
                     continue
                 gen, origin = regenerate(engine, prompt, n_new), "regenerated"
             else:
-                gen = completion_ids(tok, ex.response_text, ex.finish_reason, eos)[:room]  # cut at the context
+                try:
+                    gen = completion_ids(tok, ex.response_text, ex.finish_reason, eos)[:room]  # cut at the context
+                except ValueError:  # e.g. finish_reason tool_calls: the text is not all the target generated
+                    rep["skipped"]["unsupported_response"] += 1
+                    continue
             if not gen:
                 rep["skipped"]["empty_response"] += 1
                 continue
-            rec = rehydrate(target, prompt, gen)
+            try:
+                rec = rehydrate(target, prompt, gen)
+            except ValueError:  # ids outside the target's vocabulary (another tokenizer's traffic)
+                rep["skipped"]["unsupported_request"] += 1
+                continue
             text = {"prompt": json.dumps(ex.request.get("messages", ex.request.get("prompt"))),
                     "completion": ex.response_text or tok.decode(gen, skip_special_tokens=True)}
+            # acceptance_length 0.0: no serving-time τ for endpoint traffic (acceptance_rate None: not filtered)
             if not writer.submit(rec, request_id=ex.event_id, workload=wl, acceptance_length=0.0, prompt_id=ex.event_id,
                                  text=text, origin=origin):
-                rep["skipped"]["write_dropped"] += 1  # counted by the writer too (disk quota/full, closed)
-                continue
+                # the writer refused it (disk quota/full, closed; counted there): stop here without a ledger
+                # line, so the next run reads this object again (what was written is deduplicated by event id)
+                writer.flush()
+                rep["stopped"] = (f"capture writer dropped {ex.event_id} in {obj['key']} (disk quota or full): "
+                                  "the object stays unread; free space or seal, then ingest again")
+                rep["skipped"] = dict(rep["skipped"])
+                return rep
             seen.add(ex.event_id)
             rep[origin] += 1
             n_obj += 1
             if n_obj % FLUSH_EVERY == 0:
                 writer.flush()
         writer.flush()  # this object's records are on disk before its ledger line
+        if writer.stats().dropped_total > dropped0:  # a batch dropped at write time (quota, full disk, error)
+            rep["stopped"] = (f"capture writer dropped records of {obj['key']} (disk quota or full): the object "
+                              "stays unread; free space or seal, then ingest again")
+            rep["skipped"] = dict(rep["skipped"])
+            return rep
         append_ledger(led, {"key": obj["key"], "etag": obj["etag"], "records": n_obj, "skipped": dict(reasons)})
         rep["objects"] += 1
         rep["records"] += n_obj
