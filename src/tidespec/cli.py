@@ -263,7 +263,11 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
           timeout_s: float = typer.Option(None, min=0.001, help="per-request timeout, s (504 after; default "
                                                                 "serve.request_timeout_s)"),
           max_tokens: int = typer.Option(None, min=1, help="cap of a request's max_tokens (default "
-                                                           "serve.max_tokens, else engine.max_new_tokens)")):
+                                                           "serve.max_tokens, else engine.max_new_tokens)"),
+          backend: str = typer.Option("embedded", help="embedded (this engine) | sglang (front door to an SGLang "
+                                                       "server's OpenAI routes, text capture)"),
+          sglang_url: str = typer.Option(None, help="the SGLang server for --backend sglang, e.g. "
+                                                    "http://127.0.0.1:30000")):
     """OpenAI-compatible server (/v1/completions, /v1/chat/completions, /health, /metrics,
     /admin/draft with $TIDESPEC_ADMIN_TOKEN) on the target + the served champion draft."""
     import uvicorn
@@ -277,6 +281,13 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     p, ws = load_params(params), _ws(root)
     if timeout_s is not None and not timeout_s < float("inf"):
         raise typer.BadParameter("--timeout-s must be finite")
+    if backend not in ("embedded", "sglang"):
+        raise typer.BadParameter(f"--backend {backend!r}: embedded or sglang")
+    if (backend == "sglang") != (sglang_url is not None):
+        raise typer.BadParameter("--sglang-url goes with --backend sglang (and only with it)")
+    if backend == "sglang":
+        _serve_frontdoor(p, ws, sglang_url, capture, host, port, timeout_s, max_queue, max_tokens)
+        return
     flags = {"max_queue": max_queue, "request_timeout_s": timeout_s, "max_tokens": max_tokens}
     p = p.model_copy(update={"serve": p.serve.model_copy(update={k: v for k, v in flags.items() if v is not None})})
     target, tok = get_target(p)
@@ -295,6 +306,25 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     finally:
         if writer is not None:
             writer.close()
+
+
+def _serve_frontdoor(p, ws, url: str, capture: bool, host: str, port: int, timeout_s, max_queue, max_tokens) -> None:
+    """`tidespec serve --backend sglang`: the OpenAI front door (`frontdoor.py`) before an SGLang server.
+    Capture there is text (a front door sees no hidden states): capture.mode must say so."""
+    import uvicorn
+
+    from .capture.text import TextCapture
+    from .frontdoor import build_frontdoor
+    from .runtime import target_id
+    for flag, v in (("--max-queue", max_queue), ("--max-tokens", max_tokens)):
+        if v is not None:
+            raise typer.BadParameter(f"{flag} applies to the embedded engine; SGLang has its own limits "
+                                     "(--max-running-requests, --max-total-tokens)")
+    if capture and p.capture.mode != "text":
+        raise typer.BadParameter("--backend sglang sees text only: set capture.mode: text in params.yaml, "
+                                 "or pass --no-capture")
+    text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture.sample_rate) if capture else None
+    uvicorn.run(build_frontdoor(url, text, timeout_s or p.serve.request_timeout_s), host=host, port=port)
 
 
 def _registry_loader(target_id: str, ws):

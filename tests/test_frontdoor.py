@@ -1,0 +1,71 @@
+"""The OpenAI front door before an SGLang-like backend (stand-in: tidespec's own OpenAI server on the
+tiny target in a uvicorn thread; the real SGLang server test stays gpu-marked in test_sglang.py):
+bodies and streams pass through unchanged, errors keep their status, exchanges are text-captured
+and ingest into the live records, a dead backend is a 502 in OpenAI's envelope."""
+from __future__ import annotations
+
+import json
+import shutil
+
+from fastapi.testclient import TestClient
+
+from conftest import add_tiny_word_tokenizer, tiny_params_yaml
+
+
+def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
+    from tidespec.bench.serve import serve_in_thread
+    from tidespec.capture.ingest import ingest_source
+    from tidespec.capture.store import read_manifest
+    from tidespec.capture.text import TextCapture
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.config import ServeParams, load_params
+    from tidespec.engine.speculative import Engine
+    from tidespec.frontdoor import build_frontdoor
+    from tidespec.models.target import load_target
+    from tidespec.server import build_app
+    from tidespec.workspace import Workspace
+
+    tdir = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, tdir)
+    add_tiny_word_tokenizer(tdir)
+    target, tok = load_target(tdir)
+    backend = serve_in_thread(build_app(Engine(target, None, 3, 256), tok, ServeParams(max_tokens=10)))
+    text = TextCapture(tmp_path / "text")
+    try:
+        direct = TestClient(build_app(Engine(target, None, 3, 256), tok, ServeParams(max_tokens=10)))
+        with TestClient(build_frontdoor(backend.url, text)) as c:
+            chat = {"messages": [{"role": "user", "content": "t7 t99 t300"}], "max_tokens": 8, "temperature": 0}
+            r = c.post("/v1/chat/completions", json=chat)
+            want = direct.post("/v1/chat/completions", json=chat).json()
+            assert r.status_code == 200
+            got = r.json()
+            assert got["choices"] == want["choices"] and got["tidespec"]["token_ids"] == want["tidespec"]["token_ids"]
+            with c.stream("POST", "/v1/completions", json={"prompt": "t60 t61", "max_tokens": 6, "stream": True}) as s:
+                assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+                lines = [ln for ln in s.iter_lines() if ln]
+            assert lines[-1] == "data: [DONE]" and len(lines) > 2
+            bad = c.post("/v1/completions", json={"prompt": [], "max_tokens": 4})  # the backend's 4xx, unchanged
+            assert bad.status_code == direct.post("/v1/completions", json={"prompt": [], "max_tokens": 4}).status_code
+            assert bad.status_code >= 400
+            m = c.get("/metrics").text
+            assert 'tidespec:frontdoor_requests_total{route="/v1/chat/completions",status="200"} 1.0' in m
+            streamed = json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"]  # its last chunk's usage
+            assert f"tidespec:generation_tokens_total {float(want['usage']['completion_tokens'] + streamed)}" in m
+            assert c.get("/health").json()["backend_status"] == 200
+    finally:
+        backend.stop()
+        text.close()
+    # two successful exchanges captured (the refused one is not), and they ingest into records
+    (f,) = list((tmp_path / "text").rglob("*.jsonl"))
+    assert len(f.read_text().splitlines()) == 2
+    (tmp_path / "params.yaml").write_text(tiny_params_yaml(tdir))
+    w = CaptureWriter(tmp_path / "ingested", target.target_id)
+    rep = ingest_source(str(tmp_path / "text"), None, Workspace(tmp_path), load_params(tmp_path / "params.yaml"),
+                        target, tok, w)
+    w.close()
+    assert rep["records"] == 2 and rep["skipped"] == {} and len(read_manifest(tmp_path / "ingested")) == 2
+    # the backend gone: 502 in OpenAI's error envelope, and /health says so
+    with TestClient(build_frontdoor(backend.url, None, timeout_s=2)) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "t7"}]})
+        assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 503
