@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..bootstrap import prompt_ids
+from ..capture.text import TextCapture
 from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.speculative import Engine
@@ -30,7 +31,7 @@ from ..engine.stats import itl_percentiles
 from ..prompts import load
 from ..runtime import get_target
 
-CONFIGS = ("off", "raw", "zstd", "hung_disk")
+CONFIGS = ("off", "raw", "zstd", "hung_disk", "text")
 
 
 def _hang(w: CaptureWriter, gate: threading.Event) -> None:
@@ -56,13 +57,15 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
                                 compression="none" if c == "raw" else "zstd", idle_flush_s=3600.0)
                for c in CONFIGS if c != "off"}
     _hang(writers["hung_disk"], gate)
+    text = TextCapture(tmp / "text")  # capture.mode: text — request/response bodies, logged after the response
+    text_stats = {"bytes": 0, "tokens": 0, "cpu_s": 0.0, "wall_s": 0.0, "records": 0}
     engines = {c: Engine(target, None, 1, params.engine.max_seq_len, capture=writers.get(c)) for c in CONFIGS}
     acc = {c: {"itl": [], "tokens": 0, "seconds": 0.0} for c in CONFIGS}
     n = 0
     for r in range(rounds):
         progress(f"round {r + 1}/{rounds}: {len(prompts)} prompts × {len(CONFIGS)} configurations")
         for ids in prompts:
-            order = CONFIGS[n % 4:] + CONFIGS[:n % 4]
+            order = CONFIGS[n % len(CONFIGS):] + CONFIGS[:n % len(CONFIGS)]
             n += 1
             for c in order:
                 g = engines[c].generate(ids, max_new_tokens, speculative=False, workload="code")
@@ -70,6 +73,19 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
                 a["itl"] += g.timing.itl_ms()
                 a["tokens"] += len(g.tokens)
                 a["seconds"] += g.timing.prefill_s + g.timing.decode_s
+                if c == "text":  # on the request's path after its last token (as the server logs it)
+                    c0, w0 = time.thread_time(), time.perf_counter()
+                    req = {"model": "tidespec", "prompt": tok.decode(ids), "max_tokens": max_new_tokens}
+                    resp = {"object": "text_completion", "choices": [
+                        {"index": 0, "text": tok.decode(g.tokens, skip_special_tokens=True),
+                         "finish_reason": g.finish_reason}]}
+                    text_stats["bytes"] += text.log(g.request_id, req, resp)
+                    text_stats["cpu_s"] += time.thread_time() - c0
+                    dt = time.perf_counter() - w0
+                    text_stats["wall_s"] += dt
+                    a["seconds"] += dt
+                    text_stats["tokens"] += len(ids) + len(g.tokens) - 1  # the tokens a hidden-state record holds
+                    text_stats["records"] += 1
     gate.set()
     rows = {}
     for c, a in acc.items():
@@ -78,6 +94,15 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
             writers[c].close()
             st = writers[c].stats()
         ct = st.tokens_total if st else 0
+        if c == "text":
+            text.close()
+            ts = text_stats
+            rows[c] = {**itl_percentiles(a["itl"]), "tokens_per_s": a["tokens"] / a["seconds"],
+                       "bytes_per_token": ts["bytes"] / ts["tokens"], "dropped": {},
+                       "writer_cpu_us_per_token": 1e6 * ts["cpu_s"] / ts["tokens"],
+                       "writer_cpu_share": ts["cpu_s"] / a["seconds"],
+                       "writer_wall_ms_per_shard": 1e3 * ts["wall_s"] / ts["records"]}
+            continue
         rows[c] = {**itl_percentiles(a["itl"]), "tokens_per_s": a["tokens"] / a["seconds"],
                    "bytes_per_token": st.bytes_per_token if ct else None, "dropped": st.dropped if st else {},
                    # the writer thread's CPU per captured token, against the serving time
@@ -118,6 +143,9 @@ def markdown(rep: dict) -> str:
                      f"{r['tokens_per_s']:.1f} | {r['tokens_per_s_ratio']:.3f}× | {bpt} | {cpu} | {share} | "
                      f"{sum(r['dropped'].values()) or 0} |")
     lines += ["", f"Raw record size: (3H + H) bf16 + int32 id + uint8 mask = {s['raw_bytes_per_token']} bytes/token. "
+              "text (capture.mode: text): the request and response bodies in the Data Capture format, one "
+              "fsynced line per request, logged on the request's path after its last token (counted in tokens/s; "
+              "ITL untouched); bytes/token per token a hidden-state record would hold. "
               "hung_disk: the writer blocks in its first shard write until the end; the engine never waits, "
               "the overflow is dropped and counted. Ratios are measured side by side in one run (interleaved "
               "per prompt, rotating order); "
