@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
+from prefect.logging.handlers import APILogHandler
 from rich.console import Console
 from rich.table import Table
 
@@ -131,6 +132,7 @@ def run_demo_sagemaker(root: Path, params_path: Path) -> dict:
     console.print(f"version {dec['version']}: promoted={dec['promoted']} ({dec['reason']}); tuned window for "
                   f"profile gpu: k={dec['tuned_k'].get('gpu')} (0 = speculation off); the update "
                   f"`tidespec deploy sagemaker --profile gpu` applies: {json.dumps(spec_env)}", highlight=False)
+    APILogHandler.flush()  # the flow runs' logs reach the server before it stops
     services.down(ws.state / "services")
     out = {"tau_before": rep["champion"]["acceptance_length"] if rep["champion"] else None,
            "tau_after": rep["candidate"]["acceptance_length"], "tuned_k": dec["tuned_k"], "promoted": dec["promoted"],
