@@ -52,6 +52,7 @@ def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
             streamed = json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"]  # its last chunk's usage
             assert f"tidespec:generation_tokens_total {float(want['usage']['completion_tokens'] + streamed)}" in m
             assert c.get("/health").json()["backend_status"] == 200
+            assert c.get("/v1/models").status_code == direct.get("/v1/models").status_code  # the backend's answer
     finally:
         backend.stop()
         text.close()

@@ -132,22 +132,26 @@ def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.
     async def chat(request: Request):
         return await forward("/v1/chat/completions", request)
 
+    async def backend_get(path: str, down_status: int):
+        """GET `path` on the backend: (response, None), or (None, the error reply with `down_status`)."""
+        try:
+            return await client.get(base + path), None
+        except httpx.HTTPError as e:
+            return None, _error(down_status, f"backend {base} unreachable: {e}")
+
     @app.get("/v1/models")
     async def models():
-        try:
-            r = await client.get(base + "/v1/models")
-        except httpx.HTTPError as e:
-            return _error(502, f"backend {base} unreachable: {e}")
-        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        r, err = await backend_get("/v1/models", 502)
+        return err or Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     @app.get("/health")
     async def health():
-        try:
-            r = await client.get(base + "/health")
-        except httpx.HTTPError as e:
-            return _error(503, f"backend {base} unreachable: {e}")
-        return JSONResponse({"status": "ok" if r.status_code == 200 else "backend unhealthy", "backend": base,
-                             "backend_status": r.status_code}, status_code=200 if r.status_code == 200 else 503)
+        r, err = await backend_get("/health", 503)
+        if err:
+            return err
+        ok = r.status_code == 200
+        return JSONResponse({"status": "ok" if ok else "backend unhealthy", "backend": base,
+                             "backend_status": r.status_code}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     def prom():
