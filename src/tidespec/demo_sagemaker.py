@@ -45,11 +45,11 @@ ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"  # moto checks no IAM
 N_PROMPTS, MAX_NEW = 32, 80
 
 
-def capture_objects(served: list[tuple[str, str, list[int], str, str]], prefix: str) -> dict[str, str]:
-    """What Data Capture writes for these exchanges (id, user text, -, response text, finish):
+def capture_objects(served: list[tuple[str, str, str, str]], prefix: str) -> dict[str, str]:
+    """What Data Capture writes for these exchanges (event id, user text, response text, finish reason):
     two hourly objects of JSON Lines (`capture.text.capture_line` is the same layout)."""
     lines = []
-    for eid, text, _, reply, finish in served:
+    for eid, text, reply, finish in served:
         req = {"model": "tidespec", "messages": [{"role": "user", "content": text}], "max_tokens": MAX_NEW}
         resp = {"object": "chat.completion", "model": "tidespec", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": finish}]}
@@ -99,7 +99,7 @@ def run_demo_sagemaker(root: Path, params_path: Path) -> dict:
     eng = Engine(target, None, 1, params.engine.max_seq_len, max_batch=8)
     with console.status(f"the endpoint serves {len(ps)} HumanEval prompts (target, greedy, ≤{MAX_NEW} tokens)"):
         gens = eng.generate_batch([Request(prompt_ids(tok, p.text), MAX_NEW, speculative=False) for p in ps])
-    served = [(f"ev-{p.id}", p.text, None, tok.decode(g.tokens, skip_special_tokens=True), g.finish_reason)
+    served = [(f"ev-{p.id}", p.text, tok.decode(g.tokens, skip_special_tokens=True), g.finish_reason)
               for p, g in zip(ps, gens)]
     s3 = aws.client("s3")
     for key, body in capture_objects(served, f"tidespec/capture/{ep}").items():
