@@ -34,7 +34,17 @@ import torch
 from ..models.eagle3 import DraftRunner
 from ..models.target import Segment, Target
 from .adaptive import AdaptiveK
-from .sampling import GREEDY, SamplingParams, rejection_verify, sample, warp
+from .logits import RequestLogits
+from .sampling import (
+    GREEDY,
+    SamplingParams,
+    TokenLogprob,
+    logprobs_of,
+    rejection_verify,
+    sample,
+    token_logprobs,
+    warp,
+)
 from .stats import RequestTiming, SpecDecodingStats
 
 log = logging.getLogger(__name__)
@@ -44,8 +54,12 @@ log = logging.getLogger(__name__)
 class Generation:
     """Result of one request.
 
-    tokens: generated ids (prompt excluded); stats: per-request spec-decode counters; timing:
-    prefill and per-step wall times; record: capture tensors (when the request was captured):
+    tokens: generated ids (prompt excluded), cut exactly at the stop condition; stats: per-request
+    spec-decode counters (tokens cut off after a stop are never counted as accepted); timing:
+    prefill and per-step wall times; finish_reason: "stop" (EOS, a stop token id or a stop string),
+    "length" (max_new_tokens) or "abort" (`Engine.abort`); stop_reason: vLLM's — None for EOS or
+    length, the stop token id, or the stop string; logprobs: one `TokenLogprob` per token when the
+    request asked (`SamplingParams.logprobs`); record: capture tensors (when the request was captured):
     input_ids `[T]` int32, loss_mask `[T]` uint8, aux_hidden_states `[T, 3H]`, hidden_states `[T, H]`
     where T = tokens the target processed (prompt + generated minus the last, whose hidden state
     is never computed).
@@ -59,6 +73,8 @@ class Generation:
     draft_version: str | None = None
     record: dict[str, torch.Tensor] | None = None
     finish_reason: str = "length"
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -102,6 +118,9 @@ class Request:
     capture: None = ask the engine's capture sink at admission (no sink: not captured); True =
     collect the record (`Generation.record`; handed to the sink too when there is one); False = never.
     prompt_id: the prompt's id in its set (capture manifest), "" when unknown.
+    stop: stop-string check, called on the engine thread with each step's new tokens (already cut
+    at EOS / stop ids / max_new_tokens), in order; returns None, or (tokens of these to keep, the
+    stop string) to finish the request there (`detok.TextOutput` is one). Must not block.
     """
 
     prompt_ids: list[int]
@@ -114,13 +133,22 @@ class Request:
     workload: str = "default"
     on_tokens: Callable[[list[int]], None] | None = field(default=None, compare=False)
     prompt_id: str = ""
+    stop: Callable[[list[int]], tuple[int, str] | None] | None = field(default=None, compare=False)
 
 
 class _Seq:
     """Decode state of one running request."""
 
-    def __init__(self, req: Request, rid: str, draft, version, target: Target, max_len: int, capture: bool):
+    def __init__(self, req: Request, rid: str, draft, version, target: Target, max_len: int, capture: bool,
+                 eos: set[int]):
         self.req, self.rid, self.draft, self.version = req, rid, draft, version
+        self.lp = RequestLogits(req.sampling, req.prompt_ids, target.cfg.vocab_size, eos)
+        sp = req.sampling
+        self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if sp.logprobs is not None else None
+        self.aborted = False
         self.capture = capture  # collect hidden-state rows for a capture record
         self.cache = self.draft_cache = None  # KV caches: allocated on admission (`alloc`), not while queued
         self._target, self._max_len = target, max_len
@@ -149,22 +177,59 @@ class _Seq:
         self.cache = self._target.new_cache(self._max_len)
         self.draft_cache = self.draft.new_cache(self._max_len) if self.draft is not None else None
 
-    def emitted(self, new: list[int], eos: set[int]) -> None:
-        self.gen.extend(new)
-        self.next_token = new[-1]
-        self.finished = len(self.gen) >= self.req.max_new_tokens or any(t in eos for t in new)
-        if self.req.on_tokens is not None:  # streamed pieces hold no EOS until the last: scan only the new ones
-            fresh = self.gen[self.sent:self.req.max_new_tokens]
-            stop = next((i for i, t in enumerate(fresh) if t in eos), None)
-            fresh = fresh if stop is None else fresh[:stop + 1]
-            self.sent += len(fresh)
-            if fresh:
-                self.req.on_tokens(fresh)
+    def process(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """The request's transforms on verify rows `[n, V]` (row i after drafts[:i])."""
+        return self.lp.apply(logits, drafts) if self.lp.active else logits
 
-    def pick(self, logits: torch.Tensor) -> int:
+    def emit(self, new: list[int], rows: torch.Tensor) -> int:
+        """Append the verified tokens up to the first stop (max_new_tokens; EOS or a stop id once
+        min_tokens is reached; a stop string) and return how many were kept. rows: the processed
+        logits `[≥len(new), V]` the tokens were chosen from (for logprobs)."""
+        req, room = self.req, self.req.max_new_tokens - len(self.gen)
+        m = min(len(new), room)
+        if m == room:
+            self.finish_reason = "length"
+        for i, t in enumerate(new[:m]):
+            if t in self.stop_ids and len(self.gen) + i + 1 >= req.sampling.min_tokens:
+                m, self.finish_reason = i + 1, "stop"
+                self.stop_reason = t if t in req.sampling.stop_token_ids else None
+                break
+        if req.stop is not None and m:
+            hit = req.stop(new[:m])
+            if hit is not None:
+                m, self.finish_reason, self.stop_reason = hit[0], "stop", hit[1]
+        kept = new[:m]
+        self.gen.extend(kept)
+        self.lp.advance(kept)
+        if self.logprobs is not None and kept:
+            self.logprobs += token_logprobs(logprobs_of(rows[:m], req.sampling), kept, req.sampling.logprobs)
+        self.next_token = new[-1]
+        self.finished = self.finish_reason is not None
+        if req.on_tokens is not None and kept:
+            req.on_tokens(kept)
+        return m
+
+    def pick(self, row: torch.Tensor) -> int:
+        """A token from one processed row `[V]`: argmax, or a draw from the warped distribution."""
         if self.rng is None:
-            return int(logits.argmax())
-        return sample(warp(logits, self.req.sampling), self.rng)
+            return int(row.argmax())
+        return sample(warp(row, self.req.sampling), self.rng)
+
+    def propose(self, draft_logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft token j (target id `[1]`) and, when sampling, its proposal distribution `[V]`.
+        With transforms, the draft's logits are mapped into the target vocab and transformed with
+        prefix drafts[:j], so the proposal follows the same rules as the verification."""
+        sp = self.req.sampling
+        if self.lp.active:
+            x = self.lp.apply(self.draft.to_target_logits(draft_logits)[None], self.drafts, start=j)[0]
+            if self.rng is None:
+                return x.argmax().view(1), None
+            q = warp(x, sp)
+        elif self.rng is None:
+            return self.draft.to_target_ids(draft_logits.argmax().view(1)), None
+        else:
+            q = self.draft.to_target_probs(warp(draft_logits, sp))
+        return torch.multinomial(q, 1, generator=self.rng), q
 
 
 def _by_draft(seqs: list[_Seq]):
@@ -206,6 +271,7 @@ class Engine:
         self._draft = draft
         self._draft_version = draft_version
         self._waiting: list[_Seq] = []
+        self._seqs: dict[str, _Seq] = {}  # request id → state, waiting or running (abort)
         self._running: list[_Seq] = []
         if draft is not None:
             self._check_draft(draft)
@@ -264,6 +330,11 @@ class Engine:
             raise ValueError("sampling must be a SamplingParams")
         if not isinstance(req.workload, str):
             raise ValueError(f"workload must be a string label, got {type(req.workload).__name__}")
+        for t in list(req.sampling.logit_bias) + list(req.sampling.stop_token_ids):
+            if t >= V:
+                raise ValueError(f"token id {t} in logit_bias / stop_token_ids is outside the vocabulary [0, {V})")
+        if req.stop is not None and not callable(req.stop):
+            raise ValueError("stop must be a callable (a stop-string check) or None")
         k = self._k_max(req) if req.speculative else 0
         need = len(req.prompt_ids) + req.max_new_tokens + k + 1
         if need > self.max_seq_len:
@@ -278,10 +349,32 @@ class Engine:
         capture = req.capture if req.capture is not None else self._wanted(rid)
         with self._lock:
             draft, version = (self._draft, self._draft_version) if req.speculative else (None, None)
-            seq = _Seq(req, rid, draft, version, self.target, self.max_seq_len, bool(capture))
+            if rid in self._seqs:
+                raise ValueError(f"request id {rid!r} is already in flight; request ids must be unique")
+            seq = _Seq(req, rid, draft, version, self.target, self.max_seq_len, bool(capture), self._eos)
             seq.stats = SpecDecodingStats(self._k_max(req) if draft is not None else 0)
             self._waiting.append(seq)
+            self._seqs[rid] = seq
         return seq.future
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request (client gone, cancelled): a queued one resolves now, a running one at the
+        start of the next step, before any more compute; its KV caches are freed and it is never
+        captured. Its Future resolves to a Generation with finish_reason "abort" and the tokens
+        generated so far. Returns False for an unknown or finished request id."""
+        with self._lock:
+            s = self._seqs.get(request_id)
+            if s is None or s.finished:
+                return False
+            s.aborted = True
+            queued = s in self._waiting
+            if queued:
+                self._waiting.remove(s)
+                self._seqs.pop(request_id, None)
+        if queued:
+            s.finish_reason = "abort"
+            s.future.set_result(self._finish(s))
+        return True
 
     def _wanted(self, rid: str) -> bool:
         """The capture sink's admission answer; a sink that fails is logged and the request served
@@ -337,8 +430,16 @@ class Engine:
             with self._lock:
                 n_new = max(0, self.max_batch - len(self._running))
                 new, self._waiting = self._waiting[:n_new], self._waiting[n_new:]
-            new = [s for s in new if s.future.set_running_or_notify_cancel()]
-            running = self._running
+            started = [s.future.set_running_or_notify_cancel() for s in new]
+            with self._lock:
+                for s, ok in zip(new, started):
+                    if not ok:
+                        self._seqs.pop(s.rid, None)
+            new = [s for s, ok in zip(new, started) if ok]
+            for s in [s for s in self._running if s.aborted]:
+                s.finish_reason = "abort"
+                results.append((s, self._finish(s)))
+            running = self._running = [s for s in self._running if not s.aborted]
             t0 = time.perf_counter()
             try:
                 for s in new:
@@ -368,10 +469,13 @@ class Engine:
                         results.append((s, s.error if s.error is not None else self._finish(s)))
                     except Exception as e:  # noqa: BLE001
                         results.append((s, e))
+        with self._lock:
+            for s, _ in results:
+                self._seqs.pop(s.rid, None)
         for s, r in results:  # outside the lock
             s.cache = s.draft_cache = None  # free the KV memory now
             s.backlog = []
-            if s.capture and self.capture is not None and not isinstance(r, BaseException):
+            if s.capture and self.capture is not None and not s.aborted and not isinstance(r, BaseException):
                 try:  # after the step lock: a slow sink cannot stall the batch; a failing one never fails the request
                     self.capture.submit_generation(r, s.req.workload, s.req.prompt_id)
                 except Exception:  # noqa: BLE001
@@ -411,11 +515,8 @@ class Engine:
         for j in range(max((s.k for s in seqs), default=0)):
             active = [s for s in seqs if s.k > j]
             for s in active:
-                if s.rng is None:
-                    d = s.draft.to_target_ids(s.draft_logits.argmax().view(1))
-                else:
-                    q = s.draft.to_target_probs(warp(s.draft_logits, s.req.sampling))
-                    d = torch.multinomial(q, 1, generator=s.rng)
+                d, q = s.propose(s.draft_logits, j)
+                if q is not None:
                     s.draft_probs.append(q)
                 s.drafts.append(int(d))
                 s.last_draft = d
@@ -433,7 +534,8 @@ class Engine:
 
     def _after_prefill(self, s: _Seq, out, ttft_s: float) -> None:
         prompt = torch.tensor(s.req.prompt_ids, dtype=torch.int64)
-        s.emitted([s.pick(out.logits[-1])], self._eos)
+        rows = s.process(out.logits[-1:], [])
+        s.emit([s.pick(rows[0])], rows)
         s.k = 0
         if s.capture:
             s.rows.add(out, len(prompt))
@@ -443,40 +545,36 @@ class Engine:
 
     def _after_verify(self, s: _Seq, out, dt: float) -> None:
         k, L = s.k, s.cache.length - s.k - 1
+        rows = s.process(out.logits, s.drafts)  # row i given the output + drafts[:i]
         if k == 0:
-            n, new = 0, [s.pick(out.logits[0])]
+            n, new = 0, [s.pick(rows[0])]
         elif s.rng is None:
-            preds = out.logits.argmax(-1).tolist()
+            preds = rows.argmax(-1).tolist()
             n = 0
             while n < k and s.drafts[n] == preds[n]:
                 n += 1
             new = s.drafts[:n] + [preds[n]]
         else:
-            n, tok = rejection_verify(warp(out.logits, s.req.sampling), torch.stack(s.draft_probs), s.drafts, s.rng)
+            n, tok = rejection_verify(warp(rows, s.req.sampling), torch.stack(s.draft_probs), s.drafts, s.rng)
             new = s.drafts[:n] + [tok]
+        kept = s.emit(new, rows)
         s.cache.crop(L + n + 1)
         if s.capture:
             s.rows.add(out, n + 1)
         if k:
-            s.stats.observe(k, n)
+            s.stats.observe(k, min(n, kept))  # drafts past a stop are not output: never counted accepted
             s.draft_cache.length = s.base
             if self._adaptive_for(s.req):
                 self.adaptive.observe(s.req.workload, k, n)
-        if s.draft is not None:
+        if s.draft is not None and not s.finished:
             s.backlog.append((out.aux[:n + 1], torch.tensor(new)))
-        s.emitted(new, self._eos)
-        s.timing.steps.append((dt, len(new)))
+        s.timing.steps.append((dt, kept))
 
     def _finish(self, s: _Seq) -> Generation:
-        # truncate at EOS / max_new_tokens: the accepted stream is the target's stream, so this is exact
-        gen, finish, eos = s.gen, "length", self._eos
-        for i, t in enumerate(gen):
-            if t in eos:
-                gen, finish = gen[:i + 1], "stop"
-                break
-        gen = gen[:s.req.max_new_tokens]
-        res = Generation(s.rid, len(s.req.prompt_ids), gen, s.stats, s.timing, s.version, finish_reason=finish)
-        if s.capture:
+        gen = s.gen  # already cut at the stop (`_Seq.emit`)
+        res = Generation(s.rid, len(s.req.prompt_ids), gen, s.stats, s.timing, s.version,
+                         finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason, logprobs=s.logprobs)
+        if s.capture and not s.aborted:
             p = list(s.req.prompt_ids)
             T = len(p) + len(gen) - 1
             mask = torch.zeros(T, dtype=torch.uint8)

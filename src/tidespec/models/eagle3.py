@@ -349,6 +349,12 @@ class DraftRunner:
         """Map draft-vocab ids to target ids: `draft + d2t[draft]`."""
         return draft_ids + self.d2t[draft_ids]
 
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits `[Vd]` as target-vocab logits `[V]` fp32 (-inf outside the draft vocab)."""
+        out = torch.full((self.config.vocab_size,), float("-inf"))
+        out[self.used] = logits.float()
+        return out
+
     def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
         """Scatter draft-vocab probabilities `[Vd]` into the target vocab `[V]` (zeros elsewhere)."""
         out = torch.zeros(self.config.vocab_size, dtype=probs.dtype)

@@ -1,0 +1,83 @@
+"""Incremental detokenization with stop strings: the text of one request as its tokens arrive.
+
+`tokenizers.decoders.DecodeStream` turns token ids into text pieces and holds back bytes until
+they complete a UTF-8 character, so no piece carries half a character (U+FFFD) and the pieces
+concatenate to the text. Stop strings are matched on that text, across token boundaries and inside
+one step's block of accepted tokens; text that could still be the start of a stop string is held
+back from streaming until it cannot (vLLM `vllm/v1/engine/detokenizer.py` semantics: the output is
+cut before the stop string unless include_stop_str_in_output; the token that completes the stop
+string is the last one kept).
+
+A `TextOutput` is the engine's stop check (`Request.stop`, called on the engine thread) and the
+server's text source (`release` for stream deltas, `text` for the whole); the streamed deltas and
+the non-streamed text come from the same object, so they are equal by construction. An incomplete
+character at the very end of an output (cut by max_tokens) is dropped, not replaced.
+"""
+from __future__ import annotations
+
+import threading
+
+from tokenizers.decoders import DecodeStream
+
+
+class TextOutput:
+    """Text of one request's output tokens.
+
+    tokenizer: an HF fast tokenizer (`backend_tokenizer`) or a `tokenizers.Tokenizer`; stop: up to
+    4 stop strings (non-empty); include_stop: keep the matched stop string in the text;
+    skip_special_tokens: drop special tokens (EOS, chat markers) from the text, as
+    `tokenizer.decode(..., skip_special_tokens=True)`. Raises ValueError for an empty stop string.
+    """
+
+    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True):
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self._ds = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._stop, self._include = list(stop), include_stop
+        self._hold = max((len(s) for s in stop), default=1) - 1  # chars that may begin a stop string
+        self._lock = threading.Lock()  # the engine thread appends, the server thread releases
+        self.text = ""  # the output text so far (cut at the stop string once matched)
+        self.offsets: list[int] = []  # character offset in `text` where each kept token's text starts
+        self.stop_str: str | None = None
+        self._sent = 0
+
+    def __call__(self, tokens: list[int]) -> tuple[int, str] | None:
+        """Add one step's tokens; returns (tokens of these to keep, stop string) when a stop
+        string completes at one of them, else None (`engine.speculative.Request.stop`)."""
+        with self._lock:
+            if self.stop_str is not None:
+                return 0, self.stop_str
+            for i, t in enumerate(tokens):
+                self.offsets.append(len(self.text))
+                piece = self._ds.step(self._tok, int(t))
+                if not piece:
+                    continue
+                start = max(0, len(self.text) - self._hold)
+                self.text += piece
+                hit = self._match(start)
+                if hit is not None:
+                    at, s = hit
+                    self.text = self.text[:at + (len(s) if self._include else 0)]
+                    self.stop_str = s
+                    return i + 1, s
+            return None
+
+    def _match(self, start: int) -> tuple[int, str] | None:
+        """The earliest stop string occurrence starting at or after `start`: (index, string)."""
+        best = None
+        for s in self._stop:
+            at = self.text.find(s, start)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, s)
+        return best
+
+    def release(self, final: bool = False) -> str:
+        """Text not yet released that can no longer turn into a stop string (everything once
+        `final` or stopped): the next streaming delta, possibly ""."""
+        with self._lock:
+            end = len(self.text) if final or self.stop_str is not None or not self._stop else \
+                max(self._sent, len(self.text) - self._hold)
+            out, self._sent = self.text[self._sent:end], end
+            return out

@@ -1,0 +1,92 @@
+"""The request's logits transforms at every verified position, given that position's prefix.
+
+Speculation verifies k drafted tokens in one forward, so the target's row i must be transformed as
+if drafts[:i] had already been generated: a frequency penalty at row 2 counts the two drafted
+tokens before it, a min_tokens mask lifts at the row where the output reaches min_tokens. The draft's
+proposal at chain position j gets the same transforms with prefix drafts[:j], so greedy drafting
+proposes what the transformed target would pick and sampled drafting proposes from a distribution
+that overlaps the transformed target's (rejection sampling stays exact either way: Leviathan et
+al. 2023, arXiv 2211.17192, Algorithm 1, holds for any q).
+
+Order and definitions follow vLLM's sampler (`vllm/v1/sample/sampler.py`, steps 5–6): min_tokens
+(EOS and stop_token_ids masked to -inf), logit_bias (added), then penalties
+(`vllm/model_executor/layers/utils.py::apply_penalties`): repetition (CTRL, Keskar et al. 2019
+§4.1: tokens seen in prompt or output, logit / r when positive, × r when negative), frequency
+(− f × count in the output), presence (− p × [count > 0]). Temperature, min_p, top-k and top-p
+come after (`sampling.warp`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class RequestLogits:
+    """Transforms of one request; `apply` is pure, `advance` records emitted tokens.
+
+    sp: the request's SamplingParams; prompt_ids: its prompt (repetition penalty); vocab_size: V;
+    eos_ids: the target's EOS ids (masked by min_tokens unless ignore_eos). Raises ValueError for a
+    logit_bias or stop token id outside [0, V).
+    """
+
+    def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, eos_ids: set[int]):
+        bad = [t for t in list(sp.logit_bias) + list(sp.stop_token_ids) if t >= vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} in logit_bias / stop_token_ids is outside the vocabulary "
+                             f"[0, {vocab_size})")
+        self.sp, self.V, self.n_out = sp, vocab_size, 0
+        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
+        self._stop_ids = torch.tensor(sorted(stop), dtype=torch.int64) if sp.min_tokens and stop else None
+        self._bias_ids = torch.tensor(list(sp.logit_bias), dtype=torch.int64)
+        self._bias = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32)
+        self._penalized = sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
+        self._counts = torch.zeros(vocab_size) if self._penalized else None  # output token counts `[V]`
+        self._prompt = None
+        if sp.repetition_penalty != 1:
+            self._prompt = torch.zeros(vocab_size, dtype=torch.bool)
+            self._prompt[torch.tensor(prompt_ids, dtype=torch.int64)] = True
+
+    @property
+    def active(self) -> bool:
+        """False when the transforms are the identity (the engine's fast path skips them)."""
+        return self._stop_ids is not None or len(self._bias_ids) > 0 or self._penalized
+
+    def apply(self, logits: torch.Tensor, drafts: list[int], start: int = 0) -> torch.Tensor:
+        """Processed logits `[n, V]` fp32 from logits `[n, V]` (unchanged input): row i as if the
+        output so far were followed by drafts[:start + i]."""
+        x = logits.float().clone()
+        n = x.shape[0]
+        if self._stop_ids is not None:
+            lens = self.n_out + start + torch.arange(n)  # output length before each row's token
+            rows = (lens < self.sp.min_tokens).nonzero().squeeze(-1)
+            if len(rows):
+                x[rows[:, None], self._stop_ids[None]] = float("-inf")
+        if len(self._bias_ids):
+            x[:, self._bias_ids] += self._bias
+        if self._penalized:
+            x = self._penalize(x, self._row_counts(drafts, start, n))
+        return x
+
+    def _row_counts(self, drafts: list[int], start: int, n: int) -> torch.Tensor:
+        """Output token counts `[n, V]` seen by each row: the output plus drafts[:start + i]."""
+        base = self._counts.clone()
+        if start:
+            base.index_add_(0, torch.tensor(drafts[:start]), torch.ones(start))
+        counts = base.expand(n, -1).clone()
+        for i in range(1, n):
+            counts[i:, drafts[start + i - 1]] += 1
+        return counts
+
+    def _penalize(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        sp, seen = self.sp, counts > 0
+        if sp.repetition_penalty != 1:
+            mask = seen | self._prompt[None]
+            x = torch.where(mask, torch.where(x > 0, x / sp.repetition_penalty, x * sp.repetition_penalty), x)
+        return x - sp.frequency_penalty * counts - sp.presence_penalty * seen.float()
+
+    def advance(self, tokens: list[int]) -> None:
+        """Record emitted output tokens."""
+        self.n_out += len(tokens)
+        if self._penalized and tokens:
+            self._counts.index_add_(0, torch.tensor(tokens), torch.ones(len(tokens)))
