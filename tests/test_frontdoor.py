@@ -40,7 +40,8 @@ def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
             assert r.status_code == 200
             got = r.json()
             assert got["choices"] == want["choices"] and got["tidespec"]["token_ids"] == want["tidespec"]["token_ids"]
-            with c.stream("POST", "/v1/completions", json={"prompt": "t60 t61", "max_tokens": 6, "stream": True}) as s:
+            with c.stream("POST", "/v1/completions", json={"prompt": "t60 t61", "max_tokens": 6, "stream": True,
+                                                       "stream_options": {"include_usage": True}}) as s:
                 assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
                 lines = [ln for ln in s.iter_lines() if ln]
             assert lines[-1] == "data: [DONE]" and len(lines) > 2

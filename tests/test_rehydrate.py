@@ -197,9 +197,9 @@ def test_rehydrate_from_served_text_on_real_target(real_target):
     chat = {"messages": [{"role": "system", "content": "You answer with one word."},
                          {"role": "user", "content": [{"type": "text", "text": "Is the sky blue? Answer yes or no."}]}],
             "max_tokens": 32}
-    served_chat = {"messages": [chat["messages"][0], {"role": "user", "content": "Is the sky blue? Answer yes or no."}],
-                   "max_tokens": 32}  # tidespec serve takes string content; the parts form is the same prompt
-    assert request_prompt_ids(tok, "chat", chat) == chat_ids(tok, served_chat["messages"], True)
+    served_chat = chat  # tidespec serve takes content parts too: the same prompt as the string form
+    assert request_prompt_ids(tok, "chat", chat) == chat_ids(tok, [chat["messages"][0], {
+        "role": "user", "content": "Is the sky blue? Answer yes or no."}], True)
     comp = {"prompt": "def add(a, b):\n", "max_tokens": 8}
     with TestClient(build_app(eng, tok, ServeParams(max_tokens=32))) as c:
         rc = c.post("/v1/chat/completions", json=served_chat).json()

@@ -36,7 +36,7 @@ def test_completions_lossless_usage_and_metrics(served, tiny_target):
     prompts = [[5, 17, 33, 2 + i, 90, 41] for i in range(4)]
     total = 0
     for p in prompts:
-        r = c.post("/v1/completions", json={"model": "x", "prompt": p, "max_tokens": 12, "temperature": 0})
+        r = c.post("/v1/completions", json={"model": "tidespec", "prompt": p, "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200, r.text
         body = r.json()
         want = ref.generate(p, 12, speculative=False).tokens
@@ -57,10 +57,11 @@ def test_bad_requests_get_clear_4xx(served, tiny_target):
     from tidespec.server import build_app
 
     c, _, _ = served
-    assert "token ids" in c.post("/v1/completions", json={"prompt": "hello"}).json()["detail"]
+    assert "token ids" in c.post("/v1/completions", json={"prompt": "hello"}).json()["error"]["message"]
     assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 400
     assert c.post("/v1/completions", json={"prompt": [10**6]}).status_code == 400  # id outside the vocab
-    assert c.post("/v1/completions", json={"prompt": [5], "top_p": 0}).status_code == 422
+    r = c.post("/v1/completions", json={"prompt": [5], "top_p": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
     with TestClient(build_app(Engine(tiny_target, None, 3, 256), None,
                                ServeParams.model_construct(max_queue=0, request_timeout_s=300.0, max_tokens=16))) as full:
         r = full.post("/v1/completions", json={"prompt": [5, 6]})
@@ -84,7 +85,7 @@ def test_admin_swap_auth_traversal_wrong_target(served, tmp_path):
     other, _ = load_target(make_tiny_target(tmp_path / "other", seed=9))
     save_checkpoint(random_draft(other, 64), drafts / "foreign")
     r = c.post("/admin/draft", json={"path": "foreign"}, headers=ok)
-    assert r.status_code == 409 and "keeps serving" in r.json()["detail"]
+    assert r.status_code == 409 and "keeps serving" in r.json()["error"]["message"]
     assert eng.draft_version == "v1"
     r = c.post("/admin/draft", json={"path": "v2"}, headers=ok)
     assert r.status_code == 200 and r.json() == {"draft_version": "v2"}
@@ -102,16 +103,19 @@ def test_streaming_pieces_concatenate_to_the_output(served, tiny_target):
     c, _, _ = served
     p = [5, 17, 33, 8, 90, 41]
     want = Engine(tiny_target, None, 3, 256).generate(p, 14, speculative=False).tokens
-    with c.stream("POST", "/v1/completions", json={"prompt": p, "max_tokens": 14, "stream": True}) as r:
+    with c.stream("POST", "/v1/completions", json={"prompt": p, "max_tokens": 14, "stream": True,
+                                                  "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
-    pieces = [ch["tidespec"]["token_ids"] for ch in chunks[:-1]]
+    pieces = [ch["choices"][0]["tidespec"]["token_ids"] for ch in chunks[:-2]]
     assert sum(pieces, []) == want and len(pieces) > 1  # several steps, in order, nothing past EOS/max
-    last = chunks[-1]
-    assert last["choices"][0]["finish_reason"] in ("length", "stop") and last["usage"]["completion_tokens"] == len(want)
-    assert all(ch["object"] == "text_completion" and ch["choices"][0]["finish_reason"] is None for ch in chunks[:-1])
+    last, usage = chunks[-2], chunks[-1]
+    assert last["choices"][0]["finish_reason"] in ("length", "stop") and last["choices"][0]["tidespec"]["token_ids"] == want
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(want)
+    assert all(ch["object"] == "text_completion" and ch["choices"][0]["finish_reason"] is None for ch in chunks[:-2])
+    assert all(ch["usage"] is None for ch in chunks[:-1])  # include_usage: null until the usage chunk
 
 
 def test_load_with_hot_swap_no_errors_outputs_unchanged(tiny_target, tmp_path):

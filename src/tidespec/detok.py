@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 
 from tokenizers.decoders import DecodeStream
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 
 class TextOutput:
@@ -81,3 +82,17 @@ class TextOutput:
                 max(self._sent, len(self.text) - self._hold)
             out, self._sent = self.text[self._sent:end], end
             return out
+
+
+def token_text_and_bytes(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """(text, raw bytes) of one token for logprobs: a byte-level BPE token maps back to its exact
+    bytes (possibly half a UTF-8 character, whose text is then U+FFFD), others to their text."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece and all(c in _BYTE_OF for c in piece) and \
+            type(getattr(tokenizer.backend_tokenizer, "decoder", None)).__name__ == "ByteLevel":
+        return text, bytes(_BYTE_OF[c] for c in piece)
+    return text, text.encode()
+
+
+_BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # GPT-2's byte-level alphabet, inverted

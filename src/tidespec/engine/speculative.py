@@ -113,8 +113,9 @@ class Request:
 
     k: drafts per step; None = the engine's adaptive policy (or its fixed k when it has none).
     workload: class label the adaptive policy keys its acceptance estimate on (e.g. "code", "chat").
-    on_tokens: streaming: called on the engine thread with each step's new output tokens (already
-    cut at EOS / max_new_tokens, so the pieces concatenate to the final output); must not block.
+    on_tokens: streaming: called on the engine thread as `on_tokens(tokens, logprobs)` with each
+    step's new output tokens (already cut at the stop, so the pieces concatenate to the final
+    output) and their `TokenLogprob`s (None when not requested); must not block.
     capture: None = ask the engine's capture sink at admission (no sink: not captured); True =
     collect the record (`Generation.record`; handed to the sink too when there is one); False = never.
     prompt_id: the prompt's id in its set (capture manifest), "" when unknown.
@@ -131,7 +132,7 @@ class Request:
     request_id: str | None = None
     sampling: SamplingParams = GREEDY
     workload: str = "default"
-    on_tokens: Callable[[list[int]], None] | None = field(default=None, compare=False)
+    on_tokens: Callable[[list[int], list[TokenLogprob] | None], None] | None = field(default=None, compare=False)
     prompt_id: str = ""
     stop: Callable[[list[int]], tuple[int, str] | None] | None = field(default=None, compare=False)
 
@@ -206,7 +207,7 @@ class _Seq:
         self.next_token = new[-1]
         self.finished = self.finish_reason is not None
         if req.on_tokens is not None and kept:
-            req.on_tokens(kept)
+            req.on_tokens(kept, self.logprobs[-len(kept):] if self.logprobs is not None else None)
         return m
 
     def pick(self, row: torch.Tensor) -> int:
