@@ -265,3 +265,13 @@ def test_stream_edge_cases():
 
 def test_successful_response_with_null_error_field_is_not_an_error():
     assert parse_line(capture_line(CHAT_REQ, {**CHAT_RESP, "error": None})).response_text == "Paris."
+
+
+def test_stop_of_a_request_with_stop_strings_is_not_read_as_eos():
+    """EOS ends a reply with finish "stop", but so does a stop string, after which the target never
+    generated EOS: rehydration must not append one."""
+    assert parse_line(capture_line(CHAT_REQ, CHAT_RESP), model=MODEL).finish_reason == "stop"
+    ex = parse_line(capture_line(CHAT_REQ | {"stop": ["\n\n"]}, CHAT_RESP), model=MODEL)
+    assert ex.finish_reason == "length" and ex.response_text == "Paris."
+    ex = parse_line(capture_line(CHAT_REQ | {"stop_token_ids": [7]}, CHAT_RESP), model=MODEL)
+    assert ex.finish_reason == "length"

@@ -84,7 +84,9 @@ class SkipRecord(ValueError):
 
 @dataclass(frozen=True)
 class Exchange:
-    """One captured request with the target's reply (`response_text` None: the caller regenerates it)."""
+    """One captured request with the target's reply (`response_text` None: the caller regenerates it).
+    finish_reason "stop" means EOS ended the reply; a "stop" of a request that set `stop` or
+    `stop_token_ids` is read as "length" (a stop string may have cut it: no EOS was generated there)."""
 
     event_id: str
     inference_time: str
@@ -251,6 +253,8 @@ def _exchange(rec: Any, model: str | None) -> Exchange:
         raise SkipRecord("bad_record", "eventMetadata lacks a string eventId/inferenceTime")
     route, request = _request(_body_text(cap["endpointInput"], "request"), model)
     text, finish, streamed, resp_model = _response(cap.get("endpointOutput"), route, model)
+    if finish == "stop" and (request.get("stop") or request.get("stop_token_ids")):
+        finish = "length"  # a stop string / id may have ended it, not EOS: rehydrate the text's ids, no EOS
     return Exchange(event_id=meta["eventId"], inference_time=meta["inferenceTime"], route=route, request=request,
                     response_text=text, finish_reason=finish,
                     streamed=request.get("stream") is True if streamed is None else streamed,
