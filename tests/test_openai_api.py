@@ -233,3 +233,30 @@ def test_client_disconnect_aborts_within_a_step_not_captured(servers):
     assert rid not in sink.ids and _metric(url, "tidespec:generation_tokens_total") > 0
     ok = client(servers["spec"]).completions.create(model=MODEL, prompt="t8 t66", max_tokens=4)
     assert ok.choices[0].finish_reason == "length"  # the engine keeps serving
+
+
+def test_breaker_findings_are_400s_and_stop_token_text_is_left_out(servers):
+    url = servers["spec"].url
+    for raw in (b'{"prompt": "\\ud800 t10", "max_tokens": 3}',):  # a lone surrogate: 400, not a bare 500
+        r = httpx.post(f"{url}/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(f"{url}/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\\udc00"}]}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": ["t10"] * 5, "n": 16, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # can never fit max_queue: not a 429
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "t50", "max_tokens": 4, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "tool", "content": "t9"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.tool_call_id"
+    ref = client(servers["plain"]).completions.create(model=MODEL, prompt="t8 t17", max_tokens=12, temperature=0,
+                                                       frequency_penalty=1.5)
+    ids = ref.model_extra["tidespec"]["token_ids"]
+    stop = next(t for t in ids if t != ids[0])
+    for include in (False, True):
+        r = client(servers["spec"]).completions.create(
+            model=MODEL, prompt="t8 t17", max_tokens=12, temperature=0, frequency_penalty=1.5,
+            extra_body={"stop_token_ids": [stop], "include_stop_str_in_output": include})
+        ch = r.choices[0]
+        assert ch.model_extra["stop_reason"] == stop and ch.model_extra["tidespec"]["token_ids"][-1] == stop
+        assert ch.text.endswith(f"t{stop}") == include  # vLLM: the stop token's text only when asked

@@ -62,11 +62,17 @@ def test_bad_requests_get_clear_4xx(served, tiny_target):
     assert c.post("/v1/completions", json={"prompt": [10**6]}).status_code == 400  # id outside the vocab
     r = c.post("/v1/completions", json={"prompt": [5], "top_p": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
-    with TestClient(build_app(Engine(tiny_target, None, 3, 256), None,
-                               ServeParams.model_construct(max_queue=0, request_timeout_s=300.0, max_tokens=16))) as full:
-        r = full.post("/v1/completions", json={"prompt": [5, 6]})
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    from tidespec.engine.speculative import Request
+    eng = Engine(tiny_target, None, 3, 256)
+    with TestClient(build_app(eng, None, ServeParams(max_queue=1, max_tokens=16))) as full:
+        with eng._step_lock:  # hold the engine between steps so the queued request stays queued
+            busy = full.app.state.loop.submit(Request([5, 6], 200))  # the one queue slot is taken
+            r = full.post("/v1/completions", json={"prompt": [5, 6]})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
         assert _prom(full, "tidespec:request_rejected_total") == 1
+        r = full.post("/v1/completions", json={"prompt": [5, 6], "n": 2})  # can never fit: 400, not a retry loop
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        busy.result(timeout=60)
 
 
 def test_admin_swap_auth_traversal_wrong_target(served, tmp_path):

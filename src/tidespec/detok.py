@@ -27,16 +27,18 @@ class TextOutput:
     tokenizer: an HF fast tokenizer (`backend_tokenizer`) or a `tokenizers.Tokenizer`; stop: up to
     4 stop strings (non-empty); include_stop: keep the matched stop string in the text;
     skip_special_tokens: drop special tokens (EOS, chat markers) from the text, as
-    `tokenizer.decode(..., skip_special_tokens=True)`. Raises ValueError for an empty stop string.
+    `tokenizer.decode(..., skip_special_tokens=True)`; stop_token_ids: tokens that end the output
+    (EOS, stop ids) — their text is left out unless include_stop, as vLLM does. Raises ValueError
+    for an empty stop string.
     """
 
     def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, stop_token_ids: set[int] | frozenset[int] = frozenset()):
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop strings must be non-empty strings")
         self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._ds = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._stop, self._include = list(stop), include_stop
+        self._stop, self._include, self._stop_ids = list(stop), include_stop, set(stop_token_ids)
         self._hold = max((len(s) for s in stop), default=1) - 1  # chars that may begin a stop string
         self._lock = threading.Lock()  # the engine thread appends, the server thread releases
         self.text = ""  # the output text so far (cut at the stop string once matched)
@@ -52,6 +54,8 @@ class TextOutput:
                 return 0, self.stop_str
             for i, t in enumerate(tokens):
                 self.offsets.append(len(self.text))
+                if int(t) in self._stop_ids and not self._include:
+                    continue  # the engine ends the output at a stop token: its text is not output
                 piece = self._ds.step(self._tok, int(t))
                 if not piece:
                     continue

@@ -121,7 +121,7 @@ class _Sampling(_Strict):
     @classmethod
     def _bias(cls, v):
         for key, b in (v or {}).items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias keys are token ids (strings of integers >= 0), got {key!r}")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias[{key}] must be in [-100, 100], got {b}")
@@ -235,8 +235,9 @@ class ChatMessage(_Strict):
             raise _refuse("messages.tool_calls", "no tools are served")
         if self.content is None and self.role != "assistant":
             raise OpenAIError(f"a {self.role} message needs content", param="messages.content")
-        if self.tool_call_id is not None and self.role != "tool":
-            raise OpenAIError("tool_call_id belongs on role 'tool' messages", param="messages.tool_call_id")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise OpenAIError("role 'tool' messages need a tool_call_id, and only they take one",
+                              param="messages.tool_call_id")
         return self
 
     def for_template(self) -> dict:
@@ -286,6 +287,8 @@ class ChatRequest(_Sampling):
         for name, (why, ok) in _CHAT_UNSUPPORTED.items():
             if getattr(self, name) not in ok:
                 raise _refuse(name, why)
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            raise _refuse("response_format", "json_schema needs constrained decoding, which is not served")
         if self.response_format is not None and self.response_format.type != "text":
             raise _refuse("response_format", f"{self.response_format.type} needs constrained decoding, which is "
                           "not served; ask for JSON in the prompt")

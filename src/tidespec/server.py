@@ -197,8 +197,14 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise OpenAIError("this server has no tokenizer: send the prompt as a list of token ids", param=param)
-            return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return tokenize(lambda: tokenizer(prompt, add_special_tokens=False)["input_ids"], param)
         return list(prompt)
+
+    def tokenize(fn: Callable[[], list[int]], param: str) -> list[int]:
+        try:
+            return fn()
+        except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone UTF-16 surrogate
+            raise OpenAIError(f"{param} cannot be tokenized: {e}", param=param) from None
 
     def admit(body: _Sampling, prompts: list[list[int]], logprobs: int | None,
               on_tokens: Callable[[int], Callable] | None = None) -> list[_Choice]:
@@ -208,6 +214,9 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
             raise OpenAIError(f"the model {body.model!r} does not exist; this server serves {model!r} "
                               "(GET /v1/models)", param="model", status=404, code="model_not_found")
         total = len(prompts) * body.n
+        if total > cfg.max_queue:
+            raise OpenAIError(f"{len(prompts)} prompts × n {body.n} = {total} sequences can never fit "
+                              f"serve.max_queue {cfg.max_queue}; send fewer", param="n")
         if engine.num_unfinished + total > cfg.max_queue:
             metrics.rejected.inc()
             raise OpenAIError(f"{engine.num_unfinished} requests queued, {total} more would exceed "
@@ -217,6 +226,10 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
         if max_new > cfg.max_tokens:
             raise OpenAIError(f"max_tokens {max_new} exceeds this server's cap {cfg.max_tokens} (serve.max_tokens)",
                               param="max_tokens")
+        if body.min_tokens > max_new:
+            raise OpenAIError(f"min_tokens {body.min_tokens} exceeds max_tokens {max_new}", param="min_tokens")
+        # the text of a stop token (stop_token_ids, EOS) is left out unless include_stop_str_in_output (vLLM)
+        stop_ids = set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(engine.target.cfg.eos_token_ids))
         stops = body.stops()
         if stops and tokenizer is None:
             raise OpenAIError("stop strings need a tokenizer; this server has none: use stop_token_ids", param="stop")
@@ -226,8 +239,8 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                 for j in range(body.n):
                     idx = i * body.n + j
                     sp = body.sampling(cfg.default_temperature, j, logprobs)
-                    text = TextOutput(tokenizer, stops, body.include_stop_str_in_output, body.skip_special_tokens) \
-                        if tokenizer is not None else None
+                    text = TextOutput(tokenizer, stops, body.include_stop_str_in_output, body.skip_special_tokens,
+                                      stop_ids) if tokenizer is not None else None
                     req = EngineRequest(ids, max_new, request_id=rid if idx == 0 else f"{rid}-{idx}", sampling=sp,
                                         workload=body.workload or DEFAULT_WORKLOAD, stop=text,
                                         on_tokens=on_tokens(idx) if on_tokens else None)
@@ -458,7 +471,7 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     async def chat(body: ChatRequest, request: Request):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise OpenAIError("this server's target has no chat template: use /v1/completions", param="messages")
-        prompts = [chat_ids(tokenizer, body.template_messages(), True)]
+        prompts = [tokenize(lambda: chat_ids(tokenizer, body.template_messages(), True), "messages")]
         if body.stream:
             return stream(request, body, prompts, body.num_logprobs(), chat=True)
         choices = admit(body, prompts, body.num_logprobs())
@@ -526,8 +539,8 @@ def _error_handlers(app: FastAPI) -> None:
         loc = [str(x) for x in err.get("loc", ()) if x != "body" and not isinstance(x, int)]
         param = ".".join(loc) or None
         if err.get("type") == "extra_forbidden":
-            msg = (f"unknown parameter {param!r}: not an OpenAI or vLLM parameter this server knows "
-                   "(the README's parameter table lists them)")
+            msg = (f"unknown parameter {param!r}: this server does not support it "
+                   "(the README's parameter table lists every parameter it takes)")
         else:
             msg = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
         return JSONResponse(error_body(msg, 400, param, err.get("type")), status_code=400)
