@@ -260,3 +260,17 @@ def test_breaker_findings_are_400s_and_stop_token_text_is_left_out(servers):
         ch = r.choices[0]
         assert ch.model_extra["stop_reason"] == stop and ch.model_extra["tidespec"]["token_ids"][-1] == stop
         assert ch.text.endswith(f"t{stop}") == include  # vLLM: the stop token's text only when asked
+
+
+@pytest.mark.parametrize("body", [{"prompt": "t8", "max_tokens": "5"}, {"prompt": "t8", "logprobs": True},
+                                  {"prompt": "t8", "logit_bias": {"٥": 5}}, {"prompt": "t8", "echo": 1}])
+def test_no_lax_coercion(servers, body):
+    r = httpx.post(f"{servers['spec'].url}/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] in body, r.text
+
+
+def test_echo_joins_prompt_and_completion_as_the_tokenizer_would(servers):
+    r = client(servers["spec"]).completions.create(model=MODEL, prompt=[10, 11, 12], echo=True, max_tokens=3,
+                                                   temperature=0)
+    ids = [10, 11, 12] + r.choices[0].model_extra["tidespec"]["token_ids"]
+    assert r.choices[0].text == servers["tok"].decode(ids)

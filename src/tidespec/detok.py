@@ -28,16 +28,19 @@ class TextOutput:
     4 stop strings (non-empty); include_stop: keep the matched stop string in the text;
     skip_special_tokens: drop special tokens (EOS, chat markers) from the text, as
     `tokenizer.decode(..., skip_special_tokens=True)`; stop_token_ids: tokens that end the output
-    (EOS, stop ids) — their text is left out unless include_stop, as vLLM does. Raises ValueError
-    for an empty stop string.
+    (EOS, stop ids) — their text is left out unless include_stop, as vLLM does; prompt_ids: the
+    decoder's context (its text is not output), so the first token's text is what it adds after the
+    prompt (e.g. the joining space of a word-level or SentencePiece tokenizer; vLLM's incremental
+    detokenizer starts from the prompt the same way). Raises ValueError for an empty stop string.
     """
 
     def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True, stop_token_ids: set[int] | frozenset[int] = frozenset()):
+                 skip_special_tokens: bool = True, stop_token_ids: set[int] | frozenset[int] = frozenset(),
+                 prompt_ids: list[int] | None = None):
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop strings must be non-empty strings")
         self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
-        self._ds = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ds = DecodeStream(ids=list(prompt_ids or []), skip_special_tokens=skip_special_tokens)
         self._stop, self._include, self._stop_ids = list(stop), include_stop, set(stop_token_ids)
         self._hold = max((len(s) for s in stop), default=1) - 1  # chars that may begin a stop string
         self._lock = threading.Lock()  # the engine thread appends, the server thread releases

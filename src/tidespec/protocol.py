@@ -47,7 +47,9 @@ def _refuse(name: str, why: str) -> OpenAIError:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields refused; no lax coercion ("5" is not an integer, true is not 1), as OpenAI."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):

@@ -240,7 +240,7 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                     idx = i * body.n + j
                     sp = body.sampling(cfg.default_temperature, j, logprobs)
                     text = TextOutput(tokenizer, stops, body.include_stop_str_in_output, body.skip_special_tokens,
-                                      stop_ids) if tokenizer is not None else None
+                                      stop_ids, prompt_ids=ids) if tokenizer is not None else None
                     req = EngineRequest(ids, max_new, request_id=rid if idx == 0 else f"{rid}-{idx}", sampling=sp,
                                         workload=body.workload or DEFAULT_WORKLOAD, stop=text,
                                         on_tokens=on_tokens(idx) if on_tokens else None)
