@@ -274,3 +274,22 @@ def test_echo_joins_prompt_and_completion_as_the_tokenizer_would(servers):
                                                    temperature=0)
     ids = [10, 11, 12] + r.choices[0].model_extra["tidespec"]["token_ids"]
     assert r.choices[0].text == servers["tok"].decode(ids)
+
+
+def test_streamed_logprobs_and_offsets_equal_non_streamed_with_a_stop_string(servers):
+    kw = dict(model=MODEL, prompt="t50 t60 t70", max_tokens=20, logprobs=2, n=2, temperature=1.0, seed=5,
+              frequency_penalty=1.0)
+    c = client(servers["spec"])
+    text = c.completions.create(**kw).choices[0].text
+    stop = " ".join(text.split()[1:3])  # words 2-3: the third token's offset lies past the cut text
+    whole = c.completions.create(**kw, stop=[stop])
+    got = {0: ([], [], []), 1: ([], [], [])}
+    for ch in c.completions.create(**kw, stop=[stop], stream=True):
+        for x in ch.choices:
+            if x.logprobs:
+                for key, lst in zip(("tokens", "token_logprobs", "text_offset"), got[x.index]):
+                    lst += getattr(x.logprobs, key)
+    for ch in whole.choices:
+        lp = ch.logprobs
+        assert got[ch.index] == (lp.tokens, lp.token_logprobs, lp.text_offset)
+        assert all(o <= len(ch.text) for o in lp.text_offset)

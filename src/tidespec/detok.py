@@ -81,6 +81,11 @@ class TextOutput:
                 best = (at, s)
         return best
 
+    @property
+    def released(self) -> int:
+        """Characters of `text` already released (streamed)."""
+        return self._sent
+
     def release(self, final: bool = False) -> str:
         """Text not yet released that can no longer turn into a stop string (everything once
         `final` or stopped): the next streaming delta, possibly ""."""

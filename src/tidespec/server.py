@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -154,6 +154,7 @@ class _Choice:
     text: TextOutput | None
     prefix: str = ""  # echo: the prompt's text
     delivered: int = 0  # tokens streamed so far
+    lp_pending: list = field(default_factory=list)  # streamed (TokenLogprob, text offset) not yet sent
     observed: bool = False  # its Generation is on /metrics
 
 
@@ -360,16 +361,28 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                     else None
             return f"data: {json.dumps(env | (extra or {}))}\n\n"
 
-        def piece(c: _Choice, delta: str, lps: list[TokenLogprob] | None, finish: Generation | None,
+        def ready_logprobs(c: _Choice, final: bool) -> list[tuple[TokenLogprob, int]]:
+            """The pending logprobs whose token text has been released (all, offsets clamped to the
+            text, once final): a token's logprob never runs ahead of its text, so the streamed
+            text_offset values equal the non-streamed ones even when a stop string cuts the text."""
+            if c.text is None or final:
+                n = len(c.lp_pending)
+            else:
+                n = next((i for i, (_, o) in enumerate(c.lp_pending) if o >= c.text.released), len(c.lp_pending))
+            out, c.lp_pending = c.lp_pending[:n], c.lp_pending[n:]
+            end = len(c.text.text) if c.text is not None else 0
+            return [(lp, min(o, end)) for lp, o in out]
+
+        def piece(c: _Choice, delta: str, entries: list[tuple[TokenLogprob, int]], finish: Generation | None,
                   toks: list[int] | None = None) -> dict:
             reason = None if finish is None else finish.finish_reason
+            lps = [lp for lp, _ in entries]
             if chat:
                 d = {"index": c.index, "delta": {"content": delta} if delta else {}, "finish_reason": reason,
                      "logprobs": chat_logprobs(lps) if lps else None}
             else:
                 d = {"index": c.index, "text": delta, "finish_reason": reason,
-                     "logprobs": completion_logprobs(lps, offsets(c, c.delivered - len(lps), len(lps)), len(c.prefix))
-                     if lps else None}
+                     "logprobs": completion_logprobs(lps, [o for _, o in entries], len(c.prefix)) if lps else None}
             if finish is not None:
                 d |= {"stop_reason": finish.stop_reason, "tidespec": ext(finish)}
             else:
@@ -399,9 +412,13 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                         return
                     c = choices[idx]
                     if toks is not None:
+                        if lps:
+                            raw = c.text.offsets[c.delivered:c.delivered + len(toks)] if c.text is not None else \
+                                [0] * len(toks)
+                            c.lp_pending += list(zip(lps, raw))
                         c.delivered += len(toks)
                         delta = c.text.release() if c.text is not None else ""
-                        sent.append(chunk(piece(c, delta, lps, None, toks)))  # one chunk per engine step
+                        sent.append(chunk(piece(c, delta, ready_logprobs(c, False), None, toks)))  # one per step
                         yield sent[-1]
                         continue
                     remaining -= 1
@@ -413,7 +430,7 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                     g = c.fut.result()
                     finished(c, g)
                     delta = c.text.release(final=True) if c.text is not None else ""
-                    sent.append(chunk(piece(c, delta, None, g)))
+                    sent.append(chunk(piece(c, delta, ready_logprobs(c, True), g)))
                     yield sent[-1]
                 if opts.include_usage:
                     sent.append(chunk(None, {"usage": usage(prompts, sum(c.delivered for c in choices))}))
