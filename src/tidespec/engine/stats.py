@@ -71,7 +71,7 @@ class RequestTiming:
     """Wall times of one request: prefill (TTFT) and per-step decode, in seconds."""
 
     prefill_s: float = 0.0
-    steps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens emitted)
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens output: cut at the stop)
 
     @property
     def decode_s(self) -> float:
