@@ -1,0 +1,209 @@
+"""Suffix proposer: speculate continuations from suffix trees over the request's own tokens and over
+recently served outputs — no draft model, no training, adapts as traffic is served.
+
+Method: SuffixDecoding (Oliaro et al., arXiv 2411.04975, §3–4; Snowflake ArcticInference, vLLM's
+`suffix` method): find the longest suffix of the current context that occurs in a tree of
+previous token sequences, then follow the most frequent continuation; each step's score is the
+empirical conditional frequency count(child) / count(node), a chain's score the product. The
+speculation length adapts to the match: at most ⌈alpha × match length⌉ tokens (capped at
+`max_spec`), and the chain stops when its score falls below `min_score`. Two trees are consulted:
+the request's own (prompt + output so far, extended per emitted token) and a global one over
+recent outputs (bounded by `max_tokens`, oldest sequences evicted first); the higher-scoring
+proposal wins.
+
+Why our own code: the PyPI sdist `arctic-inference` 0.3.0 builds its C++ suffix tree only together
+with CUDA custom ops and vLLM's build requirements (torch ≥ 2.10 in build isolation, protobuf,
+grpcio-tools), which does not fit a CPU-only install. This is a depth-bounded suffix trie in pure
+Python: O(max_depth) per appended token, O(max_depth²) dict lookups per match; a chain that runs
+past the depth bound re-matches its own tail and continues.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Speculated tokens, the chain's score (product of conditional frequencies, in [0, 1]), the
+    length of the context suffix that matched, and the tree it came from ("request", "global")."""
+
+    tokens: tuple[int, ...] = ()
+    score: float = 0.0
+    match_len: int = 0
+    source: str = "none"
+
+
+class SuffixTrie:
+    """Depth-bounded suffix trie over token sequences with occurrence counts.
+
+    Every substring of length ≤ `max_depth` of every inserted sequence is a path from the root;
+    a node's count is the number of its occurrences. Node 0 is the root. Raises ValueError for
+    max_depth < 2.
+    """
+
+    def __init__(self, max_depth: int = 24):
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self._kids: list[dict[int, int]] = [{}]
+        self._count: list[int] = [0]
+        self._free: list[int] = []
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in use, root included."""
+        return len(self._count) - len(self._free)
+
+    def _bump(self, parent: int, token: int, delta: int) -> int:
+        """Add `delta` to the count of child `token` of `parent` (created / freed as needed)."""
+        kids = self._kids[parent]
+        node = kids.get(token)
+        if node is None:
+            if delta <= 0:
+                raise ValueError("removing a sequence that was never inserted")
+            if self._free:
+                node = self._free.pop()
+                self._kids[node] = {}  # a freed node's children reached 0 with it (count(s+t) ≤ count(s))
+            else:
+                node = len(self._count)
+                self._count.append(0)
+                self._kids.append({})
+            kids[token] = node
+        self._count[node] += delta
+        if self._count[node] <= 0:
+            del kids[token]
+            self._count[node] = 0
+            self._free.append(node)  # its children are decremented by the same removal walk
+        return node
+
+    def add(self, tokens: list[int], delta: int = 1) -> None:
+        """Insert (delta 1) or remove (delta -1, a sequence inserted before) every substring of
+        `tokens` up to max_depth long."""
+        for i in range(len(tokens)):
+            node = 0
+            for t in tokens[i:i + self.max_depth]:
+                node = self._bump(node, t, delta)
+
+    def extend(self, active: list[int], token: int) -> list[int]:
+        """Append `token` to a sequence inserted incrementally. `active`: the nodes of the suffixes
+        ending at the previous token, shortest first (start with []); returns the new ones. O(max_depth)."""
+        return [self._bump(0, token, 1)] + [self._bump(a, token, 1) for a in active[:self.max_depth - 1]]
+
+    def match(self, context: list[int], max_len: int) -> tuple[int, int]:
+        """(node, length) of the longest suffix of `context`, at most `max_len` tokens, that occurs
+        in the trie with a continuation (a node with children: an occurrence at the very end of a
+        sequence — e.g. the context itself in the request's own tree — predicts nothing); (0, 0)
+        when there is none."""
+        ctx = context[-max_len:] if max_len else []
+        for start in range(len(ctx)):
+            node = 0
+            for t in ctx[start:]:
+                node = self._kids[node].get(t, -1)
+                if node < 0:
+                    break
+            if node >= 0 and self._kids[node]:
+                return node, len(ctx) - start
+        return 0, 0
+
+    def propose(self, context: list[int], max_spec: int, min_score: float, alpha: float) -> Proposal:
+        """The most frequent continuation of `context` (see the module docstring)."""
+        node, m = self.match(context, self.max_depth - 1)
+        if m == 0:
+            return Proposal()
+        budget = min(max_spec, math.ceil(alpha * m))
+        ctx, toks, score = list(context), [], 1.0
+        while len(toks) < budget:
+            kids = self._kids[node]
+            if not kids:  # at the depth bound or a sequence's end: continue from the longest tail that continues
+                node, m2 = self.match(ctx, self.max_depth - 1)
+                if not m2:
+                    break
+                kids = self._kids[node]
+            t, child = max(kids.items(), key=lambda kv: self._count[kv[1]])
+            total = sum(self._count[c] for c in kids.values())  # occurrences that continued
+            s = score * self._count[child] / total
+            if s < min_score:
+                break
+            toks.append(t)
+            ctx.append(t)
+            node, score = child, s
+        return Proposal(tuple(toks), score if toks else 0.0, m)
+
+
+@dataclass
+class _Live:
+    trie: SuffixTrie
+    active: list[int]
+    tokens: list[int]
+
+
+class SuffixCache:
+    """The request trees and the global tree of one engine (`engine.speculative`'s suffix proposer).
+
+    max_depth: trie depth (tokens); max_tokens: the global tree's budget in tokens of retained
+    outputs (oldest evicted first); max_spec: most tokens per proposal; alpha: tokens per matched
+    token (SuffixDecoding's adaptive length); min_score: a chain stops below this score. Raises
+    ValueError for bad values.
+    """
+
+    def __init__(self, max_depth: int = 24, max_tokens: int = 50_000, max_spec: int = 16, alpha: float = 2.0,
+                 min_score: float = 0.1):
+        if max_tokens < 0 or max_spec < 1 or alpha <= 0 or not 0 <= min_score <= 1:
+            raise ValueError("SuffixCache needs max_tokens >= 0, max_spec >= 1, alpha > 0, 0 <= min_score <= 1")
+        self.max_depth, self.max_tokens, self.max_spec = max_depth, max_tokens, max_spec
+        self.alpha, self.min_score = alpha, min_score
+        self.global_trie = SuffixTrie(max_depth)
+        self._retained: deque[list[int]] = deque()
+        self._retained_tokens = 0
+        self._live: dict[str, _Live] = {}
+
+    def start(self, request_id: str, prompt: list[int]) -> None:
+        """Open the request's tree over its prompt."""
+        live = _Live(SuffixTrie(self.max_depth), [], [])
+        self._live[request_id] = live
+        self.append(request_id, prompt)
+
+    def append(self, request_id: str, tokens: list[int]) -> None:
+        """Extend the request's tree (and its context) with emitted tokens."""
+        live = self._live[request_id]
+        for t in tokens:
+            live.active = live.trie.extend(live.active, int(t))
+        live.tokens += [int(t) for t in tokens]
+
+    def propose(self, request_id: str) -> Proposal:
+        """The better proposal (higher score × length) of the request's tree and the global tree
+        for the request's context so far."""
+        live = self._live[request_id]
+        own = self._own(live)
+        glob = self.global_trie.propose(live.tokens, self.max_spec, self.min_score, self.alpha)
+        glob = Proposal(glob.tokens, glob.score, glob.match_len, "global")
+        return max((own, glob), key=lambda p: (p.score * len(p.tokens), p.score))
+
+    def _own(self, live: _Live) -> Proposal:
+        p = live.trie.propose(live.tokens, self.max_spec, self.min_score, self.alpha)
+        return Proposal(p.tokens, p.score, p.match_len, "request")
+
+    def finish(self, request_id: str, output: list[int] | None = None) -> None:
+        """Close the request's tree; `output` (its generated tokens) joins the global tree, the
+        oldest retained outputs are evicted while over max_tokens."""
+        self._live.pop(request_id, None)
+        if output:
+            self.insert(list(output))
+
+    def insert(self, tokens: list[int]) -> None:
+        """Add a finished output to the global tree (cycle rebuilds call this for the curated window)."""
+        if not tokens or self.max_tokens == 0:
+            return
+        self.global_trie.add(tokens)
+        self._retained.append(tokens)
+        self._retained_tokens += len(tokens)
+        while self._retained_tokens > self.max_tokens and self._retained:
+            old = self._retained.popleft()
+            self.global_trie.add(old, -1)
+            self._retained_tokens -= len(old)
+
+    @property
+    def retained_tokens(self) -> int:
+        return self._retained_tokens

@@ -1,0 +1,95 @@
+"""Suffix proposer (SuffixDecoding, arXiv 2411.04975 §3–4): counts, matching, adaptive length,
+frequency scores, eviction that leaves no trace."""
+import pytest
+
+from tidespec.engine.suffix import SuffixCache, SuffixTrie
+
+
+def brute_count(seqs, s):
+    return sum(1 for q in seqs for i in range(len(q) - len(s) + 1) if q[i:i + len(s)] == s)
+
+
+def node_of(trie, s):
+    node = 0
+    for t in s:
+        node = trie._kids[node].get(t)
+        if node is None:
+            return None
+    return node
+
+
+def test_counts_equal_substring_occurrences_batch_and_incremental():
+    seqs = [[1, 2, 3, 1, 2, 4, 1, 2, 3], [2, 3, 1, 2, 3, 3]]
+    batch, inc = SuffixTrie(4), SuffixTrie(4)
+    for q in seqs:
+        batch.add(q)
+        active = []
+        for t in q:
+            active = inc.extend(active, t)
+    for s in ([1, 2], [1, 2, 3], [2, 3, 1, 2], [3], [3, 3], [4, 1, 2]):
+        want = brute_count(seqs, s)
+        assert batch._count[node_of(batch, s)] == want == inc._count[node_of(inc, s)], s
+    assert node_of(batch, [1, 2, 3, 1, 2]) is None  # deeper than max_depth 4
+    assert batch.num_nodes == inc.num_nodes
+
+
+def test_removal_leaves_no_trace():
+    t = SuffixTrie(5)
+    t.add([7, 8, 9])
+    before = (t.num_nodes, {k: v for k, v in t._kids[0].items()})
+    t.add([1, 2, 7, 8, 1, 2, 3])
+    t.add([1, 2, 7, 8, 1, 2, 3], -1)
+    assert (t.num_nodes, t._kids[0]) == before
+    with pytest.raises(ValueError):
+        t.add([5, 5], -1)
+
+
+def test_propose_follows_the_most_frequent_continuation_with_its_score():
+    t = SuffixTrie(8)
+    for _ in range(3):
+        t.add([10, 11, 12, 13, 14])
+    t.add([10, 11, 12, 99])
+    p = t.propose([5, 10, 11, 12], max_spec=8, min_score=0.0, alpha=4.0)
+    assert p.tokens == (13, 14) and p.score == pytest.approx(0.75) and p.match_len == 3
+    assert t.propose([5, 10, 11, 12], max_spec=8, min_score=0.8, alpha=4.0).tokens == ()
+    assert t.propose([10], max_spec=8, min_score=0.0, alpha=2.0).tokens == (11, 12)  # ⌈2 × 1⌉ tokens
+    assert t.propose([77], max_spec=8, min_score=0.0, alpha=2.0).tokens == ()
+
+
+def test_chain_continues_past_the_depth_bound():
+    t = SuffixTrie(3)
+    t.add(list(range(20)))
+    assert t.propose([0, 1], max_spec=10, min_score=0.5, alpha=10.0).tokens == tuple(range(2, 12))
+
+
+def test_request_tree_repeats_its_own_prompt_and_global_tree_learns_outputs():
+    c = SuffixCache(max_depth=8, max_tokens=40, alpha=3.0, min_score=0.2)
+    code = [1, 2, 3, 4, 5, 6]
+    c.start("a", code + [9, 1, 2])
+    p = c.propose("a")
+    assert p.source == "request" and p.tokens[:4] == (3, 4, 5, 6)
+    c.append("a", [3, 4])
+    assert c.propose("a").tokens[:2] == (5, 6)
+    c.finish("a", [3, 4, 5, 6, 42, 43, 44])
+    c.start("b", [8, 8, 42])
+    p = c.propose("b")
+    assert p.source == "global" and p.tokens == (43, 44)
+    for i in range(10):  # 10 × 7 tokens through a 40-token budget: the first output is evicted
+        c.finish(f"x{i}", [100 + i] * 7)
+    assert c.retained_tokens <= 40 and c.global_trie.propose([42], 4, 0.0, 4.0).tokens == ()
+
+
+def test_random_inserts_and_evictions_match_brute_force_counts():
+    import random
+    rng = random.Random(0)
+    t, kept = SuffixTrie(5), []
+    for step in range(60):
+        q = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        t.add(q)
+        kept.append(q)
+        if len(kept) > 6:
+            t.add(kept.pop(0), -1)
+        for _ in range(5):
+            s = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+            node = node_of(t, s)
+            assert (t._count[node] if node is not None else 0) == brute_count(kept, s), (step, s)
