@@ -46,6 +46,7 @@ from .sampling import (
     warp,
 )
 from .stats import RequestTiming, SpecDecodingStats
+from .suffix import SuffixCache
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Generation:
     finish_reason: str = "length"
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
+    stats_by_proposer: dict[str, SpecDecodingStats] = field(default_factory=dict)  # "eagle3", "suffix"
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,6 +166,8 @@ class _Seq:
         self.t_submit = time.perf_counter()
         self.future: Future = Future()
         self.k = 0  # drafts this step
+        self.via = ""  # this step's proposer: "eagle3", "suffix" or "" (no drafts)
+        self.by_via: dict[str, SpecDecodingStats] = {}
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []  # draft probs per drafted token (sampling)
         self.base = 0  # draft cache length before this step's chain
@@ -253,7 +257,8 @@ class Engine:
 
     def __init__(self, target: Target, draft: DraftRunner | None = None, num_draft_tokens: int = 4,
                  max_seq_len: int = 1024, draft_version: str | None = None, max_batch: int = 8,
-                 adaptive: AdaptiveK | None = None, capture: CaptureSink | None = None):
+                 adaptive: AdaptiveK | None = None, capture: CaptureSink | None = None,
+                 suffix: SuffixCache | None = None, suffix_min_expected: float = 1.0):
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens (k) must be >= 1; use speculative=False to turn speculation off")
         if max_batch < 1:
@@ -267,6 +272,8 @@ class Engine:
         self.max_batch = max_batch
         self.adaptive = adaptive
         self.capture = capture
+        self.suffix = suffix  # suffix proposer (engine/suffix.py); with a draft too: hybrid per step
+        self.suffix_min_expected = suffix_min_expected
         self._lock = threading.Lock()  # draft swap + queues
         self._step_lock = threading.Lock()  # one step at a time
         self._draft = draft
@@ -438,6 +445,8 @@ class Engine:
                         self._seqs.pop(s.rid, None)
             new = [s for s, ok in zip(new, started) if ok]
             for s in [s for s in self._running if s.aborted]:
+                if self.suffix is not None:
+                    self.suffix.finish(s.rid)
                 s.finish_reason = "abort"
                 results.append((s, self._finish(s)))
             running = self._running = [s for s in self._running if not s.aborted]
@@ -446,7 +455,7 @@ class Engine:
                 for s in new:
                     s.alloc()
                 self._plan(running)
-                self._draft_chain([s for s in running if s.k])
+                self._draft_chain([s for s in running if s.via == "eagle3"])
                 outs = self._verify(new, running)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
                 results = [(s, e) for s in new + running]
@@ -461,11 +470,14 @@ class Engine:
                             self._after_verify(s, out, dt)
                     except Exception as e:  # noqa: BLE001 - this request only
                         s.error = e
-                if len(running) == 1 and not new and self._adaptive_for(running[0].req) and running[0].error is None:
+                if len(running) == 1 and not new and self._adaptive_for(running[0].req) and running[0].error is None \
+                        and running[0].via != "suffix":
                     self.adaptive.observe_time(running[0].k, 1000 * dt)
                 done = [s for s in new + running if s.finished or s.error is not None]
                 self._running = [s for s in new + running if not (s.finished or s.error is not None)]
                 for s in done:
+                    if self.suffix is not None:  # its output joins the global tree (not an aborted/failed one)
+                        self.suffix.finish(s.rid, s.gen if s.error is None and not s.aborted else None)
                     try:
                         results.append((s, s.error if s.error is not None else self._finish(s)))
                     except Exception as e:  # noqa: BLE001
@@ -492,8 +504,12 @@ class Engine:
         return set(self.target.cfg.eos_token_ids)
 
     def _plan(self, running: list[_Seq]) -> None:
-        """Pick this step's k per request and feed pending target rows to drafts that will draft."""
+        """Pick this step's proposer and k per request and feed pending target rows to drafts that
+        will draft. With a suffix cache, a request takes the suffix proposal when its expected
+        accepted tokens (score × length, SuffixDecoding's frequency score) reach
+        `suffix_min_expected`, or whenever it has no EAGLE3 draft; otherwise the EAGLE3 chain."""
         for s in running:
+            s.drafts, s.draft_probs, s.via = [], [], ""
             if s.draft is None:
                 s.k = 0
             elif s.req.k is not None:
@@ -502,12 +518,28 @@ class Engine:
                 s.k = self.adaptive.choose(s.req.workload)
             else:
                 s.k = self.k
-            s.drafts, s.draft_probs = [], []
-        for draft, group in _by_draft([s for s in running if s.k and s.backlog]):
+            if self.suffix is not None and s.req.speculative and self._use_suffix(s):
+                continue
+            s.via = "eagle3" if s.k else ""
+        for draft, group in _by_draft([s for s in running if s.via == "eagle3" and s.backlog]):
             items = [(torch.cat([a for a, _ in s.backlog]), torch.cat([t for _, t in s.backlog]), s.draft_cache)
                      for s in group]
             for s, (h, dl) in zip(group, draft.extend_batch(items)):
                 s.draft_hidden, s.draft_logits, s.backlog = h, dl, []
+
+    def _use_suffix(self, s: _Seq) -> bool:
+        """Take the suffix proposal for this step if it is worth more than the EAGLE3 chain (see
+        `_plan`); capped so the output and the KV cache have room for it plus the bonus token."""
+        p = self.suffix.propose(s.rid)
+        room = min(s.req.max_new_tokens - len(s.gen), self.max_seq_len - s.cache.length) - 1
+        toks = list(p.tokens[:max(room, 0)])
+        if not toks or (s.draft is not None and p.score * len(toks) < self.suffix_min_expected):
+            return False
+        s.via, s.drafts, s.k = "suffix", toks, len(toks)
+        if s.rng is not None:  # a deterministic proposal: q is one-hot, rejection sampling stays exact
+            V = self.target.cfg.vocab_size
+            s.draft_probs = [torch.zeros(V).index_fill_(0, torch.tensor([t]), 1.0) for t in toks]
+        return True
 
     def _draft_chain(self, seqs: list[_Seq]) -> None:
         """Chain drafting: k tokens per request; draft forwards batched across requests per position."""
@@ -537,6 +569,8 @@ class Engine:
         prompt = torch.tensor(s.req.prompt_ids, dtype=torch.int64)
         rows = s.process(out.logits[-1:], [])
         s.emit([s.pick(rows[0])], rows)
+        if self.suffix is not None:
+            self.suffix.start(s.rid, list(s.req.prompt_ids) + s.gen)
         s.k = 0
         if s.capture:
             s.rows.add(out, len(prompt))
@@ -559,11 +593,15 @@ class Engine:
             n, tok = rejection_verify(warp(rows, s.req.sampling), torch.stack(s.draft_probs), s.drafts, s.rng)
             new = s.drafts[:n] + [tok]
         kept = s.emit(new, rows)
+        if self.suffix is not None:
+            self.suffix.append(s.rid, new[:kept])
         s.cache.crop(L + n + 1)
         if s.capture:
             s.rows.add(out, n + 1)
         if k:
             s.stats.observe(k, min(n, kept))  # drafts past a stop are not output: never counted accepted
+            s.by_via.setdefault(s.via, SpecDecodingStats(0)).observe(k, min(n, kept))
+        if s.via == "eagle3":
             s.draft_cache.length = s.base
             if self._adaptive_for(s.req):
                 self.adaptive.observe(s.req.workload, k, n)
@@ -574,7 +612,8 @@ class Engine:
     def _finish(self, s: _Seq) -> Generation:
         gen = s.gen  # already cut at the stop (`_Seq.emit`)
         res = Generation(s.rid, len(s.req.prompt_ids), gen, s.stats, s.timing, s.version,
-                         finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason, logprobs=s.logprobs)
+                         finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason, logprobs=s.logprobs,
+                         stats_by_proposer=dict(s.by_via))
         if s.capture and not s.aborted:
             p = list(s.req.prompt_ids)
             T = len(p) + len(gen) - 1
