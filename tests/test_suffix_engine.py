@@ -71,3 +71,25 @@ def test_sampled_suffix_speculation_keeps_the_target_distribution(tiny_target):
     exp = torch.cat([marg[keep] * N, (marg[~keep].sum() * N).view(1)])
     obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
     assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def test_params_enable_the_suffix_proposer_and_metrics_report_it(tiny_target, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from tidespec.config import Params, ServeParams
+    from tidespec.runtime import make_engine
+    from tidespec.server import build_app
+
+    small = {"max_seq_len": 256, "adaptive": False}
+    assert make_engine(Params.model_validate({"engine": small}), tiny_target).suffix is None  # off by default
+    p = Params.model_validate({"engine": small | {"suffix": {"enabled": True, "max_depth": 10, "max_spec": 5, "alpha": 3.0,
+                                                     "min_score": 0.2, "max_tokens": 99, "min_expected": 2.5}}})
+    eng = make_engine(p, tiny_target)
+    sx = eng.suffix
+    assert (sx.max_depth, sx.max_spec, sx.alpha, sx.min_score, sx.max_tokens) == (10, 5, 3.0, 0.2, 99)
+    assert eng.suffix_min_expected == 2.5
+    with TestClient(build_app(eng, None, ServeParams(max_tokens=24))) as c:
+        r = c.post("/v1/completions", json={"prompt": [9, 9, 9, 9], "max_tokens": 24}).json()
+        m = c.get("/metrics").text
+    acc = [ln for ln in m.splitlines() if ln.startswith('tidespec:spec_decode_num_accepted_tokens_by_proposer_total{proposer="suffix"}')]
+    assert acc and float(acc[0].split()[-1]) > 0 and r["tidespec"]["num_drafts"] > 0

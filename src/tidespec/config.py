@@ -22,6 +22,22 @@ class TargetParams(_Strict):
     aux_layers: tuple[int, int, int] | None = None  # output-of-layer ids; None = [1, L//2-1, L-4]
 
 
+class SuffixParams(_Strict):
+    """The suffix proposer (`engine/suffix.py`, SuffixDecoding): enabled: consult it every step
+    (alone when there is no EAGLE3 draft, else hybrid); max_depth: suffix-trie depth (tokens);
+    max_tokens: tokens of recent outputs the global tree keeps; max_spec: most tokens per proposal;
+    alpha: proposal tokens per matched token; min_score: a chain stops below this frequency score;
+    min_expected: with an EAGLE3 draft, take the suffix proposal when score × length reaches this."""
+
+    enabled: bool = False
+    max_depth: int = Field(24, ge=2, le=256)
+    max_tokens: int = Field(50_000, ge=0)
+    max_spec: int = Field(16, ge=1, le=64)
+    alpha: float = Field(2.0, gt=0, allow_inf_nan=False)
+    min_score: float = Field(0.1, ge=0, le=1)
+    min_expected: float = Field(1.0, ge=0, allow_inf_nan=False)
+
+
 class EngineParams(_Strict):
     num_draft_tokens: int = Field(4, ge=1, le=16)  # k (fixed), or the largest k adaptive may pick
     max_seq_len: int = Field(1024, ge=16)
@@ -31,6 +47,7 @@ class EngineParams(_Strict):
     adaptive_prior: float = Field(0.6, ge=0, le=1)  # starting per-position acceptance of a new class
     adaptive_probe_every: int = Field(32, ge=1)  # with speculation off, probe every n-th step
     adaptive_margin: float = Field(0.05, ge=0, lt=1)  # speculate only if predicted >= (1+margin) x plain
+    suffix: SuffixParams = SuffixParams()
 
 
 class DraftParams(_Strict):

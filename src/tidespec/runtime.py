@@ -14,6 +14,7 @@ from .assets import cache_dir, target_gguf
 from .config import Params
 from .engine.adaptive import AdaptiveK, load_or_calibrate
 from .engine.speculative import Engine
+from .engine.suffix import SuffixCache
 from .models.eagle3 import DraftRunner, load_checkpoint
 from .models.target import Target, convert_gguf, load_target, target_id_for
 
@@ -59,7 +60,8 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
     """The serving engine as params.yaml says (`engine.*`). Adaptive k calibrates once per machine
     (cached under the download cache) when there is a draft; evaluation passes adaptive=False to
     measure τ at a fixed k. `capture`: a capture sink (`engine.speculative.CaptureSink`) the engine
-    asks at admission and hands each finished request's record."""
+    asks at admission and hands each finished request's record. `engine.suffix.enabled` adds the
+    suffix proposer (`engine.suffix.SuffixCache`)."""
     e = params.engine
     pol = None
     if (e.adaptive if adaptive is None else adaptive) and runner is not None:
@@ -67,4 +69,8 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
         pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every,
                         margin=e.adaptive_margin)
     kw = {"capture": capture} if capture is not None else {}
+    sx = e.suffix
+    if sx.enabled:
+        kw |= {"suffix": SuffixCache(sx.max_depth, sx.max_tokens, sx.max_spec, sx.alpha, sx.min_score),
+               "suffix_min_expected": sx.min_expected}
     return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, version, max_batch=e.max_batch, adaptive=pol, **kw)

@@ -111,6 +111,11 @@ class Metrics:
                              buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5))
         self.running = Gauge(f"{p}num_requests_running", "Requests waiting or running in the engine.", registry=r)
         self.draft_info = Gauge(f"{p}draft_info", "The served draft (value 1).", ["version"], registry=r)
+        self.by_proposer = {
+            name: Counter(f"{p}spec_decode_{name}_by_proposer", help_, ["proposer"], registry=r)
+            for name, help_ in (("num_drafts", "Draft-verify steps by proposer (eagle3, suffix)."),
+                                ("num_draft_tokens", "Draft tokens proposed by proposer."),
+                                ("num_accepted_tokens", "Draft tokens accepted by proposer."))}
         self.request_tau = Histogram(
             f"{p}request_spec_decode_acceptance_length", "Acceptance length τ of each finished request that "
             "drafted (1 + accepted / drafts).", registry=r, buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0))
@@ -130,6 +135,9 @@ class Metrics:
         self.success.labels(finished_reason=g.finish_reason).inc()
         if st.num_drafts:
             self.request_tau.observe(st.acceptance_length)
+        for proposer, ps in g.stats_by_proposer.items():
+            for name, c in self.by_proposer.items():
+                c.labels(proposer=proposer).inc(getattr(ps, name))
         for ms in g.timing.itl_ms():
             self.itl.observe(ms / 1000)
 
