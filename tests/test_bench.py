@@ -147,3 +147,17 @@ def test_worker_peak_rss_is_its_own_not_the_coordinators(tiny_target_dir):
     # the worker: a fresh interpreter with torch + transformers + the tiny model (a few hundred MB);
     # the coordinator: at least 1 GiB more than that. Old code: child >= parent
     assert 50 < child < parent - 600, (child, parent)
+
+
+def test_pass_ratios_are_paired_per_pass_and_flag_the_noise():
+    from tidespec.bench.engine import pass_ratios
+
+    def r(p, toks, secs):
+        return {"pass": p, "tokens": [0] * toks, "ttft_s": 0.0, "steps": [(secs, toks)]}
+    raw = {"tidespec_no_spec": {"code": [r(0, 10, 1.0), r(1, 10, 2.0), r(2, 10, 1.0)]},  # pass 1 ran slow
+           "fast": {"code": [r(0, 10, 0.5), r(1, 10, 1.0), r(2, 10, 0.4)]},
+           "same": {"code": [r(0, 10, 1.1), r(1, 10, 1.8), r(2, 10, 1.0)]}}
+    s = pass_ratios(raw, "tidespec_no_spec", 3)["code"]
+    assert s["fast"]["per_pass"] == pytest.approx([2.0, 2.0, 2.5]) and s["fast"]["median"] == pytest.approx(2.0)
+    assert not s["fast"]["inside_noise"] and s["same"]["inside_noise"]  # 0.91–1.11 spans 1.0
+    assert s["tidespec_no_spec"]["median"] == 1.0

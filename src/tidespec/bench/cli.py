@@ -146,8 +146,10 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                  threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
                  prompt_lookup: int = typer.Option(10, min=1, help="HF prompt_lookup_num_tokens"),
                  workload: list[str] = typer.Option(["code", "chat"], help="code and/or chat"),
+                 passes: int = typer.Option(3, min=1, help="interleaved passes (paired ratios, their spread)"),
                  out: Path = typer.Option(Path("bench/results"))):
-    """tidespec vs HF generate and HF prompt lookup (code + chat), capture on/off, profile."""
+    """tidespec vs HF generate and HF prompt lookup (code + chat), capture on/off, suffix and hybrid,
+    profile; ≥ 3 interleaved passes with paired ratios and their spread."""
     from .. import assets
     from ..config import load_params
     from ..demo import static_draft_dir
@@ -167,7 +169,7 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
         raise ValueError(f"static draft not found at {static}: run `make demo` first (it trains both), "
                          "or pass --static DIR")
     res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
-                    progress=console.print)
+                    progress=console.print, passes=passes)
     console.print((out / "engine.md").read_text())
     console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
 

@@ -35,13 +35,15 @@ def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lo
     m = [MethodSpec("hf_generate", "hf"),
          MethodSpec(f"hf_prompt_lookup_{prompt_lookup}", "hf", prompt_lookup=prompt_lookup),
          MethodSpec("tidespec_no_spec", "tidespec"),
-         MethodSpec("tidespec_no_spec_capture", "tidespec", capture=True)]
+         MethodSpec("tidespec_no_spec_capture", "tidespec", capture=True),
+         MethodSpec("tidespec_suffix", "tidespec", suffix=True)]
     if static is not None:
         m.append(MethodSpec("tidespec_static_adaptive", "tidespec", draft=str(static)))
     if adapted is not None:
         m += [MethodSpec(f"tidespec_adapted_k{k}", "tidespec", draft=str(adapted), k=k),
               MethodSpec(f"tidespec_adapted_k{k}_capture", "tidespec", draft=str(adapted), k=k, capture=True),
-              MethodSpec("tidespec_adapted_adaptive", "tidespec", draft=str(adapted))]
+              MethodSpec("tidespec_adapted_adaptive", "tidespec", draft=str(adapted)),
+              MethodSpec("tidespec_hybrid_adaptive", "tidespec", draft=str(adapted), suffix=True)]
     return m
 
 
@@ -113,13 +115,20 @@ def summarize(results: list[dict], ref: dict[str, list[int]]) -> dict:
 
 def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts: int = 6,
         max_new_tokens: int = 96, threads: int | None = None, prompt_lookup: int = 10,
-        workloads: tuple[str, ...] = ("code", "chat"), profile: bool = True, progress=print) -> dict:
-    """Run the benchmark; writes `out/engine.json` and `out/engine.md`, returns the result dict."""
+        workloads: tuple[str, ...] = ("code", "chat"), profile: bool = True, progress=print, passes: int = 3,
+        methods: list[MethodSpec] | None = None) -> dict:
+    """Run the benchmark; writes `out/engine.json` and `out/engine.md`, returns the result dict.
+
+    `passes` interleaved passes over the same prompts (each pass rotates the method order; the
+    suffix proposer's global tree is reset at each pass start so a pass never sees the outputs of
+    the pass before). Per pass, each method's tokens/s over no speculation gives one paired ratio;
+    the report gives their median and range (`spread`) and flags a ratio whose range spans 1.0 as
+    inside the noise. `methods`: default `default_methods`."""
     threads = threads or torch.get_num_threads()
     _, tok = get_target(params)
     wl = {k: v for k, v in workload_prompts(tok, params, n_prompts).items() if k in workloads}
     k = params.engine.num_draft_tokens
-    specs = default_methods(static, adapted, k, prompt_lookup)
+    specs = methods or default_methods(static, adapted, k, prompt_lookup)
     ctx = mp.get_context("spawn")  # not fork: a worker's memory must not start as a copy of ours
     pdict = params.model_dump(mode="json")
     cap_dir = tempfile.mkdtemp(prefix="tidespec-bench-capture-")
@@ -134,15 +143,17 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
         for w in workers:  # warm-up (lazy init, allocator, adaptive calibration already cached)
             w.call("run", warm, 8, "warmup")
         order = [(name, i) for i in range(n_prompts) for name in wl if i < len(wl[name])]
-        for j, (name, i) in enumerate(order):
-            pid, ids = wl[name][i]
-            rot = workers[j % len(workers):] + workers[:j % len(workers)]
-            for w in rot:
-                r = w.call("run", ids, max_new_tokens, name)
-                r["id"] = pid
-                raw[w.spec.name][name].append(r)
-            progress(f"[{j + 1}/{len(order)}] {name} {pid}: " + "  ".join(
-                f"{w.spec.name}={len(raw[w.spec.name][name][-1]['tokens'])}t" for w in workers[:1]))
+        for ps in range(passes):
+            for w in workers:
+                w.call("reset")
+            for j, (name, i) in enumerate(order):
+                pid, ids = wl[name][i]
+                r0 = (j + ps) % len(workers)
+                for w in workers[r0:] + workers[:r0]:
+                    r = w.call("run", ids, max_new_tokens, name)
+                    r["id"], r["pass"] = pid, ps
+                    raw[w.spec.name][name].append(r)
+                progress(f"[pass {ps + 1}/{passes}, {j + 1}/{len(order)}] {name} {pid}")
         info = {w.spec.name: w.call("info") for w in workers}
         rss = {w.spec.name: w.rss for w in workers}
     finally:
@@ -160,19 +171,41 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
         for name in wl:
             ref = {r["id"]: r["tokens"] for r in raw[ref_name][name]}
             rows[s.name][name] = summarize(raw[s.name][name], ref) | {"peak_rss_mb": rss[s.name]}
+    spread = pass_ratios(raw, ref_name, passes)
     res = {"benchmark": "engine", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
                        "python": platform.python_version()},
            "setup": {"prompts_per_workload": n_prompts, "max_new_tokens": max_new_tokens, "greedy": True,
                      "dtype": params.target.dtype, "k": k, "prompt_lookup_num_tokens": prompt_lookup,
                      "static_draft": str(static) if static else None,
-                     "adapted_draft": str(adapted) if adapted else None, "wall_s": time.time() - t0},
+                     "adapted_draft": str(adapted) if adapted else None, "passes": passes,
+                     "wall_s": time.time() - t0},
            "methods": [asdict(s) for s in specs], "results": rows, "info": info,
-           "ratios": ratios(rows, k, prompt_lookup)}
+           "ratios": ratios(rows, k, prompt_lookup), "spread": spread}
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "engine.md").write_text(markdown(res, prof))
     return res
+
+
+def pass_ratios(raw: dict, ref_name: str, passes: int) -> dict:
+    """{workload: {method: {median, min, max, per_pass, inside_noise}}}: per pass, the method's
+    tokens/s over the reference's on the same prompts in the same pass (paired), across passes."""
+    def tps(rs):
+        wall = sum(r["ttft_s"] + sum(s for s, _ in r["steps"]) for r in rs)
+        return sum(len(r["tokens"]) for r in rs) / wall if wall else 0.0
+
+    out: dict = {}
+    for name, per in raw.items():
+        for w, rs in per.items():
+            ref = [r for r in raw[ref_name][w]]
+            ratio = [tps([r for r in rs if r["pass"] == p]) / b for p in range(passes)
+                     if (b := tps([r for r in ref if r["pass"] == p]))]
+            if ratio:
+                out.setdefault(w, {})[name] = {
+                    "median": float(np.median(ratio)), "min": min(ratio), "max": max(ratio), "per_pass": ratio,
+                    "inside_noise": min(ratio) <= 1.0 <= max(ratio)}
+    return out
 
 
 def _cpu() -> str:
@@ -221,6 +254,18 @@ def markdown(res: dict, prof: str | None = None) -> str:
                          f"{r['identical_to_target_only']:.0%} |")
         lines.append("")
     lines += ["## Ratios", ""] + [f"- {k}: {v:.3f}" for k, v in res["ratios"].items()] + [""]
+    if res.get("spread"):
+        lines += [f"## Paired ratios to tidespec_no_spec over {s.get('passes', 1)} interleaved passes "
+                  "(median, range; ~ = the range spans 1.0: inside the noise)", "",
+                  "| method | " + " | ".join(res["spread"]) + " |", "|---|" + "---|" * len(res["spread"])]
+        for name in res["results"]:
+            cells = []
+            for w in res["spread"]:
+                x = res["spread"][w].get(name)
+                cells.append("-" if x is None else
+                             f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f}){' ~' if x['inside_noise'] else ''}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
     ad = {n: i.get("adaptive") for n, i in res["info"].items() if i.get("adaptive")}
     if ad:
         lines += ["## Adaptive k (chosen per workload class at the end of the run)", ""]

@@ -19,13 +19,15 @@ import torch
 
 from ..capture.writer import CaptureWriter
 from ..config import Params
+from ..engine.suffix import SuffixCache
 from ..runtime import get_target, make_engine, runner_for, target_dir
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     """name: row label; kind: "hf" | "tidespec"; prompt_lookup: HF PLD window (0 = off);
-    draft: checkpoint dir (None = no speculation); k: fixed k (None = adaptive); capture: on/off."""
+    draft: checkpoint dir (None = no EAGLE3 draft); k: fixed k (None = adaptive); capture: on/off;
+    suffix: the suffix proposer on (alone without a draft, hybrid with one)."""
 
     name: str
     kind: str
@@ -33,6 +35,7 @@ class MethodSpec:
     draft: str | None = None
     k: int | None = None
     capture: bool = False
+    suffix: bool = False
 
 
 def peak_rss_mb() -> float:
@@ -103,21 +106,35 @@ class TidespecMethod:
         runner = runner_for(Path(spec.draft), target) if spec.draft else None
         if spec.draft and runner is None:
             raise FileNotFoundError(f"draft {spec.draft} not found")
-        eng = params.engine.model_copy(update={"num_draft_tokens": spec.k or params.engine.num_draft_tokens})
+        sx = params.engine.suffix.model_copy(update={"enabled": spec.suffix})
+        eng = params.engine.model_copy(update={"num_draft_tokens": spec.k or params.engine.num_draft_tokens,
+                                               "suffix": sx})
+        self.params = params
         self.writer = (CaptureWriter.from_params(capture_dir, target.target_id, params.capture)
                        if spec.capture else None)
         self.engine = make_engine(params.model_copy(update={"engine": eng}), target, runner,
                                   adaptive=runner is not None and spec.k is None, capture=self.writer)
 
     def run(self, ids: list[int], max_new: int, workload: str) -> dict:
-        g = self.engine.generate(ids, max_new, speculative=self.spec.draft is not None, k=self.spec.k,
-                                 capture=self.spec.capture, workload=workload)  # captured: the engine hands it on
+        g = self.engine.generate(ids, max_new, speculative=self.spec.draft is not None or self.spec.suffix,
+                                 k=self.spec.k, capture=self.spec.capture, workload=workload)  # captured: handed on
         s = g.stats
         return {"tokens": g.tokens, "ttft_s": g.timing.prefill_s, "steps": g.timing.steps,
                 "forwards": 1 + len(g.timing.steps),
                 "drafts": {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                            "num_accepted_tokens": s.num_accepted_tokens,
-                           "num_accepted_tokens_per_pos": s.num_accepted_tokens_per_pos}}
+                           "num_accepted_tokens_per_pos": s.num_accepted_tokens_per_pos},
+                "by_proposer": {k: {"num_drafts": v.num_drafts, "num_draft_tokens": v.num_draft_tokens,
+                                    "num_accepted_tokens": v.num_accepted_tokens}
+                                for k, v in g.stats_by_proposer.items()}}
+
+    def reset(self) -> dict:
+        """Forget what the suffix proposer's global tree learned (a new benchmark pass must not see
+        the outputs of the same prompts from the pass before)."""
+        if self.engine.suffix is not None:
+            sx = self.params.engine.suffix
+            self.engine.suffix = SuffixCache(sx.max_depth, sx.max_tokens, sx.max_spec, sx.alpha, sx.min_score)
+        return {}
 
     def info(self) -> dict:
         a = self.engine.adaptive
@@ -156,6 +173,8 @@ def worker(conn, spec: MethodSpec, params_dict: dict, threads: int, capture_dir:
         try:
             if op == "run":
                 res = m.run(*args)
+            elif op == "reset":
+                res = m.reset() if hasattr(m, "reset") else {}
             else:
                 res = m.info() if hasattr(m, "info") else {}
             conn.send(("ok", res, peak_rss_mb()))
