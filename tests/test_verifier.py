@@ -138,28 +138,27 @@ class Language:
         return out
 
 
-def verify_bonus_from_wrong_row(p, q, drafts, gen):
-    """Mutant: all k accepted → bonus drawn from p[k-1] instead of p[k]."""
+def broken_verify(p, q, drafts, gen, *, bonus_row: int = 0, resample_from_p: bool = False):
+    """`rejection_verify` with one plausible bug: bonus_row -1 draws the bonus token (all k
+    accepted) from p[k-1] instead of p[k]; resample_from_p resamples a rejected position from p[i]
+    instead of norm(max(p[i] − q[i], 0))."""
     k = len(drafts)
     for i, d in enumerate(drafts):
         pd, qd = float(p[i, d]), float(q[i, d])
         if qd > 0 and float(torch.rand((), generator=gen)) * qd < pd:
             continue
-        resid = (p[i] - q[i]).clamp_min(0)
+        resid = p[i] if resample_from_p else (p[i] - q[i]).clamp_min(0)
         z = float(resid.sum())
         return i, sample(resid / z if z > 0 else p[i], gen)
-    return k, sample(p[k - 1], gen)
+    return k, sample(p[k + bonus_row], gen)
+
+
+def verify_bonus_from_wrong_row(p, q, drafts, gen):
+    return broken_verify(p, q, drafts, gen, bonus_row=-1)
 
 
 def verify_resample_from_p(p, q, drafts, gen):
-    """Mutant: on rejection resample from p[i] instead of norm(max(p[i] − q[i], 0))."""
-    k = len(drafts)
-    for i, d in enumerate(drafts):
-        pd, qd = float(p[i, d]), float(q[i, d])
-        if qd > 0 and float(torch.rand((), generator=gen)) * qd < pd:
-            continue
-        return i, sample(p[i], gen)
-    return k, sample(p[k], gen)
+    return broken_verify(p, q, drafts, gen, resample_from_p=True)
 
 
 def simulate(verify, lang: Language, n_draws: int = N_DRAWS, seed: int = 0):
