@@ -147,6 +147,9 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                  prompt_lookup: int = typer.Option(10, min=1, help="HF prompt_lookup_num_tokens"),
                  workload: list[str] = typer.Option(["code", "chat"], help="code and/or chat"),
                  passes: int = typer.Option(3, min=1, help="interleaved passes (paired ratios, their spread)"),
+                 method: list[str] = typer.Option([], help="only these rows (repeat; default: all); "
+                                                  "tidespec_no_spec, the ratios' reference, is always run"),
+                 profile: bool = typer.Option(True, help="a torch.profiler table of one request"),
                  out: Path = typer.Option(Path("bench/results"))):
     """tidespec vs HF generate and HF prompt lookup (code + chat), capture on/off, suffix and hybrid,
     profile; ≥ 3 interleaved passes with paired ratios and their spread."""
@@ -168,8 +171,15 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     if not (Path(static) / "model.safetensors").exists():
         raise ValueError(f"static draft not found at {static}: run `make demo` first (it trains both), "
                          "or pass --static DIR")
+    specs = bench.default_methods(static, adapted, p.engine.num_draft_tokens, prompt_lookup)
+    if method:
+        names = [s.name for s in specs]
+        bad = sorted(set(method) - set(names))
+        if bad:
+            raise ValueError(f"unknown method(s) {bad}; choose from {names}")
+        specs = [s for s in specs if s.name in set(method) | {"tidespec_no_spec"}]
     res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
-                    progress=console.print, passes=passes)
+                    progress=console.print, passes=passes, methods=specs, profile=profile)
     console.print((out / "engine.md").read_text())
     console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
 

@@ -153,7 +153,7 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
                     r = w.call("run", ids, max_new_tokens, name)
                     r["id"], r["pass"] = pid, ps
                     raw[w.spec.name][name].append(r)
-                progress(f"[pass {ps + 1}/{passes}, {j + 1}/{len(order)}] {name} {pid}")
+                progress(f"pass {ps + 1}/{passes} · {j + 1}/{len(order)} · {name} {pid}")
         info = {w.spec.name: w.call("info") for w in workers}
         rss = {w.spec.name: w.rss for w in workers}
     finally:
@@ -197,6 +197,8 @@ def pass_ratios(raw: dict, ref_name: str, passes: int) -> dict:
 
     out: dict = {}
     for name, per in raw.items():
+        if name == ref_name:
+            continue
         for w, rs in per.items():
             ref = [r for r in raw[ref_name][w]]
             ratio = [tps([r for r in rs if r["pass"] == p]) / b for p in range(passes)
@@ -220,12 +222,13 @@ def ratios(rows: dict, k: int, pl: int) -> dict:
     r = {}
     for w in ("code", "chat"):
         base = tps("tidespec_no_spec", w)
-        for m in (f"tidespec_adapted_k{k}", "tidespec_adapted_adaptive", "tidespec_static_adaptive"):
+        for m in (f"tidespec_adapted_k{k}", "tidespec_adapted_adaptive", "tidespec_static_adaptive",
+                  "tidespec_suffix", "tidespec_hybrid_adaptive"):
             if base and tps(m, w):
                 r[f"{w}: {m} / no_spec"] = tps(m, w) / base
-        if tps(f"hf_prompt_lookup_{pl}", w) and tps("tidespec_adapted_adaptive", w):
-            r[f"{w}: tidespec_adapted_adaptive / hf_prompt_lookup"] = (
-                tps("tidespec_adapted_adaptive", w) / tps(f"hf_prompt_lookup_{pl}", w))
+        for m in ("tidespec_adapted_adaptive", "tidespec_hybrid_adaptive"):
+            if tps(f"hf_prompt_lookup_{pl}", w) and tps(m, w):
+                r[f"{w}: {m} / hf_prompt_lookup"] = tps(m, w) / tps(f"hf_prompt_lookup_{pl}", w)
         if tps("hf_generate", w) and base:
             r[f"{w}: tidespec_no_spec / hf_generate"] = base / tps("hf_generate", w)
         for base_m in ("tidespec_no_spec", f"tidespec_adapted_k{k}"):
