@@ -221,7 +221,11 @@ def test_adaptive_k_cost_model_and_off_switch():
     pol.observe_time(0, 200.0, alpha=1.0)  # plain decoding measured 2x slower than calibrated
     assert pol.step_ms() == pytest.approx([200, 230, 260, 290, 320])
     pol.observe_time(2, 130.0, alpha=1.0)  # k = 2 measured at 130 ms: load = 130 / 130 = 1
-    assert pol.step_ms() == pytest.approx([200, 115, 130, 145, 160])
+    # per-k estimates 200, 115, 130, 145, 160 — but a step with k drafts costs at least T(0) × the
+    # calibrated T(k)/T(0): k = 0 measured slow means every k is at least as slow
+    assert pol.step_ms() == pytest.approx([200, 230, 260, 290, 320])
+    pol.observe_time(0, 100.0, alpha=1.0)
+    assert pol.step_ms() == pytest.approx([100, 115, 130, 145, 160])
 
 
 def test_adaptive_k_margin_keeps_break_even_classes_off():
@@ -366,3 +370,23 @@ def test_capture_sink_is_asked_once_at_admission_and_fed_at_finish(tiny_target):
     bad = Engine(tiny_target, None, 3, 256, capture=_Sink(fail=True))
     g = bad.generate([5, 17, 33], 4)
     assert g.record is None and len(g.tokens) == 4
+
+
+def test_adaptive_cost_model_survives_step_time_spikes():
+    """Injected spikes on plain-decoding steps (a busy machine while k = 0 ran) and quiet draft steps
+    must not make the policy predict more than τ(k): a step with more drafts never costs less."""
+    import random
+    cal = _cal([50, 55, 60, 65, 70], 3)
+    pol = AdaptiveK(cal, prior=0.05, probe_every=4)  # a weak draft: τ(4) ≈ 1.05
+    rng = random.Random(0)
+    for _ in range(300):
+        pol.observe_time(0, 50 * (8.0 if rng.random() < 0.5 else 1.0))  # half the k = 0 steps hit a spike
+        pol.observe_time(4, 60.0)  # draft steps measured on a quiet machine
+    tps = pol.predicted_tokens_per_s("static")
+    tau4 = predicted_tau([0.05] * 4, 4)
+    bound = [predicted_tau([0.05] * k, k) * cal.step_ms(0) / cal.step_ms(k) for k in range(5)]
+    assert all(tps[k] / tps[0] <= bound[k] + 1e-9 for k in range(1, 5))  # ≤ τ(k)·T(0)/T(k): never 3.9×
+    assert max(tps[k] / tps[0] for k in range(1, 5)) < tau4 < 1.06
+    assert pol.best_k("static") == 0  # and below the margin: speculation stays off
+    ms = pol.step_ms()
+    assert all(a <= b for a, b in zip(ms, ms[1:]))
