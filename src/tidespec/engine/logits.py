@@ -22,6 +22,13 @@ import torch
 from .sampling import SamplingParams
 
 
+def check_token_ids(sp: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError for a logit_bias or stop token id outside [0, vocab_size)."""
+    for t in list(sp.logit_bias) + list(sp.stop_token_ids):
+        if t >= vocab_size:
+            raise ValueError(f"token id {t} in logit_bias / stop_token_ids is outside the vocabulary [0, {vocab_size})")
+
+
 class RequestLogits:
     """Transforms of one request; `apply` is pure, `advance` records emitted tokens.
 
@@ -31,13 +38,12 @@ class RequestLogits:
     """
 
     def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, eos_ids: set[int]):
-        bad = [t for t in list(sp.logit_bias) + list(sp.stop_token_ids) if t >= vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} in logit_bias / stop_token_ids is outside the vocabulary "
-                             f"[0, {vocab_size})")
+        check_token_ids(sp, vocab_size)
         self.sp, self.V, self.n_out = sp, vocab_size, 0
-        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
-        self._stop_ids = torch.tensor(sorted(stop), dtype=torch.int64) if sp.min_tokens and stop else None
+        # the ids that end the request (EOS unless ignore_eos, stop_token_ids); masked until min_tokens
+        self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
+        self._stop_ids = torch.tensor(sorted(self.stop_ids), dtype=torch.int64) \
+            if sp.min_tokens and self.stop_ids else None
         self._bias_ids = torch.tensor(list(sp.logit_bias), dtype=torch.int64)
         self._bias = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32)
         self._penalized = sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1

@@ -34,7 +34,7 @@ import torch
 from ..models.eagle3 import DraftRunner
 from ..models.target import Segment, Target
 from .adaptive import AdaptiveK
-from .logits import RequestLogits
+from .logits import RequestLogits, check_token_ids
 from .sampling import (
     GREEDY,
     SamplingParams,
@@ -147,7 +147,6 @@ class _Seq:
         self.req, self.rid, self.draft, self.version = req, rid, draft, version
         self.lp = RequestLogits(req.sampling, req.prompt_ids, target.cfg.vocab_size, eos)
         sp = req.sampling
-        self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if sp.logprobs is not None else None
@@ -195,7 +194,7 @@ class _Seq:
         if m == room:
             self.finish_reason = "length"
         for i, t in enumerate(new[:m]):
-            if t in self.stop_ids and len(self.gen) + i + 1 >= req.sampling.min_tokens:
+            if t in self.lp.stop_ids and len(self.gen) + i + 1 >= req.sampling.min_tokens:
                 m, self.finish_reason = i + 1, "stop"
                 self.stop_reason = t if t in req.sampling.stop_token_ids else None
                 break
@@ -338,9 +337,7 @@ class Engine:
             raise ValueError("sampling must be a SamplingParams")
         if not isinstance(req.workload, str):
             raise ValueError(f"workload must be a string label, got {type(req.workload).__name__}")
-        for t in list(req.sampling.logit_bias) + list(req.sampling.stop_token_ids):
-            if t >= V:
-                raise ValueError(f"token id {t} in logit_bias / stop_token_ids is outside the vocabulary [0, {V})")
+        check_token_ids(req.sampling, V)
         if req.stop is not None and not callable(req.stop):
             raise ValueError("stop must be a callable (a stop-string check) or None")
         k = self._k_max(req) if req.speculative else 0
