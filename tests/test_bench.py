@@ -5,7 +5,7 @@ import pytest
 from conftest import random_draft
 
 from tidespec.bench.engine import markdown, ratios, summarize
-from tidespec.engine.adaptive import load_or_calibrate
+from tidespec.engine.calibration import load_or_calibrate
 from tidespec.models.eagle3 import DraftRunner
 
 
@@ -70,12 +70,14 @@ def test_bench_engine_without_drafts_says_what_to_do(tmp_path):
 
     from tidespec.bench.cli import bench_engine
     params = Path(__file__).resolve().parents[1] / "params.yaml"
+    kw = dict(root=tmp_path, params=params, static=None, adapted=None, prompts=1, max_new_tokens=1, threads=1,
+              prompt_lookup=10, out=tmp_path / "out")
     with pytest.raises(ValueError, match="make demo"):
-        bench_engine(root=tmp_path, params=params, static=None, adapted=None, prompts=1, max_new_tokens=1,
-                     threads=1, prompt_lookup=10, workload=["code"], out=tmp_path / "out")
+        bench_engine(**kw, workload=["code", "math"], concurrency=[1, 4])
     with pytest.raises(ValueError, match="unknown workload"):
-        bench_engine(root=tmp_path, params=params, static=None, adapted=None, prompts=1, max_new_tokens=1,
-                     threads=1, prompt_lookup=10, workload=["poetry"], out=tmp_path / "out")
+        bench_engine(**kw, workload=["poetry"], concurrency=[1])
+    with pytest.raises(ValueError, match="--concurrency must be >= 1"):
+        bench_engine(**kw, workload=["code"], concurrency=[0, 4])
 
 
 def test_bench_train_on_tiny_target(tmp_path, tiny_target_dir):
@@ -161,3 +163,31 @@ def test_pass_ratios_are_paired_per_pass_and_flag_the_noise():
     assert s["fast"]["per_pass"] == pytest.approx([2.0, 2.0, 2.5]) and s["fast"]["median"] == pytest.approx(2.0)
     assert not s["fast"]["inside_noise"] and s["same"]["inside_noise"]  # 0.91–1.11 spans 1.0
     assert "tidespec_no_spec" not in s  # the reference is not compared with itself
+
+
+def test_concurrency_sweep_summary_markdown_and_png(tmp_path):
+    """Per pass, tokens/s = tokens / the run's wall time; the ratio pairs each pass with the
+    reference's same pass; identical is judged per prompt id; the PNG is written."""
+    from tidespec import plots
+    from tidespec.bench.engine import by_concurrency, sweep_markdown, sweep_summary
+
+    def run(ps, wall, toks, steps=((0.1, 2),)):
+        return {"pass": ps, "wall_s": wall, "results": [{"id": "a", "tokens": toks, "forwards": 2,
+                                                          "steps": list(steps)}]}
+    per = {"tidespec_no_spec": {"code": [run(0, 2.0, [1, 2, 3, 4]), run(1, 4.0, [1, 2, 3, 4])]},
+           "tidespec_hybrid_adaptive": {"code": [run(0, 1.0, [1, 2, 3, 4]), run(1, 4.0, [1, 2, 3, 5])]}}
+    s = sweep_summary(per, "tidespec_no_spec")
+    h = s["tidespec_hybrid_adaptive"]["code"]
+    assert h["per_pass_tokens_per_s"] == [4.0, 1.0] and h["ratio"]["per_pass"] == [2.0, 1.0]
+    assert h["ratio"]["inside_noise"] and h["identical_to_target_only"] == 0.5 and h["tau"] == 2.0
+    assert "ratio" not in s["tidespec_no_spec"]["code"]
+    res = {"concurrency": {"4": s}, "spread": {"code": {"tidespec_hybrid_adaptive": dict(h["ratio"], median=1.9)}},
+           "results": {"tidespec_no_spec": {"code": {"tokens_per_s": 10.0, "tau": 1.0}},
+                       "tidespec_hybrid_adaptive": {"code": {"tokens_per_s": 19.0, "tau": 2.6}}}}
+    md = "\n".join(sweep_markdown(res))
+    assert "| tidespec_hybrid_adaptive | 1.90× (1.00–2.00) ~ | 1.50× (1.00–2.00) ~ |" in md
+    assert "19.0 · 2.60" in md and "50% of requests" in md
+    data = by_concurrency(res)
+    assert data["code"]["tidespec_hybrid_adaptive"] == [(1, 19.0), (4, 2.5)]
+    plots.tokens_per_s_by_concurrency(data).savefig(tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 1000

@@ -3,7 +3,8 @@ import pytest
 import torch
 from conftest import random_draft
 
-from tidespec.engine.adaptive import AdaptiveK, Calibration, predicted_tau
+from tidespec.engine.adaptive import AdaptiveK, predicted_tau
+from tidespec.engine.calibration import Calibration
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats, simulated_acceptance_length

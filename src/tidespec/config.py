@@ -27,7 +27,9 @@ class SuffixParams(_Strict):
     (alone when there is no EAGLE3 draft, else hybrid); max_depth: suffix-trie depth (tokens);
     max_tokens: tokens of recent outputs the global tree keeps; max_spec: most tokens per proposal;
     alpha: proposal tokens per matched token; min_score: a chain stops below this frequency score;
-    min_expected: with an EAGLE3 draft, take the suffix proposal when score × length reaches this."""
+    min_expected: with an EAGLE3 draft and outside the goodput policy (a fixed k, a seeded request,
+    engine.adaptive false), take the suffix proposal when its expected accepted tokens (the sum of its
+    chain scores) reach this; under the policy the choice is by predicted goodput."""
 
     enabled: bool = False
     max_depth: int = Field(24, ge=2, le=256)

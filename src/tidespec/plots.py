@@ -8,7 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.ticker import MaxNLocator, ScalarFormatter  # noqa: E402
 
 
 def tau_over_cycles(history: list[dict]):
@@ -57,5 +57,24 @@ def loss(losses: list[float]):
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(range(1, len(losses) + 1), losses, "o-")
     ax.set(xlabel="epoch", ylabel="train/loss", title="training loss")
+    fig.tight_layout()
+    return fig
+
+
+def tokens_per_s_by_concurrency(data: dict):
+    """Tokens/s by concurrency, one panel per workload, one line per method.
+    data: {workload: {method: [(concurrency, tokens/s)]}} (`bench.engine.by_concurrency`)."""
+    fig, axes = plt.subplots(1, len(data), figsize=(4.2 * len(data), 3.6), squeeze=False)
+    for ax, (w, per) in zip(axes[0], data.items()):
+        for name, pts in per.items():
+            xs, ys = zip(*sorted(pts))
+            ax.plot(xs, ys, "o-" if name != "tidespec_no_spec" else "k--", lw=1.2, ms=3,
+                    label=name.replace("tidespec_", ""))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({c for pts in per.values() for c, _ in pts}))
+        ax.get_xaxis().set_major_formatter(ScalarFormatter())
+        ax.set(xlabel="concurrency (clients)", ylabel="tokens/s", title=w)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -12,7 +12,8 @@ import torch
 
 from .assets import cache_dir, target_gguf
 from .config import Params
-from .engine.adaptive import AdaptiveK, load_or_calibrate
+from .engine.adaptive import AdaptiveK
+from .engine.calibration import load_or_calibrate
 from .engine.speculative import Engine
 from .engine.suffix import SuffixCache
 from .models.eagle3 import DraftRunner, load_checkpoint
@@ -57,15 +58,17 @@ def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
 
 def make_engine(params: Params, target: Target, runner: DraftRunner | None = None, version: str | None = None,
                 adaptive: bool | None = None, capture=None) -> Engine:
-    """The serving engine as params.yaml says (`engine.*`). Adaptive k calibrates once per machine
-    (cached under the download cache) when there is a draft; evaluation passes adaptive=False to
-    measure τ at a fixed k. `capture`: a capture sink (`engine.speculative.CaptureSink`) the engine
-    asks at admission and hands each finished request's record. `engine.suffix.enabled` adds the
-    suffix proposer (`engine.suffix.SuffixCache`)."""
+    """The serving engine as params.yaml says (`engine.*`). The goodput policy (`engine.adaptive`)
+    needs a proposer (a draft, or `engine.suffix.enabled`) and calibrates once per machine, target,
+    draft shape, thread count and `max_batch` (cached under the download cache); evaluation passes
+    adaptive=False to measure τ at a fixed k. `capture`: a capture sink
+    (`engine.speculative.CaptureSink`) the engine asks at admission and hands each finished
+    request's record. `engine.suffix.enabled` adds the suffix proposer (`engine.suffix.SuffixCache`)."""
     e = params.engine
     pol = None
-    if (e.adaptive if adaptive is None else adaptive) and runner is not None:
-        cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir())
+    if (e.adaptive if adaptive is None else adaptive) and (runner is not None or e.suffix.enabled):
+        cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir(), max_batch=e.max_batch,
+                                max_rows=e.suffix.max_spec + 1 if e.suffix.enabled else 0)
         pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every,
                         margin=e.adaptive_margin)
     kw = {"capture": capture} if capture is not None else {}

@@ -145,23 +145,28 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                  max_new_tokens: int = typer.Option(96, min=1),
                  threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
                  prompt_lookup: int = typer.Option(10, min=1, help="HF prompt_lookup_num_tokens"),
-                 workload: list[str] = typer.Option(["code", "chat"], help="code and/or chat"),
+                 workload: list[str] = typer.Option(["code", "chat", "math"], help="code, chat and/or math"),
+                 concurrency: list[int] = typer.Option([1, 4, 8, 16], help="closed-loop clients (repeat); "
+                                                       "levels above 1 run the tidespec methods only"),
                  passes: int = typer.Option(3, min=1, help="interleaved passes (paired ratios, their spread)"),
                  method: list[str] = typer.Option([], help="only these rows (repeat; default: all); "
                                                   "tidespec_no_spec, the ratios' reference, is always run"),
                  profile: bool = typer.Option(True, help="a torch.profiler table of one request"),
                  out: Path = typer.Option(Path("bench/results"))):
-    """tidespec vs HF generate and HF prompt lookup (code + chat), capture on/off, suffix and hybrid,
-    profile; ≥ 3 interleaved passes with paired ratios and their spread."""
+    """tidespec vs HF generate and HF prompt lookup (code, chat, math), capture on/off, suffix and
+    hybrid, at concurrency 1/4/8/16, profile; ≥ 3 interleaved passes with paired ratios and their
+    spread; JSON + markdown + a PNG of tokens/s by concurrency."""
     from .. import assets
     from ..config import load_params
     from ..demo import static_draft_dir
     from ..runtime import target_id
     from . import engine as bench
     p = load_params(params)
-    bad = set(workload) - {"code", "chat"}
+    bad = set(workload) - set(bench.WORKLOADS)
     if bad:
-        raise ValueError(f"unknown workload(s) {sorted(bad)}; use code and/or chat")
+        raise ValueError(f"unknown workload(s) {sorted(bad)}; use {', '.join(bench.WORKLOADS)}")
+    if any(c < 1 for c in concurrency):
+        raise ValueError(f"--concurrency must be >= 1, got {sorted(concurrency)}")
     adapted = adapted or Workspace(root.resolve()).champion
     if not (Path(adapted) / "model.safetensors").exists():  # checked before any model is fetched or loaded
         raise ValueError(f"adapted draft not found at {adapted}: run `make demo` first (it trains both), "
@@ -179,7 +184,8 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
             raise ValueError(f"unknown method(s) {bad}; choose from {names}")
         specs = [s for s in specs if s.name in set(method) | {"tidespec_no_spec"}]
     res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
-                    progress=console.print, passes=passes, methods=specs, profile=profile)
+                    progress=console.print, passes=passes, methods=specs, profile=profile,
+                    concurrency=tuple(concurrency))
     console.print((out / "engine.md").read_text())
     console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
 

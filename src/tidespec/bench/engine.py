@@ -6,8 +6,13 @@ started with the `spawn` context (fork + exec of a fresh interpreter: nothing of
 which has loaded the target to tokenize, is inherited), and each reports its own address space's
 peak RSS (`methods.peak_rss_mb`: VmHWM, not `ru_maxrss`, which Linux carries over fork + exec and
 so reported the coordinator's ~1830 MB for every method).
-Workloads: code (HumanEval holdout split, the adapted draft never saw it) and open-ended chat
-(MT-Bench first turns). Output: `<out>/engine.json` + `<out>/engine.md`.
+Workloads: code (HumanEval holdout split, the adapted draft never saw it), open-ended chat
+(MT-Bench first turns) and math (GSM8K, English). Concurrency sweep (`concurrency` > 1): each
+tidespec method serves max(c, prompts) prompts with c closed-loop clients in one engine
+(continuous batching), methods rotated per pass, the suffix proposer's global tree reset before
+every run; tokens/s = tokens / wall time of the run. HF rows run at concurrency 1 only
+(transformers' assisted generation takes batch size 1). Output: `<out>/engine.json`,
+`<out>/engine.md` and, with a sweep, `<out>/engine-concurrency.png`.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +30,7 @@ import torch
 
 from .. import prompts
 from ..bootstrap import prompt_ids
-from ..engine.adaptive import _cpu_model
+from ..engine.calibration import cpu_model
 from ..engine.stats import itl_percentiles
 from ..runtime import get_target
 from .methods import MethodSpec, TidespecMethod, worker
@@ -47,13 +52,18 @@ def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lo
     return m
 
 
+WORKLOADS = ("code", "chat", "math")
+
+
 def workload_prompts(tok, params, n: int) -> dict[str, list[tuple[str, list[int]]]]:
-    """{"code": HumanEval holdout, "chat": MT-Bench turn 1}, n each, as (id, chat-templated ids)."""
+    """{"code": HumanEval holdout, "chat": MT-Bench turn 1, "math": GSM8K (English)}, n each, as
+    (id, chat-templated ids)."""
     w = params.workload
     _, hold = prompts.split(prompts.load("humaneval"), w.holdout_fraction, w.seed)
     chat = [p for p in prompts.load("mtbench") if p.workload == "chat"]
     return {"code": [(p.id, prompt_ids(tok, p.text)) for p in hold[:n]],
-            "chat": [(p.id, prompt_ids(tok, p.text)) for p in chat[:n]]}
+            "chat": [(p.id, prompt_ids(tok, p.text)) for p in chat[:n]],
+            "math": [(p.id, prompt_ids(tok, p.text)) for p in prompts.load("gsm-en")[:n]]}
 
 
 class _Worker:
@@ -116,19 +126,24 @@ def summarize(results: list[dict], ref: dict[str, list[int]]) -> dict:
 def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts: int = 6,
         max_new_tokens: int = 96, threads: int | None = None, prompt_lookup: int = 10,
         workloads: tuple[str, ...] = ("code", "chat"), profile: bool = True, progress=print, passes: int = 3,
-        methods: list[MethodSpec] | None = None) -> dict:
+        methods: list[MethodSpec] | None = None, concurrency: tuple[int, ...] = (1,)) -> dict:
     """Run the benchmark; writes `out/engine.json` and `out/engine.md`, returns the result dict.
 
     `passes` interleaved passes over the same prompts (each pass rotates the method order; the
     suffix proposer's global tree is reset at each pass start so a pass never sees the outputs of
     the pass before). Per pass, each method's tokens/s over no speculation gives one paired ratio;
     the report gives their median and range (`spread`) and flags a ratio whose range spans 1.0 as
-    inside the noise. `methods`: default `default_methods`."""
+    inside the noise. `methods`: default `default_methods`. `concurrency`: levels above 1 add the
+    sweep (module docstring)."""
     threads = threads or torch.get_num_threads()
     _, tok = get_target(params)
-    wl = {k: v for k, v in workload_prompts(tok, params, n_prompts).items() if k in workloads}
+    levels = sorted({c for c in concurrency if c > 1})
+    wl_all = {k: v for k, v in workload_prompts(tok, params, max([n_prompts, *levels])).items() if k in workloads}
+    wl = {k: v[:n_prompts] for k, v in wl_all.items()}
     k = params.engine.num_draft_tokens
     specs = methods or default_methods(static, adapted, k, prompt_lookup)
+    if levels:  # the engine must admit the highest concurrency in one batch
+        specs = [replace(s, max_batch=max(levels)) if s.kind == "tidespec" else s for s in specs]
     ctx = mp.get_context("spawn")  # not fork: a worker's memory must not start as a copy of ours
     pdict = params.model_dump(mode="json")
     cap_dir = tempfile.mkdtemp(prefix="tidespec-bench-capture-")
@@ -154,6 +169,7 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
                     r["id"], r["pass"] = pid, ps
                     raw[w.spec.name][name].append(r)
                 progress(f"pass {ps + 1}/{passes} · {j + 1}/{len(order)} · {name} {pid}")
+        sweep_raw = _sweep(workers, wl_all, levels, n_prompts, max_new_tokens, passes, progress) if levels else {}
         info = {w.spec.name: w.call("info") for w in workers}
         rss = {w.spec.name: w.rss for w in workers}
     finally:
@@ -172,6 +188,7 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
             ref = {r["id"]: r["tokens"] for r in raw[ref_name][name]}
             rows[s.name][name] = summarize(raw[s.name][name], ref) | {"peak_rss_mb": rss[s.name]}
     spread = pass_ratios(raw, ref_name, passes)
+    sweep = {str(c): sweep_summary(per, ref_name) for c, per in sweep_raw.items()}
     res = {"benchmark": "engine", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
                        "python": platform.python_version()},
@@ -179,13 +196,71 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
                      "dtype": params.target.dtype, "k": k, "prompt_lookup_num_tokens": prompt_lookup,
                      "static_draft": str(static) if static else None,
                      "adapted_draft": str(adapted) if adapted else None, "passes": passes,
-                     "wall_s": time.time() - t0},
+                     "concurrency": [1, *levels], "wall_s": time.time() - t0},
            "methods": [asdict(s) for s in specs], "results": rows, "info": info,
-           "ratios": ratios(rows, k, prompt_lookup), "spread": spread}
+           "ratios": ratios(rows, k, prompt_lookup), "spread": spread, "concurrency": sweep}
     out.mkdir(parents=True, exist_ok=True)
+    if sweep:
+        from .. import plots  # matplotlib (the mlops extra) only when there is a sweep to draw
+        fig = plots.tokens_per_s_by_concurrency(by_concurrency(res))
+        fig.savefig(out / "engine-concurrency.png", dpi=120)
     (out / "engine.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "engine.md").write_text(markdown(res, prof))
     return res
+
+
+def _sweep(workers: list[_Worker], wl_all: dict, levels: list[int], n_prompts: int, max_new: int, passes: int,
+           progress) -> dict:
+    """{c: {method: {workload: [run per pass]}}} for the tidespec methods without capture."""
+    ws = [w for w in workers if w.spec.kind == "tidespec" and not w.spec.capture]
+    raw = {c: {w.spec.name: {name: [] for name in wl_all} for w in ws} for c in levels}
+    for ps in range(passes):
+        for ci, c in enumerate(levels):
+            for name, ps_all in wl_all.items():
+                r0 = (ps + ci) % len(ws)
+                for w in ws[r0:] + ws[:r0]:
+                    w.call("reset")  # the global suffix tree must not hold these prompts' outputs already
+                    r = w.call("run_many", ps_all[:max(c, n_prompts)], max_new, name, c)
+                    r["pass"] = ps
+                    raw[c][w.spec.name][name].append(r)
+                progress(f"sweep pass {ps + 1}/{passes} · concurrency {c} · {name}")
+    return raw
+
+
+def sweep_summary(per: dict, ref_name: str) -> dict:
+    """One concurrency level: {method: {workload: tokens/s (median over passes), paired ratio to
+    the reference per pass (median, min, max, inside_noise), τ, ITL p50/p99, identical share}}."""
+    out: dict = {}
+    for name, by_w in per.items():
+        for w, runs in by_w.items():
+            ref_runs = {r["pass"]: r for r in per[ref_name][w]}
+            ref_tok = {x["id"]: x["tokens"] for x in per[ref_name][w][0]["results"]}
+            tps = [sum(len(x["tokens"]) for x in r["results"]) / r["wall_s"] for r in runs]
+            ratio = [t / (sum(len(x["tokens"]) for x in ref_runs[r["pass"]]["results"]) / ref_runs[r["pass"]]["wall_s"])
+                     for t, r in zip(tps, runs)]
+            xs = [x for r in runs for x in r["results"]]
+            fwd = sum(x["forwards"] for x in xs)
+            itl = [1000 * s / n for x in xs for s, n in x["steps"] for _ in range(n) if n]
+            d = {"tokens_per_s": float(np.median(tps)), "per_pass_tokens_per_s": tps,
+                 "tau": sum(len(x["tokens"]) for x in xs) / fwd if fwd else 0.0, **itl_percentiles(itl),
+                 "identical_to_target_only": sum(x["tokens"] == ref_tok[x["id"]] for x in xs) / len(xs)}
+            if name != ref_name:
+                d["ratio"] = {"median": float(np.median(ratio)), "min": min(ratio), "max": max(ratio),
+                              "per_pass": ratio, "inside_noise": min(ratio) <= 1.0 <= max(ratio)}
+            out.setdefault(name, {})[w] = d
+    return out
+
+
+def by_concurrency(res: dict) -> dict:
+    """{workload: {method: [(concurrency, tokens/s)]}}: concurrency 1 from the main rows, higher
+    levels from the sweep (methods in the sweep only)."""
+    out: dict = {}
+    for name, per in res["concurrency"][next(iter(res["concurrency"]))].items():
+        for w in per:
+            pts = [(1, res["results"][name][w]["tokens_per_s"])]
+            pts += [(int(c), lvl[name][w]["tokens_per_s"]) for c, lvl in res["concurrency"].items()]
+            out.setdefault(w, {})[name] = pts
+    return out
 
 
 def pass_ratios(raw: dict, ref_name: str, passes: int) -> dict:
@@ -211,7 +286,7 @@ def pass_ratios(raw: dict, ref_name: str, passes: int) -> dict:
 
 
 def _cpu() -> str:
-    return _cpu_model()
+    return cpu_model()
 
 
 def ratios(rows: dict, k: int, pl: int) -> dict:
@@ -220,7 +295,7 @@ def ratios(rows: dict, k: int, pl: int) -> dict:
         return rows.get(m, {}).get(w, {}).get("tokens_per_s")
 
     r = {}
-    for w in ("code", "chat"):
+    for w in WORKLOADS:
         base = tps("tidespec_no_spec", w)
         for m in (f"tidespec_adapted_k{k}", "tidespec_adapted_adaptive", "tidespec_static_adaptive",
                   "tidespec_suffix", "tidespec_hybrid_adaptive"):
@@ -269,6 +344,8 @@ def markdown(res: dict, prof: str | None = None) -> str:
                              f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f}){' ~' if x['inside_noise'] else ''}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+    if res.get("concurrency"):
+        lines += sweep_markdown(res)
     ad = {n: i.get("adaptive") for n, i in res["info"].items() if i.get("adaptive")}
     if ad:
         lines += ["## Adaptive k (chosen per workload class at the end of the run)", ""]
@@ -276,9 +353,10 @@ def markdown(res: dict, prof: str | None = None) -> str:
             for cls, v in rep.items():
                 if cls in ("warmup", "profile"):
                     continue
-                lines.append(f"- {n} / {cls}: k = {v['k']} (speculation {'on' if v['speculation'] else 'off'}), "
-                             f"predicted speed-up {v['predicted_speedup']:.2f}×, conditional acceptance "
-                             f"{v['conditional_acceptance']}")
+                lines.append(f"- {n} / {cls}: k = {v['k']} alone (speculation {'on' if v['speculation'] else 'off'}), "
+                             f"by batch size {v.get('k_by_batch', {})}, predicted speed-up alone "
+                             f"{v['predicted_speedup']:.2f}×, conditional acceptance {v['conditional_acceptance']}, "
+                             f"suffix correction {v.get('suffix_correction', 1.0)}")
         cal = next(i["calibration_ms"] for i in res["info"].values() if i.get("calibration_ms"))
         lines += ["", f"Calibration (ms): target forward of 1..k+1 tokens {[round(x, 1) for x in cal['target']]}, "
                   f"draft step {cal['draft_step']:.2f}.", ""]
@@ -286,3 +364,36 @@ def markdown(res: dict, prof: str | None = None) -> str:
         lines += ["## Profile (one request, tidespec with draft, torch.profiler, top ops by self CPU time)", "",
                   "```", prof.strip(), "```", ""]
     return "\n".join(lines)
+
+
+def sweep_markdown(res: dict) -> list[str]:
+    """The concurrency sweep: paired ratio to no speculation per workload × concurrency, and tokens/s."""
+    cs = ["1", *res["concurrency"]]
+    ws = list(next(iter(res["concurrency"].values()))["tidespec_no_spec"])
+    lines = ["## Concurrency: tokens/s over tidespec_no_spec at the same concurrency (median of the per-pass "
+             "paired ratios, range; ~ = inside the noise). Concurrency 1: the rows above.", "",
+             "| method | " + " | ".join(f"{w} c={c}" for w in ws for c in cs) + " |",
+             "|---|" + "---|" * (len(ws) * len(cs))]
+    for name in next(iter(res["concurrency"].values())):
+        if name == "tidespec_no_spec":
+            continue
+        cells = []
+        for w in ws:
+            for c in cs:
+                x = res["spread"].get(w, {}).get(name) if c == "1" else res["concurrency"][c][name][w].get("ratio")
+                cells.append("-" if x is None else
+                             f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f}){' ~' if x['inside_noise'] else ''}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| method | " + " | ".join(f"{w} c={c} tok/s · τ" for w in ws for c in cs) + " |",
+              "|---|" + "---|" * (len(ws) * len(cs))]
+    for name in next(iter(res["concurrency"].values())):
+        cells = []
+        for w in ws:
+            for c in cs:
+                r = res["results"][name][w] if c == "1" else res["concurrency"][c][name][w]
+                cells.append(f"{r['tokens_per_s']:.1f} · {r['tau']:.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ident = min(r["identical_to_target_only"] for lvl in res["concurrency"].values() for per in lvl.values()
+                for r in per.values())
+    lines += ["", f"Identical to target-only (greedy) across the sweep: {ident:.0%} of requests (lowest method).", ""]
+    return lines

@@ -19,6 +19,7 @@ import torch
 
 from ..capture.writer import CaptureWriter
 from ..config import Params
+from ..engine.speculative import Request
 from ..engine.suffix import SuffixCache
 from ..runtime import get_target, make_engine, runner_for, target_dir
 
@@ -27,7 +28,9 @@ from ..runtime import get_target, make_engine, runner_for, target_dir
 class MethodSpec:
     """name: row label; kind: "hf" | "tidespec"; prompt_lookup: HF PLD window (0 = off);
     draft: checkpoint dir (None = no EAGLE3 draft); k: fixed k (None = adaptive); capture: on/off;
-    suffix: the suffix proposer on (alone without a draft, hybrid with one)."""
+    suffix: the suffix proposer on (alone without a draft, hybrid with one); max_batch: the
+    engine's running-request limit (None = params' engine.max_batch; the concurrency sweep sets its
+    highest concurrency)."""
 
     name: str
     kind: str
@@ -36,6 +39,7 @@ class MethodSpec:
     k: int | None = None
     capture: bool = False
     suffix: bool = False
+    max_batch: int | None = None
 
 
 def peak_rss_mb() -> float:
@@ -108,16 +112,41 @@ class TidespecMethod:
             raise FileNotFoundError(f"draft {spec.draft} not found")
         sx = params.engine.suffix.model_copy(update={"enabled": spec.suffix})
         eng = params.engine.model_copy(update={"num_draft_tokens": spec.k or params.engine.num_draft_tokens,
-                                               "suffix": sx})
+                                               "suffix": sx,
+                                               "max_batch": spec.max_batch or params.engine.max_batch})
         self.params = params
         self.writer = (CaptureWriter.from_params(capture_dir, target.target_id, params.capture)
                        if spec.capture else None)
         self.engine = make_engine(params.model_copy(update={"engine": eng}), target, runner,
                                   adaptive=runner is not None and spec.k is None, capture=self.writer)
 
+    @property
+    def _speculative(self) -> bool:
+        return self.spec.draft is not None or self.spec.suffix
+
     def run(self, ids: list[int], max_new: int, workload: str) -> dict:
-        g = self.engine.generate(ids, max_new, speculative=self.spec.draft is not None or self.spec.suffix,
+        g = self.engine.generate(ids, max_new, speculative=self._speculative,
                                  k=self.spec.k, capture=self.spec.capture, workload=workload)  # captured: handed on
+        return self._row(g)
+
+    def run_many(self, prompts: list[tuple[str, list[int]]], max_new: int, workload: str, concurrency: int) -> dict:
+        """Closed loop of `concurrency` clients: each sends its next prompt when its last one
+        finished, until `prompts` are all served (the engine batches whatever is running).
+        Returns {"results": per request rows with "id", "wall_s": the whole run's wall time}."""
+        queue, live, out = list(prompts), {}, []
+        t0 = time.perf_counter()
+        while queue or live:
+            while queue and len(live) < concurrency:
+                pid, ids = queue.pop(0)
+                live[self.engine.submit(Request(ids, max_new, self._speculative, self.spec.k, self.spec.capture,
+                                                workload=workload))] = pid
+            self.engine.step()
+            for f in [f for f in live if f.done()]:
+                out.append(self._row(f.result()) | {"id": live.pop(f)})
+        return {"results": out, "wall_s": time.perf_counter() - t0}
+
+    @staticmethod
+    def _row(g) -> dict:
         s = g.stats
         return {"tokens": g.tokens, "ttft_s": g.timing.prefill_s, "steps": g.timing.steps,
                 "forwards": 1 + len(g.timing.steps),
@@ -139,7 +168,10 @@ class TidespecMethod:
     def info(self) -> dict:
         a = self.engine.adaptive
         d = {"adaptive": a.report() if a else None,
-             "calibration_ms": {"target": list(a.cal.target_ms), "draft_step": a.cal.draft_ms} if a else None}
+             "calibration_ms": {"target": list(a.cal.target_ms), "draft_step": a.cal.draft_ms,
+                                "batch_sizes": list(a.cal.batch_sizes), "rows": list(a.cal.rows),
+                                "grid": [list(r) for r in a.cal.grid_ms],
+                                "draft_batch": list(a.cal.draft_batch_ms)} if a else None}
         if self.writer is not None:
             self.writer.close()
             cs = self.writer.stats()
@@ -173,6 +205,8 @@ def worker(conn, spec: MethodSpec, params_dict: dict, threads: int, capture_dir:
         try:
             if op == "run":
                 res = m.run(*args)
+            elif op == "run_many":
+                res = m.run_many(*args)
             elif op == "reset":
                 res = m.reset() if hasattr(m, "reset") else {}
             else:

@@ -34,6 +34,7 @@ import torch
 from ..models.eagle3 import DraftRunner
 from ..models.target import Segment, Target
 from .adaptive import AdaptiveK
+from .goodput import NONE, Ladder
 from .logits import RequestLogits, check_token_ids
 from .sampling import (
     GREEDY,
@@ -46,7 +47,7 @@ from .sampling import (
     warp,
 )
 from .stats import RequestTiming, SpecDecodingStats
-from .suffix import SuffixCache
+from .suffix import Proposal, SuffixCache
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class _Seq:
         self.future: Future = Future()
         self.k = 0  # drafts this step
         self.via = ""  # this step's proposer: "eagle3", "suffix" or "" (no drafts)
+        self.proposal: Proposal | None = None  # this step's suffix proposal (capped to the room)
         self.by_via: dict[str, SpecDecodingStats] = {}
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []  # draft probs per drafted token (sampling)
@@ -467,9 +469,11 @@ class Engine:
                             self._after_verify(s, out, dt)
                     except Exception as e:  # noqa: BLE001 - this request only
                         s.error = e
-                if len(running) == 1 and not new and self._adaptive_for(running[0].req) and running[0].error is None \
-                        and running[0].via != "suffix":
-                    self.adaptive.observe_time(running[0].k, 1000 * dt)
+                if self.adaptive is not None and running and not new and all(s.error is None for s in running):
+                    ks = [s.k for s in running if s.via == "eagle3"]
+                    self.adaptive.observe_step(len(running), sum(s.k + 1 for s in running),
+                                               [sum(1 for k in ks if k > j) for j in range(max(ks, default=0))],
+                                               1000 * dt)
                 done = [s for s in new + running if s.finished or s.error is not None]
                 self._running = [s for s in new + running if not (s.finished or s.error is not None)]
                 for s in done:
@@ -501,42 +505,54 @@ class Engine:
         return set(self.target.cfg.eos_token_ids)
 
     def _plan(self, running: list[_Seq]) -> None:
-        """Pick this step's proposer and k per request and feed pending target rows to drafts that
-        will draft. With a suffix cache, a request takes the suffix proposal when its expected
-        accepted tokens (score × length, SuffixDecoding's frequency score) reach
-        `suffix_min_expected`, or whenever it has no EAGLE3 draft; otherwise the EAGLE3 chain."""
+        """Pick this step's proposer and drafted tokens per request, then feed pending target rows
+        to the drafts that will draft.
+
+        With the goodput policy (`adaptive`), every request's option — none, the EAGLE3 chain with
+        k = 1..k_max, a prefix of its suffix proposal — is chosen for the whole batch by predicted
+        tokens/s (`AdaptiveK.plan_step`). A request outside the policy (a fixed k, seeded sampling,
+        no policy) drafts k = its own or the engine's k, or takes the suffix proposal when its
+        expected accepted tokens (the sum of its chain scores) reach `suffix_min_expected` or it has
+        no EAGLE3 draft."""
         for s in running:
-            s.drafts, s.draft_probs, s.via = [], [], ""
-            if s.draft is None:
-                s.k = 0
-            elif s.req.k is not None:
-                s.k = s.req.k
-            elif self._adaptive_for(s.req):
-                s.k = self.adaptive.choose(s.req.workload)
-            else:
-                s.k = self.k
-            if self.suffix is not None and s.req.speculative and self._use_suffix(s):
-                continue
-            s.via = "eagle3" if s.k else ""
+            s.drafts, s.draft_probs, s.via, s.k, s.proposal = [], [], "", 0, None
+        ladders = [self._ladder(s) for s in running]
+        if self.adaptive is not None and any(lad.fixed is None for lad in ladders):
+            choice = self.adaptive.plan_step([s.req.workload for s in running], ladders)
+        else:
+            choice = [lad.fixed for lad in ladders]
+        for s, (via, n) in zip(running, choice):
+            s.via, s.k = via, n
+            if via == "suffix":
+                s.drafts = list(s.proposal.tokens[:n])
+                if s.rng is not None:  # a deterministic proposal: q is one-hot, rejection sampling stays exact
+                    V = self.target.cfg.vocab_size
+                    s.draft_probs = [torch.zeros(V).index_fill_(0, torch.tensor([t]), 1.0) for t in s.drafts]
         for draft, group in _by_draft([s for s in running if s.via == "eagle3" and s.backlog]):
             items = [(torch.cat([a for a, _ in s.backlog]), torch.cat([t for _, t in s.backlog]), s.draft_cache)
                      for s in group]
             for s, (h, dl) in zip(group, draft.extend_batch(items)):
                 s.draft_hidden, s.draft_logits, s.backlog = h, dl, []
 
-    def _use_suffix(self, s: _Seq) -> bool:
-        """Take the suffix proposal for this step if it is worth more than the EAGLE3 chain (see
-        `_plan`); capped so the output and the KV cache have room for it plus the bonus token."""
-        p = self.suffix.propose(s.rid)
+    def _ladder(self, s: _Seq) -> Ladder:
+        """The request's options this step (`goodput.Ladder`): drafts are capped so the output and
+        the KV cache have room for them plus the bonus token."""
         room = min(s.req.max_new_tokens - len(s.gen), self.max_seq_len - s.cache.length) - 1
-        toks = list(p.tokens[:max(room, 0)])
-        if not toks or (s.draft is not None and p.score * len(toks) < self.suffix_min_expected):
-            return False
-        s.via, s.drafts, s.k = "suffix", toks, len(toks)
-        if s.rng is not None:  # a deterministic proposal: q is one-hot, rejection sampling stays exact
-            V = self.target.cfg.vocab_size
-            s.draft_probs = [torch.zeros(V).index_fill_(0, torch.tensor([t]), 1.0) for t in toks]
-        return True
+        if self.suffix is not None and s.req.speculative and room > 0:
+            p = self.suffix.propose(s.rid)
+            s.proposal = Proposal(p.tokens[:room], p.score, p.match_len, p.source, p.scores[:room])
+        p = s.proposal
+        if self._adaptive_for(s.req):
+            eagle = self.adaptive.eagle_gains(s.req.workload, room) if s.draft is not None else ()
+            suffix = self.adaptive.suffix_gains(s.req.workload, p.scores) if p is not None else ()
+            return Ladder(eagle, suffix)
+        if p is not None and p.tokens and (s.draft is None or sum(p.scores) >= self.suffix_min_expected):
+            return Ladder(fixed=("suffix", len(p.tokens)), fixed_gain=sum(p.scores))
+        if s.draft is None:
+            return Ladder(fixed=NONE)
+        k = s.req.k if s.req.k is not None else self.k
+        gain = self.adaptive.eagle_gains(s.req.workload, k)[-1] if self.adaptive is not None else 0.0
+        return Ladder(fixed=("eagle3", k), fixed_gain=gain)
 
     def _draft_chain(self, seqs: list[_Seq]) -> None:
         """Chain drafting: k tokens per request; draft forwards batched across requests per position."""
@@ -602,6 +618,8 @@ class Engine:
             s.draft_cache.length = s.base
             if self._adaptive_for(s.req):
                 self.adaptive.observe(s.req.workload, k, n)
+        elif s.via == "suffix" and self._adaptive_for(s.req):
+            self.adaptive.observe_suffix(s.req.workload, sum(s.proposal.scores[:k]), n)
         if s.draft is not None and not s.finished:
             s.backlog.append((out.aux[:n + 1], torch.tensor(new)))
         s.timing.steps.append((dt, kept))

@@ -27,12 +27,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Proposal:
     """Speculated tokens, the chain's score (product of conditional frequencies, in [0, 1]), the
-    length of the context suffix that matched, and the tree it came from ("request", "global")."""
+    length of the context suffix that matched, the tree it came from ("request", "global"), and
+    the chain's score after each token (`scores[i]`: the estimated probability that tokens[:i+1]
+    are all accepted; their sum is the expected number accepted)."""
 
     tokens: tuple[int, ...] = ()
     score: float = 0.0
     match_len: int = 0
     source: str = "none"
+    scores: tuple[float, ...] = ()
 
 
 class SuffixTrie:
@@ -113,7 +116,7 @@ class SuffixTrie:
         if m == 0:
             return Proposal()
         budget = min(max_spec, math.ceil(alpha * m))
-        ctx, toks, score = list(context), [], 1.0
+        ctx, toks, score, scores = list(context), [], 1.0, []
         while len(toks) < budget:
             kids = self._kids[node]
             if not kids:  # at the depth bound or a sequence's end: continue from the longest tail that continues
@@ -127,9 +130,10 @@ class SuffixTrie:
             if s < min_score:
                 break
             toks.append(t)
+            scores.append(s)
             ctx.append(t)
             node, score = child, s
-        return Proposal(tuple(toks), score if toks else 0.0, m)
+        return Proposal(tuple(toks), score if toks else 0.0, m, scores=tuple(scores))
 
 
 @dataclass
@@ -173,17 +177,17 @@ class SuffixCache:
         live.tokens += [int(t) for t in tokens]
 
     def propose(self, request_id: str) -> Proposal:
-        """The better proposal (higher score × length) of the request's tree and the global tree
-        for the request's context so far."""
+        """The better proposal (more expected accepted tokens: the sum of its chain scores) of the
+        request's tree and the global tree for the request's context so far."""
         live = self._live[request_id]
         own = self._own(live)
         glob = self.global_trie.propose(live.tokens, self.max_spec, self.min_score, self.alpha)
-        glob = Proposal(glob.tokens, glob.score, glob.match_len, "global")
-        return max((own, glob), key=lambda p: (p.score * len(p.tokens), p.score))
+        glob = Proposal(glob.tokens, glob.score, glob.match_len, "global", glob.scores)
+        return max((own, glob), key=lambda p: (sum(p.scores), p.score))
 
     def _own(self, live: _Live) -> Proposal:
         p = live.trie.propose(live.tokens, self.max_spec, self.min_score, self.alpha)
-        return Proposal(p.tokens, p.score, p.match_len, "request")
+        return Proposal(p.tokens, p.score, p.match_len, "request", p.scores)
 
     def finish(self, request_id: str, output: list[int] | None = None) -> None:
         """Close the request's tree; `output` (its generated tokens) joins the global tree, the

@@ -1,0 +1,157 @@
+"""Batch-aware goodput: predict a decode step's wall time for the whole batch and choose every
+request's proposer and draft length to maximise the step's expected tokens per second.
+
+Cost (`StepCost`): one step of b running requests where request i verifies n_i drafted tokens
+costs T(b, Σ(n_i + 1)) + Σ_j D(b_j): the ragged target forward over all verify rows (measured on a
+(batch, rows) grid, `engine.calibration`) plus one batched draft forward per chain position j,
+b_j = requests drafting with the EAGLE3 chain at position j (the first is the draft's catch-up
+over the rows the target verified last step). A suffix proposal costs verify rows only.
+Online re-fit: every measured step (no prefill in it) updates a factor measured / predicted in its
+(batch size, rows per request) cell, as a clipped EMA; the factor applied to a cell is the largest
+over the cells with fewer rows per request at that batch size, so load measured during plain
+decoding scales every speculative step too and an outlier can only make speculation look dearer,
+never cheaper than calibrated (a noisy per-k model predicted 3.9× at τ 1.05 on a busy machine).
+
+Choice (`plan`): per request a ladder of options — none, the EAGLE3 chain with k = 1..K (expected
+accepted τ(k) − 1 from the conditional acceptance of its class), a prefix of m = 1..L tokens of its
+suffix proposal (expected accepted Σ_{i≤m} of the chain's cumulative scores times a per-class
+correction learned from measured acceptance). Goodput G = (b + Σ expected accepted) / cost:
+start from the best of "no speculation" and one k for every EAGLE3 request, then coordinate
+ascent (each request in turn takes its best option given the others, two sweeps); the result is
+kept only if it beats plain decoding by `margin`. The
+same objective as vLLM's goodput-driven speculation length (RFC #48627) and SGLang's adaptive
+speculative steps, extended to per-request lengths and two proposers.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+from .calibration import Calibration
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """One request's options this step.
+
+    eagle: expected accepted tokens with the EAGLE3 chain at k = 1..len (cumulative: τ(k) − 1);
+    suffix: expected accepted tokens with the first m = 1..len tokens of its suffix proposal
+    (cumulative); fixed: (proposer, n) when the request's choice is not the policy's (a fixed k, a
+    seeded request) — it counts in the cost and the gain but is not changed.
+    """
+
+    eagle: tuple[float, ...] = ()
+    suffix: tuple[float, ...] = ()
+    fixed: tuple[str, int] | None = None
+    fixed_gain: float = 0.0
+
+
+NONE = ("", 0)
+
+
+class StepCost:
+    """Predicted step wall time (ms) from a `Calibration`, re-fitted online. Thread-safe."""
+
+    def __init__(self, cal: Calibration, alpha: float = 0.1):
+        self.cal = cal
+        self.alpha = alpha
+        self._f = [[1.0] * len(cal.rows) for _ in cal.batch_sizes]  # measured / calibrated, per cell
+        self._lock = threading.Lock()
+
+    def _cell(self, b: int, rows_per_req: float) -> tuple[int, int]:
+        bi = min(range(len(self.cal.batch_sizes)), key=lambda i: abs(math.log(self.cal.batch_sizes[i] / b)))
+        rj = min(range(len(self.cal.rows)), key=lambda j: abs(self.cal.rows[j] - rows_per_req))
+        return bi, rj
+
+    def factor(self, b: int, rows_per_req: float) -> float:
+        """The correction applied to a step of b requests with this many rows each: the largest
+        measured factor over the cells with fewer or equal rows at this batch size."""
+        bi, rj = self._cell(b, rows_per_req)
+        with self._lock:
+            return max(self._f[bi][:rj + 1])
+
+    def calibrated(self, b: int, total_rows: int, draft_batches: list[int] | tuple[int, ...] = ()) -> float:
+        """Calibrated ms of a step: target forward of `total_rows` over `b` requests plus one draft
+        step per entry of `draft_batches` (requests drafting at each chain position)."""
+        return self.cal.target_cost(b, total_rows) + sum(self.cal.draft_cost(n) for n in draft_batches)
+
+    def predict(self, b: int, total_rows: int, draft_batches: list[int] | tuple[int, ...] = ()) -> float:
+        """Predicted ms of a step (calibrated × the re-fitted factor)."""
+        return self.calibrated(b, total_rows, draft_batches) * self.factor(b, total_rows / b)
+
+    def observe(self, b: int, total_rows: int, draft_batches: list[int] | tuple[int, ...], ms: float,
+                alpha: float | None = None) -> None:
+        """A measured step: updates its cell's factor (clipped to [½, 2]× the current one per
+        observation, so one spike moves the estimate, never replaces it). Non-finite or ≤ 0: ignored."""
+        if b < 1 or not math.isfinite(ms) or ms <= 0:
+            return
+        cal = self.calibrated(b, total_rows, draft_batches)
+        if cal <= 0:
+            return
+        bi, rj = self._cell(b, total_rows / b)
+        a = self.alpha if alpha is None else alpha
+        with self._lock:
+            prev = self._f[bi][rj]
+            x = min(max(ms / cal, 0.5 * prev), 2.0 * prev)
+            self._f[bi][rj] = prev + a * (x - prev)
+
+
+def _gain(lad: Ladder, opt: tuple[str, int]) -> float:
+    via, n = opt
+    if n == 0:
+        return 0.0
+    return lad.eagle[n - 1] if via == "eagle3" else lad.suffix[n - 1]
+
+
+def _options(lad: Ladder) -> list[tuple[str, int]]:
+    return [NONE] + [("eagle3", k) for k in range(1, len(lad.eagle) + 1)] + \
+        [("suffix", m) for m in range(1, len(lad.suffix) + 1)]
+
+
+def goodput(ladders: list[Ladder], choice: list[tuple[str, int]], cost: StepCost) -> float:
+    """Expected tokens per ms of the step with these choices."""
+    b = len(ladders)
+    rows = b + sum(n for _, n in choice)
+    kmax = max((n for v, n in choice if v == "eagle3"), default=0)
+    drafts = [sum(1 for v, n in choice if v == "eagle3" and n > j) for j in range(kmax)]
+    gain = b + sum(lad.fixed_gain if lad.fixed else _gain(lad, c) for lad, c in zip(ladders, choice))
+    return gain / cost.predict(b, rows, drafts)
+
+
+def plan(ladders: list[Ladder], cost: StepCost, margin: float = 0.05, sweeps: int = 2) -> list[tuple[str, int]]:
+    """Each request's (proposer, drafted tokens) for this step — ("", 0) = plain decoding — that
+    maximises the predicted goodput of the whole step (coordinate ascent, see the module docstring).
+    Speculation is kept only if it beats plain decoding (fixed choices kept) by `margin`."""
+    base = [lad.fixed or NONE for lad in ladders]
+    if not ladders:
+        return base
+    choice = list(base)
+    free = [i for i, lad in enumerate(ladders) if lad.fixed is None and (lad.eagle or lad.suffix)]
+    free.sort(key=lambda i: -max((*ladders[i].eagle, *ladders[i].suffix)))
+    g0 = best = goodput(ladders, choice, cost)
+    for k in range(1, max((len(ladders[i].eagle) for i in free), default=0) + 1):
+        # batch-wide start: one k for every EAGLE3 request (chain positions are batched, so their
+        # draft cost is shared; one request at a time would not leave a shared optimum)
+        trial = list(base)
+        for i in free:
+            if ladders[i].eagle:
+                trial[i] = ("eagle3", min(k, len(ladders[i].eagle)))
+        g = goodput(ladders, trial, cost)
+        if g > best:
+            best, choice = g, trial
+    for _ in range(sweeps):
+        moved = False
+        for i in free:
+            keep = choice[i]
+            for opt in _options(ladders[i]):
+                if opt == keep:
+                    continue
+                choice[i] = opt
+                g = goodput(ladders, choice, cost)
+                if g > best * (1 + 1e-9):
+                    best, keep, moved = g, opt, True
+            choice[i] = keep
+        if not moved:
+            break
+    return choice if best >= (1 + margin) * g0 else base

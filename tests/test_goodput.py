@@ -1,0 +1,149 @@
+"""The batch-aware goodput policy: a step's cost by the batch's total verify rows, per-request
+choices of proposer and length for the whole step, online re-fit that outliers cannot turn into
+speed-up predictions, and the engine wiring (lossless, measured steps fed back)."""
+import random
+
+import pytest
+from conftest import random_draft
+
+from tidespec.engine.adaptive import AdaptiveK
+from tidespec.engine.calibration import Calibration, calibrate
+from tidespec.engine.goodput import Ladder, StepCost, goodput, plan
+from tidespec.engine.speculative import Engine, Request
+from tidespec.engine.suffix import SuffixCache
+from tidespec.models.eagle3 import DraftRunner
+
+# A CPU-like machine: alone, a forward of 1..5 rows costs about the same (weight-bound); at batch 8
+# each extra row per request costs 180 ms / 8 requests (compute-bound), so speculation that pays
+# alone loses under load.
+GRID = ((100.0, 101.0, 102.0, 103.0, 104.0),
+        (200.0, 380.0, 560.0, 740.0, 920.0))
+
+
+def _cal(draft_ms=(2.0, 4.0)):
+    return Calibration(GRID[0], draft_ms[0], "test", 128, (1, 8), (1, 2, 3, 4, 5), GRID, draft_ms)
+
+
+def test_calibration_interpolates_by_batch_and_rows():
+    cal = _cal()
+    assert cal.target_cost(1, 3) == pytest.approx(102)
+    assert cal.target_cost(8, 16) == pytest.approx(380)  # 8 requests × 2 rows
+    assert cal.target_cost(8, 12) == pytest.approx(290)  # 1.5 rows each: between the grid points
+    assert cal.target_cost(4, 4) == pytest.approx(100 + 100 * 3 / 7)  # batch 4, 1 row: between b = 1 and 8
+    assert cal.target_cost(8, 48) == pytest.approx(920 + 180)  # 6 rows each: extended linearly
+    assert cal.draft_cost(0) == 0 and cal.draft_cost(8) == 4.0
+    with pytest.raises(ValueError, match="grid"):
+        Calibration(GRID[0], 2.0, "x", 128, (1, 8), (1, 2, 3), GRID, (2.0, 4.0))
+
+
+def test_plan_speculates_alone_and_not_under_load():
+    cost = StepCost(_cal())
+    code = Ladder(eagle=AdaptiveK(_cal(), prior=0.6).eagle_gains("code"))
+    alone = plan([code], cost)
+    assert alone == [("eagle3", 4)]  # τ(4) = 2.31 for 112 ms vs 1 token per 100 ms
+    assert plan([code] * 8, cost) == [("", 0)] * 8  # 8 × 1.6 tokens for 380 ms < 8 tokens for 200 ms
+    # the same draft alone at k = 4 in the batch would predict (8 × 2.31) / 936 ms: 0.49× plain — the
+    # per-request policy (a mutant ignoring the batch) is what made fixed k = 4 lose 0.79× at 8 clients
+    per_request = [alone[0]] * 8
+    assert goodput([code] * 8, per_request, cost) < 0.5 * goodput([code] * 8, [("", 0)] * 8, cost)
+    sure = [Ladder(eagle=(0.99, 1.97, 2.94, 3.9))] * 8  # a near-certain draft: ~1 token per 22.5 ms row vs 25
+    ch = plan(sure, cost, margin=0.0)  # ms per plain token: it pays at batch 8, by less than the 5 % margin
+    assert sum(n for _, n in ch) >= 8 and goodput(sure, ch, cost) > 1.04 * goodput(sure, [("", 0)] * 8, cost)
+    assert plan(sure, cost) == [("", 0)] * 8
+
+
+def test_plan_mixes_proposers_per_request():
+    cost = StepCost(_cal())
+    ladders = [Ladder(eagle=(0.5, 0.75), suffix=(1.0, 2.0, 3.0, 3.9, 4.8, 5.6)),  # a long sure suffix match
+               Ladder(eagle=(0.7, 1.2)),
+               Ladder(fixed=("eagle3", 2), fixed_gain=0.3)]  # a seeded request keeps its k
+    ch = plan(ladders, cost)
+    assert ch[0] == ("suffix", 6) and ch[1][0] == "eagle3" and ch[2] == ("eagle3", 2)
+    # margin: a gain within 5 % of plain decoding keeps speculation off
+    weak = [Ladder(eagle=(0.02,))]
+    assert plan(weak, cost) == [("", 0)] and plan(weak, cost, margin=0.0) == [("", 0)]  # 1.02/102 < 1/100
+
+
+def test_step_cost_refit_cannot_predict_speedups_from_spikes():
+    """Plain steps at batch 8 hit 8× spikes half the time, speculative steps are measured quiet:
+    the predicted speed-up of any choice stays ≤ its calibrated one (load scales every cell alike)."""
+    cal = _cal()
+    cost = StepCost(cal)
+    rng = random.Random(0)
+    for _ in range(300):
+        cost.observe(8, 8, [], 200 * (8.0 if rng.random() < 0.5 else 1.0))
+        cost.observe(8, 40, [8, 8, 8, 8], 0.6 * cost.calibrated(8, 40, [8, 8, 8, 8]))
+    quiet = StepCost(cal)
+    lad = [Ladder(eagle=(0.3, 0.45, 0.5, 0.52))] * 8
+    for k in range(1, 5):
+        ch = [("eagle3", k)] * 8
+        speedup = goodput(lad, ch, cost) / goodput(lad, [("", 0)] * 8, cost)
+        assert speedup <= goodput(lad, ch, quiet) / goodput(lad, [("", 0)] * 8, quiet) + 1e-9
+    assert plan(lad, cost) == [("", 0)] * 8
+    assert cost.factor(8, 1) > 1.5  # the load was learned (clipped EMA), not replaced by one spike
+    cost.observe(8, 8, [], float("nan"))
+    cost.observe(8, 8, [], -1.0)
+    assert cost.factor(8, 1) == cost.factor(8, 1) < 10
+
+
+def test_policy_reports_k_by_batch_and_learns_suffix_correction():
+    pol = AdaptiveK(_cal(), prior=0.6, alpha=0.5)
+    pol.observe("code", 4, 1)  # a = [1, 0, .6, .6]: one sure token per step
+    rep = pol.report()["code"]
+    assert rep["k_by_batch"] == {1: 1, 8: 0}  # at 8: 16 tokens / 384 ms is within the margin of 8 / 200
+    assert pol.suffix_gains("chat", (0.9, 0.8)) == pytest.approx((0.9, 1.7))
+    for _ in range(20):  # suffix scores said 1.7 expected, 0.85 were accepted
+        pol.observe_suffix("chat", 1.7, 0 if _ % 2 else 2)
+    assert 0.3 < pol.suffix_correction("chat") < 0.7
+    assert pol.suffix_gains("chat", (0.9, 0.8))[1] < 1.2
+
+
+def test_real_calibration_grid_is_monotone(tiny_target):
+    runner = DraftRunner(random_draft(tiny_target, 64))
+    cal = calibrate(tiny_target, runner, 2, context=16, reps=1, max_batch=4, max_rows=6)
+    assert cal.batch_sizes == (1, 2, 4) and cal.rows == (1, 2, 3, 6)
+    for row in cal.grid_ms:
+        assert list(row) == sorted(row)
+    for j in range(len(cal.rows)):
+        col = [row[j] for row in cal.grid_ms]
+        assert col == sorted(col)
+    assert list(cal.draft_batch_ms) == sorted(cal.draft_batch_ms) and cal.draft_batch_ms[0] > 0
+
+
+class _Spy(AdaptiveK):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.steps = []
+
+    def observe_step(self, b, rows, drafts, ms):
+        self.steps.append((b, rows, tuple(drafts)))
+        super().observe_step(b, rows, drafts, ms)
+
+
+def test_engine_with_goodput_policy_is_lossless_and_feeds_back_step_costs(tiny_target):
+    pol = _Spy(Calibration((100.0, 101.0, 102.0, 103.0), 1.0, "test", 128), prior=0.9, probe_every=4)
+    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), 3, 256, max_batch=4, adaptive=pol,
+                 suffix=SuffixCache(max_depth=8))
+    ref = Engine(tiny_target, None, 3, 256)
+    ps = [[5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12], [42], [9, 30, 31, 9, 30]]
+    want = [ref.generate(p, 24).tokens for p in ps]
+    gens = eng.generate_batch([Request(p, 24, workload="code") for p in ps])
+    assert [g.tokens for g in gens] == want
+    via = {k for g in gens for k in g.stats_by_proposer}
+    assert "suffix" in via  # the tiny target repeats itself: suffix proposals win steps
+    assert pol.steps and all(rows >= b for b, rows, _ in pol.steps)
+    for b, rows, drafts in pol.steps:  # draft positions never exceed the batch, one entry per chain position
+        assert all(0 < n <= b for n in drafts) and list(drafts) == sorted(drafts, reverse=True)
+    assert max(b for b, _, _ in pol.steps) == 4
+    assert sum(rows - b for b, rows, _ in pol.steps) == sum(g.stats.num_draft_tokens for g in gens)
+
+
+def test_engine_under_load_switches_speculation_off(tiny_target):
+    """With a machine where rows are dear at batch 8 (GRID), a batch of 8 drafts only on probes."""
+    cal = Calibration(GRID[0][:4], 2.0, "test", 128, (1, 8), (1, 2, 3, 4), tuple(r[:4] for r in GRID), (2.0, 4.0))
+    pol = AdaptiveK(cal, prior=0.6, probe_every=8)
+    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), 3, 256, max_batch=8, adaptive=pol)
+    gens = eng.generate_batch([Request([5 + i, 6, 7], 24, workload="chat") for i in range(8)])
+    drafts = sum(g.stats.num_drafts for g in gens)
+    assert 0 < drafts <= 8 * 24 // 8 + 8  # one probe per class every 8th request-step
+    assert pol.k_by_batch("fresh") == {1: 3, 8: 0}  # a new class: the prior says speculate alone, not at 8
