@@ -49,7 +49,33 @@ def test_measure_is_lossless_at_every_concurrency(arms):
     assert all(r["mismatches"] == 0 for c in (1, 3) for r in after["by_concurrency"][c].values())
 
 
-def test_summary_report_and_plots(arms, tmp_path):
+@pytest.fixture(scope="module")
+def arms_hybrid(arms, tiny_target):
+    from tidespec.engine.adaptive import AdaptiveK
+    from tidespec.engine.calibration import Calibration
+    from tidespec.engine.suffix import SuffixCache
+    from tidespec.models.eagle3 import DraftRunner
+    pol = AdaptiveK(Calibration((10.0, 10.5, 11.0, 11.5), 0.5, "test", 128))
+    hy = Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), 3, 256, max_batch=4, adaptive=pol,
+                suffix=SuffixCache(max_depth=8), draft_early_stop=True)
+    return arms | {"hybrid": (hy, True)}
+
+
+def test_hybrid_arm_serves_the_champions_corpus(tiny_target, tmp_path):
+    from tidespec.engine.suffix import CORPUS_FILE, save_corpus
+    from tidespec.models.eagle3 import save_checkpoint
+    save_checkpoint(random_draft(tiny_target, seed=4), tmp_path / "champion")
+    save_corpus(tmp_path / "champion" / CORPUS_FILE, [[5, 6, 7, 8, 9]])
+    p = Params()
+    p = p.model_copy(update={"engine": p.engine.model_copy(update={"max_seq_len": 256})})
+    arms = shift._arms(tiny_target, p, {"none": None}, tmp_path / "champion")
+    eng, spec = arms["hybrid"]
+    assert spec and eng.adaptive is not None and eng.draft_early_stop and eng.suffix.retained_tokens == 5
+    assert arms["none"][0].suffix is None and not arms["none"][1]
+
+
+def test_summary_report_and_plots(arms_hybrid, tmp_path):
+    arms = arms_hybrid
     cfg = shift.ShiftConfig(phases=("chat", "code"), concurrency=(1, 2), max_new_tokens=8)
     rep = {"config": {"phases": list(cfg.phases), "eval_prompts": 3, "max_new_tokens": 8}, "k": 3, "cpu_threads": 2,
            "wall_s": 12.0, "phases": [], "cycles": [
@@ -76,6 +102,10 @@ def test_summary_report_and_plots(arms, tmp_path):
     code_after = rep["phases"][1]["after"][2]
     assert r["adapted_over_static"] == pytest.approx(code_after["adapted"]["tokens_per_s"] /
                                                      code_after["static"]["tokens_per_s"])
+    assert r["hybrid_over_none"] == pytest.approx(code_after["hybrid"]["tokens_per_s"] /
+                                                  code_after["none"]["tokens_per_s"])
+    assert s["goals"]["hybrid_over_none_min"] == pytest.approx(min(x["hybrid_over_none"] for x in s["rows"]))
+    assert "hybrid never slower than no speculation" in s["goals"]["met"]
     g = s["goals"]
     assert g["cycle_s_max"] == 700.0 and g["cycles_promoted"] == 1 and g["lossless"] is True
     assert g["met"]["cycle ≤ 10 min"] is False  # 700 s
@@ -87,6 +117,7 @@ def test_summary_report_and_plots(arms, tmp_path):
     md = (tmp_path / "shift-test.md").read_text()
     assert "break-even τ k=1: 1.40, k=2: 1.70, k=3: 2.00" in md and g["breakeven_tau_k"] == 2.0
     assert "| code | 2 |" in md and "NOT met: cycle ≤ 10 min" in md and "![τ](shift-test-tau.png)" in md
+    assert "hybrid/none" in md and "hybrid (champion + suffix corpus, goodput policy) / no speculation" in md
     back = json.loads((tmp_path / "shift-test.json").read_text())
     assert back["summary"]["goals"]["cycle_s_max"] == 700.0
 

@@ -147,3 +147,46 @@ def test_engine_under_load_switches_speculation_off(tiny_target):
     drafts = sum(g.stats.num_drafts for g in gens)
     assert 0 < drafts <= 8 * 24 // 8 + 8  # one probe per class every 8th request-step
     assert pol.k_by_batch("fresh") == {1: 3, 8: 0}  # a new class: the prior says speculate alone, not at 8
+
+
+def test_early_stop_threshold_and_learned_confidence():
+    pol = AdaptiveK(_cal(), prior=0.6, alpha=0.2)
+    assert pol.accept_given_confidence("code", 0.37) == 0.37  # unobserved bin: the draft's own confidence
+    for _ in range(10):  # confident drafts (0.9) are rejected at position 0: the bin learns it
+        pol.observe_confidence("code", [0.91, 0.2], 0)
+    assert pol.accept_given_confidence("code", 0.95) < 0.1
+    assert pol.accept_given_confidence("code", 0.25) == 0.25  # never reached: still unobserved
+    pol.observe_confidence("code", [0.25, 0.25, 0.25], 3)
+    assert pol.accept_given_confidence("code", 0.21) == 1.0
+    code = Ladder(eagle=(0.6, 0.96, 1.18, 1.31))
+    alone = pol.stop_below([code], [("eagle3", 4)])
+    # alone a row costs ~1 ms + a 2 ms draft step against ~2.3 tokens per 112 ms: stop below ~0.06
+    assert 0.03 < alone < 0.1
+    loaded = pol.stop_below([code] * 8, [("eagle3", 1)] * 8)
+    assert loaded > 4 * alone  # at batch 8 a row costs 22.5 ms: a token must be far likelier to pay
+
+
+def test_engine_early_stop_shortens_chains_and_stays_lossless(tiny_target):
+    """A random draft is rarely right: with the learned confidence, chains stop after one token."""
+    cal = Calibration((100.0, 101.0, 102.0, 103.0, 104.0), 1.0, "test", 128)
+    ps = [[5, 6, 7], [11, 12, 13, 11, 12], [42], [9, 30, 31, 9, 30]]
+    ref = [Engine(tiny_target, None, 4, 256).generate(p, 24).tokens for p in ps]
+    runs = {}
+    for stop in (False, True):
+        pol = AdaptiveK(cal, prior=1.0, alpha=0.05, probe_every=1)  # prior 1 + probe every step: always drafts
+        eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), 4, 256, max_batch=4, adaptive=pol,
+                     draft_early_stop=stop)
+        for _ in range(2):  # the first round teaches the confidence bins
+            gens = eng.generate_batch([Request(p, 24, workload="code") for p in ps])
+            assert [g.tokens for g in gens] == ref
+        runs[stop] = sum(g.stats.num_draft_tokens for g in gens) / sum(g.stats.num_drafts for g in gens)
+    assert runs[True] < runs[False]  # tokens per chain: early stop cut them
+
+
+def test_early_stop_knob_without_the_policy_is_refused():
+    from pydantic import ValidationError
+
+    from tidespec.config import EngineParams
+    assert EngineParams(adaptive=False).draft_early_stop  # the default: no effect without the policy, not refused
+    with pytest.raises(ValidationError, match="draft_early_stop applies under the goodput policy"):
+        EngineParams(adaptive=False, draft_early_stop=True)

@@ -78,6 +78,13 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     assert again["version"] == d1["version"] and again["promoted"]
     assert [h["version"] for h in registry.cycle_history(mlflow_server, tid)] == [d1["version"]]
     cycle.step_deploy(ws, mlflow_server, tid)
+    # the global suffix tree's corpus (the curated window's outputs) is registered and deployed with the draft
+    from tidespec.assets import sha256_file
+    from tidespec.engine.suffix import CORPUS_FILE, load_corpus
+    corpus1 = sha256_file(ws.champion / CORPUS_FILE)
+    assert tm["suffix_corpus/tokens"] == sum(len(x) for x in load_corpus(ws.champion / CORPUS_FILE)) > 0
+    v1 = registry.champion(mlflow_server, tid)
+    assert v1.tags["suffix_corpus_sha256"] == corpus1
     tau1 = rep["candidate"]["acceptance_length"]
     assert tau1 > 1.5  # the tiny target is learnable: the comparison below means something
 
@@ -112,12 +119,14 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     r = runner.invoke(app, ["promote", d2["version"], "--reason", "canary by hand", *common], env=env)
     assert r.exit_code == 0, r.output
     assert registry.champion(mlflow_server, tid).version == d2["version"] and served_version(ws.champion) == d2["version"]
+    assert sha256_file(ws.champion / CORPUS_FILE) == sha256_file(bad / CORPUS_FILE) != corpus1  # moved with it
     r = runner.invoke(app, ["promote", d2["version"], "--reason", "again", *common], env=env)
     assert r.exit_code == 0 and "already champion; nothing changed" in r.output  # a no-op, not a new entry
     r = runner.invoke(app, ["rollback", "--reason", "canary p99 regressed", *common], env=env)
     assert r.exit_code == 0, r.output
     assert f"champion v{d1['version']} (was v{d2['version']})" in r.output
     assert registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
+    assert sha256_file(ws.champion / CORPUS_FILE) == corpus1  # rolled back with its draft
     # every decision recorded with its reason, on the version and its run
     hist = {h["version"]: h["decision"] for h in registry.cycle_history(mlflow_server, tid)}
     assert hist == {d1["version"]: "restored", d2["version"]: "rolled_back", d3["version"]: "rejected"}

@@ -275,7 +275,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     from .capture.text import TextCapture
     from .capture.writer import CaptureWriter
     from .config import load_params
-    from .runtime import get_target, make_engine, runner_for
+    from .runtime import get_target, load_suffix_corpus, make_engine, runner_for
     from .server import ADMIN_TOKEN_ENV, build_app
     from .workspace import served_version
     p, ws = load_params(params), _ws(root)
@@ -297,6 +297,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     text_capture = TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate) if text else None
     runner = runner_for(ws.champion, target)
     engine = make_engine(p, target, runner, served_version(ws.champion) if runner else None, capture=writer)
+    if runner is not None:
+        load_suffix_corpus(engine, ws.champion)
     sv = p.serve_resolved()
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,

@@ -49,7 +49,15 @@ class EngineParams(_Strict):
     adaptive_prior: float = Field(0.6, ge=0, le=1)  # starting per-position acceptance of a new class
     adaptive_probe_every: int = Field(32, ge=1)  # with speculation off, probe every n-th step
     adaptive_margin: float = Field(0.05, ge=0, lt=1)  # speculate only if predicted >= (1+margin) x plain
+    draft_early_stop: bool = True  # under the goodput policy: stop a chain where the next token no longer pays
     suffix: SuffixParams = SuffixParams()
+
+    @model_validator(mode="after")
+    def _early_stop_needs_policy(self):
+        if "draft_early_stop" in self.model_fields_set and self.draft_early_stop and not self.adaptive:
+            raise ValueError("engine.draft_early_stop applies under the goodput policy only: set engine.adaptive: "
+                             "true, or remove draft_early_stop")
+        return self
 
 
 class DraftParams(_Strict):

@@ -196,12 +196,24 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
                         len(replay), len(holdout), hold_path)
 
 
-def load_records(entries: list[dict], base: Path) -> list[dict[str, torch.Tensor]]:
-    """Read the tensors of curated index entries; `base`: the index's directory (entry paths are
-    relative to it)."""
+def load_records(entries: list[dict], base: Path, fields: tuple[str, ...] | None = None) -> list[dict[str, torch.Tensor]]:
+    """Read the tensors of curated index entries (all, or only `fields`); `base`: the index's
+    directory (entry paths are relative to it)."""
     out = []
     for e in entries:
         row = ManifestRow(request_id=e["request_id"], ts="", workload=e.get("workload", ""), target_id="",
                           num_tokens=e["num_tokens"], acceptance_length=0.0, shard=e["shard"], offset=e["offset"])
-        out.append(read_record(Path(base) / e["snapshot"], row))
+        out.append(read_record(Path(base) / e["snapshot"], row, *((fields,) if fields else ())))
     return out
+
+
+def output_sequences(index: Path) -> list[list[int]]:
+    """The served outputs (the loss-masked tokens: what the target generated) of a curated index's
+    train and val requests, oldest snapshot first — the global suffix tree a cycle deploys with its
+    draft. Holdout requests (evaluation) and replayed older ones are left out. Raises
+    FileNotFoundError / CorruptShard as `read_record`."""
+    idx = json.loads(Path(index).read_text())
+    entries = [e for e in idx["train"] + idx["val"] if not e.get("replay")]
+    recs = load_records(entries, Path(index).parent, ("input_ids", "loss_mask"))
+    seqs = [r["input_ids"][r["loss_mask"].bool()].tolist() for r in recs]
+    return [s for s in reversed(seqs) if s]  # curate lists the newest snapshot first

@@ -23,6 +23,7 @@ from .deploy import sagemaker as smd
 from .deploy.local import deploy_champion, notify_server
 from .engine.replay import replay
 from .engine.speculative import Engine
+from .engine.suffix import CORPUS_FILE, corpus_info, save_corpus
 from .orchestrate import train_on_pool
 from .runtime import get_target, runner_for, target_dir
 from .runtime import target_id as target_id_of
@@ -71,6 +72,30 @@ def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
 # -- train ------------------------------------------------------------------------------------
 def train_candidate(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path, *,
                     params_path: Path | None = None, here: bool = False, progress=None) -> dict:
+    """Train the candidate draft (`_train_draft`: every route), then write the global suffix tree's
+    corpus beside it (`write_suffix_corpus`), so registering, promoting, rolling back and deploying
+    the draft move both. Returns the trainer's metrics plus `suffix_corpus/*`, or {"skipped": reason}."""
+    m = _train_draft(ws, params, curated, init, out, params_path=params_path, here=here, progress=progress)
+    if "skipped" not in m and (Path(out) / "model.safetensors").exists():
+        m |= write_suffix_corpus(Path(curated), Path(out), params.engine.suffix.max_tokens)
+    return m
+
+
+def write_suffix_corpus(curated: Path, out: Path, max_tokens: int) -> dict:
+    """`<out>/suffix_corpus.safetensors`: the served outputs of the curated window
+    (`curate.output_sequences`), newest kept within `max_tokens` (engine.suffix.max_tokens, the
+    global tree's budget). Returns {"suffix_corpus/sequences", "suffix_corpus/tokens"}."""
+    seqs, keep, n = curate_mod.output_sequences(curated), [], 0
+    for seq in reversed(seqs):
+        if n + len(seq) <= max_tokens:
+            keep.append(seq)
+            n += len(seq)
+    info = save_corpus(out / CORPUS_FILE, keep[::-1])
+    return {"suffix_corpus/sequences": info["sequences"], "suffix_corpus/tokens": info["tokens"]}
+
+
+def _train_draft(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path, *,
+                 params_path: Path | None = None, here: bool = False, progress=None) -> dict:
     """The one train entry (the flow, `tidespec stage train` / `dvc repro`, and the `tide-train`
     deployment all call it): train a candidate from the curated index into `out`, warm-started
     from `init`, wherever params.yaml says: a SageMaker training job (`train.sagemaker`), the
@@ -229,7 +254,13 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
         if windows:  # τ(k) on the holdout and each endpoint's window (deploy sagemaker applies it)
             metrics |= {f"tau_k/{k}": t for k, t in enumerate(next(iter(windows.values()))["tau_k"])}
             metrics |= {f"predicted_speedup/{p}": w["predicted_speedup"] for p, w in windows.items()}
-        tags = {**key, "snapshot_revs": data["snapshot_revs"], "params_sha": params.sha(), "trigger": trigger,
+        corpus = Path(candidate) / CORPUS_FILE
+        if corpus.exists():  # the global suffix tree deployed with this draft: lineage + size
+            tags = {"suffix_corpus_sha256": sha256_file(corpus)}
+            metrics |= {f"suffix_corpus/{k}": float(v) for k, v in corpus_info(corpus).items()}
+        else:
+            tags = {}
+        tags |= {**key, "snapshot_revs": data["snapshot_revs"], "params_sha": params.sha(), "trigger": trigger,
                 **{f"tuned_k.{p}": str(w["k"]) for p, w in windows.items()},
                 "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
                 "num_holdout_prompts": str(report.get("num_prompts", ""))}

@@ -15,7 +15,7 @@ from .config import Params
 from .engine.adaptive import AdaptiveK
 from .engine.calibration import load_or_calibrate
 from .engine.speculative import Engine
-from .engine.suffix import SuffixCache
+from .engine.suffix import CORPUS_FILE, SuffixCache, load_corpus
 from .models.eagle3 import DraftRunner, load_checkpoint
 from .models.target import Target, convert_gguf, load_target, target_id_for
 
@@ -76,4 +76,15 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
     if sx.enabled:
         kw |= {"suffix": SuffixCache(sx.max_depth, sx.max_tokens, sx.max_spec, sx.alpha, sx.min_score),
                "suffix_min_expected": sx.min_expected}
-    return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, version, max_batch=e.max_batch, adaptive=pol, **kw)
+    return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, version, max_batch=e.max_batch, adaptive=pol,
+                  draft_early_stop=e.draft_early_stop, **kw)
+
+
+def load_suffix_corpus(engine: Engine, draft_dir: Path | None) -> int | None:
+    """Install the suffix corpus deployed with a draft (`<draft_dir>/suffix_corpus.safetensors`,
+    written by the cycle's train step) as the engine's global suffix tree. Returns the tokens
+    retained, or None when the engine has no suffix proposer or the draft has no corpus (the live
+    tree is kept). Raises ValueError for a malformed corpus file (the live tree is kept)."""
+    if engine.suffix is None or draft_dir is None or not (Path(draft_dir) / CORPUS_FILE).exists():
+        return None
+    return engine.set_suffix_corpus(load_corpus(Path(draft_dir) / CORPUS_FILE))

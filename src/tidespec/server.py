@@ -48,7 +48,7 @@ from .engine.sampling import TokenLogprob
 from .engine.speculative import Engine, Generation
 from .engine.speculative import Request as EngineRequest
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, StreamOptions, _Sampling, error_body
-from .runtime import runner_for
+from .runtime import load_suffix_corpus, runner_for
 from .workspace import served_version
 
 log = logging.getLogger(__name__)
@@ -545,7 +545,15 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
         except (ValueError, FileNotFoundError, OSError) as e:
             raise HTTPException(409, f"draft refused, the old one keeps serving: {e}") from None
         metrics.set_draft(version)
-        return {"draft_version": version}
+        try:  # the global suffix tree deployed with this draft (when the engine has the suffix proposer)
+            corpus = load_suffix_corpus(engine, path)
+        except ValueError as e:  # the draft is swapped; the live suffix tree keeps serving
+            log.error("suffix corpus of draft %s not loaded: %s", version, e)
+            corpus = None
+        out = {"draft_version": version}
+        if engine.suffix is not None:  # tokens of the global suffix tree now installed (None: the draft has none)
+            out["suffix_corpus_tokens"] = corpus
+        return out
 
     _error_handlers(app)
     return app

@@ -118,7 +118,8 @@ class TidespecMethod:
         self.writer = (CaptureWriter.from_params(capture_dir, target.target_id, params.capture)
                        if spec.capture else None)
         self.engine = make_engine(params.model_copy(update={"engine": eng}), target, runner,
-                                  adaptive=runner is not None and spec.k is None, capture=self.writer)
+                                  adaptive=(runner is not None or spec.suffix) and spec.k is None,
+                                  capture=self.writer)
 
     @property
     def _speculative(self) -> bool:

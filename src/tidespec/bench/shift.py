@@ -47,7 +47,7 @@ from ..demo import bootstrap_static
 from ..engine.replay import replay
 from ..engine.speculative import Request
 from ..flows.cycle import tide_cycle
-from ..runtime import get_target, make_engine, runner_for
+from ..runtime import get_target, load_suffix_corpus, make_engine, runner_for
 from ..workspace import Workspace, served_version
 
 
@@ -150,10 +150,20 @@ def measure(arms: dict, prompts: list[dict], cfg: ShiftConfig, reference: dict |
     return {"by_concurrency": out, "reference": reference}
 
 
-def _arms(target, params: Params, runners: dict) -> dict:
-    """name → (engine at fixed k, speculative) for `measure`; batches up to engine.max_batch (bench_params
-    raises it to the largest concurrency)."""
-    return {name: (make_engine(params, target, r, adaptive=False), r is not None) for name, r in runners.items()}
+def _arms(target, params: Params, runners: dict, champion_dir: Path | None = None) -> dict:
+    """name → (engine, speculative) for `measure`: `runners` at fixed k, plus, with `champion_dir`,
+    "hybrid" — the adapting arm as it would serve: the champion draft + the suffix proposer under
+    the goodput policy, its global suffix tree the corpus the cycle deployed with the champion.
+    Batches up to engine.max_batch (bench_params raises it to the largest concurrency)."""
+    arms = {name: (make_engine(params, target, r, adaptive=False), r is not None) for name, r in runners.items()}
+    if champion_dir is not None:
+        e = params.engine
+        hp = params.model_copy(update={"engine": e.model_copy(update={
+            "adaptive": True, "suffix": e.suffix.model_copy(update={"enabled": True})})})
+        eng = make_engine(hp, target, runner_for(champion_dir, target), served_version(champion_dir), adaptive=True)
+        load_suffix_corpus(eng, champion_dir)
+        arms["hybrid"] = (eng, True)
+    return arms
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -207,8 +217,8 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
             traffic, hold = split_phase(phase_prompts(phase, params), tok, cfg, params.workload.holdout_fraction)
             progress(f"{phase}: {len(traffic)} traffic / {len(hold)} held-out prompts")
             champ = runner_for(ws.champion, target)
-            before = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ}),
-                             hold, cfg, None)
+            before = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ},
+                                   ws.champion), hold, cfg, None)
             ref = before.pop("reference")
             progress(f"{phase}: before: {_brief(before)}")
             thr = phase_threshold(traffic, cfg)
@@ -222,8 +232,8 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
                 seals.get()
             rep["cycles"] += cyc
             champ = runner_for(ws.champion, target)
-            after = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ}),
-                            hold, cfg, ref)
+            after = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ},
+                                  ws.champion), hold, cfg, ref)
             after.pop("reference")
             progress(f"{phase}: after: {_brief(after)}")
             rep["phases"].append({"phase": phase, "title": PHASE_TITLES[phase], "num_eval_prompts": len(hold),
@@ -327,12 +337,18 @@ def summarize(rep: dict) -> dict:
     rows = []
     for ph in rep["phases"]:
         for c, arms in ph["after"].items():
-            st, ad = arms["static"], arms["adapted"]
-            rows.append({"phase": ph["phase"], "concurrency": int(c), "tau_static": st["acceptance_length"],
-                         "tau_adapted": ad["acceptance_length"], "tokens_per_s_none": arms["none"]["tokens_per_s"],
-                         "tokens_per_s_static": st["tokens_per_s"], "tokens_per_s_adapted": ad["tokens_per_s"],
-                         "adapted_over_static": ad["tokens_per_s"] / st["tokens_per_s"],
-                         "mismatches": st.get("mismatches", 0) + ad.get("mismatches", 0)})
+            st, ad, hy = arms["static"], arms["adapted"], arms.get("hybrid")
+            none = arms["none"]["tokens_per_s"]
+            row = {"phase": ph["phase"], "concurrency": int(c), "tau_static": st["acceptance_length"],
+                   "tau_adapted": ad["acceptance_length"], "tokens_per_s_none": none,
+                   "tokens_per_s_static": st["tokens_per_s"], "tokens_per_s_adapted": ad["tokens_per_s"],
+                   "adapted_over_static": ad["tokens_per_s"] / st["tokens_per_s"],
+                   "mismatches": st.get("mismatches", 0) + ad.get("mismatches", 0) + (hy or {}).get("mismatches", 0)}
+            if hy is not None:
+                row |= {"tau_hybrid": hy["acceptance_length"], "tokens_per_s_hybrid": hy["tokens_per_s"],
+                        "hybrid_over_static": hy["tokens_per_s"] / st["tokens_per_s"],
+                        "hybrid_over_none": hy["tokens_per_s"] / none}
+            rows.append(row)
     shifted = [r for r in rows if r["phase"] != rep["phases"][0]["phase"]]
     code = [r for r in rows if r["phase"] == "code"]
     cyc = [c["cycle_s"] for c in rep["cycles"] if not c.get("skipped")]
@@ -346,12 +362,27 @@ def summarize(rep: dict) -> dict:
         "cycle_s_max": max(cyc) if cyc else None, "cycles_promoted": sum(bool(c.get("promoted")) for c in rep["cycles"]),
         "cycles": len(rep["cycles"]), "lossless": all(r["mismatches"] == 0 for r in rows),
         "breakeven_tau_k": cost["breakeven_tau"][k] if cost and k < len(cost["breakeven_tau"]) else None}
+    hyb = [r for r in rows if "hybrid_over_none" in r]
+    if hyb:  # the adapting arm as served: champion draft + suffix proposer, goodput policy (issue 19)
+        code_h = [r for r in hyb if r["phase"] == "code"]
+        c1 = [r for r in hyb if r["concurrency"] == min(x["concurrency"] for x in hyb)
+              and r["phase"] in ("code", "math-en")]
+        goals |= {"hybrid_over_static_code_min": min((r["hybrid_over_static"] for r in code_h), default=None),
+                  "hybrid_over_none_min": min(r["hybrid_over_none"] for r in hyb),
+                  "hybrid_over_none_c1_code_math_min": min((r["hybrid_over_none"] for r in c1), default=None)}
     goals["met"] = {
         "adapted/static ≥ 1.5× on shifted phases": bool(goals["adapted_over_static_shifted_min"] and
                                                         goals["adapted_over_static_shifted_min"] >= 1.5),
         f"τ code ≥ 3.2 at k={k}": bool(goals["tau_code_adapted"] and goals["tau_code_adapted"] >= 3.2),
         "open-ended never slower than no speculation": bool(open_ and open_["speedup"] >= NOISE_FLOOR),
         "cycle ≤ 10 min": bool(cyc and max(cyc) <= 600)}
+    if hyb:
+        goals["met"] |= {
+            "hybrid/static ≥ 1.5× on code at every concurrency": bool(goals["hybrid_over_static_code_min"] and
+                                                                     goals["hybrid_over_static_code_min"] >= 1.5),
+            "hybrid/no speculation ≥ 1.2× at the lowest concurrency on code and math":
+                bool(goals["hybrid_over_none_c1_code_math_min"] and goals["hybrid_over_none_c1_code_math_min"] >= 1.2),
+            "hybrid never slower than no speculation": goals["hybrid_over_none_min"] >= NOISE_FLOOR}
     return {"rows": rows, "goals": goals}
 
 
@@ -377,7 +408,9 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     paths = {}
     fig, ax = plt.subplots(figsize=(max(6, len(xs) * 0.9), 3.6))
     c0 = min(cs, default=1)
-    for arm, style in (("static", "s--"), ("adapted", "o-")):
+    for arm, style in (("static", "s--"), ("adapted", "o-"), ("hybrid", "^-")):
+        if arm not in phases[0]["before"][c0]:
+            continue
         ys = [p[s][c0][arm]["acceptance_length"] for p in phases for s in ("before", "after")]
         ax.plot(range(len(xs)), ys, style, label=arm)
     ax.set_xticks(range(len(xs)), xs, fontsize=8)
@@ -391,7 +424,9 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
 
     fig, axes = plt.subplots(1, len(cs), figsize=(max(6, len(xs) * 0.9) * max(1, len(cs)) / 1.6, 3.6), squeeze=False)
     for ax, c in zip(axes[0], cs):
-        for arm, style in (("none", ":"), ("static", "s--"), ("adapted", "o-")):
+        for arm, style in (("none", ":"), ("static", "s--"), ("adapted", "o-"), ("hybrid", "^-")):
+            if arm not in phases[0]["before"][c]:
+                continue
             ys = [p[s][c][arm]["tokens_per_s"] for p in phases for s in ("before", "after")]
             ax.plot(range(len(xs)), ys, style, label=arm)
         ax.set_xticks(range(len(xs)), xs, fontsize=7)
@@ -431,18 +466,28 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
          f"{rep['config']['eval_prompts']} held-out prompts per phase × ≤{rep['config']['max_new_tokens']} tokens; "
          f"run wall time {rep['wall_s'] / 60:.1f} min. Every number below was produced by this run.", "",
          "## After each phase's cycle (held-out prompts of that phase)", "",
-         "| phase | conc. | τ static | τ adapted | tok/s none | tok/s static | tok/s adapted | adapted/static | = target-only |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "| phase | conc. | τ static | τ adapted | τ hybrid | tok/s none | tok/s static | tok/s adapted | tok/s hybrid "
+         "| adapted/static | hybrid/static | hybrid/none | = target-only |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def h(r, key, fmt):
+        return format(r[key], fmt) if key in r else "-"
     for r in s["rows"]:
         L.append(f"| {r['phase']} | {r['concurrency']} | {r['tau_static']:.2f} | {r['tau_adapted']:.2f} | "
-                 f"{r['tokens_per_s_none']:.1f} | {r['tokens_per_s_static']:.1f} | {r['tokens_per_s_adapted']:.1f} | "
-                 f"{r['adapted_over_static']:.2f}× | {'yes' if r['mismatches'] == 0 else 'NO'} |")
+                 f"{h(r, 'tau_hybrid', '.2f')} | {r['tokens_per_s_none']:.1f} | {r['tokens_per_s_static']:.1f} | "
+                 f"{r['tokens_per_s_adapted']:.1f} | {h(r, 'tokens_per_s_hybrid', '.1f')} | "
+                 f"{r['adapted_over_static']:.2f}× | {h(r, 'hybrid_over_static', '.2f')}× | "
+                 f"{h(r, 'hybrid_over_none', '.2f')}× | {'yes' if r['mismatches'] == 0 else 'NO'} |")
     L += ["", "## Before each phase's cycle (champion of the previous phase on the new traffic)", "",
-          "| phase | conc. | τ static | τ adapted | tok/s none | tok/s static | tok/s adapted |", "|---|---|---|---|---|---|---|"]
+          "| phase | conc. | τ static | τ adapted | τ hybrid | tok/s none | tok/s static | tok/s adapted | tok/s hybrid |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for p in rep["phases"]:
         for c, a in p["before"].items():
+            hy = a.get("hybrid")
             L.append(f"| {p['phase']} | {c} | {a['static']['acceptance_length']:.2f} | {a['adapted']['acceptance_length']:.2f} | "
-                     f"{a['none']['tokens_per_s']:.1f} | {a['static']['tokens_per_s']:.1f} | {a['adapted']['tokens_per_s']:.1f} |")
+                     f"{hy['acceptance_length'] if hy else '-':{'.2f' if hy else ''}} | "
+                     f"{a['none']['tokens_per_s']:.1f} | {a['static']['tokens_per_s']:.1f} | {a['adapted']['tokens_per_s']:.1f} | "
+                     f"{hy['tokens_per_s'] if hy else '-':{'.1f' if hy else ''}} |")
     L += ["", "## Cycles (capture threshold → promoted draft deployed)", "",
           "| phase | snapshot tokens | cycle s | train s | drift JSD | cand. τ | champ. τ | decision |", "|---|---|---|---|---|---|---|---|"]
     for c in rep["cycles"]:
@@ -486,6 +531,11 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
     L += ["", "## Goals (issue 8) and where this run landed", ""]
     for name, ok in g["met"].items():
         L.append(f"- {'met' if ok else 'NOT met'}: {name}")
+    if g.get("hybrid_over_none_min") is not None:
+        L += [f"- hybrid (champion + suffix corpus, goodput policy) / no speculation: lowest {g['hybrid_over_none_min']:.2f}×"
+              f" over every phase and concurrency; on code and math at the lowest concurrency ≥ "
+              f"{g['hybrid_over_none_c1_code_math_min'] or 0:.2f}×; hybrid/static on code ≥ "
+              f"{g['hybrid_over_static_code_min'] or 0:.2f}×"]
     L += [f"- adapted/static tokens/s on shifted phases: {g['adapted_over_static_shifted_min']:.2f}× – "
           f"{g['adapted_over_static_shifted_max']:.2f}×" if g["adapted_over_static_shifted_min"] else "",
           f"- τ on code at k={g['tau_code_k']}: {g['tau_code_adapted']:.2f}" if g["tau_code_adapted"] else "",

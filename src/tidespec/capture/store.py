@@ -216,16 +216,17 @@ class CorruptShard(ValueError):
     """A shard listed in a manifest cannot be read (truncated, overwritten, bit rot)."""
 
 
-def read_record(directory: Path, row: ManifestRow) -> dict[str, torch.Tensor]:
-    """Load one record's tensors (see module docstring for shapes/dtypes), either codec.
+def read_record(directory: Path, row: ManifestRow, fields: tuple[str, ...] = FIELDS) -> dict[str, torch.Tensor]:
+    """Load one record's tensors (see module docstring for shapes/dtypes), either codec; `fields`:
+    which (an uncompressed shard reads only those bytes).
     Raises FileNotFoundError (shard missing) or CorruptShard naming the shard and the fix."""
     path = Path(directory) / row.shard
     try:
         if row.shard.endswith(".zst"):
             t = _decoded(str(path), path.stat().st_mtime_ns)
-            return {k: t[f"{row.offset}.{k}"] for k in FIELDS}
+            return {k: t[f"{row.offset}.{k}"] for k in fields}
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(f"{row.offset}.{k}") for k in FIELDS}
+            return {k: f.get_tensor(f"{row.offset}.{k}") for k in fields}
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors/zstd raise their own types

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from .. import registry
-from ..runtime import runner_for
+from ..runtime import load_suffix_corpus, runner_for
 from ..workspace import served_version, write_version
 
 
@@ -45,7 +45,8 @@ def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
 
 
 def reload_if_changed(engine, dest: Path) -> bool:
-    """Swap the engine's draft when `dest` holds another version. Returns True on a swap.
+    """Swap the engine's draft (and, with the suffix proposer, the global suffix tree deployed with
+    it) when `dest` holds another version. Returns True on a swap.
 
     A draft for another target or with wrong shapes raises ValueError and the old one keeps serving.
     """
@@ -53,6 +54,7 @@ def reload_if_changed(engine, dest: Path) -> bool:
     if v is None or v == engine.draft_version:
         return False
     engine.set_draft(runner_for(Path(dest), engine.target), v)
+    load_suffix_corpus(engine, Path(dest))  # its global suffix tree moves with it
     return True
 
 

@@ -22,8 +22,11 @@ import math
 import threading
 
 from .calibration import Calibration
-from .goodput import NONE, Ladder, StepCost, plan
+from .goodput import NONE, Ladder, StepCost, goodput, plan
 from .stats import simulated_acceptance_length
+
+
+CONF_BINS = 10  # draft-confidence bins for the early stop's acceptance estimate
 
 
 def predicted_tau(acc: list[float], k: int) -> float:
@@ -59,6 +62,7 @@ class AdaptiveK:
         self._obs: dict[str, list[int]] = {}  # observations per position (running mean until 1/alpha)
         self._steps: dict[str, int] = {}
         self._suffix: dict[str, list[float]] = {}  # class → [EMA accepted, EMA expected] of suffix proposals
+        self._conf: dict[str, list[list[float]]] = {}  # class → per confidence bin [P(accept), observations]
         self._lock = threading.Lock()
 
     def reset(self) -> None:
@@ -68,6 +72,7 @@ class AdaptiveK:
             self._obs.clear()
             self._steps.clear()
             self._suffix.clear()
+            self._conf.clear()
 
     def acceptance(self, workload: str) -> list[float]:
         with self._lock:
@@ -106,6 +111,40 @@ class AdaptiveK:
                 st = self._suffix.setdefault(workload, [expected, expected])
                 st[0] += self.alpha * (accepted - st[0])
                 st[1] += self.alpha * (expected - st[1])
+
+    def accept_given_confidence(self, workload: str, conf: float) -> float:
+        """P(a drafted token is accepted | the ones before it were, the draft's probability of it
+        is `conf`), per class and confidence bin (CONF_BINS bins on [0, 1]): the draft's own
+        confidence until the bin has been observed (EAGLE-2, arXiv 2406.16858 §4: a draft's
+        confidence approximates its acceptance rate), then a running mean / EMA of what was accepted."""
+        b = min(int(conf * CONF_BINS), CONF_BINS - 1)
+        with self._lock:
+            bins = self._conf.get(workload)
+            return conf if bins is None or bins[b][1] == 0 else bins[b][0]
+
+    def observe_confidence(self, workload: str, confs: list[float], accepted: int) -> None:
+        """A verified EAGLE3 chain: the draft's probability of each drafted token and how many were
+        accepted. Positions up to the first rejection are observations (later ones were never tested)."""
+        with self._lock:
+            bins = self._conf.setdefault(workload, [[0.0, 0] for _ in range(CONF_BINS)])
+            for j, c in enumerate(confs[:accepted + 1]):
+                x = bins[min(int(c * CONF_BINS), CONF_BINS - 1)]
+                x[1] += 1
+                x[0] += max(self.alpha, 1.0 / x[1]) * (float(j < accepted) - x[0])
+
+    def stop_below(self, ladders: list[Ladder], choice: list[tuple[str, int]]) -> float:
+        """Draft early stop for this step's plan: the probability (that a further drafted token is
+        reached and accepted) below which drafting it costs more than it returns — its verify row and
+        draft step, in ms, times the plan's predicted tokens per ms. Chains stop there
+        (`engine.speculative`), as SpecDec++ (arXiv 2405.19715 §3) stops at a threshold on the
+        predicted rejection probability, here derived from the step's cost model instead of tuned."""
+        b = len(ladders)
+        rows = b + sum(n for _, n in choice)
+        kmax = max((n for v, n in choice if v == "eagle3"), default=0)
+        drafts = [sum(1 for v, n in choice if v == "eagle3" and n > j) for j in range(kmax)]
+        ms = self.cost.predict(b, rows, drafts)
+        marginal = self.cost.predict(b, rows + 1, drafts + [1]) - ms
+        return max(0.0, marginal) * goodput(ladders, choice, self.cost)
 
     def predicted_tokens_per_s(self, workload: str) -> list[float]:
         """Predicted tokens/s of one request alone for k = 0..k_max."""

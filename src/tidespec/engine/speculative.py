@@ -168,6 +168,9 @@ class _Seq:
         self.k = 0  # drafts this step
         self.via = ""  # this step's proposer: "eagle3", "suffix" or "" (no drafts)
         self.proposal: Proposal | None = None  # this step's suffix proposal (capped to the room)
+        self.stop_below = 0.0  # early stop: end the chain before a token whose reach estimate is below this
+        self.confs: list[float] = []  # the draft's probability of each drafted token this step
+        self.reach = 1.0
         self.by_via: dict[str, SpecDecodingStats] = {}
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []  # draft probs per drafted token (sampling)
@@ -259,7 +262,7 @@ class Engine:
     def __init__(self, target: Target, draft: DraftRunner | None = None, num_draft_tokens: int = 4,
                  max_seq_len: int = 1024, draft_version: str | None = None, max_batch: int = 8,
                  adaptive: AdaptiveK | None = None, capture: CaptureSink | None = None,
-                 suffix: SuffixCache | None = None, suffix_min_expected: float = 1.0):
+                 suffix: SuffixCache | None = None, suffix_min_expected: float = 1.0, draft_early_stop: bool = False):
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens (k) must be >= 1; use speculative=False to turn speculation off")
         if max_batch < 1:
@@ -275,6 +278,7 @@ class Engine:
         self.capture = capture
         self.suffix = suffix  # suffix proposer (engine/suffix.py); with a draft too: hybrid per step
         self.suffix_min_expected = suffix_min_expected
+        self.draft_early_stop = draft_early_stop  # under the policy: chains stop where a token stops paying
         self._lock = threading.Lock()  # draft swap + queues
         self._step_lock = threading.Lock()  # one step at a time
         self._draft = draft
@@ -310,6 +314,18 @@ class Engine:
         return self._draft_version
 
     # -- admission ------------------------------------------------------------------------
+    def set_suffix_corpus(self, seqs: list[list[int]]) -> int:
+        """Replace the suffix proposer's global tree with one over `seqs` (oldest first; the newest
+        kept within its token budget): a champion's corpus, deployed with its draft. Built before
+        the swap, installed between steps. Returns the tokens retained. Raises ValueError when the
+        engine has no suffix proposer (the fix: engine.suffix.enabled: true)."""
+        if self.suffix is None:
+            raise ValueError("this engine has no suffix proposer; set engine.suffix.enabled: true in params.yaml")
+        built = self.suffix.build_global(seqs)
+        with self._step_lock:
+            self.suffix.install_global(built)
+        return built[2]
+
     def _adaptive_for(self, req: Request) -> bool:
         """Adaptive k for this request? Not with a fixed k, and not for seeded sampling (the random
         stream a seed fixes depends on k, so a seeded request keeps the engine's k: reproducible)."""
@@ -517,10 +533,15 @@ class Engine:
         for s in running:
             s.drafts, s.draft_probs, s.via, s.k, s.proposal = [], [], "", 0, None
         ladders = [self._ladder(s) for s in running]
+        stop = 0.0
         if self.adaptive is not None and any(lad.fixed is None for lad in ladders):
             choice = self.adaptive.plan_step([s.req.workload for s in running], ladders)
+            if self.draft_early_stop:
+                stop = self.adaptive.stop_below(ladders, choice)
         else:
             choice = [lad.fixed for lad in ladders]
+        for s, lad in zip(running, ladders):
+            s.stop_below = stop if lad.fixed is None else 0.0
         for s, (via, n) in zip(running, choice):
             s.via, s.k = via, n
             if via == "suffix":
@@ -555,17 +576,33 @@ class Engine:
         return Ladder(fixed=("eagle3", k), fixed_gain=gain)
 
     def _draft_chain(self, seqs: list[_Seq]) -> None:
-        """Chain drafting: k tokens per request; draft forwards batched across requests per position."""
+        """Chain drafting: k tokens per request; draft forwards batched across requests per position.
+
+        Early stop (`draft_early_stop`, requests under the goodput policy): the probability that
+        drafted token j is reached and accepted is estimated as the product over i ≤ j of the
+        learned P(accept | draft confidence) (`AdaptiveK.accept_given_confidence`); the chain ends
+        before a token whose estimate falls below the step's break-even (`AdaptiveK.stop_below`).
+        At least one token is drafted, so acceptance keeps being measured."""
         for s in seqs:
             s.base = s.draft_cache.length
+            s.confs, s.reach = [], 1.0
         for j in range(max((s.k for s in seqs), default=0)):
             active = [s for s in seqs if s.k > j]
             for s in active:
+                if s.stop_below > 0:
+                    conf = float(torch.softmax(s.draft_logits, -1).max())
+                    reach = s.reach * self.adaptive.accept_given_confidence(s.req.workload, conf)
+                    if j > 0 and reach < s.stop_below:
+                        s.k = j  # the chain ends here: no verify row, no more draft steps for it
+                        continue
+                    s.reach = reach
+                    s.confs.append(conf)
                 d, q = s.propose(s.draft_logits, j)
                 if q is not None:
                     s.draft_probs.append(q)
                 s.drafts.append(int(d))
                 s.last_draft = d
+            active = [s for s in active if s.k > j]
             for draft, group in _by_draft([s for s in active if s.k > j + 1]):
                 for s, (h, dl) in zip(group, draft.step_batch([(s.draft_hidden, s.last_draft.view(1), s.draft_cache) for s in group])):
                     s.draft_hidden, s.draft_logits = h, dl
@@ -618,6 +655,8 @@ class Engine:
             s.draft_cache.length = s.base
             if self._adaptive_for(s.req):
                 self.adaptive.observe(s.req.workload, k, n)
+                if s.confs:
+                    self.adaptive.observe_confidence(s.req.workload, s.confs, n)
         elif s.via == "suffix" and self._adaptive_for(s.req):
             self.adaptive.observe_suffix(s.req.workload, sum(s.proposal.scores[:k]), n)
         if s.draft is not None and not s.finished:

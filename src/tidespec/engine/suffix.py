@@ -22,6 +22,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+CORPUS_FILE = "suffix_corpus.safetensors"  # beside a draft's model.safetensors: the global tree it deploys with
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,24 @@ class SuffixCache:
         if output:
             self.insert(list(output))
 
+    def build_global(self, seqs: list[list[int]]) -> tuple[SuffixTrie, deque, int]:
+        """A global tree over `seqs` (oldest first; the newest kept within max_tokens), built apart
+        from the live one so serving is not held while it is built; `install_global` swaps it in."""
+        keep, n = [], 0
+        for seq in reversed(seqs):
+            if not seq or n + len(seq) > self.max_tokens:
+                continue
+            keep.append([int(t) for t in seq])
+            n += len(seq)
+        trie = SuffixTrie(self.max_depth)
+        for seq in reversed(keep):
+            trie.add(seq)
+        return trie, deque(reversed(keep)), n
+
+    def install_global(self, built: tuple[SuffixTrie, deque, int]) -> None:
+        """Replace the global tree with one from `build_global` (call between engine steps)."""
+        self.global_trie, self._retained, self._retained_tokens = built
+
     def insert(self, tokens: list[int]) -> None:
         """Add a finished output to the global tree (cycle rebuilds call this for the curated window)."""
         if not tokens or self.max_tokens == 0:
@@ -211,3 +236,46 @@ class SuffixCache:
     @property
     def retained_tokens(self) -> int:
         return self._retained_tokens
+
+
+def save_corpus(path: Path, seqs: list[list[int]]) -> dict[str, int]:
+    """Write token sequences for a global tree (`CORPUS_FILE` format: safetensors with `tokens`
+    `[N]` int32 and `offsets` `[n+1]` int64, sequence i = tokens[offsets[i]:offsets[i+1]]; metadata
+    sequences/tokens). Returns {"sequences", "tokens"}."""
+    lens = [len(s) for s in seqs]
+    offsets = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0) if seqs else offsets[1:]
+    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
+    info = {"sequences": len(seqs), "tokens": int(tokens.numel())}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path).with_suffix(".tmp")
+    save_file({"tokens": tokens, "offsets": offsets}, str(tmp), metadata={k: str(v) for k, v in info.items()})
+    tmp.replace(path)
+    return info
+
+
+def corpus_info(path: Path) -> dict[str, int]:
+    """{"sequences", "tokens"} from a corpus file's header (nothing else read). Raises ValueError
+    for a file that is not a suffix corpus."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        return {"sequences": int(meta["sequences"]), "tokens": int(meta["tokens"])}
+    except (KeyError, ValueError, OSError, RuntimeError, SafetensorError) as e:
+        raise ValueError(f"{path}: not a suffix corpus ({type(e).__name__}: {e}); delete it or rebuild it "
+                         "with the cycle (train step)") from None
+
+
+def load_corpus(path: Path) -> list[list[int]]:
+    """The token sequences of a corpus file (`save_corpus`). Raises ValueError for a malformed file."""
+    try:
+        t = load_file(str(path))
+        tokens, offsets = t["tokens"], t["offsets"]
+    except (KeyError, OSError, RuntimeError, ValueError, SafetensorError) as e:
+        raise ValueError(f"{path}: not a suffix corpus ({type(e).__name__}: {e}); delete it or rebuild it "
+                         "with the cycle (train step)") from None
+    if offsets.ndim != 1 or offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != tokens.numel() \
+            or bool((offsets[1:] < offsets[:-1]).any()) or tokens.dtype != torch.int32:
+        raise ValueError(f"{path}: suffix corpus offsets do not index its tokens; rebuild it with the cycle")
+    ids, off = tokens.tolist(), offsets.tolist()
+    return [ids[a:b] for a, b in zip(off, off[1:])]
