@@ -79,3 +79,16 @@ def test_server_swap_installs_the_drafts_corpus(tiny_target, tmp_path):
         assert r.json() == {"draft_version": "v3", "suffix_corpus_tokens": None} and eng.suffix.retained_tokens == 6
         r = c.post("/admin/draft", json={"path": "v1"}, headers=ok)  # no corpus: the live tree keeps serving
         assert r.json()["suffix_corpus_tokens"] is None and eng.suffix.retained_tokens == 6
+
+
+def test_reload_with_a_corrupt_corpus_swaps_the_draft_and_keeps_the_live_tree(tiny_target, tmp_path):
+    from tidespec.deploy.local import reload_if_changed
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.workspace import write_version
+    d = tmp_path / "champion"
+    save_checkpoint(random_draft(tiny_target, 64, seed=2), d)
+    write_version(d, "7", "run")
+    (d / CORPUS_FILE).write_bytes(b"garbage")
+    eng = Engine(tiny_target, None, 3, 256, suffix=SuffixCache(max_depth=8))
+    eng.set_suffix_corpus([[5, 6, 7]])
+    assert reload_if_changed(eng, d) and eng.draft_version == "7" and eng.suffix.retained_tokens == 3

@@ -298,7 +298,10 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     runner = runner_for(ws.champion, target)
     engine = make_engine(p, target, runner, served_version(ws.champion) if runner else None, capture=writer)
     if runner is not None:
-        load_suffix_corpus(engine, ws.champion)
+        try:  # the global suffix tree deployed with the champion
+            load_suffix_corpus(engine, ws.champion)
+        except ValueError as e:  # serve without it (the live tree fills from traffic), never refuse to start
+            console.print(f"suffix corpus of {ws.champion} not loaded: {e}", markup=False)
     sv = p.serve_resolved()
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,

@@ -213,7 +213,8 @@ def output_sequences(index: Path) -> list[list[int]]:
     draft. Holdout requests (evaluation) and replayed older ones are left out. Raises
     FileNotFoundError / CorruptShard as `read_record`."""
     idx = json.loads(Path(index).read_text())
-    entries = [e for e in idx["train"] + idx["val"] if not e.get("replay")]
+    rank = {snap: i for i, snap in enumerate(idx["snapshots"])}  # the window, oldest first
+    entries = sorted((e for e in idx["train"] + idx["val"] if not e.get("replay")),
+                     key=lambda e: (rank.get(e["snapshot"], -1), e["shard"], e["offset"]))
     recs = load_records(entries, Path(index).parent, ("input_ids", "loss_mask"))
-    seqs = [r["input_ids"][r["loss_mask"].bool()].tolist() for r in recs]
-    return [s for s in reversed(seqs) if s]  # curate lists the newest snapshot first
+    return [s for s in (r["input_ids"][r["loss_mask"].bool()].tolist() for r in recs) if s]

@@ -6,6 +6,7 @@ checkpoint says which registry version it is. A running engine picks it up with
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -16,6 +17,8 @@ import httpx
 from .. import registry
 from ..runtime import load_suffix_corpus, runner_for
 from ..workspace import served_version, write_version
+
+log = logging.getLogger(__name__)
 
 
 def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
@@ -54,7 +57,10 @@ def reload_if_changed(engine, dest: Path) -> bool:
     if v is None or v == engine.draft_version:
         return False
     engine.set_draft(runner_for(Path(dest), engine.target), v)
-    load_suffix_corpus(engine, Path(dest))  # its global suffix tree moves with it
+    try:  # its global suffix tree moves with it
+        load_suffix_corpus(engine, Path(dest))
+    except ValueError as e:  # the draft is swapped; the live suffix tree keeps serving
+        log.error("suffix corpus of %s not loaded: %s", dest, e)
     return True
 
 

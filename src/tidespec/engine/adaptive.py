@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import threading
 
-from .calibration import Calibration
+from .calibration import Calibration, draft_shape, measure_draft
 from .goodput import NONE, Ladder, StepCost, goodput, plan
 from .stats import simulated_acceptance_length
 
@@ -64,6 +64,19 @@ class AdaptiveK:
         self._suffix: dict[str, list[float]] = {}  # class → [EMA accepted, EMA expected] of suffix proposals
         self._conf: dict[str, list[list[float]]] = {}  # class → per confidence bin [P(accept), observations]
         self._lock = threading.Lock()
+
+    def ensure_draft_costs(self, target, runner) -> bool:
+        """Time `runner`'s draft steps when the calibration holds another draft's (or none: an engine
+        that started without a draft), so a hot-swapped draft is never costed as free. Returns True
+        when it measured."""
+        shape = draft_shape(runner)
+        if runner is None or shape == self.cal.draft_shape:
+            return False
+        dms = measure_draft(target, runner, self.cal.batch_sizes, self.cal.context)
+        with self._lock:
+            self.cal = self.cal.with_draft_costs(dms, shape)
+            self.cost.cal = self.cal
+        return True
 
     def reset(self) -> None:
         """Forget acceptance (after a draft hot-swap); keep the measured step costs."""
@@ -140,10 +153,13 @@ class AdaptiveK:
         predicted rejection probability, here derived from the step's cost model instead of tuned."""
         b = len(ladders)
         rows = b + sum(n for _, n in choice)
+        chains = sum(1 for v, n in choice if v == "eagle3" and n)
         kmax = max((n for v, n in choice if v == "eagle3"), default=0)
         drafts = [sum(1 for v, n in choice if v == "eagle3" and n > j) for j in range(kmax)]
         ms = self.cost.predict(b, rows, drafts)
-        marginal = self.cost.predict(b, rows + 1, drafts + [1]) - ms
+        # one more verify row, and one more request in a batched draft step (its logits are already paid)
+        marginal = self.cost.predict(b, rows + 1, drafts) - ms + self.cost.factor(b, (rows + 1) / b) * (
+            self.cal.draft_cost(chains + 1) - self.cal.draft_cost(chains))
         return max(0.0, marginal) * goodput(ladders, choice, self.cost)
 
     def predicted_tokens_per_s(self, workload: str) -> list[float]:
@@ -195,13 +211,20 @@ class AdaptiveK:
         return _argmax(tps, lo=1) if k == 0 and self._probe(workload) else k
 
     def plan_step(self, workloads: list[str], ladders: list[Ladder]) -> list[tuple[str, int]]:
-        """Each request's (proposer, drafted tokens) for a step of this batch (`goodput.plan`); a
-        request left without drafts although it could draft with EAGLE3 counts towards its
-        class's probe: every `probe_every`-th such step runs the best k of a request alone."""
+        """Each request's (proposer, drafted tokens) for a step of this batch (`goodput.plan`). A class
+        whose requests could draft with EAGLE3 but were left without probes every `probe_every`-th
+        such step: one of them (rotating) runs the best k of a request alone, so the acceptance
+        estimate stays fresh and every request's backlog is drained now and then."""
         choice = plan(ladders, self.cost, self.margin)
+        idle: dict[str, list[int]] = {}  # class → requests that could draft but were left without
         for i, (w, lad, c) in enumerate(zip(workloads, ladders, choice)):
-            if c == NONE and lad.fixed is None and lad.eagle and self._probe(w):
-                choice[i] = ("eagle3", min(max(1, _argmax(self.predicted_tokens_per_s(w), lo=1)), len(lad.eagle)))
+            if c == NONE and lad.fixed is None and lad.eagle:
+                idle.setdefault(w, []).append(i)
+        for w, idx in idle.items():  # one probe per class every probe_every-th step, rotating over its requests
+            if self._probe(w):
+                with self._lock:
+                    i = idx[(self._steps[w] // self.probe_every) % len(idx)]
+                choice[i] = ("eagle3", min(max(1, _argmax(self.predicted_tokens_per_s(w), lo=1)), len(ladders[i].eagle)))
         return choice
 
     def observe(self, workload: str, k: int, accepted: int) -> None:
@@ -228,7 +251,9 @@ class AdaptiveK:
         """Per class: chosen k alone and by batch size, predicted speed-up over plain decoding alone,
         conditional acceptance, the suffix correction."""
         out = {}
-        for w in sorted(set(self._acc) | set(self._suffix)):
+        with self._lock:
+            classes = sorted(set(self._acc) | set(self._suffix))
+        for w in classes:
             tps = self.predicted_tokens_per_s(w)
             k = self._pick(tps)
             out[w] = {"k": k, "speculation": k > 0, "predicted_speedup": tps[k] / tps[0],

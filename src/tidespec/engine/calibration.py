@@ -17,7 +17,7 @@ import os
 import platform
 import time
 from bisect import bisect_left
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from ..models import eagle3, target as target_mod
 from ..models.target import Segment
 
-VERSION = 2  # the cached file's format: a calibration of another version is measured anew
+VERSION = 3  # the cached file's format: a calibration of another version is measured anew
 
 
 def _interp(xs: tuple[float, ...] | list[float], ys: list[float], x: float) -> float:
@@ -46,7 +46,10 @@ class Calibration:
     (n = 1..k_max+1); draft_ms: one draft chain step, batch 1. With a batch grid (`calibrate` with
     max_batch > 1): grid_ms[i][j] = a ragged forward of batch_sizes[i] requests × rows[j] new
     tokens each, draft_batch_ms[i] = one batched draft step of batch_sizes[i] requests. Without
-    one, the grid is the batch-1 row. Raises ValueError for non-finite or non-positive costs.
+    one, the grid is the batch-1 row. draft_shape: (hidden, intermediate, draft vocab) of the draft
+    whose steps were timed, () when none was (draft costs 0 until `with_draft_costs`). Raises
+    ValueError for non-finite or negative costs, target costs ≤ 0, or a grid whose batch sizes or
+    rows are not strictly increasing.
     """
 
     target_ms: tuple[float, ...]
@@ -57,6 +60,7 @@ class Calibration:
     rows: tuple[int, ...] = ()
     grid_ms: tuple[tuple[float, ...], ...] = ()
     draft_batch_ms: tuple[float, ...] = ()
+    draft_shape: tuple[int, ...] = ()
 
     def __post_init__(self):
         ms = [*self.target_ms, self.draft_ms, *self.draft_batch_ms, *(x for r in self.grid_ms for x in r)]
@@ -73,6 +77,14 @@ class Calibration:
                 or any(len(r) != len(self.rows) for r in self.grid_ms):
             raise ValueError("calibration grid_ms must be batch_sizes × rows and draft_batch_ms one per batch size; "
                              "delete the cached file to measure again")
+        for name, xs in (("batch_sizes", self.batch_sizes), ("rows", self.rows)):
+            if any(b <= a for a, b in zip(xs, xs[1:])) or min(xs) < 1:
+                raise ValueError(f"calibration {name} must be strictly increasing and >= 1, got {list(xs)}; "
+                                 "delete the cached file to measure again")
+
+    def with_draft_costs(self, draft_batch_ms: tuple[float, ...], draft_shape: tuple[int, ...]) -> "Calibration":
+        """This calibration with another draft's step costs (one per batch size, `measure_draft`)."""
+        return replace(self, draft_ms=draft_batch_ms[0], draft_batch_ms=tuple(draft_batch_ms), draft_shape=draft_shape)
 
     @property
     def k_max(self) -> int:
@@ -181,25 +193,39 @@ def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 7, max
         row = [best[(i, j)] for j in js]
         grid.append([_interp([rs[j] for j in js], row, r) for r in rs])
     grid = _monotone(grid)
-    dms = [0.0] * len(bs)
-    if runner is not None:
-        items = []
-        for _ in range(max(bs)):
-            dc = runner.new_cache(context + 2)
-            runner.extend(torch.randn(context, 3 * target.cfg.hidden_size, generator=g),
-                          torch.randint(0, V, (context,), generator=g), dc)
-            items.append((torch.randn(1, runner.config.hidden_size, generator=g), torch.tensor([1]), dc))
-
-        def dstep(b):
-            def f():
-                for _, _, dc in items[:b]:
-                    dc.length = context
-                runner.step_batch(items[:b])
-            return f
-        dms = [_min_ms(dstep(b), reps * 4) for b in bs]
-        dms = [max(dms[:i + 1]) for i in range(len(dms))]
+    dms = measure_draft(target, runner, bs, context, reps) if runner is not None else (0.0,) * len(bs)
     return Calibration(tuple(grid[0][:k_max + 1]), dms[0], calibration_key(target, runner, k_max, max_batch, max_rows),
-                       context, bs, rs, tuple(tuple(r) for r in grid), tuple(dms))
+                       context, bs, rs, tuple(tuple(r) for r in grid), dms, draft_shape(runner))
+
+
+def draft_shape(runner) -> tuple[int, ...]:
+    """(hidden, intermediate, draft vocab) of a draft runner; () for None."""
+    if runner is None:
+        return ()
+    c = runner.config
+    return (c.hidden_size, c.intermediate_size, c.draft_vocab_size)
+
+
+@torch.inference_mode()
+def measure_draft(target, runner, batch_sizes: tuple[int, ...], context: int = 128, reps: int = 7) -> tuple[float, ...]:
+    """ms of one batched draft step for each batch size (fastest of 4·reps; never decreasing with b)."""
+    g = torch.Generator().manual_seed(0)
+    V = target.cfg.vocab_size
+    items = []
+    for _ in range(max(batch_sizes)):
+        dc = runner.new_cache(context + 2)
+        runner.extend(torch.randn(context, 3 * target.cfg.hidden_size, generator=g),
+                      torch.randint(0, V, (context,), generator=g), dc)
+        items.append((torch.randn(1, runner.config.hidden_size, generator=g), torch.tensor([1]), dc))
+
+    def dstep(b):
+        def f():
+            for _, _, dc in items[:b]:
+                dc.length = context
+            runner.step_batch(items[:b])
+        return f
+    dms = [_min_ms(dstep(b), reps * 4) for b in batch_sizes]
+    return tuple(max(dms[:i + 1]) for i in range(len(dms)))
 
 
 def _min_ms(fn, reps: int) -> float:
@@ -223,7 +249,8 @@ def load_or_calibrate(target, runner, k_max: int, cache_dir: Path | None, max_ba
         try:
             d = json.loads(path.read_text())
             return Calibration(tuple(d["target_ms"]), d["draft_ms"], d["key"], d["context"], tuple(d["batch_sizes"]),
-                               tuple(d["rows"]), tuple(tuple(r) for r in d["grid_ms"]), tuple(d["draft_batch_ms"]))
+                               tuple(d["rows"]), tuple(tuple(r) for r in d["grid_ms"]), tuple(d["draft_batch_ms"]),
+                               tuple(d.get("draft_shape", ())))
         except (ValueError, KeyError, TypeError):  # corrupt or foreign file: measure again
             path.unlink(missing_ok=True)
     cal = calibrate(target, runner, k_max, max_batch=max_batch, max_rows=max_rows)

@@ -9,8 +9,9 @@ over the rows the target verified last step). A suffix proposal costs verify row
 Online re-fit: every measured step (no prefill in it) updates a factor measured / predicted in its
 (batch size, rows per request) cell, as a clipped EMA; the factor applied to a cell is the largest
 over the cells with fewer rows per request at that batch size, so load measured during plain
-decoding scales every speculative step too and an outlier can only make speculation look dearer,
-never cheaper than calibrated (a noisy per-k model predicted 3.9× at τ 1.05 on a busy machine).
+decoding scales every speculative step too and an outlier can only make speculation look dearer
+relative to plain decoding at the same batch size, never cheaper than the calibration says (a
+noisy per-k model predicted 3.9× at τ 1.05 on a busy machine).
 
 Choice (`plan`): per request a ladder of options — none, the EAGLE3 chain with k = 1..K (expected
 accepted τ(k) − 1 from the conditional acceptance of its class), a prefix of m = 1..L tokens of its
@@ -119,39 +120,83 @@ def goodput(ladders: list[Ladder], choice: list[tuple[str, int]], cost: StepCost
     return gain / cost.predict(b, rows, drafts)
 
 
+class _Step:
+    """`goodput` for one step's search, incremental: per-step tables of T(b, R) × factor and of the
+    batched draft step costs, and running totals of rows, gains and drafts per chain position, so
+    trying one request's option is O(chain length) instead of O(batch)."""
+
+    def __init__(self, ladders: list[Ladder], cost: StepCost, choice: list[tuple[str, int]]):
+        self.lad, self.cost, self.b = ladders, cost, len(ladders)
+        self.draft = [cost.cal.draft_cost(n) for n in range(self.b + 1)]
+        self._t: dict[int, tuple[float, float]] = {}
+        depth = max((max(len(x.eagle), x.fixed[1] if x.fixed and x.fixed[0] == "eagle3" else 0) for x in ladders),
+                    default=0)
+        self.counts = [0] * depth
+        self.choice = list(choice)
+        self.rows, self.gain = self.b, float(self.b)
+        for i, c in enumerate(choice):
+            self._add(i, c, 1)
+
+    def _tf(self, rows: int) -> tuple[float, float]:
+        if rows not in self._t:
+            self._t[rows] = (self.cost.cal.target_cost(self.b, rows), self.cost.factor(self.b, rows / self.b))
+        return self._t[rows]
+
+    def _add(self, i: int, c: tuple[str, int], sign: int) -> None:
+        lad = self.lad[i]
+        via, n = c
+        self.rows += sign * n
+        self.gain += sign * (lad.fixed_gain if lad.fixed else _gain(lad, c))
+        if via == "eagle3":
+            for j in range(n):
+                self.counts[j] += sign
+
+    def value(self) -> float:
+        t, f = self._tf(self.rows)
+        return self.gain / (f * (t + sum(self.draft[c] for c in self.counts if c)))
+
+    def set(self, i: int, c: tuple[str, int]) -> None:
+        self._add(i, self.choice[i], -1)
+        self.choice[i] = c
+        self._add(i, c, 1)
+
+
 def plan(ladders: list[Ladder], cost: StepCost, margin: float = 0.05, sweeps: int = 2) -> list[tuple[str, int]]:
     """Each request's (proposer, drafted tokens) for this step — ("", 0) = plain decoding — that
-    maximises the predicted goodput of the whole step (coordinate ascent, see the module docstring).
-    Speculation is kept only if it beats plain decoding (fixed choices kept) by `margin`."""
+    maximises the predicted goodput of the whole step (see the module docstring: the best of plain
+    decoding and one k for every EAGLE3 request as the start, then coordinate ascent). Speculation
+    is kept only if it beats plain decoding (fixed choices kept) by `margin`."""
     base = [lad.fixed or NONE for lad in ladders]
     if not ladders:
         return base
-    choice = list(base)
+    st = _Step(ladders, cost, base)
     free = [i for i, lad in enumerate(ladders) if lad.fixed is None and (lad.eagle or lad.suffix)]
     free.sort(key=lambda i: -max((*ladders[i].eagle, *ladders[i].suffix)))
-    g0 = best = goodput(ladders, choice, cost)
+    g0 = best = st.value()
+    best_choice = list(base)
     for k in range(1, max((len(ladders[i].eagle) for i in free), default=0) + 1):
         # batch-wide start: one k for every EAGLE3 request (chain positions are batched, so their
         # draft cost is shared; one request at a time would not leave a shared optimum)
-        trial = list(base)
         for i in free:
             if ladders[i].eagle:
-                trial[i] = ("eagle3", min(k, len(ladders[i].eagle)))
-        g = goodput(ladders, trial, cost)
+                st.set(i, ("eagle3", min(k, len(ladders[i].eagle))))
+        g = st.value()
         if g > best:
-            best, choice = g, trial
+            best, best_choice = g, list(st.choice)
+    for i in free:
+        st.set(i, best_choice[i])
     for _ in range(sweeps):
         moved = False
         for i in free:
-            keep = choice[i]
+            keep = st.choice[i]
             for opt in _options(ladders[i]):
                 if opt == keep:
                     continue
-                choice[i] = opt
-                g = goodput(ladders, choice, cost)
+                st.set(i, opt)
+                g = st.value()
                 if g > best * (1 + 1e-9):
                     best, keep, moved = g, opt, True
-            choice[i] = keep
+            st.set(i, keep)
         if not moved:
             break
-    return choice if best >= (1 + margin) * g0 else base
+    return st.choice if best >= (1 + margin) * g0 else base

@@ -10,12 +10,13 @@ lossless rejection sampling (engine/sampling.py).
 
 Batching (vLLM v1 style continuous batching): requests join and leave between steps; a step runs
 one ragged target forward over every running request's new tokens (prefills included, no padding:
-`Target.forward_batch`), each request with its own k (fixed, or chosen per step by
-`adaptive.AdaptiveK`). Per-request output is identical to running it alone (greedy).
+`Target.forward_batch`), each request with its own proposer and length (fixed, or chosen per step
+for the whole batch by the goodput policy `adaptive.AdaptiveK`: none, the EAGLE3 chain, or the
+suffix proposal `suffix.SuffixCache`). Per-request output is identical to running it alone (greedy).
 
-One file (~480 lines): admission, the step (draft → verify → accept) and the per-request state it
-mutates are one state machine; the proposer (`models.eagle3.DraftRunner`) and the acceptance rule
-(`sampling`) live apart.
+One file: admission, the step (plan → draft → verify → accept) and the per-request state it
+mutates are one state machine; the proposers (`models.eagle3.DraftRunner`, `suffix`), the policy
+(`adaptive`, `goodput`) and the acceptance rule (`sampling`) live apart.
 """
 from __future__ import annotations
 
@@ -171,6 +172,8 @@ class _Seq:
         self.stop_below = 0.0  # early stop: end the chain before a token whose reach estimate is below this
         self.confs: list[float] = []  # the draft's probability of each drafted token this step
         self.reach = 1.0
+        self.stopped = False  # early stop cut this step's chain (it ran one more draft forward than k)
+        self.k_plan = 0  # the k the plan gave this step's chain
         self.by_via: dict[str, SpecDecodingStats] = {}
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []  # draft probs per drafted token (sampling)
@@ -254,7 +257,8 @@ class Engine:
     `generate` runs one request; `generate_batch` / `submit` run many together, up to `max_batch`
     per step (the rest wait). Any thread may drive the engine: `step()` is serialised, and every
     caller waiting on a result steps all running requests. `set_draft` swaps the draft atomically;
-    a request keeps the draft it started with. `adaptive` (AdaptiveK) picks k per step and class.
+    a request keeps the draft it started with. `adaptive` (AdaptiveK): the goodput policy, which
+    picks each request's proposer and length per step for the whole batch.
     `capture` (CaptureSink): asked at admission whether it wants each request, handed the record of
     each captured request when it finishes (TIDE's capture: the engine owns the wiring).
     """
@@ -286,6 +290,7 @@ class Engine:
         self._waiting: list[_Seq] = []
         self._seqs: dict[str, _Seq] = {}  # request id → state, waiting or running (abort)
         self._running: list[_Seq] = []
+        self._pending_global = None  # a global suffix tree waiting to be installed between steps
         if draft is not None:
             self._check_draft(draft)
 
@@ -301,9 +306,13 @@ class Engine:
 
     def set_draft(self, draft: DraftRunner | None, version: str | None = None) -> None:
         """Swap the draft (None = no speculation). Raises ValueError for a draft of another target.
-        The adaptive policy's acceptance estimates restart from its prior (they described the old draft)."""
+        The adaptive policy's acceptance estimates restart from its prior (they described the old
+        draft); a draft whose steps it has not timed (another shape, or the engine started without
+        one) is timed first (`AdaptiveK.ensure_draft_costs`, ~0.5 s)."""
         if draft is not None:
             self._check_draft(draft)
+            if self.adaptive is not None:  # a draft of another shape (or the first one) is timed before it serves
+                self.adaptive.ensure_draft_costs(self.target, draft)
         with self._lock:
             self._draft, self._draft_version = draft, version
         if self.adaptive is not None:
@@ -321,10 +330,26 @@ class Engine:
         engine has no suffix proposer (the fix: engine.suffix.enabled: true)."""
         if self.suffix is None:
             raise ValueError("this engine has no suffix proposer; set engine.suffix.enabled: true in params.yaml")
+        V = self.target.cfg.vocab_size
+        bad = next((t for seq in seqs for t in seq if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"suffix corpus token id {bad} outside the target vocabulary [0, {V}); "
+                             "it was built for another target: rebuild it with the cycle")
         built = self.suffix.build_global(seqs)
-        with self._step_lock:
-            self.suffix.install_global(built)
+        with self._lock:  # installed by the next step, before it plans (never waits for the step lock)
+            self._pending_global = built
+        if self._step_lock.acquire(blocking=False):  # idle engine: install now
+            try:
+                self._install_pending()
+            finally:
+                self._step_lock.release()
         return built[2]
+
+    def _install_pending(self) -> None:
+        with self._lock:
+            built, self._pending_global = self._pending_global, None
+        if built is not None:
+            self.suffix.install_global(built)
 
     def _adaptive_for(self, req: Request) -> bool:
         """Adaptive k for this request? Not with a fixed k, and not for seeded sampling (the random
@@ -450,6 +475,8 @@ class Engine:
         """
         results: list[tuple[_Seq, Generation | BaseException]] = []
         with self._step_lock:
+            if self._pending_global is not None:
+                self._install_pending()
             with self._lock:
                 n_new = max(0, self.max_batch - len(self._running))
                 new, self._waiting = self._waiting[:n_new], self._waiting[n_new:]
@@ -470,13 +497,15 @@ class Engine:
                 for s in new:
                     s.alloc()
                 self._plan(running)
+                t_plan = time.perf_counter()  # the cost model times the forwards, not the planning
                 self._draft_chain([s for s in running if s.via == "eagle3"])
                 outs = self._verify(new, running)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
                 results = [(s, e) for s in new + running]
                 self._running = []
             else:
-                dt = time.perf_counter() - t0
+                t_end = time.perf_counter()
+                dt = t_end - t0
                 for i, (s, out) in enumerate(zip(new + running, outs)):
                     try:
                         if i < len(new):
@@ -486,10 +515,10 @@ class Engine:
                     except Exception as e:  # noqa: BLE001 - this request only
                         s.error = e
                 if self.adaptive is not None and running and not new and all(s.error is None for s in running):
-                    ks = [s.k for s in running if s.via == "eagle3"]
+                    fw = [s.k + s.stopped for s in running if s.via == "eagle3"]  # draft forwards each chain ran
                     self.adaptive.observe_step(len(running), sum(s.k + 1 for s in running),
-                                               [sum(1 for k in ks if k > j) for j in range(max(ks, default=0))],
-                                               1000 * dt)
+                                               [sum(1 for k in fw if k > j) for j in range(max(fw, default=0))],
+                                               1000 * (t_end - t_plan))
                 done = [s for s in new + running if s.finished or s.error is not None]
                 self._running = [s for s in new + running if not (s.finished or s.error is not None)]
                 for s in done:
@@ -585,19 +614,19 @@ class Engine:
         At least one token is drafted, so acceptance keeps being measured."""
         for s in seqs:
             s.base = s.draft_cache.length
-            s.confs, s.reach = [], 1.0
+            s.confs, s.reach, s.stopped, s.k_plan = [], 1.0, False, s.k
         for j in range(max((s.k for s in seqs), default=0)):
             active = [s for s in seqs if s.k > j]
             for s in active:
-                if s.stop_below > 0:
-                    conf = float(torch.softmax(s.draft_logits, -1).max())
+                d, q = s.propose(s.draft_logits, j)
+                if s.stop_below > 0:  # the draft's probability of the token it drafted
+                    conf = float(q[d]) if q is not None else float(torch.softmax(s.draft_logits, -1).max())
                     reach = s.reach * self.adaptive.accept_given_confidence(s.req.workload, conf)
                     if j > 0 and reach < s.stop_below:
-                        s.k = j  # the chain ends here: no verify row, no more draft steps for it
-                        continue
+                        s.k, s.stopped = j, True  # the chain ends here: no verify row, no more draft steps
+                        continue  # (the token drawn is discarded: the verify never saw it, still exact)
                     s.reach = reach
                     s.confs.append(conf)
-                d, q = s.propose(s.draft_logits, j)
                 if q is not None:
                     s.draft_probs.append(q)
                 s.drafts.append(int(d))
@@ -625,7 +654,7 @@ class Engine:
         if s.capture:
             s.rows.add(out, len(prompt))
         if s.draft is not None:
-            s.backlog.append((out.aux, torch.cat([prompt[1:], torch.tensor([s.next_token])])))
+            s.backlog.append((out.aux.clone(), torch.cat([prompt[1:], torch.tensor([s.next_token])])))
         s.timing.prefill_s = ttft_s
 
     def _after_verify(self, s: _Seq, out, dt: float) -> None:
@@ -654,13 +683,15 @@ class Engine:
         if s.via == "eagle3":
             s.draft_cache.length = s.base
             if self._adaptive_for(s.req):
-                self.adaptive.observe(s.req.workload, k, n)
+                # a chain cut by early stop counts its stop position as not accepted: the planner's
+                # a_j must describe what planning k returns with early stop on
+                self.adaptive.observe(s.req.workload, s.k_plan if s.stopped and n == k else k, n)
                 if s.confs:
                     self.adaptive.observe_confidence(s.req.workload, s.confs, n)
         elif s.via == "suffix" and self._adaptive_for(s.req):
             self.adaptive.observe_suffix(s.req.workload, sum(s.proposal.scores[:k]), n)
-        if s.draft is not None and not s.finished:
-            s.backlog.append((out.aux[:n + 1], torch.tensor(new)))
+        if s.draft is not None and not s.finished:  # a copy: a view would keep the whole step's aux alive
+            s.backlog.append((out.aux[:n + 1].clone(), torch.tensor(new)))
         s.timing.steps.append((dt, kept))
 
     def _finish(self, s: _Seq) -> Generation:
