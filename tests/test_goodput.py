@@ -94,8 +94,10 @@ def test_policy_reports_k_by_batch_and_learns_suffix_correction():
     assert pol.suffix_gains("chat", (0.9, 0.8)) == pytest.approx((0.9, 1.7))
     for _ in range(20):  # suffix scores said 1.7 expected, 0.85 were accepted
         pol.observe_suffix("chat", 1.7, 0 if _ % 2 else 2)
-    assert 0.3 < pol.suffix_correction("chat") < 0.7
+    assert 0.3 < pol.suffix_correction("chat") < 0.7  # ≈ 1 / 1.7 (an EMA at alpha 0.5 after two)
     assert pol.suffix_gains("chat", (0.9, 0.8))[1] < 1.2
+    pol.observe_suffix("code", 2.0, 0)  # one wrong proposal is learned at once, not after 1/alpha of them
+    assert pol.suffix_correction("code") == 0.0 and pol.suffix_gains("code", (0.9,)) == (0.0,)
 
 
 def test_real_calibration_grid_is_monotone(tiny_target):

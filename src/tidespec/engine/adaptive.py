@@ -61,7 +61,7 @@ class AdaptiveK:
         self._acc: dict[str, list[float]] = {}
         self._obs: dict[str, list[int]] = {}  # observations per position (running mean until 1/alpha)
         self._steps: dict[str, int] = {}
-        self._suffix: dict[str, list[float]] = {}  # class → [EMA accepted, EMA expected] of suffix proposals
+        self._suffix: dict[str, list] = {}  # class → [mean accepted, mean expected, observations] of suffix proposals
         self._conf: dict[str, list[list[float]]] = {}  # class → per confidence bin [P(accept), observations]
         self._lock = threading.Lock()
 
@@ -104,7 +104,7 @@ class AdaptiveK:
         """Measured accepted / expected (by the suffix scores) for this class's suffix proposals;
         1.0 until measured. Clipped to [0, 2]."""
         with self._lock:
-            acc, exp = self._suffix.get(workload, (1.0, 1.0))
+            acc, exp, _ = self._suffix.get(workload, (1.0, 1.0, 0))
         return min(2.0, acc / exp) if exp > 0 else 1.0
 
     def suffix_gains(self, workload: str, scores: tuple[float, ...] | list[float]) -> tuple[float, ...]:
@@ -118,12 +118,15 @@ class AdaptiveK:
 
     def observe_suffix(self, workload: str, expected: float, accepted: int) -> None:
         """A verified suffix proposal: its expected accepted tokens (sum of chain scores) and the
-        accepted count (EMAs of both, so the correction is a ratio of means)."""
+        accepted count (running means of both for the first 1/alpha proposals, then EMAs: the
+        correction is a ratio of means and is learned from the first proposals on)."""
         if expected > 0:
             with self._lock:
-                st = self._suffix.setdefault(workload, [expected, expected])
-                st[0] += self.alpha * (accepted - st[0])
-                st[1] += self.alpha * (expected - st[1])
+                st = self._suffix.setdefault(workload, [0.0, 0.0, 0])
+                st[2] += 1
+                w = max(self.alpha, 1.0 / st[2])  # a running mean first (as the acceptance), then an EMA
+                st[0] += w * (accepted - st[0])
+                st[1] += w * (expected - st[1])
 
     def accept_given_confidence(self, workload: str, conf: float) -> float:
         """P(a drafted token is accepted | the ones before it were, the draft's probability of it
