@@ -357,7 +357,8 @@ def markdown(res: dict, prof: str | None = None) -> str:
                              f"by batch size {v.get('k_by_batch', {})}, predicted speed-up alone "
                              f"{v['predicted_speedup']:.2f}×, conditional acceptance {v['conditional_acceptance']}, "
                              f"suffix correction {v.get('suffix_correction', 1.0)}")
-        cal = next(i["calibration_ms"] for i in res["info"].values() if i.get("calibration_ms"))
+        cal = max((i["calibration_ms"] for i in res["info"].values() if i.get("calibration_ms")),
+                  key=lambda c: c["draft_step"])  # one with a draft, when any method has one
         lines += ["", f"Calibration (ms): target forward of 1..k+1 tokens {[round(x, 1) for x in cal['target']]}, "
                   f"draft step {cal['draft_step']:.2f}.", ""]
     if prof:
