@@ -32,8 +32,10 @@ test: assets               ## full suite; starts Prefect/MLflow servers on 127.0
 repro: assets              ## rerun a cycle from the DVC-tracked snapshots (dvc repro: curate → train → evaluate → register), then deploy the champion
 	eval "$$($(VENV)/bin/tidespec services up)" && $(VENV)/bin/dvc repro && $(VENV)/bin/tidespec deploy local
 
-bench: assets              ## engine benchmark vs HF generate / prompt lookup (needs the drafts `make demo` trains)
-	$(VENV)/bin/tidespec bench engine
+bench: assets              ## engine benchmark vs HF generate / prompt lookup, concurrency 1/4/8/16, ≈ 50 min (needs `make demo`'s drafts)
+	$(VENV)/bin/tidespec bench engine --prompts 3 --method hf_generate --method hf_prompt_lookup_10 \
+		--method tidespec_suffix --method tidespec_adapted_k4 --method tidespec_adapted_adaptive \
+		--method tidespec_hybrid_adaptive --no-profile
 
 bench-train: assets        ## EAGLE3 training on a fixed HumanEval snapshot: τ at k=4 on the holdout, tok/s, cycle time
 	$(VENV)/bin/tidespec bench train --max-new-tokens 192 --fractions 0.5,1.0 --epochs 6
