@@ -132,3 +132,23 @@ def test_bench_params_and_the_phase_threshold():
     assert p.evaluate.max_new_tokens == 48 and p.curate.max_holdout == 12
     with pytest.raises(ValueError, match="unknown phase"):
         shift.phase_prompts("poetry", Params())
+
+
+def test_measure_restarts_each_concurrency_from_the_deployed_suffix_tree(arms_hybrid):
+    """The same held-out prompts run at every concurrency: a global suffix tree that kept the outputs
+    of the level before would replay them (τ 6.9 on code at concurrency 8 in a quick run)."""
+    eng = arms_hybrid["hybrid"][0]
+    eng.set_suffix_corpus([[5, 6, 7]])
+    seen = []
+    orig = eng.set_suffix_corpus
+
+    def spy(seqs):
+        seen.append([list(x) for x in seqs])
+        return orig(seqs)
+    eng.set_suffix_corpus = spy
+    try:
+        shift.measure(arms_hybrid, _prompts(3, "code"), shift.ShiftConfig(concurrency=(1, 2), max_new_tokens=6), None)
+    finally:
+        del eng.set_suffix_corpus
+    assert seen == [[[5, 6, 7]], [[5, 6, 7]]]  # both levels start from the deployed tree
+    assert eng.suffix.retained_tokens > 3  # and the run itself still adds its outputs

@@ -138,9 +138,13 @@ def contrast_prompts(tok, cfg: ShiftConfig, code_holdout: list[dict]) -> dict[st
 # -- measurement ---------------------------------------------------------------------------------------
 def measure(arms: dict, prompts: list[dict], cfg: ShiftConfig, reference: dict | None) -> dict:
     """Per concurrency: every arm side by side (`engine.replay`, waves interleaved). arms: name →
-    (engine, speculative). Returns {c: {arm: metrics + mismatches vs `reference` outputs}}."""
+    (engine, speculative); an arm with a suffix proposer restarts each concurrency from the global
+    tree it came with. Returns {c: {arm: metrics + mismatches vs `reference` outputs}}."""
     out = {}
+    trees = {name: eng.suffix.retained() for name, (eng, _) in arms.items() if eng.suffix is not None}
     for c in cfg.concurrency:
+        for name, seqs in trees.items():  # each concurrency starts from the deployed tree: a suffix tree that
+            arms[name][0].set_suffix_corpus(seqs)  # kept these prompts' outputs from the level before would replay them
         runs = replay(arms, prompts, cfg.max_new_tokens, reference="none" if "none" in arms else None, concurrency=c)
         if reference is None and "none" in runs:
             reference = dict(runs["none"]["outputs"])

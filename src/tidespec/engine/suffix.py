@@ -237,6 +237,11 @@ class SuffixCache:
     def retained_tokens(self) -> int:
         return self._retained_tokens
 
+    def retained(self) -> list[list[int]]:
+        """Copies of the sequences the global tree holds, oldest first (`Engine.set_suffix_corpus`
+        restores them)."""
+        return [list(x) for x in self._retained]
+
 
 def save_corpus(path: Path, seqs: list[list[int]]) -> dict[str, int]:
     """Write token sequences for a global tree (`CORPUS_FILE` format: safetensors with `tokens`
