@@ -23,7 +23,7 @@ from .deploy import sagemaker as smd
 from .deploy.local import deploy_champion, notify_server
 from .engine.replay import replay
 from .engine.speculative import Engine
-from .engine.suffix import CORPUS_FILE, corpus_info, save_corpus
+from .engine.suffix import CORPUS_FILE, corpus_info, newest_within, save_corpus
 from .orchestrate import train_on_pool
 from .runtime import get_target, runner_for, target_dir
 from .runtime import target_id as target_id_of
@@ -85,12 +85,7 @@ def write_suffix_corpus(curated: Path, out: Path, max_tokens: int) -> dict:
     """`<out>/suffix_corpus.safetensors`: the served outputs of the curated window
     (`curate.output_sequences`), newest kept within `max_tokens` (engine.suffix.max_tokens, the
     global tree's budget). Returns {"suffix_corpus/sequences", "suffix_corpus/tokens"}."""
-    seqs, keep, n = curate_mod.output_sequences(curated), [], 0
-    for seq in reversed(seqs):
-        if n + len(seq) <= max_tokens:
-            keep.append(seq)
-            n += len(seq)
-    info = save_corpus(out / CORPUS_FILE, keep[::-1])
+    info = save_corpus(out / CORPUS_FILE, newest_within(curate_mod.output_sequences(curated), max_tokens))
     return {"suffix_corpus/sequences": info["sequences"], "suffix_corpus/tokens": info["tokens"]}
 
 

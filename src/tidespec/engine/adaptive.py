@@ -22,7 +22,7 @@ import math
 import threading
 
 from .calibration import Calibration, draft_shape, measure_draft
-from .goodput import NONE, Ladder, StepCost, goodput, plan
+from .goodput import NONE, Ladder, StepCost, draft_batches, goodput, plan
 from .stats import simulated_acceptance_length
 
 
@@ -157,8 +157,7 @@ class AdaptiveK:
         b = len(ladders)
         rows = b + sum(n for _, n in choice)
         chains = sum(1 for v, n in choice if v == "eagle3" and n)
-        kmax = max((n for v, n in choice if v == "eagle3"), default=0)
-        drafts = [sum(1 for v, n in choice if v == "eagle3" and n > j) for j in range(kmax)]
+        drafts = draft_batches([n for v, n in choice if v == "eagle3"])
         ms = self.cost.predict(b, rows, drafts)
         # one more verify row, and one more request in a batched draft step (its logits are already paid)
         marginal = self.cost.predict(b, rows + 1, drafts) - ms + self.cost.factor(b, (rows + 1) / b) * (

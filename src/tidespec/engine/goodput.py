@@ -110,12 +110,17 @@ def _options(lad: Ladder) -> list[tuple[str, int]]:
         [("suffix", m) for m in range(1, len(lad.suffix) + 1)]
 
 
+def draft_batches(chain_lengths: list[int]) -> list[int]:
+    """Requests in the batched draft forward at each chain position j (those drafting more than j
+    tokens), for chains of these lengths: what a step runs and what `StepCost` charges."""
+    return [sum(1 for k in chain_lengths if k > j) for j in range(max(chain_lengths, default=0))]
+
+
 def goodput(ladders: list[Ladder], choice: list[tuple[str, int]], cost: StepCost) -> float:
     """Expected tokens per ms of the step with these choices."""
     b = len(ladders)
     rows = b + sum(n for _, n in choice)
-    kmax = max((n for v, n in choice if v == "eagle3"), default=0)
-    drafts = [sum(1 for v, n in choice if v == "eagle3" and n > j) for j in range(kmax)]
+    drafts = draft_batches([n for v, n in choice if v == "eagle3"])
     gain = b + sum(lad.fixed_gain if lad.fixed else _gain(lad, c) for lad, c in zip(ladders, choice))
     return gain / cost.predict(b, rows, drafts)
 

@@ -35,7 +35,7 @@ import torch
 from ..models.eagle3 import DraftRunner
 from ..models.target import Segment, Target
 from .adaptive import AdaptiveK
-from .goodput import NONE, Ladder
+from .goodput import NONE, Ladder, draft_batches
 from .logits import RequestLogits, check_token_ids
 from .sampling import (
     GREEDY,
@@ -516,8 +516,7 @@ class Engine:
                         s.error = e
                 if self.adaptive is not None and running and not new and all(s.error is None for s in running):
                     fw = [s.k + s.stopped for s in running if s.via == "eagle3"]  # draft forwards each chain ran
-                    self.adaptive.observe_step(len(running), sum(s.k + 1 for s in running),
-                                               [sum(1 for k in fw if k > j) for j in range(max(fw, default=0))],
+                    self.adaptive.observe_step(len(running), sum(s.k + 1 for s in running), draft_batches(fw),
                                                1000 * (t_end - t_plan))
                 done = [s for s in new + running if s.finished or s.error is not None]
                 self._running = [s for s in new + running if not (s.finished or s.error is not None)]

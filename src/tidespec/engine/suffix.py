@@ -206,16 +206,11 @@ class SuffixCache:
     def build_global(self, seqs: list[list[int]]) -> tuple[SuffixTrie, deque, int]:
         """A global tree over `seqs` (oldest first; the newest kept within max_tokens), built apart
         from the live one so serving is not held while it is built; `install_global` swaps it in."""
-        keep, n = [], 0
-        for seq in reversed(seqs):
-            if not seq or n + len(seq) > self.max_tokens:
-                continue
-            keep.append([int(t) for t in seq])
-            n += len(seq)
+        keep = newest_within([[int(t) for t in seq] for seq in seqs], self.max_tokens)
         trie = SuffixTrie(self.max_depth)
-        for seq in reversed(keep):
+        for seq in keep:
             trie.add(seq)
-        return trie, deque(reversed(keep)), n
+        return trie, deque(keep), sum(len(x) for x in keep)
 
     def install_global(self, built: tuple[SuffixTrie, deque, int]) -> None:
         """Replace the global tree with one from `build_global` (call between engine steps)."""
@@ -241,6 +236,17 @@ class SuffixCache:
         """Copies of the sequences the global tree holds, oldest first (`Engine.set_suffix_corpus`
         restores them)."""
         return [list(x) for x in self._retained]
+
+
+def newest_within(seqs: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The newest non-empty sequences of `seqs` (oldest first) whose lengths add up to at most
+    `max_tokens` tokens, oldest first (a sequence that does not fit is skipped, older ones may fit)."""
+    keep, n = [], 0
+    for seq in reversed(seqs):
+        if seq and n + len(seq) <= max_tokens:
+            keep.append(seq)
+            n += len(seq)
+    return keep[::-1]
 
 
 def save_corpus(path: Path, seqs: list[list[int]]) -> dict[str, int]:
