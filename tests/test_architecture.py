@@ -16,7 +16,7 @@ PACKAGE = "(tidespec/__init__)"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", (PACKAGE, "errors", "strict", "hashing", "config", "sagemaker_config", "workspace", "assets", "plots")),
     ("models", ("models", "models.target", "models.eagle3", "prompts", "bootstrap")),
-    ("engine", ("engine", "engine.stats", "engine.sampling", "engine.logits", "engine.suffix", "detok", "engine.calibration", "engine.goodput", "engine.adaptive", "engine.speculative", "capture.text",
+    ("engine", ("engine", "engine.stats", "engine.sampling", "engine.logits", "engine.suffix", "detok", "engine.calibration", "engine.goodput", "engine.adaptive", "engine.tree", "engine.speculative", "capture.text",
                 "engine.replay", "capture", "capture.store", "capture.metrics")),
     ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "curate", "train", "train.resume",
                     "train.trainer", "train.specforge",

@@ -26,7 +26,7 @@ from botocore.stub import ANY, Stubber
 from conftest import random_draft
 from pydantic import ValidationError
 
-from tidespec.config import Params
+from tidespec.config import Params, TreeParams
 from tidespec.deploy import sagemaker as smd
 from tidespec.models.eagle3 import save_checkpoint
 from tidespec.sagemaker_config import CanaryParams
@@ -94,6 +94,13 @@ def test_container_env_per_engine(tiny_target_dir, draft_dirs):
     assert smd.spec_settings(_params(tiny_target_dir, num_steps=5, eagle_topk=4,
                                      num_draft_tokens=8).deploy.sagemaker, 3) == \
         {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8}
+    # engine.tree deploys to SGLang as it serves embedded; a size that cannot fit a shallower tuned
+    # window is brought into range, not passed through
+    tree = TreeParams(eagle_topk=4, num_draft_tokens=12)
+    assert smd.spec_settings(p, 3, tree) == {"num_steps": 3, "eagle_topk": 4, "num_draft_tokens": 12}
+    assert smd.spec_settings(p, 1, tree) == {"num_steps": 1, "eagle_topk": 4, "num_draft_tokens": 5}
+    with pytest.raises(ValueError, match="eagle_topk 1"):  # an explicit SGLang size is checked, never changed
+        smd.spec_settings(_params(tiny_target_dir, num_steps=3, num_draft_tokens=8).deploy.sagemaker, 3)
 
 
 def test_names_alarms_update_and_outcome():

@@ -10,7 +10,7 @@ from conftest import random_draft
 from tidespec.config import EngineParams, tree_num_draft_tokens
 from tidespec.engine.adaptive import AdaptiveK
 from tidespec.engine.calibration import Calibration
-from tidespec.engine.goodput import Ladder, draft_batches, step_draft_batches
+from tidespec.engine.goodput import Ladder, StepCost, _Step, draft_batches, goodput, step_draft_batches
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.tree import (
@@ -21,6 +21,7 @@ from tidespec.engine.tree import (
     layout,
     max_nodes,
     select,
+    widen,
 )
 from tidespec.models.eagle3 import DraftRunner
 from tidespec.models.target import Segment
@@ -132,15 +133,19 @@ def test_tree_decoding_equals_target_only(tiny_target, topk, n):
     g = torch.Generator().manual_seed(topk)
     prompts = [torch.randint(3, 320, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
                for _ in range(4)]
-    ref = [Engine(tiny_target, None, 3, 256).generate(p, 40, capture=True) for p in prompts]
+    lp = SamplingParams(logprobs=3)  # values, not only argmaxes: a wrong mask or position changes them
+    ref = [Engine(tiny_target, None, 3, 256).generate(p, 40, capture=True, sampling=lp) for p in prompts]
     # a random draft over the 12 tokens the target emits most: some paths get accepted
     runner = DraftRunner(random_draft(tiny_target, 12, counts=Counter(t for r in ref for t in r.tokens), seed=topk))
     eng = Engine(tiny_target, runner, num_draft_tokens=3, max_seq_len=256, eagle_topk=topk, tree_num_draft_tokens=n)
-    alone = [eng.generate(p, 40, capture=True) for p in prompts]
-    batch = eng.generate_batch([Request(p, 40, capture=True) for p in prompts])
+    alone = [eng.generate(p, 40, capture=True, sampling=lp) for p in prompts]
+    batch = eng.generate_batch([Request(p, 40, capture=True, sampling=lp) for p in prompts])
     nodes = (n or 1 + 3 * topk) - 1
     for a, b, c in zip(ref, alone, batch):
         assert a.tokens == b.tokens == c.tokens
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
         assert b.stats.num_drafts > 0
         assert b.stats.num_draft_tokens <= nodes * b.stats.num_drafts
         assert len(b.stats.num_accepted_tokens_per_pos) <= 3  # per position = per depth
@@ -183,9 +188,17 @@ def test_tree_under_the_goodput_policy_is_lossless_and_sizes_the_tree(tiny_targe
 def test_tree_costs_in_the_plan():
     chain, tree = Ladder((0.5, 0.8, 1.0)), Ladder((0.6, 1.0, 1.2, 1.4), eagle_depth=(1, 2, 2, 3), draft_rows=2)
     assert tree.depth(3) == 2 and chain.depth(3) == 3
-    # chain k=3: 1 row per position; tree of 4 nodes: depth 3, the catch-up then 2 rows per expansion
-    assert step_draft_batches([chain, tree], [("eagle3", 3), ("eagle3", 4)]) == [2, 3, 3]
-    assert draft_batches([3, 3], [1, 2]) == [2, 3, 3]
+    # one catch-up forward for both; then the chain's positions 1, 2 (1 row each) and the tree's
+    # expansions at depth 1, 2 (2 rows each) run as separate forwards
+    assert step_draft_batches([chain, tree], [("eagle3", 3), ("eagle3", 4)]) == [2, 1, 1, 2, 2]
+    assert draft_batches([3, 3], [1, 2]) == [2, 1, 1, 2, 2] and draft_batches([3, 1]) == [2, 1, 1]
+    cost = StepCost(Calibration((10.0, 10.5, 11.0, 11.5), 1.0, "t", 128, (1, 4), (1, 2, 3, 4),
+                                ((10.0, 10.5, 11.0, 11.5), (20.0, 40.0, 60.0, 80.0)), (1.0, 2.0)))
+    lads, choice = [chain, tree], [("eagle3", 3), ("eagle3", 4)]
+    want = (2 + 1.0 + 1.4) / cost.predict(2, 2 + 7, [2, 1, 1, 2, 2])
+    assert goodput(lads, choice, cost) == pytest.approx(want)
+    st = _Step(lads, cost, choice)  # the incremental evaluator charges the same forwards
+    assert st.value() == pytest.approx(want)
 
 
 def test_tree_knobs_follow_sglang_and_bad_sizes_are_refused():
@@ -197,3 +210,55 @@ def test_tree_knobs_follow_sglang_and_bad_sizes_are_refused():
         EngineParams(num_draft_tokens=3, tree={"num_draft_tokens": 8})
     with pytest.raises(ValueError, match="eagle_topk"):
         EngineParams(tree={"eagle_topk": 0})
+
+
+def test_a_probe_runs_the_best_tree_size_alone():
+    cal = Calibration((10.0, 10.5, 11.0, 11.5), 1.0, "test", 128, (1, 4), (1, 2, 3, 4, 8),
+                      ((10.0, 10.5, 11.0, 11.5, 13.0), (20.0, 40.0, 60.0, 80.0, 160.0)), (1.0, 2.0))
+    pol = AdaptiveK(cal)
+    flat = Ladder((0.1, 0.9, 0.95, 0.96, 0.97), eagle_depth=(1, 2, 2, 3, 3), draft_rows=2)
+    assert pol.probe_size(flat) == 2  # the knee: 2 nodes already return what more nodes would
+    assert pol.probe_size(Ladder((0.1, 0.2, 0.3, 3.0))) == 4
+
+
+def test_widen_adds_the_nodes_that_still_pay_ancestors_first():
+    t = _tree()  # values: a -0.1, b -1.0, c -0.3, d -2.0, e -0.5, f -1.2
+    ident = lambda c: c  # noqa: E731 - the draft's confidence as the acceptance estimate
+    # reach: a e^-0.1 = .905, c .741, e .607, b .368, f .301, d .135
+    assert widen(t, [0], ident, 0.5, cap=10) == [0, 2, 4]
+    assert widen(t, [0], ident, 0.3, cap=10) == [0, 1, 2, 5, 4]
+    assert widen(t, [0], ident, 0.3, cap=3) == [0, 2, 4]  # by value until the cap
+    assert widen(t, [0, 1], ident, 0.95, cap=10) == [0, 1]  # the plan's nodes stay
+
+
+def test_step_costs_fed_back_match_the_draft_forwards_that_ran(tiny_target):
+    """A step with a greedy tree request and a sampled chain request: the draft forwards observed
+    by the cost model are the ones the engine ran (rows per forward, in order)."""
+    cal = Calibration((10.0, 10.5, 11.0, 11.5), 1.0, "test", 128, (1, 4), (1, 2, 3, 4, 8),
+                      ((10.0, 10.5, 11.0, 11.5, 13.0), (20.0, 40.0, 60.0, 80.0, 160.0)), (1.0, 2.0))
+    pol = AdaptiveK(cal, prior=1.0, margin=0.0)
+    runner = DraftRunner(random_draft(tiny_target, 64, seed=4))
+    ran: list[int] = []
+    for name in ("extend_batch", "step_batch", "tree_step_batch"):
+        f = getattr(runner, name)
+        setattr(runner, name, lambda items, f=f, name=name: (
+            ran.append(sum(i[1].shape[0] for i in items) if name == "tree_step_batch" else len(items)), f(items))[1])
+    seen = []
+    pol.observe_step = lambda b, rows, fw, ms: (seen.append((list(fw), ran[:])), ran.clear())
+    eng = Engine(tiny_target, runner, num_draft_tokens=3, max_seq_len=256, adaptive=pol, eagle_topk=2,
+                 tree_num_draft_tokens=7)
+    eng.generate_batch([Request([5, 6, 7], 12, workload="a"),
+                        Request([8, 9], 12, workload="a", sampling=SamplingParams(temperature=0.7, seed=None))])
+    assert seen, "decode steps were observed"
+    assert all(fw == ran_now for fw, ran_now in seen), seen
+    assert [2, 1, 1, 2, 2] in [fw for fw, _ in seen]  # the mixed step: shared catch-up, chain, tree
+
+
+def test_tree_requests_are_admitted_like_chains_and_fit_the_kv_room(tiny_target):
+    runner = DraftRunner(random_draft(tiny_target, 64, seed=5))
+    eng = Engine(tiny_target, runner, num_draft_tokens=3, max_seq_len=64, eagle_topk=4, tree_num_draft_tokens=13)
+    prompt = list(range(3, 43))  # 40 + 16 new + k 3 + 1 = 60 <= 64: admitted; the tree shrinks near the end
+    out = eng.generate(prompt, 16)
+    assert out.tokens == Engine(tiny_target, None, 3, 64).generate(prompt, 16).tokens
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.generate(list(range(3, 49)), 16)

@@ -28,22 +28,26 @@ def prompt_ids(tok, text: str) -> list[int]:
 
 
 def teacher_force(target: Target, tok, conversations: list[list[dict]], max_tokens: int,
-                  progress: Callable[[], None] | None = None) -> list[dict[str, torch.Tensor]]:
-    """Capture-format records for the first user→assistant exchange of each conversation.
+                  progress: Callable[[int], None] | None = None,
+                  token_budget: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Capture-format records for the first user→assistant exchange of each conversation, until
+    `token_budget` tokens (prompt + answer) are collected (None: every conversation).
 
     Returns dicts with input_ids `[T]` int32, loss_mask `[T]` uint8 (1 on the answer),
     aux_hidden_states `[T, 3H]` bf16, hidden_states `[T, H]` bf16; T ≤ max_tokens. Conversations
-    whose prompt alone fills max_tokens are skipped.
+    whose prompt alone fills max_tokens are skipped. `progress(tokens)` after each conversation.
     """
-    recs = []
+    recs, total = [], 0
     for conv in conversations:
+        if token_budget is not None and total >= token_budget:
+            break
         if len(conv) < 2 or conv[0]["role"] != "user" or conv[1]["role"] != "assistant":
             continue
         p = chat_ids(tok, conv[:1], True)
         full = chat_ids(tok, conv[:2], False)[:max_tokens]
         if len(p) >= len(full) - 2:
             if progress:
-                progress()
+                progress(0)
             continue
         ids = torch.tensor(full, dtype=torch.int64)
         cache = target.new_cache(len(full))
@@ -53,6 +57,7 @@ def teacher_force(target: Target, tok, conversations: list[list[dict]], max_toke
         recs.append({"input_ids": ids.to(torch.int32), "loss_mask": mask,
                      "aux_hidden_states": out.aux.to(torch.bfloat16),
                      "hidden_states": out.hidden.to(torch.bfloat16)})
+        total += len(full)
         if progress:
-            progress()
+            progress(len(full))
     return recs

@@ -40,6 +40,37 @@ class SuffixParams(_Strict):
     min_expected: float = Field(1.0, ge=0, allow_inf_nan=False)
 
 
+def tree_num_draft_tokens(num_steps: int, eagle_topk: int, num_draft_tokens: int | None) -> int:
+    """Tokens one draft tree verifies, root included (SGLang's --speculative-num-draft-tokens):
+    `num_draft_tokens`, or 1 + num_steps × eagle_topk when None. Raises ValueError naming the
+    range: with eagle_topk 1 (chains) it is num_steps + 1; a tree verifies between num_steps + 1
+    and the 1 + topk + (num_steps − 1) · topk² nodes its expansion drafts."""
+    n = num_draft_tokens or 1 + num_steps * eagle_topk
+    most = 1 + eagle_topk + (num_steps - 1) * eagle_topk ** 2
+    if eagle_topk == 1 and n != num_steps + 1:
+        raise ValueError(f"with eagle_topk 1 (chains) a step verifies num_draft_tokens + 1 = {num_steps + 1} tokens, "
+                         f"got tree num_draft_tokens {n}: remove it or set engine.tree.eagle_topk > 1")
+    if n > 64:
+        raise ValueError(f"a tree of 1 + num_steps × eagle_topk = {n} tokens is over 64; set engine.tree.num_draft_tokens "
+                         "(<= 64) or a smaller eagle_topk")
+    if not num_steps + 1 <= n <= most:
+        raise ValueError(f"tree num_draft_tokens {n} must be in [num_steps + 1, 1 + topk + (num_steps - 1) * topk^2] = "
+                         f"[{num_steps + 1}, {most}] for num_steps {num_steps}, eagle_topk {eagle_topk}")
+    return n
+
+
+class TreeParams(_Strict):
+    """EAGLE-2 draft trees for the EAGLE3 draft (`engine.tree`), in SGLang's terms: the depth is
+    `engine.num_draft_tokens` (--speculative-num-steps); eagle_topk: nodes expanded per depth and
+    children drafted per node (--speculative-eagle-topk; 1 = chains); num_draft_tokens: tokens
+    verified per step, root included (--speculative-num-draft-tokens; None = 1 + depth × topk).
+    Trees serve greedy requests without logits processors; sampled ones draft chains. Under the
+    goodput policy num_draft_tokens is the most it verifies: the tree size is chosen per step."""
+
+    eagle_topk: int = Field(1, ge=1, le=8)
+    num_draft_tokens: int | None = Field(None, ge=2, le=64)
+
+
 class EngineParams(_Strict):
     num_draft_tokens: int = Field(4, ge=1, le=16)  # k (fixed), or the largest k adaptive may pick
     max_seq_len: int = Field(1024, ge=16)
@@ -51,6 +82,15 @@ class EngineParams(_Strict):
     adaptive_margin: float = Field(0.05, ge=0, lt=1)  # speculate only if predicted >= (1+margin) x plain
     draft_early_stop: bool = True  # under the goodput policy: stop a chain where the next token no longer pays
     suffix: SuffixParams = SuffixParams()
+    tree: TreeParams = TreeParams()
+
+    @model_validator(mode="after")
+    def _tree_size(self):
+        try:
+            tree_num_draft_tokens(self.num_draft_tokens, self.tree.eagle_topk, self.tree.num_draft_tokens)
+        except ValueError as e:
+            raise ValueError(f"engine.tree: {e}") from None
+        return self
 
     @model_validator(mode="after")
     def _early_stop_needs_policy(self):
@@ -99,9 +139,14 @@ class IngestParams(_Strict):
 
 
 class BootstrapParams(_Strict):
-    conversations: int = Field(96, ge=1)  # ShareGPT conversations teacher-forced through the target
+    """The static (generic) draft: ShareGPT first exchanges teacher-forced through the target until
+    `tokens` tokens (prompt + answer, each conversation cut at `max_tokens`) are collected, from at
+    most the first `conversations` conversations (the shift bench's chat phase starts after them)."""
+
+    conversations: int = Field(2000, ge=1)
+    tokens: int = Field(100_000, ge=1)
     max_tokens: int = Field(384, ge=16)
-    epochs: int = Field(4, ge=1)
+    epochs: int = Field(1, ge=1)
 
 
 class WorkloadParams(_Strict):

@@ -65,8 +65,9 @@ def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
     b = params.bootstrap
     convs = prompts.sharegpt_conversations(limit=b.conversations * 2)[: b.conversations]
     with _progress() as pg:
-        t = pg.add_task("bootstrap: teacher-force ShareGPT", total=len(convs), info="")
-        recs = teacher_force(target, tok, convs, b.max_tokens, progress=lambda: pg.advance(t))
+        t = pg.add_task("bootstrap: teacher-force ShareGPT (tokens)", total=b.tokens, info="")
+        recs = teacher_force(target, tok, convs, b.max_tokens, progress=lambda n: pg.advance(t, n),
+                             token_budget=b.tokens)
         n_val = max(1, len(recs) // 10)
         t2 = pg.add_task("bootstrap: train static EAGLE3 draft", total=None, info="")
 
@@ -78,7 +79,8 @@ def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(out.with_suffix(".tmp"), out)
     sim = m["simulated_acceptance_length"]
-    console.print(f"static draft: {len(recs)} conversations, simulated τ "
+    console.print(f"static draft: {len(recs)} conversations, {sum(len(r['input_ids']) for r in recs)} tokens "
+                  f"({sum(int(r['loss_mask'].sum()) for r in recs)} answer), simulated τ "
                   f"{'n/a (no validation records)' if sim is None else f'{sim:.2f}'}, "
                   f"trained in {m['train_seconds']:.0f} s")
     return out

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .assets import cache_dir, target_gguf
-from .config import Params
+from .config import Params, tree_num_draft_tokens
 from .engine.adaptive import AdaptiveK
 from .engine.calibration import load_or_calibrate
 from .engine.speculative import Engine
@@ -67,8 +67,10 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
     e = params.engine
     pol = None
     if (e.adaptive if adaptive is None else adaptive) and (runner is not None or e.suffix.enabled):
-        cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir(), max_batch=e.max_batch,
-                                max_rows=e.suffix.max_spec + 1 if e.suffix.enabled else 0)
+        rows = max(e.suffix.max_spec + 1 if e.suffix.enabled else 0,
+                   tree_num_draft_tokens(e.num_draft_tokens, e.tree.eagle_topk, e.tree.num_draft_tokens)
+                   if e.tree.eagle_topk > 1 and runner is not None else 0)
+        cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir(), max_batch=e.max_batch, max_rows=rows)
         pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every,
                         margin=e.adaptive_margin)
     kw = {"capture": capture} if capture is not None else {}
@@ -77,7 +79,8 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
         kw |= {"suffix": SuffixCache(sx.max_depth, sx.max_tokens, sx.max_spec, sx.alpha, sx.min_score),
                "suffix_min_expected": sx.min_expected}
     return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, version, max_batch=e.max_batch, adaptive=pol,
-                  draft_early_stop=e.draft_early_stop, **kw)
+                  draft_early_stop=e.draft_early_stop, eagle_topk=e.tree.eagle_topk,
+                  tree_num_draft_tokens=e.tree.num_draft_tokens, **kw)
 
 
 def load_suffix_corpus(engine: Engine, draft_dir: Path | None) -> int | None:

@@ -245,8 +245,8 @@ class SageMakerDeployParams(_Strict):
     dir (uncompressed; → /opt/ml/model), or a Hugging Face hub id the container downloads (gated
     models need HF_TOKEN in the profile's environment). None: upload `target.source` when it is a
     local HF dir. num_steps / eagle_topk / num_draft_tokens: SGLang's --speculative-* (None:
-    engine.num_draft_tokens steps, topk 1, steps+1 draft tokens; vLLM's num_speculative_tokens =
-    num_steps). keep_versions: models/configs of this endpoint kept (for a manual rollback).
+    engine.num_draft_tokens steps and `engine.tree`'s topk and tree size, the numbers the embedded
+    engine serves; vLLM's num_speculative_tokens = num_steps, chains). keep_versions: models/configs of this endpoint kept (for a manual rollback).
     Times in s.
     """
 
@@ -257,7 +257,7 @@ class SageMakerDeployParams(_Strict):
     profiles: dict[str, EndpointProfile] = Field(
         default_factory=lambda: {k: EndpointProfile(**v) for k, v in DEFAULT_PROFILES.items()})
     num_steps: int | None = Field(None, ge=1, le=16)
-    eagle_topk: int = Field(1, ge=1, le=16)
+    eagle_topk: int | None = Field(None, ge=1, le=16)
     num_draft_tokens: int | None = Field(None, ge=2, le=64)
     canary: CanaryParams = CanaryParams()
     keep_versions: int = Field(2, ge=1)
@@ -338,7 +338,7 @@ class SageMakerDeployParams(_Strict):
             raise ValueError(f"no SageMaker profile {name!r} in deploy.sagemaker.profiles; defined: "
                              f"{sorted(self.profiles)}")
         prof = self.profiles[name]
-        if prof.engine == "vllm-neuron" and self.eagle_topk != 1:
+        if prof.engine == "vllm-neuron" and self.eagle_topk not in (None, 1):  # None: engine.tree is for SGLang
             raise ValueError(f"profile {name!r}: vLLM drafts a chain (eagle_topk 1), got eagle_topk {self.eagle_topk}")
         if prof.engine == "vllm-neuron" and not prof.image_uri:
             raise ValueError(f"profile {name!r} (vllm-neuron) needs image_uri: a vLLM-Neuron serving image in your "

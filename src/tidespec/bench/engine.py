@@ -36,6 +36,9 @@ from ..runtime import get_target
 from .methods import MethodSpec, TidespecMethod, worker
 
 
+TREE = (4, 12)  # the tree methods' (eagle_topk, num_draft_tokens): up to 11 nodes, the policy sizes each step
+
+
 def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lookup: int) -> list[MethodSpec]:
     m = [MethodSpec("hf_generate", "hf"),
          MethodSpec(f"hf_prompt_lookup_{prompt_lookup}", "hf", prompt_lookup=prompt_lookup),
@@ -44,11 +47,14 @@ def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lo
          MethodSpec("tidespec_suffix", "tidespec", suffix=True)]
     if static is not None:
         m.append(MethodSpec("tidespec_static_adaptive", "tidespec", draft=str(static)))
+    tree = (TREE[0], max(TREE[1], k + 1))  # a tree verifies at least a chain of depth k
     if adapted is not None:
         m += [MethodSpec(f"tidespec_adapted_k{k}", "tidespec", draft=str(adapted), k=k),
               MethodSpec(f"tidespec_adapted_k{k}_capture", "tidespec", draft=str(adapted), k=k, capture=True),
               MethodSpec("tidespec_adapted_adaptive", "tidespec", draft=str(adapted)),
-              MethodSpec("tidespec_hybrid_adaptive", "tidespec", draft=str(adapted), suffix=True)]
+              MethodSpec("tidespec_adapted_tree_adaptive", "tidespec", draft=str(adapted), tree=tree),
+              MethodSpec("tidespec_hybrid_adaptive", "tidespec", draft=str(adapted), suffix=True),
+              MethodSpec("tidespec_hybrid_tree_adaptive", "tidespec", draft=str(adapted), suffix=True, tree=tree)]
     return m
 
 
@@ -297,11 +303,13 @@ def ratios(rows: dict, k: int, pl: int) -> dict:
     r = {}
     for w in WORKLOADS:
         base = tps("tidespec_no_spec", w)
-        for m in (f"tidespec_adapted_k{k}", "tidespec_adapted_adaptive", "tidespec_static_adaptive",
-                  "tidespec_suffix", "tidespec_hybrid_adaptive"):
+        for m in (f"tidespec_adapted_k{k}", "tidespec_adapted_adaptive", "tidespec_adapted_tree_adaptive",
+                  "tidespec_static_adaptive", "tidespec_suffix", "tidespec_hybrid_adaptive",
+                  "tidespec_hybrid_tree_adaptive"):
             if base and tps(m, w):
                 r[f"{w}: {m} / no_spec"] = tps(m, w) / base
-        for m in ("tidespec_adapted_adaptive", "tidespec_hybrid_adaptive"):
+        for m in ("tidespec_adapted_adaptive", "tidespec_adapted_tree_adaptive", "tidespec_hybrid_adaptive",
+                  "tidespec_hybrid_tree_adaptive"):
             if tps(f"hf_prompt_lookup_{pl}", w) and tps(m, w):
                 r[f"{w}: {m} / hf_prompt_lookup"] = tps(m, w) / tps(f"hf_prompt_lookup_{pl}", w)
         if tps("hf_generate", w) and base:
@@ -351,7 +359,11 @@ def markdown(res: dict, prof: str | None = None) -> str:
         lines += ["## Adaptive k (chosen per workload class at the end of the run)", ""]
         for n, rep in ad.items():
             for cls, v in rep.items():
-                if cls in ("warmup", "profile"):
+                if cls.split("#")[0] in ("warmup", "profile"):
+                    continue
+                if "accepted_by_tree_size" in v:  # EAGLE-2 trees (engine.tree)
+                    lines.append(f"- {n} / {cls}: accepted tokens by tree size {v['accepted_by_tree_size']}, "
+                                 f"conditional acceptance by depth {v['conditional_acceptance_by_depth']}")
                     continue
                 lines.append(f"- {n} / {cls}: k = {v['k']} alone (speculation {'on' if v['speculation'] else 'off'}), "
                              f"by batch size {v.get('k_by_batch', {})}, predicted speed-up alone "

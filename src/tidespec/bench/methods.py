@@ -30,7 +30,8 @@ class MethodSpec:
     draft: checkpoint dir (None = no EAGLE3 draft); k: fixed k (None = adaptive); capture: on/off;
     suffix: the suffix proposer on (alone without a draft, hybrid with one); max_batch: the
     engine's running-request limit (None = params' engine.max_batch; the concurrency sweep sets its
-    highest concurrency)."""
+    highest concurrency); tree: (eagle_topk, num_draft_tokens) of EAGLE-2 draft trees (`engine.tree`),
+    None = params' engine.tree."""
 
     name: str
     kind: str
@@ -40,6 +41,7 @@ class MethodSpec:
     capture: bool = False
     suffix: bool = False
     max_batch: int | None = None
+    tree: tuple[int, int] | None = None
 
 
 def peak_rss_mb() -> float:
@@ -114,6 +116,9 @@ class TidespecMethod:
         eng = params.engine.model_copy(update={"num_draft_tokens": spec.k or params.engine.num_draft_tokens,
                                                "suffix": sx,
                                                "max_batch": spec.max_batch or params.engine.max_batch})
+        if spec.tree is not None:
+            eng = type(eng).model_validate({**eng.model_dump(), "tree": {"eagle_topk": spec.tree[0],
+                                                                          "num_draft_tokens": spec.tree[1]}})
         self.params = params
         self.writer = (CaptureWriter.from_params(capture_dir, target.target_id, params.capture)
                        if spec.capture else None)

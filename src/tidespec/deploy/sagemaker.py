@@ -49,7 +49,7 @@ from pathlib import Path
 from .. import aws
 from ..assets import sha256_file
 from ..aws import NAME_RE, parse_s3_uri
-from ..config import Params
+from ..config import Params, TreeParams, tree_num_draft_tokens
 from ..engine.stats import tau_by_k
 from ..errors import TidespecError
 from ..models.eagle3 import load_checkpoint
@@ -144,16 +144,27 @@ def tuned_window(profile: EndpointProfile, per_pos: list[float], min_speedup: fl
     return {"k": k, "predicted_speedup": speed[k], "tau_k": taus}
 
 
-def spec_settings(sm_params: SageMakerDeployParams, k: int) -> dict[str, int] | None:
+def spec_settings(sm_params: SageMakerDeployParams, k: int, tree: TreeParams = TreeParams()) -> dict[str, int] | None:
     """SGLang EAGLE3 knobs {num_steps, eagle_topk, num_draft_tokens}; k: the window (the profile's
-    tuned k, else engine.num_draft_tokens); `deploy.sagemaker.num_steps` overrides both. None when
-    k is 0 and nothing overrides: speculation off on that endpoint."""
+    tuned k, else engine.num_draft_tokens); `deploy.sagemaker.num_steps` overrides both. eagle_topk
+    and num_draft_tokens: `deploy.sagemaker`'s, else `tree` (`engine.tree`: the tree the embedded
+    engine verifies). None when k is 0 and nothing overrides: speculation off on that endpoint.
+    Raises ValueError when the tree size does not fit the steps and topk (`config.tree_num_draft_tokens`)."""
     if not sm_params.num_steps and k == 0:
         return None
     steps = sm_params.num_steps or k
-    topk = sm_params.eagle_topk
-    return {"num_steps": steps, "eagle_topk": topk,
-            "num_draft_tokens": sm_params.num_draft_tokens or (steps + 1 if topk == 1 else steps * topk + 1)}
+    topk = sm_params.eagle_topk or tree.eagle_topk
+    n = sm_params.num_draft_tokens or (tree.num_draft_tokens if topk == tree.eagle_topk and topk > 1 else None)
+    try:
+        n = tree_num_draft_tokens(steps, topk, n)
+    except ValueError as e:
+        if sm_params.num_draft_tokens:
+            raise ValueError(f"deploy.sagemaker.num_draft_tokens: {e}") from None
+        most = 1 + topk + (steps - 1) * topk * topk  # engine.tree's size does not fit this profile's depth
+        n0, n = n, min(max(n, steps + 1), most)
+        log.warning("engine.tree.num_draft_tokens %d does not fit num_steps %d with topk %d; the endpoint verifies "
+                    "%d (set deploy.sagemaker.num_draft_tokens to choose)", n0, steps, topk, n)
+    return {"num_steps": steps, "eagle_topk": topk, "num_draft_tokens": n}
 
 
 def container_env(profile: EndpointProfile, model_path: str, spec: Mapping[str, int],
@@ -389,7 +400,8 @@ def plan(params: Params, sm_params: SageMakerDeployParams, profile_name: str, dr
     endpoint = endpoint_name(sm_params, target_id, profile_name)
     name = resource_name(endpoint, draft.version, now)
     draft_s3 = f"{sm_params.s3_prefix}/drafts/{draft.key}/"
-    spec = spec_settings(sm_params, dict(draft.tuned_k).get(profile_name, params.engine.num_draft_tokens))
+    spec = spec_settings(sm_params, dict(draft.tuned_k).get(profile_name, params.engine.num_draft_tokens),
+                         params.engine.tree)
     return DeployPlan(profile_name, endpoint,
                       model_request(name, sm_params, profile, region, target_uri, draft_s3, spec, draft, endpoint),
                       endpoint_config_request(name, name, profile, sm_params, draft, endpoint),

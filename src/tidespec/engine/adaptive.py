@@ -22,11 +22,12 @@ import math
 import threading
 
 from .calibration import Calibration, draft_shape, measure_draft
-from .goodput import NONE, Ladder, StepCost, draft_batches, goodput, plan
+from .goodput import NONE, Ladder, StepCost, goodput, plan, step_draft_batches
 from .stats import simulated_acceptance_length
 
 
 CONF_BINS = 10  # draft-confidence bins for the early stop's acceptance estimate
+TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
 
 
 def predicted_tau(acc: list[float], k: int) -> float:
@@ -63,6 +64,7 @@ class AdaptiveK:
         self._steps: dict[str, int] = {}
         self._suffix: dict[str, list] = {}  # class → [mean accepted, mean expected, observations] of suffix proposals
         self._conf: dict[str, list[list[float]]] = {}  # class → per confidence bin [P(accept), observations]
+        self._tree: dict[str, dict[int, list]] = {}  # class → nodes verified → [mean accepted, observations]
         self._lock = threading.Lock()
 
     def ensure_draft_costs(self, target, runner) -> bool:
@@ -86,6 +88,7 @@ class AdaptiveK:
             self._steps.clear()
             self._suffix.clear()
             self._conf.clear()
+            self._tree.clear()
 
     def acceptance(self, workload: str) -> list[float]:
         with self._lock:
@@ -99,6 +102,32 @@ class AdaptiveK:
             p *= a
             out.append((out[-1] if out else 0.0) + p)
         return tuple(out)
+
+    def tree_gains(self, workload: str, nodes: int, depth_of) -> tuple[float, ...]:
+        """Expected accepted tokens of an EAGLE-2 tree verifying n = 1..nodes drafted nodes
+        (`engine.tree`), depth `depth_of(n)`: the measured mean for that n (running mean, then EMA)
+        where measured, else τ(depth) − 1 from the class's per-depth conditional acceptance of its
+        trees (a tree's best path is at least the chain); made non-decreasing in n."""
+        chain = self.eagle_gains(workload + TREE)
+        with self._lock:
+            seen = {n: v[0] for n, v in self._tree.get(workload, {}).items()}
+        out, best = [], 0.0
+        for n in range(1, nodes + 1):
+            d = min(depth_of(n), len(chain))
+            g = seen.get(n, chain[d - 1] if d else 0.0)
+            best = max(best, g)
+            out.append(best)
+        return tuple(out)
+
+    def observe_tree(self, workload: str, nodes: int, depth: int, accepted: int) -> None:
+        """A verified tree of `nodes` drafted nodes and `depth`: `accepted` tokens on its accepted path."""
+        if nodes < 1:
+            return
+        self.observe(workload + TREE, depth, accepted)
+        with self._lock:
+            st = self._tree.setdefault(workload, {}).setdefault(nodes, [0.0, 0])
+            st[1] += 1
+            st[0] += max(self.alpha, 1.0 / st[1]) * (accepted - st[0])
 
     def suffix_correction(self, workload: str) -> float:
         """Measured accepted / expected (by the suffix scores) for this class's suffix proposals;
@@ -156,8 +185,8 @@ class AdaptiveK:
         predicted rejection probability, here derived from the step's cost model instead of tuned."""
         b = len(ladders)
         rows = b + sum(n for _, n in choice)
-        chains = sum(1 for v, n in choice if v == "eagle3" and n)
-        drafts = draft_batches([n for v, n in choice if v == "eagle3"])
+        chains = sum(1 for lad, (v, n) in zip(ladders, choice) if v == "eagle3" and n and lad.draft_rows == 1)
+        drafts = step_draft_batches(ladders, choice)
         ms = self.cost.predict(b, rows, drafts)
         # one more verify row, and one more request in a batched draft step (its logits are already paid)
         marginal = self.cost.predict(b, rows + 1, drafts) - ms + self.cost.factor(b, (rows + 1) / b) * (
@@ -226,8 +255,14 @@ class AdaptiveK:
             if self._probe(w):
                 with self._lock:
                     i = idx[(self._steps[w] // self.probe_every) % len(idx)]
-                choice[i] = ("eagle3", min(max(1, _argmax(self.predicted_tokens_per_s(w), lo=1)), len(ladders[i].eagle)))
+                choice[i] = ("eagle3", self.probe_size(ladders[i]))
         return choice
+
+    def probe_size(self, ladder: Ladder) -> int:
+        """The EAGLE3 option (k, or tree nodes) ≥ 1 a probe runs: the one of highest predicted
+        tokens/s for this request alone (its own ladder: chains and trees alike)."""
+        g = [goodput([ladder], [("eagle3", n)], self.cost) for n in range(1, len(ladder.eagle) + 1)]
+        return 1 + _argmax(g)
 
     def observe(self, workload: str, k: int, accepted: int) -> None:
         """One verify step: k drafts, the first `accepted` accepted. Updates positions 1..min(accepted+1, k)."""
@@ -256,6 +291,12 @@ class AdaptiveK:
         with self._lock:
             classes = sorted(set(self._acc) | set(self._suffix))
         for w in classes:
+            if w.endswith(TREE):  # EAGLE-2 trees: accepted tokens learned per tree size
+                with self._lock:
+                    seen = {n: round(v[0], 4) for n, v in sorted(self._tree.get(w[:-len(TREE)], {}).items())}
+                out[w] = {"conditional_acceptance_by_depth": [round(a, 4) for a in self.acceptance(w)],
+                          "accepted_by_tree_size": seen}
+                continue
             tps = self.predicted_tokens_per_s(w)
             k = self._pick(tps)
             out[w] = {"k": k, "speculation": k > 0, "predicted_speedup": tps[k] / tps[0],

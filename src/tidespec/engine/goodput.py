@@ -40,12 +40,21 @@ class Ladder:
     suffix: expected accepted tokens with the first m = 1..len tokens of its suffix proposal
     (cumulative); fixed: (proposer, n) when the request's choice is not the policy's (a fixed k, a
     seeded request) — it counts in the cost and the gain but is not changed.
+    With an EAGLE-2 draft tree (`engine.tree`) the EAGLE3 option n is a tree of n verified nodes:
+    eagle_depth[n-1] is its depth (draft forwards), draft_rows the rows each request feeds per
+    expansion forward (topk); a chain: depth n, one row.
     """
 
     eagle: tuple[float, ...] = ()
     suffix: tuple[float, ...] = ()
     fixed: tuple[str, int] | None = None
     fixed_gain: float = 0.0
+    eagle_depth: tuple[int, ...] = ()
+    draft_rows: int = 1
+
+    def depth(self, n: int) -> int:
+        """Draft forwards (chain positions / tree depth) of the EAGLE3 option with n drafted tokens."""
+        return self.eagle_depth[n - 1] if self.eagle_depth and n else n
 
 
 NONE = ("", 0)
@@ -110,17 +119,32 @@ def _options(lad: Ladder) -> list[tuple[str, int]]:
         [("suffix", m) for m in range(1, len(lad.suffix) + 1)]
 
 
-def draft_batches(chain_lengths: list[int]) -> list[int]:
-    """Requests in the batched draft forward at each chain position j (those drafting more than j
-    tokens), for chains of these lengths: what a step runs and what `StepCost` charges."""
-    return [sum(1 for k in chain_lengths if k > j) for j in range(max(chain_lengths, default=0))]
+def draft_batches(chain_lengths: list[int], widths: list[int] | None = None) -> list[int]:
+    """Rows of each batched draft forward a step runs, for chains (width 1) and EAGLE-2 trees
+    (width = topk) of these depths: the catch-up over last step's verified rows is one forward for
+    all of them (one row per request, as calibrated); then chain position j = 1.. is one forward
+    of the chains longer than j, and tree depth j = 1.. one forward of `width` rows per tree deeper
+    than j (chains and trees draft in separate forwards). What `StepCost` charges (a forward of R
+    rows costs as one of R requests)."""
+    w = widths or [1] * len(chain_lengths)
+    top = max(chain_lengths, default=0)
+    first = sum(1 for k in chain_lengths if k > 0)
+    chain = [sum(1 for k, wi in zip(chain_lengths, w) if wi == 1 and k > j) for j in range(1, top)]
+    tree = [sum(wi for k, wi in zip(chain_lengths, w) if wi > 1 and k > j) for j in range(1, top)]
+    return ([first] if first else []) + [c for c in chain if c] + [t for t in tree if t]
+
+
+def step_draft_batches(ladders: list[Ladder], choice: list[tuple[str, int]]) -> list[int]:
+    """`draft_batches` of a step's plan (EAGLE3 choices: their depth and rows per forward)."""
+    eag = [(lad.depth(n), lad.draft_rows) for lad, (v, n) in zip(ladders, choice) if v == "eagle3" and n]
+    return draft_batches([d for d, _ in eag], [w for _, w in eag])
 
 
 def goodput(ladders: list[Ladder], choice: list[tuple[str, int]], cost: StepCost) -> float:
     """Expected tokens per ms of the step with these choices."""
     b = len(ladders)
     rows = b + sum(n for _, n in choice)
-    drafts = draft_batches([n for v, n in choice if v == "eagle3"])
+    drafts = step_draft_batches(ladders, choice)
     gain = b + sum(lad.fixed_gain if lad.fixed else _gain(lad, c) for lad, c in zip(ladders, choice))
     return gain / cost.predict(b, rows, drafts)
 
@@ -132,11 +156,12 @@ class _Step:
 
     def __init__(self, ladders: list[Ladder], cost: StepCost, choice: list[tuple[str, int]]):
         self.lad, self.cost, self.b = ladders, cost, len(ladders)
-        self.draft = [cost.cal.draft_cost(n) for n in range(self.b + 1)]
+        self.draft = [cost.cal.draft_cost(n) for n in range(self.b * max((x.draft_rows for x in ladders), default=1) + 1)]
         self._t: dict[int, tuple[float, float]] = {}
-        depth = max((max(len(x.eagle), x.fixed[1] if x.fixed and x.fixed[0] == "eagle3" else 0) for x in ladders),
-                    default=0)
-        self.counts = [0] * depth
+        depth = max((max(x.depth(len(x.eagle)), x.depth(x.fixed[1]) if x.fixed and x.fixed[0] == "eagle3" else 0)
+                     for x in ladders), default=0)
+        self.counts = [0] * depth  # rows per draft forward: [catch-up, chain positions 1.., ]
+        self.tree_counts = [0] * depth  # rows per tree expansion forward at depth 1.. (index 0 unused)
         self.choice = list(choice)
         self.rows, self.gain = self.b, float(self.b)
         for i, c in enumerate(choice):
@@ -152,13 +177,16 @@ class _Step:
         via, n = c
         self.rows += sign * n
         self.gain += sign * (lad.fixed_gain if lad.fixed else _gain(lad, c))
-        if via == "eagle3":
-            for j in range(n):
-                self.counts[j] += sign
+        if via == "eagle3" and n:
+            self.counts[0] += sign
+            rows = self.counts if lad.draft_rows == 1 else self.tree_counts
+            for j in range(1, lad.depth(n)):
+                rows[j] += sign * lad.draft_rows
 
     def value(self) -> float:
         t, f = self._tf(self.rows)
-        return self.gain / (f * (t + sum(self.draft[c] for c in self.counts if c)))
+        d = sum(self.draft[c] for c in self.counts if c) + sum(self.draft[c] for c in self.tree_counts if c)
+        return self.gain / (f * (t + d))
 
     def set(self, i: int, c: tuple[str, int]) -> None:
         self._add(i, self.choice[i], -1)

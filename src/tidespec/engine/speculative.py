@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from ..config import tree_num_draft_tokens as tree_size
 from ..models.eagle3 import DraftRunner
 from ..models.target import Segment, Target
 from .adaptive import AdaptiveK
@@ -49,6 +50,7 @@ from .sampling import (
 )
 from .stats import RequestTiming, SpecDecodingStats
 from .suffix import Proposal, SuffixCache
+from .tree import Layout, TreeJob, accept_greedy, expand, layout, max_nodes, select, widen
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +176,11 @@ class _Seq:
         self.reach = 1.0
         self.stopped = False  # early stop cut this step's chain (it ran one more draft forward than k)
         self.k_plan = 0  # the k the plan gave this step's chain
+        self.tree = False  # EAGLE3 drafts an EAGLE-2 tree (engine.tree, greedy without logits transforms)
+        self.tree_depth = 0  # this step's tree depth
+        self.layout: Layout | None = None  # this step's verified tree
+        self.tree_cap = 0  # most nodes this step's tree may verify (engine.tree, KV and output room)
+        self.draft_extra = 0  # draft cache rows beyond max_len for tree expansion
         self.by_via: dict[str, SpecDecodingStats] = {}
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []  # draft probs per drafted token (sampling)
@@ -187,7 +194,7 @@ class _Seq:
         """Allocate the target and draft KV caches (`max_len` positions each): a queued request
         holds none, so memory is bounded by the running batch, not by the queue."""
         self.cache = self._target.new_cache(self._max_len)
-        self.draft_cache = self.draft.new_cache(self._max_len) if self.draft is not None else None
+        self.draft_cache = self.draft.new_cache(self._max_len + self.draft_extra) if self.draft is not None else None
 
     def process(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """The request's transforms on verify rows `[n, V]` (row i after drafts[:i])."""
@@ -266,11 +273,15 @@ class Engine:
     def __init__(self, target: Target, draft: DraftRunner | None = None, num_draft_tokens: int = 4,
                  max_seq_len: int = 1024, draft_version: str | None = None, max_batch: int = 8,
                  adaptive: AdaptiveK | None = None, capture: CaptureSink | None = None,
-                 suffix: SuffixCache | None = None, suffix_min_expected: float = 1.0, draft_early_stop: bool = False):
+                 suffix: SuffixCache | None = None, suffix_min_expected: float = 1.0, draft_early_stop: bool = False,
+                 eagle_topk: int = 1, tree_num_draft_tokens: int | None = None):
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens (k) must be >= 1; use speculative=False to turn speculation off")
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if eagle_topk < 1:
+            raise ValueError(f"eagle_topk must be >= 1 (1: chains), got {eagle_topk}")
+        n_tree = tree_size(num_draft_tokens, eagle_topk, tree_num_draft_tokens)  # ValueError naming the range
         if max_seq_len > target.cfg.max_position:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the target's context {target.cfg.max_position}; "
                              "lower engine.max_seq_len")
@@ -283,6 +294,8 @@ class Engine:
         self.suffix = suffix  # suffix proposer (engine/suffix.py); with a draft too: hybrid per step
         self.suffix_min_expected = suffix_min_expected
         self.draft_early_stop = draft_early_stop  # under the policy: chains stop where a token stops paying
+        self.topk = eagle_topk  # > 1: greedy EAGLE3 requests verify EAGLE-2 trees (engine/tree.py)
+        self.tree_nodes = n_tree - 1  # drafted nodes verified per tree (at most)
         self._lock = threading.Lock()  # draft swap + queues
         self._step_lock = threading.Lock()  # one step at a time
         self._draft = draft
@@ -361,6 +374,12 @@ class Engine:
             return req.k
         return self.adaptive.k_max if self._adaptive_for(req) else self.k
 
+    def _tree_for(self, s: "_Seq") -> bool:
+        """Does this request draft EAGLE-2 trees? With eagle_topk > 1, an EAGLE3 draft, greedy
+        and no logits transforms (they depend on the path: trees would need one per branch);
+        sampled requests draft chains (exact rejection sampling)."""
+        return self.topk > 1 and s.draft is not None and s.rng is None and not s.lp.active
+
     def validate(self, req: Request) -> None:
         """Raise ValueError naming the fix for a request the engine cannot run."""
         def is_int(x):
@@ -383,7 +402,7 @@ class Engine:
         check_token_ids(req.sampling, V)
         if req.stop is not None and not callable(req.stop):
             raise ValueError("stop must be a callable (a stop-string check) or None")
-        k = self._k_max(req) if req.speculative else 0
+        k = self._k_max(req) if req.speculative else 0  # a tree verifies what the KV room leaves (`_tree_ladder`)
         need = len(req.prompt_ids) + req.max_new_tokens + k + 1
         if need > self.max_seq_len:
             raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) + k ({k}) + 1 = "
@@ -400,6 +419,8 @@ class Engine:
             if rid in self._seqs:
                 raise ValueError(f"request id {rid!r} is already in flight; request ids must be unique")
             seq = _Seq(req, rid, draft, version, self.target, self.max_seq_len, bool(capture), self._eos)
+            seq.tree = self._tree_for(seq)
+            seq.draft_extra = max(0, self._k_max(req) - 1) * self.topk if seq.tree else 0
             seq.stats = SpecDecodingStats(self._k_max(req) if draft is not None else 0)
             self._waiting.append(seq)
             self._seqs[rid] = seq
@@ -498,7 +519,8 @@ class Engine:
                     s.alloc()
                 self._plan(running)
                 t_plan = time.perf_counter()  # the cost model times the forwards, not the planning
-                self._draft_chain([s for s in running if s.via == "eagle3"])
+                self._draft_chain([s for s in running if s.via == "eagle3" and not s.tree])
+                self._draft_trees([s for s in running if s.via == "eagle3" and s.tree])
                 outs = self._verify(new, running)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
                 results = [(s, e) for s in new + running]
@@ -515,9 +537,10 @@ class Engine:
                     except Exception as e:  # noqa: BLE001 - this request only
                         s.error = e
                 if self.adaptive is not None and running and not new and all(s.error is None for s in running):
-                    fw = [s.k + s.stopped for s in running if s.via == "eagle3"]  # draft forwards each chain ran
-                    self.adaptive.observe_step(len(running), sum(s.k + 1 for s in running), draft_batches(fw),
-                                               1000 * (t_end - t_plan))
+                    eag = [s for s in running if s.via == "eagle3"]  # draft forwards each chain / tree ran
+                    fw = draft_batches([s.tree_depth if s.tree else s.k + s.stopped for s in eag],
+                                       [self.topk if s.tree else 1 for s in eag])
+                    self.adaptive.observe_step(len(running), sum(s.k + 1 for s in running), fw, 1000 * (t_end - t_plan))
                 done = [s for s in new + running if s.finished or s.error is not None]
                 self._running = [s for s in new + running if not (s.finished or s.error is not None)]
                 for s in done:
@@ -559,7 +582,7 @@ class Engine:
         expected accepted tokens (the sum of its chain scores) reach `suffix_min_expected` or it has
         no EAGLE3 draft."""
         for s in running:
-            s.drafts, s.draft_probs, s.via, s.k, s.proposal = [], [], "", 0, None
+            s.drafts, s.draft_probs, s.via, s.k, s.proposal, s.layout, s.tree_depth = [], [], "", 0, None, None, 0
         ladders = [self._ladder(s) for s in running]
         stop = 0.0
         if self.adaptive is not None and any(lad.fixed is None for lad in ladders):
@@ -570,8 +593,10 @@ class Engine:
             choice = [lad.fixed for lad in ladders]
         for s, lad in zip(running, ladders):
             s.stop_below = stop if lad.fixed is None else 0.0
-        for s, (via, n) in zip(running, choice):
+        for s, (via, n), lad in zip(running, choice, ladders):
             s.via, s.k = via, n
+            if via == "eagle3" and s.tree:
+                s.tree_depth = lad.depth(n)
             if via == "suffix":
                 s.drafts = list(s.proposal.tokens[:n])
                 if s.rng is not None:  # a deterministic proposal: q is one-hot, rejection sampling stays exact
@@ -591,6 +616,10 @@ class Engine:
             p = self.suffix.propose(s.rid)
             s.proposal = Proposal(p.tokens[:room], p.score, p.match_len, p.source, p.scores[:room])
         p = s.proposal
+        if room <= 0:  # one token left (or none in the cache): nothing to draft for
+            return Ladder(fixed=NONE)
+        if s.tree:
+            return self._tree_ladder(s, room)
         if self._adaptive_for(s.req):
             eagle = self.adaptive.eagle_gains(s.req.workload, room) if s.draft is not None else ()
             suffix = self.adaptive.suffix_gains(s.req.workload, p.scores) if p is not None else ()
@@ -602,6 +631,45 @@ class Engine:
         k = s.req.k if s.req.k is not None else self.k
         gain = self.adaptive.eagle_gains(s.req.workload, k)[-1] if self.adaptive is not None else 0.0
         return Ladder(fixed=("eagle3", k), fixed_gain=gain)
+
+    def _tree_ladder(self, s: _Seq, room: int) -> Ladder:
+        """A tree request's options: n = 1..N−1 verified nodes (N = tree num_draft_tokens, capped by
+        the KV room), depth min(num_steps, n, output room) — under the policy its gains
+        (`AdaptiveK.tree_gains`) and width are the plan's; else the fixed tree of SGLang's knobs."""
+        steps = self._k_max(s.req)
+        out_room = s.req.max_new_tokens - len(s.gen) - 1
+        cap = min(self.tree_nodes, max_nodes(min(steps, out_room), self.topk), self.max_seq_len - s.cache.length - 1)
+        depth = tuple(min(steps, n, out_room) for n in range(1, cap + 1))
+        s.tree_cap = cap
+        p = s.proposal
+        if self._adaptive_for(s.req):
+            eagle = self.adaptive.tree_gains(s.req.workload, cap, lambda n: depth[n - 1])
+            suffix = self.adaptive.suffix_gains(s.req.workload, p.scores) if p is not None else ()
+            return Ladder(eagle, suffix, eagle_depth=depth, draft_rows=self.topk)
+        if p is not None and p.tokens and sum(p.scores) >= self.suffix_min_expected:
+            return Ladder(fixed=("suffix", len(p.tokens)), fixed_gain=sum(p.scores))
+        gain = self.adaptive.tree_gains(s.req.workload, cap, lambda n: depth[n - 1])[-1] if self.adaptive else 0.0
+        return Ladder(fixed=("eagle3", cap), fixed_gain=gain, eagle_depth=depth, draft_rows=self.topk)
+
+    def _draft_trees(self, seqs: list[_Seq]) -> None:
+        """EAGLE-2 trees (`engine.tree`): expand to the planned depth with topk, batched over
+        requests per depth, keep the planned number of nodes of highest value; the tree's draft rows
+        are discarded afterwards (the verified path is fed back as the next step's catch-up)."""
+        for draft, group in _by_draft(seqs):
+            for s in group:
+                s.base = s.draft_cache.length
+            jobs = [TreeJob(s.draft_hidden, s.draft_logits, s.draft_cache, s.tree_depth, self.topk) for s in group]
+            expand(draft, jobs)
+            for s, j in zip(group, jobs):
+                nodes = select(j.tree, s.k)
+                if s.stop_below > 0:  # EAGLE-2 value selection: more nodes while each still pays
+                    w = s.req.workload
+                    nodes = widen(j.tree, nodes, lambda c: self.adaptive.accept_given_confidence(w, c),
+                                  s.stop_below, s.tree_cap)
+                s.layout = layout(j.tree, nodes, s.next_token)
+                s.k = s.layout.num_nodes
+                s.drafts = s.layout.tokens[1:]
+                s.draft_cache.length = s.base
 
     def _draft_chain(self, seqs: list[_Seq]) -> None:
         """Chain drafting: k tokens per request; draft forwards batched across requests per position.
@@ -637,7 +705,8 @@ class Engine:
 
     def _verify(self, new: list[_Seq], running: list[_Seq]):
         segs = [Segment(torch.tensor(s.req.prompt_ids, dtype=torch.int64), s.cache, last_only=True) for s in new]
-        segs += [Segment(torch.tensor([s.next_token] + s.drafts), s.cache) for s in running]
+        segs += [Segment(torch.tensor([s.next_token] + s.drafts), s.cache,
+                         tree=None if s.layout is None else (s.layout.visible, s.layout.depth)) for s in running]
         if not segs:
             return []
         need_hidden = any(s.draft is not None or s.capture for s in new + running)
@@ -657,6 +726,8 @@ class Engine:
         s.timing.prefill_s = ttft_s
 
     def _after_verify(self, s: _Seq, out, dt: float) -> None:
+        if s.layout is not None:
+            return self._after_tree(s, out, dt)
         k, L = s.k, s.cache.length - s.k - 1
         rows = s.process(out.logits, s.drafts)  # row i given the output + drafts[:i]
         if k == 0:
@@ -691,6 +762,33 @@ class Engine:
             self.adaptive.observe_suffix(s.req.workload, sum(s.proposal.scores[:k]), n)
         if s.draft is not None and not s.finished:  # a copy: a view would keep the whole step's aux alive
             s.backlog.append((out.aux[:n + 1].clone(), torch.tensor(new)))
+        s.timing.steps.append((dt, kept))
+
+    def _after_tree(self, s: _Seq, out, dt: float) -> None:
+        """Greedy acceptance of a verified tree (`tree.accept_greedy`): the accepted path's KV rows
+        become the cache's next positions, its aux rows the capture rows and the draft's catch-up."""
+        lay, k, L = s.layout, s.k, s.cache.length - s.k - 1
+        preds = out.logits.argmax(-1).tolist()
+        path = accept_greedy(lay, preds)
+        idx = [0] + path
+        n = len(path)
+        new = [lay.tokens[r] for r in path] + [preds[idx[-1]]]
+        kept = s.emit(new, out.logits[idx])
+        if self.suffix is not None:
+            self.suffix.append(s.rid, new[:kept])
+        s.cache.keep(L, idx)
+        sel = torch.tensor(idx)
+        if s.capture or not s.finished:
+            aux = out.aux[sel]
+        if s.capture:
+            s.rows.aux.append(aux)
+            s.rows.hidden.append(out.hidden[sel])
+        s.stats.observe(k, min(n, kept), positions=lay.max_depth)
+        s.by_via.setdefault("eagle3", SpecDecodingStats(0)).observe(k, min(n, kept), positions=lay.max_depth)
+        if self._adaptive_for(s.req):
+            self.adaptive.observe_tree(s.req.workload, k, lay.max_depth, n)
+        if not s.finished:
+            s.backlog.append((aux, torch.tensor(new)))
         s.timing.steps.append((dt, kept))
 
     def _finish(self, s: _Seq) -> Generation:

@@ -23,11 +23,13 @@ class SpecDecodingStats:
         if not self.num_accepted_tokens_per_pos:
             self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """Record one verify step: `num_draft_tokens` proposed, the first `num_accepted` accepted."""
-        if num_draft_tokens > len(self.num_accepted_tokens_per_pos):
-            self.num_accepted_tokens_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
-            self.num_spec_tokens = num_draft_tokens
+    def observe(self, num_draft_tokens: int, num_accepted: int, positions: int | None = None) -> None:
+        """Record one verify step: `num_draft_tokens` proposed, the first `num_accepted` accepted.
+        positions: draft positions (a tree's depth; default: a chain, num_draft_tokens)."""
+        pos = num_draft_tokens if positions is None else positions
+        if pos > len(self.num_accepted_tokens_per_pos):
+            self.num_accepted_tokens_per_pos += [0] * (pos - len(self.num_accepted_tokens_per_pos))
+            self.num_spec_tokens = pos
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted

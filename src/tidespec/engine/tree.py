@@ -19,6 +19,7 @@ SpecTr) is not implemented.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,25 @@ def select(tree: DraftTree, budget: int) -> list[int]:
     if any(tree.parents[i] >= 0 and tree.parents[i] not in keep for i in keep):
         raise AssertionError("tree selection is not ancestor-closed")  # unreachable: values are non-increasing
     return sorted(order, key=lambda i: (tree.depth[i], -tree.scores[i], i))
+
+
+def widen(tree: DraftTree, nodes: list[int], accept_given_conf, threshold: float, cap: int) -> list[int]:
+    """`nodes` plus the nodes whose estimated probability of being reached and accepted — the
+    product along their path of `accept_given_conf(draft probability of the node)` (EAGLE-2 §4: the
+    draft's confidence approximates acceptance; calibrated per class by the policy) — is at least
+    `threshold` (the step's break-even per verify row), highest value first, at most `cap` in all.
+    Ancestor-closed: the estimate never grows along a path. Returns them in verify order."""
+    reach: list[float] = []
+    for i, p in enumerate(tree.parents):  # parents precede children in a DraftTree
+        prev = 0.0 if p < 0 else tree.scores[p]
+        reach.append((1.0 if p < 0 else reach[p]) * accept_given_conf(math.exp(tree.scores[i] - prev)))
+    keep = set(nodes)
+    for i in sorted(range(len(tree.tokens)), key=lambda i: (-tree.scores[i], tree.depth[i], i)):
+        if len(keep) >= cap:
+            break
+        if i not in keep and reach[i] >= threshold and (tree.parents[i] < 0 or tree.parents[i] in keep):
+            keep.add(i)
+    return sorted(keep, key=lambda i: (tree.depth[i], -tree.scores[i], i))
 
 
 def layout(tree: DraftTree, nodes: list[int], root_token: int) -> Layout:
@@ -169,4 +189,4 @@ def max_nodes(depth: int, topk: int) -> int:
     return topk + (depth - 1) * topk * topk if depth >= 1 else 0
 
 
-__all__ = ["DraftTree", "Layout", "TreeJob", "select", "layout", "accept_greedy", "expand", "max_nodes"]
+__all__ = ["DraftTree", "Layout", "TreeJob", "select", "widen", "layout", "accept_greedy", "expand", "max_nodes"]

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .target import PackedLinear, apply_rope, causal_bias, gqa_attention, rope_tables
+from .target import PackedLinear, apply_rope, causal_bias, gqa_attention, rope_tables, visible_bias
 
 ARCH = "LlamaForCausalLMEagle3"
 
@@ -281,10 +281,13 @@ class DraftRunner:
         return DraftCache(self.config, max_len)
 
     @torch.inference_mode()
-    def _layer(self, toks: list[torch.Tensor], g: torch.Tensor, caches: list[DraftCache], last_only: bool):
+    def _layer(self, toks: list[torch.Tensor], g: torch.Tensor, caches: list[DraftCache], last_only: bool,
+               trees: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         """The draft layer over a ragged batch (flattened rows, per-sequence attention; see
-        `Target.forward_batch`). toks: `[n_i]` each; g: `[Σn_i, H]`. Returns per sequence
-        (pre-norm hidden `[n_i, H]`, logits `[n_i or 1, Vd]` fp32)."""
+        `Target.forward_batch`). toks: `[n_i]` each; g: `[Σn_i, H]`; trees: per sequence
+        (visible `[n_i, length_i + n_i]` bool over its cache and new rows, positions `[n_i]`), None:
+        causal at consecutive positions. Returns per sequence (pre-norm hidden `[n_i, H]`, logits
+        `[n_i or 1, Vd]` fp32)."""
         c, d, L = self.config, self.draft, self.draft.midlayer
         ns, ps = [t.shape[0] for t in toks], [cc.length for cc in caches]
         for cc, p, n in zip(caches, ps, ns):
@@ -294,15 +297,17 @@ class DraftRunner:
         emb = F.embedding(torch.cat(toks), d.embed)
         x = torch.cat([L.input_layernorm(emb), L.hidden_norm(g)], dim=-1)
         qkv = self.qkv_w(x)
-        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(ps, ns)])
+        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(ps, ns)]) if trees is None \
+            else torch.cat([t[1] for t in trees])
         cos, sin = d.rope_cos[pos][:, None], d.rope_sin[pos][:, None]
         q = apply_rope(qkv[:, :self.nq].view(N, -1, hd), cos, sin)
         k = apply_rope(qkv[:, self.nq:self.nq + self.nk].view(N, -1, hd), cos, sin)
         v = qkv[:, self.nq + self.nk:].view(N, -1, hd)
         outs, o = [], 0
-        for cc, p, n in zip(caches, ps, ns):
+        rep = c.num_attention_heads // c.num_key_value_heads
+        for i, (cc, p, n) in enumerate(zip(caches, ps, ns)):
             cc.k[:, p:p + n], cc.v[:, p:p + n] = k[o:o + n].transpose(0, 1), v[o:o + n].transpose(0, 1)
-            mask = causal_bias(n, p, c.num_attention_heads // c.num_key_value_heads)
+            mask = causal_bias(n, p, rep) if trees is None else visible_bias(trees[i][0], p, rep)
             a = gqa_attention(q[o:o + n].transpose(0, 1), cc.k[:, :p + n], cc.v[:, :p + n], mask)
             outs.append(a.transpose(0, 1).reshape(n, self.nq))
             cc.length = p + n
@@ -344,6 +349,16 @@ class DraftRunner:
         g = torch.cat([h for h, _, _ in items])
         out = self._layer([t for _, t, _ in items], g, [c for _, _, c in items], last_only=True)
         return [(h, lg[0]) for h, lg in out]
+
+    def tree_step_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, DraftCache, torch.Tensor, torch.Tensor]]):
+        """One EAGLE-2 tree expansion step (arXiv 2406.16858 §3), batched over sequences. Each item:
+        (parent hidden `[m, H]`, node tokens `[m]`, cache, visible `[m, length + m]` bool: the cached
+        positions each node sees — the prefix and its tree ancestors — plus the new rows, positions
+        `[m]` int64). The m rows are appended to the cache. Returns per sequence (hidden `[m, H]`,
+        logits `[m, Vd]` fp32): each node's children are drafted from its row."""
+        g = torch.cat([h for h, _, _, _, _ in items])
+        return self._layer([t for _, t, _, _, _ in items], g, [c for _, _, c, _, _ in items], last_only=False,
+                           trees=[(vis, pos) for _, _, _, vis, pos in items])
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids: `draft + d2t[draft]`."""

@@ -66,11 +66,16 @@ class Segment:
     """One sequence's share of a ragged batch: new token ids `[n]` int64 and its KV cache.
 
     last_only: compute logits for the last row only (a prefill that needs just the next token).
+    tree: a draft tree to verify (EAGLE-2, arXiv 2406.16858 §3; SpecInfer, arXiv 2305.09781 §4):
+    `(visible [n, n] bool, depth [n] int64)` — row i attends the new rows j with visible[i, j]
+    (its ancestors and itself) on top of the whole cache, at position `cache.length + depth[i]`.
+    None: the rows are a chain (causal, consecutive positions).
     """
 
     ids: torch.Tensor
     cache: "KVCache"
     last_only: bool = False
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class PackedLinear:
@@ -114,6 +119,15 @@ def causal_bias(n: int, p: int, rep: int, dtype=torch.float32) -> torch.Tensor |
     if n == 1:
         return None
     keep = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p)
+    return torch.zeros(n, p + n, dtype=dtype).masked_fill(~keep, float("-inf")).repeat(rep, 1)
+
+
+def visible_bias(visible: torch.Tensor, p: int, rep: int, dtype=torch.float32) -> torch.Tensor:
+    """Additive mask `[rep*n, p+n]` (0 / -inf) for n new queries: `visible` `[n, n]` bool marks the
+    new keys each sees (a tree: its ancestors and itself) on top of all p cached keys, or
+    `[n, p+n]` marks every key (a draft tree whose earlier nodes are cached)."""
+    n = visible.shape[0]
+    keep = visible if visible.shape[1] == p + n else torch.cat([torch.ones(n, p, dtype=torch.bool), visible], dim=1)
     return torch.zeros(n, p + n, dtype=dtype).masked_fill(~keep, float("-inf")).repeat(rep, 1)
 
 
@@ -170,6 +184,18 @@ class KVCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot crop cache of length {self.length} to {n}")
         self.length = n
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep the positions `start + rows[i]` (increasing) as `start + i` and crop after them:
+        the accepted path of a verified tree becomes a contiguous prefix (cost: one copy of
+        len(rows) positions per layer). Raises ValueError for rows outside the cache."""
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or start + rows[-1] >= self.length)):
+            raise ValueError(f"rows {rows} must be increasing positions after {start} within length {self.length}")
+        if rows != list(range(len(rows))):
+            idx = torch.tensor(rows) + start
+            self.k[:, :, start:start + len(rows)] = self.k[:, :, idx]
+            self.v[:, :, start:start + len(rows)] = self.v[:, :, idx]
+        self.length = start + len(rows)
 
 
 class Target:
@@ -248,6 +274,8 @@ class Target:
         does not depend on the other segments (PackedLinear is bitwise row-consistent): a request
         decodes the same alone or in a batch. A prefill is a segment with `last_only=True` (logits
         of its last row only: the vocab projection of every prompt row is the costliest op).
+        A segment with `tree` verifies a draft tree (tree attention mask, positions by depth); the
+        caller keeps the accepted path with `KVCache.keep`.
         Returns one TargetOutput per segment. Raises ValueError when a cache would overflow.
         """
         c = self.cfg
@@ -258,9 +286,11 @@ class Target:
         ns = [s.ids.shape[0] for s in segs]
         ps = [s.cache.length for s in segs]
         N = sum(ns)
-        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(ps, ns)])
+        rep = c.num_heads // c.num_kv_heads
+        pos = torch.cat([torch.arange(p, p + n) if s.tree is None else p + s.tree[1] for s, p, n in zip(segs, ps, ns)])
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [N, 1, hd]
-        masks = [causal_bias(n, p, c.num_heads // c.num_kv_heads, self.dtype) for p, n in zip(ps, ns)]
+        masks = [causal_bias(n, p, rep, self.dtype) if s.tree is None else visible_bias(s.tree[0], p, rep, self.dtype)
+                 for s, p, n in zip(segs, ps, ns)]
         x = F.embedding(torch.cat([s.ids for s in segs]), self.embed)
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         aux = []
@@ -379,4 +409,4 @@ def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.floa
 
 
 __all__ = ["TargetConfig", "TargetOutput", "Target", "KVCache", "load_target", "load_hf",
-           "target_id_for", "Segment", "causal_bias", "gqa_attention", "rms_norm", "apply_rope", "rope_tables", "convert_gguf", "PackedLinear"]
+           "target_id_for", "Segment", "causal_bias", "visible_bias", "gqa_attention", "rms_norm", "apply_rope", "rope_tables", "convert_gguf", "PackedLinear"]
