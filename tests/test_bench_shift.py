@@ -152,3 +152,13 @@ def test_measure_restarts_each_concurrency_from_the_deployed_suffix_tree(arms_hy
         del eng.set_suffix_corpus
     assert seen == [[[5, 6, 7]], [[5, 6, 7]]]  # both levels start from the deployed tree
     assert eng.suffix.retained_tokens > 3  # and the run itself still adds its outputs
+
+
+def test_phases_option_picks_and_names_the_run():
+    q = shift.ShiftConfig.quick()
+    cfg = q.with_phases(["chat", "code", "math-en"])
+    assert cfg.phases == ("chat", "code", "math-en") and cfg.name == "shift-quick-chat-code-math-en"
+    assert cfg.concurrency == q.concurrency and q.with_phases(["chat", "code"]) is q
+    for bad in (["code", "maths"], [], ["code", "code"]):
+        with pytest.raises(ValueError, match="--phases"):
+            q.with_phases(bad)

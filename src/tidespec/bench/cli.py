@@ -78,6 +78,8 @@ def bench_train(params: Path = PARAMS,
 def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quick", help="2 phases, concurrency "
                                                                                        "1 and 8, fewer prompts "
                                                                                        "(≈10 min on 2 cores)"),
+                phases: str = typer.Option("", help="comma-separated phases in order (chat, code, math-en, "
+                                                    "math-kj; default: the mode's); results are named after them"),
                 out: Path = typer.Option(Path("bench/results")),
                 work: Path = typer.Option(Path(".tidespec/bench-shift"), help="scratch workspace (wiped)")):
     """The workload-shift experiment: chat → code → math EN → math KO/JA at concurrency 1/4/8, no-spec vs
@@ -85,6 +87,8 @@ def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
     from ..config import load_params
     from . import shift
     cfg = shift.ShiftConfig.quick() if quick else shift.ShiftConfig()
+    if phases:
+        cfg = cfg.with_phases([p.strip() for p in phases.split(",") if p.strip()])
     rep = shift.run(load_params(params), out, work.resolve(), cfg, progress=console.print)
     stem = rep["stem"]
     console.print((out / f"{stem}.md").read_text(), markup=False, soft_wrap=True)  # markdown, not rich markup

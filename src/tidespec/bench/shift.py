@@ -30,7 +30,7 @@ import os
 import queue
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import date
 from pathlib import Path
 
@@ -74,6 +74,16 @@ class ShiftConfig:
         return cls(phases=("chat", "code"), concurrency=(1, 8), eval_prompts=4, traffic_prompts=12,
                    max_new_tokens=32, traffic_max_new_tokens=64, contrast_prompts=2, train_epochs=3,
                    cycle_eval_tokens=32, cycle_max_holdout=6, name="shift-quick")
+
+    def with_phases(self, phases: list[str] | tuple[str, ...]) -> "ShiftConfig":
+        """These phases, in order (results named after them). Raises ValueError naming the phases for
+        an unknown or repeated one, or none."""
+        bad = [p for p in phases if p not in PHASE_TITLES]
+        if not phases or bad or len(set(phases)) != len(phases):
+            raise ValueError(f"--phases must name distinct phases of {', '.join(PHASE_TITLES)}; got {list(phases)}")
+        if tuple(phases) == self.phases:
+            return self
+        return replace(self, phases=tuple(phases), name=f"{self.name}-{'-'.join(phases)}")
 
 
 NOISE_FLOOR = 0.97  # "never slower": a speed-up ≥ this counts as equal (run-to-run noise of one side-by-side pass)
