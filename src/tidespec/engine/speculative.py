@@ -12,7 +12,8 @@ Batching (vLLM v1 style continuous batching): requests join and leave between st
 one ragged target forward over every running request's new tokens (prefills included, no padding:
 `Target.forward_batch`), each request with its own proposer and length (fixed, or chosen per step
 for the whole batch by the goodput policy `adaptive.AdaptiveK`: none, the EAGLE3 chain, or the
-suffix proposal `suffix.SuffixCache`). Per-request output is identical to running it alone (greedy).
+suffix proposal `suffix.SuffixCache`; with `eagle_topk` > 1 the EAGLE3 proposal of a greedy request
+is an EAGLE-2 draft tree, `engine/tree.py`). Per-request output is identical to running it alone (greedy).
 
 One file: admission, the step (plan → draft → verify → accept) and the per-request state it
 mutates are one state machine; the proposers (`models.eagle3.DraftRunner`, `suffix`), the policy
@@ -268,6 +269,9 @@ class Engine:
     picks each request's proposer and length per step for the whole batch.
     `capture` (CaptureSink): asked at admission whether it wants each request, handed the record of
     each captured request when it finishes (TIDE's capture: the engine owns the wiring).
+    `eagle_topk` > 1: greedy requests without logits processors verify EAGLE-2 draft trees of depth
+    `num_draft_tokens` and at most `tree_num_draft_tokens` tokens, root included (SGLang's knobs;
+    `engine.tree`); raises ValueError for a size outside [depth + 1, 1 + topk + (depth − 1)·topk²] or > 64.
     """
 
     def __init__(self, target: Target, draft: DraftRunner | None = None, num_draft_tokens: int = 4,
