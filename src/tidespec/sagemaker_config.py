@@ -326,7 +326,7 @@ class SageMakerDeployParams(_Strict):
         for name in self.on_promote:
             if name not in self.profiles:
                 raise ValueError(f"on_promote names profile {name!r}; defined: {sorted(self.profiles)}")
-        if self.eagle_topk == 1 and self.num_steps and self.num_draft_tokens \
+        if (self.eagle_topk or 1) == 1 and self.num_steps and self.num_draft_tokens \
                 and self.num_draft_tokens != self.num_steps + 1:
             raise ValueError("with eagle_topk 1, num_draft_tokens must be num_steps + 1 (a chain)")
         return self

@@ -620,10 +620,8 @@ class Engine:
             p = self.suffix.propose(s.rid)
             s.proposal = Proposal(p.tokens[:room], p.score, p.match_len, p.source, p.scores[:room])
         p = s.proposal
-        if room <= 0:  # one token left (or none in the cache): nothing to draft for
-            return Ladder(fixed=NONE)
-        if s.tree:
-            return self._tree_ladder(s, room)
+        if s.tree:  # one token left (or no KV room): no tree
+            return self._tree_ladder(s) if room > 0 else Ladder(fixed=NONE)
         if self._adaptive_for(s.req):
             eagle = self.adaptive.eagle_gains(s.req.workload, room) if s.draft is not None else ()
             suffix = self.adaptive.suffix_gains(s.req.workload, p.scores) if p is not None else ()
@@ -636,7 +634,7 @@ class Engine:
         gain = self.adaptive.eagle_gains(s.req.workload, k)[-1] if self.adaptive is not None else 0.0
         return Ladder(fixed=("eagle3", k), fixed_gain=gain)
 
-    def _tree_ladder(self, s: _Seq, room: int) -> Ladder:
+    def _tree_ladder(self, s: _Seq) -> Ladder:
         """A tree request's options: n = 1..N−1 verified nodes (N = tree num_draft_tokens, capped by
         the KV room), depth min(num_steps, n, output room) — under the policy its gains
         (`AdaptiveK.tree_gains`) and width are the plan's; else the fixed tree of SGLang's knobs."""
