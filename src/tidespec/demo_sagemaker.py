@@ -22,7 +22,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
-from prefect.logging.handlers import APILogHandler
 from rich.console import Console
 from rich.table import Table
 
@@ -70,6 +69,18 @@ def run_demo_sagemaker(root: Path, params_path: Path) -> dict:
         svc = services.up(ws.state / "services", which=("prefect", "mlflow", "moto"))
     env = services.env_for(svc)
     os.environ.update(env)
+    try:
+        out = _loop(ws, env, base)
+    finally:  # the servers this demo started stop whatever happened (their logs flushed first)
+        orchestrate.flush_logs()
+        services.down(ws.state / "services")
+    out["wall_s"] = time.perf_counter() - t0
+    console.print(f"τ {out['tau_before']:.2f} → {out['tau_after']:.2f}; wall {out['wall_s'] / 60:.1f} min")
+    return out
+
+
+def _loop(ws: Workspace, env: dict, base) -> dict:
+    """Steps 1-4 of the module docstring against the started services (`env`). Returns the summary."""
     uri = env["MLFLOW_TRACKING_URI"]
     bucket, ep = f"tidespec-demo-{uuid.uuid4().hex[:6]}", "tidespec-demo-gpu"
     aws.client("s3").create_bucket(Bucket=bucket)
@@ -132,10 +143,6 @@ def run_demo_sagemaker(root: Path, params_path: Path) -> dict:
     console.print(f"version {dec['version']}: promoted={dec['promoted']} ({dec['reason']}); tuned window for "
                   f"profile gpu: k={dec['tuned_k'].get('gpu')} (0 = speculation off); the update "
                   f"`tidespec deploy sagemaker --profile gpu` applies: {json.dumps(spec_env)}", highlight=False)
-    APILogHandler.flush()  # the flow runs' logs reach the server before it stops
-    services.down(ws.state / "services")
-    out = {"tau_before": rep["champion"]["acceptance_length"] if rep["champion"] else None,
-           "tau_after": rep["candidate"]["acceptance_length"], "tuned_k": dec["tuned_k"], "promoted": dec["promoted"],
-           "served_k": k, "ingest": src, "wall_s": time.perf_counter() - t0}
-    console.print(f"τ {out['tau_before']:.2f} → {out['tau_after']:.2f}; wall {out['wall_s'] / 60:.1f} min")
-    return out
+    return {"tau_before": rep["champion"]["acceptance_length"] if rep["champion"] else None,
+            "tau_after": rep["candidate"]["acceptance_length"], "tuned_k": dec["tuned_k"], "promoted": dec["promoted"],
+            "served_k": k, "ingest": src}

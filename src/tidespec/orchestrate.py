@@ -76,6 +76,14 @@ def using_api(api_url: str):
         yield
 
 
+def flush_logs(timeout_s: float = 5.0) -> None:
+    """Block (≤ `timeout_s` s) until flow-run logs queued in this process have reached the Prefect
+    server (`APILogWorker.drain_all`: what `APILogHandler.flush` does on an instance). Call before
+    stopping a server this process started, or its last runs' logs are lost."""
+    from prefect.logging.handlers import APILogWorker
+    APILogWorker.drain_all(timeout=timeout_s)
+
+
 def ensure_pools(api_url: str, names: list[str], pool_type: str = "process") -> list[str]:
     """Create the work pools in `names` that the server at `api_url` lacks (type `pool_type`);
     return the ones created. `prefect deploy --no-prompt` refuses a deployment on a missing pool."""
