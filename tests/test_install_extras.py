@@ -48,8 +48,12 @@ def _free_port() -> int:
 def test_serve_runs_without_mlops_packages(tmp_path, tiny_target_dir):
     (tmp_path / "params.yaml").write_text(tiny_params_yaml(tiny_target_dir))
     port = _free_port()
+    (tmp_path / "first").mkdir()
+    refused = _child(tmp_path / "first", ["serve", "--root", str(tmp_path), "--params", str(tmp_path / "params.yaml")])
+    out = refused.communicate(timeout=120)[0]  # capture publishes by default: that needs the MLOps side
+    assert refused.returncode == 2 and "pip install 'tidespec[mlops]'" in out and "--no-publish" in out, out
     proc = _child(tmp_path, ["serve", "--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"),
-                             "--port", str(port)], cwd=tmp_path)
+                             "--port", str(port), "--no-publish"], cwd=tmp_path)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ def test_failed_publish_is_retried_by_the_next(tmp_path):
     remote.write_text("not a directory")  # the remote is unusable
     snaps = r / "data" / "snapshots"
     pub = Publisher(r, snaps, keep_local=1, emit=False, commit=False)
-    w = CaptureWriter(r / "data" / "capture", "tid", snapshots_root=snaps, on_seal=pub)
+    w = CaptureWriter(r / "data" / "capture", "tid", snapshots_root=snaps, on_seal=pub, publish_attempts=1)
     rec = {"input_ids": torch.arange(8, dtype=torch.int32), "loss_mask": torch.ones(8, dtype=torch.uint8),
            "aux_hidden_states": torch.zeros(8, 6), "hidden_states": torch.zeros(8, 2)}
     w.submit(rec, request_id="a", workload="x", acceptance_length=1.0)
@@ -113,6 +114,36 @@ def test_failed_publish_is_retried_by_the_next(tmp_path):
     assert (snaps / "tid" / f"{first.snapshot_id}.dvc").exists() and (snaps / "tid" / second.snapshot_id).exists()
     versioning.pull(r, [snaps / "tid" / f"{first.snapshot_id}.dvc"])
     assert (snaps / "tid" / first.snapshot_id / "manifest.jsonl").exists()
+
+
+def test_failed_publish_retries_by_itself(tmp_path):
+    """Remote down at the seal, back before the retry: the same snapshot is published by the
+    writer's own retry (no second seal), counted once as an error, then pushed and tracked."""
+    import torch
+
+    from tidespec.capture.publish import Publisher
+    from tidespec.capture.writer import CaptureWriter
+    r, remote = tmp_path / "repo", tmp_path / "remote"
+    versioning.ensure_repo(r, str(remote))
+    shutil.rmtree(remote)
+    remote.write_text("not a directory")
+    snaps = r / "data" / "snapshots"
+    pub = Publisher(r, snaps, keep_local=4, emit=False, commit=False)
+    w = CaptureWriter(r / "data" / "capture", "tid", snapshots_root=snaps, on_seal=pub, publish_retry_s=3.0)
+    rec = {"input_ids": torch.arange(8, dtype=torch.int32), "loss_mask": torch.ones(8, dtype=torch.uint8),
+           "aux_hidden_states": torch.zeros(8, 6), "hidden_states": torch.zeros(8, 2)}
+    w.submit(rec, request_id="a", workload="x", acceptance_length=1.0)
+    snap = w.seal_now()
+    deadline = time.monotonic() + 60
+    while w.stats().publish_errors == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    remote.unlink()  # back within the 3 s backoff
+    remote.mkdir(mode=0o700)
+    while not pub.published and time.monotonic() < deadline:
+        time.sleep(0.1)
+    w.close()
+    assert w.stats().publish_errors == 1 and [p["snapshot_id"] for p in pub.published] == [snap.snapshot_id]
+    assert (snaps / "tid" / f"{snap.snapshot_id}.dvc").exists() and any(remote.rglob("*"))
 
 
 def test_drift_above_threshold_triggers_a_cycle_event(tmp_path, monkeypatch):

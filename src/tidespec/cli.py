@@ -267,15 +267,21 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
           backend: str = typer.Option("embedded", help="embedded (this engine) | sglang (front door to an SGLang "
                                                        "server's OpenAI routes, text capture)"),
           sglang_url: str = typer.Option(None, help="the SGLang server for --backend sglang, e.g. "
-                                                    "http://127.0.0.1:30000")):
+                                                    "http://127.0.0.1:30000"),
+          publish: bool = typer.Option(True, help="publish each sealed snapshot: dvc add + push, retention, "
+                                                  "drift, the tidespec.capture.threshold event that starts "
+                                                  "tide-cycle (needs --root to be a DVC repo, as `make demo` "
+                                                  "sets up)")):
     """OpenAI-compatible server (/v1/completions, /v1/chat/completions, /health, /metrics,
-    /admin/draft with $TIDESPEC_ADMIN_TOKEN) on the target + the served champion draft."""
+    /admin/draft with $TIDESPEC_ADMIN_TOKEN) on the target + the served champion draft. With capture,
+    each sealed snapshot is published (DVC + the Prefect event that starts a cycle, $PREFECT_API_URL)
+    and the champion a cycle deploys is served within serve.watch_champion_s."""
     import uvicorn
 
     from .capture.text import TextCapture
     from .capture.writer import CaptureWriter
     from .config import load_params
-    from .runtime import get_target, load_suffix_corpus, make_engine, runner_for
+    from .runtime import get_target, install_suffix_corpus, make_engine, runner_for
     from .server import ADMIN_TOKEN_ENV, build_app
     from .workspace import served_version
     p, ws = load_params(params), _ws(root)
@@ -290,27 +296,48 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
         return
     flags = {"max_queue": max_queue, "request_timeout_s": timeout_s, "max_tokens": max_tokens}
     p = p.model_copy(update={"serve": p.serve.model_copy(update={k: v for k, v in flags.items() if v is not None})})
-    target, tok = get_target(p)
     hidden, text = capture and p.capture.mode == "hidden", capture and p.capture.mode == "text"
-    writer = CaptureWriter.from_params(ws.capture_dir(target.target_id), target.target_id, p.capture,
-                                       ws.snapshots, detokenize=tok.decode if tok is not None else None) if hidden else None
+    pub = _serve_publisher(p, ws) if hidden and publish else None
+    target, tok = get_target(p)
+    writer = CaptureWriter.from_params(ws.capture_dir(target.target_id), target.target_id, p.capture, ws.snapshots,
+                                       on_seal=pub, detokenize=tok.decode if tok is not None else None) if hidden else None
     text_capture = TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate) if text else None
     runner = runner_for(ws.champion, target)
     engine = make_engine(p, target, runner, served_version(ws.champion) if runner else None, capture=writer)
-    if runner is not None:
-        try:  # the global suffix tree deployed with the champion
-            load_suffix_corpus(engine, ws.champion)
-        except ValueError as e:  # serve without it (the live tree fills from traffic), never refuse to start
-            console.print(f"suffix corpus of {ws.champion} not loaded: {e}", markup=False)
+    if runner is not None:  # the global suffix tree deployed with the champion (never refuses to start)
+        install_suffix_corpus(engine, ws.champion)
     sv = p.serve_resolved()
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
                               admin_token=os.environ.get(ADMIN_TOKEN_ENV),
-                              load_version=_registry_loader(target.target_id, ws), text_capture=text_capture),
+                              load_version=_registry_loader(target.target_id, ws), text_capture=text_capture,
+                              watch_dir=ws.champion, watch_s=sv.watch_champion_s),
                     host=host, port=port)
     finally:
         if writer is not None:
             writer.close()
+
+
+def _serve_publisher(p, ws):
+    """The publisher of `tidespec serve`'s seals (the same as the demo's and `tide_capture`'s):
+    refuses a --root that is not a DVC repo (naming the fix); warns when no Prefect server is set
+    (snapshots are still versioned, but no event starts a cycle)."""
+    import importlib.util
+    missing = [m for m in ("dvc", "prefect") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise typer.BadParameter(f"publishing sealed snapshots needs {' and '.join(missing)}: "
+                                 "pip install 'tidespec[mlops]', or pass --no-publish (snapshots stay local)")
+    from .capture.publish import Publisher
+    if not (ws.root / ".dvc").is_dir():
+        raise typer.BadParameter(f"--root {ws.root} is not a DVC repo, so sealed snapshots cannot be published: "
+                                 "run `make demo` once (it sets one up), or `dvc init && dvc remote add -d "
+                                 "local <dir>`, or pass --no-publish (snapshots stay local)")
+    if not os.environ.get("PREFECT_API_URL"):
+        console.print("PREFECT_API_URL is unset: sealed snapshots are versioned in DVC but no "
+                      "tidespec.capture.threshold event starts a cycle (`eval \"$(tidespec services up)\"`)",
+                      markup=False)
+    return Publisher(ws.root, ws.snapshots, p.capture.keep_local_snapshots, ws.curated, p.curate.drift_threshold,
+                     commit=False)
 
 
 def _serve_frontdoor(p, ws, url: str, capture: bool, host: str, port: int, timeout_s, max_queue, max_tokens) -> None:

@@ -200,13 +200,16 @@ class ServeParams(_Strict):
     running before 429 (Retry-After); served_model_name: the `model` id responses carry (None:
     target.source, as vLLM's --served-model-name defaults to the model path); default_temperature:
     the temperature of a request that sends none (0 = greedy, the output speculation must equal;
-    OpenAI's own default is 1.0 and vLLM takes the model's generation_config — set 1.0 for OpenAI's)."""
+    OpenAI's own default is 1.0 and vLLM takes the model's generation_config — set 1.0 for OpenAI's);
+    watch_champion_s: how often (s) `tidespec serve` checks data/drafts/champion for a version a
+    cycle deployed and swaps to it (0: never; POST /admin/draft still swaps)."""
 
     max_queue: int = Field(64, ge=1)
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
     max_tokens: int | None = Field(None, ge=1)
     served_model_name: str | None = Field(None, min_length=1)
     default_temperature: float = Field(0.0, ge=0, le=2, allow_inf_nan=False)
+    watch_champion_s: float = Field(5.0, ge=0, allow_inf_nan=False)
 
 
 class DeployParams(_Strict):

@@ -1,7 +1,7 @@
 """OpenAI request models for `/v1/completions` and `/v1/chat/completions`: every field of OpenAI's
 API reference (and vLLM's sampling extensions) is listed, and each is honoured or refused with a 400
 naming it. Unknown fields are refused too (`extra="forbid"`): a client never gets a 200 whose
-output silently ignored what it asked for. The README's parameter table is the user-facing list.
+output silently ignored what it asked for. docs/api.md's parameter table is the user-facing list.
 
 Semantics follow vLLM's OpenAI server (`vllm/entrypoints/openai/protocol.py`) where OpenAI is
 silent: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`,

@@ -6,6 +6,7 @@ process loads the target once (`get_target` is cached) and every engine is built
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,9 @@ from .engine.speculative import Engine
 from .engine.suffix import CORPUS_FILE, SuffixCache, load_corpus
 from .models.eagle3 import DraftRunner, load_checkpoint
 from .models.target import Target, convert_gguf, load_target, target_id_for
+from .workspace import served_version
+
+log = logging.getLogger(__name__)
 
 
 def target_dir(source: str) -> Path:
@@ -91,3 +95,29 @@ def load_suffix_corpus(engine: Engine, draft_dir: Path | None) -> int | None:
     if engine.suffix is None or draft_dir is None or not (Path(draft_dir) / CORPUS_FILE).exists():
         return None
     return engine.set_suffix_corpus(load_corpus(Path(draft_dir) / CORPUS_FILE))
+
+
+def install_suffix_corpus(engine: Engine, draft_dir: Path | None) -> int | None:
+    """`load_suffix_corpus` that never raises: a malformed corpus is logged and the live suffix
+    tree keeps serving (a draft is never refused for its corpus). Returns the tokens retained or None."""
+    try:
+        return load_suffix_corpus(engine, draft_dir)
+    except ValueError as e:
+        log.error("suffix corpus of %s not loaded (the live suffix tree keeps serving): %s", draft_dir, e)
+        return None
+
+
+def install_draft(engine: Engine, draft_dir: Path, version: str | None = None) -> dict:
+    """Swap `engine`'s draft for the checkpoint in `draft_dir` and install the suffix corpus deployed
+    with it: the one way a draft enters a live engine (server `/admin/draft`, its champion watcher,
+    `deploy.local.reload_if_changed`). The engine swaps between steps; requests in flight finish on
+    the draft they started with. `version`: used when `draft_dir` has no version.json. Returns
+    {"draft_version", "suffix_corpus_tokens" (None: no corpus or no suffix proposer)}. Raises
+    ValueError (no checkpoint there, another target's draft, wrong shapes) or OSError (unreadable
+    files): the old draft keeps serving."""
+    runner = runner_for(draft_dir, engine.target)
+    if runner is None:
+        raise ValueError(f"no draft checkpoint at {draft_dir} (config.json + model.safetensors)")
+    version = served_version(Path(draft_dir)) or version
+    engine.set_draft(runner, version)
+    return {"draft_version": version, "suffix_corpus_tokens": install_suffix_corpus(engine, draft_dir)}

@@ -48,7 +48,7 @@ from .engine.sampling import TokenLogprob
 from .engine.speculative import Engine, Generation
 from .engine.speculative import Request as EngineRequest
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, StreamOptions, _Sampling, error_body
-from .runtime import load_suffix_corpus, runner_for
+from .runtime import install_draft
 from .workspace import served_version
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,44 @@ class Metrics:
         self.draft_info.labels(version=str(version)).set(1)
 
 
+class ChampionWatcher:
+    """Polls `directory/version.json` every `every_s` s on a daemon thread and calls
+    `install(directory, version)` when it names another version than the engine serves: how a
+    running `tidespec serve` picks up the draft a `tide_cycle` run deployed (deploy.local writes the
+    directory by rename, so a poll never sees half a draft). A version the engine refuses is
+    logged once and not retried until the directory changes again."""
+
+    def __init__(self, directory: Path, every_s: float, engine: Engine, install: Callable[[Path, str], dict]):
+        self.directory, self.every_s, self.engine, self.install = Path(directory), every_s, engine, install
+        self._refused: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tidespec-champion-watch", daemon=True)
+        self._thread.start()
+
+    def check(self) -> str | None:
+        """One poll; returns the version installed now, or None."""
+        v = served_version(self.directory)
+        if v is None or v == self.engine.draft_version or v == self._refused:
+            return None
+        try:
+            self.install(self.directory, v)
+        except (ValueError, OSError) as e:
+            self._refused = v
+            log.error("champion %s at %s refused, draft %s keeps serving: %s", v, self.directory,
+                      self.engine.draft_version, e)
+            return None
+        log.info("serving champion %s from %s", v, self.directory)
+        return v
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.check()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 class DraftSwap(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str | None = None  # a draft checkpoint dir inside the server's drafts_dir
@@ -168,7 +206,8 @@ class _Choice:
 
 def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, *, model: str = "tidespec",
               drafts_dir: Path | None = None, admin_token: str | None = None,
-              load_version: Callable[[str], Path] | None = None, text_capture=None) -> FastAPI:
+              load_version: Callable[[str], Path] | None = None, text_capture=None,
+              watch_dir: Path | None = None, watch_s: float = 5.0) -> FastAPI:
     """The FastAPI app. `tokenizer`: HF fast tokenizer (None: token-id prompts only, no chat, no
     stop strings); `serve`: the limits (max_queue, request_timeout_s in s, max_tokens: default and
     cap of a request's max_tokens, which must be resolved: `Params.serve_resolved()`;
@@ -177,7 +216,9 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     /admin (None: admin disabled, 403); `load_version(v)`: registry version or alias → local
     checkpoint dir (raises LookupError for an unknown one); `text_capture`
     (`capture.text.TextCapture`, `capture.mode: text`): each finished request's request and
-    response bodies are logged in the Data Capture format. The engine's capture sink (if any) is
+    response bodies are logged in the Data Capture format; `watch_dir` (the local champion dir,
+    data/drafts/champion): every `watch_s` s the server installs the version the cycle's deploy step
+    put there (`ChampionWatcher`). The engine's capture sink (if any) is
     flushed on shutdown and its counters are served on /metrics. Every error is answered in
     OpenAI's envelope (`protocol.OpenAIError`). Raises ValueError for unresolved max_tokens."""
     cfg = serve or ServeParams()
@@ -195,6 +236,8 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
 
     @app.on_event("shutdown")
     def _shutdown():  # finish in-flight requests, then flush capture
+        if watcher is not None:
+            watcher.close()
         loop.close()
         if writer is not None and hasattr(writer, "flush"):
             writer.flush()
@@ -521,6 +564,17 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     def prom():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    swap_lock = threading.Lock()
+
+    def install(path: Path, version: str | None) -> dict:
+        """The draft at `path` into the engine (`runtime.install_draft`), and on /metrics."""
+        with swap_lock:
+            out = install_draft(engine, path, version)
+            metrics.set_draft(out["draft_version"])
+        return out
+
+    watcher = ChampionWatcher(watch_dir, watch_s, engine, install) if watch_dir is not None and watch_s > 0 else None
+
     @app.post("/admin/draft")
     def swap(body: DraftSwap, request: Request):
         _authorize(request, admin_token)
@@ -536,23 +590,12 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
             except LookupError as e:
                 raise HTTPException(404, str(e)) from None
             version = body.version
-        version = served_version(path) or version
         try:
-            runner = runner_for(path, engine.target)
-            if runner is None:
-                raise ValueError(f"no draft checkpoint at {body.path or body.version}")
-            engine.set_draft(runner, version)
-        except (ValueError, FileNotFoundError, OSError) as e:
+            out = install(path, version)
+        except (ValueError, OSError) as e:
             raise HTTPException(409, f"draft refused, the old one keeps serving: {e}") from None
-        metrics.set_draft(version)
-        try:  # the global suffix tree deployed with this draft (when the engine has the suffix proposer)
-            corpus = load_suffix_corpus(engine, path)
-        except ValueError as e:  # the draft is swapped; the live suffix tree keeps serving
-            log.error("suffix corpus of draft %s not loaded: %s", version, e)
-            corpus = None
-        out = {"draft_version": version}
-        if engine.suffix is not None:  # tokens of the global suffix tree now installed (None: the draft has none)
-            out["suffix_corpus_tokens"] = corpus
+        if engine.suffix is None:  # tokens of the global suffix tree installed: only with the suffix proposer
+            out.pop("suffix_corpus_tokens")
         return out
 
     _error_handlers(app)
@@ -573,7 +616,7 @@ def _error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         if err.get("type") == "extra_forbidden":
             msg = (f"unknown parameter {param!r}: this server does not support it "
-                   "(the README's parameter table lists every parameter it takes)")
+                   "(docs/api.md lists every parameter it takes)")
         else:
             msg = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
         return JSONResponse(error_body(msg, 400, param, err.get("type")), status_code=400)

@@ -56,6 +56,8 @@ from .store import (
 log = logging.getLogger(__name__)
 _STOP = object()
 MB = 1 << 20
+PUBLISH_RETRY_S = 30.0  # first wait after a failed publish (DVC remote or Prefect down); doubles each try
+PUBLISH_ATTEMPTS = 6  # tries per snapshot (≈ 30 min of backoff); after that the next seal's publish takes it along
 SEAL_RETRY_S = 60.0  # after a failed seal (snapshots root unwritable...), capture goes on; retry then
 
 
@@ -91,9 +93,11 @@ class CaptureWriter:
     With `snapshots_root`, seals `directory` into `snapshots_root/<target_id>/<sid>/` when
     `seal_min_tokens` unsealed tokens or `seal_max_age_s` (age of the oldest unsealed record)
     is reached, then calls `on_seal(SnapshotInfo)` on a publisher thread. On start it removes
-    temp files and finishes seals a crash interrupted (publishing those too). Holds an exclusive
-    lock on `directory` until `close()`: a second writer or an offline `seal` there raises
-    CaptureDirBusy.
+    temp files and finishes seals a crash interrupted (publishing those too). A failed publish
+    (`on_seal` raised: DVC remote or Prefect down) is counted (`publish_errors`) and retried after
+    `publish_retry_s` s, doubling, up to `publish_attempts` tries; the sealed snapshot stays on
+    local disk meanwhile, and the next seal's publish takes it along. Holds an exclusive lock on
+    `directory` until `close()`: a second writer or an offline `seal` there raises CaptureDirBusy.
     """
 
     def __init__(self, directory: Path, target_id: str, queue_size: int = 64, shard_max_records: int = 16, *,
@@ -101,7 +105,8 @@ class CaptureWriter:
                  sample_rate: float = 1.0, max_acceptance_rate: float | None = None, store_text: bool = False,
                  snapshots_root: Path | None = None, seal_min_tokens: int | None = None,
                  seal_max_age_s: float | None = None, on_seal: Callable[[SnapshotInfo], object] | None = None,
-                 idle_flush_s: float = 2.0, seed: int = 0, detokenize: Callable[[list[int]], str] | None = None):
+                 idle_flush_s: float = 2.0, seed: int = 0, detokenize: Callable[[list[int]], str] | None = None,
+                 publish_retry_s: float = PUBLISH_RETRY_S, publish_attempts: int = PUBLISH_ATTEMPTS):
         if compression not in ("none", "zstd"):
             raise ValueError(f"compression must be 'none' or 'zstd', got {compression!r}")
         self.dir = private_dir(Path(directory))
@@ -132,6 +137,8 @@ class CaptureWriter:
         self._full: str | None = None  # latched drop reason (quota / disk) until a seal frees space
         self._pending: list[tuple[dict, dict]] = []
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tidespec-publish") if on_seal else None
+        self.publish_retry_s, self.publish_attempts = publish_retry_s, publish_attempts
+        self._closed = threading.Event()  # cuts a publish retry's backoff short at close()
         for info in recover(self.dir, self.snapshots_root, target_id):
             self._publish(info)
         self._rescan()
@@ -266,6 +273,7 @@ class CaptureWriter:
                                        "its records stay queued in this process")
         finally:
             if self._publisher:
+                self._closed.set()
                 self._publisher.shutdown(wait=not self._thread.is_alive())
             if self._lockfd is not None and not self._thread.is_alive():
                 unlock(self._lockfd)
@@ -412,13 +420,20 @@ class CaptureWriter:
         if self._publisher is None:
             return
 
-        def run():
-            try:
-                self.on_seal(info)
-            except Exception:  # noqa: BLE001 - the snapshot stays local; the next publish picks it up
-                log.exception("publishing snapshot %s failed", info.snapshot_id)
-                with self._lock:
-                    self.publish_errors += 1
+        def run():  # on the publisher thread: serving and capture never wait for it
+            for attempt in range(self.publish_attempts):
+                try:
+                    self.on_seal(info)
+                    return
+                except Exception:  # noqa: BLE001 - the snapshot stays local and sealed: nothing is lost
+                    wait_s = self.publish_retry_s * 2 ** attempt
+                    log.exception("publishing snapshot %s failed (try %d of %d; next in %.0f s, and the next "
+                                  "seal's publish takes it along)", info.snapshot_id, attempt + 1, self.publish_attempts,
+                                  wait_s)
+                    with self._lock:
+                        self.publish_errors += 1
+                if attempt + 1 == self.publish_attempts or self._closed.wait(wait_s):
+                    return
         self._publisher.submit(run)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from .. import registry
-from ..runtime import load_suffix_corpus, runner_for
+from ..runtime import install_draft
 from ..workspace import served_version, write_version
 
 log = logging.getLogger(__name__)
@@ -56,11 +56,7 @@ def reload_if_changed(engine, dest: Path) -> bool:
     v = served_version(dest)
     if v is None or v == engine.draft_version:
         return False
-    engine.set_draft(runner_for(Path(dest), engine.target), v)
-    try:  # its global suffix tree moves with it
-        load_suffix_corpus(engine, Path(dest))
-    except ValueError as e:  # the draft is swapped; the live suffix tree keeps serving
-        log.error("suffix corpus of %s not loaded: %s", dest, e)
+    install_draft(engine, Path(dest), v)
     return True
 
 

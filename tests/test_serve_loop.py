@@ -1,0 +1,114 @@
+"""`tidespec serve --capture` closes the loop by itself, on real servers (Prefect server + process
+worker, MLflow): the server process captures its traffic → the writer seals at
+capture.seal_min_tokens → the seal is published (DVC add + push, the tidespec.capture.threshold
+event) → the `tide-cycle` deployment's trigger runs the cycle on the worker → a promoted champion
+deployed to data/drafts/champion → the running server serves it. No hand step between the
+requests and the new draft."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import random_draft, tiny_params_yaml
+
+pytestmark = pytest.mark.services
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _wait(pred, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"server exited ({proc.returncode}) while waiting for {what}")
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def _health(url: str) -> dict | None:
+    try:
+        r = httpx.get(f"{url}/health", timeout=2)
+        return r.json() if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny_target_dir, prefect_server,
+                                                                  prefect_worker, mlflow_server):
+    from tidespec import orchestrate, registry, versioning
+    from tidespec.services import free_port
+    from tidespec.config import load_params
+    from tidespec.cycle import step_deploy
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.runtime import get_target
+    from tidespec.workspace import Workspace
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    shutil.copy(REPO / "prefect.yaml", proj / "prefect.yaml")
+    raw = yaml.safe_load(tiny_params_yaml(tiny_target_dir))
+    raw["capture"] |= {"seal_min_tokens": 300}  # 12 requests × (8 prompt + 24 new) tokens = 384: one seal
+    raw["serve"] = {"watch_champion_s": 0.5}
+    raw["engine"]["adaptive"] = False  # fixed k: no calibration at start
+    (proj / "params.yaml").write_text(yaml.safe_dump(raw))
+    params = load_params(proj / "params.yaml")
+    target = get_target(params)[0]
+    tid = target.target_id
+    versioning.ensure_repo(proj, str(tmp_path / "dvc-remote"))
+    _, v1 = registry.log_candidate(mlflow_server, tid, save_checkpoint(random_draft(target, 64, seed=1),
+                                                                       tmp_path / "d1"),
+                                   params={}, metrics={}, tags={"role": "bootstrap"})
+    registry.promote(mlflow_server, tid, v1, "first draft", allow_unevaluated=True)
+    ws = Workspace(proj)
+    step_deploy(ws, mlflow_server, tid, params)
+    orchestrate.deploy(proj, prefect_server)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"PREFECT_API_URL": prefect_server, "MLFLOW_TRACKING_URI": mlflow_server}
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", "--root", str(proj), "--params",
+                             str(proj / "params.yaml"), "--port", str(port)], cwd=proj, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        assert _wait(lambda: _health(url), 180, "/health", proc)["draft_version"] == v1
+        import torch
+        g = torch.Generator().manual_seed(0)
+        for _ in range(12):  # a learnable workload: prompt ids in a small range (the draft vocab covers them)
+            prompt = torch.randint(3, 60, (8,), generator=g).tolist()
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 24, "ignore_eos": True},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+        snaps = ws.snapshots / tid
+        dvcs = _wait(lambda: sorted(snaps.glob("*.dvc")) if snaps.is_dir() else [], 120, "a published snapshot",
+                     proc)
+        assert len(dvcs) == 1  # sealed by the server's writer and DVC-tracked by its publisher
+        rev = versioning.snapshot_rev(proj, snaps / dvcs[0].stem)
+        run = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, 600)
+        assert run.state.is_completed(), run.state
+        assert run.parameters["target_id"] == tid and run.parameters["trigger"] == "tokens"  # from the event
+        champ = registry.champion(mlflow_server, tid)
+        assert champ.version != v1 and champ.tags["snapshot_rev"] == rev
+        h = _wait(lambda: (h := _health(url)) and h["draft_version"] == champ.version and h, 60,
+                  f"the server to serve v{champ.version}", proc)
+        assert h["draft_version"] == champ.version
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
+        assert r.json()["tidespec"]["draft_version"] == champ.version
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert f'tidespec:draft_info{{version="{champ.version}"}} 1.0' in metrics
+        assert "tidespec:capture_publish_errors_total 0.0" in metrics
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+    out = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in out, out
