@@ -64,6 +64,19 @@ def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path):
     assert load_or_calibrate(tiny_target, runner, 3, tmp_path).draft_ms != 123.0
 
 
+def test_calibration_repeats_only_within_its_budget(tiny_target):
+    """A spent budget leaves one pass over the target grid (plus the draft's two runs per batch size):
+    a first `tidespec serve` on a loaded machine calibrates in bounded time, and says what it does."""
+    from tidespec.engine.calibration import calibrate
+    runner = DraftRunner(random_draft(tiny_target, 64))
+    said = []
+    calibrate(tiny_target, runner, 3, context=16, reps=5, max_batch=2, budget_s=0.0, progress=said.append)
+    assert [m.split(" ")[0] for m in said] == ["timing", "timing"]  # pass 1, the draft; no "pass 2"
+    said.clear()
+    calibrate(tiny_target, runner, 3, context=16, reps=5, max_batch=2, budget_s=1e9, progress=said.append)
+    assert sum(m.startswith("pass ") for m in said) == 5  # an ample budget: every repeat runs
+
+
 def test_bench_engine_without_drafts_says_what_to_do(tmp_path):
     """Refused before any model is fetched or loaded, naming the fix."""
     from pathlib import Path

@@ -303,7 +303,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
                                        on_seal=pub, detokenize=tok.decode if tok is not None else None) if hidden else None
     text_capture = TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate) if text else None
     runner = runner_for(ws.champion, target)
-    engine = make_engine(p, target, runner, served_version(ws.champion) if runner else None, capture=writer)
+    engine = make_engine(p, target, runner, served_version(ws.champion) if runner else None, capture=writer,
+                         progress=lambda m: console.print(f"serve: {m}", markup=False, highlight=False))
     if runner is not None:  # the global suffix tree deployed with the champion (never refuses to start)
         install_suffix_corpus(engine, ws.champion)
     sv = p.serve_resolved()

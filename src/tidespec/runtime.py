@@ -61,20 +61,22 @@ def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
 
 
 def make_engine(params: Params, target: Target, runner: DraftRunner | None = None, version: str | None = None,
-                adaptive: bool | None = None, capture=None) -> Engine:
+                adaptive: bool | None = None, capture=None, progress=None) -> Engine:
     """The serving engine as params.yaml says (`engine.*`). The goodput policy (`engine.adaptive`)
     needs a proposer (a draft, or `engine.suffix.enabled`) and calibrates once per machine, target,
     draft shape, thread count and `max_batch` (cached under the download cache); evaluation passes
     adaptive=False to measure τ at a fixed k. `capture`: a capture sink
     (`engine.speculative.CaptureSink`) the engine asks at admission and hands each finished
-    request's record. `engine.suffix.enabled` adds the suffix proposer (`engine.suffix.SuffixCache`)."""
+    request's record. `engine.suffix.enabled` adds the suffix proposer (`engine.suffix.SuffixCache`).
+    `progress(message)`: told what a first calibration is doing (≤ ~1 min on 2 cores)."""
     e = params.engine
     pol = None
     if (e.adaptive if adaptive is None else adaptive) and (runner is not None or e.suffix.enabled):
         rows = max(e.suffix.max_spec + 1 if e.suffix.enabled else 0,
                    tree_num_draft_tokens(e.num_draft_tokens, e.tree.eagle_topk, e.tree.num_draft_tokens)
                    if e.tree.eagle_topk > 1 and runner is not None else 0)
-        cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir(), max_batch=e.max_batch, max_rows=rows)
+        cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir(), max_batch=e.max_batch, max_rows=rows,
+                                progress=progress)
         pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every,
                         margin=e.adaptive_margin)
     kw = {"capture": capture} if capture is not None else {}

@@ -17,6 +17,7 @@ import os
 import platform
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from ..models import eagle3, target as target_mod
 from ..models.target import Segment
 
 VERSION = 3  # the cached file's format: a calibration of another version is measured anew
+BUDGET_S = 40.0  # wall-time budget of the repeated passes (the first pass always runs): ≤ 60 s on 2 cores
 
 
 def _interp(xs: tuple[float, ...] | list[float], ys: list[float], x: float) -> float:
@@ -156,11 +158,14 @@ def _monotone(grid: list[list[float]]) -> list[list[float]]:
 
 @torch.inference_mode()
 def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 7, max_batch: int = 1,
-              max_rows: int = 0, row_budget: int = 512) -> Calibration:
+              max_rows: int = 0, row_budget: int = 512, budget_s: float = BUDGET_S,
+              progress: Callable[[str], None] | None = None) -> Calibration:
     """Time ragged target forwards of b requests × r rows (b in `batch_grid(max_batch)`, r in
     `row_grid(k_max, max_rows)`, b·r ≤ row_budget; larger cells extrapolate along r) and batched
-    draft steps; the fastest of `reps` runs each, round-robin over the cells so a burst of load hits
-    every cell, not one. Raises ValueError for k_max < 1."""
+    draft steps; the fastest of up to `reps` runs each, round-robin over the cells so a burst of load
+    hits every cell, not one. Passes after the first stop once `budget_s` s of wall time are spent
+    (the draft steps share the budget), so a loaded machine calibrates in bounded time with fewer
+    repeats. `progress(message)` is told each pass. Raises ValueError for k_max < 1."""
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
     g = torch.Generator().manual_seed(0)
@@ -183,8 +188,14 @@ def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 7, max
 
     cells = [(i, j) for i, b in enumerate(bs) for j, r in enumerate(rs) if b * r <= max(row_budget, b * (k_max + 1))]
     fns = {c: tgt(bs[c[0]], rs[c[1]]) for c in cells}
+    say = progress or (lambda _: None)
+    t0 = time.perf_counter()
+    say(f"timing {len(cells)} target forwards (batch {list(bs)} × rows {list(rs)}): pass 1 of ≤ {reps + 1}")
     best = {c: _min_ms(f, 1) for c, f in fns.items()}
-    for _ in range(reps):
+    for i in range(reps):
+        if time.perf_counter() - t0 > budget_s / 2:  # the other half is the draft's
+            break
+        say(f"pass {i + 2} of ≤ {reps + 1} ({time.perf_counter() - t0:.0f} s)")
         for c, f in fns.items():
             best[c] = min(best[c], _min_ms(f, 1))
     grid = []
@@ -193,7 +204,11 @@ def calibrate(target, runner, k_max: int, context: int = 128, reps: int = 7, max
         row = [best[(i, j)] for j in js]
         grid.append([_interp([rs[j] for j in js], row, r) for r in rs])
     grid = _monotone(grid)
-    dms = measure_draft(target, runner, bs, context, reps) if runner is not None else (0.0,) * len(bs)
+    if runner is not None:
+        say(f"timing batched draft steps (batch {list(bs)})")
+        dms = measure_draft(target, runner, bs, context, reps, budget_s=max(0.0, budget_s - (time.perf_counter() - t0)))
+    else:
+        dms = (0.0,) * len(bs)
     return Calibration(tuple(grid[0][:k_max + 1]), dms[0], calibration_key(target, runner, k_max, max_batch, max_rows),
                        context, bs, rs, tuple(tuple(r) for r in grid), dms, draft_shape(runner))
 
@@ -207,8 +222,10 @@ def draft_shape(runner) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
-def measure_draft(target, runner, batch_sizes: tuple[int, ...], context: int = 128, reps: int = 7) -> tuple[float, ...]:
-    """ms of one batched draft step for each batch size (fastest of 4·reps; never decreasing with b)."""
+def measure_draft(target, runner, batch_sizes: tuple[int, ...], context: int = 128, reps: int = 7,
+                  budget_s: float = BUDGET_S) -> tuple[float, ...]:
+    """ms of one batched draft step for each batch size (fastest of ≤ 4·reps, fewer once `budget_s`
+    s are spent across the sizes, at least 2 each; never decreasing with b)."""
     g = torch.Generator().manual_seed(0)
     V = target.cfg.vocab_size
     items = []
@@ -224,15 +241,19 @@ def measure_draft(target, runner, batch_sizes: tuple[int, ...], context: int = 1
                 dc.length = context
             runner.step_batch(items[:b])
         return f
-    dms = [_min_ms(dstep(b), reps * 4) for b in batch_sizes]
+    deadline = time.perf_counter() + budget_s
+    dms = [_min_ms(dstep(b), reps * 4, deadline) for b in batch_sizes]
     return tuple(max(dms[:i + 1]) for i in range(len(dms)))
 
 
-def _min_ms(fn, reps: int) -> float:
-    """Fastest of `reps` runs (ms): on a shared machine the minimum is the least disturbed."""
+def _min_ms(fn, reps: int, deadline: float | None = None) -> float:
+    """Fastest of `reps` runs (ms): on a shared machine the minimum is the least disturbed. Past
+    `deadline` (perf_counter s) it stops after 2 runs."""
     fn()  # warm-up
     ts = []
-    for _ in range(reps):
+    for i in range(reps):
+        if i >= 2 and deadline is not None and time.perf_counter() > deadline:
+            break
         t = time.perf_counter()
         fn()
         ts.append(1000 * (time.perf_counter() - t))
@@ -240,9 +261,9 @@ def _min_ms(fn, reps: int) -> float:
 
 
 def load_or_calibrate(target, runner, k_max: int, cache_dir: Path | None, max_batch: int = 1,
-                      max_rows: int = 0) -> Calibration:
+                      max_rows: int = 0, progress: Callable[[str], None] | None = None) -> Calibration:
     """Calibration cached as JSON under `cache_dir/calibration/<key>.json` (measured once per machine,
-    target, draft shape, thread count and grid)."""
+    target, draft shape, thread count and grid; ≤ ~`BUDGET_S` s + one pass, told to `progress`)."""
     key = calibration_key(target, runner, k_max, max_batch, max_rows)
     path = Path(cache_dir) / "calibration" / f"{key}.json" if cache_dir else None
     if path is not None and path.exists():
@@ -253,7 +274,9 @@ def load_or_calibrate(target, runner, k_max: int, cache_dir: Path | None, max_ba
                                tuple(d.get("draft_shape", ())))
         except (ValueError, KeyError, TypeError):  # corrupt or foreign file: measure again
             path.unlink(missing_ok=True)
-    cal = calibrate(target, runner, k_max, max_batch=max_batch, max_rows=max_rows)
+    if progress:
+        progress(f"calibrating this machine's step costs for the goodput policy (once; cached at {path})")
+    cal = calibrate(target, runner, k_max, max_batch=max_batch, max_rows=max_rows, progress=progress)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
