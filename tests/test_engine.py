@@ -125,15 +125,22 @@ def test_requests_join_and_leave_between_steps(tiny_target):
     assert eng.num_unfinished == 0
 
 
-def test_threads_calling_generate_share_steps(tiny_target):
-    """Four client threads at once: every caller steps all running requests; outputs as alone."""
+def test_threads_calling_generate_share_steps(tiny_target, monkeypatch):
+    """Four client threads at once: every caller steps all running requests (target forwards carry
+    several requests' segments, fewer forwards than the requests alone took); outputs as alone."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
     eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=3, max_seq_len=128, max_batch=4)
     ps = _prompts(4, 4)
+    segs, real = [], tiny_target.forward_batch
+    monkeypatch.setattr(tiny_target, "forward_batch", lambda ss, *a, **kw: segs.append(len(ss)) or real(ss, *a, **kw))
     ref = [eng.generate(p, 24).tokens for p in ps]
+    alone, segs[:] = len(segs), []
+    start = threading.Barrier(4)
     with ThreadPoolExecutor(4) as ex:
-        got = list(ex.map(lambda p: eng.generate(p, 24).tokens, ps))
+        got = list(ex.map(lambda p: (start.wait(), eng.generate(p, 24).tokens)[1], ps))
     assert got == ref and eng.num_unfinished == 0
+    assert max(segs) > 1 and len(segs) < alone, (segs, alone)
 
 
 def test_one_requests_error_does_not_fail_its_batch_mates(tiny_target, monkeypatch):
