@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -124,6 +125,24 @@ def _workload(params: Params, source: str) -> str:
     return prefix.rstrip("/").rsplit("/", 1)[-1] or "endpoint"
 
 
+CRASH_ENV = "TIDESPEC_CRASH_AT"
+_crash_hits: Counter = Counter()
+
+
+def crash_point(name: str) -> None:
+    """Fault injection for the exactly-once tests: when $TIDESPEC_CRASH_AT is "<name>:<n>", the n-th
+    time this process reaches `name` it kills itself with SIGKILL (no cleanup, no flush: a kill -9 at
+    exactly that point). Points: `ingest.record` (a record handed to the writer, maybe not on disk),
+    `ingest.flushed` (an object's records on disk, its ledger line not written), `ingest.ledger` (the
+    ledger line written). A no-op otherwise."""
+    want = os.environ.get(CRASH_ENV)
+    if not want or want.rpartition(":")[0] != name:
+        return
+    _crash_hits[name] += 1
+    if _crash_hits[name] == int(want.rpartition(":")[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, writer: CaptureWriter,
                   progress=None) -> dict:
     """Ingest every object of `source` (S3 prefix or local directory) not in its ledger. Returns counts: objects, records,
@@ -193,6 +212,7 @@ def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, w
                                   "the object stays unread; free space or seal, then ingest again")
                 rep["skipped"] = dict(rep["skipped"])
                 return rep
+            crash_point("ingest.record")
             seen.add(ex.event_id)
             rep[origin] += 1
             n_obj += 1
@@ -204,7 +224,9 @@ def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, w
                               "stays unread; free space or seal, then ingest again")
             rep["skipped"] = dict(rep["skipped"])
             return rep
+        crash_point("ingest.flushed")
         append_ledger(led, {"key": obj["key"], "etag": obj["etag"], "records": n_obj, "skipped": dict(reasons)})
+        crash_point("ingest.ledger")
         rep["objects"] += 1
         rep["records"] += n_obj
         if progress:
