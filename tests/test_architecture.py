@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "curate", "train", "train.resume",
                     "train.trainer", "train.specforge",
                     "train.entry", "runtime")),
-    ("serve", ("protocol", "server", "frontdoor")),
+    ("serve", ("serve", "serve.protocol", "serve.errors", "serve.metrics", "serve.textlog", "serve.lifespan", "serve.engine_loop", "serve.responses", "serve.serving", "serve.streaming", "serve.openai", "serve.admin", "server", "frontdoor")),
     ("adapters", ("registry", "versioning", "orchestrate", "events", "services", "aws", "train.sagemaker", "capture.ingest",
                   "deploy", "deploy.sagemaker", "deploy.local", "engine.sglang", "capture.publish")),
     ("steps", ("cycle",)),

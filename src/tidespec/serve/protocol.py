@@ -7,7 +7,7 @@ Semantics follow vLLM's OpenAI server (`vllm/entrypoints/openai/protocol.py`) wh
 silent: `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`,
 `include_stop_str_in_output`, `skip_special_tokens` sit at the top level of the body (the `openai`
 SDK's `extra_body`); `workload` is tidespec's (the class the adaptive policy and capture key on).
-Errors use OpenAI's envelope `{"error": {"message", "type", "param", "code"}}` (`OpenAIError`).
+A refusal raises `errors.OpenAIError` (400 naming the field; OpenAI's envelope).
 """
 from __future__ import annotations
 
@@ -15,31 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .engine.sampling import MAX_LOGPROBS, SamplingParams
+from ..engine.sampling import MAX_LOGPROBS, SamplingParams
+from .errors import OpenAIError
 
 MAX_STOP = 4  # OpenAI: up to 4 stop sequences
 MAX_N = 16
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's envelope. status: HTTP status; param: the offending request
-    field (None when not one field); type: OpenAI's error type; code: a short machine code."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error", 504: "timeout_error"}
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
-
-    def body(self) -> dict:
-        return error_body(self.message, self.status, self.param, self.code)
-
-
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": OpenAIError.TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
 
 
 def _refuse(name: str, why: str) -> OpenAIError:
@@ -143,6 +123,7 @@ class _Sampling(_Strict):
         return self
 
     def stops(self) -> list[str]:
+        """The stop strings (0 to 4)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling(self, default_temperature: float, seed_offset: int = 0, logprobs: int | None = None
@@ -163,6 +144,7 @@ class _Sampling(_Strict):
             raise OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
 
     def max_new(self) -> int | None:
+        """The most tokens to generate (None: the server's default, serve.max_tokens)."""
         return self.max_tokens
 
 
@@ -306,10 +288,13 @@ class ChatRequest(_Sampling):
         return self
 
     def max_new(self) -> int | None:
+        """The most tokens to generate: max_completion_tokens or max_tokens (None: the server's default)."""
         return self.max_completion_tokens or self.max_tokens
 
     def num_logprobs(self) -> int | None:
+        """Top alternatives per token to return (None: no logprobs; 0: the chosen token's only)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
+        """The messages as the chat template gets them (`ChatMessage.for_template`)."""
         return [m.for_template() for m in self.messages]

@@ -1,0 +1,13 @@
+"""The rooms of the two HTTP servers (`tidespec serve`: `server.build_app`; its SGLang front door:
+`frontdoor.build_frontdoor`), after vLLM's `vllm/entrypoints/openai/`:
+
+- `protocol`: the OpenAI request models (every field honoured or refused with a 400 naming it);
+- `serving`: admission, waiting, aborts and accounting of OpenAI requests on the engine;
+- `responses`: the one response envelope (whole responses and streamed chunks), choices, logprobs;
+- `streaming`: server-sent events; `openai`: the routes;
+- `errors`: OpenAI's error envelope and the exception handlers;
+- `metrics`: what is counted (`FinishedRequestStats`) apart from the Prometheus exporter;
+- `admin`: `POST /admin/draft` (bearer token) and the `ChampionWatcher`;
+- `engine_loop`: the thread that steps the engine;
+- `textlog`: text capture of exchanges, `lifespan`: what closes at shutdown.
+"""

@@ -1,0 +1,148 @@
+"""Draft hot-swap: `POST /admin/draft` (bearer token in $TIDESPEC_ADMIN_TOKEN) and the
+`ChampionWatcher`, the two ways a live `tidespec serve` changes drafts. Both go through one
+`DraftInstaller` (`runtime.install_draft` under a lock, then /metrics' `draft_info`). The engine
+swaps between steps: requests in flight finish on the draft they started with."""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel, ConfigDict
+
+from ..engine.speculative import Engine
+from ..runtime import install_draft
+from ..workspace import served_version
+
+log = logging.getLogger(__name__)
+ADMIN_TOKEN_ENV = "TIDESPEC_ADMIN_TOKEN"
+
+
+class DraftSwap(BaseModel):
+    """`POST /admin/draft` body: exactly one of `path` (a draft checkpoint dir inside the server's
+    drafts dir) or `version` (a registry version, or an alias: "champion", "challenger")."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str | None = None
+    version: str | None = None
+
+
+class DraftInstaller:
+    """`installer(path, version)`: the draft checkpoint at `path` into `engine`
+    (`runtime.install_draft`, one swap at a time), then `on_installed(version)` (/metrics). Returns
+    {"draft_version", "suffix_corpus_tokens"}; raises ValueError or OSError for a draft the engine
+    refuses (the old one keeps serving)."""
+
+    def __init__(self, engine: Engine, on_installed: Callable[[str | None], None]):
+        self.engine, self.on_installed = engine, on_installed
+        self._lock = threading.Lock()
+
+    def __call__(self, path: Path, version: str | None) -> dict:
+        with self._lock:
+            out = install_draft(self.engine, path, version)
+            self.on_installed(out["draft_version"])
+        return out
+
+
+class ChampionWatcher:
+    """Polls `directory/version.json` every `every_s` s on a daemon thread and calls
+    `install(directory, version)` when it names another version than the engine serves: how a
+    running `tidespec serve` picks up the draft a `tide_cycle` run deployed (deploy.local writes the
+    directory by rename, so a poll never sees half a draft). A version the engine refuses is
+    logged once and not retried until the directory changes again."""
+
+    def __init__(self, directory: Path, every_s: float, engine: Engine, install: Callable[[Path, str], dict]):
+        self.directory, self.every_s, self.engine, self.install = Path(directory), every_s, engine, install
+        self._refused: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tidespec-champion-watch", daemon=True)
+        self._thread.start()
+
+    def check(self) -> str | None:
+        """One poll; returns the version installed now, or None."""
+        v = served_version(self.directory)
+        if v is None or v == self.engine.draft_version or v == self._refused:
+            return None
+        try:
+            self.install(self.directory, v)
+        except (ValueError, OSError) as e:
+            self._refused = v
+            log.error("champion %s at %s refused, draft %s keeps serving: %s", v, self.directory,
+                      self.engine.draft_version, e)
+            return None
+        log.info("serving champion %s from %s", v, self.directory)
+        return v
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.check()
+
+    def close(self) -> None:
+        """Stop polling (waits at most 5 s for a poll in progress)."""
+        self._stop.set()
+        self._thread.join(5)
+
+
+def admin_router(engine: Engine, install: DraftInstaller, drafts_dir: Path | None, admin_token: str | None,
+                 load_version: Callable[[str], Path] | None) -> APIRouter:
+    """`POST /admin/draft`: swap the served draft. Errors (OpenAI's envelope): 403 when `admin_token`
+    is None (admin disabled), 401 for a missing or wrong bearer token, 400 for a bad body (neither
+    or both fields; a path outside `drafts_dir`; a version with no registry, `load_version` None),
+    404 for a version `load_version` does not know (LookupError), 409 for a draft the engine
+    refuses (the old one keeps serving). Returns {"draft_version"} (plus
+    "suffix_corpus_tokens" when the engine has a suffix proposer)."""
+    router = APIRouter()
+
+    @router.post("/admin/draft")
+    def swap(body: DraftSwap, request: Request):
+        authorize(request, admin_token)
+        if (body.path is None) == (body.version is None):
+            raise HTTPException(400, "send exactly one of path (a draft dir) or version (registry version or alias)")
+        if body.path is not None:
+            path, version = inside(body.path, drafts_dir), Path(body.path).name
+        else:
+            path, version = _download(body.version, load_version), body.version
+        try:
+            out = install(path, version)
+        except (ValueError, OSError) as e:
+            raise HTTPException(409, f"draft refused, the old one keeps serving: {e}") from None
+        if engine.suffix is None:  # tokens of the global suffix tree installed: only with the suffix proposer
+            out.pop("suffix_corpus_tokens")
+        return out
+
+    return router
+
+
+def _download(version: str, load_version: Callable[[str], Path] | None) -> Path:
+    if load_version is None:
+        raise HTTPException(400, "this server has no registry (set MLFLOW_TRACKING_URI): swap by path")
+    try:
+        return load_version(version)
+    except LookupError as e:
+        raise HTTPException(404, str(e)) from None
+
+
+def authorize(request: Request, token: str | None) -> None:
+    """Raise HTTPException 403 when admin is disabled (`token` None or empty), 401 unless the request
+    carries `Authorization: Bearer <token>` (compared in constant time)."""
+    if not token:
+        raise HTTPException(403, f"admin is disabled: start the server with {ADMIN_TOKEN_ENV} set")
+    got = request.headers.get("authorization", "")
+    if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def inside(path: str, root: Path | None) -> Path:
+    """`path` resolved against `root`; raises HTTPException 400 unless it lies inside
+    `root` (no traversal, no symlink escape) or when there is no `root`."""
+    if root is None:
+        raise HTTPException(400, "this server allows no draft paths (no drafts dir configured): swap by version")
+    base = Path(root).resolve()
+    p = (base / path).resolve() if not os.path.isabs(path) else Path(path).resolve()
+    if p != base and base not in p.parents:
+        raise HTTPException(400, f"path {path!r} is outside the drafts dir {base}")
+    return p

@@ -1,0 +1,83 @@
+"""The OpenAI routes of `tidespec serve` (after vLLM's `vllm/entrypoints/openai/api_server.py`):
+`POST /v1/completions`, `POST /v1/chat/completions` (whole, or streamed with `stream: true`:
+`streaming`), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`. Request bodies are the models
+of `protocol` (every field honoured or refused with a 400 naming it); responses are built by
+`responses` (one envelope for whole responses and streamed chunks); errors by `errors`."""
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from .errors import OpenAIError
+from .protocol import ChatRequest, CompletionRequest, _Sampling
+from .responses import Api, ChatApi, CompletionApi, envelope, ext, usage
+from .serving import OpenAIServing
+from .streaming import stream
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody is listening for the answer
+
+
+def openai_router(serving: OpenAIServing) -> APIRouter:
+    """The routes over `serving`. Errors raise `OpenAIError` (4xx naming the field; 404 for another
+    model; 429 queue full; 504 timeout)."""
+    router = APIRouter()
+    completion, chat = CompletionApi(serving.tokenizer), ChatApi(serving.tokenizer)
+    started = int(time.time())
+
+    def model_card() -> dict:
+        e = serving.engine
+        return {"id": serving.model, "object": "model", "created": started, "owned_by": "tidespec",
+                "root": serving.model, "parent": None, "max_model_len": e.max_seq_len,
+                "tidespec": {"draft_version": e.draft_version, "num_draft_tokens": e.k,
+                             "adaptive": e.adaptive is not None}}
+
+    @router.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model_id:path}")
+    def model_entry(model_id: str):
+        if model_id != serving.model:
+            raise OpenAIError(f"the model {model_id!r} does not exist; this server serves {serving.model!r}",
+                              param="model", status=404, code="model_not_found")
+        return model_card()
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompts = [serving.encode(p) for p in body.prompts()]
+        return await respond(serving, completion, body, request, prompts, body.logprobs, echo=body.echo)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await respond(serving, chat, body, request, [serving.chat_prompt(body)], body.num_logprobs())
+
+    @router.get("/health")
+    def health():
+        return {"status": "ok", "draft_version": serving.engine.draft_version,
+                "requests": serving.engine.num_unfinished}
+
+    return router
+
+
+async def respond(serving: OpenAIServing, api: Api, body: _Sampling, request: Request, prompts: list[list[int]],
+                  logprobs: int | None, echo: bool = False) -> dict | Response:
+    """One OpenAI request: streamed (`body.stream`) or the whole response once every choice is done
+    (499 when the client went away meanwhile). `prompts`: token ids, one list per prompt;
+    `logprobs`: top alternatives per token (None: none); `echo`: the prompt's text first (completions)."""
+    if body.stream:
+        return stream(serving, api, body, prompts, logprobs, echo)
+    adm = serving.admit(body, api, prompts, logprobs)
+    gens = await serving.collect(request, adm)
+    if gens is None:
+        return Response(status_code=CLIENT_CLOSED)
+    choices = []
+    for c, g in zip(adm.choices, gens):
+        c.prefix = serving.echo_prefix(adm, c) if echo else ""
+        choices.append(api.choice(c.index, c.prefix + c.text_so_far, delta=False, lps=g.logprobs,
+                                  offsets=c.offsets(0, len(g.tokens)), base=len(c.prefix), finish=g))
+    resp = envelope(api, adm.request_id, int(time.time()), serving.model, choices,
+                    usage=usage(prompts, sum(len(g.tokens) for g in gens)), tidespec=ext(gens[0]))
+    serving.log_text(body, resp, adm)
+    return resp
