@@ -204,3 +204,87 @@ def test_capture_sample_rate_over_http_and_counters_on_metrics(tiny_target, tmp_
     # request ids are random uuids: binomial(40, 0.5) lies in [10, 30] with probability 0.998
     assert 10 <= len(rows) <= 30 and written == len(rows) and written + skipped == n
     assert all(4 <= r.num_tokens <= 7 for r in rows)  # whole requests: prompt (4) + generated (≤ 4) - 1
+
+
+def _events(c, body):
+    import json
+
+    with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(ln[len("data: "):]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+
+
+def test_engine_failure_is_a_500_with_the_request_id_streamed_or_not(tiny_target, caplog):
+    """A draft whose step raises (a ValueError, as a kernel's shape check would): the engine fails the
+    request, and the client gets 500 `engine_error` naming the request id — the same error body
+    whole or streamed (its last event) — never a 400 and never the cause or a traceback, which go
+    to the server log under that id."""
+    from tidespec.config import ServeParams
+    from tidespec.engine.speculative import Engine
+    from tidespec.models.eagle3 import DraftRunner
+    from tidespec.server import build_app
+
+    class ExplodingDraft(DraftRunner):
+        def new_cache(self, max_len):
+            raise ValueError("draft kernel exploded at /secret/internal/path")
+
+    eng = Engine(tiny_target, ExplodingDraft(random_draft(tiny_target, 64)), 3, 256, "bad")
+    with TestClient(build_app(eng, None, ServeParams(max_tokens=8))) as c:
+        r = c.post("/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 4})
+        assert r.status_code == 500, r.text
+        whole = r.json()["error"]
+        rid = whole["request_id"]
+        assert rid in whole["message"] and whole["type"] == "server_error" and whole["code"] == "engine_error"
+        assert "secret" not in r.text and "Traceback" not in r.text
+        assert any(rid in rec.getMessage() and rec.exc_info for rec in caplog.records)  # the cause, logged
+
+        opening, last = _events(c, {"prompt": [5, 17, 33], "max_tokens": 4, "echo": True})  # echo: a first chunk
+        streamed = last["error"]
+        assert opening["id"] == f"cmpl-{streamed['request_id']}"  # the error names the stream's request
+        assert streamed == whole | {"request_id": streamed["request_id"],
+                                    "message": whole["message"].replace(rid, streamed["request_id"])}
+        assert "secret" not in str(last)
+        assert c.get("/health").json()["requests"] == 0  # nothing left behind
+
+
+def test_a_bad_field_is_a_400_naming_it_streamed_or_not(served):
+    """Client errors are found before anything is queued, so a streamed request gets the same 400 as
+    a whole one; a refusal of the engine's own checks names the field too."""
+    c, eng, _ = served
+    for body, param in (({"prompt": [10**6]}, "prompt"),  # an id outside the vocabulary (Engine.validate)
+                        ({"prompt": [5], "logit_bias": {"99999": 1}}, "logit_bias"),
+                        ({"prompt": [5] * 250, "max_tokens": 16}, "max_tokens"),  # prompt + max_tokens > max_seq_len
+                        ({"prompt": [5], "max_tokens": 10**5}, "max_tokens"),  # above serve.max_tokens
+                        ({"prompt": [5], "top_p": 0}, "top_p")):
+        for stream in (False, True):
+            r = c.post("/v1/completions", json=body | {"stream": stream})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param, (body, stream, r.text)
+            assert err["type"] == "invalid_request_error"
+    assert eng.num_unfinished == 0
+
+
+def test_a_bug_in_a_handler_is_a_500_with_a_request_id_not_a_traceback(served, monkeypatch):
+    """Whatever a handler raises that is no OpenAIError (not even a ValueError) is 500
+    `internal_error` with a request id; in a stream it is the last event."""
+    from tidespec.serve.responses import CompletionApi
+
+    c, eng, _ = served
+
+    def broken(*a, **kw):
+        raise ValueError("bug at /secret/internal/path")
+
+    monkeypatch.setattr(CompletionApi, "choice", broken)  # every choice, whole or streamed
+    full = TestClient(c.app, raise_server_exceptions=False)  # Starlette re-raises it after answering, for the log
+    r = full.post("/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 4})
+    err = r.json()["error"]
+    assert r.status_code == 500 and err["code"] == "internal_error" and err["request_id"] in err["message"]
+    assert "secret" not in r.text and "Traceback" not in r.text
+    (last,) = _events(c, {"prompt": [5, 17, 33], "max_tokens": 4})
+    assert last["error"]["code"] == "internal_error" and last["error"]["request_id"] in last["error"]["message"]
+    assert "secret" not in str(last)
+    import time
+    deadline = time.monotonic() + 10
+    while eng.num_unfinished and time.monotonic() < deadline:  # aborted: freed at the next engine step
+        time.sleep(0.02)
+    assert eng.num_unfinished == 0

@@ -7,11 +7,12 @@ in OpenAI's error envelope: `serve.protocol`), `GET /v1/models` (the served id; 
 `vllm/v1/spec_decode/metrics.py` and `vllm/v1/metrics/loggers.py`, prefix `tidespec:`),
 `POST /admin/draft` (bearer token: swap the draft between engine steps; requests in flight finish on
 the draft they started with). One background thread steps the engine (continuous batching);
-requests beyond `serve.max_queue` waiting get 429. Capture is the engine's own hook
-(`Engine(capture=writer)`): the server only exposes the writer's counters on /metrics and flushes
-it on shutdown. Limits come from `config.ServeParams` (params.yaml `serve:`), the one serve config.
-Text comes from `detok.TextOutput` (incremental, stop strings; the same object feeds streamed
-deltas and the whole text). A client that disconnects aborts its request within one engine step.
+requests beyond `serve.max_queue` waiting get 429; a request the engine fails gets 500 with its
+request id (streamed: as the last event). Capture is the engine's own hook (`Engine(capture=writer)`):
+the server only exposes the writer's counters on /metrics and flushes it on shutdown. Limits come
+from `config.ServeParams` (params.yaml `serve:`), the one serve config. Text comes from
+`detok.TextOutput` (incremental, stop strings; the same object feeds streamed deltas and the whole
+text). A client that disconnects aborts its request within one engine step.
 
 This module composes the rooms of `tidespec.serve` (listed there) into the app.
 """

@@ -5,7 +5,8 @@
 - `serving`: admission, waiting, aborts and accounting of OpenAI requests on the engine;
 - `responses`: the one response envelope (whole responses and streamed chunks), choices, logprobs;
 - `streaming`: server-sent events; `openai`: the routes;
-- `errors`: OpenAI's error envelope and the exception handlers;
+- `errors`: OpenAI's error envelope, typed errors (4xx naming the field, 500 with a request id) and
+  the exception handlers;
 - `metrics`: what is counted (`FinishedRequestStats`) apart from the Prometheus exporter;
 - `admin`: `POST /admin/draft` (bearer token) and the `ChampionWatcher`;
 - `engine_loop`: the thread that steps the engine;

@@ -11,12 +11,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from ..engine.speculative import Engine
 from ..runtime import install_draft
 from ..workspace import served_version
+from .errors import OpenAIError
 
 log = logging.getLogger(__name__)
 ADMIN_TOKEN_ENV = "TIDESPEC_ADMIN_TOKEN"
@@ -90,10 +91,10 @@ class ChampionWatcher:
 def admin_router(engine: Engine, install: DraftInstaller, drafts_dir: Path | None, admin_token: str | None,
                  load_version: Callable[[str], Path] | None) -> APIRouter:
     """`POST /admin/draft`: swap the served draft. Errors (OpenAI's envelope): 403 when `admin_token`
-    is None (admin disabled), 401 for a missing or wrong bearer token, 400 for a bad body (neither
-    or both fields; a path outside `drafts_dir`; a version with no registry, `load_version` None),
-    404 for a version `load_version` does not know (LookupError), 409 for a draft the engine
-    refuses (the old one keeps serving). Returns {"draft_version"} (plus
+    is None (admin disabled), 401 for a missing or wrong bearer token, 400 naming the field for a
+    bad body (neither or both fields; a path outside `drafts_dir`; a version with no registry,
+    `load_version` None), 404 for a version `load_version` does not know (LookupError), 409 for a
+    draft the engine refuses (the old one keeps serving). Returns {"draft_version"} (plus
     "suffix_corpus_tokens" when the engine has a suffix proposer)."""
     router = APIRouter()
 
@@ -101,7 +102,8 @@ def admin_router(engine: Engine, install: DraftInstaller, drafts_dir: Path | Non
     def swap(body: DraftSwap, request: Request):
         authorize(request, admin_token)
         if (body.path is None) == (body.version is None):
-            raise HTTPException(400, "send exactly one of path (a draft dir) or version (registry version or alias)")
+            raise OpenAIError("send exactly one of path (a draft dir) or version (registry version or alias)",
+                              param="path")
         if body.path is not None:
             path, version = inside(body.path, drafts_dir), Path(body.path).name
         else:
@@ -109,7 +111,8 @@ def admin_router(engine: Engine, install: DraftInstaller, drafts_dir: Path | Non
         try:
             out = install(path, version)
         except (ValueError, OSError) as e:
-            raise HTTPException(409, f"draft refused, the old one keeps serving: {e}") from None
+            raise OpenAIError(f"draft refused, the old one keeps serving: {e}", status=409,
+                              code="draft_refused") from None
         if engine.suffix is None:  # tokens of the global suffix tree installed: only with the suffix proposer
             out.pop("suffix_corpus_tokens")
         return out
@@ -119,30 +122,31 @@ def admin_router(engine: Engine, install: DraftInstaller, drafts_dir: Path | Non
 
 def _download(version: str, load_version: Callable[[str], Path] | None) -> Path:
     if load_version is None:
-        raise HTTPException(400, "this server has no registry (set MLFLOW_TRACKING_URI): swap by path")
+        raise OpenAIError("this server has no registry (set MLFLOW_TRACKING_URI): swap by path", param="version")
     try:
         return load_version(version)
     except LookupError as e:
-        raise HTTPException(404, str(e)) from None
+        raise OpenAIError(str(e), param="version", status=404, code="version_not_found") from None
 
 
 def authorize(request: Request, token: str | None) -> None:
-    """Raise HTTPException 403 when admin is disabled (`token` None or empty), 401 unless the request
+    """Raise OpenAIError 403 when admin is disabled (`token` None or empty), 401 unless the request
     carries `Authorization: Bearer <token>` (compared in constant time)."""
     if not token:
-        raise HTTPException(403, f"admin is disabled: start the server with {ADMIN_TOKEN_ENV} set")
+        raise OpenAIError(f"admin is disabled: start the server with {ADMIN_TOKEN_ENV} set", status=403)
     got = request.headers.get("authorization", "")
     if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        raise OpenAIError("missing or wrong bearer token", status=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 def inside(path: str, root: Path | None) -> Path:
-    """`path` resolved against `root`; raises HTTPException 400 unless it lies inside
+    """`path` resolved against `root`; raises OpenAIError 400 (param "path") unless it lies inside
     `root` (no traversal, no symlink escape) or when there is no `root`."""
     if root is None:
-        raise HTTPException(400, "this server allows no draft paths (no drafts dir configured): swap by version")
+        raise OpenAIError("this server allows no draft paths (no drafts dir configured): swap by version",
+                          param="path")
     base = Path(root).resolve()
     p = (base / path).resolve() if not os.path.isabs(path) else Path(path).resolve()
     if p != base and base not in p.parents:
-        raise HTTPException(400, f"path {path!r} is outside the drafts dir {base}")
+        raise OpenAIError(f"path {path!r} is outside the drafts dir {base}", param="path")
     return p

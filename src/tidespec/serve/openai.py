@@ -21,7 +21,7 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": nobody is listening for 
 
 def openai_router(serving: OpenAIServing) -> APIRouter:
     """The routes over `serving`. Errors raise `OpenAIError` (4xx naming the field; 404 for another
-    model; 429 queue full; 504 timeout)."""
+    model; 429 queue full; 504 timeout) or `EngineError` (500 with the request id)."""
     router = APIRouter()
     completion, chat = CompletionApi(serving.tokenizer), ChatApi(serving.tokenizer)
     started = int(time.time())

@@ -3,7 +3,10 @@
 admission (n engine requests per prompt, queue limit, the request's checks), waiting for the
 engine with client-disconnect and timeout aborts, one engine result → metrics, text capture.
 
-Errors: a client error raises `OpenAIError` 4xx before anything is queued.
+Errors: a client error raises `OpenAIError` 4xx naming the field (`param`), before anything is
+queued; a request the engine failed raises `EngineError` (500, the request id in message and body).
+A `ValueError` is a client error only where it comes from checking the request (the engine's
+`validate`, tokenization, sampling parameters), never when the engine's Future carries it.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from ..detok import TextOutput
 from ..engine.speculative import Engine, Generation
 from ..engine.speculative import Request as EngineRequest
 from .engine_loop import EngineLoop
-from .errors import OpenAIError
+from .errors import EngineError, OpenAIError, RequestTimeout
 from .metrics import FinishedRequestStats, ServeMetrics
 from .protocol import ChatRequest, _Sampling
 from .responses import Api
@@ -135,7 +138,7 @@ class OpenAIServing:
                                         sampling=body.sampling(self.cfg.default_temperature, j, logprobs),
                                         workload=body.workload or DEFAULT_WORKLOAD, stop=text,
                                         on_tokens=on_tokens(idx) if on_tokens else None)
-                    adm.choices.append(Choice(idx, req, self._submit(req), text))
+                    adm.choices.append(Choice(idx, req, self._submit(req, body, ids, api.prompt_param), text))
         except BaseException:
             for c in adm.choices:
                 self.engine.abort(c.req.request_id)
@@ -172,19 +175,32 @@ class OpenAIServing:
             return TextOutput(self.tokenizer, stops, body.include_stop_str_in_output, body.skip_special_tokens,
                               stop_ids, prompt_ids=ids)
         except ValueError as e:
-            raise OpenAIError(str(e)) from None
+            raise OpenAIError(str(e), param="stop") from None
 
-    def _submit(self, req: EngineRequest) -> Future:
+    def _submit(self, req: EngineRequest, body: _Sampling, ids: list[int], prompt_param: str) -> Future:
         try:
             return self.loop.submit(req)
-        except ValueError as e:  # Engine.validate
-            raise OpenAIError(str(e)) from None
+        except ValueError as e:  # Engine.validate: the request, not the engine
+            raise OpenAIError(str(e), param=self._blame(body, ids, prompt_param)) from None
+
+    def _blame(self, body: _Sampling, ids: list[int], prompt_param: str) -> str:
+        """The field a refusal of `Engine.validate` is about: the prompt (empty, ids outside the
+        vocabulary), logit_bias or stop_token_ids (ids outside the vocabulary), else max_tokens
+        (prompt + max_tokens exceed the engine's max_seq_len: the field a client lowers)."""
+        V = self.engine.target.cfg.vocab_size
+        if not ids or any(not 0 <= t < V for t in ids):
+            return prompt_param
+        if any(int(t) >= V for t in body.logit_bias or {}):
+            return "logit_bias"
+        if any(t >= V for t in body.stop_token_ids or ()):
+            return "stop_token_ids"
+        return "max_tokens"
 
     # -- results --------------------------------------------------------------------------
     async def collect(self, request: Request, adm: Admitted) -> list[Generation] | None:
         """Wait for every choice; None when the client went away (all aborted within one engine
-        step). Raises OpenAIError 504 after serve.request_timeout_s s (all aborted); an engine error
-        propagates (500)."""
+        step). Raises RequestTimeout (504) after serve.request_timeout_s s (all aborted), EngineError
+        (500) when the engine failed a choice."""
         pending = {asyncio.wrap_future(c.fut) for c in adm.choices}
         deadline = time.monotonic() + self.cfg.request_timeout_s
         while pending:
@@ -194,12 +210,23 @@ class OpenAIServing:
                 return None
             if pending and time.monotonic() > deadline:
                 self.abort(adm.choices)
-                raise OpenAIError(f"request took longer than {self.cfg.request_timeout_s:g} s "
-                                  "(serve.request_timeout_s)", status=504, code="timeout")
-        return [self.result(adm, c) for c in adm.choices]
+                raise RequestTimeout(self.cfg.request_timeout_s)
+        gens, error = [], None
+        for c in adm.choices:  # every finished choice is counted, even when another one failed
+            try:
+                gens.append(self.result(adm, c))
+            except EngineError as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return gens
 
     def result(self, adm: Admitted, c: Choice) -> Generation:
-        """A done choice's Generation, counted on /metrics; the engine's error propagates."""
+        """A done choice's Generation, counted on /metrics. Raises EngineError (500, `adm`'s request
+        id) when the engine failed it; the cause goes to the server log only."""
+        exc = c.fut.exception()
+        if exc is not None:
+            raise EngineError.of(adm.request_id, exc, c.req.request_id)
         g = c.fut.result()
         self.finished(c, g)
         return g

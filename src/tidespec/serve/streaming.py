@@ -3,13 +3,13 @@ tokens. Per choice: an opening chunk (chat: the assistant role; completions with
 text), one chunk per engine step with its new text (none while the text may still begin a stop
 string or a character is incomplete), a last chunk with finish_reason; with
 stream_options.include_usage one more chunk with usage and no choices; then `data: [DONE]`.
-An engine error (500) or a timeout (504) ends the stream with one `data:` event holding an error
-body. A client that disconnects aborts all its choices."""
+A failure after the stream began — the engine failing a choice (500, with the request id), the
+request timing out (504), a server bug (500) — ends it with one `data:` event holding the same error
+body a whole response would carry. A client that disconnects aborts all its choices."""
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -17,12 +17,10 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.sampling import TokenLogprob
 from ..engine.speculative import Generation
-from .errors import error_body
+from .errors import InternalError, OpenAIError, RequestTimeout
 from .protocol import StreamOptions, _Sampling
 from .responses import Api, envelope, usage
 from .serving import Admitted, Choice, OpenAIServing
-
-log = logging.getLogger(__name__)
 
 
 def stream(serving: OpenAIServing, api: Api, body: _Sampling, prompts: list[list[int]], logprobs: int | None,
@@ -62,33 +60,32 @@ class ChoiceStream:
                     yield self._chunk(piece)
             remaining = len(self.adm.choices)
             while remaining:
-                try:
-                    idx, toks, lps = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    err = error_body(f"request took longer than {self.serving.cfg.request_timeout_s:g} s", 504,
-                                     code="timeout")
-                    yield f"data: {json.dumps(err)}\n\n"
-                    return
+                idx, toks, lps = await self._next(deadline)
                 c = self.adm.choices[idx]
                 if toks is not None:
                     yield self._chunk(self._step(c, toks, lps))  # one per engine step
                     continue
                 remaining -= 1
-                exc = c.fut.exception()
-                if exc is not None:
-                    log.error("request %s failed: %r", c.req.request_id, exc)
-                    yield f"data: {json.dumps(error_body(str(exc), 500))}\n\n"
-                    return
                 yield self._chunk(self._last(c))
             if self.opts.include_usage:
                 yield self._chunk(None, usage=self._usage())
             yield self._send("data: [DONE]\n\n")
             done = True
+        except OpenAIError as e:  # EngineError 500, RequestTimeout 504: the body a whole response would have
+            yield e.sse()
+        except Exception as e:  # noqa: BLE001 - a bug here: 500 with the request id, traceback in the log only
+            yield InternalError.of(e, self.adm.request_id, "stream").sse()
         finally:
             if not done:  # client gone (the generator is closed), timeout or error
                 self.serving.abort(self.adm.choices)
         if done:
             self.serving.log_text(self.body, "".join(self.sent), self.adm)
+
+    async def _next(self, deadline: float) -> tuple[int, list[int] | None, list[TokenLogprob] | None]:
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise RequestTimeout(self.serving.cfg.request_timeout_s) from None
 
     def _echo(self, c: Choice) -> str | None:
         if not self.echo:
@@ -106,7 +103,7 @@ class ChoiceStream:
         return self._piece(c, delta, self._ready_logprobs(c, False), None, toks)
 
     def _last(self, c: Choice) -> dict:
-        """The last piece of a finished choice (finish_reason)."""
+        """The last piece of a done choice (finish_reason). Raises EngineError when the engine failed it."""
         g = self.serving.result(self.adm, c)
         delta = c.text.release(final=True) if c.text is not None else ""
         return self._piece(c, delta, self._ready_logprobs(c, True), g)
