@@ -1,7 +1,8 @@
 """The OpenAI front door before an SGLang-like backend (stand-in: tidespec's own OpenAI server on the
 tiny target in a uvicorn thread; the real SGLang server test stays gpu-marked in test_sglang.py):
 bodies and streams pass through unchanged, errors keep their status, exchanges are text-captured
-and ingest into the live records, a dead backend is a 502 in OpenAI's envelope."""
+and ingest into the live records, a dead backend is a 502 in OpenAI's envelope (the serving
+module's error handlers: an unknown route is enveloped too)."""
 from __future__ import annotations
 
 import json
@@ -70,4 +71,6 @@ def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
     with TestClient(build_frontdoor(backend.url, None, timeout_s=2)) as c:
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "t7"}]})
         assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "backend_error" and r.json()["error"]["code"] == "backend_unreachable"
         assert c.get("/health").status_code == 503
+        assert c.get("/v1/nope").json()["error"]["type"] == "not_found_error"  # tidespec serve's error handlers

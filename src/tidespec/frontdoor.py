@@ -8,29 +8,147 @@ successful exchange in the SageMaker Data Capture format (`capture.text`, `captu
 `tide_capture` flow rehydrates it), and Prometheus metrics (`tidespec:frontdoor_requests_total{route,
 status}`, `..._latency_seconds`, `prompt_tokens_total` / `generation_tokens_total` from the responses'
 usage). Parameters are the backend's to honour or refuse: nothing is dropped here. A backend that
-cannot be reached gets 502 in OpenAI's error envelope.
+cannot be reached gets 502 (503 on /health), one that does not answer in time 504, in OpenAI's error
+envelope. Error envelope, text capture, metric names and shutdown are `tidespec serve`'s own pieces
+(`serve.errors`, `serve.textlog`, `serve.metrics`, `serve.lifespan`).
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .serve.errors import OpenAIError, install_error_handlers
+from .serve.lifespan import closing
+from .serve.metrics import FrontdoorMetrics, metrics_response
+from .serve.textlog import TextLog
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+JSON = {"content-type": "application/json"}
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "backend_error", "param": None, "code": status}},
-                        status_code=status)
+def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0) -> FastAPI:
+    """The FastAPI app in front of `backend_url` (e.g. http://127.0.0.1:30000). `text_capture`: a
+    `capture.text.TextCapture` (None: no capture); `timeout_s`: per backend request, s (504 after).
+    At shutdown the backend client and the text capture are closed."""
+    proxy = Proxy(backend_url, httpx.AsyncClient(timeout=timeout_s), timeout_s, FrontdoorMetrics(),
+                  TextLog(text_capture))
+    app = FastAPI(title="tidespec front door", version="0.1",
+                  lifespan=closing(proxy.client.aclose, proxy.textlog.close))
+    for route in ROUTES:
+        app.add_api_route(route, proxy.forwarder(route), methods=["POST"])
+    app.add_api_route("/v1/models", proxy.models, methods=["GET"])
+    app.add_api_route("/health", proxy.health, methods=["GET"])
+    app.add_api_route("/metrics", lambda: metrics_response(proxy.metrics.registry), methods=["GET"])
+    install_error_handlers(app)
+    return app
 
 
-def _usage_from_sse(text: str) -> dict:
+class Proxy:
+    """Forwards requests to the backend at `base` with `client`, counting and capturing them."""
+
+    def __init__(self, base: str, client: httpx.AsyncClient, timeout_s: float, metrics: FrontdoorMetrics,
+                 textlog: TextLog):
+        self.base, self.client, self.timeout_s = base.rstrip("/"), client, timeout_s
+        self.metrics, self.textlog = metrics, textlog
+
+    def forwarder(self, route: str):
+        """The endpoint of POST `route`."""
+        async def endpoint(request: Request) -> Response:
+            return await self.forward(route, request)
+        return endpoint
+
+    async def forward(self, route: str, request: Request) -> Response:
+        """POST the request's body to the backend's `route` as sent; its answer back unchanged (a
+        stream relayed chunk by chunk). A successful exchange is text-captured. Returns 502 (backend
+        unreachable) or 504 (no answer within timeout_s) in OpenAI's envelope."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError:
+            body = None
+        t0 = time.perf_counter()
+        streaming = isinstance(body, dict) and bool(body.get("stream"))
+        try:
+            if streaming:
+                resp = await self.client.send(self.client.build_request("POST", self.base + route, content=raw,
+                                                                        headers=JSON), stream=True)
+            else:
+                resp = await self.client.post(self.base + route, content=raw, headers=JSON)
+        except httpx.TimeoutException:
+            return self._down(route, 504, f"backend {self.base} did not answer within {self.timeout_s:g} s")
+        except httpx.HTTPError as e:
+            return self._down(route, 502, f"backend {self.base} unreachable: {e}")
+        if not streaming:
+            return self._whole(route, body, resp, t0)
+        if resp.status_code != 200:
+            data = await resp.aread()
+            self.metrics.observe(route, resp.status_code, time.perf_counter() - t0, None)
+            return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+        return StreamingResponse(self._relay(route, body, resp, t0), media_type="text/event-stream")
+
+    def _whole(self, route: str, body, resp: httpx.Response, t0: float) -> Response:
+        try:
+            out = json.loads(resp.content)
+        except json.JSONDecodeError:
+            out = None
+        self.metrics.observe(route, resp.status_code, time.perf_counter() - t0,
+                             out.get("usage") if isinstance(out, dict) else None)
+        if resp.status_code == 200 and isinstance(out, dict) and isinstance(body, dict):
+            self.textlog.log(out.get("id") or uuid.uuid4().hex, body, out)
+        return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+
+    async def _relay(self, route: str, body, resp: httpx.Response, t0: float) -> AsyncIterator[bytes]:
+        sent = []
+        try:
+            async for chunk in resp.aiter_bytes():
+                sent.append(chunk)
+                yield chunk
+        finally:
+            await resp.aclose()
+        text = b"".join(sent).decode("utf-8", "replace")
+        self.metrics.observe(route, 200, time.perf_counter() - t0, usage_from_sse(text))
+        if text.rstrip().endswith("[DONE]"):  # a complete stream only
+            self.textlog.log(uuid.uuid4().hex, body, text)
+
+    def _down(self, route: str, status: int, message: str) -> JSONResponse:
+        self.metrics.count(route, status)
+        return backend_error(status, message).response()
+
+    async def _get(self, path: str, down_status: int) -> tuple[httpx.Response | None, JSONResponse | None]:
+        """GET `path` on the backend: (response, None), or (None, the error reply with `down_status`)."""
+        try:
+            return await self.client.get(self.base + path), None
+        except httpx.HTTPError as e:
+            return None, backend_error(down_status, f"backend {self.base} unreachable: {e}").response()
+
+    async def models(self) -> Response:
+        """GET /v1/models: the backend's answer (502 when it is down)."""
+        r, err = await self._get("/v1/models", 502)
+        return err or Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    async def health(self) -> JSONResponse:
+        """GET /health: 200 when the backend's /health is, else 503 with its status."""
+        r, err = await self._get("/health", 503)
+        if err:
+            return err
+        ok = r.status_code == 200
+        return JSONResponse({"status": "ok" if ok else "backend unhealthy", "backend": self.base,
+                             "backend_status": r.status_code}, status_code=200 if ok else 503)
+
+
+def backend_error(status: int, message: str) -> OpenAIError:
+    """The front door's own error: the backend is down (502, 503) or slow (504)."""
+    return OpenAIError(message, status=status, code="backend_timeout" if status == 504 else "backend_unreachable",
+                       type="backend_error")
+
+
+def usage_from_sse(text: str) -> dict:
     """The last `usage` object of an SSE stream (present when the client asked for include_usage)."""
     usage = {}
     for line in text.splitlines():
@@ -40,121 +158,3 @@ def _usage_from_sse(text: str) -> dict:
             except (json.JSONDecodeError, AttributeError):
                 continue
     return usage
-
-
-def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0) -> FastAPI:
-    """The FastAPI app in front of `backend_url` (e.g. http://127.0.0.1:30000). `text_capture`: a
-    `capture.text.TextCapture` (None: no capture); `timeout_s`: per backend request, s (504 after)."""
-    base = backend_url.rstrip("/")
-    reg = CollectorRegistry()
-    requests = Counter("tidespec:frontdoor_requests", "Requests forwarded, by route and backend status.",
-                       ["route", "status"], registry=reg)
-    latency = Histogram("tidespec:frontdoor_latency_seconds", "Backend time per request (to the last byte).",
-                        ["route"], registry=reg, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-    prompt_tokens = Counter("tidespec:prompt_tokens", "Prompt tokens (backend usage).", registry=reg)
-    gen_tokens = Counter("tidespec:generation_tokens", "Generated tokens (backend usage).", registry=reg)
-    client = httpx.AsyncClient(timeout=timeout_s)
-    app = FastAPI(title="tidespec front door", version="0.1")
-
-    @app.on_event("shutdown")
-    async def _close():
-        await client.aclose()
-        if text_capture is not None:
-            text_capture.close()
-
-    def account(route: str, status: int, t0: float, usage: dict) -> None:
-        requests.labels(route=route, status=str(status)).inc()
-        latency.labels(route=route).observe(time.perf_counter() - t0)
-        prompt_tokens.inc(usage.get("prompt_tokens", 0) or 0)
-        gen_tokens.inc(usage.get("completion_tokens", 0) or 0)
-
-    def capture(body: dict, response: dict | str, rid: str | None) -> None:
-        if text_capture is not None:
-            text_capture.log(rid or uuid.uuid4().hex, body, response)
-
-    async def forward(route: str, request: Request):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except json.JSONDecodeError:
-            body = None
-        t0 = time.perf_counter()
-        headers = {"content-type": "application/json"}
-        streaming = isinstance(body, dict) and bool(body.get("stream"))
-        try:
-            if streaming:
-                req = client.build_request("POST", base + route, content=raw, headers=headers)
-                resp = await client.send(req, stream=True)
-            else:
-                resp = await client.post(base + route, content=raw, headers=headers)
-        except httpx.TimeoutException:
-            requests.labels(route=route, status="504").inc()
-            return _error(504, f"backend {base} did not answer within {timeout_s:g} s")
-        except httpx.HTTPError as e:
-            requests.labels(route=route, status="502").inc()
-            return _error(502, f"backend {base} unreachable: {e}")
-        if streaming:
-            if resp.status_code != 200:
-                data = await resp.aread()
-                account(route, resp.status_code, t0, {})
-                return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-
-            async def relay():
-                sent = []
-                try:
-                    async for chunk in resp.aiter_bytes():
-                        sent.append(chunk)
-                        yield chunk
-                finally:
-                    await resp.aclose()
-                text = b"".join(sent).decode("utf-8", "replace")
-                account(route, 200, t0, _usage_from_sse(text))
-                if text.rstrip().endswith("[DONE]"):  # a complete stream only
-                    capture(body, text, None)
-            return StreamingResponse(relay(), media_type="text/event-stream")
-        data = resp.content
-        out = None
-        try:
-            out = json.loads(data)
-        except json.JSONDecodeError:
-            pass
-        usage = out.get("usage") if isinstance(out, dict) else None
-        account(route, resp.status_code, t0, usage or {})
-        if resp.status_code == 200 and isinstance(out, dict) and isinstance(body, dict):
-            capture(body, out, out.get("id"))
-        return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await forward("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await forward("/v1/chat/completions", request)
-
-    async def backend_get(path: str, down_status: int):
-        """GET `path` on the backend: (response, None), or (None, the error reply with `down_status`)."""
-        try:
-            return await client.get(base + path), None
-        except httpx.HTTPError as e:
-            return None, _error(down_status, f"backend {base} unreachable: {e}")
-
-    @app.get("/v1/models")
-    async def models():
-        r, err = await backend_get("/v1/models", 502)
-        return err or Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-
-    @app.get("/health")
-    async def health():
-        r, err = await backend_get("/health", 503)
-        if err:
-            return err
-        ok = r.status_code == 200
-        return JSONResponse({"status": "ok" if ok else "backend unhealthy", "backend": base,
-                             "backend_status": r.status_code}, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    def prom():
-        return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
-
-    return app

@@ -6,9 +6,9 @@
 - `responses`: the one response envelope (whole responses and streamed chunks), choices, logprobs;
 - `streaming`: server-sent events; `openai`: the routes;
 - `errors`: OpenAI's error envelope, typed errors (4xx naming the field, 500 with a request id) and
-  the exception handlers;
-- `metrics`: what is counted (`FinishedRequestStats`) apart from the Prometheus exporter;
+  the exception handlers (both servers);
+- `metrics`: what is counted (`FinishedRequestStats`) apart from the Prometheus exporters (both servers);
 - `admin`: `POST /admin/draft` (bearer token) and the `ChampionWatcher`;
 - `engine_loop`: the thread that steps the engine;
-- `textlog`: text capture of exchanges, `lifespan`: what closes at shutdown.
+- `textlog`: text capture of exchanges, `lifespan`: what closes at shutdown (both servers).
 """
