@@ -171,7 +171,8 @@ def test_deploy_notifies_a_running_server(tiny_target, tmp_path):
     eng = Engine(tiny_target, None, 3, 256)
     srv = serve_in_thread(build_app(eng, None, ServeParams(max_tokens=256), drafts_dir=drafts, admin_token="t"))
     try:
-        assert notify_server(drafts / "champion", srv.url, "wrong")["status"] == 401 and eng.draft_version is None
+        bad = notify_server(drafts / "champion", srv.url, "wrong")
+        assert bad["status"] == 401 and "bearer token" in bad["error"] and eng.draft_version is None
         got = notify_server(drafts / "champion", srv.url, "t")
         assert got == {"server": srv.url, "status": 200, "draft_version": "7"} and eng.draft_version == "7"
     finally:

@@ -80,5 +80,6 @@ def notify_server(dest: Path, url: str | None = None, token: str | None = None, 
         return {"server": url, "error": f"unreachable: {e}"}
     body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
     if r.status_code != 200:
-        return {"server": url, "status": r.status_code, "error": body.get("detail", r.text[:200])}
+        err = body.get("error") if isinstance(body.get("error"), dict) else {}  # OpenAI's envelope
+        return {"server": url, "status": r.status_code, "error": err.get("message") or r.text[:200]}
     return {"server": url, "status": 200, "draft_version": body.get("draft_version")}
