@@ -345,7 +345,7 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     Resumable: the training state (weights, AdamW, LR schedule, epoch, batch, RNG) is saved every
     `train.checkpoint_every` optimizer steps and at each epoch end under `<out>.train-state/`; a rerun
     with the same data, params and warm start continues from it and gives the same weights as an
-    uninterrupted run. Returns metrics (the names MLflow gets; README, "MLflow, per cycle"): `train/loss` (per epoch list),
+    uninterrupted run. Returns metrics (the names MLflow gets; docs/orchestration.md): `train/loss` (per epoch list),
     `train/acc_{j}` (last epoch, unconditional), and on the validation records (`evaluate_holdout`;
     all absent when no validation record is usable, never the training accuracy under `val/`):
     `val/acc_{j}` (unconditional top-1 agreement at TTT step j), `val/cond_acc_{j}` (conditional
@@ -360,91 +360,124 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     """
     if not train_records:
         raise ValueError("no training records after curation; capture more traffic")
-    batch_tokens = tparams.batch_tokens
     if tparams.threads:
         torch.set_num_threads(tparams.threads)
     counts = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
     draft = init_draft(target, dparams, counts, init)
     draft.train()
-    dropped: Counter = Counter()
+    dropped, val_dropped = Counter(), Counter()
     ex_train = prepare(train_records, target, draft.t2d, tparams.max_seq_len, tparams.loss_on_prompt, dropped)
-    val_dropped: Counter = Counter()
     ex_val = prepare(val_records, target, draft.t2d, tparams.max_seq_len, dropped=val_dropped)
     if not ex_train:
         raise ValueError(f"every training record was dropped ({dict(dropped)}); capture more traffic")
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tparams.lr, weight_decay=tparams.weight_decay)
-    nb = sum(1 for _ in batches(ex_train, batch_tokens, False, random.Random(0)))
-    total = max(1, nb * tparams.epochs)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, total // 20)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    opt, sched, total = _optimizer(params, ex_train, tparams)
     rng = random.Random(tparams.seed)
     torch.manual_seed(tparams.seed)
-    steps = tparams.ttt_steps
     sdir = state_dir(out)
     fp = fingerprint(tparams.model_dump(exclude={"threads"}), dparams.model_dump(), weights_digest(init),
                      target.target_id, str(target.dtype), list(target.aux_layers), records_fingerprint(train_records))
-    st = load_state(sdir, fp)
-    run = {"step": 0, "epoch": 0, "batches_done": 0, "losses": [], "tokens": 0, "seconds": 0.0, "skipped": 0,
-           "ep_loss": 0.0, "ep_n": 0, "corr": [0] * steps, "cnt": [0] * steps, "epoch_rng": rng.getstate()}
-    resumed_from = 0
-    if st is not None:
-        draft.load_state_dict(st["draft"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
-        run = st["run"]
-        resumed_from = run["step"]
+    run, resumed_from = _resume(sdir, fp, draft, opt, sched, tparams.ttt_steps, rng)
 
     def checkpoint():
         save_state(sdir, {"fingerprint": fp, "draft": draft.state_dict(), "opt": opt.state_dict(),
                           "sched": sched.state_dict(), "run": run})
 
-    every = tparams.checkpoint_every
     for ep in range(run["epoch"], tparams.epochs):
-        rng.setstate(run["epoch_rng"])  # the epoch's batch order, reproducible on resume
-        t0 = time.perf_counter()
-        for bi, (aux, ids, tl, valid, kv) in enumerate(batches(ex_train, batch_tokens, True, rng)):
-            if bi < run["batches_done"]:
-                continue
-            loss, c, n = ttt_loss(draft, aux, ids, tl, valid, kv, steps, tparams.loss_decay)
-            run["batches_done"] = bi + 1
-            if not loss.requires_grad or not torch.isfinite(loss):  # nothing to learn / a bad batch
-                run["skipped"] += 1
-                continue
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            run["step"] += 1
-            run["tokens"] += int(kv.sum())
-            run["ep_loss"] += float(loss.detach())
-            run["ep_n"] += 1
-            run["corr"] = [a + b for a, b in zip(run["corr"], c)]
-            run["cnt"] = [a + b for a, b in zip(run["cnt"], n)]
-            if progress:
-                progress(run["step"], total, float(loss.detach()))
-            if every and run["step"] % every == 0:
-                run["seconds"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                checkpoint()
-        run["seconds"] += time.perf_counter() - t0
-        train_acc = [c / n if n else 0.0 for c, n in zip(run["corr"], run["cnt"])]
-        run["losses"].append(run["ep_loss"] / max(run["ep_n"], 1))
-        run.update(epoch=ep + 1, batches_done=0, ep_loss=0.0, ep_n=0, corr=[0] * steps, cnt=[0] * steps,
-                   epoch_rng=rng.getstate(), last_train_acc=train_acc)
-        if on_epoch:
-            draft.eval()
-            with torch.no_grad():
-                run.setdefault("curve", []).append({"epoch": ep + 1, "train_tokens": run["tokens"],
-                                                    "train_seconds": run["seconds"], **on_epoch(ep + 1, draft)})
-            draft.train()
+        _train_epoch(draft, opt, sched, params, ex_train, tparams, rng, run, total, progress, checkpoint)
+        _end_epoch(draft, run, ep, rng, tparams.ttt_steps, on_epoch)
         checkpoint()
     draft.eval()
     if not all(torch.isfinite(p).all() for p in params):
         raise ValueError(f"training diverged (non-finite weights; lr {tparams.lr}); nothing saved, lower train.lr")
+    metrics = _metrics(draft, ex_train, ex_val, run, tparams, resumed_from, dropped, val_dropped)
+    save_checkpoint(draft, out, extra={"warm_start": str(init) if init else None})
+    (Path(out) / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
+    clear_state(sdir)
+    return metrics
+
+
+def _optimizer(params: list, ex_train: list, tparams: TrainParams):
+    """AdamW + linear warm-up (5 % of the steps) then cosine decay over every epoch's batches.
+    Returns (optimizer, scheduler, total optimizer steps)."""
+    opt = torch.optim.AdamW(params, lr=tparams.lr, weight_decay=tparams.weight_decay)
+    nb = sum(1 for _ in batches(ex_train, tparams.batch_tokens, False, random.Random(0)))
+    total = max(1, nb * tparams.epochs)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, total // 20)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    return opt, sched, total
+
+
+def _resume(sdir: Path, fp: str, draft, opt, sched, steps: int, rng: random.Random) -> tuple[dict, int]:
+    """The run state: a fresh one, or the saved one (weights, optimizer and schedule loaded into
+    `draft`, `opt`, `sched`) when `sdir` holds a state with fingerprint `fp`. Returns (run, resumed step)."""
+    run = {"step": 0, "epoch": 0, "batches_done": 0, "losses": [], "tokens": 0, "seconds": 0.0, "skipped": 0,
+           "ep_loss": 0.0, "ep_n": 0, "corr": [0] * steps, "cnt": [0] * steps, "epoch_rng": rng.getstate()}
+    st = load_state(sdir, fp)
+    if st is None:
+        return run, 0
+    draft.load_state_dict(st["draft"])
+    opt.load_state_dict(st["opt"])
+    sched.load_state_dict(st["sched"])
+    return st["run"], st["run"]["step"]
+
+
+def _train_epoch(draft, opt, sched, params: list, ex_train: list, tparams: TrainParams, rng: random.Random,
+                 run: dict, total: int, progress, checkpoint) -> None:
+    """One epoch of TTT steps (EAGLE-3 §3.2 training-time test) over `ex_train`, from batch
+    `run["batches_done"]` on (a resumed epoch skips what it did); updates `run` in place and
+    checkpoints every `train.checkpoint_every` optimizer steps."""
+    rng.setstate(run["epoch_rng"])  # the epoch's batch order, reproducible on resume
+    every, t0 = tparams.checkpoint_every, time.perf_counter()
+    for bi, (aux, ids, tl, valid, kv) in enumerate(batches(ex_train, tparams.batch_tokens, True, rng)):
+        if bi < run["batches_done"]:
+            continue
+        loss, c, n = ttt_loss(draft, aux, ids, tl, valid, kv, tparams.ttt_steps, tparams.loss_decay)
+        run["batches_done"] = bi + 1
+        if not loss.requires_grad or not torch.isfinite(loss):  # nothing to learn / a bad batch
+            run["skipped"] += 1
+            continue
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        run["step"] += 1
+        run["tokens"] += int(kv.sum())
+        run["ep_loss"] += float(loss.detach())
+        run["ep_n"] += 1
+        run["corr"] = [a + b for a, b in zip(run["corr"], c)]
+        run["cnt"] = [a + b for a, b in zip(run["cnt"], n)]
+        if progress:
+            progress(run["step"], total, float(loss.detach()))
+        if every and run["step"] % every == 0:
+            run["seconds"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            checkpoint()
+    run["seconds"] += time.perf_counter() - t0
+
+
+def _end_epoch(draft, run: dict, ep: int, rng: random.Random, steps: int, on_epoch) -> None:
+    """Close epoch `ep` in `run` (mean loss, training accuracy, next epoch's batch order) and log
+    `on_epoch(ep + 1, draft)` to the learning curve (draft in eval mode, no grad)."""
+    train_acc = [c / n if n else 0.0 for c, n in zip(run["corr"], run["cnt"])]
+    run["losses"].append(run["ep_loss"] / max(run["ep_n"], 1))
+    run.update(epoch=ep + 1, batches_done=0, ep_loss=0.0, ep_n=0, corr=[0] * steps, cnt=[0] * steps,
+               epoch_rng=rng.getstate(), last_train_acc=train_acc)
+    if on_epoch:
+        draft.eval()
+        with torch.no_grad():
+            run.setdefault("curve", []).append({"epoch": ep + 1, "train_tokens": run["tokens"],
+                                                "train_seconds": run["seconds"], **on_epoch(ep + 1, draft)})
+        draft.train()
+
+
+def _metrics(draft, ex_train: list, ex_val: list, run: dict, tparams: TrainParams, resumed_from: int,
+             dropped: Counter, val_dropped: Counter) -> dict:
+    """The metrics `train_draft` returns (its docstring names them), with the holdout evaluation."""
+    steps = tparams.ttt_steps
     train_acc = run.get("last_train_acc", [0.0] * steps)
-    ev = evaluate_holdout(draft, ex_val, steps, batch_tokens) if ex_val else HoldoutEval([], steps)
+    ev = evaluate_holdout(draft, ex_val, steps, tparams.batch_tokens) if ex_val else HoldoutEval([], steps)
     secs = run["seconds"]
     metrics = {"train/loss": run["losses"], "train_seconds": secs,
                "train_tokens_per_s": run["tokens"] / secs if secs else 0.0, "train_tokens": run["tokens"],
@@ -459,7 +492,4 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
         metrics.update({f"val/acc_{j}": a for j, a in enumerate(ev.acc)})
         metrics.update({f"val/cond_acc_{j}": a for j, a in enumerate(ev.conditional())})
         metrics["val_positions"] = ev.positions
-    save_checkpoint(draft, out, extra={"warm_start": str(init) if init else None})
-    (Path(out) / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
-    clear_state(sdir)
     return metrics
