@@ -144,12 +144,12 @@ def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
         if not rows:
             continue
         tid = rows[0].target_id
-        fd = lock_capture_dir(cap)  # CaptureDirBusy while a server's writer runs there
+        held = lock_capture_dir(cap)  # CaptureDirBusy while a server's writer runs there
         try:
             infos = recover(cap, ws.snapshots, tid)
             info = seal(cap, ws.snapshots, tid, lock=False)
         finally:
-            unlock(fd)
+            unlock(held)
         for i in infos + ([info] if info else []):
             sealed.append({"snapshot_id": i.snapshot_id, "records": i.num_records, "tokens": i.num_tokens,
                            **(pub(i) if pub else {})})

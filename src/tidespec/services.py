@@ -17,8 +17,6 @@ process group) and its crash cases; each server is a small launcher function.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -35,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import psutil
+from filelock import FileLock
 
 from .errors import TidespecError
 from .orchestrate import crash_runs
@@ -359,17 +358,12 @@ def _reusable(state_dir: Path, name: str, timeout_s: float) -> Service | None:
         time.sleep(0.25)
 
 
-@contextlib.contextmanager
-def _locked(state_dir: Path):
-    """Exclusive lock on ``<state_dir>/.lock`` (flock; released on exit or process death): one
-    ``up``/``down`` at a time per state dir, so two concurrent ``up`` calls never start two servers."""
+def _locked(state_dir: Path) -> FileLock:
+    """Exclusive lock on ``<state_dir>/.lock`` (flock through ``filelock``; released on exit or
+    process death): one ``up``/``down`` at a time per state dir, so two concurrent ``up`` calls never
+    start two servers. Blocks until it is free."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    with open(state_dir / ".lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return FileLock(state_dir / ".lock", thread_local=False, fallback_to_soft=False)
 
 
 def up(state_dir: Path | None = None, which: tuple[str, ...] = NAMES,

@@ -1,6 +1,7 @@
-"""Where a workspace keeps its files, and the one reader/writer of a draft's `version.json`.
+"""Where a workspace keeps its files, the one reader/writer of a draft's `version.json`, and
+`private_dir` (a directory only its owner reads: captured hidden states, the DVC cache and remote).
 
-Bottom layer (paths and JSON only): every other module asks `Workspace` for a path instead of
+Bottom layer (paths, JSON and file modes only): every other module asks `Workspace` for a path instead of
 joining its own. The layout (under `root`):
 
     data/capture/<target_id[:12]>/    live capture (writer's shards + manifest)
@@ -12,10 +13,18 @@ joining its own. The layout (under `root`):
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 VERSION_FILE = "version.json"
+
+
+def private_dir(d: Path) -> Path:
+    """mkdir -p with 0700 (hidden states can be inverted to recover prompts)."""
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(d, 0o700)
+    return d
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,13 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from filelock import FileLock, Timeout
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..errors import TidespecError
+from ..workspace import private_dir
 
 log = logging.getLogger(__name__)
 FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
@@ -93,13 +95,6 @@ def _fsync_dir(d: Path) -> None:
 def _fsync_file(p: Path) -> None:
     with open(p, "rb") as fh:
         os.fsync(fh.fileno())
-
-
-def private_dir(d: Path) -> Path:
-    """mkdir -p with 0700 (hidden states can be inverted to recover prompts)."""
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(d, 0o700)
-    return d
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -407,23 +402,23 @@ class CaptureDirBusy(TidespecError):
     """Another writer (or sealer) holds this capture directory."""
 
 
-def lock_capture_dir(capture_dir: Path) -> int:
-    """Exclusive advisory lock (flock on `<dir>/.lock`, released by the kernel if the holder dies):
-    one writer or sealer per capture dir. Returns the fd to pass to `unlock`. Raises CaptureDirBusy."""
-    import fcntl
-    fd = os.open(private_dir(Path(capture_dir)) / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+def lock_capture_dir(capture_dir: Path) -> FileLock:
+    """Exclusive, non-blocking lock on `<dir>/.lock` (flock through `filelock`, released by the kernel
+    if the holder dies): one writer or sealer per capture dir. Returns the held lock, to pass to
+    `unlock` (from any thread). Raises CaptureDirBusy."""
+    lock = FileLock(private_dir(Path(capture_dir)) / ".lock", timeout=0, mode=0o600, thread_local=False,
+                    fallback_to_soft=False)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        lock.acquire()
+    except Timeout:
         raise CaptureDirBusy(f"{capture_dir} is in use by another capture writer or sealer (one per directory): "
                              "stop it, or seal through it (CaptureWriter.seal_now)") from None
-    return fd
+    return lock
 
 
-def unlock(fd: int) -> None:
+def unlock(lock: FileLock) -> None:
     """Release a `lock_capture_dir` lock."""
-    os.close(fd)  # closing the descriptor releases the flock
+    lock.release(force=True)
 
 
 def seal(capture_dir: Path, snapshots_root: Path, target_id: str, reason: str = "manual",
@@ -439,11 +434,11 @@ def seal(capture_dir: Path, snapshots_root: Path, target_id: str, reason: str = 
     """
     capture_dir = Path(capture_dir)
     if lock:
-        fd = lock_capture_dir(capture_dir)
+        held = lock_capture_dir(capture_dir)
         try:
             return seal(capture_dir, snapshots_root, target_id, reason, lock=False)
         finally:
-            unlock(fd)
+            unlock(held)
     recover(capture_dir, snapshots_root, target_id)
     rows = read_manifest(capture_dir)
     if not rows:

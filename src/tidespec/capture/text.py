@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..hashing import unit_hash
-from .store import private_dir
+from ..workspace import private_dir
 
 VARIANT = "AllTraffic"
 

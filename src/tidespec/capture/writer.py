@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..hashing import unit_hash
+from ..workspace import private_dir
 from .metrics import CaptureCollector
 from .store import (
     ManifestRow,
@@ -41,7 +42,6 @@ from .store import (
     encode_shard,
     lock_capture_dir,
     parse_ts,
-    private_dir,
     prompt_hash,
     read_manifest,
     recover,
@@ -110,7 +110,7 @@ class CaptureWriter:
         if compression not in ("none", "zstd"):
             raise ValueError(f"compression must be 'none' or 'zstd', got {compression!r}")
         self.dir = private_dir(Path(directory))
-        self._lockfd = lock_capture_dir(self.dir)  # one writer per directory; raises CaptureDirBusy
+        self._dir_lock = lock_capture_dir(self.dir)  # one writer per directory; raises CaptureDirBusy
         self.target_id = target_id
         self.shard_max = shard_max_records
         self.compression = compression
@@ -275,9 +275,9 @@ class CaptureWriter:
             if self._publisher:
                 self._closed.set()
                 self._publisher.shutdown(wait=not self._thread.is_alive())
-            if self._lockfd is not None and not self._thread.is_alive():
-                unlock(self._lockfd)
-                self._lockfd = None
+            if self._dir_lock is not None and not self._thread.is_alive():
+                unlock(self._dir_lock)
+                self._dir_lock = None
         err, self.error = self.error, None
         if err:
             raise RuntimeError(f"capture writer failed (records counted as dropped 'write_error'): {err}") from err

@@ -586,22 +586,25 @@ def _delete(sm, created: list[tuple[str, str]]) -> None:
 
 @contextlib.contextmanager
 def _endpoint_lock(lock_dir: Path | None, endpoint: str):
+    """One deploy of `endpoint` at a time from this machine: an exclusive, non-blocking lock on
+    `<lock_dir>/sagemaker-<endpoint>.lock` (flock through `filelock`, released on exit or process
+    death). Raises SageMakerDeployFailed while another deploy holds it."""
     if lock_dir is None:
         yield
         return
-    import fcntl
+    from filelock import FileLock, Timeout
     Path(lock_dir).mkdir(parents=True, exist_ok=True)
     path = Path(lock_dir) / f"sagemaker-{endpoint}.lock"
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SageMakerDeployFailed(f"another deploy of endpoint {endpoint} is running (lock {path}); wait for "
-                                        "it to finish") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    lock = FileLock(path, timeout=0, thread_local=False, fallback_to_soft=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise SageMakerDeployFailed(f"another deploy of endpoint {endpoint} is running (lock {path}); wait for "
+                                    "it to finish") from None
+    try:
+        yield
+    finally:
+        lock.release(force=True)
 
 
 def _wait_gone(sm, endpoint: str, timeout_s: float, poll_s: float) -> None:
