@@ -20,7 +20,7 @@ def services_state_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mlflow_server(services_state_dir):
     """URL of a real MLflow server (sqlite backend, proxied artifacts) for this session."""
-    from tidespec import services
+    from tidespec.adapters import services
 
     svc = services.up(services_state_dir, which=("mlflow",))["mlflow"]
     yield svc.url
@@ -30,7 +30,7 @@ def mlflow_server(services_state_dir):
 @pytest.fixture(scope="session")
 def prefect_server(services_state_dir):
     """PREFECT_API_URL of a real Prefect server for this session."""
-    from tidespec import services
+    from tidespec.adapters import services
 
     svc = services.up(services_state_dir, which=("prefect",))["prefect"]
     yield svc.url
@@ -41,7 +41,7 @@ def prefect_server(services_state_dir):
 def prefect_worker(services_state_dir, prefect_server, mlflow_server):
     """A Prefect process worker on pool ``tidespec`` (its flow runs get MLFLOW_TRACKING_URI) for
     this session; yields the Service."""
-    from tidespec import services
+    from tidespec.adapters import services
 
     svc = services.up(services_state_dir, which=("prefect", "mlflow", "worker"))["worker"]
     yield svc
@@ -51,7 +51,7 @@ def prefect_worker(services_state_dir, prefect_server, mlflow_server):
 @pytest.fixture(scope="session")
 def moto_server(services_state_dir):
     """AWS endpoint URL of a real moto server (S3 + SageMaker API emulator) for this session."""
-    from tidespec import services
+    from tidespec.adapters import services
 
     svc = services.up(services_state_dir, which=("moto",))["moto"]
     yield svc.url
@@ -61,7 +61,7 @@ def moto_server(services_state_dir):
 @pytest.fixture
 def aws_env(moto_server, monkeypatch):
     """Client env for the moto server (endpoint, test credentials, region); returns the endpoint."""
-    from tidespec import services
+    from tidespec.adapters import services
 
     for k, v in (services.MOTO_ENV | {"AWS_ENDPOINT_URL": moto_server}).items():
         monkeypatch.setenv(k, v)

@@ -18,13 +18,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models", "models.target", "models.eagle3", "prompts", "bootstrap")),
     ("engine", ("engine", "engine.stats", "engine.sampling", "engine.logits", "engine.suffix", "detok", "engine.calibration", "engine.goodput", "engine.adaptive", "engine.tree", "engine.speculative", "capture.text",
                 "engine.replay", "capture", "capture.store", "capture.metrics")),
-    ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "curate", "train", "train.resume",
-                    "train.trainer", "train.specforge",
-                    "train.entry", "runtime")),
+    ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "capture.ingest", "curate", "tuning",
+                    "train", "train.resume", "train.trainer", "train.specforge",
+                    "train.entry", "train.sagemaker", "runtime")),
     ("serve", ("serve", "serve.protocol", "serve.errors", "serve.metrics", "serve.textlog", "serve.lifespan", "serve.engine_loop", "serve.responses", "serve.serving", "serve.streaming", "serve.openai", "serve.admin", "server", "frontdoor")),
-    ("adapters", ("registry", "versioning", "orchestrate", "events", "services", "aws", "train.sagemaker", "capture.ingest",
-                  "deploy", "deploy.sagemaker", "deploy.local", "engine.sglang", "capture.publish")),
-    ("steps", ("cycle",)),
+    ("adapters", ("adapters", "adapters.registry", "adapters.versioning", "adapters.orchestrate",
+                  "adapters.services", "adapters.aws", "adapters.sagemaker_train", "adapters.sagemaker_deploy",
+                  "adapters.s3_capture", "adapters.publish", "adapters.sglang")),
+    ("steps", ("cycle", "deploy", "deploy.local")),
     ("entry points", ("flows", "flows.cycle", "flows.train", "flows.capture", "demo", "demo_sagemaker", "bench", "bench.*", "cli")),
 ]
 
@@ -135,7 +136,7 @@ def test_imports_point_down_and_no_cycles():
 @pytest.mark.parametrize("where,line", [
     ("config.py", "from .cli import app\n"),  # module level
     ("engine/speculative.py", "def _f():\n    from ..cycle import step_curate\n"),  # hidden in a function
-    ("registry.py", "import tidespec.demo\n"),  # absolute form
+    ("adapters/registry.py", "import tidespec.demo\n"),  # absolute form
     ("__init__.py", "from .cli import app\n"),  # the package's own __init__
 ])
 def test_an_injected_upward_import_is_caught(tmp_path, where, line):

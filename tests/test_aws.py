@@ -1,4 +1,4 @@
-"""tidespec.aws: validators, SSE + sha256 uploads (on the moto server), the wait loop, boto3 absent."""
+"""tidespec.adapters.aws: validators, SSE + sha256 uploads (on the moto server), the wait loop, boto3 absent."""
 import hashlib
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tidespec import aws
+from tidespec.adapters import aws
 
 ACCOUNT = "123456789012"
 
@@ -132,8 +132,8 @@ def test_missing_boto3_names_the_install(monkeypatch):
 
 def test_modules_import_without_boto3():
     code = ("import sys; sys.modules['boto3'] = None; sys.modules['botocore'] = None\n"
-            "import tidespec.aws, tidespec.sagemaker_config, tidespec.config\n"
-            "import tidespec.train.sagemaker, tidespec.deploy.sagemaker\n"
+            "import tidespec.adapters.aws, tidespec.sagemaker_config, tidespec.config\n"
+            "import tidespec.train.sagemaker, tidespec.adapters.sagemaker_train, tidespec.adapters.sagemaker_deploy\n"
             "print('ok')")
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -62,10 +62,10 @@ def _traffic(target, tok, n: int) -> list[str]:
 def test_endpoint_traffic_closes_the_loop(tmp_path, tiny_target_dir):
     from test_sagemaker_deploy import _MotoWithUpdate
 
-    from tidespec import orchestrate, registry, services, versioning
+    from tidespec.adapters import orchestrate, registry, services, versioning
+    from tidespec.adapters import sagemaker_deploy as smd
     from tidespec.config import load_params
     from tidespec.cycle import step_deploy
-    from tidespec.deploy import sagemaker as smd
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.target import load_target
     from tidespec.workspace import Workspace, read_version
@@ -145,7 +145,8 @@ def test_endpoint_traffic_closes_the_loop(tmp_path, tiny_target_dir):
         again = run_deployment(orchestrate.CAPTURE_DEPLOYMENT, parameters={}, timeout=600)
         assert again.state.is_completed()
         assert sorted(p.name for p in (ws.snapshots / tid).iterdir()) == before
-        from tidespec.capture.ingest import default_sources, ledger_path, read_ledger
+        from tidespec.adapters.s3_capture import default_sources
+        from tidespec.capture.ingest import ledger_path, read_ledger
         (src,) = [s for s in default_sources(params, tid) if f"/{ep}/" in s]  # the gpu profile's endpoint
         assert sorted(read_ledger(ledger_path(ws, src))) == [f"{key}/12/00-00-000-a.jsonl",
                                                                f"{key}/13/00-00-000-b.jsonl"]

@@ -9,7 +9,7 @@ def test_tide_cycle_flow_registers_champion(tmp_path, tiny_target_dir, prefect_s
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tidespec import registry
+    from tidespec.adapters import registry
     from tidespec.flows.cycle import tide_cycle as flow
     from tidespec.workspace import served_version
 

@@ -82,8 +82,9 @@ ingest: {{sources: ["s3://{BUCKET}/{prefix}/capture/ep-gpu/"], served_model: tid
 
 
 def _ingest(root: Path):
-    from tidespec import aws
-    from tidespec.capture.ingest import default_sources, ingest_source
+    from tidespec.adapters import aws
+    from tidespec.adapters.s3_capture import S3Objects, default_sources
+    from tidespec.capture.ingest import ingest_source
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
     from tidespec.runtime import get_target
@@ -92,7 +93,7 @@ def _ingest(root: Path):
     target, tok = get_target(params)
     w = CaptureWriter.from_params(ws.ingest_dir(target.target_id), target.target_id, params.capture)
     try:
-        reps = [ingest_source(s, aws.client("s3"), ws, params, target, tok, w)
+        reps = [ingest_source(s, S3Objects(aws.client("s3")), ws, params, target, tok, w)
                 for s in default_sources(params, target.target_id)]
     finally:
         w.close()
@@ -173,8 +174,9 @@ def test_kill9_at_every_stage_loses_nothing_counts_nothing_twice(project):
 def test_a_writer_that_drops_stops_the_ingest_without_losing_the_object(project):
     """A full capture quota: the ingest stops at that object without its ledger line; the next run
     (space freed) writes every valid exchange exactly once."""
-    from tidespec import aws
-    from tidespec.capture.ingest import default_sources, ingest_source, ledger_path, read_ledger
+    from tidespec.adapters import aws
+    from tidespec.adapters.s3_capture import S3Objects, default_sources
+    from tidespec.capture.ingest import ingest_source, ledger_path, read_ledger
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
     from tidespec.runtime import get_target
@@ -186,7 +188,7 @@ def test_a_writer_that_drops_stops_the_ingest_without_losing_the_object(project)
     tiny = params.capture.model_copy(update={"disk_quota_mb": 0.001, "min_free_disk_mb": 0})  # 1 kB: the first shard
     w = CaptureWriter.from_params(ws.ingest_dir(target.target_id), target.target_id, tiny)
     try:
-        rep = ingest_source(src, aws.client("s3"), ws, params, target, tok, w)
+        rep = ingest_source(src, S3Objects(aws.client("s3")), ws, params, target, tok, w)
     finally:
         w.close()
     assert "stopped" in rep and rep["objects"] == 0 and read_ledger(ledger_path(ws, src)) == {}

@@ -16,13 +16,13 @@ def _project(tmp_path, tiny_target_dir):
 
 
 def _client_call(api, fn):
-    from tidespec.orchestrate import _call
+    from tidespec.adapters.orchestrate import _call
     return _call(api, fn)
 
 
 def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, prefect_server, prefect_worker,
                                                     mlflow_server):
-    from tidespec import events, orchestrate, registry
+    from tidespec.adapters import orchestrate, registry
 
     ws, params, target = _project(tmp_path, tiny_target_dir)
     orchestrate.deploy(tmp_path, prefect_server)
@@ -41,13 +41,13 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
         f"prefect.deployment.{dep.id}"))
     assert len(autos) == 1
     trig = autos[0].trigger
-    assert trig.expect == {events.CAPTURE_THRESHOLD} and trig.posture == "Reactive"
+    assert trig.expect == {orchestrate.CAPTURE_THRESHOLD} and trig.posture == "Reactive"
     assert trig.match.model_dump()["prefect.resource.id"] == "tidespec.snapshot.*"
     act = autos[0].actions[0]
     assert act.type == "run-deployment" and act.parameters["snapshot_rev"] == "{{ (event.payload.snapshot_rev or '') }}"
 
     # the publisher's event starts a cycle run on the worker, with parameters from the payload
-    eid = events.capture_threshold("snap-test", target.target_id, {"trigger": "tokens", "snapshot_rev": "rev-abc"},
+    eid = orchestrate.capture_threshold("snap-test", target.target_id, {"trigger": "tokens", "snapshot_rev": "rev-abc"},
                                    api_url=prefect_server)
     assert eid
     run = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": "rev-abc"}, 300)
@@ -61,7 +61,7 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     assert all(revs.values()) and champ.tags["params_sha"] == params.sha()
     assert (ws.champion / "config.json").exists()  # deployed locally by the run, in the project dir
     # another emitter's partial payload still starts a run ("" for what is missing); nothing new → skipped
-    events.emit(events.CAPTURE_THRESHOLD, "tidespec.snapshot.other", {"snapshot_rev": "rev-partial"},
+    orchestrate.emit(orchestrate.CAPTURE_THRESHOLD, "tidespec.snapshot.other", {"snapshot_rev": "rev-partial"},
                 api_url=prefect_server)
     run2 = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": "rev-partial"}, 300)
     assert run2.state.is_completed() and run2.parameters["target_id"] == "" and run2.parameters["trigger"] == "event"
@@ -75,7 +75,7 @@ def test_train_on_another_pool(tmp_path, tiny_target_dir, prefect_server, prefec
     import psutil
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tidespec import orchestrate, services
+    from tidespec.adapters import orchestrate, services
     from tidespec.flows.cycle import tide_cycle
 
     ws, params, target = _project(tmp_path, tiny_target_dir)
@@ -104,7 +104,7 @@ def test_train_on_another_pool(tmp_path, tiny_target_dir, prefect_server, prefec
 def test_train_pool_mismatch_names_the_fix(tmp_path, tiny_target_dir, prefect_server):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tidespec import orchestrate
+    from tidespec.adapters import orchestrate
 
     _project(tmp_path, tiny_target_dir)
     orchestrate.deploy(tmp_path, prefect_server, names=("tide-train",))
@@ -116,7 +116,7 @@ def test_train_pool_mismatch_names_the_fix(tmp_path, tiny_target_dir, prefect_se
 def test_await_worker_waits_for_a_first_heartbeat(monkeypatch):
     """A just-started worker answers its healthcheck before the server has its heartbeat: the
     train step waits for it (up to worker_wait_s) instead of failing at once."""
-    from tidespec import orchestrate
+    from tidespec.adapters import orchestrate
 
     seen = iter([[], [], ["tidespec-worker-train"]])
     monkeypatch.setattr(orchestrate, "_polling_workers", lambda api, pool: next(seen))
@@ -130,9 +130,9 @@ def test_is_transient_classifies_real_errors():
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from tidespec import registry
-    from tidespec.orchestrate import is_transient
-    from tidespec.services import free_port
+    from tidespec.adapters import registry
+    from tidespec.adapters.orchestrate import is_transient
+    from tidespec.adapters.services import free_port
 
     port = free_port()  # nothing listens: a real connection-refused, as MLflow raises it
     with pytest.MonkeyPatch.context() as mp:
@@ -157,7 +157,7 @@ def test_tasks_retry_only_transient_failures(prefect_server):
     from prefect import flow, task
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tidespec.orchestrate import retry_if_transient
+    from tidespec.adapters.orchestrate import retry_if_transient
 
     calls = {"conn": 0, "data": 0}
 
@@ -191,7 +191,7 @@ def test_mlflow_5xx_is_transient_4xx_is_not():
 
     from mlflow import MlflowClient
 
-    from tidespec.orchestrate import is_transient
+    from tidespec.adapters.orchestrate import is_transient
 
     code = {"v": 503}
 
@@ -229,7 +229,7 @@ def test_crash_runs_frees_a_dead_workers_runs(tmp_path, tiny_target_dir, prefect
     deployment's concurrency slot."""
     from prefect.states import Running
 
-    from tidespec import orchestrate
+    from tidespec.adapters import orchestrate
 
     _project(tmp_path, tiny_target_dir)
     orchestrate.deploy(tmp_path, prefect_server, names=("tide-train",))

@@ -55,7 +55,8 @@ def _force_accept_all(monkeypatch):
 def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_server, monkeypatch):
     from typer.testing import CliRunner
 
-    from tidespec import cycle, registry
+    from tidespec import cycle
+    from tidespec.adapters import registry
     from tidespec.cli import app
     from tidespec.workspace import served_version
 
@@ -146,7 +147,7 @@ def test_promote_by_hand_refuses_a_version_never_evaluated(tmp_path, mlflow_serv
     one with a τ but no losslessness check, is refused with the fix; an evaluated one goes in."""
     import uuid
 
-    from tidespec import registry
+    from tidespec.adapters import registry
     ck = tmp_path / "ck"
     ck.mkdir()
     (ck / "config.json").write_text("{}")

@@ -27,7 +27,7 @@ from conftest import random_draft
 from pydantic import ValidationError
 
 from tidespec.config import Params, TreeParams
-from tidespec.deploy import sagemaker as smd
+from tidespec.adapters import sagemaker_deploy as smd
 from tidespec.models.eagle3 import save_checkpoint
 from tidespec.sagemaker_config import CanaryParams
 
@@ -430,7 +430,7 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
     → the gpu endpoint on moto serves the same draft bytes; a second run changes nothing."""
     from conftest import make_tiny_target
 
-    from tidespec import registry
+    from tidespec.adapters import registry
     from tidespec.cycle import Workspace, step_deploy
     from tidespec.models.target import load_target
     # its own target (seed 11): a registry model no other test touches on the shared MLflow server
@@ -465,16 +465,17 @@ def test_tuned_window_per_profile_and_speculation_off(tiny_target_dir, draft_dir
     profile, 0 (no speculative settings at all) when none reaches min_speedup; the deploy applies it."""
     from tidespec.engine.stats import tau_by_k
     from tidespec.sagemaker_config import EndpointProfile
+    from tidespec.tuning import tune_windows, tuned_window
     per_pos = [0.6, 0.4, 0.2, 0.05]
     assert tau_by_k(per_pos) == pytest.approx([1.0, 1.6, 2.0, 2.2, 2.25])
     gpu = EndpointProfile(engine="sglang", instance_type="ml.g6e.2xlarge")  # 0.07 per step
-    w = smd.tuned_window(gpu, per_pos, 1.05)
+    w = tuned_window(gpu, per_pos, 1.05)
     # speed-ups 1.6/1.07=1.495, 2.0/1.14=1.754, 2.2/1.21=1.818, 2.25/1.28=1.758 → k = 3
     assert w["k"] == 3 and w["predicted_speedup"] == pytest.approx(2.2 / 1.21)
     slow = EndpointProfile(engine="vllm-neuron", instance_type="ml.trn2.48xlarge", image_uri="x/y:1",
                            verify_cost_per_token=0.4, draft_cost=0.3)
-    assert smd.tuned_window(slow, per_pos, 1.05) == {"k": 0, "predicted_speedup": 1.0, "tau_k": tau_by_k(per_pos)}
-    assert smd.tuned_window(gpu, [0.02, 0.0], 1.05)["k"] == 0  # a draft that is never accepted: off
+    assert tuned_window(slow, per_pos, 1.05) == {"k": 0, "predicted_speedup": 1.0, "tau_k": tau_by_k(per_pos)}
+    assert tuned_window(gpu, [0.02, 0.0], 1.05)["k"] == 0  # a draft that is never accepted: off
     # the plan: k from the draft's version.json per profile; 0 → no speculative env for either engine
     meta = json.loads((draft_dirs[0] / "version.json").read_text())
     (draft_dirs[0] / "version.json").write_text(json.dumps(meta | {"tuned_k": {"gpu": 0, "trn2": 2}}))
@@ -491,7 +492,6 @@ def test_tuned_window_per_profile_and_speculation_off(tiny_target_dir, draft_dir
         "Environment"]
     assert json.loads(env["SM_VLLM_SPECULATIVE_CONFIG"])["num_speculative_tokens"] == 2
     # the register step's per-profile windows from the candidate's replay metrics
-    from tidespec.cycle import tune_windows
     wins = tune_windows(p, {f"accepted_per_pos/{i}": a for i, a in enumerate(per_pos)} | {"acceptance_length": 2.25})
     assert {k: w["k"] for k, w in wins.items()} == {"gpu": 3, "trn2": 3}
     assert tune_windows(Params(), {"accepted_per_pos/0": 0.6}) == {}  # no deploy.sagemaker: nothing to tune

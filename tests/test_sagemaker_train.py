@@ -25,12 +25,10 @@ from botocore.config import Config
 from conftest import make_tiny_workspace
 from pydantic import ValidationError
 
-from tidespec.aws import NAME_RE, WaitTimeout, upload_dir
-from tidespec.sagemaker_config import SageMakerTrainParams
-from tidespec.train.sagemaker import (
+from tidespec.adapters.aws import NAME_RE, WaitTimeout, upload_dir
+from tidespec.adapters.sagemaker_train import (
     SageMakerTrainingFailed,
     TrainingJob,
-    container_main,
     download_model,
     job_name,
     launch,
@@ -38,6 +36,8 @@ from tidespec.train.sagemaker import (
     training_job_request,
     wait,
 )
+from tidespec.sagemaker_config import SageMakerTrainParams
+from tidespec.train.sagemaker import container_main
 
 pytestmark = pytest.mark.services
 ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"

@@ -44,8 +44,8 @@ def _health(url: str) -> dict | None:
 
 def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny_target_dir, prefect_server,
                                                                   prefect_worker, mlflow_server):
-    from tidespec import orchestrate, registry, versioning
-    from tidespec.services import free_port
+    from tidespec.adapters import orchestrate, registry, versioning
+    from tidespec.adapters.services import free_port
     from tidespec.config import load_params
     from tidespec.cycle import step_deploy
     from tidespec.models.eagle3 import save_checkpoint

@@ -13,7 +13,7 @@ import pytest
 from mlflow import MlflowClient
 from safetensors.numpy import save_file
 
-from tidespec import registry, services
+from tidespec.adapters import registry, services
 
 pytestmark = pytest.mark.services
 
@@ -191,7 +191,7 @@ def test_caller_killed_while_a_server_starts_leaves_it_recorded(tmp_path, mlflow
     with sqlite3.connect(services_state_dir / "mlflow" / "mlflow.db") as src, \
             sqlite3.connect(sd / "mlflow" / "mlflow.db") as dst:
         src.backup(dst)
-    code = f"from tidespec import services; services.up({str(sd)!r}, which=('mlflow',))"
+    code = f"from tidespec.adapters import services; services.up({str(sd)!r}, which=('mlflow',))"
     caller = subprocess.Popen([sys.executable, "-c", code])
     state, deadline, server = sd / "mlflow.json", time.monotonic() + 60, None
     try:

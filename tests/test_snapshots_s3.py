@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import make_tiny_workspace
 
-from tidespec import versioning
-from tidespec.capture.publish import Publisher
+from tidespec.adapters import versioning
+from tidespec.adapters.publish import Publisher
 from tidespec.capture.store import list_snapshots
 from tidespec.capture.writer import CaptureWriter
 
@@ -134,7 +134,7 @@ def test_fresh_clone_reproduces_older_cycle_metrics(tmp_path, aws_env, tiny_targ
     # the dvc repro route registers with lineage: the DVC rev of the curated snapshot, the params hash
     from mlflow import MlflowClient
 
-    from tidespec import registry
+    from tidespec.adapters import registry
     reg = json.loads((ws.work / "register.json").read_text())
     mv = MlflowClient(mlflow_server).get_model_version(registry.model_name(target.target_id), reg["version"])
     rev1 = versioning.snapshot_rev(repo, s1)

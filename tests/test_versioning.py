@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tidespec import versioning
+from tidespec.adapters import versioning
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -90,7 +90,7 @@ def test_failed_publish_is_retried_by_the_next(tmp_path):
     and only then may retention drop it."""
     import torch
 
-    from tidespec.capture.publish import Publisher
+    from tidespec.adapters.publish import Publisher
     from tidespec.capture.writer import CaptureWriter
     r, remote = tmp_path / "repo", tmp_path / "remote"
     versioning.ensure_repo(r, str(remote))
@@ -121,7 +121,7 @@ def test_failed_publish_retries_by_itself(tmp_path):
     writer's own retry (no second seal), counted once as an error, then pushed and tracked."""
     import torch
 
-    from tidespec.capture.publish import Publisher
+    from tidespec.adapters.publish import Publisher
     from tidespec.capture.writer import CaptureWriter
     r, remote = tmp_path / "repo", tmp_path / "remote"
     versioning.ensure_repo(r, str(remote))
@@ -151,14 +151,15 @@ def test_drift_above_threshold_triggers_a_cycle_event(tmp_path, monkeypatch):
     from the last curated set; a repeat of the same workload does not."""
     from test_capture import _text_records
 
-    from tidespec import events, prompts
-    from tidespec.capture.publish import Publisher
+    from tidespec import prompts
+    from tidespec.adapters import orchestrate
+    from tidespec.adapters.publish import Publisher
     from tidespec.capture.store import seal
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import CurateParams
     from tidespec.curate import curate
     sent = []
-    monkeypatch.setattr(events, "capture_threshold", lambda sid, tid, payload: sent.append(payload) or "ev")
+    monkeypatch.setattr(orchestrate, "capture_threshold", lambda sid, tid, payload: sent.append(payload) or "ev")
     r = tmp_path / "repo"
     versioning.ensure_repo(r, str(tmp_path / "remote"))
     snaps = r / "data" / "snapshots"

@@ -64,7 +64,7 @@ def services_up(state: Path = typer.Option(Path(".tidespec/services")),
                                                         "tidespec-train for train.work_pool")):
     """Start Prefect + a process worker (pool tidespec) + MLflow (and moto) on 127.0.0.1, create
     the work pools ./prefect.yaml names; prints the client env to export. Idempotent."""
-    from . import orchestrate, services
+    from .adapters import orchestrate, services
     svc = services.up(state, which=services.NAMES + (("moto",) if moto else ()), pools=tuple(pool))
     if Path("prefect.yaml").exists():
         orchestrate.ensure_pools(svc["prefect"].url, orchestrate.yaml_pools(Path(".")))
@@ -78,14 +78,14 @@ def services_up(state: Path = typer.Option(Path(".tidespec/services")),
 @services_app.command("down")
 def services_down(state: Path = typer.Option(Path(".tidespec/services"))):
     """Stop the servers recorded under --state (only the pids it started)."""
-    from . import services
+    from .adapters import services
     console.print(f"stopped: {services.down(state)}")
 
 
 @services_app.command("status")
 def services_status(state: Path = typer.Option(Path(".tidespec/services"))):
     """Recorded servers: url, pid, alive, healthy (JSON)."""
-    from . import services
+    from .adapters import services
     console.print_json(json.dumps(services.status(state), default=str))
 
 
@@ -122,7 +122,7 @@ def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
                    publish: bool = typer.Option(True, help="dvc add + push, retention, drift, Prefect event"),
                    commit: bool = typer.Option(False, help="git-commit the snapshot's .dvc file")):
     """Seal what is captured under data/capture (finishing seals a crash interrupted) into snapshots."""
-    from .capture.publish import Publisher
+    from .adapters.publish import Publisher
     from .capture.store import (
         lock_capture_dir,
         read_manifest,
@@ -159,7 +159,7 @@ def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
 @snap_app.command("pull")
 def snapshots_pull(snapshot_id: str, root: Path = ROOT):
     """Restore a snapshot that retention left only on the DVC remote (`dvc pull <sid>.dvc`)."""
-    from . import versioning
+    from .adapters import versioning
     ws = _ws(root)
     found = list(ws.snapshots.glob(f"*/{snapshot_id}.dvc"))
     if not found:
@@ -328,7 +328,7 @@ def _serve_publisher(p, ws):
     if missing:
         raise typer.BadParameter(f"publishing sealed snapshots needs {' and '.join(missing)}: "
                                  "pip install 'tidespec[mlops]', or pass --no-publish (snapshots stay local)")
-    from .capture.publish import Publisher
+    from .adapters.publish import Publisher
     if not (ws.root / ".dvc").is_dir():
         raise typer.BadParameter(f"--root {ws.root} is not a DVC repo, so sealed snapshots cannot be published: "
                                  "run `make demo` once (it sets one up), or `dvc init && dvc remote add -d "
@@ -366,7 +366,7 @@ def _registry_loader(target_id: str, ws):
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         return None
-    from . import registry  # mlflow: only for a server that has a registry
+    from .adapters import registry  # mlflow: only for a server that has a registry
 
     def load(ref):
         return registry.download_version(uri, target_id, ref, ws.work / "served")
@@ -389,7 +389,7 @@ def rollback(reason: str = typer.Option("", help="why (recorded with the decisio
 
 
 def _decide(root: Path, params: Path, act) -> None:
-    from . import registry
+    from .adapters import registry
     from .config import load_params
     from .cycle import step_deploy
     from .runtime import target_id
@@ -433,8 +433,8 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
                      root: Path = ROOT, params: Path = PARAMS):
     """Upload the champion draft to S3 and create or blue/green-update the profile's SageMaker endpoint
     (Model with the engine's EAGLE3 settings, EndpointConfig, auto-rollback alarms); waits."""
+    from .adapters import sagemaker_deploy as smd
     from .config import load_params
-    from .deploy import sagemaker as smd
     from .runtime import target_id
     p = load_params(params)
     if p.deploy.sagemaker is None:
@@ -444,7 +444,7 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
     if draft is not None and version is not None:
         raise typer.BadParameter("give one of --version and --draft")
     if version is not None:
-        from . import registry
+        from .adapters import registry
         try:
             path = registry.download_version(_uri(), tid, version, _ws(root).work / "sagemaker-draft")
         except LookupError as e:

@@ -1,10 +1,11 @@
 """The TIDE cycle's steps, top to bottom: curate → train → evaluate → register → deploy.
 
 Plain functions over paths (never tensors), so a step can run in another process, pool or
-machine. Three routes call them and nothing else: the Prefect flows (`tidespec.flows`), the DVC
-stages (`tidespec stage ...`, what `dvc repro` runs) and the demo. Models come from
-`runtime`, paths from `workspace`, the replay harness from `engine.replay`; the adapters
-(MLflow `registry`, DVC `versioning`, Prefect `orchestrate`, SageMaker) sit below this file.
+machine. Three routes call them and nothing else: the Prefect flows (`tidespec.flows`), the
+DVC stages (`tidespec stage ...`, what `dvc repro` runs) and the demo. Models come from
+`runtime`, paths from `workspace`, the replay harness from `engine.replay`, the per-profile window
+from `tuning`; the adapters (`adapters.registry` MLflow, `adapters.versioning` DVC,
+`adapters.orchestrate` Prefect, `adapters.sagemaker_*`) sit below this file.
 """
 from __future__ import annotations
 
@@ -15,20 +16,22 @@ import os
 from pathlib import Path
 
 from . import curate as curate_mod
-from . import plots, registry, versioning
+from . import plots
+from .adapters import registry, versioning
+from .adapters import sagemaker_deploy as smd
+from .adapters.orchestrate import train_on_pool
+from .adapters.sagemaker_train import train_on_sagemaker
 from .assets import sha256_file
 from .capture.store import list_snapshots
 from .config import Params
-from .deploy import sagemaker as smd
 from .deploy.local import deploy_champion, notify_server
 from .engine.replay import replay
 from .engine.speculative import Engine
 from .engine.suffix import CORPUS_FILE, corpus_info, newest_within, save_corpus
-from .orchestrate import train_on_pool
 from .runtime import get_target, runner_for, target_dir
 from .runtime import target_id as target_id_of
 from .train.entry import preflight, skip_reason, train_here
-from .train.sagemaker import train_on_sagemaker
+from .tuning import tune_windows
 from .workspace import Workspace, served_version
 
 log = logging.getLogger(__name__)
@@ -173,20 +176,6 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
 
 
 # -- register / deploy ------------------------------------------------------------------------
-def tune_windows(params: Params, metrics: dict) -> dict[str, dict]:
-    """Per deploy profile, the goodput-optimal number of speculative steps for the candidate on this
-    holdout (`deploy.sagemaker.tuned_window`: τ(k) from the replay's per-position acceptance, the
-    profile's step cost), or k = 0 (speculation off) when no k beats `deploy.sagemaker.min_speedup`.
-    {} without deploy.sagemaker."""
-    sm = params.deploy.sagemaker
-    if sm is None:
-        return {}
-    n = sum(k.startswith("accepted_per_pos/") for k in metrics)
-    per_pos = [metrics[f"accepted_per_pos/{i}"] for i in range(n)]
-    return {name: smd.tuned_window(prof, per_pos, sm.min_speedup) for name, prof in sorted(sm.profiles.items())}
-
-
-
 def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
     """Data lineage of a curated set, however the cycle was started: `snapshot_revs` (JSON
     {snapshot id: DVC rev} of every snapshot the set was drawn from, window and replay; the rev is

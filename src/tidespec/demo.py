@@ -27,9 +27,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import assets, events, orchestrate, prompts, registry, services, versioning
+from . import assets, prompts
+from .adapters import orchestrate, registry, services, versioning
+from .adapters.publish import Publisher
 from .bootstrap import prompt_ids, teacher_force
-from .capture.publish import Publisher
 from .capture.writer import CaptureWriter
 from .config import Params, load_params
 from .cycle import step_deploy
@@ -100,8 +101,8 @@ def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env:
     with console.status("prefect deploy (prefect.yaml: tide-cycle, tide-train)"):
         orchestrate.deploy(root, api)
     ws.eval_report.unlink(missing_ok=True)
-    events.capture_threshold(sid, tid, {"trigger": "demo", "snapshot_rev": rev}, api_url=api)
-    console.print(f"event {events.CAPTURE_THRESHOLD} (snapshot {sid}) → trigger → {orchestrate.CYCLE_DEPLOYMENT} run")
+    orchestrate.capture_threshold(sid, tid, {"trigger": "demo", "snapshot_rev": rev}, api_url=api)
+    console.print(f"event {orchestrate.CAPTURE_THRESHOLD} (snapshot {sid}) → trigger → {orchestrate.CYCLE_DEPLOYMENT} run")
     with console.status("tide_cycle run on the worker: curate → train → evaluate → register → deploy") as st:
         run = orchestrate.wait_for_run(api, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, timeout_s=3600,
                                        on_poll=lambda r: st.update(f"tide_cycle run {r.name}: {r.state_name} "

@@ -25,14 +25,15 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from . import assets, aws, orchestrate, prompts, registry, services
+from . import assets, prompts
+from .adapters import aws, orchestrate, registry, services
+from .adapters import sagemaker_deploy as smd
 from .bootstrap import prompt_ids
 from .capture.store import seal
 from .capture.text import capture_line
 from .config import load_params
 from .cycle import step_deploy
 from .demo import bootstrap_static, result_rows
-from .deploy import sagemaker as smd
 from .engine.speculative import Engine, Request
 from .flows.capture import tide_capture
 from .flows.cycle import tide_cycle

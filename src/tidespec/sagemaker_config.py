@@ -3,7 +3,7 @@
 Bottom layer: imports only `tidespec.strict` and pydantic, so config.py can use these schemas
 without importing the SageMaker launcher, the deployer or the AWS adapter (no cycle). It also
 defines the pure AWS identifier validators the schemas need (IAM role ARN, SageMaker resource
-name, S3 URI; IAM User Guide "IAM identifiers", SageMaker API reference); `tidespec.aws`
+name, S3 URI; IAM User Guide "IAM identifiers", SageMaker API reference); `tidespec.adapters.aws`
 re-exports them, so adapters take them from there.
 Every model raises pydantic ValidationError on a bad value, naming the field and the fix.
 Limits follow the SageMaker API reference (CreateTrainingJob, CreateModel, CreateEndpointConfig,
@@ -33,7 +33,7 @@ GPU_FAMILIES = ("g4dn", "g5", "g6", "g6e", "p4d", "p4de", "p5", "p5e", "p5en")
 TRN2_FAMILIES = ("trn2",)
 
 
-# -- AWS identifier validators (pure; re-exported by tidespec.aws) --------------------------------
+# -- AWS identifier validators (pure; re-exported by tidespec.adapters.aws) -------------------------
 def check_role_arn(arn: str) -> str:
     """`arn` when it is an IAM role ARN (any partition, optional path). Raises ValueError."""
     if not isinstance(arn, str) or not ROLE_ARN_RE.fullmatch(arn):

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import yaml
 
-from .. import orchestrate, registry, services
 from .. import prompts as P
+from ..adapters import orchestrate, registry, services
 from ..assets import cache_dir
 from ..bootstrap import prompt_ids
 from ..capture.writer import CaptureWriter

@@ -7,7 +7,9 @@ data from real-time endpoint"). For each new object: `capture.exchange.parse_obj
 counted by reason, the raw object never modified or deleted), the target's chat template gives the
 prompt ids, the response text (or, when the endpoint recorded none, the target's own greedy output,
 marked `regenerated`) the generated ids, and one prefill through the target rebuilds the record
-(`capture.rehydrate`): the same record the embedded engine captures live.
+(`capture.rehydrate`): the same record the embedded engine captures live. Where the objects come
+from is the caller's: an `ObjectStore` lists and reads them — `LocalDir` here (the text capture of
+`tidespec serve`, `capture.mode: text`); S3 and the endpoints' capture prefixes: `adapters.s3_capture`.
 
 Exactly once, across kills at any point:
 - a per-source ledger (`<state>/ingest/<sha of source>.jsonl`, one fsynced line per object, written
@@ -27,11 +29,11 @@ import os
 import signal
 from collections import Counter
 from pathlib import Path
+from typing import Protocol
 
-from .. import aws
 from ..config import Params
-from ..deploy.sagemaker import data_capture_config, endpoint_name
 from ..engine.speculative import Engine
+from ..sagemaker_config import parse_s3_uri
 from ..workspace import Workspace
 from .exchange import parse_object
 from .rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids
@@ -40,18 +42,6 @@ from .writer import CaptureWriter
 
 log = logging.getLogger(__name__)
 FLUSH_EVERY = 16  # records between writer flushes (below any sane capture.queue_size: nothing is dropped)
-
-
-def default_sources(params: Params, target_id: str) -> list[str]:
-    """`ingest.sources`, else `<data capture destination>/<endpoint>/` of every deploy.sagemaker
-    profile (data capture on)."""
-    if params.ingest.sources:
-        return [s.rstrip("/") + "/" if s.startswith("s3://") else s for s in params.ingest.sources]
-    sm = params.deploy.sagemaker
-    dc = data_capture_config(sm) if sm is not None else None
-    if dc is None:
-        return []
-    return [f"{dc['DestinationS3Uri'].rstrip('/')}/{endpoint_name(sm, target_id, p)}/" for p in sorted(sm.profiles)]
 
 
 def ledger_path(ws: Workspace, source: str) -> Path:
@@ -92,36 +82,37 @@ def captured_ids(capture_dir: Path, snapshots_root: Path, target_id: str) -> set
     return ids
 
 
-def list_objects(s3, source: str) -> list[dict]:
-    """Capture objects (`*.jsonl`) under a source, oldest key first (keys carry the hour):
-    [{"key", "etag", "size"}]. `s3://bucket/prefix/`: listed with `s3` (the key is the S3 key);
-    a local directory (the text capture of `tidespec serve`, `capture.mode: text`): its files (the
-    key is the path relative to it, the etag its size and mtime)."""
-    if not source.startswith("s3://"):
+class ObjectStore(Protocol):
+    """Where capture objects are listed and read (a source: an S3 prefix URI or a local directory)."""
+
+    def list_objects(self, source: str) -> list[dict]:
+        """Capture objects (`*.jsonl`) under `source`, oldest key first: [{"key", "etag", "size"}]."""
+
+    def read_object(self, source: str, key: str) -> bytes:
+        """The bytes of one capture object."""
+
+
+class LocalDir:
+    """A local directory of capture objects (the text capture of `tidespec serve`, `capture.mode:
+    text`): its `*.jsonl` files; the key is the path relative to it, the etag its size and mtime."""
+
+    def list_objects(self, source: str) -> list[dict]:
+        if source.startswith("s3://"):
+            raise ValueError(f"{source} is an S3 prefix: read it with adapters.s3_capture.S3Objects")
         root = Path(source)
         return sorted(({"key": str(p.relative_to(root)), "etag": f"{p.stat().st_size}-{p.stat().st_mtime_ns}",
                         "size": p.stat().st_size} for p in root.rglob("*.jsonl") if p.is_file()),
                       key=lambda o: o["key"])
-    bucket, prefix = aws.parse_s3_uri(source)
-    out = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        out += [{"key": o["Key"], "etag": o["ETag"].strip('"'), "size": o["Size"]}
-                for o in page.get("Contents", []) if o["Key"].endswith(".jsonl")]
-    return sorted(out, key=lambda o: o["key"])
 
-
-def read_object(s3, source: str, key: str) -> bytes:
-    """The bytes of one capture object (S3 GetObject, or the local file)."""
-    if not source.startswith("s3://"):
+    def read_object(self, source: str, key: str) -> bytes:
         return (Path(source) / key).read_bytes()
-    return s3.get_object(Bucket=aws.parse_s3_uri(source)[0], Key=key)["Body"].read()
 
 
 def _workload(params: Params, source: str) -> str:
     """`ingest.workload`, else the endpoint name: the last part of the source prefix (or directory)."""
     if params.ingest.workload:
         return params.ingest.workload
-    prefix = aws.parse_s3_uri(source)[1] if source.startswith("s3://") else source
+    prefix = parse_s3_uri(source)[1] if source.startswith("s3://") else source
     return prefix.rstrip("/").rsplit("/", 1)[-1] or "endpoint"
 
 
@@ -143,9 +134,10 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, writer: CaptureWriter,
-                  progress=None) -> dict:
-    """Ingest every object of `source` (S3 prefix or local directory) not in its ledger. Returns counts: objects, records,
+def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params: Params, target, tok,
+                  writer: CaptureWriter, progress=None) -> dict:
+    """Ingest every object of `source` (S3 prefix or local directory) not in its ledger; `store` lists
+    and reads them (None: `LocalDir`, a local directory). Returns counts: objects, records,
     rehydrated, regenerated, skipped {reason: n} (parse reasons + `duplicate_event`, `too_long`,
     `unsupported_request`, `unsupported_response`, `empty_response`), and `stopped` (why) when the
     capture writer refused a record: that object gets no ledger line and is read again next time.
@@ -153,16 +145,17 @@ def ingest_source(source: str, s3, ws: Workspace, params: Params, target, tok, w
     S3 URI; the ledger and the records stay consistent."""
     if tok is None:
         raise ValueError(f"target {params.target.source} has no tokenizer: endpoint text cannot be tokenized")
+    store = store if store is not None else LocalDir()
     led = ledger_path(ws, source)
     done = read_ledger(led)
     seen = captured_ids(writer.dir, ws.snapshots, writer.target_id)
     eos = target.cfg.eos_token_ids[0]
     engine = Engine(target, None, 1, params.engine.max_seq_len)  # regenerates missing responses
     rep = {"source": source, "objects": 0, "records": 0, "rehydrated": 0, "regenerated": 0, "skipped": Counter()}
-    for obj in list_objects(s3, source):
+    for obj in store.list_objects(source):
         if obj["key"] in done:
             continue
-        body = read_object(s3, source, obj["key"])
+        body = store.read_object(source, obj["key"])
         exchanges, reasons = parse_object(body, model=params.ingest.served_model)
         rep["skipped"].update({k: v for k, v in reasons.items() if k != "missing_response"})
         wl, n_obj, dropped0 = _workload(params, source), 0, writer.stats().dropped_total

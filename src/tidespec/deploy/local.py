@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from .. import registry
+from ..adapters import registry
 from ..runtime import install_draft
 from ..workspace import served_version, write_version
 

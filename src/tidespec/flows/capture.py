@@ -1,5 +1,5 @@
 """Prefect flow `tide_capture`: production traffic (SageMaker Data Capture) → rehydrated records →
-snapshots (thin: logic in `tidespec.capture.ingest`). Deployed by prefect.yaml (`tide-capture`,
+snapshots (thin: logic in `tidespec.capture.ingest`, S3 in `tidespec.adapters.s3_capture`). Deployed by prefect.yaml (`tide-capture`,
 entrypoint `tidespec.flows.capture:tide_capture`, interval schedule). A sealed snapshot publishes
 like live capture: `dvc add` + push and the `tidespec.capture.threshold` event that starts
 `tide_cycle`."""
@@ -9,9 +9,9 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from .. import aws
-from ..capture.ingest import default_sources, ingest_source
-from ..capture.publish import Publisher
+from ..adapters.publish import Publisher
+from ..adapters.s3_capture import S3Objects, default_sources
+from ..capture.ingest import ingest_source
 from ..capture.writer import CaptureWriter
 from ..config import load_params
 from ..runtime import get_target, target_id
@@ -40,9 +40,9 @@ def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: boo
                         params.curate.drift_threshold, commit=False)
     writer = CaptureWriter.from_params(ws.ingest_dir(target.target_id), target.target_id, params.capture,
                                        ws.snapshots, on_seal=pub)
-    s3 = aws.client("s3")
+    store = S3Objects()  # the S3 client is built on first use: a local-directory source needs no AWS
     try:
-        reports = [ingest_source(src, s3, ws, params, target, tok, writer, progress=log.info) for src in sources]
+        reports = [ingest_source(src, store, ws, params, target, tok, writer, progress=log.info) for src in sources]
     finally:
         writer.close()  # flushes; waits for the publisher (DVC + event) of what sealed
     for r in reports:

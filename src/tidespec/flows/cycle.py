@@ -13,7 +13,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from .. import cycle, orchestrate, registry
+from .. import cycle
+from ..adapters import orchestrate, registry
 from ..config import load_params
 from ..runtime import target_id as target_id_of
 from ..workspace import Workspace

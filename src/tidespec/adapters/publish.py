@@ -1,5 +1,6 @@
-"""What happens after a seal (on the writer's publisher thread, never the serving path):
-`dvc add` + `dvc push` the snapshot (+ git commit of its `.dvc` file), retention, drift, event.
+"""The seal publisher: what happens after a seal (on the writer's publisher thread, never the serving
+path): `dvc add` + `dvc push` the snapshot (+ git commit of its `.dvc` file: `versioning`),
+retention, drift (`curate.snapshot_drift`), the Prefect event (`orchestrate.capture_threshold`).
 
 A snapshot whose publish failed (remote down...) stays local; the next publish tracks and
 pushes it too, and retention drops a snapshot only after pushing it.
@@ -19,9 +20,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import events, versioning
+from ..capture.store import SnapshotInfo, list_snapshots
 from ..curate import snapshot_drift
-from .store import SnapshotInfo, list_snapshots
+from . import orchestrate, versioning
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Publisher:
                "also_published": [s.name for s in todo[:-1]],
                "drift_jsd": drift, "trigger": trigger, "event_id": None}
         if trigger and self.emit:
-            out["event_id"] = events.capture_threshold(info.snapshot_id, info.target_id, {
+            out["event_id"] = orchestrate.capture_threshold(info.snapshot_id, info.target_id, {
                 "trigger": trigger, "snapshot_rev": rev, "num_records": info.num_records,
                 "num_tokens": info.num_tokens, "bytes_per_token": round(info.bytes_per_token, 1),
                 "drift_jsd": drift, "workloads": info.workloads})

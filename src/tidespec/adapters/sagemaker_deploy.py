@@ -25,9 +25,10 @@ One deploy (`deploy_endpoint`):
    fleet failed its health checks) leaves the old config serving and raises SageMakerDeployFailed;
 7. delete this endpoint's older models/configs beyond `keep_versions` (never the live one).
 
-API calls go through `tidespec.aws` (boto3 clients configured from the environment, AWS_ENDPOINT_URL
+API calls go through `adapters.aws` (boto3 clients configured from the environment, AWS_ENDPOINT_URL
 for moto in tests; SSE-S3 uploads with sha256 metadata; the polling loop); the params schemas live in
-`tidespec.sagemaker_config`. Request shapes: the SageMaker API reference (CreateModel,
+`tidespec.sagemaker_config`, the window each profile gets (τ(k) against its step cost) is chosen by the
+register step (`tidespec.tuning`) and read here from version.json. Request shapes: the SageMaker API reference (CreateModel,
 CreateEndpointConfig, UpdateEndpoint `DeploymentConfig`) and botocore's sagemaker service model.
 It stays one module (over 400 lines) because the request builders, the draft checks and
 `deploy_endpoint` form one transaction whose create / roll-back / prune steps share names and state.
@@ -46,15 +47,14 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .. import aws
 from ..assets import sha256_file
-from ..aws import NAME_RE, parse_s3_uri
 from ..config import Params, TreeParams, tree_num_draft_tokens
-from ..engine.stats import tau_by_k
 from ..errors import TidespecError
 from ..models.eagle3 import load_checkpoint
 from ..sagemaker_config import CanaryParams, EndpointProfile, SageMakerDeployParams
 from ..workspace import read_version
+from . import aws
+from .aws import NAME_RE, parse_s3_uri
 
 log = logging.getLogger(__name__)
 
@@ -128,20 +128,6 @@ def resource_name(endpoint: str, version: str | None, now: datetime | None = Non
     if not NAME_RE.fullmatch(name) or len(name) > 63:
         raise ValueError(f"resource name {name!r} too long or invalid: shorten the profile's endpoint_name")
     return name
-
-
-def tuned_window(profile: EndpointProfile, per_pos: list[float], min_speedup: float) -> dict:
-    """The goodput-optimal number of speculative steps for one endpoint profile, from the holdout's
-    per-position acceptance (`accepted_per_pos/{i}` of a chain replay at K) and the profile's step
-    cost: predicted speed-up(k) = τ(k) / (1 + verify_cost_per_token·k + draft_cost·k) (Leviathan et
-    al. 2023, arXiv 2211.17192 §3.4), k = 1..K. Returns {"k": best k, or 0 (speculation off) when no k
-    reaches `min_speedup`, "predicted_speedup": at that k (1.0 when off), "tau_k": [τ(0..K)]}."""
-    taus = tau_by_k(per_pos)
-    speed = [taus[k] / (1 + (profile.verify_cost_per_token + profile.draft_cost) * k) for k in range(len(taus))]
-    k = max(range(1, len(taus)), key=lambda i: speed[i], default=0)
-    if k == 0 or speed[k] < min_speedup:
-        return {"k": 0, "predicted_speedup": 1.0, "tau_k": taus}
-    return {"k": k, "predicted_speedup": speed[k], "tau_k": taus}
 
 
 def spec_settings(sm_params: SageMakerDeployParams, k: int, tree: TreeParams = TreeParams()) -> dict[str, int] | None:

@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 from filelock import FileLock
 
-from .errors import TidespecError
+from ..errors import TidespecError
 from .orchestrate import crash_runs
 
 HOST = "127.0.0.1"

@@ -25,8 +25,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
-from .errors import TidespecError
-from .workspace import write_version
+from ..errors import TidespecError
+from ..workspace import write_version
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"

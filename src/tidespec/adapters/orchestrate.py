@@ -1,30 +1,42 @@
-"""Prefect adapter: deployments (prefect.yaml), transient-failure retries, training on another pool.
+"""Prefect adapter: deployments (prefect.yaml), events, transient-failure retries, training on
+another pool.
 
 Deployments (prefect.yaml at the project root, `prefect deploy --all`):
 - `tide_cycle/tide-cycle` on pool `tidespec`: interval schedule + an event trigger on
   `tidespec.capture.threshold` (parameters from the event payload), deployment concurrency 1.
 - `tide_train/tide-train` on pool `tidespec-train`: the train step alone, started by the cycle
   with `run_deployment` when `train.work_pool` is set (a team's cheaper/GPU machines).
+- `tide_capture/tide-capture` on pool `tidespec`: production traffic → snapshots, hourly.
 Flow runs pass paths/URIs only (Prefect docs: "Deployments", "Event triggers", "run_deployment").
+
+Events (`prefect.events.emit_event`): `tidespec.capture.threshold` (resource
+`tidespec.snapshot.<snapshot_id>`) is emitted when a sealed snapshot should start a cycle: enough
+new tokens, or a workload drift above `curate.drift_threshold`; the tide-cycle trigger matches it.
+Events go only to the server in PREFECT_API_URL (never an ephemeral server).
+
+Prefect, MLflow and the HTTP clients are imported inside the functions that use them: importing
+this module (the publisher of `tidespec serve` does) costs nothing.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import requests
+import yaml
 
-from .errors import TidespecError
-from .registry import RegistryError
+from ..errors import TidespecError
 
+log = logging.getLogger(__name__)
 CYCLE_DEPLOYMENT = "tide_cycle/tide-cycle"
 TRAIN_DEPLOYMENT = "tide_train/tide-train"
 CAPTURE_DEPLOYMENT = "tide_capture/tide-capture"
 TRANSIENT_MLFLOW_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}
+CAPTURE_THRESHOLD = "tidespec.capture.threshold"
 
 
 class OrchestrationError(TidespecError):
@@ -38,8 +50,11 @@ def is_transient(exc: BaseException | None) -> bool:
     up after retrying those). Bad data (ValueError, missing file, a registry rule, permissions) is
     never transient, even when raised while handling a connection error."""
     import httpx
+    import requests
     import urllib3
     from mlflow.exceptions import MlflowException
+
+    from .registry import RegistryError
 
     bad_data = (ValueError, TypeError, LookupError, FileNotFoundError, PermissionError, RegistryError,
                 OrchestrationError)
@@ -63,6 +78,36 @@ def is_transient(exc: BaseException | None) -> bool:
 def retry_if_transient(task, task_run, state) -> bool:
     """Prefect `retry_condition_fn`: retry a failed task only for transient failures."""
     return is_transient(state.result(raise_on_failure=False) if state.is_failed() else None)
+
+
+# -- events -----------------------------------------------------------------------------------
+def emit(event: str, resource_id: str, payload: dict, labels: dict[str, str] | None = None,
+         api_url: str | None = None, timeout_s: float = 10.0) -> str | None:
+    """Send one event to the Prefect server at `api_url` (default: env PREFECT_API_URL) and wait
+    (≤ `timeout_s` s) until the client has delivered it. Returns the event id, or None when no
+    server is configured. The URL is applied as a temporary setting: a process whose Prefect
+    settings were loaded earlier (without it) would otherwise start an ephemeral server."""
+    api_url = api_url or os.environ.get("PREFECT_API_URL")
+    if not api_url:
+        log.warning("PREFECT_API_URL unset: event %s for %s not sent", event, resource_id)
+        return None
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        ev = emit_event(event=event, resource={"prefect.resource.id": resource_id, **(labels or {})},
+                        payload=payload)
+        EventsWorker.drain_all(timeout=timeout_s)
+    return str(ev.id) if ev else None
+
+
+def capture_threshold(snapshot_id: str, target_id: str, payload: dict, api_url: str | None = None) -> str | None:
+    """Emit `tidespec.capture.threshold` for a sealed snapshot (payload: trigger, snapshot_rev,
+    tokens, drift...; prefect.yaml's trigger maps target_id, snapshot_rev, trigger to the
+    tide-cycle run's parameters)."""
+    return emit(CAPTURE_THRESHOLD, f"tidespec.snapshot.{snapshot_id}",
+                {"snapshot_id": snapshot_id, "target_id": target_id, **payload},
+                {"tidespec.target_id": target_id[:12]}, api_url=api_url)
 
 
 # -- deployments ------------------------------------------------------------------------------
@@ -121,7 +166,6 @@ def _call(api_url: str, fn):
 
 def yaml_pools(project: Path) -> list[str]:
     """Work pools named by the deployments in `project`/prefect.yaml."""
-    import yaml
     doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
     return sorted({d["work_pool"]["name"] for d in doc.get("deployments", []) if d.get("work_pool", {}).get("name")})
 

@@ -1,4 +1,4 @@
-"""SGLang engine adapter (CUDA only): launch args, server process, client, capture.
+"""SGLang adapter (CUDA only): launch args, server process, client, capture.
 
 SGLang 0.5.23 pins torch 2.14.1 / transformers 5.19 and CUDA-only kernels, so it never shares our
 venv: it runs as its own server process (`<python> -m sglang.launch_server …`, `python` being the

@@ -1,5 +1,5 @@
-"""The one adapter between tidespec and AWS, shared by SageMaker training (train/sagemaker.py) and
-deployment (deploy/sagemaker.py).
+"""The one adapter between tidespec and AWS, shared by SageMaker training (`sagemaker_train`),
+deployment (`sagemaker_deploy`) and the capture-object reader (`s3_capture`).
 
 What it holds: boto3 client construction, S3 URI parsing, SSE-S3 uploads with sha256 metadata,
 the poll-until-done loop of long-running SageMaker resources, and the validators of the names
@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .assets import sha256_file
-from .errors import Unavailable
-from .sagemaker_config import (  # noqa: F401 — the AWS identifier validators, re-exported here
+from ..assets import sha256_file
+from ..errors import Unavailable
+from ..sagemaker_config import (  # noqa: F401 — the AWS identifier validators, re-exported here
     NAME_RE,
     ROLE_ARN_RE,
     S3_URI_RE,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from .errors import TidespecError
-from .workspace import private_dir
+from ..errors import TidespecError
+from ..workspace import private_dir
 
 TIMEOUT_S = 600.0
 _ENV = {"DVC_NO_ANALYTICS": "1", "DVC_NO_UPDATER": "1", "GIT_TERMINAL_PROMPT": "0"}
