@@ -13,7 +13,7 @@ import pytest
 from mlflow import MlflowClient
 from safetensors.numpy import save_file
 
-from tidespec.adapters import registry, services
+from tidespec.adapters import process, registry, services
 
 pytestmark = pytest.mark.services
 
@@ -168,13 +168,13 @@ def test_up_idempotent_then_down_stops(tmp_path, mlflow_server, services_state_d
         # the main process dies, its uvicorn child keeps serving: down still stops the whole group
         children = psutil.Process(a.pid).children(recursive=True)
         psutil.Process(a.pid).kill()
-        psutil.Process(a.pid).wait(10) if a.pid not in services._CHILDREN else services._CHILDREN[a.pid].wait(10)
+        psutil.Process(a.pid).wait(10) if process.child(a.pid) is None else process.child(a.pid).wait(10)
         assert services.status(sd)["mlflow"]["alive"] is False
     finally:
         assert services.down(sd, which=("mlflow",)) == ["mlflow"]
     assert not psutil.pid_exists(a.pid) or psutil.Process(a.pid).status() == psutil.STATUS_ZOMBIE
     assert children and not any(ch.is_running() and ch.status() != psutil.STATUS_ZOMBIE for ch in children)
-    assert not services._http_ok(f"{a.url}/health")
+    assert not process.http_ok(f"{a.url}/health")
     assert services.status(sd) == {} and not (sd / "mlflow.json").exists()
     assert services.down(sd) == []
 
@@ -203,9 +203,9 @@ def test_caller_killed_while_a_server_starts_leaves_it_recorded(tmp_path, mlflow
         assert server is not None, "the caller never recorded a launched mlflow"
         caller.kill()
         caller.wait(10)
-        assert not services._http_ok(f"{rec['url']}/health")  # killed while its server was still starting
+        assert not process.http_ok(f"{rec['url']}/health")  # killed while its server was still starting
         again = services.up(sd, which=("mlflow",))["mlflow"]
-        assert again.pid == server.pid and services._http_ok(f"{again.url}/health")
+        assert again.pid == server.pid and process.http_ok(f"{again.url}/health")
     finally:
         caller.kill()
         assert services.down(sd, which=("mlflow",)) == ["mlflow"]

@@ -103,7 +103,7 @@ def fake_python(tmp_path):
 
 
 def test_server_starts_waits_and_stops_its_process_group(fake_python, tmp_path):
-    from tidespec.adapters.services import free_port
+    from tidespec.adapters.process import free_port
     srv = sg.SGLangServer(sg.SGLangLaunch("/m", python=fake_python, port=free_port()), tmp_path / "sglang.log",
                           ready_timeout_s=60)
     with srv:
@@ -142,7 +142,7 @@ def test_probe_and_port_problems_are_reported(tmp_path, fake_python):
 
 def test_server_that_dies_reports_its_log(fake_python, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_FAIL", "1")
-    from tidespec.adapters.services import free_port
+    from tidespec.adapters.process import free_port
     with pytest.raises(sg.SGLangError, match="(?s)exited with 3.*CUDA out of memory"):
         sg.SGLangServer(sg.SGLangLaunch("/m", python=fake_python, port=free_port()), tmp_path / "l.log",
                         ready_timeout_s=60).start()
@@ -245,7 +245,7 @@ def test_real_sglang_serves_losslessly_and_captures(tmp_path, real_target):
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.runtime import target_dir
-    from tidespec.adapters.services import free_port
+    from tidespec.adapters.process import free_port
     target, tok = real_target
     hf = Path(target_dir("smollm2"))  # the GGUF dequantised once into an HF dir
     champion = ROOT / "data/drafts/champion"

@@ -1,8 +1,8 @@
 """Start/stop the local services tidespec talks to (Prefect server + a process worker, MLflow; moto
 for S3/SageMaker) on 127.0.0.1.
 
-Every server runs as its own process group (``start_new_session=True``), logs to
-``<state_dir>/<name>.log`` and is recorded in ``<state_dir>/<name>.json``
+Every server is launched by the process supervisor (`process`: its own process group, output
+appended to ``<state_dir>/<name>.log``) and recorded in ``<state_dir>/<name>.json``
 (``url``, ``port``, ``pid``, ``create_time``, ``started_at``, ``log``).
 ``down`` stops only the pids recorded there. Default state dir:
 ``<cwd>/.tidespec/services``.
@@ -11,23 +11,18 @@ Measured (2-core box): Prefect 3.9 healthy in ~13 s; MLflow 3.17 in ~7 s with
 ``--workers 1`` and ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`` (without them it
 forks ~15 processes / 3 GB). MLflow's file store is broken in >=3.13: sqlite only.
 
-One file (~540 lines): the servers share one lifecycle (launch, record, health, adopt, stop by
-process group) and its crash cases; each server is a small launcher function.
+What is here: the state files (record, adopt, forget), the crash cases around them, one lock per
+state dir (``filelock``), and a small launcher function per server.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,7 +31,9 @@ import psutil
 from filelock import FileLock
 
 from ..errors import TidespecError
+from . import process
 from .orchestrate import crash_runs
+from .process import free_port  # noqa: F401 — part of this module's API (tests, bench, the SGLang tests)
 
 HOST = "127.0.0.1"
 NAMES = ("prefect", "mlflow", "worker")  # `up()` default; "moto" (S3 + SageMaker API emulator) is opt-in
@@ -45,10 +42,7 @@ POOL = "tidespec"  # the process work pool prefect.yaml's deployments use (the w
 WORKER_POLL_S = "2"  # worker polling interval (Prefect default 10 s): a triggered cycle starts in ~2 s
 # moto accepts any credentials; clients still need some (and a region) to sign requests
 MOTO_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-STOP_GRACE_S = 10.0
-
-# Popen handles of servers started by this process, so they get reaped (no zombies).
-_CHILDREN: dict[int, subprocess.Popen] = {}
+STOP_GRACE_S = process.STOP_GRACE_S
 
 
 class ServiceError(TidespecError):
@@ -70,22 +64,6 @@ def default_state_dir() -> Path:
     return Path.cwd() / ".tidespec" / "services"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks; racy by nature)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-        return True
-
-
 def _bin(name: str) -> str:
     """The venv's console script ``name`` (next to sys.executable), else PATH."""
     exe = Path(sys.executable).parent / name
@@ -97,59 +75,9 @@ def _bin(name: str) -> str:
     return found
 
 
-# ---------------------------------------------------------------- health / liveness
-
-
-def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
-    """True iff GET ``url`` answers 200 within ``timeout_s`` seconds."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (loopback only)
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 def _health_url(url: str, name: str = "") -> str:
     # prefect: url is the API url (…/api) → …/api/health; mlflow, worker healthcheck: …/health; moto: its state API
     return f"{url}/moto-api/data.json" if name == "moto" else f"{url}/health"
-
-
-def _alive(pid: int, create_time: float | None = None) -> bool:
-    """True iff ``pid`` runs (not a zombie) and, if given, started at ``create_time`` (pid reuse guard)."""
-    _reap(pid)
-    try:
-        p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return create_time is None or abs(p.create_time() - create_time) < 1.0
-    except psutil.Error:
-        return False
-
-
-def _reap(pid: int) -> None:
-    """Collect the exit status of a child we started, so it does not linger as a zombie."""
-    proc = _CHILDREN.get(pid)
-    if proc is not None and proc.poll() is not None:
-        _CHILDREN.pop(pid, None)
-
-
-def _group_alive(pgid: int) -> bool:
-    """True iff any non-zombie process is left in process group ``pgid``."""
-    _reap(pgid)
-    for p in psutil.process_iter(["pid", "status"]):
-        try:
-            if os.getpgid(p.info["pid"]) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                return True
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return False
-
-
-def _log_tail(log: Path, n: int = 20) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 # ---------------------------------------------------------------- state files
@@ -196,23 +124,19 @@ class _Launch:
 
 def _launch(name: str, cmd: list[str], env_extra: dict[str, str], state_dir: Path,
             url: str, port: int, extra: dict | None = None) -> _Launch:
-    """Start ``cmd`` in its own session (process group), output appended to ``<state_dir>/<name>.log``.
+    """Start ``cmd`` through the supervisor (own process group, output appended to
+    ``<state_dir>/<name>.log``, working dir ``state_dir``).
 
     The state file is written at once (not when healthy): if the caller dies while the server is
     starting (SIGKILL, a killed CI job), ``down`` still finds and stops it, and ``up`` reuses it."""
     state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / f"{name}.log"
-    with open(log, "ab") as fh:
-        fh.write(f"\n=== {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n".encode())
-        fh.flush()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=os.environ | env_extra, start_new_session=True, cwd=state_dir)
-    _CHILDREN[proc.pid] = proc
+    proc = process.launch(cmd, log, env_extra, cwd=state_dir)
     ln = _Launch(Service(name=name, url=url, pid=proc.pid, log=log), proc, port, state_dir, extra)
     try:
         _write_state(state_dir, ln.svc, port, extra)
     except BaseException:
-        _stop_pid(proc.pid)
+        process.stop(proc.pid)
         raise
     return ln
 
@@ -221,25 +145,18 @@ def _await(ln: _Launch, timeout_s: float) -> Service:
     """Wait until the launched server's health answers 200, then record it as started.
 
     Raises ServiceError if the process exits early or is not healthy in ``timeout_s`` seconds
-    (its process group is then killed and its state file removed).
+    (its process group is then stopped and its state file removed).
     """
-    svc, proc = ln.svc, ln.proc
-    health = _health_url(svc.url, svc.name)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            _CHILDREN.pop(proc.pid, None)
-            _forget(ln)
-            raise ServiceError(f"{svc.name} server exited with code {proc.returncode} before becoming "
-                               f"healthy; see {svc.log}:\n{_log_tail(svc.log)}")
-        if _http_ok(health):
-            _write_state(ln.state_dir, svc, ln.port, ln.extra)
-            return svc
-        time.sleep(0.25)
-    _stop_pid(proc.pid)
-    _forget(ln)
-    raise ServiceError(f"{svc.name} server did not become healthy in {timeout_s:g} s; see {svc.log} "
-                       f"(raise timeout_s on a slow machine):\n{_log_tail(svc.log)}")
+    svc = ln.svc
+    try:
+        process.wait_healthy(ln.proc, _health_url(svc.url, svc.name), timeout_s, svc.log, f"{svc.name} server",
+                             error=ServiceError)
+    except ServiceError:
+        process.stop(ln.proc.pid)
+        _forget(ln)
+        raise
+    _write_state(ln.state_dir, svc, ln.port, ln.extra)
+    return svc
 
 
 def _forget(ln: _Launch) -> None:
@@ -254,9 +171,9 @@ def _pick_port(state_dir: Path, name: str, port: int | None) -> int:
     if port:
         return port
     prev = _read_state(state_dir, name)
-    if prev and prev.get("port") and _port_is_free(int(prev["port"])):
+    if prev and prev.get("port") and process.port_is_free(HOST, int(prev["port"])):
         return int(prev["port"])
-    return free_port()
+    return process.free_port(HOST)
 
 
 def _launch_prefect(state_dir: Path, port: int | None = None) -> _Launch:
@@ -320,21 +237,6 @@ def _launch_worker(state_dir: Path, deps: dict[str, Service], pool: str = POOL, 
 _LAUNCHERS = {"prefect": _launch_prefect, "mlflow": _launch_mlflow, "moto": _launch_moto}  # workers: after these
 
 
-def _stop_pid(pid: int, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM process group ``pid``, wait up to ``grace_s`` seconds, then SIGKILL it."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if not _group_alive(pid):
-                _reap(pid)
-                return
-            time.sleep(0.1)
-
-
 # ---------------------------------------------------------------- public: up / down / status
 
 
@@ -343,17 +245,17 @@ def _reusable(state_dir: Path, name: str, timeout_s: float) -> Service | None:
     rec = _read_state(state_dir, name)
     if not rec or "create_time" not in rec:  # no record, or one we cannot tell from a reused pid
         return None
-    if not _alive(int(rec["pid"]), rec["create_time"]):
-        if _group_alive(int(rec["pid"])):  # the main process died, its children (e.g. uvicorn) did not
-            _stop_pid(int(rec["pid"]))
+    if not process.alive(int(rec["pid"]), rec["create_time"]):
+        if process.group_alive(int(rec["pid"])):  # the main process died, its children (e.g. uvicorn) did not
+            process.stop(int(rec["pid"]))
         return None
     svc = Service(name=name, url=rec["url"], pid=int(rec["pid"]), log=Path(rec["log"]))
     deadline = time.monotonic() + timeout_s
     while True:
-        if _http_ok(_health_url(svc.url, name)):
+        if process.http_ok(_health_url(svc.url, name)):
             return svc
-        if time.monotonic() > deadline or not _alive(svc.pid, rec.get("create_time")):
-            _stop_pid(svc.pid)  # alive but unhealthy: replace it
+        if time.monotonic() > deadline or not process.alive(svc.pid, rec.get("create_time")):
+            process.stop(svc.pid)  # alive but unhealthy: replace it
             return None
         time.sleep(0.25)
 
@@ -404,7 +306,7 @@ def _up(state_dir: Path, which: tuple[str, ...], timeout_s: float, pools: tuple[
         if name not in out and (svc := _reusable(state_dir, name, timeout_s)) is not None:
             out[name] = svc
         if name in out and (_read_state(state_dir, name) or {}).get("deps") != env_for(deps):
-            _stop_pid(out.pop(name).pid)  # started against other server URLs: restart it
+            process.stop(out.pop(name).pid)  # started against other server URLs: restart it
     _start(state_dir, [functools.partial(_launch_worker, state_dir, deps, p) for n, p in wanted.items() if n not in out],
            out, timeout_s)
     return {n: out[n] for n in (*which, *wanted) if n in out}
@@ -442,7 +344,7 @@ def _start(state_dir: Path, launchers: list, out: dict[str, Service], timeout_s:
     except BaseException:
         for ln in launches:
             if ln.svc.name not in out:
-                _stop_pid(ln.proc.pid)
+                process.stop(ln.proc.pid)
                 _forget(ln)
         raise
 
@@ -466,8 +368,8 @@ def _down(state_dir: Path, which: tuple[str, ...] | None) -> list[str]:
         if rec is None:
             continue
         pid = int(rec["pid"])
-        if "create_time" in rec and (_alive(pid, rec["create_time"]) or _group_alive(pid)):
-            _stop_pid(pid)  # the whole process group: a server's children outlive a killed parent
+        if "create_time" in rec and (process.alive(pid, rec["create_time"]) or process.group_alive(pid)):
+            process.stop(pid)  # the whole process group: a server's children outlive a killed parent
             stopped.append(name)
             if name.startswith("worker"):
                 _crash_orphans(rec)
@@ -484,9 +386,9 @@ def status(state_dir: Path | None = None) -> dict[str, dict]:
         rec = _read_state(state_dir, name)
         if rec is None:
             continue
-        alive = _alive(int(rec["pid"]), rec.get("create_time"))
+        alive = process.alive(int(rec["pid"]), rec.get("create_time"))
         rec["alive"] = alive
-        rec["healthy"] = alive and _http_ok(_health_url(rec["url"], name))
+        rec["healthy"] = alive and process.http_ok(_health_url(rec["url"], name))
         out[name] = rec
     return out
 

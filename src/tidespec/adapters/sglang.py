@@ -1,4 +1,4 @@
-"""SGLang adapter (CUDA only): launch args, server process, client, capture.
+"""SGLang adapter (CUDA only): launch args, server process (through `process`), client, capture.
 
 SGLang 0.5.23 pins torch 2.14.1 / transformers 5.19 and CUDA-only kernels, so it never shares our
 venv: it runs as its own server process (`<python> -m sglang.launch_server …`, `python` being the
@@ -28,10 +28,7 @@ wheel (`srt/arg_groups/fields/{spec,exec_}.py`, `arg_groups/{validation,speculat
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -39,6 +36,7 @@ from typing import Literal
 import torch
 
 from ..errors import TidespecError, Unavailable
+from . import process
 
 SGLANG_VERSION = "0.5.23"
 CONDITIONAL_PLUS_ONE = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
@@ -196,21 +194,10 @@ def _version(v: str):
         return Version("0")
 
 
-def _port_free(host: str, port: int) -> bool:
-    import socket
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(fam, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-            return True
-        except OSError:
-            return False
-
-
 class SGLangServer:
-    """A running SGLang server (context manager): `start()` probes availability, spawns the process in
-    its own session (log to `log_path`), waits for /health_generate; `stop()` SIGTERMs the group,
-    SIGKILL after `grace_s`."""
+    """A running SGLang server (context manager): `start()` probes availability, launches the process
+    through the supervisor (`process`: its own process group, log appended to `log_path`), waits
+    for /health_generate; `stop()` SIGTERMs the group, SIGKILL after `grace_s`."""
 
     def __init__(self, cfg: SGLangLaunch, log_path: Path, ready_timeout_s: float = 900.0, grace_s: float = 30.0):
         self.cfg, self.log_path = cfg, Path(log_path)
@@ -218,71 +205,30 @@ class SGLangServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> SGLangServer:
-        """Raises SGLangUnavailable (with the fix), SGLangError (exited early / not ready in time;
-        with the log tail)."""
+        """Raises SGLangUnavailable (with the fix), SGLangError (port in use, exited early, not ready
+        in time; with the log tail)."""
         reason = unavailable_reason(self.cfg.python)
         if reason:
             raise SGLangUnavailable(reason)
         args = launch_args(self.cfg)
-        if not _port_free(self.cfg.host, self.cfg.port):  # else another server's health would pass for ours
+        if not process.port_is_free(self.cfg.host, self.cfg.port):  # else another server's health would pass for ours
             raise SGLangError(f"port {self.cfg.port} on {self.cfg.host} is in use: stop what listens there or "
                               "choose another port")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_ready()
+        self.proc = process.launch(args, self.log_path)
+        try:  # a 1-token generate: slow on a cold GPU, hence the long probe
+            process.wait_healthy(self.proc, f"{self.cfg.url}/health_generate", self.ready_timeout_s, self.log_path,
+                                 "SGLang server", error=SGLangError, poll_s=1.0, probe_timeout_s=30.0)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def _wait_ready(self) -> None:
-        import httpx
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SGLangError(f"SGLang server exited with {self.proc.returncode} while starting; log "
-                                  f"{self.log_path}:\n{self._tail()}")
-            try:
-                ok = httpx.get(f"{self.cfg.url}/health_generate", timeout=30).status_code == 200
-                if ok and self.proc.poll() is None:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise SGLangError(f"SGLang server not ready after {self.ready_timeout_s:g} s; log {self.log_path}:\n"
-                          f"{self._tail()}")
-
     def stop(self) -> None:
         """SIGTERM the whole process group (its workers too, even when the main process already
         exited), SIGKILL what is left after `grace_s`."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline:
+        if self.proc is not None:
+            process.stop(self.proc.pid, self.grace_s)
             self.proc.poll()
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
 
     def __enter__(self) -> SGLangServer:
         return self.start() if self.proc is None else self

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from ..adapters.services import free_port
+from ..adapters.process import free_port
 
 
 @dataclass

@@ -1,0 +1,165 @@
+"""The one process supervisor: launch a command in its own process group (environment, log file),
+wait for its HTTP health URL, stop the whole group with a grace period.
+
+`services` (the local Prefect, MLflow and moto servers, the Prefect workers) and `sglang` (an SGLang
+server process) start their servers through it. A server runs in its own session
+(``start_new_session=True``), so its group id is its pid and stopping it reaches the workers it
+forked, even after the leader died. Output goes to a log file opened for append; every failure to
+become healthy names the log and its last lines.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import psutil
+
+from ..errors import TidespecError
+
+STOP_GRACE_S = 10.0
+
+# Popen handles of the processes this process launched, so they get reaped (no zombies).
+_CHILDREN: dict[int, subprocess.Popen] = {}
+
+
+class ProcessError(TidespecError):
+    """A launched process exited early or did not become healthy in time; the message names its log."""
+
+
+# ---------------------------------------------------------------- ports
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True iff `port` can be bound on `host` right now (IPv4 or IPv6)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS picks; racy by nature)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- health / liveness
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True iff GET `url` answers 200 within `timeout_s` seconds."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (loopback only)
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def log_tail(log: Path, n: int = 20) -> str:
+    """The last `n` lines of `log` ("(no log)" when it cannot be read)."""
+    try:
+        return "\n".join(Path(log).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def child(pid: int) -> subprocess.Popen | None:
+    """The Popen handle of a process this process launched and has not reaped yet."""
+    return _CHILDREN.get(pid)
+
+
+def reap(pid: int) -> None:
+    """Collect the exit status of a child we launched, so it does not linger as a zombie."""
+    proc = _CHILDREN.get(pid)
+    if proc is not None and proc.poll() is not None:
+        _CHILDREN.pop(pid, None)
+
+
+def alive(pid: int, create_time: float | None = None) -> bool:
+    """True iff `pid` runs (not a zombie) and, if given, started at `create_time` (pid reuse guard)."""
+    reap(pid)
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time is None or abs(p.create_time() - create_time) < 1.0
+    except psutil.Error:
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    """True iff any non-zombie process is left in process group `pgid`."""
+    reap(pgid)
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.info["pid"]) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return False
+
+
+# ---------------------------------------------------------------- launch / wait / stop
+
+
+def launch(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    """Start `cmd` in its own session (process group), stdin closed, stdout and stderr appended to
+    `log` after a `=== <UTC time> <command>` line; `env` is added to this process's environment.
+    Returns the Popen (its pid is the group id). Raises OSError when `cmd` cannot be started."""
+    log = Path(log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as fh:
+        fh.write(f"\n=== {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n".encode())
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=os.environ | (env or {}), start_new_session=True, cwd=cwd)
+    _CHILDREN[proc.pid] = proc
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen, health_url: str, timeout_s: float, log: Path, what: str,
+                 error: type[Exception] = ProcessError, poll_s: float = 0.25, probe_timeout_s: float = 2.0,
+                 ok: Callable[[str], bool] | None = None) -> None:
+    """Poll `health_url` until it answers 200 (or `ok(url)` is true) while `proc` runs. Raises
+    `error` naming `what`, the log and its tail when the process exits first (its exit code) or is
+    not healthy within `timeout_s` seconds. Stops nothing: the caller decides (`stop`)."""
+    ok = ok or (lambda u: http_ok(u, probe_timeout_s))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            _CHILDREN.pop(proc.pid, None)
+            raise error(f"{what} exited with {proc.returncode} before becoming healthy; see {log}:\n"
+                        f"{log_tail(log)}")
+        if ok(health_url) and proc.poll() is None:
+            return
+        time.sleep(poll_s)
+    raise error(f"{what} did not become healthy in {timeout_s:g} s; see {log} (raise the timeout on a slow "
+                f"machine):\n{log_tail(log)}")
+
+
+def stop(pid: int, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM process group `pid`, wait up to `grace_s` seconds, then SIGKILL what is left (and
+    wait up to 5 s more). A group already gone is fine."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not group_alive(pid):
+                reap(pid)
+                return
+            time.sleep(0.1)
