@@ -42,15 +42,15 @@ from .workspace import Workspace, read_version
 
 console = Console(width=None if Console().is_terminal else 120)
 ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"  # moto checks no IAM
-N_PROMPTS, MAX_NEW = 32, 80
+N_PROMPTS = 32  # endpoint exchanges; each ≤ engine.max_new_tokens (80) tokens
 
 
-def capture_objects(served: list[tuple[str, str, str, str]], prefix: str) -> dict[str, str]:
+def capture_objects(served: list[tuple[str, str, str, str]], prefix: str, max_new: int) -> dict[str, str]:
     """What Data Capture writes for these exchanges (event id, user text, response text, finish reason):
     two hourly objects of JSON Lines (`capture.text.capture_line` is the same layout)."""
     lines = []
     for eid, text, reply, finish in served:
-        req = {"model": "tidespec", "messages": [{"role": "user", "content": text}], "max_tokens": MAX_NEW}
+        req = {"model": "tidespec", "messages": [{"role": "user", "content": text}], "max_tokens": max_new}
         resp = {"object": "chat.completion", "model": "tidespec", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": finish}]}
         lines.append(capture_line(eid, req, resp, datetime.now(timezone.utc)))
@@ -90,7 +90,8 @@ def _loop(ws: Workspace, env: dict, base) -> dict:
                                   "target_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "poll_s": 0.1,
                                   "wait_timeout_s": 120, "data_capture": {"enabled": True},
                                   "profiles": {"gpu": {"instance_type": "ml.g4dn.xlarge", "endpoint_name": ep}}}
-    raw["ingest"] = {"served_model": "tidespec", "sources": [], "max_new_tokens": MAX_NEW, "workload": "code"}
+    max_new = base.engine.max_new_tokens
+    raw["ingest"] = {"served_model": "tidespec", "sources": [], "max_new_tokens": max_new, "workload": "code"}
     raw["capture"]["seal_min_tokens"] = 10 ** 9  # the ingest's records are sealed once, below
     pp = ws.root / "params.yaml"
     pp.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -107,14 +108,15 @@ def _loop(ws: Workspace, env: dict, base) -> dict:
                   f"s3://{bucket}/tidespec/capture/{ep}/")
     # the endpoint's traffic (served here: moto runs no container)
     w = params.workload
-    ps = prompts.split(prompts.load(w.prompts), w.holdout_fraction, w.seed)[0][:N_PROMPTS]
+    fits = [(p, ids) for p in prompts.split(prompts.load(w.prompts), w.holdout_fraction, w.seed)[0]
+            if len(ids := prompt_ids(tok, p.text)) + max_new <= params.engine.max_seq_len][:N_PROMPTS]
     eng = Engine(target, None, 1, params.engine.max_seq_len, max_batch=8)
-    with console.status(f"the endpoint serves {len(ps)} HumanEval prompts (target, greedy, ≤{MAX_NEW} tokens)"):
-        gens = eng.generate_batch([Request(prompt_ids(tok, p.text), MAX_NEW, speculative=False) for p in ps])
+    with console.status(f"the endpoint serves {len(fits)} {w.prompts} prompts (target, greedy, ≤{max_new} tokens)"):
+        gens = eng.generate_batch([Request(ids, max_new, speculative=False) for _, ids in fits])
     served = [(f"ev-{p.id}", p.text, tok.decode(g.tokens, skip_special_tokens=True), g.finish_reason)
-              for p, g in zip(ps, gens)]
+              for (p, _), g in zip(fits, gens)]
     s3 = aws.client("s3")
-    for key, body in capture_objects(served, f"tidespec/capture/{ep}").items():
+    for key, body in capture_objects(served, f"tidespec/capture/{ep}", max_new).items():
         s3.put_object(Bucket=bucket, Key=key, Body=body.encode())
     with console.status("tide_capture: Data Capture objects → rehydrated records"), \
             orchestrate.using_api(env["PREFECT_API_URL"]):
