@@ -4,11 +4,26 @@ Service fixtures (session scoped, started on free loopback ports under one tmp s
 stopped at session end): ``services_state_dir``, ``mlflow_server``, ``prefect_server``,
 ``moto_server`` (each server fixture yields its URL: MLFLOW_TRACKING_URI / PREFECT_API_URL /
 AWS_ENDPOINT_URL), ``prefect_worker`` (a process worker on pool ``tidespec``).
+``copy_prefect_project(dest)``: prefect.yaml + flows/ for a test's own project dir.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def copy_prefect_project(dest: Path) -> Path:
+    """The repository's Prefect project into `dest`: prefect.yaml and the flows/ its entrypoints name
+    (a worker loads `flows/*.py` from the deployment's working directory, `dest`). Returns `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "prefect.yaml", dest / "prefect.yaml")
+    shutil.copytree(REPO / "flows", dest / "flows", ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    return dest
 
 
 @pytest.fixture(scope="session")

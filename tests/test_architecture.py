@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                   "adapters.services", "adapters.aws", "adapters.sagemaker_train", "adapters.sagemaker_deploy",
                   "adapters.s3_capture", "adapters.publish", "adapters.sglang")),
     ("steps", ("cycle", "deploy", "deploy.local")),
-    ("entry points", ("flows", "flows.cycle", "flows.train", "flows.capture", "demo", "demo_sagemaker", "bench", "bench.*", "cli")),
+    ("entry points", ("demo", "demo_sagemaker", "bench", "bench.*", "cli")),
 ]
 
 
@@ -159,3 +159,23 @@ def test_a_new_module_must_be_placed(tmp_path):
     shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "newthing.py").write_text("X = 1\n")
     assert "newthing: in no layer (add it to LAYERS and docs/architecture.md)" in violations(root)
+
+
+def test_flows_live_in_the_project_not_the_package():
+    """prefect.yaml's entrypoints are files under the project's flows/ (as Prefect projects lay them
+    out), each defines the flow it names, and no module of the package imports them."""
+    from prefect import Flow
+
+    from tidespec.adapters.orchestrate import entrypoint, load_flow
+    assert not (PKG / "flows").exists()
+    for mod, path in _modules(PKG).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not [n for n in names if n == "flows" or n.startswith("flows.")], f"{mod} imports {names}"
+    repo = PKG.parents[1]
+    for name in ("tide_cycle", "tide_train", "tide_capture"):
+        ep = entrypoint(name, repo)
+        assert ep == f"flows/{name.removeprefix('tide_')}.py:{name}"
+        f = load_flow(name, repo)
+        assert isinstance(f, Flow) and f.name == name

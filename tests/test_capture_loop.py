@@ -11,16 +11,14 @@ import base64
 import json
 import shutil
 import uuid
-from pathlib import Path
 
 import boto3
 import pytest
 import yaml
 
-from conftest import add_tiny_word_tokenizer, random_draft, tiny_params_yaml
+from conftest import add_tiny_word_tokenizer, copy_prefect_project, random_draft, tiny_params_yaml
 
 pytestmark = pytest.mark.services
-REPO = Path(__file__).resolve().parents[1]
 ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"
 
 
@@ -80,9 +78,7 @@ def test_endpoint_traffic_closes_the_loop(tmp_path, tiny_target_dir):
     api = orchestrate.using_api(env["PREFECT_API_URL"])  # Prefect read its settings at import: point it here
     api.__enter__()
     try:
-        proj = tmp_path / "proj"
-        proj.mkdir()
-        shutil.copy(REPO / "prefect.yaml", proj / "prefect.yaml")
+        proj = copy_prefect_project(tmp_path / "proj")  # prefect.yaml + the flows/ its entrypoints name
         tdir = proj / "target"
         shutil.copytree(tiny_target_dir, tdir)
         add_tiny_word_tokenizer(tdir)

@@ -1,17 +1,22 @@
-"""The Prefect flow tide_cycle against a real Prefect server and MLflow server, on a tiny target."""
+"""The Prefect flow tide_cycle against a real Prefect server and MLflow server, on a tiny target; the
+flow is loaded from the project's flows/cycle.py as a worker loads it (`orchestrate.load_flow`)."""
+from pathlib import Path
+
 import pytest
 from conftest import make_tiny_workspace
 
 pytestmark = pytest.mark.services
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_tide_cycle_flow_registers_champion(tmp_path, tiny_target_dir, prefect_server, mlflow_server):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tidespec.adapters import registry
-    from tidespec.flows.cycle import tide_cycle as flow
+    from tidespec.adapters import orchestrate, registry
     from tidespec.workspace import served_version
+
+    flow = orchestrate.load_flow("tide_cycle", REPO)
 
     ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir)
     with temporary_settings({PREFECT_API_URL: prefect_server}):
@@ -67,3 +72,4 @@ def test_tide_cycle_flow_registers_champion(tmp_path, tiny_target_dir, prefect_s
     mv = c.get_model_version(registry.model_name(target.target_id), forced["register"]["version"])
     assert mv.tags["snapshot_rev"] == json.loads(info.tags["snapshot_revs"])[sid] != ""
     assert mv.tags["snapshot_revs"] == info.tags["snapshot_revs"] and mv.tags["params_sha"] == params.sha()
+

@@ -1,17 +1,13 @@
 """prefect.yaml deployments against a real Prefect server + process worker: schedule, event trigger,
 concurrency limit; an event starts a real cycle run on the tiny target."""
-import shutil
-from pathlib import Path
-
 import pytest
-from conftest import make_tiny_workspace
+from conftest import copy_prefect_project, make_tiny_workspace
 
 pytestmark = pytest.mark.services
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _project(tmp_path, tiny_target_dir):
-    shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")  # entrypoints are module paths: no flow files
+    copy_prefect_project(tmp_path)  # prefect.yaml + flows/: the worker loads flows/*.py from this directory
     return make_tiny_workspace(tmp_path, tiny_target_dir)
 
 
@@ -30,7 +26,7 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     train = _client_call(prefect_server, lambda c: c.read_deployment_by_name(orchestrate.TRAIN_DEPLOYMENT))
     # schedule, pool, concurrency, pull step = the project dir
     assert dep.work_pool_name == "tidespec" and train.work_pool_name == "tidespec-train"
-    assert dep.entrypoint == "tidespec.flows.cycle:tide_cycle" and train.entrypoint == "tidespec.flows.train:tide_train"
+    assert dep.entrypoint == "flows/cycle.py:tide_cycle" and train.entrypoint == "flows/train.py:tide_train"
     assert [s.schedule.interval.total_seconds() for s in dep.schedules] == [21600.0]
     assert all(s.active for s in dep.schedules)
     assert dep.global_concurrency_limit is not None and dep.global_concurrency_limit.limit == 1
@@ -76,9 +72,9 @@ def test_train_on_another_pool(tmp_path, tiny_target_dir, prefect_server, prefec
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from tidespec.adapters import orchestrate, services
-    from tidespec.flows.cycle import tide_cycle
 
     ws, params, target = _project(tmp_path, tiny_target_dir)
+    tide_cycle = orchestrate.load_flow("tide_cycle", tmp_path)  # from the project's flows/cycle.py
     text = (tmp_path / "params.yaml").read_text().replace("train: {", "train: {work_pool: tidespec-train, ")
     (tmp_path / "params.yaml").write_text(text)
     orchestrate.deploy(tmp_path, prefect_server)

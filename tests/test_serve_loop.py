@@ -7,19 +7,16 @@ requests and the new draft."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from conftest import random_draft, tiny_params_yaml
+from conftest import copy_prefect_project, random_draft, tiny_params_yaml
 
 pytestmark = pytest.mark.services
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _wait(pred, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
@@ -52,9 +49,7 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
     from tidespec.runtime import get_target
     from tidespec.workspace import Workspace
 
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    shutil.copy(REPO / "prefect.yaml", proj / "prefect.yaml")
+    proj = copy_prefect_project(tmp_path / "proj")  # prefect.yaml + the flows/ its entrypoints name
     raw = yaml.safe_load(tiny_params_yaml(tiny_target_dir))
     raw["capture"] |= {"seal_min_tokens": 300}  # 12 requests × (8 prompt + 24 new) tokens = 384: one seal
     raw["serve"] = {"watch_champion_s": 0.5}

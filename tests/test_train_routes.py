@@ -1,9 +1,12 @@
 """The three train routes (the flow's train task, `tidespec stage train` = what `dvc repro` runs, the
 `tide-train` deployment's flow) call the one entry, `cycle.train_candidate`, with the same arguments;
-only the pool's own run trains here (`here=True`)."""
+only the pool's own run trains here (`here=True`). The flows come from the project's flows/, loaded
+as a worker loads them."""
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -27,10 +30,12 @@ def _project(tmp_path):
 
 
 def test_every_route_calls_train_candidate(tmp_path, calls, monkeypatch):
+    from tidespec.adapters.orchestrate import load_flow
     from tidespec.cli import stage_train
-    from tidespec.flows.cycle import train as flow_train_task
-    from tidespec.flows.train import tide_train
     from tidespec.workspace import Workspace
+
+    flow_train_task = load_flow("tide_cycle", REPO).fn.__globals__["train"]  # flows/cycle.py's train task
+    tide_train = load_flow("tide_train", REPO)
 
     root = _project(tmp_path)
     ws = Workspace(root)

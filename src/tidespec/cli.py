@@ -229,13 +229,15 @@ def stage_register(root: Path = ROOT, params: Path = PARAMS):
 
 @app.command()
 def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
-    """Run the Prefect flow tide_cycle once (needs PREFECT_API_URL and MLFLOW_TRACKING_URI)."""
+    """Run the Prefect flow tide_cycle once, in this process (needs PREFECT_API_URL and
+    MLFLOW_TRACKING_URI); the flow comes from the project's flows/cycle.py, as a worker loads it."""
+    from .adapters.orchestrate import load_flow
     from .config import load_params
-    from .flows.cycle import tide_cycle
     from .train.entry import preflight
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         raise typer.BadParameter("set MLFLOW_TRACKING_URI (eval $(tidespec services up))")
     preflight(load_params(params))
+    tide_cycle = load_flow("tide_cycle")
     res = tide_cycle(root=str(root.resolve()), params_path=str(params), snapshot_rev=snapshot_rev, trigger="cli")
     if res.get("skipped"):
         console.print(f"cycle skipped, champion untouched: {res['skipped']}")
@@ -249,8 +251,8 @@ def ingest(root: Path = ROOT, params: Path = PARAMS,
     """Production traffic → snapshots: read new SageMaker Data Capture objects (ingest.sources, else the
     deploy profiles' capture prefixes), rehydrate the target's hidden states from their text, write them
     through the capture writer (the `tide_capture` flow, run here once). Exactly once (ledger + event ids)."""
-    from .flows.capture import tide_capture
-    res = tide_capture(root=str(root.resolve()), params_path=str(params), publish=publish)
+    from .adapters.orchestrate import load_flow
+    res = load_flow("tide_capture")(root=str(root.resolve()), params_path=str(params), publish=publish)
     console.print_json(json.dumps(res, default=str))
 
 

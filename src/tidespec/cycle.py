@@ -1,7 +1,7 @@
 """The TIDE cycle's steps, top to bottom: curate → train → evaluate → register → deploy.
 
 Plain functions over paths (never tensors), so a step can run in another process, pool or
-machine. Three routes call them and nothing else: the Prefect flows (`tidespec.flows`), the
+machine. Three routes call them and nothing else: the Prefect flows (the project's `flows/`), the
 DVC stages (`tidespec stage ...`, what `dvc repro` runs) and the demo. Models come from
 `runtime`, paths from `workspace`, the replay harness from `engine.replay`, the per-profile window
 from `tuning`; the adapters (`adapters.registry` MLflow, `adapters.versioning` DVC,

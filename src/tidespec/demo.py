@@ -5,7 +5,8 @@
 3. seal the capture into a snapshot, `dvc add` + `dvc push` to the local remote (publisher thread);
 4. `prefect deploy` prefect.yaml, emit `tidespec.capture.threshold` for the snapshot: the deployment's
    trigger starts a `tide_cycle` run on the worker (curate → train → evaluate → register → deploy);
-   without prefect.yaml in the root (or with another params file) the flow runs in-process;
+   without prefect.yaml in the root (or with another params file) the flow runs in-process (loaded
+   from its entrypoint, flows/cycle.py, as the worker loads it);
 5. reload the champion into the engine and print the side-by-side table.
 """
 from __future__ import annotations
@@ -36,7 +37,6 @@ from .config import Params, load_params
 from .cycle import step_deploy
 from .deploy.local import reload_if_changed
 from .engine.speculative import Engine
-from .flows.cycle import tide_cycle
 from .runtime import get_target
 from .train.entry import preflight
 from .train.trainer import train_draft
@@ -94,6 +94,7 @@ def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env:
     api, uri = env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"]
     if not (root / "prefect.yaml").exists() or Path(params_path).resolve() != (root / "params.yaml").resolve():
         console.print("no prefect.yaml here or another params file: running tide_cycle in-process")
+        tide_cycle = orchestrate.load_flow("tide_cycle", root if (root / "prefect.yaml").exists() else None)
         with console.status("Prefect flow tide_cycle: curate → train → evaluate → register → deploy"), \
                 orchestrate.using_api(api):
             return tide_cycle(root=str(root), params_path=str(params_path), target_id=tid, snapshot_rev=rev,

@@ -35,8 +35,6 @@ from .config import load_params
 from .cycle import step_deploy
 from .demo import bootstrap_static, result_rows
 from .engine.speculative import Engine, Request
-from .flows.capture import tide_capture
-from .flows.cycle import tide_cycle
 from .runtime import get_target
 from .workspace import Workspace, read_version
 
@@ -118,6 +116,7 @@ def _loop(ws: Workspace, env: dict, base) -> dict:
     s3 = aws.client("s3")
     for key, body in capture_objects(served, f"tidespec/capture/{ep}", max_new).items():
         s3.put_object(Bucket=bucket, Key=key, Body=body.encode())
+    tide_capture, tide_cycle = orchestrate.load_flow("tide_capture"), orchestrate.load_flow("tide_cycle")
     with console.status("tide_capture: Data Capture objects → rehydrated records"), \
             orchestrate.using_api(env["PREFECT_API_URL"]):
         cap = tide_capture(root=str(ws.root), params_path=str(pp), publish=False)

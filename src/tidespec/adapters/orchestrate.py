@@ -1,12 +1,15 @@
-"""Prefect adapter: deployments (prefect.yaml), events, transient-failure retries, training on
-another pool.
+"""Prefect adapter: deployments (prefect.yaml), the flows they run, events, transient-failure
+retries, training on another pool.
 
-Deployments (prefect.yaml at the project root, `prefect deploy --all`):
+Deployments (prefect.yaml at the project root, `prefect deploy --all`), entrypoints in the project's
+`flows/` directory (`flows/cycle.py:tide_cycle`...):
 - `tide_cycle/tide-cycle` on pool `tidespec`: interval schedule + an event trigger on
   `tidespec.capture.threshold` (parameters from the event payload), deployment concurrency 1.
 - `tide_train/tide-train` on pool `tidespec-train`: the train step alone, started by the cycle
   with `run_deployment` when `train.work_pool` is set (a team's cheaper/GPU machines).
 - `tide_capture/tide-capture` on pool `tidespec`: production traffic → snapshots, hourly.
+Whoever runs a flow in-process (`tidespec cycle`, `tidespec ingest`, the demos, `bench shift`, tests)
+loads it as a worker does, from its entrypoint (`load_flow`); the package never imports `flows/`.
 Flow runs pass paths/URIs only (Prefect docs: "Deployments", "Event triggers", "run_deployment").
 
 Events (`prefect.events.emit_event`): `tidespec.capture.threshold` (resource
@@ -37,6 +40,8 @@ TRAIN_DEPLOYMENT = "tide_train/tide-train"
 CAPTURE_DEPLOYMENT = "tide_capture/tide-capture"
 TRANSIENT_MLFLOW_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}
 CAPTURE_THRESHOLD = "tidespec.capture.threshold"
+FLOW_NAMES = ("tide_cycle", "tide_train", "tide_capture")
+CHECKOUT = Path(__file__).resolve().parents[3]  # the repository root when the package runs from a checkout
 
 
 class OrchestrationError(TidespecError):
@@ -78,6 +83,51 @@ def is_transient(exc: BaseException | None) -> bool:
 def retry_if_transient(task, task_run, state) -> bool:
     """Prefect `retry_condition_fn`: retry a failed task only for transient failures."""
     return is_transient(state.result(raise_on_failure=False) if state.is_failed() else None)
+
+
+# -- flows ------------------------------------------------------------------------------------
+def project_root(start: Path | None = None) -> Path:
+    """The Prefect project: the directory holding prefect.yaml (its deployments' entrypoints are
+    relative to it). `start` when given; else the working directory or the nearest parent with a
+    prefect.yaml and a flows/ directory; else the checkout this package runs from (an editable
+    install). Raises OrchestrationError naming the fix."""
+    if start is not None:
+        if not (Path(start) / "prefect.yaml").exists():
+            raise OrchestrationError(f"no prefect.yaml in {start}: the project root holds prefect.yaml and flows/")
+        return Path(start).resolve()
+    cwd = Path.cwd().resolve()
+    for d in (cwd, *cwd.parents, CHECKOUT):
+        if (d / "prefect.yaml").exists() and (d / "flows").is_dir():
+            return d
+    raise OrchestrationError(f"no prefect.yaml with a flows/ directory in {cwd} or its parents, and this package "
+                             "does not run from a tidespec checkout: run from the project root")
+
+
+def entrypoint(name: str, project: Path) -> str:
+    """The entrypoint (`<path>:<function>`, relative to `project`) of flow `name` as the deployments
+    of `project`/prefect.yaml name it (the function is named like the flow). Raises
+    OrchestrationError when no deployment runs that flow."""
+    doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
+    for d in doc.get("deployments", []):
+        ep = str(d.get("entrypoint", ""))
+        if ep.rpartition(":")[2] == name:
+            return ep
+    raise OrchestrationError(f"no deployment in {Path(project) / 'prefect.yaml'} runs flow {name!r} "
+                             f"(known: {', '.join(FLOW_NAMES)})")
+
+
+def load_flow(name: str, project: Path | None = None):
+    """Flow `name` (tide_cycle, tide_train, tide_capture), loaded the way a Prefect worker loads a
+    deployment's flow: `prefect.flows.load_flow_from_entrypoint` on the entrypoint prefect.yaml
+    gives it, in `project_root(project)`. Each call runs the flow file anew (as each worker run
+    does). Raises OrchestrationError (no project, no such deployment), prefect's ScriptError (the
+    flow file failed to import)."""
+    from prefect.flows import load_flow_from_entrypoint
+    root = project_root(project)
+    path, _, fn = entrypoint(name, root).rpartition(":")
+    if not (root / path).is_file():
+        raise OrchestrationError(f"{root / 'prefect.yaml'} names {path} for flow {name}, which does not exist")
+    return load_flow_from_entrypoint(f"{root / path}:{fn}", use_placeholder_flow=False)
 
 
 # -- events -----------------------------------------------------------------------------------
@@ -172,11 +222,18 @@ def yaml_pools(project: Path) -> list[str]:
 
 def deploy(project: Path, api_url: str, names: tuple[str, ...] = (), timeout_s: float = 300) -> str:
     """`prefect deploy` (all deployments of `project`/prefect.yaml, or `names`) against the server
-    at `api_url`, run from `project` (the pull step records it as the flow runs' working dir).
-    The work pools it names are created first when missing (process pools). Returns the CLI
-    output. Raises OrchestrationError with that output when it fails."""
+    at `api_url`, run from `project` (it records `project` as the flow runs' working dir: the
+    entrypoints `flows/*.py` are read from there).
+    The work pools it names are created first when missing (process pools); every entrypoint file
+    must be there. Returns the CLI output. Raises OrchestrationError with that output when it fails."""
     if not (Path(project) / "prefect.yaml").exists():
         raise OrchestrationError(f"no prefect.yaml in {project}: run from the tidespec project root")
+    doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
+    missing = sorted({p for d in doc.get("deployments", []) if (p := str(d.get("entrypoint", "")).rpartition(":")[0])
+                      and not (Path(project) / p).is_file()})
+    if missing:
+        raise OrchestrationError(f"prefect.yaml in {project} names flow files {missing} that are not there: copy the "
+                                 "project's flows/ directory next to its prefect.yaml")
     ensure_pools(api_url, yaml_pools(project))
     exe = Path(sys.executable).with_name("prefect")
     sel = [a for n in names for a in ("--name", n)] or ["--all"]

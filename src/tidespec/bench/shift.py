@@ -46,7 +46,6 @@ from ..cycle import step_deploy
 from ..demo import bootstrap_static
 from ..engine.replay import replay
 from ..engine.speculative import Request
-from ..flows.cycle import tide_cycle
 from ..runtime import get_target, load_suffix_corpus, make_engine, runner_for
 from ..workspace import Workspace, served_version
 
@@ -221,7 +220,7 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
     registry.promote(uri, tid, v, "bench shift: the static draft is the first champion", allow_unevaluated=True)
     step_deploy(ws, uri, tid)
     static_runner = runner_for(static, target)
-    flow = tide_cycle
+    flow = orchestrate.load_flow("tide_cycle")  # the project's flows/cycle.py, as a worker loads it
     seals: queue.Queue = queue.Queue()
     writer = None
     rep = {"config": asdict(cfg), "params_sha": params.sha(), "target_id": tid, "k": params.engine.num_draft_tokens,

@@ -1,7 +1,8 @@
 """Prefect flow `tide_cycle`: curate → train → evaluate → register → deploy (thin: logic in `tidespec.cycle`).
 
-Deployed by prefect.yaml (`tide-cycle`, entrypoint `tidespec.flows.cycle:tide_cycle`: interval
-schedule + trigger on `tidespec.capture.threshold`).
+Deployed by prefect.yaml (`tide-cycle`, entrypoint `flows/cycle.py:tide_cycle`: interval schedule +
+trigger on `tidespec.capture.threshold`); run in-process by `tidespec cycle`, the demos and `bench
+shift` through `tidespec.adapters.orchestrate.load_flow` (the same entrypoint).
 Tasks pass paths/URIs only. Retries only for transient failures (a service unreachable:
 `orchestrate.retry_if_transient`); bad data fails at once and leaves the champion serving.
 """
@@ -13,11 +14,11 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from .. import cycle
-from ..adapters import orchestrate, registry
-from ..config import load_params
-from ..runtime import target_id as target_id_of
-from ..workspace import Workspace
+from tidespec import cycle
+from tidespec.adapters import orchestrate, registry
+from tidespec.config import load_params
+from tidespec.runtime import target_id as target_id_of
+from tidespec.workspace import Workspace
 
 TRANSIENT = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": orchestrate.retry_if_transient}
 

@@ -1,9 +1,8 @@
 """Prefect flow `tide_train`: the train step on its own work pool (deployment `tide-train`,
-entrypoint `tidespec.flows.train:tide_train`).
+entrypoint `flows/train.py:tide_train`).
 
-`tide_cycle` starts it with `run_deployment` when `train.work_pool` is set; it trains here (the
-pool's worker) through the same `cycle.train_candidate` and writes the candidate and its
-train_metrics.json under `out` (a path both pools see).
+`tide_cycle` starts it with `run_deployment` when `train.work_pool` is set; it trains here (the pool's worker) through the same `cycle.train_candidate` and
+writes the candidate and its train_metrics.json under `out` (a path both pools see).
 """
 from __future__ import annotations
 
@@ -11,9 +10,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from .. import cycle
-from ..config import load_params
-from ..workspace import Workspace
+from tidespec import cycle
+from tidespec.config import load_params
+from tidespec.workspace import Workspace
 
 
 @flow(name="tide_train", log_prints=True)

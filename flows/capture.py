@@ -1,21 +1,21 @@
 """Prefect flow `tide_capture`: production traffic (SageMaker Data Capture) → rehydrated records →
-snapshots (thin: logic in `tidespec.capture.ingest`, S3 in `tidespec.adapters.s3_capture`). Deployed by prefect.yaml (`tide-capture`,
-entrypoint `tidespec.flows.capture:tide_capture`, interval schedule). A sealed snapshot publishes
-like live capture: `dvc add` + push and the `tidespec.capture.threshold` event that starts
-`tide_cycle`."""
+snapshots (thin: logic in `tidespec.capture.ingest`, S3 in `tidespec.adapters.s3_capture`). Deployed
+by prefect.yaml (`tide-capture`, entrypoint `flows/capture.py:tide_capture`, interval schedule);
+`tidespec ingest` runs it in-process. A sealed snapshot publishes like live capture: `dvc add` +
+push and the `tidespec.capture.threshold` event that starts `tide_cycle`."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from ..adapters.publish import Publisher
-from ..adapters.s3_capture import S3Objects, default_sources
-from ..capture.ingest import ingest_source
-from ..capture.writer import CaptureWriter
-from ..config import load_params
-from ..runtime import get_target, target_id
-from ..workspace import Workspace
+from tidespec.adapters.publish import Publisher
+from tidespec.adapters.s3_capture import S3Objects, default_sources
+from tidespec.capture.ingest import ingest_source
+from tidespec.capture.writer import CaptureWriter
+from tidespec.config import load_params
+from tidespec.runtime import get_target, target_id
+from tidespec.workspace import Workspace
 
 
 @flow(name="tide_capture", log_prints=True)
