@@ -3,6 +3,8 @@
 Deployed by prefect.yaml (`tide-cycle`, entrypoint `flows/cycle.py:tide_cycle`: interval schedule +
 trigger on `tidespec.capture.threshold`); run in-process by `tidespec cycle`, the demos and `bench
 shift` through `tidespec.adapters.orchestrate.load_flow` (the same entrypoint).
+Params are read once per run: the flow freezes them (`cycle.freeze_params`, data/work/params-<sha>.yaml)
+and every task loads that file, so an edit of params.yaml during the run changes nothing in it.
 Tasks pass paths/URIs only. Retries only for transient failures (a service unreachable:
 `orchestrate.retry_if_transient`); bad data fails at once and leaves the champion serving.
 """
@@ -73,7 +75,8 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     """One adaptation cycle over the snapshots under `root`/data/snapshots/<target_id>.
 
     trigger: why it runs (manual, schedule, tokens, drift: from the event). A cycle with no sealed
-    snapshot newer than the last completed cycle's is skipped unless `force`."""
+    snapshot newer than the last completed cycle's is skipped unless `force`. `params_path` is read
+    once, here: the tasks get its frozen copy."""
     log = get_run_logger()
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking_uri:
@@ -86,21 +89,23 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     if not force and (why := cycle.nothing_new(ws, target_id)):
         log.info("cycle skipped, champion untouched: %s", why)
         return {"skipped": why}
-    cur = curate(root, params_path, target_id)
+    frozen = str(cycle.freeze_params(ws, params))  # every task below reads these params, whatever params_path becomes
+    log.info("params %s (sha %s) frozen as %s", params_path, params.sha(), frozen)
+    cur = curate(root, frozen, target_id)
     drift = "n/a (first curated set)" if cur["drift_jsd"] is None else f"{cur['drift_jsd']:.3f} bits (JSD)"
     log.info("trigger %s: curated %s train / %s val / %s holdout records, drift vs previous set: %s", trigger,
              cur["num_train"], cur["num_val"], cur["num_holdout"], drift)
     champ = fetch_champion(root, tracking_uri, target_id)
-    tm = train(root, params_path, cur["curated"], champ)
+    tm = train(root, frozen, cur["curated"], champ)
     if tm.get("skipped"):
         log.warning("cycle skipped, champion untouched: %s", tm["skipped"])
         return {"curate": cur, "skipped": tm["skipped"]}
-    rep = evaluate(root, params_path, champ)
+    rep = evaluate(root, frozen, champ)
     mix = json.loads(Path(cur["curated"]).read_text()).get("workload_mix", {})
-    dec = register(params_path, target_id, str(ws.candidate), rep, tm, tracking_uri, cur["curated"], snapshot_rev,
+    dec = register(frozen, target_id, str(ws.candidate), rep, tm, tracking_uri, cur["curated"], snapshot_rev,
                    mix, cur["drift_jsd"], trigger)
     log.info("register: version %s promoted=%s (%s)", dec["version"], dec["promoted"], dec["reason"])
-    dep = deploy(root, tracking_uri, target_id, params_path)
+    dep = deploy(root, tracking_uri, target_id, frozen)
     cycle.mark_done(ws, Path(cur["curated"]))
     return {"curate": cur, "train": {k: v for k, v in tm.items() if not isinstance(v, list)}, "evaluate": rep,
             "register": dec, "deploy": dep}

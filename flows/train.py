@@ -1,7 +1,8 @@
 """Prefect flow `tide_train`: the train step on its own work pool (deployment `tide-train`,
 entrypoint `flows/train.py:tide_train`).
 
-`tide_cycle` starts it with `run_deployment` when `train.work_pool` is set; it trains here (the pool's worker) through the same `cycle.train_candidate` and
+`tide_cycle` starts it with `run_deployment` when `train.work_pool` is set (params_path: the cycle's
+frozen params); it trains here (the pool's worker) through the same `cycle.train_candidate` and
 writes the candidate and its train_metrics.json under `out` (a path both pools see).
 """
 from __future__ import annotations

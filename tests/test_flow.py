@@ -73,3 +73,43 @@ def test_tide_cycle_flow_registers_champion(tmp_path, tiny_target_dir, prefect_s
     assert mv.tags["snapshot_rev"] == json.loads(info.tags["snapshot_revs"])[sid] != ""
     assert mv.tags["snapshot_revs"] == info.tags["snapshot_revs"] and mv.tags["params_sha"] == params.sha()
 
+
+def test_params_are_read_once_per_cycle(tmp_path, tiny_target_dir, prefect_server, mlflow_server, monkeypatch):
+    """params.yaml edited while a cycle runs (here between its curate and train tasks): the cycle
+    keeps the params it started with — training, evaluation, registration and deploy read one frozen
+    copy (data/work/params-<sha>.yaml) — so the registered params_sha is that of the params training
+    used, not of the edited file."""
+    from mlflow import MlflowClient
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tidespec import cycle
+    from tidespec.adapters import orchestrate, registry
+    from tidespec.config import load_params
+
+    ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir)
+    pp = tmp_path / "params.yaml"
+    real_curate, real_train, used = cycle.step_curate, cycle.train_candidate, {}
+
+    def curate_then_edit(ws_, p, target_id):
+        out = real_curate(ws_, p, target_id)
+        pp.write_text(pp.read_text().replace("min_relative_gain: 0.0", "min_relative_gain: 0.5")
+                      .replace("epochs: 2", "epochs: 1"))  # someone tunes the next cycle meanwhile
+        return out
+
+    def train(ws_, p, *a, **kw):
+        used["sha"], used["epochs"], used["params_path"] = p.sha(), p.train.epochs, kw.get("params_path")
+        return real_train(ws_, p, *a, **kw)
+    monkeypatch.setattr(cycle, "step_curate", curate_then_edit)
+    monkeypatch.setattr(cycle, "train_candidate", train)
+    flow = orchestrate.load_flow("tide_cycle", REPO)
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        res = flow(root=str(tmp_path), params_path=str(pp), target_id=target.target_id, tracking_uri=mlflow_server)
+    edited = load_params(pp)
+    assert edited.sha() != params.sha() and edited.train.epochs == 1  # the edit happened, mid-cycle
+    assert used["sha"] == params.sha() and used["epochs"] == 2  # training used the params the cycle started with
+    assert Path(used["params_path"]) == ws.work / f"params-{params.sha()}.yaml"  # the frozen copy (a pool reads it)
+    c = MlflowClient(mlflow_server)
+    mv = c.get_model_version(registry.model_name(target.target_id), res["register"]["version"])
+    assert mv.tags["params_sha"] == used["sha"]  # lineage names the params training used
+    logged = c.get_run(res["register"]["run_id"]).data.params  # and the run logged those params, not the edit
+    assert logged["train.epochs"] == "2" and logged["evaluate.min_relative_gain"] == "0.0"

@@ -15,6 +15,8 @@ import logging
 import os
 from pathlib import Path
 
+import yaml
+
 from . import curate as curate_mod
 from . import plots
 from .adapters import registry, versioning
@@ -23,7 +25,7 @@ from .adapters.orchestrate import train_on_pool
 from .adapters.sagemaker_train import train_on_sagemaker
 from .assets import sha256_file
 from .capture.store import list_snapshots
-from .config import Params
+from .config import Params, load_params
 from .deploy.local import deploy_champion, notify_server
 from .engine.replay import replay
 from .engine.speculative import Engine
@@ -35,6 +37,25 @@ from .tuning import tune_windows
 from .workspace import Workspace, served_version
 
 log = logging.getLogger(__name__)
+
+
+# -- params -----------------------------------------------------------------------------------
+def freeze_params(ws: Workspace, params: Params) -> Path:
+    """Params read once for a cycle, frozen: the validated `params` written to
+    `ws.work/params-<sha>.yaml` (content-addressed, written once by rename), the file every step of
+    the run loads (and the `tide-train` pool's run, through its params_path). An edit of params.yaml
+    during a cycle then changes nothing in it, and the `params_sha` it registers describes the params
+    its training used. Returns the frozen file. Raises ValueError when the written file would not
+    load back as the same params."""
+    out = ws.work / f"params-{params.sha()}.yaml"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        tmp.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+        os.replace(tmp, out)
+    if load_params(out).sha() != params.sha():
+        raise ValueError(f"{out} does not load back as the params it froze (sha {params.sha()}): remove it and rerun")
+    return out
 
 
 # -- curate -----------------------------------------------------------------------------------
