@@ -1,6 +1,9 @@
 """Layers point one way: every `tidespec` import (function-level ones included) goes to a module in
 the same layer or a lower one, and no import cycle exists (after SpecForge's
-tests/test_architecture/test_package_dependencies.py). docs/architecture.md explains the order."""
+tests/test_architecture/test_package_dependencies.py). Folders show the layers: each package folder
+sits in one layer (or names its modules of another), and no import runs back up between folders.
+The Prefect flows live in the project's flows/, outside the package. docs/architecture.md explains
+the order."""
 from __future__ import annotations
 
 import ast
@@ -28,6 +31,21 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("steps", ("cycle", "deploy", "deploy.local")),
     ("entry points", ("demo", "demo_sagemaker", "bench", "bench.*", "cli")),
 ]
+
+# Folders show the layers: each package folder sits in one layer; a folder whose modules span two
+# names the modules of its other layer (and which). The package root (tidespec/*.py) holds modules of
+# every layer; the flows are not in the package at all (the project's flows/).
+FOLDERS: dict[str, tuple[str, dict[str, str]]] = {
+    "models": ("models", {}),
+    "engine": ("engine", {}),
+    "capture": ("data+train", {"capture": "engine", "capture.store": "engine", "capture.metrics": "engine",
+                               "capture.text": "engine"}),  # the capture record format sits with the engine
+    "train": ("data+train", {}),
+    "serve": ("serve", {}),
+    "adapters": ("adapters", {}),
+    "deploy": ("steps", {}),
+    "bench": ("entry points", {}),
+}
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -128,9 +146,93 @@ def cycles(root: Path = PKG) -> list[list[str]]:
     return out
 
 
+def _folder(mod: str, root: Path) -> str | None:
+    """The package folder `mod` lives in (None: the package root, tidespec/*.py)."""
+    top = mod.split(".")[0]
+    return top if mod != PACKAGE and (root / top / "__init__.py").exists() else None
+
+
+def folder_violations(root: Path = PKG, layers=None, folders=None) -> list[str]:
+    """Folders against the layers: a folder no FOLDERS entry places, a module in another layer than
+    its folder says (or than the exception its folder names for it), and an import from one folder
+    into another that sits in a higher layer (the folders' layers: a folder's modules move together)."""
+    layers, folders = layers or LAYERS, folders or FOLDERS
+    names = [n for n, _ in layers]
+
+    def layer_of(mod):
+        for n, mods in layers:
+            if any(mod == m or (m.endswith(".*") and mod.startswith(m[:-1])) for m in mods):
+                return n
+        return None  # violations() reports it
+    out = [f"folder {p.name}/: in no FOLDERS entry (add it, and to docs/architecture.md)"
+           for p in sorted(root.iterdir()) if (p / "__init__.py").exists() and p.name not in folders]
+    g = graph(root)
+    for mod, deps in sorted(g.items()):
+        fa = _folder(mod, root)
+        if fa not in folders:
+            continue
+        want, got = folders[fa][1].get(mod, folders[fa][0]), layer_of(mod)
+        if got is not None and got != want:
+            out.append(f"{mod}: in layer {got}, but folder {fa}/ says {want} (move it, or name it in FOLDERS)")
+        for d in sorted(deps):
+            fb = _folder(d, root)
+            if fb in folders and fb != fa and names.index(folders[fa][0]) < names.index(folders[fb][0]):
+                out.append(f"{mod} (folder {fa}/, {folders[fa][0]}) imports {d} (folder {fb}/, {folders[fb][0]}): "
+                           "up between folders")
+    return out
+
+
 def test_imports_point_down_and_no_cycles():
     assert violations() == []
     assert cycles() == []
+
+
+def test_folders_show_the_layers():
+    assert folder_violations() == []
+
+
+def test_an_import_up_between_folders_is_caught(tmp_path):
+    """engine.stats importing capture.store breaks no module layer (the record format sits with the
+    engine) but runs from the engine/ folder up into capture/ (data+train): the folder check says so."""
+    root = tmp_path / "tidespec"
+    shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "engine" / "stats.py").write_text((root / "engine" / "stats.py").read_text()
+                                              + "\nfrom ..capture.store import FIELDS\n")
+    assert violations(root) == []
+    assert any("engine.stats" in v and "up between folders" in v for v in folder_violations(root))
+
+
+def test_a_module_in_the_wrong_folder_is_caught(tmp_path):
+    layers = [(n, tuple(m for m in mods if m != "tuning")) for n, mods in LAYERS]
+    layers = [(n, mods + ("engine.tuning",) if n == "data+train" else mods) for n, mods in layers]
+    root = tmp_path / "tidespec"
+    shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.move(root / "tuning.py", root / "engine" / "tuning.py")  # a data+train module in the engine folder
+    assert any(v.startswith("engine.tuning: in layer data+train, but folder engine/ says engine")
+               for v in folder_violations(root, layers))
+    (root / "newpkg").mkdir()
+    (root / "newpkg" / "__init__.py").write_text("")
+    assert "folder newpkg/: in no FOLDERS entry (add it, and to docs/architecture.md)" in folder_violations(root, layers)
+
+
+def test_flows_live_in_the_project_not_the_package():
+    """prefect.yaml's entrypoints are files under the project's flows/ (as Prefect projects lay them
+    out), each defines the flow it names, and no module of the package imports them."""
+    from prefect import Flow
+
+    from tidespec.adapters.orchestrate import entrypoint, load_flow
+    assert not (PKG / "flows").exists()
+    for mod, path in _modules(PKG).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not [n for n in names if n == "flows" or n.startswith("flows.")], f"{mod} imports {names}"
+    repo = PKG.parents[1]
+    for name in ("tide_cycle", "tide_train", "tide_capture"):
+        ep = entrypoint(name, repo)
+        assert ep == f"flows/{name.removeprefix('tide_')}.py:{name}"
+        f = load_flow(name, repo)
+        assert isinstance(f, Flow) and f.name == name
 
 
 @pytest.mark.parametrize("where,line", [
@@ -159,23 +261,3 @@ def test_a_new_module_must_be_placed(tmp_path):
     shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "newthing.py").write_text("X = 1\n")
     assert "newthing: in no layer (add it to LAYERS and docs/architecture.md)" in violations(root)
-
-
-def test_flows_live_in_the_project_not_the_package():
-    """prefect.yaml's entrypoints are files under the project's flows/ (as Prefect projects lay them
-    out), each defines the flow it names, and no module of the package imports them."""
-    from prefect import Flow
-
-    from tidespec.adapters.orchestrate import entrypoint, load_flow
-    assert not (PKG / "flows").exists()
-    for mod, path in _modules(PKG).items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-            assert not [n for n in names if n == "flows" or n.startswith("flows.")], f"{mod} imports {names}"
-    repo = PKG.parents[1]
-    for name in ("tide_cycle", "tide_train", "tide_capture"):
-        ep = entrypoint(name, repo)
-        assert ep == f"flows/{name.removeprefix('tide_')}.py:{name}"
-        f = load_flow(name, repo)
-        assert isinstance(f, Flow) and f.name == name
