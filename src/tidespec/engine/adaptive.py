@@ -181,7 +181,7 @@ class AdaptiveK:
         """Draft early stop for this step's plan: the probability (that a further drafted token is
         reached and accepted) below which drafting it costs more than it returns — its verify row and
         draft step, in ms, times the plan's predicted tokens per ms. Chains stop there
-        (`engine.speculative`), as SpecDec++ (arXiv 2405.19715 §3) stops at a threshold on the
+        (`engine.proposers.eagle3`), as SpecDec++ (arXiv 2405.19715 §3) stops at a threshold on the
         predicted rejection probability, here derived from the step's cost model instead of tuned."""
         b = len(ladders)
         rows = b + sum(n for _, n in choice)

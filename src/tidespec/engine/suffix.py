@@ -151,7 +151,7 @@ class _Live:
 
 
 class SuffixCache:
-    """The request trees and the global tree of one engine (`engine.speculative`'s suffix proposer).
+    """The request trees and the global tree of one engine (`engine.proposers.suffix` drafts from its proposals).
 
     max_depth: trie depth (tokens); max_tokens: the global tree's budget in tokens of retained
     outputs (oldest evicted first); max_spec: most tokens per proposal; alpha: tokens per matched

@@ -13,7 +13,7 @@ sees the cache and its ancestors, at position cache length + depth.
 
 Greedy only: the accepted path is the longest one whose tokens are the target's argmax in turn
 (the target's own token after it is the bonus), so the output is the target-only output. Sampled
-requests draft chains (`engine.speculative`), where rejection sampling is exact
+requests draft chains (`engine.proposers.eagle3`), where rejection sampling is exact
 (`engine.sampling.rejection_verify`); multi-draft rejection sampling over siblings (SpecInfer §4.3,
 SpecTr) is not implemented.
 """

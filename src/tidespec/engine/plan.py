@@ -1,0 +1,132 @@
+"""The step's plan: which proposer and option each running request takes this step (`StepPlan`).
+
+Per request a ladder of options (`goodput.Ladder`: none, EAGLE3 chain lengths or tree sizes,
+prefixes of its suffix proposal), capped so the output and the KV cache have room for the drafts
+plus the bonus token. With the goodput policy (`adaptive.AdaptiveK.plan_step`) the options of the
+whole batch are chosen together by predicted tokens/s; a request outside the policy (a fixed k,
+seeded sampling, no policy) takes a fixed option: its suffix proposal when the expected accepted
+tokens (the sum of its chain scores) reach `suffix_min_expected` or it has no EAGLE3 draft, else
+the EAGLE3 chain of its k (or the engine's), or the tree of SGLang's knobs.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .adaptive import AdaptiveK
+from .goodput import NONE, Ladder
+from .proposers.base import Proposer, Slot
+from .request import Request, Seq
+from .suffix import Proposal, SuffixCache
+from .tree import max_nodes
+
+TREE = "eagle3/tree"  # the proposer table's key of the EAGLE3 option for a request that drafts trees
+
+
+def adaptive_for(adaptive: AdaptiveK | None, req: Request) -> bool:
+    """Does the goodput policy choose this request's option? Not with a fixed k, and not for seeded
+    sampling (the random stream a seed fixes depends on k: a seeded request keeps the engine's k)."""
+    return adaptive is not None and req.k is None and (req.sampling.greedy or req.sampling.seed is None)
+
+
+def k_max(adaptive: AdaptiveK | None, k: int, req: Request) -> int:
+    """The longest chain (or tree depth) the request may draft: its k, the policy's k_max, or the engine's k."""
+    if req.k is not None:
+        return req.k
+    return adaptive.k_max if adaptive_for(adaptive, req) else k
+
+
+@dataclass
+class StepPlan:
+    """One step's slots, in the running order (one per running request, proposer None = no drafts)."""
+
+    slots: list[Slot]
+
+    def groups(self, proposers: Iterable[Proposer]) -> list[tuple[Proposer, list[Slot]]]:
+        """(proposer, its slots) for each proposer with work this step, in the order given."""
+        out = [(p, [sl for sl in self.slots if sl.proposer is p]) for p in proposers]
+        return [(p, group) for p, group in out if group]
+
+    def named(self, name: str) -> list[Slot]:
+        """Slots whose proposer is called `name` (e.g. "eagle3": chains and trees)."""
+        return [sl for sl in self.slots if sl.proposer is not None and sl.proposer.name == name]
+
+
+@dataclass(frozen=True)
+class Planner:
+    """The engine's planning knobs, read at each step (`Engine.suffix` may be replaced between
+    steps): k (fixed chain length), max_seq_len (KV positions per request), the policy, the suffix
+    cache, suffix_min_expected, early_stop (`draft_early_stop`), topk and tree_nodes (EAGLE-2: children
+    per node, most verified nodes)."""
+
+    k: int
+    max_seq_len: int
+    adaptive: AdaptiveK | None
+    suffix: SuffixCache | None
+    suffix_min_expected: float
+    early_stop: bool
+    topk: int
+    tree_nodes: int
+
+    def plan(self, running: list[Seq], proposers: Mapping[str, Proposer]) -> StepPlan:
+        """Each request's slot: its proposer (from `proposers` by option name; `TREE` for a tree
+        request's EAGLE3 option) and option size, its early-stop threshold, its suffix proposal."""
+        slots = [Slot(s, learn=self.adaptive if adaptive_for(self.adaptive, s.req) else None) for s in running]
+        ladders = [self._ladder(sl) for sl in slots]
+        stop = 0.0
+        if self.adaptive is not None and any(lad.fixed is None for lad in ladders):
+            choice = self.adaptive.plan_step([s.req.workload for s in running], ladders)
+            if self.early_stop:
+                stop = self.adaptive.stop_below(ladders, choice)
+        else:
+            choice = [lad.fixed for lad in ladders]
+        for sl, lad, (via, n) in zip(slots, ladders, choice):
+            sl.stop_below = stop if lad.fixed is None else 0.0
+            sl.n = n
+            if via == "eagle3" and sl.seq.tree:
+                sl.proposer, sl.depth = proposers[TREE], lad.depth(n)
+            elif via:
+                sl.proposer = proposers[via]
+        return StepPlan(slots)
+
+    def _ladder(self, sl: Slot) -> Ladder:
+        """The request's options this step; sets `sl.proposal` (capped to the room)."""
+        s = sl.seq
+        room = min(s.req.max_new_tokens - len(s.gen), self.max_seq_len - s.cache.length) - 1
+        if self.suffix is not None and s.req.speculative and room > 0:
+            p = self.suffix.propose(s.rid)
+            sl.proposal = Proposal(p.tokens[:room], p.score, p.match_len, p.source, p.scores[:room])
+        p = sl.proposal
+        if s.tree:  # one token left (or no KV room): no tree
+            return self._tree_ladder(sl) if room > 0 else Ladder(fixed=NONE)
+        if sl.learn is not None:
+            eagle = self.adaptive.eagle_gains(s.req.workload, room) if s.draft is not None else ()
+            suffix = self.adaptive.suffix_gains(s.req.workload, p.scores) if p is not None else ()
+            return Ladder(eagle, suffix)
+        if p is not None and p.tokens and (s.draft is None or sum(p.scores) >= self.suffix_min_expected):
+            return Ladder(fixed=("suffix", len(p.tokens)), fixed_gain=sum(p.scores))
+        if s.draft is None:
+            return Ladder(fixed=NONE)
+        k = s.req.k if s.req.k is not None else self.k
+        gain = self.adaptive.eagle_gains(s.req.workload, k)[-1] if self.adaptive is not None else 0.0
+        return Ladder(fixed=("eagle3", k), fixed_gain=gain)
+
+    def _tree_ladder(self, sl: Slot) -> Ladder:
+        """A tree request's options: n = 1..N−1 verified nodes (N = tree num_draft_tokens, capped by
+        the KV room), depth min(num_steps, n, output room) — under the policy its gains
+        (`AdaptiveK.tree_gains`) and width are the plan's; else the fixed tree of SGLang's knobs.
+        Sets `sl.cap`."""
+        s, p = sl.seq, sl.proposal
+        steps = k_max(self.adaptive, self.k, s.req)
+        out_room = s.req.max_new_tokens - len(s.gen) - 1
+        cap = min(self.tree_nodes, max_nodes(min(steps, out_room), self.topk), self.max_seq_len - s.cache.length - 1)
+        depth = tuple(min(steps, n, out_room) for n in range(1, cap + 1))
+        sl.cap = cap
+        if sl.learn is not None:
+            eagle = self.adaptive.tree_gains(s.req.workload, cap, lambda n: depth[n - 1])
+            suffix = self.adaptive.suffix_gains(s.req.workload, p.scores) if p is not None else ()
+            return Ladder(eagle, suffix, eagle_depth=depth, draft_rows=self.topk)
+        if p is not None and p.tokens and sum(p.scores) >= self.suffix_min_expected:
+            return Ladder(fixed=("suffix", len(p.tokens)), fixed_gain=sum(p.scores))
+        gain = self.adaptive.tree_gains(s.req.workload, cap, lambda n: depth[n - 1])[-1] if self.adaptive else 0.0
+        return Ladder(fixed=("eagle3", cap), fixed_gain=gain, eagle_depth=depth, draft_rows=self.topk)

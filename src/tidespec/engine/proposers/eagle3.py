@@ -1,0 +1,101 @@
+"""EAGLE3 chain proposer: k tokens per request, one batched draft forward per position.
+
+Source: EAGLE-3 (Li et al., arXiv 2503.01840 §3): the draft reads the target's low/mid/high aux
+hidden states `[n, 3*H]` of the verified rows (`catch_up`), then drafts autoregressively, feeding its
+own hidden state `[1, H]` forward. Early stop (requests under the goodput policy with
+`draft_early_stop`): SpecDec++ (arXiv 2405.19715 §3) stops at a threshold on the predicted
+rejection probability; here the threshold is the step's break-even (`AdaptiveK.stop_below`) and the
+acceptance of a token is estimated from the draft's confidence in it (EAGLE-2, arXiv 2406.16858 §4).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sampling import warp
+from .base import Slot, by_draft
+
+
+def catch_up(slots: list[Slot]) -> None:
+    """Feed each request's backlog — verified rows the draft has not read: aux `[n, 3H]`, next tokens
+    `[n]` — to its draft, one batched forward per draft (chains and trees together), and set the
+    chain start `slot.hidden` `[1, H]` / `slot.logits` `[Vd]` fp32. Slots without a backlog are left."""
+    for draft, group in by_draft([sl for sl in slots if sl.seq.backlog]):
+        items = [(torch.cat([a for a, _ in sl.seq.backlog]), torch.cat([t for _, t in sl.seq.backlog]),
+                  sl.seq.draft_cache) for sl in group]
+        for sl, (h, dl) in zip(group, draft.extend_batch(items)):
+            sl.hidden, sl.logits, sl.seq.backlog = h, dl, []
+
+
+def draft_token(sl: Slot, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft token j from the draft's logits `sl.logits` `[Vd]`: a target id `[1]` int64 and, when
+    sampling, its proposal distribution `[V]` fp32. With logits transforms the draft's logits are
+    mapped into the target vocab and transformed with prefix drafts[:j], so the proposal follows the
+    same rules as the verification (rejection sampling stays exact)."""
+    s = sl.seq
+    if s.lp.active:
+        x = s.lp.apply(s.draft.to_target_logits(sl.logits)[None], sl.drafts, start=j)[0]
+        if s.rng is None:
+            return x.argmax().view(1), None
+        q = warp(x, s.req.sampling)
+    elif s.rng is None:
+        return s.draft.to_target_ids(sl.logits.argmax().view(1)), None
+    else:
+        q = s.draft.to_target_probs(warp(sl.logits, s.req.sampling))
+    return torch.multinomial(q, 1, generator=s.rng), q
+
+
+class Eagle3Chain:
+    """EAGLE3 chains (see the module docstring). `propose` drafts `slot.n` tokens per request
+    (fewer with early stop); `observe` rolls the draft cache back to before the chain (the accepted
+    rows are re-read as next step's catch-up) and teaches the policy."""
+
+    name = "eagle3"
+
+    def propose(self, slots: list[Slot]) -> None:
+        """Draft forwards batched across requests per position j (requests still drafting at j)."""
+        for sl in slots:
+            sl.base = sl.seq.draft_cache.length
+        live, last = list(slots), {}
+        for j in range(max((sl.n for sl in slots), default=0)):
+            live = [sl for sl in live if sl.n > j]
+            for sl in live:
+                last[sl] = self._draft(sl, j)
+            live = [sl for sl in live if not sl.stopped]
+            for draft, group in by_draft([sl for sl in live if sl.n > j + 1]):
+                steps = draft.step_batch([(sl.hidden, last[sl].view(1), sl.seq.draft_cache) for sl in group])
+                for sl, (h, dl) in zip(group, steps):
+                    sl.hidden, sl.logits = h, dl
+        for sl in slots:
+            sl.draft_forwards, sl.draft_rows = sl.k + sl.stopped, 1
+
+    @staticmethod
+    def _draft(sl: Slot, j: int) -> torch.Tensor:
+        """Draft token j into `sl.drafts` (and its q into `sl.draft_probs`), unless the early stop
+        ends the chain before it: the probability that it is reached and accepted — the product over
+        i ≤ j of P(accept | draft confidence) — fell below `sl.stop_below` (then `sl.stopped`; the
+        token drawn is discarded: verification never sees it, so sampling stays exact). At least one
+        token is drafted, so acceptance keeps being measured."""
+        d, q = draft_token(sl, j)
+        if sl.stop_below > 0:  # the draft's probability of the token it drafted
+            conf = float(q[d]) if q is not None else float(torch.softmax(sl.logits, -1).max())
+            reach = sl.reach * sl.learn.accept_given_confidence(sl.seq.req.workload, conf)
+            if j > 0 and reach < sl.stop_below:
+                sl.stopped = True
+                return d
+            sl.reach = reach
+            sl.confs.append(conf)
+        if q is not None:
+            sl.draft_probs.append(q)
+        sl.drafts.append(int(d))
+        return d
+
+    def observe(self, slot: Slot) -> None:
+        """Roll the draft cache back to `slot.base`; teach the policy the chain's acceptance (a chain
+        cut by early stop counts its stop position as not accepted: the planner's a_j must describe
+        what planning k returns with early stop on) and the acceptance per draft confidence."""
+        slot.seq.draft_cache.length = slot.base
+        if slot.learn is not None:
+            w, k, n = slot.seq.req.workload, slot.k, slot.accepted
+            slot.learn.observe(w, slot.n if slot.stopped and n == k else k, n)
+            if slot.confs:
+                slot.learn.observe_confidence(w, slot.confs, n)

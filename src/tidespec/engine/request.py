@@ -1,0 +1,142 @@
+"""A request and the state of a running one: what it asked for (`Request`) and what persists between
+engine steps (`Seq`: its KV caches, output so far, stop state, counters). Per-step scratch — the
+proposer chosen, the drafts, the verified tree — lives in the step's `proposers.base.Slot`s.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.target import Target
+from .logits import RequestLogits
+from .sampling import GREEDY, SamplingParams, TokenLogprob, logprobs_of, sample, token_logprobs, warp
+from .stats import RequestTiming, SpecDecodingStats
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request.
+
+    k: drafts per step; None = the engine's adaptive policy (or its fixed k when it has none).
+    workload: class label the adaptive policy keys its acceptance estimate on (e.g. "code", "chat").
+    on_tokens: streaming: called on the engine thread as `on_tokens(tokens, logprobs)` with each
+    step's new output tokens (already cut at the stop, so the pieces concatenate to the final
+    output) and their `TokenLogprob`s (None when not requested); must not block.
+    capture: None = ask the engine's capture sink at admission (no sink: not captured); True =
+    collect the record (`Generation.record`; handed to the sink too when there is one); False = never.
+    prompt_id: the prompt's id in its set (capture manifest), "" when unknown.
+    stop: stop-string check, called on the engine thread with each step's new tokens (already cut
+    at EOS / stop ids / max_new_tokens), in order; returns None, or (tokens of these to keep, the
+    stop string) to finish the request there (`detok.TextOutput` is one). Must not block.
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    speculative: bool = True
+    k: int | None = None
+    capture: bool | None = None
+    request_id: str | None = None
+    sampling: SamplingParams = GREEDY
+    workload: str = "default"
+    on_tokens: Callable[[list[int], list[TokenLogprob] | None], None] | None = field(default=None, compare=False)
+    prompt_id: str = ""
+    stop: Callable[[list[int]], tuple[int, str] | None] | None = field(default=None, compare=False)
+
+
+@dataclass
+class CaptureRows:
+    """The target's rows of a captured request's processed positions, in order: aux `[n_i, 3H]` and
+    hidden `[n_i, H]` per step (model dtype)."""
+
+    aux: list[torch.Tensor] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, out, n: int):
+        """The first n rows of a `TargetOutput`."""
+        self.aux.append(out.aux[:n])
+        self.hidden.append(out.hidden[:n])
+
+
+class Seq:
+    """A running request's state between steps.
+
+    draft: the `DraftRunner` it started with (None: no EAGLE3 drafts), kept across a hot-swap;
+    tree: it drafts EAGLE-2 trees with that draft (`engine.tree`); draft_extra: draft cache rows
+    beyond the engine's max_seq_len for tree expansion. cache / draft_cache: its KV caches, allocated
+    at admission (`alloc`). gen: output tokens so far (cut at the stop); next_token: the last
+    emitted token, the next step's first verify row. backlog: (aux `[n, 3H]`, next tokens `[n]`
+    int64) of verified rows the draft has not read yet. stats / by_via: spec-decode counters (all,
+    and per proposer name); rows: capture rows (`capture`).
+    """
+
+    def __init__(self, req: Request, rid: str, draft, version: str | None, vocab_size: int, capture: bool,
+                 eos: set[int]):
+        self.req, self.rid, self.draft, self.version = req, rid, draft, version
+        self.lp = RequestLogits(req.sampling, req.prompt_ids, vocab_size, eos)
+        self.rng = None if req.sampling.greedy else req.sampling.generator()
+        self.capture = capture
+        self.tree = False
+        self.draft_extra = 0
+        self.cache = self.draft_cache = None  # allocated on admission (`alloc`), not while queued
+        self.gen: list[int] = []
+        self.next_token = -1
+        self.logprobs: list[TokenLogprob] | None = [] if req.sampling.logprobs is not None else None
+        self.backlog: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.stats = SpecDecodingStats(0)
+        self.by_via: dict[str, SpecDecodingStats] = {}
+        self.timing = RequestTiming()
+        self.rows = CaptureRows()
+        self.t_submit = time.perf_counter()
+        self.future: Future = Future()
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.finished = self.aborted = False
+        self.error: BaseException | None = None
+
+    def alloc(self, target: Target, max_len: int) -> None:
+        """Allocate the target and draft KV caches (`max_len` positions each, the draft's plus
+        `draft_extra`): a queued request holds none, so memory is bounded by the running batch."""
+        self.cache = target.new_cache(max_len)
+        self.draft_cache = self.draft.new_cache(max_len + self.draft_extra) if self.draft is not None else None
+
+    def process(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """The request's transforms on verify rows `[n, V]` fp32 (row i after drafts[:i])."""
+        return self.lp.apply(logits, drafts) if self.lp.active else logits
+
+    def pick(self, row: torch.Tensor) -> int:
+        """A token from one processed row `[V]`: argmax, or a draw from the warped distribution."""
+        if self.rng is None:
+            return int(row.argmax())
+        return sample(warp(row, self.req.sampling), self.rng)
+
+    def emit(self, new: list[int], rows: torch.Tensor) -> int:
+        """Append the verified tokens up to the first stop (max_new_tokens; EOS or a stop id once
+        min_tokens is reached; a stop string) and return how many were kept. rows: the processed
+        logits `[≥len(new), V]` the tokens were chosen from (for logprobs)."""
+        req, room = self.req, self.req.max_new_tokens - len(self.gen)
+        m = min(len(new), room)
+        if m == room:
+            self.finish_reason = "length"
+        for i, t in enumerate(new[:m]):
+            if t in self.lp.stop_ids and len(self.gen) + i + 1 >= req.sampling.min_tokens:
+                m, self.finish_reason = i + 1, "stop"
+                self.stop_reason = t if t in req.sampling.stop_token_ids else None
+                break
+        if req.stop is not None and m:
+            hit = req.stop(new[:m])
+            if hit is not None:
+                m, self.finish_reason, self.stop_reason = hit[0], "stop", hit[1]
+        kept = new[:m]
+        self.gen.extend(kept)
+        self.lp.advance(kept)
+        if self.logprobs is not None and kept:
+            self.logprobs += token_logprobs(logprobs_of(rows[:m], req.sampling), kept, req.sampling.logprobs)
+        self.next_token = new[-1]
+        self.finished = self.finish_reason is not None
+        if req.on_tokens is not None and kept:
+            req.on_tokens(kept, self.logprobs[-len(kept):] if self.logprobs is not None else None)
+        return m
