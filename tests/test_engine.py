@@ -157,6 +157,21 @@ def test_one_requests_error_does_not_fail_its_batch_mates(tiny_target, monkeypat
     assert good.result().tokens == ref
 
 
+def test_a_failed_forward_still_resolves_requests_aborted_in_the_same_step(tiny_target, monkeypatch):
+    """The shared forward fails in the step that also retires an aborted request: the aborted one
+    resolves (finish_reason abort), the running one fails with the error; none hangs."""
+    eng = Engine(tiny_target, None, 2, 64)
+    gone, running = eng.submit(Request([5, 6], 8, request_id="gone")), eng.submit(Request([7, 8], 8))
+    eng.step()  # both admitted and prefilled
+    assert eng.abort("gone")
+    monkeypatch.setattr(tiny_target, "forward_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("oom")))
+    eng.step()
+    assert gone.done() and running.done()
+    assert gone.result().finish_reason == "abort"
+    with pytest.raises(RuntimeError, match="oom"):
+        running.result()
+
+
 def test_cancelled_request_is_dropped_and_callbacks_may_reenter(tiny_target):
     import threading
     eng = Engine(tiny_target, None, 2, 64)

@@ -362,7 +362,7 @@ class Engine:
                     proposer.propose(slots)
                 outs = self._verify(new, plan)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-                results = [(s, e) for s in new + running]
+                results += [(s, e) for s in new + running]  # after the aborted ones: every future resolves
                 self._running = []
             else:
                 t_end = time.perf_counter()

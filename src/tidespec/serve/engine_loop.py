@@ -3,6 +3,7 @@
 from the event loop; the engine resolves each request's Future on this thread."""
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future
 
@@ -10,6 +11,8 @@ from ..engine.speculative import Engine
 from ..engine.speculative import Request as EngineRequest
 
 IDLE_WAIT_S = 0.5  # an idle thread re-checks for work (and for close) at least this often, s
+
+log = logging.getLogger(__name__)
 
 
 class EngineLoop:
@@ -38,7 +41,10 @@ class EngineLoop:
                     self._wake.wait(IDLE_WAIT_S)
                 if self._stop and self.engine.num_unfinished == 0:
                     return
-            self.engine.step()
+            try:
+                self.engine.step()
+            except Exception:  # noqa: BLE001 - an engine bug outside a step's own error handling: log, keep stepping
+                log.exception("engine step failed outside its request handling; the engine keeps stepping")
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the requests in flight, then stop the thread (waits at most `timeout_s` s)."""
