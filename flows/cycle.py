@@ -82,15 +82,15 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     if not tracking_uri:
         raise ValueError("no MLflow tracking URI: pass tracking_uri or set MLFLOW_TRACKING_URI "
                          "(tidespec services up prints it)")
-    params = load_params(params_path)
+    ws = _ws(root)
+    params, frozen = cycle.freeze_params(ws, params_path)  # read once: every task below loads this copy
+    frozen = str(frozen)
+    log.info("params %s (sha %s) frozen as %s", params_path, params.sha(), frozen)
     if not target_id:
         target_id = target_id_of(params)
-    ws = _ws(root)
     if not force and (why := cycle.nothing_new(ws, target_id)):
         log.info("cycle skipped, champion untouched: %s", why)
         return {"skipped": why}
-    frozen = str(cycle.freeze_params(ws, params))  # every task below reads these params, whatever params_path becomes
-    log.info("params %s (sha %s) frozen as %s", params_path, params.sha(), frozen)
     cur = curate(root, frozen, target_id)
     drift = "n/a (first curated set)" if cur["drift_jsd"] is None else f"{cur['drift_jsd']:.3f} bits (JSD)"
     log.info("trigger %s: curated %s train / %s val / %s holdout records, drift vs previous set: %s", trigger,

@@ -37,3 +37,29 @@ def test_register_refuses_empty_lineage(tmp_path):
     for data in ({}, {"snapshot_rev": "x"}, {"snapshot_rev": "x", "snapshot_revs": "{}"}):
         with pytest.raises(ValueError, match="lineage"):
             cycle.step_register(Params(), "t" * 64, tmp_path, {"candidate": {}}, {}, "http://127.0.0.1:9", data)
+
+
+def test_params_are_frozen_as_the_files_bytes(tmp_path):
+    """`cycle.freeze_params` (what tide_cycle calls once per run): the params file's own bytes, copied
+    to data/work/params-<sha>.yaml, load back as the same params — also when a cross-field rule
+    depends on which keys were set (engine.adaptive: false leaves draft_early_stop unset); a later
+    edit of params.yaml leaves the frozen copy as it was; a missing params.yaml freezes the defaults."""
+    from tidespec import cycle
+    from tidespec.config import Params, load_params
+    from tidespec.workspace import Workspace
+    ws, pp = Workspace(tmp_path), tmp_path / "params.yaml"
+    text = "# tuned by hand\nengine: {adaptive: false}\ntrain: {lr: 0.0123}\n"
+    pp.write_text(text)
+    params, frozen = cycle.freeze_params(ws, pp)
+    assert frozen == ws.work / f"params-{params.sha()}.yaml" and frozen.read_text() == text
+    assert load_params(frozen).sha() == params.sha() == load_params(pp).sha() and params.train.lr == 0.0123
+    pp.write_text("train: {lr: 0.5}\n")  # edited while the cycle runs
+    assert frozen.read_text() == text and load_params(frozen).train.lr == 0.0123
+    assert cycle.freeze_params(ws, pp)[1] != frozen  # the next cycle freezes the new params
+    pp.unlink()
+    default, f0 = cycle.freeze_params(ws, pp)
+    assert default.sha() == Params().sha() and load_params(f0).sha() == Params().sha()
+    pp.write_text("engine: {num_draft_tokens: 0}\n")
+    with pytest.raises(ValueError, match=f"^{pp}: invalid params"):
+        cycle.freeze_params(ws, pp)
+    assert not list(ws.work.glob(".params-*"))  # no temp copy left behind

@@ -15,8 +15,6 @@ import logging
 import os
 from pathlib import Path
 
-import yaml
-
 from . import curate as curate_mod
 from . import plots
 from .adapters import registry, versioning
@@ -40,22 +38,34 @@ log = logging.getLogger(__name__)
 
 
 # -- params -----------------------------------------------------------------------------------
-def freeze_params(ws: Workspace, params: Params) -> Path:
-    """Params read once for a cycle, frozen: the validated `params` written to
-    `ws.work/params-<sha>.yaml` (content-addressed, written once by rename), the file every step of
-    the run loads (and the `tide-train` pool's run, through its params_path). An edit of params.yaml
-    during a cycle then changes nothing in it, and the `params_sha` it registers describes the params
-    its training used. Returns the frozen file. Raises ValueError when the written file would not
-    load back as the same params."""
+def freeze_params(ws: Workspace, params_path: str | Path) -> tuple[Params, Path]:
+    """Read params once for a cycle and freeze them: the bytes of `params_path` (a missing
+    `params.yaml`: the defaults, as `load_params` says) are copied once to
+    `ws.work/params-<sha>.yaml` (named by the validated params' sha, written by rename) and validated
+    from that copy, the file every step of the run loads (and the `tide-train` pool's run, through
+    its params_path). The file's own bytes, not a re-dump: validation sees exactly the keys the user
+    set. An edit of params.yaml during a cycle then changes nothing in it, and the `params_sha` it
+    registers describes the params its training used. Returns (params, frozen file). Raises as
+    `load_params` (naming `params_path`)."""
+    src = Path(params_path)
+    try:
+        raw = src.read_bytes()
+    except FileNotFoundError:
+        load_params(src)  # the defaults for a missing params.yaml; any other missing path raises
+        raw = b"{}\n"
+    ws.work.mkdir(parents=True, exist_ok=True)
+    tmp = ws.work / f".params-{os.getpid()}.yaml.tmp"
+    tmp.write_bytes(raw)
+    try:
+        params = load_params(tmp)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, ValueError):  # name the user's file, not the copy
+            raise ValueError(str(e).replace(str(tmp), str(src))) from None
+        raise
     out = ws.work / f"params-{params.sha()}.yaml"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        tmp.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
-        os.replace(tmp, out)
-    if load_params(out).sha() != params.sha():
-        raise ValueError(f"{out} does not load back as the params it froze (sha {params.sha()}): remove it and rerun")
-    return out
+    os.replace(tmp, out)
+    return params, out
 
 
 # -- curate -----------------------------------------------------------------------------------
