@@ -87,7 +87,13 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
         dvcs = _wait(lambda: sorted(snaps.glob("*.dvc")) if snaps.is_dir() else [], 120, "a published snapshot",
                      proc)
         assert len(dvcs) == 1  # sealed by the server's writer and DVC-tracked by its publisher
-        rev = versioning.snapshot_rev(proj, snaps / dvcs[0].stem)
+
+        def rev_of():  # the .dvc file may still be being written by the publisher
+            try:
+                return versioning.snapshot_rev(proj, snaps / dvcs[0].stem)
+            except Exception:  # noqa: BLE001 - not complete yet
+                return None
+        rev = _wait(rev_of, 60, "a complete .dvc file", proc)
         run = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, 600)
         assert run.state.is_completed(), run.state
         assert run.parameters["target_id"] == tid and run.parameters["trigger"] == "tokens"  # from the event
