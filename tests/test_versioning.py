@@ -85,9 +85,9 @@ def test_machine_local_remote_stays_out_of_project_config(tmp_path):
     assert any((tmp_path / "remote").rglob("*"))
 
 
-def test_failed_publish_is_retried_by_the_next(tmp_path):
-    """Remote down during one publish: the snapshot stays local; the next publish pushes it too,
-    and only then may retention drop it."""
+def _publishing_writer(tmp_path, keep_local: int, **writer_kw):
+    """A DVC repo whose remote is unusable (a file), a Publisher and a CaptureWriter publishing through
+    it, with one record "a" submitted. Returns (repo, remote, snapshots root, publisher, writer, record)."""
     import torch
 
     from tidespec.adapters.publish import Publisher
@@ -97,11 +97,18 @@ def test_failed_publish_is_retried_by_the_next(tmp_path):
     shutil.rmtree(remote)
     remote.write_text("not a directory")  # the remote is unusable
     snaps = r / "data" / "snapshots"
-    pub = Publisher(r, snaps, keep_local=1, emit=False, commit=False)
-    w = CaptureWriter(r / "data" / "capture", "tid", snapshots_root=snaps, on_seal=pub, publish_attempts=1)
+    pub = Publisher(r, snaps, keep_local=keep_local, emit=False, commit=False)
+    w = CaptureWriter(r / "data" / "capture", "tid", snapshots_root=snaps, on_seal=pub, **writer_kw)
     rec = {"input_ids": torch.arange(8, dtype=torch.int32), "loss_mask": torch.ones(8, dtype=torch.uint8),
            "aux_hidden_states": torch.zeros(8, 6), "hidden_states": torch.zeros(8, 2)}
     w.submit(rec, request_id="a", workload="x", acceptance_length=1.0)
+    return r, remote, snaps, pub, w, rec
+
+
+def test_failed_publish_is_retried_by_the_next(tmp_path):
+    """Remote down during one publish: the snapshot stays local; the next publish pushes it too,
+    and only then may retention drop it."""
+    r, remote, snaps, pub, w, rec = _publishing_writer(tmp_path, keep_local=1, publish_attempts=1)
     first = w.seal_now()
     w._publisher.submit(lambda: None).result()  # wait for the publisher
     assert w.stats().publish_errors == 1 and (snaps / "tid" / first.snapshot_id).exists()
@@ -119,20 +126,7 @@ def test_failed_publish_is_retried_by_the_next(tmp_path):
 def test_failed_publish_retries_by_itself(tmp_path):
     """Remote down at the seal, back before the retry: the same snapshot is published by the
     writer's own retry (no second seal), counted once as an error, then pushed and tracked."""
-    import torch
-
-    from tidespec.adapters.publish import Publisher
-    from tidespec.capture.writer import CaptureWriter
-    r, remote = tmp_path / "repo", tmp_path / "remote"
-    versioning.ensure_repo(r, str(remote))
-    shutil.rmtree(remote)
-    remote.write_text("not a directory")
-    snaps = r / "data" / "snapshots"
-    pub = Publisher(r, snaps, keep_local=4, emit=False, commit=False)
-    w = CaptureWriter(r / "data" / "capture", "tid", snapshots_root=snaps, on_seal=pub, publish_retry_s=3.0)
-    rec = {"input_ids": torch.arange(8, dtype=torch.int32), "loss_mask": torch.ones(8, dtype=torch.uint8),
-           "aux_hidden_states": torch.zeros(8, 6), "hidden_states": torch.zeros(8, 2)}
-    w.submit(rec, request_id="a", workload="x", acceptance_length=1.0)
+    r, remote, snaps, pub, w, rec = _publishing_writer(tmp_path, keep_local=4, publish_retry_s=3.0)
     snap = w.seal_now()
     deadline = time.monotonic() + 60
     while w.stats().publish_errors == 0 and time.monotonic() < deadline:
