@@ -134,8 +134,7 @@ def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
     from .config import load_params
     ws = _ws(root)
     p = load_params(params)
-    pub = Publisher(ws.root, ws.snapshots, p.capture.keep_local_snapshots, ws.curated, p.curate.drift_threshold,
-                    commit=commit) if publish else None
+    pub = Publisher.for_workspace(ws, p, commit=commit) if publish else None
     if pub and not (ws.root / ".dvc").is_dir():
         raise ValueError(f"{ws.root} is not a DVC repo: run `dvc init` and add a remote, or pass --no-publish")
     sealed = []
@@ -339,8 +338,7 @@ def _serve_publisher(p, ws):
         console.print("PREFECT_API_URL is unset: sealed snapshots are versioned in DVC but no "
                       "tidespec.capture.threshold event starts a cycle (`eval \"$(tidespec services up)\"`)",
                       markup=False)
-    return Publisher(ws.root, ws.snapshots, p.capture.keep_local_snapshots, ws.curated, p.curate.drift_threshold,
-                     commit=False)
+    return Publisher.for_workspace(ws, p)
 
 
 def _serve_frontdoor(p, ws, url: str, capture: bool, host: str, port: int, timeout_s, max_queue, max_tokens) -> None:

@@ -62,6 +62,14 @@ class Publisher:
     emit: bool = True
     published: list = field(default_factory=list)
 
+    @classmethod
+    def for_workspace(cls, ws, params, commit: bool = False) -> "Publisher":
+        """The publisher of a workspace's seals as params.yaml says (capture.keep_local_snapshots,
+        curate.drift_threshold against the last curated set): what serve, ingest and `snapshots
+        seal` use. `ws`: a `workspace.Workspace` whose root is the git+DVC repo."""
+        return cls(ws.root, ws.snapshots, params.capture.keep_local_snapshots, ws.curated,
+                   params.curate.drift_threshold, commit=commit)
+
     def __call__(self, info: SnapshotInfo) -> dict:
         """Publish one sealed snapshot. Returns {snapshot_id, snapshot_rev, git_commit,
         dropped_local, also_published, drift_jsd (bits | None), trigger ("tokens" | "drift" | None),
