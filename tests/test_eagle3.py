@@ -100,6 +100,28 @@ def test_checkpoint_layout_and_roundtrip(tiny_target, tmp_path):
         load_checkpoint(tmp_path / "ck", tiny_target.embed, "f" * 64)
 
 
+def test_bundle_holds_only_engine_files_in_its_draft_dir(tiny_target, tmp_path):
+    """vLLM and SGLang load every *.safetensors in a draft dir: a bundle's draft/ holds exactly the
+    two files they read; sidecars sit beside it and loading the bundle loads the same draft."""
+    from tidespec.workspace import engine_dir, make_bundle
+    ck = save_checkpoint(_draft(tiny_target), tmp_path / "ck")
+    (ck / "suffix_corpus.safetensors").write_bytes(b"x")
+    (ck / "train_metrics.json").write_text("{}")
+    b = make_bundle(ck, tmp_path / "bundle")
+    assert sorted(p.name for p in (b / "draft").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in b.iterdir()) == ["draft", "suffix_corpus.safetensors", "train_metrics.json"]
+    assert engine_dir(b) == b / "draft" and engine_dir(ck) == ck
+    again = make_bundle(b, tmp_path / "again")  # a bundle re-bundles to the same layout
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in b.iterdir())
+    a, c = load_checkpoint(ck).state_dict(), load_checkpoint(b).state_dict()
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    with pytest.raises(FileExistsError):
+        make_bundle(ck, b)
+    (ck / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="not a draft checkpoint"):
+        make_bundle(ck, tmp_path / "nope")
+
+
 def test_warm_start_remaps_vocab(tiny_target, tmp_path):
     recs = _records(tiny_target, n=4)
     dp, tp = DraftParams(draft_vocab_size=64), TrainParams(epochs=1, ttt_steps=2, batch_tokens=256)

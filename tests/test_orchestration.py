@@ -55,7 +55,7 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     revs = json.loads(champ.tags["snapshot_revs"])  # lineage: every snapshot of the curated window
     assert sorted(revs) == sorted(p.name for p in (ws.snapshots / target.target_id).iterdir() if p.is_dir())
     assert all(revs.values()) and champ.tags["params_sha"] == params.sha()
-    assert (ws.champion / "config.json").exists()  # deployed locally by the run, in the project dir
+    assert sorted(p.name for p in (ws.champion / "draft").iterdir()) == ["config.json", "model.safetensors"]  # deployed locally by the run, in the project dir: what vLLM / SGLang load
     # another emitter's partial payload still starts a run ("" for what is missing); nothing new → skipped
     orchestrate.emit(orchestrate.CAPTURE_THRESHOLD, "tidespec.snapshot.other", {"snapshot_rev": "rev-partial"},
                 api_url=prefect_server)

@@ -135,13 +135,23 @@ def test_non_lossless_never_promoted(mlflow_server, tid, ckpt):
 
 def test_download_champion_identical(mlflow_server, tid, ckpt, tmp_path):
     assert registry.download_champion(mlflow_server, tid, tmp_path / "none") is None
+    (ckpt / "suffix_corpus.safetensors").write_bytes(b"corpus")  # a sidecar: must not sit in the engine dir
+    (ckpt / "train_metrics.json").write_text("{}")
     _, v = _log(mlflow_server, tid, ckpt, 2.0)
     registry.promote_if_better(mlflow_server, tid, v, 2.0, None, 0.02, True)
+    source = registry.champion(mlflow_server, tid).source  # what a user points vLLM / SGLang at
+    listed = MlflowClient(mlflow_server).list_artifacts(registry.champion(mlflow_server, tid).run_id, "draft")
+    assert source.endswith("/draft") and sorted(Path(a.path).name for a in listed) == ["config.json", "model.safetensors"]
     got = registry.download_champion(mlflow_server, tid, tmp_path / "dl")
-    assert sorted(p.name for p in got.iterdir()) == ["config.json", "model.safetensors", "version.json"]
+    assert sorted(p.name for p in got.iterdir()) == ["draft", "suffix_corpus.safetensors", "train_metrics.json",
+                                                     "version.json"]
+    assert sorted(p.name for p in (got / "draft").iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((got / "version.json").read_text())["version"] == v  # what evaluate compares against
     for f in ckpt.iterdir():
-        assert (got / f.name).read_bytes() == f.read_bytes()
+        assert ((got / "draft" if f.name in ("config.json", "model.safetensors") else got) / f.name).read_bytes() \
+            == f.read_bytes()
+    again = registry.download_version(mlflow_server, tid, v, tmp_path / "dl2")  # the same bundle
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in got.iterdir())
 
 
 def test_up_reuses_running_prefect(prefect_server, services_state_dir):

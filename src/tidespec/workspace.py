@@ -7,17 +7,20 @@ joining its own. The layout (under `root`):
     data/capture/<target_id[:12]>/    live capture (writer's shards + manifest)
     data/snapshots/<target_id>/<sid>/ sealed snapshots (DVC-tracked)
     data/work/                        the cycle's scratch: curated.json, holdout.jsonl, candidate/, eval.json
-    data/drafts/champion/             the served draft (+ version.json)
+    data/drafts/champion/             the served draft bundle: draft/ (what engines load) + sidecars
     .tidespec/                        services' state, DVC remote, locks
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 VERSION_FILE = "version.json"
+DRAFT_FILES = ("config.json", "model.safetensors")  # exactly what vLLM / SGLang read from a draft dir
+ENGINE_SUBDIR = "draft"
 
 
 def private_dir(d: Path) -> Path:
@@ -124,3 +127,43 @@ def write_version(draft_dir: Path, version: str, run_id: str, tuned_k: dict[str,
     its register step tuned (profile → k, 0 = speculation off)."""
     meta = {"version": str(version), "run_id": run_id} | ({"tuned_k": dict(tuned_k)} if tuned_k else {})
     (Path(draft_dir) / VERSION_FILE).write_text(json.dumps(meta))
+
+
+# -- draft bundles ---------------------------------------------------------------------------------
+# A deployed draft is a *bundle*: `<bundle>/draft/` holds exactly DRAFT_FILES, the directory vLLM
+# (`speculative_config.model`) and SGLang (`--speculative-draft-model-path`) load — both read every
+# `*.safetensors` in it, so nothing else may live there. Sidecars (the suffix corpus, version.json,
+# train_metrics.json) sit beside it in `<bundle>/`. A flat checkpoint (a trainer's output dir) is
+# its own engine dir.
+
+
+def engine_dir(draft_dir: Path) -> Path:
+    """The directory an engine loads for `draft_dir`: `<draft_dir>/draft` for a bundle, else
+    `draft_dir` itself (a flat checkpoint)."""
+    sub = Path(draft_dir) / ENGINE_SUBDIR
+    return sub if (sub / "config.json").is_file() else Path(draft_dir)
+
+
+def bundle_files(draft_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(engine files, sidecar files) of a bundle or a flat checkpoint: engine files are DRAFT_FILES
+    from `engine_dir`; sidecars are every other plain file, at the top or (legacy) inside the engine dir."""
+    top, eng = Path(draft_dir), engine_dir(draft_dir)
+    engine = [eng / f for f in DRAFT_FILES if (eng / f).is_file()]
+    side = [f for d in {top, eng} for f in sorted(d.iterdir()) if f.is_file() and f not in engine]
+    return engine, side
+
+
+def make_bundle(src: Path, dest: Path) -> Path:
+    """Copy the draft in `src` (bundle or flat checkpoint) into a new bundle at `dest` (must not
+    exist): DRAFT_FILES into `dest/draft/`, every other file beside it. Returns `dest`. Raises
+    FileNotFoundError when `src` lacks a DRAFT_FILES file, FileExistsError when `dest` exists."""
+    engine, side = bundle_files(src)
+    if len(engine) != len(DRAFT_FILES):
+        raise FileNotFoundError(f"{src} is not a draft checkpoint (needs {' + '.join(DRAFT_FILES)})")
+    Path(dest).mkdir(parents=True)
+    (Path(dest) / ENGINE_SUBDIR).mkdir()
+    for f in engine:
+        shutil.copyfile(f, Path(dest) / ENGINE_SUBDIR / f.name)
+    for f in side:
+        shutil.copyfile(f, Path(dest) / f.name)
+    return Path(dest)

@@ -5,8 +5,11 @@ Aliases: ``challenger`` (last candidate), ``champion`` (serving). MLflow keeps n
 so the registered model carries a tag ``champion_history`` = comma-separated versions, oldest
 first, current champion last; ``rollback`` pops it.
 
-A model version's ``source`` is the run's ``draft/`` artifact directory (the checkpoint as
-saved: config.json + model.safetensors); there is no pyfunc flavour. Every function takes the
+A model version's ``source`` is the run's ``draft/`` artifact directory: exactly config.json +
+model.safetensors, what vLLM (``speculative_config.model``) and SGLang
+(``--speculative-draft-model-path``) load as downloaded; the rest of the checkpoint (suffix corpus,
+train_metrics.json) is the run's ``sidecars/``. Downloads rebuild a draft bundle
+(``workspace.make_bundle``: ``draft/`` + sidecars beside it). There is no pyfunc flavour. Every function takes the
 tracking URI explicitly and uses its own ``MlflowClient``; no global MLflow state is touched.
 
 One file (~500 lines): logging, the alias history, the promotion gate and its audit trail share
@@ -26,13 +29,14 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from ..errors import TidespecError
-from ..workspace import write_version
+from ..workspace import bundle_files, make_bundle, write_version
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 HISTORY_TAG = "champion_history"
 HISTORY_MAX = 500  # champions kept in the history tag (MLflow tag values ≤ 5000 chars)
 ARTIFACT_DIR = "draft"
+SIDECAR_DIR = "sidecars"
 VERSION_TAG_KEYS = ("target_id", "snapshot_rev", "params_sha", "workload_mix",
                     "acceptance_length", "baseline_acceptance_length")
 _BATCH = {"metrics": 1000, "params": 100, "tags": 100}  # MLflow log_batch limits per call
@@ -150,8 +154,8 @@ def log_candidate(tracking_uri: str, target_id: str, checkpoint_dir: Path, param
 
     ``params`` may be nested (flattened to ``a.b``); ``metrics`` are final values (names may
     contain ``/``, e.g. ``accepted_per_pos/0``); ``step_metrics`` are per-step series (e.g.
-    ``train/loss``, step = list index). ``checkpoint_dir`` is uploaded as artifacts under
-    ``draft/``. Version tags = ``tags`` + ``target_id`` + the metrics ``acceptance_length`` and
+    ``train/loss``, step = list index). ``checkpoint_dir`` (flat or a bundle) is uploaded as
+    ``draft/`` (config.json + model.safetensors) and ``sidecars/`` (every other file). Version tags = ``tags`` + ``target_id`` + the metrics ``acceptance_length`` and
     ``baseline_acceptance_length`` when given. Returns ``(run_id, version)``.
     Raises FileNotFoundError if ``checkpoint_dir`` is not a directory; MlflowException on server errors.
     """
@@ -174,7 +178,11 @@ def log_candidate(tracking_uri: str, target_id: str, checkpoint_dir: Path, param
             ms += [Metric(k, float(v), now, i) for i, v in enumerate(series)]
         _log_batched(c, run_id, metrics=ms,
                      params=[Param(k, v) for k, v in _flatten(params).items()])
-        c.log_artifacts(run_id, str(checkpoint_dir), ARTIFACT_DIR)
+        engine, side = bundle_files(checkpoint_dir)
+        for f in engine:
+            c.log_artifact(run_id, str(f), ARTIFACT_DIR)
+        for f in side:
+            c.log_artifact(run_id, str(f), SIDECAR_DIR)
     except BaseException:
         c.set_terminated(run_id, "FAILED")
         raise
@@ -290,27 +298,46 @@ def tuned_k(tags: dict[str, str]) -> dict[str, int]:
     return {k.removeprefix("tuned_k."): int(v) for k, v in tags.items() if k.startswith("tuned_k.")}
 
 
-def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | None:
-    """Download the champion's ``draft/`` checkpoint into ``dest``; return the checkpoint dir
-    (``dest/draft``, with ``version.json`` = {version, run_id}: what was evaluated), or None when
-    there is no champion."""
-    info = champion(tracking_uri, target_id)
-    if info is None:
-        return None
+def _download_bundle(tracking_uri: str, source: str, run_id: str | None, dest: Path) -> Path:
+    """The version at ``source`` (+ its run's ``sidecars/``) as a draft bundle at ``dest``, replacing
+    what was there. A version logged before sidecars were split out has them inside ``draft/``:
+    ``make_bundle`` moves them beside it either way."""
+    import shutil
+
     import mlflow.artifacts  # local import: keeps module import light
 
     dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=info.source, dst_path=str(dest),
-                                                     tracking_uri=tracking_uri))
+    tmp = dest.with_name(dest.name + ".dl")
+    shutil.rmtree(tmp, ignore_errors=True)
+    flat = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp / "v"),
+                                                    tracking_uri=tracking_uri))
+    if run_id:
+        for a in _client(tracking_uri).list_artifacts(run_id, SIDECAR_DIR):
+            if not a.is_dir:
+                got = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=a.path,
+                                                          dst_path=str(tmp / "s"), tracking_uri=tracking_uri)
+                shutil.move(got, flat / Path(a.path).name)
+    shutil.rmtree(dest, ignore_errors=True)
+    make_bundle(flat, dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | None:
+    """Download the champion into ``dest/draft``: a draft bundle (``draft/`` for the engines,
+    sidecars and ``version.json`` = {version, run_id, tuned_k}: what was evaluated, beside it).
+    Returns that bundle dir, or None when there is no champion."""
+    info = champion(tracking_uri, target_id)
+    if info is None:
+        return None
+    local = _download_bundle(tracking_uri, info.source, info.run_id, Path(dest) / ARTIFACT_DIR)
     write_version(local, info.version, info.run_id, tuned_k(info.tags))
     return local
 
 
 def download_version(tracking_uri: str, target_id: str, ref: str, dest: Path) -> Path:
-    """Download version ``ref`` (a number, or an alias such as ``champion``) into ``dest``; returns
-    the checkpoint dir (with ``version.json``). Raises LookupError for an unknown version/alias."""
-    import mlflow.artifacts
+    """Download version ``ref`` (a number, or an alias such as ``champion``) into ``dest/v<N>`` as a
+    draft bundle (with ``version.json``); returns it. Raises LookupError for an unknown version/alias."""
     c = _client(tracking_uri)
     name = model_name(target_id)
     try:
@@ -320,8 +347,7 @@ def download_version(tracking_uri: str, target_id: str, ref: str, dest: Path) ->
     if v is None:
         raise LookupError(f"{name} has no alias {ref!r}")
     mv = c.get_model_version(name, v)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(Path(dest) / f"v{v}"),
-                                                     tracking_uri=tracking_uri))
+    local = _download_bundle(tracking_uri, mv.source, mv.run_id, Path(dest) / f"v{v}")
     write_version(local, v, mv.run_id, tuned_k(dict(mv.tags)))
     return local
 

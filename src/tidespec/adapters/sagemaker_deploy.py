@@ -52,7 +52,7 @@ from ..config import Params, TreeParams, tree_num_draft_tokens
 from ..errors import TidespecError
 from ..models.eagle3 import load_checkpoint
 from ..sagemaker_config import CanaryParams, EndpointProfile, SageMakerDeployParams
-from ..workspace import read_version
+from ..workspace import DRAFT_FILES, engine_dir, read_version
 from . import aws
 from .aws import NAME_RE, parse_s3_uri
 
@@ -62,7 +62,6 @@ VARIANT = "AllTraffic"
 DRAFT_CHANNEL = "draft"
 MODEL_DIR = "/opt/ml/model"
 DRAFT_DIR = f"/opt/ml/additional-model-data-sources/{DRAFT_CHANNEL}"
-DRAFT_FILES = ("config.json", "model.safetensors")
 # AWS SGLang DLC for SageMaker (aws/deep-learning-containers release notes, sglang 0.5.x); the account
 # 763104351884 hosts the DLCs in most regions. Pin your own tag in params for production.
 SGLANG_DLC = "763104351884.dkr.ecr.{region}.amazonaws.com/sglang:0.5-gpu-py312-cu129-ubuntu22.04-sagemaker-v1"
@@ -295,8 +294,8 @@ def endpoint_outcome(desc: dict, config_name: str) -> bool:
 
 # -- draft ------------------------------------------------------------------------------------------
 def check_draft(path: Path, target_id: str | None, version: str | None = None) -> DraftArtifact:
-    """Validate a draft dir (config.json + model.safetensors in the EAGLE3 layout, trained for
-    `target_id` when given) and hash it. Raises FileNotFoundError / ValueError (as load_checkpoint)."""
+    """Validate a draft dir (a bundle or a flat checkpoint: config.json + model.safetensors in the
+    EAGLE3 layout, trained for `target_id` when given) and hash it; the artifact's path is the engine dir. Raises FileNotFoundError / ValueError (as load_checkpoint)."""
     path = Path(path)
     try:
         load_checkpoint(path, target_id=target_id)
@@ -306,8 +305,9 @@ def check_draft(path: Path, target_id: str | None, version: str | None = None) -
         raise
     except Exception as e:  # noqa: BLE001 — corrupt safetensors / JSON, a dir where a file belongs
         raise ValueError(f"{path}: not a readable draft checkpoint ({type(e).__name__}: {e})") from None
-    return DraftArtifact(path, None if version is None else str(version), sha256_file(path / "model.safetensors"),
-                         sha256_file(path / "config.json"), tuple(sorted(meta.get("tuned_k", {}).items())))
+    eng = engine_dir(path)  # a bundle's draft/ (what the endpoint loads); its version.json is beside it
+    return DraftArtifact(eng, None if version is None else str(version), sha256_file(eng / "model.safetensors"),
+                         sha256_file(eng / "config.json"), tuple(sorted(meta.get("tuned_k", {}).items())))
 
 
 def private_copy(draft: DraftArtifact, dest: Path) -> DraftArtifact:

@@ -38,6 +38,7 @@ from ..errors import TidespecError
 from ..sagemaker_config import SageMakerTrainParams
 from ..train.entry import skip_reason
 from ..train.sagemaker import CHECKPOINT_LOCAL
+from ..workspace import engine_dir
 from . import aws
 from .aws import NAME_RE, parse_s3_uri
 
@@ -292,8 +293,8 @@ def train_on_sagemaker(params: Params, curated_json: Path, init: Path | None, ou
         stage = Path(tmp) / "curated"
         rel = stage_curated(Path(curated_json), stage)
         inputs = {"curated": stage}
-        if init is not None and params.train.warm_start and (Path(init) / "model.safetensors").exists():
-            inputs["init"] = Path(init)
+        if init is not None and params.train.warm_start and (engine_dir(init) / "model.safetensors").exists():
+            inputs["init"] = engine_dir(init)  # a bundle's draft/ (config.json + model.safetensors)
         if params.target.source != "smollm2" and Path(params.target.source).is_dir():
             inputs["target"] = Path(params.target.source)
         job = launch(sm_params, inputs, {"params": params_json(params), "curated": rel}, sm=sm, s3=s3)

@@ -1,7 +1,8 @@
 """Local deploy: put the registry champion where the local engine serves from, atomically.
 
-The serving directory is replaced by rename (never half-written); a `version.json` beside the
-checkpoint says which registry version it is. A running engine picks it up with
+The serving directory is a draft bundle (`workspace.make_bundle`): `draft/` holds exactly what
+vLLM and SGLang load (config.json + model.safetensors), the suffix corpus and a `version.json`
+(which registry version it is) sit beside it. It is replaced by rename (never half-written). A running engine picks it up with
 `reload_if_changed`, between requests, so requests in flight finish on the old draft.
 """
 from __future__ import annotations
@@ -16,13 +17,13 @@ import httpx
 
 from ..adapters import registry
 from ..runtime import install_draft
-from ..workspace import served_version, write_version
+from ..workspace import served_version
 
 log = logging.getLogger(__name__)
 
 
 def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
-    """Download the champion's checkpoint into `dest` (replacing it atomically).
+    """Download the champion's bundle into `dest` (replacing it atomically).
 
     Returns {"version", "path"}; {"version": None} when the registry has no champion.
     """
@@ -35,8 +36,7 @@ def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
     got = registry.download_champion(tracking_uri, target_id, tmp / "dl")
     stage = dest.with_name(dest.name + ".new")
     shutil.rmtree(stage, ignore_errors=True)
-    shutil.copytree(got, stage)
-    write_version(stage, info.version, info.run_id, registry.tuned_k(info.tags))
+    os.replace(got, stage)  # a bundle with version.json: draft/ (what engines load) + sidecars
     old = dest.with_name(dest.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if dest.exists():

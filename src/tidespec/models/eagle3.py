@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from ..workspace import engine_dir
 from .target import PackedLinear, apply_rope, causal_bias, gqa_attention, rope_tables, visible_bias
 
 ARCH = "LlamaForCausalLMEagle3"
@@ -440,9 +441,10 @@ def save_checkpoint(draft: Eagle3Draft, out: Path, extra: dict | None = None) ->
 
 
 def load_checkpoint(path: Path, embed: torch.Tensor | None = None, target_id: str | None = None) -> Eagle3Draft:
-    """Load a draft directory. Raises FileNotFoundError / ValueError naming what is wrong
+    """Load a draft directory (a flat checkpoint, or a bundle: its `draft/` engine dir,
+    `workspace.engine_dir`). Raises FileNotFoundError / ValueError naming what is wrong
     (missing files, another target's draft, shape mismatch with the target embedding)."""
-    path = Path(path)
+    path = engine_dir(Path(path))
     if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
         raise FileNotFoundError(f"{path} is not a draft checkpoint (needs config.json + model.safetensors)")
     cfg = Eagle3Config.from_hf(json.loads((path / "config.json").read_text()))
