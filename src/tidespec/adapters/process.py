@@ -1,8 +1,8 @@
 """The one process supervisor: launch a command in its own process group (environment, log file),
 wait for its HTTP health URL, stop the whole group with a grace period.
 
-`services` (the local Prefect, MLflow and moto servers, the Prefect workers) and `sglang` (an SGLang
-server process) start their servers through it. A server runs in its own session
+`services` (the local Prefect, MLflow and moto servers, the Prefect workers), `sglang` and `vllm`
+(engine servers, `ServerProcess`) start their servers through it. A server runs in its own session
 (``start_new_session=True``), so its group id is its pid and stopping it reaches the workers it
 forked, even after the leader died. Output goes to a log file opened for append; every failure to
 become healthy names the log and its last lines.
@@ -163,3 +163,54 @@ def stop(pid: int, grace_s: float = STOP_GRACE_S) -> None:
                 reap(pid)
                 return
             time.sleep(0.1)
+
+
+class ServerProcess:
+    """One supervised HTTP server (context manager): `start()` refuses a busy port (another server's
+    health would pass for ours), launches `args` (`launch`), waits until `health_url` answers 200;
+    `stop()` stops its process group. Used by the engine adapters (`sglang`, `vllm`).
+
+    what: how errors name it ("vLLM server"); error: the exception class raised (ProcessError's
+    contract: the message names the log and its tail)."""
+
+    def __init__(self, args: list[str], host: str, port: int, health_url: str, log_path: Path, what: str,
+                 error: type[Exception] = ProcessError, env: dict[str, str] | None = None,
+                 ready_timeout_s: float = 600.0, grace_s: float = 30.0, poll_s: float = 1.0,
+                 probe_timeout_s: float = 5.0):
+        self.args, self.host, self.port, self.health_url = list(args), host, port, health_url
+        self.log_path, self.what, self.error, self.env = Path(log_path), what, error, env
+        self.ready_timeout_s, self.grace_s, self.poll_s, self.probe_timeout_s = ready_timeout_s, grace_s, poll_s, probe_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        """Raises `error` (port in use; exited early or not healthy in time, with the log tail);
+        OSError when the command cannot be started. A failed start leaves nothing running."""
+        if not port_is_free(self.host, self.port):
+            raise self.error(f"port {self.port} on {self.host} is in use: stop what listens there or choose "
+                             "another port")
+        self.proc = launch(self.args, self.log_path, env=self.env)
+        try:
+            wait_healthy(self.proc, self.health_url, self.ready_timeout_s, self.log_path, self.what,
+                         error=self.error, poll_s=self.poll_s, probe_timeout_s=self.probe_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def running(self) -> bool:
+        """True while the launched process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group (workers too, even when the main process already exited),
+        SIGKILL what is left after `grace_s`. Idempotent."""
+        if self.proc is not None:
+            stop(self.proc.pid, self.grace_s)
+            self.proc.poll()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -196,13 +196,19 @@ def _version(v: str):
 
 class SGLangServer:
     """A running SGLang server (context manager): `start()` probes availability, launches the process
-    through the supervisor (`process`: its own process group, log appended to `log_path`), waits
-    for /health_generate; `stop()` SIGTERMs the group, SIGKILL after `grace_s`."""
+    through the supervisor (`process.ServerProcess`: its own process group, log appended to
+    `log_path`), waits for /health_generate; `stop()` SIGTERMs the group, SIGKILL after `grace_s`."""
 
     def __init__(self, cfg: SGLangLaunch, log_path: Path, ready_timeout_s: float = 900.0, grace_s: float = 30.0):
         self.cfg, self.log_path = cfg, Path(log_path)
-        self.ready_timeout_s, self.grace_s = ready_timeout_s, grace_s
-        self.proc: subprocess.Popen | None = None
+        # a 1-token generate: slow on a cold GPU, hence the long probe
+        self.server = process.ServerProcess(launch_args(cfg), cfg.host, cfg.port, f"{cfg.url}/health_generate",
+                                            self.log_path, "SGLang server", error=SGLangError,
+                                            ready_timeout_s=ready_timeout_s, grace_s=grace_s, probe_timeout_s=30.0)
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.server.proc
 
     def start(self) -> SGLangServer:
         """Raises SGLangUnavailable (with the fix), SGLangError (port in use, exited early, not ready
@@ -210,25 +216,13 @@ class SGLangServer:
         reason = unavailable_reason(self.cfg.python)
         if reason:
             raise SGLangUnavailable(reason)
-        args = launch_args(self.cfg)
-        if not process.port_is_free(self.cfg.host, self.cfg.port):  # else another server's health would pass for ours
-            raise SGLangError(f"port {self.cfg.port} on {self.cfg.host} is in use: stop what listens there or "
-                              "choose another port")
-        self.proc = process.launch(args, self.log_path)
-        try:  # a 1-token generate: slow on a cold GPU, hence the long probe
-            process.wait_healthy(self.proc, f"{self.cfg.url}/health_generate", self.ready_timeout_s, self.log_path,
-                                 "SGLang server", error=SGLangError, poll_s=1.0, probe_timeout_s=30.0)
-        except BaseException:
-            self.stop()
-            raise
+        self.server.start()
         return self
 
     def stop(self) -> None:
         """SIGTERM the whole process group (its workers too, even when the main process already
         exited), SIGKILL what is left after `grace_s`."""
-        if self.proc is not None:
-            process.stop(self.proc.pid, self.grace_s)
-            self.proc.poll()
+        self.server.stop()
 
     def __enter__(self) -> SGLangServer:
         return self.start() if self.proc is None else self

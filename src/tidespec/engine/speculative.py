@@ -425,7 +425,7 @@ class Engine:
         """Accept and emit one request's verified rows (`out`: logits `[k+1, V]` fp32, aux `[k+1, 3H]`):
         the accepted drafts plus the target's token after them, cut at a stop (`Seq.emit`); the KV
         cache keeps the accepted rows only (a tree's path compacted); counters count drafts accepted
-        and kept (a draft past a stop is never counted accepted); the accepted rows' aux join the
+        and kept (a draft past a stop is never counted accepted; `SpecDecodingStats.as_vllm` adds them back); the accepted rows' aux join the
         draft's backlog and, when captured, the capture rows."""
         s = sl.seq
         start = s.cache.length - sl.k - 1  # the cache before this step's verify rows
@@ -446,8 +446,9 @@ class Engine:
                 s.backlog.append((aux, torch.tensor(new)))
         if sl.k or sl.layout is not None:
             depth = sl.layout.max_depth if sl.layout is not None else None
-            s.stats.observe(sl.k, min(n, kept), positions=depth)
-            s.by_via.setdefault(sl.proposer.name, SpecDecodingStats(0)).observe(sl.k, min(n, kept), positions=depth)
+            s.stats.observe(sl.k, min(n, kept), positions=depth, num_verified=n)
+            s.by_via.setdefault(sl.proposer.name, SpecDecodingStats(0)).observe(sl.k, min(n, kept), positions=depth,
+                                                                                num_verified=n)
         s.timing.steps.append((dt, kept))
 
     @staticmethod

@@ -18,32 +18,48 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # accepted by the verifier, then dropped by a stop / EOS / max_tokens cut inside the same step:
+    # tidespec never counts them accepted, vLLM does (`as_vllm`)
+    num_cut_accepted_per_pos: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        if not self.num_accepted_tokens_per_pos:
-            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+        k = self.num_spec_tokens
+        self.num_accepted_tokens_per_pos = _pad(self.num_accepted_tokens_per_pos, k)
+        self.num_cut_accepted_per_pos = _pad(self.num_cut_accepted_per_pos, k)
 
-    def observe(self, num_draft_tokens: int, num_accepted: int, positions: int | None = None) -> None:
-        """Record one verify step: `num_draft_tokens` proposed, the first `num_accepted` accepted.
-        positions: draft positions (a tree's depth; default: a chain, num_draft_tokens)."""
+    def observe(self, num_draft_tokens: int, num_accepted: int, positions: int | None = None,
+                num_verified: int | None = None) -> None:
+        """Record one verify step: `num_draft_tokens` proposed, the first `num_accepted` accepted and
+        kept. positions: draft positions (a tree's depth; default: a chain, num_draft_tokens);
+        num_verified: accepted by the verifier before a cut (default num_accepted)."""
         pos = num_draft_tokens if positions is None else positions
-        if pos > len(self.num_accepted_tokens_per_pos):
-            self.num_accepted_tokens_per_pos += [0] * (pos - len(self.num_accepted_tokens_per_pos))
+        if pos > self.num_spec_tokens:
             self.num_spec_tokens = pos
+            self.__post_init__()
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.num_accepted_tokens_per_pos[i] += 1
+        for i in range(num_accepted, num_accepted if num_verified is None else num_verified):
+            self.num_cut_accepted_per_pos[i] += 1
 
     def merge(self, other: "SpecDecodingStats") -> "SpecDecodingStats":
         k = max(self.num_spec_tokens, other.num_spec_tokens)
-        a = self.num_accepted_tokens_per_pos + [0] * (k - len(self.num_accepted_tokens_per_pos))
-        b = other.num_accepted_tokens_per_pos + [0] * (k - len(other.num_accepted_tokens_per_pos))
+        add = lambda a, b: [x + y for x, y in zip(_pad(a, k), _pad(b, k))]  # noqa: E731
         return SpecDecodingStats(k, self.num_drafts + other.num_drafts,
                                  self.num_draft_tokens + other.num_draft_tokens,
                                  self.num_accepted_tokens + other.num_accepted_tokens,
-                                 [x + y for x, y in zip(a, b)])
+                                 add(self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
+                                 add(self.num_cut_accepted_per_pos, other.num_cut_accepted_per_pos))
+
+    def as_vllm(self) -> tuple[int, int, int, tuple[int, ...]]:
+        """(drafts, draft tokens, accepted, accepted per position) as vLLM's spec-decode counters
+        count them: vLLM's scheduler counts every token its rejection sampler accepted before the
+        stop check trims the output (`vllm/v1/core/sched/scheduler.py`, `update_from_output`), so
+        drafts past a cut count as accepted there."""
+        per = tuple(a + c for a, c in zip(self.num_accepted_tokens_per_pos, self.num_cut_accepted_per_pos))
+        return self.num_drafts, self.num_draft_tokens, sum(per), per
 
     @property
     def acceptance_length(self) -> float:
@@ -66,6 +82,10 @@ class SpecDecodingStats:
              "num_accepted_tokens": float(self.num_accepted_tokens)}
         m.update({f"accepted_per_pos/{i}": v for i, v in enumerate(self.accepted_per_pos)})
         return m
+
+
+def _pad(xs: list[int], k: int) -> list[int]:
+    return list(xs) + [0] * (k - len(xs))
 
 
 @dataclass

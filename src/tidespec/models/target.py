@@ -355,6 +355,9 @@ def load_hf(path: str | Path, gguf_file: str | None = None):
     return model, tok
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # model_type → the HF class a GGUF conversion stands for
+
+
 def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
     """Dequantise a GGUF once into an HF dir (config.json, model.safetensors, tokenizer) for fast loads.
 
@@ -366,6 +369,10 @@ def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
     from safetensors.torch import save_file
     out = Path(out)
     if (out / "config.json").exists():
+        cfg = json.loads((out / "config.json").read_text())
+        if not cfg.get("architectures") and cfg.get("model_type") in ARCHITECTURES:  # converted before this was set
+            cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
+            (out / "config.json").write_text(json.dumps(cfg, indent=2))
         return out
     model, tok = load_hf(src_dir, gguf_file)
     tmp = out.with_name(out.name + ".tmp")
@@ -377,6 +384,7 @@ def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
+    cfg["architectures"] = cfg.get("architectures") or [type(model).__name__]  # null from a GGUF; vLLM needs it
     cfg["tidespec_source"] = {"gguf_file": gguf_file, "sha256": sha256_file(Path(src_dir) / gguf_file)}
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(tmp)

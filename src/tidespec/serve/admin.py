@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from ..engine.speculative import Engine
+from ..errors import TidespecError
 from ..runtime import install_draft
 from ..workspace import served_version
 from .errors import OpenAIError
@@ -70,7 +71,7 @@ class ChampionWatcher:
             return None
         try:
             self.install(self.directory, v)
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, TidespecError) as e:
             self._refused = v
             log.error("champion %s at %s refused, draft %s keeps serving: %s", v, self.directory,
                       self.engine.draft_version, e)

