@@ -43,8 +43,10 @@ demo: assets               ## services up, static draft, serve+capture, snapshot
 demo-sagemaker: assets     ## the production loop on moto: endpoint with data capture → tide_capture → tide_cycle → tuned k (≤ 10 min)
 	$(VENV)/bin/tidespec demo --sagemaker
 
-test: assets               ## full suite; starts Prefect/MLflow servers on 127.0.0.1 itself
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+# two workers, one test file each at a time (module fixtures stay in one process), one thread each
+# (two workers × 2 threads on 2 cores oversubscribe); the vLLM tests need `make vllm`'s venv
+test: assets vllm          ## full suite (incl. the real vLLM lane); starts Prefect/MLflow/moto/vLLM servers on 127.0.0.1 itself
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -rs --durations=25
 
 repro: assets              ## rerun a cycle from the DVC-tracked snapshots (dvc repro: curate → train → evaluate → register), then deploy the champion
 	eval "$$($(VENV)/bin/tidespec services up)" && $(VENV)/bin/dvc repro && $(VENV)/bin/tidespec deploy local

@@ -279,7 +279,7 @@ def load_or_calibrate(target, runner, k_max: int, cache_dir: Path | None, max_ba
     cal = calibrate(target, runner, k_max, max_batch=max_batch, max_rows=max_rows, progress=progress)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes calibrating at once never share a temp file
         tmp.write_text(json.dumps(asdict(cal), indent=2))
         tmp.replace(path)
     return cal

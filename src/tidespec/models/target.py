@@ -364,10 +364,17 @@ def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
     The GGUF path takes ~15-45 s (dequantisation); the converted dir loads in ~2 s. Writes to a temp
     dir and renames, so a killed conversion leaves nothing half-written.
     """
+    from filelock import FileLock
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):  # one conversion at a time (parallel test workers, two servers)
+        return _convert_gguf(src_dir, gguf_file, out)
+
+
+def _convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
     import shutil
 
     from safetensors.torch import save_file
-    out = Path(out)
     if (out / "config.json").exists():
         cfg = json.loads((out / "config.json").read_text())
         if not cfg.get("architectures") and cfg.get("model_type") in ARCHITECTURES:  # converted before this was set
