@@ -21,14 +21,15 @@ from tidespec.workspace import Workspace
 @flow(name="tide_capture", log_prints=True)
 def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: bool = True) -> dict:
     """Ingest every new capture object of the configured sources (`ingest.sources`, else the
-    deploy profiles' data capture prefixes) into `root`'s snapshots. `publish`: seal → DVC + event
+    deploy profiles' data capture prefixes and `tidespec serve`'s text capture) into `root`'s snapshots. `publish`: seal → DVC + event
     (needs `root` to be a DVC repo). Returns per-source counts. A run with no new objects does
     nothing (the ledger)."""
     log = get_run_logger()
     ws, params = Workspace(Path(root).resolve()), load_params(params_path)
-    sources = default_sources(params, target_id(params))
+    sources = default_sources(params, target_id(params), ws)
     if not sources:  # checked before loading the target: a schedule with nothing configured costs nothing
-        why = "no capture source: set ingest.sources or enable deploy.sagemaker.data_capture"
+        why = ("no capture source: set ingest.sources, enable deploy.sagemaker.data_capture, or serve with "
+               "capture.mode: text")
         log.warning("ingest skipped: %s", why)
         return {"skipped": why}
     target, tok = get_target(params)

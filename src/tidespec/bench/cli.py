@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ..workspace import Workspace
+from ..workspace import DRAFT_FILES, Workspace, engine_dir
 
 bench_app = typer.Typer(help="Benchmarks; results to bench/results/*.json + a markdown table.")
 console = Console()
@@ -43,7 +43,7 @@ def bench_train(params: Path = PARAMS,
         raise typer.BadParameter(f"--fractions {fractions!r}: comma-separated numbers in (0, 1]") from None
     if not (fr or shift) or not all(0 < f <= 1 for f in fr):
         raise typer.BadParameter(f"--fractions {fractions!r}: each must be in (0, 1]")
-    if init is not None and not ((init / "model.safetensors").exists() and (init / "config.json").exists()):
+    if init is not None and not all((engine_dir(init) / f).exists() for f in DRAFT_FILES):
         raise typer.BadParameter(f"--init {init}: not a draft dir (needs config.json + model.safetensors)")
     if p.train.backend != "embedded":
         raise typer.BadParameter("bench train measures the embedded trainer; set train.backend: embedded "
@@ -172,12 +172,12 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     if any(c < 1 for c in concurrency):
         raise ValueError(f"--concurrency must be >= 1, got {sorted(concurrency)}")
     adapted = adapted or Workspace(root.resolve()).champion
-    if not (Path(adapted) / "model.safetensors").exists():  # checked before any model is fetched or loaded
+    if not (engine_dir(Path(adapted)) / "model.safetensors").exists():  # checked before any model is loaded
         raise ValueError(f"adapted draft not found at {adapted}: run `make demo` first (it trains both), "
                          "or pass --adapted DIR")
     if static is None:
         static = static_draft_dir(p, target_id(p), assets.cache_dir())
-    if not (Path(static) / "model.safetensors").exists():
+    if not (engine_dir(Path(static)) / "model.safetensors").exists():
         raise ValueError(f"static draft not found at {static}: run `make demo` first (it trains both), "
                          "or pass --static DIR")
     specs = bench.default_methods(static, adapted, p.engine.num_draft_tokens, prompt_lookup)

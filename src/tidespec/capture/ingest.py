@@ -13,8 +13,9 @@ from is the caller's: an `ObjectStore` lists and reads them — `LocalDir` here 
 
 Exactly once, across kills at any point:
 - a per-source ledger (`<state>/ingest/<sha of source>.jsonl`, one fsynced line per object, written
-  only after the writer flushed that object's records to disk) says which objects are done: they are
-  never re-read;
+  only after the writer flushed that object's records to disk) says which objects are done, with
+  their etag: they are never re-read, unless they grew since (a live hourly text capture file: its
+  earlier events are then skipped as duplicates, below);
 - an object read again after a kill between its records and its ledger line is deduplicated by the
   event id (the record's `request_id`), against every request id already in the capture dir, its
   sealing manifests and the target's snapshots: nothing is counted twice, and what the kill lost is
@@ -153,8 +154,8 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
     engine = Engine(target, None, 1, params.engine.max_seq_len)  # regenerates missing responses
     rep = {"source": source, "objects": 0, "records": 0, "rehydrated": 0, "regenerated": 0, "skipped": Counter()}
     for obj in store.list_objects(source):
-        if obj["key"] in done:
-            continue
+        if done.get(obj["key"], {}).get("etag") == obj["etag"]:
+            continue  # read as it is; an object that grew since (a live hourly text file) is read again
         body = store.read_object(source, obj["key"])
         exchanges, reasons = parse_object(body, model=params.ingest.served_model)
         rep["skipped"].update({k: v for k, v in reasons.items() if k != "missing_response"})

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..workspace import engine_dir
+
 
 def fingerprint(*parts) -> str:
     """sha256 (16 hex) of the JSON of `parts` (params dicts, data entry lists, paths)."""
@@ -34,10 +36,11 @@ def records_fingerprint(records: list[dict]) -> str:
 
 
 def weights_digest(draft_dir: Path | None) -> str | None:
-    """sha256 (16 hex) of a draft dir's model.safetensors (None → None): a warm start by content, not path."""
+    """sha256 (16 hex) of a draft dir's model.safetensors (a bundle's draft/; None → None): a warm
+    start by content, not path."""
     if draft_dir is None:
         return None
-    return hashlib.sha256((Path(draft_dir) / "model.safetensors").read_bytes()).hexdigest()[:16]
+    return hashlib.sha256((engine_dir(Path(draft_dir)) / "model.safetensors").read_bytes()).hexdigest()[:16]
 
 
 def state_dir(out: Path) -> Path:

@@ -1,0 +1,124 @@
+"""The loop closes around a real vLLM, on real servers (Prefect server + process worker, MLflow):
+`tidespec serve --backend vllm` starts vLLM with the champion as its EAGLE3 draft behind the front
+door → its traffic is text-captured → the `tide-capture` deployment (what its schedule runs)
+ingests it → the seal is published (DVC + the tidespec.capture.threshold event) → `tide-cycle` on
+the worker trains, evaluates and promotes → the serving command swaps vLLM to the new champion
+(blue/green) → vLLM's own counters, read through the front door's /metrics, give τ before and after.
+No hand step between the requests and the new draft but the deployment run the schedule would make."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+from conftest import copy_prefect_project, make_vllm_tiny_target, random_draft, tiny_params_yaml, vllm_python_or_skip
+
+pytestmark = pytest.mark.services
+
+
+def _wait(pred, timeout_s: float, what: str, proc: subprocess.Popen):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited ({proc.returncode}) while waiting for {what}")
+        got = pred()
+        if got:
+            return got
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def _health(url: str) -> dict | None:
+    try:
+        r = httpx.get(f"{url}/health", timeout=5)
+        return r.json() if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def _counters(url: str):
+    from tidespec.adapters.vllm import parse_metrics
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def _traffic(url: str, seed: int, n: int = 12) -> None:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):  # word-tokenizer text: a learnable workload in a small id range
+        words = " ".join(f"t{i}" for i in torch.randint(6, 60, (8,), generator=g).tolist())
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": words, "max_tokens": 24,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+
+
+def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_server, prefect_worker,
+                                                               mlflow_server):
+    python = vllm_python_or_skip()
+    from prefect.deployments import run_deployment
+
+    from tidespec.adapters import orchestrate, registry, versioning
+    from tidespec.adapters.services import free_port
+    from tidespec.config import load_params
+    from tidespec.cycle import step_deploy
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.runtime import get_target
+    from tidespec.workspace import Workspace
+
+    tdir = make_vllm_tiny_target(tmp_path / "target")
+    proj = copy_prefect_project(tmp_path / "proj")
+    raw = yaml.safe_load(tiny_params_yaml(tdir))
+    raw["capture"] |= {"mode": "text", "seal_min_tokens": 300}  # 12 × (9 prompt + 24 new) tokens: one seal
+    raw["serve"] = {"watch_champion_s": 0.5, "served_model_name": "tiny"}
+    raw["engine"]["adaptive"] = False
+    (proj / "params.yaml").write_text(yaml.safe_dump(raw))
+    params = load_params(proj / "params.yaml")
+    target = get_target(params)[0]
+    tid = target.target_id
+    versioning.ensure_repo(proj, str(tmp_path / "dvc-remote"))
+    _, v1 = registry.log_candidate(mlflow_server, tid, save_checkpoint(random_draft(target, 64, seed=1),
+                                                                       tmp_path / "d1"),
+                                   params={}, metrics={}, tags={"role": "bootstrap"})
+    registry.promote(mlflow_server, tid, v1, "first draft", allow_unevaluated=True)
+    ws = Workspace(proj)
+    step_deploy(ws, mlflow_server, tid, params)
+    orchestrate.deploy(proj, prefect_server)
+
+    url = f"http://127.0.0.1:{free_port()}"
+    env = os.environ | {"PREFECT_API_URL": prefect_server, "MLFLOW_TRACKING_URI": mlflow_server}
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", "--backend", "vllm", "--vllm-python",
+                             python, "--root", str(proj), "--params", str(proj / "params.yaml"), "--port",
+                             url.rsplit(":", 1)[1]], cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        h = _wait(lambda: _health(url), 400, "/health", proc)
+        assert h["engine"] == "vllm" and h["draft_version"] == v1
+        _traffic(url, seed=0)
+        before = _counters(url)  # vLLM's own counters, v1 (random draft)
+        assert before is not None and before.num_drafts > 0
+        with orchestrate.using_api(prefect_server):  # what its schedule runs
+            run = run_deployment(orchestrate.CAPTURE_DEPLOYMENT, parameters={}, timeout=600)
+        assert run.state.is_completed(), run.state
+        snaps = ws.snapshots / tid
+        (dvc,) = sorted(snaps.glob("*.dvc"))  # the ingest writer sealed and its publisher DVC-tracked it
+        rev = versioning.snapshot_rev(proj, snaps / dvc.stem)
+        cyc = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, 900)
+        assert cyc.state.is_completed(), cyc.state
+        champ = registry.champion(mlflow_server, tid)
+        assert champ.version != v1 and champ.tags["snapshot_rev"] == rev
+        _wait(lambda: (h := _health(url)) and h["draft_version"] == champ.version, 400,
+              f"vLLM to serve v{champ.version}", proc)
+        _traffic(url, seed=0)  # the same workload again, now on the new draft in a new vLLM server
+        after = _counters(url)
+        assert after.num_drafts > 0 and after.acceptance_length > before.acceptance_length, (before, after)
+        print(f"vLLM's counters: v{v1} τ {before.acceptance_length:.3f} {before}; "
+              f"v{champ.version} τ {after.acceptance_length:.3f} {after}")
+    finally:
+        proc.terminate()
+        proc.wait(120)
+        log.close()
+    out = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in out, out
