@@ -99,3 +99,19 @@ def test_stats_in_vllms_convention_count_accepted_drafts_a_cut_drops():
     assert s.as_vllm() == (2, 6, 5, (2, 2, 1))
     m = s.merge(SpecDecodingStats(4))  # a wider k: padded, nothing lost
     assert m.as_vllm() == (2, 6, 5, (2, 2, 1, 0)) and m.num_accepted_tokens_per_pos == [2, 1, 0, 0]
+
+
+def test_live_tau_se_and_the_below_replay_flag():
+    """τ's standard error from the per-position counters equals the sample's (X = accepted per
+    draft); the flag fires only when live τ + 3 SE is below the replayed τ, with enough drafts."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    x = np.minimum(rng.geometric(0.5, 400) - 1, 3)  # accepted drafts per step, k = 3
+    per_pos = tuple(int((x >= i).sum()) for i in (1, 2, 3))
+    c = vllm.SpecDecodeCounters(400, 1200, int(x.sum()), per_pos)
+    assert c.acceptance_length == pytest.approx(1 + x.mean())
+    assert c.acceptance_length_se == pytest.approx(x.std() / np.sqrt(400))
+    assert not vllm.live_below_replay(c, c.acceptance_length + 2.9 * c.acceptance_length_se)
+    assert vllm.live_below_replay(c, c.acceptance_length + 3.1 * c.acceptance_length_se)
+    few = vllm.SpecDecodeCounters(50, 150, 0, (0, 0, 0))
+    assert not vllm.live_below_replay(few, 3.0)  # 50 drafts: not enough to say

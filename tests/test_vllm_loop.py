@@ -45,6 +45,15 @@ def _counters(url: str):
     return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
+def _live_tau(uri: str, tid: str, version: str) -> float | None:
+    from mlflow import MlflowClient
+
+    from tidespec.adapters import registry
+    c = MlflowClient(uri)
+    run_id = c.get_model_version(registry.model_name(tid), version).run_id
+    return c.get_run(run_id).data.metrics.get("live/acceptance_length")
+
+
 def _traffic(url: str, seed: int, n: int = 12) -> None:
     import torch
     g = torch.Generator().manual_seed(seed)
@@ -72,7 +81,7 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
     proj = copy_prefect_project(tmp_path / "proj")
     raw = yaml.safe_load(tiny_params_yaml(tdir))
     raw["capture"] |= {"mode": "text", "seal_min_tokens": 300}  # 12 × (9 prompt + 24 new) tokens: one seal
-    raw["serve"] = {"watch_champion_s": 0.5, "served_model_name": "tiny"}
+    raw["serve"] = {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0}
     raw["engine"]["adaptive"] = False
     (proj / "params.yaml").write_text(yaml.safe_dump(raw))
     params = load_params(proj / "params.yaml")
@@ -99,6 +108,8 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
         _traffic(url, seed=0)
         before = _counters(url)  # vLLM's own counters, v1 (random draft)
         assert before is not None and before.num_drafts > 0
+        # the serving command logs vLLM's counters to the served version's MLflow run
+        _wait(lambda: _live_tau(mlflow_server, tid, v1) == before.acceptance_length, 60, "v1's live τ in MLflow", proc)
         with orchestrate.using_api(prefect_server):  # what its schedule runs
             run = run_deployment(orchestrate.CAPTURE_DEPLOYMENT, parameters={}, timeout=600)
         assert run.state.is_completed(), run.state
@@ -114,6 +125,8 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
         _traffic(url, seed=0)  # the same workload again, now on the new draft in a new vLLM server
         after = _counters(url)
         assert after.num_drafts > 0 and after.acceptance_length > before.acceptance_length, (before, after)
+        _wait(lambda: _live_tau(mlflow_server, tid, champ.version) == after.acceptance_length, 60,
+              f"v{champ.version}'s live τ in MLflow", proc)
         print(f"vLLM's counters: v{v1} τ {before.acceptance_length:.3f} {before}; "
               f"v{champ.version} τ {after.acceptance_length:.3f} {after}")
     finally:

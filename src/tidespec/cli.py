@@ -298,6 +298,9 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
         raise typer.BadParameter("--sglang-url goes with --backend sglang (and only with it)")
     if vllm_python is not None and backend != "vllm":
         raise typer.BadParameter("--vllm-python goes with --backend vllm (and only with it)")
+    if "live_stats_s" in p.serve.model_fields_set and p.serve.live_stats_s > 0 and backend != "vllm":
+        raise typer.BadParameter(f"serve.live_stats_s logs vLLM's live counters (--backend vllm), not {backend}'s "
+                                 "(they are on its /metrics): remove it or set it to 0")
     if backend != "embedded":
         _serve_frontdoor(p, ws, backend, sglang_url, vllm_python, capture, host, port, timeout_s, max_queue,
                          max_tokens)
@@ -376,11 +379,15 @@ def _serve_frontdoor(p, ws, backend: str, url: str | None, vllm_python: str | No
     from .serve.admin import ChampionWatcher
     every = p.serve.watch_champion_s
     watcher = ChampionWatcher(ws.champion, every, dep, dep.install) if every > 0 else None
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    from .deploy.vllm import LiveReporter
+    live = LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s) if uri and p.serve.live_stats_s > 0 else None
     try:
         uvicorn.run(app, host=host, port=port)
     finally:
-        if watcher:
-            watcher.close()
+        for c in (watcher, live):
+            if c:
+                c.close()
         dep.close()
 
 

@@ -202,7 +202,9 @@ class ServeParams(_Strict):
     the temperature of a request that sends none (0 = greedy, the output speculation must equal;
     OpenAI's own default is 1.0 and vLLM takes the model's generation_config — set 1.0 for OpenAI's);
     watch_champion_s: how often (s) `tidespec serve` checks data/drafts/champion for a version a
-    cycle deployed and swaps to it (0: never; POST /admin/draft still swaps)."""
+    cycle deployed and swaps to it (0: never; POST /admin/draft still swaps); live_stats_s: with
+    `--backend vllm` and MLFLOW_TRACKING_URI, how often (s) the served version's live spec-decode
+    figures (vLLM's own counters) are logged to its MLflow run (0: never; refused elsewhere)."""
 
     max_queue: int = Field(64, ge=1)
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
@@ -210,6 +212,7 @@ class ServeParams(_Strict):
     served_model_name: str | None = Field(None, min_length=1)
     default_temperature: float = Field(0.0, ge=0, le=2, allow_inf_nan=False)
     watch_champion_s: float = Field(5.0, ge=0, allow_inf_nan=False)
+    live_stats_s: float = Field(60.0, ge=0, allow_inf_nan=False)
 
 
 class DeployParams(_Strict):

@@ -260,6 +260,21 @@ def decisions(tracking_uri: str, target_id: str, version: str) -> list[str]:
     return [tags[f"decision.{i}"] for i in range(sum(k.startswith("decision.") for k in tags))]
 
 
+def log_live(tracking_uri: str, target_id: str, version: str, metrics: dict[str, float], step: int,
+             tags: dict[str, str] | None = None) -> None:
+    """Log a served version's live figures (names prefixed ``live/``, e.g. ``live/acceptance_length``,
+    ``live/accepted_per_pos/0``) to its run at ``step`` (the engine's draft count: monotone), and set
+    ``tags`` on the version and its run. Raises MlflowException on server errors."""
+    c = _client(tracking_uri)
+    mv = c.get_model_version(model_name(target_id), str(version))
+    now = int(time.time() * 1000)
+    if mv.run_id:
+        _log_batched(c, mv.run_id, metrics=[Metric(f"live/{k}", float(v), now, step) for k, v in metrics.items()],
+                     tags=[RunTag(k, v) for k, v in (tags or {}).items()])
+    for k, v in (tags or {}).items():
+        c.set_model_version_tag(model_name(target_id), str(version), k, v)
+
+
 def _make_champion(c: MlflowClient, name: str, version: str) -> str | None:
     """Move alias ``champion`` to ``version``, append it to the history; return the previous champion."""
     prev = _alias_version(c, name, CHAMPION)
@@ -291,6 +306,11 @@ def _by_alias(tracking_uri: str, target_id: str, alias: str) -> ModelVersionInfo
             return None
         raise
     return ModelVersionInfo(version=str(mv.version), run_id=mv.run_id, source=mv.source, tags=dict(mv.tags))
+
+
+def version_tags(tracking_uri: str, target_id: str, version: str) -> dict[str, str]:
+    """The tags of ``version`` (e.g. its replayed ``acceptance_length``). Raises MlflowException."""
+    return dict(_client(tracking_uri).get_model_version(model_name(target_id), str(version)).tags)
 
 
 def tuned_k(tags: dict[str, str]) -> dict[str, int]:

@@ -232,6 +232,18 @@ class SpecDecodeCounters:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
+    def acceptance_length_se(self) -> float | None:
+        """Standard error of τ: X = accepted tokens per draft (0..k) has P(X ≥ i) = per-pos count
+        i-1 / drafts, so E[X] = Σ P(X ≥ i), E[X²] = Σ (2i−1)·P(X ≥ i), SE = sqrt(Var X / drafts)
+        (drafts treated as independent). None without drafts."""
+        n = self.num_drafts
+        if not n:
+            return None
+        p = [c / n for c in self.accepted_per_pos]
+        mean, sq = sum(p), sum((2 * i + 1) * q for i, q in enumerate(p))
+        return max(sq - mean * mean, 0.0) ** 0.5 / n ** 0.5
+
+    @property
     def per_position_rate(self) -> tuple[float, ...]:
         """Per-position acceptance: accepted at position i / drafts."""
         return tuple(a / self.num_drafts for a in self.accepted_per_pos) if self.num_drafts else ()
@@ -242,6 +254,15 @@ class SpecDecodeCounters:
         return SpecDecodeCounters(self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
                                   self.num_accepted_tokens - other.num_accepted_tokens,
                                   tuple(a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))))
+
+
+def live_below_replay(live: SpecDecodeCounters, replay_tau: float, z: float = 3.0, min_drafts: int = 100) -> bool:
+    """True when the live τ is clearly below the replayed one: live τ + z·SE < replay τ with at
+    least `min_drafts` drafts (z = 3: one false alarm in ~740 healthy checks under the normal
+    approximation). vLLM counts accepted drafts a cut drops, tidespec's replay does not: the
+    comparison leans towards not flagging."""
+    se = live.acceptance_length_se
+    return se is not None and live.num_drafts >= min_drafts and live.acceptance_length + z * se < replay_tau
 
 
 def parse_metrics(text: str) -> SpecDecodeCounters | None:

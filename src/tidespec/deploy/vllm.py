@@ -8,6 +8,10 @@ completion, switch the front door to green, wait until the requests still runnin
 finished (`Proxy.inflight`), stop blue. Any failure before the switch stops green and leaves blue
 serving: nothing is dropped, and the error names the log. Costs one engine's memory more (~4 GB for
 SmolLM2 on CPU) for the duration of a swap.
+
+Each version runs in its own server, so that server's cumulative spec-decode counters are the
+version's live figures: `report_live` logs them to the version's MLflow run (`live/acceptance_length`,
+`live/accepted_per_pos/<i>`, ...) and flags a version whose live τ is clearly below its replayed τ.
 """
 from __future__ import annotations
 
@@ -20,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from ..adapters import process
-from ..adapters.vllm import VLLMError, VLLMLaunch, VLLMServer
+from ..adapters import process, registry
+from ..adapters.vllm import VLLMError, VLLMLaunch, VLLMServer, live_below_replay, scrape
 from ..workspace import DRAFT_FILES, engine_dir, private_dir, served_version
 
 log = logging.getLogger(__name__)
@@ -120,3 +124,50 @@ def canary(url: str, model: str, timeout_s: float = 120.0) -> None:
         raise VLLMError(f"canary to {url} failed: {e}") from None
     if r.status_code != 200 or len(r.json().get("choices", [])) != 1:
         raise VLLMError(f"canary to {url} answered {r.status_code}: {r.text[:300]}")
+
+
+def report_live(dep: VLLMDeployment, tracking_uri: str, target_id: str) -> dict | None:
+    """Scrape the serving vLLM's counters and log them as the served version's live figures (MLflow
+    run metrics `live/*`, step = drafts so far). A version whose live τ is clearly below the τ its
+    evaluation replayed (`adapters.vllm.live_below_replay`) gets tag `live_tau_below_replay` = both
+    figures and a warning naming them. Returns the logged metrics, or None when there is nothing to
+    log: no registry version served, or no counters exported (live τ unknown, never 0)."""
+    version, url = dep.draft_version, dep.url
+    if version is None or url is None:
+        return None
+    live = scrape(url)
+    if live is None or not live.num_drafts:
+        return None
+    m = {"acceptance_length": live.acceptance_length, "acceptance_rate": live.acceptance_rate,
+         "num_drafts": live.num_drafts, "num_draft_tokens": live.num_draft_tokens,
+         "num_accepted_tokens": live.num_accepted_tokens}
+    m |= {f"accepted_per_pos/{i}": r for i, r in enumerate(live.per_position_rate)}
+    tags = {}
+    replay_tau = registry.version_tags(tracking_uri, target_id, version).get("acceptance_length")
+    if replay_tau is not None and live_below_replay(live, float(replay_tau)):
+        tags["live_tau_below_replay"] = f"live {live.acceptance_length:.3f} < replayed {float(replay_tau):.3f}"
+        log.warning("draft v%s: live τ %.3f (±%.3f, %d drafts) is clearly below its replayed τ %s", version,
+                    live.acceptance_length, live.acceptance_length_se, live.num_drafts, replay_tau)
+    registry.log_live(tracking_uri, target_id, version, m, live.num_drafts, tags)
+    return m | {"flagged": bool(tags)}
+
+
+class LiveReporter:
+    """Calls `report_live` every `every_s` s on a daemon thread; errors are logged, never raised."""
+
+    def __init__(self, dep: VLLMDeployment, tracking_uri: str, target_id: str, every_s: float = 60.0):
+        self.args, self.every_s = (dep, tracking_uri, target_id), every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tidespec-vllm-live", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                report_live(*self.args)
+            except Exception:  # noqa: BLE001 - a registry or vLLM hiccup must not stop serving
+                log.exception("live spec-decode figures not logged this time")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
