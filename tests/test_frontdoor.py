@@ -74,3 +74,28 @@ def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
         assert r.json()["error"]["type"] == "backend_error" and r.json()["error"]["code"] == "backend_unreachable"
         assert c.get("/health").status_code == 503
         assert c.get("/v1/nope").json()["error"]["type"] == "not_found_error"  # tidespec serve's error handlers
+
+
+def test_text_log_notifies_every_threshold_tokens(tmp_path):
+    """The text capture's seal: every `threshold_tokens` logged tokens (usage, or one per streamed
+    event without usage) call on_threshold once, off the request's path; sampled-out exchanges and
+    a failing callback change nothing else."""
+    import threading
+
+    from tidespec.capture.text import TextCapture
+    from tidespec.serve.textlog import TextLog, exchange_tokens
+    assert exchange_tokens({"usage": {"total_tokens": 33}}) == 33
+    assert exchange_tokens('data: {"x": 1}\n\ndata: {"x": 2}\n\ndata: [DONE]\n\n') == 2
+    assert exchange_tokens('data: {"x": 1}\n\ndata: {"usage": {"total_tokens": 40}}\n\ndata: [DONE]\n\n') == 40
+    fired, done = [], threading.Event()
+
+    def note(n):
+        fired.append(n)
+        done.set()
+    tl = TextLog(TextCapture(tmp_path / "t"), threshold_tokens=100, on_threshold=note)
+    for i in range(3):
+        tl.log(f"r{i}", {"prompt": "x"}, {"usage": {"total_tokens": 33}})
+    assert fired == []  # 99 < 100
+    tl.log("r3", {"prompt": "x"}, {"usage": {"total_tokens": 33}})
+    assert done.wait(10) and fired == [132]
+    tl.close()

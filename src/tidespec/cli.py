@@ -312,7 +312,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     target, tok = get_target(p)
     writer = CaptureWriter.from_params(ws.capture_dir(target.target_id), target.target_id, p.capture, ws.snapshots,
                                        on_seal=pub, detokenize=tok.decode if tok is not None else None) if hidden else None
-    text_capture = TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate) if text else None
+    text_capture = _text_log(TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate),
+                             target.target_id, p.capture.seal_min_tokens) if text else None
     runner = runner_for(ws.champion, target)
     engine = make_engine(p, target, runner, served_version(ws.champion) if runner else None, capture=writer,
                          progress=lambda m: console.print(f"serve: {m}", markup=False, highlight=False))
@@ -368,12 +369,13 @@ def _serve_frontdoor(p, ws, backend: str, url: str | None, vllm_python: str | No
         raise typer.BadParameter(f"--backend {backend} sees text only: set capture.mode: text in params.yaml, "
                                  "or pass --no-capture")
     text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture.sample_rate) if capture else None
+    textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
     timeout = timeout_s or p.serve.request_timeout_s
     if backend == "sglang":
-        uvicorn.run(build_frontdoor(url, text, timeout), host=host, port=port)
+        uvicorn.run(build_frontdoor(url, text, timeout, textlog=textlog), host=host, port=port)
         return
     dep = _start_vllm(p, ws, vllm_python, host)
-    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close,
+    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
                           info=lambda: {"draft_version": dep.draft_version, "engine": "vllm"})
     dep.proxy = app.state.proxy
     from .serve.admin import ChampionWatcher
@@ -389,6 +391,20 @@ def _serve_frontdoor(p, ws, backend: str, url: str | None, vllm_python: str | No
             if c:
                 c.close()
         dep.close()
+
+
+def _text_log(text, tid: str, threshold: int):
+    """The front door's text log: with $PREFECT_API_URL, every `threshold` (capture.seal_min_tokens)
+    captured tokens emit `tidespec.capture.text`, which runs the tide-capture deployment (ingest →
+    snapshot → the cycle's event); without it the hourly schedule (or `tidespec ingest`) picks them up."""
+    from .serve.textlog import TextLog
+    if text is None or not os.environ.get("PREFECT_API_URL"):
+        if text is not None:
+            console.print("PREFECT_API_URL is unset: text capture waits for tide-capture's schedule or "
+                          "`tidespec ingest`", markup=False)
+        return TextLog(text)
+    from .adapters.orchestrate import text_captured
+    return TextLog(text, threshold, lambda n: text_captured(tid, n, str(text.dir)))
 
 
 def _start_vllm(p, ws, python: str | None, host: str):

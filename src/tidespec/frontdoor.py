@@ -40,16 +40,17 @@ JSON = {"content-type": "application/json"}
 
 
 def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0, on_close=None,
-                    info=None) -> FastAPI:
+                    info=None, textlog: TextLog | None = None) -> FastAPI:
     """The FastAPI app in front of `backend_url` (e.g. http://127.0.0.1:30000). `text_capture`: a
     `capture.text.TextCapture` (None: no capture); `timeout_s`: per backend request, s (504 after).
     At shutdown the backend client and the text capture are closed, then `on_close()` runs (e.g.
     stopping the engine server). `info()`: a dict /health adds (e.g. the served draft_version).
+    `textlog`: the text log to use (e.g. with a token threshold), instead of one over `text_capture`.
     The `Proxy` is `app.state.proxy` (to switch backends). `/metrics` is the front door's own
     metrics followed by the backend's `/metrics` (vLLM's `vllm:*`, SGLang's `sglang:*`: the engine's
     own spec-decode counters), so one scrape sees both."""
     proxy = Proxy(backend_url, httpx.AsyncClient(timeout=timeout_s), timeout_s, FrontdoorMetrics(),
-                  TextLog(text_capture), info)
+                  textlog or TextLog(text_capture), info)
     app = FastAPI(title="tidespec front door", version="0.1",
                   lifespan=closing(proxy.client.aclose, proxy.textlog.close, on_close))
     app.state.proxy = proxy

@@ -48,8 +48,8 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     vLLM); `drafts_dir`: `/admin/draft` paths must lie inside it; `admin_token`: bearer token for
     /admin (None: admin disabled, 403); `load_version(v)`: registry version or alias → local
     checkpoint dir (raises LookupError for an unknown one); `text_capture`
-    (`capture.text.TextCapture`, `capture.mode: text`): each finished request's request and
-    response bodies are logged in the Data Capture format; `watch_dir` (the local champion dir,
+    (`capture.text.TextCapture`, or a `serve.textlog.TextLog` over one, `capture.mode: text`): each
+    finished request's request and response bodies are logged in the Data Capture format; `watch_dir` (the local champion dir,
     data/drafts/champion): every `watch_s` s the server installs the version the cycle's deploy step
     put there (`ChampionWatcher`). At shutdown: the watcher stops, requests in flight finish, the
     engine's capture sink (if any) is flushed (its counters are served on /metrics), text capture
@@ -59,7 +59,8 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     if cfg.max_tokens is None:
         raise ValueError("serve.max_tokens is unresolved: pass Params.serve_resolved() (engine.max_new_tokens)")
     writer = engine.capture
-    loop, metrics, textlog = EngineLoop(engine), ServeMetrics(engine.k), TextLog(text_capture)
+    textlog = text_capture if isinstance(text_capture, TextLog) else TextLog(text_capture)
+    loop, metrics = EngineLoop(engine), ServeMetrics(engine.k)
     metrics.set_draft(engine.draft_version)
     if writer is not None and hasattr(writer, "collector"):
         metrics.registry.register(writer.collector())

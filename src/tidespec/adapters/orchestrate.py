@@ -40,6 +40,7 @@ TRAIN_DEPLOYMENT = "tide_train/tide-train"
 CAPTURE_DEPLOYMENT = "tide_capture/tide-capture"
 TRANSIENT_MLFLOW_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}
 CAPTURE_THRESHOLD = "tidespec.capture.threshold"
+TEXT_CAPTURED = "tidespec.capture.text"  # text capture passed capture.seal_min_tokens: tide-capture runs
 FLOW_NAMES = ("tide_cycle", "tide_train", "tide_capture")
 CHECKOUT = Path(__file__).resolve().parents[3]  # the repository root when the package runs from a checkout
 
@@ -157,6 +158,14 @@ def capture_threshold(snapshot_id: str, target_id: str, payload: dict, api_url: 
     tide-cycle run's parameters)."""
     return emit(CAPTURE_THRESHOLD, f"tidespec.snapshot.{snapshot_id}",
                 {"snapshot_id": snapshot_id, "target_id": target_id, **payload},
+                {"tidespec.target_id": target_id[:12]}, api_url=api_url)
+
+
+def text_captured(target_id: str, tokens: int, directory: str, api_url: str | None = None) -> str | None:
+    """Emit `tidespec.capture.text` (resource `tidespec.textcapture.<target_id[:12]>`): `tokens` more
+    were text-captured in `directory`; prefect.yaml's tide-capture trigger ingests them."""
+    return emit(TEXT_CAPTURED, f"tidespec.textcapture.{target_id[:12]}",
+                {"target_id": target_id, "tokens": tokens, "directory": directory},
                 {"tidespec.target_id": target_id[:12]}, api_url=api_url)
 
 

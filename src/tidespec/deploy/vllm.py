@@ -165,7 +165,9 @@ class LiveReporter:
         while not self._stop.wait(self.every_s):
             try:
                 report_live(*self.args)
-            except Exception:  # noqa: BLE001 - a registry or vLLM hiccup must not stop serving
+            except VLLMError as e:  # a server stopping (a swap, shutdown) between reading its URL and scraping it
+                log.warning("live spec-decode figures not logged this time: %s", e)
+            except Exception:  # noqa: BLE001 - a registry hiccup must not stop serving
                 log.exception("live spec-decode figures not logged this time")
 
     def close(self) -> None:
