@@ -104,6 +104,40 @@ def make_tiny_target(path, seed: int = 0, **overrides):
     return path
 
 
+def wait_until(pred, timeout_s: float, what: str, proc=None):
+    """Poll `pred()` every 0.5 s until it returns something truthy (returned); AssertionError when
+    `timeout_s` (s) pass first or `proc` (a server's Popen) exits meanwhile, naming `what`."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"server exited ({proc.returncode}) while waiting for {what}")
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def health(url: str) -> dict | None:
+    """GET `<url>/health`: its JSON when 200, else None (down, starting, unhealthy)."""
+    import httpx
+    try:
+        r = httpx.get(f"{url}/health", timeout=5)
+        return r.json() if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def published_rev(proj, snapshot) -> str | None:
+    """The DVC rev of a published snapshot, None while its .dvc file is still being written."""
+    from tidespec.adapters import versioning
+    try:
+        return versioning.snapshot_rev(proj, snapshot)
+    except Exception:  # noqa: BLE001 - not complete yet
+        return None
+
+
 def make_vllm_tiny_target(path):
     """The tiny target as vLLM's CPU build runs it: 2 heads of 32 (it has no head_dim 16 kernel),
     untied embeddings (tied, greedy outputs repeat one token and any draft accepts everything), the

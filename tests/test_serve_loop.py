@@ -9,34 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import yaml
-from conftest import copy_prefect_project, random_draft, tiny_params_yaml
+from conftest import copy_prefect_project, health, published_rev, random_draft, tiny_params_yaml, wait_until
 
 pytestmark = pytest.mark.services
-
-
-def _wait(pred, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"server exited ({proc.returncode}) while waiting for {what}")
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-
-
-def _health(url: str) -> dict | None:
-    try:
-        r = httpx.get(f"{url}/health", timeout=2)
-        return r.json() if r.status_code == 200 else None
-    except httpx.HTTPError:
-        return None
 
 
 def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny_target_dir, prefect_server,
@@ -75,7 +54,7 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
                              str(proj / "params.yaml"), "--port", str(port)], cwd=proj, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     try:
-        assert _wait(lambda: _health(url), 180, "/health", proc)["draft_version"] == v1
+        assert wait_until(lambda: health(url), 180, "/health", proc)["draft_version"] == v1
         import torch
         g = torch.Generator().manual_seed(0)
         for _ in range(12):  # a learnable workload: prompt ids in a small range (the draft vocab covers them)
@@ -84,22 +63,17 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
                            timeout=120)
             assert r.status_code == 200, r.text
         snaps = ws.snapshots / tid
-        dvcs = _wait(lambda: sorted(snaps.glob("*.dvc")) if snaps.is_dir() else [], 120, "a published snapshot",
+        dvcs = wait_until(lambda: sorted(snaps.glob("*.dvc")) if snaps.is_dir() else [], 120, "a published snapshot",
                      proc)
         assert len(dvcs) == 1  # sealed by the server's writer and DVC-tracked by its publisher
 
-        def rev_of():  # the .dvc file may still be being written by the publisher
-            try:
-                return versioning.snapshot_rev(proj, snaps / dvcs[0].stem)
-            except Exception:  # noqa: BLE001 - not complete yet
-                return None
-        rev = _wait(rev_of, 60, "a complete .dvc file", proc)
+        rev = wait_until(lambda: published_rev(proj, snaps / dvcs[0].stem), 60, "a complete .dvc file", proc)
         run = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, 600)
         assert run.state.is_completed(), run.state
         assert run.parameters["target_id"] == tid and run.parameters["trigger"] == "tokens"  # from the event
         champ = registry.champion(mlflow_server, tid)
         assert champ.version != v1 and champ.tags["snapshot_rev"] == rev
-        h = _wait(lambda: (h := _health(url)) and h["draft_version"] == champ.version and h, 60,
+        h = wait_until(lambda: (h := health(url)) and h["draft_version"] == champ.version and h, 60,
                   f"the server to serve v{champ.version}", proc)
         assert h["draft_version"] == champ.version
         r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)

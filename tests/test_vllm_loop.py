@@ -10,34 +10,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import yaml
-from conftest import copy_prefect_project, make_vllm_tiny_target, random_draft, tiny_params_yaml, vllm_python_or_skip
+from conftest import (copy_prefect_project, health, make_vllm_tiny_target, published_rev, random_draft,
+                      tiny_params_yaml, vllm_python_or_skip, wait_until)
 
 pytestmark = pytest.mark.services
-
-
-def _wait(pred, timeout_s: float, what: str, proc: subprocess.Popen):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited ({proc.returncode}) while waiting for {what}")
-        got = pred()
-        if got:
-            return got
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-
-
-def _health(url: str) -> dict | None:
-    try:
-        r = httpx.get(f"{url}/health", timeout=5)
-        return r.json() if r.status_code == 200 else None
-    except httpx.HTTPError:
-        return None
 
 
 def _counters(url: str):
@@ -52,14 +32,6 @@ def _live_tau(uri: str, tid: str, version: str) -> float | None:
     c = MlflowClient(uri)
     run_id = c.get_model_version(registry.model_name(tid), version).run_id
     return c.get_run(run_id).data.metrics.get("live/acceptance_length")
-
-
-def _rev(proj, snap) -> str | None:
-    from tidespec.adapters import versioning
-    try:
-        return versioning.snapshot_rev(proj, snap)
-    except Exception:  # noqa: BLE001 - the publisher is still writing it
-        return None
 
 
 def _traffic(url: str, seed: int, n: int = 12) -> None:
@@ -109,29 +81,29 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
                              python, "--root", str(proj), "--params", str(proj / "params.yaml"), "--port",
                              url.rsplit(":", 1)[1]], cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        h = _wait(lambda: _health(url), 400, "/health", proc)
+        h = wait_until(lambda: health(url), 400, "/health", proc)
         assert h["engine"] == "vllm" and h["draft_version"] == v1
         _traffic(url, seed=0)
         before = _counters(url)  # vLLM's own counters, v1 (random draft)
         assert before is not None and before.num_drafts > 0
         # the serving command logs vLLM's counters to the served version's MLflow run
-        _wait(lambda: _live_tau(mlflow_server, tid, v1) == before.acceptance_length, 60, "v1's live τ in MLflow", proc)
+        wait_until(lambda: _live_tau(mlflow_server, tid, v1) == before.acceptance_length, 60, "v1's live τ in MLflow", proc)
         # the front door's text log passed capture.seal_min_tokens → tidespec.capture.text → tide-capture
         # ingests (rehydrates, seals, publishes: DVC + tidespec.capture.threshold) → tide-cycle
         snaps = ws.snapshots / tid
-        (dvc,) = _wait(lambda: sorted(snaps.glob("*.dvc")) if snaps.is_dir() else [], 600, "a published snapshot",
+        (dvc,) = wait_until(lambda: sorted(snaps.glob("*.dvc")) if snaps.is_dir() else [], 600, "a published snapshot",
                        proc)
-        rev = _wait(lambda: _rev(proj, snaps / dvc.stem), 60, "a complete .dvc file", proc)
+        rev = wait_until(lambda: published_rev(proj, snaps / dvc.stem), 60, "a complete .dvc file", proc)
         cyc = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, 900)
         assert cyc.state.is_completed(), cyc.state
         champ = registry.champion(mlflow_server, tid)
         assert champ.version != v1 and champ.tags["snapshot_rev"] == rev
-        _wait(lambda: (h := _health(url)) and h["draft_version"] == champ.version, 400,
+        wait_until(lambda: (h := health(url)) and h["draft_version"] == champ.version, 400,
               f"vLLM to serve v{champ.version}", proc)
         _traffic(url, seed=0)  # the same workload again, now on the new draft in a new vLLM server
         after = _counters(url)
         assert after.num_drafts > 0 and after.acceptance_length > before.acceptance_length, (before, after)
-        _wait(lambda: _live_tau(mlflow_server, tid, champ.version) == after.acceptance_length, 60,
+        wait_until(lambda: _live_tau(mlflow_server, tid, champ.version) == after.acceptance_length, 60,
               f"v{champ.version}'s live τ in MLflow", proc)
         print(f"vLLM's counters: v{v1} τ {before.acceptance_length:.3f} {before}; "
               f"v{champ.version} τ {after.acceptance_length:.3f} {after}")

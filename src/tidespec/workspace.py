@@ -153,17 +153,28 @@ def bundle_files(draft_dir: Path) -> tuple[list[Path], list[Path]]:
     return engine, side
 
 
+def copy_engine_files(draft_dir: Path, dest: Path) -> Path:
+    """Copy DRAFT_FILES of `draft_dir` (bundle or flat checkpoint) into `dest` (created; files there
+    are overwritten): a directory an engine loads. Returns `dest`. Raises FileNotFoundError naming a
+    missing file."""
+    src, dest = engine_dir(draft_dir), Path(dest)
+    missing = [f for f in DRAFT_FILES if not (src / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{draft_dir} is not a draft checkpoint (no {', '.join(missing)} in {src})")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in DRAFT_FILES:
+        shutil.copyfile(src / f, dest / f)
+    return dest
+
+
 def make_bundle(src: Path, dest: Path) -> Path:
     """Copy the draft in `src` (bundle or flat checkpoint) into a new bundle at `dest` (must not
     exist): DRAFT_FILES into `dest/draft/`, every other file beside it. Returns `dest`. Raises
     FileNotFoundError when `src` lacks a DRAFT_FILES file, FileExistsError when `dest` exists."""
-    engine, side = bundle_files(src)
-    if len(engine) != len(DRAFT_FILES):
-        raise FileNotFoundError(f"{src} is not a draft checkpoint (needs {' + '.join(DRAFT_FILES)})")
-    Path(dest).mkdir(parents=True)
-    (Path(dest) / ENGINE_SUBDIR).mkdir()
-    for f in engine:
-        shutil.copyfile(f, Path(dest) / ENGINE_SUBDIR / f.name)
+    _, side = bundle_files(src)
+    if Path(dest).exists():
+        raise FileExistsError(f"{dest} exists: a bundle is written to a new directory")
+    copy_engine_files(src, Path(dest) / ENGINE_SUBDIR)  # checks src first: nothing is created for a non-draft
     for f in side:
         shutil.copyfile(f, Path(dest) / f.name)
     return Path(dest)

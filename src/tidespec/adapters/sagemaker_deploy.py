@@ -40,7 +40,6 @@ import hashlib
 import json
 import logging
 import re
-import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -52,7 +51,7 @@ from ..config import Params, TreeParams, tree_num_draft_tokens
 from ..errors import TidespecError
 from ..models.eagle3 import load_checkpoint
 from ..sagemaker_config import CanaryParams, EndpointProfile, SageMakerDeployParams
-from ..workspace import DRAFT_FILES, engine_dir, read_version
+from ..workspace import copy_engine_files, engine_dir, read_version
 from . import aws
 from .aws import NAME_RE, parse_s3_uri
 
@@ -314,10 +313,7 @@ def private_copy(draft: DraftArtifact, dest: Path) -> DraftArtifact:
     """Copy the draft's files into `dest` and re-hash them there, so what is uploaded is what was
     checked even if the source dir is swapped meanwhile (a promotion, a rollback). Raises ValueError
     when the model bytes changed since `check_draft`."""
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in DRAFT_FILES:
-        shutil.copyfile(draft.path / f, dest / f)
+    dest = copy_engine_files(draft.path, dest)
     sha = sha256_file(dest / "model.safetensors")
     if sha != draft.sha256:
         raise ValueError(f"draft {draft.path} changed since it was checked (a promotion or rollback meanwhile?); "

@@ -26,7 +26,7 @@ import httpx
 
 from ..adapters import process, registry
 from ..adapters.vllm import VLLMError, VLLMLaunch, VLLMServer, live_below_replay, scrape
-from ..workspace import DRAFT_FILES, engine_dir, private_dir, served_version
+from ..workspace import copy_engine_files, private_dir, served_version
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,12 @@ class VLLMDeployment:
         return srv, version if draft else None
 
     def _private_copy(self, bundle: Path, name: str) -> Path:
-        src = engine_dir(bundle)
         dest = private_dir(self.state_dir / "drafts") / name
         shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir()
-        for f in DRAFT_FILES:
-            if not (src / f).is_file():
-                raise VLLMError(f"{bundle} is not a draft (no {f} in {src}); deploy a registry version there")
-            shutil.copyfile(src / f, dest / f)
-        return dest
+        try:
+            return copy_engine_files(bundle, dest)
+        except FileNotFoundError as e:
+            raise VLLMError(f"{e}; deploy a registry version there") from None
 
     def _drain(self, url: str) -> bool:
         deadline = time.monotonic() + self.drain_timeout_s
