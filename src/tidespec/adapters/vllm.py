@@ -193,13 +193,16 @@ class VLLMServer:
 
     @property
     def url(self) -> str:
+        """The server's base URL (http://host:port)."""
         return self.cfg.url
 
     @property
     def running(self) -> bool:
+        """True while the server process runs."""
         return self.server.running
 
     def stop(self) -> None:
+        """Stop the server's whole process group (SIGTERM, SIGKILL after the grace period). Idempotent."""
         self.server.stop()
 
     def __enter__(self) -> VLLMServer:

@@ -48,6 +48,7 @@ class VLLMDeployment:
 
     @property
     def url(self) -> str | None:
+        """Base URL of the vLLM server serving now (None before `start`)."""
         return self.server.url if self.server else None
 
     def start(self, bundle: Path | None) -> VLLMDeployment:
@@ -150,7 +151,7 @@ def report_live(dep: VLLMDeployment, tracking_uri: str, target_id: str) -> dict 
 
 
 class LiveReporter:
-    """Calls `report_live` every `every_s` s on a daemon thread; errors are logged, never raised."""
+    """Calls `report_live` every `every_s` seconds on a daemon thread; errors are logged, never raised."""
 
     def __init__(self, dep: VLLMDeployment, tracking_uri: str, target_id: str, every_s: float = 60.0):
         self.args, self.every_s = (dep, tracking_uri, target_id), every_s
@@ -168,5 +169,6 @@ class LiveReporter:
                 log.exception("live spec-decode figures not logged this time")
 
     def close(self) -> None:
+        """Stop reporting (waits at most 5 s for a report in progress)."""
         self._stop.set()
         self._thread.join(5)
