@@ -36,8 +36,11 @@ def test_ratios_and_markdown():
                 "peak_rss_mb": 1.0, "identical_to_target_only": 1.0}
     rows = {"tidespec_no_spec": {"code": row(10, 100)}, "tidespec_adapted_adaptive": {"code": row(15, 66)},
             "tidespec_adapted_k4": {"code": row(15, 66)}, "tidespec_adapted_k4_capture": {"code": row(14.7, 67.32)}, "hf_prompt_lookup_10": {"code": row(12, 80)},
-            "hf_generate": {"code": row(8, 120)}}
+            "hf_generate": {"code": row(8, 120)}, "vllm_no_spec": {"code": row(8, 110)},
+            "vllm_eagle3_adapted_k4": {"code": row(6, 150)}}
     r = ratios(rows, 4, 10)
+    assert r["code: vllm_eagle3_adapted_k4 / vllm_no_spec"] == pytest.approx(0.75)  # vLLM rows against vLLM
+    assert r["code: tidespec_no_spec / vllm_no_spec"] == pytest.approx(1.25)
     assert r["code: tidespec_adapted_adaptive / no_spec"] == pytest.approx(1.5)
     assert r["code: tidespec_adapted_adaptive / hf_prompt_lookup"] == pytest.approx(1.25)
     assert r["code: tidespec_no_spec / hf_generate"] == pytest.approx(1.25)
@@ -45,8 +48,10 @@ def test_ratios_and_markdown():
     assert r["code: capture tokens/s overhead % (tidespec_adapted_k4)"] == pytest.approx(2.0)
     md = markdown({"date": "d", "machine": {"cpu": "c", "cores": 2, "threads": 2, "torch": "t"},
                    "setup": {"dtype": "float32", "prompts_per_workload": 1, "max_new_tokens": 8, "k": 4,
-                             "prompt_lookup_num_tokens": 10}, "results": rows, "ratios": r, "info": {}})
+                             "prompt_lookup_num_tokens": 10}, "results": rows, "ratios": r, "info": {},
+                   "methods": [{"kind": "vllm"}]})
     assert "| tidespec_adapted_adaptive | 15.00 |" in md and "code: tidespec_adapted_adaptive / no_spec: 1.500" in md
+    assert "vllm_* rows: a vLLM" in md and "| vllm_eagle3_adapted_k4 | 6.00 |" in md
 
 
 def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path):

@@ -25,6 +25,13 @@ def test_launch_line_names_the_draft_and_k(tmp_path):
     assert vllm.launch_env(vllm.VLLMLaunch("/m", threads=2, bind_threads=True))["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         vllm.VLLMLaunch("/m", num_speculative_tokens=0)
+    ng = vllm.launch_args(vllm.VLLMLaunch("/m", ngram=(2, 5), num_speculative_tokens=4))
+    assert json.loads(ng[ng.index("--speculative-config") + 1]) == {  # vLLM's prompt lookup (config/speculative.py)
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    with pytest.raises(ValueError, match="one proposer per server"):
+        vllm.VLLMLaunch("/m", draft_path="/d", ngram=(1, 3))
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        vllm.VLLMLaunch("/m", ngram=(4, 2))
 
 
 def test_draft_dir_must_hold_only_what_vllm_loads(tmp_path):
@@ -115,3 +122,14 @@ def test_live_tau_se_and_the_below_replay_flag():
     assert vllm.live_below_replay(c, c.acceptance_length + 3.1 * c.acceptance_length_se)
     few = vllm.SpecDecodeCounters(50, 150, 0, (0, 0, 0))
     assert not vllm.live_below_replay(few, 3.0)  # 50 drafts: not enough to say
+
+
+def test_bench_engine_vllm_rows_are_asked_for_or_skipped_with_the_reason():
+    from tidespec.bench.cli import _vllm_rows
+    from tidespec.bench.engine import default_methods
+    assert _vllm_rows("none") == (None, "--vllm-python none")
+    with pytest.raises(ValueError, match="--vllm-python /nonexistent/python: "):
+        _vllm_rows("/nonexistent/python")  # asked for explicitly: an error, not a silent skip
+    names = [m.name for m in default_methods("/s", "/a", 3, 10, vllm_python="/py")]
+    assert names[-4:] == ["vllm_no_spec", "vllm_ngram_k3", "vllm_eagle3_static_k3", "vllm_eagle3_adapted_k3"]
+    assert not [n for n in (m.name for m in default_methods("/s", "/a", 3, 10)) if n.startswith("vllm")]

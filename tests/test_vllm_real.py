@@ -136,3 +136,47 @@ def test_blue_green_swap_under_load_drops_nothing(tiny_vllm_setup, vllm_python, 
     assert len(statuses) >= 6 and set(statuses) == {200}, statuses
     copied = sorted(p.name for p in Path(dep.server.cfg.draft_path).iterdir())
     assert copied == ["config.json", "model.safetensors"]  # its own copy of the engine dir
+
+
+def test_bench_engine_vllm_row_streams_the_targets_tokens_and_counts_its_drafts(tiny_vllm_setup, vllm_python):
+    """`tidespec bench engine`'s vLLM rows (`bench.methods.VLLMMethod` in a spawned bench worker):
+    the streamed token ids are the target's greedy tokens (== the tidespec engine's, no
+    speculation), chunk sizes add up to them (a chunk is one engine step: τ = tokens per chunk), the
+    draft counters are vLLM's own for that request, the closed-loop run at concurrency 2 returns
+    every prompt's tokens, and stopping the worker stops its vLLM server."""
+    import multiprocessing as mp
+
+    import yaml
+    from conftest import tiny_params_yaml
+
+    from tidespec.adapters.process import http_ok
+    from tidespec.bench.engine import _Worker
+    from tidespec.bench.methods import MethodSpec
+    from tidespec.config import Params
+    from tidespec.engine.speculative import Engine
+    d, target, draft, prompts = tiny_vllm_setup
+    params = Params.model_validate(yaml.safe_load(tiny_params_yaml(d)))
+    eng = Engine(target, None, K, 256)
+    ours = [eng.generate(p, MAX_TOKENS).tokens for p in prompts]
+    w = _Worker(mp.get_context("spawn"), MethodSpec("vllm_eagle3", "vllm", draft=str(draft), k=K, max_batch=2,
+                                                    python=vllm_python), params.model_dump(mode="json"), 2, None)
+    try:
+        w.ready()
+        rows = [w.call("run", p, MAX_TOKENS, "code") for p in prompts]
+        many = w.call("run_many", list(zip("abcd", prompts)), MAX_TOKENS, "code", 2)
+        info = w.call("info")
+    finally:
+        w.stop()
+    assert [r["tokens"] for r in rows] == ours
+    for r in rows:
+        first = len(r["tokens"]) - sum(n for _, n in r["steps"])
+        assert first == 1 and r["forwards"] == 1 + len(r["steps"])  # the prefill's token, then one chunk a step
+        d = r["drafts"]
+        assert d["num_draft_tokens"] == K * d["num_drafts"] and len(d["num_accepted_tokens_per_pos"]) == K
+        assert 0 < d["num_accepted_tokens"] == sum(d["num_accepted_tokens_per_pos"])
+        assert len(r["steps"]) <= d["num_drafts"] + 1  # every decode step verified a draft
+    assert {x["id"]: x["tokens"] for x in many["results"]} == dict(zip("abcd", ours))
+    assert many["drafts"]["num_drafts"] > 0 and many["wall_s"] > 0
+    port = int(info["args"][info["args"].index("--port") + 1])
+    assert "--no-enable-prefix-caching" in info["args"]
+    assert not http_ok(f"http://127.0.0.1:{port}/health")  # the server stopped with the worker

@@ -51,14 +51,17 @@ class VLLMError(TidespecError):
 @dataclass(frozen=True)
 class VLLMLaunch:
     """One vLLM OpenAI server. model_path: the target's HF dir (config.json with architectures);
-    draft_path: the draft's engine dir (only config.json + model.safetensors) or None (no
-    speculation); num_speculative_tokens: k, drafted tokens per step. kv_cache_gib: CPU KV cache
+    draft_path: the draft's engine dir (only config.json + model.safetensors) or None;
+    ngram: (prompt_lookup_min, prompt_lookup_max) for vLLM's n-gram proposer instead of a draft
+    (prompt lookup, Saxena 2023); neither: no speculation; num_speculative_tokens: k, drafted tokens
+    per step. kv_cache_gib: CPU KV cache
     (VLLM_CPU_KVCACHE_SPACE, GiB); threads: OMP threads (None: all cores); bind_threads: pin them
     to cores 0..threads-1 (`launch_env`)."""
 
     model_path: str
     python: str = f"{VENV}/bin/python"
     draft_path: str | None = None
+    ngram: tuple[int, int] | None = None
     num_speculative_tokens: int = 3
     host: str = "127.0.0.1"
     port: int = 8100
@@ -77,6 +80,12 @@ class VLLMLaunch:
             raise ValueError(f"port {self.port}: must be 1..65535")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens {self.num_speculative_tokens}: >= 1 (no draft: draft_path None)")
+        if self.ngram is not None:
+            if self.draft_path is not None:
+                raise ValueError("draft_path and ngram: one proposer per server (EAGLE3 draft or n-gram)")
+            lo, hi = self.ngram
+            if not 1 <= lo <= hi:
+                raise ValueError(f"ngram {self.ngram}: (prompt_lookup_min, prompt_lookup_max) with 1 <= min <= max")
         if self.max_model_len < 16 or self.max_num_seqs < 1 or self.kv_cache_gib < 1:
             raise ValueError("max_model_len >= 16, max_num_seqs >= 1, kv_cache_gib >= 1")
 
@@ -113,7 +122,10 @@ def check_model_dir(path: Path) -> Path:
 
 
 def speculative_config(cfg: VLLMLaunch) -> dict | None:
-    """vLLM's `--speculative-config` for an EAGLE3 draft (None without a draft)."""
+    """vLLM's `--speculative-config`: an EAGLE3 draft, the n-gram proposer, or None (no speculation)."""
+    if cfg.ngram is not None:
+        return {"method": "ngram", "num_speculative_tokens": cfg.num_speculative_tokens,
+                "prompt_lookup_min": cfg.ngram[0], "prompt_lookup_max": cfg.ngram[1]}
     if cfg.draft_path is None:
         return None
     return {"method": "eagle3", "model": str(cfg.draft_path), "num_speculative_tokens": cfg.num_speculative_tokens}

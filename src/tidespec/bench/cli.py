@@ -156,10 +156,13 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                  method: list[str] = typer.Option([], help="only these rows (repeat; default: all); "
                                                   "tidespec_no_spec, the ratios' reference, is always run"),
                  profile: bool = typer.Option(True, help="a torch.profiler table of one request"),
+                 vllm_python: str = typer.Option(None, help="vLLM's interpreter for the vllm_* rows (default: "
+                                                 "`make vllm`'s .venv-vllm when it runs here; 'none': no vLLM rows)"),
                  out: Path = typer.Option(Path("bench/results"))):
-    """tidespec vs HF generate and HF prompt lookup (code, chat, math), capture on/off, suffix and
-    hybrid, at concurrency 1/4/8/16, profile; ≥ 3 interleaved passes with paired ratios and their
-    spread; JSON + markdown + a PNG of tokens/s by concurrency."""
+    """tidespec vs HF generate, HF prompt lookup and a real vLLM (none, n-gram, EAGLE3 static and
+    adapted) on code, chat, math; capture on/off, suffix and hybrid, at concurrency 1/4/8/16,
+    profile; ≥ 3 interleaved passes with paired ratios and their spread; JSON + markdown + a PNG of
+    tokens/s by concurrency."""
     from .. import assets
     from ..config import load_params
     from ..demo import static_draft_dir
@@ -180,7 +183,8 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     if not (engine_dir(Path(static)) / "model.safetensors").exists():
         raise ValueError(f"static draft not found at {static}: run `make demo` first (it trains both), "
                          "or pass --static DIR")
-    specs = bench.default_methods(static, adapted, p.engine.num_draft_tokens, prompt_lookup)
+    vllm_python, vllm_skipped = _vllm_rows(vllm_python)
+    specs = bench.default_methods(static, adapted, p.engine.num_draft_tokens, prompt_lookup, vllm_python)
     if method:
         names = [s.name for s in specs]
         bad = sorted(set(method) - set(names))
@@ -189,9 +193,25 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
         specs = [s for s in specs if s.name in set(method) | {"tidespec_no_spec"}]
     res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
                     progress=console.print, passes=passes, methods=specs, profile=profile,
-                    concurrency=tuple(concurrency))
+                    concurrency=tuple(concurrency), vllm_skipped=vllm_skipped)
     console.print((out / "engine.md").read_text())
     console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
+
+
+def _vllm_rows(python: str | None) -> tuple[str | None, str | None]:
+    """(vLLM's interpreter or None, why there are no vLLM rows or None). Default: `make vllm`'s venv
+    when it runs here, else no rows and the reason (printed and kept in the report); a --vllm-python
+    given explicitly must work."""
+    from ..adapters import vllm
+    if python == "none":
+        return None, "--vllm-python none"
+    reason = vllm.unavailable_reason(python or f"{vllm.VENV}/bin/python")
+    if reason and python:
+        raise ValueError(f"--vllm-python {python}: {reason}")
+    if reason:
+        console.print(f"no vllm_* rows: {reason}")
+        return None, reason
+    return python or f"{vllm.VENV}/bin/python", None
 
 
 @bench_app.command("capture")

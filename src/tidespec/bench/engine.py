@@ -11,7 +11,9 @@ Workloads: code (HumanEval holdout split, the adapted draft never saw it), open-
 tidespec method serves max(c, prompts) prompts with c closed-loop clients in one engine
 (continuous batching), methods rotated per pass, the suffix proposer's global tree reset before
 every run; tokens/s = tokens / wall time of the run. HF rows run at concurrency 1 only
-(transformers' assisted generation takes batch size 1). Output: `<out>/engine.json`,
+(transformers' assisted generation takes batch size 1). With `make vllm`'s venv, vLLM rows (a
+real vLLM server per row, `methods.VLLMMethod`) run beside them at every level: no speculation,
+n-gram, and EAGLE3 with the static and the adapted draft. Output: `<out>/engine.json`,
 `<out>/engine.md` and, with a sweep, `<out>/engine-concurrency.png`.
 """
 from __future__ import annotations
@@ -39,7 +41,13 @@ from .methods import MethodSpec, TidespecMethod, worker
 TREE = (4, 12)  # the tree methods' (eagle_topk, num_draft_tokens): up to 11 nodes, the policy sizes each step
 
 
-def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lookup: int) -> list[MethodSpec]:
+VLLM_NGRAM_MAX = 4  # vLLM n-gram rows: prompt_lookup_max (min 2), the value vLLM's docs use
+
+
+def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lookup: int,
+                    vllm_python: str | None = None) -> list[MethodSpec]:
+    """The rows: HF, tidespec (each proposer and policy), and with `vllm_python` (`make vllm`'s
+    interpreter) a real vLLM server per row: none, n-gram, EAGLE3 static and adapted at fixed k."""
     m = [MethodSpec("hf_generate", "hf"),
          MethodSpec(f"hf_prompt_lookup_{prompt_lookup}", "hf", prompt_lookup=prompt_lookup),
          MethodSpec("tidespec_no_spec", "tidespec"),
@@ -55,6 +63,11 @@ def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lo
               MethodSpec("tidespec_adapted_tree_adaptive", "tidespec", draft=str(adapted), tree=tree),
               MethodSpec("tidespec_hybrid_adaptive", "tidespec", draft=str(adapted), suffix=True),
               MethodSpec("tidespec_hybrid_tree_adaptive", "tidespec", draft=str(adapted), suffix=True, tree=tree)]
+    if vllm_python:
+        m += [MethodSpec("vllm_no_spec", "vllm", python=vllm_python),
+              MethodSpec(f"vllm_ngram_k{k}", "vllm", prompt_lookup=VLLM_NGRAM_MAX, k=k, python=vllm_python)]
+        m += [MethodSpec(f"vllm_eagle3_{name}_k{k}", "vllm", draft=str(d), k=k, python=vllm_python)
+              for name, d in (("static", static), ("adapted", adapted)) if d is not None]
     return m
 
 
@@ -99,7 +112,7 @@ class _Worker:
             self.conn.send(("stop",))
         except (BrokenPipeError, OSError):
             pass
-        self.proc.join(10)
+        self.proc.join(60)  # a vLLM row stops its server first (SIGTERM, its grace period)
         if self.proc.is_alive():
             self.proc.kill()
 
@@ -132,7 +145,8 @@ def summarize(results: list[dict], ref: dict[str, list[int]]) -> dict:
 def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts: int = 6,
         max_new_tokens: int = 96, threads: int | None = None, prompt_lookup: int = 10,
         workloads: tuple[str, ...] = ("code", "chat"), profile: bool = True, progress=print, passes: int = 3,
-        methods: list[MethodSpec] | None = None, concurrency: tuple[int, ...] = (1,)) -> dict:
+        methods: list[MethodSpec] | None = None, concurrency: tuple[int, ...] = (1,),
+        vllm_skipped: str | None = None) -> dict:
     """Run the benchmark; writes `out/engine.json` and `out/engine.md`, returns the result dict.
 
     `passes` interleaved passes over the same prompts (each pass rotates the method order; the
@@ -140,7 +154,7 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
     the pass before). Per pass, each method's tokens/s over no speculation gives one paired ratio;
     the report gives their median and range (`spread`) and flags a ratio whose range spans 1.0 as
     inside the noise. `methods`: default `default_methods`. `concurrency`: levels above 1 add the
-    sweep (module docstring)."""
+    sweep (module docstring). `vllm_skipped`: why there are no vLLM rows (recorded in the report)."""
     threads = threads or torch.get_num_threads()
     _, tok = get_target(params)
     levels = sorted({c for c in concurrency if c > 1})
@@ -149,7 +163,7 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
     k = params.engine.num_draft_tokens
     specs = methods or default_methods(static, adapted, k, prompt_lookup)
     if levels:  # the engine must admit the highest concurrency in one batch
-        specs = [replace(s, max_batch=max(levels)) if s.kind == "tidespec" else s for s in specs]
+        specs = [replace(s, max_batch=max(levels)) if s.kind in ("tidespec", "vllm") else s for s in specs]
     ctx = mp.get_context("spawn")  # not fork: a worker's memory must not start as a copy of ours
     pdict = params.model_dump(mode="json")
     cap_dir = tempfile.mkdtemp(prefix="tidespec-bench-capture-")
@@ -202,7 +216,7 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
                      "dtype": params.target.dtype, "k": k, "prompt_lookup_num_tokens": prompt_lookup,
                      "static_draft": str(static) if static else None,
                      "adapted_draft": str(adapted) if adapted else None, "passes": passes,
-                     "concurrency": [1, *levels], "wall_s": time.time() - t0},
+                     "concurrency": [1, *levels], "wall_s": time.time() - t0, "vllm_skipped": vllm_skipped},
            "methods": [asdict(s) for s in specs], "results": rows, "info": info,
            "ratios": ratios(rows, k, prompt_lookup), "spread": spread, "concurrency": sweep}
     out.mkdir(parents=True, exist_ok=True)
@@ -217,8 +231,8 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
 
 def _sweep(workers: list[_Worker], wl_all: dict, levels: list[int], n_prompts: int, max_new: int, passes: int,
            progress) -> dict:
-    """{c: {method: {workload: [run per pass]}}} for the tidespec methods without capture."""
-    ws = [w for w in workers if w.spec.kind == "tidespec" and not w.spec.capture]
+    """{c: {method: {workload: [run per pass]}}} for the tidespec methods without capture and vLLM's."""
+    ws = [w for w in workers if w.spec.kind in ("tidespec", "vllm") and not w.spec.capture]
     raw = {c: {w.spec.name: {name: [] for name in wl_all} for w in ws} for c in levels}
     for ps in range(passes):
         for ci, c in enumerate(levels):
@@ -314,6 +328,11 @@ def ratios(rows: dict, k: int, pl: int) -> dict:
                 r[f"{w}: {m} / hf_prompt_lookup"] = tps(m, w) / tps(f"hf_prompt_lookup_{pl}", w)
         if tps("hf_generate", w) and base:
             r[f"{w}: tidespec_no_spec / hf_generate"] = base / tps("hf_generate", w)
+        for m in [x for x in rows if x.startswith("vllm_") and x != "vllm_no_spec"]:
+            if tps("vllm_no_spec", w) and tps(m, w):
+                r[f"{w}: {m} / vllm_no_spec"] = tps(m, w) / tps("vllm_no_spec", w)
+        if tps("vllm_no_spec", w) and base:
+            r[f"{w}: tidespec_no_spec / vllm_no_spec"] = base / tps("vllm_no_spec", w)
         for base_m in ("tidespec_no_spec", f"tidespec_adapted_k{k}"):
             a, c = rows.get(base_m, {}).get(w), rows.get(f"{base_m}_capture", {}).get(w)
             if a and c:
@@ -329,6 +348,14 @@ def markdown(res: dict, prof: str | None = None) -> str:
              f"SmolLM2-135M {s['dtype']}, greedy, {s['prompts_per_workload']} prompts per workload × ≤"
              f"{s['max_new_tokens']} new tokens, interleaved, one process per method. k = {s['k']}, HF "
              f"prompt_lookup_num_tokens = {s['prompt_lookup_num_tokens']}. τ = tokens per target forward.", ""]
+    if any(x["kind"] == "vllm" for x in res.get("methods", ())):
+        lines += [f"vllm_* rows: a vLLM {res['info'].get('vllm_no_spec', {}).get('vllm', '')} OpenAI server per row "
+                  "(`make vllm`, same target dir, fp32, prefix caching off, same OMP threads), driven over HTTP "
+                  "from the worker: token-id prompts, streamed, one chunk per engine step (τ = tokens per chunk). "
+                  "Their times include the HTTP round trip and streaming that the in-process rows do not pay. "
+                  f"n-gram: prompt_lookup_min 2, max {VLLM_NGRAM_MAX}. EAGLE3 in vLLM runs chains at fixed k.", ""]
+    elif res["setup"].get("vllm_skipped"):
+        lines += [f"No vllm_* rows: {res['setup']['vllm_skipped']}.", ""]
     for w in next(iter(res["results"].values())):
         lines += [f"## {w}", "", "| method | tokens/s | τ | accept rate | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
                   "| peak RSS MB | = target-only |", "|---|---|---|---|---|---|---|---|---|"]

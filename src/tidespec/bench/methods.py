@@ -2,13 +2,15 @@
 
 Methods: HF transformers `generate` (greedy, no speculation), HF prompt-lookup decoding
 (`prompt_lookup_num_tokens`, Saxena 2023; transformers `generation/candidate_generator.py`),
-and the tidespec engine (no speculation, or an EAGLE3 draft at fixed or adaptive k, with capture
-optional). Each worker is its own spawned process (fresh interpreter, fresh address space) and
+the tidespec engine (no speculation, or an EAGLE3 draft at fixed or adaptive k, with capture
+optional), and a real vLLM server (`make vllm`: no speculation, its n-gram proposer, or an EAGLE3
+draft at fixed k), driven over HTTP with token-id prompts, streamed, its counters from `/metrics`. Each worker is its own spawned process (fresh interpreter, fresh address space) and
 reports its peak RSS as its own address space's high-water mark (`peak_rss_mb`), so a method's
 peak RSS is the memory it needs, not the coordinator's.
 """
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
@@ -26,12 +28,13 @@ from ..runtime import get_target, make_engine, runner_for, target_dir
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """name: row label; kind: "hf" | "tidespec"; prompt_lookup: HF PLD window (0 = off);
+    """name: row label; kind: "hf" | "tidespec" | "vllm"; prompt_lookup: HF PLD's
+    prompt_lookup_num_tokens, or vLLM n-gram's prompt_lookup_max (0 = off);
     draft: checkpoint dir (None = no EAGLE3 draft); k: fixed k (None = adaptive); capture: on/off;
     suffix: the suffix proposer on (alone without a draft, hybrid with one); max_batch: the
     engine's running-request limit (None = params' engine.max_batch; the concurrency sweep sets its
     highest concurrency); tree: (eagle_topk, num_draft_tokens) of EAGLE-2 draft trees (`engine.tree`),
-    None = params' engine.tree."""
+    None = params' engine.tree; python: vLLM's interpreter (kind "vllm")."""
 
     name: str
     kind: str
@@ -42,6 +45,7 @@ class MethodSpec:
     suffix: bool = False
     max_batch: int | None = None
     tree: tuple[int, int] | None = None
+    python: str | None = None
 
 
 def peak_rss_mb() -> float:
@@ -193,17 +197,118 @@ class TidespecMethod:
         return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=48)
 
 
+class VLLMMethod:
+    """A vLLM OpenAI server (`adapters.vllm`) on the same target dir, started by this worker: no
+    speculation, vLLM's n-gram proposer (prompt_lookup_max = `spec.prompt_lookup`, prompt_lookup_min
+    = min(2, that)) or the EAGLE3 draft `spec.draft` at k = `spec.k` (vLLM's k is fixed per server). Prefix caching is off (a later
+    pass must not find its prompts cached: tidespec's engine has no prefix cache). Each request is a
+    streamed `/v1/completions` with the prompt as token ids and `return_token_ids`; a chunk is one
+    engine step (stream_interval 1), so chunk times give TTFT and per-step latencies as the in-process
+    methods report them. Draft counters: vLLM's `/metrics` before and after (exact at concurrency 1)."""
+
+    def __init__(self, spec: MethodSpec, params, threads: int):
+        import tempfile
+
+        from ..adapters import vllm
+        from ..adapters.process import free_port
+        from ..workspace import engine_dir
+
+        self.spec, self.k = spec, spec.k or params.engine.num_draft_tokens
+        pl = spec.prompt_lookup
+        cfg = vllm.VLLMLaunch(str(target_dir(params.target.source)), python=spec.python or f"{vllm.VENV}/bin/python",
+                              draft_path=str(engine_dir(Path(spec.draft))) if spec.draft else None,
+                              ngram=(min(2, pl), pl) if pl else None, num_speculative_tokens=self.k,
+                              port=free_port(), served_model_name="bench", dtype=params.target.dtype,
+                              max_model_len=params.engine.max_seq_len, max_num_seqs=spec.max_batch or params.engine.max_batch,
+                              threads=threads, extra_args=("--no-enable-prefix-caching",))
+        self.log = Path(tempfile.mkdtemp(prefix="tidespec-bench-vllm-")) / "vllm.log"
+        t0 = time.perf_counter()
+        self.server = vllm.VLLMServer(cfg, self.log)
+        self.server.start()  # raises with the log tail; nothing to stop then (the group is stopped)
+        self.start_s = time.perf_counter() - t0
+        self._scrape = vllm.scrape
+        self.speculative = cfg.draft_path is not None or cfg.ngram is not None
+
+    def _stream(self, client, ids: list[int], max_new: int) -> dict:
+        body = {"model": "bench", "prompt": ids, "max_tokens": max_new, "temperature": 0, "stream": True,
+                "return_token_ids": True}
+        tokens, t, n = [], [time.perf_counter()], []
+        with client.stream("POST", f"{self.server.url}/v1/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"vLLM answered {r.status_code}: {r.read().decode()[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                got = (json.loads(line[6:])["choices"] or [{}])[0].get("token_ids") or []
+                if got:
+                    tokens += got
+                    t.append(time.perf_counter())
+                    n.append(len(got))
+        steps = [(b - a, k) for a, b, k in zip(t[1:], t[2:], n[1:])]
+        return {"tokens": tokens, "ttft_s": t[1] - t[0] if len(t) > 1 else 0.0, "steps": steps, "forwards": len(n)}
+
+    def _drafts(self, before, after) -> dict | None:
+        if not self.speculative or before is None or after is None:
+            return None
+        d = after - before
+        return {"num_drafts": d.num_drafts, "num_draft_tokens": d.num_draft_tokens,
+                "num_accepted_tokens": d.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(d.accepted_per_pos)}
+
+    def run(self, ids: list[int], max_new: int, workload: str) -> dict:
+        import httpx
+        before = self._scrape(self.server.url)
+        with httpx.Client() as c:
+            row = self._stream(c, ids, max_new)
+        return row | {"drafts": self._drafts(before, self._scrape(self.server.url))}
+
+    def run_many(self, prompts: list[tuple[str, list[int]]], max_new: int, workload: str, concurrency: int) -> dict:
+        """Closed loop of `concurrency` clients (threads), as `TidespecMethod.run_many`; the run's draft
+        counters (vLLM's, before/after) under "drafts"."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import httpx
+        before = self._scrape(self.server.url)
+        t0 = time.perf_counter()
+        with httpx.Client(limits=httpx.Limits(max_connections=concurrency)) as c, \
+                ThreadPoolExecutor(concurrency) as ex:
+            rows = list(ex.map(lambda p: self._stream(c, p[1], max_new) | {"id": p[0], "drafts": None}, prompts))
+        wall = time.perf_counter() - t0
+        return {"results": rows, "wall_s": wall, "drafts": self._drafts(before, self._scrape(self.server.url))}
+
+    def info(self) -> dict:
+        from ..adapters.vllm import VLLM_VERSION, launch_args
+        return {"vllm": VLLM_VERSION, "start_s": self.start_s, "args": launch_args(self.server.cfg)[1:],
+                "log": str(self.log)}
+
+    def close(self) -> None:
+        self.server.stop()
+
+
 def worker(conn, spec: MethodSpec, params_dict: dict, threads: int, capture_dir: str | None) -> None:
-    """Process entry: build the method, then serve ("run" | "info" | "stop") messages."""
+    """Process entry: build the method, then serve ("run" | "run_many" | "reset" | "info" | "stop")
+    messages; a method with `close` (the vLLM server) is closed on the way out."""
     torch.set_num_threads(threads)
+    m = None
     try:
         params = Params.model_validate(params_dict)
-        m = HFMethod(spec, params) if spec.kind == "hf" else TidespecMethod(
-            spec, params, Path(capture_dir) if capture_dir else None)
+        if spec.kind == "vllm":
+            m = VLLMMethod(spec, params, threads)
+        else:
+            m = HFMethod(spec, params) if spec.kind == "hf" else TidespecMethod(
+                spec, params, Path(capture_dir) if capture_dir else None)
         conn.send(("ready", peak_rss_mb()))
     except Exception as e:  # noqa: BLE001 - report to the coordinator
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
+    try:
+        _serve(conn, m)
+    finally:
+        if hasattr(m, "close"):
+            m.close()
+
+
+def _serve(conn, m) -> None:
     while True:
         op, *args = conn.recv()
         if op == "stop":
