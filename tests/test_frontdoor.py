@@ -53,12 +53,16 @@ def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
             assert 'tidespec:frontdoor_requests_total{route="/v1/chat/completions",status="200"} 1.0' in m
             streamed = json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"]  # its last chunk's usage
             assert f"tidespec:generation_tokens_total {float(want['usage']['completion_tokens'] + streamed)}" in m
+            # "store": false (OpenAI's field): served, never captured, whole or streamed
+            assert c.post("/v1/chat/completions", json=chat | {"store": False}).status_code == 200
+            with c.stream("POST", "/v1/chat/completions", json=chat | {"store": False, "stream": True}) as s2:
+                assert s2.status_code == 200 and [ln for ln in s2.iter_lines() if ln][-1] == "data: [DONE]"
             assert c.get("/health").json()["backend_status"] == 200
             assert c.get("/v1/models").status_code == direct.get("/v1/models").status_code  # the backend's answer
     finally:
         backend.stop()
         text.close()
-    # two successful exchanges captured (the refused one is not), and they ingest into records
+    # two successful exchanges captured (neither the refused one nor the two sent with store: false)
     (f,) = list((tmp_path / "text").rglob("*.jsonl"))
     assert len(f.read_text().splitlines()) == 2
     (tmp_path / "params.yaml").write_text(tiny_params_yaml(tdir))

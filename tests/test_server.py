@@ -1,6 +1,8 @@
 """tidespec serve's HTTP app on the tiny target (FastAPI TestClient, real engine thread)."""
+import shutil
+
 import pytest
-from conftest import make_tiny_target, random_draft
+from conftest import add_tiny_word_tokenizer, make_tiny_target, random_draft
 from fastapi.testclient import TestClient
 
 
@@ -289,3 +291,36 @@ def test_a_bug_in_a_handler_is_a_500_with_a_request_id_not_a_traceback(served, m
     while eng.num_unfinished and time.monotonic() < deadline:  # aborted: freed at the next engine step
         time.sleep(0.02)
     assert eng.num_unfinished == 0
+
+
+def test_store_false_is_served_and_never_captured(tiny_target_dir, tmp_path):
+    """OpenAI's `"store": false` opts a request out of capture: served as usual, but neither its hidden
+    states (the engine's sink is not even asked) nor its text are captured; the same request without
+    it is captured both ways. `"store": true` stays refused (stored completions are not kept)."""
+    from tidespec.capture.store import read_manifest
+    from tidespec.capture.text import TextCapture
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.config import CaptureParams, ServeParams
+    from tidespec.engine.speculative import Engine
+    from tidespec.models.target import load_target
+    from tidespec.server import build_app
+
+    shutil.copytree(tiny_target_dir, tmp_path / "target")
+    add_tiny_word_tokenizer(tmp_path / "target")
+    target, tok = load_target(tmp_path / "target")
+    w = CaptureWriter.from_params(tmp_path / "cap", target.target_id, CaptureParams())
+    text = TextCapture(tmp_path / "text")
+    eng = Engine(target, None, 3, 256, capture=w)
+    chat = {"messages": [{"role": "user", "content": "t7 t99"}], "max_tokens": 4}
+    with TestClient(build_app(eng, tok, ServeParams(max_tokens=4), text_capture=text)) as c:
+        for body in (chat | {"store": False}, chat | {"store": False, "stream": True}, chat):
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+        refused = c.post("/v1/chat/completions", json=chat | {"store": True})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
+        w.flush()
+    w.close()
+    text.close()
+    assert len(read_manifest(tmp_path / "cap")) == 1  # the one request sent without store: false
+    (f,) = list((tmp_path / "text").rglob("*.jsonl"))
+    assert len(f.read_text().splitlines()) == 1 and '"store"' not in f.read_text()

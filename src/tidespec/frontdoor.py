@@ -142,7 +142,7 @@ class Proxy:
             out = None
         self.metrics.observe(route, resp.status_code, time.perf_counter() - t0,
                              out.get("usage") if isinstance(out, dict) else None)
-        if resp.status_code == 200 and isinstance(out, dict) and isinstance(body, dict):
+        if resp.status_code == 200 and isinstance(out, dict) and _stored(body):
             self.textlog.log(out.get("id") or uuid.uuid4().hex, body, out)
         return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
@@ -157,7 +157,7 @@ class Proxy:
             self._leave(base)
         text = b"".join(sent).decode("utf-8", "replace")
         self.metrics.observe(route, 200, time.perf_counter() - t0, usage_from_sse(text))
-        if text.rstrip().endswith("[DONE]"):  # a complete stream only
+        if text.rstrip().endswith("[DONE]") and _stored(body):  # a complete stream only
             self.textlog.log(uuid.uuid4().hex, body, text)
 
     def _down(self, route: str, status: int, message: str) -> JSONResponse:
@@ -194,6 +194,12 @@ class Proxy:
         tail = r.content if r is not None and r.status_code == 200 else \
             f"# backend {self.base} /metrics unavailable\n".encode()
         return Response(own.body + tail, media_type=own.media_type)
+
+
+def _stored(body) -> bool:
+    """Whether an exchange may be captured: a JSON object request not sent with `"store": false`
+    (OpenAI's field; evaluation traffic and probes opt out of becoming training data)."""
+    return isinstance(body, dict) and body.get("store") is not False
 
 
 def backend_error(status: int, message: str) -> OpenAIError:

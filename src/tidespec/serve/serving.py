@@ -134,7 +134,7 @@ class OpenAIServing:
                     idx = i * body.n + j
                     text = self._text_output(body, stops, stop_ids, ids)
                     rid = adm.request_id if idx == 0 else f"{adm.request_id}-{idx}"
-                    req = EngineRequest(ids, max_new, request_id=rid,
+                    req = EngineRequest(ids, max_new, request_id=rid, capture=False if getattr(body, "store", None) is False else None,
                                         sampling=body.sampling(self.cfg.default_temperature, j, logprobs),
                                         workload=body.workload or DEFAULT_WORKLOAD, stop=text,
                                         on_tokens=on_tokens(idx) if on_tokens else None)
@@ -252,5 +252,8 @@ class OpenAIServing:
         return self.tokenizer.decode(adm.prompt_of(c)) if self.tokenizer is not None else ""
 
     def log_text(self, body: BaseModel, response: dict | str, adm: Admitted) -> None:
-        """Text-capture a finished exchange under `adm.request_id` (= the live capture's request id)."""
+        """Text-capture a finished exchange under `adm.request_id` (= the live capture's request id);
+        a request sent with `"store": false` is never captured."""
+        if getattr(body, "store", None) is False:
+            return
         self.textlog.log(adm.request_id, body.model_dump(exclude_none=True), response)
