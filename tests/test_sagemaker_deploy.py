@@ -540,3 +540,25 @@ def test_missing_bucket_and_swapped_draft_name_the_fix(aws_env, tiny_target, tin
     shutil.copyfile(draft_dirs[1] / "model.safetensors", d / "model.safetensors")  # a promotion swaps it
     with pytest.raises(ValueError, match="changed since it was checked"):
         smd.deploy_endpoint(params, "gpu", checked, tiny_target.target_id)
+
+
+def test_live_per_position_acceptance_retunes_each_profiles_window():
+    """Once the serving engine has counted ≥ 100 drafts, each profile's window is tuned again from
+    the per-position acceptance it measured (`tuning.live_windows`), never past the k it served; the
+    registry's `tuned_k` then prefers the live window to the register step's replayed one."""
+    from tidespec.adapters.registry import tuned_k
+    from tidespec.sagemaker_config import SageMakerDeployParams
+    from tidespec.tuning import LIVE_MIN_DRAFTS, live_windows, tuned_window
+    sm = SageMakerDeployParams(role_arn="arn:aws:iam::123456789012:role/r", s3_prefix="s3://bucket/tidespec",
+                               profiles={"gpu": {"engine": "sglang", "instance_type": "ml.g6e.2xlarge"}})
+    replayed = [0.6, 0.4, 0.2, 0.05]  # k = 3 (test above)
+    live = [0.3, 0.05, 0.01]  # served at k = 3, weaker on live traffic: 1.3/1.07=1.215, 1.35/1.14=1.184 → k = 1
+    assert live_windows(sm, live, LIVE_MIN_DRAFTS - 1) == {}  # too few drafts: the replayed window stands
+    assert live_windows(None, live, 10_000) == {}
+    w = live_windows(sm, live, LIVE_MIN_DRAFTS)
+    assert set(w) == set(sm.profiles) and w["gpu"] == tuned_window(sm.profiles["gpu"], live, sm.min_speedup)
+    assert w["gpu"]["k"] == 1
+    assert tuned_window(sm.profiles["gpu"], replayed, sm.min_speedup)["k"] == 3
+    assert len(live_windows(sm, [0.99, 0.99], 500)["gpu"]["tau_k"]) == 3  # τ(0..2): k never above the served 2
+    tags = {"tuned_k.gpu": "3", "tuned_k.trn2": "2", "live_tuned_k.gpu": "1"}
+    assert tuned_k(tags) == {"gpu": 1, "trn2": 2}

@@ -61,6 +61,8 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
     raw["capture"] |= {"mode": "text", "seal_min_tokens": 300}  # 12 × (9 prompt + 24 new) tokens: one seal
     raw["serve"] = {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0}
     raw["engine"]["adaptive"] = False
+    raw["deploy"] = {"sagemaker": {"role_arn": "arn:aws:iam::123456789012:role/r", "s3_prefix": "s3://bucket/tidespec",
+                                   "profiles": {"gpu": {"engine": "sglang", "instance_type": "ml.g6e.2xlarge"}}}}
     (proj / "params.yaml").write_text(yaml.safe_dump(raw))
     params = load_params(proj / "params.yaml")
     target = get_target(params)[0]
@@ -105,6 +107,13 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
         assert after.num_drafts > 0 and after.acceptance_length > before.acceptance_length, (before, after)
         wait_until(lambda: _live_tau(mlflow_server, tid, champ.version) == after.acceptance_length, 60,
               f"v{champ.version}'s live τ in MLflow", proc)
+        # the endpoint profiles' windows, tuned again from the per-position acceptance vLLM measured
+        from tidespec.tuning import live_windows
+        want = {p: str(w["k"]) for p, w in live_windows(params.deploy.sagemaker, after.per_position_rate,
+                                                           after.num_drafts).items()}
+        assert set(want) == {"gpu", "trn2"}
+        wait_until(lambda: {p: registry.version_tags(mlflow_server, tid, champ.version).get(f"live_tuned_k.{p}")
+                            for p in want} == want, 60, "the live-tuned windows on the version", proc)
         print(f"vLLM's counters: v{v1} τ {before.acceptance_length:.3f} {before}; "
               f"v{champ.version} τ {after.acceptance_length:.3f} {after}")
     finally:

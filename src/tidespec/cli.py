@@ -47,8 +47,20 @@ def fetch():
 @app.command()
 def demo(root: Path = ROOT, params: Path = PARAMS,
          sagemaker: bool = typer.Option(False, "--sagemaker", help="the production loop on a local moto server: "
-                                        "endpoint with data capture → tide_capture → tide_cycle → tuned window")):
+                                        "endpoint with data capture → tide_capture → tide_cycle → tuned window"),
+         vllm: bool = typer.Option(False, "--vllm", help="the loop around a real vLLM (`make vllm`): serve "
+                                   "--backend vllm → text capture → tide_capture → tide_cycle → swap; τ before/after "
+                                   "as vLLM's counters report it"),
+         vllm_python: str = typer.Option(None, help="vLLM's interpreter for --vllm (default: .venv-vllm/bin/python)")):
     """Run one full TIDE cycle on CPU and print no-spec / static / adapted side by side."""
+    if sagemaker and vllm:
+        raise typer.BadParameter("--sagemaker and --vllm are two demos: choose one")
+    if vllm_python is not None and not vllm:
+        raise typer.BadParameter("--vllm-python goes with --vllm")
+    if vllm:
+        from .demo_vllm import run_demo_vllm
+        run_demo_vllm(root, params, vllm_python)
+        return
     if sagemaker:
         from .demo_sagemaker import run_demo_sagemaker
         run_demo_sagemaker(root, params)
@@ -383,7 +395,8 @@ def _serve_frontdoor(p, ws, backend: str, url: str | None, vllm_python: str | No
     watcher = ChampionWatcher(ws.champion, every, dep, dep.install) if every > 0 else None
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     from .deploy.vllm import LiveReporter
-    live = LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s) if uri and p.serve.live_stats_s > 0 else None
+    live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s, p.deploy.sagemaker)
+            if uri and p.serve.live_stats_s > 0 else None)
     try:
         uvicorn.run(app, host=host, port=port)
     finally:
@@ -523,7 +536,7 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
             raise ValueError(f"{e}; list versions in the MLflow UI or pass --draft DIR") from None
         art = smd.check_draft(path, tid)
     else:
-        art = smd.check_draft(draft or _ws(root).champion, tid)
+        art = _live_windows(smd.check_draft(draft or _ws(root).champion, tid), tid)
     if dry_run:
         uri, local = smd.resolve_target(p, p.deploy.sagemaker)
         if local is not None:
@@ -533,6 +546,22 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
         return
     out = smd.deploy_endpoint(p, profile, art, tid, wait=wait, lock_dir=_ws(root).work)
     console.print(json.dumps(out, indent=2, default=str), highlight=False)
+
+
+def _live_windows(art, tid: str):
+    """`art` with its registry version's current windows (`registry.tuned_k`: live-tuned where the
+    serving engine measured them since the version.json was written) when MLFLOW_TRACKING_URI is set."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri or art.version is None:
+        return art
+    from dataclasses import replace
+
+    from .adapters import registry
+    k = registry.tuned_k(registry.version_tags(uri, tid, art.version))
+    if k and dict(art.tuned_k) != k:
+        console.print(f"windows of v{art.version} from the registry: {k} (version.json had {dict(art.tuned_k)})",
+                      markup=False)
+    return replace(art, tuned_k=tuple(sorted(k.items()))) if k else art
 
 
 def main() -> None:

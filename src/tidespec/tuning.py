@@ -1,7 +1,10 @@
-"""The speculative window each deploy profile gets: pure maths over the evaluate step's holdout
-metrics and the profile's step costs (no AWS, no I/O). The register step records the result on the
-model version (`tuned_k.<profile>`), the local deploy writes it to version.json, and
-`adapters.sagemaker_deploy` applies it to the endpoint's SGLang / vLLM settings.
+"""The speculative window each deploy profile gets: pure maths over per-position acceptance and the
+profile's step costs (no AWS, no I/O). The register step tunes it from the evaluate step's holdout
+replay (`tuned_k.<profile>` on the model version); once an engine serving the version has measured
+its own per-position acceptance on live traffic (`deploy.vllm.report_live`: vLLM's counters), it is
+tuned again from that (`live_tuned_k.<profile>`, which then wins: `adapters.registry.tuned_k`). The
+local deploy writes it to version.json, and `adapters.sagemaker_deploy` applies it to the endpoint's
+SGLang / vLLM settings.
 """
 from __future__ import annotations
 
@@ -22,6 +25,20 @@ def tuned_window(profile: EndpointProfile, per_pos: list[float], min_speedup: fl
     if k == 0 or speed[k] < min_speedup:
         return {"k": 0, "predicted_speedup": 1.0, "tau_k": taus}
     return {"k": k, "predicted_speedup": speed[k], "tau_k": taus}
+
+
+LIVE_MIN_DRAFTS = 100  # live per-position acceptance retunes a window only from this many drafts on
+
+
+def live_windows(sm, per_pos: list[float], num_drafts: int) -> dict[str, dict]:
+    """Per deploy profile of `sm` (`SageMakerDeployParams`, or None → {}), `tuned_window` from
+    per-position acceptance measured live (`per_pos[i]` = accepted at position i / drafts, vLLM's
+    `spec_decode_num_accepted_tokens_per_pos` over `_num_drafts`) once `num_drafts` ≥
+    LIVE_MIN_DRAFTS ({} before). Positions beyond the served k were not measured, so the window
+    never grows past it (τ(k) is known for k ≤ len(per_pos) only)."""
+    if sm is None or num_drafts < LIVE_MIN_DRAFTS or not per_pos:
+        return {}
+    return {name: tuned_window(prof, list(per_pos), sm.min_speedup) for name, prof in sorted(sm.profiles.items())}
 
 
 def tune_windows(params: Params, metrics: dict) -> dict[str, dict]:

@@ -314,8 +314,11 @@ def version_tags(tracking_uri: str, target_id: str, version: str) -> dict[str, s
 
 
 def tuned_k(tags: dict[str, str]) -> dict[str, int]:
-    """profile → k from a version's `tuned_k.<profile>` tags (the register step's per-endpoint window)."""
-    return {k.removeprefix("tuned_k."): int(v) for k, v in tags.items() if k.startswith("tuned_k.")}
+    """profile → k from a version's tags: `live_tuned_k.<profile>` (tuned from the per-position
+    acceptance a serving engine measured on live traffic) where present, else `tuned_k.<profile>`
+    (the register step's, from the holdout replay)."""
+    out = {k.removeprefix("tuned_k."): int(v) for k, v in tags.items() if k.startswith("tuned_k.")}
+    return out | {k.removeprefix("live_tuned_k."): int(v) for k, v in tags.items() if k.startswith("live_tuned_k.")}
 
 
 def _download_bundle(tracking_uri: str, source: str, run_id: str | None, dest: Path) -> Path:

@@ -26,6 +26,7 @@ import httpx
 
 from ..adapters import process, registry
 from ..adapters.vllm import VLLMError, VLLMLaunch, VLLMServer, live_below_replay, scrape
+from ..tuning import live_windows
 from ..workspace import copy_engine_files, private_dir, served_version
 
 log = logging.getLogger(__name__)
@@ -124,12 +125,15 @@ def canary(url: str, model: str, timeout_s: float = 120.0) -> None:
         raise VLLMError(f"canary to {url} answered {r.status_code}: {r.text[:300]}")
 
 
-def report_live(dep: VLLMDeployment, tracking_uri: str, target_id: str) -> dict | None:
+def report_live(dep: VLLMDeployment, tracking_uri: str, target_id: str, sagemaker=None) -> dict | None:
     """Scrape the serving vLLM's counters and log them as the served version's live figures (MLflow
     run metrics `live/*`, step = drafts so far). A version whose live τ is clearly below the τ its
     evaluation replayed (`adapters.vllm.live_below_replay`) gets tag `live_tau_below_replay` = both
-    figures and a warning naming them. Returns the logged metrics, or None when there is nothing to
-    log: no registry version served, or no counters exported (live τ unknown, never 0)."""
+    figures and a warning naming them. With `sagemaker` (`deploy.sagemaker`), each endpoint
+    profile's window is tuned again from the measured per-position acceptance (`tuning.live_windows`,
+    ≥ 100 drafts): tag `live_tuned_k.<profile>` (what `tidespec deploy sagemaker` then applies) and
+    metric `live/predicted_speedup/<profile>`. Returns the logged metrics, or None when there is
+    nothing to log: no registry version served, or no counters exported (live τ unknown, never 0)."""
     version, url = dep.draft_version, dep.url
     if version is None or url is None:
         return None
@@ -140,21 +144,24 @@ def report_live(dep: VLLMDeployment, tracking_uri: str, target_id: str) -> dict 
          "num_drafts": live.num_drafts, "num_draft_tokens": live.num_draft_tokens,
          "num_accepted_tokens": live.num_accepted_tokens}
     m |= {f"accepted_per_pos/{i}": r for i, r in enumerate(live.per_position_rate)}
-    tags = {}
+    windows = live_windows(sagemaker, live.per_position_rate, live.num_drafts)
+    m |= {f"predicted_speedup/{p}": w["predicted_speedup"] for p, w in windows.items()}
+    tags = {f"live_tuned_k.{p}": str(w["k"]) for p, w in windows.items()}
     replay_tau = registry.version_tags(tracking_uri, target_id, version).get("acceptance_length")
     if replay_tau is not None and live_below_replay(live, float(replay_tau)):
         tags["live_tau_below_replay"] = f"live {live.acceptance_length:.3f} < replayed {float(replay_tau):.3f}"
         log.warning("draft v%s: live τ %.3f (±%.3f, %d drafts) is clearly below its replayed τ %s", version,
                     live.acceptance_length, live.acceptance_length_se, live.num_drafts, replay_tau)
     registry.log_live(tracking_uri, target_id, version, m, live.num_drafts, tags)
-    return m | {"flagged": bool(tags)}
+    return m | {"flagged": "live_tau_below_replay" in tags, "live_tuned_k": {p: w["k"] for p, w in windows.items()}}
 
 
 class LiveReporter:
     """Calls `report_live` every `every_s` seconds on a daemon thread; errors are logged, never raised."""
 
-    def __init__(self, dep: VLLMDeployment, tracking_uri: str, target_id: str, every_s: float = 60.0):
-        self.args, self.every_s = (dep, tracking_uri, target_id), every_s
+    def __init__(self, dep: VLLMDeployment, tracking_uri: str, target_id: str, every_s: float = 60.0,
+                 sagemaker=None):
+        self.args, self.every_s = (dep, tracking_uri, target_id, sagemaker), every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tidespec-vllm-live", daemon=True)
         self._thread.start()
