@@ -11,6 +11,7 @@ from prefect import flow, get_run_logger
 
 from tidespec.adapters.publish import Publisher
 from tidespec.adapters.s3_capture import S3Objects, default_sources
+from tidespec.adapters.vllm import rehydrator_for
 from tidespec.capture.ingest import ingest_source
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import load_params
@@ -41,8 +42,10 @@ def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: boo
     writer = CaptureWriter.from_params(ws.ingest_dir(target.target_id), target.target_id, params.capture,
                                        ws.snapshots, on_seal=pub)
     store = S3Objects()  # the S3 client is built on first use: a local-directory source needs no AWS
-    try:
-        reports = [ingest_source(src, store, ws, params, target, tok, writer, progress=log.info) for src in sources]
+    try:  # ingest.rehydrate_backend: the prefill in this process, or vLLM's hidden-state extraction
+        with rehydrator_for(params, target, ws.state) as rehydrator:
+            reports = [ingest_source(src, store, ws, params, target, tok, writer, progress=log.info,
+                                     rehydrator=rehydrator) for src in sources]
     finally:
         writer.close()  # flushes; waits for the publisher (DVC + event) of what sealed
     for r in reports:

@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("serve", ("serve", "serve.protocol", "serve.errors", "serve.metrics", "serve.textlog", "serve.lifespan", "serve.engine_loop", "serve.responses", "serve.serving", "serve.streaming", "serve.openai", "serve.admin", "server", "frontdoor")),
     ("adapters", ("adapters", "adapters.registry", "adapters.versioning", "adapters.orchestrate", "adapters.process",
                   "adapters.services", "adapters.aws", "adapters.sagemaker_train", "adapters.sagemaker_deploy",
-                  "adapters.s3_capture", "adapters.publish", "adapters.sglang", "adapters.vllm")),
+                  "adapters.s3_capture", "adapters.publish", "adapters.sglang", "adapters.vllm",
+                  "adapters.vllm_plugin.tidespec_hidden_states")),  # runs inside the vLLM server, imports vllm only
     ("steps", ("cycle", "deploy", "deploy.local", "deploy.vllm")),
     ("entry points", ("demo", "demo_sagemaker", "demo_vllm", "bench", "bench.*", "cli")),
 ]

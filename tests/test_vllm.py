@@ -3,6 +3,8 @@ vLLM server (`make vllm`) serving a tidespec draft behind the front door (tests/
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +34,23 @@ def test_launch_line_names_the_draft_and_k(tmp_path):
         vllm.VLLMLaunch("/m", draft_path="/d", ngram=(1, 3))
     with pytest.raises(ValueError, match="1 <= min <= max"):
         vllm.VLLMLaunch("/m", ngram=(4, 2))
+    # hidden-state extraction (ingest.rehydrate_backend: vllm): the layers as the pseudo-draft's aux ids,
+    # the CPU connector from vllm_plugin/ (on the server's PYTHONPATH), no prefix cache
+    ex = vllm.VLLMLaunch("/m", extract_layers=(2, 15, 27, 30), extract_dir="/x")
+    a = vllm.launch_args(ex)
+    assert json.loads(a[a.index("--speculative-config") + 1]) == {
+        "method": "extract_hidden_states", "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]}}}
+    kv = json.loads(a[a.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "TidespecCPUHiddenStatesConnector" and kv["kv_connector_extra_config"] == {
+        "shared_storage_path": "/x"} and "--no-enable-prefix-caching" in a
+    plugin = vllm.launch_env(ex)["PYTHONPATH"].split(os.pathsep)[0]
+    assert sorted(p.name for p in Path(plugin).glob("*.py")) == [f"{kv['kv_connector_module_path']}.py"]  # nothing else
+    with pytest.raises(ValueError, match="go together"):
+        vllm.VLLMLaunch("/m", extract_layers=(2,))
+    with pytest.raises(ValueError, match="no draft or ngram beside it"):
+        vllm.VLLMLaunch("/m", draft_path="/d", extract_layers=(2,), extract_dir="/x")
+    assert vllm.rehydration_layers([1, 14, 26], 30) == (2, 15, 27, 30)  # output of layer i = vLLM's input of i + 1
 
 
 def test_draft_dir_must_hold_only_what_vllm_loads(tmp_path):

@@ -1,7 +1,8 @@
 """The loop closes around a real vLLM, on real servers (Prefect server + process worker, MLflow):
 `tidespec serve --backend vllm` starts vLLM with the champion as its EAGLE3 draft behind the front
 door → its traffic is text-captured → past capture.seal_min_tokens the front door emits
-tidespec.capture.text → the `tide-capture` deployment's trigger ingests it → the seal is published (DVC + the tidespec.capture.threshold event) → `tide-cycle` on
+tidespec.capture.text → the `tide-capture` deployment's trigger ingests it (the hidden states
+rehydrated by a second vLLM, `ingest.rehydrate_backend: vllm`) → the seal is published (DVC + the tidespec.capture.threshold event) → `tide-cycle` on
 the worker trains, evaluates and promotes → the serving command swaps vLLM to the new champion
 (blue/green) → vLLM's own counters, read through the front door's /metrics, give τ before and after.
 No hand step between the requests and the new draft."""
@@ -61,6 +62,7 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
     raw["capture"] |= {"mode": "text", "seal_min_tokens": 300}  # 12 × (9 prompt + 24 new) tokens: one seal
     raw["serve"] = {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0}
     raw["engine"]["adaptive"] = False
+    raw["ingest"] = {"rehydrate_backend": "vllm", "rehydrate_batch": 4}  # tide-capture's prefill: vLLM's extraction
     raw["deploy"] = {"sagemaker": {"role_arn": "arn:aws:iam::123456789012:role/r", "s3_prefix": "s3://bucket/tidespec",
                                    "profiles": {"gpu": {"engine": "sglang", "instance_type": "ml.g6e.2xlarge"}}}}
     (proj / "params.yaml").write_text(yaml.safe_dump(raw))
@@ -96,6 +98,7 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
         (dvc,) = wait_until(lambda: sorted(snaps.glob("*.dvc")) if snaps.is_dir() else [], 600, "a published snapshot",
                        proc)
         rev = wait_until(lambda: published_rev(proj, snaps / dvc.stem), 60, "a complete .dvc file", proc)
+        assert "Application startup complete" in (ws.state / "vllm-extract.log").read_text()  # vLLM rehydrated it
         cyc = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, 900)
         assert cyc.state.is_completed(), cyc.state
         champ = registry.champion(mlflow_server, tid)

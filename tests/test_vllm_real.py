@@ -180,3 +180,43 @@ def test_bench_engine_vllm_row_streams_the_targets_tokens_and_counts_its_drafts(
     port = int(info["args"][info["args"].index("--port") + 1])
     assert "--no-enable-prefix-caching" in info["args"]
     assert not http_ok(f"http://127.0.0.1:{port}/health")  # the server stopped with the worker
+
+
+def _exchanges(target, prompts, n=MAX_TOKENS):
+    from tidespec.engine.speculative import Engine
+    eng = Engine(target, None, K, 256)
+    return [(p, eng.generate(p, n).tokens) for p in prompts]
+
+
+def test_vllm_rehydration_equals_the_embedded_prefill(tiny_vllm_setup, vllm_python, tmp_path):
+    """`ingest.rehydrate_backend: vllm`: vLLM's hidden-state extraction (the CPU connector in
+    adapters/vllm_plugin) rebuilds each exchange's record — same input ids and loss mask, aux
+    `[T, 3H]` and final post-norm hidden `[T, H]` equal to the embedded prefill within fp32 noise —
+    and an exchange the embedded check refuses comes back as its ValueError."""
+    import yaml
+    from conftest import tiny_params_yaml
+
+    from tidespec.adapters.vllm import rehydration_layers, rehydrator_for
+    from tidespec.capture.ingest import EmbeddedRehydrator
+    from tidespec.config import Params
+    d, target, _, prompts = tiny_vllm_setup
+    raw = yaml.safe_load(tiny_params_yaml(d)) | {"ingest": {"rehydrate_backend": "vllm", "rehydrate_batch": 4}}
+    params = Params.model_validate(raw)
+    ex = _exchanges(target, prompts)
+    assert rehydration_layers(target.aux_layers, target.cfg.num_layers) == tuple(
+        i + 1 for i in target.aux_layers) + (target.cfg.num_layers,)
+    with rehydrator_for(params, target, tmp_path, python=vllm_python) as r:
+        got = r(ex + [(prompts[0], [])])
+    want = EmbeddedRehydrator(target)(ex)
+    assert isinstance(got[-1], ValueError) and "empty generation" in str(got[-1])
+    worst = 0.0
+    for g, w in zip(got[:-1], want):
+        assert torch.equal(g["input_ids"], w["input_ids"]) and torch.equal(g["loss_mask"], w["loss_mask"])
+        for k in ("aux_hidden_states", "hidden_states"):
+            assert g[k].shape == w[k].shape and g[k].dtype == w[k].dtype
+            worst = max(worst, float(((g[k] - w[k]).abs().max() / w[k].abs().max())))
+    print(f"vLLM vs embedded rehydration, worst max|diff| / max|ref|: {worst:.2e}")
+    # measured 3.3e-7 (a few fp32 ulps: vLLM's CPU kernels sum in another order); 1e-5 leaves 30x for other
+    # CPUs' kernels (AMX, AVX-512, AVX2), while a wrong layer id or a missing final norm differs by O(1)
+    assert worst < 1e-5, worst
+    assert not list((tmp_path / "vllm-extract").glob("*.safetensors"))  # read and removed

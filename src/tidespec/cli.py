@@ -425,7 +425,7 @@ def _start_vllm(p, ws, python: str | None, host: str):
     draft: k = engine.num_draft_tokens, max_model_len = engine.max_seq_len, max_num_seqs =
     engine.max_batch. Refuses the engine knobs vLLM has no equivalent for."""
     from .adapters.process import free_port
-    from .adapters.vllm import VENV, VLLMLaunch
+    from .adapters.vllm import VLLMLaunch, default_python
     from .deploy.vllm import VLLMDeployment
     from .runtime import target_dir
     e = p.engine
@@ -435,7 +435,7 @@ def _start_vllm(p, ws, python: str | None, host: str):
     if e.adaptive:
         console.print(f"serve: vLLM drafts a fixed k = engine.num_draft_tokens = {e.num_draft_tokens} "
                       "(engine.adaptive, the goodput policy, is the embedded engine's)", markup=False)
-    python = python or os.environ.get("TIDESPEC_VLLM_PYTHON") or f"{VENV}/bin/python"
+    python = python or default_python()
     sv = p.serve_resolved()
     launch = VLLMLaunch(str(target_dir(p.target.source)), python=python, num_speculative_tokens=e.num_draft_tokens,
                         host=host, port=free_port(host), served_model_name=sv.served_model_name,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,23 @@ from ..workspace import DRAFT_FILES
 from . import process
 
 VLLM_VERSION = "0.32.0"
+PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"  # loaded by the vLLM server, never by tidespec
+CONNECTOR, CONNECTOR_MODULE = "TidespecCPUHiddenStatesConnector", "tidespec_hidden_states"
 VENV = ".venv-vllm"  # `make vllm`
+CHECKOUT = Path(__file__).resolve().parents[3]  # the repository root when the package runs from a checkout
+
+
+def default_python() -> str:
+    """vLLM's interpreter when none is given: $TIDESPEC_VLLM_PYTHON, else `make vllm`'s venv in the
+    working directory, else the one in the checkout this package runs from (a Prefect worker's
+    working directory is the project's, which need not hold the venv)."""
+    env = os.environ.get("TIDESPEC_VLLM_PYTHON")
+    if env:
+        return env
+    here = Path(VENV) / "bin" / "python"
+    if here.exists() or not (CHECKOUT / here).exists():
+        return str(here)
+    return str(CHECKOUT / here)
 METRIC_PREFIX = "vllm:spec_decode_"
 PROBE = "import json, vllm; print(json.dumps({'vllm': vllm.__version__}))"
 
@@ -53,15 +70,19 @@ class VLLMLaunch:
     """One vLLM OpenAI server. model_path: the target's HF dir (config.json with architectures);
     draft_path: the draft's engine dir (only config.json + model.safetensors) or None;
     ngram: (prompt_lookup_min, prompt_lookup_max) for vLLM's n-gram proposer instead of a draft
-    (prompt lookup, Saxena 2023); neither: no speculation; num_speculative_tokens: k, drafted tokens
-    per step. kv_cache_gib: CPU KV cache
+    (prompt lookup, Saxena 2023); extract_layers + extract_dir: no drafting, vLLM's
+    `extract_hidden_states` writes each request's hidden states at these vLLM layer ids to
+    extract_dir (`rehydration_layers`, `VLLMRehydrator`); none of them: no speculation;
+    num_speculative_tokens: k, drafted tokens per step. kv_cache_gib: CPU KV cache
     (VLLM_CPU_KVCACHE_SPACE, GiB); threads: OMP threads (None: all cores); bind_threads: pin them
     to cores 0..threads-1 (`launch_env`)."""
 
     model_path: str
-    python: str = f"{VENV}/bin/python"
+    python: str = field(default_factory=default_python)
     draft_path: str | None = None
     ngram: tuple[int, int] | None = None
+    extract_layers: tuple[int, ...] = ()
+    extract_dir: str | None = None
     num_speculative_tokens: int = 3
     host: str = "127.0.0.1"
     port: int = 8100
@@ -86,6 +107,10 @@ class VLLMLaunch:
             lo, hi = self.ngram
             if not 1 <= lo <= hi:
                 raise ValueError(f"ngram {self.ngram}: (prompt_lookup_min, prompt_lookup_max) with 1 <= min <= max")
+        if bool(self.extract_layers) != (self.extract_dir is not None):
+            raise ValueError("extract_layers and extract_dir go together (hidden-state extraction)")
+        if self.extract_layers and (self.draft_path is not None or self.ngram is not None):
+            raise ValueError("hidden-state extraction is vLLM's speculative method: no draft or ngram beside it")
         if self.max_model_len < 16 or self.max_num_seqs < 1 or self.kv_cache_gib < 1:
             raise ValueError("max_model_len >= 16, max_num_seqs >= 1, kv_cache_gib >= 1")
 
@@ -122,7 +147,12 @@ def check_model_dir(path: Path) -> Path:
 
 
 def speculative_config(cfg: VLLMLaunch) -> dict | None:
-    """vLLM's `--speculative-config`: an EAGLE3 draft, the n-gram proposer, or None (no speculation)."""
+    """vLLM's `--speculative-config`: an EAGLE3 draft, the n-gram proposer, hidden-state extraction
+    (`extract_hidden_states`: the layer ids go in as the pseudo-draft's `eagle_aux_hidden_state_layer_ids`),
+    or None (no speculation)."""
+    if cfg.extract_layers:
+        return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.extract_layers)}}}
     if cfg.ngram is not None:
         return {"method": "ngram", "num_speculative_tokens": cfg.num_speculative_tokens,
                 "prompt_lookup_min": cfg.ngram[0], "prompt_lookup_max": cfg.ngram[1]}
@@ -141,6 +171,10 @@ def launch_args(cfg: VLLMLaunch) -> list[str]:
     spec = speculative_config(cfg)
     if spec:
         a += ["--speculative-config", json.dumps(spec)]
+    if cfg.extract_layers:  # the CPU connector (vllm_plugin/) writes them; no prefix cache: every row computed
+        a += ["--kv-transfer-config", json.dumps({
+            "kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(cfg.extract_dir)}}), "--no-enable-prefix-caching"]
     return a + list(cfg.extra_args)
 
 
@@ -152,6 +186,8 @@ def launch_env(cfg: VLLMLaunch) -> dict[str, str]:
     n = cfg.threads or os.cpu_count() or 1
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), "OMP_NUM_THREADS": str(n),
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if cfg.extract_layers:  # the connector module, importable by vLLM's process (it holds nothing else)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")) if p)
     if cfg.bind_threads:
         return env | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}"}
     return env | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "KMP_BLOCKTIME": "0"}
@@ -316,3 +352,113 @@ def scrape(url: str, timeout_s: float = 10.0, client=None) -> SpecDecodeCounters
     if r.status_code != 200:
         raise VLLMError(f"vLLM at {url} answered /metrics with {r.status_code}")
     return parse_metrics(r.text)
+
+
+# ---------------------------------------------------------------- rehydration by hidden-state extraction
+
+
+def rehydration_layers(aux_layers, num_layers: int) -> tuple[int, ...]:
+    """The vLLM layer ids a rehydration extracts: the target's aux layers (tidespec/SpecForge ids are
+    output-of-layer i = vLLM's input of layer i + 1) and the last layer's output (id = num_layers,
+    before the final norm; `VLLMRehydrator` applies it)."""
+    return tuple(int(i) + 1 for i in aux_layers) + (int(num_layers),)
+
+
+def read_hidden_states(path: str, timeout_s: float = 60.0) -> dict:
+    """The file vLLM's hidden-states connector wrote for one request (`hidden_states` `[T, n, H]`,
+    `token_ids` `[T]`), once its writer released the file's lock (a shared flock on `<path>.lock`,
+    as vLLM's `load_hidden_states`); both files are removed after reading. Raises VLLMError when
+    the file does not appear within `timeout_s` s."""
+    import fcntl
+    import time
+
+    from safetensors.torch import load_file
+    lock, deadline = Path(path + ".lock"), time.monotonic() + timeout_s
+    while not lock.exists() and not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise VLLMError(f"vLLM wrote no hidden states at {path} within {timeout_s:g} s")
+        time.sleep(0.01)
+    if lock.exists():
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)  # sleeps until the writer thread closes its exclusive lock
+    data = load_file(path, device="cpu")
+    for p in (Path(path), lock):
+        p.unlink(missing_ok=True)
+    return data
+
+
+class VLLMRehydrator:
+    """`capture.ingest.Rehydrator` backed by a vLLM server started with `extract_layers =
+    rehydration_layers(target.aux_layers, L)` (`VLLMLaunch`): each exchange is one `/v1/completions`
+    with the prompt + generation ids as the prompt and max_tokens 1 (vLLM's prefill, batched with the
+    others in flight: `batch_size` concurrent requests); its hidden states come back through the
+    connector's file. Record: aux `[T, 3H]` = the three aux layers concatenated in order, hidden
+    `[T, H]` = the target's final RMSNorm over the last layer's output, in the target's dtype; equal
+    to the embedded prefill within fp32 noise (tests/test_vllm_real.py). An exchange the embedded
+    check refuses (`capture.rehydrate.check_exchange`) or vLLM rejects (400) comes back as its
+    ValueError; a server error raises VLLMError."""
+
+    def __init__(self, url: str, target, model: str | None = None, batch_size: int = 16, timeout_s: float = 600.0):
+        self.url, self.target, self.model = url.rstrip("/"), target, model
+        self.batch_size, self.timeout_s = batch_size, timeout_s
+
+    def __call__(self, exchanges: list[tuple[list[int], list[int]]]) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import httpx
+        with httpx.Client(timeout=self.timeout_s) as client, ThreadPoolExecutor(self.batch_size) as ex:
+            return list(ex.map(lambda e: self._one(client, *e), exchanges))
+
+    def _one(self, client, prompt: list[int], gen: list[int]):
+        import torch
+
+        from ..capture.rehydrate import check_exchange, make_record
+        from ..models.target import rms_norm
+        try:
+            ids = check_exchange(self.target, prompt, gen)
+        except ValueError as e:
+            return e
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0} | ({"model": self.model} if self.model else {})
+        r = client.post(f"{self.url}/v1/completions", json=body)
+        if r.status_code == 400:
+            return ValueError(f"vLLM refused the exchange: {r.text[:300]}")
+        if r.status_code != 200:
+            raise VLLMError(f"vLLM at {self.url} answered {r.status_code}: {r.text[:300]}")
+        path = (r.json().get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise VLLMError(f"vLLM at {self.url} returned no hidden_states_path: is it started with extract_layers?")
+        data = read_hidden_states(path)
+        hs, got = data["hidden_states"], data["token_ids"].tolist()
+        if got != ids or hs.shape[1] != 4:
+            raise VLLMError(f"vLLM's hidden states are for {len(got)} tokens × {hs.shape[1]} layers, expected "
+                            f"{len(ids)} × 4 (3 aux + last)")
+        dt, c = self.target.dtype, self.target.cfg
+        aux = hs[:, :3].reshape(len(ids), -1).to(dt)
+        hidden = rms_norm(hs[:, 3].to(torch.float32), self.target.norm.float(), c.rms_norm_eps).to(dt)
+        return make_record(ids, len(prompt), aux, hidden)
+
+
+@contextmanager
+def rehydrator_for(params, target, state_dir: Path, python: str | None = None):
+    """The rehydrator `ingest.rehydrate_backend` names, for one ingest run (context manager): None for
+    `embedded` (ingest's default), a `VLLMRehydrator` on `ingest.rehydrate_url`, or on a vLLM server
+    started here (`python`, else `default_python()`) with the target's
+    HF dir, hidden-state extraction into `state_dir`/vllm-extract, stopped on exit. Raises
+    VLLMUnavailable / VLLMError as `VLLMServer.start`."""
+    ing = params.ingest
+    if ing.rehydrate_backend == "embedded":
+        yield None
+        return
+    if ing.rehydrate_url:
+        yield VLLMRehydrator(ing.rehydrate_url, target, batch_size=ing.rehydrate_batch)
+        return
+    from ..runtime import target_dir
+    out = Path(state_dir) / "vllm-extract"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = VLLMLaunch(str(target_dir(params.target.source)),
+                     python=python or default_python(),
+                     extract_layers=rehydration_layers(target.aux_layers, target.cfg.num_layers), extract_dir=str(out),
+                     port=process.free_port(), dtype=params.target.dtype, max_model_len=target.cfg.max_position,
+                     max_num_seqs=ing.rehydrate_batch)
+    with VLLMServer(cfg, Path(state_dir) / "vllm-extract.log") as srv:
+        yield VLLMRehydrator(srv.url, target, batch_size=ing.rehydrate_batch)

@@ -205,13 +205,13 @@ def _vllm_rows(python: str | None) -> tuple[str | None, str | None]:
     from ..adapters import vllm
     if python == "none":
         return None, "--vllm-python none"
-    reason = vllm.unavailable_reason(python or f"{vllm.VENV}/bin/python")
+    reason = vllm.unavailable_reason(python or vllm.default_python())
     if reason and python:
         raise ValueError(f"--vllm-python {python}: {reason}")
     if reason:
         console.print(f"no vllm_* rows: {reason}")
         return None, reason
-    return python or f"{vllm.VENV}/bin/python", None
+    return python or vllm.default_python(), None
 
 
 @bench_app.command("capture")

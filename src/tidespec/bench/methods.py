@@ -215,12 +215,13 @@ class VLLMMethod:
 
         self.spec, self.k = spec, spec.k or params.engine.num_draft_tokens
         pl = spec.prompt_lookup
-        cfg = vllm.VLLMLaunch(str(target_dir(params.target.source)), python=spec.python or f"{vllm.VENV}/bin/python",
+        cfg = vllm.VLLMLaunch(str(target_dir(params.target.source)), python=spec.python or vllm.default_python(),
                               draft_path=str(engine_dir(Path(spec.draft))) if spec.draft else None,
                               ngram=(min(2, pl), pl) if pl else None, num_speculative_tokens=self.k,
                               port=free_port(), served_model_name="bench", dtype=params.target.dtype,
                               max_model_len=params.engine.max_seq_len, max_num_seqs=spec.max_batch or params.engine.max_batch,
-                              threads=threads, extra_args=("--no-enable-prefix-caching",))
+                              threads=threads, extra_args=("--no-enable-prefix-caching",),
+                              kv_cache_gib=1)  # 8 × 1024 tokens of SmolLM2 KV need ~0.4 GiB; 2 GiB × 4 rows OOMed 24 GiB
         self.log = Path(tempfile.mkdtemp(prefix="tidespec-bench-vllm-")) / "vllm.log"
         t0 = time.perf_counter()
         self.server = vllm.VLLMServer(cfg, self.log)

@@ -7,7 +7,9 @@ data from real-time endpoint"). For each new object: `capture.exchange.parse_obj
 counted by reason, the raw object never modified or deleted), the target's chat template gives the
 prompt ids, the response text (or, when the endpoint recorded none, the target's own greedy output,
 marked `regenerated`) the generated ids, and one prefill through the target rebuilds the record
-(`capture.rehydrate`): the same record the embedded engine captures live. Where the objects come
+(`capture.rehydrate`): the same record the embedded engine captures live. That prefill runs in this
+process (`EmbeddedRehydrator`) or in a vLLM server's hidden-state extraction
+(`adapters.vllm.VLLMRehydrator`, `ingest.rehydrate_backend: vllm`), a batch of exchanges at a time. Where the objects come
 from is the caller's: an `ObjectStore` lists and reads them — `LocalDir` here (the text capture of
 `tidespec serve`, `capture.mode: text`); S3 and the endpoints' capture prefixes: `adapters.s3_capture`.
 
@@ -135,10 +137,39 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Rehydrator(Protocol):
+    """Turns exchanges (prompt ids, generated ids) into capture records, a batch at a time: the
+    embedded target (`EmbeddedRehydrator`) or an engine elsewhere (`adapters.vllm.VLLMRehydrator`:
+    vLLM's hidden-state extraction). Returns per exchange its record or the ValueError that skips it."""
+
+    batch_size: int
+
+    def __call__(self, exchanges: list[tuple[list[int], list[int]]]) -> list[dict | ValueError]: ...
+
+
+class EmbeddedRehydrator:
+    """One prefill per exchange through the target in this process (`capture.rehydrate.rehydrate`)."""
+
+    batch_size = 1
+
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, exchanges: list[tuple[list[int], list[int]]]) -> list[dict | ValueError]:
+        out = []
+        for p, g in exchanges:
+            try:
+                out.append(rehydrate(self.target, p, g))
+            except ValueError as e:  # ids outside the target's vocabulary (another tokenizer's traffic)
+                out.append(e)
+        return out
+
+
 def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params: Params, target, tok,
-                  writer: CaptureWriter, progress=None) -> dict:
+                  writer: CaptureWriter, progress=None, rehydrator: Rehydrator | None = None) -> dict:
     """Ingest every object of `source` (S3 prefix or local directory) not in its ledger; `store` lists
-    and reads them (None: `LocalDir`, a local directory). Returns counts: objects, records,
+    and reads them (None: `LocalDir`, a local directory); `rehydrator` rebuilds the records (None:
+    `EmbeddedRehydrator`), `batch_size` exchanges at a time. Returns counts: objects, records,
     rehydrated, regenerated, skipped {reason: n} (parse reasons + `duplicate_event`, `too_long`,
     `unsupported_request`, `unsupported_response`, `empty_response`), and `stopped` (why) when the
     capture writer refused a record: that object gets no ledger line and is read again next time.
@@ -147,71 +178,43 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
     if tok is None:
         raise ValueError(f"target {params.target.source} has no tokenizer: endpoint text cannot be tokenized")
     store = store if store is not None else LocalDir()
+    rehydrator = rehydrator or EmbeddedRehydrator(target)
     led = ledger_path(ws, source)
     done = read_ledger(led)
     seen = captured_ids(writer.dir, ws.snapshots, writer.target_id)
-    eos = target.cfg.eos_token_ids[0]
     engine = Engine(target, None, 1, params.engine.max_seq_len)  # regenerates missing responses
     rep = {"source": source, "objects": 0, "records": 0, "rehydrated": 0, "regenerated": 0, "skipped": Counter()}
     for obj in store.list_objects(source):
         if done.get(obj["key"], {}).get("etag") == obj["etag"]:
             continue  # read as it is; an object that grew since (a live hourly text file) is read again
-        body = store.read_object(source, obj["key"])
-        exchanges, reasons = parse_object(body, model=params.ingest.served_model)
+        exchanges, reasons = parse_object(store.read_object(source, obj["key"]), model=params.ingest.served_model)
         rep["skipped"].update({k: v for k, v in reasons.items() if k != "missing_response"})
+        items = _exchange_ids(exchanges, seen, params, target, tok, engine, rep["skipped"])
         wl, n_obj, dropped0 = _workload(params, source), 0, writer.stats().dropped_total
-        for ex in exchanges:
-            if ex.event_id in seen:
-                rep["skipped"]["duplicate_event"] += 1
-                continue
-            try:
-                prompt = request_prompt_ids(tok, ex.route, ex.request)
-            except ValueError:
-                rep["skipped"]["unsupported_request"] += 1
-                continue
-            room = target.cfg.max_position - len(prompt)
-            if room < 2:  # stated rule: a prompt that leaves no room for a response is skipped, not cut
-                rep["skipped"]["too_long"] += 1
-                continue
-            origin = "rehydrated"
-            if ex.response_text is None:
-                n_new = min(params.ingest.max_new_tokens, engine.max_seq_len - len(prompt) - 1)
-                if n_new < 1:
-                    rep["skipped"]["too_long"] += 1
+        for i in range(0, len(items), rehydrator.batch_size):
+            batch = items[i:i + rehydrator.batch_size]
+            for (ex, prompt, gen, origin), rec in zip(batch, rehydrator([(p, g) for _, p, g, _ in batch])):
+                if isinstance(rec, ValueError):
+                    rep["skipped"]["unsupported_request"] += 1
                     continue
-                gen, origin = regenerate(engine, prompt, n_new), "regenerated"
-            else:
-                try:
-                    gen = completion_ids(tok, ex.response_text, ex.finish_reason, eos)[:room]  # cut at the context
-                except ValueError:  # e.g. finish_reason tool_calls: the text is not all the target generated
-                    rep["skipped"]["unsupported_response"] += 1
-                    continue
-            if not gen:
-                rep["skipped"]["empty_response"] += 1
-                continue
-            try:
-                rec = rehydrate(target, prompt, gen)
-            except ValueError:  # ids outside the target's vocabulary (another tokenizer's traffic)
-                rep["skipped"]["unsupported_request"] += 1
-                continue
-            text = {"prompt": json.dumps(ex.request.get("messages", ex.request.get("prompt"))),
-                    "completion": ex.response_text or tok.decode(gen, skip_special_tokens=True)}
-            # acceptance_length 0.0: no serving-time τ for endpoint traffic (acceptance_rate None: not filtered)
-            if not writer.submit(rec, request_id=ex.event_id, workload=wl, acceptance_length=0.0, prompt_id=ex.event_id,
-                                 text=text, origin=origin):
-                # the writer refused it (disk quota/full, closed; counted there): stop here without a ledger
-                # line, so the next run reads this object again (what was written is deduplicated by event id)
-                writer.flush()
-                rep["stopped"] = (f"capture writer dropped {ex.event_id} in {obj['key']} (disk quota or full): "
-                                  "the object stays unread; free space or seal, then ingest again")
-                rep["skipped"] = dict(rep["skipped"])
-                return rep
-            crash_point("ingest.record")
-            seen.add(ex.event_id)
-            rep[origin] += 1
-            n_obj += 1
-            if n_obj % FLUSH_EVERY == 0:
-                writer.flush()
+                text = {"prompt": json.dumps(ex.request.get("messages", ex.request.get("prompt"))),
+                        "completion": ex.response_text or tok.decode(gen, skip_special_tokens=True)}
+                # acceptance_length 0.0: no serving-time τ for endpoint traffic (acceptance_rate None: not filtered)
+                if not writer.submit(rec, request_id=ex.event_id, workload=wl, acceptance_length=0.0,
+                                     prompt_id=ex.event_id, text=text, origin=origin):
+                    # the writer refused it (disk quota/full, closed; counted there): stop here without a ledger
+                    # line, so the next run reads this object again (what was written is deduplicated by event id)
+                    writer.flush()
+                    rep["stopped"] = (f"capture writer dropped {ex.event_id} in {obj['key']} (disk quota or full): "
+                                      "the object stays unread; free space or seal, then ingest again")
+                    rep["skipped"] = dict(rep["skipped"])
+                    return rep
+                crash_point("ingest.record")
+                seen.add(ex.event_id)
+                rep[origin] += 1
+                n_obj += 1
+                if n_obj % FLUSH_EVERY == 0:
+                    writer.flush()
         writer.flush()  # this object's records are on disk before its ledger line
         if writer.stats().dropped_total > dropped0:  # a batch dropped at write time (quota, full disk, error)
             rep["stopped"] = (f"capture writer dropped records of {obj['key']} (disk quota or full): the object "
@@ -227,3 +230,44 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
             progress(f"{obj['key']}: {n_obj} records, skipped {dict(reasons)}")
     rep["skipped"] = dict(rep["skipped"])
     return rep
+
+
+def _exchange_ids(exchanges, seen: set[str], params: Params, target, tok, engine: Engine,
+                  skipped: Counter) -> list[tuple]:
+    """(exchange, prompt ids, generated ids, origin) of each exchange to rehydrate, in order; the
+    others counted in `skipped` by reason (duplicate_event, unsupported_request, too_long,
+    unsupported_response, empty_response). A missing response is the target's own (regenerated)."""
+    eos = target.cfg.eos_token_ids[0]
+    out, here = [], set()
+    for ex in exchanges:
+        if ex.event_id in seen or ex.event_id in here:
+            skipped["duplicate_event"] += 1
+            continue
+        try:
+            prompt = request_prompt_ids(tok, ex.route, ex.request)
+        except ValueError:
+            skipped["unsupported_request"] += 1
+            continue
+        room = target.cfg.max_position - len(prompt)
+        if room < 2:  # stated rule: a prompt that leaves no room for a response is skipped, not cut
+            skipped["too_long"] += 1
+            continue
+        origin = "rehydrated"
+        if ex.response_text is None:
+            n_new = min(params.ingest.max_new_tokens, engine.max_seq_len - len(prompt) - 1)
+            if n_new < 1:
+                skipped["too_long"] += 1
+                continue
+            gen, origin = regenerate(engine, prompt, n_new), "regenerated"
+        else:
+            try:
+                gen = completion_ids(tok, ex.response_text, ex.finish_reason, eos)[:room]  # cut at the context
+            except ValueError:  # e.g. finish_reason tool_calls: the text is not all the target generated
+                skipped["unsupported_response"] += 1
+                continue
+        if not gen:
+            skipped["empty_response"] += 1
+            continue
+        here.add(ex.event_id)
+        out.append((ex, prompt, gen, origin))
+    return out

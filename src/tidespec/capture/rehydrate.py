@@ -95,15 +95,10 @@ def completion_ids(tok, text: str, finish_reason: str | None, eos_id: int) -> li
     return ids + [int(eos_id)] if finish_reason == "stop" else ids
 
 
-def rehydrate(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> dict[str, torch.Tensor]:
-    """The capture record of an exchange, from one prefill of `prompt + gen[:-1]` (fresh KV cache).
-
-    Returns, with T = len(prompt) + len(gen) - 1 (the last generated token is never fed back):
-    input_ids `[T]` int32, loss_mask `[T]` uint8 (1 from len(prompt) on), aux_hidden_states
-    `[T, 3H]` and hidden_states `[T, H]` in the target dtype (fp32 by default): the live record
-    before the writer's bf16 cast. Raises ValueError for an empty prompt or generation, ids outside
-    the vocab, or prompt + gen longer than the target context (`cfg.max_position`).
-    """
+def check_exchange(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> list[int]:
+    """The ids one prefill runs for an exchange: `prompt + gen[:-1]` (the last generated token is
+    never fed back). Raises ValueError for an empty prompt or generation, ids outside the vocab, or
+    prompt + gen longer than the target context (`cfg.max_position`)."""
     p, g = list(prompt_ids), list(gen_ids)
     if not p:
         raise ValueError("empty prompt: nothing to condition on")
@@ -117,14 +112,31 @@ def rehydrate(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> dict
                          "the exchange")
     if not all(isinstance(t, int) and 0 <= t < V for t in p + g):
         raise ValueError(f"token ids must be integers in [0, {V})")
-    ids = p + g[:-1]
+    return p + g[:-1]
+
+
+def make_record(ids: list[int], n_prompt: int, aux: torch.Tensor, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A capture record: input_ids `[T]` int32, loss_mask `[T]` uint8 (1 from `n_prompt` on), the
+    given aux_hidden_states `[T, 3H]` and hidden_states `[T, H]` (final, post-norm)."""
+    mask = torch.zeros(len(ids), dtype=torch.uint8)
+    mask[n_prompt:] = 1
+    return {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask,
+            "aux_hidden_states": aux, "hidden_states": hidden}
+
+
+def rehydrate(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The capture record of an exchange, from one prefill of `prompt + gen[:-1]` (fresh KV cache).
+
+    Returns, with T = len(prompt) + len(gen) - 1 (the last generated token is never fed back):
+    input_ids `[T]` int32, loss_mask `[T]` uint8 (1 from len(prompt) on), aux_hidden_states
+    `[T, 3H]` and hidden_states `[T, H]` in the target dtype (fp32 by default): the live record
+    before the writer's bf16 cast. Raises ValueError as `check_exchange`.
+    """
+    ids = check_exchange(target, prompt_ids, gen_ids)
     T = len(ids)
     out = target.forward_batch([Segment(torch.tensor(ids, dtype=torch.int64), target.new_cache(T), last_only=True)],
                                need_hidden=True)[0]
-    mask = torch.zeros(T, dtype=torch.uint8)
-    mask[len(p):] = 1
-    return {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask,
-            "aux_hidden_states": out.aux, "hidden_states": out.hidden}
+    return make_record(ids, len(prompt_ids), out.aux, out.hidden)
 
 
 def regenerate(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
@@ -137,4 +149,4 @@ def regenerate(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
                                 sampling=sampling).tokens)
 
 
-__all__ = ["completion_ids", "regenerate", "rehydrate", "request_prompt_ids"]
+__all__ = ["check_exchange", "completion_ids", "make_record", "regenerate", "rehydrate", "request_prompt_ids"]
