@@ -178,7 +178,7 @@ def test_bench_engine_vllm_row_streams_the_targets_tokens_and_counts_its_drafts(
     assert {x["id"]: x["tokens"] for x in many["results"]} == dict(zip("abcd", ours))
     assert many["drafts"]["num_drafts"] > 0 and many["wall_s"] > 0
     port = int(info["args"][info["args"].index("--port") + 1])
-    assert "--no-enable-prefix-caching" in info["args"]
+    assert "--no-enable-prefix-caching" in info["args"] and info["server_peak_rss_mb"] > 300  # the server, not the client
     assert not http_ok(f"http://127.0.0.1:{port}/health")  # the server stopped with the worker
 
 

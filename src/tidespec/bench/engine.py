@@ -191,7 +191,8 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
                 progress(f"pass {ps + 1}/{passes} · {j + 1}/{len(order)} · {name} {pid}")
         sweep_raw = _sweep(workers, wl_all, levels, n_prompts, max_new_tokens, passes, progress) if levels else {}
         info = {w.spec.name: w.call("info") for w in workers}
-        rss = {w.spec.name: w.rss for w in workers}
+        # a vLLM row's memory is its server's (the worker is only its HTTP client)
+        rss = {w.spec.name: info[w.spec.name].get("server_peak_rss_mb", w.rss) for w in workers}
     finally:
         for w in workers:
             w.stop()
@@ -351,7 +352,8 @@ def markdown(res: dict, prof: str | None = None) -> str:
     if any(x["kind"] == "vllm" for x in res.get("methods", ())):
         lines += [f"vllm_* rows: a vLLM {res['info'].get('vllm_no_spec', {}).get('vllm', '')} OpenAI server per row "
                   "(`make vllm`, same target dir, fp32, prefix caching off, same OMP threads), driven over HTTP "
-                  "from the worker: token-id prompts, streamed, one chunk per engine step (τ = tokens per chunk). "
+                  "from the worker: token-id prompts, streamed, one chunk per engine step (τ = tokens per chunk); "
+                  f"peak RSS = {'the sum of the server processes’ peaks (API server, engine core, worker)' if any('server_peak_rss_mb' in i for i in res['info'].values()) else 'the HTTP client’s only (this report predates measuring the server; a vLLM server of this target peaks at ~3.5–5 GB)'}. "
                   "Their times include the HTTP round trip and streaming that the in-process rows do not pay. "
                   f"n-gram: prompt_lookup_min 2, max {VLLM_NGRAM_MAX}. EAGLE3 in vLLM runs chains at fixed k.", ""]
     elif res["setup"].get("vllm_skipped"):

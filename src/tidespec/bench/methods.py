@@ -48,6 +48,15 @@ class MethodSpec:
     python: str | None = None
 
 
+def _vm_hwm_mb(pid: int) -> float:
+    """Peak RSS (MB) of process `pid` (VmHWM), 0 when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(ln.split()[1]) / 1024 for ln in f if ln.startswith("VmHWM:")), 0.0)
+    except OSError:
+        return 0.0
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size (MB = 2**20 bytes) of this process's own address space.
 
@@ -278,9 +287,15 @@ class VLLMMethod:
         return {"results": rows, "wall_s": wall, "drafts": self._drafts(before, self._scrape(self.server.url))}
 
     def info(self) -> dict:
+        """The server's version, start time (s), command line, log, and peak RSS (MB): the sum of its
+        processes' own peaks (VmHWM: API server, engine core, worker), what the row's memory is."""
+        import psutil
+
         from ..adapters.vllm import VLLM_VERSION, launch_args
+        procs = [psutil.Process(self.server.server.proc.pid)]
+        procs += procs[0].children(recursive=True)
         return {"vllm": VLLM_VERSION, "start_s": self.start_s, "args": launch_args(self.server.cfg)[1:],
-                "log": str(self.log)}
+                "log": str(self.log), "server_peak_rss_mb": sum(_vm_hwm_mb(p.pid) for p in procs)}
 
     def close(self) -> None:
         self.server.stop()
