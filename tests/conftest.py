@@ -107,16 +107,8 @@ def make_tiny_target(path, seed: int = 0, **overrides):
 def wait_until(pred, timeout_s: float, what: str, proc=None):
     """Poll `pred()` every 0.5 s until it returns something truthy (returned); AssertionError when
     `timeout_s` (s) pass first or `proc` (a server's Popen) exits meanwhile, naming `what`."""
-    import time
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"server exited ({proc.returncode}) while waiting for {what}")
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    from tidespec.adapters.process import poll_until
+    return poll_until(pred, timeout_s, what, proc, error=AssertionError)
 
 
 def health(url: str) -> dict | None:

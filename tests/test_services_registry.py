@@ -220,3 +220,22 @@ def test_caller_killed_while_a_server_starts_leaves_it_recorded(tmp_path, mlflow
         caller.kill()
         assert services.down(sd, which=("mlflow",)) == ["mlflow"]
     assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+
+
+def test_poll_until_returns_the_value_or_names_what_it_waited_for(tmp_path):
+    """`process.poll_until` (the demos' and the tests' wait): the first truthy value; on timeout or an
+    exited process, the given error naming what it waited for, the exit code and the log's tail."""
+    import subprocess
+    import sys
+
+    from tidespec.adapters.process import ProcessError, poll_until
+    calls = iter([None, 0, "", {"v": 1}])
+    assert poll_until(lambda: next(calls), 5, "x", poll_s=0.01) == {"v": 1}
+    with pytest.raises(ProcessError, match="timed out after 0.05 s waiting for the moon"):
+        poll_until(lambda: None, 0.05, "the moon", poll_s=0.01)
+    log = tmp_path / "s.log"
+    log.write_text("a\nlast words\n")
+    p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    p.wait()
+    with pytest.raises(RuntimeError, match=r"server exited \(3\) while waiting for health(.|\n)*last words"):
+        poll_until(lambda: None, 5, "health", p, log, error=RuntimeError)

@@ -34,7 +34,7 @@ from rich.table import Table
 
 from . import assets, prompts
 from .adapters import orchestrate, registry, services, versioning, vllm
-from .adapters.process import free_port, log_tail
+from .adapters.process import free_port, poll_until
 from .bootstrap import prompt_ids
 from .config import load_params
 from .cycle import step_deploy
@@ -187,15 +187,7 @@ def _health(url: str) -> dict | None:
 
 def _wait(fn, timeout_s: float, what: str, proc, log: Path):
     """Poll `fn` until truthy; RuntimeError (with the serve log's tail) on timeout or if serve exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tidespec serve exited ({proc.returncode}) while waiting for {what}:\n{log_tail(log)}")
-        got = fn()
-        if got:
-            return got
-        time.sleep(1.0)
-    raise RuntimeError(f"no {what} within {timeout_s:g} s; serve log {log}:\n{log_tail(log)}")
+    return poll_until(fn, timeout_s, what, proc, log, poll_s=1.0, error=RuntimeError)
 
 
 def _send(url: str, model: str, batch, max_tokens: int, store: bool | None) -> list[dict]:

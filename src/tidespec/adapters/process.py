@@ -129,6 +129,23 @@ def launch(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Pa
     return proc
 
 
+def poll_until(pred: Callable[[], object], timeout_s: float, what: str, proc: subprocess.Popen | None = None,
+               log: Path | None = None, poll_s: float = 0.5, error: type[Exception] = ProcessError):
+    """Call `pred()` every `poll_s` s until it returns something truthy, and return that. Raises
+    `error` naming `what` (and the tail of `log`, when given) when `timeout_s` s pass first or `proc`
+    (a server's Popen) exits meanwhile (its exit code)."""
+    tail = f"; see {log}:\n{log_tail(log)}" if log is not None else ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise error(f"server exited ({proc.returncode}) while waiting for {what}{tail}")
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll_s)
+    raise error(f"timed out after {timeout_s:g} s waiting for {what}{tail}")
+
+
 def wait_healthy(proc: subprocess.Popen, health_url: str, timeout_s: float, log: Path, what: str,
                  error: type[Exception] = ProcessError, poll_s: float = 0.25, probe_timeout_s: float = 2.0,
                  ok: Callable[[str], bool] | None = None) -> None:
