@@ -266,6 +266,9 @@ class VLLMMethod:
                 "num_accepted_tokens_per_pos": list(d.accepted_per_pos)}
 
     def run(self, ids: list[int], max_new: int, workload: str) -> dict:
+        """One request (prompt token ids, ≤ `max_new` tokens, greedy): {"tokens", "ttft_s" (s), "steps"
+        [(s, tokens)] per engine step, "forwards", "drafts" (vLLM's counters for it, None without
+        speculation)}. Raises RuntimeError for a non-200 answer, VLLMError when /metrics is down."""
         import httpx
         before = self._scrape(self.server.url)
         with httpx.Client() as c:
