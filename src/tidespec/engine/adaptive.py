@@ -27,6 +27,7 @@ from .stats import simulated_acceptance_length
 
 
 CONF_BINS = 10  # draft-confidence bins for the early stop's acceptance estimate
+GRAMMAR_PRIOR = 0.95  # acceptance of a grammar-forced token before any was measured
 TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
 
 
@@ -63,6 +64,7 @@ class AdaptiveK:
         self._obs: dict[str, list[int]] = {}  # observations per position (running mean until 1/alpha)
         self._steps: dict[str, int] = {}
         self._suffix: dict[str, list] = {}  # class → [mean accepted, mean expected, observations] of suffix proposals
+        self._grammar: dict[str, list] = {}  # class → [accepted, proposed] forced tokens (decayed sums)
         self._conf: dict[str, list[list[float]]] = {}  # class → per confidence bin [P(accept), observations]
         self._tree: dict[str, dict[int, list]] = {}  # class → nodes verified → [mean accepted, observations]
         self._lock = threading.Lock()
@@ -87,6 +89,7 @@ class AdaptiveK:
             self._obs.clear()
             self._steps.clear()
             self._suffix.clear()
+            self._grammar.clear()
             self._conf.clear()
             self._tree.clear()
 
@@ -156,6 +159,34 @@ class AdaptiveK:
                 w = max(self.alpha, 1.0 / st[2])  # a running mean first (as the acceptance), then an EMA
                 st[0] += w * (accepted - st[0])
                 st[1] += w * (expected - st[1])
+
+    def grammar_acceptance(self, workload: str) -> float:
+        """Per-token acceptance of grammar-forced tokens in this class: accepted / proposed (decayed
+        sums); 0.95 until 8 tokens were measured (forced bytes are certain, only the target's
+        tokenization of them can differ)."""
+        with self._lock:
+            acc, n = self._grammar.get(workload, (0.0, 0.0))
+        return acc / n if n >= 8 else GRAMMAR_PRIOR
+
+    def grammar_gains(self, workload: str, m: int) -> tuple[float, ...]:
+        """Expected accepted tokens for the first 1..m forced tokens: Σ_{i≤j} a^i (a token is
+        reached only if the ones before it were accepted)."""
+        a, out, p = self.grammar_acceptance(workload), [], 1.0
+        for _ in range(m):
+            p *= a
+            out.append((out[-1] if out else 0.0) + p)
+        return tuple(out)
+
+    def observe_grammar(self, workload: str, proposed: int, accepted: int) -> None:
+        """A verified grammar proposal: `proposed` forced tokens, the first `accepted` accepted. The
+        tokens verification reached count (accepted + the first rejected one), decayed by 1 − alpha."""
+        reached = min(proposed, accepted + 1)
+        if reached < 1:
+            return
+        with self._lock:
+            st = self._grammar.setdefault(workload, [0.0, 0.0])
+            st[0] = (1 - self.alpha) * st[0] + accepted
+            st[1] = (1 - self.alpha) * st[1] + reached
 
     def accept_given_confidence(self, workload: str, conf: float) -> float:
         """P(a drafted token is accepted | the ones before it were, the draft's probability of it
@@ -289,7 +320,7 @@ class AdaptiveK:
         conditional acceptance, the suffix correction."""
         out = {}
         with self._lock:
-            classes = sorted(set(self._acc) | set(self._suffix))
+            classes = sorted(set(self._acc) | set(self._suffix) | set(self._grammar))
         for w in classes:
             if w.endswith(TREE):  # EAGLE-2 trees: accepted tokens learned per tree size
                 with self._lock:
@@ -303,5 +334,6 @@ class AdaptiveK:
                       "k_by_batch": self.k_by_batch(w),
                       "step_ms": [round(x, 2) for x in self.step_ms()],
                       "conditional_acceptance": [round(a, 4) for a in self.acceptance(w)],
-                      "suffix_correction": round(self.suffix_correction(w), 4)}
+                      "suffix_correction": round(self.suffix_correction(w), 4),
+                      "grammar_acceptance": round(self.grammar_acceptance(w), 4)}
         return out

@@ -16,7 +16,9 @@ noisy per-k model predicted 3.9× at τ 1.05 on a busy machine).
 Choice (`plan`): per request a ladder of options — none, the EAGLE3 chain with k = 1..K (expected
 accepted τ(k) − 1 from the conditional acceptance of its class), a prefix of m = 1..L tokens of its
 suffix proposal (expected accepted Σ_{i≤m} of the chain's cumulative scores times a per-class
-correction learned from measured acceptance). Goodput G = (b + Σ expected accepted) / cost:
+correction learned from measured acceptance), and for a constrained request a prefix of the tokens
+its grammar forces (expected accepted Σ_{i≤m} a^i, a the class's measured acceptance of forced
+tokens; verify rows only, like a suffix proposal). Goodput G = (b + Σ expected accepted) / cost:
 start from the best of "no speculation" and one k for every EAGLE3 request, then coordinate
 ascent (each request in turn takes its best option given the others, two sweeps); the result is
 kept only if it beats plain decoding by `margin`. The
@@ -38,7 +40,8 @@ class Ladder:
 
     eagle: expected accepted tokens with the EAGLE3 chain at k = 1..len (cumulative: τ(k) − 1);
     suffix: expected accepted tokens with the first m = 1..len tokens of its suffix proposal
-    (cumulative); fixed: (proposer, n) when the request's choice is not the policy's (a fixed k, a
+    (cumulative); grammar: the same for the first m tokens its grammar forces (constrained requests);
+    fixed: (proposer, n) when the request's choice is not the policy's (a fixed k, a
     seeded request) — it counts in the cost and the gain but is not changed.
     With an EAGLE-2 draft tree (`engine.tree`) the EAGLE3 option n is a tree of n verified nodes:
     eagle_depth[n-1] is its depth (draft forwards), draft_rows the rows each request feeds per
@@ -47,6 +50,7 @@ class Ladder:
 
     eagle: tuple[float, ...] = ()
     suffix: tuple[float, ...] = ()
+    grammar: tuple[float, ...] = ()
     fixed: tuple[str, int] | None = None
     fixed_gain: float = 0.0
     eagle_depth: tuple[int, ...] = ()
@@ -111,12 +115,13 @@ def _gain(lad: Ladder, opt: tuple[str, int]) -> float:
     via, n = opt
     if n == 0:
         return 0.0
-    return lad.eagle[n - 1] if via == "eagle3" else lad.suffix[n - 1]
+    return (lad.eagle if via == "eagle3" else lad.suffix if via == "suffix" else lad.grammar)[n - 1]
 
 
 def _options(lad: Ladder) -> list[tuple[str, int]]:
     return [NONE] + [("eagle3", k) for k in range(1, len(lad.eagle) + 1)] + \
-        [("suffix", m) for m in range(1, len(lad.suffix) + 1)]
+        [("suffix", m) for m in range(1, len(lad.suffix) + 1)] + \
+        [("grammar", m) for m in range(1, len(lad.grammar) + 1)]
 
 
 def draft_batches(chain_lengths: list[int], widths: list[int] | None = None) -> list[int]:
@@ -203,8 +208,8 @@ def plan(ladders: list[Ladder], cost: StepCost, margin: float = 0.05, sweeps: in
     if not ladders:
         return base
     st = _Step(ladders, cost, base)
-    free = [i for i, lad in enumerate(ladders) if lad.fixed is None and (lad.eagle or lad.suffix)]
-    free.sort(key=lambda i: -max((*ladders[i].eagle, *ladders[i].suffix)))
+    free = [i for i, lad in enumerate(ladders) if lad.fixed is None and (lad.eagle or lad.suffix or lad.grammar)]
+    free.sort(key=lambda i: -max((*ladders[i].eagle, *ladders[i].suffix, *ladders[i].grammar)))
     g0 = best = st.value()
     best_choice = list(base)
     for k in range(1, max((len(ladders[i].eagle) for i in free), default=0) + 1):

@@ -13,12 +13,15 @@ Order and definitions follow vLLM's sampler (`vllm/v1/sample/sampler.py`, steps 
 (`vllm/model_executor/layers/utils.py::apply_penalties`): repetition (CTRL, Keskar et al. 2019
 §4.1: tokens seen in prompt or output, logit / r when positive, × r when negative), frequency
 (− f × count in the output), presence (− p × [count > 0]). Temperature, min_p, top-k and top-p
-come after (`sampling.warp`).
+come after (`sampling.warp`). A grammar (`engine.grammar`: structured output, tool calls) masks last:
+row i allows only the tokens its state after drafts[:i] accepts (vLLM applies its structured-output
+bitmask to the same logits, `vllm/v1/structured_output/`).
 """
 from __future__ import annotations
 
 import torch
 
+from .grammar import GrammarState
 from .sampling import SamplingParams
 
 
@@ -33,13 +36,14 @@ class RequestLogits:
     """Transforms of one request; `apply` is pure, `advance` records emitted tokens.
 
     sp: the request's SamplingParams; prompt_ids: its prompt (repetition penalty); vocab_size: V;
-    eos_ids: the target's EOS ids (masked by min_tokens unless ignore_eos). Raises ValueError for a
-    logit_bias or stop token id outside [0, V).
+    eos_ids: the target's EOS ids (masked by min_tokens unless ignore_eos); grammar: the request's
+    matcher (None: unconstrained). Raises ValueError for a logit_bias or stop token id outside [0, V).
     """
 
-    def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, eos_ids: set[int]):
+    def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, eos_ids: set[int],
+                 grammar: GrammarState | None = None):
         check_token_ids(sp, vocab_size)
-        self.sp, self.V, self.n_out = sp, vocab_size, 0
+        self.sp, self.V, self.n_out, self.grammar = sp, vocab_size, 0, grammar
         # the ids that end the request (EOS unless ignore_eos, stop_token_ids); masked until min_tokens
         self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
         self._stop_ids = torch.tensor(sorted(self.stop_ids), dtype=torch.int64) \
@@ -56,7 +60,7 @@ class RequestLogits:
     @property
     def active(self) -> bool:
         """False when the transforms are the identity (the engine's fast path skips them)."""
-        return self._stop_ids is not None or len(self._bias_ids) > 0 or self._penalized
+        return self._stop_ids is not None or len(self._bias_ids) > 0 or self._penalized or self.grammar is not None
 
     def apply(self, logits: torch.Tensor, drafts: list[int], start: int = 0) -> torch.Tensor:
         """Processed logits `[n, V]` fp32 from logits `[n, V]` (unchanged input): row i as if the
@@ -72,6 +76,8 @@ class RequestLogits:
             x[:, self._bias_ids] += self._bias
         if self._penalized:
             x = self._penalize(x, self._row_counts(drafts, start, n))
+        if self.grammar is not None:
+            x.masked_fill_(~self.grammar.masks(list(drafts[:start + n - 1]), n), float("-inf"))
         return x
 
     def _row_counts(self, drafts: list[int], start: int, n: int) -> torch.Tensor:
@@ -92,7 +98,9 @@ class RequestLogits:
         return x - sp.frequency_penalty * counts - sp.presence_penalty * seen.float()
 
     def advance(self, tokens: list[int]) -> None:
-        """Record emitted output tokens."""
+        """Record emitted output tokens (the grammar's state advances past them)."""
         self.n_out += len(tokens)
+        if self.grammar is not None:
+            self.grammar.advance(tokens)
         if self._penalized and tokens:
             self._counts.index_add_(0, torch.tensor(tokens), torch.ones(len(tokens)))

@@ -1,10 +1,12 @@
 """The step's plan: which proposer and option each running request takes this step (`StepPlan`).
 
 Per request a ladder of options (`goodput.Ladder`: none, EAGLE3 chain lengths or tree sizes,
-prefixes of its suffix proposal), capped so the output and the KV cache have room for the drafts
-plus the bonus token. With the goodput policy (`adaptive.AdaptiveK.plan_step`) the options of the
-whole batch are chosen together by predicted tokens/s; a request outside the policy (a fixed k,
-seeded sampling, no policy) takes a fixed option: its suffix proposal when the expected accepted
+prefixes of its suffix proposal, prefixes of the tokens its grammar forces), capped so the output
+and the KV cache have room for the drafts plus the bonus token. With the goodput policy
+(`adaptive.AdaptiveK.plan_step`) the options of the whole batch are chosen together by predicted
+tokens/s; a request outside the policy (a fixed k,
+seeded sampling, no policy) takes a fixed option: its grammar's forced tokens when there are at
+least two (or it has no other proposer), else its suffix proposal when the expected accepted
 tokens (the sum of its chain scores) reach `suffix_min_expected` or it has no EAGLE3 draft, else
 the EAGLE3 chain of its k (or the engine's), or the tree of SGLang's knobs.
 """
@@ -97,12 +99,18 @@ class Planner:
             p = self.suffix.propose(s.rid)
             sl.proposal = Proposal(p.tokens[:room], p.score, p.match_len, p.source, p.scores[:room])
         p = sl.proposal
+        if s.lp.grammar is not None and s.req.speculative and room > 0:
+            sl.forced = tuple(s.lp.grammar.forced()[:room])
+        f = sl.forced
         if s.tree:  # one token left (or no KV room): no tree
             return self._tree_ladder(sl) if room > 0 else Ladder(fixed=NONE)
         if sl.learn is not None:
             eagle = self.adaptive.eagle_gains(s.req.workload, room) if s.draft is not None else ()
             suffix = self.adaptive.suffix_gains(s.req.workload, p.scores) if p is not None else ()
-            return Ladder(eagle, suffix)
+            return Ladder(eagle, suffix, self.adaptive.grammar_gains(s.req.workload, len(f)))
+        if len(f) >= 2 or (f and s.draft is None and not (p is not None and p.tokens)):
+            n = min(len(f), s.req.k if s.req.k is not None else self.k)
+            return Ladder(fixed=("grammar", n), fixed_gain=float(n))
         if p is not None and p.tokens and (s.draft is None or sum(p.scores) >= self.suffix_min_expected):
             return Ladder(fixed=("suffix", len(p.tokens)), fixed_gain=sum(p.scores))
         if s.draft is None:

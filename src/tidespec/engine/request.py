@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.target import Target
+from .grammar import Grammar
 from .logits import RequestLogits
 from .sampling import GREEDY, SamplingParams, TokenLogprob, logprobs_of, sample, token_logprobs, warp
 from .stats import RequestTiming, SpecDecodingStats
@@ -32,6 +33,8 @@ class Request:
     stop: stop-string check, called on the engine thread with each step's new tokens (already cut
     at EOS / stop ids / max_new_tokens), in order; returns None, or (tokens of these to keep, the
     stop string) to finish the request there (`detok.TextOutput` is one). Must not block.
+    grammar: a compiled constraint (`engine.grammar.Grammar`: structured output, tool calls); every
+    generated token is one the grammar allows, and the output equals constrained target-only decoding.
     """
 
     prompt_ids: list[int]
@@ -45,6 +48,7 @@ class Request:
     on_tokens: Callable[[list[int], list[TokenLogprob] | None], None] | None = field(default=None, compare=False)
     prompt_id: str = ""
     stop: Callable[[list[int]], tuple[int, str] | None] | None = field(default=None, compare=False)
+    grammar: Grammar | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -76,7 +80,8 @@ class Seq:
     def __init__(self, req: Request, rid: str, draft, version: str | None, vocab_size: int, capture: bool,
                  eos: set[int]):
         self.req, self.rid, self.draft, self.version = req, rid, draft, version
-        self.lp = RequestLogits(req.sampling, req.prompt_ids, vocab_size, eos)
+        self.lp = RequestLogits(req.sampling, req.prompt_ids, vocab_size, eos,
+                                grammar=req.grammar.state() if req.grammar is not None else None)
         self.rng = None if req.sampling.greedy else req.sampling.generator()
         self.capture = capture
         self.tree = False
@@ -102,6 +107,11 @@ class Seq:
         `draft_extra`): a queued request holds none, so memory is bounded by the running batch."""
         self.cache = target.new_cache(max_len)
         self.draft_cache = self.draft.new_cache(max_len + self.draft_extra) if self.draft is not None else None
+
+    @property
+    def grammar_error(self) -> str | None:
+        """Why the request's grammar dead-ended (None: no grammar, or it can go on)."""
+        return self.lp.grammar.error if self.lp.grammar is not None else None
 
     def process(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """The request's transforms on verify rows `[n, V]` fp32 (row i after drafts[:i])."""
@@ -133,6 +143,8 @@ class Seq:
         kept = new[:m]
         self.gen.extend(kept)
         self.lp.advance(kept)
+        if self.grammar_error is not None:  # a dead end: the grammar allowed only a stop token
+            self.finish_reason, self.stop_reason = "length", None
         if self.logprobs is not None and kept:
             self.logprobs += token_logprobs(logprobs_of(rows[:m], req.sampling), kept, req.sampling.logprobs)
         self.next_token = new[-1]

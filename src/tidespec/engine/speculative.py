@@ -39,7 +39,7 @@ from .adaptive import AdaptiveK
 from .goodput import draft_batches
 from .logits import check_token_ids
 from .plan import TREE, Planner, StepPlan, adaptive_for, k_max
-from .proposers import Eagle3Chain, Eagle3Tree, Proposer, Slot, SuffixProposer, catch_up
+from .proposers import Eagle3Chain, Eagle3Tree, GrammarProposer, Proposer, Slot, SuffixProposer, catch_up
 from .request import Request, Seq
 from .sampling import GREEDY, SamplingParams, TokenLogprob, rejection_verify, warp
 from .stats import RequestTiming, SpecDecodingStats
@@ -60,7 +60,8 @@ class Generation:
     prefill and per-step wall times; finish_reason: "stop" (EOS, a stop token id or a stop string),
     "length" (max_new_tokens) or "abort" (`Engine.abort`); stop_reason: vLLM's — None for EOS or
     length, the stop token id, or the stop string; logprobs: one `TokenLogprob` per token when the
-    request asked (`SamplingParams.logprobs`); record: capture tensors (when the request was captured):
+    request asked (`SamplingParams.logprobs`); grammar_error: why the request's grammar could not go on
+    (finish_reason "length"; None otherwise); record: capture tensors (when the request was captured):
     input_ids `[T]` int32, loss_mask `[T]` uint8, aux_hidden_states `[T, 3H]`, hidden_states `[T, H]`
     where T = tokens the target processed (prompt + generated minus the last, whose hidden state
     is never computed).
@@ -76,7 +77,8 @@ class Generation:
     finish_reason: str = "length"
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
-    stats_by_proposer: dict[str, SpecDecodingStats] = field(default_factory=dict)  # "eagle3", "suffix"
+    stats_by_proposer: dict[str, SpecDecodingStats] = field(default_factory=dict)  # "eagle3", "suffix", "grammar"
+    grammar_error: str | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -150,7 +152,8 @@ class Engine:
         self._seqs: dict[str, Seq] = {}  # request id → state, waiting or running (abort)
         self._running: list[Seq] = []
         self._proposers: dict[str, Proposer] = {  # the plan's option name → its proposer (drafting order)
-            "eagle3": Eagle3Chain(), TREE: Eagle3Tree(eagle_topk), "suffix": SuffixProposer(target.cfg.vocab_size)}
+            "eagle3": Eagle3Chain(), TREE: Eagle3Tree(eagle_topk), "suffix": SuffixProposer(target.cfg.vocab_size),
+            "grammar": GrammarProposer(target.cfg.vocab_size)}
         self._pending_global = None  # a global suffix tree waiting to be installed between steps
         if draft is not None:
             self._check_draft(draft)
@@ -221,8 +224,9 @@ class Engine:
 
     def _tree_for(self, s: Seq) -> bool:
         """Does this request draft EAGLE-2 trees? With eagle_topk > 1, an EAGLE3 draft, greedy
-        and no logits transforms (they depend on the path: trees would need one per branch);
-        sampled requests draft chains (exact rejection sampling)."""
+        and no logits transforms (they depend on the path: trees would need one per branch — a
+        grammar too, so constrained requests draft chains); sampled requests draft chains (exact
+        rejection sampling)."""
         return self.topk > 1 and s.draft is not None and s.rng is None and not s.lp.active
 
     def validate(self, req: Request) -> None:
@@ -245,6 +249,12 @@ class Engine:
         if not isinstance(req.workload, str):
             raise ValueError(f"workload must be a string label, got {type(req.workload).__name__}")
         check_token_ids(req.sampling, V)
+        if req.grammar is not None:
+            if req.grammar.vocab_size != V:
+                raise ValueError(f"grammar compiled for a vocabulary of {req.grammar.vocab_size}, the target has {V}")
+            if req.sampling.min_tokens:
+                raise ValueError("min_tokens cannot be combined with a grammar (it would mask the stop the "
+                                 "grammar requires): drop min_tokens")
         if req.stop is not None and not callable(req.stop):
             raise ValueError("stop must be a callable (a stop-string check) or None")
         k = self._k_max(req) if req.speculative else 0  # a tree verifies what the KV room leaves (`Planner._tree_ladder`)
@@ -360,6 +370,7 @@ class Engine:
                 t_draft = time.perf_counter()  # the cost model's window: drafting + verify (not the catch-up)
                 for proposer, slots in plan.groups(self._proposers.values()):
                     proposer.propose(slots)
+                _cut_to_grammar(plan.slots)
                 outs = self._verify(new, plan)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
                 results += [(s, e) for s in new + running]  # after the aborted ones: every future resolves
@@ -545,7 +556,7 @@ class Engine:
         gen = s.gen  # already cut at the stop (`Seq.emit`)
         res = Generation(s.rid, len(s.req.prompt_ids), gen, s.stats, s.timing, s.version,
                          finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason, logprobs=s.logprobs,
-                         stats_by_proposer=dict(s.by_via))
+                         stats_by_proposer=dict(s.by_via), grammar_error=s.grammar_error)
         if s.capture and not s.aborted:
             p = list(s.req.prompt_ids)
             T = len(p) + len(gen) - 1
@@ -555,6 +566,19 @@ class Engine:
                           "aux_hidden_states": torch.cat(s.rows.aux)[:T],
                           "hidden_states": torch.cat(s.rows.hidden)[:T]}
         return res
+
+
+def _cut_to_grammar(slots: list[Slot]) -> None:
+    """A constrained request's drafts end before the first token its grammar forbids (such a draft
+    could never be accepted: its row masks it), so no verify row is spent on it. Exact for sampled
+    requests too: a cut happens only to deterministic (one-hot q) proposals — EAGLE3 drafts are drawn
+    from the grammar-masked distribution and are always valid."""
+    for sl in slots:
+        g = sl.seq.lp.grammar
+        if g is not None and sl.drafts and sl.layout is None:
+            n = g.valid_prefix(sl.drafts)
+            if n < len(sl.drafts):
+                sl.drafts, sl.draft_probs = sl.drafts[:n], sl.draft_probs[:n]
 
 
 def _guard(s: Seq, fn, *args) -> None:

@@ -43,6 +43,7 @@ class Slot:
     cap: int = 0
     stop_below: float = 0.0
     proposal: Proposal | None = None
+    forced: tuple[int, ...] = ()
     learn: AdaptiveK | None = None
     hidden: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -72,7 +73,7 @@ class Proposer(Protocol):
     """A source of draft tokens for the requests the plan gives it.
 
     name: the goodput policy's option (`goodput.Ladder`) and the key of the request's counters
-    (`Generation.stats_by_proposer`): "eagle3" or "suffix".
+    (`Generation.stats_by_proposer`): "eagle3", "suffix" or "grammar".
     A new proposer implements these two methods and is registered in the engine's proposer table
     (`Engine._proposers`); the plan offers it through the request's `Ladder`.
     """

@@ -26,14 +26,17 @@ def catch_up(slots: list[Slot]) -> None:
             sl.hidden, sl.logits, sl.seq.backlog = h, dl, []
 
 
-def draft_token(sl: Slot, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draft_token(sl: Slot, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Draft token j from the draft's logits `sl.logits` `[Vd]`: a target id `[1]` int64 and, when
     sampling, its proposal distribution `[V]` fp32. With logits transforms the draft's logits are
     mapped into the target vocab and transformed with prefix drafts[:j], so the proposal follows the
-    same rules as the verification (rejection sampling stays exact)."""
+    same rules as the verification (rejection sampling stays exact). (None, None) when the
+    transforms leave the draft no token (a grammar allowing only tokens outside its vocabulary)."""
     s = sl.seq
     if s.lp.active:
         x = s.lp.apply(s.draft.to_target_logits(sl.logits)[None], sl.drafts, start=j)[0]
+        if not bool(torch.isfinite(x).any()):
+            return None, None
         if s.rng is None:
             return x.argmax().view(1), None
         q = warp(x, s.req.sampling)
@@ -74,8 +77,12 @@ class Eagle3Chain:
         ends the chain before it: the probability that it is reached and accepted — the product over
         i ≤ j of P(accept | draft confidence) — fell below `sl.stop_below` (then `sl.stopped`; the
         token drawn is discarded: verification never sees it, so sampling stays exact). At least one
-        token is drafted, so acceptance keeps being measured."""
+        token is drafted, so acceptance keeps being measured — unless the request's grammar allows
+        none of the draft's tokens (then the chain ends, `sl.stopped`)."""
         d, q = draft_token(sl, j)
+        if d is None:  # nothing the draft could propose is allowed: the chain ends before j
+            sl.stopped = True
+            return torch.zeros(1, dtype=torch.int64)
         if sl.stop_below > 0:  # the draft's probability of the token it drafted
             conf = float(q[d]) if q is not None else float(torch.softmax(sl.logits, -1).max())
             reach = sl.reach * sl.learn.accept_given_confidence(sl.seq.req.workload, conf)

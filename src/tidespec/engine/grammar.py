@@ -1,0 +1,208 @@
+"""Grammar constraints over token ids: which tokens may come next, at every verified position.
+
+The library is llguidance (Microsoft's Earley parser + derivative-based lexer, the `guidance` backend
+vLLM also offers). Measured against xgrammar on this tokenizer (`bench/results/grammar-libs.md`):
+both cost microseconds per token against a target forward of tens of ms (xgrammar fills a mask in
+3–11 µs, llguidance 12–16 µs; a k = 4 speculative step 30–53 vs 48–83 µs), so speed does not decide.
+llguidance is chosen because it gives what speculation needs directly — the forced tokens of the
+current state (`compute_ff_tokens`: the grammar proposer), how many of a draft the grammar accepts
+(`validate_tokens`), rollback — and bounds each mask's work (`STEP_LEXER_FUEL`: a pathological schema errors
+instead of stalling the batch), and it installs as one 3 MB wheel (xgrammar pulls triton, 1 GB).
+
+JSON is compiled compact and canonical (`", "` and `": "` separators, no free whitespace): a small
+target cannot loop on whitespace, and keys and punctuation become forced tokens.
+
+How the engine uses a `GrammarState` (`engine.logits.RequestLogits`): verify row i is masked by the
+state after drafts[:i] (`masks`), EAGLE3 drafts are drawn from the masked draft distribution (so
+every draft is valid and sampling stays exact), other drafts are cut at the first token the grammar
+forbids before verification (`valid_prefix`), and only emitted tokens advance the state (`advance`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+# Each mask's and each token's work is bounded (llguidance's `LLParserLimits`): ~3.6 ms of lexer
+# work (≈ 14k fuel/ms), 10k Earley items per step, and at most 500 items in one Earley row — the
+# bound that matters for an ambiguous grammar, whose rows grow with every token (`x: "a" | x x`
+# reaches 500 items after ~250 tokens, its slowest mask 5.7 ms and token 3.4 ms on this machine; at
+# llguidance's default of 2000 a mask took 320 ms). A grammar over a limit puts the request's
+# matcher in an error state: that request ends (`GrammarState.error`), the batch goes on. Measured
+# JSON schemas stay far below: < 0.15 ms per mask at p99 (bench/results/grammar-libs.md).
+STEP_LEXER_FUEL = 50_000
+STEP_MAX_ITEMS = 10_000
+MAX_ITEMS_IN_ROW = 500
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CACHE_SIZE = 256  # compiled grammars kept (LRU), per compiler
+
+
+class GrammarError(ValueError):
+    """A grammar or schema the library cannot compile (the message says why)."""
+
+
+def _llg():
+    import llguidance
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled constraint. text: llguidance's grammar (JSON of its grammar list, or Lark); key:
+    sha256 of it (16 hex, what capture records keep); template: a matcher in its start state, copied
+    per request (`state`)."""
+
+    text: str
+    key: str
+    template: object = field(compare=False, repr=False)
+    vocab_size: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    def state(self) -> GrammarState:
+        """A fresh matcher for one request."""
+        return GrammarState(self.template.deep_copy(), self.vocab_size, self.stop_ids)
+
+
+class GrammarCompiler:
+    """Compiles JSON schemas and Lark grammars for one tokenizer; compiled grammars are cached (LRU).
+
+    tokenizer_json: the HF `tokenizer.json` text of the target's tokenizer; vocab_size: the target's V
+    (masks are `[V]`); eos_ids: the ids that end a generation (allowed where the grammar accepts).
+    Building the token trie takes ~0.4 s once. Thread-safe.
+    """
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int] | tuple[int, ...]):
+        llg = _llg()
+        self.vocab_size, self.eos_ids = vocab_size, tuple(eos_ids)
+        self.tok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+        self.limits = llg.LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL, step_max_items=STEP_MAX_ITEMS,
+                                         max_items_in_row=MAX_ITEMS_IN_ROW)
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, hf_tokenizer, vocab_size: int, eos_ids) -> GrammarCompiler:
+        """From an HF fast tokenizer (its `backend_tokenizer`) or a `tokenizers.Tokenizer`."""
+        backend = getattr(hf_tokenizer, "backend_tokenizer", hf_tokenizer)
+        return cls(backend.to_str(), vocab_size, eos_ids)
+
+    def json_schema(self, schema: dict) -> Grammar:
+        """A JSON value valid against `schema` (dict), compact (`JSON_OPTIONS`). Raises GrammarError
+        for a schema llguidance cannot compile (unknown type, a `$ref` to nothing, unsupported keywords)."""
+        if not isinstance(schema, dict):
+            raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
+        try:
+            text = _llg().LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(str(e)) from None
+        return self.compile(text)
+
+    def lark(self, grammar: str) -> Grammar:
+        """A Lark grammar (llguidance's dialect: `%json {schema}` embeds a schema). Raises GrammarError."""
+        return self.compile(_llg().LLMatcher.grammar_from_lark(grammar))
+
+    def compile(self, text: str) -> Grammar:
+        """A grammar in llguidance's format, compiled (cached by its text). Raises GrammarError."""
+        with self._lock:
+            hit = self._cache.get(text)
+            if hit is not None:
+                self._cache.move_to_end(text)
+                return hit
+        m = _llg().LLMatcher(self.tok, text, log_level=0, limits=self.limits)
+        if m.is_error():
+            raise GrammarError(m.get_error())
+        g = Grammar(text, hashlib.sha256(text.encode()).hexdigest()[:16], m, self.vocab_size, self.eos_ids)
+        with self._lock:
+            self._cache[text] = g
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return g
+
+
+def schema_key(spec: dict) -> str:
+    """sha256 (16 hex) of a constraint's source (response_format / tools), canonical JSON: what a
+    captured record keeps so replay constrains the same way."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+class GrammarState:
+    """One request's matcher. Only `advance` changes its state; `masks`, `valid_prefix` and `forced`
+    leave it as they found it (a matcher that hits its work limit errors for good, wherever it was:
+    the request then ends)."""
+
+    def __init__(self, matcher, vocab_size: int, stop_ids: tuple[int, ...]):
+        self.m, self.V, self.stop_ids = matcher, vocab_size, stop_ids
+        self._words = (vocab_size + 31) // 32
+        self._emitted_bad = False
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar cannot go on (its work limit hit, or a forbidden token emitted); None while it can."""
+        if self.m.is_error():
+            return self.m.get_error() or "grammar matcher error"
+        return "a token the grammar forbids was emitted" if self._emitted_bad else None
+
+    def masks(self, prefix: list[int], n: int) -> torch.Tensor:
+        """Allowed tokens `[n, V]` bool: row i after the output so far plus prefix[:len(prefix)-n+1+i]
+        — i.e. the last n-1 tokens of `prefix` are the rows' drafts and the ones before them precede
+        row 0. Rows after a token the grammar forbids allow everything (verification never reaches
+        them: that token is masked in the row before), and so do rows after a stop id. Rows the
+        matcher could not compute (its work limit hit: `error`) allow only the stop ids."""
+        head = len(prefix) - (n - 1)
+        ok = self.m.validate_tokens(prefix) if prefix else 0
+        stop = next((i for i, t in enumerate(prefix) if t in self.stop_ids), None)
+        if stop is not None:  # a stop id ends the output: it is never consumed, rows after it never reached
+            ok = min(ok, stop)
+        if ok < head:  # the rows' prefix itself is invalid: no row is reachable
+            return torch.ones(n, self.V, dtype=torch.bool)
+        bits = np.full((n, self._words), -1, dtype=np.int32)
+        consumed = 0
+        for t in prefix[:head]:
+            if not self.m.consume_token(t):
+                break
+            consumed += 1
+        for i in range(n):
+            if head + i > ok:
+                break
+            if self.m.is_error():
+                bits[i:] = 0
+                break
+            self.m.unsafe_compute_mask_ptr(bits[i].ctypes.data, bits[i].nbytes)
+            if i < n - 1 and head + i < ok:
+                consumed += bool(self.m.consume_token(prefix[head + i]))
+        if consumed and not self.m.is_error():
+            self.m.rollback(consumed)
+        allowed = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.V].astype(bool))
+        empty = ~allowed.any(1)
+        if empty.any():  # only after an error (a sound grammar that is done still allows the stop ids)
+            allowed[empty.nonzero().squeeze(1)[:, None], torch.tensor(self.stop_ids or (0,))[None]] = True
+        return allowed
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (after the output so far) the grammar accepts in a row."""
+        return self.m.validate_tokens(tokens) if tokens else 0
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (its forced bytes, tokenized; the last token is held back
+        while a longer token could still cover it): the grammar proposer's drafts."""
+        if self.m.is_stopped() or self.m.is_error():
+            return []
+        return list(self.m.compute_ff_tokens())
+
+    def advance(self, tokens: list[int]) -> None:
+        """Record emitted tokens (up to a stop id, which ends the output and is never consumed). A
+        token the grammar refuses (only after an error) sets `error`."""
+        stop = next((i for i, t in enumerate(tokens) if t in self.stop_ids), len(tokens))
+        toks = tokens[:stop]
+        if toks and not self.m.consume_tokens(toks):
+            self._emitted_bad = True
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and only a stop id may follow."""
+        return self.m.is_stopped()
