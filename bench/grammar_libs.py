@@ -11,6 +11,7 @@ drafted tokens consumed, 5 masks filled (one per verify row), 4 rolled back. Who
 tokenizer's vocabulary analysis) is reported too. Passes interleave the libraries (A, B, B, A, ...), and
 each figure is the median over passes with its range.
 
+    .venv/bin/pip install xgrammar==0.2.8   # not a tidespec dependency (it pulls triton, ~1 GB)
     PYTHONPATH=src .venv/bin/python bench/grammar_libs.py --passes 5 --out bench/results/grammar-libs
 """
 from __future__ import annotations

@@ -187,9 +187,9 @@ def test_chat_logprobs(servers):
     (lambda c: c.completions.create(model=MODEL, prompt="t8", max_tokens=100000), "max_tokens"),
     (lambda c: c.completions.create(model=MODEL, prompt="t8", logit_bias={"999999": 5}), None),
     (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t8"}],
-                                         tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+                                         functions=[{"name": "f", "parameters": {}}]), "functions"),
     (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t8"}],
-                                         response_format={"type": "json_object"}), "response_format"),
+                                         tool_choice="required"), "tool_choice"),
     (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "messages.content"),
     (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t8", "name": "bob"}]),

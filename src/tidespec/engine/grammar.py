@@ -107,7 +107,8 @@ class GrammarCompiler:
         return self.compile(_llg().LLMatcher.grammar_from_lark(grammar))
 
     def compile(self, text: str) -> Grammar:
-        """A grammar in llguidance's format, compiled (cached by its text). Raises GrammarError."""
+        """A grammar in llguidance's format, compiled (cached by its text). Raises GrammarError when
+        llguidance refuses it or it admits no output (no first token: a `$ref` cycle, say)."""
         with self._lock:
             hit = self._cache.get(text)
             if hit is not None:
@@ -116,6 +117,9 @@ class GrammarCompiler:
         m = _llg().LLMatcher(self.tok, text, log_level=0, limits=self.limits)
         if m.is_error():
             raise GrammarError(m.get_error())
+        probe = GrammarState(m.deep_copy(), self.vocab_size, ())
+        if not bool(probe.masks([], 1).any()) or probe.error:  # e.g. a schema that is only a $ref cycle
+            raise GrammarError(f"the grammar admits no output: {probe.error or 'no token may start it'}")
         g = Grammar(text, hashlib.sha256(text.encode()).hexdigest()[:16], m, self.vocab_size, self.eos_ids)
         with self._lock:
             self._cache[text] = g

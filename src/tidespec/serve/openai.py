@@ -15,6 +15,7 @@ from .protocol import ChatRequest, CompletionRequest, _Sampling
 from .responses import Api, ChatApi, CompletionApi, envelope, ext, usage
 from .serving import OpenAIServing
 from .streaming import stream
+from .structured import Constraint, parse_tool_calls
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody is listening for the answer
 
@@ -51,7 +52,9 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await respond(serving, chat, body, request, [serving.chat_prompt(body)], body.num_logprobs())
+        con = serving.constraint(body)
+        return await respond(serving, chat, body, request, [serving.chat_prompt(body)], body.num_logprobs(),
+                             constraint=con)
 
     @router.get("/health")
     def health():
@@ -62,21 +65,26 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
 
 
 async def respond(serving: OpenAIServing, api: Api, body: _Sampling, request: Request, prompts: list[list[int]],
-                  logprobs: int | None, echo: bool = False) -> dict | Response:
+                  logprobs: int | None, echo: bool = False, constraint: Constraint | None = None) -> dict | Response:
     """One OpenAI request: streamed (`body.stream`) or the whole response once every choice is done
     (499 when the client went away meanwhile). `prompts`: token ids, one list per prompt;
-    `logprobs`: top alternatives per token (None: none); `echo`: the prompt's text first (completions)."""
+    `logprobs`: top alternatives per token (None: none); `echo`: the prompt's text first (completions);
+    `constraint`: the grammar of structured output or tool calls (a tool-calling choice's calls are
+    parsed into `tool_calls`)."""
     if body.stream:
-        return stream(serving, api, body, prompts, logprobs, echo)
-    adm = serving.admit(body, api, prompts, logprobs)
+        return stream(serving, api, body, prompts, logprobs, echo, constraint)
+    adm = serving.admit(body, api, prompts, logprobs, constraint=constraint)
     gens = await serving.collect(request, adm)
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     choices = []
     for c, g in zip(adm.choices, gens):
         c.prefix = serving.echo_prefix(adm, c) if echo else ""
-        choices.append(api.choice(c.index, c.prefix + c.text_so_far, delta=False, lps=g.logprobs,
-                                  offsets=c.offsets(0, len(g.tokens)), base=len(c.prefix), finish=g))
+        text, calls = c.prefix + c.text_so_far, None
+        if c.calls is not None:
+            text, calls = parse_tool_calls(text)
+        choices.append(api.choice(c.index, text, delta=False, lps=g.logprobs, offsets=c.offsets(0, len(g.tokens)),
+                                  base=len(c.prefix), finish=g, calls=calls, called=bool(calls)))
     resp = envelope(api, adm.request_id, int(time.time()), serving.model, choices,
                     usage=usage(prompts, sum(len(g.tokens) for g in gens)), tidespec=ext(gens[0]))
     serving.log_text(body, resp, adm)

@@ -11,6 +11,7 @@ A refusal raises `errors.OpenAIError` (400 naming the field; OpenAI's envelope).
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -43,11 +44,8 @@ class StreamOptions(_Strict):
 # fields OpenAI defines that this server does not implement: refused (400) when set to anything
 # but their "off" value; the reason is in the error and in the README table
 _CHAT_UNSUPPORTED = {
-    "tools": ("tool calling needs a tool-call parser for the target; none is configured", (None, [])),
-    "tool_choice": ("no tools are served (only 'none' is accepted)", (None, "none")),
-    "parallel_tool_calls": ("no tools are served", (None,)),
-    "functions": ("deprecated function calling is not served", (None, [])),
-    "function_call": ("deprecated function calling is not served", (None, "none")),
+    "functions": ("deprecated function calling is not served; use tools", (None, [])),
+    "function_call": ("deprecated function calling is not served; use tool_choice", (None, "none")),
     "audio": ("the target is text-only", (None,)),
     "modalities": ("the target is text-only (only [\"text\"])", (None, ["text"])),
     "prediction": ("predicted outputs are not served (speculation uses the draft)", (None,)),
@@ -188,15 +186,42 @@ class TextPart(_Strict):
     text: str
 
 
+NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's pattern for function and schema names
+
+
+class FunctionCall(_Strict):
+    """A call an earlier assistant message made: `arguments` is a JSON object as a string."""
+
+    name: str = Field(pattern=NAME)
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v):
+        try:
+            obj = json.loads(v)
+        except ValueError:
+            raise ValueError("arguments must be a JSON object encoded as a string") from None
+        if not isinstance(obj, dict):
+            raise ValueError("arguments must be a JSON object encoded as a string")
+        return v
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     """A chat message. developer is OpenAI's newer name for system and is rendered as system;
-    tool messages are rendered by the target's chat template with their tool_call_id."""
+    assistant tool_calls and tool messages are rendered in the tool-call format (`structured`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     refusal: str | None = None
 
     @field_validator("content", mode="before")
@@ -215,8 +240,8 @@ class ChatMessage(_Strict):
         if self.name is not None:
             raise _refuse("messages.name", "the target's chat template has no participant names; put the name "
                           "in the content")
-        if self.tool_calls:
-            raise _refuse("messages.tool_calls", "no tools are served")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise OpenAIError("only assistant messages carry tool_calls", param="messages.tool_calls")
         if self.content is None and self.role != "assistant":
             raise OpenAIError(f"a {self.role} message needs content", param="messages.content")
         if (self.tool_call_id is not None) != (self.role == "tool"):
@@ -231,18 +256,70 @@ class ChatMessage(_Strict):
         out = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return out
 
 
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: name, description, the schema, strict (the output is always
+    constrained to the schema exactly, strict or not)."""
+
+    name: str = Field(pattern=NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self):
+        if self.schema_ is None:
+            raise OpenAIError("response_format.json_schema.schema is required (the JSON schema of the output)",
+                              param="response_format.json_schema.schema")
+        return self
+
+
 class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema."""
+
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _pair(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise OpenAIError("response_format.json_schema is given with type json_schema, and only then",
+                              param="response_format.json_schema")
+        return self
+
+
+class FunctionDef(_Strict):
+    """A tool's function: name, description, parameters (a JSON schema; none: any object), strict."""
+
+    name: str = Field(pattern=NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Sampling):
     """`/v1/chat/completions`. logprobs: bool with top_logprobs 0–20; max_completion_tokens:
-    OpenAI's newer name for max_tokens (give one); response_format: text only; metadata: up to 16
-    string pairs, logged with the request by text capture."""
+    OpenAI's newer name for max_tokens (give one); response_format, tools, tool_choice,
+    parallel_tool_calls: grammar-constrained output (`structured`); metadata: up to 16 string pairs,
+    logged with the request by text capture."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -250,8 +327,8 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -271,11 +348,7 @@ class ChatRequest(_Sampling):
         for name, (why, ok) in _CHAT_UNSUPPORTED.items():
             if getattr(self, name) not in ok:
                 raise _refuse(name, why)
-        if self.response_format is not None and self.response_format.json_schema is not None:
-            raise _refuse("response_format", "json_schema needs constrained decoding, which is not served")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise _refuse("response_format", f"{self.response_format.type} needs constrained decoding, which is "
-                          "not served; ask for JSON in the prompt")
+        self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -286,6 +359,18 @@ class ChatRequest(_Sampling):
             raise OpenAIError("metadata holds at most 16 pairs (keys ≤ 64, values ≤ 512 characters)",
                               param="metadata")
         return self
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise OpenAIError("tools must have distinct function names", param="tools")
+        if not names and self.tool_choice not in (None, "none"):
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+        if not names and self.parallel_tool_calls is not None:
+            raise OpenAIError("parallel_tool_calls needs tools", param="parallel_tool_calls")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise OpenAIError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools "
+                              f"({', '.join(names)})", param="tool_choice")
 
     def max_new(self) -> int | None:
         """The most tokens to generate: max_completion_tokens or max_tokens (None: the server's default)."""

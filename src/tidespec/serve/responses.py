@@ -41,12 +41,15 @@ class Api:
 
     def choice(self, index: int, text: str, *, delta: bool, lps: list[TokenLogprob] | None = None,
                offsets: list[int] = (), base: int = 0, finish: Generation | None = None,
-               token_ids: list[int] | None = None) -> dict:
+               token_ids: list[int] | None = None, calls: list[dict] | None = None, called: bool = False) -> dict:
         """One choice: whole (`delta` False) or a streamed piece. `text`: its text (or the piece's);
         `lps`: its tokens' logprobs (None: not asked, or none in this piece) with `offsets`:
         characters into the choice's text, plus `base` (an echoed prompt's length); `finish`: the
-        finished Generation (None: more pieces follow); `token_ids`: a piece's new token ids."""
-        d = {"index": index, **self.content(text, delta), "finish_reason": finish.finish_reason if finish else None,
+        finished Generation (None: more pieces follow); `token_ids`: a piece's new token ids;
+        `calls`: tool calls (whole: OpenAI `tool_calls`; a piece: its `delta.tool_calls` entries);
+        `called`: the choice made tool calls (finish_reason "tool_calls")."""
+        reason = ("tool_calls" if called and finish.finish_reason == "stop" else finish.finish_reason) if finish else None
+        d = {"index": index, **self.content(text, delta, calls), "finish_reason": reason,
              "logprobs": self.logprobs(lps, offsets, base) if lps is not None else None}
         if finish is not None:
             d |= {"stop_reason": finish.stop_reason, "tidespec": ext(finish)}
@@ -59,7 +62,7 @@ class Api:
         prompt's text (None: no echo)."""
         return None
 
-    def content(self, text: str, delta: bool) -> dict:
+    def content(self, text: str, delta: bool, calls: list[dict] | None = None) -> dict:
         raise NotImplementedError
 
     def logprobs(self, lps: list[TokenLogprob], offsets: list[int], base: int) -> dict:
@@ -73,7 +76,7 @@ class CompletionApi(Api):
     object = chunk_object = "text_completion"
     id_prefix, prompt_param = "cmpl", "prompt"
 
-    def content(self, text: str, delta: bool) -> dict:
+    def content(self, text: str, delta: bool, calls: list[dict] | None = None) -> dict:
         return {"text": text}
 
     def opening(self, index: int, prefix: str | None) -> dict | None:
@@ -98,9 +101,11 @@ class ChatApi(Api):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix, prompt_param = "chatcmpl", "messages"
 
-    def content(self, text: str, delta: bool) -> dict:
+    def content(self, text: str, delta: bool, calls: list[dict] | None = None) -> dict:
         if delta:
-            return {"delta": {"content": text} if text else {}}
+            return {"delta": ({"content": text} if text else {}) | ({"tool_calls": calls} if calls else {})}
+        if calls:  # a tool-calling choice: content is the text outside the calls (None when there is none)
+            return {"message": {"role": "assistant", "content": text or None, "tool_calls": calls}}
         return {"message": {"role": "assistant", "content": text}}
 
     def opening(self, index: int, prefix: str | None) -> dict | None:

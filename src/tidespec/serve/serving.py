@@ -11,6 +11,8 @@ A `ValueError` is a client error only where it comes from checking the request (
 from __future__ import annotations
 
 import asyncio
+import logging
+import functools
 import threading
 import time
 import uuid
@@ -24,14 +26,19 @@ from pydantic import BaseModel
 from ..bootstrap import chat_ids
 from ..config import ServeParams
 from ..detok import TextOutput
+from ..engine.grammar import GrammarCompiler
 from ..engine.speculative import Engine, Generation
 from ..engine.speculative import Request as EngineRequest
+from . import structured
 from .engine_loop import EngineLoop
 from .errors import EngineError, OpenAIError, RequestTimeout
 from .metrics import FinishedRequestStats, ServeMetrics
 from .protocol import ChatRequest, _Sampling
 from .responses import Api
+from .structured import Constraint, ToolCallStream
 from .textlog import TextLog
+
+log = logging.getLogger(__name__)
 
 DEFAULT_WORKLOAD = "default"
 DISCONNECT_POLL_S = 0.05  # how often a waiting non-streamed request checks that its client is still there, s
@@ -51,6 +58,7 @@ class Choice:
     delivered: int = 0  # tokens streamed so far
     lp_pending: list = field(default_factory=list)  # streamed (TokenLogprob, text offset) not yet sent
     observed: bool = False  # its Generation is on /metrics
+    calls: ToolCallStream | None = None  # a tool-calling choice's streamed calls
 
     @property
     def text_so_far(self) -> str:
@@ -103,7 +111,25 @@ class OpenAIServing:
         ("messages") when the target has no chat template or the messages cannot be tokenized."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError("this server's target has no chat template: use /v1/completions", param="messages")
-        return self.tokenize(lambda: chat_ids(self.tokenizer, body.template_messages(), True), "messages")
+        messages = body.template_messages()
+        if body.tools or any("tool_calls" in m for m in messages):
+            messages = structured.render(messages, [t.model_dump(exclude_none=True) for t in body.tools or []])
+        return self.tokenize(lambda: chat_ids(self.tokenizer, messages, True), "messages")
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler | None:
+        """The grammar compiler for this target's tokenizer (built at the first constrained
+        request, ~0.4 s; None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        t = self.engine.target.cfg
+        return GrammarCompiler.for_tokenizer(self.tokenizer, t.vocab_size, t.eos_token_ids)
+
+    def constraint(self, body: ChatRequest) -> Constraint | None:
+        """The request's grammar (`structured.build`; None: unconstrained). Raises OpenAIError 400."""
+        needs = (body.response_format is not None and body.response_format.type != "text") or \
+            (body.tools and body.tool_choice != "none")
+        return structured.build(body, self.grammars if needs else None)
 
     @staticmethod
     def tokenize(fn: Callable[[], list[int]], param: str) -> list[int]:
@@ -116,9 +142,9 @@ class OpenAIServing:
 
     # -- admission ------------------------------------------------------------------------
     def admit(self, body: _Sampling, api: Api, prompts: list[list[int]], logprobs: int | None,
-              on_tokens: Callable[[int], OnTokens] | None = None) -> Admitted:
+              on_tokens: Callable[[int], OnTokens] | None = None, constraint: Constraint | None = None) -> Admitted:
         """Queue `body.n` engine requests per prompt (`on_tokens(choice index)`: the streaming
-        callback of each). Raises OpenAIError — 404 another model, 429 queue full, 400 naming the
+        callback of each; `constraint`: the grammar every choice follows). Raises OpenAIError — 404 another model, 429 queue full, 400 naming the
         field for anything the request asks that cannot be served — and then nothing is queued."""
         max_new = self._check(body, len(prompts))
         # the text of a stop token (stop_token_ids, EOS) is left out unless include_stop_str_in_output (vLLM)
@@ -137,8 +163,10 @@ class OpenAIServing:
                     req = EngineRequest(ids, max_new, request_id=rid, capture=False if getattr(body, "store", None) is False else None,
                                         sampling=body.sampling(self.cfg.default_temperature, j, logprobs),
                                         workload=body.workload or DEFAULT_WORKLOAD, stop=text,
-                                        on_tokens=on_tokens(idx) if on_tokens else None)
-                    adm.choices.append(Choice(idx, req, self._submit(req, body, ids, api.prompt_param), text))
+                                        on_tokens=on_tokens(idx) if on_tokens else None,
+                                        grammar=constraint.grammar if constraint is not None else None)
+                    calls = ToolCallStream() if constraint is not None and constraint.tools else None
+                    adm.choices.append(Choice(idx, req, self._submit(req, body, ids, api.prompt_param), text, calls=calls))
         except BaseException:
             for c in adm.choices:
                 self.engine.abort(c.req.request_id)
@@ -237,6 +265,9 @@ class OpenAIServing:
             if c.observed:
                 return
             c.observed = True
+        if g.grammar_error:
+            log.warning("request %s: its grammar could not go on (finish_reason length): %s", g.request_id,
+                        g.grammar_error.splitlines()[0])
         self.metrics.observe(FinishedRequestStats.of(g))
         self.metrics.set_running(self.engine.num_unfinished)
 

@@ -21,17 +21,20 @@ from .errors import InternalError, OpenAIError, RequestTimeout
 from .protocol import StreamOptions, _Sampling
 from .responses import Api, envelope, usage
 from .serving import Admitted, Choice, OpenAIServing
+from .structured import Constraint
 
 
 def stream(serving: OpenAIServing, api: Api, body: _Sampling, prompts: list[list[int]], logprobs: int | None,
-           echo: bool = False) -> StreamingResponse:
+           echo: bool = False, constraint: Constraint | None = None) -> StreamingResponse:
     """Admit the request (raising `OpenAIError` as `OpenAIServing.admit` does, before any byte is
     sent) and stream it. `prompts`: token ids, one list per prompt; `logprobs`: top alternatives per
-    token (None: none); `echo`: completions only, the prompt's text first."""
+    token (None: none); `echo`: completions only, the prompt's text first; `constraint`: the
+    request's grammar (a tool-calling choice streams `delta.tool_calls`, `structured.ToolCallStream`)."""
     aio = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     adm = serving.admit(body, api, prompts, logprobs,
-                        lambda idx: lambda toks, lps: aio.call_soon_threadsafe(q.put_nowait, (idx, toks, lps)))
+                        lambda idx: lambda toks, lps: aio.call_soon_threadsafe(q.put_nowait, (idx, toks, lps)),
+                        constraint=constraint)
     for c in adm.choices:
         c.fut.add_done_callback(lambda f, idx=c.index: aio.call_soon_threadsafe(q.put_nowait, (idx, None, None)))
     return StreamingResponse(ChoiceStream(serving, api, body, adm, q, echo).events(), media_type="text/event-stream")
@@ -110,8 +113,12 @@ class ChoiceStream:
 
     def _piece(self, c: Choice, delta: str, entries: list[tuple[TokenLogprob, int]], finish: Generation | None,
                toks: list[int] | None = None) -> dict:
+        calls = None
+        if c.calls is not None:  # a tool-calling choice: the text becomes content and/or tool-call deltas
+            delta, calls = c.calls.feed(delta, final=finish is not None)
         return self.api.choice(c.index, delta, delta=True, lps=[lp for lp, _ in entries] or None,
-                               offsets=[o for _, o in entries], base=len(c.prefix), finish=finish, token_ids=toks)
+                               offsets=[o for _, o in entries], base=len(c.prefix), finish=finish, token_ids=toks,
+                               calls=calls, called=c.calls is not None and c.calls.calls > 0)
 
     @staticmethod
     def _ready_logprobs(c: Choice, final: bool) -> list[tuple[TokenLogprob, int]]:

@@ -1,0 +1,182 @@
+"""Structured output and tool calls through `tidespec serve`, driven by the official `openai` SDK's
+helpers (`chat.completions.parse`, `pydantic_function_tool`, streamed and not), against two live
+servers: speculation (EAGLE3 random draft + suffix + grammar proposer) and none. The tiny target is
+random, so only the grammar makes its output valid; outputs must be equal on both servers."""
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from conftest import add_tiny_tokenizer, make_tiny_target, random_draft
+from pydantic import BaseModel, Field
+
+from tidespec.bench.serve import serve_in_thread
+from tidespec.config import ServeParams
+from tidespec.engine.speculative import Engine
+from tidespec.engine.suffix import SuffixCache
+from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.target import load_target
+from tidespec.server import build_app
+from tidespec.serve.structured import ToolCallStream
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=6)
+    role: Literal["engineer", "manager"]
+    age: int = Field(ge=0, le=99)
+    remote: bool
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string", "maxLength": 6}, "limit": {"type": "integer",
+                                                                                          "minimum": 1, "maximum": 9}},
+    "required": ["query", "limit"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("structured") / "target"  # a byte-level tokenizer: tool prompts need > 512 positions
+    add_tiny_tokenizer(make_tiny_target(d, max_position_embeddings=2048))
+    target, tok = load_target(d)
+    spec_eng = Engine(target, DraftRunner(random_draft(target, 64)), 3, 2048, suffix=SuffixCache())
+    plain_eng = Engine(target, None, 3, 2048)
+    cfg = ServeParams(max_tokens=400)
+    spec, plain = (serve_in_thread(build_app(e, tok, cfg, model="tiny")) for e in (spec_eng, plain_eng))
+    yield {"spec": spec, "plain": plain}
+    spec.stop()
+    plain.stop()
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def both(servers, fn):
+    return fn(client(servers["spec"])), fn(client(servers["plain"]))
+
+
+def test_parse_helper_returns_the_pydantic_model_equal_with_and_without_speculation(servers):
+    a, b = both(servers, lambda c: c.chat.completions.parse(model="tiny", messages=ASK, response_format=Person,
+                                                             temperature=0, max_tokens=200))
+    for r in (a, b):
+        assert r.choices[0].finish_reason == "stop"
+        assert isinstance(r.choices[0].message.parsed, Person)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.model_extra["tidespec"]["token_ids"] if "tidespec" in a.model_extra else True
+    stats = a.choices[0].model_extra["tidespec"]
+    assert stats["num_drafts"] > 0  # speculation ran (the grammar proposer at least: keys are forced)
+
+
+def test_json_object_and_json_schema_stream_equal_to_whole(servers):
+    schema = Person.model_json_schema() | {"additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    c = client(servers["spec"])
+    whole = c.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, temperature=0, max_tokens=200)
+    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="tiny", messages=ASK, response_format=fmt, temperature=0, max_tokens=200, stream=True) if ch.choices]
+    assert "".join(parts) == whole.choices[0].message.content
+    jsonschema.validate(json.loads(whole.choices[0].message.content), schema)
+    obj = c.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_object"},
+                                    temperature=0, max_tokens=300)
+    text = obj.choices[0].message.content
+    assert text.startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "search"}}])
+def test_tool_calls_valid_streamed_like_whole_and_equal_across_servers(servers, choice):
+    kw = dict(model="tiny", messages=ASK, tools=[WEATHER, SEARCH], tool_choice=choice, temperature=0, max_tokens=300,
+              parallel_tool_calls=False)
+    a, b = both(servers, lambda c: c.chat.completions.create(**kw))
+    msg = a.choices[0].message
+    assert a.choices[0].finish_reason == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    if isinstance(choice, dict):
+        assert call.function.name == "search"
+    tool = {"get_weather": WEATHER, "search": SEARCH}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert [(t.function.name, t.function.arguments) for t in b.choices[0].message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
+    deltas = [ch.choices[0] for ch in client(servers["spec"]).chat.completions.create(**kw, stream=True) if ch.choices]
+    entries = [e for d in deltas for e in d.delta.tool_calls or []]
+    assert entries[0].id.startswith("call_") and entries[0].function.name == call.function.name
+    assert entries[0].function.arguments == "" and len(entries) > 2  # arguments arrive in pieces, as vLLM streams
+    assert "".join(e.function.arguments or "" for e in entries) == call.function.arguments
+    assert deltas[-1].finish_reason == "tool_calls" and all(d.delta.content in (None, "") for d in deltas)
+
+
+def test_sdk_streaming_helper_with_pydantic_function_tool(servers):
+    class Lookup(BaseModel):
+        """Look a word up."""
+        word: str = Field(max_length=5)
+        lang: Literal["en", "fr"]
+
+    with client(servers["spec"]).chat.completions.stream(
+            model="tiny", messages=ASK, tools=[openai.pydantic_function_tool(Lookup)], tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0, max_tokens=200) as s:
+        final = s.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert call.function.name == "Lookup" and isinstance(call.function.parsed_arguments, Lookup)
+
+
+def test_tool_results_in_history_and_auto_choice(servers):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    r = client(servers["spec"]).chat.completions.create(model="tiny", messages=history, tools=[WEATHER],
+                                                        tool_choice="auto", temperature=0, max_tokens=60)
+    msg = r.choices[0].message
+    assert (msg.tool_calls is None) != (msg.content is None)  # text or calls, never both
+    for call in msg.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}},
+     "response_format.json_schema.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}], "tool_choice": "auto"},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.tool_calls"),
+])
+def test_bad_structured_requests_are_400_naming_the_field(servers, body, param):
+    r = httpx.post(f"{servers['spec'].url}/v1/chat/completions", json={"model": "tiny", "messages": ASK} | body,
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param or (err["param"] or "").startswith(param), err
+
+
+def test_tool_call_stream_parser_splits_text_and_calls():
+    s = ToolCallStream()
+    text = ('hi <tool_call>\n{"name": "f", "arguments": {"a": "}\\"]", "b": [1, {"c": 2}]}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+    content, entries = "", []
+    for i in range(0, len(text), 3):  # any split of the text gives the same calls
+        c, e = s.feed(text[i:i + 3], final=i + 3 >= len(text))
+        content, entries = content + c, entries + e
+    assert content == "hi "
+    heads = [e for e in entries if "id" in e]
+    assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "f"), (1, "g")]
+    args = ["".join(e["function"]["arguments"] for e in entries if e["index"] == i) for i in (0, 1)]
+    assert args == ['{"a": "}\\"]", "b": [1, {"c": 2}]}', "{}"] and s.calls == 2
