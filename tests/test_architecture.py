@@ -19,7 +19,7 @@ PACKAGE = "(tidespec/__init__)"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", (PACKAGE, "errors", "strict", "hashing", "config", "sagemaker_config", "workspace", "assets", "plots")),
     ("models", ("models", "models.target", "models.eagle3", "prompts", "bootstrap")),
-    ("engine", ("engine", "engine.stats", "engine.sampling", "engine.grammar", "engine.logits", "engine.suffix", "detok", "engine.calibration", "engine.goodput", "engine.adaptive", "engine.tree", "engine.request", "engine.proposers", "engine.proposers.base", "engine.proposers.eagle3", "engine.proposers.tree", "engine.proposers.suffix", "engine.proposers.grammar", "engine.plan", "engine.speculative", "capture.text",
+    ("engine", ("engine", "engine.stats", "engine.sampling", "engine.grammar", "engine.constraint", "engine.logits", "engine.suffix", "detok", "engine.calibration", "engine.goodput", "engine.adaptive", "engine.tree", "engine.request", "engine.proposers", "engine.proposers.base", "engine.proposers.eagle3", "engine.proposers.tree", "engine.proposers.suffix", "engine.proposers.grammar", "engine.plan", "engine.speculative", "capture.text",
                 "engine.replay", "capture", "capture.store", "capture.metrics")),
     ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "capture.ingest", "curate", "tuning",
                     "train", "train.resume", "train.trainer", "train.specforge",

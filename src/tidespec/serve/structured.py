@@ -1,36 +1,27 @@
-"""Structured output and tool calls for `/v1/chat/completions`: OpenAI's `response_format`
-(`json_object`, `json_schema`) and `tools` + `tool_choice` become one grammar (`engine.grammar`)
-that constrains the whole completion, so even a small target emits valid JSON and valid calls.
+"""Structured output and tool calls for `/v1/chat/completions`: the request's `response_format`
+(`json_object`, `json_schema`) or `tools` + `tool_choice` are checked (`build`: JSON Schema 2020-12
+meta-schema, `$ref` cycles, names) and turned into the canonical constraint spec and its grammar
+(`engine.constraint`: the spec, the grammar, the tool-call format), and a tool-calling completion
+is streamed as `delta.tool_calls` (`ToolCallStream`). `tool_choice: none` means no constraint (the
+tools are still shown to the target).
 
-Tool-call format. SmolLM2-Instruct's chat template renders no tools, so tidespec uses one documented
-fallback, the Hermes-style format Qwen2.5 and NousResearch's Hermes models are trained on (vLLM's
-`hermes` tool parser reads it): the tools' JSON schemas go into the system message, and a call is
-`<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`, calls separated by a newline.
-Assistant messages carrying `tool_calls` are rendered back in that format; `tool` messages keep
-their role. The grammar per `tool_choice`: `required` — one or more calls (exactly one with
-`parallel_tool_calls: false`); a named function — one call of it; `auto` — either text that does
-not start with `<` or calls; `none` — no constraint (the tools are still shown). JSON is compact
-(`", "` / `": "`), as `engine.grammar` compiles it, which is what `ToolCallStream` relies on.
-
-Errors are `OpenAIError` 400s naming the field (`response_format`, `tools[i].function.parameters`,
+Errors are `OpenAIError` 400s naming the field (`response_format…`, `tools[i].function.parameters`,
 `tool_choice`, `min_tokens`) and the reason.
 """
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from ..engine.grammar import JSON_OPTIONS, Grammar, GrammarCompiler, GrammarError, schema_key
+from ..engine.constraint import ANY_OBJECT, CLOSE, OPEN, grammar_for, kind_of, new_call_id, parse_tool_calls, render
+from ..engine.grammar import Grammar, GrammarCompiler, GrammarError, schema_key
 from .errors import OpenAIError
 
-OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
-ANY_OBJECT = {"type": "object"}
-_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
+__all__ = ["Constraint", "ToolCallStream", "build", "check_schema", "parse_tool_calls", "render"]
 
 
 @dataclass(frozen=True)
@@ -93,30 +84,11 @@ def _ref_cycle(schema: dict) -> list[str]:
     return []
 
 
-def _compile(fn, arg, param: str) -> Grammar:
+def _compile(spec: dict, compiler: GrammarCompiler, param: str) -> Grammar:
     try:
-        return fn(arg)
+        return grammar_for(spec, compiler)
     except GrammarError as e:
         raise OpenAIError(f"{param} cannot be compiled into a grammar: {str(e).splitlines()[0]}", param=param) from None
-
-
-def call_schema(tools: list[dict]) -> dict:
-    """The schema of one call: `{"name": const, "arguments": parameters}` for each of `tools`."""
-    alts = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                              "arguments": t["function"].get("parameters") or ANY_OBJECT},
-             "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return alts[0] if len(alts) == 1 else {"anyOf": alts}
-
-
-def tools_grammar(tools: list[dict], choice, parallel: bool) -> str:
-    """The Lark grammar (llguidance's dialect) of a completion under `tool_choice` `choice`."""
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    allowed = [t for t in tools if t["function"]["name"] == named] if named else tools
-    schema = call_schema(allowed) | {"x-guidance": JSON_OPTIONS}  # compact JSON, as `engine.grammar` compiles it
-    call = f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"'
-    calls = "calls: call" if named or not parallel else 'calls: call ("\\n" call)*'
-    start = "start: calls | TEXT\nTEXT: /[^<][\\s\\S]*/" if choice == "auto" else "start: calls"
-    return "\n".join([start, calls, call])
 
 
 def build(body, compiler: GrammarCompiler | None) -> Constraint | None:
@@ -128,81 +100,26 @@ def build(body, compiler: GrammarCompiler | None) -> Constraint | None:
     if rf is not None and rf.type != "text" and use_tools:
         raise OpenAIError("response_format json_object/json_schema and tool calls cannot both constrain one "
                           "completion; send tool_choice: none, or drop response_format", param="response_format")
+    for i, t in enumerate(tools):
+        check_schema(t["function"].get("parameters") or ANY_OBJECT, f"tools[{i}].function.parameters")
     if (rf is None or rf.type == "text") and not use_tools:
-        for i, t in enumerate(tools):
-            check_schema(t["function"].get("parameters") or ANY_OBJECT, f"tools[{i}].function.parameters")
         return None
+    param = "tools" if use_tools else "response_format"
     if compiler is None:
-        raise OpenAIError("structured output needs the target's tokenizer; this server has none",
-                          param="tools" if use_tools else "response_format")
+        raise OpenAIError("structured output needs the target's tokenizer; this server has none", param=param)
     if body.min_tokens:
         raise OpenAIError("min_tokens cannot be combined with response_format or tools (it would mask the end "
                           "the grammar requires)", param="min_tokens")
     if use_tools:
-        for i, t in enumerate(tools):
-            check_schema(t["function"].get("parameters") or ANY_OBJECT, f"tools[{i}].function.parameters")
-        parallel = body.parallel_tool_calls is not False
-        spec = {"tools": tools, "tool_choice": choice or "auto", "parallel_tool_calls": parallel}
-        g = _compile(compiler.lark, tools_grammar(tools, choice or "auto", parallel), "tools")
-        return Constraint(g, "tools", spec, schema_key(spec), tools=True)
-    if rf.type == "json_object":
+        spec = {"tools": tools, "tool_choice": choice or "auto", "parallel_tool_calls": body.parallel_tool_calls
+                is not False}
+    elif rf.type == "json_object":
         spec = {"response_format": {"type": "json_object"}}
-        return Constraint(_compile(compiler.json_schema, ANY_OBJECT, "response_format"), "json_object", spec,
-                          schema_key(spec))
-    js = rf.json_schema
-    schema = check_schema(js.schema_, "response_format.json_schema.schema")
-    spec = {"response_format": rf.model_dump(by_alias=True, exclude_none=True)}
-    return Constraint(_compile(compiler.json_schema, schema, "response_format.json_schema.schema"), "json_schema",
-                      spec, schema_key(spec))
-
-
-def tools_system_text(tools: list[dict]) -> str:
-    """The system-message block that shows the tools and the call format to the target."""
-    lines = "\n".join(json.dumps(t["function"], separators=(", ", ": ")) for t in tools)
-    return ("You can call functions. Their signatures, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
-            "To call one, answer with <tool_call>\n{\"name\": <function name>, \"arguments\": <arguments as a "
-            "JSON object>}\n</tool_call> (one block per call).")
-
-
-def render(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """Chat-template messages with the tools in the system message (a new first one if there is
-    none) and assistant `tool_calls` rendered as call blocks after their content."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        calls = m.pop("tool_calls", None)
-        if calls:
-            blocks = [OPEN + json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])},
-                                        separators=(", ", ": ")) + CLOSE for c in calls]
-            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
-        out.append(m)
-    if tools:
-        text = tools_system_text(tools)
-        if out and out[0]["role"] == "system":
-            out[0] = out[0] | {"content": out[0]["content"] + "\n\n" + text}
-        else:
-            out.insert(0, {"role": "system", "content": text})
-    return out
-
-
-def new_call_id() -> str:
-    """A tool call id (OpenAI's `call_` + 24 characters)."""
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a completion: every `<tool_call>` block that parses becomes an
-    OpenAI tool call (`arguments` a JSON string); content is the text outside them (None if empty)."""
-    calls = []
-    for m in _CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-            calls.append({"id": new_call_id(), "type": "function", "function": {
-                "name": obj["name"], "arguments": json.dumps(obj["arguments"], separators=(", ", ": "))}})
-        except (ValueError, KeyError, TypeError):
-            return (text or None), []  # an unfinished call (finish_reason length): the text as it is
-    rest = _CALL_RE.sub("", text).strip() if calls else text
-    return (rest or None), calls
+    else:
+        param = "response_format.json_schema.schema"
+        check_schema(rf.json_schema.schema_, param)
+        spec = {"response_format": rf.model_dump(by_alias=True, exclude_none=True)}
+    return Constraint(_compile(spec, compiler, param), kind_of(spec), spec, schema_key(spec), tools=use_tools)
 
 
 @dataclass
