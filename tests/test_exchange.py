@@ -215,9 +215,25 @@ def test_partial_chat_text_is_regenerated_not_trusted():
                                                                "function": {"name": "f", "arguments": "{}"}}]}}]}
     reasoning = {**CHAT_RESP, "choices": [{"index": 0, "finish_reason": "stop", "message": {
         "role": "assistant", "content": "42", "reasoning_content": "6*7"}}]}
-    for resp in (tool, reasoning):
-        ex = parse_line(capture_line(CHAT_REQ, resp))
-        assert ex.response_text is None and ex.finish_reason in ("tool_calls", "stop")
+    ex = parse_line(capture_line(CHAT_REQ, reasoning))
+    assert ex.response_text is None and ex.finish_reason == "stop"
+    # tool calls are the target's text in the Hermes-style tool-call format (what `tidespec serve` emits)
+    ex = parse_line(capture_line(CHAT_REQ, tool))
+    assert ex.response_text == '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert ex.finish_reason == "tool_calls"
+
+
+def test_streamed_tool_calls_are_joined_into_the_calls_text():
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                                                  "function": {"name": "get", "arguments": ""}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '1}'}}]}}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]
+    line = capture_line({**CHAT_REQ, "stream": True}, sse([c | {"model": CHAT_RESP["model"]} for c in chunks]),
+                        out_encoding="BASE64", out_ctype="text/event-stream")
+    ex = parse_line(line)
+    assert ex.response_text == '<tool_call>\n{"name": "get", "arguments": {"a": 1}}\n</tool_call>'
 
 
 def test_not_a_capture_record():

@@ -157,15 +157,16 @@ def test_request_shapes_and_errors():
     assert completion_ids(tok, "ok", "length", 2) == ids("ok") and completion_ids(tok, "", "stop", 2) == [2]
     bad = [("completions", {"prompt": ["a", "b"]}, "batch of 2 prompts"), ("completions", {"prompt": []}, "prompt"),
            ("completions", {}, "prompt"), ("embeddings", {"input": "a"}, "route"),
-           ("chat", {"messages": []}, "messages"), ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "role"),
+           ("chat", {"messages": []}, "messages"), ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "role"),
            ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text")]
     for route, req, msg in bad:
         with pytest.raises(ValueError, match=msg):
             request_prompt_ids(tok, route, req)
     with pytest.raises(ValueError, match="tokenizer"):
         request_prompt_ids(None, "completions", {"prompt": "hi"})
+    assert completion_ids(tok, "x", "tool_calls", 2) == ids("x") + [2]  # the calls' text, then EOS
     with pytest.raises(ValueError, match="finish_reason"):
-        completion_ids(tok, "x", "tool_calls", 2)
+        completion_ids(tok, "x", "content_filter", 2)
 
 
 @pytest.mark.full_model

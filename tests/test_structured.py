@@ -9,6 +9,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from conftest import add_tiny_tokenizer, make_tiny_target, random_draft
 from pydantic import BaseModel, Field
 
@@ -180,3 +181,61 @@ def test_tool_call_stream_parser_splits_text_and_calls():
     assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "f"), (1, "g")]
     args = ["".join(e["function"]["arguments"] for e in entries if e["index"] == i) for i in (0, 1)]
     assert args == ['{"a": "}\\"]", "b": [1, {"c": 2}]}', "{}"] and s.calls == 2
+
+
+def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_replay(tmp_path):
+    """Served with live capture and text capture at once: the ingested (rehydrated) records equal the
+    live ones token for token, both keep the request's constraint spec, and replaying a record's
+    prompt under the grammar compiled from that spec gives the served tokens back (evaluation's path)."""
+    from fastapi.testclient import TestClient
+
+    from tidespec.capture.ingest import ingest_source
+    from tidespec.capture.store import read_manifest, read_record
+    from tidespec.capture.text import TextCapture
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.config import load_params
+    from tidespec.cycle import constrained
+    from tidespec.engine.replay import replay
+    from tidespec.workspace import Workspace
+    from conftest import tiny_params_yaml
+
+    d = add_tiny_tokenizer(make_tiny_target(tmp_path / "target", max_position_embeddings=2048))
+    target, tok = load_target(d)
+    live = CaptureWriter(tmp_path / "live", target.target_id, shard_max_records=4)
+    text = TextCapture(tmp_path / "text")
+    eng = Engine(target, DraftRunner(random_draft(target, 64, seed=1)), 3, 2048, capture=live, suffix=SuffixCache())
+    schema = Person.model_json_schema() | {"additionalProperties": False}
+    bodies = [{"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
+              {"response_format": {"type": "json_object"}, "max_tokens": 40},
+              {"tools": [WEATHER, SEARCH], "tool_choice": "required", "parallel_tool_calls": False},
+              {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+               "stream": True}]
+    with TestClient(build_app(eng, tok, ServeParams(max_tokens=160), text_capture=text)) as c:
+        for b in bodies:
+            r = c.post("/v1/chat/completions", json={"messages": ASK, "temperature": 0} | b)
+            assert r.status_code == 200, r.text
+    live.close()
+    text.close()
+    (tmp_path / "params.yaml").write_text(tiny_params_yaml(d))
+    params = load_params(tmp_path / "params.yaml")
+    w = CaptureWriter(tmp_path / "ingested", target.target_id, shard_max_records=4)
+    rep = ingest_source(str(tmp_path / "text"), None, Workspace(tmp_path), params, target, tok, w)
+    w.close()
+    assert rep["rehydrated"] == 4 and rep["skipped"] == {}, rep
+    want = {r.request_id: r for r in read_manifest(tmp_path / "live")}
+    got = {r.request_id: r for r in read_manifest(tmp_path / "ingested")}
+    assert set(got) == set(want) and len(want) == 4
+    rows = []
+    for rid, row in got.items():
+        a, b = read_record(tmp_path / "ingested", row), read_record(tmp_path / "live", want[rid])
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert row.constraint == want[rid].constraint and row.constraint is not None
+        prompt = b["input_ids"][b["loss_mask"] == 0].tolist()
+        served = b["input_ids"][b["loss_mask"] == 1].tolist()
+        rows.append({"id": rid, "input_ids": prompt, "constraint": row.constraint, "served": served})
+    kinds = sorted("tools" if "tools" in r["constraint"] else r["constraint"]["response_format"]["type"] for r in rows)
+    assert kinds == ["json_object", "json_schema", "tools", "tools"]
+    runs = replay({"base": (Engine(target, None, 3, 2048), False)}, constrained(rows, target, tok), 160)
+    for r in rows:  # a record holds prompt + generated[:-1]: the replayed output continues it exactly
+        out = runs["base"]["outputs"][r["id"]]
+        assert out[:len(r["served"])] == r["served"] and len(out) == len(r["served"]) + 1

@@ -124,6 +124,8 @@ def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: 
              "num_tokens": row.num_tokens, "workload": row.workload, "prompt_hash": row.prompt_hash, **(tag or {})}
         if keep_prompt_ids:
             e["prompt_ids"] = rec["input_ids"][rec["loss_mask"] == 0].tolist()
+            if row.constraint is not None:  # evaluate replays it under the same grammar
+                e["constraint"] = row.constraint
         out.append(e)
     return out
 
@@ -162,6 +164,7 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     holdout = holdout[:params.max_holdout]
     for r in train + val:
         r.pop("prompt_ids", None)
+        r.pop("constraint", None)
     replay, replay_dropped = [], Counter()
     if params.replay_fraction > 0 and older:
         pool = []
@@ -180,9 +183,10 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     out.parent.mkdir(parents=True, exist_ok=True)
     hold_path = out.with_name("holdout.jsonl")  # prompts (token ids): private, like the snapshots
     write_private(hold_path, "".join(json.dumps({"id": r["request_id"], "workload": r["workload"],
-                                                 "input_ids": r["prompt_ids"], "prompt_hash": r["prompt_hash"]}) + "\n"
+                                                 "input_ids": r["prompt_ids"], "prompt_hash": r["prompt_hash"]}
+                                                | ({"constraint": r["constraint"]} if "constraint" in r else {})) + "\n"
                                      for r in holdout).encode())
-    holdout_index = [{k: v for k, v in r.items() if k != "prompt_ids"} for r in holdout]
+    holdout_index = [{k: v for k, v in r.items() if k not in ("prompt_ids", "constraint")} for r in holdout]
     for r in train + val + holdout_index:  # relative to the index: a clone or another machine reads the same set
         r["snapshot"] = os.path.relpath(r["snapshot"], out.parent)
     index = {"target_id": target_id, "snapshots": [os.path.relpath(s, out.parent) for s in snaps],

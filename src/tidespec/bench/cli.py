@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from ..prompts import STRUCTURED
 from ..workspace import DRAFT_FILES, Workspace, engine_dir
 
 bench_app = typer.Typer(help="Benchmarks; results to bench/results/*.json + a markdown table.")
@@ -196,6 +197,46 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                     concurrency=tuple(concurrency), vllm_skipped=vllm_skipped)
     console.print((out / "engine.md").read_text())
     console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
+
+
+@bench_app.command("structured")
+def bench_structured(root: Path = ROOT, params: Path = PARAMS,
+                     static: Path = typer.Option(None, help="static draft dir (default: the cached bootstrap draft)"),
+                     adapted: Path = typer.Option(None, help="adapted draft dir (default: <root>/data/drafts/champion; "
+                                                  "rows without it when it is missing)"),
+                     prompts: int = typer.Option(6, min=1, help="held-out prompts per set"),
+                     max_new_tokens: int = typer.Option(160, min=1),
+                     threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
+                     concurrency: list[int] = typer.Option([1, 8], help="closed-loop clients (repeat)"),
+                     passes: int = typer.Option(3, min=1, help="interleaved passes (paired ratios, their spread)"),
+                     prompt_set: list[str] = typer.Option(list(STRUCTURED), "--set",
+                                                          help="structured prompt sets (repeat)"),
+                     out: Path = typer.Option(Path("bench/results/structured"))):
+    """Structured output and tool calls: constrained decoding without speculation vs grammar-forced
+    tokens alone, suffix, static / adapted EAGLE3 and the hybrid, per structured set, at concurrency
+    1 and a closed-loop sweep; every output checked valid and equal to the constrained reference."""
+    from .. import assets
+    from ..config import load_params
+    from ..demo import static_draft_dir
+    from ..runtime import target_id
+    from . import structured as bench
+    p = load_params(params)
+    bad = sorted(set(prompt_set) - set(STRUCTURED))
+    if bad:
+        raise ValueError(f"unknown structured set(s) {bad}; use {', '.join(STRUCTURED)}")
+    if any(c < 1 for c in concurrency):
+        raise ValueError(f"--concurrency must be >= 1, got {sorted(concurrency)}")
+    adapted = adapted or Workspace(root.resolve()).champion
+    if not (engine_dir(Path(adapted)) / "model.safetensors").exists():
+        console.print(f"no adapted rows: no draft at {adapted} (pass --adapted DIR)")
+        adapted = None
+    static = static or static_draft_dir(p, target_id(p), assets.cache_dir())
+    if not (engine_dir(Path(static)) / "model.safetensors").exists():
+        raise ValueError(f"static draft not found at {static}: run `make demo` first, or pass --static DIR")
+    res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, passes, tuple(concurrency),
+                    tuple(prompt_set), progress=console.print)
+    console.print((out / "structured.md").read_text())
+    console.print(f"wrote {out / 'structured.json'} and {out / 'structured.md'} in {res['setup']['wall_s']:.0f} s")
 
 
 def _vllm_rows(python: str | None) -> tuple[str | None, str | None]:

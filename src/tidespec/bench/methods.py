@@ -34,7 +34,8 @@ class MethodSpec:
     suffix: the suffix proposer on (alone without a draft, hybrid with one); max_batch: the
     engine's running-request limit (None = params' engine.max_batch; the concurrency sweep sets its
     highest concurrency); tree: (eagle_topk, num_draft_tokens) of EAGLE-2 draft trees (`engine.tree`),
-    None = params' engine.tree; python: vLLM's interpreter (kind "vllm")."""
+    None = params' engine.tree; python: vLLM's interpreter (kind "vllm"); forced: speculate with the
+    grammar-forced tokens of constrained requests alone (no draft, no suffix: `proposers.grammar`)."""
 
     name: str
     kind: str
@@ -46,6 +47,7 @@ class MethodSpec:
     max_batch: int | None = None
     tree: tuple[int, int] | None = None
     python: str | None = None
+    forced: bool = False
 
 
 def _vm_hwm_mb(pid: int) -> float:
@@ -138,27 +140,46 @@ class TidespecMethod:
         self.engine = make_engine(params.model_copy(update={"engine": eng}), target, runner,
                                   adaptive=(runner is not None or spec.suffix) and spec.k is None,
                                   capture=self.writer)
+        self._compiler, self._grammars = None, {}
 
     @property
     def _speculative(self) -> bool:
-        return self.spec.draft is not None or self.spec.suffix
+        return self.spec.draft is not None or self.spec.suffix or self.spec.forced
 
-    def run(self, ids: list[int], max_new: int, workload: str) -> dict:
-        g = self.engine.generate(ids, max_new, speculative=self._speculative,
-                                 k=self.spec.k, capture=self.spec.capture, workload=workload)  # captured: handed on
+    def _grammar(self, constraint: str):
+        """The compiled grammar of a constraint spec (canonical JSON, `prompts.Prompt.constraint`), None for ""."""
+        if not constraint:
+            return None
+        if constraint not in self._grammars:
+            from ..engine.constraint import grammar_for
+            from ..engine.grammar import GrammarCompiler
+            if self._compiler is None:
+                t = self.engine.target.cfg
+                self._compiler = GrammarCompiler.for_tokenizer(get_target(self.params)[1], t.vocab_size,
+                                                               t.eos_token_ids)
+            self._grammars[constraint] = grammar_for(json.loads(constraint), self._compiler)
+        return self._grammars[constraint]
+
+    def _request(self, ids: list[int], max_new: int, workload: str, constraint: str = "") -> Request:
+        return Request(ids, max_new, self._speculative, self.spec.k, self.spec.capture, workload=workload,
+                       grammar=self._grammar(constraint))
+
+    def run(self, ids: list[int], max_new: int, workload: str, constraint: str = "") -> dict:
+        """One request alone (`constraint`: its constraint spec as canonical JSON, "" for free text)."""
+        g = self.engine.generate_batch([self._request(ids, max_new, workload, constraint)])[0]  # captured: handed on
         return self._row(g)
 
-    def run_many(self, prompts: list[tuple[str, list[int]]], max_new: int, workload: str, concurrency: int) -> dict:
+    def run_many(self, prompts: list[tuple], max_new: int, workload: str, concurrency: int) -> dict:
         """Closed loop of `concurrency` clients: each sends its next prompt when its last one
-        finished, until `prompts` are all served (the engine batches whatever is running).
-        Returns {"results": per request rows with "id", "wall_s": the whole run's wall time}."""
+        finished, until `prompts` ((id, ids) or (id, ids, constraint spec)) are all served (the engine
+        batches whatever is running). Returns {"results": per request rows with "id", "wall_s": the
+        whole run's wall time}."""
         queue, live, out = list(prompts), {}, []
         t0 = time.perf_counter()
         while queue or live:
             while queue and len(live) < concurrency:
-                pid, ids = queue.pop(0)
-                live[self.engine.submit(Request(ids, max_new, self._speculative, self.spec.k, self.spec.capture,
-                                                workload=workload))] = pid
+                pid, ids, *con = queue.pop(0)
+                live[self.engine.submit(self._request(ids, max_new, workload, *con))] = pid
             self.engine.step()
             for f in [f for f in live if f.done()]:
                 out.append(self._row(f.result()) | {"id": live.pop(f)})
@@ -168,6 +189,7 @@ class TidespecMethod:
     def _row(g) -> dict:
         s = g.stats
         return {"tokens": g.tokens, "ttft_s": g.timing.prefill_s, "steps": g.timing.steps,
+                "finish_reason": g.finish_reason,
                 "forwards": 1 + len(g.timing.steps),
                 "drafts": {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                            "num_accepted_tokens": s.num_accepted_tokens,

@@ -64,12 +64,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..engine.constraint import call_text
+
 SKIP_REASONS = ("malformed_json", "truncated", "bad_record", "bad_base64", "csv_body", "non_utf8", "not_openai",
                 "error_response", "other_model", "empty_prompt", "n_gt_1")
 #: also counted by `parse_object`: a repeated event id (line dropped), an exchange without response (kept; information)
 OBJECT_COUNTS = ("duplicate_event", "missing_response")
-#: generated output a chat message/delta can carry besides `content` (OpenAI tools; vLLM/SGLang reasoning parsers)
-_NOT_CONTENT = ("tool_calls", "function_call", "reasoning_content", "reasoning")
+#: generated output a chat message/delta can carry besides `content` that is not recoverable as the target's text
+#: (deprecated function calls; vLLM/SGLang reasoning parsers). `tool_calls` are: `engine.constraint.call_text`.
+_NOT_CONTENT = ("function_call", "reasoning_content", "reasoning")
 
 
 class SkipRecord(ValueError):
@@ -180,11 +183,30 @@ def _raise_if_error(obj: Any, what: str) -> None:
 
 
 def _choice_text(choice: dict, route: str, key: str) -> tuple[str | None, bool]:
-    """(text of one choice's message/delta or None; whether it also carries tool calls / reasoning, i.e. is partial)."""
+    """(text of one choice's message or None; whether it also carries output that is not recoverable
+    text, i.e. is partial). A message's `tool_calls` become the completion the target generated in
+    tidespec's tool-call format (`engine.constraint.call_text`)."""
     if route == "completions":
         return _str(choice, "text"), False
     msg = choice.get(key)
-    return _str(msg, "content"), isinstance(msg, dict) and any(msg.get(k) for k in _NOT_CONTENT)
+    partial = isinstance(msg, dict) and any(msg.get(k) for k in _NOT_CONTENT)
+    calls = msg.get("tool_calls") if isinstance(msg, dict) else None
+    if calls:
+        try:
+            return call_text(_str(msg, "content"), calls), partial
+        except (KeyError, TypeError):
+            return None, True
+    return _str(msg, "content"), partial
+
+
+def _delta_calls(acc: dict[int, dict], entries) -> None:
+    """Accumulate streamed `delta.tool_calls` entries into {index: {"function": {"name", "arguments"}}}."""
+    for e in entries if isinstance(entries, list) else []:
+        if not isinstance(e, dict):
+            continue
+        fn, c = e.get("function") or {}, acc.setdefault(e.get("index", 0), {"function": {"name": "", "arguments": ""}})
+        c["function"]["name"] += fn.get("name") or ""
+        c["function"]["arguments"] += fn.get("arguments") or ""
 
 
 def _sse_events(text: str) -> list[str]:
@@ -200,7 +222,7 @@ def _sse_events(text: str) -> list[str]:
 
 def _stream(text: str, route: str, model: str | None) -> tuple[str | None, str | None, str | None]:
     """(text, or None when cut before [DONE] or partial; last finish_reason; model) of an SSE body."""
-    parts, finish, seen, done, partial = [], None, None, False, False
+    parts, finish, seen, done, partial, calls = [], None, None, False, False, {}
     for data in _sse_events(text):
         if data.strip() == "[DONE]":
             done = True
@@ -215,11 +237,17 @@ def _stream(text: str, route: str, model: str | None) -> tuple[str | None, str |
         for ch in choices or []:
             if ch.get("index", 0) != 0:
                 raise SkipRecord("n_gt_1", f"stream chunk for choice index {ch.get('index')!r}")
+            delta = ch.get("delta") if route == "chat" else None
+            if isinstance(delta, dict) and delta.get("tool_calls"):
+                _delta_calls(calls, delta["tool_calls"])
+                delta = {k: v for k, v in delta.items() if k != "tool_calls"}
+                ch = ch | {"delta": delta}
             piece, extra = _choice_text(ch, route, "delta")
             parts.append(piece or "")
             partial = partial or extra
             finish = _str(ch, "finish_reason") or finish
-    return ("".join(parts) if done and not partial else None), finish, seen
+    text = call_text("".join(parts), [calls[i] for i in sorted(calls)]) if calls else "".join(parts)
+    return (text if done and not partial else None), finish, seen
 
 
 def _response(part: Any, route: str, model: str | None) -> tuple[str | None, str | None, bool | None, str | None]:

@@ -25,6 +25,7 @@ Exactly once, across kills at any point:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Protocol
 
 from ..config import Params
+from ..engine.constraint import grammar_for, spec_of_request
+from ..engine.grammar import GrammarCompiler, GrammarError
 from ..engine.speculative import Engine
 from ..sagemaker_config import parse_s3_uri
 from ..workspace import Workspace
@@ -201,7 +204,7 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
                         "completion": ex.response_text or tok.decode(gen, skip_special_tokens=True)}
                 # acceptance_length 0.0: no serving-time τ for endpoint traffic (acceptance_rate None: not filtered)
                 if not writer.submit(rec, request_id=ex.event_id, workload=wl, acceptance_length=0.0,
-                                     prompt_id=ex.event_id, text=text, origin=origin):
+                                     prompt_id=ex.event_id, text=text, origin=origin, constraint=_spec(ex)):
                     # the writer refused it (disk quota/full, closed; counted there): stop here without a ledger
                     # line, so the next run reads this object again (what was written is deduplicated by event id)
                     writer.flush()
@@ -232,6 +235,16 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
     return rep
 
 
+def _spec(ex) -> dict | None:
+    """The exchange's constraint spec (its `response_format` / `tools`), None for free text or completions."""
+    return spec_of_request(ex.request) if ex.route == "chat" else None
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler(target, tok) -> GrammarCompiler:
+    return GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
+
+
 def _exchange_ids(exchanges, seen: set[str], params: Params, target, tok, engine: Engine,
                   skipped: Counter) -> list[tuple]:
     """(exchange, prompt ids, generated ids, origin) of each exchange to rehydrate, in order; the
@@ -258,7 +271,12 @@ def _exchange_ids(exchanges, seen: set[str], params: Params, target, tok, engine
             if n_new < 1:
                 skipped["too_long"] += 1
                 continue
-            gen, origin = regenerate(engine, prompt, n_new), "regenerated"
+            try:  # a constrained request is regenerated under its grammar, as it was served
+                grammar = None if _spec(ex) is None else grammar_for(_spec(ex), _compiler(target, tok))
+            except (GrammarError, KeyError, TypeError):
+                skipped["unsupported_request"] += 1
+                continue
+            gen, origin = regenerate(engine, prompt, n_new, grammar=grammar), "regenerated"
         else:
             try:
                 gen = completion_ids(tok, ex.response_text, ex.finish_reason, eos)[:room]  # cut at the context

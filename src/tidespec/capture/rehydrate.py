@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch
 
 from ..bootstrap import chat_ids
+from ..engine.constraint import render
+from ..engine.grammar import Grammar
 from ..engine.sampling import GREEDY, SamplingParams
-from ..engine.speculative import Engine
+from ..engine.speculative import Engine, Request
 from ..models.target import Segment, Target
 
 _ROUTES = {"chat": "chat", "/v1/chat/completions": "chat", "completions": "completions",
            "/v1/completions": "completions"}
-_ROLES = ("system", "user", "assistant")  # what `tidespec serve` accepts (server.ChatMessage)
+_ROLES = ("system", "user", "assistant", "tool")  # what `tidespec serve` accepts (serve.protocol.ChatMessage)
 
 
 def _is_ids(x) -> bool:
@@ -31,6 +33,8 @@ def _content(m, i: int, part_sep: str) -> str:
     c = m.get("content") if isinstance(m, dict) else None
     if isinstance(c, str):
         return c
+    if c is None and m.get("role") == "assistant" and m.get("tool_calls"):
+        return ""
     if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                                    for p in c):
         return part_sep.join(p["text"] for p in c)
@@ -64,8 +68,11 @@ def request_prompt_ids(tok, route: str, request: dict, *, part_sep: str = "\n") 
             if not isinstance(m, dict) or m.get("role") not in _ROLES:
                 raise ValueError(f"messages[{i}]: unsupported role {m.get('role') if isinstance(m, dict) else m!r}; "
                                  f"tidespec serve accepts {_ROLES}")
-        return chat_ids(tok, [{"role": m["role"], "content": _content(m, i, part_sep)} for i, m in enumerate(msgs)],
-                        True)
+        msgs = [{"role": m["role"], "content": _content(m, i, part_sep)}
+                | ({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {}) for i, m in enumerate(msgs)]
+        if request.get("tools") or any("tool_calls" in m for m in msgs):  # as `tidespec serve` renders them
+            msgs = render(msgs, request.get("tools"))
+        return chat_ids(tok, msgs, True)
     p = request.get("prompt")
     if isinstance(p, list) and p and not _is_ids(p):  # OpenAI batch form: a list of prompts
         if len(p) != 1:
@@ -82,17 +89,18 @@ def request_prompt_ids(tok, route: str, request: dict, *, part_sep: str = "\n") 
 
 def completion_ids(tok, text: str, finish_reason: str | None, eos_id: int) -> list[int]:
     """Generated ids `list[int]` the live engine produced for a response `text`: the text's ids
-    (no special tokens) plus `eos_id` when finish_reason == "stop" (`Generation.tokens` keeps the
-    EOS the response text omits; tidespec serve has no stop strings, so "stop" means EOS).
+    (no special tokens) plus `eos_id` when finish_reason is "stop" or "tool_calls" (`Generation.tokens`
+    keeps the EOS the response text omits; "stop" of a request without stop strings means EOS; the
+    text of a tool-calling reply is its calls in the tool-call format, `engine.constraint.call_text`).
     finish_reason "length" or None (unknown): the text's ids only. Raises ValueError for another
-    finish_reason (e.g. "tool_calls", "abort") or a non-string text.
+    finish_reason (e.g. "abort", "content_filter") or a non-string text.
     """
-    if finish_reason not in ("stop", "length", None):
-        raise ValueError(f"unsupported finish_reason {finish_reason!r}: expected 'stop', 'length' or None")
+    if finish_reason not in ("stop", "tool_calls", "length", None):
+        raise ValueError(f"unsupported finish_reason {finish_reason!r}: expected 'stop', 'tool_calls', 'length' or None")
     if not isinstance(text, str):
         raise ValueError(f"response text must be a string, got {type(text).__name__}")  # noqa: TRY004
     ids = list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
-    return ids + [int(eos_id)] if finish_reason == "stop" else ids
+    return ids + [int(eos_id)] if finish_reason in ("stop", "tool_calls") else ids
 
 
 def check_exchange(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> list[int]:
@@ -140,13 +148,14 @@ def rehydrate(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> dict
 
 
 def regenerate(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
-               sampling: SamplingParams = GREEDY) -> list[int]:
+               sampling: SamplingParams = GREEDY, grammar: Grammar | None = None) -> list[int]:
     """The target's own response `list[int]` (speculative=False, not captured) for an exchange
-    logged without one; the caller marks the record `regenerated`. Ends with the EOS id when it
-    stopped there, as `Generation.tokens`. Raises ValueError as `Engine.validate` (empty prompt,
-    prompt + max_new_tokens beyond engine.max_seq_len, ...)."""
-    return list(engine.generate(list(prompt_ids), max_new_tokens, speculative=False, capture=False,
-                                sampling=sampling).tokens)
+    logged without one — under the request's grammar when it was constrained; the caller marks the
+    record `regenerated`. Ends with the EOS id when it stopped there, as `Generation.tokens`. Raises
+    ValueError as `Engine.validate` (empty prompt, prompt + max_new_tokens beyond engine.max_seq_len, ...)."""
+    req = Request(list(prompt_ids), max_new_tokens, speculative=False, capture=False, sampling=sampling,
+                  grammar=grammar)
+    return list(engine.generate_batch([req])[0].tokens)
 
 
 __all__ = ["check_exchange", "completion_ids", "make_record", "regenerate", "rehydrate", "request_prompt_ids"]

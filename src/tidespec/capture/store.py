@@ -66,6 +66,7 @@ class ManifestRow:
     acceptance_rate: float | None = None  # serving-time accepted / drafted (None: served without drafts)
     text: dict | None = None  # {"prompt", "completion"} only with capture.store_text: true
     origin: str = "live"  # live (served here) | rehydrated (endpoint text → one prefill) | regenerated (no response)
+    constraint: dict | None = None  # a constrained request's spec (response_format / tools, `engine.constraint`)
 
 
 def utc_now() -> str:

@@ -167,10 +167,11 @@ class CaptureWriter:
 
     def submit(self, record: dict[str, torch.Tensor], *, request_id: str, workload: str,
                acceptance_length: float, prompt_id: str = "", acceptance_rate: float | None = None,
-               text: dict | None = None, origin: str = "live") -> bool:
+               text: dict | None = None, origin: str = "live", constraint: dict | None = None) -> bool:
         """Enqueue one finished request (tensors per store.FIELDS, any float dtype: cast to bf16 on the
         writer thread). `acceptance_rate`: serving-time accepted/drafted (None: no drafts), filtered
-        by `max_acceptance_rate`. `text` ({"prompt", "completion"}) is kept only with `store_text`.
+        by `max_acceptance_rate`. `text` ({"prompt", "completion"}) is kept only with `store_text`;
+        `constraint`: a constrained request's spec (replay and evaluation constrain it the same way).
         Returns True if queued; False if filtered or dropped (both counted). Raises ValueError for a
         record that breaks the contract (`store.validate_record`), before anything is queued."""
         if (self.max_acceptance_rate is not None and acceptance_rate is not None
@@ -181,7 +182,7 @@ class CaptureWriter:
         validate_record(record)
         meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length), origin=origin,
                     acceptance_rate=None if acceptance_rate is None else float(acceptance_rate),
-                    prompt_id=prompt_id, ts=utc_now(), text=text if self.store_text else None)
+                    prompt_id=prompt_id, ts=utc_now(), text=text if self.store_text else None, constraint=constraint)
         with self._submit_lock:
             reason = "closed" if self._closing or not self._thread.is_alive() else self._full
             if reason is None:
@@ -209,7 +210,8 @@ class CaptureWriter:
             text = {"prompt": self.detokenize(ids[:gen.prompt_len]), "completion": self.detokenize(gen.tokens)}
         return self.submit(gen.record, request_id=gen.request_id, workload=workload,
                            acceptance_length=st.acceptance_length, prompt_id=prompt_id, text=text,
-                           acceptance_rate=st.acceptance_rate if st.num_draft_tokens else None)
+                           acceptance_rate=st.acceptance_rate if st.num_draft_tokens else None,
+                           constraint=gen.constraint)
 
     def collector(self):
         """A prometheus-client collector over this writer's counters (`capture.metrics`)."""
@@ -352,7 +354,8 @@ class CaptureWriter:
                                 target_id=self.target_id, num_tokens=int(r["input_ids"].shape[0]),
                                 acceptance_length=m["acceptance_length"], shard="", offset=i,
                                 prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"],
-                                acceptance_rate=m["acceptance_rate"], text=m["text"], origin=m["origin"])
+                                acceptance_rate=m["acceptance_rate"], text=m["text"], origin=m["origin"],
+                                constraint=m["constraint"])
                     for i, (r, m) in enumerate(batch)]
         except Exception as e:  # noqa: BLE001 - one bad batch (validated at submit: should not happen)
             self._fail(e, batch)

@@ -23,12 +23,28 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import replace
 
 from .grammar import JSON_OPTIONS, Grammar, GrammarCompiler
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 ANY_OBJECT = {"type": "object"}
+_ARGS = '", "arguments": '  # between a call's name and its arguments (compact JSON)
 _CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
+
+
+def spec_of_request(body: dict) -> dict | None:
+    """The constraint spec of an OpenAI chat request body (a dict, as sent or logged): its non-text
+    `response_format`, or its `tools` with `tool_choice` (default "auto") and `parallel_tool_calls`
+    (default true) unless `tool_choice` is "none"; None for an unconstrained request. The server
+    checks the body first (`serve.structured.build`); text capture's ingest reads logged bodies."""
+    rf, tools, choice = body.get("response_format"), body.get("tools"), body.get("tool_choice")
+    if tools and choice != "none":
+        return {"tools": tools, "tool_choice": choice or "auto",
+                "parallel_tool_calls": body.get("parallel_tool_calls") is not False}
+    if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
+        return {"response_format": rf}
+    return None
 
 
 def kind_of(spec: dict) -> str:
@@ -38,12 +54,14 @@ def kind_of(spec: dict) -> str:
 
 def grammar_for(spec: dict, compiler: GrammarCompiler) -> Grammar:
     """The grammar of a constraint spec (module docstring). Raises GrammarError when it cannot be
-    compiled, KeyError / TypeError for a malformed spec."""
+    compiled, KeyError / TypeError for a malformed spec. The grammar carries the spec (`Grammar.spec`)."""
     if "tools" in spec:
-        return compiler.lark(tools_grammar(spec["tools"], spec.get("tool_choice", "auto"),
-                                           spec.get("parallel_tool_calls", True)))
-    rf = spec["response_format"]
-    return compiler.json_schema(ANY_OBJECT if rf["type"] == "json_object" else rf["json_schema"]["schema"])
+        g = compiler.lark(tools_grammar(spec["tools"], spec.get("tool_choice", "auto"),
+                                        spec.get("parallel_tool_calls", True)))
+    else:
+        rf = spec["response_format"]
+        g = compiler.json_schema(ANY_OBJECT if rf["type"] == "json_object" else rf["json_schema"]["schema"])
+    return replace(g, spec=spec)
 
 
 def call_schema(tools: list[dict]) -> dict:
@@ -94,6 +112,16 @@ def render(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     return out
 
 
+def call_text(content: str | None, calls: list[dict]) -> str:
+    """The completion text of a reply with tool calls (the inverse of `parse_tool_calls`): the content,
+    then one `<tool_call>` block per call (`{"name", "function": {"name", "arguments"}}` entries,
+    arguments as the JSON string they came as), newline-separated."""
+    blocks = [OPEN + '{"name": ' + json.dumps(c["function"]["name"])[:-1] + _ARGS + c["function"]["arguments"] + "}"
+              + CLOSE
+              for c in calls]
+    return "\n".join(([content] if content else []) + blocks)
+
+
 def new_call_id() -> str:
     """A tool call id (OpenAI's `call_` + 24 characters)."""
     return "call_" + uuid.uuid4().hex[:24]
@@ -101,13 +129,17 @@ def new_call_id() -> str:
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a completion: every `<tool_call>` block that parses becomes an
-    OpenAI tool call (`arguments` a JSON string); content is the text outside them (None if empty)."""
+    OpenAI tool call whose `arguments` is the generated JSON text verbatim (so `call_text` gives the
+    completion back); content is the text outside them (None if empty)."""
     calls = []
     for m in _CALL_RE.finditer(text):
         try:
-            obj = json.loads(m.group(1))
-            calls.append({"id": new_call_id(), "type": "function", "function": {
-                "name": obj["name"], "arguments": json.dumps(obj["arguments"], separators=(", ", ": "))}})
+            obj, body = json.loads(m.group(1)), m.group(1)
+            at = body.index(_ARGS) + len(_ARGS)
+            if not isinstance(obj["arguments"], dict) or json.loads(body[at:-1]) != obj["arguments"]:
+                raise ValueError("not the compact layout")
+            calls.append({"id": new_call_id(), "type": "function",
+                          "function": {"name": obj["name"], "arguments": body[at:-1]}})
         except (ValueError, KeyError, TypeError):
             return (text or None), []  # an unfinished call (finish_reason length): the text as it is
     rest = _CALL_RE.sub("", text).strip() if calls else text

@@ -54,14 +54,16 @@ def _llg():
 @dataclass(frozen=True)
 class Grammar:
     """A compiled constraint. text: llguidance's grammar (JSON of its grammar list, or Lark); key:
-    sha256 of it (16 hex, what capture records keep); template: a matcher in its start state, copied
-    per request (`state`)."""
+    sha256 of it (16 hex); template: a matcher in its start state, copied per request (`state`);
+    spec: the request constraint it was compiled from (`engine.constraint`), which a captured record
+    keeps so replay compiles the same grammar (None: compiled from a bare grammar)."""
 
     text: str
     key: str
     template: object = field(compare=False, repr=False)
     vocab_size: int = 0
     stop_ids: tuple[int, ...] = ()
+    spec: dict | None = field(default=None, compare=False)
 
     def state(self) -> GrammarState:
         """A fresh matcher for one request."""
@@ -129,9 +131,10 @@ class GrammarCompiler:
 
 
 def schema_key(spec: dict) -> str:
-    """sha256 (16 hex) of a constraint's source (response_format / tools), canonical JSON: what a
-    captured record keeps so replay constrains the same way."""
-    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    """sha256 (16 hex) of a constraint's source (response_format / tools) as compact JSON in its own key
+    order (a schema's property order is the output's, so it is part of the identity): what a captured
+    record keeps so replay constrains the same way."""
+    return hashlib.sha256(json.dumps(spec, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 class GrammarState:

@@ -59,7 +59,7 @@ class Planner:
     """The engine's planning knobs, read at each step (`Engine.suffix` may be replaced between
     steps): k (fixed chain length), max_seq_len (KV positions per request), the policy, the suffix
     cache, suffix_min_expected, early_stop (`draft_early_stop`), topk and tree_nodes (EAGLE-2: children
-    per node, most verified nodes)."""
+    per node, most verified nodes), forced_tokens (the grammar proposer on)."""
 
     k: int
     max_seq_len: int
@@ -69,6 +69,7 @@ class Planner:
     early_stop: bool
     topk: int
     tree_nodes: int
+    forced_tokens: bool = True
 
     def plan(self, running: list[Seq], proposers: Mapping[str, Proposer]) -> StepPlan:
         """Each request's slot: its proposer (from `proposers` by option name; `TREE` for a tree
@@ -99,7 +100,7 @@ class Planner:
             p = self.suffix.propose(s.rid)
             sl.proposal = Proposal(p.tokens[:room], p.score, p.match_len, p.source, p.scores[:room])
         p = sl.proposal
-        if s.lp.grammar is not None and s.req.speculative and room > 0:
+        if self.forced_tokens and s.lp.grammar is not None and s.req.speculative and room > 0:
             sl.forced = tuple(s.lp.grammar.forced()[:room])
         f = sl.forced
         if s.tree:  # one token left (or no KV room): no tree

@@ -79,6 +79,7 @@ class Generation:
     logprobs: list[TokenLogprob] | None = None
     stats_by_proposer: dict[str, SpecDecodingStats] = field(default_factory=dict)  # "eagle3", "suffix", "grammar"
     grammar_error: str | None = None
+    constraint: dict | None = None  # the constraint spec of a constrained request (`engine.constraint`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -112,6 +113,8 @@ class Engine:
     `eagle_topk` > 1: greedy requests without logits processors verify EAGLE-2 draft trees of depth
     `num_draft_tokens` and at most `tree_num_draft_tokens` tokens, root included (SGLang's knobs;
     `engine.tree`); raises ValueError for a size outside [depth + 1, 1 + topk + (depth − 1)·topk²] or > 64.
+    `forced_tokens`: constrained requests propose the tokens their grammar forces (`proposers.grammar`);
+    evaluation turns it off so τ measures the draft alone (under the grammar's masks).
     Proposers (`_proposers`, `engine.proposers`): the EAGLE3 chain, the EAGLE-2 tree, the suffix
     proposal; a new one is one `Proposer` class plus its entry there and its option in the plan.
     Also raises ValueError for num_draft_tokens, max_batch or eagle_topk < 1, max_seq_len beyond the
@@ -122,7 +125,7 @@ class Engine:
                  max_seq_len: int = 1024, draft_version: str | None = None, max_batch: int = 8,
                  adaptive: AdaptiveK | None = None, capture: CaptureSink | None = None,
                  suffix: SuffixCache | None = None, suffix_min_expected: float = 1.0, draft_early_stop: bool = False,
-                 eagle_topk: int = 1, tree_num_draft_tokens: int | None = None):
+                 eagle_topk: int = 1, tree_num_draft_tokens: int | None = None, forced_tokens: bool = True):
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens (k) must be >= 1; use speculative=False to turn speculation off")
         if max_batch < 1:
@@ -143,6 +146,7 @@ class Engine:
         self.suffix_min_expected = suffix_min_expected
         self.draft_early_stop = draft_early_stop  # under the policy: chains stop where a token stops paying
         self.topk = eagle_topk  # > 1: greedy EAGLE3 requests verify EAGLE-2 trees (engine/tree.py)
+        self.forced_tokens = forced_tokens  # constrained requests: the grammar's forced tokens as a proposer
         self.tree_nodes = n_tree - 1  # drafted nodes verified per tree (at most)
         self._lock = threading.Lock()  # draft swap + queues
         self._step_lock = threading.Lock()  # one step at a time
@@ -403,7 +407,7 @@ class Engine:
     def _planner(self) -> Planner:
         """This step's planning knobs (read now: `suffix` may have been replaced since the last step)."""
         return Planner(self.k, self.max_seq_len, self.adaptive, self.suffix, self.suffix_min_expected,
-                       self.draft_early_stop, self.topk, self.tree_nodes)
+                       self.draft_early_stop, self.topk, self.tree_nodes, self.forced_tokens)
 
     def _verify(self, new: list[Seq], plan: StepPlan):
         """One ragged target forward: each new request's prompt (logits of its last row only), each
@@ -556,7 +560,8 @@ class Engine:
         gen = s.gen  # already cut at the stop (`Seq.emit`)
         res = Generation(s.rid, len(s.req.prompt_ids), gen, s.stats, s.timing, s.version,
                          finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason, logprobs=s.logprobs,
-                         stats_by_proposer=dict(s.by_via), grammar_error=s.grammar_error)
+                         stats_by_proposer=dict(s.by_via), grammar_error=s.grammar_error,
+                         constraint=s.req.grammar.spec if s.req.grammar is not None else None)
         if s.capture and not s.aborted:
             p = list(s.req.prompt_ids)
             T = len(p) + len(gen) - 1

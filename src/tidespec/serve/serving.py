@@ -287,4 +287,4 @@ class OpenAIServing:
         a request sent with `"store": false` is never captured."""
         if getattr(body, "store", None) is False:
             return
-        self.textlog.log(adm.request_id, body.model_dump(exclude_none=True), response)
+        self.textlog.log(adm.request_id, body.model_dump(exclude_none=True, by_alias=True), response)

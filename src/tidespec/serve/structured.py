@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from ..engine.constraint import ANY_OBJECT, CLOSE, OPEN, grammar_for, kind_of, new_call_id, parse_tool_calls, render
+from ..engine.constraint import (ANY_OBJECT, CLOSE, OPEN, grammar_for, kind_of, new_call_id, parse_tool_calls, render,
+                                 spec_of_request)
 from ..engine.grammar import Grammar, GrammarCompiler, GrammarError, schema_key
 from .errors import OpenAIError
 
@@ -110,15 +111,11 @@ def build(body, compiler: GrammarCompiler | None) -> Constraint | None:
     if body.min_tokens:
         raise OpenAIError("min_tokens cannot be combined with response_format or tools (it would mask the end "
                           "the grammar requires)", param="min_tokens")
-    if use_tools:
-        spec = {"tools": tools, "tool_choice": choice or "auto", "parallel_tool_calls": body.parallel_tool_calls
-                is not False}
-    elif rf.type == "json_object":
-        spec = {"response_format": {"type": "json_object"}}
-    else:
+    if not use_tools and rf.type == "json_schema":
         param = "response_format.json_schema.schema"
         check_schema(rf.json_schema.schema_, param)
-        spec = {"response_format": rf.model_dump(by_alias=True, exclude_none=True)}
+    spec = spec_of_request({"tools": tools, "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls,
+                            "response_format": rf.model_dump(by_alias=True, exclude_none=True) if rf else None})
     return Constraint(_compile(spec, compiler, param), kind_of(spec), spec, schema_key(spec), tools=use_tools)
 
 
