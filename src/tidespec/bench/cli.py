@@ -80,7 +80,8 @@ def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
                                                                                        "1 and 8, fewer prompts "
                                                                                        "(≈10 min on 2 cores)"),
                 phases: str = typer.Option("", help="comma-separated phases in order (chat, code, math-en, "
-                                                    "math-kj; default: the mode's); results are named after them"),
+                                                    "math-kj, structured; default: the mode's); results are named "
+                                                    "after them"),
                 out: Path = typer.Option(Path("bench/results")),
                 work: Path = typer.Option(Path(".tidespec/bench-shift"), help="scratch workspace (wiped)")):
     """The workload-shift experiment: chat → code → math EN → math KO/JA at concurrency 1/4/8, no-spec vs

@@ -1,6 +1,8 @@
 """`tidespec bench shift`: the workload-shift experiment (TIDE's adaptation curve, arXiv 2602.05145 §5).
 
-Traffic shifts phase by phase (generic chat → code → math EN → math KO/JA). Per phase:
+Traffic shifts phase by phase (generic chat → code → math EN → math KO/JA; or any of them and the
+`structured` phase: the structured prompt sets, each request constrained by its own
+`response_format` / tools grammar when it is served, captured, evaluated and measured). Per phase:
 1. measure, side by side on the phase's held-out prompts (greedy, k = engine.num_draft_tokens,
    waves of 1 / 4 / 8 concurrent requests): no speculation, the static draft (generic ShareGPT
    bootstrap), the adapting draft (champion at phase start);
@@ -39,11 +41,13 @@ import yaml
 from .. import prompts as P
 from ..adapters import orchestrate, registry, services
 from ..assets import cache_dir
-from ..bootstrap import prompt_ids
+from ..bootstrap import chat_ids, prompt_ids
 from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..cycle import step_deploy
 from ..demo import bootstrap_static
+from ..engine.constraint import grammar_for, render
+from ..engine.grammar import GrammarCompiler
 from ..engine.replay import replay
 from ..engine.speculative import Request
 from ..runtime import get_target, load_suffix_corpus, make_engine, runner_for
@@ -87,7 +91,9 @@ class ShiftConfig:
 
 NOISE_FLOOR = 0.97  # "never slower": a speed-up ≥ this counts as equal (run-to-run noise of one side-by-side pass)
 PHASE_TITLES = {"chat": "generic chat (ShareGPT)", "code": "code (HumanEval)", "math-en": "math EN (GSM8K)",
-                "math-kj": "math KO/JA (GSM8K)"}
+                "math-kj": "math KO/JA (GSM8K)",
+                "structured": "structured output and tool calls (HumanEval / ShareGPT → JSON, GSM8K → tool calls)"}
+STRUCTURED_PHASE_SETS = ("humaneval-json", "gsm-tools", "sharegpt-json")  # interleaved: one request of each in turn
 
 
 # -- prompts -----------------------------------------------------------------------------------------
@@ -104,23 +110,32 @@ def phase_prompts(phase: str, params: Params) -> list[P.Prompt]:
     elif phase == "math-kj":
         ko, ja = P.gsm("ko"), P.gsm("ja")
         pool = [p for pair in zip(ko, ja) for p in pair]
+    elif phase == "structured":
+        sets = [P.load(s) for s in STRUCTURED_PHASE_SETS]
+        pool = [p for group in zip(*sets) for p in group]
     else:
         raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(PHASE_TITLES)}")
-    return [P.Prompt(p.id, p.text, phase, p.category) for p in pool]
+    return [P.Prompt(p.id, p.text, phase, p.category, p.constraint) for p in pool]
 
 
-def split_phase(pool: list[P.Prompt], tok, cfg: ShiftConfig, holdout_fraction: float = 0.3) -> tuple[list[dict], list[dict]]:
-    """(traffic, held-out) as engine prompts {id, input_ids, workload}, prompts over
-    `max_prompt_tokens` dropped; GSM splits by problem (category) so translations never straddle."""
+def split_phase(pool: list[P.Prompt], tok, cfg: ShiftConfig, holdout_fraction: float = 0.3,
+                compiler: GrammarCompiler | None = None) -> tuple[list[dict], list[dict]]:
+    """(traffic, held-out) as engine prompts {id, input_ids, workload, grammar?}, prompts over
+    `max_prompt_tokens` dropped; GSM splits by problem (category) so translations never straddle.
+    A structured prompt's tools are rendered into its chat prompt and its constraint compiled with
+    `compiler` (`"grammar"`), as `tidespec serve` does."""
     key = (lambda p: p.category) if pool and pool[0].category.startswith("gsm8k/") else None
     traffic, hold = P.split(pool, holdout_fraction, cfg.seed, key=key)
 
     def enc(ps, n):
         out = []
         for p in ps:
-            ids = prompt_ids(tok, p.text)
+            spec = p.spec
+            ids = chat_ids(tok, render([{"role": "user", "content": p.text}], spec.get("tools")), True) if spec \
+                else prompt_ids(tok, p.text)
             if len(ids) <= cfg.max_prompt_tokens:
-                out.append({"id": p.id, "input_ids": ids, "workload": p.workload})
+                out.append({"id": p.id, "input_ids": ids, "workload": p.workload}
+                           | ({"grammar": grammar_for(spec, compiler)} if spec else {}))
             if len(out) == n:
                 break
         return out
@@ -214,6 +229,7 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
     uri = env["MLFLOW_TRACKING_URI"]
     target, tok = get_target(params)
     tid = target.target_id
+    gc = GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
     static = bootstrap_static(base, target, tok, cache_dir())  # keyed by the unmodified params: cached by `make demo`
     _, v = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {},
                                   {"role": "static-bootstrap", "params_sha": params.sha()}, run_name="static")
@@ -227,7 +243,7 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
            "cpu_threads": _threads(), "phases": [], "cycles": []}
     try:
         for phase in cfg.phases:
-            traffic, hold = split_phase(phase_prompts(phase, params), tok, cfg, params.workload.holdout_fraction)
+            traffic, hold = split_phase(phase_prompts(phase, params), tok, cfg, params.workload.holdout_fraction, gc)
             progress(f"{phase}: {len(traffic)} traffic / {len(hold)} held-out prompts")
             champ = runner_for(ws.champion, target)
             before = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ},
@@ -279,7 +295,8 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
     for w in range(0, len(traffic), c):
         wave = traffic[w:w + c]
         eng.generate_batch([Request(list(p["input_ids"]), cfg.traffic_max_new_tokens, True, workload=phase,
-                                    prompt_id=p["id"]) for p in wave])  # captured by the engine's hook
+                                    prompt_id=p["id"], grammar=p.get("grammar"))
+                            for p in wave])  # captured by the engine's hook
         writer.flush()
         while True:
             try:  # a flush applies the seal threshold; on_seal runs on the writer's publisher thread
