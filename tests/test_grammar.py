@@ -98,6 +98,15 @@ def test_masks_leave_the_state_and_cut_drafts_the_grammar_forbids(tok_target, co
     eos = target.cfg.eos_token_ids[0]
     assert st.done and st.masks([], 1)[0].nonzero().squeeze(1).tolist() == [eos]
     assert m.shape == (4, V)
+    # the engine cuts a proposal before its first forbidden token: no verify row is spent on it
+    from tidespec.engine.proposers.base import Slot
+    from tidespec.engine.request import Seq
+    from tidespec.engine.speculative import _cut_to_grammar
+    g = compiler.lark('start: "ab" /[xy]/ "c"')
+    seq = Seq(Request([5], 8, grammar=g), "r", None, None, V, False, {eos})
+    sl = Slot(seq, drafts=[a, b, z, c], draft_probs=[torch.zeros(V)] * 4)
+    _cut_to_grammar([sl])
+    assert sl.drafts == [a, b] and len(sl.draft_probs) == 2
 
 
 def test_sampled_constrained_marginal_is_exact(tok_target, compiler):

@@ -130,6 +130,15 @@ def test_sdk_streaming_helper_with_pydantic_function_tool(servers):
     assert call.function.name == "Lookup" and isinstance(call.function.parsed_arguments, Lookup)
 
 
+def test_sdk_streaming_helper_with_a_pydantic_response_format(servers):
+    with client(servers["spec"]).chat.completions.stream(model="tiny", messages=ASK, response_format=Person,
+                                                          temperature=0, max_tokens=200) as s:
+        events = [e.type for e in s]
+        final = s.get_final_completion()
+    assert "content.delta" in events and "content.done" in events
+    assert isinstance(final.choices[0].message.parsed, Person)
+
+
 def test_tool_results_in_history_and_auto_choice(servers):
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -147,6 +156,8 @@ def test_tool_results_in_history_and_auto_choice(servers):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}},
+     "response_format.json_schema.schema"),  # a keyword the grammar library does not implement
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}},
