@@ -93,6 +93,12 @@ class Proposer(Protocol):
         ...
 
 
+def one_hot(vocab_size: int, tokens: list[int]) -> list[torch.Tensor]:
+    """The proposal distribution q `[V]` fp32 of each token of a deterministic proposal (one-hot):
+    what rejection sampling needs from a suffix or grammar proposal for a sampled request."""
+    return [torch.zeros(vocab_size).index_fill_(0, torch.tensor([t]), 1.0) for t in tokens]
+
+
 def by_draft(slots: list[Slot]):
     """(draft, its slots) groups: requests keep the draft they started with, so after a hot-swap one
     step may hold two drafts; each group runs one batched draft forward."""

@@ -13,9 +13,7 @@ option by them) and kept on the slot (`Slot.forced`).
 """
 from __future__ import annotations
 
-import torch
-
-from .base import Slot
+from .base import Slot, one_hot
 
 
 class GrammarProposer:
@@ -31,8 +29,7 @@ class GrammarProposer:
         for sl in slots:
             sl.drafts = list(sl.forced[:sl.n])
             if sl.seq.rng is not None:
-                sl.draft_probs = [torch.zeros(self.vocab_size).index_fill_(0, torch.tensor([t]), 1.0)
-                                  for t in sl.drafts]
+                sl.draft_probs = one_hot(self.vocab_size, sl.drafts)
 
     def observe(self, slot: Slot) -> None:
         """Teach the policy how many of the proposed forced tokens the target accepted."""

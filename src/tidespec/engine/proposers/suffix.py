@@ -8,9 +8,7 @@ request its proposal distribution q is one-hot and rejection sampling stays exac
 """
 from __future__ import annotations
 
-import torch
-
-from .base import Slot
+from .base import Slot, one_hot
 
 
 class SuffixProposer:
@@ -26,8 +24,7 @@ class SuffixProposer:
         for sl in slots:
             sl.drafts = list(sl.proposal.tokens[:sl.n])
             if sl.seq.rng is not None:
-                V = self.vocab_size
-                sl.draft_probs = [torch.zeros(V).index_fill_(0, torch.tensor([t]), 1.0) for t in sl.drafts]
+                sl.draft_probs = one_hot(self.vocab_size, sl.drafts)
 
     def observe(self, slot: Slot) -> None:
         """Teach the policy the expected (sum of the prefix's chain scores) vs accepted tokens."""
