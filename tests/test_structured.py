@@ -20,7 +20,7 @@ from tidespec.engine.suffix import SuffixCache
 from tidespec.models.eagle3 import DraftRunner
 from tidespec.models.target import load_target
 from tidespec.server import build_app
-from tidespec.serve.structured import ToolCallStream
+from tidespec.engine.constraint import ToolCallStream, parse_tool_calls
 
 
 class Person(BaseModel):
@@ -39,6 +39,13 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
                                                                                           "minimum": 1, "maximum": 9}},
     "required": ["query", "limit"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _deep(n: int) -> dict:
+    s: dict = {"type": "integer"}
+    for _ in range(n):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +176,15 @@ def test_tool_results_in_history_and_auto_choice(servers):
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+    ({"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),
+    ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
+    ({"tools": [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "s", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _deep(200)}}},
+     "response_format.json_schema.schema"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.tool_calls"),
 ])
 def test_bad_structured_requests_are_400_naming_the_field(servers, body, param):
@@ -179,19 +195,83 @@ def test_bad_structured_requests_are_400_naming_the_field(servers, body, param):
     assert err["param"] == param or (err["param"] or "").startswith(param), err
 
 
-def test_tool_call_stream_parser_splits_text_and_calls():
-    s = ToolCallStream()
-    text = ('hi <tool_call>\n{"name": "f", "arguments": {"a": "}\\"]", "b": [1, {"c": 2}]}}\n</tool_call>\n'
+@pytest.mark.parametrize("step", [1, 2, 3, 7])
+def test_tool_call_stream_gives_the_whole_parse_for_any_split(step):
+    text = ('<tool_call>\n{"name": "f", "arguments": {"a": "}\\"]", "b": [1, {"c": 2}]}}\n</tool_call>\n'
             '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
-    content, entries = "", []
-    for i in range(0, len(text), 3):  # any split of the text gives the same calls
-        c, e = s.feed(text[i:i + 3], final=i + 3 >= len(text))
+    s, content, entries = ToolCallStream(), "", []
+    for i in range(0, len(text), step):  # the separator newline may arrive alone: it is never content
+        c, e = s.feed(text[i:i + step], final=i + step >= len(text))
         content, entries = content + c, entries + e
-    assert content == "hi "
+    assert content == "" and s.calls == 2
     heads = [e for e in entries if "id" in e]
     assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "f"), (1, "g")]
     args = ["".join(e["function"]["arguments"] for e in entries if e["index"] == i) for i in (0, 1)]
-    assert args == ['{"a": "}\\"]", "b": [1, {"c": 2}]}', "{}"] and s.calls == 2
+    assert args == ['{"a": "}\\"]", "b": [1, {"c": 2}]}', "{}"]
+    whole_content, calls = parse_tool_calls(text)
+    assert whole_content is None and [c["function"]["arguments"] for c in calls] == args
+    # text first (tool_choice auto's text branch): a call block inside it is text, never a call
+    assert parse_tool_calls("Sure.<tool_call>\n" + text[12:]) == ("Sure.<tool_call>\n" + text[12:], [])
+    # cut by max_tokens inside the arguments: the partial call, as OpenAI returns it; inside the header: text
+    assert parse_tool_calls('<tool_call>\n{"name": "a", "arguments": {"x": 12')[1][0]["function"]["arguments"] \
+        == '{"x": 12'
+    assert parse_tool_calls('<tool_call>\n{"na') == ('<tool_call>\n{"na', [])
+
+
+def test_nested_pydantic_tool_refs_resolve_in_the_tool_own_schema(servers):
+    class Address(BaseModel):
+        city: str = Field(max_length=6)
+        zip: int = Field(ge=0, le=99)
+
+    class Ship(BaseModel):
+        """Ship a parcel."""
+        to: Address
+        back: Address | None
+
+    tool = openai.pydantic_function_tool(Ship)
+    assert "$defs" in tool["function"]["parameters"]  # refs '#/$defs/Address', resolved inside the tool's schema
+    r = client(servers["spec"]).chat.completions.parse(model="tiny", messages=ASK, tools=[tool], tool_choice="required",
+                                                       parallel_tool_calls=False, temperature=0, max_tokens=300)
+    call = r.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, Ship)
+    tree = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                             "kid": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+            "required": ["v", "kid"], "additionalProperties": False}
+    for seed in range(3):  # '#' is the tool's own parameters, not the call envelope
+        r = client(servers["spec"]).chat.completions.create(
+            model="tiny", messages=ASK, tools=[{"type": "function", "function": {"name": "t", "parameters": tree}}],
+            tool_choice="required", parallel_tool_calls=False, temperature=1, seed=seed, max_tokens=300)
+        if r.choices[0].finish_reason == "tool_calls":
+            jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), tree)
+
+
+def test_logprobs_of_constrained_requests_are_finite_json(servers):
+    for stream in (False, True):
+        r = httpx.post(f"{servers['spec'].url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": ASK, "response_format": {"type": "json_object"}, "logprobs": True,
+            "top_logprobs": 5, "max_tokens": 12, "temperature": 0, "stream": stream})
+        assert r.status_code == 200 and "Infinity" not in r.text and "NaN" not in r.text
+    tops = [t["logprob"] for c in r.text.split("\n") if c.startswith("data: {")
+            for x in (json.loads(c[6:])["choices"] or [{}]) for e in ((x.get("logprobs") or {}).get("content") or [])
+            for t in e["top_logprobs"]]
+    assert min(tops) == -9999.0  # the first token of an object is "{": the other four of the top five are masked
+
+
+def test_wide_optional_schemas_and_recompiled_failures(tmp_path):
+    """An object of 300 optional properties compiles and generates (rows of ~1200 Earley items); a
+    grammar whose matcher failed is compiled afresh for the next request."""
+    from tidespec.engine.grammar import GrammarCompiler
+    target, tok = load_target(add_tiny_tokenizer(make_tiny_target(tmp_path / "t")))
+    gc = GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    wide = {"type": "object", "properties": {f"k{i}": {"type": "boolean"} for i in range(300)},
+            "additionalProperties": False}
+    g = gc.json_schema(wide)
+    st = g.state()
+    st.advance(tok.encode('{"k7": true, "k150": false', add_special_tokens=False))  # keys in schema order
+    assert st.error is None and sorted(tok.decode(st.masks([], 1)[0].nonzero().squeeze(1).tolist())) == [",", "}"]
+    assert gc.json_schema(wide) is g
+    g.broken.append("lexer error")
+    assert gc.json_schema(wide) is not g
 
 
 def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_replay(tmp_path):
@@ -249,4 +329,4 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
     runs = replay({"base": (Engine(target, None, 3, 2048), False)}, constrained(rows, target, tok), 160)
     for r in rows:  # a record holds prompt + generated[:-1]: the replayed output continues it exactly
         out = runs["base"]["outputs"][r["id"]]
-        assert out[:len(r["served"])] == r["served"] and len(out) == len(r["served"]) + 1
+        assert out[:len(r["served"])] == r["served"] and len(out) > len(r["served"])

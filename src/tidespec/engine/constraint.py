@@ -23,14 +23,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .grammar import JSON_OPTIONS, Grammar, GrammarCompiler
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 ANY_OBJECT = {"type": "object"}
 _ARGS = '", "arguments": '  # between a call's name and its arguments (compact JSON)
-_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 
 
 def spec_of_request(body: dict) -> dict | None:
@@ -64,23 +63,27 @@ def grammar_for(spec: dict, compiler: GrammarCompiler) -> Grammar:
     return replace(g, spec=spec)
 
 
-def call_schema(tools: list[dict]) -> dict:
-    """The schema of one call: `{"name": const, "arguments": parameters}` for each of `tools`."""
-    alts = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                              "arguments": t["function"].get("parameters") or ANY_OBJECT},
-             "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return alts[0] if len(alts) == 1 else {"anyOf": alts}
+def _lark_str(text: str) -> str:
+    """A Lark string literal for `text` (JSON's escapes)."""
+    return json.dumps(text)
 
 
 def tools_grammar(tools: list[dict], choice, parallel: bool) -> str:
-    """The Lark grammar (llguidance's dialect) of a completion under `tool_choice` `choice`."""
+    """The Lark grammar (llguidance's dialect) of a completion under `tool_choice` `choice`: per tool,
+    its call's fixed text (`<tool_call>\n{"name": NAME, "arguments": `) then its arguments as a JSON
+    value of its own `parameters` schema (its own root, so `$ref`s — `#`, `#/$defs/…` — resolve as the
+    client wrote them), then `}\n</tool_call>`."""
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     allowed = [t for t in tools if t["function"]["name"] == named] if named else tools
-    schema = call_schema(allowed) | {"x-guidance": JSON_OPTIONS}  # compact JSON, as `engine.grammar` compiles it
-    call = f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"'
-    calls = "calls: call" if named or not parallel else 'calls: call ("\\n" call)*'
-    start = "start: calls | TEXT\nTEXT: /[^<][\\s\\S]*/" if choice == "auto" else "start: calls"
-    return "\n".join([start, calls, call])
+    rules = []
+    for i, t in enumerate(allowed):
+        params = (t["function"].get("parameters") or ANY_OBJECT) | {"x-guidance": JSON_OPTIONS}  # compact JSON
+        head = OPEN + '{"name": ' + json.dumps(t["function"]["name"])[:-1] + _ARGS
+        rules += [f"call_{i}: {_lark_str(head)} args_{i} {_lark_str('}' + CLOSE)}", f"args_{i}: %json {json.dumps(params)}"]
+    call = "call: " + " | ".join(f"call_{i}" for i in range(len(allowed)))
+    calls = "calls: call" if named or not parallel else r'calls: call ("\n" call)*'  # Lark's "\n": a newline
+    start = "start: calls | TEXT\n" + r"TEXT: /[^<][\s\S]*/" if choice == "auto" else "start: calls"
+    return "\n".join([start, calls, call, *rules])
 
 
 def tools_system_text(tools: list[dict]) -> str:
@@ -128,19 +131,101 @@ def new_call_id() -> str:
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a completion: every `<tool_call>` block that parses becomes an
-    OpenAI tool call whose `arguments` is the generated JSON text verbatim (so `call_text` gives the
-    completion back); content is the text outside them (None if empty)."""
-    calls = []
-    for m in _CALL_RE.finditer(text):
-        try:
-            obj, body = json.loads(m.group(1)), m.group(1)
-            at = body.index(_ARGS) + len(_ARGS)
-            if not isinstance(obj["arguments"], dict) or json.loads(body[at:-1]) != obj["arguments"]:
-                raise ValueError("not the compact layout")
-            calls.append({"id": new_call_id(), "type": "function",
-                          "function": {"name": obj["name"], "arguments": body[at:-1]}})
-        except (ValueError, KeyError, TypeError):
-            return (text or None), []  # an unfinished call (finish_reason length): the text as it is
-    rest = _CALL_RE.sub("", text).strip() if calls else text
-    return (rest or None), calls
+    """(content, tool calls) of a whole completion, exactly as `ToolCallStream` streams it: a
+    completion that starts with `<tool_call>` is calls (each `arguments` the generated JSON text
+    verbatim, so `call_text` gives the completion back; a call cut by max_tokens keeps its partial
+    arguments, as OpenAI returns them); any other completion is content (None if empty)."""
+    st = ToolCallStream()
+    content, entries = st.feed(text, final=True)
+    calls: dict[int, dict] = {}
+    for e in entries:
+        c = calls.setdefault(e["index"], {"id": e.get("id"), "type": "function",
+                                          "function": {"name": e["function"].get("name"), "arguments": ""}})
+        c["function"]["arguments"] += e["function"].get("arguments", "")
+    return (content or None), [calls[i] for i in sorted(calls)]
+
+
+@dataclass
+class ToolCallStream:
+    """Turns a completion's text, piece by piece, into OpenAI `delta`s as vLLM streams calls: per call,
+    one entry with its index, id, type and name (`arguments: ""`), then the arguments' text in pieces
+    as it is generated. The first characters decide: a completion that starts with `<tool_call>\n`
+    is calls (separated by one newline); any other is content throughout (`tool_choice: auto`'s text
+    branch — a call block written inside text is text, never a call). `feed(text, final)` returns
+    (content piece, tool-call delta entries); `calls` counts calls opened."""
+
+    buf: str = ""
+    pos: int = 0  # characters of buf handled
+    calls: int = 0
+    state: str = "start"  # start | open (after a separator) | head | args | tail | plain
+    depth: int = 0
+    in_str: bool = False
+    esc: bool = False
+    head_at: int = 0  # where the current call's "<tool_call>" began
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        """The content piece and tool-call delta entries of `text` (the next piece of the completion);
+        `final`: the completion ends here (text held back — a possible `<tool_call>` opening, an
+        unfinished call header — is released as content)."""
+        self.buf += text
+        content, out = "", []
+        while self.pos < len(self.buf):
+            rest = self.buf[self.pos:]
+            if self.state == "plain":
+                content += rest
+                self.pos = len(self.buf)
+            elif self.state in ("start", "open"):
+                if rest.startswith(OPEN):
+                    self.head_at, self.pos, self.state = self.pos, self.pos + len(OPEN), "head"
+                elif OPEN.startswith(rest) and not final:
+                    break  # may still become "<tool_call>\n"
+                else:
+                    self.state = "plain"
+            elif self.state == "head":
+                m = re.match(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ', rest)
+                if m is None:
+                    break
+                out.append({"index": self.calls, "id": new_call_id(), "type": "function",
+                            "function": {"name": json.loads(f'"{m.group(1)}"'), "arguments": ""}})
+                self.pos += m.end()
+                self.state, self.depth, self.in_str, self.esc = "args", 0, False, False
+            elif self.state == "args":
+                n = self._scan(rest)
+                if n:
+                    out.append({"index": self.calls, "function": {"arguments": rest[:n]}})
+                    self.pos += n
+                if self.state == "args":
+                    break
+            else:  # tail: the call's "}" + CLOSE, then "\n" before the next call
+                need = "}" + CLOSE
+                if len(rest) <= len(need) and need.startswith(rest) and not final:
+                    break  # wait for the close, and for the character after it ("\n": another call)
+                if not rest.startswith(need):
+                    self.state = "plain"  # not this layout: the rest is content
+                    continue
+                self.pos += len(need)
+                self.calls += 1
+                if self.buf[self.pos:self.pos + 1] == "\n":
+                    self.pos += 1
+                self.state = "open"
+        if final and self.state == "head":  # a call cut inside its header: its text, as content
+            content += self.buf[self.head_at:]
+            self.pos = len(self.buf)
+        return content, out
+
+    def _scan(self, s: str) -> int:
+        """Characters of `s` that belong to the arguments' JSON value; moves to `tail` at its end."""
+        for i, ch in enumerate(s):
+            if self.in_str:
+                self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
+                continue
+            if ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.state = "tail"
+                    return i + 1
+        return len(s)

@@ -29,15 +29,18 @@ import numpy as np
 import torch
 
 # Each mask's and each token's work is bounded (llguidance's `LLParserLimits`): ~3.6 ms of lexer
-# work (≈ 14k fuel/ms), 10k Earley items per step, and at most 500 items in one Earley row — the
-# bound that matters for an ambiguous grammar, whose rows grow with every token (`x: "a" | x x`
-# reaches 500 items after ~250 tokens, its slowest mask 5.7 ms and token 3.4 ms on this machine; at
-# llguidance's default of 2000 a mask took 320 ms). A grammar over a limit puts the request's
-# matcher in an error state: that request ends (`GrammarState.error`), the batch goes on. Measured
-# JSON schemas stay far below: < 0.15 ms per mask at p99 (bench/results/grammar-libs.md).
+# work (≈ 14k fuel/ms), 50k Earley items per step (llguidance's default, ≈ 2.5 ms), and at most 2000
+# items in one Earley row (its default). An ordinary wide schema needs rows of ~4 items per optional
+# property (300 optional properties: ~1200 items; a limit of 500 refused them); an ambiguous grammar
+# grows its rows with every token (`x: "a" | x x` reaches 2000 after ~1000 tokens, its slowest mask
+# 320 ms on this machine — the worst a pathological grammar costs its batch per step before the
+# limit ends it). A grammar over a limit puts the request's matcher in an error state: that request
+# ends (finish_reason length, `GrammarState.error`), the batch goes on, and the compiled grammar is
+# dropped from the cache (`Grammar.broken`: a failed matcher can leave shared lexer state spent).
+# Measured JSON schemas stay far below: < 0.15 ms per mask at p99 (bench/results/grammar-libs.md).
 STEP_LEXER_FUEL = 50_000
-STEP_MAX_ITEMS = 10_000
-MAX_ITEMS_IN_ROW = 500
+STEP_MAX_ITEMS = 50_000
+MAX_ITEMS_IN_ROW = 2_000
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept (LRU), per compiler
 
@@ -64,10 +67,11 @@ class Grammar:
     vocab_size: int = 0
     stop_ids: tuple[int, ...] = ()
     spec: dict | None = field(default=None, compare=False)
+    broken: list = field(default_factory=list, compare=False, repr=False)  # errors of its matchers (shared)
 
     def state(self) -> GrammarState:
         """A fresh matcher for one request."""
-        return GrammarState(self.template.deep_copy(), self.vocab_size, self.stop_ids)
+        return GrammarState(self.template.deep_copy(), self.vocab_size, self.stop_ids, self.broken)
 
 
 class GrammarCompiler:
@@ -113,7 +117,7 @@ class GrammarCompiler:
         llguidance refuses it or it admits no output (no first token: a `$ref` cycle, say)."""
         with self._lock:
             hit = self._cache.get(text)
-            if hit is not None:
+            if hit is not None and not hit.broken:
                 self._cache.move_to_end(text)
                 return hit
         m = _llg().LLMatcher(self.tok, text, log_level=0, limits=self.limits)
@@ -142,17 +146,21 @@ class GrammarState:
     leave it as they found it (a matcher that hits its work limit errors for good, wherever it was:
     the request then ends)."""
 
-    def __init__(self, matcher, vocab_size: int, stop_ids: tuple[int, ...]):
+    def __init__(self, matcher, vocab_size: int, stop_ids: tuple[int, ...], broken: list | None = None):
         self.m, self.V, self.stop_ids = matcher, vocab_size, stop_ids
         self._words = (vocab_size + 31) // 32
         self._emitted_bad = False
+        self._broken = broken if broken is not None else []
 
     @property
     def error(self) -> str | None:
-        """Why the grammar cannot go on (its work limit hit, or a forbidden token emitted); None while it can."""
-        if self.m.is_error():
-            return self.m.get_error() or "grammar matcher error"
-        return "a token the grammar forbids was emitted" if self._emitted_bad else None
+        """Why the grammar cannot go on (its work limit hit, or a forbidden token emitted); None while it
+        can. The first error also marks its `Grammar` broken (the compiler compiles it afresh next time)."""
+        err = (self.m.get_error() or "grammar matcher error") if self.m.is_error() else \
+            ("a token the grammar forbids was emitted" if self._emitted_bad else None)
+        if err is not None and not self._broken:
+            self._broken.append(err)
+        return err
 
     def masks(self, prefix: list[int], n: int) -> torch.Tensor:
         """Allowed tokens `[n, V]` bool: row i after the output so far plus prefix[:len(prefix)-n+1+i]

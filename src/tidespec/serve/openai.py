@@ -5,6 +5,7 @@ of `protocol` (every field honoured or refused with a 400 naming it); responses 
 `responses` (one envelope for whole responses and streamed chunks); errors by `errors`."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -52,7 +53,7 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        con = serving.constraint(body)
+        con = await asyncio.to_thread(serving.constraint, body)  # schema checks and compiling: off the event loop
         return await respond(serving, chat, body, request, [serving.chat_prompt(body)], body.num_logprobs(),
                              constraint=con)
 

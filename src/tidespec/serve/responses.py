@@ -11,6 +11,13 @@ from ..engine.sampling import TokenLogprob
 from ..engine.speculative import Generation
 
 
+MIN_LOGPROB = -9999.0  # a token a grammar or min_tokens masks has logprob -inf; JSON has no -inf (vLLM clamps the same)
+
+
+def _lp(v: float) -> float:
+    return max(v, MIN_LOGPROB)
+
+
 def usage(prompts: list[list[int]], completion_tokens: int) -> dict:
     """OpenAI's `usage` (tokens) for `prompts` (token ids, one list per prompt) and the tokens generated."""
     p = sum(len(x) for x in prompts)
@@ -88,11 +95,11 @@ class CompletionApi(Api):
         """tokens, token_logprobs, top_logprobs (the top n plus the chosen token, as OpenAI and vLLM
         return it), text_offset (`base` + characters into the choice's text)."""
         def top(tl):
-            d = {self.token_text(t)[0]: v for t, v in tl.top}
-            d.setdefault(self.token_text(tl.token_id)[0], tl.logprob)
+            d = {self.token_text(t)[0]: _lp(v) for t, v in tl.top}
+            d.setdefault(self.token_text(tl.token_id)[0], _lp(tl.logprob))
             return d
         return {"tokens": [self.token_text(tl.token_id)[0] for tl in lps],
-                "token_logprobs": [tl.logprob for tl in lps], "top_logprobs": [top(tl) for tl in lps],
+                "token_logprobs": [_lp(tl.logprob) for tl in lps], "top_logprobs": [top(tl) for tl in lps],
                 "text_offset": [base + o for o in offsets]}
 
 
@@ -116,7 +123,7 @@ class ChatApi(Api):
     def logprobs(self, lps: list[TokenLogprob], offsets: list[int], base: int) -> dict:
         def entry(t, v):
             s, b = self.token_text(t)
-            return {"token": s, "logprob": v, "bytes": list(b)}
+            return {"token": s, "logprob": _lp(v), "bytes": list(b)}
         return {"content": [entry(tl.token_id, tl.logprob) | {"top_logprobs": [entry(t, v) for t, v in tl.top]}
                             for tl in lps], "refusal": None}
 

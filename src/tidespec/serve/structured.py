@@ -10,14 +10,12 @@ Errors are `OpenAIError` 400s naming the field (`response_format…`, `tools[i].
 """
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
 
-from ..engine.constraint import (ANY_OBJECT, CLOSE, OPEN, grammar_for, kind_of, new_call_id, parse_tool_calls, render,
+from ..engine.constraint import (ANY_OBJECT, ToolCallStream, grammar_for, kind_of, parse_tool_calls, render,
                                  spec_of_request)
 from ..engine.grammar import Grammar, GrammarCompiler, GrammarError, schema_key
 from .errors import OpenAIError
@@ -39,15 +37,19 @@ class Constraint:
 
 
 def check_schema(schema, param: str) -> dict:
-    """A JSON schema (Draft 2020-12 meta-schema) or OpenAIError 400 naming `param`."""
+    """A JSON schema — checked against the meta-schema its `$schema` names (default 2020-12; `pattern`
+    regexes are left to the grammar library, which reads ECMA-262) and for `$ref` cycles — or
+    OpenAIError 400 naming `param`."""
     if not isinstance(schema, dict):
         raise OpenAIError(f"{param} must be a JSON schema object", param=param)
     try:
-        Draft202012Validator.check_schema(schema)
+        validator_for(schema).check_schema(schema, format_checker=None)
     except SchemaError as e:
         where = "/".join(str(p) for p in e.path)
         raise OpenAIError(f"{param} is not a valid JSON schema{f' at {where}' if where else ''}: {e.message}",
                           param=param) from None
+    except RecursionError:
+        raise OpenAIError(f"{param} is nested too deeply", param=param) from None
     cycle = _ref_cycle(schema)
     if cycle:
         raise OpenAIError(f"{param} has a $ref cycle that never produces a value: {' -> '.join(cycle)}", param=param)
@@ -75,13 +77,18 @@ def _ref_cycle(schema: dict) -> list[str]:
             for v in node:
                 yield from walk(v)
 
+    done: set[str] = set()  # refs whose chain ends in a schema that is not a bare $ref
     for node in walk(schema):
         seen, cur = [], node
         while isinstance(cur, dict) and isinstance(cur.get("$ref"), str) and cur["$ref"].startswith("#"):
-            if cur["$ref"] in seen:
-                return seen[seen.index(cur["$ref"]):] + [cur["$ref"]]
-            seen.append(cur["$ref"])
-            cur = resolve(cur["$ref"])
+            ref = cur["$ref"]
+            if ref in done:
+                break
+            if ref in seen:
+                return seen[seen.index(ref):] + [ref]
+            seen.append(ref)
+            cur = resolve(ref)
+        done.update(seen)
     return []
 
 
@@ -90,6 +97,13 @@ def _compile(spec: dict, compiler: GrammarCompiler, param: str) -> Grammar:
         return grammar_for(spec, compiler)
     except GrammarError as e:
         raise OpenAIError(f"{param} cannot be compiled into a grammar: {str(e).splitlines()[0]}", param=param) from None
+
+
+# fields that cannot be combined with a grammar, and why
+_NOT_WITH_GRAMMAR = {"min_tokens": "it would mask the end the grammar requires",
+                     "stop": "a stop string would cut the constrained output",
+                     "stop_token_ids": "a stop token would cut the constrained output",
+                     "ignore_eos": "the grammar's end is an EOS; generating past it only adds hidden EOS tokens"}
 
 
 def build(body, compiler: GrammarCompiler | None) -> Constraint | None:
@@ -101,17 +115,18 @@ def build(body, compiler: GrammarCompiler | None) -> Constraint | None:
     if rf is not None and rf.type != "text" and use_tools:
         raise OpenAIError("response_format json_object/json_schema and tool calls cannot both constrain one "
                           "completion; send tool_choice: none, or drop response_format", param="response_format")
-    for i, t in enumerate(tools):
-        check_schema(t["function"].get("parameters") or ANY_OBJECT, f"tools[{i}].function.parameters")
+    _check_tools(tools)
     if (rf is None or rf.type == "text") and not use_tools:
         return None
     param = "tools" if use_tools else "response_format"
     if compiler is None:
         raise OpenAIError("structured output needs the target's tokenizer; this server has none", param=param)
-    if body.min_tokens:
-        raise OpenAIError("min_tokens cannot be combined with response_format or tools (it would mask the end "
-                          "the grammar requires)", param="min_tokens")
-    if not use_tools and rf.type == "json_schema":
+    for name, why in _NOT_WITH_GRAMMAR.items():
+        if getattr(body, name):
+            raise OpenAIError(f"{name} cannot be combined with response_format or tools: {why}", param=name)
+    if use_tools:
+        _compile_tools(tools, compiler)
+    elif rf.type == "json_schema":
         param = "response_format.json_schema.schema"
         check_schema(rf.json_schema.schema_, param)
     spec = spec_of_request({"tools": tools, "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls,
@@ -119,79 +134,21 @@ def build(body, compiler: GrammarCompiler | None) -> Constraint | None:
     return Constraint(_compile(spec, compiler, param), kind_of(spec), spec, schema_key(spec), tools=use_tools)
 
 
-@dataclass
-class ToolCallStream:
-    """Turns a constrained completion's streamed text into OpenAI `delta`s as vLLM streams calls: per
-    call, one delta with its index, id, type and name (`arguments: ""`), then the arguments' text in
-    pieces as it is generated. Text that is not a call streams as `content`. `feed(text)` returns
-    (content piece, tool-call delta entries) for the new text; `calls` counts calls opened."""
+def _check_tools(tools: list[dict]) -> None:
+    """Each tool's parameters: a valid JSON schema of an object. Raises OpenAIError naming the tool."""
+    for i, t in enumerate(tools):
+        param = f"tools[{i}].function.parameters"
+        params = check_schema(t["function"].get("parameters") or ANY_OBJECT, param)
+        if params.get("type", "object") != "object":
+            raise OpenAIError(f"{param} must describe a JSON object (type \"object\"), got type "
+                              f"{params.get('type')!r}", param=param)
 
-    buf: str = ""
-    pos: int = 0  # characters of buf handled
-    calls: int = 0
-    state: str = "text"  # text | head (before the name's end) | args | tail (after the arguments)
-    depth: int = 0
-    in_str: bool = False
-    esc: bool = False
-    _name_at: int = field(default=0, repr=False)
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        """The content piece and tool-call delta entries of `text` (the next piece of the completion);
-        `final`: the completion ends here (held-back text is released as content)."""
-        self.buf += text
-        content, out = "", []
-        while self.pos < len(self.buf):
-            rest = self.buf[self.pos:]
-            if self.state == "text":
-                at = rest.find(OPEN)
-                if at < 0:  # hold back what may still become "<tool_call>\n"
-                    keep = 0 if final else next((n for n in range(min(len(OPEN) - 1, len(rest)), 0, -1)
-                                                 if OPEN.startswith(rest[-n:])), 0)
-                    content += rest[:len(rest) - keep]
-                    self.pos += len(rest) - keep
-                    break
-                content += rest[:at]
-                self.pos += at + len(OPEN)
-                self.state, self._name_at = "head", self.pos
-            elif self.state == "head":
-                m = re.match(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ', rest)
-                if m is None:
-                    break
-                out.append({"index": self.calls, "id": new_call_id(), "type": "function",
-                            "function": {"name": json.loads(f'"{m.group(1)}"'), "arguments": ""}})
-                self.pos += m.end()
-                self.state, self.depth, self.in_str, self.esc = "args", 0, False, False
-            elif self.state == "args":
-                n = self._scan(rest)
-                if n:
-                    out.append({"index": self.calls, "function": {"arguments": rest[:n]}})
-                    self.pos += n
-                if self.state == "args":
-                    break
-            else:  # tail: "}" + CLOSE (+ "\n" before the next call)
-                end = rest.find(CLOSE)
-                if end < 0:
-                    break
-                self.pos += end + len(CLOSE)
-                self.calls += 1
-                if self.buf[self.pos:self.pos + 1] == "\n":
-                    self.pos += 1
-                self.state = "text"
-        return content, out
-
-    def _scan(self, s: str) -> int:
-        """Characters of `s` that belong to the arguments' JSON value; moves to `tail` at its end."""
-        for i, ch in enumerate(s):
-            if self.in_str:
-                self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
-                continue
-            if ch == '"':
-                self.in_str = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.state = "tail"
-                    return i + 1
-        return len(s)
+def _compile_tools(tools: list[dict], compiler: GrammarCompiler) -> None:
+    """Each tool's arguments grammar alone (a call grammar embeds the same), so an error names its tool."""
+    for i, t in enumerate(tools):
+        try:
+            compiler.json_schema(t["function"].get("parameters") or ANY_OBJECT)
+        except GrammarError as e:
+            raise OpenAIError(f"tools[{i}].function.parameters cannot be compiled into a grammar: "
+                              f"{str(e).splitlines()[0]}", param=f"tools[{i}].function.parameters") from None
