@@ -4,6 +4,7 @@ imported when the command runs (as in `tidespec.cli`: `--help` stays fast)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -82,6 +83,8 @@ def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
                 phases: str = typer.Option("", help="comma-separated phases in order (chat, code, math-en, "
                                                     "math-kj, structured; default: the mode's); results are named "
                                                     "after them"),
+                traffic_prompts: int = typer.Option(None, min=2, help="traffic prompts served per phase (default: "
+                                                    "the mode's, 24 / quick 12); half of them trigger the cycle"),
                 out: Path = typer.Option(Path("bench/results")),
                 work: Path = typer.Option(Path(".tidespec/bench-shift"), help="scratch workspace (wiped)")):
     """The workload-shift experiment: chat → code → math EN → math KO/JA at concurrency 1/4/8, no-spec vs
@@ -91,6 +94,8 @@ def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
     cfg = shift.ShiftConfig.quick() if quick else shift.ShiftConfig()
     if phases:
         cfg = cfg.with_phases([p.strip() for p in phases.split(",") if p.strip()])
+    if traffic_prompts:
+        cfg = replace(cfg, traffic_prompts=traffic_prompts, name=f"{cfg.name}-t{traffic_prompts}")
     rep = shift.run(load_params(params), out, work.resolve(), cfg, progress=console.print)
     stem = rep["stem"]
     console.print((out / f"{stem}.md").read_text(), markup=False, soft_wrap=True)  # markdown, not rich markup
