@@ -38,7 +38,7 @@ def tok_target(tiny_tok_target_dir):
 @pytest.fixture(scope="module")
 def compiler(tok_target):
     target, tok = tok_target
-    return GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    return GrammarCompiler.for_target(target, tok)
 
 
 def _text(tok, ids):
@@ -160,7 +160,7 @@ def test_a_grammar_over_its_work_limit_ends_the_request_not_the_batch(tok_target
     """An ambiguous grammar's Earley rows grow with every token; past `MAX_ITEMS_IN_ROW` its matcher
     errors (instead of masks growing without bound): that request ends with finish_reason length."""
     monkeypatch.setattr(grammar_mod, "MAX_ITEMS_IN_ROW", 20)
-    starved = GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    starved = GrammarCompiler.for_target(target, tok)
     heavy = starved.lark('start: x+\nx: "a" | "b" | x x')
     eng = Engine(target, None, max_seq_len=256, suffix=SuffixCache())
     ok_g = compiler.json_schema(SCHEMA)

@@ -262,7 +262,7 @@ def test_wide_optional_schemas_and_recompiled_failures(tmp_path):
     grammar whose matcher failed is compiled afresh for the next request."""
     from tidespec.engine.grammar import GrammarCompiler
     target, tok = load_target(add_tiny_tokenizer(make_tiny_target(tmp_path / "t")))
-    gc = GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    gc = GrammarCompiler.for_target(target, tok)
     wide = {"type": "object", "properties": {f"k{i}": {"type": "boolean"} for i in range(300)},
             "additionalProperties": False}
     g = gc.json_schema(wide)

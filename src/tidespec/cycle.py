@@ -181,7 +181,7 @@ def constrained(prompts: list[dict], target, tok) -> list[dict]:
     if tok is None:
         raise ValueError("the holdout holds constrained requests (response_format / tools) but the target has no "
                          "tokenizer to compile their grammars")
-    gc = GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    gc = GrammarCompiler.for_target(target, tok)
     out = []
     for p in prompts:
         if "constraint" in p:

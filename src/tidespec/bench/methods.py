@@ -154,9 +154,7 @@ class TidespecMethod:
             from ..engine.constraint import grammar_for
             from ..engine.grammar import GrammarCompiler
             if self._compiler is None:
-                t = self.engine.target.cfg
-                self._compiler = GrammarCompiler.for_tokenizer(get_target(self.params)[1], t.vocab_size,
-                                                               t.eos_token_ids)
+                self._compiler = GrammarCompiler.for_target(self.engine.target, get_target(self.params)[1])
             self._grammars[constraint] = grammar_for(json.loads(constraint), self._compiler)
         return self._grammars[constraint]
 

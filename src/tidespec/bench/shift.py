@@ -229,7 +229,7 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
     uri = env["MLFLOW_TRACKING_URI"]
     target, tok = get_target(params)
     tid = target.target_id
-    gc = GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    gc = GrammarCompiler.for_target(target, tok)
     static = bootstrap_static(base, target, tok, cache_dir())  # keyed by the unmodified params: cached by `make demo`
     _, v = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {},
                                   {"role": "static-bootstrap", "params_sha": params.sha()}, run_name="static")

@@ -242,7 +242,7 @@ def _spec(ex) -> dict | None:
 
 @functools.lru_cache(maxsize=4)
 def _compiler(target, tok) -> GrammarCompiler:
-    return GrammarCompiler.for_tokenizer(tok, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    return GrammarCompiler.for_target(target, tok)
 
 
 def _exchange_ids(exchanges, seen: set[str], params: Params, target, tok, engine: Engine,

@@ -92,10 +92,11 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_tokenizer(cls, hf_tokenizer, vocab_size: int, eos_ids) -> GrammarCompiler:
-        """From an HF fast tokenizer (its `backend_tokenizer`) or a `tokenizers.Tokenizer`."""
-        backend = getattr(hf_tokenizer, "backend_tokenizer", hf_tokenizer)
-        return cls(backend.to_str(), vocab_size, eos_ids)
+    def for_target(cls, target, tokenizer) -> GrammarCompiler:
+        """For a `models.target.Target` (its V and EOS ids) and its tokenizer: an HF fast tokenizer
+        (its `backend_tokenizer`) or a `tokenizers.Tokenizer`."""
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        return cls(backend.to_str(), target.cfg.vocab_size, target.cfg.eos_token_ids)
 
     def json_schema(self, schema: dict) -> Grammar:
         """A JSON value valid against `schema` (dict), compact (`JSON_OPTIONS`). Raises GrammarError

@@ -4,11 +4,11 @@ Per request a ladder of options (`goodput.Ladder`: none, EAGLE3 chain lengths or
 prefixes of its suffix proposal, prefixes of the tokens its grammar forces), capped so the output
 and the KV cache have room for the drafts plus the bonus token. With the goodput policy
 (`adaptive.AdaptiveK.plan_step`) the options of the whole batch are chosen together by predicted
-tokens/s; a request outside the policy (a fixed k,
-seeded sampling, no policy) takes a fixed option: its grammar's forced tokens when there are at
-least two (or it has no other proposer), else its suffix proposal when the expected accepted
-tokens (the sum of its chain scores) reach `suffix_min_expected` or it has no EAGLE3 draft, else
-the EAGLE3 chain of its k (or the engine's), or the tree of SGLang's knobs.
+tokens/s; a request outside the policy (a fixed k, seeded sampling, no policy) takes a fixed option:
+its grammar's forced tokens when there are at least two (or it has no other proposer), else its
+suffix proposal when the expected accepted tokens (the sum of its chain scores) reach
+`suffix_min_expected` or it has no EAGLE3 draft, else the EAGLE3 chain of its k (or the engine's),
+or the tree of SGLang's knobs.
 """
 from __future__ import annotations
 

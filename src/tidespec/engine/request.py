@@ -143,7 +143,7 @@ class Seq:
         kept = new[:m]
         self.gen.extend(kept)
         self.lp.advance(kept)
-        if self.grammar_error is not None:  # a dead end: the grammar allowed only a stop token
+        if self.grammar_error is not None:  # its matcher hit a work limit: the request ends here
             self.finish_reason, self.stop_reason = "length", None
         if self.logprobs is not None and kept:
             self.logprobs += token_logprobs(logprobs_of(rows[:m], req.sampling), kept, req.sampling.logprobs)

@@ -116,7 +116,7 @@ class Engine:
     `forced_tokens`: constrained requests propose the tokens their grammar forces (`proposers.grammar`);
     evaluation turns it off so τ measures the draft alone (under the grammar's masks).
     Proposers (`_proposers`, `engine.proposers`): the EAGLE3 chain, the EAGLE-2 tree, the suffix
-    proposal; a new one is one `Proposer` class plus its entry there and its option in the plan.
+    proposal, a constrained request's grammar-forced tokens; a new one is one `Proposer` class plus its entry there and its option in the plan.
     Also raises ValueError for num_draft_tokens, max_batch or eagle_topk < 1, max_seq_len beyond the
     target's context (`max_position`), or a draft of another target (vocab, hidden size, aux layers, id).
     """

@@ -122,8 +122,7 @@ class OpenAIServing:
         request, ~0.4 s; None without a tokenizer)."""
         if self.tokenizer is None:
             return None
-        t = self.engine.target.cfg
-        return GrammarCompiler.for_tokenizer(self.tokenizer, t.vocab_size, t.eos_token_ids)
+        return GrammarCompiler.for_target(self.engine.target, self.tokenizer)
 
     def constraint(self, body: ChatRequest) -> Constraint | None:
         """The request's grammar (`structured.build`; None: unconstrained). Raises OpenAIError 400."""
