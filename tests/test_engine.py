@@ -224,8 +224,8 @@ def test_adaptive_k_cost_model_and_off_switch():
     assert pol.acceptance("code") == pytest.approx([1.0, 0.0, 0.9, 0.9])
     assert pol.best_k("code") == 1  # τ(1) = 2 for 115 ms beats everything else
     pol.observe("chat", 2, 0)  # a1 = 0: nothing beats plain decoding
-    ks = [pol.choose("chat") for _ in range(8)]
-    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]  # off, with a probe (best k >= 1) every 4th step of the class
+    ks = [pol.choose("chat") for _ in range(12)]
+    assert ks == [0, 0, 0, 1] + [0] * 7 + [1]  # off, with probes (best k >= 1) after 4, then 8 idle steps
     assert pol.report()["chat"]["speculation"] is False and pol.report()["code"]["k"] == 1
     pol.reset()
     assert pol.acceptance("code") == [0.9] * 4

@@ -1,6 +1,7 @@
 """The batch-aware goodput policy: a step's cost by the batch's total verify rows, per-request
 choices of proposer and length for the whole step, online re-fit that outliers cannot turn into
 speed-up predictions, and the engine wiring (lossless, measured steps fed back)."""
+import math
 import random
 
 import pytest
@@ -209,10 +210,13 @@ def test_review_fixes_draft_costs_probes_backlog_grid(tiny_target):
     assert all(ms > 0 for ms in pol.cal.draft_batch_ms) and pol.cost.cal is pol.cal
     assert not pol.ensure_draft_costs(tiny_target, runner)  # same shape: not timed again
     probed = []
-    for _ in range(16):
+    for step in range(1, 301):
         ch = pol.plan_step(["chat"] * 4, [Ladder(eagle=(0.0, 0.0, 0.0))] * 4)
-        probed += [i for i, c in enumerate(ch) if c[1]]
-    assert sorted(probed) == [0, 1, 2, 3]  # one probe every 4th step, each request in turn
+        probed += [(step, i) for i, c in enumerate(ch) if c[1]]
+    # a class left off: probes after 4, 8, 16, 32, 64 idle steps, then every 64 (PROBE_BACKOFF × 4),
+    # rotating over its requests
+    assert [s for s, _ in probed] == [4, 12, 28, 60, 124, 188, 252]
+    assert sorted({i for _, i in probed}) == [0, 1, 2, 3]
     fut = eng.submit(Request([5, 6, 7], 12, workload="chat"))
     eng.step()
     eng.step()
@@ -224,3 +228,62 @@ def test_review_fixes_draft_costs_probes_backlog_grid(tiny_target):
         Calibration((100.0, 101.0), 0.0, "x", 128, (1, 1), (1, 2), ((100.0, 101.0), (100.0, 101.0)), (0.0, 0.0))
     with pytest.raises(ValueError, match="outside the target vocabulary"):
         eng.set_suffix_corpus([[5, 6], [tiny_target.cfg.vocab_size]])
+
+
+def test_hysteresis_holds_speculation_at_a_batch_size_boundary():
+    """A load that sits on a boundary (1 request, then 2, then 1...): alone k = 1 is predicted to
+    gain 9.8 %, with two requests 4.0 % — between margin_off (2 %) and margin (5 %). Without the
+    band speculation flaps on/off every step (each switch back on pays a catch-up); with it, it stays
+    on; and from off, a 4 % gain does not switch it on."""
+    cal = Calibration((100.0, 101.0), 1.0, "test", 128, (1, 2), (1, 2), ((100.0, 101.0), (150.0, 160.0)), (1.0, 1.5))
+    lad = Ladder(eagle=(0.12,))
+    cost = StepCost(cal)
+    assert goodput([lad], [("eagle3", 1)], cost) / goodput([lad], [("", 0)], cost) == pytest.approx(1.12 * 100 / 102)
+    both = goodput([lad] * 2, [("eagle3", 1)] * 2, cost) / goodput([lad] * 2, [("", 0)] * 2, cost)
+    assert both == pytest.approx(1.12 * 150 / 161.5)  # 1.040
+
+    def on_per_step(margin_off):
+        pol = AdaptiveK(cal, prior=0.6, probe_every=1000, margin=0.05, margin_off=margin_off)
+        return [any(c[1] for c in pol.plan_step(["code"] * b, [lad] * b)) for b in (1, 2) * 4]
+
+    assert on_per_step(0.05) == [True, False] * 4  # no band: flaps with the batch size
+    assert on_per_step(0.02) == [True] * 8
+    fresh = AdaptiveK(cal, prior=0.6, probe_every=1000, margin=0.05, margin_off=0.02)
+    assert fresh.plan_step(["code"] * 2, [lad] * 2) == [("", 0)] * 2  # from off: 4 % is not enough
+    with pytest.raises(ValueError, match="margin_off"):
+        AdaptiveK(cal, margin=0.05, margin_off=0.06)
+
+
+def test_probe_back_off_restarts_when_the_class_speculates():
+    cal = _cal()
+    pol = AdaptiveK(cal, prior=0.6, probe_every=2)
+    dead, good = [Ladder(eagle=(0.0, 0.0))] * 8, [Ladder(eagle=(0.99, 1.98))]
+    steps = [s for s in range(1, 15) if any(c[1] for c in pol.plan_step(["chat"] * 8, dead))]
+    assert steps == [2, 6, 14]  # gaps 2, 4, 8
+    assert pol.plan_step(["chat"], good) != [("", 0)]  # the class speculates (alone): back-off forgotten
+    steps = [s for s in range(1, 7) if any(c[1] for c in pol.plan_step(["chat"] * 8, dead))]
+    assert steps == [2, 6]
+
+
+def test_search_bound_never_skips_a_step_speculation_would_win():
+    """`plan` skips its search when no option could beat plain decoding by the margin (a bound on
+    gains and rows). Brute force over every combination of small batches: whenever some combination
+    beats the margin, the plan speculates."""
+    import itertools
+
+    from tidespec.engine.goodput import _options
+    rng = random.Random(3)
+    cost = StepCost(_cal())
+    for case in range(300):
+        b = rng.randint(1, 3)
+        lads = []
+        for _ in range(b):
+            acc = [rng.random() ** rng.choice((1, 4)) for _ in range(3)]
+            eagle = tuple(sum(math.prod(acc[:j + 1]) for j in range(i + 1)) for i in range(3))
+            sfx = tuple(sorted(rng.random() * 3 for _ in range(rng.randint(0, 4))))
+            lads.append(Ladder(eagle=eagle, suffix=sfx))
+        g0 = goodput(lads, [("", 0)] * b, cost)
+        best = max(goodput(lads, list(c), cost) for c in itertools.product(*[_options(x) for x in lads]))
+        ch = plan(lads, cost, margin=0.05)
+        if best >= 1.05 * g0 * (1 + 1e-9):
+            assert ch != [("", 0)] * b, case

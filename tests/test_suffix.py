@@ -93,3 +93,29 @@ def test_random_inserts_and_evictions_match_brute_force_counts():
             s = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
             node = node_of(t, s)
             assert (t._count[node] if node is not None else 0) == brute_count(kept, s), (step, s)
+
+
+def test_binary_search_match_equals_the_longest_continuing_suffix():
+    """`match` searches the length by bisection (the predicate "occurs with a continuation" is
+    monotone in the length); it must return what scanning every suffix, longest first, returns."""
+    import random
+    rng = random.Random(1)
+
+    def scan(trie, ctx, max_len):
+        ctx = ctx[-max_len:]
+        for start in range(len(ctx)):
+            node = node_of(trie, ctx[start:])
+            if node is not None and trie._kids[node]:
+                return node, len(ctx) - start
+        return 0, 0
+
+    t, kept = SuffixTrie(6), []
+    for step in range(80):
+        q = [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
+        t.add(q)
+        kept.append(q)
+        if len(kept) > 5:
+            t.add(kept.pop(0), -1)
+        for _ in range(6):
+            ctx = [rng.randrange(3) for _ in range(rng.randrange(0, 12))]
+            assert t.match(ctx, 5) == scan(t, ctx, 5), (step, ctx)

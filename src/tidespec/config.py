@@ -80,6 +80,7 @@ class EngineParams(_Strict):
     adaptive_prior: float = Field(0.6, ge=0, le=1)  # starting per-position acceptance of a new class
     adaptive_probe_every: int = Field(32, ge=1)  # with speculation off, probe every n-th step
     adaptive_margin: float = Field(0.05, ge=0, lt=1)  # speculate only if predicted >= (1+margin) x plain
+    adaptive_margin_off: float = Field(0.02, ge=0, lt=1)  # once on, stay on while predicted >= (1+this) x plain
     draft_early_stop: bool = True  # under the goodput policy: stop a chain where the next token no longer pays
     suffix: SuffixParams = SuffixParams()
     tree: TreeParams = TreeParams()
@@ -90,6 +91,14 @@ class EngineParams(_Strict):
             tree_num_draft_tokens(self.num_draft_tokens, self.tree.eagle_topk, self.tree.num_draft_tokens)
         except ValueError as e:
             raise ValueError(f"engine.tree: {e}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _hysteresis(self):
+        if self.adaptive_margin_off > self.adaptive_margin:
+            raise ValueError(f"engine.adaptive_margin_off ({self.adaptive_margin_off}) must be <= "
+                             f"engine.adaptive_margin ({self.adaptive_margin}): speculation turns on above the "
+                             "margin and stays on above margin_off")
         return self
 
     @model_validator(mode="after")

@@ -78,7 +78,7 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
         cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir(), max_batch=e.max_batch, max_rows=rows,
                                 progress=progress)
         pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every,
-                        margin=e.adaptive_margin)
+                        margin=e.adaptive_margin, margin_off=e.adaptive_margin_off)
     kw = {"capture": capture} if capture is not None else {}
     sx = e.suffix
     if sx.enabled:

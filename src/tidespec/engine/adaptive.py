@@ -13,8 +13,15 @@ calibrated (batch, rows) grid (`engine.calibration`), re-fitted online from meas
 request's proposer and length maximise the step's predicted tokens per second, and speculation
 stays on only if that beats plain decoding by `margin` (default 5 %): near break-even the
 prediction's error is larger than the gain, and a wrong "on" costs up to the whole draft overhead.
-A class with speculation off still probes every `probe_every`-th step (with the best k ≥ 1 of a
-request alone), so a draft that improves (hot-swap) or a workload that turns structured is noticed.
+Hysteresis: speculation turns on where the predicted gain reaches `margin` and, once on, stays on
+while it reaches `margin_off` (≤ margin), so a load that sits where the two predictions cross (a batch
+of 4 that pays, 5 that does not) does not switch the draft on and off every step — each switch back
+on costs a catch-up of the rows the draft missed.
+A class with speculation off still probes (with the best k ≥ 1 of a request alone), so a draft that
+improves (hot-swap) or a workload that turns structured is noticed: first after `probe_every` of its
+idle steps, then, while each probe leaves the class off, after twice as many (up to
+`PROBE_BACKOFF` × probe_every, exponential back-off): a draft that stays useless under load costs
+one probe (a catch-up of the rows it missed, k drafts, k verify rows) per 512 steps, not per 32.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from .stats import simulated_acceptance_length
 
 CONF_BINS = 10  # draft-confidence bins for the early stop's acceptance estimate
 GRAMMAR_PRIOR = 0.95  # acceptance of a grammar-forced token before any was measured
+PROBE_BACKOFF = 16  # a class left off probes at most this many times less often than probe_every
 TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
 
 
@@ -47,19 +55,29 @@ class AdaptiveK:
 
     prior: initial a_j for an unseen class (optimistic, so a new class tries speculation);
     alpha: EMA weight of one observation (the first 1/alpha observations are averaged);
-    probe_every: with speculation off, every n-th step of the class runs the best k ≥ 1 to keep
-    the estimate fresh; margin: the predicted gain over plain decoding (0.05 = 5 %) below which
-    speculation stays off. Raises ValueError for values out of range. Thread-safe.
+    probe_every: with speculation off, the class's n-th idle step runs the best k ≥ 1 to keep the
+    estimate fresh (then back-off, see the module docstring); margin: the predicted gain over plain
+    decoding (0.05 = 5 %) below which speculation stays off; margin_off: once on, the gain below
+    which it turns off (None = margin: no hysteresis). Raises ValueError for values out of range.
+    Thread-safe.
     """
 
     def __init__(self, calibration: Calibration, prior: float = 0.6, alpha: float = 0.05,
-                 probe_every: int = 32, margin: float = 0.05):
+                 probe_every: int = 32, margin: float = 0.05, margin_off: float | None = None):
+        margin_off = margin if margin_off is None else margin_off
         if not 0 <= prior <= 1 or not 0 < alpha <= 1 or probe_every < 1 or not 0 <= margin < 1:
             raise ValueError("AdaptiveK needs 0 <= prior <= 1, 0 < alpha <= 1, probe_every >= 1, 0 <= margin < 1")
+        if not 0 <= margin_off <= margin:
+            raise ValueError(f"margin_off {margin_off} must be in [0, margin {margin}] (engine.adaptive_margin_off "
+                             "<= engine.adaptive_margin: the band speculation stays on in)")
         self.cal = calibration
         self.cost = StepCost(calibration)
         self.k_max = calibration.k_max
         self.prior, self.alpha, self.probe_every, self.margin = prior, alpha, probe_every, margin
+        self.margin_off = margin_off
+        self._on = False  # did the last planned step speculate (probes aside)? hysteresis state
+        self._gap: dict[str, int] = {}  # class → idle steps between its probes now (back-off)
+        self._probes = 0  # probes run (rotates over a class's requests)
         self._acc: dict[str, list[float]] = {}
         self._obs: dict[str, list[int]] = {}  # observations per position (running mean until 1/alpha)
         self._steps: dict[str, int] = {}
@@ -88,6 +106,8 @@ class AdaptiveK:
             self._acc.clear()
             self._obs.clear()
             self._steps.clear()
+            self._gap.clear()
+            self._on = False
             self._suffix.clear()
             self._grammar.clear()
             self._conf.clear()
@@ -261,9 +281,22 @@ class AdaptiveK:
         return self._pick(self.predicted_tokens_per_s(workload))
 
     def _probe(self, workload: str) -> bool:
+        """Count one idle step of the class; True when it is due a probe (then the next gap doubles,
+        up to PROBE_BACKOFF × probe_every)."""
         with self._lock:
             n = self._steps[workload] = self._steps.get(workload, 0) + 1
-        return n % self.probe_every == 0
+            gap = self._gap.get(workload, self.probe_every)
+            if n < gap:
+                return False
+            self._steps[workload] = 0
+            self._gap[workload] = min(2 * gap, PROBE_BACKOFF * self.probe_every)
+            return True
+
+    def _speculated(self, workload: str) -> None:
+        """The plan chose speculation for the class (not a probe): probing restarts at probe_every."""
+        with self._lock:
+            self._gap.pop(workload, None)
+            self._steps.pop(workload, None)
 
     def choose(self, workload: str) -> int:
         """k for the next step of a request of this class running alone (0 = plain decoding; with
@@ -273,19 +306,28 @@ class AdaptiveK:
         return _argmax(tps, lo=1) if k == 0 and self._probe(workload) else k
 
     def plan_step(self, workloads: list[str], ladders: list[Ladder]) -> list[tuple[str, int]]:
-        """Each request's (proposer, drafted tokens) for a step of this batch (`goodput.plan`). A class
-        whose requests could draft with EAGLE3 but were left without probes every `probe_every`-th
-        such step: one of them (rotating) runs the best k of a request alone, so the acceptance
-        estimate stays fresh and every request's backlog is drained now and then."""
-        choice = plan(ladders, self.cost, self.margin)
+        """Each request's (proposer, drafted tokens) for a step of this batch (`goodput.plan`, with
+        the hysteresis margin: `margin` to turn speculation on, `margin_off` to keep it on). A class
+        whose requests could draft with EAGLE3 but were all left without: a probe when due (see the
+        module docstring), rotating over its requests, so the acceptance estimate stays fresh and
+        every request's backlog is drained now and then."""
+        with self._lock:
+            margin = self.margin_off if self._on else self.margin
+        choice = plan(ladders, self.cost, margin)
+        spoke = {w for w, lad, c in zip(workloads, ladders, choice) if lad.fixed is None and c != NONE}
+        for w in spoke:
+            self._speculated(w)
         idle: dict[str, list[int]] = {}  # class → requests that could draft but were left without
         for i, (w, lad, c) in enumerate(zip(workloads, ladders, choice)):
-            if c == NONE and lad.fixed is None and lad.eagle:
+            if w not in spoke and lad.fixed is None and lad.eagle:
                 idle.setdefault(w, []).append(i)
-        for w, idx in idle.items():  # one probe per class every probe_every-th step, rotating over its requests
+        with self._lock:
+            self._on = bool(spoke)
+        for w, idx in idle.items():
             if self._probe(w):
                 with self._lock:
-                    i = idx[(self._steps[w] // self.probe_every) % len(idx)]
+                    self._probes += 1
+                    i = idx[self._probes % len(idx)]
                 choice[i] = ("eagle3", self.probe_size(ladders[i]))
         return choice
 

@@ -118,10 +118,15 @@ def _gain(lad: Ladder, opt: tuple[str, int]) -> float:
     return (lad.eagle if via == "eagle3" else lad.suffix if via == "suffix" else lad.grammar)[n - 1]
 
 
+def _rising(via: str, gains: tuple[float, ...]) -> list[tuple[str, int]]:
+    """The options n of one proposer whose expected accepted tokens exceed those of n − 1: a longer
+    option that gains nothing more costs more rows for the same tokens, so it can never be chosen
+    (and a proposal whose tokens are all predicted rejected offers nothing)."""
+    return [(via, n) for n in range(1, len(gains) + 1) if gains[n - 1] > (gains[n - 2] if n > 1 else 0.0)]
+
+
 def _options(lad: Ladder) -> list[tuple[str, int]]:
-    return [NONE] + [("eagle3", k) for k in range(1, len(lad.eagle) + 1)] + \
-        [("suffix", m) for m in range(1, len(lad.suffix) + 1)] + \
-        [("grammar", m) for m in range(1, len(lad.grammar) + 1)]
+    return [NONE] + _rising("eagle3", lad.eagle) + _rising("suffix", lad.suffix) + _rising("grammar", lad.grammar)
 
 
 def draft_batches(chain_lengths: list[int], widths: list[int] | None = None) -> list[int]:
@@ -203,7 +208,9 @@ def plan(ladders: list[Ladder], cost: StepCost, margin: float = 0.05, sweeps: in
     """Each request's (proposer, drafted tokens) for this step — ("", 0) = plain decoding — that
     maximises the predicted goodput of the whole step (see the module docstring: the best of plain
     decoding and one k for every EAGLE3 request as the start, then coordinate ascent). Speculation
-    is kept only if it beats plain decoding (fixed choices kept) by `margin`."""
+    is kept only if it beats plain decoding (fixed choices kept) by `margin`. When even every
+    request's best gain at the price of a single extra verify row could not beat it, the search is
+    skipped (a bound: the step cost grows with rows and draft forwards)."""
     base = [lad.fixed or NONE for lad in ladders]
     if not ladders:
         return base
@@ -212,6 +219,10 @@ def plan(ladders: list[Ladder], cost: StepCost, margin: float = 0.05, sweeps: in
     free.sort(key=lambda i: -max((*ladders[i].eagle, *ladders[i].suffix, *ladders[i].grammar)))
     g0 = best = st.value()
     best_choice = list(base)
+    top = sum(max((*ladders[i].eagle, *ladders[i].suffix, *ladders[i].grammar)) for i in free)
+    if not free or (st.gain + top) / cost.predict(st.b, st.rows + 1, step_draft_batches(ladders, base)) \
+            < (1 + margin) * g0:
+        return base  # a bound: every option adds a verify row, and no request can gain more than its best
     for k in range(1, max((len(ladders[i].eagle) for i in free), default=0) + 1):
         # batch-wide start: one k for every EAGLE3 request (chain positions are batched, so their
         # draft cost is shared; one request at a time would not leave a shared optimum)

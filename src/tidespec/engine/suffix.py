@@ -14,7 +14,7 @@ proposal wins.
 Why our own code: the PyPI sdist `arctic-inference` 0.3.0 builds its C++ suffix tree only together
 with CUDA custom ops and vLLM's build requirements (torch ≥ 2.10 in build isolation, protobuf,
 grpcio-tools), which does not fit a CPU-only install. This is a depth-bounded suffix trie in pure
-Python: O(max_depth) per appended token, O(max_depth²) dict lookups per match; a chain that runs
+Python: O(max_depth) per appended token, O(max_depth · log max_depth) dict lookups per match; a chain that runs
 past the depth bound re-matches its own tail and continues.
 """
 from __future__ import annotations
@@ -105,17 +105,28 @@ class SuffixTrie:
         """(node, length) of the longest suffix of `context`, at most `max_len` tokens, that occurs
         in the trie with a continuation (a node with children: an occurrence at the very end of a
         sequence — e.g. the context itself in the request's own tree — predicts nothing); (0, 0)
-        when there is none."""
+        when there is none. Binary search over the length, O(max_len · log max_len) lookups: every
+        substring of an inserted sequence is a path, so if the suffix of length m occurs with a
+        continuation, so does every shorter one (the predicate is monotone in m)."""
         ctx = context[-max_len:] if max_len else []
-        for start in range(len(ctx)):
-            node = 0
-            for t in ctx[start:]:
-                node = self._kids[node].get(t, -1)
-                if node < 0:
-                    break
-            if node >= 0 and self._kids[node]:
-                return node, len(ctx) - start
-        return 0, 0
+        lo, hi, best = 1, len(ctx), (0, 0)  # invariant: lengths < lo continue, lengths > hi do not
+        while lo <= hi:
+            m = (lo + hi) // 2
+            node = self._walk(ctx[-m:])
+            if node > 0 and self._kids[node]:
+                best, lo = (node, m), m + 1
+            else:
+                hi = m - 1
+        return best
+
+    def _walk(self, tokens: list[int]) -> int:
+        """The node of the path `tokens` from the root, -1 when it is not in the trie."""
+        node = 0
+        for t in tokens:
+            node = self._kids[node].get(t, -1)
+            if node < 0:
+                return -1
+        return node
 
     def propose(self, context: list[int], max_spec: int, min_score: float, alpha: float) -> Proposal:
         """The most frequent continuation of `context` (see the module docstring)."""
