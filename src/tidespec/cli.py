@@ -432,6 +432,9 @@ def _start_vllm(p, ws, python: str | None, host: str):
     if e.tree.eagle_topk > 1 or e.suffix.enabled:
         raise typer.BadParameter("--backend vllm runs EAGLE3 chains: engine.tree.eagle_topk > 1 and "
                                  "engine.suffix.enabled apply to the embedded engine; set them to 1 / false")
+    if p.serve.workload_by_model:
+        raise typer.BadParameter("serve.workload_by_model names classes for the embedded engine's goodput policy; "
+                                 "vLLM serves one model id (serve.served_model_name): remove workload_by_model")
     if e.adaptive:
         console.print(f"serve: vLLM drafts a fixed k = engine.num_draft_tokens = {e.num_draft_tokens} "
                       "(engine.adaptive, the goodput policy, is the embedded engine's)", markup=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .sagemaker_config import SageMakerDeployParams, SageMakerTrainParams
 from .strict import Strict as _Strict
@@ -227,7 +227,11 @@ class ServeParams(_Strict):
     watch_champion_s: how often (s) `tidespec serve` checks data/drafts/champion for a version a
     cycle deployed and swaps to it (0: never; POST /admin/draft still swaps); live_stats_s: with
     `--backend vllm` and MLFLOW_TRACKING_URI, how often (s) the served version's live spec-decode
-    figures (vLLM's own counters) are logged to its MLflow run (0: never; refused elsewhere)."""
+    figures (vLLM's own counters) are logged to its MLflow run (0: never; refused elsewhere);
+    classify_workload: a request without a `workload` field gets its class from the request itself
+    (`serve.workload`: model alias, response_format / tools, content) — false: class "default";
+    workload_by_model: extra model ids this server answers to, each naming the class of its
+    requests (e.g. {"smollm2-code": "code"}: a client picks a class by the model it asks for)."""
 
     max_queue: int = Field(64, ge=1)
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
@@ -236,6 +240,17 @@ class ServeParams(_Strict):
     default_temperature: float = Field(0.0, ge=0, le=2, allow_inf_nan=False)
     watch_champion_s: float = Field(5.0, ge=0, allow_inf_nan=False)
     live_stats_s: float = Field(60.0, ge=0, allow_inf_nan=False)
+    classify_workload: bool = True
+    workload_by_model: dict[str, str] = {}
+
+    @field_validator("workload_by_model")
+    @classmethod
+    def _aliases(cls, v: dict[str, str]) -> dict[str, str]:
+        for alias, wl in v.items():
+            if not alias or not wl or len(wl) > 64:
+                raise ValueError(f"serve.workload_by_model: {alias!r}: {wl!r} — model ids and classes must be "
+                                 "non-empty, classes at most 64 characters")
+        return v
 
 
 class DeployParams(_Strict):

@@ -261,6 +261,21 @@ def _vllm_rows(python: str | None) -> tuple[str | None, str | None]:
     return python or vllm.default_python(), None
 
 
+@bench_app.command("classes")
+def bench_classes(params: Path = PARAMS, sharegpt: int = typer.Option(2000, min=0, help="ShareGPT prompts to spread"),
+                  out: Path = typer.Option(Path("bench/results"))):
+    """Which request signal separates code, math and chat on the shipped sets (content rules vs
+    clustering): the workload classes served requests get without a `workload` field."""
+    from .. import assets
+    from ..config import load_params
+    from ..runtime import get_target
+    from . import classes
+    assets.fetch_all()
+    _, tok = get_target(load_params(params))
+    classes.run(tok, out, sharegpt)
+    console.print((out / "classes.md").read_text())
+
+
 @bench_app.command("capture")
 def bench_capture(params: Path = PARAMS, prompts: int = typer.Option(8, min=1),
                   max_new_tokens: int = typer.Option(64, min=1), rounds: int = typer.Option(3, min=1),

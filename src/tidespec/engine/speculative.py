@@ -80,6 +80,7 @@ class Generation:
     stats_by_proposer: dict[str, SpecDecodingStats] = field(default_factory=dict)  # "eagle3", "suffix", "grammar"
     grammar_error: str | None = None
     constraint: dict | None = None  # the constraint spec of a constrained request (`engine.constraint`)
+    workload: str = "default"  # the request's workload class (the policy's and the capture's key)
 
     @property
     def tokens_per_s(self) -> float:
@@ -561,7 +562,8 @@ class Engine:
         res = Generation(s.rid, len(s.req.prompt_ids), gen, s.stats, s.timing, s.version,
                          finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason, logprobs=s.logprobs,
                          stats_by_proposer=dict(s.by_via), grammar_error=s.grammar_error,
-                         constraint=s.req.grammar.spec if s.req.grammar is not None else None)
+                         constraint=s.req.grammar.spec if s.req.grammar is not None else None,
+                         workload=s.req.workload)
         if s.capture and not s.aborted:
             p = list(s.req.prompt_ids)
             T = len(p) + len(gen) - 1

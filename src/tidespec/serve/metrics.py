@@ -22,6 +22,10 @@ PREFIX = "tidespec:"
 ITL_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)  # acceptance length, tokens per step
 BACKEND_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+WORKLOAD_COUNTERS = (("num_drafts", "Draft-verify steps by workload class."),
+                     ("num_draft_tokens", "Draft tokens proposed by workload class."),
+                     ("num_accepted_tokens", "Draft tokens accepted by workload class."))
+MAX_WORKLOAD_LABELS = 32  # distinct workload label values on /metrics; later classes count as "other"
 PROPOSER_COUNTERS = (("num_drafts", "Draft-verify steps by proposer (eagle3, suffix)."),
                      ("num_draft_tokens", "Draft tokens proposed by proposer."),
                      ("num_accepted_tokens", "Draft tokens accepted by proposer."))
@@ -44,6 +48,7 @@ class FinishedRequestStats:
     acceptance_length: float | None
     by_proposer: dict[str, tuple[int, int, int]]
     itl_s: tuple[float, ...]
+    workload: str = "default"
 
     @classmethod
     def of(cls, g: Generation) -> FinishedRequestStats:
@@ -56,7 +61,7 @@ class FinishedRequestStats:
                    acceptance_length=st.acceptance_length if st.num_drafts else None,
                    by_proposer={name: tuple(getattr(ps, n) for n, _ in PROPOSER_COUNTERS)
                                 for name, ps in g.stats_by_proposer.items()},
-                   itl_s=tuple(ms / 1000 for ms in g.timing.itl_ms()))
+                   itl_s=tuple(ms / 1000 for ms in g.timing.itl_ms()), workload=g.workload)
 
 
 def usage_tokens(usage: dict | None) -> tuple[int, int]:
@@ -86,8 +91,10 @@ def metrics_response(registry: CollectorRegistry) -> Response:
 
 class ServeMetrics:
     """Prometheus exporter of `tidespec serve`: spec-decode counters (overall, per draft position
-    0..k-1, per proposer), tokens, finished and refused requests, inter-token latency (s), τ per
-    request, requests in the engine, the served draft. `k`: draft positions labelled up front."""
+    0..k-1, per proposer, per workload class: τ of a class = 1 + accepted / drafts), tokens,
+    finished and refused requests, inter-token latency (s), τ per request, requests in the engine,
+    the served draft. `k`: draft positions labelled up front. At most MAX_WORKLOAD_LABELS classes
+    get their own label value (clients may name classes: the series must stay bounded)."""
 
     def __init__(self, k: int):
         r = self.registry = CollectorRegistry()
@@ -106,6 +113,11 @@ class ServeMetrics:
         self.draft_info = Gauge(f"{p}draft_info", "The served draft (value 1).", ["version"], registry=r)
         self.by_proposer = [Counter(f"{p}spec_decode_{name}_by_proposer", help_, ["proposer"], registry=r)
                             for name, help_ in PROPOSER_COUNTERS]
+        self.by_workload = [Counter(f"{p}spec_decode_{name}_by_workload", help_, ["workload"], registry=r)
+                            for name, help_ in WORKLOAD_COUNTERS]
+        self.requests_by_workload = Counter(f"{p}request_success_by_workload", "Finished requests by workload class.",
+                                            ["workload"], registry=r)
+        self._workloads: set[str] = set()
         self.request_tau = Histogram(
             f"{p}request_spec_decode_acceptance_length", "Acceptance length τ of each finished request that "
             "drafted (1 + accepted / drafts).", registry=r, buckets=TAU_BUCKETS)
@@ -126,8 +138,18 @@ class ServeMetrics:
         for proposer, counts in st.by_proposer.items():
             for counter, n in zip(self.by_proposer, counts):
                 counter.labels(proposer=proposer).inc(n)
+        w = self._label(st.workload)
+        self.requests_by_workload.labels(workload=w).inc()
+        for counter, n in zip(self.by_workload, (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)):
+            counter.labels(workload=w).inc(n)
         for s in st.itl_s:
             self.itl.observe(s)
+
+    def _label(self, workload: str) -> str:
+        """The label value of a class: itself while fewer than MAX_WORKLOAD_LABELS are in use, else "other"."""
+        if workload not in self._workloads and len(self._workloads) < MAX_WORKLOAD_LABELS:
+            self._workloads.add(workload)
+        return workload if workload in self._workloads else "other"
 
     def set_running(self, n: int) -> None:
         """Requests waiting or running in the engine now."""

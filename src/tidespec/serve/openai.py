@@ -28,23 +28,28 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
     completion, chat = CompletionApi(serving.tokenizer), ChatApi(serving.tokenizer)
     started = int(time.time())
 
-    def model_card() -> dict:
-        e = serving.engine
-        return {"id": serving.model, "object": "model", "created": started, "owned_by": "tidespec",
-                "root": serving.model, "parent": None, "max_model_len": e.max_seq_len,
-                "tidespec": {"draft_version": e.draft_version, "num_draft_tokens": e.k,
-                             "adaptive": e.adaptive is not None}}
+    def model_card(model_id: str) -> dict:
+        """The served model, or an alias of it (serve.workload_by_model: `parent` is the served id,
+        `tidespec.workload` the class its requests get)."""
+        e, alias = serving.engine, model_id != serving.model
+        ts = {"draft_version": e.draft_version, "num_draft_tokens": e.k, "adaptive": e.adaptive is not None}
+        if alias:
+            ts["workload"] = serving.cfg.workload_by_model[model_id]
+        return {"id": model_id, "object": "model", "created": started, "owned_by": "tidespec",
+                "root": serving.model, "parent": serving.model if alias else None, "max_model_len": e.max_seq_len,
+                "tidespec": ts}
 
     @router.get("/v1/models")
     def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(m) for m in serving.models]}
 
     @router.get("/v1/models/{model_id:path}")
     def model_entry(model_id: str):
-        if model_id != serving.model:
-            raise OpenAIError(f"the model {model_id!r} does not exist; this server serves {serving.model!r}",
-                              param="model", status=404, code="model_not_found")
-        return model_card()
+        if model_id not in serving.models:
+            raise OpenAIError(f"the model {model_id!r} does not exist; this server serves "
+                              f"{', '.join(map(repr, serving.models))}", param="model", status=404,
+                              code="model_not_found")
+        return model_card(model_id)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -86,7 +91,7 @@ async def respond(serving: OpenAIServing, api: Api, body: _Sampling, request: Re
             text, calls = parse_tool_calls(text)
         choices.append(api.choice(c.index, text, delta=False, lps=g.logprobs, offsets=c.offsets(0, len(g.tokens)),
                                   base=len(c.prefix), finish=g, calls=calls, called=bool(calls)))
-    resp = envelope(api, adm.request_id, int(time.time()), serving.model, choices,
+    resp = envelope(api, adm.request_id, int(time.time()), body.model or serving.model, choices,
                     usage=usage(prompts, sum(len(g.tokens) for g in gens)), tidespec=ext(gens[0]))
     serving.log_text(body, resp, adm)
     return resp

@@ -87,6 +87,10 @@ class _Sampling(_Strict):
     # tidespec
     workload: str | None = Field(None, min_length=1, max_length=64)
 
+    def constrained(self) -> bool:
+        """Does the request constrain its output to a grammar? (chat: `ChatRequest.constrained`)"""
+        return False
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
@@ -177,6 +181,11 @@ class CompletionRequest(_Sampling):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
+
+    def class_texts(self) -> list[str | None]:
+        """Per prompt, the text its workload class is read from (`serve.workload`); None for a
+        token-id prompt (the server decodes it)."""
+        return [p if isinstance(p, str) else None for p in self.prompts()]
 
 
 class TextPart(_Strict):
@@ -383,3 +392,14 @@ class ChatRequest(_Sampling):
     def template_messages(self) -> list[dict]:
         """The messages as the chat template gets them (`ChatMessage.for_template`)."""
         return [m.for_template() for m in self.messages]
+
+    def class_texts(self) -> list[str | None]:
+        """The text the workload class is read from (`serve.workload`): the user messages, joined
+        (a follow-up turn keeps the class of the conversation it continues)."""
+        return ["\n".join(m["content"] for m in self.template_messages() if m["role"] == "user")]
+
+    def constrained(self) -> bool:
+        """Does the request constrain its output (response_format json_object / json_schema, or tools
+        the model may call)?"""
+        return (self.response_format is not None and self.response_format.type != "text") or \
+            bool(self.tools and self.tool_choice != "none")

@@ -26,10 +26,11 @@ def usage(prompts: list[list[int]], completion_tokens: int) -> dict:
 
 def ext(g: Generation) -> dict:
     """The `tidespec` field of a finished choice: its token ids, the draft version that served it,
-    its acceptance length τ (tokens per draft-verify step) and number of draft-verify steps; with
+    its acceptance length τ (tokens per draft-verify step), number of draft-verify steps and workload
+    class (`serve.workload`); with
     `grammar_error`, why its grammar could not go on (finish_reason length)."""
     d = {"token_ids": g.tokens, "draft_version": g.draft_version,
-         "acceptance_length": g.stats.acceptance_length, "num_drafts": g.stats.num_drafts}
+         "acceptance_length": g.stats.acceptance_length, "num_drafts": g.stats.num_drafts, "workload": g.workload}
     return d | ({"grammar_error": g.grammar_error.splitlines()[0]} if g.grammar_error else {})
 
 

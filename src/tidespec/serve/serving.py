@@ -37,6 +37,7 @@ from .protocol import ChatRequest, _Sampling
 from .responses import Api
 from .structured import Constraint, ToolCallStream
 from .textlog import TextLog
+from .workload import workload_of
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +127,7 @@ class OpenAIServing:
 
     def constraint(self, body: ChatRequest) -> Constraint | None:
         """The request's grammar (`structured.build`; None: unconstrained). Raises OpenAIError 400."""
-        needs = (body.response_format is not None and body.response_format.type != "text") or \
-            (body.tools and body.tool_choice != "none")
-        return structured.build(body, self.grammars if needs else None)
+        return structured.build(body, self.grammars if body.constrained() else None)
 
     @staticmethod
     def tokenize(fn: Callable[[], list[int]], param: str) -> list[int]:
@@ -153,6 +152,7 @@ class OpenAIServing:
         if stops and self.tokenizer is None:
             raise OpenAIError("stop strings need a tokenizer; this server has none: use stop_token_ids", param="stop")
         adm = Admitted(uuid.uuid4().hex, prompts, body.n)
+        classes = self.workloads(body, prompts)
         try:
             for i, ids in enumerate(prompts):
                 for j in range(body.n):
@@ -161,7 +161,7 @@ class OpenAIServing:
                     rid = adm.request_id if idx == 0 else f"{adm.request_id}-{idx}"
                     req = EngineRequest(ids, max_new, request_id=rid, capture=False if getattr(body, "store", None) is False else None,
                                         sampling=body.sampling(self.cfg.default_temperature, j, logprobs),
-                                        workload=body.workload or DEFAULT_WORKLOAD, stop=text,
+                                        workload=classes[i], stop=text,
                                         on_tokens=on_tokens(idx) if on_tokens else None,
                                         grammar=constraint.grammar if constraint is not None else None)
                     calls = ToolCallStream() if constraint is not None and constraint.tools else None
@@ -173,11 +173,32 @@ class OpenAIServing:
         self.metrics.set_running(self.engine.num_unfinished)
         return adm
 
+    def workloads(self, body: _Sampling, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's workload class (`serve.workload.workload_of`): the `workload` field, the
+        model alias's class, `structured`, or the prompt's content; "default" for all when
+        serve.classify_workload is false."""
+        if body.workload or not self.cfg.classify_workload:
+            return [body.workload or DEFAULT_WORKLOAD] * len(prompts)
+        constrained, texts = body.constrained(), body.class_texts()
+        return [workload_of(None, body.model, self.cfg.workload_by_model, constrained,
+                            text if text is not None else self._decode(ids))
+                for text, ids in zip(texts, prompts)]
+
+    def _decode(self, ids: list[int]) -> str:
+        """A token-id prompt's text for classifying it (its first 1024 tokens; "" without a tokenizer)."""
+        return self.tokenizer.decode(ids[:1024]) if self.tokenizer is not None else ""
+
+    @property
+    def models(self) -> list[str]:
+        """The model ids this server answers to: the served one, then serve.workload_by_model's aliases."""
+        return [self.model, *(m for m in self.cfg.workload_by_model if m != self.model)]
+
     def _check(self, body: _Sampling, n_prompts: int) -> int:
         """The request's limits; returns its max new tokens."""
-        if body.model is not None and body.model != self.model:
-            raise OpenAIError(f"the model {body.model!r} does not exist; this server serves {self.model!r} "
-                              "(GET /v1/models)", param="model", status=404, code="model_not_found")
+        if body.model is not None and body.model not in self.models:
+            raise OpenAIError(f"the model {body.model!r} does not exist; this server serves "
+                              f"{', '.join(map(repr, self.models))} (GET /v1/models)", param="model", status=404,
+                              code="model_not_found")
         total, cap = n_prompts * body.n, self.cfg.max_queue
         if total > cap:
             raise OpenAIError(f"{n_prompts} prompts × n {body.n} = {total} sequences can never fit "

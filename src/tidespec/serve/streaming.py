@@ -141,7 +141,8 @@ class ChoiceStream:
         far with continuous_usage_stats."""
         if self.opts.include_usage or self.opts.continuous_usage_stats:
             fields = {"usage": self._usage() if self.opts.continuous_usage_stats else None} | fields
-        env = envelope(self.api, self.adm.request_id, self.created, self.serving.model, [choice] if choice else [],
+        model = self.body.model or self.serving.model
+        env = envelope(self.api, self.adm.request_id, self.created, model, [choice] if choice else [],
                        chunk=True, **fields)
         return self._send(f"data: {json.dumps(env)}\n\n")
 

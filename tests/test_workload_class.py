@@ -1,0 +1,131 @@
+"""Workload classes without client cooperation (`serve.workload`): the content rules' separation of
+the shipped sets, the order of the signals (field > model alias > constraint > content), and a live
+server that classes plain OpenAI requests, answers to its aliases and counts τ per class on /metrics."""
+import shutil
+from collections import Counter
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+from conftest import add_tiny_word_tokenizer, random_draft
+from pydantic import ValidationError
+
+from tidespec import prompts
+from tidespec.bench.serve import serve_in_thread
+from tidespec.config import ServeParams
+from tidespec.engine.speculative import Engine
+from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.target import load_target
+from tidespec.server import build_app
+from tidespec.serve.workload import content_class, workload_of
+
+CODE = "def add(a: int, b: int) -> int:\n    \"\"\"Add two numbers.\n    >>> add(2, 3)\n    5\n    \"\"\"\n"
+MATH = "Tom has 3 apples and buys 5 more. How many apples does he have now?"
+CHAT = "Write a short poem about the sea at dawn."
+
+
+def test_content_rules_and_the_order_of_signals():
+    assert [content_class(t) for t in (CODE, MATH, CHAT)] == ["code", "math", "chat"]
+    assert content_class("Write a Python program that reads a file and counts words.") == "code"
+    assert content_class("```js\nconsole.log(1)\n```") == "code"
+    assert content_class("생선 3마리와 4마리가 있습니다. 모두 몇 마리입니까?") == "math"  # numbers inside words
+    alias = {"tiny-code": "code"}
+    assert workload_of("mine", "tiny-code", alias, True, CHAT) == "mine"  # the field overrides everything
+    assert workload_of(None, "tiny-code", alias, True, CHAT) == "code"  # then the model alias
+    assert workload_of(None, "tiny", alias, True, CODE) == "structured"  # then response_format / tools
+    assert workload_of(None, None, alias, False, MATH) == "math"  # then the content
+
+
+def labelled() -> list[tuple[str, str]]:
+    """(class, text) for the shipped sets with a known class: HumanEval → code; GSM8K en/ko/ja → math;
+    MT-Bench by category (coding → code, math → math, the rest → chat), turn 2 with turn 1 before it
+    as a chat request carries it."""
+    out = [("code", p.text) for p in prompts.load("humaneval")]
+    out += [("math", p.text) for s in ("gsm-en", "gsm-ko", "gsm-ja") for p in prompts.load(s)]
+    mt = prompts.mtbench(turns=(0, 1))
+    first = {p.id.rsplit("/", 1)[0]: p.text for p in mt if p.id.endswith("t0")}
+    for p in mt:
+        if p.id.endswith("t1"):
+            p = replace(p, text=first[p.id.rsplit("/", 1)[0]] + "\n" + p.text)
+        out.append(("code" if p.category == "coding" else "math" if p.category == "math" else "chat", p.text))
+    return out
+
+
+def test_content_rules_separate_the_shipped_sets():
+    """Recall per class on 624 labelled prompts (measured: code 181/184, math 300/320, chat 107/120;
+    `tidespec bench classes`). A rule that stops firing (e.g. numbers glued to Korean words no longer
+    counted) drops a class far below these floors."""
+    hits, total = Counter(), Counter()
+    for cls, text in labelled():
+        total[cls] += 1
+        hits[cls] += content_class(text) == cls
+    assert total == {"code": 184, "math": 320, "chat": 120}
+    assert hits["code"] / total["code"] >= 0.95
+    assert hits["math"] / total["math"] >= 0.90
+    assert hits["chat"] / total["chat"] >= 0.85
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_target_dir):
+    d = tmp_path_factory.mktemp("wl") / "target"
+    shutil.copytree(tiny_target_dir, d)
+    add_tiny_word_tokenizer(d)
+    target, tok = load_target(d)
+    eng = Engine(target, DraftRunner(random_draft(target, 64)), 3, 512, draft_version="v1")
+    srv = serve_in_thread(build_app(eng, tok, ServeParams(max_tokens=16, workload_by_model={"tiny-code": "code"}),
+                                    model="tiny"))
+    yield srv
+    srv.stop()
+
+
+def _chat(srv, text: str, **kw):
+    c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return c.chat.completions.create(model=kw.pop("model", "tiny"), messages=[{"role": "user", "content": text}],
+                                     max_tokens=4, **kw)
+
+
+def _series(srv, name: str) -> dict[str, float]:
+    """{workload label (or "" unlabelled): value} of the samples called `name` on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{srv.url}/metrics").text
+    return {s.labels.get("workload", ""): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
+def test_server_classes_plain_requests_and_counts_them_per_class(server):
+    got = {text: _chat(server, text).model_extra["tidespec"]["workload"] for text in (CODE, MATH, CHAT)}
+    assert got == {CODE: "code", MATH: "math", CHAT: "chat"}
+    r = _chat(server, CHAT, model="tiny-code")
+    assert r.model == "tiny-code" and r.model_extra["tidespec"]["workload"] == "code"  # the alias names the class
+    assert _chat(server, CODE, extra_body={"workload": "mine"}).model_extra["tidespec"]["workload"] == "mine"
+    done = _series(server, "tidespec:request_success_by_workload_total")
+    assert done == {"code": 2.0, "math": 1.0, "chat": 1.0, "mine": 1.0}
+    drafts = _series(server, "tidespec:spec_decode_num_drafts_by_workload_total")
+    total = _series(server, "tidespec:spec_decode_num_drafts_total")[""]
+    assert sum(drafts.values()) == total > 0  # the classes add up to the total
+    ids = [m.id for m in openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list().data]
+    assert ids == ["tiny", "tiny-code"]
+    with pytest.raises(openai.NotFoundError, match="tiny-code"):
+        _chat(server, CHAT, model="tiny-math")
+
+
+def test_classifying_off_and_bad_aliases():
+    assert ServeParams(classify_workload=False).classify_workload is False
+    with pytest.raises(ValidationError, match="workload_by_model"):
+        ServeParams(workload_by_model={"tiny-code": ""})
+
+
+def test_bench_classes_writes_both_signals(tmp_path):
+    """`tidespec bench classes`' work: both signals scored on the same labelled prompts (a character
+    tokenizer stands in for the target's here)."""
+    from tidespec.bench import classes
+
+    def chars(text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    res = classes.run(chars, tmp_path, sharegpt=50)
+    assert res["prompts"] == {"code": 184, "math": 320, "chat": 120}
+    assert res["rules"]["accuracy"] == pytest.approx((181 + 300 + 107) / 624, abs=0.02)
+    assert 0 <= res["kmeans_tfidf"]["accuracy"] <= 1 and sum(res["sharegpt_by_rules"]["classes"].values()) == 50
+    assert "| content rules" in (tmp_path / "classes.md").read_text()
