@@ -123,6 +123,32 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     assert sha256_file(ws.champion / CORPUS_FILE) == sha256_file(bad / CORPUS_FILE) != corpus1  # moved with it
     r = runner.invoke(app, ["promote", d2["version"], "--reason", "again", *common], env=env)
     assert r.exit_code == 0 and "already champion; nothing changed" in r.output  # a no-op, not a new entry
+    # `tidespec serve`'s engine and draft-health guard: v1 serves the holdout traffic, then v2 (the champion
+    # now) the same traffic; its live first-token acceptance is clearly below v1's, so the guard rolls it back
+    # through the registry (an audited decision) and deploys v1 where the champion watcher picks it up
+    from tidespec.cli import _registry_rollback
+    from tidespec.runtime import install_draft, make_engine
+    from tidespec.serve.guard import HealthGuard
+    from tidespec.serve.metrics import ServeMetrics
+    from tidespec.engine.speculative import Request
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    hold = [json.loads(x) for x in ws.eval_prompts.read_text().splitlines()]
+    eng = make_engine(params, target, None, adaptive=False)
+    guard = HealthGuard(eng, ServeMetrics(eng.k), 0, _registry_rollback(params, tid, ws))
+    for draft in (registry.download_version(mlflow_server, tid, d1["version"], tmp_path / "served"), ws.champion):
+        install_draft(eng, draft)
+        for _ in range(4):
+            eng.generate_batch([Request(h["input_ids"], 24, workload="code") for h in hold])
+    assert eng.health.against_replay(d1["version"], "code").reference == pytest.approx(
+        rep["candidate"]["accepted_per_pos/0"])  # v1's replayed a₁ came with its bundle (tag → version.json)
+    below = guard.check()
+    v1_live = eng.health.live(d1["version"], "code")[0]
+    assert any(v.version == d2["version"] and v.reference == v1_live and v.live < v1_live for v in below)
+    assert registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
+    assert "automatic (draft health): live first-token acceptance" in registry.decisions(mlflow_server, tid,
+                                                                                          d2["version"])[-1]
+    r = runner.invoke(app, ["promote", d2["version"], "--reason", "canary by hand, again", *common], env=env)
+    assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["rollback", "--reason", "canary p99 regressed", *common], env=env)
     assert r.exit_code == 0, r.output
     assert f"champion v{d1['version']} (was v{d2['version']})" in r.output
@@ -132,8 +158,10 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     hist = {h["version"]: h["decision"] for h in registry.cycle_history(mlflow_server, tid)}
     assert hist == {d1["version"]: "restored", d2["version"]: "rolled_back", d3["version"]: "rejected"}
     trail = registry.decisions(mlflow_server, tid, d2["version"])  # the audit trail keeps every decision
-    assert [t.split(" ", 1)[1].split(":")[0] for t in trail] == ["rejected", "promoted", "rolled_back"]
-    assert "canary by hand" in trail[1] and "canary p99 regressed" in trail[2] and "<" in trail[0]
+    assert [t.split(" ", 1)[1].split(":")[0] for t in trail] == ["rejected", "promoted", "rolled_back", "promoted",
+                                                                "rolled_back"]
+    assert "canary by hand" in trail[1] and "draft health" in trail[2] and "canary p99 regressed" in trail[4]
+    assert "<" in trail[0]
     assert registry.decisions(mlflow_server, tid, d1["version"])[-1].endswith(
         f"restored: rollback from v{d2['version']}: canary p99 regressed")
     from mlflow import MlflowClient

@@ -9,6 +9,7 @@ live in `bench/cli.py`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -31,6 +32,7 @@ app.add_typer(bench_app, name="bench")
 deploy_app = typer.Typer(help="Deploy the champion draft to serving endpoints (SageMaker blue/green).")
 app.add_typer(deploy_app, name="deploy")
 console = Console()
+log = logging.getLogger(__name__)
 EXTRAS = {"prefect": "mlops", "mlflow": "mlops", "dvc": "mlops", "matplotlib": "mlops", "boto3": "aws",
           "botocore": "aws", "fastapi": "serve", "uvicorn": "serve", "httpx": "serve"}  # package → extra
 PARAMS = typer.Option(Path("params.yaml"), "--params", help="params.yaml")
@@ -300,7 +302,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     from .config import load_params
     from .runtime import get_target, install_suffix_corpus, make_engine, runner_for
     from .server import ADMIN_TOKEN_ENV, build_app
-    from .workspace import served_version
+    from .workspace import read_version
     p, ws = load_params(params), _ws(root)
     if timeout_s is not None and not timeout_s < float("inf"):
         raise typer.BadParameter("--timeout-s must be finite")
@@ -313,6 +315,10 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     if "live_stats_s" in p.serve.model_fields_set and p.serve.live_stats_s > 0 and backend != "vllm":
         raise typer.BadParameter(f"serve.live_stats_s logs vLLM's live counters (--backend vllm), not {backend}'s "
                                  "(they are on its /metrics): remove it or set it to 0")
+    embedded_only = sorted({"health_check_s", "auto_rollback", "classify_workload"} & p.serve.model_fields_set)
+    if backend != "embedded" and embedded_only:
+        raise typer.BadParameter(f"serve.{', serve.'.join(embedded_only)}: the embedded engine's (draft health, "
+                                 f"workload classes); --backend {backend} does not use them: remove them")
     if backend != "embedded":
         _serve_frontdoor(p, ws, backend, sglang_url, vllm_python, capture, host, port, timeout_s, max_queue,
                          max_tokens)
@@ -327,16 +333,19 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     text_capture = _text_log(TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate),
                              target.target_id, p.capture.seal_min_tokens) if text else None
     runner = runner_for(ws.champion, target)
-    engine = make_engine(p, target, runner, served_version(ws.champion) if runner else None, capture=writer,
+    meta = (read_version(ws.champion) or {}) if runner else {}
+    engine = make_engine(p, target, runner, meta.get("version"), capture=writer,
                          progress=lambda m: console.print(f"serve: {m}", markup=False, highlight=False))
     if runner is not None:  # the global suffix tree deployed with the champion (never refuses to start)
         install_suffix_corpus(engine, ws.champion)
+        engine.health.serve(meta.get("version"), meta.get("replayed"))
     sv = p.serve_resolved()
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
                               admin_token=os.environ.get(ADMIN_TOKEN_ENV),
                               load_version=_registry_loader(target.target_id, ws), text_capture=text_capture,
-                              watch_dir=ws.champion, watch_s=sv.watch_champion_s),
+                              watch_dir=ws.champion, watch_s=sv.watch_champion_s,
+                              rollback=_registry_rollback(p, target.target_id, ws)),
                     host=host, port=port)
     finally:
         if writer is not None:
@@ -446,6 +455,31 @@ def _start_vllm(p, ws, python: str | None, host: str):
     console.print(f"serve: starting vLLM ({python}; log under {ws.state / 'vllm' / 'logs'}; ~30-60 s on CPU)",
                   markup=False)
     return VLLMDeployment(launch, ws.state / "vllm").start(ws.champion if ws.champion.exists() else None)
+
+
+def _registry_rollback(p, target_id: str, ws):
+    """The draft-health guard's rollback (`serve.guard`): when the registry's champion is still the
+    version the guard found worse, `registry.rollback` (an audited decision) and the restored
+    champion deployed into data/drafts/champion, where the champion watcher installs it. None
+    without MLFLOW_TRACKING_URI (reported only; refused when serve.auto_rollback was set explicitly)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri or not p.serve.auto_rollback:
+        if p.serve.auto_rollback and "auto_rollback" in p.serve.model_fields_set:
+            raise typer.BadParameter("serve.auto_rollback rolls back through the registry: set MLFLOW_TRACKING_URI, "
+                                     "or set auto_rollback: false")
+        return None
+    from .adapters import registry
+    from .deploy.local import deploy_champion
+
+    def roll_back(version: str, reason: str) -> None:
+        champ = registry.champion(uri, target_id)
+        if champ is None or champ.version != version:
+            log.warning("not rolling back v%s: the registry's champion is %s now", version,
+                        champ.version if champ else None)
+            return
+        registry.rollback(uri, target_id, f"automatic (draft health): {reason}")
+        deploy_champion(uri, target_id, ws.champion)
+    return roll_back
 
 
 def _registry_loader(target_id: str, ws):

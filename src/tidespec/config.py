@@ -242,6 +242,8 @@ class ServeParams(_Strict):
     live_stats_s: float = Field(60.0, ge=0, allow_inf_nan=False)
     classify_workload: bool = True
     workload_by_model: dict[str, str] = {}
+    health_check_s: float = Field(30.0, ge=0, allow_inf_nan=False)
+    auto_rollback: bool = True
 
     @field_validator("workload_by_model")
     @classmethod

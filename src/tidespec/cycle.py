@@ -255,6 +255,13 @@ def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
     return {"snapshot_rev": snapshot_rev or revs.get(newest, ""), "snapshot_revs": json.dumps(revs, sort_keys=True)}
 
 
+def first_token_acceptance(m: dict) -> dict[str, float]:
+    """{class: a₁} from evaluate's metrics of a draft: "" = `accepted_per_pos/0` overall, each class
+    its `accepted_per_pos/0/<class>` (what a serving engine's draft health compares live traffic with)."""
+    out = {"": float(m["accepted_per_pos/0"])} if "accepted_per_pos/0" in m else {}
+    return out | {k.split("/", 2)[2]: float(v) for k, v in m.items() if k.startswith("accepted_per_pos/0/")}
+
+
 def step_register(params: Params, target_id: str, candidate: Path, report: dict, train_metrics: dict,
                   tracking_uri: str, data: dict[str, str], workload_mix: dict | None = None,
                   drift_jsd: float | None = None, trigger: str = "manual") -> dict:
@@ -301,7 +308,8 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
         tags |= {**key, "snapshot_revs": data["snapshot_revs"], "params_sha": params.sha(), "trigger": trigger,
                 **{f"tuned_k.{p}": str(w["k"]) for p, w in windows.items()},
                 "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
-                "num_holdout_prompts": str(report.get("num_prompts", ""))}
+                "num_holdout_prompts": str(report.get("num_prompts", "")),
+                registry.FIRST_TOKEN_TAG: json.dumps(first_token_acceptance(cand))}
         run_id, version = registry.log_candidate(tracking_uri, target_id, candidate, params.model_dump(mode="json"),
                                                  metrics, tags, step_metrics={"train/loss": losses})
     current = registry.champion(tracking_uri, target_id)

@@ -19,7 +19,7 @@ from .engine.speculative import Engine
 from .engine.suffix import CORPUS_FILE, SuffixCache, load_corpus
 from .models.eagle3 import DraftRunner, load_checkpoint
 from .models.target import Target, convert_gguf, load_target, target_id_for
-from .workspace import served_version
+from .workspace import read_version, served_version
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ def install_draft(engine: Engine, draft_dir: Path, version: str | None = None) -
     runner = runner_for(draft_dir, engine.target)
     if runner is None:
         raise ValueError(f"no draft checkpoint at {draft_dir} (config.json + model.safetensors)")
-    version = served_version(Path(draft_dir)) or version
-    engine.set_draft(runner, version)
+    meta = read_version(Path(draft_dir)) or {}
+    version = meta.get("version") or version
+    engine.set_draft(runner, version, replayed=meta.get("replayed"))
     return {"draft_version": version, "suffix_corpus_tokens": install_suffix_corpus(engine, draft_dir)}

@@ -28,6 +28,7 @@ from .engine.speculative import Engine
 from .serve.admin import ADMIN_TOKEN_ENV, ChampionWatcher, DraftInstaller, admin_router
 from .serve.engine_loop import EngineLoop
 from .serve.errors import install_error_handlers
+from .serve.guard import HealthGuard
 from .serve.lifespan import closing
 from .serve.metrics import ServeMetrics, metrics_response
 from .serve.openai import openai_router
@@ -40,7 +41,8 @@ __all__ = ["ADMIN_TOKEN_ENV", "build_app"]
 def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, *, model: str = "tidespec",
               drafts_dir: Path | None = None, admin_token: str | None = None,
               load_version: Callable[[str], Path] | None = None, text_capture=None,
-              watch_dir: Path | None = None, watch_s: float = 5.0) -> FastAPI:
+              watch_dir: Path | None = None, watch_s: float = 5.0,
+              rollback: Callable[[str, str], None] | None = None) -> FastAPI:
     """The FastAPI app. `tokenizer`: HF fast tokenizer (None: token-id prompts only, no chat, no
     stop strings); `serve`: the limits (max_queue, request_timeout_s in s, max_tokens: default and
     cap of a request's max_tokens, which must be resolved: `Params.serve_resolved()`;
@@ -51,7 +53,9 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     (`capture.text.TextCapture`, or a `serve.textlog.TextLog` over one, `capture.mode: text`): each
     finished request's request and response bodies are logged in the Data Capture format; `watch_dir` (the local champion dir,
     data/drafts/champion): every `watch_s` s the server installs the version the cycle's deploy step
-    put there (`ChampionWatcher`). At shutdown: the watcher stops, requests in flight finish, the
+    put there (`ChampionWatcher`); the draft-health guard (`serve.guard`) runs every
+    `serve.health_check_s` s and calls `rollback(version, reason)` for a version clearly worse than
+    its predecessor (None: report only). At shutdown: the watcher stops, requests in flight finish, the
     engine's capture sink (if any) is flushed (its counters are served on /metrics), text capture
     is closed. Every error is answered in OpenAI's envelope (`serve.errors`). Raises ValueError for
     unresolved max_tokens."""
@@ -66,9 +70,10 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
         metrics.registry.register(writer.collector())
     install = DraftInstaller(engine, metrics.set_draft)
     watcher = ChampionWatcher(watch_dir, watch_s, engine, install) if watch_dir is not None and watch_s > 0 else None
+    guard = HealthGuard(engine, metrics, cfg.health_check_s, rollback if cfg.auto_rollback else None)
     app = FastAPI(title="tidespec", version="0.1", lifespan=closing(
-        watcher and watcher.close, loop.close, getattr(writer, "flush", None), textlog.close))
-    app.state.loop, app.state.metrics = loop, metrics
+        watcher and watcher.close, guard.close, loop.close, getattr(writer, "flush", None), textlog.close))
+    app.state.loop, app.state.metrics, app.state.guard = loop, metrics, guard
     app.include_router(openai_router(OpenAIServing(engine, loop, metrics, tokenizer, cfg, model, textlog)))
     app.include_router(admin_router(engine, install, drafts_dir, admin_token, load_version))
     app.add_api_route("/metrics", lambda: metrics_response(metrics.registry), methods=["GET"])

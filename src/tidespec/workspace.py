@@ -101,9 +101,11 @@ class Workspace:
 
 
 def read_version(draft_dir: Path) -> dict | None:
-    """`{"version": str, "run_id": str, "tuned_k": {profile: k}}` of a draft dir that came from the
-    registry (tuned_k: the per-endpoint window the register step chose, {} when none), None when the
-    dir has no version.json. Raises ValueError for a version.json that is not such an object."""
+    """`{"version": str, "run_id": str, "tuned_k": {profile: k}, "replayed": {class: a₁}}` of a draft
+    dir that came from the registry (tuned_k: the per-endpoint window the register step chose;
+    replayed: the first-token acceptance its evaluation replayed, overall under "" and per workload
+    class — `engine.health`; {} when none), None when the dir has no version.json. Raises ValueError
+    for a version.json that is not such an object."""
     f = Path(draft_dir) / VERSION_FILE
     if not f.exists():
         return None
@@ -113,7 +115,11 @@ def read_version(draft_dir: Path) -> dict | None:
     tuned = meta.get("tuned_k", {})
     if not isinstance(tuned, dict) or not all(isinstance(k, int) and k >= 0 for k in tuned.values()):
         raise ValueError(f"{f}: tuned_k must map profile names to non-negative integers")
-    return {"version": str(meta["version"]), "run_id": str(meta.get("run_id", "")), "tuned_k": tuned}
+    rep = meta.get("replayed", {})
+    if not isinstance(rep, dict) or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in rep.values()):
+        raise ValueError(f"{f}: replayed must map workload classes to acceptances in [0, 1]")
+    return {"version": str(meta["version"]), "run_id": str(meta.get("run_id", "")), "tuned_k": tuned,
+            "replayed": {str(k): float(a) for k, a in rep.items()}}
 
 
 def served_version(draft_dir: Path) -> str | None:
@@ -122,10 +128,13 @@ def served_version(draft_dir: Path) -> str | None:
     return meta["version"] if meta else None
 
 
-def write_version(draft_dir: Path, version: str, run_id: str, tuned_k: dict[str, int] | None = None) -> None:
-    """Record which registry version (and MLflow run) `draft_dir` holds, and the per-endpoint window
-    its register step tuned (profile → k, 0 = speculation off)."""
-    meta = {"version": str(version), "run_id": run_id} | ({"tuned_k": dict(tuned_k)} if tuned_k else {})
+def write_version(draft_dir: Path, version: str, run_id: str, tuned_k: dict[str, int] | None = None,
+                  replayed: dict[str, float] | None = None) -> None:
+    """Record which registry version (and MLflow run) `draft_dir` holds, the per-endpoint window
+    its register step tuned (profile → k, 0 = speculation off) and the first-token acceptance its
+    evaluation replayed (class → a₁, "" overall)."""
+    meta = {"version": str(version), "run_id": run_id} | ({"tuned_k": dict(tuned_k)} if tuned_k else {}) | \
+        ({"replayed": dict(replayed)} if replayed else {})
     (Path(draft_dir) / VERSION_FILE).write_text(json.dumps(meta))
 
 

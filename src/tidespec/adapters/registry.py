@@ -18,6 +18,7 @@ the registry's conventions (names, tags) and are tested together against a real 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ class ModelVersionInfo:
 
 
 # ---------------------------------------------------------------- names / client
+
+
+FIRST_TOKEN_TAG = "first_token_acceptance"  # a version's replayed a₁ per class (JSON), `replayed`
 
 
 def experiment_name(target_id: str) -> str:
@@ -321,6 +325,16 @@ def tuned_k(tags: dict[str, str]) -> dict[str, int]:
     return out | {k.removeprefix("live_tuned_k."): int(v) for k, v in tags.items() if k.startswith("live_tuned_k.")}
 
 
+def replayed(tags: dict[str, str]) -> dict[str, float]:
+    """The first-token acceptance a version's evaluation replayed (tag ``first_token_acceptance``, JSON
+    {class: a₁}, "" = overall; `engine.health`); {} when the tag is missing or malformed."""
+    try:
+        rep = json.loads(tags.get(FIRST_TOKEN_TAG, "{}"))
+        return {str(k): float(a) for k, a in rep.items() if 0 <= float(a) <= 1}
+    except (ValueError, TypeError, AttributeError):
+        return {}
+
+
 def _download_bundle(tracking_uri: str, source: str, run_id: str | None, dest: Path) -> Path:
     """The version at ``source`` (+ its run's ``sidecars/``) as a draft bundle at ``dest``, replacing
     what was there. A version logged before sidecars were split out has them inside ``draft/``:
@@ -354,7 +368,7 @@ def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | N
     if info is None:
         return None
     local = _download_bundle(tracking_uri, info.source, info.run_id, Path(dest) / ARTIFACT_DIR)
-    write_version(local, info.version, info.run_id, tuned_k(info.tags))
+    write_version(local, info.version, info.run_id, tuned_k(info.tags), replayed(info.tags))
     return local
 
 
@@ -371,7 +385,7 @@ def download_version(tracking_uri: str, target_id: str, ref: str, dest: Path) ->
         raise LookupError(f"{name} has no alias {ref!r}")
     mv = c.get_model_version(name, v)
     local = _download_bundle(tracking_uri, mv.source, mv.run_id, Path(dest) / f"v{v}")
-    write_version(local, v, mv.run_id, tuned_k(dict(mv.tags)))
+    write_version(local, v, mv.run_id, tuned_k(dict(mv.tags)), replayed(dict(mv.tags)))
     return local
 
 

@@ -37,6 +37,7 @@ from ..models.eagle3 import DraftRunner
 from ..models.target import Segment, Target
 from .adaptive import AdaptiveK
 from .goodput import draft_batches
+from .health import DraftHealth
 from .logits import check_token_ids
 from .plan import TREE, Planner, StepPlan, adaptive_for, k_max
 from .proposers import Eagle3Chain, Eagle3Tree, GrammarProposer, Proposer, Slot, SuffixProposer, catch_up
@@ -160,8 +161,10 @@ class Engine:
             "eagle3": Eagle3Chain(), TREE: Eagle3Tree(eagle_topk), "suffix": SuffixProposer(target.cfg.vocab_size),
             "grammar": GrammarProposer(target.cfg.vocab_size)}
         self._pending_global = None  # a global suffix tree waiting to be installed between steps
+        self.health = DraftHealth()  # live first-token acceptance per (draft version, class)
         if draft is not None:
             self._check_draft(draft)
+            self.health.serve(draft_version)
 
     def _check_draft(self, draft: DraftRunner) -> None:
         c, t = draft.config, self.target.cfg
@@ -173,8 +176,11 @@ class Engine:
         if c.target_id and self.target.target_id != "unknown" and c.target_id != self.target.target_id:
             raise ValueError(f"draft trained for target {c.target_id[:12]}, serving {self.target.target_id[:12]}")
 
-    def set_draft(self, draft: DraftRunner | None, version: str | None = None) -> None:
+    def set_draft(self, draft: DraftRunner | None, version: str | None = None,
+                  replayed: dict[str, float] | None = None) -> None:
         """Swap the draft (None = no speculation). Raises ValueError for a draft of another target.
+        `replayed`: the first-token acceptance its evaluation replayed (class → a₁, "" overall), what
+        `health` compares its live acceptance with.
         The adaptive policy's acceptance estimates restart from its prior (they described the old
         draft); a draft whose steps it has not timed (another shape, or the engine started without
         one) is timed first (`AdaptiveK.ensure_draft_costs`, ~0.5 s)."""
@@ -184,6 +190,8 @@ class Engine:
                 self.adaptive.ensure_draft_costs(self.target, draft)
         with self._lock:
             self._draft, self._draft_version = draft, version
+        if draft is not None:
+            self.health.serve(version, replayed)
         if self.adaptive is not None:
             self.adaptive.reset()
 
@@ -460,6 +468,8 @@ class Engine:
                 s.rows.hidden.append(out.hidden[sel])
             if feed:
                 s.backlog.append((aux, torch.tensor(new)))
+        if sl.k and sl.layout is None and sl.proposer.name == "eagle3":  # the draft's health: a₁ of its chains
+            self.health.observe(s.version, s.req.workload, n > 0)
         if sl.k or sl.layout is not None:
             depth = sl.layout.max_depth if sl.layout is not None else None
             s.stats.observe(sl.k, min(n, kept), positions=depth, num_verified=n)

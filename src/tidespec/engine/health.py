@@ -1,0 +1,142 @@
+"""Draft health: is the served EAGLE3 draft still accepted as well as its evaluation said, and as
+well as the version it replaced?
+
+The measure is the first-token acceptance a₁ of EAGLE3 chains — the share of chains whose first
+drafted token the target accepted. Unlike τ it does not depend on the chain length the goodput
+policy chose or on early stops (every chain drafts its first token), so live figures at any k
+compare with the cycle's replay at fixed k (`accepted_per_pos/0` of evaluate, per workload where
+the holdout had the class). Live counts per (draft version, workload class) are decayed sums over
+about the last `window` chains, so a recovery shows.
+
+Two verdicts, each a one-sided z-test (z = 3: about one false alarm in 740 healthy checks under
+the normal approximation) and a relative floor (`tolerance`: a difference that is significant but
+small does not count):
+- **regressed against its replay**: live a₁ clearly below the replayed a₁ — the draft fits the
+  traffic worse than it fit the holdout (drift, or a deployment problem such as SGLang #27829's
+  acceptance 0.00);
+- **regressed against the previous version**: after a swap, live a₁ of the new version clearly
+  below the previous version's on the same class of traffic, served by this engine — the evidence
+  for an automatic rollback (`serve.guard`).
+The off-switch itself is the goodput policy's (`engine.adaptive`): a draft that is not accepted
+predicts no gain and is left off for its class (probing with back-off).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+Z = 3.0  # one-sided z of "clearly below"
+MIN_CHAINS = 100  # chains (decayed count) before a verdict
+TOLERANCE = 0.25  # "clearly below" also means at least 25 % below (relative)
+ALL = ""  # the replay's figure over every class
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One (version, class): live a₁ and its decayed chain count, the reference a₁ it is compared
+    with (replayed, or the previous version's live; None: unknown), and whether it is clearly below."""
+
+    version: str
+    workload: str
+    live: float | None
+    chains: float
+    reference: float | None
+    below: bool
+
+    def line(self, against: str) -> str:
+        """A log line naming the figures."""
+        return (f"draft v{self.version}, class {self.workload!r}: first-token acceptance {self.live:.3f} over "
+                f"~{self.chains:.0f} chains is clearly below {against} {self.reference:.3f}")
+
+
+def clearly_below(p: float, n: float, p0: float, n0: float | None = None, z: float = Z,
+                  tolerance: float = TOLERANCE, min_n: float = MIN_CHAINS) -> bool:
+    """Is proportion p (over n trials) clearly below p0 — over n0 trials (two-proportion test), or a
+    fixed reference when n0 is None (standard error under H₀: p = p0)? Needs n (and n0) ≥ min_n, a
+    z-score above `z`, and p < p0·(1 − tolerance)."""
+    if n < min_n or (n0 is not None and n0 < min_n) or p0 <= 0:
+        return False
+    var = p0 * (1 - p0) / n if n0 is None else p * (1 - p) / n + p0 * (1 - p0) / n0
+    se = math.sqrt(max(var, 1e-12))
+    return (p0 - p) / se > z and p < p0 * (1 - tolerance)
+
+
+class DraftHealth:
+    """Live first-token acceptance per (draft version, workload class) against each version's
+    replayed figures and against the version served before it. Thread-safe.
+
+    window: chains over which live counts are kept (decayed sums: each chain multiplies the old
+    counts by 1 − 1/window). Raises ValueError for window < 1.
+    """
+
+    def __init__(self, window: int = 2000):
+        if window < 1:
+            raise ValueError(f"window must be >= 1 chain, got {window}")
+        self.window = window
+        self._live: dict[tuple[str, str], list[float]] = {}  # (version, class) → [accepted first, chains]
+        self._replayed: dict[str, dict[str, float]] = {}  # version → class (ALL: overall) → replayed a₁
+        self._previous: dict[str, str] = {}  # version → the version served before it
+        self._current: str | None = None
+        self._lock = threading.Lock()
+
+    def serve(self, version: str | None, replayed: dict[str, float] | None = None) -> None:
+        """A draft version starts serving; `replayed`: its evaluated a₁, overall (key "") and per
+        class. The version served until now becomes its previous one."""
+        if version is None:
+            return
+        with self._lock:
+            if self._current is not None and self._current != version:
+                self._previous[version] = self._current
+            self._current = version
+            if replayed:
+                self._replayed[version] = dict(replayed)
+
+    def observe(self, version: str | None, workload: str, first_accepted: bool) -> None:
+        """One EAGLE3 chain verified: was its first drafted token accepted?"""
+        if version is None:
+            return
+        d = 1.0 - 1.0 / self.window
+        with self._lock:
+            st = self._live.setdefault((version, workload), [0.0, 0.0])
+            st[0] = st[0] * d + float(first_accepted)
+            st[1] = st[1] * d + 1.0
+
+    def live(self, version: str, workload: str) -> tuple[float | None, float]:
+        """(a₁, decayed chain count) of a version on a class; a₁ None before any chain."""
+        with self._lock:
+            acc, n = self._live.get((version, workload), (0.0, 0.0))
+        return (acc / n if n else None), n
+
+    def against_replay(self, version: str, workload: str) -> Verdict:
+        """The version's live a₁ on a class against its replayed a₁ (the class's own, else overall)."""
+        p, n = self.live(version, workload)
+        with self._lock:
+            rep = self._replayed.get(version, {})
+        ref = rep.get(workload, rep.get(ALL))
+        below = p is not None and ref is not None and clearly_below(p, n, ref)
+        return Verdict(version, workload, p, n, ref, below)
+
+    def against_previous(self, version: str, workload: str) -> Verdict:
+        """The version's live a₁ on a class against the live a₁ of the version served before it, on
+        the same class (both measured by this engine)."""
+        with self._lock:
+            prev = self._previous.get(version)
+        p, n = self.live(version, workload)
+        q, m = self.live(prev, workload) if prev is not None else (None, 0.0)
+        below = p is not None and q is not None and clearly_below(p, n, q, m)
+        return Verdict(version, workload, p, n, q, below)
+
+    @property
+    def current(self) -> str | None:
+        return self._current
+
+    def previous(self, version: str) -> str | None:
+        """The version served before `version` (None: it was the first)."""
+        with self._lock:
+            return self._previous.get(version)
+
+    def classes(self, version: str) -> list[str]:
+        """Classes with live chains of this version."""
+        with self._lock:
+            return sorted(w for v, w in self._live if v == version)

@@ -1,0 +1,116 @@
+"""The draft-health guard of `tidespec serve`: reports a draft that is no longer accepted as its
+evaluation said, and rolls back a promotion that made live acceptance clearly worse.
+
+Every `every_s` s, for each workload class the served version has drafted for (`engine.health`):
+its live first-token acceptance against its replayed one, and against the version served before it
+on the same class. /metrics: `tidespec:draft_first_token_acceptance{version,workload,source}`
+(source live | replayed | previous) and `tidespec:draft_regressed{version,workload,against}` (1 while
+clearly below; against replay | previous); a warning log line when a verdict turns. A version clearly
+below its predecessor calls `rollback(version, reason)` once (the server wires it to the registry:
+an audited `rolled_back` decision and the restored champion deployed where the champion watcher
+picks it up; `tidespec:draft_rollbacks_total` counts them). The off-switch for a draft that is not
+accepted is the goodput policy's (it predicts no gain and stops drafting for the class).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge
+
+from ..engine.health import Verdict
+from ..engine.speculative import Engine
+from .metrics import PREFIX, ServeMetrics
+
+log = logging.getLogger(__name__)
+
+
+class HealthGuard:
+    """See the module docstring. `rollback(version, reason)`: None = report only. `check()` runs one
+    round (the thread calls it; tests call it directly); `every_s` ≤ 0 starts no thread."""
+
+    def __init__(self, engine: Engine, metrics: ServeMetrics, every_s: float,
+                 rollback: Callable[[str, str], None] | None = None):
+        self.engine, self.rollback = engine, rollback
+        r = metrics.registry
+        self.acceptance = Gauge(f"{PREFIX}draft_first_token_acceptance", "First-token acceptance of the served "
+                                "draft's EAGLE3 chains: live, replayed by its evaluation, or the previous version's "
+                                "live.", ["version", "workload", "source"], registry=r)
+        self.regressed = Gauge(f"{PREFIX}draft_regressed", "1 while the served draft's live first-token acceptance "
+                               "is clearly below its replay or its predecessor's.", ["version", "workload", "against"],
+                               registry=r)
+        self.rollbacks = Counter(f"{PREFIX}draft_rollbacks", "Automatic rollbacks of a promoted draft.", registry=r)
+        self._flagged: set[tuple[str, str, str]] = set()
+        self._rolled: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = None
+        if every_s > 0:
+            self._thread = threading.Thread(target=self._run, args=(every_s,), name="tidespec-draft-health",
+                                            daemon=True)
+            self._thread.start()
+
+    def check(self) -> list[Verdict]:
+        """One round; returns the verdicts that are clearly below."""
+        h = self.engine.health
+        version = self.engine.draft_version
+        if version is None:
+            return []
+        self.acceptance.clear()
+        self.regressed.clear()
+        below = []
+        for w in h.classes(version):
+            for against, v in (("replay", h.against_replay(version, w)), ("previous", h.against_previous(version, w))):
+                self._export(v, against)
+                self._report(v, against)
+                if v.below:
+                    below.append(v)
+                    if against == "previous":
+                        self._roll_back(v)
+        return below
+
+    def _export(self, v: Verdict, against: str) -> None:
+        if v.live is not None:
+            self.acceptance.labels(v.version, v.workload, "live").set(v.live)
+        if v.reference is not None:
+            src = "replayed" if against == "replay" else "previous"
+            self.acceptance.labels(v.version, v.workload, src).set(v.reference)
+        self.regressed.labels(v.version, v.workload, against).set(float(v.below))
+
+    def _report(self, v: Verdict, against: str) -> None:
+        key = (v.version, v.workload, against)
+        if v.below and key not in self._flagged:
+            self._flagged.add(key)
+            log.warning(v.line("its replayed acceptance" if against == "replay" else
+                               f"v{self.engine.health.previous(v.version)}'s live acceptance"))
+        elif not v.below and key in self._flagged:
+            self._flagged.discard(key)
+            log.info("draft v%s, class %r: first-token acceptance %.3f is no longer clearly below %s", v.version,
+                     v.workload, v.live, against)
+
+    def _roll_back(self, v: Verdict) -> None:
+        if self.rollback is None or v.version in self._rolled:
+            return
+        self._rolled.add(v.version)
+        prev = self.engine.health.previous(v.version)
+        reason = (f"live first-token acceptance of v{v.version} on {v.workload!r} traffic {v.live:.3f} (~{v.chains:.0f} "
+                  f"chains) clearly below v{prev}'s {v.reference:.3f} on the same traffic")
+        try:
+            self.rollback(v.version, reason)
+            self.rollbacks.inc()
+            log.warning("rolled back v%s: %s", v.version, reason)
+        except Exception as e:  # noqa: BLE001 - a registry hiccup must not stop serving
+            log.error("rollback of v%s failed (it keeps serving): %s", v.version, e)
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001
+                log.exception("draft health check failed")
+
+    def close(self) -> None:
+        """Stop the checks (waits at most 5 s for one in progress)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
