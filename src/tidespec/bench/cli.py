@@ -102,6 +102,39 @@ def bench_shift(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
     console.print(f"wrote {out / stem}.json/.md/-*.png in {rep['wall_s'] / 60:.1f} min")
 
 
+@bench_app.command("adapt")
+def bench_adapt(params: Path = PARAMS, quick: bool = typer.Option(False, "--quick", help="3 cycles + switch and "
+                                                                                       "back, concurrency 1 and 8, "
+                                                                                       "fewer prompts (≈15 min)"),
+                workload: str = typer.Option("code", help="the workload adapted to (a bench shift phase)"),
+                switch_to: str = typer.Option("chat", help="the workload switched to, then back ('' = no switch)"),
+                cycles: int = typer.Option(None, min=1, help="cycles on the workload before the switch (default: "
+                                           "6, quick 3)"),
+                traffic_concurrency: int = typer.Option(8, min=1, help="requests served at once while capturing "
+                                                        "(TIDE runs each level as its own experiment)"),
+                traffic_prompts: int = typer.Option(None, min=1, help="fresh prompts per cycle (default 15, quick 8)"),
+                out: Path = typer.Option(Path("bench/results")),
+                work: Path = typer.Option(Path(".tidespec/bench-adapt"), help="scratch workspace (wiped)")):
+    """Self-improvement over time: ≥ 6 threshold-triggered cycles on one workload with fresh traffic,
+    held-out tokens/s and τ after each (no speculation, static, the champion at fixed k, the champion
+    as serve runs it) at concurrency 1/4/8, then a switch and back; bench/results/adapt-<date>.*"""
+    from ..config import load_params
+    from . import adapt
+    cfg = adapt.AdaptConfig.quick() if quick else adapt.AdaptConfig()
+    upd = {"workload": workload, "switch_to": switch_to, "traffic_concurrency": traffic_concurrency}
+    upd |= {k: v for k, v in (("cycles", cycles), ("traffic_prompts", traffic_prompts)) if v is not None}
+    name = cfg.name + (f"-{workload}" if workload != "code" else "") + (
+        f"-tc{traffic_concurrency}" if traffic_concurrency != 8 else "")
+    try:
+        cfg = replace(cfg, **upd, name=name).validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    rep = adapt.run(load_params(params), out, work.resolve(), cfg, progress=console.print)
+    stem = rep["stem"]
+    console.print((out / f"{stem}.md").read_text(), markup=False, soft_wrap=True)
+    console.print(f"wrote {out / stem}.json/.md/-*.png in {rep['wall_s'] / 60:.1f} min")
+
+
 @bench_app.command("serve")
 def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.Option(64, min=1),
                 duration_s: float = typer.Option(60.0, min=1), prompts: int = typer.Option(16, min=1),

@@ -1,0 +1,363 @@
+"""`tidespec bench adapt`: self-improvement over many cycles on one workload, then a switch and back
+(TIDE, arXiv 2602.05145 §5: throughput over time, Fig. 4; τ rising faster where data arrives
+faster, Fig. 5; adapted over static by concurrency, Fig. 3).
+
+Continuous traffic of one workload (default code: HumanEval) is served with capture on, a fresh
+chunk of prompts per cycle; the capture writer seals a snapshot at `seal_min_tokens` (set to ~60 % of
+a chunk's tokens, so each chunk seals about once, its remainder carried into the next snapshot) and
+each seal runs the real `tide_cycle` flow (curate → train warm-started from the champion → evaluate
+→ register through the gate → deploy), as `bench shift` does. After every cycle the workload's
+held-out prompts (never served) are measured at each concurrency, side by side: no speculation,
+the static draft (generic bootstrap) and the champion at fixed k (τ, per-position acceptance), and
+the champion as `tidespec serve` runs it by default (goodput policy + suffix proposer, its corpus).
+Then `switch_cycles` on another workload and `back_cycles` on the first (forgetting). Time axes: wall
+time of serving + cycles (measurement excluded) and captured tokens.
+
+Writes bench/results/<name>-<date>.{json,md} and PNGs (`plots`). `--quick` fits ~15 min on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import date
+from pathlib import Path
+
+import yaml
+
+from ..adapters import orchestrate, registry, services
+from ..assets import cache_dir
+from ..capture.writer import CaptureWriter
+from ..config import Params
+from ..cycle import step_deploy
+from ..demo import bootstrap_static
+from ..engine.grammar import GrammarCompiler
+from ..runtime import get_target, runner_for
+from ..workspace import Workspace, served_version
+from . import shift
+
+ARMS = ("none", "static", "adapted", "default")  # measured per point; "default" = the hybrid as serve runs it
+NOISE = 0.03  # "within noise" for τ changes between points (greedy τ is deterministic; tokens/s is not)
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """Sizes of one run (times on 2 CPU cores, SmolLM2-135M fp32: full ≈ 90–120 min, quick ≈ 15)."""
+
+    workload: str = "code"  # a `bench shift` phase: the workload adapted to over `cycles`
+    switch_to: str = "chat"  # then this one for `switch_cycles` ("" = no switch), then back for `back_cycles`
+    cycles: int = 6
+    switch_cycles: int = 1
+    back_cycles: int = 1
+    concurrency: tuple[int, ...] = (1, 4, 8)  # measurement
+    traffic_concurrency: int = 8  # requests served at once while capturing (data arrives faster at higher load)
+    traffic_prompts: int = 15  # fresh prompts per cycle (HumanEval: 110 traffic prompts fit, 7 cycles × 15)
+    eval_prompts: int = 8  # held out, measured after every cycle (>= max concurrency)
+    max_new_tokens: int = 32  # per measured request
+    traffic_max_new_tokens: int = 96
+    max_prompt_tokens: int = 320
+    cycle_eval_tokens: int = 48
+    cycle_max_holdout: int = 12
+    train_epochs: int | None = None
+    name: str = "adapt"
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> "AdaptConfig":
+        return cls(cycles=3, concurrency=(1, 8), traffic_prompts=8, eval_prompts=8, max_new_tokens=24,
+                   traffic_max_new_tokens=64, cycle_eval_tokens=32, cycle_max_holdout=6, train_epochs=3,
+                   name="adapt-quick")
+
+    def validate(self) -> "AdaptConfig":
+        """Raises ValueError naming the field for an unknown workload or sizes that cannot run."""
+        for f, v in (("workload", self.workload), ("switch_to", self.switch_to)):
+            if v and v not in shift.PHASE_TITLES:
+                raise ValueError(f"{f} {v!r}: one of {', '.join(shift.PHASE_TITLES)}")
+        if self.switch_to == self.workload:
+            raise ValueError("switch_to must differ from workload (or be '' for no switch)")
+        if self.cycles < 1 or self.traffic_prompts < 1 or self.eval_prompts < max(self.concurrency):
+            raise ValueError("cycles and traffic_prompts must be >= 1 and eval_prompts >= the highest concurrency")
+        return self
+
+    def as_shift(self) -> shift.ShiftConfig:
+        """The `bench shift` sizes its helpers read (serving traffic, measuring, the cycle's params)."""
+        return shift.ShiftConfig(phases=(self.workload,), concurrency=self.concurrency,
+                                 eval_prompts=self.eval_prompts, traffic_prompts=self.traffic_prompts,
+                                 max_new_tokens=self.max_new_tokens, traffic_max_new_tokens=self.traffic_max_new_tokens,
+                                 max_prompt_tokens=self.max_prompt_tokens, cycle_eval_tokens=self.cycle_eval_tokens,
+                                 cycle_max_holdout=self.cycle_max_holdout, train_epochs=self.train_epochs,
+                                 seed=self.seed)
+
+    def schedule(self) -> list[str]:
+        """The workload of each cycle, in order."""
+        sw = [self.switch_to] * self.switch_cycles + [self.workload] * self.back_cycles if self.switch_to else []
+        return [self.workload] * self.cycles + sw
+
+
+def chunks(params: Params, tok, cfg: AdaptConfig, compiler: GrammarCompiler | None) -> tuple[dict, dict]:
+    """({workload: [traffic chunk per cycle]}, {workload: held-out prompts}): each workload's pool split
+    once (held-out never served), its traffic cut into fresh chunks of `traffic_prompts`. Raises
+    ValueError when a workload has too few prompts for its cycles."""
+    need = {w: cfg.schedule().count(w) for w in set(cfg.schedule())}
+    traffic, hold = {}, {}
+    for w, n in need.items():
+        sc = replace(cfg.as_shift(), traffic_prompts=n * cfg.traffic_prompts)
+        tr, ho = shift.split_phase(shift.phase_prompts(w, params), tok, sc, params.workload.holdout_fraction, compiler)
+        if len(tr) < n * cfg.traffic_prompts or len(ho) < cfg.eval_prompts:
+            raise ValueError(f"{w}: {len(tr)} traffic / {len(ho)} held-out prompts fit, {n} cycles × "
+                             f"{cfg.traffic_prompts} + {cfg.eval_prompts} needed; lower --traffic-prompts or --cycles")
+        traffic[w] = [tr[i * cfg.traffic_prompts:(i + 1) * cfg.traffic_prompts] for i in range(n)]
+        hold[w] = ho
+    return traffic, hold
+
+
+def seal_tokens(chunks_: list[list[dict]], max_new: int) -> int:
+    """The writer's seal threshold: 60 % of a chunk's prompt + max completion tokens (mean over the
+    run's chunks) — each chunk seals about once even when completions stop early; what is left joins
+    the next snapshot."""
+    return int(0.6 * sum(len(p["input_ids"]) + max_new for c in chunks_ for p in c) / max(1, len(chunks_)))
+
+
+def point(arms_of, hold: list[dict], cfg: AdaptConfig, ref: dict | None) -> tuple[dict, dict]:
+    """Measure the held-out prompts at each concurrency (`shift.measure`); returns ({c: {arm: metrics}},
+    reference outputs)."""
+    m = shift.measure(arms_of(), hold, cfg.as_shift(), ref)
+    return m["by_concurrency"], m["reference"]
+
+
+def run(params: Params, out: Path, work: Path, cfg: AdaptConfig, progress=print) -> dict:
+    """The experiment; returns the report (also written to out/<name>-<date>.json/.md + PNGs)."""
+    cfg.validate()
+    t0 = time.perf_counter()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    sc = cfg.as_shift()
+    base, params = params, shift.bench_params(params, replace(sc, concurrency=(*cfg.concurrency, cfg.traffic_concurrency)))
+    (work / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+    ws = Workspace(work)
+    svc = services.up(ws.state / "services", which=("prefect", "mlflow"))
+    os.environ.update(services.env_for(svc))
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    target, tok = get_target(params)
+    tid = target.target_id
+    traffic, hold = chunks(params, tok, cfg, GrammarCompiler.for_target(target, tok))
+    static = bootstrap_static(base, target, tok, cache_dir())
+    _, v = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {},
+                                  {"role": "static-bootstrap", "params_sha": params.sha()}, run_name="static")
+    registry.promote(uri, tid, v, "bench adapt: the static draft is the first champion", allow_unevaluated=True)
+    step_deploy(ws, uri, tid)
+    static_runner = runner_for(static, target)
+
+    def arms():
+        a = shift._arms(target, params, {"none": None, "static": static_runner,
+                                         "adapted": runner_for(ws.champion, target)}, ws.champion)
+        a["default"] = a.pop("hybrid")
+        return a
+
+    flow = orchestrate.load_flow("tide_cycle")
+    seals: queue.Queue = queue.Queue()
+    refs: dict[str, dict] = {}
+    rep = {"config": asdict(cfg), "params_sha": params.sha(), "target_id": tid, "k": params.engine.num_draft_tokens,
+           "cpu_threads": shift._threads(), "points": [], "cycles": []}
+    serve_s = 0.0
+    rep["seal_min_tokens"] = thr = seal_tokens([c for cs in traffic.values() for c in cs], cfg.traffic_max_new_tokens)
+    writer = None
+    try:
+        writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
+            update={"seal_min_tokens": thr}), ws.snapshots, on_seal=seals.put)
+        for w in [cfg.workload, *([cfg.switch_to] if cfg.switch_to else [])]:
+            m, refs[w] = point(arms, hold[w], cfg, None)
+            rep["points"].append({"cycle": 0, "workload": w, "served_s": 0.0, "captured_tokens": 0,
+                                  "champion_version": served_version(ws.champion), "by_concurrency": m})
+        progress(f"start: {_brief(rep['points'][0]['by_concurrency'])}")
+        used = {w: 0 for w in traffic}
+        for i, w in enumerate(cfg.schedule(), start=1):
+            chunk = traffic[w][used[w]]
+            used[w] += 1
+            t = time.perf_counter()
+            cyc = shift._serve_traffic(w, chunk, target, params, ws, writer, seals, flow, uri, tid, work,
+                                       replace(sc, concurrency=(cfg.traffic_concurrency,)), progress)
+            serve_s += time.perf_counter() - t
+            tokens = writer.stats().tokens_total
+            rep["cycles"] += [dict(c, cycle=i, workload=w) for c in cyc]
+            for mw in ([cfg.workload] + ([w] if w != cfg.workload else [])):
+                m, _ = point(arms, hold[mw], cfg, refs[mw])
+                rep["points"].append({"cycle": i, "workload": mw, "served_s": serve_s, "captured_tokens": tokens,
+                                      "champion_version": served_version(ws.champion), "by_concurrency": m})
+            progress(f"cycle {i} ({w}): {[c.get('reason', c.get('skipped')) for c in cyc]} · "
+                     f"{_brief(rep['points'][-1]['by_concurrency'])}")
+    finally:
+        if writer is not None:
+            writer.close()
+        services.down(ws.state / "services", which=("prefect", "mlflow"))
+    rep["wall_s"] = time.perf_counter() - t0
+    rep["summary"] = summarize(rep)
+    rep["stem"] = f"{cfg.name}-{date.today().isoformat()}"
+    write_report(rep, out, rep["stem"])
+    return rep
+
+
+def _brief(by_c: dict) -> str:
+    c = min(by_c)
+    return ", ".join(f"{a} τ {r['acceptance_length']:.2f} {r['tokens_per_s']:.1f} tok/s" for a, r in by_c[c].items())
+
+
+# -- summary, report, plots ----------------------------------------------------------------------------
+def series(rep: dict, workload: str, arm: str, key: str, c: int) -> list[tuple[int, float]]:
+    """(cycle, value) of one arm's metric at concurrency c on a workload's held-out prompts."""
+    return [(p["cycle"], p["by_concurrency"][c][arm][key]) for p in rep["points"] if p["workload"] == workload]
+
+
+def summarize(rep: dict) -> dict:
+    """The goals of issue 28 as figures: adapted (default config) / static tokens/s per concurrency at
+    the last cycle on the workload before the switch; τ trajectory and whether it still rises at the
+    last such cycle (or where it saturated); promotions that lowered held-out τ; τ after the switch
+    and back against its best before; outputs == target-only everywhere."""
+    cfg = rep["config"]
+    w, n = cfg["workload"], cfg["cycles"]
+    cs = sorted({int(c) for p in rep["points"] for c in p["by_concurrency"]})
+    c0 = cs[0]
+    tau = dict(series(rep, w, "adapted", "acceptance_length", c0))
+    before = [tau[i] for i in range(n + 1) if i in tau]
+    best = max(before)
+    last_pt = next(p for p in rep["points"] if p["workload"] == w and p["cycle"] == n)
+    ratio = {c: last_pt["by_concurrency"][c]["default"]["tokens_per_s"] / last_pt["by_concurrency"][c]["static"][
+        "tokens_per_s"] for c in cs}
+    vs_none = {c: last_pt["by_concurrency"][c]["default"]["tokens_per_s"] / last_pt["by_concurrency"][c]["none"][
+        "tokens_per_s"] for c in cs}
+    rising = len(before) >= 2 and before[-1] > max(before[:-1]) * (1 + NOISE / 3)
+    gains = [b - a for a, b in zip(before, before[1:])]
+    worse = [c for c in rep["cycles"] if c.get("promoted") and tau.get(c["cycle"], 0) < tau.get(c["cycle"] - 1, 0)
+             * (1 - NOISE) and c["workload"] == w]
+    back = [tau[i] for i in sorted(tau) if i > n]
+    mism = sum(r["mismatches"] for p in rep["points"] for by in p["by_concurrency"].values() for r in by.values())
+    return {"workload": w, "tau_by_cycle": {str(k): v for k, v in sorted(tau.items())},
+            "default_over_static": {str(c): r for c, r in ratio.items()},
+            "default_over_none": {str(c): r for c, r in vs_none.items()},
+            "tau_still_rising": rising, "tau_gains": gains, "tau_best_before_switch": best,
+            "promoted_worse": [c["cycle"] for c in worse],
+            "tau_after_back": back[-1] if back else None,
+            "after_back_within_5pct": (back[-1] >= 0.95 * best) if back else None,
+            "promotions": sum(bool(c.get("promoted")) for c in rep["cycles"]),
+            "cycles_run": len(rep["cycles"]), "mismatches": mism}
+
+
+def write_report(rep: dict, out: Path, stem: str) -> dict[str, Path]:
+    """`out/<stem>.json`, `.md` and the plots; returns the plot paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = plots(rep, out, stem)
+    (out / f"{stem}.json").write_text(json.dumps(rep, indent=2, default=str))
+    (out / f"{stem}.md").write_text(markdown(rep, {k: p.name for k, p in paths.items()}))
+    return paths
+
+
+def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
+    """PNGs: tokens/s over wall time per concurrency (TIDE Fig. 4), τ over captured tokens (Fig. 5),
+    default/static by concurrency after the cycles (Fig. 3), per-position acceptance per cycle."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    w = rep["config"]["workload"]
+    pts = [p for p in rep["points"] if p["workload"] == w]
+    cs = sorted({int(c) for p in pts for c in p["by_concurrency"]})
+    paths = {}
+    fig, axes = plt.subplots(1, len(cs), figsize=(4.2 * len(cs), 3.4), squeeze=False)
+    xs = [p["served_s"] / 60 for p in pts]
+    for ax, c in zip(axes[0], cs):
+        for arm, style in (("none", ":"), ("static", "s--"), ("adapted", "o-"), ("default", "^-")):
+            ax.plot(xs, [p["by_concurrency"][c][arm]["tokens_per_s"] for p in pts], style, label=arm, ms=4)
+        ax.set_title(f"{w}, concurrency {c}")
+        ax.set_xlabel("serving + cycle wall time (min)")
+        ax.set_ylabel("tokens/s (held-out)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    paths["tokens_per_s"] = out / f"{stem}-tokens-per-s.png"
+    fig.savefig(paths["tokens_per_s"], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    c0 = cs[0]
+    ax.plot([p["captured_tokens"] / 1000 for p in pts], [p["by_concurrency"][c0]["adapted"]["acceptance_length"]
+                                                         for p in pts], "o-", label="adapted (champion)")
+    ax.plot([p["captured_tokens"] / 1000 for p in pts], [p["by_concurrency"][c0]["static"]["acceptance_length"]
+                                                         for p in pts], "s--", label="static")
+    for p in pts:
+        ax.annotate(str(p["cycle"]), (p["captured_tokens"] / 1000, p["by_concurrency"][c0]["adapted"]
+                                      ["acceptance_length"]), fontsize=7, xytext=(2, 4), textcoords="offset points")
+    ax.set_xlabel("captured tokens (thousands)")
+    ax.set_ylabel(f"τ at k={rep['k']} (held-out)")
+    ax.set_title(f"{w}: acceptance length over the run (cycle numbers)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths["tau"] = out / f"{stem}-tau.png"
+    fig.savefig(paths["tau"], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    r = rep["summary"]["default_over_static"]
+    ax.bar([str(c) for c in cs], [r[str(c)] for c in cs])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("default / static tokens/s")
+    ax.set_title(f"after {rep['config']['cycles']} cycles on {w}")
+    fig.tight_layout()
+    paths["ratio"] = out / f"{stem}-ratio.png"
+    fig.savefig(paths["ratio"], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for p in pts:
+        m = p["by_concurrency"][c0]["adapted"]
+        acc = [v for kk, v in sorted(m.items()) if kk.startswith("accepted_per_pos/") and kk.count("/") == 1]
+        ax.plot(range(1, len(acc) + 1), acc, "o-", ms=3, label=f"cycle {p['cycle']}", alpha=0.4 + 0.6 * (
+            p["cycle"] / max(1, pts[-1]["cycle"])))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafts")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    paths["per_position"] = out / f"{stem}-per-position.png"
+    fig.savefig(paths["per_position"], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def markdown(rep: dict, figs: dict[str, str]) -> str:
+    cfg, s = rep["config"], rep["summary"]
+    cs = sorted({int(c) for p in rep["points"] for c in p["by_concurrency"]})
+    L = [f"# Self-improvement over {cfg['cycles']} cycles on {cfg['workload']}"
+         + (f", then {cfg['switch_to']} and back" if cfg["switch_to"] else ""), "",
+         f"SmolLM2-135M-Instruct fp32 target, greedy, k={rep['k']}, {rep['cpu_threads']} CPU threads; "
+         f"{cfg['traffic_prompts']} fresh traffic prompts per cycle served {cfg['traffic_concurrency']} at a time "
+         f"(≤{cfg['traffic_max_new_tokens']} tokens), {cfg['eval_prompts']} held-out prompts × ≤{cfg['max_new_tokens']} "
+         f"tokens measured after every cycle; run wall time {rep['wall_s'] / 60:.1f} min. `default` = the champion as "
+         "`tidespec serve` runs it (goodput policy + suffix proposer with the corpus deployed with it); `adapted` = "
+         "the champion alone at fixed k (τ); `static` = the generic bootstrap draft at fixed k.", "",
+         "| cycle | workload measured | min served | captured tokens | champion | " + " | ".join(
+             f"c={c} none / static / adapted / default tok/s" for c in cs) + " | τ static / adapted / default (c=1) |",
+         "|---|---|---|---|---|" + "---|" * len(cs) + "---|"]
+    for p in rep["points"]:
+        by = p["by_concurrency"]
+        cells = [" / ".join(f"{by[c][a]['tokens_per_s']:.1f}" for a in ARMS) for c in cs]
+        taus = " / ".join(f"{by[cs[0]][a]['acceptance_length']:.2f}" for a in ("static", "adapted", "default"))
+        L.append(f"| {p['cycle']} | {p['workload']} | {p['served_s'] / 60:.1f} | {p['captured_tokens']} | "
+                 f"v{p['champion_version']} | " + " | ".join(cells) + f" | {taus} |")
+    L += ["", "## Cycles", "", "| cycle | workload | snapshot tokens | cycle s | decision |", "|---|---|---|---|---|"]
+    for c in rep["cycles"]:
+        L.append(f"| {c['cycle']} | {c['workload']} | {c['snapshot_tokens']} | {c['cycle_s']:.0f} | "
+                 f"{c.get('reason') or c.get('skipped')} |")
+    L += ["", "## Goals", "",
+          f"- default / static tokens/s after cycle {cfg['cycles']}: " + ", ".join(
+              f"c={c} {s['default_over_static'][str(c)]:.2f}×" for c in cs) + " (goal ≥ 1.5× on code, ≥ 1.2× on chat)",
+          "- default / no speculation: " + ", ".join(f"c={c} {s['default_over_none'][str(c)]:.2f}×" for c in cs),
+          f"- τ by cycle (adapted, fixed k): {', '.join(f'{k}: {v:.2f}' for k, v in s['tau_by_cycle'].items())}; "
+          f"still rising at cycle {cfg['cycles']}: {s['tau_still_rising']}",
+          f"- promoted cycles that lowered held-out τ (> {NOISE:.0%}): {s['promoted_worse'] or 'none'}",
+          f"- after the switch and back: τ {s['tau_after_back']} vs best before {s['tau_best_before_switch']:.2f} "
+          f"(within 5 %: {s['after_back_within_5pct']})" if cfg["switch_to"] else "- no switch",
+          f"- outputs == target-only: {s['mismatches']} mismatches", ""]
+    L += [f"![{k}]({v})" for k, v in figs.items()] + [""]
+    return "\n".join(L)

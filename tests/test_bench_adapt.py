@@ -1,0 +1,66 @@
+"""bench adapt (self-improvement over many cycles): its schedule, sizes, seal threshold, and the summary
+against issue 28's goals, report and plots from a run's records. The run itself (`tidespec bench adapt`)
+needs SmolLM2 and 15–120 min; its serving, cycle and measurement pieces are bench shift's (test_bench_shift)."""
+import pytest
+
+from tidespec.bench import adapt
+
+
+def test_schedule_validation_and_seal_threshold():
+    cfg = adapt.AdaptConfig(cycles=3, switch_cycles=1, back_cycles=2)
+    assert cfg.schedule() == ["code"] * 3 + ["chat"] + ["code"] * 2
+    assert adapt.AdaptConfig(switch_to="").schedule() == ["code"] * 6
+    for bad in ({"workload": "poetry"}, {"switch_to": "code"}, {"eval_prompts": 4}):  # eval < concurrency 8
+        with pytest.raises(ValueError):
+            adapt.AdaptConfig(**bad).validate()
+    chunk = [{"input_ids": [1] * 40}, {"input_ids": [1] * 60}]
+    assert adapt.seal_tokens([chunk, chunk], 50) == int(0.6 * (40 + 60 + 2 * 50))
+    q = adapt.AdaptConfig.quick()
+    assert q.cycles == 3 and q.as_shift().concurrency == (1, 8) and q.validate() is q
+
+
+def _point(cycle, workload, tau, tps_default, tps_static=10.0, mism=0):
+    def arm(t, tps):
+        return {"acceptance_length": t, "tokens_per_s": tps, "mismatches": mism, "accepted_per_pos/0": t - 1,
+                "accepted_per_pos/1": (t - 1) / 2}
+    by = {c: {"none": arm(1.0, 9.0), "static": arm(1.2, tps_static), "adapted": arm(tau, tps_default * 0.8),
+              "default": arm(tau + 0.2, tps_default)} for c in (1, 8)}
+    return {"cycle": cycle, "workload": workload, "served_s": 60.0 * cycle, "captured_tokens": 1000 * cycle,
+            "champion_version": str(cycle + 1), "by_concurrency": by}
+
+
+def _report(taus, back_tau, promoted_worse_at=None):
+    cfg = adapt.AdaptConfig(cycles=len(taus) - 1, concurrency=(1, 8))
+    pts = [_point(i, "code", t, 10.0 + 5 * i) for i, t in enumerate(taus)]
+    pts += [_point(0, "chat", 1.1, 9.0), _point(len(taus), "code", taus[-1] - 0.3, 12.0),
+            _point(len(taus), "chat", 1.3, 10.0), _point(len(taus) + 1, "code", back_tau, 30.0)]
+    cycles = [{"cycle": i, "workload": "code", "promoted": True, "snapshot_tokens": 900, "cycle_s": 100.0,
+               "reason": "τ ok"} for i in range(1, len(taus))]
+    cycles += [{"cycle": len(taus), "workload": "chat", "promoted": False, "snapshot_tokens": 900, "cycle_s": 90.0,
+                "reason": "τ <"}]
+    if promoted_worse_at:
+        pts[promoted_worse_at]["by_concurrency"][1]["adapted"]["acceptance_length"] = 1.0
+    from dataclasses import asdict
+    return {"config": asdict(cfg), "k": 4, "cpu_threads": 2, "points": pts, "cycles": cycles, "wall_s": 3600.0}
+
+
+def test_summary_states_each_goal_from_the_records():
+    rep = _report([1.2, 1.6, 1.9, 2.1], back_tau=2.05)
+    s = adapt.summarize(rep)
+    assert s["tau_by_cycle"]["3"] == 2.1 and s["tau_still_rising"] is True
+    assert s["default_over_static"] == {"1": pytest.approx(25 / 10), "8": pytest.approx(25 / 10)}
+    assert s["after_back_within_5pct"] is True and s["tau_after_back"] == 2.05 and s["promoted_worse"] == []
+    flat = adapt.summarize(_report([1.2, 1.8, 1.9, 1.9], back_tau=1.7))
+    assert flat["tau_still_rising"] is False and flat["after_back_within_5pct"] is False  # 1.7 < 0.95 × 1.9
+    worse = adapt.summarize(_report([1.2, 1.6, 1.9, 2.1], back_tau=2.0, promoted_worse_at=2))
+    assert worse["promoted_worse"] == [2]  # promoted, and held-out τ fell 1.6 → 1.0
+
+
+def test_report_markdown_and_plots(tmp_path):
+    rep = _report([1.2, 1.6, 1.9, 2.1], back_tau=2.05)
+    rep["summary"] = adapt.summarize(rep)
+    paths = adapt.write_report(rep, tmp_path, "adapt-test")
+    assert sorted(paths) == ["per_position", "ratio", "tau", "tokens_per_s"]
+    assert all(p.stat().st_size > 5000 for p in paths.values())  # real PNGs, not empty canvases
+    md = (tmp_path / "adapt-test.md").read_text()
+    assert "c=1 2.50×" in md and "still rising at cycle 3: True" in md and "(within 5 %: True)" in md
