@@ -5,7 +5,6 @@ rollback per version. The rollback through the registry runs in test_promotion."
 import logging
 import random
 
-import httpx
 import pytest
 from conftest import random_draft
 

@@ -3,7 +3,6 @@ the shipped sets, the order of the signals (field > model alias > constraint > c
 server that classes plain OpenAI requests, answers to its aliases and counts τ per class on /metrics."""
 import shutil
 from collections import Counter
-from dataclasses import replace
 
 import httpx
 import openai
@@ -11,7 +10,6 @@ import pytest
 from conftest import add_tiny_word_tokenizer, random_draft
 from pydantic import ValidationError
 
-from tidespec import prompts
 from tidespec.bench.serve import serve_in_thread
 from tidespec.config import ServeParams
 from tidespec.engine.speculative import Engine
@@ -37,25 +35,11 @@ def test_content_rules_and_the_order_of_signals():
     assert workload_of(None, None, alias, False, MATH) == "math"  # then the content
 
 
-def labelled() -> list[tuple[str, str]]:
-    """(class, text) for the shipped sets with a known class: HumanEval → code; GSM8K en/ko/ja → math;
-    MT-Bench by category (coding → code, math → math, the rest → chat), turn 2 with turn 1 before it
-    as a chat request carries it."""
-    out = [("code", p.text) for p in prompts.load("humaneval")]
-    out += [("math", p.text) for s in ("gsm-en", "gsm-ko", "gsm-ja") for p in prompts.load(s)]
-    mt = prompts.mtbench(turns=(0, 1))
-    first = {p.id.rsplit("/", 1)[0]: p.text for p in mt if p.id.endswith("t0")}
-    for p in mt:
-        if p.id.endswith("t1"):
-            p = replace(p, text=first[p.id.rsplit("/", 1)[0]] + "\n" + p.text)
-        out.append(("code" if p.category == "coding" else "math" if p.category == "math" else "chat", p.text))
-    return out
-
-
 def test_content_rules_separate_the_shipped_sets():
     """Recall per class on 624 labelled prompts (measured: code 181/184, math 300/320, chat 107/120;
     `tidespec bench classes`). A rule that stops firing (e.g. numbers glued to Korean words no longer
     counted) drops a class far below these floors."""
+    from tidespec.bench.classes import labelled
     hits, total = Counter(), Counter()
     for cls, text in labelled():
         total[cls] += 1

@@ -19,7 +19,7 @@ from .engine.speculative import Engine
 from .engine.suffix import CORPUS_FILE, SuffixCache, load_corpus
 from .models.eagle3 import DraftRunner, load_checkpoint
 from .models.target import Target, convert_gguf, load_target, target_id_for
-from .workspace import read_version, served_version
+from .workspace import read_version
 
 log = logging.getLogger(__name__)
 

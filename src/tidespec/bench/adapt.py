@@ -17,7 +17,6 @@ Writes bench/results/<name>-<date>.{json,md} and PNGs (`plots`). `--quick` fits 
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
 import shutil
@@ -247,11 +246,7 @@ def summarize(rep: dict) -> dict:
 
 def write_report(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     """`out/<stem>.json`, `.md` and the plots; returns the plot paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = plots(rep, out, stem)
-    (out / f"{stem}.json").write_text(json.dumps(rep, indent=2, default=str))
-    (out / f"{stem}.md").write_text(markdown(rep, {k: p.name for k, p in paths.items()}))
-    return paths
+    return shift.write_report(rep, out, stem, plots, markdown)
 
 
 def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:

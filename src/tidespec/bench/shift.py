@@ -416,12 +416,14 @@ def summarize(rep: dict) -> dict:
     return {"rows": rows, "goals": goals}
 
 
-def write_report(rep: dict, out: Path, stem: str) -> dict[str, Path]:
-    """`out/<stem>.json`, `out/<stem>.md` and the plots (`plots`) of a summarised report; returns the plot paths."""
+def write_report(rep: dict, out: Path, stem: str, draw=None, render=None) -> dict[str, Path]:
+    """`out/<stem>.json`, `out/<stem>.md` and the PNGs of a summarised report; returns the plot paths.
+    `draw(rep, out, stem)` → {name: path} and `render(rep, {name: file name})` → markdown: this
+    experiment's `plots` and `markdown` unless given (`bench adapt` passes its own)."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = plots(rep, out, stem)
+    paths = (draw or plots)(rep, out, stem)
     (out / f"{stem}.json").write_text(json.dumps(rep, indent=2, default=str))
-    (out / f"{stem}.md").write_text(markdown(rep, {k: p.name for k, p in paths.items()}))
+    (out / f"{stem}.md").write_text((render or markdown)(rep, {k: p.name for k, p in paths.items()}))
     return paths
 
 

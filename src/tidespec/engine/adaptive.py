@@ -25,7 +25,6 @@ one probe (a catch-up of the rows it missed, k drafts, k verify rows) per 512 st
 """
 from __future__ import annotations
 
-import math
 import threading
 
 from .calibration import Calibration, draft_shape, measure_draft
