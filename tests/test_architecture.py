@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "engine.replay", "capture", "capture.store", "capture.metrics")),
     ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "capture.ingest", "curate", "tuning",
                     "train", "train.resume", "train.trainer", "train.specforge",
-                    "train.entry", "train.sagemaker", "runtime")),
+                    "train.entry", "train.sagemaker", "runtime", "distill")),
     ("serve", ("serve", "serve.protocol", "serve.errors", "serve.workload", "serve.metrics", "serve.textlog", "serve.lifespan", "serve.engine_loop", "serve.structured", "serve.responses", "serve.serving", "serve.streaming", "serve.openai", "serve.admin", "serve.guard", "server", "frontdoor")),
     ("adapters", ("adapters", "adapters.registry", "adapters.versioning", "adapters.orchestrate", "adapters.process",
                   "adapters.services", "adapters.aws", "adapters.sagemaker_train", "adapters.sagemaker_deploy",

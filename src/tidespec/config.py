@@ -162,10 +162,13 @@ class IngestParams(_Strict):
 
 
 class BootstrapParams(_Strict):
-    """The static (generic) draft: ShareGPT first exchanges teacher-forced through the target until
-    `tokens` tokens (prompt + answer, each conversation cut at `max_tokens`) are collected, from at
-    most the first `conversations` conversations (the shift bench's chat phase starts after them)."""
+    """The static (generic) draft: ShareGPT first exchanges until `tokens` tokens (prompt + answer,
+    each conversation cut at `max_tokens`) are collected, from at most the first `conversations`
+    conversations (the shift bench's chat phase starts after them). answers: `dataset` — the
+    dataset's answers teacher-forced through the target (one prefill each); `target` — the target's
+    own greedy answers, generated (self-distilled, `distill`: slower, fits the target better)."""
 
+    answers: Literal["dataset", "target"] = "dataset"
     conversations: int = Field(2000, ge=1)
     tokens: int = Field(100_000, ge=1)
     max_tokens: int = Field(384, ge=16)

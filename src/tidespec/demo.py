@@ -52,7 +52,9 @@ def _progress() -> Progress:
 
 def static_draft_dir(params: Params, target_id: str, cache: Path) -> Path:
     """Where the static draft for these params lives in the download cache (keyed by their hash)."""
-    key = hashlib.sha256(json.dumps([target_id, params.bootstrap.model_dump(), params.draft.model_dump(),
+    b = params.bootstrap  # answers: dataset (the default) keeps the key drafts were cached under before the knob
+    boot = b.model_dump(exclude={"answers"}) if b.answers == "dataset" else b.model_dump()
+    key = hashlib.sha256(json.dumps([target_id, boot, params.draft.model_dump(),
                                      params.train.model_dump()], sort_keys=True).encode()).hexdigest()[:12]
     return cache / "bootstrap" / f"static-{key}"
 
@@ -66,9 +68,14 @@ def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
     b = params.bootstrap
     convs = prompts.sharegpt_conversations(limit=b.conversations * 2)[: b.conversations]
     with _progress() as pg:
-        t = pg.add_task("bootstrap: teacher-force ShareGPT (tokens)", total=b.tokens, info="")
-        recs = teacher_force(target, tok, convs, b.max_tokens, progress=lambda n: pg.advance(t, n),
-                             token_budget=b.tokens)
+        if b.answers == "target":  # self-distilled: the target's own greedy answers (generation)
+            from .distill import self_distill
+            t = pg.add_task("bootstrap: the target answers ShareGPT prompts (tokens)", total=b.tokens, info="")
+            recs = self_distill(target, tok, convs, b.max_tokens, b.tokens, progress=lambda n: pg.advance(t, n))
+        else:
+            t = pg.add_task("bootstrap: teacher-force ShareGPT (tokens)", total=b.tokens, info="")
+            recs = teacher_force(target, tok, convs, b.max_tokens, progress=lambda n: pg.advance(t, n),
+                                 token_budget=b.tokens)
         n_val = max(1, len(recs) // 10)
         t2 = pg.add_task("bootstrap: train static EAGLE3 draft", total=None, info="")
 
