@@ -287,3 +287,18 @@ def test_search_bound_never_skips_a_step_speculation_would_win():
         ch = plan(lads, cost, margin=0.05)
         if best >= 1.05 * g0 * (1 + 1e-9):
             assert ch != [("", 0)] * b, case
+
+
+def test_suffix_proposals_do_not_starve_the_draft_probes():
+    """A class whose requests often take suffix proposals still probes its EAGLE3 draft: only an EAGLE3
+    choice refreshes that estimate (and resets the back-off)."""
+    cost_cal = _cal()
+    pol = AdaptiveK(cost_cal, prior=0.6, probe_every=2)
+    dead_eagle = Ladder(eagle=(0.0, 0.0))
+    sure_suffix = Ladder(eagle=(0.0, 0.0), suffix=(0.99, 1.98, 2.97))
+    probed = []
+    for step in range(1, 9):
+        ch = pol.plan_step(["code"] * 2, [sure_suffix, dead_eagle])
+        assert ch[0][0] == "suffix"  # the copy pays, every step
+        probed += [step for c in ch if c[0] == "eagle3"]
+    assert probed == [2, 6]  # request 1 is probed with back-off (gaps 2, 4) although the class speculates

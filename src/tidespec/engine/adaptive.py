@@ -292,7 +292,7 @@ class AdaptiveK:
             return True
 
     def _speculated(self, workload: str) -> None:
-        """The plan chose speculation for the class (not a probe): probing restarts at probe_every."""
+        """The plan chose the EAGLE3 draft for the class (not a probe): probing restarts at probe_every."""
         with self._lock:
             self._gap.pop(workload, None)
             self._steps.pop(workload, None)
@@ -308,20 +308,21 @@ class AdaptiveK:
         """Each request's (proposer, drafted tokens) for a step of this batch (`goodput.plan`, with
         the hysteresis margin: `margin` to turn speculation on, `margin_off` to keep it on). A class
         whose requests could draft with EAGLE3 but were all left without: a probe when due (see the
-        module docstring), rotating over its requests, so the acceptance estimate stays fresh and
-        every request's backlog is drained now and then."""
+        module docstring), rotating over its requests without a proposal this step, so the EAGLE3
+        acceptance estimate stays fresh (suffix and grammar proposals do not refresh it) and every
+        request's backlog is drained now and then."""
         with self._lock:
             margin = self.margin_off if self._on else self.margin
         choice = plan(ladders, self.cost, margin)
-        spoke = {w for w, lad, c in zip(workloads, ladders, choice) if lad.fixed is None and c != NONE}
-        for w in spoke:
+        drafted = {w for w, lad, c in zip(workloads, ladders, choice) if lad.fixed is None and c[0] == "eagle3"}
+        for w in drafted:  # the class's EAGLE3 estimate is being refreshed: no probe due, back-off forgotten
             self._speculated(w)
         idle: dict[str, list[int]] = {}  # class → requests that could draft but were left without
         for i, (w, lad, c) in enumerate(zip(workloads, ladders, choice)):
-            if w not in spoke and lad.fixed is None and lad.eagle:
+            if w not in drafted and lad.fixed is None and lad.eagle and c == NONE:
                 idle.setdefault(w, []).append(i)
         with self._lock:
-            self._on = bool(spoke)
+            self._on = any(lad.fixed is None and c != NONE for lad, c in zip(ladders, choice))
         for w, idx in idle.items():
             if self._probe(w):
                 with self._lock:
