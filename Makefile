@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install vllm assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-capture services-up services-down clean
+.PHONY: install vllm assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-adapt bench-adapt-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 VLLM_VENV  ?= .venv-vllm
@@ -69,6 +69,12 @@ bench-shift: assets        ## workload-shift experiment (chat → code → math 
 
 bench-shift-quick: assets  ## its --quick mode (chat → code, concurrency 1 and 8), ≤ 10 min
 	$(VENV)/bin/tidespec bench shift --quick
+
+bench-adapt: assets        ## self-improvement over time: 6 cycles on code, a switch to chat and back, ≤ 2 h on 2 cores
+	$(VENV)/bin/tidespec bench adapt
+
+bench-adapt-quick: assets  ## its --quick mode (3 cycles, switch and back, concurrency 1 and 8), ≈ 15 min
+	$(VENV)/bin/tidespec bench adapt --quick
 
 bench-capture: assets      ## capture cost on the serving path (ITL, tokens/s: off / raw / zstd / hung disk), bytes per token
 	$(VENV)/bin/tidespec bench capture --prompts 6
