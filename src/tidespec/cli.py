@@ -438,9 +438,12 @@ def _start_vllm(p, ws, python: str | None, host: str):
     from .deploy.vllm import VLLMDeployment
     from .runtime import target_dir
     e = p.engine
-    if e.tree.eagle_topk > 1 or e.suffix.enabled:
-        raise typer.BadParameter("--backend vllm runs EAGLE3 chains: engine.tree.eagle_topk > 1 and "
-                                 "engine.suffix.enabled apply to the embedded engine; set them to 1 / false")
+    if e.tree.eagle_topk > 1:
+        raise typer.BadParameter("--backend vllm runs EAGLE3 chains: engine.tree.eagle_topk > 1 applies to the "
+                                 "embedded engine; set it to 1")
+    if e.suffix.enabled:  # the default: the embedded engine's hybrid; vLLM's own suffix method is not EAGLE3's
+        console.print("serve: vLLM drafts with the EAGLE3 draft only (engine.suffix, the suffix proposer and the "
+                      "hybrid, is the embedded engine's)", markup=False)
     if p.serve.workload_by_model:
         raise typer.BadParameter("serve.workload_by_model names classes for the embedded engine's goodput policy; "
                                  "vLLM serves one model id (serve.served_model_name): remove workload_by_model")
