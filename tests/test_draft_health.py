@@ -20,6 +20,9 @@ def test_clearly_below_needs_significance_size_and_data():
     assert not clearly_below(0.55, 5000, 0.6)  # significant (z 7.2) but only 8 % below the reference
     assert not clearly_below(0.0, MIN_CHAINS - 1, 0.6)  # too few chains for a verdict
     assert clearly_below(0.1, 200, 0.5, 200) and not clearly_below(0.1, 200, 0.5, 50)  # two proportions
+    # the replay's own chains count: 0.44 over 100 chains against a fixed 0.6 is clear (z = 0.16 / 0.049 = 3.3),
+    # against 0.6 measured over 100 chains it is not (z = 0.16 / 0.070 = 2.3)
+    assert clearly_below(0.44, 100, 0.6) and not clearly_below(0.44, 100, 0.6, 100)
 
 
 def test_false_alarms_and_power_of_the_replay_check():
@@ -39,17 +42,25 @@ def test_false_alarms_and_power_of_the_replay_check():
 
 def test_health_by_version_and_class_recovers_with_the_window():
     h = DraftHealth(window=200)
-    h.serve("1", {"": 0.5, "code": 0.7})
+    h.serve("1", {"": (0.5, 400), "code": (0.7, 150)})
     for i in range(300):
         h.observe("1", "code", i % 10 < 7)  # 0.7 on code: healthy
         h.observe("1", "chat", i % 10 < 1)  # 0.1 on chat: below the overall replay 0.5
     assert not h.against_replay("1", "code").below and h.against_replay("1", "chat").below
     assert h.against_replay("1", "chat").reference == 0.5  # no class figure: the overall one
+    h.serve("1b", {"": (0.5, 400), "code": (0.2, 150)})  # per-class replay: 0.2 on code, not the overall 0.5
+    for i in range(300):
+        h.observe("1b", "code", i % 10 < 2)
+    assert h.against_replay("1b", "code").reference == 0.2 and not h.against_replay("1b", "code").below
+    h.serve("1")  # back to "1" (as after a rollback): it keeps no new predecessor
+    assert h.previous("1") is None and h.previous("1b") == "1"
     h.serve("2")
     for i in range(300):
         h.observe("2", "code", i % 10 < 2)
     v = h.against_previous("2", "code")
     assert v.below and v.reference == pytest.approx(0.7, abs=0.01) and h.previous("2") == "1"
+    h.serve("1")  # restored: never judged against the version it replaced on the way back
+    assert h.previous("1") is None and not h.against_previous("1", "code").below
     for _ in range(1500):  # the draft recovers: the decayed window forgets the bad chains
         h.observe("2", "code", True)
     assert not h.against_previous("2", "code").below
@@ -59,7 +70,7 @@ def test_engine_feeds_health_and_the_guard_reports_and_rolls_back_once(tiny_targ
     from collections import Counter
     off = DraftRunner(random_draft(tiny_target, 64, counts=Counter(range(250, 314))))  # drafts ids the target rarely emits
     eng = Engine(tiny_target, off, 3, 256, draft_version="7", max_batch=8)
-    eng.set_draft(off, "7", replayed={"": 0.9})  # its evaluation claimed 0.9: this draft is far below
+    eng.set_draft(off, "7", replayed={"": (0.9, 300)})  # its evaluation claimed 0.9 over 300 chains: far below
     reqs = [Request([5 + i, 6, 7], 60, workload="chat") for i in range(8)]
     gens = eng.generate_batch(reqs)
     chains = sum(g.stats_by_proposer["eagle3"].num_drafts for g in gens)
@@ -69,19 +80,62 @@ def test_engine_feeds_health_and_the_guard_reports_and_rolls_back_once(tiny_targ
     assert n == pytest.approx(w * (1 - (1 - 1 / w) ** chains)) and live == pytest.approx(first / chains, abs=0.02)
     assert n >= MIN_CHAINS and live < 0.5
     metrics, calls = ServeMetrics(3), []
-    guard = HealthGuard(eng, metrics, every_s=0, rollback=lambda v, why: calls.append((v, why)))
+
+    def rollback(v, why):
+        calls.append((v, why))
+        if len(calls) == 1:
+            raise RuntimeError("registry down")  # the first attempt fails: retried at the next check
+
+    guard = HealthGuard(eng, metrics, every_s=0, rollback=rollback)
     with caplog.at_level(logging.WARNING, logger="tidespec.serve.guard"):
         below = guard.check()
         guard.check()
     assert [(v.workload, v.reference) for v in below] == [("chat", 0.9)]
     assert sum("clearly below its replayed acceptance 0.900" in r.message for r in caplog.records) == 1  # once
-    from prometheus_client import generate_latest
-    text = generate_latest(metrics.registry).decode()
-    assert 'tidespec:draft_regressed{against="replay",version="7",workload="chat"} 1.0' in text
+    sample = metrics.registry.get_sample_value
+    assert sample("tidespec:draft_regressed", {"against": "replay", "version": "7", "workload": "chat"}) == 1.0
     assert calls == []  # against its replay only: no predecessor, no rollback
     eng.set_draft(DraftRunner(random_draft(tiny_target, 64, seed=1)), "8")  # a new version, same traffic
     eng.health._live[("8", "chat")] = [0.0, 500.0]  # the new version: never accepted (as counted)
+    eng.health._classes["8"] = {"chat"}
     eng.health._live[("7", "chat")] = [250.0, 500.0]  # the old one: half its chains
-    assert guard.check() and guard.check() is not None
-    assert [v for v, _ in calls] == ["8"] and "clearly below v7's 0.500" in calls[0][1]  # once per version
-    assert metrics.registry.get_sample_value("tidespec:draft_rollbacks_total") == 1.0
+    for _ in range(3):
+        assert guard.check()
+    assert [v for v, _ in calls] == ["8", "8"] and "clearly below v7's 0.500" in calls[0][1]  # retried once, then done
+    assert sample("tidespec:draft_rollbacks_total") == 1.0
+    eng.set_draft(None)
+    assert guard.check() == [] and sample("tidespec:draft_regressed", {"against": "previous", "version": "8",
+                                                                       "workload": "chat"}) is None  # no stale gauge
+
+
+def test_guard_labels_stay_bounded_and_server_classes_keep_theirs(tiny_target):
+    """Clients name classes: 40 of them take the 32 free label values (the rest count as "other"),
+    and the server's own classes keep their labels whatever came first; health keeps 64 apart."""
+    metrics = ServeMetrics(3)
+    labels = [metrics.label(f"junk{i}") for i in range(40)]
+    assert labels[:32] == [f"junk{i}" for i in range(32)] and set(labels[32:]) == {"other"}
+    assert metrics.label("code") == "code" and metrics.label("structured") == "structured"
+    h = DraftHealth()
+    h.serve("1")
+    for i in range(100):
+        h.observe("1", f"c{i}", True)
+    assert len(h.classes("1")) == 65 and "other" in h.classes("1")
+
+
+def test_replayed_figures_travel_from_evaluate_to_version_json(tmp_path):
+    """evaluate's metrics → tag first_token_acceptance ({class: [a₁, chains]}) → version.json → the engine."""
+    import json
+
+    from tidespec.adapters.registry import FIRST_TOKEN_TAG, replayed
+    from tidespec.cycle import first_token_acceptance
+    from tidespec.workspace import read_version, write_version
+    m = {"accepted_per_pos/0": 0.4, "num_drafts": 230.0, "accepted_per_pos/1": 0.2,
+         "first_token_acceptance/code": 0.5, "num_drafts/code": 120, "first_token_acceptance/chat": 0.3}
+    rep = first_token_acceptance(m)
+    assert rep == {"": [0.4, 230.0], "code": [0.5, 120.0], "chat": [0.3, 0.0]}
+    assert replayed({FIRST_TOKEN_TAG: json.dumps(rep)}) == rep and replayed({FIRST_TOKEN_TAG: "{bad"}) == {}
+    write_version(tmp_path, "3", "run", None, rep)
+    assert read_version(tmp_path)["replayed"] == rep
+    (tmp_path / "version.json").write_text(json.dumps({"version": "3", "replayed": {"": [1.5, 10]}}))
+    with pytest.raises(ValueError, match="replayed"):
+        read_version(tmp_path)

@@ -170,8 +170,9 @@ def test_early_stop_threshold_and_learned_confidence():
     assert loaded > 4 * alone  # at batch 8 a row costs 22.5 ms: a token must be far likelier to pay
 
 
-def test_engine_early_stop_shortens_chains_and_stays_lossless(tiny_target):
+def test_engine_early_stop_shortens_chains_and_stays_lossless(tiny_target, monkeypatch):
     """A random draft is rarely right: with the learned confidence, chains stop after one token."""
+    monkeypatch.setattr("tidespec.engine.adaptive.PROBE_BACKOFF", 1)  # probe_every=1 below: every step, no back-off
     cal = Calibration((100.0, 101.0, 102.0, 103.0, 104.0), 1.0, "test", 128)
     ps = [[5, 6, 7], [11, 12, 13, 11, 12], [42], [9, 30, 31, 9, 30]]
     ref = [Engine(tiny_target, None, 4, 256).generate(p, 24).tokens for p in ps]
@@ -217,6 +218,12 @@ def test_review_fixes_draft_costs_probes_backlog_grid(tiny_target):
     # rotating over its requests
     assert [s for s, _ in probed] == [4, 12, 28, 60, 124, 188, 252]
     assert sorted({i for _, i in probed}) == [0, 1, 2, 3]
+    two = AdaptiveK(cal, prior=0.0, probe_every=1)  # two classes idle together: each rotates over its own requests
+    seen = set()
+    for _ in range(200):
+        ch = two.plan_step(["chat", "chat", "code", "code"], [Ladder(eagle=(0.0, 0.0, 0.0))] * 4)
+        seen |= {i for i, c in enumerate(ch) if c[1]}
+    assert seen == {0, 1, 2, 3}
     fut = eng.submit(Request([5, 6, 7], 12, workload="chat"))
     eng.step()
     eng.step()
@@ -248,6 +255,15 @@ def test_hysteresis_holds_speculation_at_a_batch_size_boundary():
 
     assert on_per_step(0.05) == [True, False] * 4  # no band: flaps with the batch size
     assert on_per_step(0.02) == [True] * 8
+    pol = AdaptiveK(cal, prior=0.6, probe_every=1000, margin=0.05, margin_off=0.02)
+    assert pol.plan_step(["code"], [lad])[0][1] and pol.plan_step(["chat"] * 2, [lad] * 2) == [("", 0)] * 2
+    # ↑ the band is per class: code drafting does not let a chat batch in at 4 %
+    assert pol.plan_step(["code"], [lad])[0][1]
+    pol.plan_step(["code"] * 2, [Ladder(suffix=(0.99, 1.9))] * 2)  # a step of suffix proposals only: not the draft
+    assert pol.plan_step(["code"] * 2, [lad] * 2) == [("", 0)] * 2
+    pol.plan_step(["code"], [lad])
+    pol.reset()  # a hot-swap: the band is forgotten with the acceptance
+    assert pol.plan_step(["code"] * 2, [lad] * 2) == [("", 0)] * 2
     fresh = AdaptiveK(cal, prior=0.6, probe_every=1000, margin=0.05, margin_off=0.02)
     assert fresh.plan_step(["code"] * 2, [lad] * 2) == [("", 0)] * 2  # from off: 4 % is not enough
     with pytest.raises(ValueError, match="margin_off"):
@@ -281,7 +297,8 @@ def test_search_bound_never_skips_a_step_speculation_would_win():
             acc = [rng.random() ** rng.choice((1, 4)) for _ in range(3)]
             eagle = tuple(sum(math.prod(acc[:j + 1]) for j in range(i + 1)) for i in range(3))
             sfx = tuple(sorted(rng.random() * 3 for _ in range(rng.randint(0, 4))))
-            lads.append(Ladder(eagle=eagle, suffix=sfx))
+            gr = tuple(sorted(rng.random() * 3 for _ in range(rng.randint(0, 3))))
+            lads.append(Ladder(eagle=eagle if rng.random() < 0.8 else (), suffix=sfx, grammar=gr))
         g0 = goodput(lads, [("", 0)] * b, cost)
         best = max(goodput(lads, list(c), cost) for c in itertools.product(*[_options(x) for x in lads]))
         ch = plan(lads, cost, margin=0.05)

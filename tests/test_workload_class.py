@@ -29,10 +29,28 @@ def test_content_rules_and_the_order_of_signals():
     assert content_class("```js\nconsole.log(1)\n```") == "code"
     assert content_class("생선 3마리와 4마리가 있습니다. 모두 몇 마리입니까?") == "math"  # numbers inside words
     alias = {"tiny-code": "code"}
-    assert workload_of("mine", "tiny-code", alias, True, CHAT) == "mine"  # the field overrides everything
-    assert workload_of(None, "tiny-code", alias, True, CHAT) == "code"  # then the model alias
-    assert workload_of(None, "tiny", alias, True, CODE) == "structured"  # then response_format / tools
-    assert workload_of(None, None, alias, False, MATH) == "math"  # then the content
+    def text(t):
+        return lambda: t
+
+    def never():
+        raise AssertionError("the content is read only when it decides")
+
+    assert workload_of("mine", "tiny-code", alias, True, never) == "mine"  # the field overrides everything
+    assert workload_of(None, "tiny-code", alias, True, never) == "code"  # then the model alias
+    assert workload_of(None, "tiny", alias, True, never) == "structured"  # then response_format / tools
+    assert workload_of(None, None, alias, False, text(MATH)) == "math"  # then the content
+    assert workload_of(None, "tiny-code", alias, False, never, derive=False) == "code"  # aliases even when not deriving
+    assert workload_of(None, None, alias, True, never, derive=False) == "default"
+
+
+def test_line_start_patterns_do_not_run_over_blank_lines():
+    """A pattern anchored at a line start with `\s*` runs over every blank line below it (quadratic in the
+    prompt: 4000 newlines took a second and held the event loop); they must start on the code's line."""
+    from tidespec.serve.workload import _CODE_LINE, _SIGNATURE
+    text = "\n" * 50 + "def f(x):\n    return x\n"
+    assert [m.start() for m in _SIGNATURE.finditer(text)] == [50]
+    assert min(m.start() for m in _CODE_LINE.finditer(text)) == 50
+    assert content_class("\n" * 4000) == "chat"
 
 
 def test_content_rules_separate_the_shipped_sets():
@@ -92,6 +110,33 @@ def test_server_classes_plain_requests_and_counts_them_per_class(server):
     assert ids == ["tiny", "tiny-code"]
     with pytest.raises(openai.NotFoundError, match="tiny-code"):
         _chat(server, CHAT, model="tiny-math")
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    r = c.completions.create(model="tiny", prompt=[[7, 8], [9, 10]], max_tokens=2, extra_body={"workload": "w"})
+    assert [ch.model_extra["tidespec"]["workload"] for ch in r.choices] == ["w", "w"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": CODE}], tools=tools,
+                                  tool_choice="none", max_tokens=2)
+    assert r.model_extra["tidespec"]["workload"] == "code"  # tool_choice none: not constrained, the content decides
+
+
+def test_token_id_prompts_are_decoded_to_be_classed():
+    """A completion sent as token ids is classed by its decoded text (ids outside the vocabulary left
+    out: the engine refuses them with a 400, classifying must not crash first)."""
+    from types import SimpleNamespace
+
+    from tidespec.serve.protocol import CompletionRequest
+    from tidespec.serve.serving import OpenAIServing
+
+    class Tok:
+        def decode(self, ids):
+            assert all(0 <= t < 50 for t in ids)
+            return CODE if ids and ids[0] == 1 else CHAT
+
+    sv = object.__new__(OpenAIServing)
+    sv.cfg, sv.tokenizer = ServeParams(), Tok()
+    sv.engine = SimpleNamespace(target=SimpleNamespace(cfg=SimpleNamespace(vocab_size=50)))
+    body = CompletionRequest(prompt=[[1, 2, -5, 99], [3, 4]], max_tokens=2)
+    assert sv.workloads(body, [[1, 2, -5, 99], [3, 4]]) == ["code", "chat"]
 
 
 def test_classifying_off_and_bad_aliases():

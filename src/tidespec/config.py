@@ -231,8 +231,8 @@ class ServeParams(_Strict):
     cycle deployed and swaps to it (0: never; POST /admin/draft still swaps); live_stats_s: with
     `--backend vllm` and MLFLOW_TRACKING_URI, how often (s) the served version's live spec-decode
     figures (vLLM's own counters) are logged to its MLflow run (0: never; refused elsewhere);
-    classify_workload: a request without a `workload` field gets its class from the request itself
-    (`serve.workload`: model alias, response_format / tools, content) — false: class "default";
+    classify_workload: a request without a `workload` field or a model alias gets its class from the
+    request itself (`serve.workload`: response_format / tools, content) — false: class "default";
     workload_by_model: extra model ids this server answers to, each naming the class of its
     requests (e.g. {"smollm2-code": "code"}: a client picks a class by the model it asks for)."""
 

@@ -255,11 +255,13 @@ def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
     return {"snapshot_rev": snapshot_rev or revs.get(newest, ""), "snapshot_revs": json.dumps(revs, sort_keys=True)}
 
 
-def first_token_acceptance(m: dict) -> dict[str, float]:
-    """{class: a₁} from evaluate's metrics of a draft: "" = `accepted_per_pos/0` overall, each class
-    its `accepted_per_pos/0/<class>` (what a serving engine's draft health compares live traffic with)."""
-    out = {"": float(m["accepted_per_pos/0"])} if "accepted_per_pos/0" in m else {}
-    return out | {k.split("/", 2)[2]: float(v) for k, v in m.items() if k.startswith("accepted_per_pos/0/")}
+def first_token_acceptance(m: dict) -> dict[str, list[float]]:
+    """{class: [a₁, chains]} from evaluate's metrics of a draft: "" = `accepted_per_pos/0` over
+    `num_drafts`, each class its `first_token_acceptance/<class>` over `num_drafts/<class>` (what a serving
+    engine's draft health compares live traffic with, `engine.health`)."""
+    out = {"": [float(m["accepted_per_pos/0"]), float(m["num_drafts"])]} if "accepted_per_pos/0" in m else {}
+    per = {k.split("/", 1)[1]: float(v) for k, v in m.items() if k.startswith("first_token_acceptance/")}
+    return out | {w: [a, float(m.get(f"num_drafts/{w}", 0.0))] for w, a in per.items()}
 
 
 def step_register(params: Params, target_id: str, candidate: Path, report: dict, train_metrics: dict,

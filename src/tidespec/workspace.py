@@ -116,10 +116,13 @@ def read_version(draft_dir: Path) -> dict | None:
     if not isinstance(tuned, dict) or not all(isinstance(k, int) and k >= 0 for k in tuned.values()):
         raise ValueError(f"{f}: tuned_k must map profile names to non-negative integers")
     rep = meta.get("replayed", {})
-    if not isinstance(rep, dict) or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in rep.values()):
-        raise ValueError(f"{f}: replayed must map workload classes to acceptances in [0, 1]")
+    if not isinstance(rep, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                        for x in v) and 0 <= v[0] <= 1 and v[1] >= 0
+            for v in rep.values()):
+        raise ValueError(f"{f}: replayed must map workload classes to [acceptance in [0, 1], chains >= 0]")
     return {"version": str(meta["version"]), "run_id": str(meta.get("run_id", "")), "tuned_k": tuned,
-            "replayed": {str(k): float(a) for k, a in rep.items()}}
+            "replayed": {str(k): [float(a), float(n)] for k, (a, n) in rep.items()}}
 
 
 def served_version(draft_dir: Path) -> str | None:
@@ -129,10 +132,10 @@ def served_version(draft_dir: Path) -> str | None:
 
 
 def write_version(draft_dir: Path, version: str, run_id: str, tuned_k: dict[str, int] | None = None,
-                  replayed: dict[str, float] | None = None) -> None:
+                  replayed: dict[str, list[float]] | None = None) -> None:
     """Record which registry version (and MLflow run) `draft_dir` holds, the per-endpoint window
     its register step tuned (profile → k, 0 = speculation off) and the first-token acceptance its
-    evaluation replayed (class → a₁, "" overall)."""
+    evaluation replayed (class → [a₁, chains], "" overall)."""
     meta = {"version": str(version), "run_id": run_id} | ({"tuned_k": dict(tuned_k)} if tuned_k else {}) | \
         ({"replayed": dict(replayed)} if replayed else {})
     (Path(draft_dir) / VERSION_FILE).write_text(json.dumps(meta))

@@ -325,12 +325,13 @@ def tuned_k(tags: dict[str, str]) -> dict[str, int]:
     return out | {k.removeprefix("live_tuned_k."): int(v) for k, v in tags.items() if k.startswith("live_tuned_k.")}
 
 
-def replayed(tags: dict[str, str]) -> dict[str, float]:
-    """The first-token acceptance a version's evaluation replayed (tag ``first_token_acceptance``, JSON
-    {class: a₁}, "" = overall; `engine.health`); {} when the tag is missing or malformed."""
+def replayed(tags: dict[str, str]) -> dict[str, list[float]]:
+    """The first-token acceptance a version's evaluation replayed and the chains it counted (tag
+    ``first_token_acceptance``, JSON {class: [a₁, chains]}, "" = overall; `engine.health`); {} when
+    the tag is missing or malformed."""
     try:
         rep = json.loads(tags.get(FIRST_TOKEN_TAG, "{}"))
-        return {str(k): float(a) for k, a in rep.items() if 0 <= float(a) <= 1}
+        return {str(k): [float(a), float(n)] for k, (a, n) in rep.items() if 0 <= float(a) <= 1 and float(n) >= 0}
     except (ValueError, TypeError, AttributeError):
         return {}
 

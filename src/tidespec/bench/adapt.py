@@ -306,7 +306,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for p in pts:
         m = p["by_concurrency"][c0]["adapted"]
-        acc = [v for kk, v in sorted(m.items()) if kk.startswith("accepted_per_pos/") and kk.count("/") == 1]
+        acc = [v for kk, v in sorted(m.items()) if kk.startswith("accepted_per_pos/")]
         ax.plot(range(1, len(acc) + 1), acc, "o-", ms=3, label=f"cycle {p['cycle']}", alpha=0.4 + 0.6 * (
             p["cycle"] / max(1, pts[-1]["cycle"])))
     ax.set_xlabel("draft position")

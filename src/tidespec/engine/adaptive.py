@@ -13,10 +13,11 @@ calibrated (batch, rows) grid (`engine.calibration`), re-fitted online from meas
 request's proposer and length maximise the step's predicted tokens per second, and speculation
 stays on only if that beats plain decoding by `margin` (default 5 %): near break-even the
 prediction's error is larger than the gain, and a wrong "on" costs up to the whole draft overhead.
-Hysteresis: speculation turns on where the predicted gain reaches `margin` and, once on, stays on
-while it reaches `margin_off` (≤ margin), so a load that sits where the two predictions cross (a batch
-of 4 that pays, 5 that does not) does not switch the draft on and off every step — each switch back
-on costs a catch-up of the rows the draft missed.
+Hysteresis: the EAGLE3 draft turns on where the predicted gain reaches `margin` and, once on for
+every class in the batch (each drafted last step), stays on while it reaches `margin_off` (≤ margin),
+so a load that sits where the two predictions cross (a batch of 4 that pays, 5 that does not) does
+not switch the draft on and off every step — each switch back on costs a catch-up of the rows the
+draft missed. A class that was not drafting (or a step of suffix proposals only) gets the full margin.
 A class with speculation off still probes (with the best k ≥ 1 of a request alone), so a draft that
 improves (hot-swap) or a workload that turns structured is noticed: first after `probe_every` of its
 idle steps, then, while each probe leaves the class off, after twice as many (up to
@@ -74,9 +75,9 @@ class AdaptiveK:
         self.k_max = calibration.k_max
         self.prior, self.alpha, self.probe_every, self.margin = prior, alpha, probe_every, margin
         self.margin_off = margin_off
-        self._on = False  # did the last planned step speculate (probes aside)? hysteresis state
+        self._on: set[str] = set()  # classes the EAGLE3 draft drafted for last step (probes aside): hysteresis
         self._gap: dict[str, int] = {}  # class → idle steps between its probes now (back-off)
-        self._probes = 0  # probes run (rotates over a class's requests)
+        self._turn: dict[str, int] = {}  # class → probes run (rotates over its requests)
         self._acc: dict[str, list[float]] = {}
         self._obs: dict[str, list[int]] = {}  # observations per position (running mean until 1/alpha)
         self._steps: dict[str, int] = {}
@@ -106,7 +107,8 @@ class AdaptiveK:
             self._obs.clear()
             self._steps.clear()
             self._gap.clear()
-            self._on = False
+            self._turn.clear()
+            self._on = set()
             self._suffix.clear()
             self._grammar.clear()
             self._conf.clear()
@@ -306,13 +308,15 @@ class AdaptiveK:
 
     def plan_step(self, workloads: list[str], ladders: list[Ladder]) -> list[tuple[str, int]]:
         """Each request's (proposer, drafted tokens) for a step of this batch (`goodput.plan`, with
-        the hysteresis margin: `margin` to turn speculation on, `margin_off` to keep it on). A class
+        the hysteresis margin: `margin` to turn the draft on, `margin_off` to keep it on while every
+        class that could draft drafted last step). A class
         whose requests could draft with EAGLE3 but were all left without: a probe when due (see the
         module docstring), rotating over its requests without a proposal this step, so the EAGLE3
         acceptance estimate stays fresh (suffix and grammar proposals do not refresh it) and every
         request's backlog is drained now and then."""
+        eager = {w for w, lad in zip(workloads, ladders) if lad.fixed is None and lad.eagle}
         with self._lock:
-            margin = self.margin_off if self._on else self.margin
+            margin = self.margin_off if eager and eager <= self._on else self.margin
         choice = plan(ladders, self.cost, margin)
         drafted = {w for w, lad, c in zip(workloads, ladders, choice) if lad.fixed is None and c[0] == "eagle3"}
         for w in drafted:  # the class's EAGLE3 estimate is being refreshed: no probe due, back-off forgotten
@@ -322,12 +326,12 @@ class AdaptiveK:
             if w not in drafted and lad.fixed is None and lad.eagle and c == NONE:
                 idle.setdefault(w, []).append(i)
         with self._lock:
-            self._on = any(lad.fixed is None and c != NONE for lad, c in zip(ladders, choice))
+            self._on = drafted
         for w, idx in idle.items():
             if self._probe(w):
                 with self._lock:
-                    self._probes += 1
-                    i = idx[self._probes % len(idx)]
+                    self._turn[w] = self._turn.get(w, -1) + 1
+                    i = idx[self._turn[w] % len(idx)]
                 choice[i] = ("eagle3", self.probe_size(ladders[i]))
         return choice
 

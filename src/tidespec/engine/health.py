@@ -4,19 +4,23 @@ well as the version it replaced?
 The measure is the first-token acceptance a₁ of EAGLE3 chains — the share of chains whose first
 drafted token the target accepted. Unlike τ it does not depend on the chain length the goodput
 policy chose or on early stops (every chain drafts its first token), so live figures at any k
-compare with the cycle's replay at fixed k (`accepted_per_pos/0` of evaluate, per workload where
-the holdout had the class). Live counts per (draft version, workload class) are decayed sums over
-about the last `window` chains, so a recovery shows.
+compare with the cycle's replay at fixed k (`accepted_per_pos/0` of evaluate and the chains it
+counted, per workload where the holdout had the class). Live counts per (draft version, workload
+class) are decayed sums over about the last `window` chains, so a recovery shows; at most
+`MAX_CLASSES` classes per version are kept apart (later ones pool as "other"). EAGLE-2 trees are not
+counted (their first position holds several candidates: not comparable with the chains' replay).
 
 Two verdicts, each a one-sided z-test (z = 3: about one false alarm in 740 healthy checks under
 the normal approximation) and a relative floor (`tolerance`: a difference that is significant but
 small does not count):
-- **regressed against its replay**: live a₁ clearly below the replayed a₁ — the draft fits the
-  traffic worse than it fit the holdout (drift, or a deployment problem such as SGLang #27829's
-  acceptance 0.00);
+- **regressed against its replay**: live a₁ clearly below the replayed a₁ (a two-proportion test
+  with the replay's chain count) — the draft fits the traffic worse than it fit the holdout (drift,
+  or a deployment problem such as SGLang #27829's acceptance 0.00);
 - **regressed against the previous version**: after a swap, live a₁ of the new version clearly
-  below the previous version's on the same class of traffic, served by this engine — the evidence
-  for an automatic rollback (`serve.guard`).
+  below the live a₁ of the version it replaced when it was first served, on the same class of
+  traffic, both measured by this engine — the evidence for an automatic rollback (`serve.guard`). A
+  version served again (restored by a rollback) keeps its first predecessor: it is never judged
+  against the version it replaced on the way back.
 The off-switch itself is the goodput policy's (`engine.adaptive`): a draft that is not accepted
 predicts no gain and is left off for its class (probing with back-off).
 """
@@ -30,6 +34,8 @@ Z = 3.0  # one-sided z of "clearly below"
 MIN_CHAINS = 100  # chains (decayed count) before a verdict
 TOLERANCE = 0.25  # "clearly below" also means at least 25 % below (relative)
 ALL = ""  # the replay's figure over every class
+MAX_CLASSES = 64  # classes kept apart per version (clients may name classes)
+OTHER = "other"
 
 
 @dataclass(frozen=True)
@@ -75,22 +81,26 @@ class DraftHealth:
             raise ValueError(f"window must be >= 1 chain, got {window}")
         self.window = window
         self._live: dict[tuple[str, str], list[float]] = {}  # (version, class) → [accepted first, chains]
-        self._replayed: dict[str, dict[str, float]] = {}  # version → class (ALL: overall) → replayed a₁
+        self._classes: dict[str, set[str]] = {}  # version → its classes kept apart
+        self._replayed: dict[str, dict[str, tuple[float, float]]] = {}  # version → class ("" all) → (a₁, chains)
         self._previous: dict[str, str] = {}  # version → the version served before it
         self._current: str | None = None
         self._lock = threading.Lock()
 
-    def serve(self, version: str | None, replayed: dict[str, float] | None = None) -> None:
-        """A draft version starts serving; `replayed`: its evaluated a₁, overall (key "") and per
-        class. The version served until now becomes its previous one."""
+    def serve(self, version: str | None, replayed: dict[str, tuple[float, float]] | None = None) -> None:
+        """A draft version starts serving; `replayed`: its evaluation's (a₁, chains), overall (key "")
+        and per class. The version served until now becomes its previous one — only the first time a
+        version is served (a restored version keeps the predecessor it was first judged against)."""
         if version is None:
             return
         with self._lock:
-            if self._current is not None and self._current != version:
+            first = version not in self._classes
+            if first and self._current is not None and self._current != version:
                 self._previous[version] = self._current
+            self._classes.setdefault(version, set())
             self._current = version
             if replayed:
-                self._replayed[version] = dict(replayed)
+                self._replayed[version] = {k: (float(a), float(n)) for k, (a, n) in replayed.items()}
 
     def observe(self, version: str | None, workload: str, first_accepted: bool) -> None:
         """One EAGLE3 chain verified: was its first drafted token accepted?"""
@@ -98,6 +108,10 @@ class DraftHealth:
             return
         d = 1.0 - 1.0 / self.window
         with self._lock:
+            kept = self._classes.setdefault(version, set())
+            if workload not in kept:
+                workload = workload if len(kept) < MAX_CLASSES else OTHER
+                kept.add(workload)
             st = self._live.setdefault((version, workload), [0.0, 0.0])
             st[0] = st[0] * d + float(first_accepted)
             st[1] = st[1] * d + 1.0
@@ -109,12 +123,13 @@ class DraftHealth:
         return (acc / n if n else None), n
 
     def against_replay(self, version: str, workload: str) -> Verdict:
-        """The version's live a₁ on a class against its replayed a₁ (the class's own, else overall)."""
+        """The version's live a₁ on a class against its replayed a₁ (the class's own, else overall),
+        a two-proportion test with the replay's chains."""
         p, n = self.live(version, workload)
         with self._lock:
             rep = self._replayed.get(version, {})
-        ref = rep.get(workload, rep.get(ALL))
-        below = p is not None and ref is not None and clearly_below(p, n, ref)
+        ref, n0 = rep.get(workload, rep.get(ALL, (None, 0.0)))
+        below = p is not None and ref is not None and clearly_below(p, n, ref, n0)
         return Verdict(version, workload, p, n, ref, below)
 
     def against_previous(self, version: str, workload: str) -> Verdict:
@@ -137,6 +152,6 @@ class DraftHealth:
             return self._previous.get(version)
 
     def classes(self, version: str) -> list[str]:
-        """Classes with live chains of this version."""
+        """Classes with live chains of this version (at most MAX_CLASSES + "other")."""
         with self._lock:
-            return sorted(w for v, w in self._live if v == version)
+            return sorted(self._classes.get(version, ()))

@@ -22,8 +22,9 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
 
     Returns name → {"metrics", "outputs", "mismatched_ids"}; with `reference` (a config name, run
     first per wave) mismatches count outputs that differ from that config's. Metrics:
-    acceptance_length, acceptance_rate, accepted_per_pos/{i}, acceptance_length/{workload} and
-    accepted_per_pos/0/{workload} (τ and first-token acceptance per workload tag of the prompts), tokens_per_s (generated tokens / wall seconds of the waves, incl.
+    acceptance_length, acceptance_rate, accepted_per_pos/{i}, acceptance_length/{workload},
+    first_token_acceptance/{workload} and num_drafts/{workload} (τ, first-token acceptance and chains per
+    workload tag of the prompts), tokens_per_s (generated tokens / wall seconds of the waves, incl.
     prefill), itl_ms_p50/p99, new_tokens, seconds, mismatches. Raises ValueError for concurrency < 1.
     """
     if concurrency < 1:
@@ -58,7 +59,8 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
             for wl, st in sorted(a["by_workload"].items()):
                 m[f"acceptance_length/{wl}"] = st.metrics()["acceptance_length"]
                 if st.num_drafts:
-                    m[f"accepted_per_pos/0/{wl}"] = st.num_accepted_tokens_per_pos[0] / st.num_drafts
+                    m[f"first_token_acceptance/{wl}"] = st.num_accepted_tokens_per_pos[0] / st.num_drafts
+                    m[f"num_drafts/{wl}"] = st.num_drafts
         m.update(itl_percentiles(a["itl"]))
         m.update({"tokens_per_s": a["toks"] / a["secs"] if a["secs"] else 0.0, "new_tokens": a["toks"],
                   "seconds": a["secs"], "mismatches": len(mism)})

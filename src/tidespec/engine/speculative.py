@@ -177,10 +177,10 @@ class Engine:
             raise ValueError(f"draft trained for target {c.target_id[:12]}, serving {self.target.target_id[:12]}")
 
     def set_draft(self, draft: DraftRunner | None, version: str | None = None,
-                  replayed: dict[str, float] | None = None) -> None:
+                  replayed: dict[str, tuple[float, float]] | None = None) -> None:
         """Swap the draft (None = no speculation). Raises ValueError for a draft of another target.
-        `replayed`: the first-token acceptance its evaluation replayed (class → a₁, "" overall), what
-        `health` compares its live acceptance with.
+        `replayed`: the first-token acceptance its evaluation replayed and the chains it counted
+        (class → (a₁, chains), "" overall), what `health` compares its live acceptance with.
         The adaptive policy's acceptance estimates restart from its prior (they described the old
         draft); a draft whose steps it has not timed (another shape, or the engine started without
         one) is timed first (`AdaptiveK.ensure_draft_costs`, ~0.5 s)."""

@@ -8,8 +8,11 @@ on the same class. /metrics: `tidespec:draft_first_token_acceptance{version,work
 clearly below; against replay | previous); a warning log line when a verdict turns. A version clearly
 below its predecessor calls `rollback(version, reason)` once (the server wires it to the registry:
 an audited `rolled_back` decision and the restored champion deployed where the champion watcher
-picks it up; `tidespec:draft_rollbacks_total` counts them). The off-switch for a draft that is not
-accepted is the goodput policy's (it predicts no gain and stops drafting for the class).
+picks it up; `tidespec:draft_rollbacks_total` counts them). Classes are labelled as the request
+counters label them (`ServeMetrics.label`: bounded). EAGLE-2 trees are not counted (`engine.health`):
+with `engine.tree.eagle_topk > 1` greedy requests draft trees, which the guard says once at start.
+The off-switch for a draft that is not accepted is the goodput policy's (it predicts no gain and
+stops drafting for the class).
 """
 from __future__ import annotations
 
@@ -32,7 +35,10 @@ class HealthGuard:
 
     def __init__(self, engine: Engine, metrics: ServeMetrics, every_s: float,
                  rollback: Callable[[str, str], None] | None = None):
-        self.engine, self.rollback = engine, rollback
+        self.engine, self.rollback, self.label = engine, rollback, metrics.label
+        if engine.topk > 1:
+            log.info("draft health counts EAGLE3 chains: with engine.tree.eagle_topk %d greedy requests draft "
+                     "trees, which it does not count", engine.topk)
         r = metrics.registry
         self.acceptance = Gauge(f"{PREFIX}draft_first_token_acceptance", "First-token acceptance of the served "
                                 "draft's EAGLE3 chains: live, replayed by its evaluation, or the previous version's "
@@ -54,28 +60,29 @@ class HealthGuard:
         """One round; returns the verdicts that are clearly below."""
         h = self.engine.health
         version = self.engine.draft_version
-        if version is None:
-            return []
         self.acceptance.clear()
         self.regressed.clear()
-        below = []
+        if version is None:
+            return []
+        below, acc, reg = [], {}, {}
         for w in h.classes(version):
             for against, v in (("replay", h.against_replay(version, w)), ("previous", h.against_previous(version, w))):
-                self._export(v, against)
+                lw = self.label(v.workload)  # classes past the label bound share "other": its worst verdict
+                if v.live is not None:
+                    acc[(version, lw, "live")] = v.live
+                if v.reference is not None:
+                    acc[(version, lw, "replayed" if against == "replay" else "previous")] = v.reference
+                reg[(version, lw, against)] = max(reg.get((version, lw, against), 0.0), float(v.below))
                 self._report(v, against)
                 if v.below:
                     below.append(v)
                     if against == "previous":
                         self._roll_back(v)
+        for labels, x in acc.items():
+            self.acceptance.labels(*labels).set(x)
+        for labels, x in reg.items():
+            self.regressed.labels(*labels).set(x)
         return below
-
-    def _export(self, v: Verdict, against: str) -> None:
-        if v.live is not None:
-            self.acceptance.labels(v.version, v.workload, "live").set(v.live)
-        if v.reference is not None:
-            src = "replayed" if against == "replay" else "previous"
-            self.acceptance.labels(v.version, v.workload, src).set(v.reference)
-        self.regressed.labels(v.version, v.workload, against).set(float(v.below))
 
     def _report(self, v: Verdict, against: str) -> None:
         key = (v.version, v.workload, against)
@@ -91,16 +98,17 @@ class HealthGuard:
     def _roll_back(self, v: Verdict) -> None:
         if self.rollback is None or v.version in self._rolled:
             return
-        self._rolled.add(v.version)
         prev = self.engine.health.previous(v.version)
         reason = (f"live first-token acceptance of v{v.version} on {v.workload!r} traffic {v.live:.3f} (~{v.chains:.0f} "
                   f"chains) clearly below v{prev}'s {v.reference:.3f} on the same traffic")
         try:
             self.rollback(v.version, reason)
-            self.rollbacks.inc()
-            log.warning("rolled back v%s: %s", v.version, reason)
         except Exception as e:  # noqa: BLE001 - a registry hiccup must not stop serving
-            log.error("rollback of v%s failed (it keeps serving): %s", v.version, e)
+            log.error("rollback of v%s failed (it keeps serving; retried at the next check): %s", v.version, e)
+            return
+        self._rolled.add(v.version)
+        self.rollbacks.inc()
+        log.warning("rolled back v%s: %s", v.version, reason)
 
     def _run(self, every_s: float) -> None:
         while not self._stop.wait(every_s):

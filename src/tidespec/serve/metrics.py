@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..engine.speculative import Generation
+from .workload import CLASSES
 
 PREFIX = "tidespec:"
 ITL_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -25,7 +26,8 @@ BACKEND_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 WORKLOAD_COUNTERS = (("num_drafts", "Draft-verify steps by workload class."),
                      ("num_draft_tokens", "Draft tokens proposed by workload class."),
                      ("num_accepted_tokens", "Draft tokens accepted by workload class."))
-MAX_WORKLOAD_LABELS = 32  # distinct workload label values on /metrics; later classes count as "other"
+MAX_WORKLOAD_LABELS = 32  # client-named workload label values on /metrics (beyond the server's own classes)
+OVERFLOW_LABEL = "other"  # the label of client-named classes past MAX_WORKLOAD_LABELS
 PROPOSER_COUNTERS = (("num_drafts", "Draft-verify steps by proposer (eagle3, suffix)."),
                      ("num_draft_tokens", "Draft tokens proposed by proposer."),
                      ("num_accepted_tokens", "Draft tokens accepted by proposer."))
@@ -93,8 +95,9 @@ class ServeMetrics:
     """Prometheus exporter of `tidespec serve`: spec-decode counters (overall, per draft position
     0..k-1, per proposer, per workload class: τ of a class = 1 + accepted / drafts), tokens,
     finished and refused requests, inter-token latency (s), τ per request, requests in the engine,
-    the served draft. `k`: draft positions labelled up front. At most MAX_WORKLOAD_LABELS classes
-    get their own label value (clients may name classes: the series must stay bounded)."""
+    the served draft. `k`: draft positions labelled up front. The server's own classes
+    (`serve.workload.CLASSES`) always get their label; at most MAX_WORKLOAD_LABELS client-named classes
+    get theirs, later ones count as "other" (clients name classes: the series must stay bounded)."""
 
     def __init__(self, k: int):
         r = self.registry = CollectorRegistry()
@@ -138,18 +141,21 @@ class ServeMetrics:
         for proposer, counts in st.by_proposer.items():
             for counter, n in zip(self.by_proposer, counts):
                 counter.labels(proposer=proposer).inc(n)
-        w = self._label(st.workload)
+        w = self.label(st.workload)
         self.requests_by_workload.labels(workload=w).inc()
         for counter, n in zip(self.by_workload, (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)):
             counter.labels(workload=w).inc(n)
         for s in st.itl_s:
             self.itl.observe(s)
 
-    def _label(self, workload: str) -> str:
-        """The label value of a class: itself while fewer than MAX_WORKLOAD_LABELS are in use, else "other"."""
+    def label(self, workload: str) -> str:
+        """The label value of a class: itself for the server's own classes and the first
+        MAX_WORKLOAD_LABELS client-named ones, else "other". Thread-safe enough: a set add."""
+        if workload in CLASSES:
+            return workload
         if workload not in self._workloads and len(self._workloads) < MAX_WORKLOAD_LABELS:
             self._workloads.add(workload)
-        return workload if workload in self._workloads else "other"
+        return workload if workload in self._workloads else OVERFLOW_LABEL
 
     def set_running(self, n: int) -> None:
         """Requests waiting or running in the engine now."""

@@ -41,7 +41,6 @@ from .workload import workload_of
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WORKLOAD = "default"
 DISCONNECT_POLL_S = 0.05  # how often a waiting non-streamed request checks that its client is still there, s
 
 OnTokens = Callable[[list[int], list | None], None]
@@ -175,18 +174,21 @@ class OpenAIServing:
 
     def workloads(self, body: _Sampling, prompts: list[list[int]]) -> list[str]:
         """Each prompt's workload class (`serve.workload.workload_of`): the `workload` field, the
-        model alias's class, `structured`, or the prompt's content; "default" for all when
-        serve.classify_workload is false."""
-        if body.workload or not self.cfg.classify_workload:
-            return [body.workload or DEFAULT_WORKLOAD] * len(prompts)
+        model alias's class, then — unless serve.classify_workload is false ("default") —
+        `structured`, or the prompt's content (token-id prompts decoded only when it decides)."""
         constrained, texts = body.constrained(), body.class_texts()
-        return [workload_of(None, body.model, self.cfg.workload_by_model, constrained,
-                            text if text is not None else self._decode(ids))
+        return [workload_of(body.workload, body.model, self.cfg.workload_by_model, constrained,
+                            (lambda t=text: t) if text is not None else (lambda ids=ids: self._decode(ids)),
+                            self.cfg.classify_workload)
                 for text, ids in zip(texts, prompts)]
 
     def _decode(self, ids: list[int]) -> str:
-        """A token-id prompt's text for classifying it (its first 1024 tokens; "" without a tokenizer)."""
-        return self.tokenizer.decode(ids[:1024]) if self.tokenizer is not None else ""
+        """A token-id prompt's text for classifying it: its first 1024 tokens, ids outside the
+        vocabulary left out (the engine refuses them with a 400); "" without a tokenizer."""
+        if self.tokenizer is None:
+            return ""
+        V = self.engine.target.cfg.vocab_size
+        return self.tokenizer.decode([t for t in ids[:1024] if isinstance(t, int) and 0 <= t < V])
 
     @property
     def models(self) -> list[str]:

@@ -5,23 +5,28 @@ cycle report per class.
 Order (first that applies): the request's `workload` field (tidespec's extension, an override);
 the served model alias, when `serve.workload_by_model` maps it; `structured` for a request
 constrained by `response_format` (json_object / json_schema) or `tools`; else the content of the
-last user message: `code` (code fences, code lines, programming vocabulary), `math` (a word problem:
-several numbers and arithmetic or a quantity question), or `chat`. The content rules read a few
-hundred characters of surface features (no model, µs per request); their separation of the shipped
+user messages, joined (the first 4000 characters: a conversation keeps the class its first turns
+set): `code` (code fences, code lines, programming vocabulary), `math` (a word problem: numbers and
+arithmetic or a quantity question), or `chat`. The content rules are linear-time regular
+expressions over surface features (no model, ~0.2 ms per request); their separation of the shipped
 sets is measured by `tidespec bench classes` (bench/results/classes.md).
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 STRUCTURED = "structured"
 CODE, MATH, CHAT = "code", "math", "chat"
+DEFAULT = "default"  # a request's class when none is named or derived
+CLASSES = (CODE, MATH, CHAT, STRUCTURED, DEFAULT)  # the classes the server itself assigns
 
 _FENCE = re.compile(r"```")
-_SIGNATURE = re.compile(r"^\s*(def \w+\(.*\)\s*(->.*)?:|(async )?function \w*\(|(public|private|static) [\w<>\[\]]+ \w+\(|"
+# line starts: `[ \t]*`, never `\s*` (it would run over every blank line below each line start: quadratic)
+_SIGNATURE = re.compile(r"^[ \t]*(def \w+\(.*\)\s*(->.*)?:|(async )?function \w*\(|(public|private|static) [\w<>\[\]]+ \w+\(|"
                         r"fn \w+\(|func \w+\(|#include <|>>> )", re.MULTILINE)
 _CODE_LINE = re.compile(
-    r"^\s*(def |class |import |from \w[\w.]* import |#include|function\b|public |private |const |let |var |"
+    r"^[ \t]*(def |class |import |from \w[\w.]* import |#include|function\b|public |private |const |let |var |"
     r"return\b|for \(|for \w+ in |while \(|if \(|SELECT |CREATE TABLE|\}|\w+\s*=\s*[\w\[\{\(\"']+.*[;)]?$)",
     re.MULTILINE)
 _CODE_WORDS = re.compile(
@@ -49,13 +54,16 @@ def content_class(text: str) -> str:
 
 
 def workload_of(explicit: str | None, model: str | None, by_model: dict[str, str], constrained: bool,
-                text: str) -> str:
+                text: Callable[[], str], derive: bool = True) -> str:
     """The request's class: `explicit` (the `workload` field) if set, else the class `by_model` maps
-    the requested model alias to, else `structured` when `constrained`, else `content_class(text)`."""
+    the requested model alias to, else — when `derive` — `structured` when `constrained`, else
+    `content_class(text())` (`text` is called only then); else "default"."""
     if explicit:
         return explicit
     if model is not None and model in by_model:
         return by_model[model]
+    if not derive:
+        return DEFAULT
     if constrained:
         return STRUCTURED
-    return content_class(text)
+    return content_class(text())
