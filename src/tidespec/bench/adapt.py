@@ -351,8 +351,8 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
           f"- τ by cycle (adapted, fixed k): {', '.join(f'{k}: {v:.2f}' for k, v in s['tau_by_cycle'].items())}; "
           f"still rising at cycle {cfg['cycles']}: {s['tau_still_rising']}",
           f"- promoted cycles that lowered held-out τ (> {NOISE:.0%}): {s['promoted_worse'] or 'none'}",
-          f"- after the switch and back: τ {s['tau_after_back']} vs best before {s['tau_best_before_switch']:.2f} "
-          f"(within 5 %: {s['after_back_within_5pct']})" if cfg["switch_to"] else "- no switch",
+          (f"- after the switch and back: τ {s['tau_after_back']:.2f} vs best before {s['tau_best_before_switch']:.2f} "
+           f"(within 5 %: {s['after_back_within_5pct']})") if s["tau_after_back"] is not None else "- no switch",
           f"- outputs == target-only: {s['mismatches']} mismatches", ""]
     L += [f"![{k}]({v})" for k, v in figs.items()] + [""]
     return "\n".join(L)
