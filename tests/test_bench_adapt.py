@@ -64,3 +64,37 @@ def test_report_markdown_and_plots(tmp_path):
     assert all(p.stat().st_size > 5000 for p in paths.values())  # real PNGs, not empty canvases
     md = (tmp_path / "adapt-test.md").read_text()
     assert "c=1 2.50×" in md and "still rising at cycle 3: True" in md and "(within 5 %: True)" in md
+
+
+def test_point_measures_several_passes_and_pairs_their_ratios(tiny_target):
+    """A point runs `passes` side-by-side measurements on fresh engines: tokens/s is the median, the
+    per-pass values are kept for paired ratios, τ and outputs are those of a greedy run (lossless)."""
+    import torch
+    from conftest import random_draft
+
+    from tidespec.engine.speculative import Engine
+    from tidespec.models.eagle3 import DraftRunner
+
+    def arms():
+        return {"none": (Engine(tiny_target, None, 3, 256, max_batch=4), False),
+                "default": (Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), 3, 256, max_batch=4),
+                            True)}
+
+    g = torch.Generator().manual_seed(0)
+    hold = [{"id": f"p{i}", "input_ids": torch.randint(3, 300, (6 + i,), generator=g).tolist(), "workload": "code"}
+            for i in range(4)]
+    cfg = adapt.AdaptConfig(concurrency=(1, 4), eval_prompts=4, max_new_tokens=8, passes=3)
+    by_c, ref = adapt.point(arms, hold, cfg, None)
+    assert sorted(ref) == ["p0", "p1", "p2", "p3"]
+    for c in (1, 4):
+        d = by_c[c]["default"]
+        assert len(d["tokens_per_s_passes"]) == 3 and d["tokens_per_s"] == sorted(d["tokens_per_s_passes"])[1]
+        assert d["mismatches"] == 0 and by_c[c]["none"]["acceptance_length"] == 1.0
+    med, lo, hi = adapt.ratio_spread(by_c, "default", "none")[1]
+    assert lo <= med <= hi and lo > 0
+
+
+def test_ratio_spread_pairs_passes():
+    by_c = {1: {"a": {"tokens_per_s": 2.0, "tokens_per_s_passes": [2.0, 4.0, 3.0]},
+                "b": {"tokens_per_s": 2.0, "tokens_per_s_passes": [1.0, 2.0, 3.0]}}}
+    assert adapt.ratio_spread(by_c, "a", "b") == {1: (2.0, 1.0, 2.0)}  # ratios 2, 2, 1: paired per pass
