@@ -17,25 +17,18 @@ Writes bench/results/<name>-<date>.{json,md} and PNGs (`plots`). `--quick` fits 
 """
 from __future__ import annotations
 
-import os
 import queue
 import statistics
-import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import date
 from pathlib import Path
 
-import yaml
-
-from ..adapters import orchestrate, registry, services
-from ..assets import cache_dir
+from ..adapters import orchestrate
 from ..capture.writer import CaptureWriter
 from ..config import Params
-from ..cycle import step_deploy
-from ..demo import bootstrap_static
 from ..engine.grammar import GrammarCompiler
-from ..runtime import get_target, runner_for
+from ..runtime import runner_for
 from ..workspace import Workspace, served_version
 from . import shift
 
@@ -157,23 +150,25 @@ def run(params: Params, out: Path, work: Path, cfg: AdaptConfig, progress=print)
     """The experiment; returns the report (also written to out/<name>-<date>.json/.md + PNGs)."""
     cfg.validate()
     t0 = time.perf_counter()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
     sc = cfg.as_shift()
     base, params = params, shift.bench_params(params, replace(sc, concurrency=(*cfg.concurrency, cfg.traffic_concurrency)))
-    (work / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
-    ws = Workspace(work)
-    svc = services.up(ws.state / "services", which=("prefect", "mlflow"))
-    os.environ.update(services.env_for(svc))
-    uri = os.environ["MLFLOW_TRACKING_URI"]
-    target, tok = get_target(params)
+    with shift.experiment(base, params, work, "bench adapt") as (ws, uri, target, tok, static):
+        rep = _cycles(params, ws, uri, target, tok, static, work, cfg, progress)
+    rep["wall_s"] = time.perf_counter() - t0
+    rep["summary"] = summarize(rep)
+    rep["stem"] = f"{cfg.name}-{date.today().isoformat()}"
+    write_report(rep, out, rep["stem"])
+    return rep
+
+
+def _cycles(params: Params, ws: Workspace, uri: str, target, tok, static: Path, work: Path, cfg: AdaptConfig,
+            progress) -> dict:
+    """The run inside `shift.experiment`: the first measurement, then per scheduled cycle its traffic
+    served with capture (seals run `tide_cycle`) and the held-out measurement. Returns the report
+    (without summary)."""
     tid = target.target_id
+    sc = cfg.as_shift()
     traffic, hold = chunks(params, tok, cfg, GrammarCompiler.for_target(target, tok))
-    static = bootstrap_static(base, target, tok, cache_dir())
-    _, v = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {},
-                                  {"role": "static-bootstrap", "params_sha": params.sha()}, run_name="static")
-    registry.promote(uri, tid, v, "bench adapt: the static draft is the first champion", allow_unevaluated=True)
-    step_deploy(ws, uri, tid)
     static_runner = runner_for(static, target)
 
     def arms():
@@ -189,10 +184,9 @@ def run(params: Params, out: Path, work: Path, cfg: AdaptConfig, progress=print)
            "cpu_threads": shift._threads(), "points": [], "cycles": []}
     serve_s = 0.0
     rep["seal_min_tokens"] = thr = seal_tokens([c for cs in traffic.values() for c in cs], cfg.traffic_max_new_tokens)
-    writer = None
+    writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
+        update={"seal_min_tokens": thr}), ws.snapshots, on_seal=seals.put)
     try:
-        writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
-            update={"seal_min_tokens": thr}), ws.snapshots, on_seal=seals.put)
         for w in [cfg.workload, *([cfg.switch_to] if cfg.switch_to else [])]:
             m, refs[w] = point(arms, hold[w], cfg, None)
             rep["points"].append({"cycle": 0, "workload": w, "served_s": 0.0, "captured_tokens": 0,
@@ -215,13 +209,7 @@ def run(params: Params, out: Path, work: Path, cfg: AdaptConfig, progress=print)
             progress(f"cycle {i} ({w}): {[c.get('reason', c.get('skipped')) for c in cyc]} · "
                      f"{_brief(rep['points'][-1]['by_concurrency'])}")
     finally:
-        if writer is not None:
-            writer.close()
-        services.down(ws.state / "services", which=("prefect", "mlflow"))
-    rep["wall_s"] = time.perf_counter() - t0
-    rep["summary"] = summarize(rep)
-    rep["stem"] = f"{cfg.name}-{date.today().isoformat()}"
-    write_report(rep, out, rep["stem"])
+        writer.close()
     return rep
 
 

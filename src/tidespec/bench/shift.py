@@ -32,6 +32,7 @@ import os
 import queue
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import date
 from pathlib import Path
@@ -215,69 +216,83 @@ def bench_params(params: Params, cfg: ShiftConfig) -> Params:
     return params.model_copy(update=upd)
 
 
-def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print) -> dict:
-    """The experiment; returns the report dict (also written to out/shift-<date>.json + .md + PNGs)."""
-    t0 = time.perf_counter()
+@contextmanager
+def experiment(base: Params, params: Params, work: Path, label: str):
+    """The scratch workspace of a cycle experiment (`bench shift`, `bench adapt`): `work` wiped, the
+    run's `params` written to its params.yaml (the cycles read it), Prefect + MLflow started (stopped on
+    exit, an error included), the static draft (trained from `base`, the unmodified params: cached by
+    `make demo`) registered and deployed as the first champion. Yields (workspace, MLflow URI, target,
+    tokenizer, static draft dir)."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    base, params = params, bench_params(params, cfg)
     (work / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
     ws = Workspace(work)
     svc = services.up(ws.state / "services", which=("prefect", "mlflow"))
-    env = services.env_for(svc)
-    os.environ.update(env)
-    uri = env["MLFLOW_TRACKING_URI"]
-    target, tok = get_target(params)
-    tid = target.target_id
-    gc = GrammarCompiler.for_target(target, tok)
-    static = bootstrap_static(base, target, tok, cache_dir())  # keyed by the unmodified params: cached by `make demo`
-    _, v = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {},
-                                  {"role": "static-bootstrap", "params_sha": params.sha()}, run_name="static")
-    registry.promote(uri, tid, v, "bench shift: the static draft is the first champion", allow_unevaluated=True)
-    step_deploy(ws, uri, tid)
-    static_runner = runner_for(static, target)
-    flow = orchestrate.load_flow("tide_cycle")  # the project's flows/cycle.py, as a worker loads it
-    seals: queue.Queue = queue.Queue()
-    writer = None
-    rep = {"config": asdict(cfg), "params_sha": params.sha(), "target_id": tid, "k": params.engine.num_draft_tokens,
-           "cpu_threads": _threads(), "phases": [], "cycles": []}
     try:
-        for phase in cfg.phases:
-            traffic, hold = split_phase(phase_prompts(phase, params), tok, cfg, params.workload.holdout_fraction, gc)
-            progress(f"{phase}: {len(traffic)} traffic / {len(hold)} held-out prompts")
-            champ = runner_for(ws.champion, target)
-            before = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ},
-                                   ws.champion), hold, cfg, None)
-            ref = before.pop("reference")
-            progress(f"{phase}: before: {_brief(before)}")
-            thr = phase_threshold(traffic, cfg)
-            writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
-                update={"seal_min_tokens": thr}), ws.snapshots, on_seal=seals.put)
-            cyc = _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress)
-            rest = writer.seal_now()  # the phase's remainder: a snapshot the next cycles replay, not a cycle
-            writer.close()
-            writer = None
-            while not seals.empty():
-                seals.get()
-            rep["cycles"] += cyc
-            champ = runner_for(ws.champion, target)
-            after = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ},
-                                  ws.champion), hold, cfg, ref)
-            after.pop("reference")
-            progress(f"{phase}: after: {_brief(after)}")
-            rep["phases"].append({"phase": phase, "title": PHASE_TITLES[phase], "num_eval_prompts": len(hold),
-                                  "num_traffic_prompts": len(traffic), "seal_min_tokens": thr,
-                                  "remainder_snapshot_tokens": rest.num_tokens if rest else 0,
-                                  "before": before["by_concurrency"],
-                                  "after": after["by_concurrency"],
-                                  "champion_version": served_version(ws.champion)})
-        rep["contrast"] = _contrast(params, target, tok, ws, cfg, progress,
-                                    split_phase(phase_prompts("code", params), tok, cfg,
-                                                params.workload.holdout_fraction)[1])
+        env = services.env_for(svc)
+        os.environ.update(env)
+        uri = env["MLFLOW_TRACKING_URI"]
+        target, tok = get_target(params)
+        static = bootstrap_static(base, target, tok, cache_dir())
+        _, v = registry.log_candidate(uri, target.target_id, static, params.model_dump(mode="json"), {},
+                                      {"role": "static-bootstrap", "params_sha": params.sha()}, run_name="static")
+        registry.promote(uri, target.target_id, v, f"{label}: the static draft is the first champion",
+                         allow_unevaluated=True)
+        step_deploy(ws, uri, target.target_id)
+        yield ws, uri, target, tok, static
     finally:
-        if writer is not None:
-            writer.close()
         services.down(ws.state / "services", which=("prefect", "mlflow"))
+
+
+def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print) -> dict:
+    """The experiment; returns the report dict (also written to out/shift-<date>.json + .md + PNGs)."""
+    t0 = time.perf_counter()
+    base, params = params, bench_params(params, cfg)
+    with experiment(base, params, work, "bench shift") as (ws, uri, target, tok, static):
+        tid = target.target_id
+        gc = GrammarCompiler.for_target(target, tok)
+        static_runner = runner_for(static, target)
+        flow = orchestrate.load_flow("tide_cycle")  # the project's flows/cycle.py, as a worker loads it
+        seals: queue.Queue = queue.Queue()
+        writer = None
+        rep = {"config": asdict(cfg), "params_sha": params.sha(), "target_id": tid, "k": params.engine.num_draft_tokens,
+               "cpu_threads": _threads(), "phases": [], "cycles": []}
+        try:
+            for phase in cfg.phases:
+                traffic, hold = split_phase(phase_prompts(phase, params), tok, cfg, params.workload.holdout_fraction, gc)
+                progress(f"{phase}: {len(traffic)} traffic / {len(hold)} held-out prompts")
+                champ = runner_for(ws.champion, target)
+                before = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ},
+                                       ws.champion), hold, cfg, None)
+                ref = before.pop("reference")
+                progress(f"{phase}: before: {_brief(before)}")
+                thr = phase_threshold(traffic, cfg)
+                writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
+                    update={"seal_min_tokens": thr}), ws.snapshots, on_seal=seals.put)
+                cyc = _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress)
+                rest = writer.seal_now()  # the phase's remainder: a snapshot the next cycles replay, not a cycle
+                writer.close()
+                writer = None
+                while not seals.empty():
+                    seals.get()
+                rep["cycles"] += cyc
+                champ = runner_for(ws.champion, target)
+                after = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ},
+                                      ws.champion), hold, cfg, ref)
+                after.pop("reference")
+                progress(f"{phase}: after: {_brief(after)}")
+                rep["phases"].append({"phase": phase, "title": PHASE_TITLES[phase], "num_eval_prompts": len(hold),
+                                      "num_traffic_prompts": len(traffic), "seal_min_tokens": thr,
+                                      "remainder_snapshot_tokens": rest.num_tokens if rest else 0,
+                                      "before": before["by_concurrency"],
+                                      "after": after["by_concurrency"],
+                                      "champion_version": served_version(ws.champion)})
+            rep["contrast"] = _contrast(params, target, tok, ws, cfg, progress,
+                                        split_phase(phase_prompts("code", params), tok, cfg,
+                                                    params.workload.holdout_fraction)[1])
+        finally:
+            if writer is not None:
+                writer.close()
     rep["wall_s"] = time.perf_counter() - t0
     rep["summary"] = summarize(rep)
     rep["stem"] = f"{cfg.name}-{date.today().isoformat()}"
