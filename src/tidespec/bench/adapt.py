@@ -61,6 +61,7 @@ class AdaptConfig:
 
     @classmethod
     def quick(cls) -> "AdaptConfig":
+        """`--quick`: 3 cycles of 8 prompts, concurrency 1 and 8, 2 passes per point, 3 epochs."""
         return cls(cycles=3, concurrency=(1, 8), traffic_prompts=8, eval_prompts=8, max_new_tokens=24,
                    traffic_max_new_tokens=64, cycle_eval_tokens=32, cycle_max_holdout=6, train_epochs=3,
                    passes=2, name="adapt-quick")
@@ -289,10 +290,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
         ax.set_xlabel("serving + cycle wall time (min)")
         ax.set_ylabel("tokens/s (held-out)")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    paths["tokens_per_s"] = out / f"{stem}-tokens-per-s.png"
-    fig.savefig(paths["tokens_per_s"], dpi=110)
-    plt.close(fig)
+    paths["tokens_per_s"] = shift.save_png(fig, out / f"{stem}-tokens-per-s.png")
 
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     c0 = cs[0]
@@ -307,10 +305,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     ax.set_ylabel(f"τ at k={rep['k']} (held-out)")
     ax.set_title(f"{w}: acceptance length over the run (cycle numbers)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths["tau"] = out / f"{stem}-tau.png"
-    fig.savefig(paths["tau"], dpi=110)
-    plt.close(fig)
+    paths["tau"] = shift.save_png(fig, out / f"{stem}-tau.png")
 
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
     r = rep["summary"]["default_over_static"]
@@ -319,10 +314,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     ax.set_xlabel("concurrency")
     ax.set_ylabel("default / static tokens/s")
     ax.set_title(f"after {rep['config']['cycles']} cycles on {w}")
-    fig.tight_layout()
-    paths["ratio"] = out / f"{stem}-ratio.png"
-    fig.savefig(paths["ratio"], dpi=110)
-    plt.close(fig)
+    paths["ratio"] = shift.save_png(fig, out / f"{stem}-ratio.png")
 
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for p in pts:
@@ -334,14 +326,13 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     ax.set_ylabel("accepted / drafts")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    paths["per_position"] = out / f"{stem}-per-position.png"
-    fig.savefig(paths["per_position"], dpi=110)
-    plt.close(fig)
+    paths["per_position"] = shift.save_png(fig, out / f"{stem}-per-position.png")
     return paths
 
 
 def markdown(rep: dict, figs: dict[str, str]) -> str:
+    """The report as markdown: one row per measured point (tokens/s of every arm per concurrency, τ at
+    c = 1), the cycles and their gate decisions, the goals as figures; `figs` = plot name → file name."""
     cfg, s = rep["config"], rep["summary"]
     cs = sorted({int(c) for p in rep["points"] for c in p["by_concurrency"]})
     L = [f"# Self-improvement over {cfg['cycles']} cycles on {cfg['workload']}"

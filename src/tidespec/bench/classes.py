@@ -99,6 +99,8 @@ def run(tokenizer, out: Path, sharegpt: int = 2000) -> dict:
 
 
 def markdown(res: dict) -> str:
+    """The result of `run` as markdown: accuracy and recall per signal, the rules' confusion matrix,
+    their cost per request and how they spread ShareGPT."""
     lines = ["# Workload classes from the request: which signal separates code, math and chat", "",
              f"{res['date']} · `tidespec bench classes` · labelled prompts {res['prompts']} (HumanEval → code, "
              "GSM8K en/ko/ja → math, MT-Bench by category: coding → code, math → math, the rest → chat; turn 2 "

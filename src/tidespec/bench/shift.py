@@ -442,6 +442,15 @@ def write_report(rep: dict, out: Path, stem: str, draw=None, render=None) -> dic
     return paths
 
 
+def save_png(fig, path: Path) -> Path:
+    """Lay out, write (110 dpi) and close a matplotlib figure; returns `path`."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     """Three PNGs from an in-memory report (concurrency keys are ints): τ over the run (per phase,
     before/after its cycle, lowest concurrency), tokens/s (one panel per concurrency) and per-position
@@ -464,10 +473,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     ax.set_ylabel(f"τ (k={rep['k']})")
     ax.set_title("acceptance length over the shifting workload")
     ax.legend()
-    fig.tight_layout()
-    paths["tau"] = out / f"{stem}-tau.png"
-    fig.savefig(paths["tau"], dpi=110)
-    plt.close(fig)
+    paths["tau"] = save_png(fig, out / f"{stem}-tau.png")
 
     fig, axes = plt.subplots(1, len(cs), figsize=(max(6, len(xs) * 0.9) * max(1, len(cs)) / 1.6, 3.6), squeeze=False)
     for ax, c in zip(axes[0], cs):
@@ -480,10 +486,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
         ax.set_title(f"concurrency {c}")
         ax.set_ylabel("tokens/s")
     axes[0][0].legend()
-    fig.tight_layout()
-    paths["tokens_per_s"] = out / f"{stem}-tokens-per-s.png"
-    fig.savefig(paths["tokens_per_s"], dpi=110)
-    plt.close(fig)
+    paths["tokens_per_s"] = save_png(fig, out / f"{stem}-tokens-per-s.png")
 
     fig, axes = plt.subplots(1, len(phases), figsize=(3.2 * max(1, len(phases)), 3.2), squeeze=False)
     for ax, p in zip(axes[0], phases):
@@ -497,10 +500,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
         ax.set_ylim(0, 1)
     axes[0][0].set_ylabel("accepted / drafts")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    paths["per_position"] = out / f"{stem}-per-position.png"
-    fig.savefig(paths["per_position"], dpi=110)
-    plt.close(fig)
+    paths["per_position"] = save_png(fig, out / f"{stem}-per-position.png")
     return paths
 
 

@@ -301,7 +301,7 @@ class AdaptiveK:
 
     def choose(self, workload: str) -> int:
         """k for the next step of a request of this class running alone (0 = plain decoding; with
-        speculation off, every `probe_every`-th step probes the best k ≥ 1)."""
+        speculation off, probes the best k ≥ 1 when one is due: `probe_every` idle steps, then back-off)."""
         tps = self.predicted_tokens_per_s(workload)
         k = self._pick(tps)
         return _argmax(tps, lo=1) if k == 0 and self._probe(workload) else k

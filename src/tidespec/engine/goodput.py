@@ -216,12 +216,12 @@ def plan(ladders: list[Ladder], cost: StepCost, margin: float = 0.05, sweeps: in
         return base
     st = _Step(ladders, cost, base)
     free = [i for i, lad in enumerate(ladders) if lad.fixed is None and (lad.eagle or lad.suffix or lad.grammar)]
-    free.sort(key=lambda i: -max((*ladders[i].eagle, *ladders[i].suffix, *ladders[i].grammar)))
+    most = {i: max((*ladders[i].eagle, *ladders[i].suffix, *ladders[i].grammar)) for i in free}
+    free.sort(key=lambda i: -most[i])
     g0 = best = st.value()
     best_choice = list(base)
-    top = sum(max((*ladders[i].eagle, *ladders[i].suffix, *ladders[i].grammar)) for i in free)
-    if not free or (st.gain + top) / cost.predict(st.b, st.rows + 1, step_draft_batches(ladders, base)) \
-            < (1 + margin) * g0:
+    bound = (st.gain + sum(most.values())) / cost.predict(st.b, st.rows + 1, step_draft_batches(ladders, base))
+    if not free or bound < (1 + margin) * g0:
         return base  # a bound: every option adds a verify row, and no request can gain more than its best
     for k in range(1, max((len(ladders[i].eagle) for i in free), default=0) + 1):
         # batch-wide start: one k for every EAGLE3 request (chain positions are batched, so their

@@ -142,10 +142,6 @@ class DraftHealth:
         below = p is not None and q is not None and clearly_below(p, n, q, m)
         return Verdict(version, workload, p, n, q, below)
 
-    @property
-    def current(self) -> str | None:
-        return self._current
-
     def previous(self, version: str) -> str | None:
         """The version served before `version` (None: it was the first)."""
         with self._lock:

@@ -11,7 +11,6 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .errors import OpenAIError
 from .protocol import ChatRequest, CompletionRequest, _Sampling
 from .responses import Api, ChatApi, CompletionApi, envelope, ext, usage
 from .serving import OpenAIServing
@@ -45,10 +44,7 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
 
     @router.get("/v1/models/{model_id:path}")
     def model_entry(model_id: str):
-        if model_id not in serving.models:
-            raise OpenAIError(f"the model {model_id!r} does not exist; this server serves "
-                              f"{', '.join(map(repr, serving.models))}", param="model", status=404,
-                              code="model_not_found")
+        serving.check_model(model_id)
         return model_card(model_id)
 
     @router.post("/v1/completions")

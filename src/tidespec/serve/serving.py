@@ -195,12 +195,16 @@ class OpenAIServing:
         """The model ids this server answers to: the served one, then serve.workload_by_model's aliases."""
         return [self.model, *(m for m in self.cfg.workload_by_model if m != self.model)]
 
-    def _check(self, body: _Sampling, n_prompts: int) -> int:
-        """The request's limits; returns its max new tokens."""
-        if body.model is not None and body.model not in self.models:
-            raise OpenAIError(f"the model {body.model!r} does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        """Raise OpenAIError 404 `model_not_found` unless `model` is None or one of `models`."""
+        if model is not None and model not in self.models:
+            raise OpenAIError(f"the model {model!r} does not exist; this server serves "
                               f"{', '.join(map(repr, self.models))} (GET /v1/models)", param="model", status=404,
                               code="model_not_found")
+
+    def _check(self, body: _Sampling, n_prompts: int) -> int:
+        """The request's limits; returns its max new tokens."""
+        self.check_model(body.model)
         total, cap = n_prompts * body.n, self.cfg.max_queue
         if total > cap:
             raise OpenAIError(f"{n_prompts} prompts × n {body.n} = {total} sequences can never fit "
