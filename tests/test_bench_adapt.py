@@ -49,6 +49,7 @@ def test_summary_states_each_goal_from_the_records():
     s = adapt.summarize(rep)
     assert s["tau_by_cycle"]["3"] == 2.1 and s["tau_still_rising"] is True
     assert s["default_over_static"] == {"1": pytest.approx(25 / 10), "8": pytest.approx(25 / 10)}
+    assert s["switch_default_over_static"] == {"1": pytest.approx(1.0), "8": pytest.approx(1.0)}  # chat: 10 / 10
     assert s["after_back_within_5pct"] is True and s["tau_after_back"] == 2.05 and s["promoted_worse"] == []
     flat = adapt.summarize(_report([1.2, 1.8, 1.9, 1.9], back_tau=1.7))
     assert flat["tau_still_rising"] is False and flat["after_back_within_5pct"] is False  # 1.7 < 0.95 × 1.9
@@ -63,7 +64,7 @@ def test_report_markdown_and_plots(tmp_path):
     assert sorted(paths) == ["per_position", "ratio", "tau", "tokens_per_s"]
     assert all(p.stat().st_size > 5000 for p in paths.values())  # real PNGs, not empty canvases
     md = (tmp_path / "adapt-test.md").read_text()
-    assert "c=1 2.50×" in md and "still rising at cycle 3: True" in md and "(within 5 %: True)" in md
+    assert "c=1 2.50× (2.50–2.50)" in md and "on chat after its cycle: c=1 1.00×" in md and "still rising at cycle 3: True" in md and "(within 5 %: True)" in md
 
 
 def test_point_measures_several_passes_and_pairs_their_ratios(tiny_target):

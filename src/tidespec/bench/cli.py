@@ -113,6 +113,8 @@ def bench_adapt(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
                 traffic_concurrency: int = typer.Option(8, min=1, help="requests served at once while capturing "
                                                         "(TIDE runs each level as its own experiment)"),
                 traffic_prompts: int = typer.Option(None, min=1, help="fresh prompts per cycle (default 15, quick 8)"),
+                passes: int = typer.Option(None, min=1, help="measurements per point, arms interleaved; tokens/s "
+                                           "is their median (default 3, quick 2)"),
                 out: Path = typer.Option(Path("bench/results")),
                 work: Path = typer.Option(Path(".tidespec/bench-adapt"), help="scratch workspace (wiped)")):
     """Self-improvement over time: ≥ 6 threshold-triggered cycles on one workload with fresh traffic,
@@ -122,7 +124,8 @@ def bench_adapt(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
     from . import adapt
     cfg = adapt.AdaptConfig.quick() if quick else adapt.AdaptConfig()
     upd = {"workload": workload, "switch_to": switch_to, "traffic_concurrency": traffic_concurrency}
-    upd |= {k: v for k, v in (("cycles", cycles), ("traffic_prompts", traffic_prompts)) if v is not None}
+    upd |= {k: v for k, v in (("cycles", cycles), ("traffic_prompts", traffic_prompts), ("passes", passes))
+            if v is not None}
     name = cfg.name + (f"-{workload}" if workload != "code" else "") + (
         f"-tc{traffic_concurrency}" if traffic_concurrency != 8 else "")
     try:
