@@ -55,6 +55,13 @@ def test_summary_states_each_goal_from_the_records():
     assert flat["tau_still_rising"] is False and flat["after_back_within_5pct"] is False  # 1.7 < 0.95 × 1.9
     worse = adapt.summarize(_report([1.2, 1.6, 1.9, 2.1], back_tau=2.0, promoted_worse_at=2))
     assert worse["promoted_worse"] == [2]  # promoted, and held-out τ fell 1.6 → 1.0
+    assert worse["promoted_worse_beyond_noise"] == [2]  # no num_drafts recorded: SE 0, any drop counts
+    small = _report([1.2, 1.6, 2.0, 1.9], back_tau=2.0)  # cycle 3 promoted, τ 2.0 → 1.9 (−5 %)
+    for p in small["points"]:
+        p["by_concurrency"][1]["adapted"]["num_drafts"] = 20  # 20 verify steps: SE ≈ 0.11 and 0.15
+    s2 = adapt.summarize(small)
+    assert s2["promoted_worse"] == [3] and s2["promoted_worse_beyond_noise"] == []  # 0.1 < 2 × 0.18
+    assert s2["tau_se_by_cycle"]["2"] == pytest.approx((0.25 / 20) ** 0.5)  # per_pos [1.0, 0.5]: Var X = 0.25
 
 
 def test_report_markdown_and_plots(tmp_path):

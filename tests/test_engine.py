@@ -7,7 +7,7 @@ from tidespec.engine.adaptive import AdaptiveK, predicted_tau
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
-from tidespec.engine.stats import SpecDecodingStats, simulated_acceptance_length
+from tidespec.engine.stats import SpecDecodingStats, simulated_acceptance_length, tau_standard_error
 from tidespec.models.eagle3 import DraftRunner, load_checkpoint
 
 
@@ -294,6 +294,11 @@ def test_stats_math():
     assert s.acceptance_rate == pytest.approx(5 / 12)
     assert s.accepted_per_pos == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
     assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1.75)
+    # the three steps accepted 4, 1, 0: the sample's own variance (population form) over its size
+    xs = [4, 1, 0]
+    var = sum(x * x for x in xs) / 3 - (sum(xs) / 3) ** 2
+    assert tau_standard_error(s.accepted_per_pos, s.num_drafts) == pytest.approx((var / 3) ** 0.5)
+    assert tau_standard_error([1.0, 1.0], 50) == 0.0 and tau_standard_error([0.3], 0) == 0.0  # no spread; no steps
 
 
 # -- real target (SmolLM2-135M): run once in CI ----------------------------------------------------

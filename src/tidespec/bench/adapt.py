@@ -17,6 +17,7 @@ Writes bench/results/<name>-<date>.{json,md} and PNGs (`plots`). `--quick` fits 
 """
 from __future__ import annotations
 
+import math
 import queue
 import statistics
 import time
@@ -28,6 +29,7 @@ from ..adapters import orchestrate
 from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.grammar import GrammarCompiler
+from ..engine.stats import tau_standard_error
 from ..runtime import runner_for
 from ..workspace import Workspace, served_version
 from . import shift
@@ -227,6 +229,14 @@ def series(rep: dict, workload: str, arm: str, key: str, c: int) -> list[tuple[i
     return [(p["cycle"], p["by_concurrency"][c][arm][key]) for p in rep["points"] if p["workload"] == workload]
 
 
+def tau_se(m: dict) -> float:
+    """Standard error of an arm's measured τ (`stats.tau_standard_error`, from its per-position
+    acceptance and number of verify steps)."""
+    pos = {int(k.split("/")[1]): v for k, v in m.items() if k.startswith("accepted_per_pos/")}
+    per = [pos[i] for i in sorted(pos)]
+    return tau_standard_error(per, m.get("num_drafts", 0.0))
+
+
 def summarize(rep: dict) -> dict:
     """The goals of issue 28 as figures: adapted (default config) / static tokens/s per concurrency at
     the last cycle on the workload before the switch; τ trajectory and whether it still rises at the
@@ -246,8 +256,12 @@ def summarize(rep: dict) -> dict:
     sw_ratio = ratio_spread(sw[-1]["by_concurrency"], "default", "static") if sw else {}
     rising = len(before) >= 2 and before[-1] > max(before[:-1]) * (1 + NOISE / 3)
     gains = [b - a for a, b in zip(before, before[1:])]
+    se = {p["cycle"]: tau_se(p["by_concurrency"][c0]["adapted"]) for p in rep["points"] if p["workload"] == w}
     worse = [c for c in rep["cycles"] if c.get("promoted") and tau.get(c["cycle"], 0) < tau.get(c["cycle"] - 1, 0)
              * (1 - NOISE) and c["workload"] == w]
+    # a drop beyond the measurement's noise: more than 2 standard errors of the difference of two points
+    worse_beyond = [c["cycle"] for c in worse if tau[c["cycle"] - 1] - tau[c["cycle"]]
+                    > 2 * math.hypot(se.get(c["cycle"], 0.0), se.get(c["cycle"] - 1, 0.0))]
     back = [tau[i] for i in sorted(tau) if i > n]
     mism = sum(r["mismatches"] for p in rep["points"] for by in p["by_concurrency"].values() for r in by.values())
     worst = {}  # workload → the lowest default / no-speculation ratio (paired median) over its points and loads
@@ -261,7 +275,8 @@ def summarize(rep: dict) -> dict:
             "default_over_none": {str(c): r[0] for c, r in vs_none.items()},
             "switch_default_over_static": {str(c): r[0] for c, r in sw_ratio.items()},
             "tau_still_rising": rising, "tau_gains": gains, "tau_best_before_switch": best,
-            "promoted_worse": [c["cycle"] for c in worse],
+            "promoted_worse": [c["cycle"] for c in worse], "promoted_worse_beyond_noise": worse_beyond,
+            "tau_se_by_cycle": {str(k): v for k, v in sorted(se.items())},
             "tau_after_back": back[-1] if back else None,
             "after_back_within_5pct": (back[-1] >= 0.95 * best) if back else None,
             "promotions": sum(bool(c.get("promoted")) for c in rep["cycles"]),
@@ -375,7 +390,10 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
           "- default / no speculation: " + ", ".join(f"c={c} {s['default_over_none'][str(c)]:.2f}×" for c in cs),
           f"- τ by cycle (adapted, fixed k): {', '.join(f'{k}: {v:.2f}' for k, v in s['tau_by_cycle'].items())}; "
           f"still rising at cycle {cfg['cycles']}: {s['tau_still_rising']}",
-          f"- promoted cycles that lowered held-out τ (> {NOISE:.0%}): {s['promoted_worse'] or 'none'}",
+          f"- promoted cycles that lowered held-out τ (> {NOISE:.0%}): {s['promoted_worse'] or 'none'}; beyond the "
+          f"noise (a drop > 2 standard errors of the difference; τ's SE per point "
+          f"{min(s['tau_se_by_cycle'].values(), default=0):.2f}–{max(s['tau_se_by_cycle'].values(), default=0):.2f}): "
+          f"{s['promoted_worse_beyond_noise'] or 'none'}",
           (f"- after the switch and back: τ {s['tau_after_back']:.2f} vs best before {s['tau_best_before_switch']:.2f} "
            f"(within 5 %: {s['after_back_within_5pct']})") if s["tau_after_back"] is not None else "- no switch",
           "- default / no speculation, worst cell per workload (paired median over passes, range): " + "; ".join(

@@ -6,6 +6,7 @@ accepted / draft tokens, per-position acceptance = accepted at position i / draf
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,6 +115,19 @@ def tau_by_k(per_pos: list[float]) -> list[float]:
     for p in per_pos:
         out.append(out[-1] + p)
     return out
+
+
+def tau_standard_error(per_pos: list[float], num_drafts: float) -> float:
+    """Standard error of a measured τ = 1 + mean accepted drafts per verify step, treating the
+    `num_drafts` steps as independent: per_pos[i] = P(accepted ≥ i + 1) (`accepted_per_pos`), so
+    E[X] = Σ_i per_pos[i], E[X²] = Σ_i (2i + 1) per_pos[i] and SE = sqrt(Var X / num_drafts).
+    Steps within one request are correlated (a hard stretch rejects several in a row), so this is a
+    lower bound; 0.0 without drafts."""
+    if num_drafts <= 0:
+        return 0.0
+    m = sum(per_pos)
+    m2 = sum((2 * i + 1) * p for i, p in enumerate(per_pos))
+    return math.sqrt(max(0.0, m2 - m * m) / num_drafts)
 
 
 def itl_percentiles(samples: list[float]) -> dict[str, float]:
