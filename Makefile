@@ -70,10 +70,10 @@ bench-shift: assets        ## workload-shift experiment (chat → code → math 
 bench-shift-quick: assets  ## its --quick mode (chat → code, concurrency 1 and 8), ≤ 10 min
 	$(VENV)/bin/tidespec bench shift --quick
 
-bench-adapt: assets        ## self-improvement over time: 6 cycles on code, a switch to chat and back, ≤ 2 h on 2 cores
+bench-adapt: assets        ## self-improvement over time: 6 cycles on code, a switch to chat and back, 90 min on 2 cores
 	$(VENV)/bin/tidespec bench adapt
 
-bench-adapt-quick: assets  ## its --quick mode (3 cycles, switch and back, concurrency 1 and 8), ≈ 15 min
+bench-adapt-quick: assets  ## its --quick mode (3 cycles, switch and back, concurrency 1 and 8), ≈ 30 min
 	$(VENV)/bin/tidespec bench adapt --quick
 
 bench-capture: assets      ## capture cost on the serving path (ITL, tokens/s: off / raw / zstd / hung disk), bytes per token

@@ -40,7 +40,7 @@ NOISE = 0.03  # "within noise" for τ changes between points (greedy τ is deter
 
 @dataclass(frozen=True)
 class AdaptConfig:
-    """Sizes of one run (times on 2 CPU cores, SmolLM2-135M fp32: full ≈ 90–120 min, quick ≈ 15)."""
+    """Sizes of one run (times on 2 CPU cores, SmolLM2-135M fp32: full 90 min, quick ≈ 30)."""
 
     workload: str = "code"  # a `bench shift` phase: the workload adapted to over `cycles`
     switch_to: str = "chat"  # then this one for `switch_cycles` ("" = no switch), then back for `back_cycles`
@@ -57,7 +57,7 @@ class AdaptConfig:
     cycle_eval_tokens: int = 48
     cycle_max_holdout: int = 12
     train_epochs: int | None = None
-    passes: int = 3  # measurements per point (arms interleaved wave by wave): tokens/s is their median
+    passes: int = 2  # measurements per point (arms interleaved wave by wave): tokens/s is their median
     name: str = "adapt"
     seed: int = 0
 

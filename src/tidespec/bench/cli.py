@@ -114,7 +114,7 @@ def bench_adapt(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
                                                         "(TIDE runs each level as its own experiment)"),
                 traffic_prompts: int = typer.Option(None, min=1, help="fresh prompts per cycle (default 15, quick 8)"),
                 passes: int = typer.Option(None, min=1, help="measurements per point, arms interleaved; tokens/s "
-                                           "is their median (default 3, quick 2)"),
+                                           "is their median (default 2; 3 adds ≈ 25 min)"),
                 out: Path = typer.Option(Path("bench/results")),
                 work: Path = typer.Option(Path(".tidespec/bench-adapt"), help="scratch workspace (wiped)")):
     """Self-improvement over time: ≥ 6 threshold-triggered cycles on one workload with fresh traffic,
