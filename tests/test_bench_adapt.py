@@ -1,6 +1,8 @@
 """bench adapt (self-improvement over many cycles): its schedule, sizes, seal threshold, and the summary
 against issue 28's goals, report and plots from a run's records. The run itself (`tidespec bench adapt`)
 needs SmolLM2 and 15–120 min; its serving, cycle and measurement pieces are bench shift's (test_bench_shift)."""
+from dataclasses import asdict
+
 import pytest
 
 from tidespec.bench import adapt
@@ -71,6 +73,9 @@ def test_report_markdown_and_plots(tmp_path):
     assert sorted(paths) == ["per_position", "ratio", "tau", "tokens_per_s"]
     assert all(p.stat().st_size > 5000 for p in paths.values())  # real PNGs, not empty canvases
     md = (tmp_path / "adapt-test.md").read_text()
+    assert "Command: `tidespec bench adapt --cycles 3`" in md  # the fields that differ from the defaults
+    assert adapt.command(dict(asdict(adapt.AdaptConfig.quick()), switch_to="", passes=3)) == \
+        "tidespec bench adapt --quick --switch-to '' --passes 3"
     assert "c=1 2.50× (2.50–2.50)" in md and "on chat after its cycle: c=1 1.00×" in md and "still rising at cycle 3: True" in md and "(within 5 %: True)" in md
 
 

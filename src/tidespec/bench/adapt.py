@@ -260,7 +260,7 @@ def summarize(rep: dict) -> dict:
     worse = [c for c in rep["cycles"] if c.get("promoted") and tau.get(c["cycle"], 0) < tau.get(c["cycle"] - 1, 0)
              * (1 - NOISE) and c["workload"] == w]
     # a drop beyond the measurement's noise: more than 2 standard errors of the difference of two points
-    worse_beyond = [c["cycle"] for c in worse if tau[c["cycle"] - 1] - tau[c["cycle"]]
+    worse_beyond = [c["cycle"] for c in worse if tau.get(c["cycle"] - 1, 0.0) - tau.get(c["cycle"], 0.0)
                     > 2 * math.hypot(se.get(c["cycle"], 0.0), se.get(c["cycle"] - 1, 0.0))]
     back = [tau[i] for i in sorted(tau) if i > n]
     mism = sum(r["mismatches"] for p in rep["points"] for by in p["by_concurrency"].values() for r in by.values())
@@ -288,6 +288,20 @@ def summarize(rep: dict) -> dict:
 def write_report(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     """`out/<stem>.json`, `.md` and the plots; returns the plot paths."""
     return shift.write_report(rep, out, stem, plots, markdown)
+
+
+FLAGS = (("workload", "--workload"), ("switch_to", "--switch-to"), ("cycles", "--cycles"),
+         ("traffic_concurrency", "--traffic-concurrency"), ("traffic_prompts", "--traffic-prompts"),
+         ("passes", "--passes"))
+
+
+def command(cfg: dict) -> str:
+    """The `tidespec bench adapt` command line that reproduces a run of config `cfg` (`asdict`)."""
+    quick = cfg["name"].startswith("adapt-quick")
+    base = asdict(AdaptConfig.quick() if quick else AdaptConfig())
+    flags = [" --quick"] if quick else []
+    flags += [f" {opt} {cfg[f] if cfg[f] != '' else repr('')}" for f, opt in FLAGS if f in cfg and cfg[f] != base[f]]
+    return "tidespec bench adapt" + "".join(flags)
 
 
 def _range(s: dict, c: int) -> str:
@@ -400,5 +414,5 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
               f"{w} {x['ratio']:.2f}× ({x['min']:.2f}–{x['max']:.2f}) at c={x['concurrency']} after cycle {x['cycle']}"
               for w, x in s.get("default_over_none_worst", {}).items()) + " (goal ≥ 0.98×)",
           f"- outputs == target-only: {s['mismatches']} mismatches", ""]
-    L += [f"![{k}]({v})" for k, v in figs.items()] + [""]
+    L += [f"![{k}]({v})" for k, v in figs.items()] + ["", f"Command: `{command(cfg)}`", ""]
     return "\n".join(L)
