@@ -7,7 +7,7 @@ from tidespec.engine.adaptive import AdaptiveK, predicted_tau
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
-from tidespec.engine.stats import SpecDecodingStats, simulated_acceptance_length, tau_standard_error
+from tidespec.engine.stats import SpecDecodingStats, per_position, simulated_acceptance_length, tau_standard_error
 from tidespec.models.eagle3 import DraftRunner, load_checkpoint
 
 
@@ -298,6 +298,8 @@ def test_stats_math():
     xs = [4, 1, 0]
     var = sum(x * x for x in xs) / 3 - (sum(xs) / 3) ** 2
     assert tau_standard_error(s.accepted_per_pos, s.num_drafts) == pytest.approx((var / 3) ** 0.5)
+    m = s.metrics() | {"accepted_per_pos/7": 0.5}  # a gap: position 7 without 4..6 is not read
+    assert per_position(m) == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3]) and per_position({}) == []
     assert tau_standard_error([1.0, 1.0], 50) == 0.0 and tau_standard_error([0.3], 0) == 0.0  # no spread; no steps
 
 

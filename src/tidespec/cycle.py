@@ -29,6 +29,7 @@ from .engine.constraint import grammar_for
 from .engine.grammar import GrammarCompiler, GrammarError
 from .engine.replay import replay
 from .engine.speculative import Engine
+from .engine.stats import per_position
 from .engine.suffix import CORPUS_FILE, corpus_info, newest_within, save_corpus
 from .runtime import get_target, runner_for, target_dir
 from .runtime import target_id as target_id_of
@@ -331,8 +332,7 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
 
 def _figures(tracking_uri: str, target_id: str, report: dict, losses: list[float]) -> dict:
     def per_pos(m):
-        n = sum(k.startswith("accepted_per_pos/") for k in m) if m else 0
-        return [m[f"accepted_per_pos/{i}"] for i in range(n)] if m else None
+        return per_position(m) if m else None
     figs = {"tau_over_cycles": plots.tau_over_cycles(registry.cycle_history(tracking_uri, target_id)),
             "per_position_acceptance": plots.per_position(per_pos(report["candidate"]), per_pos(report.get("champion")))}
     if losses:

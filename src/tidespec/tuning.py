@@ -9,7 +9,7 @@ SGLang / vLLM settings.
 from __future__ import annotations
 
 from .config import Params
-from .engine.stats import tau_by_k
+from .engine.stats import per_position, tau_by_k
 from .sagemaker_config import EndpointProfile
 
 
@@ -49,6 +49,5 @@ def tune_windows(params: Params, metrics: dict) -> dict[str, dict]:
     sm = params.deploy.sagemaker
     if sm is None:
         return {}
-    n = sum(k.startswith("accepted_per_pos/") for k in metrics)
-    per_pos = [metrics[f"accepted_per_pos/{i}"] for i in range(n)]
+    per_pos = per_position(metrics)
     return {name: tuned_window(prof, per_pos, sm.min_speedup) for name, prof in sorted(sm.profiles.items())}

@@ -29,7 +29,7 @@ from ..adapters import orchestrate
 from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.grammar import GrammarCompiler
-from ..engine.stats import tau_standard_error
+from ..engine.stats import per_position, tau_standard_error
 from ..runtime import runner_for
 from ..workspace import Workspace, served_version
 from . import shift
@@ -232,9 +232,7 @@ def series(rep: dict, workload: str, arm: str, key: str, c: int) -> list[tuple[i
 def tau_se(m: dict) -> float:
     """Standard error of an arm's measured τ (`stats.tau_standard_error`, from its per-position
     acceptance and number of verify steps)."""
-    pos = {int(k.split("/")[1]): v for k, v in m.items() if k.startswith("accepted_per_pos/")}
-    per = [pos[i] for i in sorted(pos)]
-    return tau_standard_error(per, m.get("num_drafts", 0.0))
+    return tau_standard_error(per_position(m), m.get("num_drafts", 0.0))
 
 
 def summarize(rep: dict) -> dict:
@@ -357,7 +355,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for p in pts:
         m = p["by_concurrency"][c0]["adapted"]
-        acc = [v for kk, v in sorted(m.items()) if kk.startswith("accepted_per_pos/")]
+        acc = per_position(m)
         ax.plot(range(1, len(acc) + 1), acc, "o-", ms=3, label=f"cycle {p['cycle']}", alpha=0.4 + 0.6 * (
             p["cycle"] / max(1, pts[-1]["cycle"])))
     ax.set_xlabel("draft position")

@@ -51,6 +51,7 @@ from ..engine.constraint import grammar_for, render
 from ..engine.grammar import GrammarCompiler
 from ..engine.replay import replay
 from ..engine.speculative import Request
+from ..engine.stats import per_position
 from ..runtime import get_target, load_suffix_corpus, make_engine, runner_for
 from ..workspace import Workspace, served_version
 
@@ -493,7 +494,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
         for label, m, style in (("static", p["before"][c0]["static"], "s--"),
                                 ("adapted before", p["before"][c0]["adapted"], "o:"),
                                 ("adapted after", p["after"][c0]["adapted"], "o-")):
-            acc = [v for kk, v in sorted(m.items()) if kk.startswith("accepted_per_pos/")]
+            acc = per_position(m)
             ax.plot(range(1, len(acc) + 1), acc, style, label=label)
         ax.set_title(p["phase"])
         ax.set_xlabel("draft position")

@@ -117,6 +117,15 @@ def tau_by_k(per_pos: list[float]) -> list[float]:
     return out
 
 
+def per_position(metrics: dict) -> list[float]:
+    """The per-position acceptance `[accepted_per_pos/0, /1, …]` of a metrics dict (`SpecDecodingStats.metrics`,
+    a replay's, a bench arm's), in position order while the keys are consecutive; [] when it has none."""
+    out = []
+    while f"accepted_per_pos/{len(out)}" in metrics:
+        out.append(float(metrics[f"accepted_per_pos/{len(out)}"]))
+    return out
+
+
 def tau_standard_error(per_pos: list[float], num_drafts: float) -> float:
     """Standard error of a measured τ = 1 + mean accepted drafts per verify step, treating the
     `num_drafts` steps as independent: per_pos[i] = P(accepted ≥ i + 1) (`accepted_per_pos`), so
