@@ -95,10 +95,15 @@ def test_policy_reports_k_by_batch_and_learns_suffix_correction():
     assert pol.suffix_gains("chat", (0.9, 0.8)) == pytest.approx((0.9, 1.7))
     for _ in range(20):  # suffix scores said 1.7 expected, 0.85 were accepted
         pol.observe_suffix("chat", 1.7, 0 if _ % 2 else 2)
-    assert 0.3 < pol.suffix_correction("chat") < 0.7  # ≈ 1 / 1.7 (an EMA at alpha 0.5 after two)
-    assert pol.suffix_gains("chat", (0.9, 0.8))[1] < 1.2
-    pol.observe_suffix("code", 2.0, 0)  # one wrong proposal is learned at once, not after 1/alpha of them
-    assert pol.suffix_correction("code") == 0.0 and pol.suffix_gains("code", (0.9,)) == (0.0,)
+    # the EMA (alpha 0.5) of accepted after ..., 2, 0 is 2/3; the ratio 2/3 / 1.7 = 0.39 weighs 1/alpha = 2
+    # proposals against the prior's one at 1.0: (2 · 0.39 + 1) / 3
+    assert pol.suffix_correction("chat") == pytest.approx((2 * (2 / 3) / 1.7 + 1) / 3, abs=1e-3)
+    assert pol.suffix_gains("chat", (0.9, 0.8))[1] < 1.1
+    pol.observe_suffix("code", 2.0, 0)  # one wrong proposal halves it at once: (1 · 0 + 1) / (1 + 1)
+    assert pol.suffix_correction("code") == 0.5 and pol.suffix_gains("code", (0.9,)) == (0.45,)
+    for _ in range(30):  # all wrong: it falls to 1 / (1/alpha + 1) and stays there, never 0
+        pol.observe_suffix("code", 2.0, 0)
+    assert pol.suffix_correction("code") == pytest.approx(1 / 3)
 
 
 def test_real_calibration_grid_is_monotone(tiny_target):
@@ -319,3 +324,58 @@ def test_suffix_proposals_do_not_starve_the_draft_probes():
         assert ch[0][0] == "suffix"  # the copy pays, every step
         probed += [step for c in ch if c[0] == "eagle3"]
     assert probed == [2, 6]  # request 1 is probed with back-off (gaps 2, 4) although the class speculates
+
+
+def test_suffix_proposals_left_unchosen_stop_being_computed_and_are_probed():
+    """Per class and batch size: after probe_every steps whose suffix proposals the plan left
+    unchosen they are computed only on probe steps (gaps doubling), one chosen turns them back on;
+    another batch size and another class are not affected; a hot-swap forgets it."""
+    pol = AdaptiveK(_cal(), prior=0.6, probe_every=2)
+    due = []
+    for step in range(1, 20):
+        d = pol.suffix_due("code", 8)
+        due.append(d)
+        if d:
+            pol.observe_suffix_plan("code", 8, chosen=False)
+    assert [s for s, d in enumerate(due, 1) if d] == [1, 2, 4, 8, 16]  # 2 misses, then probes after 2, 4, 8 idle steps
+    assert pol.suffix_due("code", 1) and pol.suffix_due("chat", 8)
+    assert not pol.suffix_due("code", 7)  # 7 requests: the calibrated batch size 8's cell
+    assert pol.report()["code"]["suffix_off_at_batch"] == [8]
+    while not pol.suffix_due("code", 8):
+        pass
+    pol.observe_suffix_plan("code", 8, chosen=True)  # a probe that paid: on every step again
+    assert all(pol.suffix_due("code", 8) for _ in range(5))
+    pol.observe_suffix_plan("code", 8, chosen=False)
+    pol.observe_suffix_plan("code", 8, chosen=False)
+    assert not pol.suffix_due("code", 8)
+    pol.reset()
+    assert pol.suffix_due("code", 8)
+
+
+class _CountingSuffix(SuffixCache):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.asked = 0
+
+    def propose(self, request_id):
+        self.asked += 1
+        return super().propose(request_id)
+
+
+def test_engine_under_load_stops_computing_suffix_proposals_it_never_chooses(tiny_target):
+    """Rows so dear at batch 8 that no proposal can pay (an extra row costs 45 ms per request, a plain
+    token 25 ms): after probe_every steps the batch's proposals are computed on probe steps only, the
+    requests' own trees are never built after that, and the output is the target's."""
+    cal = Calibration((100.0, 101.0, 102.0, 103.0), 2.0, "test", 128, (1, 8), (1, 2, 3, 4),
+                      ((100.0, 101.0, 102.0, 103.0), (200.0, 560.0, 920.0, 1280.0)), (2.0, 4.0))
+    pol = AdaptiveK(cal, prior=0.0, probe_every=4)
+    sfx = _CountingSuffix(max_depth=8)
+    eng = Engine(tiny_target, None, 3, 256, max_batch=8, adaptive=pol, suffix=sfx)
+    ps = [[5 + i, 6, 7, 5 + i, 6, 7] for i in range(8)]
+    ref = [Engine(tiny_target, None, 3, 256).generate(p, 40).tokens for p in ps]
+    gens = eng.generate_batch([Request(p, 40, workload="code") for p in ps])
+    assert [g.tokens for g in gens] == ref and all(len(g.tokens) == 40 for g in gens)
+    assert sum(g.stats.num_drafts for g in gens) == 0
+    # 39 decode steps of 8 requests: proposals in the first 4, then probes after 4, 8 and 16 idle steps
+    assert sfx.asked == 8 * (4 + 3)
+    assert pol.report()["code"]["suffix_off_at_batch"] == [8]

@@ -119,3 +119,31 @@ def test_binary_search_match_equals_the_longest_continuing_suffix():
         for _ in range(6):
             ctx = [rng.randrange(3) for _ in range(rng.randrange(0, 12))]
             assert t.match(ctx, 5) == scan(t, ctx, 5), (step, ctx)
+
+
+def test_request_tree_is_built_on_first_proposal_and_equals_the_incremental_one():
+    """A request's own tree is built only when a proposal is asked for (the policy may never ask);
+    built late, it must propose exactly what a tree extended token by token proposes."""
+    import random
+    rng = random.Random(2)
+    for case in range(40):
+        c = SuffixCache(max_depth=6, max_tokens=0, alpha=2.0, min_score=0.0)  # no global tree: own proposals only
+        prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+        c.start("r", prompt)
+        assert c._live["r"].trie is None  # nothing built before a proposal is asked for
+        ref, active, seen = SuffixTrie(6), [], []
+        for t in prompt:
+            active = ref.extend(active, t)
+        seen += prompt
+        for step in range(rng.randrange(1, 12)):
+            new = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+            c.append("r", new)
+            for t in new:
+                active = ref.extend(active, t)
+            seen += new
+            if rng.random() < 0.4:
+                want = ref.propose(seen, c.max_spec, c.min_score, c.alpha)
+                got = c.propose("r")
+                assert (got.tokens, got.scores) == (want.tokens, want.scores), (case, step)
+        c.propose("r")
+        assert c._live["r"].trie._count == ref._count and c._live["r"].active == active, case

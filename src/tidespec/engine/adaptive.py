@@ -6,7 +6,7 @@ Acceptance (Leviathan et al. 2023, arXiv 2211.17192 §3.4): with k drafts a step
 j — a running mean, then (after 1/alpha observations) an EMA, per workload class over verify steps
 that reached position j. A suffix proposal's expected accepted tokens are the sum of its chain
 scores (SuffixDecoding, arXiv 2411.04975 §4) times a per-class correction, measured accepted over
-predicted.
+predicted (shrunk towards 1 by one pseudo-proposal, so it never locks at 0).
 
 Cost and choice (`engine.goodput`): a step's wall time is predicted for the whole batch from the
 calibrated (batch, rows) grid (`engine.calibration`), re-fitted online from measured steps; each
@@ -23,6 +23,14 @@ improves (hot-swap) or a workload that turns structured is noticed: first after 
 idle steps, then, while each probe leaves the class off, after twice as many (up to
 `PROBE_BACKOFF` × probe_every, exponential back-off): a draft that stays useless under load costs
 one probe (a catch-up of the rows it missed, k drafts, k verify rows) per 512 steps, not per 32.
+
+Suffix proposals are gated the same way, per class and batch size (the calibrated size nearest
+to the batch): computing them (two trie matches per request, and the request's own trie built
+over its prompt) is pure overhead in a step that does not choose them — at 16 requests on a CPU,
+2 % of the step time when the plan chose none. A class whose proposals the plan left unchosen
+for `probe_every` consecutive steps at that batch size stops computing them; a probe step computes
+them again after `probe_every` steps, then after twice as many while each probe is left unchosen
+(up to PROBE_BACKOFF × probe_every); one chosen proposal turns them back on every step.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from .stats import simulated_acceptance_length
 
 CONF_BINS = 10  # draft-confidence bins for the early stop's acceptance estimate
 GRAMMAR_PRIOR = 0.95  # acceptance of a grammar-forced token before any was measured
+SUFFIX_PRIOR = 1.0  # pseudo-proposals at correction 1.0 that a class's measured suffix correction is shrunk towards
 PROBE_BACKOFF = 16  # a class left off probes at most this many times less often than probe_every
 TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
 
@@ -85,6 +94,7 @@ class AdaptiveK:
         self._grammar: dict[str, list] = {}  # class → [accepted, proposed] forced tokens (decayed sums)
         self._conf: dict[str, list[list[float]]] = {}  # class → per confidence bin [P(accept), observations]
         self._tree: dict[str, dict[int, list]] = {}  # class → nodes verified → [mean accepted, observations]
+        self._sfx_gate: dict[tuple[str, int], list[int]] = {}  # (class, batch size) → [misses, gap, idle]
         self._lock = threading.Lock()
 
     def ensure_draft_costs(self, target, runner) -> bool:
@@ -113,6 +123,7 @@ class AdaptiveK:
             self._grammar.clear()
             self._conf.clear()
             self._tree.clear()
+            self._sfx_gate.clear()
 
     def acceptance(self, workload: str) -> list[float]:
         with self._lock:
@@ -154,11 +165,19 @@ class AdaptiveK:
             st[0] += max(self.alpha, 1.0 / st[1]) * (accepted - st[0])
 
     def suffix_correction(self, workload: str) -> float:
-        """Measured accepted / expected (by the suffix scores) for this class's suffix proposals;
-        1.0 until measured. Clipped to [0, 2]."""
+        """Measured accepted / expected (by the suffix scores) for this class's suffix proposals,
+        shrunk towards 1.0 by SUFFIX_PRIOR pseudo-proposals: (w·r + 1) / (w + 1), r the measured
+        ratio, w its weight (proposals seen, at most 1/alpha: the EMA's memory). One wrong proposal
+        halves it and it never reaches 0 — a class whose first proposals failed still takes a
+        strong one where rows are cheap, and learns again (at 0 its proposals were never chosen,
+        hence never measured: one early miss turned the proposer off for the class for good).
+        1.0 until measured; at most 2."""
         with self._lock:
-            acc, exp, _ = self._suffix.get(workload, (1.0, 1.0, 0))
-        return min(2.0, acc / exp) if exp > 0 else 1.0
+            acc, exp, n = self._suffix.get(workload, (1.0, 1.0, 0))
+        if exp <= 0 or n == 0:
+            return 1.0
+        w = min(n, 1.0 / self.alpha)
+        return min(2.0, (w * acc / exp + SUFFIX_PRIOR) / (w + SUFFIX_PRIOR))
 
     def suffix_gains(self, workload: str, scores: tuple[float, ...] | list[float]) -> tuple[float, ...]:
         """Expected accepted tokens for the first m = 1..len tokens of a suffix proposal whose
@@ -180,6 +199,37 @@ class AdaptiveK:
                 w = max(self.alpha, 1.0 / st[2])  # a running mean first (as the acceptance), then an EMA
                 st[0] += w * (accepted - st[0])
                 st[1] += w * (expected - st[1])
+
+    def suffix_due(self, workload: str, b: int) -> bool:
+        """Should this step compute the class's suffix proposals, in a batch of b requests? Yes until
+        the plan left them unchosen for `probe_every` consecutive steps at this batch size; then only
+        on a probe step (see the module docstring). Counts one idle step when it answers no."""
+        with self._lock:
+            st = self._sfx_gate.get((workload, self.cost.bucket(b)))
+            if st is None or st[0] < self.probe_every:
+                return True
+            st[2] += 1
+            if st[2] < st[1]:
+                return False
+            st[2] = 0
+            return True
+
+    def observe_suffix_plan(self, workload: str, b: int, chosen: bool) -> None:
+        """A step that computed the class's suffix proposals (batch of b): did the plan choose one? A
+        miss counts towards turning them off; a probe left unchosen doubles the gap to the next one."""
+        with self._lock:
+            st = self._sfx_gate.setdefault((workload, self.cost.bucket(b)), [0, self.probe_every, 0])
+            if chosen:
+                st[:] = [0, self.probe_every, 0]
+                return
+            st[0] += 1
+            if st[0] > self.probe_every:  # it was off: this was a probe
+                st[1] = min(2 * st[1], PROBE_BACKOFF * self.probe_every)
+
+    def suffix_off_at(self, workload: str) -> list[int]:
+        """The batch sizes at which the class's suffix proposals are off (probed only)."""
+        with self._lock:
+            return sorted(b for (w, b), st in self._sfx_gate.items() if w == workload and st[0] >= self.probe_every)
 
     def grammar_acceptance(self, workload: str) -> float:
         """Per-token acceptance of grammar-forced tokens in this class: accepted / proposed (decayed
@@ -366,7 +416,7 @@ class AdaptiveK:
         conditional acceptance, the suffix correction."""
         out = {}
         with self._lock:
-            classes = sorted(set(self._acc) | set(self._suffix) | set(self._grammar))
+            classes = sorted(set(self._acc) | set(self._suffix) | set(self._grammar) | {w for w, _ in self._sfx_gate})
         for w in classes:
             if w.endswith(TREE):  # EAGLE-2 trees: accepted tokens learned per tree size
                 with self._lock:
@@ -381,5 +431,6 @@ class AdaptiveK:
                       "step_ms": [round(x, 2) for x in self.step_ms()],
                       "conditional_acceptance": [round(a, 4) for a in self.acceptance(w)],
                       "suffix_correction": round(self.suffix_correction(w), 4),
+                      "suffix_off_at_batch": self.suffix_off_at(w),
                       "grammar_acceptance": round(self.grammar_acceptance(w), 4)}
         return out

@@ -73,6 +73,10 @@ class StepCost:
         self._f = [[1.0] * len(cal.rows) for _ in cal.batch_sizes]  # measured / calibrated, per cell
         self._lock = threading.Lock()
 
+    def bucket(self, b: int) -> int:
+        """The calibrated batch size nearest to b (log scale): the cost cell a step of b requests uses."""
+        return min(self.cal.batch_sizes, key=lambda x: abs(math.log(x / b)))
+
     def _cell(self, b: int, rows_per_req: float) -> tuple[int, int]:
         bi = min(range(len(self.cal.batch_sizes)), key=lambda i: abs(math.log(self.cal.batch_sizes[i] / b)))
         rj = min(range(len(self.cal.rows)), key=lambda j: abs(self.cal.rows[j] - rows_per_req))

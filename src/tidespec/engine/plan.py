@@ -8,7 +8,8 @@ tokens/s; a request outside the policy (a fixed k, seeded sampling, no policy) t
 its grammar's forced tokens when there are at least two (or it has no other proposer), else its
 suffix proposal when the expected accepted tokens (the sum of its chain scores) reach
 `suffix_min_expected` or it has no EAGLE3 draft, else the EAGLE3 chain of its k (or the engine's),
-or the tree of SGLang's knobs.
+or the tree of SGLang's knobs. The policy may leave a class's suffix proposals uncomputed
+(`AdaptiveK.suffix_due`: unchosen at this batch size, probed with back-off).
 """
 from __future__ import annotations
 
@@ -75,10 +76,13 @@ class Planner:
         """Each request's slot: its proposer (from `proposers` by option name; `TREE` for a tree
         request's EAGLE3 option) and option size, its early-stop threshold, its suffix proposal."""
         slots = [Slot(s, learn=self.adaptive if adaptive_for(self.adaptive, s.req) else None) for s in running]
-        ladders = [self._ladder(sl) for sl in slots]
+        gated = self._suffix_gated(slots)
+        ladders = [self._ladder(sl, sl.learn is None or sl.seq.req.workload not in gated) for sl in slots]
         stop = 0.0
         if self.adaptive is not None and any(lad.fixed is None for lad in ladders):
-            choice = self.adaptive.plan_step([s.req.workload for s in running], ladders)
+            workloads = [s.req.workload for s in running]
+            choice = self.adaptive.plan_step(workloads, ladders)
+            self._observe_suffix(slots, choice, gated)
             if self.early_stop:
                 stop = self.adaptive.stop_below(ladders, choice)
         else:
@@ -92,11 +96,32 @@ class Planner:
                 sl.proposer = proposers[via]
         return StepPlan(slots)
 
-    def _ladder(self, sl: Slot) -> Ladder:
-        """The request's options this step; sets `sl.proposal` (capped to the room)."""
+    def _suffix_gated(self, slots: list[Slot]) -> set[str]:
+        """Classes whose suffix proposals the policy leaves uncomputed this step (`AdaptiveK.suffix_due`:
+        left unchosen at this batch size, no probe due); asked once per class and step."""
+        if self.suffix is None:
+            return set()
+        classes = {sl.seq.req.workload for sl in slots if sl.learn is not None}
+        return {w for w in classes if not self.adaptive.suffix_due(w, len(slots))}
+
+    def _observe_suffix(self, slots: list[Slot], choice: list[tuple[str, int]], gated: set[str]) -> None:
+        """Tell the policy, per class whose requests' suffix proposals were computed, whether one was chosen."""
+        if self.suffix is None:
+            return
+        chosen: dict[str, bool] = {}
+        for sl, (via, _) in zip(slots, choice):
+            w = sl.seq.req.workload
+            if sl.learn is not None and w not in gated:
+                chosen[w] = chosen.get(w, False) or via == "suffix"
+        for w, yes in chosen.items():
+            self.adaptive.observe_suffix_plan(w, len(slots), yes)
+
+    def _ladder(self, sl: Slot, consult_suffix: bool = True) -> Ladder:
+        """The request's options this step; sets `sl.proposal` (capped to the room) when
+        `consult_suffix` (the policy may leave a class's suffix proposals out: `_suffix_gated`)."""
         s = sl.seq
         room = min(s.req.max_new_tokens - len(s.gen), self.max_seq_len - s.cache.length) - 1
-        if self.suffix is not None and s.req.speculative and room > 0:
+        if self.suffix is not None and s.req.speculative and room > 0 and consult_suffix:
             p = self.suffix.propose(s.rid)
             sl.proposal = Proposal(p.tokens[:room], p.score, p.match_len, p.source, p.scores[:room])
         p = sl.proposal

@@ -7,9 +7,9 @@ previous token sequences, then follow the most frequent continuation; each step'
 empirical conditional frequency count(child) / count(node), a chain's score the product. The
 speculation length adapts to the match: at most ⌈alpha × match length⌉ tokens (capped at
 `max_spec`), and the chain stops when its score falls below `min_score`. Two trees are consulted:
-the request's own (prompt + output so far, extended per emitted token) and a global one over
-recent outputs (bounded by `max_tokens`, oldest sequences evicted first); the higher-scoring
-proposal wins.
+the request's own (prompt + output so far: built on its first proposal, then extended per emitted
+token) and a global one over recent outputs (bounded by `max_tokens`, oldest sequences evicted
+first); the higher-scoring proposal wins.
 
 Why our own code: the PyPI sdist `arctic-inference` 0.3.0 builds its C++ suffix tree only together
 with CUDA custom ops and vLLM's build requirements (torch ≥ 2.10 in build isolation, protobuf,
@@ -156,9 +156,19 @@ class SuffixTrie:
 
 @dataclass
 class _Live:
-    trie: SuffixTrie
-    active: list[int]
+    """A running request's context and its own tree, built on the first proposal (a request whose
+    proposals the policy never asks for never pays for its tree)."""
+
     tokens: list[int]
+    trie: SuffixTrie | None = None
+    active: list[int] | None = None
+
+    def own_trie(self, max_depth: int) -> SuffixTrie:
+        if self.trie is None:
+            self.trie, self.active = SuffixTrie(max_depth), []
+            for t in self.tokens:
+                self.active = self.trie.extend(self.active, t)
+        return self.trie
 
 
 class SuffixCache:
@@ -182,17 +192,17 @@ class SuffixCache:
         self._live: dict[str, _Live] = {}
 
     def start(self, request_id: str, prompt: list[int]) -> None:
-        """Open the request's tree over its prompt."""
-        live = _Live(SuffixTrie(self.max_depth), [], [])
-        self._live[request_id] = live
-        self.append(request_id, prompt)
+        """Open the request's context with its prompt (its tree is built on the first `propose`)."""
+        self._live[request_id] = _Live([int(t) for t in prompt])
 
     def append(self, request_id: str, tokens: list[int]) -> None:
-        """Extend the request's tree (and its context) with emitted tokens."""
+        """Extend the request's context (and its tree, once built) with emitted tokens."""
         live = self._live[request_id]
-        for t in tokens:
-            live.active = live.trie.extend(live.active, int(t))
-        live.tokens += [int(t) for t in tokens]
+        new = [int(t) for t in tokens]
+        if live.trie is not None:
+            for t in new:
+                live.active = live.trie.extend(live.active, t)
+        live.tokens += new
 
     def propose(self, request_id: str) -> Proposal:
         """The better proposal (more expected accepted tokens: the sum of its chain scores) of the
@@ -204,7 +214,7 @@ class SuffixCache:
         return max((own, glob), key=lambda p: (sum(p.scores), p.score))
 
     def _own(self, live: _Live) -> Proposal:
-        p = live.trie.propose(live.tokens, self.max_spec, self.min_score, self.alpha)
+        p = live.own_trie(self.max_depth).propose(live.tokens, self.max_spec, self.min_score, self.alpha)
         return Proposal(p.tokens, p.score, p.match_len, "request", p.scores)
 
     def finish(self, request_id: str, output: list[int] | None = None) -> None:
