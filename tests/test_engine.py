@@ -230,9 +230,9 @@ def test_adaptive_k_cost_model_and_off_switch():
     pol.reset()
     assert pol.acceptance("code") == [0.9] * 4
     slow = AdaptiveK(cal, prior=0.9, alpha=0.05)
-    for n in (1, 0, 0, 0):  # the first 1/alpha observations are averaged: the prior is forgotten at once
+    for n in (1, 0, 0, 0):  # the first 1/alpha observations are averaged with the prior's 4 (PRIOR_CHAINS)
         slow.observe("x", 1, n)
-    assert slow.acceptance("x")[0] == pytest.approx(0.25)
+    assert slow.acceptance("x")[0] == pytest.approx((4 * 0.9 + 1) / 8)
     pol.observe_time(0, 1e6)  # a load spike at most doubles the estimate
     assert pol.step_ms()[0] <= 2 * 100 * 1.0001
     for bad in ([100], [100, 0], [100, float("nan")]):  # k_max 0, zero or non-finite costs

@@ -88,10 +88,10 @@ def test_step_cost_refit_cannot_predict_speedups_from_spikes():
 
 
 def test_policy_reports_k_by_batch_and_learns_suffix_correction():
+    sure = AdaptiveK(_cal(), prior=0.6, alpha=1.0)  # alpha 1: the last observation is the estimate
+    sure.observe("code", 4, 1)  # a = [1, 0, .6, .6]: one sure token per step
+    assert sure.report()["code"]["k_by_batch"] == {1: 1, 8: 0}  # at 8: 16 tokens / 384 ms is within the margin of 8 / 200
     pol = AdaptiveK(_cal(), prior=0.6, alpha=0.5)
-    pol.observe("code", 4, 1)  # a = [1, 0, .6, .6]: one sure token per step
-    rep = pol.report()["code"]
-    assert rep["k_by_batch"] == {1: 1, 8: 0}  # at 8: 16 tokens / 384 ms is within the margin of 8 / 200
     assert pol.suffix_gains("chat", (0.9, 0.8)) == pytest.approx((0.9, 1.7))
     for _ in range(20):  # suffix scores said 1.7 expected, 0.85 were accepted
         pol.observe_suffix("chat", 1.7, 0 if _ % 2 else 2)
@@ -379,3 +379,25 @@ def test_engine_under_load_stops_computing_suffix_proposals_it_never_chooses(tin
     # 39 decode steps of 8 requests: proposals in the first 4, then probes after 4, 8 and 16 idle steps
     assert sfx.asked == 8 * (4 + 3)
     assert pol.report()["code"]["suffix_off_at_batch"] == [8]
+
+
+def test_acceptance_starts_from_the_replayed_first_token_acceptance_worth_a_few_chains(tiny_target):
+    """A class's a₁ starts from what the draft's evaluation replayed on it (else over all classes,
+    else the prior) and is worth PRIOR_CHAINS observations: four rejections of a new draft lower it,
+    they do not zero it (which left a class off until a probe). Engine.set_draft passes the replay."""
+    from tidespec.engine.adaptive import PRIOR_CHAINS
+    assert PRIOR_CHAINS == 4
+    pol = AdaptiveK(_cal(), prior=0.6, alpha=0.05)
+    for _ in range(4):
+        pol.observe("chat", 4, 0)
+    assert pol.acceptance("chat")[:2] == pytest.approx([0.6 * 4 / 8, 0.6])  # position 2 never reached
+    pol.reset({"code": 0.9, "": 0.5})
+    assert pol.acceptance("code") == pytest.approx([0.9, 0.6, 0.6, 0.6])
+    assert pol.acceptance("chat")[0] == 0.5 and pol.acceptance("code#tree")[0] == 0.6  # trees: not the chains' replay
+    pol.observe("code", 4, 0)
+    assert pol.acceptance("code")[0] == pytest.approx(0.9 - 0.9 / 5)
+    pol.reset()
+    assert pol.acceptance("code")[0] == 0.6
+    eng = Engine(tiny_target, None, 3, 256, adaptive=pol)
+    eng.set_draft(DraftRunner(random_draft(tiny_target, 64)), "v1", replayed={"": (0.3, 200.0), "code": (0.8, 120.0)})
+    assert pol.acceptance("code")[0] == 0.8 and pol.acceptance("math")[0] == 0.3

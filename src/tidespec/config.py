@@ -77,7 +77,7 @@ class EngineParams(_Strict):
     max_new_tokens: int = Field(96, ge=1)
     max_batch: int = Field(8, ge=1)  # running requests per step (continuous batching)
     adaptive: bool = True  # serving: pick k per workload class, switch speculation off where it loses
-    adaptive_prior: float = Field(0.6, ge=0, le=1)  # starting per-position acceptance of a new class
+    adaptive_prior: float = Field(0.6, ge=0, le=1)  # starting per-position acceptance of a new class (worth 4 chains)
     adaptive_probe_every: int = Field(32, ge=1)  # with speculation off, probe every n-th step
     adaptive_margin: float = Field(0.05, ge=0, lt=1)  # speculate only if predicted >= (1+margin) x plain
     adaptive_margin_off: float = Field(0.02, ge=0, lt=1)  # once on, stay on while predicted >= (1+this) x plain

@@ -397,7 +397,8 @@ def markdown(res: dict, prof: str | None = None) -> str:
                 lines.append(f"- {n} / {cls}: k = {v['k']} alone (speculation {'on' if v['speculation'] else 'off'}), "
                              f"by batch size {v.get('k_by_batch', {})}, predicted speed-up alone "
                              f"{v['predicted_speedup']:.2f}×, conditional acceptance {v['conditional_acceptance']}, "
-                             f"suffix correction {v.get('suffix_correction', 1.0)}")
+                             f"suffix correction {v.get('suffix_correction', 1.0)}, suffix proposals off "
+                             f"at batch sizes {v.get('suffix_off_at_batch', [])}")
         cal = max((i["calibration_ms"] for i in res["info"].values() if i.get("calibration_ms")),
                   key=lambda c: c["draft_step"])  # one with a draft, when any method has one
         lines += ["", f"Calibration (ms): target forward of 1..k+1 tokens {[round(x, 1) for x in cal['target']]}, "

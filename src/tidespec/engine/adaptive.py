@@ -3,10 +3,15 @@ off-switch, per workload class and per batch.
 
 Acceptance (Leviathan et al. 2023, arXiv 2211.17192 §3.4): with k drafts a step emits
 τ(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j tokens on average, a_j the conditional acceptance at draft position
-j — a running mean, then (after 1/alpha observations) an EMA, per workload class over verify steps
-that reached position j. A suffix proposal's expected accepted tokens are the sum of its chain
-scores (SuffixDecoding, arXiv 2411.04975 §4) times a per-class correction, measured accepted over
-predicted (shrunk towards 1 by one pseudo-proposal, so it never locks at 0).
+j — a running mean that starts from a prior worth PRIOR_CHAINS observations, then (after 1/alpha
+observations) an EMA, per workload class over verify steps that reached position j. The prior of
+a₁ is the draft's first-token acceptance its evaluation replayed on the class (its holdout), else
+`prior`: the first few chains of a new draft (which a short request's first steps draft at any
+luck) no longer decide alone — four rejections in a row had set a₁ to 0 and left the class off
+until a probe, on a class where the draft is accepted more often than not. A suffix proposal's
+expected accepted tokens are the sum of its chain scores (SuffixDecoding, arXiv 2411.04975 §4)
+times a per-class correction, measured accepted over predicted (shrunk towards 1 by one
+pseudo-proposal, so it never locks at 0).
 
 Cost and choice (`engine.goodput`): a step's wall time is predicted for the whole batch from the
 calibrated (batch, rows) grid (`engine.calibration`), re-fitted online from measured steps; each
@@ -43,6 +48,7 @@ from .stats import simulated_acceptance_length
 
 CONF_BINS = 10  # draft-confidence bins for the early stop's acceptance estimate
 GRAMMAR_PRIOR = 0.95  # acceptance of a grammar-forced token before any was measured
+PRIOR_CHAINS = 4  # observations the starting acceptance of a class is worth
 SUFFIX_PRIOR = 1.0  # pseudo-proposals at correction 1.0 that a class's measured suffix correction is shrunk towards
 PROBE_BACKOFF = 16  # a class left off probes at most this many times less often than probe_every
 TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
@@ -62,7 +68,8 @@ class AdaptiveK:
     per-position acceptance and a correction of the suffix proposer's scores; per step, each
     request's proposer and draft length for the whole batch (`engine.goodput.plan`).
 
-    prior: initial a_j for an unseen class (optimistic, so a new class tries speculation);
+    prior: initial a_j for an unseen class (optimistic, so a new class tries speculation; worth
+    PRIOR_CHAINS observations; a₁ starts from the draft's replayed acceptance where `reset` gave one);
     alpha: EMA weight of one observation (the first 1/alpha observations are averaged);
     probe_every: with speculation off, the class's n-th idle step runs the best k ≥ 1 to keep the
     estimate fresh (then back-off, see the module docstring); margin: the predicted gain over plain
@@ -95,6 +102,7 @@ class AdaptiveK:
         self._conf: dict[str, list[list[float]]] = {}  # class → per confidence bin [P(accept), observations]
         self._tree: dict[str, dict[int, list]] = {}  # class → nodes verified → [mean accepted, observations]
         self._sfx_gate: dict[tuple[str, int], list[int]] = {}  # (class, batch size) → [misses, gap, idle]
+        self._first: dict[str, float] = {}  # class → the served draft's replayed first-token acceptance ("": all)
         self._lock = threading.Lock()
 
     def ensure_draft_costs(self, target, runner) -> bool:
@@ -110,9 +118,11 @@ class AdaptiveK:
             self.cost.cal = self.cal
         return True
 
-    def reset(self) -> None:
-        """Forget acceptance (after a draft hot-swap); keep the measured step costs."""
+    def reset(self, first_token: dict[str, float] | None = None) -> None:
+        """Forget acceptance (after a draft hot-swap); keep the measured step costs. `first_token`:
+        the new draft's replayed first-token acceptance per class ("" = over all classes), a₁'s prior."""
         with self._lock:
+            self._first = {w: min(1.0, max(0.0, float(a))) for w, a in (first_token or {}).items()}
             self._acc.clear()
             self._obs.clear()
             self._steps.clear()
@@ -125,9 +135,15 @@ class AdaptiveK:
             self._tree.clear()
             self._sfx_gate.clear()
 
+    def _start(self, workload: str) -> list[float]:
+        """The prior per-position acceptance of a class (call with the lock held)."""
+        a1 = self.prior if workload.endswith(TREE) else self._first.get(workload, self._first.get("", self.prior))
+        return [a1] + [self.prior] * (self.k_max - 1)
+
     def acceptance(self, workload: str) -> list[float]:
+        """The class's conditional acceptance at draft positions 1..k_max (its prior until observed)."""
         with self._lock:
-            return list(self._acc.get(workload, [self.prior] * self.k_max))
+            return list(self._acc.get(workload) or self._start(workload))
 
     def eagle_gains(self, workload: str, k_max: int | None = None) -> tuple[float, ...]:
         """Expected accepted drafts τ(k) − 1 for k = 1..k_max (cumulative products of the class's
@@ -396,8 +412,8 @@ class AdaptiveK:
         if k < 1:
             return
         with self._lock:
-            acc = self._acc.setdefault(workload, [self.prior] * self.k_max)
-            obs = self._obs.setdefault(workload, [0] * self.k_max)
+            acc = self._acc.setdefault(workload, self._start(workload))
+            obs = self._obs.setdefault(workload, [PRIOR_CHAINS] * self.k_max)
             for j in range(min(accepted + 1, k, self.k_max)):
                 obs[j] += 1
                 acc[j] += max(self.alpha, 1.0 / obs[j]) * (float(j < accepted) - acc[j])

@@ -181,8 +181,8 @@ class Engine:
         """Swap the draft (None = no speculation). Raises ValueError for a draft of another target.
         `replayed`: the first-token acceptance its evaluation replayed and the chains it counted
         (class → (a₁, chains), "" overall), what `health` compares its live acceptance with.
-        The adaptive policy's acceptance estimates restart from its prior (they described the old
-        draft); a draft whose steps it has not timed (another shape, or the engine started without
+        The adaptive policy's acceptance estimates restart (they described the old draft): a₁ from
+        the replayed first-token acceptance where given, else the policy's prior; a draft whose steps it has not timed (another shape, or the engine started without
         one) is timed first (`AdaptiveK.ensure_draft_costs`, ~0.5 s)."""
         if draft is not None:
             self._check_draft(draft)
@@ -193,7 +193,7 @@ class Engine:
         if draft is not None:
             self.health.serve(version, replayed)
         if self.adaptive is not None:
-            self.adaptive.reset()
+            self.adaptive.reset({w: a1 for w, (a1, _) in (replayed or {}).items()} if draft is not None else None)
 
     @property
     def draft_version(self) -> str | None:
