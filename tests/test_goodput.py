@@ -309,6 +309,13 @@ def test_search_bound_never_skips_a_step_speculation_would_win():
         ch = plan(lads, cost, margin=0.05)
         if best >= 1.05 * g0 * (1 + 1e-9):
             assert ch != [("", 0)] * b, case
+    # and it is tight enough to skip the search where a batch cannot pay: 8 requests whose best is 0.6
+    # tokens per 22.5-ms row against 25 ms per plain token (the old bound, Σ gains for one row, ran it)
+    from tidespec.engine.goodput import _bound, _Step
+    lads = [Ladder(eagle=(0.6, 0.96, 1.18, 1.31))] * 8
+    st = _Step(lads, cost, [("", 0)] * 8)
+    assert _bound(lads, list(range(8)), {i: 1.31 for i in range(8)}, st, cost) < 1.05 * st.value()
+    assert (8 + 8 * 1.31) / cost.predict(8, 9) > 1.05 * st.value()
 
 
 def test_suffix_proposals_do_not_starve_the_draft_probes():

@@ -208,13 +208,28 @@ class _Step:
         self._add(i, c, 1)
 
 
+def _bound(ladders: list[Ladder], free: list[int], most: dict[int, float], st: _Step, cost: StepCost) -> float:
+    """An upper bound on the goodput of any choice for the `free` requests: R more verify rows gain at
+    most min(r·R, Σ best gains), r the most expected accepted tokens per row of any option, and the
+    step costs at least its verify forward of R more rows (draft forwards cost ≥ 0). Past
+    R = Σ best / r the gain stops growing while the cost does, so R stops there."""
+    per_row = max(g / n for i in free for gains in (ladders[i].eagle, ladders[i].suffix, ladders[i].grammar)
+                  for n, g in enumerate(gains, 1))
+    total = sum(most.values())
+    if per_row <= 0 or total <= 0:
+        return 0.0
+    rows = sum(max(len(ladders[i].eagle), len(ladders[i].suffix), len(ladders[i].grammar)) for i in free)
+    drafts = step_draft_batches(ladders, st.choice)
+    return max((st.gain + min(per_row * r, total)) / cost.predict(st.b, st.rows + r, drafts)
+               for r in range(1, min(rows, math.ceil(total / per_row)) + 1))
+
+
 def plan(ladders: list[Ladder], cost: StepCost, margin: float = 0.05, sweeps: int = 2) -> list[tuple[str, int]]:
     """Each request's (proposer, drafted tokens) for this step — ("", 0) = plain decoding — that
     maximises the predicted goodput of the whole step (see the module docstring: the best of plain
     decoding and one k for every EAGLE3 request as the start, then coordinate ascent). Speculation
-    is kept only if it beats plain decoding (fixed choices kept) by `margin`. When even every
-    request's best gain at the price of a single extra verify row could not beat it, the search is
-    skipped (a bound: the step cost grows with rows and draft forwards)."""
+    is kept only if it beats plain decoding (fixed choices kept) by `margin`. When no choice could
+    beat it (`_bound`: gains per verify row against the cost of the rows), the search is skipped."""
     base = [lad.fixed or NONE for lad in ladders]
     if not ladders:
         return base
@@ -224,9 +239,8 @@ def plan(ladders: list[Ladder], cost: StepCost, margin: float = 0.05, sweeps: in
     free.sort(key=lambda i: -most[i])
     g0 = best = st.value()
     best_choice = list(base)
-    bound = (st.gain + sum(most.values())) / cost.predict(st.b, st.rows + 1, step_draft_batches(ladders, base))
-    if not free or bound < (1 + margin) * g0:
-        return base  # a bound: every option adds a verify row, and no request can gain more than its best
+    if not free or _bound(ladders, free, most, st, cost) < (1 + margin) * g0:
+        return base
     for k in range(1, max((len(ladders[i].eagle) for i in free), default=0) + 1):
         # batch-wide start: one k for every EAGLE3 request (chain positions are batched, so their
         # draft cost is shared; one request at a time would not leave a shared optimum)
