@@ -391,20 +391,62 @@ def test_engine_under_load_stops_computing_suffix_proposals_it_never_chooses(tin
 def test_acceptance_starts_from_the_replayed_first_token_acceptance_worth_a_few_chains(tiny_target):
     """A class's a₁ starts from what the draft's evaluation replayed on it (else over all classes,
     else the prior) and is worth PRIOR_CHAINS observations: four rejections of a new draft lower it,
-    they do not zero it (which left a class off until a probe). Engine.set_draft passes the replay."""
+    they do not zero it (which left a class off until a probe). The replayed values are shrunk by
+    their chains (a class replayed on 2 chains barely moves from the overall a₁). Engine.set_draft
+    and the engine's constructor (what `tidespec serve` starts with) pass the replay."""
     from tidespec.engine.adaptive import PRIOR_CHAINS
     assert PRIOR_CHAINS == 4
     pol = AdaptiveK(_cal(), prior=0.6, alpha=0.05)
     for _ in range(4):
         pol.observe("chat", 4, 0)
     assert pol.acceptance("chat")[:2] == pytest.approx([0.6 * 4 / 8, 0.6])  # position 2 never reached
-    pol.reset({"code": 0.9, "": 0.5})
-    assert pol.acceptance("code") == pytest.approx([0.9, 0.6, 0.6, 0.6])
-    assert pol.acceptance("chat")[0] == 0.5 and pol.acceptance("code#tree")[0] == 0.6  # trees: not the chains' replay
+    overall = (396 * 0.5 + 4 * 0.6) / 400
+    pol.reset({"code": (0.9, 96), "": (0.5, 396), "json": (0.0, 2), "math": (0.7, 0)})
+    assert pol.acceptance("code") == pytest.approx([(96 * 0.9 + 4 * overall) / 100, 0.6, 0.6, 0.6])
+    assert pol.acceptance("json")[0] == pytest.approx(4 * overall / 6)  # 2 rejected chains: not 0
+    assert pol.acceptance("chat")[0] == pytest.approx(overall) == pol.acceptance("math")[0]
+    assert pol.acceptance("code#tree")[0] == 0.6  # trees: not the chains' replay
+    a1 = pol.acceptance("code")[0]
     pol.observe("code", 4, 0)
-    assert pol.acceptance("code")[0] == pytest.approx(0.9 - 0.9 / 5)
+    assert pol.acceptance("code")[0] == pytest.approx(a1 - a1 / 5)
     pol.reset()
     assert pol.acceptance("code")[0] == 0.6
     eng = Engine(tiny_target, None, 3, 256, adaptive=pol)
-    eng.set_draft(DraftRunner(random_draft(tiny_target, 64)), "v1", replayed={"": (0.3, 200.0), "code": (0.8, 120.0)})
-    assert pol.acceptance("code")[0] == 0.8 and pol.acceptance("math")[0] == 0.3
+    eng.set_draft(DraftRunner(random_draft(tiny_target, 64)), "v1", replayed={"": (0.3, 196.0), "code": (0.8, 116.0)})
+    at = (196 * 0.3 + 4 * 0.6) / 200
+    assert pol.acceptance("code")[0] == pytest.approx((116 * 0.8 + 4 * at) / 120)
+    assert pol.acceptance("math")[0] == pytest.approx(at)
+    with pytest.raises(ValueError, match=r"replayed\['code'\]"):  # nothing changes: v1 keeps serving
+        eng.set_draft(DraftRunner(random_draft(tiny_target, 64)), "v2", replayed={"code": (float("nan"), 3)})
+    assert eng.draft_version == "v1" and pol.acceptance("math")[0] == pytest.approx(at)
+    pol2 = AdaptiveK(_cal(), prior=0.6)
+    eng2 = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), 3, 256, "v3", adaptive=pol2,
+                  replayed={"": (0.2, 96.0)})
+    assert pol2.acceptance("code")[0] == pytest.approx((96 * 0.2 + 4 * 0.6) / 100)
+    assert eng2.health.against_replay("v3", "code").reference == 0.2  # draft health got the reference too
+
+
+def test_served_reads_version_and_replay_from_the_draft_dir(tmp_path):
+    """`workspace.served`: the keywords make_engine / set_draft take for a deployed draft dir."""
+    import json
+    from tidespec.workspace import served
+    assert served(tmp_path) == {"version": None, "replayed": None}
+    (tmp_path / "version.json").write_text(json.dumps({"version": "4", "replayed": {"": [0.5, 10], "code": [0.7, 3]}}))
+    assert served(tmp_path) == {"version": "4", "replayed": {"": [0.5, 10.0], "code": [0.7, 3.0]}}
+
+
+def test_a_step_whose_tries_matched_nothing_is_not_a_miss_of_the_suffix_gate():
+    """Repetition comes in bursts: steps where no request of a class had a suffix proposal (empty
+    ladders) do not count towards turning its proposals off; computed, offered and unchosen ones do."""
+    from types import SimpleNamespace as NS
+    from tidespec.engine.plan import Planner
+    pol = AdaptiveK(_cal(), prior=0.6, probe_every=2)
+    pl = Planner(3, 256, pol, SuffixCache(max_depth=8), 1.0, False, 1, 3)
+    slots = [NS(seq=NS(req=NS(workload="code")), learn=pol) for _ in range(8)]
+    empty, offered = [Ladder(eagle=(0.5,))] * 8, [Ladder(eagle=(0.5,), suffix=(0.1, 0.15))] * 8
+    for _ in range(10):
+        pl._observe_suffix(slots, empty, [("", 0)] * 8, set())
+    assert pol.suffix_due("code", 8) and pol.suffix_off_at("code") == []
+    for _ in range(2):
+        pl._observe_suffix(slots, offered, [("", 0)] * 8, set())
+    assert pol.suffix_off_at("code") == [8]

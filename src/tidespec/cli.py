@@ -334,11 +334,10 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
                              target.target_id, p.capture.seal_min_tokens) if text else None
     runner = runner_for(ws.champion, target)
     meta = (read_version(ws.champion) or {}) if runner else {}
-    engine = make_engine(p, target, runner, meta.get("version"), capture=writer,
+    engine = make_engine(p, target, runner, meta.get("version"), capture=writer, replayed=meta.get("replayed"),
                          progress=lambda m: console.print(f"serve: {m}", markup=False, highlight=False))
     if runner is not None:  # the global suffix tree deployed with the champion (never refuses to start)
         install_suffix_corpus(engine, ws.champion)
-        engine.health.serve(meta.get("version"), meta.get("replayed"))
     sv = p.serve_resolved()
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,

@@ -61,14 +61,17 @@ def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
 
 
 def make_engine(params: Params, target: Target, runner: DraftRunner | None = None, version: str | None = None,
-                adaptive: bool | None = None, capture=None, progress=None) -> Engine:
+                adaptive: bool | None = None, capture=None, progress=None,
+                replayed: dict[str, tuple[float, float]] | None = None) -> Engine:
     """The serving engine as params.yaml says (`engine.*`). The goodput policy (`engine.adaptive`)
     needs a proposer (a draft, or `engine.suffix.enabled`) and calibrates once per machine, target,
     draft shape, thread count and `max_batch` (cached under the download cache); evaluation passes
     adaptive=False to measure τ at a fixed k. `capture`: a capture sink
     (`engine.speculative.CaptureSink`) the engine asks at admission and hands each finished
     request's record. `engine.suffix.enabled` adds the suffix proposer (`engine.suffix.SuffixCache`).
-    `progress(message)`: told what a first calibration is doing (≤ ~1 min on 2 cores)."""
+    `progress(message)`: told what a first calibration is doing (≤ ~1 min on 2 cores). `replayed`: the
+    draft's replayed first-token acceptance (version.json's, `workspace.read_version`): draft
+    health's reference and the policy's starting a₁, as a hot-swap (`Engine.set_draft`) gives them."""
     e = params.engine
     pol = None
     if (e.adaptive if adaptive is None else adaptive) and (runner is not None or e.suffix.enabled):
@@ -86,7 +89,7 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
                "suffix_min_expected": sx.min_expected}
     return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, version, max_batch=e.max_batch, adaptive=pol,
                   draft_early_stop=e.draft_early_stop, eagle_topk=e.tree.eagle_topk,
-                  tree_num_draft_tokens=e.tree.num_draft_tokens, **kw)
+                  tree_num_draft_tokens=e.tree.num_draft_tokens, replayed=replayed if runner is not None else None, **kw)
 
 
 def load_suffix_corpus(engine: Engine, draft_dir: Path | None) -> int | None:

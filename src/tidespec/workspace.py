@@ -131,6 +131,14 @@ def served_version(draft_dir: Path) -> str | None:
     return meta["version"] if meta else None
 
 
+def served(draft_dir: Path) -> dict:
+    """What an engine serving the draft in `draft_dir` is told about it, as `make_engine` /
+    `Engine.set_draft` keywords: {"version": registry version or None, "replayed": its replayed
+    first-token acceptance {class: [a₁, chains]} or None}."""
+    meta = read_version(draft_dir) or {}
+    return {"version": meta.get("version"), "replayed": meta.get("replayed") or None}
+
+
 def write_version(draft_dir: Path, version: str, run_id: str, tuned_k: dict[str, int] | None = None,
                   replayed: dict[str, list[float]] | None = None) -> None:
     """Record which registry version (and MLflow run) `draft_dir` holds, the per-endpoint window

@@ -153,7 +153,7 @@ def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.O
     from ..config import ServeParams, load_params
     from ..runtime import get_target, make_engine, runner_for
     from ..server import build_app
-    from ..workspace import VERSION_FILE, served_version
+    from ..workspace import VERSION_FILE, served
     from .serve import load, serve_in_thread
     p, ws = load_params(params), Workspace(root.resolve())
     assets.fetch_all()
@@ -167,7 +167,7 @@ def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.O
     (swap_dir / VERSION_FILE).unlink(missing_ok=True)
     held_out = prompt_sets.split(prompt_sets.load(p.workload.prompts), p.workload.holdout_fraction, p.workload.seed)[1]
     ids = [prompt_ids(tok, x.text) for x in held_out[:prompts]]
-    engine = make_engine(p, target, runner, served_version(ws.champion))
+    engine = make_engine(p, target, runner, **served(ws.champion))
     with console.status(f"target-only reference outputs for {len(ids)} prompts"):
         reference = {i: engine.generate(x, max_tokens, speculative=False).tokens for i, x in enumerate(ids)}
     srv = serve_in_thread(build_app(engine, tok, ServeParams(max_queue=clients, max_tokens=max_tokens),

@@ -24,6 +24,7 @@ from ..config import Params
 from ..engine.speculative import Request
 from ..engine.suffix import SuffixCache
 from ..runtime import get_target, make_engine, runner_for, target_dir
+from ..workspace import served
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class TidespecMethod:
                        if spec.capture else None)
         self.engine = make_engine(params.model_copy(update={"engine": eng}), target, runner,
                                   adaptive=(runner is not None or spec.suffix) and spec.k is None,
-                                  capture=self.writer)
+                                  capture=self.writer, **(served(Path(spec.draft)) if spec.draft else {}))
         self._compiler, self._grammars = None, {}
 
     @property

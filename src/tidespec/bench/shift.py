@@ -53,7 +53,7 @@ from ..engine.replay import replay
 from ..engine.speculative import Request
 from ..engine.stats import per_position
 from ..runtime import get_target, load_suffix_corpus, make_engine, runner_for
-from ..workspace import Workspace, served_version
+from ..workspace import Workspace, served, served_version
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def _arms(target, params: Params, runners: dict, champion_dir: Path | None = Non
         e = params.engine
         hp = params.model_copy(update={"engine": e.model_copy(update={
             "adaptive": True, "suffix": e.suffix.model_copy(update={"enabled": True})})})
-        eng = make_engine(hp, target, runner_for(champion_dir, target), served_version(champion_dir), adaptive=True)
+        eng = make_engine(hp, target, runner_for(champion_dir, target), adaptive=True, **served(champion_dir))
         load_suffix_corpus(eng, champion_dir)
         arms["hybrid"] = (eng, True)
     return arms
@@ -304,7 +304,7 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
 def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress) -> list:
     """Serve `traffic` in waves of max concurrency with capture; a sealed snapshot runs the cycle at
     once (serving waits: 2 cores) and the champion reloads. Returns the cycles' records."""
-    eng = make_engine(params, target, runner_for(ws.champion, target), served_version(ws.champion), adaptive=False,
+    eng = make_engine(params, target, runner_for(ws.champion, target), adaptive=False, **served(ws.champion),
                       capture=writer)
     c = max(cfg.concurrency)
     cycles = []
@@ -333,7 +333,7 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
                         "candidate_tau": ev["candidate"]["acceptance_length"],
                         "champion_tau": (ev.get("champion") or {}).get("acceptance_length"),
                         "drift_jsd": res["curate"].get("drift_jsd"), "train_s": res["train"].get("train_seconds")}
-                eng.set_draft(runner_for(ws.champion, target), served_version(ws.champion))
+                eng.set_draft(runner_for(ws.champion, target), **served(ws.champion))
             progress(f"{phase}: cycle {secs:.0f} s: {rec.get('reason', rec.get('skipped'))}")
             cycles.append(rec)
     return cycles

@@ -33,13 +33,16 @@ Suffix proposals are gated the same way, per class and batch size (the calibrate
 to the batch): computing them (two trie matches per request, and the request's own trie built
 over its prompt) is pure overhead in a step that does not choose them — at 16 requests on a CPU,
 2 % of the step time when the plan chose none. A class whose proposals the plan left unchosen
-for `probe_every` consecutive steps at that batch size stops computing them; a probe step computes
+for `probe_every` consecutive steps at that batch size stops computing them (a step where none of
+its requests' tries matched is not counted: repetition comes in bursts); a probe step computes
 them again after `probe_every` steps, then after twice as many while each probe is left unchosen
 (up to PROBE_BACKOFF × probe_every); one chosen proposal turns them back on every step.
 """
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Mapping
 
 from .calibration import Calibration, draft_shape, measure_draft
 from .goodput import NONE, Ladder, StepCost, goodput, plan, step_draft_batches
@@ -57,6 +60,27 @@ TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EA
 def predicted_tau(acc: list[float], k: int) -> float:
     """τ(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j from conditional per-position acceptance `acc` (first k used)."""
     return simulated_acceptance_length(acc[:k])
+
+
+def first_token_priors(replayed: Mapping[str, tuple[float, float]], prior: float) -> dict[str, float]:
+    """a₁'s starting value per class from a draft's replayed first-token acceptance {class: (a₁,
+    chains)} ("" = over all classes): the overall a₁ shrunk towards `prior`, a class's towards the
+    overall one, each by PRIOR_CHAINS pseudo-chains — (n·a + PRIOR_CHAINS·fallback) / (n + PRIOR_CHAINS)
+    — so a class replayed on two chains, both rejected, does not start at 0 (off until a probe); one
+    replayed on no chain starts from the fallback. Raises ValueError for an entry that is not
+    (a₁ in [0, 1], chains >= 0)."""
+    def shrunk(w: str, fallback: float) -> float:
+        try:
+            a, n = (float(x) for x in replayed[w])
+        except (TypeError, ValueError):
+            raise ValueError(f"replayed[{w!r}] = {replayed[w]!r}: expected (first-token acceptance, chains)") from None
+        if not (0.0 <= a <= 1.0 and 0.0 <= n < math.inf):
+            raise ValueError(f"replayed[{w!r}] = ({a}, {n}): first-token acceptance must be in [0, 1] and chains >= 0")
+        return (n * a + PRIOR_CHAINS * fallback) / (n + PRIOR_CHAINS)
+
+    overall = shrunk("", prior) if "" in replayed else prior
+    out = {w: shrunk(w, overall) for w in replayed if w}
+    return out | ({"": overall} if "" in replayed else {})
 
 
 def _argmax(xs: list[float], lo: int = 0) -> int:
@@ -118,11 +142,13 @@ class AdaptiveK:
             self.cost.cal = self.cal
         return True
 
-    def reset(self, first_token: dict[str, float] | None = None) -> None:
-        """Forget acceptance (after a draft hot-swap); keep the measured step costs. `first_token`:
-        the new draft's replayed first-token acceptance per class ("" = over all classes), a₁'s prior."""
+    def reset(self, replayed: Mapping[str, tuple[float, float]] | None = None) -> None:
+        """Forget acceptance (after a draft hot-swap); keep the measured step costs. `replayed`: the
+        new draft's first-token acceptance its evaluation replayed and the chains it counted, per
+        class ("" = over all classes): a₁'s prior (`first_token_priors`)."""
+        first = first_token_priors(replayed or {}, self.prior)
         with self._lock:
-            self._first = {w: min(1.0, max(0.0, float(a))) for w, a in (first_token or {}).items()}
+            self._first = first
             self._acc.clear()
             self._obs.clear()
             self._steps.clear()

@@ -82,7 +82,7 @@ class Planner:
         if self.adaptive is not None and any(lad.fixed is None for lad in ladders):
             workloads = [s.req.workload for s in running]
             choice = self.adaptive.plan_step(workloads, ladders)
-            self._observe_suffix(slots, choice, gated)
+            self._observe_suffix(slots, ladders, choice, gated)
             if self.early_stop:
                 stop = self.adaptive.stop_below(ladders, choice)
         else:
@@ -104,14 +104,17 @@ class Planner:
         classes = {sl.seq.req.workload for sl in slots if sl.learn is not None}
         return {w for w in classes if not self.adaptive.suffix_due(w, len(slots))}
 
-    def _observe_suffix(self, slots: list[Slot], choice: list[tuple[str, int]], gated: set[str]) -> None:
-        """Tell the policy, per class whose requests' suffix proposals were computed, whether one was chosen."""
+    def _observe_suffix(self, slots: list[Slot], ladders: list[Ladder], choice: list[tuple[str, int]],
+                        gated: set[str]) -> None:
+        """Tell the policy, per class whose requests' suffix proposals were computed and offered the
+        plan an option (a step where no request's trie matched says nothing about whether a match
+        would pay: it is not a miss), whether one was chosen."""
         if self.suffix is None:
             return
         chosen: dict[str, bool] = {}
-        for sl, (via, _) in zip(slots, choice):
+        for sl, lad, (via, _) in zip(slots, ladders, choice):
             w = sl.seq.req.workload
-            if sl.learn is not None and w not in gated:
+            if sl.learn is not None and w not in gated and any(lad.suffix):
                 chosen[w] = chosen.get(w, False) or via == "suffix"
         for w, yes in chosen.items():
             self.adaptive.observe_suffix_plan(w, len(slots), yes)

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,7 +36,7 @@ import torch
 from ..config import tree_num_draft_tokens as tree_size
 from ..models.eagle3 import DraftRunner
 from ..models.target import Segment, Target
-from .adaptive import AdaptiveK
+from .adaptive import AdaptiveK, first_token_priors
 from .goodput import draft_batches
 from .health import DraftHealth
 from .logits import check_token_ids
@@ -117,6 +118,7 @@ class Engine:
     `engine.tree`); raises ValueError for a size outside [depth + 1, 1 + topk + (depth − 1)·topk²] or > 64.
     `forced_tokens`: constrained requests propose the tokens their grammar forces (`proposers.grammar`);
     evaluation turns it off so τ measures the draft alone (under the grammar's masks).
+    `replayed`: the draft's replayed first-token acceptance (class → (a₁, chains)), as `set_draft`'s.
     Proposers (`_proposers`, `engine.proposers`): the EAGLE3 chain, the EAGLE-2 tree, the suffix
     proposal, a constrained request's grammar-forced tokens; a new one is one `Proposer` class plus its entry there and its option in the plan.
     Also raises ValueError for num_draft_tokens, max_batch or eagle_topk < 1, max_seq_len beyond the
@@ -127,7 +129,8 @@ class Engine:
                  max_seq_len: int = 1024, draft_version: str | None = None, max_batch: int = 8,
                  adaptive: AdaptiveK | None = None, capture: CaptureSink | None = None,
                  suffix: SuffixCache | None = None, suffix_min_expected: float = 1.0, draft_early_stop: bool = False,
-                 eagle_topk: int = 1, tree_num_draft_tokens: int | None = None, forced_tokens: bool = True):
+                 eagle_topk: int = 1, tree_num_draft_tokens: int | None = None, forced_tokens: bool = True,
+                 replayed: Mapping[str, tuple[float, float]] | None = None):
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens (k) must be >= 1; use speculative=False to turn speculation off")
         if max_batch < 1:
@@ -162,9 +165,12 @@ class Engine:
             "grammar": GrammarProposer(target.cfg.vocab_size)}
         self._pending_global = None  # a global suffix tree waiting to be installed between steps
         self.health = DraftHealth()  # live first-token acceptance per (draft version, class)
-        if draft is not None:
+        if draft is not None:  # as set_draft: health's reference and the policy's a₁ from the replay
             self._check_draft(draft)
-            self.health.serve(draft_version)
+            first_token_priors(replayed or {}, 0.0)
+            self.health.serve(draft_version, replayed)
+            if adaptive is not None and replayed:
+                adaptive.reset(replayed)
 
     def _check_draft(self, draft: DraftRunner) -> None:
         c, t = draft.config, self.target.cfg
@@ -186,6 +192,7 @@ class Engine:
         one) is timed first (`AdaptiveK.ensure_draft_costs`, ~0.5 s)."""
         if draft is not None:
             self._check_draft(draft)
+            first_token_priors(replayed or {}, 0.0)  # ValueError for a malformed replay, before anything changes
             if self.adaptive is not None:  # a draft of another shape (or the first one) is timed before it serves
                 self.adaptive.ensure_draft_costs(self.target, draft)
         with self._lock:
@@ -193,7 +200,7 @@ class Engine:
         if draft is not None:
             self.health.serve(version, replayed)
         if self.adaptive is not None:
-            self.adaptive.reset({w: a1 for w, (a1, _) in (replayed or {}).items()} if draft is not None else None)
+            self.adaptive.reset(replayed if draft is not None else None)
 
     @property
     def draft_version(self) -> str | None:
