@@ -450,3 +450,14 @@ def test_a_step_whose_tries_matched_nothing_is_not_a_miss_of_the_suffix_gate():
     for _ in range(2):
         pl._observe_suffix(slots, offered, [("", 0)] * 8, set())
     assert pol.suffix_off_at("code") == [8]
+
+
+def test_step_cost_memoises_the_calibration_and_forgets_it_when_replaced():
+    """The plan asks StepCost the same (batch, rows) thousands of times per step, so it memoises the
+    calibration's interpolations; a hot-swapped draft's costs (`cal` replaced) must not be served stale."""
+    cost, cal = StepCost(_cal()), _cal()
+    assert cost.calibrated(8, 12, [8, 4]) == pytest.approx(cal.target_cost(8, 12) + cal.draft_cost(8) + cal.draft_cost(4))
+    assert cost.calibrated(8, 12, [8, 4]) == pytest.approx(cal.target_cost(8, 12) + cal.draft_cost(8) + cal.draft_cost(4))
+    cost.cal = _cal(draft_ms=(3.0, 9.0))
+    assert cost.calibrated(8, 12, [8]) == pytest.approx(cal.target_cost(8, 12) + 9.0)
+    assert (cost.bucket(2), cost.bucket(3), cost.bucket(16)) == (1, 8, 8)  # nearest on a log scale

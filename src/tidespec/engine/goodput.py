@@ -65,7 +65,9 @@ NONE = ("", 0)
 
 
 class StepCost:
-    """Predicted step wall time (ms) from a `Calibration`, re-fitted online. Thread-safe."""
+    """Predicted step wall time (ms) from a `Calibration`, re-fitted online. Thread-safe. The
+    calibration's interpolated costs and cells are memoised (a step's plan asks the same few
+    thousand times; replacing `cal` clears them)."""
 
     def __init__(self, cal: Calibration, alpha: float = 0.1):
         self.cal = cal
@@ -73,13 +75,41 @@ class StepCost:
         self._f = [[1.0] * len(cal.rows) for _ in cal.batch_sizes]  # measured / calibrated, per cell
         self._lock = threading.Lock()
 
+    @property
+    def cal(self) -> Calibration:
+        return self._cal
+
+    @cal.setter
+    def cal(self, cal: Calibration) -> None:
+        self._cal = cal
+        self._memo: dict[tuple, float | int] = {}  # ("t", b, rows) / ("d", b) / ("b", b) / ("r", rows per request)
+
+    def _target(self, b: int, total_rows: int) -> float:
+        key = ("t", b, total_rows)
+        v = self._memo.get(key)
+        if v is None:
+            v = self._memo[key] = self._cal.target_cost(b, total_rows)
+        return v
+
+    def _draft(self, b: int) -> float:
+        key = ("d", b)
+        v = self._memo.get(key)
+        if v is None:
+            v = self._memo[key] = self._cal.draft_cost(b)
+        return v
+
     def bucket(self, b: int) -> int:
         """The calibrated batch size nearest to b (log scale): the cost cell a step of b requests uses."""
-        return min(self.cal.batch_sizes, key=lambda x: abs(math.log(x / b)))
+        return self._cal.batch_sizes[self._cell(b, 1)[0]]
 
     def _cell(self, b: int, rows_per_req: float) -> tuple[int, int]:
-        bi = min(range(len(self.cal.batch_sizes)), key=lambda i: abs(math.log(self.cal.batch_sizes[i] / b)))
-        rj = min(range(len(self.cal.rows)), key=lambda j: abs(self.cal.rows[j] - rows_per_req))
+        bi, rj = self._memo.get(("b", b)), self._memo.get(("r", rows_per_req))
+        if bi is None:
+            sizes = self._cal.batch_sizes
+            bi = self._memo[("b", b)] = min(range(len(sizes)), key=lambda i: abs(math.log(sizes[i] / b)))
+        if rj is None:
+            rows = self._cal.rows
+            rj = self._memo[("r", rows_per_req)] = min(range(len(rows)), key=lambda j: abs(rows[j] - rows_per_req))
         return bi, rj
 
     def factor(self, b: int, rows_per_req: float) -> float:
@@ -92,7 +122,7 @@ class StepCost:
     def calibrated(self, b: int, total_rows: int, draft_batches: list[int] | tuple[int, ...] = ()) -> float:
         """Calibrated ms of a step: target forward of `total_rows` over `b` requests plus one draft
         step per entry of `draft_batches` (requests drafting at each chain position)."""
-        return self.cal.target_cost(b, total_rows) + sum(self.cal.draft_cost(n) for n in draft_batches)
+        return self._target(b, total_rows) + sum(self._draft(n) for n in draft_batches)
 
     def predict(self, b: int, total_rows: int, draft_batches: list[int] | tuple[int, ...] = ()) -> float:
         """Predicted ms of a step (calibrated × the re-fitted factor)."""
@@ -170,7 +200,7 @@ class _Step:
 
     def __init__(self, ladders: list[Ladder], cost: StepCost, choice: list[tuple[str, int]]):
         self.lad, self.cost, self.b = ladders, cost, len(ladders)
-        self.draft = [cost.cal.draft_cost(n) for n in range(self.b * max((x.draft_rows for x in ladders), default=1) + 1)]
+        self.draft = [cost._draft(n) for n in range(self.b * max((x.draft_rows for x in ladders), default=1) + 1)]
         self._t: dict[int, tuple[float, float]] = {}
         depth = max((max(x.depth(len(x.eagle)), x.depth(x.fixed[1]) if x.fixed and x.fixed[0] == "eagle3" else 0)
                      for x in ladders), default=0)
@@ -183,7 +213,7 @@ class _Step:
 
     def _tf(self, rows: int) -> tuple[float, float]:
         if rows not in self._t:
-            self._t[rows] = (self.cost.cal.target_cost(self.b, rows), self.cost.factor(self.b, rows / self.b))
+            self._t[rows] = (self.cost._target(self.b, rows), self.cost.factor(self.b, rows / self.b))
         return self._t[rows]
 
     def _add(self, i: int, c: tuple[str, int], sign: int) -> None:
