@@ -461,3 +461,27 @@ def test_step_cost_memoises_the_calibration_and_forgets_it_when_replaced():
     cost.cal = _cal(draft_ms=(3.0, 9.0))
     assert cost.calibrated(8, 12, [8]) == pytest.approx(cal.target_cost(8, 12) + 9.0)
     assert (cost.bucket(2), cost.bucket(3), cost.bucket(16)) == (1, 8, 8)  # nearest on a log scale
+
+
+def test_a_cost_computed_from_the_old_calibration_never_lands_in_the_new_ones_memo():
+    """`AdaptiveK.ensure_draft_costs` replaces `cost.cal` from another thread while a step may be
+    planning: a value computed from the old calibration must not be served after the swap."""
+    import threading
+    from dataclasses import replace
+    started, release = threading.Event(), threading.Event()
+
+    class Slow(Calibration):
+        def draft_cost(self, b):
+            started.set()
+            release.wait(5)
+            return super().draft_cost(b)
+
+    old = _cal(draft_ms=(0.0, 0.0))
+    cost = StepCost(Slow(*(getattr(old, f) for f in old.__dataclass_fields__)))
+    t = threading.Thread(target=cost._draft, args=(8,))
+    t.start()
+    assert started.wait(5)
+    cost.cal = replace(old, draft_ms=3.0, draft_batch_ms=(3.0, 40.0))  # the swap, mid-computation
+    release.set()
+    t.join(5)
+    assert cost._draft(8) == 40.0

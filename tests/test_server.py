@@ -324,3 +324,32 @@ def test_store_false_is_served_and_never_captured(tiny_target_dir, tmp_path):
     assert len(read_manifest(tmp_path / "cap")) == 1  # the one request sent without store: false
     (f,) = list((tmp_path / "text").rglob("*.jsonl"))
     assert len(f.read_text().splitlines()) == 1 and '"store"' not in f.read_text()
+
+
+def test_champion_watcher_survives_an_unreadable_version_json(tmp_path, caplog):
+    """A malformed version.json in the watched champion dir is logged once and polling goes on (the
+    watcher used to die on it, so later champions and rollbacks were never installed)."""
+    import json
+    import time
+    from types import SimpleNamespace
+    from tidespec.serve.admin import ChampionWatcher
+    installed = []
+    engine = SimpleNamespace(draft_version="1")
+    (tmp_path / "version.json").write_text(json.dumps({"version": "2", "replayed": {"": [0.5, float("inf")]}}))
+    def install(d, v):
+        installed.append(v)
+        engine.draft_version = v
+
+    w = ChampionWatcher(tmp_path, 0.02, engine, install)
+    try:
+        time.sleep(0.2)  # several polls of the bad file
+        assert w._thread.is_alive() and installed == []
+        assert sum("unreadable" in r.message for r in caplog.records) == 1
+        (tmp_path / "version.json").write_text(json.dumps({"version": "2"}))
+        for _ in range(100):
+            if installed:
+                break
+            time.sleep(0.02)
+        assert installed == ["2"]
+    finally:
+        w.close()

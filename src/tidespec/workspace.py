@@ -13,6 +13,7 @@ joining its own. The layout (under `root`):
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -118,9 +119,9 @@ def read_version(draft_dir: Path) -> dict | None:
     rep = meta.get("replayed", {})
     if not isinstance(rep, dict) or not all(
             isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                        for x in v) and 0 <= v[0] <= 1 and v[1] >= 0
+                                                        for x in v) and 0 <= v[0] <= 1 and 0 <= v[1] < math.inf
             for v in rep.values()):
-        raise ValueError(f"{f}: replayed must map workload classes to [acceptance in [0, 1], chains >= 0]")
+        raise ValueError(f"{f}: replayed must map workload classes to [acceptance in [0, 1], finite chains >= 0]")
     return {"version": str(meta["version"]), "run_id": str(meta.get("run_id", "")), "tuned_k": tuned,
             "replayed": {str(k): [float(a), float(n)] for k, (a, n) in rep.items()}}
 

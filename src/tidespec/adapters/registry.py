@@ -331,7 +331,7 @@ def replayed(tags: dict[str, str]) -> dict[str, list[float]]:
     the tag is missing or malformed."""
     try:
         rep = json.loads(tags.get(FIRST_TOKEN_TAG, "{}"))
-        return {str(k): [float(a), float(n)] for k, (a, n) in rep.items() if 0 <= float(a) <= 1 and float(n) >= 0}
+        return {str(k): [float(a), float(n)] for k, (a, n) in rep.items() if 0 <= float(a) <= 1 and 0 <= float(n) < math.inf}
     except (ValueError, TypeError, AttributeError):
         return {}
 

@@ -342,7 +342,7 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
 def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:
     """ITL with and without speculation per workload group under the adaptive k policy (final champion)."""
     groups = contrast_prompts(tok, cfg, code_hold)
-    spec = make_engine(params, target, runner_for(ws.champion, target), adaptive=True)
+    spec = make_engine(params, target, runner_for(ws.champion, target), adaptive=True, **served(ws.champion))
     none = make_engine(params, target, None)
     warm = [p for ps in groups.values() for p in ps[:1]]  # the policy learns each class online
     replay({"adaptive": (spec, True)}, warm, cfg.max_new_tokens // 2)

@@ -77,39 +77,36 @@ class StepCost:
 
     @property
     def cal(self) -> Calibration:
-        return self._cal
+        return self._state[0]
 
     @cal.setter
     def cal(self, cal: Calibration) -> None:
-        self._cal = cal
-        self._memo: dict[tuple, float | int] = {}  # ("t", b, rows) / ("d", b) / ("b", b) / ("r", rows per request)
+        # one assignment: a reader holds a (calibration, its memo) pair, never one's memo with the other's values
+        # memo keys: ("t", b, rows) / ("d", b) / ("b", b) / ("r", rows per request)
+        self._state: tuple[Calibration, dict[tuple, float | int]] = (cal, {})
+
+    def _memoised(self, key: tuple, compute) -> float | int:
+        cal, memo = self._state
+        v = memo.get(key)
+        if v is None:
+            v = memo[key] = compute(cal)
+        return v
 
     def _target(self, b: int, total_rows: int) -> float:
-        key = ("t", b, total_rows)
-        v = self._memo.get(key)
-        if v is None:
-            v = self._memo[key] = self._cal.target_cost(b, total_rows)
-        return v
+        return self._memoised(("t", b, total_rows), lambda cal: cal.target_cost(b, total_rows))
 
     def _draft(self, b: int) -> float:
-        key = ("d", b)
-        v = self._memo.get(key)
-        if v is None:
-            v = self._memo[key] = self._cal.draft_cost(b)
-        return v
+        return self._memoised(("d", b), lambda cal: cal.draft_cost(b))
 
     def bucket(self, b: int) -> int:
         """The calibrated batch size nearest to b (log scale): the cost cell a step of b requests uses."""
-        return self._cal.batch_sizes[self._cell(b, 1)[0]]
+        return self.cal.batch_sizes[self._cell(b, 1)[0]]
 
     def _cell(self, b: int, rows_per_req: float) -> tuple[int, int]:
-        bi, rj = self._memo.get(("b", b)), self._memo.get(("r", rows_per_req))
-        if bi is None:
-            sizes = self._cal.batch_sizes
-            bi = self._memo[("b", b)] = min(range(len(sizes)), key=lambda i: abs(math.log(sizes[i] / b)))
-        if rj is None:
-            rows = self._cal.rows
-            rj = self._memo[("r", rows_per_req)] = min(range(len(rows)), key=lambda j: abs(rows[j] - rows_per_req))
+        bi = self._memoised(("b", b), lambda cal: min(range(len(cal.batch_sizes)),
+                                                      key=lambda i: abs(math.log(cal.batch_sizes[i] / b))))
+        rj = self._memoised(("r", rows_per_req), lambda cal: min(range(len(cal.rows)),
+                                                                 key=lambda j: abs(cal.rows[j] - rows_per_req)))
         return bi, rj
 
     def factor(self, b: int, rows_per_req: float) -> float:

@@ -55,18 +55,28 @@ class ChampionWatcher:
     `install(directory, version)` when it names another version than the engine serves: how a
     running `tidespec serve` picks up the draft a `tide_cycle` run deployed (deploy.local writes the
     directory by rename, so a poll never sees half a draft). A version the engine refuses is
-    logged once and not retried until the directory changes again."""
+    logged once and not retried until the directory changes again; an unreadable version.json is
+    logged once and polling goes on (the next deploy's rename replaces it)."""
 
     def __init__(self, directory: Path, every_s: float, engine: Engine, install: Callable[[Path, str], dict]):
         self.directory, self.every_s, self.engine, self.install = Path(directory), every_s, engine, install
         self._refused: str | None = None
+        self._unreadable: str | None = None  # the last error reading the directory's version.json
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tidespec-champion-watch", daemon=True)
         self._thread.start()
 
     def check(self) -> str | None:
         """One poll; returns the version installed now, or None."""
-        v = served_version(self.directory)
+        try:
+            v = served_version(self.directory)
+        except (ValueError, OSError) as e:  # a malformed version.json: keep polling (a rename replaces it)
+            if str(e) != self._unreadable:  # logged once per error
+                self._unreadable = str(e)
+                log.error("champion at %s unreadable, draft %s keeps serving: %s", self.directory,
+                          self.engine.draft_version, e)
+            return None
+        self._unreadable = None
         if v is None or v == self.engine.draft_version or v == self._refused:
             return None
         try:
