@@ -456,8 +456,9 @@ def test_step_cost_memoises_the_calibration_and_forgets_it_when_replaced():
     """The plan asks StepCost the same (batch, rows) thousands of times per step, so it memoises the
     calibration's interpolations; a hot-swapped draft's costs (`cal` replaced) must not be served stale."""
     cost, cal = StepCost(_cal()), _cal()
-    assert cost.calibrated(8, 12, [8, 4]) == pytest.approx(cal.target_cost(8, 12) + cal.draft_cost(8) + cal.draft_cost(4))
-    assert cost.calibrated(8, 12, [8, 4]) == pytest.approx(cal.target_cost(8, 12) + cal.draft_cost(8) + cal.draft_cost(4))
+    want = cal.target_cost(8, 12) + cal.draft_cost(8) + cal.draft_cost(4)
+    assert cost.calibrated(8, 12, [8, 4]) == pytest.approx(want)
+    assert cost.calibrated(8, 12, [8, 4]) == pytest.approx(want)  # now from the memo
     cost.cal = _cal(draft_ms=(3.0, 9.0))
     assert cost.calibrated(8, 12, [8]) == pytest.approx(cal.target_cost(8, 12) + 9.0)
     assert (cost.bucket(2), cost.bucket(3), cost.bucket(16)) == (1, 8, 8)  # nearest on a log scale

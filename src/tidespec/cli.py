@@ -302,7 +302,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     from .config import load_params
     from .runtime import get_target, install_suffix_corpus, make_engine, runner_for
     from .server import ADMIN_TOKEN_ENV, build_app
-    from .workspace import read_version
+    from .workspace import served
     p, ws = load_params(params), _ws(root)
     if timeout_s is not None and not timeout_s < float("inf"):
         raise typer.BadParameter("--timeout-s must be finite")
@@ -333,8 +333,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     text_capture = _text_log(TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate),
                              target.target_id, p.capture.seal_min_tokens) if text else None
     runner = runner_for(ws.champion, target)
-    meta = (read_version(ws.champion) or {}) if runner else {}
-    engine = make_engine(p, target, runner, meta.get("version"), capture=writer, replayed=meta.get("replayed"),
+    engine = make_engine(p, target, runner, capture=writer, **(served(ws.champion) if runner else {}),
                          progress=lambda m: console.print(f"serve: {m}", markup=False, highlight=False))
     if runner is not None:  # the global suffix tree deployed with the champion (never refuses to start)
         install_suffix_corpus(engine, ws.champion)

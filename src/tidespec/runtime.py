@@ -19,7 +19,7 @@ from .engine.speculative import Engine
 from .engine.suffix import CORPUS_FILE, SuffixCache, load_corpus
 from .models.eagle3 import DraftRunner, load_checkpoint
 from .models.target import Target, convert_gguf, load_target, target_id_for
-from .workspace import read_version
+from .workspace import served
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
     (`engine.speculative.CaptureSink`) the engine asks at admission and hands each finished
     request's record. `engine.suffix.enabled` adds the suffix proposer (`engine.suffix.SuffixCache`).
     `progress(message)`: told what a first calibration is doing (≤ ~1 min on 2 cores). `replayed`: the
-    draft's replayed first-token acceptance (version.json's, `workspace.read_version`): draft
+    draft's replayed first-token acceptance (version.json's, `workspace.served`): draft
     health's reference and the policy's starting a₁, as a hot-swap (`Engine.set_draft`) gives them."""
     e = params.engine
     pol = None
@@ -123,7 +123,7 @@ def install_draft(engine: Engine, draft_dir: Path, version: str | None = None) -
     runner = runner_for(draft_dir, engine.target)
     if runner is None:
         raise ValueError(f"no draft checkpoint at {draft_dir} (config.json + model.safetensors)")
-    meta = read_version(Path(draft_dir)) or {}
-    version = meta.get("version") or version
-    engine.set_draft(runner, version, replayed=meta.get("replayed"))
+    meta = served(Path(draft_dir))
+    version = meta["version"] or version
+    engine.set_draft(runner, version, replayed=meta["replayed"])
     return {"draft_version": version, "suffix_corpus_tokens": install_suffix_corpus(engine, draft_dir)}

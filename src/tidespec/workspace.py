@@ -128,8 +128,7 @@ def read_version(draft_dir: Path) -> dict | None:
 
 def served_version(draft_dir: Path) -> str | None:
     """Registry version of the draft in `draft_dir` (None: not from the registry, or no draft)."""
-    meta = read_version(draft_dir)
-    return meta["version"] if meta else None
+    return served(draft_dir)["version"]
 
 
 def served(draft_dir: Path) -> dict:

@@ -77,6 +77,7 @@ class StepCost:
 
     @property
     def cal(self) -> Calibration:
+        """The calibration costs are predicted from; assigning one (a re-timed draft) drops the memo."""
         return self._state[0]
 
     @cal.setter
@@ -98,16 +99,18 @@ class StepCost:
     def _draft(self, b: int) -> float:
         return self._memoised(("d", b), lambda cal: cal.draft_cost(b))
 
+    def _batch_index(self, b: int) -> int:
+        return self._memoised(("b", b), lambda cal: min(range(len(cal.batch_sizes)),
+                                                        key=lambda i: abs(math.log(cal.batch_sizes[i] / b))))
+
     def bucket(self, b: int) -> int:
         """The calibrated batch size nearest to b (log scale): the cost cell a step of b requests uses."""
-        return self.cal.batch_sizes[self._cell(b, 1)[0]]
+        return self.cal.batch_sizes[self._batch_index(b)]
 
     def _cell(self, b: int, rows_per_req: float) -> tuple[int, int]:
-        bi = self._memoised(("b", b), lambda cal: min(range(len(cal.batch_sizes)),
-                                                      key=lambda i: abs(math.log(cal.batch_sizes[i] / b))))
         rj = self._memoised(("r", rows_per_req), lambda cal: min(range(len(cal.rows)),
                                                                  key=lambda j: abs(cal.rows[j] - rows_per_req)))
-        return bi, rj
+        return self._batch_index(b), rj
 
     def factor(self, b: int, rows_per_req: float) -> float:
         """The correction applied to a step of b requests with this many rows each: the largest

@@ -118,7 +118,8 @@ class Engine:
     `engine.tree`); raises ValueError for a size outside [depth + 1, 1 + topk + (depth − 1)·topk²] or > 64.
     `forced_tokens`: constrained requests propose the tokens their grammar forces (`proposers.grammar`);
     evaluation turns it off so τ measures the draft alone (under the grammar's masks).
-    `replayed`: the draft's replayed first-token acceptance (class → (a₁, chains)), as `set_draft`'s.
+    `replayed`: the draft's replayed first-token acceptance (class → (a₁, chains)), as `set_draft`'s
+    (ValueError when malformed).
     Proposers (`_proposers`, `engine.proposers`): the EAGLE3 chain, the EAGLE-2 tree, the suffix
     proposal, a constrained request's grammar-forced tokens; a new one is one `Proposer` class plus its entry there and its option in the plan.
     Also raises ValueError for num_draft_tokens, max_batch or eagle_topk < 1, max_seq_len beyond the
@@ -186,10 +187,12 @@ class Engine:
                   replayed: dict[str, tuple[float, float]] | None = None) -> None:
         """Swap the draft (None = no speculation). Raises ValueError for a draft of another target.
         `replayed`: the first-token acceptance its evaluation replayed and the chains it counted
-        (class → (a₁, chains), "" overall), what `health` compares its live acceptance with.
-        The adaptive policy's acceptance estimates restart (they described the old draft): a₁ from
-        the replayed first-token acceptance where given, else the policy's prior; a draft whose steps it has not timed (another shape, or the engine started without
-        one) is timed first (`AdaptiveK.ensure_draft_costs`, ~0.5 s)."""
+        (class → (a₁, chains), "" overall), what `health` compares its live acceptance with; a
+        malformed one raises ValueError before anything changes. The adaptive policy's acceptance
+        estimates restart (they described the old draft): a₁ from the replayed first-token acceptance
+        where given (`adaptive.first_token_priors`), else the policy's prior; a draft whose steps it has
+        not timed (another shape, or the engine started without one) is timed first
+        (`AdaptiveK.ensure_draft_costs`, ~0.5 s)."""
         if draft is not None:
             self._check_draft(draft)
             first_token_priors(replayed or {}, 0.0)  # ValueError for a malformed replay, before anything changes
