@@ -1,7 +1,7 @@
 """Experiment for issue 28 (the hybrid as the default): the hybrid (EAGLE3 draft + suffix proposer
 under the goodput policy) — or with `--config default` params.yaml's default (the EAGLE3 draft alone
-under the policy) — against no speculation at one concurrency, both engines in ONE process sharing
-the same target weights, alternating run by run.
+under the policy) — against no speculation, per workload × concurrency cell, both engines in ONE
+process sharing the same target weights, alternating run by run.
 
 `tidespec bench engine` runs each method in its own worker process, as a deployment would; at 16
 concurrent requests on 2 cores a cell's paired ratios then carry whatever differs between the two
@@ -11,9 +11,12 @@ only the engine's own work per step: planning, proposals, bookkeeping, the draft
 warm-up mirrors the grid's (c = 1 on every workload, then c = 4 and 8), so the policy has learned
 what it learns there. `--breakdown` also reports the seconds each engine spent in its steps, its
 plans (suffix proposals + the goodput search), the draft's catch-up and the target's verify forwards
-(timers wrapped around those functions by this script). Timed: run it alone on the machine.
+(timers wrapped around those functions by this script). Several `--workload` / `--concurrency`
+values run every cell with the same two engines (their max batch is the highest concurrency; a cell's
+closed-loop clients keep c requests running), each pass over all cells in turn. Timed: run it alone
+on the machine.
 
-    PYTHONPATH=src .venv/bin/python bench/inprocess_ab.py --draft .tidespec/demo-vllm/data/drafts/champion \\
+    PYTHONPATH=src .venv/bin/python bench/inprocess_ab.py --draft data/drafts/champion \\
         --workload code --concurrency 16 --passes 8 --out bench/results/default-config/inprocess-code-16
 """
 from __future__ import annotations
@@ -31,13 +34,18 @@ import tidespec.engine.speculative as speculative
 from tidespec.bench.engine import WORKLOADS, workload_prompts
 from tidespec.bench.methods import MethodSpec, TidespecMethod
 from tidespec.config import load_params
+from tidespec.engine.goodput import draft_batches
 from tidespec.engine.plan import Planner
+from tidespec.engine.proposers.eagle3 import Eagle3Chain
+from tidespec.engine.proposers.tree import Eagle3Tree
 from tidespec.runtime import get_target
 
 # --breakdown: seconds inside the engine's step, its plan (proposals + the goodput search), the draft's
-# catch-up and the target's verify forward, per engine (wrapped here; the engine is not changed)
+# catch-up and chain/tree drafting, the target's verify forward, per engine, and the calibrated cost of
+# the decode steps it ran (wrapped here; the engine is not changed)
 SPENT: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 _current = ["warm-up"]
+_COST: list = []  # the StepCost every engine's steps are costed with (the speculative engine's calibration)
 
 
 def _timed(name: str, f):
@@ -51,11 +59,31 @@ def _timed(name: str, f):
     return run
 
 
+def _costed(f):
+    """Engine._observe_cost, also summing the calibrated ms of each decode step (no prefill) it ran:
+    the forward work of the steps, free of the machine's noise."""
+    def run(self, plan, prefill, *a):
+        if _COST and plan.slots and not prefill:
+            sl = plan.slots
+            fw = draft_batches([x.draft_forwards for x in sl], [x.draft_rows for x in sl])
+            SPENT[_current[0]]["calibrated"] += _COST[0].calibrated(len(sl), sum(x.k + 1 for x in sl), fw) / 1000
+        return f(self, plan, prefill, *a)
+    return run
+
+
 def _instrument() -> None:
     speculative.Engine.step = _timed("step", speculative.Engine.step)
     speculative.Engine._verify = _timed("verify", speculative.Engine._verify)
+    speculative.Engine._observe_cost = _costed(speculative.Engine._observe_cost)
     speculative.catch_up = _timed("catch-up", speculative.catch_up)
     Planner.plan = _timed("plan", Planner.plan)
+    for cls in (Eagle3Chain, Eagle3Tree):
+        cls.propose = _timed("draft", cls.propose)
+
+
+def _own(spent: dict) -> float:
+    """The engine's own work: its steps' seconds outside the target's and the draft's forwards."""
+    return spent["step"] - spent["verify"] - spent["catch-up"] - spent["draft"]
 
 
 def _wave(m: TidespecMethod, prompts: list, max_new: int, workload: str, c: int) -> dict:
@@ -69,77 +97,162 @@ def _wave(m: TidespecMethod, prompts: list, max_new: int, workload: str, c: int)
             "tau": tokens / max(1, sum(len(x["steps"]) + 1 for x in r["results"]))}
 
 
+def _warm_up(m: TidespecMethod, wl: dict, max_new: int) -> None:
+    """The grid's warm-up: c = 1 on every workload, then c = 4 and 8."""
+    m.run(wl["code"][0][1], 8, "warmup")
+    for w in WORKLOADS:
+        for _, ids in wl[w][:8]:
+            m.run(ids, max_new, w)
+    for cc in (4, 8):
+        for w in WORKLOADS:
+            _wave(m, wl[w][:8], max_new, w, cc)
+
+
+def _forwards(spent: dict) -> float:
+    """Seconds in the target's and the draft's forwards (verify, catch-up, chain/tree drafting)."""
+    return spent["verify"] + spent["catch-up"] + spent["draft"]
+
+
+def modeled_ratio(spent: dict, name: str) -> float | None:
+    """The paired ratio `name` / none with the forwards counted instead of timed: each engine's
+    decode steps costed by the calibration (rows, batch sizes, draft forwards), scaled by the cell's
+    measured forward seconds over its calibrated ones (both engines together: the machine's speed
+    while the cell ran), plus the engine's own work as measured. The tokens are the same, so
+    (work_none) / (work_name). None without --breakdown data."""
+    a, b = spent.get("none"), spent.get(name)
+    if not a or not b or not a["calibrated"] or not b["calibrated"]:
+        return None
+    level = (_forwards(a) + _forwards(b)) / (a["calibrated"] + b["calibrated"])
+    return (level * a["calibrated"] + _own(a)) / (level * b["calibrated"] + _own(b))
+
+
+def _cell_md(name: str, runs: dict, ratios: list[float], spent: dict, breakdown: bool) -> str:
+    med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
+    itl = {k: statistics.median(r["itl_ms_p50"] for r in v) for k, v in runs.items()}
+    inside = ratios[0] <= 1.0 <= ratios[-1]
+    cols = ("step", "plan", "draft forwards", "verify", "own", "calibrated decode")
+    val = {"step": lambda x: x["step"], "plan": lambda x: x["plan"], "draft forwards": lambda x: x["catch-up"] + x["draft"],
+           "verify": lambda x: x["verify"], "own": _own, "calibrated decode": lambda x: x["calibrated"]}
+    table = ("\n| engine | wall s (all waves) | steps | " + " | ".join(f"{x} s" for x in cols) + " |\n|---|---|---|"
+             + "---|" * len(cols) + "\n" + "".join(
+                 f"| {k} | {sum(r['wall_s'] for r in runs[k]):.2f} | {spent[k]['step calls']:.0f} | "
+                 + " | ".join(f"{val[x](spent[k]):.3f}" for x in cols) + " |\n" for k in runs)
+             + (f"\nModeled ratio (forwards counted: calibrated cost × the cell's measured speed; own work as "
+                f"measured): {modeled_ratio(spent, name):.3f}×.\n" if modeled_ratio(spent, name) else "")) \
+        if breakdown else ""
+    return ("| engine | tokens/s (median) | ITL p50 ms (median) | τ (median) |\n|---|---|---|---|\n"
+            + "".join(f"| {k} | {med[k]:.1f} | {itl[k]:.1f} | {statistics.median(r['tau'] for r in runs[k]):.2f} |\n"
+                      for k in runs)
+            + f"\nPaired ratio {name} / none: {statistics.median(ratios):.3f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+            + (" ~ inside the noise" if inside else "") + ".\n" + table)
+
+
+def write_report(res: dict, out: Path) -> str:
+    """PREFIX.json (the result) and PREFIX.md (the summary table, each cell's detail, the command)
+    from a result dict; returns the markdown."""
+    name, breakdown = res["config"], res["breakdown"]
+    workloads = list(dict.fromkeys(c["workload"] for c in res["cells"]))
+    levels = sorted({c["concurrency"] for c in res["cells"]})
+    for cell in res["cells"]:
+        spent = {k: defaultdict(float, v) for k, v in cell["breakdown_s"].items()}
+        cell["modeled_ratio"] = modeled_ratio(spent, name) if breakdown else None
+        cell["md"] = _cell_md(name, cell["runs"], cell["ratio"]["all"], spent, breakdown)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({k: v for k, v in res.items()} | {
+        "cells": [{k: v for k, v in c.items() if k != "md"} for c in res["cells"]]}, indent=2, default=str) + "\n")
+
+    def fmt(c: dict) -> str:
+        r = c["ratio"]
+        return (f"{r['median']:.3f} ({r['min']:.2f}–{r['max']:.2f}){' ~' if r['min'] <= 1 <= r['max'] else ''}"
+                + (f" · {c['modeled_ratio']:.3f}" if c["modeled_ratio"] is not None else ""))
+    by = {(c["workload"], c["concurrency"]): c for c in res["cells"]}
+    summary = ("| workload | " + " | ".join(f"c={c}" for c in levels) + " |\n|---|" + "---|" * len(levels) + "\n"
+               + "".join(f"| {w} | " + " | ".join(fmt(by[(w, c)]) if (w, c) in by else "–" for c in levels) + " |\n"
+                         for w in workloads))
+    text = (f"# In-process A/B: {name} vs no speculation ({res['date']})\n\n"
+            f"Both engines in one process (shared target weights), {res['passes']} alternating passes over the cells; "
+            f"a wave is max(c, 8) prompts × ≤ {res['max_new_tokens']} tokens with c closed-loop clients, after the "
+            f"grid's warm-up; draft `{res['draft']}`; {res['wall_s'] / 60:.1f} min.\n\n"
+            f"Paired ratio {name} / none per cell, median (range); ~ = the range holds 1.0 (inside the noise)"
+            + ("; after · the modeled ratio: the forwards counted instead of timed (each engine's decode steps costed "
+               "by the calibration, scaled to the machine's measured speed in that cell), the engine's own work (its "
+               "step time outside the forwards) as measured" if breakdown else "") + ":\n\n"
+            + summary + "".join(f"\n## {c['workload']}, concurrency {c['concurrency']}\n\n{c['md']}" for c in res["cells"])
+            + f"\n`{res['command']}`\n")
+    out.with_suffix(".md").write_text(text)
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", required=True, help="the EAGLE3 champion's directory")
+    ap.add_argument("--draft", help="the EAGLE3 champion's directory")
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--workload", default="code", choices=WORKLOADS)
-    ap.add_argument("--config", default="hybrid", choices=("hybrid", "default"),
-                    help="hybrid: draft + suffix proposer; default: the draft alone (engine.suffix.enabled: false)")
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable (default: code)")
+    ap.add_argument("--config", default="hybrid", choices=("hybrid", "default", "none"),
+                    help="hybrid: draft + suffix proposer (params.yaml's default); default: the draft alone "
+                         "(the name is historical: engine.suffix.enabled: false); none: a second plain engine "
+                         "(an A/A run: the noise of the measurement itself)")
+    ap.add_argument("--concurrency", type=int, action="append", help="repeatable (default: 16)")
     ap.add_argument("--passes", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
     ap.add_argument("--breakdown", action="store_true", help="also time step / plan / catch-up / verify per engine")
+    ap.add_argument("--render", action="store_true", help="only rewrite PREFIX.md (and the derived fields of "
+                                                          "PREFIX.json) from an existing PREFIX.json")
     a = ap.parse_args()
+    out = Path(a.out)
+    if a.render:
+        print(write_report(json.loads(out.with_suffix(".json").read_text()), out))
+        return
+    if not a.draft and a.config != "none":
+        ap.error("--draft is required (unless --render or --config none)")
+    workloads, levels = a.workload or ["code"], sorted(set(a.concurrency or [16]))
+    if min(levels) < 1 or a.passes < 1:
+        ap.error("--concurrency and --passes must be >= 1")
     if a.breakdown:
         _instrument()
     torch.set_num_threads(2)
     params = load_params(a.params)
     _, tok = get_target(params)
-    c = a.concurrency
-    wl = workload_prompts(tok, params, max(c, 8))
-    none = TidespecMethod(MethodSpec("none", "tidespec", max_batch=c), params)
-    name = a.config
-    hybrid = TidespecMethod(MethodSpec(name, "tidespec", draft=a.draft, suffix=name == "hybrid", max_batch=c), params)
+    top = max(levels)
+    wl = workload_prompts(tok, params, max(top, 8))
+    name = "none (A/A)" if a.config == "none" else a.config
+    none = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top), params)
+    spec = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top) if a.config == "none" else
+                          MethodSpec(name, "tidespec", draft=a.draft, suffix=name == "hybrid", max_batch=top), params)
+    if spec.engine.adaptive is not None:
+        _COST.append(spec.engine.adaptive.cost)
     t0 = time.time()
-    for m in (none, hybrid):  # the grid's warm-up: c = 1 on every workload, then c = 4 and 8
-        m.run(wl["code"][0][1], 8, "warmup")
-        for w in WORKLOADS:
-            for _, ids in wl[w][:8]:
-                m.run(ids, a.max_new_tokens, w)
-        for cc in (4, 8):
-            for w in WORKLOADS:
-                _wave(m, wl[w][:8], a.max_new_tokens, w, cc)
-    runs: dict[str, list[dict]] = {"none": [], name: []}
-    SPENT.clear()
-    for ps in range(a.passes):  # alternating order
-        for n, m in ((("none", none), (name, hybrid)) if ps % 2 == 0 else ((name, hybrid), ("none", none))):
-            _current[0] = n
-            runs[n].append(_wave(m, wl[a.workload][:c], a.max_new_tokens, a.workload, c))
-    ratios = sorted(h["tokens_per_s"] / n["tokens_per_s"] for h, n in zip(runs[name], runs["none"]))
+    for m in (none, spec):
+        _warm_up(m, wl, a.max_new_tokens)
+    cells = [(w, c) for w in workloads for c in levels]
+    runs = {cell: {"none": [], name: []} for cell in cells}
+    spent = {cell: defaultdict(lambda: defaultdict(float)) for cell in cells}
+    for ps in range(a.passes):  # alternating order, every cell each pass
+        for w, c in cells:
+            for n, m in ((("none", none), (name, spec)) if ps % 2 == 0 else ((name, spec), ("none", none))):
+                SPENT.clear()
+                _current[0] = n
+                runs[(w, c)][n].append(_wave(m, wl[w][:max(c, 8)], a.max_new_tokens, w, c))
+                for k, v in SPENT[n].items():
+                    spent[(w, c)][n][k] += v
     res = {"experiment": "inprocess_ab", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "config": name, "draft": a.draft, "workload": a.workload, "concurrency": c, "passes": a.passes,
-           "max_new_tokens": a.max_new_tokens, "wall_s": time.time() - t0, "runs": runs,
-           "ratio": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1], "all": ratios},
-           "suffix_off_at_batch": hybrid.engine.adaptive.suffix_off_at(a.workload),
-           "breakdown_s": {k: dict(v) for k, v in SPENT.items()}}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
-    med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
-    itl = {k: statistics.median(r["itl_ms_p50"] for r in v) for k, v in runs.items()}
-    inside = ratios[0] <= 1.0 <= ratios[-1]
-    parts = ("step", "plan", "catch-up", "verify")
-    table = ("\n| engine | wall s (all waves) | steps | " + " | ".join(f"{x} s" for x in parts) + " |\n|---|---|---|"
-             + "---|" * len(parts) + "\n" + "".join(
-                 f"| {k} | {sum(r['wall_s'] for r in runs[k]):.2f} | {SPENT[k]['step calls']:.0f} | "
-                 + " | ".join(f"{SPENT[k][x]:.3f}" for x in parts) + " |\n" for k in runs)) if a.breakdown else ""
-    out.with_suffix(".md").write_text(
-        f"# In-process A/B: {name} vs no speculation, {a.workload}, concurrency {c} ({res['date']})\n\n"
-        f"Both engines in one process (shared target weights), {a.passes} alternating waves of {c} requests × "
-        f"≤ {a.max_new_tokens} tokens after the grid's warm-up; draft `{a.draft}`.\n\n"
-        f"| engine | tokens/s (median) | ITL p50 ms (median) | τ (median) |\n|---|---|---|---|\n"
-        + "".join(f"| {k} | {med[k]:.1f} | {itl[k]:.1f} | {statistics.median(r['tau'] for r in runs[k]):.2f} |\n"
-                  for k in runs)
-        + f"\nPaired ratio {name} / none: {res['ratio']['median']:.3f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"
-        + (" ~ inside the noise" if inside else "")
-        + (f"; suffix proposals off at batch sizes {res['suffix_off_at_batch']}" if name == "hybrid" else "") + ".\n"
-        + table + "\n"
-        f"`PYTHONPATH=src .venv/bin/python bench/inprocess_ab.py --draft {a.draft} --config {name} --workload {a.workload} "
-        f"--concurrency {c} --passes {a.passes} --max-new-tokens {a.max_new_tokens} --out {a.out}"
-        + (" --breakdown" if a.breakdown else "") + "`\n")
-    print(out.with_suffix(".md").read_text())
+           "config": name, "draft": a.draft, "passes": a.passes, "max_new_tokens": a.max_new_tokens,
+           "prompts_per_wave": "max(concurrency, 8)", "breakdown": a.breakdown, "wall_s": time.time() - t0,
+           "command": (f"PYTHONPATH=src .venv/bin/python bench/inprocess_ab.py --draft {a.draft} --config {a.config} "
+                       + "".join(f"--workload {w} " for w in workloads) + "".join(f"--concurrency {c} " for c in levels)
+                       + f"--passes {a.passes} --max-new-tokens {a.max_new_tokens} --out {a.out}"
+                       + (" --breakdown" if a.breakdown else "")),
+           "policy": spec.engine.adaptive.report() if spec.engine.adaptive else None,
+           "realized": spec.engine.adaptive.realized() if spec.engine.adaptive else None, "cells": []}
+    for w, c in cells:
+        r = runs[(w, c)]
+        ratios = sorted(h["tokens_per_s"] / n["tokens_per_s"] for h, n in zip(r[name], r["none"]))
+        res["cells"].append({"workload": w, "concurrency": c, "runs": r,
+                             "ratio": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
+                                       "all": ratios},
+                             "breakdown_s": {k: dict(v) for k, v in spent[(w, c)].items()}})
+    print(write_report(res, out))
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     from tidespec.engine.speculative import Request
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     hold = [json.loads(x) for x in ws.eval_prompts.read_text().splitlines()]
-    eng = make_engine(params, target, None, adaptive=False)
+    eng = make_engine(params.draft_only(), target, None, adaptive=False)  # the EAGLE3 draft's own a₁
     guard = HealthGuard(eng, ServeMetrics(eng.k), 0, _registry_rollback(params, tid, ws))
     for draft in (registry.download_version(mlflow_server, tid, d1["version"], tmp_path / "served"), ws.champion):
         install_draft(eng, draft)

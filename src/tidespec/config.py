@@ -23,15 +23,15 @@ class TargetParams(_Strict):
 
 
 class SuffixParams(_Strict):
-    """The suffix proposer (`engine/suffix.py`, SuffixDecoding): enabled: consult it every step
-    (alone when there is no EAGLE3 draft, else hybrid); max_depth: suffix-trie depth (tokens);
+    """The suffix proposer (`engine/suffix.py`, SuffixDecoding): enabled (default): consult it every step
+    (alone when there is no EAGLE3 draft, else the hybrid: the policy chooses per request and step); max_depth: suffix-trie depth (tokens);
     max_tokens: tokens of recent outputs the global tree keeps; max_spec: most tokens per proposal;
     alpha: proposal tokens per matched token; min_score: a chain stops below this frequency score;
     min_expected: with an EAGLE3 draft and outside the goodput policy (a fixed k, a seeded request,
     engine.adaptive false), take the suffix proposal when its expected accepted tokens (the sum of its
     chain scores) reach this; under the policy the choice is by predicted goodput."""
 
-    enabled: bool = False
+    enabled: bool = True
     max_depth: int = Field(24, ge=2, le=256)
     max_tokens: int = Field(50_000, ge=0)
     max_spec: int = Field(16, ge=1, le=64)
@@ -298,6 +298,13 @@ class Params(_Strict):
         s = self.serve
         return s.model_copy(update={"max_tokens": s.max_tokens or self.engine.max_new_tokens,
                                     "served_model_name": s.served_model_name or self.target.source})
+
+    def draft_only(self) -> "Params":
+        """These params with the suffix proposer off (`engine.suffix.enabled: false`): the EAGLE3 draft
+        alone, as benchmark arms at a fixed k and the draft-health checks measure it."""
+        e = self.engine
+        return self.model_copy(update={"engine": e.model_copy(update={"suffix": e.suffix.model_copy(
+            update={"enabled": False})})})
 
     def sha(self) -> str:
         """Short sha256 of the canonical JSON (the `params_sha` lineage tag)."""

@@ -217,6 +217,9 @@ def run_demo(root: Path, params_path: Path) -> dict:
     wall = time.perf_counter() - t_start
     console.print(f"registered version {dec['version']}: promoted={dec['promoted']} ({dec['reason']}); "
                   f"serving v{engine.draft_version}")
+    if params.engine.suffix.enabled:  # the table measures the draft alone at a fixed k; serving adds the rest
+        console.print("`tidespec serve` runs the champion as the hybrid: its EAGLE3 draft plus the suffix proposer, "
+                      "the goodput policy choosing per request and step (engine.suffix.enabled: true)")
     console.print(f"MLflow: {uri}/#/models/{registry.model_name(tid)}   Prefect: {env['PREFECT_API_URL'][:-4]}/runs")
     console.print("services keep running (the UIs above); stop them with `tidespec services down` (or make clean)")
     console.print(f"snapshot: {snap.path.relative_to(root)} (dvc rev {rev});  eval report: "

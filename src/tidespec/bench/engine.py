@@ -399,6 +399,12 @@ def markdown(res: dict, prof: str | None = None) -> str:
                              f"{v['predicted_speedup']:.2f}×, conditional acceptance {v['conditional_acceptance']}, "
                              f"suffix correction {v.get('suffix_correction', 1.0)}, suffix proposals off "
                              f"at batch sizes {v.get('suffix_off_at_batch', [])}")
+        for n, i in res["info"].items():
+            if i.get("realized"):
+                lines.append(f"- {n}: realized ÷ predicted tokens/ms (plain, speculative) and the margin a plan "
+                             "must clear, by batch size: " + ", ".join(
+                                 f"{b}: {v['plain']:.2f}, {v['speculative']:.2f} → {100 * v['margin']:.0f} %"
+                                 for b, v in i["realized"].items()))
         cal = max((i["calibration_ms"] for i in res["info"].values() if i.get("calibration_ms")),
                   key=lambda c: c["draft_step"])  # one with a draft, when any method has one
         lines += ["", f"Calibration (ms): target forward of 1..k+1 tokens {[round(x, 1) for x in cal['target']]}, "

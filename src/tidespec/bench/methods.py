@@ -207,7 +207,7 @@ class TidespecMethod:
 
     def info(self) -> dict:
         a = self.engine.adaptive
-        d = {"adaptive": a.report() if a else None,
+        d = {"adaptive": a.report() if a else None, "realized": a.realized() if a else None,
              "calibration_ms": {"target": list(a.cal.target_ms), "draft_step": a.cal.draft_ms,
                                 "batch_sizes": list(a.cal.batch_sizes), "rows": list(a.cal.rows),
                                 "grid": [list(r) for r in a.cal.grid_ms],

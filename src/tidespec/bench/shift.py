@@ -185,7 +185,8 @@ def _arms(target, params: Params, runners: dict, champion_dir: Path | None = Non
     "hybrid" — the adapting arm as it would serve: the champion draft + the suffix proposer under
     the goodput policy, its global suffix tree the corpus the cycle deployed with the champion.
     Batches up to engine.max_batch (bench_params raises it to the largest concurrency)."""
-    arms = {name: (make_engine(params, target, r, adaptive=False), r is not None) for name, r in runners.items()}
+    arms = {name: (make_engine(params.draft_only(), target, r, adaptive=False), r is not None)
+            for name, r in runners.items()}
     if champion_dir is not None:
         e = params.engine
         hp = params.model_copy(update={"engine": e.model_copy(update={
@@ -304,8 +305,8 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
 def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress) -> list:
     """Serve `traffic` in waves of max concurrency with capture; a sealed snapshot runs the cycle at
     once (serving waits: 2 cores) and the champion reloads. Returns the cycles' records."""
-    eng = make_engine(params, target, runner_for(ws.champion, target), adaptive=False, **served(ws.champion),
-                      capture=writer)
+    eng = make_engine(params.draft_only(), target, runner_for(ws.champion, target), adaptive=False,
+                      **served(ws.champion), capture=writer)
     c = max(cfg.concurrency)
     cycles = []
     for w in range(0, len(traffic), c):
@@ -342,8 +343,9 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
 def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:
     """ITL with and without speculation per workload group under the adaptive k policy (final champion)."""
     groups = contrast_prompts(tok, cfg, code_hold)
-    spec = make_engine(params, target, runner_for(ws.champion, target), adaptive=True, **served(ws.champion))
-    none = make_engine(params, target, None)
+    spec = make_engine(params.draft_only(), target, runner_for(ws.champion, target), adaptive=True,
+                       **served(ws.champion))
+    none = make_engine(params.draft_only(), target, None)
     warm = [p for ps in groups.values() for p in ps[:1]]  # the policy learns each class online
     replay({"adaptive": (spec, True)}, warm, cfg.max_new_tokens // 2)
     cal = spec.adaptive.cal

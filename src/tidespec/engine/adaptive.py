@@ -29,6 +29,17 @@ idle steps, then, while each probe leaves the class off, after twice as many (up
 `PROBE_BACKOFF` × probe_every, exponential back-off): a draft that stays useless under load costs
 one probe (a catch-up of the rows it missed, k drafts, k verify rows) per 512 steps, not per 32.
 
+Realized margin: what the cost model leaves out — the engine's own work per step (planning, suffix
+proposals, the draft's catch-up, bookkeeping of accepted rows) — and the optimism of a plan chosen
+because its prediction was high, are measured instead of modelled. Per calibrated batch size, every
+decode step's realized tokens per ms (tokens emitted ÷ the whole step's wall time) is compared
+with its plan's prediction, separately for steps that speculated and steps that did not, as ratios
+of EMAs shrunk towards 1 by REALIZED_PRIOR steps; the margin a plan must clear becomes
+(1 + margin) · ρ_plain / ρ_spec − 1, never below `margin`. Where speculation realizes 10 % less of
+its prediction than plain decoding does of its own, a plan must predict 1.05 / 0.9 = 1.17× to run:
+the predicted gain must pay for what the prediction missed (on 2 CPU cores at 8 requests, the
+hybrid's plans predicted 1.2× and realized ≈ 1.0×: `bench/inprocess_ab.py --breakdown`).
+
 Suffix proposals are gated the same way, per class and batch size (the calibrated size nearest
 to the batch): computing them (two trie matches per request, and the request's own trie built
 over its prompt) is pure overhead in a step that does not choose them — at 16 requests on a CPU,
@@ -53,6 +64,8 @@ CONF_BINS = 10  # draft-confidence bins for the early stop's acceptance estimate
 GRAMMAR_PRIOR = 0.95  # acceptance of a grammar-forced token before any was measured
 PRIOR_CHAINS = 4  # observations the starting acceptance of a class is worth
 SUFFIX_PRIOR = 1.0  # pseudo-proposals at correction 1.0 that a class's measured suffix correction is shrunk towards
+REALIZED_PRIOR = 8  # steps the neutral realized / predicted ratio (1.0) is worth, per batch size and kind
+REALIZED_CLIP = 4.0  # one step's realized / predicted goodput is clipped to [1/4, 4] (a stalled step is one step)
 PROBE_BACKOFF = 16  # a class left off probes at most this many times less often than probe_every
 TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
 
@@ -127,6 +140,8 @@ class AdaptiveK:
         self._tree: dict[str, dict[int, list]] = {}  # class → nodes verified → [mean accepted, observations]
         self._sfx_gate: dict[tuple[str, int], list[int]] = {}  # (class, batch size) → [misses, gap, idle]
         self._first: dict[str, float] = {}  # class → the served draft's replayed first-token acceptance ("": all)
+        # (batch size, speculated) → [tokens, predicted tokens, ms, predicted ms, steps]: running means, then EMAs
+        self._real: dict[tuple[int, bool], list[float]] = {}
         self._lock = threading.Lock()
 
     def ensure_draft_costs(self, target, runner) -> bool:
@@ -160,6 +175,7 @@ class AdaptiveK:
             self._conf.clear()
             self._tree.clear()
             self._sfx_gate.clear()
+            self._real.clear()
 
     def _start(self, workload: str) -> list[float]:
         """The prior per-position acceptance of a class (call with the lock held)."""
@@ -364,6 +380,51 @@ class AdaptiveK:
         forward per entry of `draft_batches`, took `ms`."""
         self.cost.observe(b, total_rows, draft_batches, ms)
 
+    def observe_realized(self, b: int, speculated: bool, predicted: tuple[float, float], tokens: int,
+                         ms: float) -> None:
+        """A decode step of b requests as it ran: its plan's `predicted` (expected tokens, ms) against
+        the tokens it emitted (accepted drafts + one per request) and the whole step's wall time in
+        ms (plan to the proposers' bookkeeping). `speculated`: the plan verified drafts. Non-finite
+        or non-positive values are ignored."""
+        p_tok, p_ms = predicted
+        if b < 1 or tokens < 1 or not all(math.isfinite(x) and x > 0 for x in (p_tok, p_ms, ms)):
+            return
+        x = (tokens / p_tok) * (p_ms / ms)
+        scale = min(REALIZED_CLIP, max(1 / REALIZED_CLIP, x)) / x  # one stalled step moves it, never decides it
+        with self._lock:
+            st = self._real.setdefault((self.cost.bucket(b), speculated), [0.0, 0.0, 0.0, 0.0, 0])
+            st[4] += 1
+            w = max(self.alpha, 1.0 / st[4])
+            for i, v in enumerate((tokens * scale, p_tok, ms, p_ms)):
+                st[i] += w * (v - st[i])
+
+    def realized_ratio(self, b: int, speculated: bool) -> float:
+        """ρ: realized ÷ predicted tokens per ms of the steps at b's calibrated batch size that did
+        (or did not) speculate — (mean tokens / mean predicted) · (mean predicted ms / mean ms),
+        shrunk towards 1 by REALIZED_PRIOR steps (weight: steps seen, at most 1/alpha). 1.0 unseen."""
+        with self._lock:
+            st = self._real.get((self.cost.bucket(b), speculated))
+        if st is None or st[1] <= 0 or st[2] <= 0:
+            return 1.0
+        rho = (st[0] / st[1]) * (st[3] / st[2])
+        w = min(st[4], 1.0 / self.alpha)
+        return (w * rho + REALIZED_PRIOR) / (w + REALIZED_PRIOR)
+
+    def margin_at(self, b: int, margin: float) -> float:
+        """The margin a plan of b requests must clear: `margin` raised by what speculation realized
+        of its predictions relative to plain decoding at this batch size, (1 + margin) · ρ_plain /
+        ρ_spec − 1; never below `margin` (see the module docstring)."""
+        r = self.realized_ratio(b, False) / self.realized_ratio(b, True)
+        return margin if r <= 1 else (1 + margin) * r - 1
+
+    def realized(self) -> dict[int, dict[str, float]]:
+        """Per calibrated batch size seen: ρ of plain and speculative steps and the margin a plan there
+        must clear (`margin_at`)."""
+        with self._lock:
+            sizes = sorted({b for b, _ in self._real})
+        return {b: {"plain": round(self.realized_ratio(b, False), 4), "speculative": round(self.realized_ratio(b, True), 4),
+                    "margin": round(self.margin_at(b, self.margin), 4)} for b in sizes}
+
     def _pick(self, tps: list[float]) -> int:
         k = _argmax(tps, lo=1)
         return k if tps[k] > (1 + self.margin) * tps[0] else 0
@@ -409,7 +470,7 @@ class AdaptiveK:
         eager = {w for w, lad in zip(workloads, ladders) if lad.fixed is None and lad.eagle}
         with self._lock:
             margin = self.margin_off if eager and eager <= self._on else self.margin
-        choice = plan(ladders, self.cost, margin)
+        choice = plan(ladders, self.cost, self.margin_at(len(ladders), margin))
         drafted = {w for w, lad, c in zip(workloads, ladders, choice) if lad.fixed is None and c[0] == "eagle3"}
         for w in drafted:  # the class's EAGLE3 estimate is being refreshed: no probe due, back-off forgotten
             self._speculated(w)

@@ -184,13 +184,20 @@ def step_draft_batches(ladders: list[Ladder], choice: list[tuple[str, int]]) -> 
     return draft_batches([d for d, _ in eag], [w for _, w in eag])
 
 
-def goodput(ladders: list[Ladder], choice: list[tuple[str, int]], cost: StepCost) -> float:
-    """Expected tokens per ms of the step with these choices."""
+def predicted_step(ladders: list[Ladder], choice: list[tuple[str, int]], cost: StepCost) -> tuple[float, float]:
+    """(expected tokens, predicted ms) of the step with these choices: b + Σ expected accepted, and
+    `StepCost.predict` of its verify rows and draft forwards."""
     b = len(ladders)
     rows = b + sum(n for _, n in choice)
     drafts = step_draft_batches(ladders, choice)
     gain = b + sum(lad.fixed_gain if lad.fixed else _gain(lad, c) for lad, c in zip(ladders, choice))
-    return gain / cost.predict(b, rows, drafts)
+    return gain, cost.predict(b, rows, drafts)
+
+
+def goodput(ladders: list[Ladder], choice: list[tuple[str, int]], cost: StepCost) -> float:
+    """Expected tokens per ms of the step with these choices."""
+    tokens, ms = predicted_step(ladders, choice, cost)
+    return tokens / ms
 
 
 class _Step:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .adaptive import AdaptiveK
-from .goodput import NONE, Ladder
+from .goodput import NONE, Ladder, predicted_step
 from .proposers.base import Proposer, Slot
 from .request import Request, Seq
 from .suffix import Proposal, SuffixCache
@@ -41,9 +41,12 @@ def k_max(adaptive: AdaptiveK | None, k: int, req: Request) -> int:
 
 @dataclass
 class StepPlan:
-    """One step's slots, in the running order (one per running request, proposer None = no drafts)."""
+    """One step's slots, in the running order (one per running request, proposer None = no drafts);
+    predicted: (expected tokens, predicted ms) of the policy's plan (`goodput.predicted_step`), None
+    when no policy chose it."""
 
     slots: list[Slot]
+    predicted: tuple[float, float] | None = None
 
     def groups(self, proposers: Iterable[Proposer]) -> list[tuple[Proposer, list[Slot]]]:
         """(proposer, its slots) for each proposer with work this step, in the order given."""
@@ -78,13 +81,14 @@ class Planner:
         slots = [Slot(s, learn=self.adaptive if adaptive_for(self.adaptive, s.req) else None) for s in running]
         gated = self._suffix_gated(slots)
         ladders = [self._ladder(sl, sl.learn is None or sl.seq.req.workload not in gated) for sl in slots]
-        stop = 0.0
+        stop, predicted = 0.0, None
         if self.adaptive is not None and any(lad.fixed is None for lad in ladders):
             workloads = [s.req.workload for s in running]
             choice = self.adaptive.plan_step(workloads, ladders)
             self._observe_suffix(slots, ladders, choice, gated)
             if self.early_stop:
                 stop = self.adaptive.stop_below(ladders, choice)
+            predicted = predicted_step(ladders, choice, self.adaptive.cost)
         else:
             choice = [lad.fixed for lad in ladders]
         for sl, lad, (via, n) in zip(slots, ladders, choice):
@@ -94,7 +98,7 @@ class Planner:
                 sl.proposer, sl.depth = proposers[TREE], lad.depth(n)
             elif via:
                 sl.proposer = proposers[via]
-        return StepPlan(slots)
+        return StepPlan(slots, predicted)
 
     def _suffix_gated(self, slots: list[Slot]) -> set[str]:
         """Classes whose suffix proposals the policy leaves uncomputed this step (`AdaptiveK.suffix_due`:

@@ -407,7 +407,7 @@ class Engine:
                 for sl in plan.slots:
                     if sl.proposer is not None and sl.seq.error is None:
                         _guard(sl.seq, sl.proposer.observe, sl)
-                self._observe_cost(plan, bool(new), 1000 * (t_end - t_draft))
+                self._observe_cost(plan, bool(new), 1000 * (t_end - t_draft), 1000 * (time.perf_counter() - t0))
                 results += self._retire(new + running)
         return self._resolve(results)
 
@@ -516,14 +516,18 @@ class Engine:
         idx = [0] + accept_greedy(lay, preds)
         return [lay.tokens[r] for r in idx[1:]] + [preds[idx[-1]]], out.logits[idx], idx
 
-    def _observe_cost(self, plan: StepPlan, prefill: bool, ms: float) -> None:
-        """The policy's cost model learns this step's measured drafting + verify time: decode-only
-        steps (no prefill) in which no request failed."""
+    def _observe_cost(self, plan: StepPlan, prefill: bool, ms: float, step_ms: float) -> None:
+        """The policy learns from decode-only steps (no prefill) in which no request failed: its cost
+        model the measured drafting + verify time `ms`; its realized margin the tokens emitted in
+        the whole step's `step_ms` against the plan's prediction (`AdaptiveK.observe_realized`)."""
         slots = plan.slots
         if self.adaptive is None or not slots or prefill or any(sl.seq.error is not None for sl in slots):
             return
         fw = draft_batches([sl.draft_forwards for sl in slots], [sl.draft_rows for sl in slots])
         self.adaptive.observe_step(len(slots), sum(sl.k + 1 for sl in slots), fw, ms)
+        if plan.predicted is not None:
+            self.adaptive.observe_realized(len(slots), any(sl.n for sl in slots), plan.predicted,
+                                           sum(sl.accepted + 1 for sl in slots), step_ms)
 
     def _retire_aborted(self) -> list[tuple[Seq, Generation]]:
         """Aborted running requests leave before any compute (their suffix trees closed unlearned)."""
