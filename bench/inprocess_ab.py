@@ -1,6 +1,6 @@
 """Experiment for issue 28 (the hybrid as the default): the hybrid (EAGLE3 draft + suffix proposer
-under the goodput policy) — or with `--config default` params.yaml's default (the EAGLE3 draft alone
-under the policy) — against no speculation, per workload × concurrency cell, both engines in ONE
+under the goodput policy, params.yaml's default) — or with `--config default` the EAGLE3 draft alone
+under the policy (the old default) — against no speculation, per workload × concurrency cell, both engines in ONE
 process sharing the same target weights, alternating run by run.
 
 `tidespec bench engine` runs each method in its own worker process, as a deployment would; at 16

@@ -152,14 +152,14 @@ def test_engine_with_goodput_policy_is_lossless_and_feeds_back_step_costs(tiny_t
     assert sum(rows - b for b, rows, _ in pol.steps) == sum(g.stats.num_draft_tokens for g in gens)
     # every decode step's plan is weighed against what it realized: its tokens (one per request plus
     # the accepted drafts; all were admitted in the first step, so every later step is decode-only)
-    real = pol.realized_steps
-    assert len(real) == len(pol.steps) and [b for b, *_ in real] == [b for b, _, _ in pol.steps]
+    real = pol.realized_steps  # probe steps are not the plan's choice: not counted
+    assert 0 < len(real) <= len(pol.steps)
     assert any(spec for _, spec, *_ in real)
     assert all(tok == b for b, spec, _, tok, _ in real if not spec)
     accepted = sum(tok - b for b, _, _, tok, _ in real)  # not the drafts verified: the random draft misses most
     assert sum(rows - b for b, rows, _ in pol.steps) > accepted >= sum(g.stats.num_accepted_tokens for g in gens) > 0
     assert all(p_tok >= b and p_ms > 0 and ms > 0 for b, _, (p_tok, p_ms), _, ms in real)
-    assert set(pol.realized()) <= {1, 2, 4} and pol.realized_ratio(1, True) != 1.0
+    assert set(pol.realized()) <= {1, 2, 4}
 
 
 def test_engine_under_load_switches_speculation_off(tiny_target):
@@ -507,39 +507,53 @@ def test_a_cost_computed_from_the_old_calibration_never_lands_in_the_new_ones_me
 def test_the_margin_rises_by_what_speculation_realized_of_its_predictions():
     """A plan predicted to gain 9.8 % speculates under the 5 % margin — until speculative steps
     realize 0.9 of their predicted tokens per ms while plain steps realize all of theirs: then it
-    must predict 1.05 / ρ_spec, ρ_spec = 0.9 shrunk towards 1 by REALIZED_PRIOR steps. Plain steps
-    that realize less than predicted (the engine's own work, paid whatever the plan) lower it again.
-    Per calibrated batch size; forgotten on a hot-swap."""
+    must predict 1.05 / ρ_spec, ρ_spec = 0.9 shrunk towards 1 by REALIZED_PRIOR steps (and aged by
+    the plain steps since). Plain steps that realize less (the engine's own work, paid whatever the
+    plan) lower it again; plain steps on time age the speculative evidence so speculation is tried
+    again. Per calibrated batch size; forgotten on a hot-swap."""
     cal = Calibration((100.0, 101.0), 1.0, "test", 128, (1, 2), (1, 2), ((100.0, 101.0), (150.0, 160.0)), (1.0, 1.5))
     lad = Ladder(eagle=(0.12,))
     pol = AdaptiveK(cal, prior=0.6, probe_every=1000, margin=0.05, margin_off=0.05)
     assert pol.plan_step(["code"], [lad]) == [("eagle3", 1)]  # 1.12 × 100 / 102 = 1.098
-    assert pol.margin_at(1, 0.05) == pytest.approx(0.05)
     for _ in range(20):  # predicted 1.12 tokens in 102 ms; realized 1.12 tokens in 113.33 ms = 0.9
         pol.observe_realized(1, True, (1.12, 102.0), 1, 102.0 / 0.9 / 1.12)
-        pol.observe_realized(1, False, (1.0, 100.0), 1, 100.0)
-    rho = (20 * 0.9 + REALIZED_PRIOR) / (20 + REALIZED_PRIOR)  # 20 steps = 1/alpha: full weight
-    assert pol.realized_ratio(1, True) == pytest.approx(rho) and pol.realized_ratio(1, False) == 1.0
-    assert pol.margin_at(1, 0.05) == pytest.approx(1.05 / rho - 1)  # 0.131
+    assert pol.margin_at(1, 0.05) == 0.05  # no plain step to compare with: the own work is not blamed on it
+    pol.observe_realized(1, False, (1.0, 100.0), 1, 100.0)
+    w = 20 * (1 - pol.alpha / 4)  # one plain step aged the speculative evidence once
+    rho = (w * 0.9 + REALIZED_PRIOR) / (w + REALIZED_PRIOR)
+    assert pol.realized_ratio(1, True) == pytest.approx(rho)
+    assert pol.realized_ratio(1, False) == pytest.approx((1.0 + REALIZED_PRIOR) / (1 + REALIZED_PRIOR))
+    assert pol.margin_at(1, 0.05) == pytest.approx(1.05 / rho - 1)  # 0.13
     assert pol.plan_step(["code"], [lad]) == [("", 0)]
-    assert pol.realized_ratio(2, True) == 1.0 and pol.margin_at(2, 0.05) == pytest.approx(0.05)  # another batch size
+    assert pol.realized_ratio(2, True) is None and pol.margin_at(2, 0.05) == 0.05  # another batch size
     assert pol.realized() == {1: {"plain": 1.0, "speculative": round(rho, 4), "margin": round(1.05 / rho - 1, 4)}}
-    for _ in range(200):  # plain steps realize 0.9 too (the EMA forgets the 1.0): speculation misses nothing
-        pol.observe_realized(1, False, (1.0, 100.0), 1, 100.0 / 0.9)  # that plain decoding does not
-    assert pol.margin_at(1, 0.05) == pytest.approx(0.05, abs=1e-3)
-    assert pol.plan_step(["code"], [lad]) == [("eagle3", 1)]
-    for _ in range(40):  # never below the margin: plain decoding realizing less does not lower it
+    for _ in range(200):  # plain steps on time: the speculative evidence ages, the margin relaxes
+        pol.observe_realized(1, False, (1.0, 100.0), 1, 100.0)
+    assert 0.05 < pol.margin_at(1, 0.05) < 0.07 and pol.plan_step(["code"], [lad]) == [("eagle3", 1)]
+    for _ in range(20):
+        pol.observe_realized(1, True, (1.12, 102.0), 1, 102.0 / 0.9 / 1.12)
+    for _ in range(40):  # plain steps realizing 0.5 (the engine's own work): the margin is the margin
         pol.observe_realized(1, False, (1.0, 100.0), 1, 200.0)
-    assert pol.margin_at(1, 0.05) == pytest.approx(0.05)
+    assert pol.margin_at(1, 0.05) == 0.05
+    before = pol.realized_ratio(1, True)
     pol.observe_realized(1, True, (1.0, 100.0), 1, math.inf)  # ignored, as are non-positive values
     pol.observe_realized(1, True, (0.0, 100.0), 1, 100.0)
-    assert pol.realized_ratio(1, True) == pytest.approx(rho)
+    assert pol.realized_ratio(1, True) == before
     pol.reset()
-    assert pol.realized() == {} and pol.margin_at(1, 0.05) == pytest.approx(0.05)
+    assert pol.realized() == {} and pol.margin_at(1, 0.05) == 0.05
 
 
-def test_one_stalled_step_moves_the_realized_ratio_never_decides_it():
-    """A step realized at 1/1000 of its prediction (the machine stalled) counts as 1/4 (REALIZED_CLIP)."""
+def test_one_stalled_step_moves_the_realized_margin_never_decides_it():
+    """Among 40 speculative steps on prediction, one that took 1000× its prediction (the machine
+    stalled) counts as realizing ½ (REALIZED_CLIP), one step of the EMA: the margin moves by about
+    a point, not to 121 % (a ratio of mean times let that one step's milliseconds dominate)."""
     pol = AdaptiveK(_cal(), prior=0.6)
-    pol.observe_realized(8, True, (10.0, 200.0), 10, 200_000.0)
-    assert pol.realized_ratio(8, True) == pytest.approx((1 * 0.25 + REALIZED_PRIOR) / (1 + REALIZED_PRIOR))
+    for _ in range(20):
+        pol.observe_realized(8, False, (8.0, 200.0), 8, 200.0)
+    for _ in range(40):
+        pol.observe_realized(8, True, (10.0, 250.0), 10, 250.0)
+    assert pol.margin_at(8, 0.05) == 0.05
+    pol.observe_realized(8, True, (10.0, 250.0), 10, 250_000.0)
+    rho = ((20 * (1 - 0.05 / 2)) + REALIZED_PRIOR) / (20 + REALIZED_PRIOR)  # EMA 1 → 1 − 0.05·½
+    assert pol.realized_ratio(8, True) == pytest.approx(rho)
+    assert pol.margin_at(8, 0.05) == pytest.approx(1.05 / rho - 1) and pol.margin_at(8, 0.05) < 0.07

@@ -56,7 +56,7 @@ def test_serve_runs_without_mlops_packages(tmp_path, tiny_target_dir):
                              "--port", str(port), "--no-publish"], cwd=tmp_path)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # the suffix proposer (default) calibrates the policy's costs first
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:

@@ -47,9 +47,12 @@ def test_global_tree_learns_from_finished_outputs(tiny_target):
     assert again.stats.num_accepted_tokens >= first.stats.num_accepted_tokens
 
 
-def test_sampled_suffix_speculation_keeps_the_target_distribution(tiny_target):
+def test_sampled_suffix_speculation_keeps_the_target_distribution(tiny_target, monkeypatch):
     """Token 2's distribution with suffix proposals (verified by rejection sampling with a one-hot q)
-    equals the target's exact marginal Σ_t1 p(t1) p(t2 | t1) (chi-square, p > 1e-3)."""
+    equals the target's exact marginal Σ_t1 p(t1) p(t2 | t1) (chi-square, p > 1e-3). Seeded draws make
+    the test deterministic; the engine keeps seeded requests off suffix proposals (next test), so
+    that rule is lifted here."""
+    monkeypatch.setattr("tidespec.engine.plan.seeded", lambda req: False)
     T = tiny_target
     sp = SamplingParams(temperature=1.5, top_k=6)
     prompt = [9, 9, 9, 9, 9, 9]  # the tiny target copies its last token: the suffix proposal (9) is often right
@@ -73,6 +76,25 @@ def test_sampled_suffix_speculation_keeps_the_target_distribution(tiny_target):
     exp = torch.cat([marg[keep] * N, (marg[~keep].sum() * N).view(1)])
     obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
     assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def test_a_seeded_request_never_takes_suffix_proposals(tiny_target):
+    """A suffix proposal depends on what other requests served (the global tree), and the random stream
+    rejection sampling draws depends on the proposal: a seeded sampled request would not be
+    reproducible. It drafts with nothing here (no EAGLE3 draft), and its output is the same whatever
+    the global tree holds; an unseeded one takes the proposals."""
+    sp = SamplingParams(temperature=1.5, top_k=6, seed=11)
+    prompt = [9, 9, 9, 9, 9, 9]
+    outs = []
+    for corpus in ([], [[9] * 40], [[9, 3, 9, 3] * 10]):
+        eng = Engine(tiny_target, None, 3, 64, suffix=SuffixCache(max_depth=8))
+        eng.set_suffix_corpus(corpus)
+        g = eng.generate(prompt, 12, sampling=sp)
+        assert g.stats.num_drafts == 0
+        outs.append(g.tokens)
+    assert outs[0] == outs[1] == outs[2]
+    g = eng.generate(prompt, 12, sampling=SamplingParams(temperature=1.5, top_k=6))
+    assert g.stats.num_drafts > 0
 
 
 def test_params_enable_the_suffix_proposer_and_metrics_report_it(tiny_target, tmp_path):

@@ -65,8 +65,8 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
                 replayed: dict[str, tuple[float, float]] | None = None) -> Engine:
     """The serving engine as params.yaml says (`engine.*`). The goodput policy (`engine.adaptive`)
     needs a proposer (a draft, or `engine.suffix.enabled`) and calibrates once per machine, target,
-    draft shape, thread count and `max_batch` (cached under the download cache); evaluation passes
-    adaptive=False to measure τ at a fixed k. `capture`: a capture sink
+    draft shape, thread count and `max_batch` (cached under the download cache); a fixed-k EAGLE3
+    measurement passes adaptive=False and `params.draft_only()` (the suffix proposer is on by default). `capture`: a capture sink
     (`engine.speculative.CaptureSink`) the engine asks at admission and hands each finished
     request's record. `engine.suffix.enabled` adds the suffix proposer (`engine.suffix.SuffixCache`).
     `progress(message)`: told what a first calibration is doing (≤ ~1 min on 2 cores). `replayed`: the

@@ -197,20 +197,22 @@ class CaptureWriter:
 
     def submit_generation(self, gen, workload: str = "default", prompt_id: str = "") -> bool:
         """`submit` a finished engine Generation that was captured (the engine's capture hook calls
-        this: `engine.speculative.CaptureSink`): its record, request id, serving-time τ and
-        acceptance rate (None when it was served without drafts). With `store_text` and a
+        this: `engine.speculative.CaptureSink`): its record, request id, serving-time τ (every
+        proposer) and the EAGLE3 draft's acceptance rate (None when the draft drafted nothing for it:
+        the filter keeps the requests the draft serves worst, whatever the suffix proposer added). With `store_text` and a
         `detokenize` callable, prompt and completion text go into the manifest. Raises ValueError
         for a Generation without a record."""
         if gen.record is None:
             raise ValueError(f"request {gen.request_id} has no capture record: submit it with capture=True")
-        st = gen.stats
+        st, draft = gen.stats, gen.stats_by_proposer.get("eagle3")
         text = None
         if self.store_text and self.detokenize is not None:
             ids = gen.record["input_ids"].tolist()
             text = {"prompt": self.detokenize(ids[:gen.prompt_len]), "completion": self.detokenize(gen.tokens)}
         return self.submit(gen.record, request_id=gen.request_id, workload=workload,
                            acceptance_length=st.acceptance_length, prompt_id=prompt_id, text=text,
-                           acceptance_rate=st.acceptance_rate if st.num_draft_tokens else None,
+                           acceptance_rate=draft.acceptance_rate if draft is not None and draft.num_draft_tokens
+                           else None,
                            constraint=gen.constraint)
 
     def collector(self):

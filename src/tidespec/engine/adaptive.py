@@ -33,12 +33,16 @@ Realized margin: what the cost model leaves out — the engine's own work per st
 proposals, the draft's catch-up, bookkeeping of accepted rows) — and the optimism of a plan chosen
 because its prediction was high, are measured instead of modelled. Per calibrated batch size, every
 decode step's realized tokens per ms (tokens emitted ÷ the whole step's wall time) is compared
-with its plan's prediction, separately for steps that speculated and steps that did not, as ratios
-of EMAs shrunk towards 1 by REALIZED_PRIOR steps; the margin a plan must clear becomes
-(1 + margin) · ρ_plain / ρ_spec − 1, never below `margin`. Where speculation realizes 10 % less of
-its prediction than plain decoding does of its own, a plan must predict 1.05 / 0.9 = 1.17× to run:
-the predicted gain must pay for what the prediction missed (on 2 CPU cores at 8 requests, the
-hybrid's plans predicted 1.2× and realized ≈ 1.0×: `bench/inprocess_ab.py --breakdown`).
+with its plan's prediction (the draft's catch-up of a backlog excluded: it is paid once), separately
+for steps the policy chose that speculated and steps that did not (probe steps and steps with a
+request outside the policy are not counted) — each step's ratio clipped to [½, 2], a running mean
+then an EMA, shrunk towards 1 by REALIZED_PRIOR steps, the speculative evidence aging while plain
+steps run. The margin a plan must clear becomes (1 + margin) · ρ_plain / ρ_spec − 1, never below
+`margin`, and `margin` until both kinds were seen at that batch size. Where speculative steps
+realize 10 % less of their prediction than plain ones (ρ after the shrink), a plan must predict
+1.05 / 0.9 = 1.17× to run: the predicted gain must pay for what the prediction missed (on 2 CPU
+cores at 8 requests, the hybrid's plans predicted 1.2× and realized ≈ 1.0×:
+`bench/inprocess_ab.py --breakdown`).
 
 Suffix proposals are gated the same way, per class and batch size (the calibrated size nearest
 to the batch): computing them (two trie matches per request, and the request's own trie built
@@ -65,7 +69,7 @@ GRAMMAR_PRIOR = 0.95  # acceptance of a grammar-forced token before any was meas
 PRIOR_CHAINS = 4  # observations the starting acceptance of a class is worth
 SUFFIX_PRIOR = 1.0  # pseudo-proposals at correction 1.0 that a class's measured suffix correction is shrunk towards
 REALIZED_PRIOR = 8  # steps the neutral realized / predicted ratio (1.0) is worth, per batch size and kind
-REALIZED_CLIP = 4.0  # one step's realized / predicted goodput is clipped to [1/4, 4] (a stalled step is one step)
+REALIZED_CLIP = 2.0  # one step's realized / predicted goodput is clipped to [1/2, 2] (a stalled step is one step)
 PROBE_BACKOFF = 16  # a class left off probes at most this many times less often than probe_every
 TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
 
@@ -140,7 +144,7 @@ class AdaptiveK:
         self._tree: dict[str, dict[int, list]] = {}  # class → nodes verified → [mean accepted, observations]
         self._sfx_gate: dict[tuple[str, int], list[int]] = {}  # (class, batch size) → [misses, gap, idle]
         self._first: dict[str, float] = {}  # class → the served draft's replayed first-token acceptance ("": all)
-        # (batch size, speculated) → [tokens, predicted tokens, ms, predicted ms, steps]: running means, then EMAs
+        # (batch size, speculated) → [mean realized / predicted tokens per ms, steps (aged)]: running mean, then EMA
         self._real: dict[tuple[int, bool], list[float]] = {}
         self._lock = threading.Lock()
 
@@ -383,46 +387,55 @@ class AdaptiveK:
     def observe_realized(self, b: int, speculated: bool, predicted: tuple[float, float], tokens: int,
                          ms: float) -> None:
         """A decode step of b requests as it ran: its plan's `predicted` (expected tokens, ms) against
-        the tokens it emitted (accepted drafts + one per request) and the whole step's wall time in
-        ms (plan to the proposers' bookkeeping). `speculated`: the plan verified drafts. Non-finite
-        or non-positive values are ignored."""
+        the tokens it emitted (accepted drafts + one per request) and its wall time in ms (plan to
+        the proposers' bookkeeping, the draft's catch-up excluded: a backlog is paid once, not by
+        this step's plan). `speculated`: the plan verified drafts. The step's ratio (realized ÷
+        predicted tokens per ms) is clipped to [1/REALIZED_CLIP, REALIZED_CLIP]: a stalled step is
+        one step. A plain step also ages the speculative evidence at its batch size (its weight ×
+        (1 − alpha/4)), so a margin raised by steps long past relaxes towards `margin` and
+        speculation is tried again. Non-finite or non-positive values are ignored."""
         p_tok, p_ms = predicted
         if b < 1 or tokens < 1 or not all(math.isfinite(x) and x > 0 for x in (p_tok, p_ms, ms)):
             return
-        x = (tokens / p_tok) * (p_ms / ms)
-        scale = min(REALIZED_CLIP, max(1 / REALIZED_CLIP, x)) / x  # one stalled step moves it, never decides it
+        x = min(REALIZED_CLIP, max(1 / REALIZED_CLIP, (tokens / p_tok) * (p_ms / ms)))
+        bucket = self.cost.bucket(b)
         with self._lock:
-            st = self._real.setdefault((self.cost.bucket(b), speculated), [0.0, 0.0, 0.0, 0.0, 0])
-            st[4] += 1
-            w = max(self.alpha, 1.0 / st[4])
-            for i, v in enumerate((tokens * scale, p_tok, ms, p_ms)):
-                st[i] += w * (v - st[i])
+            st = self._real.setdefault((bucket, speculated), [1.0, 0.0])
+            st[1] += 1
+            st[0] += max(self.alpha, 1.0 / st[1]) * (x - st[0])
+            if not speculated and (bucket, True) in self._real:
+                self._real[(bucket, True)][1] *= 1 - self.alpha / 4
 
-    def realized_ratio(self, b: int, speculated: bool) -> float:
-        """ρ: realized ÷ predicted tokens per ms of the steps at b's calibrated batch size that did
-        (or did not) speculate — (mean tokens / mean predicted) · (mean predicted ms / mean ms),
-        shrunk towards 1 by REALIZED_PRIOR steps (weight: steps seen, at most 1/alpha). 1.0 unseen."""
+    def realized_ratio(self, b: int, speculated: bool) -> float | None:
+        """ρ: the mean realized ÷ predicted tokens per ms of the steps at b's calibrated batch size
+        that did (or did not) speculate (a running mean, then an EMA), shrunk towards 1 by
+        REALIZED_PRIOR steps (weight: steps seen, aged, at most 1/alpha). None when none was seen."""
         with self._lock:
             st = self._real.get((self.cost.bucket(b), speculated))
-        if st is None or st[1] <= 0 or st[2] <= 0:
-            return 1.0
-        rho = (st[0] / st[1]) * (st[3] / st[2])
-        w = min(st[4], 1.0 / self.alpha)
+            rho, n = (st[0], st[1]) if st is not None else (None, 0.0)
+        if rho is None:
+            return None
+        w = min(n, 1.0 / self.alpha)
         return (w * rho + REALIZED_PRIOR) / (w + REALIZED_PRIOR)
 
     def margin_at(self, b: int, margin: float) -> float:
         """The margin a plan of b requests must clear: `margin` raised by what speculation realized
         of its predictions relative to plain decoding at this batch size, (1 + margin) · ρ_plain /
-        ρ_spec − 1; never below `margin` (see the module docstring)."""
-        r = self.realized_ratio(b, False) / self.realized_ratio(b, True)
-        return margin if r <= 1 else (1 + margin) * r - 1
+        ρ_spec − 1; never below `margin`, and `margin` until both kinds of step were seen there
+        (without plain steps to compare with, the engine's own work would be blamed on speculation)."""
+        plain, spec = self.realized_ratio(b, False), self.realized_ratio(b, True)
+        if plain is None or spec is None or plain <= spec:
+            return margin
+        return (1 + margin) * plain / spec - 1
 
     def realized(self) -> dict[int, dict[str, float]]:
         """Per calibrated batch size seen: ρ of plain and speculative steps and the margin a plan there
         must clear (`margin_at`)."""
         with self._lock:
             sizes = sorted({b for b, _ in self._real})
-        return {b: {"plain": round(self.realized_ratio(b, False), 4), "speculative": round(self.realized_ratio(b, True), 4),
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 4)
+        return {b: {"plain": r(self.realized_ratio(b, False)), "speculative": r(self.realized_ratio(b, True)),
                     "margin": round(self.margin_at(b, self.margin), 4)} for b in sizes}
 
     def _pick(self, tps: list[float]) -> int:
@@ -459,14 +472,16 @@ class AdaptiveK:
         k = self._pick(tps)
         return _argmax(tps, lo=1) if k == 0 and self._probe(workload) else k
 
-    def plan_step(self, workloads: list[str], ladders: list[Ladder]) -> list[tuple[str, int]]:
+    def plan_step(self, workloads: list[str], ladders: list[Ladder],
+                  probes: list[int] | None = None) -> list[tuple[str, int]]:
         """Each request's (proposer, drafted tokens) for a step of this batch (`goodput.plan`, with
         the hysteresis margin: `margin` to turn the draft on, `margin_off` to keep it on while every
         class that could draft drafted last step). A class
         whose requests could draft with EAGLE3 but were all left without: a probe when due (see the
         module docstring), rotating over its requests without a proposal this step, so the EAGLE3
         acceptance estimate stays fresh (suffix and grammar proposals do not refresh it) and every
-        request's backlog is drained now and then."""
+        request's backlog is drained now and then. `probes`, when given, receives the indices of the
+        requests a probe was forced on."""
         eager = {w for w, lad in zip(workloads, ladders) if lad.fixed is None and lad.eagle}
         with self._lock:
             margin = self.margin_off if eager and eager <= self._on else self.margin
@@ -486,6 +501,8 @@ class AdaptiveK:
                     self._turn[w] = self._turn.get(w, -1) + 1
                     i = idx[self._turn[w] % len(idx)]
                 choice[i] = ("eagle3", self.probe_size(ladders[i]))
+                if probes is not None:
+                    probes.append(i)
         return choice
 
     def probe_size(self, ladder: Ladder) -> int:
@@ -510,7 +527,7 @@ class AdaptiveK:
         (no suffix proposals), for each calibrated batch size b."""
         out = {}
         for b in self.cal.batch_sizes:
-            ch = plan([Ladder(self.eagle_gains(workload))] * b, self.cost, self.margin)
+            ch = plan([Ladder(self.eagle_gains(workload))] * b, self.cost, self.margin_at(b, self.margin))
             out[b] = max(n for _, n in ch)
         return out
 

@@ -32,6 +32,13 @@ def adaptive_for(adaptive: AdaptiveK | None, req: Request) -> bool:
     return adaptive is not None and req.k is None and (req.sampling.greedy or req.sampling.seed is None)
 
 
+def seeded(req: Request) -> bool:
+    """A sampled request with a seed: it never takes suffix proposals (their tokens depend on what
+    other requests served, and the random stream rejection sampling draws depends on the proposal,
+    so the same seed would not give the same output)."""
+    return not req.sampling.greedy and req.sampling.seed is not None
+
+
 def k_max(adaptive: AdaptiveK | None, k: int, req: Request) -> int:
     """The longest chain (or tree depth) the request may draft: its k, the policy's k_max, or the engine's k."""
     if req.k is not None:
@@ -43,7 +50,7 @@ def k_max(adaptive: AdaptiveK | None, k: int, req: Request) -> int:
 class StepPlan:
     """One step's slots, in the running order (one per running request, proposer None = no drafts);
     predicted: (expected tokens, predicted ms) of the policy's plan (`goodput.predicted_step`), None
-    when no policy chose it."""
+    when the policy did not choose every request's option (no policy, a request outside it, a probe)."""
 
     slots: list[Slot]
     predicted: tuple[float, float] | None = None
@@ -80,15 +87,18 @@ class Planner:
         request's EAGLE3 option) and option size, its early-stop threshold, its suffix proposal."""
         slots = [Slot(s, learn=self.adaptive if adaptive_for(self.adaptive, s.req) else None) for s in running]
         gated = self._suffix_gated(slots)
-        ladders = [self._ladder(sl, sl.learn is None or sl.seq.req.workload not in gated) for sl in slots]
+        ladders = [self._ladder(sl, not seeded(sl.seq.req) and (sl.learn is None or sl.seq.req.workload not in gated))
+                   for sl in slots]
         stop, predicted = 0.0, None
         if self.adaptive is not None and any(lad.fixed is None for lad in ladders):
             workloads = [s.req.workload for s in running]
-            choice = self.adaptive.plan_step(workloads, ladders)
+            probes: list[int] = []
+            choice = self.adaptive.plan_step(workloads, ladders, probes)
             self._observe_suffix(slots, ladders, choice, gated)
             if self.early_stop:
                 stop = self.adaptive.stop_below(ladders, choice)
-            predicted = predicted_step(ladders, choice, self.adaptive.cost)
+            if not probes and all(lad.fixed is None for lad in ladders):  # the policy's own choice, every request
+                predicted = predicted_step(ladders, choice, self.adaptive.cost)
         else:
             choice = [lad.fixed for lad in ladders]
         for sl, lad, (via, n) in zip(slots, ladders, choice):

@@ -389,6 +389,7 @@ class Engine:
                 for s in new:
                     s.alloc(self.target, self.max_seq_len)
                 plan = self._planner().plan(running, self._proposers)
+                t_catch = time.perf_counter()
                 catch_up(plan.named("eagle3"))  # EAGLE3 drafts read the rows verified last step
                 t_draft = time.perf_counter()  # the cost model's window: drafting + verify (not the catch-up)
                 for proposer, slots in plan.groups(self._proposers.values()):
@@ -407,7 +408,8 @@ class Engine:
                 for sl in plan.slots:
                     if sl.proposer is not None and sl.seq.error is None:
                         _guard(sl.seq, sl.proposer.observe, sl)
-                self._observe_cost(plan, bool(new), 1000 * (t_end - t_draft), 1000 * (time.perf_counter() - t0))
+                self._observe_cost(plan, bool(new), 1000 * (t_end - t_draft),
+                                   1000 * (time.perf_counter() - t0 - (t_draft - t_catch)))
                 results += self._retire(new + running)
         return self._resolve(results)
 
@@ -518,8 +520,9 @@ class Engine:
 
     def _observe_cost(self, plan: StepPlan, prefill: bool, ms: float, step_ms: float) -> None:
         """The policy learns from decode-only steps (no prefill) in which no request failed: its cost
-        model the measured drafting + verify time `ms`; its realized margin the tokens emitted in
-        the whole step's `step_ms` against the plan's prediction (`AdaptiveK.observe_realized`)."""
+        model the measured drafting + verify time `ms`; its realized margin the tokens the step
+        verified in `step_ms` (the whole step but the draft's catch-up) against the plan's
+        prediction, where the policy chose every option (`AdaptiveK.observe_realized`)."""
         slots = plan.slots
         if self.adaptive is None or not slots or prefill or any(sl.seq.error is not None for sl in slots):
             return
