@@ -158,7 +158,7 @@ def write_report(res: dict, out: Path) -> str:
         cell["modeled_ratio"] = modeled_ratio(spent, name) if breakdown else None
         cell["md"] = _cell_md(name, cell["runs"], cell["ratio"]["all"], spent, breakdown)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({k: v for k, v in res.items()} | {
+    out.with_suffix(".json").write_text(json.dumps(res | {
         "cells": [{k: v for k, v in c.items() if k != "md"} for c in res["cells"]]}, indent=2, default=str) + "\n")
 
     def fmt(c: dict) -> str:

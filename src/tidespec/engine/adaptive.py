@@ -32,7 +32,7 @@ one probe (a catch-up of the rows it missed, k drafts, k verify rows) per 512 st
 Realized margin: what the cost model leaves out — the engine's own work per step (planning, suffix
 proposals, the draft's catch-up, bookkeeping of accepted rows) — and the optimism of a plan chosen
 because its prediction was high, are measured instead of modelled. Per calibrated batch size, every
-decode step's realized tokens per ms (tokens emitted ÷ the whole step's wall time) is compared
+decode step's realized tokens per ms (accepted drafts + one per request ÷ the step's wall time) is compared
 with its plan's prediction (the draft's catch-up of a backlog excluded: it is paid once), separately
 for steps the policy chose that speculated and steps that did not (probe steps and steps with a
 request outside the policy are not counted) — each step's ratio clipped to [½, 2], a running mean
@@ -387,7 +387,7 @@ class AdaptiveK:
     def observe_realized(self, b: int, speculated: bool, predicted: tuple[float, float], tokens: int,
                          ms: float) -> None:
         """A decode step of b requests as it ran: its plan's `predicted` (expected tokens, ms) against
-        the tokens it emitted (accepted drafts + one per request) and its wall time in ms (plan to
+        the tokens it verified (accepted drafts + one per request) and its wall time in ms (plan to
         the proposers' bookkeeping, the draft's catch-up excluded: a backlog is paid once, not by
         this step's plan). `speculated`: the plan verified drafts. The step's ratio (realized ÷
         predicted tokens per ms) is clipped to [1/REALIZED_CLIP, REALIZED_CLIP]: a stalled step is

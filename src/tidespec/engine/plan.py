@@ -29,7 +29,7 @@ TREE = "eagle3/tree"  # the proposer table's key of the EAGLE3 option for a requ
 def adaptive_for(adaptive: AdaptiveK | None, req: Request) -> bool:
     """Does the goodput policy choose this request's option? Not with a fixed k, and not for seeded
     sampling (the random stream a seed fixes depends on k: a seeded request keeps the engine's k)."""
-    return adaptive is not None and req.k is None and (req.sampling.greedy or req.sampling.seed is None)
+    return adaptive is not None and req.k is None and not seeded(req)
 
 
 def seeded(req: Request) -> bool:
