@@ -13,8 +13,11 @@ what it learns there. `--breakdown` also reports the seconds each engine spent i
 plans (suffix proposals + the goodput search), the draft's catch-up and the target's verify forwards
 (timers wrapped around those functions by this script). Several `--workload` / `--concurrency`
 values run every cell with the same two engines (their max batch is the highest concurrency; a cell's
-closed-loop clients keep c requests running), each pass over all cells in turn. Timed: run it alone
-on the machine.
+closed-loop clients keep c requests running), each pass over all cells in turn. Besides code, chat
+and math (the traffic the champion adapted on and the warm-up sees), `--workload` takes traffic the
+warm-up never shows the policy (`UNSEEN`: GSM8K in Korean and Japanese, MT-Bench's structured turns —
+extraction and coding —, ShareGPT's first human turns), each its own class. Timed: run it alone on
+the machine.
 
     PYTHONPATH=src .venv/bin/python bench/inprocess_ab.py --draft data/drafts/champion \\
         --workload code --concurrency 16 --passes 8 --out bench/results/default-config/inprocess-code-16
@@ -31,8 +34,10 @@ from pathlib import Path
 import torch
 
 import tidespec.engine.speculative as speculative
+from tidespec import prompts
 from tidespec.bench.engine import WORKLOADS, workload_prompts
 from tidespec.bench.methods import MethodSpec, TidespecMethod
+from tidespec.bootstrap import prompt_ids
 from tidespec.config import load_params
 from tidespec.engine.goodput import draft_batches
 from tidespec.engine.plan import Planner
@@ -84,6 +89,23 @@ def _instrument() -> None:
 def _own(spent: dict) -> float:
     """The engine's own work: its steps' seconds outside the target's and the draft's forwards."""
     return spent["step"] - spent["verify"] - spent["catch-up"] - spent["draft"]
+
+
+UNSEEN = {"math-ko": "gsm-ko", "math-ja": "gsm-ja", "structured": "mtbench", "sharegpt": "sharegpt"}
+
+
+def unseen_prompts(tok, n: int, names: list[str]) -> dict[str, list[tuple[str, list[int]]]]:
+    """n prompts of each `UNSEEN` workload in `names`, as (id, chat-templated ids): MT-Bench's
+    structured turn-1 questions for "structured" (extraction and coding in turn), the set's first n
+    otherwise."""
+    out = {}
+    for w in names:
+        ps = prompts.load(UNSEEN[w])
+        if w == "structured":
+            ext, code = ([p for p in ps if p.category == c] for c in ("extraction", "coding"))
+            ps = [p for pair in zip(ext, code) for p in pair]
+        out[w] = [(p.id, prompt_ids(tok, p.text)) for p in ps[:n]]
+    return out
 
 
 def _wave(m: TidespecMethod, prompts: list, max_new: int, workload: str, c: int) -> dict:
@@ -187,7 +209,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", help="the EAGLE3 champion's directory")
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable (default: code)")
+    ap.add_argument("--workload", action="append", choices=(*WORKLOADS, *UNSEEN),
+                    help="repeatable (default: code); " + ", ".join(UNSEEN) + ": traffic the warm-up never shows")
     ap.add_argument("--config", default="hybrid", choices=("hybrid", "default", "none"),
                     help="hybrid: draft + suffix proposer (params.yaml's default); default: the draft alone "
                          "(the name is historical: engine.suffix.enabled: false); none: a second plain engine "
@@ -216,6 +239,7 @@ def main() -> None:
     _, tok = get_target(params)
     top = max(levels)
     wl = workload_prompts(tok, params, max(top, 8))
+    wl |= unseen_prompts(tok, max(top, 8), [w for w in workloads if w in UNSEEN])
     name = "none (A/A)" if a.config == "none" else a.config
     none = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top), params)
     spec = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top) if a.config == "none" else

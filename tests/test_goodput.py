@@ -129,9 +129,9 @@ class _Spy(AdaptiveK):
         self.steps.append((b, rows, tuple(drafts)))
         super().observe_step(b, rows, drafts, ms)
 
-    def observe_realized(self, b, speculated, predicted, tokens, ms):
-        self.realized_steps.append((b, speculated, predicted, tokens, ms))
-        super().observe_realized(b, speculated, predicted, tokens, ms)
+    def observe_realized(self, workloads, speculated, predicted, tokens, ms):
+        self.realized_steps.append((len(workloads), speculated, predicted, tokens, ms))
+        super().observe_realized(workloads, speculated, predicted, tokens, ms)
 
 
 def test_engine_with_goodput_policy_is_lossless_and_feeds_back_step_costs(tiny_target):
@@ -159,7 +159,7 @@ def test_engine_with_goodput_policy_is_lossless_and_feeds_back_step_costs(tiny_t
     accepted = sum(tok - b for b, _, _, tok, _ in real)  # not the drafts verified: the random draft misses most
     assert sum(rows - b for b, rows, _ in pol.steps) > accepted >= sum(g.stats.num_accepted_tokens for g in gens) > 0
     assert all(p_tok >= b and p_ms > 0 and ms > 0 for b, _, (p_tok, p_ms), _, ms in real)
-    assert set(pol.realized()) <= {1, 2, 4}
+    assert list(pol.realized()) == ["code"] and set(pol.realized()["code"]) <= {1, 2, 4}
 
 
 def test_engine_under_load_switches_speculation_off(tiny_target):
@@ -516,31 +516,31 @@ def test_the_margin_rises_by_what_speculation_realized_of_its_predictions():
     pol = AdaptiveK(cal, prior=0.6, probe_every=1000, margin=0.05, margin_off=0.05)
     assert pol.plan_step(["code"], [lad]) == [("eagle3", 1)]  # 1.12 × 100 / 102 = 1.098
     for _ in range(20):  # predicted 1.12 tokens in 102 ms; realized 1.12 tokens in 113.33 ms = 0.9
-        pol.observe_realized(1, True, (1.12, 102.0), 1, 102.0 / 0.9 / 1.12)
-    assert pol.margin_at(1, 0.05) == 0.05  # no plain step to compare with: the own work is not blamed on it
-    pol.observe_realized(1, False, (1.0, 100.0), 1, 100.0)
+        pol.observe_realized(["code"], True, (1.12, 102.0), 1, 102.0 / 0.9 / 1.12)
+    assert pol.margin_at(["code"], 1, 0.05) == 0.05  # no plain step to compare with: the own work is not blamed on it
+    pol.observe_realized(["code"], False, (1.0, 100.0), 1, 100.0)
     w = 20 * (1 - pol.alpha / 4)  # one plain step aged the speculative evidence once
     rho = (w * 0.9 + REALIZED_PRIOR) / (w + REALIZED_PRIOR)
-    assert pol.realized_ratio(1, True) == pytest.approx(rho)
-    assert pol.realized_ratio(1, False) == pytest.approx((1.0 + REALIZED_PRIOR) / (1 + REALIZED_PRIOR))
-    assert pol.margin_at(1, 0.05) == pytest.approx(1.05 / rho - 1)  # 0.13
+    assert pol.realized_ratio("code", 1, True) == pytest.approx(rho)
+    assert pol.realized_ratio("code", 1, False) == pytest.approx((1.0 + REALIZED_PRIOR) / (1 + REALIZED_PRIOR))
+    assert pol.margin_at(["code"], 1, 0.05) == pytest.approx(1.05 / rho - 1)  # 0.13
     assert pol.plan_step(["code"], [lad]) == [("", 0)]
-    assert pol.realized_ratio(2, True) is None and pol.margin_at(2, 0.05) == 0.05  # another batch size
-    assert pol.realized() == {1: {"plain": 1.0, "speculative": round(rho, 4), "margin": round(1.05 / rho - 1, 4)}}
+    assert pol.realized_ratio("code", 2, True) is None and pol.margin_at(["code"], 2, 0.05) == 0.05  # another batch size
+    assert pol.realized() == {"code": {1: {"plain": 1.0, "speculative": round(rho, 4), "margin": round(1.05 / rho - 1, 4)}}}
     for _ in range(200):  # plain steps on time: the speculative evidence ages, the margin relaxes
-        pol.observe_realized(1, False, (1.0, 100.0), 1, 100.0)
-    assert 0.05 < pol.margin_at(1, 0.05) < 0.07 and pol.plan_step(["code"], [lad]) == [("eagle3", 1)]
+        pol.observe_realized(["code"], False, (1.0, 100.0), 1, 100.0)
+    assert 0.05 < pol.margin_at(["code"], 1, 0.05) < 0.07 and pol.plan_step(["code"], [lad]) == [("eagle3", 1)]
     for _ in range(20):
-        pol.observe_realized(1, True, (1.12, 102.0), 1, 102.0 / 0.9 / 1.12)
+        pol.observe_realized(["code"], True, (1.12, 102.0), 1, 102.0 / 0.9 / 1.12)
     for _ in range(40):  # plain steps realizing 0.5 (the engine's own work): the margin is the margin
-        pol.observe_realized(1, False, (1.0, 100.0), 1, 200.0)
-    assert pol.margin_at(1, 0.05) == 0.05
-    before = pol.realized_ratio(1, True)
-    pol.observe_realized(1, True, (1.0, 100.0), 1, math.inf)  # ignored, as are non-positive values
-    pol.observe_realized(1, True, (0.0, 100.0), 1, 100.0)
-    assert pol.realized_ratio(1, True) == before
+        pol.observe_realized(["code"], False, (1.0, 100.0), 1, 200.0)
+    assert pol.margin_at(["code"], 1, 0.05) == 0.05
+    before = pol.realized_ratio("code", 1, True)
+    pol.observe_realized(["code"], True, (1.0, 100.0), 1, math.inf)  # ignored, as are non-positive values
+    pol.observe_realized(["code"], True, (0.0, 100.0), 1, 100.0)
+    assert pol.realized_ratio("code", 1, True) == before
     pol.reset()
-    assert pol.realized() == {} and pol.margin_at(1, 0.05) == 0.05
+    assert pol.realized() == {} and pol.margin_at(["code"], 1, 0.05) == 0.05
 
 
 def test_one_stalled_step_moves_the_realized_margin_never_decides_it():
@@ -549,11 +549,38 @@ def test_one_stalled_step_moves_the_realized_margin_never_decides_it():
     a point, not to 121 % (a ratio of mean times let that one step's milliseconds dominate)."""
     pol = AdaptiveK(_cal(), prior=0.6)
     for _ in range(20):
-        pol.observe_realized(8, False, (8.0, 200.0), 8, 200.0)
+        pol.observe_realized(["math"] * 8, False, (8.0, 200.0), 8, 200.0)
     for _ in range(40):
-        pol.observe_realized(8, True, (10.0, 250.0), 10, 250.0)
-    assert pol.margin_at(8, 0.05) == 0.05
-    pol.observe_realized(8, True, (10.0, 250.0), 10, 250_000.0)
+        pol.observe_realized(["math"] * 8, True, (10.0, 250.0), 10, 250.0)
+    assert pol.margin_at(["math"], 8, 0.05) == 0.05
+    pol.observe_realized(["math"] * 8, True, (10.0, 250.0), 10, 250_000.0)
     rho = ((20 * (1 - 0.05 / 2)) + REALIZED_PRIOR) / (20 + REALIZED_PRIOR)  # EMA 1 → 1 − 0.05·½
-    assert pol.realized_ratio(8, True) == pytest.approx(rho)
-    assert pol.margin_at(8, 0.05) == pytest.approx(1.05 / rho - 1) and pol.margin_at(8, 0.05) < 0.07
+    assert pol.realized_ratio("math", 8, True) == pytest.approx(rho)
+    assert pol.margin_at(["math"], 8, 0.05) == pytest.approx(1.05 / rho - 1) and pol.margin_at(["math"], 8, 0.05) < 0.07
+
+
+def test_the_realized_margin_is_per_class_and_a_mixed_batch_clears_the_highest():
+    """Code's plans at 8 requests realize their predictions, math's 0.9 of them: a math batch must
+    clear 1.05 / ρ_math − 1, a code batch the margin alone, and a batch of both the higher. A step
+    of both classes counts for each (pooled, code's steps had held math's margin at 5 %)."""
+    pol = AdaptiveK(_cal(), prior=0.6)
+    for w in ("code", "math", "json"):
+        for _ in range(20):
+            pol.observe_realized([w] * 8, False, (8.0, 200.0), 8, 200.0)
+    for _ in range(20):
+        pol.observe_realized(["code"] * 8, True, (10.0, 250.0), 10, 250.0)
+        pol.observe_realized(["math"] * 8, True, (10.0, 250.0), 9, 250.0)
+        pol.observe_realized(["json"] * 8, True, (10.0, 250.0), 10, 263.0)
+    w = 20.0  # no plain step since the speculative ones: nothing aged
+    rho = (w * 0.9 + REALIZED_PRIOR) / (w + REALIZED_PRIOR)
+    assert pol.realized_ratio("math", 8, True) == pytest.approx(rho)
+    assert pol.realized_ratio("code", 8, True) == pytest.approx(1.0)
+    assert pol.margin_at(["code"] * 8, 8, 0.05) == 0.05
+    assert pol.margin_at(["math"] * 8, 8, 0.05) == pytest.approx(1.05 / rho - 1)
+    assert 0.05 < pol.margin_at(["json"] * 8, 8, 0.05) < pol.margin_at(["math"] * 8, 8, 0.05)
+    for mixed in (["code", "math"] * 4, ["math", "json"] * 4, ["json", "code", "math", "json"] * 2):
+        assert pol.margin_at(mixed, 8, 0.05) == pytest.approx(1.05 / rho - 1)  # the highest, whatever the order
+    assert pol.margin_at(["chat"] * 8, 8, 0.05) == 0.05  # a class never seen: the margin
+    pol.observe_realized(["code", "math"] * 4, True, (10.0, 250.0), 5, 250.0)  # 0.5: counts for both
+    assert pol.realized_ratio("code", 8, True) < 1.0 and pol.realized_ratio("math", 8, True) < rho
+    assert set(pol.realized()) == {"code", "math", "json"} and set(pol.realized()["math"]) == {8}

@@ -306,6 +306,11 @@ def pass_ratios(raw: dict, ref_name: str, passes: int) -> dict:
     return out
 
 
+def _ratio(x: float | None) -> str:
+    """A realized ÷ predicted ratio for the report ("–": no such step was seen)."""
+    return "–" if x is None else f"{x:.2f}"
+
+
 def _cpu() -> str:
     return cpu_model()
 
@@ -401,10 +406,10 @@ def markdown(res: dict, prof: str | None = None) -> str:
                              f"at batch sizes {v.get('suffix_off_at_batch', [])}")
         for n, i in res["info"].items():
             if i.get("realized"):
-                lines.append(f"- {n}: realized ÷ predicted tokens/ms (plain, speculative) and the margin a plan "
-                             "must clear, by batch size: " + ", ".join(
-                                 f"{b}: {v['plain']:.2f}, {v['speculative']:.2f} → {100 * v['margin']:.0f} %"
-                                 for b, v in i["realized"].items()))
+                lines += [f"- {n} / {cls}: realized ÷ predicted tokens/ms (plain, speculative) and the margin a "
+                          "plan must clear, by batch size: " + ", ".join(
+                              f"{b}: {_ratio(v['plain'])}, {_ratio(v['speculative'])} → {100 * v['margin']:.0f} %"
+                              for b, v in by_b.items()) for cls, by_b in i["realized"].items()]
         cal = max((i["calibration_ms"] for i in res["info"].values() if i.get("calibration_ms")),
                   key=lambda c: c["draft_step"])  # one with a draft, when any method has one
         lines += ["", f"Calibration (ms): target forward of 1..k+1 tokens {[round(x, 1) for x in cal['target']]}, "

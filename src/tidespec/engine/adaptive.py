@@ -31,18 +31,22 @@ one probe (a catch-up of the rows it missed, k drafts, k verify rows) per 512 st
 
 Realized margin: what the cost model leaves out — the engine's own work per step (planning, suffix
 proposals, the draft's catch-up, bookkeeping of accepted rows) — and the optimism of a plan chosen
-because its prediction was high, are measured instead of modelled. Per calibrated batch size, every
-decode step's realized tokens per ms (accepted drafts + one per request ÷ the step's wall time) is compared
-with its plan's prediction (the draft's catch-up of a backlog excluded: it is paid once), separately
-for steps the policy chose that speculated and steps that did not (probe steps and steps with a
-request outside the policy are not counted) — each step's ratio clipped to [½, 2], a running mean
-then an EMA, shrunk towards 1 by REALIZED_PRIOR steps, the speculative evidence aging while plain
-steps run. The margin a plan must clear becomes (1 + margin) · ρ_plain / ρ_spec − 1, never below
-`margin`, and `margin` until both kinds were seen at that batch size. Where speculative steps
-realize 10 % less of their prediction than plain ones (ρ after the shrink), a plan must predict
-1.05 / 0.9 = 1.17× to run: the predicted gain must pay for what the prediction missed (on 2 CPU
-cores at 8 requests, the hybrid's plans predicted 1.2× and realized ≈ 1.0×:
-`bench/inprocess_ab.py --breakdown`).
+because its prediction was high, are measured instead of modelled. Per workload class and calibrated
+batch size, every decode step's realized tokens per ms (accepted drafts + one per request ÷ the
+step's wall time) is compared with its plan's prediction (the draft's catch-up of a backlog
+excluded: it is paid once), separately for steps the policy chose that speculated and steps that did
+not (probe steps and steps with a request outside the policy are not counted; a step counts for
+every class it ran) — each step's ratio clipped to [½, 2], a running mean then an EMA, shrunk
+towards 1 by REALIZED_PRIOR steps, the speculative evidence aging while plain steps run. The margin
+a plan must clear becomes (1 + margin) · ρ_plain / ρ_spec − 1 for the class of the batch where it is
+highest, never below `margin`, and `margin` for a class until both kinds were seen at that batch
+size. Where speculative steps realize 10 % less of their prediction than plain ones (ρ after the
+shrink), a plan must predict 1.05 / 0.9 = 1.17× to run: the predicted gain must pay for what the
+prediction missed (on 2 CPU cores at 8 requests, the hybrid's plans predicted 1.2× and realized ≈
+1.0×: `bench/inprocess_ab.py --breakdown`). Per class because the optimism is a class's (how far its
+suffix proposals' scores and its acceptance estimate run ahead of what is accepted): pooled over
+classes, code's accurate plans at 8 requests held the margin at 5 % while math's realized 0.9× of
+plain decoding at every pass of an in-process A/B.
 
 Suffix proposals are gated the same way, per class and batch size (the calibrated size nearest
 to the batch): computing them (two trie matches per request, and the request's own trie built
@@ -57,7 +61,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from .calibration import Calibration, draft_shape, measure_draft
 from .goodput import NONE, Ladder, StepCost, goodput, plan, step_draft_batches
@@ -144,8 +148,8 @@ class AdaptiveK:
         self._tree: dict[str, dict[int, list]] = {}  # class → nodes verified → [mean accepted, observations]
         self._sfx_gate: dict[tuple[str, int], list[int]] = {}  # (class, batch size) → [misses, gap, idle]
         self._first: dict[str, float] = {}  # class → the served draft's replayed first-token acceptance ("": all)
-        # (batch size, speculated) → [mean realized / predicted tokens per ms, steps (aged)]: running mean, then EMA
-        self._real: dict[tuple[int, bool], list[float]] = {}
+        # (class, batch size, speculated) → [mean realized / predicted tokens per ms, steps (aged)]: running mean, then EMA
+        self._real: dict[tuple[str, int, bool], list[float]] = {}
         self._lock = threading.Lock()
 
     def ensure_draft_costs(self, target, runner) -> bool:
@@ -384,59 +388,66 @@ class AdaptiveK:
         forward per entry of `draft_batches`, took `ms`."""
         self.cost.observe(b, total_rows, draft_batches, ms)
 
-    def observe_realized(self, b: int, speculated: bool, predicted: tuple[float, float], tokens: int,
-                         ms: float) -> None:
-        """A decode step of b requests as it ran: its plan's `predicted` (expected tokens, ms) against
-        the tokens it verified (accepted drafts + one per request) and its wall time in ms (plan to
-        the proposers' bookkeeping, the draft's catch-up excluded: a backlog is paid once, not by
-        this step's plan). `speculated`: the plan verified drafts. The step's ratio (realized ÷
-        predicted tokens per ms) is clipped to [1/REALIZED_CLIP, REALIZED_CLIP]: a stalled step is
-        one step. A plain step also ages the speculative evidence at its batch size (its weight ×
-        (1 − alpha/4)), so a margin raised by steps long past relaxes towards `margin` and
-        speculation is tried again. Non-finite or non-positive values are ignored."""
+    def observe_realized(self, workloads: Sequence[str], speculated: bool, predicted: tuple[float, float],
+                         tokens: int, ms: float) -> None:
+        """A decode step of len(workloads) requests (each one's class) as it ran: its plan's
+        `predicted` (expected tokens, ms) against the tokens it verified (accepted drafts + one per
+        request) and its wall time in ms (plan to the proposers' bookkeeping, the draft's catch-up
+        excluded: a backlog is paid once, not by this step's plan). `speculated`: the plan verified
+        drafts. The step's ratio (realized ÷ predicted tokens per ms) is clipped to
+        [1/REALIZED_CLIP, REALIZED_CLIP] (a stalled step is one step) and counts for every class in
+        the step. A plain step also ages the speculative evidence of its classes at its batch size
+        (its weight × (1 − alpha/4)), so a margin raised by steps long past relaxes towards `margin`
+        and speculation is tried again. Non-finite or non-positive values are ignored."""
+        b = len(workloads)
         p_tok, p_ms = predicted
         if b < 1 or tokens < 1 or not all(math.isfinite(x) and x > 0 for x in (p_tok, p_ms, ms)):
             return
         x = min(REALIZED_CLIP, max(1 / REALIZED_CLIP, (tokens / p_tok) * (p_ms / ms)))
         bucket = self.cost.bucket(b)
         with self._lock:
-            st = self._real.setdefault((bucket, speculated), [1.0, 0.0])
-            st[1] += 1
-            st[0] += max(self.alpha, 1.0 / st[1]) * (x - st[0])
-            if not speculated and (bucket, True) in self._real:
-                self._real[(bucket, True)][1] *= 1 - self.alpha / 4
+            for w in set(workloads):
+                st = self._real.setdefault((w, bucket, speculated), [1.0, 0.0])
+                st[1] += 1
+                st[0] += max(self.alpha, 1.0 / st[1]) * (x - st[0])
+                if not speculated and (w, bucket, True) in self._real:
+                    self._real[(w, bucket, True)][1] *= 1 - self.alpha / 4
 
-    def realized_ratio(self, b: int, speculated: bool) -> float | None:
-        """ρ: the mean realized ÷ predicted tokens per ms of the steps at b's calibrated batch size
-        that did (or did not) speculate (a running mean, then an EMA), shrunk towards 1 by
-        REALIZED_PRIOR steps (weight: steps seen, aged, at most 1/alpha). None when none was seen."""
+    def realized_ratio(self, workload: str, b: int, speculated: bool) -> float | None:
+        """ρ: the class's mean realized ÷ predicted tokens per ms over the steps at b's calibrated
+        batch size that did (or did not) speculate (a running mean, then an EMA), shrunk towards 1
+        by REALIZED_PRIOR steps (weight: steps seen, aged, at most 1/alpha). None when none was seen."""
         with self._lock:
-            st = self._real.get((self.cost.bucket(b), speculated))
+            st = self._real.get((workload, self.cost.bucket(b), speculated))
             rho, n = (st[0], st[1]) if st is not None else (None, 0.0)
         if rho is None:
             return None
         w = min(n, 1.0 / self.alpha)
         return (w * rho + REALIZED_PRIOR) / (w + REALIZED_PRIOR)
 
-    def margin_at(self, b: int, margin: float) -> float:
-        """The margin a plan of b requests must clear: `margin` raised by what speculation realized
-        of its predictions relative to plain decoding at this batch size, (1 + margin) · ρ_plain /
-        ρ_spec − 1; never below `margin`, and `margin` until both kinds of step were seen there
-        (without plain steps to compare with, the engine's own work would be blamed on speculation)."""
-        plain, spec = self.realized_ratio(b, False), self.realized_ratio(b, True)
-        if plain is None or spec is None or plain <= spec:
-            return margin
-        return (1 + margin) * plain / spec - 1
+    def margin_at(self, workloads: Iterable[str], b: int, margin: float) -> float:
+        """The margin a plan of b requests of these classes must clear: `margin` raised by what
+        speculation realized of its predictions relative to plain decoding at this batch size,
+        (1 + margin) · ρ_plain / ρ_spec − 1 for the class where that is highest; never below
+        `margin`, and `margin` for a class until both kinds of step were seen there (without plain
+        steps to compare with, the engine's own work would be blamed on speculation)."""
+        return max([margin, *((1 + margin) * plain / spec - 1 for w in set(workloads)
+                              for plain, spec in [(self.realized_ratio(w, b, False), self.realized_ratio(w, b, True))]
+                              if plain is not None and spec is not None and plain > spec)])
 
-    def realized(self) -> dict[int, dict[str, float]]:
-        """Per calibrated batch size seen: ρ of plain and speculative steps and the margin a plan there
-        must clear (`margin_at`)."""
+    def realized(self) -> dict[str, dict[int, dict[str, float]]]:
+        """Per class and calibrated batch size seen: ρ of plain and speculative steps and the margin
+        a plan of that class there must clear (`margin_at`)."""
         with self._lock:
-            sizes = sorted({b for b, _ in self._real})
+            seen = sorted({(w, b) for w, b, _ in self._real})
         def r(x: float | None) -> float | None:
             return None if x is None else round(x, 4)
-        return {b: {"plain": r(self.realized_ratio(b, False)), "speculative": r(self.realized_ratio(b, True)),
-                    "margin": round(self.margin_at(b, self.margin), 4)} for b in sizes}
+        out: dict[str, dict[int, dict[str, float]]] = {}
+        for w, b in seen:
+            out.setdefault(w, {})[b] = {"plain": r(self.realized_ratio(w, b, False)),
+                                        "speculative": r(self.realized_ratio(w, b, True)),
+                                        "margin": round(self.margin_at([w], b, self.margin), 4)}
+        return out
 
     def _pick(self, tps: list[float]) -> int:
         k = _argmax(tps, lo=1)
@@ -485,7 +496,7 @@ class AdaptiveK:
         eager = {w for w, lad in zip(workloads, ladders) if lad.fixed is None and lad.eagle}
         with self._lock:
             margin = self.margin_off if eager and eager <= self._on else self.margin
-        choice = plan(ladders, self.cost, self.margin_at(len(ladders), margin))
+        choice = plan(ladders, self.cost, self.margin_at(workloads, len(ladders), margin))
         drafted = {w for w, lad, c in zip(workloads, ladders, choice) if lad.fixed is None and c[0] == "eagle3"}
         for w in drafted:  # the class's EAGLE3 estimate is being refreshed: no probe due, back-off forgotten
             self._speculated(w)
@@ -527,7 +538,7 @@ class AdaptiveK:
         (no suffix proposals), for each calibrated batch size b."""
         out = {}
         for b in self.cal.batch_sizes:
-            ch = plan([Ladder(self.eagle_gains(workload))] * b, self.cost, self.margin_at(b, self.margin))
+            ch = plan([Ladder(self.eagle_gains(workload))] * b, self.cost, self.margin_at([workload], b, self.margin))
             out[b] = max(n for _, n in ch)
         return out
 

@@ -529,8 +529,8 @@ class Engine:
         fw = draft_batches([sl.draft_forwards for sl in slots], [sl.draft_rows for sl in slots])
         self.adaptive.observe_step(len(slots), sum(sl.k + 1 for sl in slots), fw, ms)
         if plan.predicted is not None:
-            self.adaptive.observe_realized(len(slots), any(sl.n for sl in slots), plan.predicted,
-                                           sum(sl.accepted + 1 for sl in slots), step_ms)
+            self.adaptive.observe_realized([sl.seq.req.workload for sl in slots], any(sl.n for sl in slots),
+                                           plan.predicted, sum(sl.accepted + 1 for sl in slots), step_ms)
 
     def _retire_aborted(self) -> list[tuple[Seq, Generation]]:
         """Aborted running requests leave before any compute (their suffix trees closed unlearned)."""
