@@ -431,9 +431,13 @@ class AdaptiveK:
         (1 + margin) · ρ_plain / ρ_spec − 1 for the class where that is highest; never below
         `margin`, and `margin` for a class until both kinds of step were seen there (without plain
         steps to compare with, the engine's own work would be blamed on speculation)."""
-        return max([margin, *((1 + margin) * plain / spec - 1 for w in set(workloads)
-                              for plain, spec in [(self.realized_ratio(w, b, False), self.realized_ratio(w, b, True))]
-                              if plain is not None and spec is not None and plain > spec)])
+        return max([margin, *(self._class_margin(w, b, margin) for w in set(workloads))])
+
+    def _class_margin(self, workload: str, b: int, margin: float) -> float:
+        """(1 + margin) · ρ_plain / ρ_spec − 1 of one class at b, `margin` where that is lower or a
+        kind of step was not seen."""
+        plain, spec = self.realized_ratio(workload, b, False), self.realized_ratio(workload, b, True)
+        return margin if plain is None or spec is None or plain <= spec else (1 + margin) * plain / spec - 1
 
     def realized(self) -> dict[str, dict[int, dict[str, float]]]:
         """Per class and calibrated batch size seen: ρ of plain and speculative steps and the margin
