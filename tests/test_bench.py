@@ -53,6 +53,18 @@ def test_ratios_and_markdown():
     assert "| tidespec_adapted_adaptive | 15.00 |" in md and "code: tidespec_adapted_adaptive / no_spec: 1.500" in md
     assert "vllm_* rows: a vLLM" in md and "| vllm_eagle3_adapted_k4 | 6.00 |" in md
 
+    adaptive = {"code": {"k": 2, "speculation": True, "predicted_speedup": 1.3, "conditional_acceptance": [0.7]}}
+    realized = {"code": {8: {"plain": 0.98, "speculative": None, "margin": 0.05}},
+                "math": {8: {"plain": 1.0, "speculative": 0.9, "margin": 0.1667}}}
+    md = markdown({"date": "d", "machine": {"cpu": "c", "cores": 2, "threads": 2, "torch": "t"},
+                   "setup": {"dtype": "float32", "prompts_per_workload": 1, "max_new_tokens": 8, "k": 4,
+                             "prompt_lookup_num_tokens": 10}, "results": rows, "ratios": r, "methods": [],
+                   "info": {"hybrid": {"adaptive": adaptive, "realized": realized,
+                                       "calibration_ms": {"target": [30.0], "draft_step": 2.0}}}})
+    # per class; a kind of step not seen at a batch size reads "–" (it crashed the report)
+    assert "- hybrid / code: realized ÷ predicted tokens/ms (plain, speculative) and the margin a plan must clear, " \
+           "by batch size: 8: 0.98, – → 5 %" in md
+    assert "- hybrid / math: realized" in md and "8: 1.00, 0.90 → 17 %" in md
 
 def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path):
     runner = DraftRunner(random_draft(tiny_target, 64))
