@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import sqlite3
 import uuid
 from pathlib import Path
@@ -239,3 +240,50 @@ def test_poll_until_returns_the_value_or_names_what_it_waited_for(tmp_path):
     p.wait()
     with pytest.raises(RuntimeError, match=r"server exited \(3\) while waiting for health(.|\n)*last words"):
         poll_until(lambda: None, 5, "health", p, log, error=RuntimeError)
+
+
+def test_a_server_that_loses_its_port_before_binding_is_relaunched_on_a_fresh_one(tmp_path):
+    """The CI failure this guards: Prefect picked a free port, migrated its database for seconds,
+    then could not bind (another process had taken the port: uvicorn exit 3). `_start` relaunches
+    such a server on a fresh port; a server failing for another reason is not relaunched."""
+    import socket
+
+    sd = (tmp_path / "svc").resolve()
+    held = socket.socket()
+    held.bind((services.HOST, 0))  # taken, as the source port of a connection would take it
+    held.listen()
+    taken = held.getsockname()[1]
+    calls: list[int] = []
+
+    def launch_moto():
+        calls.append(1)
+        return services._launch_moto(sd, taken if len(calls) == 1 else None)  # None: _pick_port, fresh
+
+    out: dict = {}
+    try:
+        services._start(sd, [launch_moto], out, timeout_s=60)
+        assert len(calls) == 2 and out["moto"].url != f"http://{services.HOST}:{taken}"
+        assert process.http_ok(services._health_url(out["moto"].url, "moto"))
+        assert process.lost_port_race(out["moto"].log)  # the first launch's words are kept in the log
+        assert json.loads((sd / "moto.json").read_text())["pid"] == out["moto"].pid
+    finally:
+        held.close()
+        services.down(sd)
+
+    def launch_broken():  # exits at once for another reason: one launch, the error names its log
+        calls.append(1)
+        return services._launch("moto", [sys.executable, "-c", "raise SystemExit('bad flag')"], {}, sd,
+                                f"http://{services.HOST}:1", 1)
+
+    calls.clear()
+    with pytest.raises(services.ServiceError, match=r"moto server exited with 1(.|\n)*bad flag"):
+        services._start(sd, [launch_broken], {}, timeout_s=30)
+    assert len(calls) == 1 and not (sd / "moto.json").exists()
+
+
+def test_free_port_is_below_the_ephemeral_range():
+    """Outbound connections take their source ports from the ephemeral range: a port picked below it
+    cannot be lost to one of them between the pick and the server's bind."""
+    low = process._ephemeral_low()
+    ports = {process.free_port(services.HOST) for _ in range(20)}
+    assert all(process._PICK_FROM <= p < low for p in ports) and len(ports) > 1

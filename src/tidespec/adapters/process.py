@@ -10,6 +10,7 @@ become healthy names the log and its last lines.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -48,11 +49,48 @@ def port_is_free(host: str, port: int) -> bool:
         return True
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: ip_local_port_range; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the OS picks; racy by nature)."""
+    """A TCP port free on `host` right now, picked at random below the kernel's ephemeral range.
+
+    Outside that range on purpose: a server that binds seconds after its port was picked (Prefect
+    migrates its database first) would otherwise lose the port to the source port of any outbound
+    connection in between (``[Errno 98] address already in use``, uvicorn exit 3). Random, not
+    sequential, so concurrent pickers rarely meet; still racy by nature (`lost_port_race`). Falls
+    back to a port the OS picks when no candidate below the range is free."""
+    low = _ephemeral_low()
+    if low > _PICK_FROM + 1000:
+        rng = random.SystemRandom()  # not the `random` module: a test seeding it would make workers agree
+        for _ in range(64):
+            port = rng.randrange(_PICK_FROM, low)
+            if port_is_free(host, port):
+                return port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_PICK_FROM = 20000  # free_port's candidates: [20000, first ephemeral port)
+_BIND_LOST = ("address already in use", "errno 98", "eaddrinuse")
+
+
+def lost_port_race(log: Path, offset: int = 0) -> bool:
+    """True iff `log`, from byte `offset` on, says the server could not bind its port (another
+    process took it between `free_port` and the bind): the caller may relaunch on a fresh port."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace").lower()
+    except OSError:
+        return False
+    return any(m in text for m in _BIND_LOST)
 
 
 # ---------------------------------------------------------------- health / liveness

@@ -120,6 +120,7 @@ class _Launch:
     port: int
     state_dir: Path
     extra: dict | None = None  # recorded in the state file (the worker: the service URLs it was started with)
+    log_offset: int = 0  # the log's size at launch: what this launch wrote starts there
 
 
 def _launch(name: str, cmd: list[str], env_extra: dict[str, str], state_dir: Path,
@@ -131,8 +132,9 @@ def _launch(name: str, cmd: list[str], env_extra: dict[str, str], state_dir: Pat
     starting (SIGKILL, a killed CI job), ``down`` still finds and stops it, and ``up`` reuses it."""
     state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / f"{name}.log"
+    offset = log.stat().st_size if log.exists() else 0
     proc = process.launch(cmd, log, env_extra, cwd=state_dir)
-    ln = _Launch(Service(name=name, url=url, pid=proc.pid, log=log), proc, port, state_dir, extra)
+    ln = _Launch(Service(name=name, url=url, pid=proc.pid, log=log), proc, port, state_dir, extra, offset)
     try:
         _write_state(state_dir, ln.svc, port, extra)
     except BaseException:
@@ -331,22 +333,43 @@ def recorded(state_dir: Path | None = None) -> list[str]:
     return [n for n in ALL if _state_file(state_dir, n).exists()] + extra
 
 
+BIND_ATTEMPTS = 3  # launches of one server when another process keeps taking its port before it binds
+
+
 def _start(state_dir: Path, launchers: list, out: dict[str, Service], timeout_s: float) -> None:
     """Call ``launchers`` (each starts one server, returns its _Launch), then await them into
-    ``out``; on a failure (or Ctrl-C), launching or awaiting, stop and forget every one of them not
+    ``out``; a server that exits because another process took its port before it bound
+    (`process.lost_port_race`) is launched again on a fresh port, ``BIND_ATTEMPTS`` times in all.
+    On any other failure (or Ctrl-C), launching or awaiting, stop and forget every one of them not
     yet healthy (a half-started set is never left behind), re-raise."""
     launches: list[_Launch] = []
     try:
         for start in launchers:
             launches.append(start())
-        for ln in launches:
-            out[ln.svc.name] = _await(ln, timeout_s)
+        for i, start in enumerate(launchers):
+            for attempt in range(1, BIND_ATTEMPTS + 1):
+                try:
+                    out[launches[i].svc.name] = _await(launches[i], timeout_s)
+                    break
+                except ServiceError as e:
+                    if not _lost_port(launches[i]):
+                        raise
+                    if attempt == BIND_ATTEMPTS:
+                        raise ServiceError(f"{launches[i].svc.name} server: another process took its port before "
+                                           f"it bound, {BIND_ATTEMPTS} launches in a row (free ports: is the "
+                                           f"machine out of them?); last error: {e}") from e
+                    launches[i] = start()  # its state file is gone: a fresh port
     except BaseException:
         for ln in launches:
             if ln.svc.name not in out:
                 process.stop(ln.proc.pid)
                 _forget(ln)
         raise
+
+
+def _lost_port(ln: _Launch) -> bool:
+    """The launch exited, its log saying its port was taken before it bound."""
+    return ln.proc.poll() is not None and process.lost_port_race(ln.svc.log, ln.log_offset)
 
 
 def down(state_dir: Path | None = None, which: tuple[str, ...] | None = None) -> list[str]:
