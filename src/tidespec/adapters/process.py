@@ -49,6 +49,10 @@ def port_is_free(host: str, port: int) -> bool:
         return True
 
 
+_PICK_FROM = 20000  # free_port's candidates: [20000, first ephemeral port)
+_BIND_LOST = ("address already in use", "errno 98", "eaddrinuse")
+
+
 def _ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (Linux: ip_local_port_range; 32768 elsewhere)."""
     try:
@@ -64,7 +68,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     migrates its database first) would otherwise lose the port to the source port of any outbound
     connection in between (``[Errno 98] address already in use``, uvicorn exit 3). Random, not
     sequential, so concurrent pickers rarely meet; still racy by nature (`lost_port_race`). Falls
-    back to a port the OS picks when no candidate below the range is free."""
+    back to a port the OS picks when no candidate below the range is free. Raises OSError when
+    `host` cannot be bound at all (not a local address)."""
     low = _ephemeral_low()
     if low > _PICK_FROM + 1000:
         rng = random.SystemRandom()  # not the `random` module: a test seeding it would make workers agree
@@ -77,13 +82,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-_PICK_FROM = 20000  # free_port's candidates: [20000, first ephemeral port)
-_BIND_LOST = ("address already in use", "errno 98", "eaddrinuse")
-
-
 def lost_port_race(log: Path, offset: int = 0) -> bool:
     """True iff `log`, from byte `offset` on, says the server could not bind its port (another
-    process took it between `free_port` and the bind): the caller may relaunch on a fresh port."""
+    process took it between `free_port` and the bind): the caller may relaunch on a fresh port.
+    False when the log cannot be read (never raises)."""
     try:
         with open(log, "rb") as f:
             f.seek(offset)
