@@ -147,3 +147,51 @@ def test_request_tree_is_built_on_first_proposal_and_equals_the_incremental_one(
                 assert (got.tokens, got.scores) == (want.tokens, want.scores), (case, step)
         c.propose("r")
         assert c._live["r"].trie._count == ref._count and c._live["r"].active == active, case
+
+
+def _random_cache(rng, max_tokens):
+    cache = SuffixCache(max_depth=5, max_tokens=max_tokens)
+    for _ in range(30):
+        cache.insert([rng.randrange(4) for _ in range(rng.randrange(1, 12))])
+    return cache.retained(), cache.global_trie
+
+
+def _substrings(seqs, depth):
+    return {tuple(q[i:j]) for q in seqs for i in range(len(q)) for j in range(i + 1, min(len(q), i + depth) + 1)}
+
+
+def test_counts_match_brute_force_after_evictions():
+    """Random outputs through a SuffixCache whose budget evicts (removal, then node reuse): every
+    substring up to max_depth of the retained sequences is one node counting its occurrences."""
+    import random
+    seqs, trie = _random_cache(random.Random(7), max_tokens=40)
+    subs = _substrings(seqs, 5)
+    assert trie.num_nodes == len(subs) + 1
+    for s in subs:
+        assert trie._count[node_of(trie, list(s))] == brute_count(seqs, list(s)), s
+
+
+def test_children_are_ordered_by_first_occurrence():
+    """Without evictions a node's children are in the order their paths first end in the inserted
+    sequences (`propose` breaks a tie in counts by this order)."""
+    import random
+    seqs, trie = _random_cache(random.Random(3), max_tokens=10_000)
+    flat = [t for q in seqs for t in (*q, None)]  # None: no substring spans two sequences
+
+    def first_end(path):
+        return min(j for j in range(len(path) - 1, len(flat)) if flat[j - len(path) + 1:j + 1] == path)
+    for s in [()] + sorted(x for x in _substrings(seqs, 4)):
+        kids = list(trie._kids[node_of(trie, list(s))])
+        assert kids == sorted(kids, key=lambda t: first_end([*s, t])), s
+
+
+def test_evicted_nodes_are_reused():
+    """A global tree that evicts as it inserts keeps its node table at the peak of live nodes: one
+    10-token sequence (depth 5) has at most 10+9+8+7+6 = 40 substrings, two are live at most (the
+    new one inserted before the old is evicted), so ≤ 80 nodes besides the root, however many pass."""
+    import random
+    rng = random.Random(1)
+    cache = SuffixCache(max_depth=5, max_tokens=10)
+    for _ in range(50):
+        cache.insert([rng.randrange(50) for _ in range(10)])
+    assert len(cache.global_trie._count) <= 81 and cache.retained_tokens == 10

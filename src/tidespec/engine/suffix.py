@@ -90,7 +90,13 @@ class SuffixTrie:
 
     def add(self, tokens: list[int], delta: int = 1) -> None:
         """Insert (delta 1) or remove (delta -1, a sequence inserted before) every substring of
-        `tokens` up to max_depth long."""
+        `tokens` up to max_depth long (an insertion runs `extend` per token: the same substrings, in
+        the same order of first occurrence, so the same trie)."""
+        if delta == 1:
+            active: list[int] = []
+            for t in tokens:
+                active = self.extend(active, t)
+            return
         for i in range(len(tokens)):
             node = 0
             for t in tokens[i:i + self.max_depth]:
@@ -98,8 +104,26 @@ class SuffixTrie:
 
     def extend(self, active: list[int], token: int) -> list[int]:
         """Append `token` to a sequence inserted incrementally. `active`: the nodes of the suffixes
-        ending at the previous token, shortest first (start with []); returns the new ones. O(max_depth)."""
-        return [self._bump(0, token, 1)] + [self._bump(a, token, 1) for a in active[:self.max_depth - 1]]
+        ending at the previous token, shortest first (start with []); returns the new ones. O(max_depth).
+        `_bump(parent, token, 1)` for the root and each active node, inlined: a request's own tree is
+        built with this per token of its context (max_depth calls a token), the hot path of a probe."""
+        kids_of, count, free = self._kids, self._count, self._free
+        out = []
+        for parent in (0, *active[:self.max_depth - 1]):
+            kids = kids_of[parent]
+            node = kids.get(token)
+            if node is None:
+                if free:
+                    node = free.pop()
+                    kids_of[node] = {}
+                else:
+                    node = len(count)
+                    count.append(0)
+                    kids_of.append({})
+                kids[token] = node
+            count[node] += 1
+            out.append(node)
+        return out
 
     def match(self, context: list[int], max_len: int) -> tuple[int, int]:
         """(node, length) of the longest suffix of `context`, at most `max_len` tokens, that occurs
