@@ -122,8 +122,9 @@ def test_binary_search_match_equals_the_longest_continuing_suffix():
 
 
 def test_request_tree_is_built_on_first_proposal_and_equals_the_incremental_one():
-    """A request's own tree is built only when a proposal is asked for (the policy may never ask);
-    built late, it must propose exactly what a tree extended token by token proposes."""
+    """A request's own tree is built only when proposals are asked for (the policy may never ask; the
+    first ones scan); built late, it must propose exactly what a tree extended token by token proposes."""
+    from tidespec.engine.suffix import OWN_TREE_AFTER
     import random
     rng = random.Random(2)
     for case in range(40):
@@ -145,7 +146,8 @@ def test_request_tree_is_built_on_first_proposal_and_equals_the_incremental_one(
                 want = ref.propose(seen, c.max_spec, c.min_score, c.alpha)
                 got = c.propose("r")
                 assert (got.tokens, got.scores) == (want.tokens, want.scores), (case, step)
-        c.propose("r")
+        for _ in range(OWN_TREE_AFTER):
+            c.propose("r")
         assert c._live["r"].trie._count == ref._count and c._live["r"].active == active, case
 
 
@@ -195,3 +197,43 @@ def test_evicted_nodes_are_reused():
     for _ in range(50):
         cache.insert([rng.randrange(50) for _ in range(10)])
     assert len(cache.global_trie._count) <= 81 and cache.retained_tokens == 10
+
+
+def test_a_scan_proposes_what_the_requests_own_tree_proposes():
+    """`scan_propose` (a request's first proposals, no tree) against the tree over the same context,
+    the oracle: 2000 random contexts over small vocabularies (many ties and repeats), depths down to
+    the bound 2 (re-matching every token), every knob — the same tokens, match length and scores."""
+    import random
+
+    import numpy as np
+
+    from tidespec.engine.suffix import scan_propose
+    rng = random.Random(0)
+    for _ in range(2000):
+        ctx = [rng.randrange(rng.choice([2, 3, 5, 20])) for _ in range(rng.randrange(1, 80))]
+        depth = rng.choice([2, 3, 5, 24])
+        knobs = (rng.choice([1, 4, 16]), rng.choice([0.0, 0.1, 0.3]), rng.choice([0.5, 2.0, 4.0]))
+        tree = SuffixTrie(depth)
+        tree.add(ctx)
+        want = tree.propose(ctx, *knobs)
+        got = scan_propose(np.array(ctx, dtype=np.int64), ctx, depth, *knobs)
+        assert (got.tokens, got.match_len) == (want.tokens, want.match_len), (ctx, depth, knobs)
+        assert got.scores == pytest.approx(want.scores, abs=1e-12) and got.score == pytest.approx(want.score)
+
+
+def test_the_own_tree_is_built_only_for_a_request_that_keeps_proposing():
+    """A request's first OWN_TREE_AFTER − 1 proposals scan (no tree: a probe costs no build); the
+    next builds the tree, which then follows every emitted token; the proposals never change."""
+    from tidespec.engine.suffix import OWN_TREE_AFTER
+    cache = SuffixCache(max_depth=6, max_spec=4, alpha=4.0, min_score=0.0)
+    ctx = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+    cache.start("r", ctx)
+    live = cache._live["r"]
+    for i in range(1, OWN_TREE_AFTER + 2):
+        p = cache.propose("r")
+        assert (live.trie is not None) == (i >= OWN_TREE_AFTER), i
+        tree = SuffixTrie(6)
+        tree.add(live.tokens)
+        assert p.tokens == tree.propose(live.tokens, 4, 0.0, 4.0).tokens and p.source == "request"
+        cache.append("r", [p.tokens[0] if p.tokens else 9])
+    assert live.trie._count[node_of(live.trie, [1, 2])] == brute_count([live.tokens], [1, 2])
