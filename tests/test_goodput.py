@@ -584,3 +584,39 @@ def test_the_realized_margin_is_per_class_and_a_mixed_batch_clears_the_highest()
     pol.observe_realized(["code", "math"] * 4, True, (10.0, 250.0), 5, 250.0)  # 0.5: counts for both
     assert pol.realized_ratio("code", 8, True) < 1.0 and pol.realized_ratio("math", 8, True) < rho
     assert set(pol.realized()) == {"code", "math", "json"} and set(pol.realized()["math"]) == {8}
+
+
+def test_a_probe_skips_requests_whose_draft_has_a_long_backlog():
+    """A probe's draft first catches up over the request's backlog (a long prompt: hundreds of rows):
+    probes rotate over the idle requests with at most PROBE_BACKLOG rows to catch up, and go to the
+    one with the fewest when none has so few."""
+    from tidespec.engine.adaptive import PROBE_BACKLOG
+    cal = Calibration((100.0, 101.0, 102.0, 103.0), 0.0, "test", 128, (1, 4), (1, 2, 3, 4),
+                      ((100.0, 101.0, 102.0, 103.0), (150.0, 200.0, 250.0, 300.0)), (0.0, 0.0))
+
+    def probed(backlogs):
+        pol, out = AdaptiveK(cal, prior=0.0, probe_every=1), []
+        for _ in range(64):
+            ch = pol.plan_step(["chat"] * 4, [Ladder(eagle=(0.0, 0.0, 0.0))] * 4, backlogs=backlogs)
+            out += [i for i, c in enumerate(ch) if c[1]]
+        return out
+    cheap = probed([500, 3, PROBE_BACKLOG, 300])
+    assert len(cheap) >= 6 and set(cheap) == {1, 2} and min(cheap.count(1), cheap.count(2)) >= 2
+    assert set(probed([500, 300, 400, 200])) == {3}
+
+
+def test_engine_probes_the_request_whose_draft_has_little_to_catch_up(tiny_target, monkeypatch):
+    """Through the engine: the planner hands the policy each request's backlog rows (a 100-token
+    prompt leaves its draft 100 rows to read, a 3-token one 3), so the first probe goes to the short
+    one; both decode exactly as without a draft."""
+    monkeypatch.setattr("tidespec.engine.adaptive.PROBE_BACKOFF", 1)
+    cal = Calibration((100.0, 101.0, 102.0, 103.0, 104.0), 1.0, "test", 256)
+    long, short = [7 + i % 50 for i in range(100)], [5, 6, 7]
+    ref = [Engine(tiny_target, None, 4, 256).generate(p, 12).tokens for p in (long, short)]
+    pol = AdaptiveK(cal, prior=0.0, probe_every=1)
+    calls, plan_step = [], pol.plan_step
+    pol.plan_step = lambda *a: calls.append((a[3], plan_step(*a))) or calls[-1][1]
+    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), 4, 256, max_batch=2, adaptive=pol)
+    gens = eng.generate_batch([Request(p, 12, workload="chat") for p in (long, short)])
+    assert [g.tokens for g in gens] == ref
+    assert calls[0][0] == [100, 3] and calls[0][1] == [("", 0), ("eagle3", 1)]

@@ -49,8 +49,8 @@ classes, code's accurate plans at 8 requests held the margin at 5 % while math's
 plain decoding at every pass of an in-process A/B.
 
 Suffix proposals are gated the same way, per class and batch size (the calibrated size nearest
-to the batch): computing them (two trie matches per request, and the request's own trie built
-over its prompt) is pure overhead in a step that does not choose them — at 16 requests on a CPU,
+to the batch): computing them (a trie match and a scan of the request's context, or its own trie
+once built: `suffix.OWN_TREE_AFTER`) is pure overhead in a step that does not choose them — at 16 requests on a CPU,
 2 % of the step time when the plan chose none. A class whose proposals the plan left unchosen
 for `probe_every` consecutive steps at that batch size stops computing them (a step where none of
 its requests' tries matched is not counted: repetition comes in bursts); a probe step computes
@@ -74,6 +74,7 @@ PRIOR_CHAINS = 4  # observations the starting acceptance of a class is worth
 SUFFIX_PRIOR = 1.0  # pseudo-proposals at correction 1.0 that a class's measured suffix correction is shrunk towards
 REALIZED_PRIOR = 8  # steps the neutral realized / predicted ratio (1.0) is worth, per batch size and kind
 REALIZED_CLIP = 2.0  # one step's realized / predicted goodput is clipped to [1/2, 2] (a stalled step is one step)
+PROBE_BACKLOG = 64  # a probe rotates over requests whose draft has at most this many rows to catch up (2 × probe_every at the default)
 PROBE_BACKOFF = 16  # a class left off probes at most this many times less often than probe_every
 TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
 
@@ -487,16 +488,18 @@ class AdaptiveK:
         k = self._pick(tps)
         return _argmax(tps, lo=1) if k == 0 and self._probe(workload) else k
 
-    def plan_step(self, workloads: list[str], ladders: list[Ladder],
-                  probes: list[int] | None = None) -> list[tuple[str, int]]:
+    def plan_step(self, workloads: list[str], ladders: list[Ladder], probes: list[int] | None = None,
+                  backlogs: list[int] | None = None) -> list[tuple[str, int]]:
         """Each request's (proposer, drafted tokens) for a step of this batch (`goodput.plan`, with
         the hysteresis margin: `margin` to turn the draft on, `margin_off` to keep it on while every
         class that could draft drafted last step). A class
         whose requests could draft with EAGLE3 but were all left without: a probe when due (see the
-        module docstring), rotating over its requests without a proposal this step, so the EAGLE3
-        acceptance estimate stays fresh (suffix and grammar proposals do not refresh it) and every
-        request's backlog is drained now and then. `probes`, when given, receives the indices of the
-        requests a probe was forced on."""
+        module docstring) on one of its requests without a proposal this step, so the EAGLE3
+        acceptance estimate stays fresh (suffix and grammar proposals do not refresh it): rotating
+        over those with at most `PROBE_BACKLOG` `backlogs` rows (verified rows the draft has not
+        read: a probe's draft first catches up over them, and a long prompt's catch-up cost more
+        than the probe measured), the one with the fewest when none has so few. `probes`, when
+        given, receives the indices of the requests a probe was forced on."""
         eager = {w for w, lad in zip(workloads, ladders) if lad.fixed is None and lad.eagle}
         with self._lock:
             margin = self.margin_off if eager and eager <= self._on else self.margin
@@ -514,11 +517,21 @@ class AdaptiveK:
             if self._probe(w):
                 with self._lock:
                     self._turn[w] = self._turn.get(w, -1) + 1
-                    i = idx[self._turn[w] % len(idx)]
+                    j = self._turn[w] % len(idx)
+                i = self._probe_target(idx[j:] + idx[:j], backlogs)
                 choice[i] = ("eagle3", self.probe_size(ladders[i]))
                 if probes is not None:
                     probes.append(i)
         return choice
+
+    @staticmethod
+    def _probe_target(order: list[int], backlogs: list[int] | None) -> int:
+        """The first request in the rotation `order` with at most PROBE_BACKLOG backlog rows; the one
+        with the fewest when none has so few (no backlogs given: the first)."""
+        if backlogs is None:
+            return order[0]
+        cheap = [r for r in order if backlogs[r] <= PROBE_BACKLOG]
+        return cheap[0] if cheap else min(order, key=lambda r: backlogs[r])
 
     def probe_size(self, ladder: Ladder) -> int:
         """The EAGLE3 option (k, or tree nodes) ≥ 1 a probe runs: the one of highest predicted

@@ -109,6 +109,11 @@ class Seq:
         self.draft_cache = self.draft.new_cache(max_len + self.draft_extra) if self.draft is not None else None
 
     @property
+    def backlog_rows(self) -> int:
+        """Verified rows in the backlog: what the draft's next catch-up forward reads."""
+        return sum(t.shape[0] for _, t in self.backlog)
+
+    @property
     def grammar_error(self) -> str | None:
         """Why the request's grammar dead-ended (None: no grammar, or it can go on)."""
         return self.lp.grammar.error if self.lp.grammar is not None else None
