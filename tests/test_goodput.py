@@ -9,7 +9,7 @@ from conftest import random_draft
 
 from tidespec.engine.adaptive import REALIZED_PRIOR, AdaptiveK
 from tidespec.engine.calibration import Calibration, calibrate
-from tidespec.engine.goodput import Ladder, StepCost, goodput, plan
+from tidespec.engine.goodput import Ladder, StepCost, goodput, plan, predicted_step
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.suffix import SuffixCache
 from tidespec.models.eagle3 import DraftRunner
@@ -620,3 +620,26 @@ def test_engine_probes_the_request_whose_draft_has_little_to_catch_up(tiny_targe
     gens = eng.generate_batch([Request(p, 12, workload="chat") for p in (long, short)])
     assert [g.tokens for g in gens] == ref
     assert calls[0][0] == [100, 3] and calls[0][1] == [("", 0), ("eagle3", 1)]
+
+
+def test_the_plan_counts_the_drafts_catch_up_over_a_long_backlog(tiny_target):
+    """Drafting now first runs the draft over the request's backlog (a prompt's rows): the plan
+    charges (D(rows) − D(1)) / steps left. Here D(R) = 1 + 0.5 (R − 1) ms, one request, k = 1 with
+    0.5 expected accepted: 1.5 / (102 + X) beats 1 / 100 by the 5 % margin while X < 40.8 ms."""
+    cal = Calibration((100.0, 101.0), 1.0, "test", 128, (1, 2), (1, 2), ((100.0, 101.0), (150.0, 160.0)), (1.0, 1.5))
+    cost = StepCost(cal)
+    assert cost.catch_up_ms(101, 1) == pytest.approx(50.0) and cost.catch_up_ms(101, 2) == pytest.approx(25.0)
+    assert cost.catch_up_ms(1, 1) == 0.0
+    assert plan([Ladder(eagle=(0.5,), catch_up_ms=30.0)], cost) == [("eagle3", 1)]
+    assert plan([Ladder(eagle=(0.5,), catch_up_ms=50.0)], cost) == [("", 0)]
+    lad = Ladder(eagle=(0.5,), catch_up_ms=50.0)
+    assert predicted_step([lad], [("eagle3", 1)], cost) == (1.5, pytest.approx(102.0))  # not in the step's wall time
+    # through the engine: the planner charges a 100-token prompt's catch-up, not a 1-token one's
+    pol = AdaptiveK(cal, prior=0.6, probe_every=1000)
+    seen, plan_step = [], pol.plan_step
+    pol.plan_step = lambda w, lads, *a: seen.append(lads) or plan_step(w, lads, *a)
+    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), 2, 256, max_batch=2, adaptive=pol)
+    ref = [Engine(tiny_target, None, 2, 256).generate(p, 12).tokens for p in ([7 + i % 50 for i in range(100)], [5])]
+    gens = eng.generate_batch([Request(p, 12, workload="chat") for p in ([7 + i % 50 for i in range(100)], [5])])
+    assert [g.tokens for g in gens] == ref
+    assert [x.catch_up_ms for x in seen[0]] == [pytest.approx(cost.catch_up_ms(100, 11)), 0.0]  # 11 tokens left

@@ -45,7 +45,10 @@ class Ladder:
     seeded request) — it counts in the cost and the gain but is not changed.
     With an EAGLE-2 draft tree (`engine.tree`) the EAGLE3 option n is a tree of n verified nodes:
     eagle_depth[n-1] is its depth (draft forwards), draft_rows the rows each request feeds per
-    expansion forward (topk); a chain: depth n, one row.
+    expansion forward (topk); a chain: depth n, one row. catch_up_ms: what drafting with EAGLE3
+    now adds for the draft's catch-up over the request's backlog beyond the one row a step's
+    catch-up is charged (`StepCost.catch_up_ms`: a long prompt's rows, spread over the steps left):
+    the plan's objective counts it, the step's predicted wall time (`predicted_step`) does not.
     """
 
     eagle: tuple[float, ...] = ()
@@ -55,6 +58,7 @@ class Ladder:
     fixed_gain: float = 0.0
     eagle_depth: tuple[int, ...] = ()
     draft_rows: int = 1
+    catch_up_ms: float = 0.0
 
     def depth(self, n: int) -> int:
         """Draft forwards (chain positions / tree depth) of the EAGLE3 option with n drafted tokens."""
@@ -118,6 +122,16 @@ class StepCost:
         bi, rj = self._cell(b, rows_per_req)
         with self._lock:
             return max(self._f[bi][:rj + 1])
+
+    def catch_up_ms(self, backlog_rows: int, steps_left: int) -> float:
+        """The draft's catch-up over a request's backlog, amortised: (D(rows) − D(1)) / steps_left ms,
+        D the calibrated draft step of that many rows (a forward of R rows costs as one of R
+        requests, `draft_batches`; linear past the calibrated batch sizes). A prompt's rows are read
+        once, before the request's first draft: worth it when the draft serves the many steps left,
+        not for the last few tokens of a long prompt. 0 for at most one row."""
+        if backlog_rows <= 1:
+            return 0.0
+        return (self._draft(backlog_rows) - self._draft(1)) / max(1, steps_left)
 
     def calibrated(self, b: int, total_rows: int, draft_batches: list[int] | tuple[int, ...] = ()) -> float:
         """Calibrated ms of a step: target forward of `total_rows` over `b` requests plus one draft
@@ -214,7 +228,7 @@ class _Step:
         self.counts = [0] * depth  # rows per draft forward: [catch-up, chain positions 1.., ]
         self.tree_counts = [0] * depth  # rows per tree expansion forward at depth 1.. (index 0 unused)
         self.choice = list(choice)
-        self.rows, self.gain = self.b, float(self.b)
+        self.rows, self.gain, self.catch_up = self.b, float(self.b), 0.0
         for i, c in enumerate(choice):
             self._add(i, c, 1)
 
@@ -230,6 +244,7 @@ class _Step:
         self.gain += sign * (lad.fixed_gain if lad.fixed else _gain(lad, c))
         if via == "eagle3" and n:
             self.counts[0] += sign
+            self.catch_up += sign * lad.catch_up_ms
             rows = self.counts if lad.draft_rows == 1 else self.tree_counts
             for j in range(1, lad.depth(n)):
                 rows[j] += sign * lad.draft_rows
@@ -237,7 +252,7 @@ class _Step:
     def value(self) -> float:
         t, f = self._tf(self.rows)
         d = sum(self.draft[c] for c in self.counts if c) + sum(self.draft[c] for c in self.tree_counts if c)
-        return self.gain / (f * (t + d))
+        return self.gain / (f * (t + d + self.catch_up))
 
     def set(self, i: int, c: tuple[str, int]) -> None:
         self._add(i, self.choice[i], -1)

@@ -150,7 +150,8 @@ class Planner:
         if sl.learn is not None:
             eagle = self.adaptive.eagle_gains(s.req.workload, room) if s.draft is not None else ()
             suffix = self.adaptive.suffix_gains(s.req.workload, p.scores) if p is not None else ()
-            return Ladder(eagle, suffix, self.adaptive.grammar_gains(s.req.workload, len(f)))
+            return Ladder(eagle, suffix, self.adaptive.grammar_gains(s.req.workload, len(f)),
+                          catch_up_ms=self._catch_up_ms(s) if eagle else 0.0)
         if len(f) >= 2 or (f and s.draft is None and not (p is not None and p.tokens)):
             n = min(len(f), s.req.k if s.req.k is not None else self.k)
             return Ladder(fixed=("grammar", n), fixed_gain=float(n))
@@ -161,6 +162,11 @@ class Planner:
         k = s.req.k if s.req.k is not None else self.k
         gain = self.adaptive.eagle_gains(s.req.workload, k)[-1] if self.adaptive is not None else 0.0
         return Ladder(fixed=("eagle3", k), fixed_gain=gain)
+
+    def _catch_up_ms(self, s: Seq) -> float:
+        """The amortised catch-up of the request's backlog (`StepCost.catch_up_ms`) over the steps
+        it has left at one token a step (its output room: the most steps, the smallest charge)."""
+        return self.adaptive.cost.catch_up_ms(s.backlog_rows, s.req.max_new_tokens - len(s.gen))
 
     def _tree_ladder(self, sl: Slot) -> Ladder:
         """A tree request's options: n = 1..N−1 verified nodes (N = tree num_draft_tokens, capped by
@@ -176,7 +182,7 @@ class Planner:
         if sl.learn is not None:
             eagle = self.adaptive.tree_gains(s.req.workload, cap, lambda n: depth[n - 1])
             suffix = self.adaptive.suffix_gains(s.req.workload, p.scores) if p is not None else ()
-            return Ladder(eagle, suffix, eagle_depth=depth, draft_rows=self.topk)
+            return Ladder(eagle, suffix, eagle_depth=depth, draft_rows=self.topk, catch_up_ms=self._catch_up_ms(s))
         if p is not None and p.tokens and sum(p.scores) >= self.suffix_min_expected:
             return Ladder(fixed=("suffix", len(p.tokens)), fixed_gain=sum(p.scores))
         gain = self.adaptive.tree_gains(s.req.workload, cap, lambda n: depth[n - 1])[-1] if self.adaptive else 0.0
