@@ -588,8 +588,10 @@ def test_the_realized_margin_is_per_class_and_a_mixed_batch_clears_the_highest()
 
 def test_a_probe_skips_requests_whose_draft_has_a_long_backlog():
     """A probe's draft first catches up over the request's backlog (a long prompt: hundreds of rows):
-    probes rotate over the idle requests with at most PROBE_BACKLOG rows to catch up, and go to the
-    one with the fewest when none has so few."""
+    probes rotate over the idle requests with at most PROBE_BACKLOG prompt rows left to read (0 once
+    read), and go to the one with the fewest when none has so few. At the default back-off (gaps
+    of 32 … 512 steps) the rotation goes on: a probed request's prompt is read, whatever its
+    backlog of decode rows since."""
     from tidespec.engine.adaptive import PROBE_BACKLOG
     cal = Calibration((100.0, 101.0, 102.0, 103.0), 0.0, "test", 128, (1, 4), (1, 2, 3, 4),
                       ((100.0, 101.0, 102.0, 103.0), (150.0, 200.0, 250.0, 300.0)), (0.0, 0.0))
@@ -597,12 +599,19 @@ def test_a_probe_skips_requests_whose_draft_has_a_long_backlog():
     def probed(backlogs):
         pol, out = AdaptiveK(cal, prior=0.0, probe_every=1), []
         for _ in range(64):
-            ch = pol.plan_step(["chat"] * 4, [Ladder(eagle=(0.0, 0.0, 0.0))] * 4, backlogs=backlogs)
+            ch = pol.plan_step(["chat"] * 4, [Ladder(eagle=(0.0, 0.0, 0.0))] * 4, prompt_backlogs=backlogs)
             out += [i for i, c in enumerate(ch) if c[1]]
         return out
     cheap = probed([500, 3, PROBE_BACKLOG, 300])
     assert len(cheap) >= 6 and set(cheap) == {1, 2} and min(cheap.count(1), cheap.count(2)) >= 2
     assert set(probed([500, 300, 400, 200])) == {3}
+    pol, prompt, seen = AdaptiveK(cal, prior=0.0, probe_every=32), [10, 20, 30, PROBE_BACKLOG + 1], []
+    for _ in range(3000):
+        ch = pol.plan_step(["chat"] * 4, [Ladder(eagle=(0.0, 0.0, 0.0))] * 4, prompt_backlogs=list(prompt))
+        for i in (i for i, c in enumerate(ch) if c[1]):
+            prompt[i] = 0
+            seen.append(i)
+    assert set(seen[:3]) == {0, 1, 2} and set(seen) == {0, 1, 2}  # the long prompt is never read for a probe
 
 
 def test_engine_probes_the_request_whose_draft_has_little_to_catch_up(tiny_target, monkeypatch):

@@ -30,7 +30,8 @@ idle steps, then, while each probe leaves the class off, after twice as many (up
 one probe (a catch-up of the rows it missed, k drafts, k verify rows) per 512 steps, not per 32.
 
 Realized margin: what the cost model leaves out — the engine's own work per step (planning, suffix
-proposals, the draft's catch-up, bookkeeping of accepted rows) — and the optimism of a plan chosen
+proposals, bookkeeping of accepted rows; the draft's catch-up over a long backlog the plan charges
+amortised over the request's steps left, `StepCost.catch_up_ms`, but no step's prediction counts) — and the optimism of a plan chosen
 because its prediction was high, are measured instead of modelled. Per workload class and calibrated
 batch size, every decode step's realized tokens per ms (accepted drafts + one per request ÷ the
 step's wall time) is compared with its plan's prediction (the draft's catch-up of a backlog
@@ -74,7 +75,7 @@ PRIOR_CHAINS = 4  # observations the starting acceptance of a class is worth
 SUFFIX_PRIOR = 1.0  # pseudo-proposals at correction 1.0 that a class's measured suffix correction is shrunk towards
 REALIZED_PRIOR = 8  # steps the neutral realized / predicted ratio (1.0) is worth, per batch size and kind
 REALIZED_CLIP = 2.0  # one step's realized / predicted goodput is clipped to [1/2, 2] (a stalled step is one step)
-PROBE_BACKLOG = 64  # a probe rotates over requests whose draft has at most this many rows to catch up (2 × probe_every at the default)
+PROBE_BACKLOG = 64  # a probe skips a request whose draft has more than this many prompt rows to read (2 × probe_every at the default)
 PROBE_BACKOFF = 16  # a class left off probes at most this many times less often than probe_every
 TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
 
@@ -489,17 +490,17 @@ class AdaptiveK:
         return _argmax(tps, lo=1) if k == 0 and self._probe(workload) else k
 
     def plan_step(self, workloads: list[str], ladders: list[Ladder], probes: list[int] | None = None,
-                  backlogs: list[int] | None = None) -> list[tuple[str, int]]:
+                  prompt_backlogs: list[int] | None = None) -> list[tuple[str, int]]:
         """Each request's (proposer, drafted tokens) for a step of this batch (`goodput.plan`, with
         the hysteresis margin: `margin` to turn the draft on, `margin_off` to keep it on while every
         class that could draft drafted last step). A class
         whose requests could draft with EAGLE3 but were all left without: a probe when due (see the
         module docstring) on one of its requests without a proposal this step, so the EAGLE3
         acceptance estimate stays fresh (suffix and grammar proposals do not refresh it): rotating
-        over those with at most `PROBE_BACKLOG` `backlogs` rows (verified rows the draft has not
-        read: a probe's draft first catches up over them, and a long prompt's catch-up cost more
-        than the probe measured), the one with the fewest when none has so few. `probes`, when
-        given, receives the indices of the requests a probe was forced on."""
+        over those whose draft has read its prompt or has at most `PROBE_BACKLOG` rows of it to read
+        (`prompt_backlogs`, `Seq.prompt_backlog`: a probe's draft first catches up over them, and a
+        long prompt's catch-up cost more than the probe measured), else the one with the fewest.
+        `probes`, when given, receives the indices of the requests a probe was forced on."""
         eager = {w for w, lad in zip(workloads, ladders) if lad.fixed is None and lad.eagle}
         with self._lock:
             margin = self.margin_off if eager and eager <= self._on else self.margin
@@ -518,20 +519,20 @@ class AdaptiveK:
                 with self._lock:
                     self._turn[w] = self._turn.get(w, -1) + 1
                     j = self._turn[w] % len(idx)
-                i = self._probe_target(idx[j:] + idx[:j], backlogs)
+                i = self._probe_target(idx[j:] + idx[:j], prompt_backlogs)
                 choice[i] = ("eagle3", self.probe_size(ladders[i]))
                 if probes is not None:
                     probes.append(i)
         return choice
 
     @staticmethod
-    def _probe_target(order: list[int], backlogs: list[int] | None) -> int:
-        """The first request in the rotation `order` with at most PROBE_BACKLOG backlog rows; the one
-        with the fewest when none has so few (no backlogs given: the first)."""
-        if backlogs is None:
+    def _probe_target(order: list[int], prompt_backlogs: list[int] | None) -> int:
+        """The first request in the rotation `order` with at most PROBE_BACKLOG prompt rows left to
+        read (0: its draft read the prompt); the one with the fewest when none (none given: the first)."""
+        if prompt_backlogs is None:
             return order[0]
-        cheap = [r for r in order if backlogs[r] <= PROBE_BACKLOG]
-        return cheap[0] if cheap else min(order, key=lambda r: backlogs[r])
+        cheap = [r for r in order if prompt_backlogs[r] <= PROBE_BACKLOG]
+        return cheap[0] if cheap else min(order, key=lambda r: prompt_backlogs[r])
 
     def probe_size(self, ladder: Ladder) -> int:
         """The EAGLE3 option (k, or tree nodes) ≥ 1 a probe runs: the one of highest predicted

@@ -126,12 +126,13 @@ class StepCost:
     def catch_up_ms(self, backlog_rows: int, steps_left: int) -> float:
         """The draft's catch-up over a request's backlog, amortised: (D(rows) − D(1)) / steps_left ms,
         D the calibrated draft step of that many rows (a forward of R rows costs as one of R
-        requests, `draft_batches`; linear past the calibrated batch sizes). A prompt's rows are read
-        once, before the request's first draft: worth it when the draft serves the many steps left,
-        not for the last few tokens of a long prompt. 0 for at most one row."""
+        requests, `draft_batches`; linear past the calibrated batch sizes, so 0 with a calibration of
+        one batch size). A prompt's rows are read once, before the request's first draft: worth it
+        when the draft serves the many steps left, not for the last few tokens of a long prompt.
+        0 for at most one row; never below 0."""
         if backlog_rows <= 1:
             return 0.0
-        return (self._draft(backlog_rows) - self._draft(1)) / max(1, steps_left)
+        return max(0.0, self._draft(backlog_rows) - self._draft(1)) / max(1, steps_left)
 
     def calibrated(self, b: int, total_rows: int, draft_batches: list[int] | tuple[int, ...] = ()) -> float:
         """Calibrated ms of a step: target forward of `total_rows` over `b` requests plus one draft

@@ -93,7 +93,7 @@ class Planner:
         if self.adaptive is not None and any(lad.fixed is None for lad in ladders):
             workloads = [s.req.workload for s in running]
             probes: list[int] = []
-            choice = self.adaptive.plan_step(workloads, ladders, probes, [s.backlog_rows for s in running])
+            choice = self.adaptive.plan_step(workloads, ladders, probes, [s.prompt_backlog for s in running])
             self._observe_suffix(slots, ladders, choice, gated)
             if self.early_stop:
                 stop = self.adaptive.stop_below(ladders, choice)

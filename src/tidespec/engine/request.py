@@ -90,7 +90,9 @@ class Seq:
         self.gen: list[int] = []
         self.next_token = -1
         self.logprobs: list[TokenLogprob] | None = [] if req.sampling.logprobs is not None else None
-        self.backlog: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.backlog: list[tuple[torch.Tensor, torch.Tensor]] = []  # `feed` / `drain`
+        self.backlog_rows = 0  # rows in the backlog (what the draft's next catch-up reads)
+        self.prompt_read = False  # has the draft caught up over the prompt
         self.stats = SpecDecodingStats(0)
         self.by_via: dict[str, SpecDecodingStats] = {}
         self.timing = RequestTiming()
@@ -108,10 +110,22 @@ class Seq:
         self.cache = target.new_cache(max_len)
         self.draft_cache = self.draft.new_cache(max_len + self.draft_extra) if self.draft is not None else None
 
+    def feed(self, aux: torch.Tensor, ids: torch.Tensor) -> None:
+        """Queue verified rows for the draft: aux `[n, 3H]`, next tokens `[n]` int64."""
+        self.backlog.append((aux, ids))
+        self.backlog_rows += ids.shape[0]
+
+    def drain(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Hand the backlog to the draft's catch-up (or drop it at the end): the draft has now read
+        the prompt."""
+        items, self.backlog, self.backlog_rows, self.prompt_read = self.backlog, [], 0, True
+        return items
+
     @property
-    def backlog_rows(self) -> int:
-        """Verified rows in the backlog: what the draft's next catch-up forward reads."""
-        return sum(t.shape[0] for _, t in self.backlog)
+    def prompt_backlog(self) -> int:
+        """Rows the draft must read before its first draft for this request (the prompt's, and what
+        was verified since), 0 once it has read the prompt: what a probe would first pay for."""
+        return 0 if self.prompt_read else self.backlog_rows
 
     @property
     def grammar_error(self) -> str | None:

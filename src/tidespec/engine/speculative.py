@@ -454,7 +454,7 @@ class Engine:
         if s.capture:
             s.rows.add(out, len(prompt))
         if s.draft is not None:
-            s.backlog.append((out.aux.clone(), torch.cat([prompt[1:], torch.tensor([s.next_token])])))
+            s.feed(out.aux.clone(), torch.cat([prompt[1:], torch.tensor([s.next_token])]))
         s.timing.prefill_s = ttft_s
 
     def _after_verify(self, sl: Slot, out, dt: float) -> None:
@@ -479,7 +479,7 @@ class Engine:
                 s.rows.aux.append(aux)
                 s.rows.hidden.append(out.hidden[sel])
             if feed:
-                s.backlog.append((aux, torch.tensor(new)))
+                s.feed(aux, torch.tensor(new))
         if sl.k and sl.layout is None and sl.proposer.name == "eagle3":  # the draft's health: a₁ of its chains
             self.health.observe(s.version, s.req.workload, n > 0)
         if sl.k or sl.layout is not None:
@@ -567,7 +567,7 @@ class Engine:
                 self._seqs.pop(s.rid, None)
         for s, r in results:
             s.cache = s.draft_cache = None
-            s.backlog = []
+            s.drain()
             if s.capture and self.capture is not None and not s.aborted and not isinstance(r, BaseException):
                 try:
                     self.capture.submit_generation(r, s.req.workload, s.req.prompt_id)

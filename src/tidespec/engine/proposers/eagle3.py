@@ -20,10 +20,10 @@ def catch_up(slots: list[Slot]) -> None:
     `[n]` — to its draft, one batched forward per draft (chains and trees together), and set the
     chain start `slot.hidden` `[1, H]` / `slot.logits` `[Vd]` fp32. Slots without a backlog are left."""
     for draft, group in by_draft([sl for sl in slots if sl.seq.backlog]):
-        items = [(torch.cat([a for a, _ in sl.seq.backlog]), torch.cat([t for _, t in sl.seq.backlog]),
-                  sl.seq.draft_cache) for sl in group]
+        items = [(torch.cat([a for a, _ in b]), torch.cat([t for _, t in b]), sl.seq.draft_cache)
+                 for sl, b in ((sl, sl.seq.drain()) for sl in group)]
         for sl, (h, dl) in zip(group, draft.extend_batch(items)):
-            sl.hidden, sl.logits, sl.seq.backlog = h, dl, []
+            sl.hidden, sl.logits = h, dl
 
 
 def draft_token(sl: Slot, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
