@@ -94,17 +94,19 @@ def _own(spent: dict) -> float:
 UNSEEN = {"math-ko": "gsm-ko", "math-ja": "gsm-ja", "structured": "mtbench", "sharegpt": "sharegpt"}
 
 
-def unseen_prompts(tok, n: int, names: list[str]) -> dict[str, list[tuple[str, list[int]]]]:
+def unseen_prompts(tok, n: int, names: list[str], max_len: int | None = None) -> dict[str, list[tuple[str, list[int]]]]:
     """n prompts of each `UNSEEN` workload in `names`, as (id, chat-templated ids): MT-Bench's
     structured turn-1 questions for "structured" (extraction and coding in turn), the set's first n
-    otherwise."""
+    otherwise, skipping a prompt longer than `max_len` tokens (it would not fit the engine's KV
+    cache with the output: ShareGPT's 17th first turn is 2821 tokens)."""
     out = {}
     for w in names:
         ps = prompts.load(UNSEEN[w])
         if w == "structured":
             ext, code = ([p for p in ps if p.category == c] for c in ("extraction", "coding"))
             ps = [p for pair in zip(ext, code) for p in pair]
-        out[w] = [(p.id, prompt_ids(tok, p.text)) for p in ps[:n]]
+        ids = ((p.id, prompt_ids(tok, p.text)) for p in ps)
+        out[w] = [x for _, x in zip(range(n), (x for x in ids if max_len is None or len(x[1]) <= max_len))]
     return out
 
 
@@ -169,6 +171,11 @@ def _cell_md(name: str, runs: dict, ratios: list[float], spent: dict, breakdown:
             + (" ~ inside the noise" if inside else "") + ".\n" + table)
 
 
+def _sizes(cells: list[dict]) -> str:
+    """The prompts a wave of each cell served (older results did not record them: '–')."""
+    return ", ".join(f"{c['workload']} c={c['concurrency']}: {c.get('prompts', '–')}" for c in cells)
+
+
 def write_report(res: dict, out: Path) -> str:
     """PREFIX.json (the result) and PREFIX.md (the summary table, each cell's detail, the command)
     from a result dict; returns the markdown."""
@@ -193,7 +200,8 @@ def write_report(res: dict, out: Path) -> str:
                          for w in workloads))
     text = (f"# In-process A/B: {name} vs no speculation ({res['date']})\n\n"
             f"Both engines in one process (shared target weights), {res['passes']} alternating passes over the cells; "
-            f"a wave is max(c, 8) prompts × ≤ {res['max_new_tokens']} tokens with c closed-loop clients, after the "
+            f"a wave is {res['prompts_per_wave'].replace('concurrency', 'c')} prompts (at most the set's: "
+            f"{_sizes(res['cells'])}) × ≤ {res['max_new_tokens']} tokens with c closed-loop clients, after the "
             f"grid's warm-up; draft `{res['draft']}`; {res['wall_s'] / 60:.1f} min.\n\n"
             f"Paired ratio {name} / none per cell, median (range); ~ = the range holds 1.0 (inside the noise)"
             + ("; after · the modeled ratio: the forwards counted instead of timed (each engine's decode steps costed "
@@ -218,6 +226,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, action="append", help="repeatable (default: 16)")
     ap.add_argument("--passes", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--prompts-per-client", type=int, default=1,
+                    help="a wave is max(N × c, 8) prompts, at most the set's: 1 (default) is one closed batch at c "
+                         ">= 8, its wall time set by its longest request; N >= 2 keeps c requests running while "
+                         "others finish, as `vllm bench serve` with --num-prompts several times --max-concurrency")
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
     ap.add_argument("--breakdown", action="store_true", help="also time step / plan / catch-up / verify per engine")
     ap.add_argument("--render", action="store_true", help="only rewrite PREFIX.md (and the derived fields of "
@@ -230,16 +242,18 @@ def main() -> None:
     if not a.draft and a.config != "none":
         ap.error("--draft is required (unless --render or --config none)")
     workloads, levels = a.workload or ["code"], sorted(set(a.concurrency or [16]))
-    if min(levels) < 1 or a.passes < 1:
-        ap.error("--concurrency and --passes must be >= 1")
+    if min(levels) < 1 or a.passes < 1 or a.prompts_per_client < 1:
+        ap.error("--concurrency, --passes and --prompts-per-client must be >= 1")
+    per_wave = (lambda c: max(c, 8)) if a.prompts_per_client == 1 else (lambda c: max(a.prompts_per_client * c, 8))
     if a.breakdown:
         _instrument()
     torch.set_num_threads(2)
     params = load_params(a.params)
     _, tok = get_target(params)
     top = max(levels)
-    wl = workload_prompts(tok, params, max(top, 8))
-    wl |= unseen_prompts(tok, max(top, 8), [w for w in workloads if w in UNSEEN])
+    wl = workload_prompts(tok, params, per_wave(top))
+    fits = params.engine.max_seq_len - a.max_new_tokens - params.engine.num_draft_tokens - 1
+    wl |= unseen_prompts(tok, per_wave(top), [w for w in workloads if w in UNSEEN], fits)
     name = "none (A/A)" if a.config == "none" else a.config
     none = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top), params)
     spec = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top) if a.config == "none" else
@@ -257,22 +271,24 @@ def main() -> None:
             for n, m in ((("none", none), (name, spec)) if ps % 2 == 0 else ((name, spec), ("none", none))):
                 SPENT.clear()
                 _current[0] = n
-                runs[(w, c)][n].append(_wave(m, wl[w][:max(c, 8)], a.max_new_tokens, w, c))
+                runs[(w, c)][n].append(_wave(m, wl[w][:per_wave(c)], a.max_new_tokens, w, c))
                 for k, v in SPENT[n].items():
                     spent[(w, c)][n][k] += v
     res = {"experiment": "inprocess_ab", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "config": name, "draft": a.draft, "passes": a.passes, "max_new_tokens": a.max_new_tokens,
-           "prompts_per_wave": "max(concurrency, 8)", "breakdown": a.breakdown, "wall_s": time.time() - t0,
+           "prompts_per_wave": "max(concurrency, 8)" if a.prompts_per_client == 1 else
+           f"max({a.prompts_per_client} × concurrency, 8)", "breakdown": a.breakdown, "wall_s": time.time() - t0,
            "command": (f"PYTHONPATH=src .venv/bin/python bench/inprocess_ab.py --draft {a.draft} --config {a.config} "
                        + "".join(f"--workload {w} " for w in workloads) + "".join(f"--concurrency {c} " for c in levels)
                        + f"--passes {a.passes} --max-new-tokens {a.max_new_tokens} --out {a.out}"
+                       + (f" --prompts-per-client {a.prompts_per_client}" if a.prompts_per_client > 1 else "")
                        + (" --breakdown" if a.breakdown else "")),
            "policy": spec.engine.adaptive.report() if spec.engine.adaptive else None,
            "realized": spec.engine.adaptive.realized() if spec.engine.adaptive else None, "cells": []}
     for w, c in cells:
         r = runs[(w, c)]
         ratios = sorted(h["tokens_per_s"] / n["tokens_per_s"] for h, n in zip(r[name], r["none"]))
-        res["cells"].append({"workload": w, "concurrency": c, "runs": r,
+        res["cells"].append({"workload": w, "concurrency": c, "prompts": len(wl[w][:per_wave(c)]), "runs": r,
                              "ratio": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
                                        "all": ratios},
                              "breakdown_s": {k: dict(v) for k, v in spent[(w, c)].items()}})
