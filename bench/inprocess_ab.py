@@ -29,6 +29,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -94,7 +95,8 @@ def _own(spent: dict) -> float:
 UNSEEN = {"math-ko": "gsm-ko", "math-ja": "gsm-ja", "structured": "mtbench", "sharegpt": "sharegpt"}
 
 
-def unseen_prompts(tok, n: int, names: list[str], max_len: int | None = None) -> dict[str, list[tuple[str, list[int]]]]:
+def unseen_prompts(tok, n: int, names: list[str],
+                   max_len: int | None = None) -> dict[str, list[tuple[str, list[int]]]]:
     """n prompts of each `UNSEEN` workload in `names`, as (id, chat-templated ids): MT-Bench's
     structured turn-1 questions for "structured" (extraction and coding in turn), the set's first n
     otherwise, skipping a prompt longer than `max_len` tokens (it would not fit the engine's KV
@@ -106,7 +108,7 @@ def unseen_prompts(tok, n: int, names: list[str], max_len: int | None = None) ->
             ext, code = ([p for p in ps if p.category == c] for c in ("extraction", "coding"))
             ps = [p for pair in zip(ext, code) for p in pair]
         ids = ((p.id, prompt_ids(tok, p.text)) for p in ps)
-        out[w] = [x for _, x in zip(range(n), (x for x in ids if max_len is None or len(x[1]) <= max_len))]
+        out[w] = list(islice((x for x in ids if max_len is None or len(x[1]) <= max_len), n))
     return out
 
 
@@ -244,7 +246,8 @@ def main() -> None:
     workloads, levels = a.workload or ["code"], sorted(set(a.concurrency or [16]))
     if min(levels) < 1 or a.passes < 1 or a.prompts_per_client < 1:
         ap.error("--concurrency, --passes and --prompts-per-client must be >= 1")
-    per_wave = (lambda c: max(c, 8)) if a.prompts_per_client == 1 else (lambda c: max(a.prompts_per_client * c, 8))
+    def per_wave(c: int) -> int:
+        return max(a.prompts_per_client * c, 8)
     if a.breakdown:
         _instrument()
     torch.set_num_threads(2)

@@ -30,9 +30,10 @@ idle steps, then, while each probe leaves the class off, after twice as many (up
 one probe (a catch-up of the rows it missed, k drafts, k verify rows) per 512 steps, not per 32.
 
 Realized margin: what the cost model leaves out — the engine's own work per step (planning, suffix
-proposals, bookkeeping of accepted rows; the draft's catch-up over a long backlog the plan charges
-amortised over the request's steps left, `StepCost.catch_up_ms`, but no step's prediction counts) — and the optimism of a plan chosen
-because its prediction was high, are measured instead of modelled. Per workload class and calibrated
+proposals, bookkeeping of accepted rows; the draft's catch-up over a long backlog, which the plan
+charges amortised over the request's steps left, `StepCost.catch_up_ms`, but no step's prediction
+counts) — and the optimism of a plan chosen because its prediction was high, are measured instead
+of modelled. Per workload class and calibrated
 batch size, every decode step's realized tokens per ms (accepted drafts + one per request ÷ the
 step's wall time) is compared with its plan's prediction (the draft's catch-up of a backlog
 excluded: it is paid once), separately for steps the policy chose that speculated and steps that did
@@ -51,8 +52,8 @@ plain decoding at every pass of an in-process A/B.
 
 Suffix proposals are gated the same way, per class and batch size (the calibrated size nearest
 to the batch): computing them (a trie match and a scan of the request's context, or its own trie
-once built: `suffix.OWN_TREE_AFTER`) is pure overhead in a step that does not choose them — at 16 requests on a CPU,
-2 % of the step time when the plan chose none. A class whose proposals the plan left unchosen
+once built: `suffix.OWN_TREE_AFTER`) is pure overhead in a step that does not choose them — at 16
+requests on a CPU, 2 % of the step time when the plan chose none. A class whose proposals the plan left unchosen
 for `probe_every` consecutive steps at that batch size stops computing them (a step where none of
 its requests' tries matched is not counted: repetition comes in bursts); a probe step computes
 them again after `probe_every` steps, then after twice as many while each probe is left unchosen
@@ -75,7 +76,7 @@ PRIOR_CHAINS = 4  # observations the starting acceptance of a class is worth
 SUFFIX_PRIOR = 1.0  # pseudo-proposals at correction 1.0 that a class's measured suffix correction is shrunk towards
 REALIZED_PRIOR = 8  # steps the neutral realized / predicted ratio (1.0) is worth, per batch size and kind
 REALIZED_CLIP = 2.0  # one step's realized / predicted goodput is clipped to [1/2, 2] (a stalled step is one step)
-PROBE_BACKLOG = 64  # a probe skips a request whose draft has more than this many prompt rows to read (2 × probe_every at the default)
+PROBE_BACKLOG = 64  # a probe skips a request whose draft has more prompt rows to read (2 × default probe_every)
 PROBE_BACKOFF = 16  # a class left off probes at most this many times less often than probe_every
 TREE = "#tree"  # suffix of a class's key for the per-depth acceptance of its EAGLE-2 trees
 

@@ -280,7 +280,8 @@ class SuffixCache:
         self._live: dict[str, _Live] = {}
 
     def start(self, request_id: str, prompt: list[int]) -> None:
-        """Open the request's context with its prompt (its first proposals scan it; its tree is built at the `OWN_TREE_AFTER`-th)."""
+        """Open the request's context with its prompt (its first proposals scan it; its tree is built
+        at the `OWN_TREE_AFTER`-th)."""
         self._live[request_id] = _Live([int(t) for t in prompt])
 
     def append(self, request_id: str, tokens: list[int]) -> None:

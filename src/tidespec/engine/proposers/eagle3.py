@@ -20,8 +20,9 @@ def catch_up(slots: list[Slot]) -> None:
     `[n]` — to its draft, one batched forward per draft (chains and trees together), and set the
     chain start `slot.hidden` `[1, H]` / `slot.logits` `[Vd]` fp32. Slots without a backlog are left."""
     for draft, group in by_draft([sl for sl in slots if sl.seq.backlog]):
+        backlogs = [sl.seq.drain() for sl in group]
         items = [(torch.cat([a for a, _ in b]), torch.cat([t for _, t in b]), sl.seq.draft_cache)
-                 for sl, b in ((sl, sl.seq.drain()) for sl in group)]
+                 for sl, b in zip(group, backlogs)]
         for sl, (h, dl) in zip(group, draft.extend_batch(items)):
             sl.hidden, sl.logits = h, dl
 
