@@ -215,6 +215,17 @@ evaluate: {{max_new_tokens: 16, min_relative_gain: 0.0}}
 """
 
 
+def shipped_params(target_dir) -> dict:
+    """The shipped params.yaml (every default written out, the demo's sizes) with `tiny_params_yaml`'s
+    sections merged over it key by key: what a user's own params.yaml looks like after pointing it at
+    another target, so a test built on it runs the project's shipped defaults."""
+    import yaml
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    for name, over in yaml.safe_load(tiny_params_yaml(target_dir)).items():
+        raw[name] = (raw.get(name) or {}) | over
+    return raw
+
+
 def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool = False, seed: int = 0,
                         max_token: int = 320):
     """A workspace with params.yaml, one sealed snapshot captured by the engine on the tiny target,

@@ -20,7 +20,8 @@ PACKAGE = "(tidespec/__init__)"
 
 # low → high; a module may import its own layer and the layers below it, never above
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", (PACKAGE, "errors", "strict", "hashing", "config", "sagemaker_config", "workspace", "assets", "plots")),
+    ("base", (PACKAGE, "errors", "strict", "hashing", "config", "sagemaker_config", "serve_launch", "workspace", "assets",
+              "plots")),
     ("models", ("models", "models.target", "models.eagle3", "prompts", "bootstrap")),
     ("engine", ("engine", "engine.stats", "engine.sampling", "engine.grammar", "engine.constraint", "engine.logits", "engine.suffix", "detok", "engine.calibration", "engine.goodput", "engine.adaptive", "engine.tree", "engine.health", "engine.request", "engine.proposers", "engine.proposers.base", "engine.proposers.eagle3", "engine.proposers.tree", "engine.proposers.suffix", "engine.proposers.grammar", "engine.plan", "engine.speculative", "capture.text",
                 "engine.replay", "capture", "capture.store", "capture.metrics")),

@@ -10,7 +10,10 @@
     (`click.Command.make_context`; placeholders such as `<DIR>` are substituted); inline
     `tidespec ...` spans must name real subcommands and options;
 (e) the README's quick start shows exactly the two set-up commands, `make demo` and `make test`
-    (the one CI runs).
+    (the one CI runs);
+(f) every documented `tidespec serve` line passes the command's own checks as typed
+    (`cli.serve_preflight`), against the shipped params.yaml, in the repository root, with only the
+    environment the line itself sets: a shipped default must never make a documented command fail.
 """
 from __future__ import annotations
 
@@ -266,3 +269,43 @@ def test_the_command_checker_catches_mistakes():
     assert "no option" in check_inline_span("tidespec serve --sglang URL")
     assert slug("Goodput policy: adaptive k, proposer and off-switch") == "goodput-policy-adaptive-k-proposer-and-off-switch"
     assert slug("Every load: concurrency 1/4/8/16") == "every-load-concurrency-14816"
+
+
+# -- (f) documented serve commands pass their own checks, as typed ------------------------------------
+ASSIGN = re.compile(r"^([A-Z_][A-Z0-9_]*)=(\S*)\s+")
+
+
+def split_env(line: str) -> tuple[dict[str, str], str]:
+    """A shell line's leading `VAR=value` assignments (the command's environment) and the rest."""
+    env, line = {}, line.strip()
+    while m := ASSIGN.match(line):
+        env[m.group(1)] = m.group(2)
+        line = line[m.end():]
+    return env, line
+
+
+def serve_lines() -> list[tuple[str, str]]:
+    """(page, line) of every documented shell line that runs `tidespec serve`."""
+    return [(page_id(p), line.strip()) for p in PAGES if p.name != "CHANGELOG.md" for line in code_lines(p.read_text())
+            if any(args[:1] == ["serve"] for args in tidespec_invocations(line))]
+
+
+@pytest.mark.parametrize("page,line", serve_lines(), ids=[f"{p}:{line[:60]}" for p, line in serve_lines()])
+def test_documented_serve_commands_pass_their_checks_as_typed(page, line, monkeypatch):
+    import inspect
+
+    from tidespec.cli import serve_preflight
+    env, rest = split_env(line)
+    (args,) = tidespec_invocations(rest)
+    cmd = cli_root().commands["serve"]
+    ctx = cmd.make_context("tidespec serve", list(args[1:]), resilient_parsing=False)
+    monkeypatch.chdir(ROOT)  # --root and --params default to the checkout and its params.yaml
+    names = set(inspect.signature(serve_preflight).parameters) - {"env"}
+    serve_preflight(**{k: v for k, v in ctx.params.items() if k in names}, env=env)
+
+
+def test_the_documented_serve_commands_are_found():
+    lines = [line for _, line in serve_lines()]
+    assert len(lines) >= 3 and any("--backend vllm" in x for x in lines) and any("--backend sglang" in x for x in lines)
+    assert split_env("TIDESPEC_ADMIN_TOKEN=change-me tidespec serve --port 8000") == (
+        {"TIDESPEC_ADMIN_TOKEN": "change-me"}, "tidespec serve --port 8000")

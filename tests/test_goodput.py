@@ -209,13 +209,12 @@ def test_engine_early_stop_shortens_chains_and_stays_lossless(tiny_target, monke
     assert runs[True] < runs[False]  # tokens per chain: early stop cut them
 
 
-def test_early_stop_knob_without_the_policy_is_refused():
-    from pydantic import ValidationError
-
+def test_early_stop_default_written_out_is_not_refused_without_the_policy():
+    """draft_early_stop: true is the default and the shipped params.yaml writes it out, so switching
+    the policy off (adaptive: false) in that file must not be refused for it; off it is a no-op too."""
     from tidespec.config import EngineParams
-    assert EngineParams(adaptive=False).draft_early_stop  # the default: no effect without the policy, not refused
-    with pytest.raises(ValidationError, match="draft_early_stop applies under the goodput policy"):
-        EngineParams(adaptive=False, draft_early_stop=True)
+    assert EngineParams(adaptive=False, draft_early_stop=True).changed("draft_early_stop", "adaptive") == ["adaptive"]
+    assert not EngineParams(adaptive=False, draft_early_stop=False).adaptive
 
 
 def test_review_fixes_draft_costs_probes_backlog_grid(tiny_target):

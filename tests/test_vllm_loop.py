@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 from conftest import (copy_prefect_project, health, make_vllm_tiny_target, published_rev, random_draft,
-                      tiny_params_yaml, vllm_python_or_skip, wait_until)
+                      shipped_params, vllm_python_or_skip, wait_until)
 
 pytestmark = pytest.mark.services
 
@@ -58,11 +58,12 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
 
     tdir = make_vllm_tiny_target(tmp_path / "target")
     proj = copy_prefect_project(tmp_path / "proj")
-    raw = yaml.safe_load(tiny_params_yaml(tdir))
-    raw["capture"] |= {"mode": "text", "seal_min_tokens": 300}  # 12 × (9 prompt + 24 new) tokens: one seal
-    raw["serve"] = {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0}
+    raw = shipped_params(tdir)  # its serve section as shipped: every default written out (make demo-vllm's)
+    # capture.mode as shipped (hidden): a front door captures text anyway; 12 × (9 + 24) tokens: one seal
+    raw["capture"] |= {"seal_min_tokens": 300}
+    raw["serve"] |= {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0}
     raw["engine"]["adaptive"] = False
-    raw["ingest"] = {"rehydrate_backend": "vllm", "rehydrate_batch": 4}  # tide-capture's prefill: vLLM's extraction
+    raw["ingest"] |= {"rehydrate_backend": "vllm", "rehydrate_batch": 4}  # tide-capture's prefill: vLLM's extraction
     raw["deploy"] = {"sagemaker": {"role_arn": "arn:aws:iam::123456789012:role/r", "s3_prefix": "s3://bucket/tidespec",
                                    "profiles": {"gpu": {"engine": "sglang", "instance_type": "ml.g6e.2xlarge"}}}}
     (proj / "params.yaml").write_text(yaml.safe_dump(raw))

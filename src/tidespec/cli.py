@@ -299,34 +299,18 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
 
     from .capture.text import TextCapture
     from .capture.writer import CaptureWriter
-    from .config import load_params
     from .runtime import get_target, install_suffix_corpus, make_engine, runner_for
     from .server import ADMIN_TOKEN_ENV, build_app
     from .workspace import served
-    p, ws = load_params(params), _ws(root)
-    if timeout_s is not None and not timeout_s < float("inf"):
-        raise typer.BadParameter("--timeout-s must be finite")
-    if backend not in ("embedded", "sglang", "vllm"):
-        raise typer.BadParameter(f"--backend {backend!r}: embedded, vllm or sglang")
-    if (backend == "sglang") != (sglang_url is not None):
-        raise typer.BadParameter("--sglang-url goes with --backend sglang (and only with it)")
-    if vllm_python is not None and backend != "vllm":
-        raise typer.BadParameter("--vllm-python goes with --backend vllm (and only with it)")
-    if "live_stats_s" in p.serve.model_fields_set and p.serve.live_stats_s > 0 and backend != "vllm":
-        raise typer.BadParameter(f"serve.live_stats_s logs vLLM's live counters (--backend vllm), not {backend}'s "
-                                 "(they are on its /metrics): remove it or set it to 0")
-    embedded_only = sorted({"health_check_s", "auto_rollback", "classify_workload"} & p.serve.model_fields_set)
-    if backend != "embedded" and embedded_only:
-        raise typer.BadParameter(f"serve.{', serve.'.join(embedded_only)}: the embedded engine's (draft health, "
-                                 f"workload classes); --backend {backend} does not use them: remove them")
-    if backend != "embedded":
-        _serve_frontdoor(p, ws, backend, sglang_url, vllm_python, capture, host, port, timeout_s, max_queue,
-                         max_tokens)
+    p, ws, launch, pub = serve_preflight(root, params, backend=backend, sglang_url=sglang_url,
+                                         vllm_python=vllm_python, capture=capture, publish=publish,
+                                         max_queue=max_queue, timeout_s=timeout_s, max_tokens=max_tokens)
+    if launch.backend != "embedded":
+        _serve_frontdoor(p, ws, launch, host, port)
         return
     flags = {"max_queue": max_queue, "request_timeout_s": timeout_s, "max_tokens": max_tokens}
     p = p.model_copy(update={"serve": p.serve.model_copy(update={k: v for k, v in flags.items() if v is not None})})
     hidden, text = capture and p.capture.mode == "hidden", capture and p.capture.mode == "text"
-    pub = _serve_publisher(p, ws) if hidden and publish else None
     target, tok = get_target(p)
     writer = CaptureWriter.from_params(ws.capture_dir(target.target_id), target.target_id, p.capture, ws.snapshots,
                                        on_seal=pub, detokenize=tok.decode if tok is not None else None) if hidden else None
@@ -350,7 +334,28 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
             writer.close()
 
 
-def _serve_publisher(p, ws):
+def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sglang_url: str | None = None,
+                    vllm_python: str | None = None, capture: bool = True, publish: bool = True,
+                    max_queue: int | None = None, timeout_s: float | None = None, max_tokens: int | None = None,
+                    env=None):
+    """Everything `tidespec serve` checks before it loads a model or starts a server, with the
+    command's own arguments: the params file, the flags against the backend and the params
+    (`serve_launch.ServeLaunch`), and, for hidden-state capture with publishing, the publisher
+    (`_serve_publisher`). Prints the notes. Returns (params, workspace, launch, publisher or None).
+    Raises ValueError / typer.BadParameter naming the fix. `env`: the environment (default os.environ)."""
+    from .config import load_params
+    from .serve_launch import ServeLaunch
+    p, ws = load_params(params), _ws(root)
+    launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, vllm_python=vllm_python, capture=capture,
+                               publish=publish, max_queue=max_queue, request_timeout_s=timeout_s,
+                               max_tokens=max_tokens)
+    for note in launch.check(p, os.environ if env is None else env):
+        console.print(f"serve: {note}", markup=False, highlight=False)
+    hidden = launch.backend == "embedded" and capture and p.capture.mode == "hidden"
+    return p, ws, launch, _serve_publisher(p, ws, env) if hidden and publish else None
+
+
+def _serve_publisher(p, ws, env=None):
     """The publisher of `tidespec serve`'s seals (the same as the demo's and `tide_capture`'s):
     refuses a --root that is not a DVC repo (naming the fix); warns when no Prefect server is set
     (snapshots are still versioned, but no event starts a cycle)."""
@@ -364,36 +369,31 @@ def _serve_publisher(p, ws):
         raise typer.BadParameter(f"--root {ws.root} is not a DVC repo, so sealed snapshots cannot be published: "
                                  "run `make demo` once (it sets one up), or `dvc init && dvc remote add -d "
                                  "local <dir>`, or pass --no-publish (snapshots stay local)")
-    if not os.environ.get("PREFECT_API_URL"):
+    if not (os.environ if env is None else env).get("PREFECT_API_URL"):
         console.print("PREFECT_API_URL is unset: sealed snapshots are versioned in DVC but no "
                       "tidespec.capture.threshold event starts a cycle (`eval \"$(tidespec services up)\"`)",
                       markup=False)
     return Publisher.for_workspace(ws, p)
 
 
-def _serve_frontdoor(p, ws, backend: str, url: str | None, vllm_python: str | None, capture: bool, host: str,
-                     port: int, timeout_s, max_queue, max_tokens) -> None:
+def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     """`tidespec serve --backend sglang|vllm`: the OpenAI front door (`frontdoor.py`) before an engine
-    server: SGLang at `url`, or a vLLM server this command starts, swapped blue/green to each champion
-    the cycle deploys (`deploy.vllm`). Capture there is text (a front door sees no hidden states)."""
+    server: SGLang at `launch.sglang_url`, or a vLLM server this command starts, swapped blue/green to
+    each champion the cycle deploys (`deploy.vllm`). Capture there is text (a front door sees no
+    hidden states)."""
     import uvicorn
 
     from .capture.text import TextCapture
     from .frontdoor import build_frontdoor
     from .runtime import target_id
-    for flag, v in (("--max-queue", max_queue), ("--max-tokens", max_tokens)):
-        if v is not None:
-            raise typer.BadParameter(f"{flag} applies to the embedded engine; {backend} has its own limits")
-    if capture and p.capture.mode != "text":
-        raise typer.BadParameter(f"--backend {backend} sees text only: set capture.mode: text in params.yaml, "
-                                 "or pass --no-capture")
+    capture = launch.capture
     text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture.sample_rate) if capture else None
     textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
-    timeout = timeout_s or p.serve.request_timeout_s
-    if backend == "sglang":
-        uvicorn.run(build_frontdoor(url, text, timeout, textlog=textlog), host=host, port=port)
+    timeout = launch.request_timeout_s or p.serve.request_timeout_s
+    if launch.backend == "sglang":
+        uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog), host=host, port=port)
         return
-    dep = _start_vllm(p, ws, vllm_python, host)
+    dep = _start_vllm(p, ws, launch.vllm_python, host)
     app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
                           info=lambda: {"draft_version": dep.draft_version, "engine": "vllm"})
     dep.proxy = app.state.proxy
@@ -430,24 +430,12 @@ def _text_log(text, tid: str, threshold: int):
 def _start_vllm(p, ws, python: str | None, host: str):
     """Start vLLM on the target (converted HF dir) with the served champion (if any) as its EAGLE3
     draft: k = engine.num_draft_tokens, max_model_len = engine.max_seq_len, max_num_seqs =
-    engine.max_batch. Refuses the engine knobs vLLM has no equivalent for."""
+    engine.max_batch (the engine knobs vLLM has no equivalent for were refused by `serve_preflight`)."""
     from .adapters.process import free_port
     from .adapters.vllm import VLLMLaunch, default_python
     from .deploy.vllm import VLLMDeployment
     from .runtime import target_dir
     e = p.engine
-    if e.tree.eagle_topk > 1:
-        raise typer.BadParameter("--backend vllm runs EAGLE3 chains: engine.tree.eagle_topk > 1 applies to the "
-                                 "embedded engine; set it to 1")
-    if e.suffix.enabled:  # the default: the embedded engine's hybrid; vLLM's own suffix method is not EAGLE3's
-        console.print("serve: vLLM drafts with the EAGLE3 draft only (engine.suffix, the suffix proposer and the "
-                      "hybrid, is the embedded engine's)", markup=False)
-    if p.serve.workload_by_model:
-        raise typer.BadParameter("serve.workload_by_model names classes for the embedded engine's goodput policy; "
-                                 "vLLM serves one model id (serve.served_model_name): remove workload_by_model")
-    if e.adaptive:
-        console.print(f"serve: vLLM drafts a fixed k = engine.num_draft_tokens = {e.num_draft_tokens} "
-                      "(engine.adaptive, the goodput policy, is the embedded engine's)", markup=False)
     python = python or default_python()
     sv = p.serve_resolved()
     launch = VLLMLaunch(str(target_dir(p.target.source)), python=python, num_speculative_tokens=e.num_draft_tokens,
@@ -462,12 +450,9 @@ def _registry_rollback(p, target_id: str, ws):
     """The draft-health guard's rollback (`serve.guard`): when the registry's champion is still the
     version the guard found worse, `registry.rollback` (an audited decision) and the restored
     champion deployed into data/drafts/champion, where the champion watcher installs it. None
-    without MLFLOW_TRACKING_URI (reported only; refused when serve.auto_rollback was set explicitly)."""
+    without MLFLOW_TRACKING_URI (the guard then reports only; `serve_preflight` noted it)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri or not p.serve.auto_rollback:
-        if p.serve.auto_rollback and "auto_rollback" in p.serve.model_fields_set:
-            raise typer.BadParameter("serve.auto_rollback rolls back through the registry: set MLFLOW_TRACKING_URI, "
-                                     "or set auto_rollback: false")
         return None
     from .adapters import registry
     from .deploy.local import deploy_champion

@@ -101,13 +101,6 @@ class EngineParams(_Strict):
                              "margin and stays on above margin_off")
         return self
 
-    @model_validator(mode="after")
-    def _early_stop_needs_policy(self):
-        if "draft_early_stop" in self.model_fields_set and self.draft_early_stop and not self.adaptive:
-            raise ValueError("engine.draft_early_stop applies under the goodput policy only: set engine.adaptive: "
-                             "true, or remove draft_early_stop")
-        return self
-
 
 class DraftParams(_Strict):
     draft_vocab_size: int = Field(4096, ge=2)

@@ -16,9 +16,9 @@ from .sagemaker_deploy import data_capture_config, endpoint_name
 
 def default_sources(params: Params, target_id: str, ws: Workspace | None = None) -> list[str]:
     """`ingest.sources`, else `<data capture destination>/<endpoint>/` of every deploy.sagemaker
-    profile (data capture on), plus, with `capture.mode: text` and a workspace, the text capture of
-    `tidespec serve` (`ws.text_capture_dir`: the embedded engine's, or the front door's before vLLM
-    or SGLang) when it exists."""
+    profile (data capture on), plus, with a workspace, the text capture of `tidespec serve`
+    (`ws.text_capture_dir`: the embedded engine's with `capture.mode: text`, or a front door's before
+    vLLM or SGLang, which captures text whatever the mode) when it exists."""
     if params.ingest.sources:
         return [s.rstrip("/") + "/" if s.startswith("s3://") else s for s in params.ingest.sources]
     out = []
@@ -26,7 +26,7 @@ def default_sources(params: Params, target_id: str, ws: Workspace | None = None)
     dc = data_capture_config(sm) if sm is not None else None
     if dc is not None:
         out = [f"{dc['DestinationS3Uri'].rstrip('/')}/{endpoint_name(sm, target_id, p)}/" for p in sorted(sm.profiles)]
-    if ws is not None and params.capture.mode == "text" and ws.text_capture_dir(target_id).is_dir():
+    if ws is not None and ws.text_capture_dir(target_id).is_dir():
         out.append(str(ws.text_capture_dir(target_id)))
     return out
 

@@ -1,0 +1,89 @@
+"""`tidespec serve`'s flags, checked with the params they run with, before anything starts.
+
+A setting the chosen backend cannot honour is refused with the key or flag and the fix; a default
+it runs without is only noted. "Set" means "differs from its default" (`Strict.changed`): the
+shipped params.yaml writes out every default, and a default must never make a documented command
+fail.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .config import Params
+from .strict import Strict
+
+MLFLOW_ENV = "MLFLOW_TRACKING_URI"
+EMBEDDED_ONLY = ("health_check_s", "auto_rollback", "classify_workload", "workload_by_model")
+
+
+class ServeLaunch(Strict):
+    """The flags of `tidespec serve` (None: the params' value). backend: embedded (this process's
+    engine) | vllm (a vLLM server this command starts, behind the OpenAI front door) | sglang (a
+    front door before the SGLang server at `sglang_url`); vllm_python: vLLM's interpreter;
+    capture / publish: capture finished requests, publish sealed snapshots; max_queue,
+    request_timeout_s (s), max_tokens: the embedded engine's admission limits. Raises ValueError
+    (pydantic's) naming the flag for a flag of another backend."""
+
+    backend: Literal["embedded", "vllm", "sglang"] = "embedded"
+    sglang_url: str | None = Field(None, pattern=r"^https?://")
+    vllm_python: str | None = Field(None, min_length=1)
+    capture: bool = True
+    publish: bool = True
+    max_queue: int | None = Field(None, ge=1)
+    request_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _flags_of_the_backend(self):
+        if (self.backend == "sglang") != (self.sglang_url is not None):
+            raise ValueError("--sglang-url goes with --backend sglang (and only with it)")
+        if self.vllm_python is not None and self.backend != "vllm":
+            raise ValueError("--vllm-python goes with --backend vllm (and only with it)")
+        for flag, v in (("--max-queue", self.max_queue), ("--max-tokens", self.max_tokens)):
+            if v is not None and self.backend != "embedded":
+                raise ValueError(f"{flag} applies to the embedded engine; --backend {self.backend} has its own limits")
+        return self
+
+    def check(self, p: Params, env: Mapping[str, str]) -> list[str]:
+        """Check the params against this launch: raises ValueError naming the key and the fix for a
+        setting the backend cannot honour; returns notes (one line each) on defaults it runs
+        without. `env`: the process environment (MLFLOW_TRACKING_URI decides whether a rollback can
+        reach the registry)."""
+        s, notes = p.serve, []
+        if self.backend != "vllm" and s.changed("live_stats_s") and s.live_stats_s > 0:
+            raise ValueError(f"serve.live_stats_s logs vLLM's live counters (--backend vllm), not {self.backend}'s "
+                             "(they are on its /metrics): remove it or set it to 0")
+        if self.backend == "embedded":
+            if s.auto_rollback and not env.get(MLFLOW_ENV):
+                notes.append(f"serve.auto_rollback: {MLFLOW_ENV} is unset, so the draft-health guard reports a "
+                             "worse draft without rolling it back (set it to roll back through the registry)")
+            return notes
+        if self.capture and p.capture.mode != "text":  # "hidden" is the default: nothing a user asked for
+            notes.append(f"--backend {self.backend} captures request/response text (capture.mode: text): a front "
+                         "door sees no hidden states; `tidespec ingest` rehydrates them")
+        wrong = s.changed(*EMBEDDED_ONLY)
+        if wrong:
+            raise ValueError(f"serve.{', serve.'.join(wrong)}: the embedded engine's (draft health, workload classes); "
+                             f"--backend {self.backend} does not use them: remove them or set their defaults")
+        if self.backend == "vllm":
+            notes += self._vllm(p)
+        return notes
+
+    @staticmethod
+    def _vllm(p: Params) -> list[str]:
+        """vLLM runs EAGLE3 chains at a fixed k: trees are refused, the policy and the suffix
+        proposer (the embedded engine's) are noted."""
+        e, notes = p.engine, []
+        if e.tree.eagle_topk > 1:
+            raise ValueError("--backend vllm runs EAGLE3 chains: engine.tree.eagle_topk > 1 applies to the embedded "
+                             "engine; set it to 1")
+        if e.suffix.enabled:
+            notes.append("vLLM drafts with the EAGLE3 draft only (engine.suffix, the suffix proposer and the hybrid, "
+                         "is the embedded engine's)")
+        if e.adaptive:
+            notes.append(f"vLLM drafts a fixed k = engine.num_draft_tokens = {e.num_draft_tokens} (engine.adaptive, "
+                         "the goodput policy, is the embedded engine's)")
+        return notes

@@ -1,0 +1,114 @@
+"""`tidespec serve`'s checks before anything starts (`serve_launch.ServeLaunch`, `cli.serve_preflight`):
+the shipped params.yaml, which writes out every default, is accepted by every backend; a setting a
+backend cannot honour is refused only when it differs from its default, naming the key; a default a
+backend runs without is a note. Fast: no model, no server."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tidespec.config import Params, ServeParams, load_params
+from tidespec.serve_launch import ServeLaunch
+
+SHIPPED = Path(__file__).resolve().parents[1] / "params.yaml"
+NO_MLFLOW: dict[str, str] = {}
+
+
+def shipped(**sections) -> Params:
+    """The shipped params.yaml with `sections` merged over it (section → {key: value})."""
+    raw = yaml.safe_load(SHIPPED.read_text())
+    for name, over in sections.items():
+        raw[name] = (raw.get(name) or {}) | over
+    return Params.model_validate(raw)
+
+
+def test_changed_means_differs_from_the_default_not_written_out():
+    s = ServeParams.model_validate({"auto_rollback": True, "health_check_s": 30.0, "classify_workload": False})
+    assert s.model_fields_set == {"auto_rollback", "health_check_s", "classify_workload"}  # written out
+    assert s.changed("auto_rollback", "health_check_s", "classify_workload", "max_queue") == ["classify_workload"]
+    assert ServeParams(workload_by_model={"m": "code"}).changed("workload_by_model") == ["workload_by_model"]
+
+
+@pytest.mark.parametrize("launch", [dict(backend="embedded"), dict(backend="vllm"),
+                                    dict(backend="sglang", sglang_url="http://127.0.0.1:30000")],
+                         ids=["embedded", "vllm", "sglang"])
+def test_the_shipped_params_are_accepted_by_every_backend(launch):
+    p = load_params(SHIPPED)
+    assert p.serve.model_fields_set >= {"auto_rollback", "health_check_s", "classify_workload"}  # it spells them out
+    for capture in (True, False):
+        ServeLaunch.build(**launch, capture=capture).check(p, NO_MLFLOW)
+    ServeLaunch.build(**launch).check(shipped(capture={"mode": "text"}), NO_MLFLOW)  # what the vLLM demo runs
+
+
+def test_auto_rollback_without_mlflow_is_a_note_not_a_refusal():
+    p = load_params(SHIPPED)
+    notes = ServeLaunch().check(p, NO_MLFLOW)
+    assert any("serve.auto_rollback" in n and "MLFLOW_TRACKING_URI is unset" in n for n in notes), notes
+    assert not [n for n in ServeLaunch().check(p, {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"})
+                if "auto_rollback" in n]
+    assert not ServeLaunch().check(shipped(serve={"auto_rollback": False}), NO_MLFLOW)
+
+
+@pytest.mark.parametrize("key,value", [("auto_rollback", False), ("health_check_s", 5.0),
+                                       ("classify_workload", False), ("workload_by_model", {"m": "code"})])
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_an_embedded_only_setting_changed_is_refused_on_a_front_door(backend, key, value):
+    url = "http://127.0.0.1:30000" if backend == "sglang" else None
+    with pytest.raises(ValueError, match=f"serve.{key}: the embedded engine's.*--backend {backend} does not use"):
+        ServeLaunch.build(backend=backend, sglang_url=url, capture=False).check(shipped(serve={key: value}),
+                                                                                NO_MLFLOW)
+
+
+def test_backend_specific_refusals_name_the_key_or_flag():
+    with pytest.raises(ValueError, match="serve.live_stats_s logs vLLM's live counters"):
+        ServeLaunch().check(shipped(serve={"live_stats_s": 10.0}), NO_MLFLOW)
+    ServeLaunch().check(shipped(serve={"live_stats_s": 0.0}), NO_MLFLOW)  # 0 = never: nothing to refuse
+    notes = ServeLaunch.build(backend="vllm").check(load_params(SHIPPED), NO_MLFLOW)  # capture.mode: its default
+    assert any("captures request/response text (capture.mode: text)" in n for n in notes), notes
+    with pytest.raises(ValueError, match="engine.tree.eagle_topk > 1 applies to the embedded engine"):
+        ServeLaunch.build(backend="vllm", capture=False).check(shipped(engine={"tree": {"eagle_topk": 2}}), NO_MLFLOW)
+    notes = ServeLaunch.build(backend="vllm", capture=False).check(load_params(SHIPPED), NO_MLFLOW)
+    assert any("fixed k = engine.num_draft_tokens = 4" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(backend="vllm", sglang_url="http://x:1"), "--sglang-url goes with --backend sglang"),
+    (dict(backend="sglang"), "--sglang-url goes with --backend sglang"),
+    (dict(vllm_python="/usr/bin/python3"), "--vllm-python goes with --backend vllm"),
+    (dict(backend="vllm", max_queue=4), "--max-queue applies to the embedded engine"),
+    (dict(backend="nope"), "backend: Input should be 'embedded', 'vllm' or 'sglang'"),
+    (dict(request_timeout_s=float("inf")), "request_timeout_s: Input should be a finite number"),
+])
+def test_flags_of_another_backend_are_refused_in_one_line(flags, message):
+    with pytest.raises(ValueError) as e:
+        ServeLaunch.build(**flags)
+    assert message in str(e.value) and "\n" not in str(e.value) and "errors.pydantic.dev" not in str(e.value)
+
+
+def test_preflight_runs_the_command_checks_on_its_own_arguments(tmp_path, capsys):
+    """`serve_preflight` (what `tidespec serve` runs first) with the shipped params, in a root that is
+    a DVC repo: accepted, the auto_rollback note printed; in one that is not, publishing is refused
+    with the fix, and --no-publish is accepted."""
+    from tidespec.cli import serve_preflight
+    (tmp_path / ".dvc").mkdir()
+    p, ws, launch, pub = serve_preflight(tmp_path, SHIPPED, env=NO_MLFLOW)
+    assert launch.backend == "embedded" and pub is not None and ws.root == tmp_path.resolve()
+    assert "serve.auto_rollback: MLFLOW_TRACKING_URI is unset" in capsys.readouterr().out
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(Exception, match="is not a DVC repo.*--no-publish"):
+        serve_preflight(bare, SHIPPED, env=NO_MLFLOW)
+    assert serve_preflight(bare, SHIPPED, publish=False, env=NO_MLFLOW)[3] is None
+
+
+def test_a_front_doors_text_capture_is_ingested_whatever_capture_mode_says(tmp_path):
+    """A front door captures text with the shipped capture.mode (hidden), so tide-capture's default
+    sources must include the text capture directory whenever it exists, or the loop would not close."""
+    from tidespec.adapters.s3_capture import default_sources
+    from tidespec.workspace import Workspace
+    ws, p, tid = Workspace(tmp_path), load_params(SHIPPED), "ab" * 32
+    assert p.capture.mode == "hidden" and default_sources(p, tid, ws) == []
+    ws.text_capture_dir(tid).mkdir(parents=True)
+    assert default_sources(p, tid, ws) == [str(ws.text_capture_dir(tid))]
