@@ -261,8 +261,8 @@ def main() -> None:
     none = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top), params)
     spec = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top) if a.config == "none" else
                           MethodSpec(name, "tidespec", draft=a.draft, suffix=name == "hybrid", max_batch=top), params)
-    if spec.engine.adaptive is not None:
-        _COST.append(spec.engine.adaptive.cost)
+    if spec.engine.policy is not None:
+        _COST.append(spec.engine.policy.cost)
     t0 = time.time()
     for m in (none, spec):
         _warm_up(m, wl, a.max_new_tokens)
@@ -286,8 +286,8 @@ def main() -> None:
                        + f"--passes {a.passes} --max-new-tokens {a.max_new_tokens} --out {a.out}"
                        + (f" --prompts-per-client {a.prompts_per_client}" if a.prompts_per_client > 1 else "")
                        + (" --breakdown" if a.breakdown else "")),
-           "policy": spec.engine.adaptive.report() if spec.engine.adaptive else None,
-           "realized": spec.engine.adaptive.realized() if spec.engine.adaptive else None, "cells": []}
+           "policy": spec.engine.policy.report() if spec.engine.policy else None,
+           "realized": spec.engine.policy.margins.report() if spec.engine.policy else None, "cells": []}
     for w, c in cells:
         r = runs[(w, c)]
         ratios = sorted(h["tokens_per_s"] / n["tokens_per_s"] for h, n in zip(r[name], r["none"]))

@@ -40,7 +40,7 @@ def main() -> None:
     k = params.engine.num_draft_tokens
     wl = workload_prompts(tok, params, a.prompts)
     prompts = [{"id": pid, "input_ids": ids, "workload": w} for w in WORKLOADS for pid, ids in wl[w]]
-    configs = {"target-only": (Engine(target, None, k, params.engine.max_seq_len), False)}
+    configs = {"target-only": (Engine(target, None, params.engine.fixed(num_draft_tokens=k)), False)}
     meta = {}
     for spec in a.draft:
         name, _, path = spec.partition("=")
@@ -51,11 +51,11 @@ def main() -> None:
         meta[name] = {"path": path, **({kk: v for kk, v in json.loads(tm.read_text()).items()
                                          if kk in ("train_tokens", "train_examples", "train_seconds")}
                                        if tm.exists() else {})}
-        configs[f"{name} chain k={k}"] = (Engine(target, runner, k, params.engine.max_seq_len), True)
+        configs[f"{name} chain k={k}"] = (Engine(target, runner, params.engine.fixed(num_draft_tokens=k)), True)
         if a.tree:
             topk, n = (int(x) for x in a.tree.split(","))
             configs[f"{name} tree topk={topk} N={n}"] = (
-                Engine(target, runner, k, params.engine.max_seq_len, eagle_topk=topk, tree_num_draft_tokens=n), True)
+                Engine(target, runner, params.engine.fixed(num_draft_tokens=k, tree={"eagle_topk": topk, "num_draft_tokens": n})), True)
     t0 = time.time()
     res = replay(configs, prompts, a.max_new_tokens, reference="target-only")
     rows = {name: {**{w: r["metrics"].get(f"acceptance_length/{w}") for w in WORKLOADS},

@@ -19,7 +19,7 @@ import httpx
 from tidespec.adapters import vllm
 from tidespec.adapters.process import free_port
 from tidespec.bootstrap import prompt_ids
-from tidespec.config import Params
+from tidespec.config import EngineParams, Params
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine
 from tidespec.engine.stats import SpecDecodingStats
@@ -40,7 +40,8 @@ def main() -> None:
     a = ap.parse_args()
     target, tok = get_target(Params())
     prompts = [prompt_ids(tok, p.text) for p in humaneval()[-a.prompts:]]
-    eng = Engine(target, DraftRunner(load_checkpoint(a.draft, target.embed, target.target_id)), a.k, 1024)
+    eng = Engine(target, DraftRunner(load_checkpoint(a.draft, target.embed, target.target_id)),
+                 EngineParams(num_draft_tokens=a.k, max_seq_len=1024, adaptive=False))
     ours, total = [], SpecDecodingStats(a.k)
     for p in prompts:
         g = eng.generate(p, a.max_new_tokens, sampling=SamplingParams(ignore_eos=True))

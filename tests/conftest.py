@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tidespec.config import EngineParams
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,6 +204,21 @@ def real_target():
     return get_target(Params())
 
 
+def ladder(eagle=(), suffix=(), grammar=(), fixed=None, fixed_gain: float = 0.0, eagle_depth=(), draft_rows: int = 1,
+           catch_up_ms: float = 0.0):
+    """A request's `Ladder` in the built-in proposers' terms (plan-search test data): an EAGLE3 rung
+    (a chain, or a tree with `eagle_depth` / `draft_rows`), a suffix rung, a grammar rung; `fixed`:
+    (kind, n) outside the policy."""
+    from tidespec.engine.policy import Ladder
+    from tidespec.engine.proposers.base import Rung
+    rungs = []
+    if eagle or (fixed and fixed[0] == "eagle3"):
+        rungs.append(Rung("eagle3", None, tuple(eagle), drafts=True, depth=tuple(eagle_depth), draft_rows=draft_rows,
+                          catch_up_ms=catch_up_ms))
+    rungs += [Rung(kind, None, tuple(g)) for kind, g in (("suffix", suffix), ("grammar", grammar)) if g]
+    return Ladder(tuple(rungs), fixed, fixed_gain)
+
+
 def tiny_params_yaml(target_dir) -> str:
     return f"""
 target: {{source: "{target_dir}"}}
@@ -246,7 +262,7 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     params = load_params(root / "params.yaml")
     target = get_target(params)[0]
     ws = Workspace(root)
-    eng = Engine(target, None, 3, 256)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     w = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, shard_max_records=4)
     g = torch.Generator().manual_seed(seed)
     for i in range(n_requests):

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", (PACKAGE, "errors", "strict", "hashing", "config", "sagemaker_config", "serve_launch", "workspace", "assets",
               "plots")),
     ("models", ("models", "models.target", "models.eagle3", "prompts", "bootstrap")),
-    ("engine", ("engine", "engine.stats", "engine.sampling", "engine.grammar", "engine.constraint", "engine.logits", "engine.suffix", "detok", "engine.calibration", "engine.goodput", "engine.adaptive", "engine.tree", "engine.health", "engine.request", "engine.proposers", "engine.proposers.base", "engine.proposers.eagle3", "engine.proposers.tree", "engine.proposers.suffix", "engine.proposers.grammar", "engine.plan", "engine.speculative", "capture.text",
+    ("engine", ("engine", "engine.stats", "engine.sampling", "engine.grammar", "engine.constraint", "engine.logits", "engine.suffix", "detok", "engine.calibration", "engine.tree", "engine.health", "engine.request", "engine.invalid", "engine.generation", "engine.accept", "engine.policy", "engine.policy.cost", "engine.policy.search", "engine.policy.probes", "engine.policy.margin", "engine.policy.policy", "engine.proposers", "engine.proposers.base", "engine.proposers.registry", "engine.proposers.eagle3", "engine.proposers.eagle3_estimate", "engine.proposers.tree", "engine.proposers.suffix", "engine.proposers.grammar", "engine.plan", "engine.speculative", "capture.text",
                 "engine.replay", "capture", "capture.store", "capture.metrics")),
     ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "capture.ingest", "curate", "tuning",
                     "train", "train.resume", "train.trainer", "train.specforge",

@@ -5,6 +5,7 @@ from dataclasses import asdict
 
 import pytest
 
+from tidespec.config import EngineParams
 from tidespec.bench import adapt
 
 
@@ -89,8 +90,8 @@ def test_point_measures_several_passes_and_pairs_their_ratios(tiny_target):
     from tidespec.models.eagle3 import DraftRunner
 
     def arms():
-        return {"none": (Engine(tiny_target, None, 3, 256, max_batch=4), False),
-                "default": (Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), 3, 256, max_batch=4),
+        return {"none": (Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), False),
+                "default": (Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)),
                             True)}
 
     g = torch.Generator().manual_seed(0)

@@ -8,6 +8,7 @@ import json
 import pytest
 from conftest import random_draft
 
+from tidespec.config import EngineParams
 from tidespec.bench import shift
 from tidespec.config import Params
 from tidespec.engine.speculative import Engine
@@ -17,9 +18,9 @@ from tidespec.engine.speculative import Engine
 def arms(tiny_target):
     d = random_draft(tiny_target, seed=3)
     from tidespec.models.eagle3 import DraftRunner
-    return {"none": (Engine(tiny_target, None, 3, 256, max_batch=4), False),
-            "static": (Engine(tiny_target, DraftRunner(d), 3, 256, max_batch=4), True),
-            "adapted": (Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), 3, 256, max_batch=4), True)}
+    return {"none": (Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), False),
+            "static": (Engine(tiny_target, DraftRunner(d), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), True),
+            "adapted": (Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), True)}
 
 
 def _prompts(n, phase, seed=0):
@@ -51,13 +52,12 @@ def test_measure_is_lossless_at_every_concurrency(arms):
 
 @pytest.fixture(scope="module")
 def arms_hybrid(arms, tiny_target):
-    from tidespec.engine.adaptive import AdaptiveK
+    from tidespec.engine.policy import GoodputPolicy
     from tidespec.engine.calibration import Calibration
     from tidespec.engine.suffix import SuffixCache
     from tidespec.models.eagle3 import DraftRunner
-    pol = AdaptiveK(Calibration((10.0, 10.5, 11.0, 11.5), 0.5, "test", 128))
-    hy = Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), 3, 256, max_batch=4, adaptive=pol,
-                suffix=SuffixCache(max_depth=8), draft_early_stop=True)
+    pol = GoodputPolicy(Calibration((10.0, 10.5, 11.0, 11.5), 0.5, "test", 128))
+    hy = Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4, draft_early_stop=True), policy=pol, suffix=SuffixCache(max_depth=8))
     return arms | {"hybrid": (hy, True)}
 
 
@@ -70,7 +70,7 @@ def test_hybrid_arm_serves_the_champions_corpus(tiny_target, tmp_path):
     p = p.model_copy(update={"engine": p.engine.model_copy(update={"max_seq_len": 256})})
     arms = shift._arms(tiny_target, p, {"none": None}, tmp_path / "champion")
     eng, spec = arms["hybrid"]
-    assert spec and eng.adaptive is not None and eng.draft_early_stop and eng.suffix.retained_tokens == 5
+    assert spec and eng.policy is not None and eng.cfg.draft_early_stop and eng.suffix.retained_tokens == 5
     assert arms["none"][0].suffix is None and not arms["none"][1]
 
 

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from tidespec.config import EngineParams
 from tidespec.capture.store import (
     list_snapshots,
     load_snapshot,
@@ -346,7 +347,7 @@ def test_engine_serves_through_a_hung_disk(tmp_path, tiny_target):
     figure is in the benchmark: `tidespec bench capture`, hung_disk row.)"""
     from tidespec.engine.speculative import Engine
     target = tiny_target
-    eng = Engine(target, None, 3, 256)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     gate, entered = threading.Event(), threading.Event()
     w = CaptureWriter(tmp_path / "cap", target.target_id, queue_size=2, shard_max_records=1)
     real = w._write_pending

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from conftest import add_tiny_word_tokenizer, copy_prefect_project, random_draft, tiny_params_yaml
+from tidespec.config import EngineParams
 
 pytestmark = pytest.mark.services
 ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"
@@ -36,7 +37,7 @@ def _traffic(target, tok, n: int) -> list[str]:
     """n chat exchanges whose responses are the target's own greedy outputs (what the endpoint served)."""
     from tidespec.bootstrap import chat_ids
     from tidespec.engine.speculative import Engine
-    eng = Engine(target, None, 3, 256)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     lines = []
     for i in range(n):
         msgs = [{"role": "user", "content": " ".join(f"t{6 + (7 * i + j) % 60}" for j in range(8))}]

@@ -5,6 +5,7 @@ import shutil
 import torch
 from conftest import add_tiny_word_tokenizer
 
+from tidespec.config import EngineParams
 from tidespec.bootstrap import chat_ids
 from tidespec.distill import self_distill
 from tidespec.engine.speculative import Engine
@@ -20,7 +21,7 @@ def test_records_are_the_targets_greedy_answers(tiny_target_dir, tmp_path):
              for i in range(5)]
     recs = self_distill(target, tok, convs, max_tokens=32, token_budget=70, batch=2)
     assert len(recs) == 4  # batches of 2 until 70 tokens: 2 × 32 < 70 ≤ 4 × 32
-    plain = Engine(target, None, 1, 64)
+    plain = Engine(target, None, EngineParams(num_draft_tokens=1, max_seq_len=64))
     for conv, r in zip(convs, recs):
         p = chat_ids(tok, conv[:1], True)
         gen = plain.generate(p, 32 - len(p)).tokens

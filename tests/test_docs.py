@@ -28,7 +28,7 @@ from tidespec.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PAGES = [README, ROOT / "CHANGELOG.md", ROOT / "flows" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [README, ROOT / "CHANGELOG.md", ROOT / "flows" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
 README_MAX_BYTES = 15_000
 

@@ -1,9 +1,10 @@
 """Engine: the lean target forward matches transformers; speculative greedy == target-only greedy."""
 import pytest
 import torch
-from conftest import random_draft
+from conftest import ladder, random_draft
 
-from tidespec.engine.adaptive import AdaptiveK, predicted_tau
+from tidespec.config import EngineParams
+from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
@@ -31,7 +32,7 @@ def test_lean_forward_matches_transformers(tiny_target_dir, tiny_target):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_speculative_equals_target_only_tiny(tiny_target, k):
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=k, max_seq_len=256)
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=k, max_seq_len=256))
     g = torch.Generator().manual_seed(k)
     for _ in range(4):
         prompt = torch.randint(3, 320, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
@@ -47,7 +48,7 @@ def test_speculative_equals_target_only_tiny(tiny_target, k):
 
 
 def test_bad_input_is_refused_engine_keeps_serving(tiny_target):
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=3, max_seq_len=64)
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=3, max_seq_len=64))
     with pytest.raises(ValueError, match="empty prompt"):
         eng.generate([], 8)
     with pytest.raises(ValueError, match="max_seq_len"):
@@ -73,9 +74,9 @@ def test_bad_input_is_refused_engine_keeps_serving(tiny_target):
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(temperature=1, top_k=2.5)
     with pytest.raises(ValueError):
-        Engine(tiny_target, None, num_draft_tokens=0)
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=0))
     with pytest.raises(ValueError, match="context"):
-        Engine(tiny_target, None, 3, max_seq_len=tiny_target.cfg.max_position + 1)
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=tiny_target.cfg.max_position + 1))
     assert len(eng.generate(list(range(3, 57)), 8, speculative=False, k=100).tokens) == 8  # k unused without a draft
     # a temperature too small for the softmax counts as greedy (vLLM's 1e-5), instead of NaN probabilities
     assert eng.generate([5, 6, 7], 8, sampling=SamplingParams(temperature=1e-45)).tokens == \
@@ -92,7 +93,7 @@ def _prompts(n, seed, lo=1, hi=20):
 
 def test_batched_equals_alone(tiny_target):
     """Mixed batch (speculative or not, k 1..4, capture, sampling, different lengths) == each alone."""
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=3, max_seq_len=128, max_batch=8)
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=8))
     reqs = [Request(p, 20 + 3 * i, speculative=i % 3 != 0, k=1 + i % 4, capture=i % 2 == 0,
                     sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=i) if i == 5 else SamplingParams())
             for i, p in enumerate(_prompts(7, 1))]
@@ -107,7 +108,7 @@ def test_batched_equals_alone(tiny_target):
 
 
 def test_requests_join_and_leave_between_steps(tiny_target):
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=2, max_seq_len=128, max_batch=2)
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=2, max_seq_len=128, max_batch=2))
     ps = _prompts(4, 2)
     ref = [eng.generate(p, 12 + 4 * i, speculative=False).tokens for i, p in enumerate(ps)]
     futs = [eng.submit(Request(ps[0], 12)), eng.submit(Request(ps[1], 16))]
@@ -130,7 +131,7 @@ def test_threads_calling_generate_share_steps(tiny_target, monkeypatch):
     several requests' segments, fewer forwards than the requests alone took); outputs as alone."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=3, max_seq_len=128, max_batch=4)
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=4))
     ps = _prompts(4, 4)
     segs, real = [], tiny_target.forward_batch
     monkeypatch.setattr(tiny_target, "forward_batch", lambda ss, *a, **kw: segs.append(len(ss)) or real(ss, *a, **kw))
@@ -144,8 +145,8 @@ def test_threads_calling_generate_share_steps(tiny_target, monkeypatch):
 
 
 def test_one_requests_error_does_not_fail_its_batch_mates(tiny_target, monkeypatch):
-    import tidespec.engine.speculative as spec
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=2, max_seq_len=64)
+    import tidespec.engine.accept as spec
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=2, max_seq_len=64))
     ref = eng.generate([5, 6, 7], 10).tokens
     monkeypatch.setattr(spec, "rejection_verify", lambda *a: (_ for _ in ()).throw(RuntimeError("sampler bug")))
     bad = eng.submit(Request([8, 9], 10, sampling=SamplingParams(temperature=1.0, seed=0)))
@@ -160,7 +161,7 @@ def test_one_requests_error_does_not_fail_its_batch_mates(tiny_target, monkeypat
 def test_a_failed_forward_still_resolves_requests_aborted_in_the_same_step(tiny_target, monkeypatch):
     """The shared forward fails in the step that also retires an aborted request: the aborted one
     resolves (finish_reason abort), the running one fails with the error; none hangs."""
-    eng = Engine(tiny_target, None, 2, 64)
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=2, max_seq_len=64))
     gone, running = eng.submit(Request([5, 6], 8, request_id="gone")), eng.submit(Request([7, 8], 8))
     eng.step()  # both admitted and prefilled
     assert eng.abort("gone")
@@ -174,7 +175,7 @@ def test_a_failed_forward_still_resolves_requests_aborted_in_the_same_step(tiny_
 
 def test_cancelled_request_is_dropped_and_callbacks_may_reenter(tiny_target):
     import threading
-    eng = Engine(tiny_target, None, 2, 64)
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=2, max_seq_len=64))
     ref = eng.generate([5, 6], 6).tokens
     a, b = eng.submit(Request([5, 6], 6)), eng.submit(Request([5, 6], 6))
     assert a.cancel()
@@ -188,8 +189,8 @@ def test_cancelled_request_is_dropped_and_callbacks_may_reenter(tiny_target):
 
 
 def test_seeded_sampling_is_reproducible_with_adaptive_k(tiny_target):
-    pol = AdaptiveK(_cal([100, 104, 108], 2), prior=0.9, alpha=0.5)
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=2, max_seq_len=128, adaptive=pol)
+    pol = GoodputPolicy(_cal([100, 104, 108], 2), prior=0.9, alpha=0.5)
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=2, max_seq_len=128, draft_early_stop=False), policy=pol)
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
     first = eng.generate([5, 6, 7], 30, sampling=sp).tokens
     for _ in range(3):  # the policy's state moves between runs; a seeded request keeps the engine's k
@@ -198,7 +199,7 @@ def test_seeded_sampling_is_reproducible_with_adaptive_k(tiny_target):
 
 
 def test_error_in_a_step_fails_its_requests_engine_keeps_serving(tiny_target, monkeypatch):
-    eng = Engine(tiny_target, None, 2, 64)
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=2, max_seq_len=64))
     fut = eng.submit(Request([5, 6], 4))
     monkeypatch.setattr(eng.target, "forward_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     eng.step()
@@ -212,27 +213,37 @@ def _cal(target_ms, draft_ms):
     return Calibration(tuple(target_ms), draft_ms, "test", 128)
 
 
+def predicted_tau(acc: list[float], k: int) -> float:
+    """τ(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j."""
+    return simulated_acceptance_length(acc[:k])
+
+
+def _alone(pol, workload: str) -> int:
+    """The chain k the policy gives one request of the class running alone this step (probes included)."""
+    return pol.plan_step([workload], [ladder(eagle=pol.estimator("eagle3").gains(workload))])[0][1]
+
+
 def test_adaptive_k_cost_model_and_off_switch():
     cal = _cal([100, 110, 120, 130, 140], 5)  # T_target(n) for n = 1..5, T_draft 5 ms
-    pol = AdaptiveK(cal, prior=0.9, alpha=1.0, probe_every=4)
+    pol = GoodputPolicy(cal, prior=0.9, alpha=1.0, probe_every=4)
     assert predicted_tau([0.9, 0.9], 2) == pytest.approx(1 + 0.9 + 0.81)
     tps = pol.predicted_tokens_per_s("code")
     assert tps[0] == pytest.approx(10.0)
     assert tps[4] == pytest.approx(1000 * predicted_tau([0.9] * 4, 4) / (140 + 20))
-    assert pol.choose("code") == 4
-    pol.observe("code", 4, 1)  # alpha 1: a = [1, 0, prior, prior]
-    assert pol.acceptance("code") == pytest.approx([1.0, 0.0, 0.9, 0.9])
+    assert _alone(pol, "code") == 4
+    pol.estimator("eagle3").observe_chain("code", 4, 1)  # alpha 1: a = [1, 0, prior, prior]
+    assert pol.estimator("eagle3").acceptance("code") == pytest.approx([1.0, 0.0, 0.9, 0.9])
     assert pol.best_k("code") == 1  # τ(1) = 2 for 115 ms beats everything else
-    pol.observe("chat", 2, 0)  # a1 = 0: nothing beats plain decoding
-    ks = [pol.choose("chat") for _ in range(12)]
+    pol.estimator("eagle3").observe_chain("chat", 2, 0)  # a1 = 0: nothing beats plain decoding
+    ks = [_alone(pol, "chat") for _ in range(12)]
     assert ks == [0, 0, 0, 1] + [0] * 7 + [1]  # off, with probes (best k >= 1) after 4, then 8 idle steps
     assert pol.report()["chat"]["speculation"] is False and pol.report()["code"]["k"] == 1
     pol.reset()
-    assert pol.acceptance("code") == [0.9] * 4
-    slow = AdaptiveK(cal, prior=0.9, alpha=0.05)
+    assert pol.estimator("eagle3").acceptance("code") == [0.9] * 4
+    slow = GoodputPolicy(cal, prior=0.9, alpha=0.05)
     for n in (1, 0, 0, 0):  # the first 1/alpha observations are averaged with the prior's 4 (PRIOR_CHAINS)
-        slow.observe("x", 1, n)
-    assert slow.acceptance("x")[0] == pytest.approx((4 * 0.9 + 1) / 8)
+        slow.estimator("eagle3").observe_chain("x", 1, n)
+    assert slow.estimator("eagle3").acceptance("x")[0] == pytest.approx((4 * 0.9 + 1) / 8)
     pol.observe_time(0, 1e6)  # a load spike at most doubles the estimate
     assert pol.step_ms()[0] <= 2 * 100 * 1.0001
     for bad in ([100], [100, 0], [100, float("nan")]):  # k_max 0, zero or non-finite costs
@@ -254,17 +265,17 @@ def test_adaptive_k_cost_model_and_off_switch():
 def test_adaptive_k_margin_keeps_break_even_classes_off():
     cal = _cal([100, 100], 0)  # k = 1 costs what plain decoding costs: τ(1) = 1 + a1 is the gain
     for margin, a1, k in ((0.05, 0.03, 0), (0.0, 0.03, 1), (0.05, 0.06, 1)):
-        pol = AdaptiveK(cal, prior=a1, alpha=1.0, margin=margin)
+        pol = GoodputPolicy(cal, prior=a1, alpha=1.0, margin=margin)
         assert pol.best_k("chat") == k, (margin, a1)
-        assert pol.report() == {} and pol.choose("chat") == k
+        assert pol.report() == {} and _alone(pol, "chat") == k
     with pytest.raises(ValueError, match="margin"):
-        AdaptiveK(cal, margin=1.0)
+        GoodputPolicy(cal, margin=1.0)
 
 
 def test_adaptive_engine_is_lossless_and_learns(tiny_target):
     cal = _cal([100, 104, 108, 112, 116], 2)
-    pol = AdaptiveK(cal, prior=0.9, alpha=0.2, probe_every=8)
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), num_draft_tokens=4, max_seq_len=256, adaptive=pol)
+    pol = GoodputPolicy(cal, prior=0.9, alpha=0.2, probe_every=8)
+    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=4, max_seq_len=256, draft_early_stop=False), policy=pol)
     ps = _prompts(6, 3)
     ref = [eng.generate(p, 40, speculative=False).tokens for p in ps]
     gens = eng.generate_batch([Request(p, 40, workload="code") for p in ps])
@@ -272,12 +283,12 @@ def test_adaptive_engine_is_lossless_and_learns(tiny_target):
     # a random draft is almost never accepted: the policy learns to switch speculation off, but probes
     rep = pol.report()["code"]
     assert rep["k"] == 0 and rep["predicted_speedup"] == 1.0
-    assert pol.acceptance("code")[0] < 0.3
+    assert pol.estimator("eagle3").acceptance("code")[0] < 0.3
     assert 0 < sum(g.stats.num_drafts for g in gens) < sum(len(g.tokens) for g in gens) / 2
 
 
 def test_draft_of_other_target_is_refused(tiny_target):
-    eng = Engine(tiny_target, None, 3, 64)
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=64))
     r = _random_runner(tiny_target, 64)
     object.__setattr__(r.config, "target_id", "0" * 64)
     with pytest.raises(ValueError, match="trained for target"):
@@ -321,7 +332,8 @@ def test_replay_interleaves_configs_and_counts_mismatches(tiny_target):
             return super().generate_batch(reqs)
 
     ps = [{"id": str(i), "input_ids": p} for i, p in enumerate(_prompts(3, 5))]
-    base, spec = Spy(tiny_target, None, 3, 128), Spy(tiny_target, _random_runner(tiny_target, 64), 3, 128, "d")
+    cfg = EngineParams(num_draft_tokens=3, max_seq_len=128)
+    base, spec = Spy(tiny_target, None, cfg), Spy(tiny_target, _random_runner(tiny_target, 64), cfg, draft_version="d")
     runs = replay({"base": (base, False), "spec": (spec, True)}, ps, 12, reference="base")
     assert order == [(None, 1), ("d", 1)] * 3  # prompt by prompt, every config in turn
     assert runs["spec"]["outputs"] == runs["base"]["outputs"] and runs["spec"]["metrics"]["mismatches"] == 0
@@ -354,7 +366,7 @@ def test_capture_sink_is_asked_once_at_admission_and_fed_at_finish(tiny_target):
     to the sink (once, with its workload and prompt id), an unwanted one collects no hidden states;
     capture=False never asks; a sink failing at admission leaves the request served, uncaptured."""
     sink = _Sink()
-    eng = Engine(tiny_target, None, 3, 256, capture=sink)
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), capture=sink)
     gens = [eng.generate([5, 17, 33, i + 3], 6, request_id=f"r{i}", workload="code", prompt_id=f"p{i}")
             for i in range(4)]
     assert sink.asked == ["r0", "r1", "r2", "r3"]
@@ -362,7 +374,7 @@ def test_capture_sink_is_asked_once_at_admission_and_fed_at_finish(tiny_target):
     assert [g.record is not None for g in gens] == [True, False, True, False]
     eng.generate([5, 17, 33], 4, capture=False, request_id="never")
     assert "never" not in sink.asked
-    bad = Engine(tiny_target, None, 3, 256, capture=_Sink(fail=True))
+    bad = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), capture=_Sink(fail=True))
     g = bad.generate([5, 17, 33], 4)
     assert g.record is None and len(g.tokens) == 4
 
@@ -372,7 +384,7 @@ def test_adaptive_cost_model_survives_step_time_spikes():
     must not make the policy predict more than τ(k): a step with more drafts never costs less."""
     import random
     cal = _cal([50, 55, 60, 65, 70], 3)
-    pol = AdaptiveK(cal, prior=0.05, probe_every=4)  # a weak draft: τ(4) ≈ 1.05
+    pol = GoodputPolicy(cal, prior=0.05, probe_every=4)  # a weak draft: τ(4) ≈ 1.05
     rng = random.Random(0)
     for _ in range(300):
         pol.observe_time(0, 50 * (8.0 if rng.random() < 0.5 else 1.0))  # half the k = 0 steps hit a spike
@@ -385,3 +397,18 @@ def test_adaptive_cost_model_survives_step_time_spikes():
     assert pol.best_k("static") == 0  # and below the margin: speculation stays off
     ms = pol.step_ms()
     assert all(a <= b for a, b in zip(ms, ms[1:]))
+
+
+def test_each_refusal_names_the_request_field_it_is_about(tiny_target):
+    """`InvalidRequest.field` is what a server maps to its own parameter (no guessing from the message)."""
+    from tidespec.engine.invalid import InvalidRequest
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=2, max_seq_len=64))
+    cases = {"prompt_ids": [Request([], 4), Request([5, 999], 4)], "max_new_tokens": [Request([5], 0), Request([5] * 40, 30)],
+             "k": [Request([5], 4, k=0)], "logit_bias": [Request([5], 4, sampling=SamplingParams(logit_bias={999: 1.0}))],
+             "stop_token_ids": [Request([5], 4, sampling=SamplingParams(stop_token_ids=(999,)))],
+             "workload": [Request([5], 4, workload=3)]}
+    for field, reqs in cases.items():
+        for r in reqs:
+            with pytest.raises(InvalidRequest) as e:
+                eng.submit(r)
+            assert e.value.field == field, (field, r, str(e.value))

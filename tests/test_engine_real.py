@@ -4,7 +4,8 @@ long test beside the rest instead of behind test_engine.py's."""
 import pytest
 from test_engine import PROMPTS, _random_runner
 
-from tidespec.engine.adaptive import AdaptiveK
+from tidespec.config import EngineParams
+from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats
@@ -28,7 +29,7 @@ def test_lossless_on_real_target(real_target, tmp_path):
     train_draft(recs[2:], recs[:2], target, DraftParams(draft_vocab_size=2048),
                 TrainParams(epochs=2, ttt_steps=3), tmp_path / "trained")
     trained = DraftRunner(load_checkpoint(tmp_path / "trained", target.embed, target.target_id))
-    eng = Engine(target, None, num_draft_tokens=4, max_seq_len=512)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=4, max_seq_len=512))
     ref = {p: eng.generate(prompt_ids(tok, p), 64, speculative=False).tokens for p in PROMPTS}
     for name, runner in (("random", _random_runner(target, 4096)), ("trained", trained)):
         eng.set_draft(runner, name)
@@ -40,13 +41,13 @@ def test_lossless_on_real_target(real_target, tmp_path):
             total = total.merge(g.stats)
         if name == "trained":
             assert total.num_accepted_tokens > 0  # the accept path was exercised, not only rejections
-    tree = Engine(target, trained, num_draft_tokens=3, max_seq_len=512, eagle_topk=3, tree_num_draft_tokens=8)
+    tree = Engine(target, trained, EngineParams(num_draft_tokens=3, max_seq_len=512, tree={"eagle_topk": 3, "num_draft_tokens": 8}))
     outs = tree.generate_batch([Request(prompt_ids(tok, p), 64) for p in PROMPTS])  # EAGLE-2 trees, batched
     assert [o.tokens for o in outs] == [ref[p] for p in PROMPTS]
     assert sum(o.stats.num_accepted_tokens for o in outs) > 0
     # batched (all prompts in one batch) and adaptive k: still the target's greedy output
-    pol = AdaptiveK(Calibration((90.0, 100.0, 110.0, 120.0, 130.0), 5.0, "test", 128), prior=0.8, alpha=0.3)
-    eng = Engine(target, trained, num_draft_tokens=4, max_seq_len=512, adaptive=pol, max_batch=8)
+    pol = GoodputPolicy(Calibration((90.0, 100.0, 110.0, 120.0, 130.0), 5.0, "test", 128), prior=0.8, alpha=0.3)
+    eng = Engine(target, trained, EngineParams(num_draft_tokens=4, max_seq_len=512, max_batch=8, draft_early_stop=False), policy=pol)
     gens = eng.generate_batch([Request(prompt_ids(tok, p), 64, workload="code" if "def" in p else "chat")
                                for p in PROMPTS])
     assert [g.tokens for g in gens] == [ref[p] for p in PROMPTS]

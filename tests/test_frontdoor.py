@@ -11,6 +11,7 @@ import shutil
 from fastapi.testclient import TestClient
 
 from conftest import add_tiny_word_tokenizer, tiny_params_yaml
+from tidespec.config import EngineParams
 
 
 def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
@@ -30,10 +31,10 @@ def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
     shutil.copytree(tiny_target_dir, tdir)
     add_tiny_word_tokenizer(tdir)
     target, tok = load_target(tdir)
-    backend = serve_in_thread(build_app(Engine(target, None, 3, 256), tok, ServeParams(max_tokens=10)))
+    backend = serve_in_thread(build_app(Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)), tok, ServeParams(max_tokens=10)))
     text = TextCapture(tmp_path / "text")
     try:
-        direct = TestClient(build_app(Engine(target, None, 3, 256), tok, ServeParams(max_tokens=10)))
+        direct = TestClient(build_app(Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)), tok, ServeParams(max_tokens=10)))
         with TestClient(build_frontdoor(backend.url, text)) as c:
             chat = {"messages": [{"role": "user", "content": "t7 t99 t300"}], "max_tokens": 8, "temperature": 0}
             r = c.post("/v1/chat/completions", json=chat)

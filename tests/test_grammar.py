@@ -13,8 +13,9 @@ import torch
 from conftest import random_draft
 from scipy.stats import chisquare
 
+from tidespec.config import EngineParams
 from tidespec.engine import grammar as grammar_mod
-from tidespec.engine.adaptive import AdaptiveK
+from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.grammar import GrammarCompiler, GrammarError
 from tidespec.engine.sampling import SamplingParams, warp
@@ -49,12 +50,11 @@ def _engines(target):
     cal = Calibration((100.0, 101.0, 102.0, 103.0, 104.0), 1.0, "test", 128)
     runner = DraftRunner(random_draft(target, 64))
     return {
-        "eagle3 k=3": Engine(target, runner, num_draft_tokens=3, max_seq_len=256),
-        "suffix": Engine(target, None, max_seq_len=256, suffix=SuffixCache()),
-        "grammar only": Engine(target, None, max_seq_len=256),
-        "hybrid": Engine(target, runner, num_draft_tokens=3, max_seq_len=256, suffix=SuffixCache()),
-        "policy": Engine(target, runner, num_draft_tokens=4, max_seq_len=256, suffix=SuffixCache(),
-                         adaptive=AdaptiveK(cal, prior=0.9, alpha=0.2)),
+        "eagle3 k=3": Engine(target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256)),
+        "suffix": Engine(target, None, EngineParams(max_seq_len=256), suffix=SuffixCache()),
+        "grammar only": Engine(target, None, EngineParams(max_seq_len=256)),
+        "hybrid": Engine(target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache()),
+        "policy": Engine(target, runner, EngineParams(num_draft_tokens=4, max_seq_len=256, draft_early_stop=False), policy=GoodputPolicy(cal, prior=0.9, alpha=0.2), suffix=SuffixCache()),
     }
 
 
@@ -63,7 +63,7 @@ def test_constrained_output_is_valid_and_speculation_is_exact(tok_target, compil
     g = compiler.json_schema(SCHEMA)
     prompts = [tok.encode(t, add_special_tokens=False) for t in ("name a thing", '{"kind": "beta", "ok": true}')]
     prompts.append([5, 6, 7, 8])
-    ref = Engine(target, None, max_seq_len=256)
+    ref = Engine(target, None, EngineParams(max_seq_len=256))
     base = [ref.generate_batch([Request(p, 80, speculative=False, grammar=g)])[0] for p in prompts]
     for b in base:
         assert b.finish_reason == "stop" and b.grammar_error is None
@@ -103,11 +103,11 @@ def test_masks_leave_the_state_and_cut_drafts_the_grammar_forbids(tok_target, co
     # the engine cuts a proposal before its first forbidden token: no verify row is spent on it
     from tidespec.engine.proposers.base import Slot
     from tidespec.engine.request import Seq
-    from tidespec.engine.speculative import _cut_to_grammar
+    from tidespec.engine.accept import cut_to_grammar
     g = compiler.lark('start: "ab" /[xy]/ "c"')
     seq = Seq(Request([5], 8, grammar=g), "r", None, None, V, False, {eos})
     sl = Slot(seq, drafts=[a, b, z, c], draft_probs=[torch.zeros(V)] * 4)
-    _cut_to_grammar([sl])
+    cut_to_grammar([sl])
     assert sl.drafts == [a, b] and len(sl.draft_probs) == 2
 
 
@@ -133,8 +133,7 @@ def test_sampled_constrained_marginal_is_exact(tok_target, compiler):
     # drafts allowed tokens, an unmasked one would draft forbidden ones (then cut: not exact)
     allowed = tok.encode("abcd0123z", add_special_tokens=False)
     freq = Counter({t: 1000 for t in allowed} | {t: 10 for t in range(3, 3 + 50)})
-    eng = Engine(T, DraftRunner(random_draft(T, 64, counts=freq)), num_draft_tokens=2, max_seq_len=16,
-                 suffix=SuffixCache())
+    eng = Engine(T, DraftRunner(random_draft(T, 64, counts=freq)), EngineParams(num_draft_tokens=2, max_seq_len=16), suffix=SuffixCache())
     N, pvalues, drafted = 2000, [], 0
     for block in range(2):  # a second, independent block of seeds only if the first lands in the 1 % tail
         counts = torch.zeros(T.cfg.vocab_size)
@@ -162,7 +161,7 @@ def test_a_grammar_over_its_work_limit_ends_the_request_not_the_batch(tok_target
     monkeypatch.setattr(grammar_mod, "MAX_ITEMS_IN_ROW", 20)
     starved = GrammarCompiler.for_target(target, tok)
     heavy = starved.lark('start: x+\nx: "a" | "b" | x x')
-    eng = Engine(target, None, max_seq_len=256, suffix=SuffixCache())
+    eng = Engine(target, None, EngineParams(max_seq_len=256), suffix=SuffixCache())
     ok_g = compiler.json_schema(SCHEMA)
     bad, good = eng.generate_batch([Request([10, 11], 40, grammar=heavy), Request([10, 11], 80, grammar=ok_g)])
     assert bad.finish_reason == "length" and "max is 20" in (bad.grammar_error or "") and len(bad.tokens) < 40
@@ -176,7 +175,7 @@ def test_bad_grammars_and_combinations_are_refused(tok_target, compiler):
             compiler.json_schema(schema)
     with pytest.raises(GrammarError):
         compiler.lark("start: undefined_rule")
-    eng = Engine(target, None, max_seq_len=64)
+    eng = Engine(target, None, EngineParams(max_seq_len=64))
     g = compiler.json_schema(SCHEMA)
     with pytest.raises(ValueError, match="min_tokens"):
         eng.generate_batch([Request([5], 8, grammar=g, sampling=SamplingParams(0.0, min_tokens=3))])

@@ -11,6 +11,7 @@ import pytest
 from conftest import add_tiny_word_tokenizer, random_draft
 from numerics import fp32_logprob_tol, logit_scale
 
+from tidespec.config import EngineParams
 from tidespec.bench.serve import serve_in_thread
 from tidespec.config import ServeParams
 from tidespec.engine.speculative import Engine
@@ -42,8 +43,8 @@ def servers(tmp_path_factory, tiny_target_dir):
     add_tiny_word_tokenizer(d)
     target, tok = load_target(d)
     sink = Sink()
-    spec_eng = Engine(target, DraftRunner(random_draft(target, 64)), 3, 512, draft_version="v7", capture=sink)
-    plain_eng = Engine(target, None, 3, 512)
+    spec_eng = Engine(target, DraftRunner(random_draft(target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=512), capture=sink, draft_version="v7")
+    plain_eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=512))
     cfg = ServeParams(max_tokens=256)
     spec = serve_in_thread(build_app(spec_eng, tok, cfg, model=MODEL))
     plain = serve_in_thread(build_app(plain_eng, tok, cfg, model=MODEL))

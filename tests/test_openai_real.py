@@ -8,6 +8,7 @@ from conftest import random_draft
 from numerics import fp32_logprob_tol, logit_scale
 from fastapi.testclient import TestClient
 
+from tidespec.config import EngineParams
 from tidespec.config import ServeParams
 from tidespec.detok import TextOutput
 from tidespec.engine.speculative import Engine
@@ -20,8 +21,8 @@ JAPANESE = "おはようございます 🌅 — 日本語のテキスト、絵�
 @pytest.fixture(scope="module")
 def clients(real_target):
     target, tok = real_target
-    spec = Engine(target, DraftRunner(random_draft(target, 512)), 3, 512)
-    plain = Engine(target, None, 3, 512)
+    spec = Engine(target, DraftRunner(random_draft(target, 512)), EngineParams(num_draft_tokens=3, max_seq_len=512))
+    plain = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=512))
     cfg = ServeParams(max_tokens=64, served_model_name="smol")
     with TestClient(build_app(spec, tok, cfg, model="smol")) as a, TestClient(build_app(plain, tok, cfg, model="smol")) as b:
         yield a, b, tok

@@ -40,16 +40,16 @@ def _shuffled_workspace(root, ws, params, target):
 def _force_accept_all(monkeypatch):
     """A verifier bug on engines named "candidate": every draft token is accepted (outputs are no
     longer the target's). Evaluation must catch it."""
-    from tidespec.engine.speculative import Engine
+    from tidespec.engine import speculative
 
-    orig = Engine._after_verify
+    orig = speculative.after_verify
 
-    def buggy(self, s, out, dt):
-        if s.version == "candidate" and s.k:
-            for i, t in enumerate(s.drafts):
+    def buggy(sl, out, *args):
+        if sl.seq.version == "candidate" and sl.k:
+            for i, t in enumerate(sl.drafts):
                 out.logits[i, t] = float("inf")
-        return orig(self, s, out, dt)
-    monkeypatch.setattr(Engine, "_after_verify", buggy)
+        return orig(sl, out, *args)
+    monkeypatch.setattr(speculative, "after_verify", buggy)
 
 
 def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_server, monkeypatch):
@@ -134,7 +134,7 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     hold = [json.loads(x) for x in ws.eval_prompts.read_text().splitlines()]
     eng = make_engine(params.draft_only(), target, None, adaptive=False)  # the EAGLE3 draft's own a₁
-    guard = HealthGuard(eng, ServeMetrics(eng.k), 0, _registry_rollback(params, tid, ws))
+    guard = HealthGuard(eng, ServeMetrics(eng.cfg.num_draft_tokens), 0, _registry_rollback(params, tid, ws))
     for draft in (registry.download_version(mlflow_server, tid, d1["version"], tmp_path / "served"), ws.champion):
         install_draft(eng, draft)
         for _ in range(4):

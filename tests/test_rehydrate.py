@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import random_draft
 
+from tidespec.config import EngineParams
 from tidespec.capture.rehydrate import (
     completion_ids,
     regenerate,
@@ -57,7 +58,7 @@ def _assert_matches(live, rec, prompt_len: int, tol=TINY_TOL) -> None:
 @pytest.fixture(scope="module")
 def engines(tiny_target):
     runner = DraftRunner(random_draft(tiny_target, 64, seed=0))
-    return Engine(tiny_target, None, 3, 256), Engine(tiny_target, runner, 3, 256, max_batch=8), runner
+    return Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)), Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8)), runner
 
 
 def test_rehydrated_equals_live_greedy(tiny_target, engines):
@@ -87,7 +88,7 @@ def test_rehydrated_equals_live_at_eos(tiny_target, engines, speculative):
     j = next(i for i, t in enumerate(probe) if i >= 3 and t not in probe[:i])
     view = copy.copy(tiny_target)
     view.cfg = dataclasses.replace(tiny_target.cfg, eos_token_ids=(probe[j],))
-    stopper = Engine(view, runner if speculative else None, 3, 256)
+    stopper = Engine(view, runner if speculative else None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     live = stopper.generate(prompt, 24, speculative=speculative, sampling=sp, capture=True)
     assert live.finish_reason == "stop" and live.tokens == probe[:j + 1]
     _assert_matches(live, rehydrate(tiny_target, prompt, live.tokens), len(prompt))
@@ -110,10 +111,10 @@ def test_regenerate_is_target_greedy_and_uncaptured(tiny_target):
 
     sink = Sink()
     runner = DraftRunner(random_draft(tiny_target, 64, seed=0))
-    eng = Engine(tiny_target, runner, 3, 256, capture=sink)
+    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256), capture=sink)
     p = [7, 99, 123, 45]
     out = regenerate(eng, p, 8)
-    assert out == Engine(tiny_target, None, 3, 256).generate(p, 8, speculative=False).tokens and not sink.got
+    assert out == Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(p, 8, speculative=False).tokens and not sink.got
 
 
 def test_rehydrate_errors(tiny_target):
@@ -194,7 +195,7 @@ def test_rehydrate_from_served_text_on_real_target(real_target):
             return True
 
     sink = Sink()
-    eng = Engine(target, None, 4, 512, capture=sink)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=4, max_seq_len=512), capture=sink)
     chat = {"messages": [{"role": "system", "content": "You answer with one word."},
                          {"role": "user", "content": [{"type": "text", "text": "Is the sky blue? Answer yes or no."}]}],
             "max_tokens": 32}

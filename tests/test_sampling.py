@@ -4,6 +4,7 @@ import torch
 from conftest import random_draft
 from scipy.stats import chisquare
 
+from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, rejection_verify, warp
 from tidespec.engine.speculative import Engine
 from tidespec.models.eagle3 import DraftRunner
@@ -73,7 +74,7 @@ def test_end_to_end_first_speculative_token(tiny_target):
     for t1 in p1.nonzero().squeeze(-1).tolist():
         c.crop(3)
         marg += p1[t1] * warp(T.forward(torch.tensor([t1]), c, need_hidden=False).logits[0], sp)
-    eng = Engine(T, DraftRunner(random_draft(T, 64)), num_draft_tokens=2, max_seq_len=16)
+    eng = Engine(T, DraftRunner(random_draft(T, 64)), EngineParams(num_draft_tokens=2, max_seq_len=16))
     N = 2000
     counts = torch.zeros(T.cfg.vocab_size)
     for i in range(N):
@@ -87,7 +88,7 @@ def test_end_to_end_first_speculative_token(tiny_target):
 
 
 def test_seeded_sampling_is_reproducible_and_speculation_is_exercised(tiny_target):
-    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), num_draft_tokens=3, max_seq_len=128)
+    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=128))
     a = eng.generate([5, 6, 7], 32, sampling=SamplingParams(0.8, top_p=0.9, seed=7))
     b = eng.generate([5, 6, 7], 32, sampling=SamplingParams(0.8, top_p=0.9, seed=7))
     assert a.tokens == b.tokens and a.stats.num_drafts > 0

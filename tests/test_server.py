@@ -4,6 +4,7 @@ import shutil
 import pytest
 from conftest import add_tiny_word_tokenizer, make_tiny_target, random_draft
 from fastapi.testclient import TestClient
+from tidespec.config import EngineParams
 
 
 @pytest.fixture
@@ -17,8 +18,7 @@ def served(tiny_target, tmp_path):
     save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
     save_checkpoint(random_draft(tiny_target, 64, seed=2), drafts / "v2")
     from tidespec.models.eagle3 import load_checkpoint
-    eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)),
-                 3, 256, "v1")
+    eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)), EngineParams(num_draft_tokens=3, max_seq_len=256), draft_version="v1")
     with TestClient(build_app(eng, None, ServeParams(max_tokens=16), drafts_dir=drafts, admin_token="s3cret")) as c:
         yield c, eng, drafts
 
@@ -34,7 +34,7 @@ def test_completions_lossless_usage_and_metrics(served, tiny_target):
     from tidespec.engine.speculative import Engine
 
     c, eng, _ = served
-    ref = Engine(tiny_target, None, 3, 256)
+    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     prompts = [[5, 17, 33, 2 + i, 90, 41] for i in range(4)]
     total = 0
     for p in prompts:
@@ -65,7 +65,7 @@ def test_bad_requests_get_clear_4xx(served, tiny_target):
     r = c.post("/v1/completions", json={"prompt": [5], "top_p": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
     from tidespec.engine.speculative import Request
-    eng = Engine(tiny_target, None, 3, 256)
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     with TestClient(build_app(eng, None, ServeParams(max_queue=1, max_tokens=16))) as full:
         with eng._step_lock:  # hold the engine between steps so the queued request stays queued
             busy = full.app.state.loop.submit(Request([5, 6], 200))  # the one queue slot is taken
@@ -110,7 +110,7 @@ def test_streaming_pieces_concatenate_to_the_output(served, tiny_target):
 
     c, _, _ = served
     p = [5, 17, 33, 8, 90, 41]
-    want = Engine(tiny_target, None, 3, 256).generate(p, 14, speculative=False).tokens
+    want = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(p, 14, speculative=False).tokens
     with c.stream("POST", "/v1/completions", json={"prompt": p, "max_tokens": 14, "stream": True,
                                                   "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -138,10 +138,9 @@ def test_load_with_hot_swap_no_errors_outputs_unchanged(tiny_target, tmp_path):
     drafts = tmp_path / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
     save_checkpoint(random_draft(tiny_target, 64, seed=2), drafts / "v2")
-    eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)),
-                 3, 256, "v1", max_batch=8)
+    eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8), draft_version="v1")
     prompts = [[5 + i, 17, 33, 8 + 2 * i, 90, 41 + i] for i in range(8)]
-    ref = Engine(tiny_target, None, 3, 256)
+    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     reference = {i: ref.generate(p, 12, speculative=False).tokens for i, p in enumerate(prompts)}
     srv = serve_in_thread(build_app(eng, None, ServeParams(max_tokens=12), drafts_dir=drafts, admin_token="t"))
     try:
@@ -170,7 +169,7 @@ def test_deploy_notifies_a_running_server(tiny_target, tmp_path):
     drafts = tmp_path / "data" / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=3), drafts / "champion")
     (drafts / "champion" / "version.json").write_text(json.dumps({"version": "7", "run_id": "r"}))
-    eng = Engine(tiny_target, None, 3, 256)
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     srv = serve_in_thread(build_app(eng, None, ServeParams(max_tokens=256), drafts_dir=drafts, admin_token="t"))
     try:
         bad = notify_server(drafts / "champion", srv.url, "wrong")
@@ -193,7 +192,7 @@ def test_capture_sample_rate_over_http_and_counters_on_metrics(tiny_target, tmp_
     from tidespec.server import build_app
 
     w = CaptureWriter.from_params(tmp_path / "cap", tiny_target.target_id, CaptureParams(sample_rate=0.5))
-    eng = Engine(tiny_target, None, 3, 256, capture=w)
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), capture=w)
     n = 40
     with TestClient(build_app(eng, None, ServeParams(max_tokens=4))) as c:
         for i in range(n):
@@ -231,7 +230,7 @@ def test_engine_failure_is_a_500_with_the_request_id_streamed_or_not(tiny_target
         def new_cache(self, max_len):
             raise ValueError("draft kernel exploded at /secret/internal/path")
 
-    eng = Engine(tiny_target, ExplodingDraft(random_draft(tiny_target, 64)), 3, 256, "bad")
+    eng = Engine(tiny_target, ExplodingDraft(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=256), draft_version="bad")
     with TestClient(build_app(eng, None, ServeParams(max_tokens=8))) as c:
         r = c.post("/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 4})
         assert r.status_code == 500, r.text
@@ -310,7 +309,7 @@ def test_store_false_is_served_and_never_captured(tiny_target_dir, tmp_path):
     target, tok = load_target(tmp_path / "target")
     w = CaptureWriter.from_params(tmp_path / "cap", target.target_id, CaptureParams())
     text = TextCapture(tmp_path / "text")
-    eng = Engine(target, None, 3, 256, capture=w)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), capture=w)
     chat = {"messages": [{"role": "user", "content": "t7 t99"}], "max_tokens": 4}
     with TestClient(build_app(eng, tok, ServeParams(max_tokens=4), text_capture=text)) as c:
         for body in (chat | {"store": False}, chat | {"store": False, "stream": True}, chat):

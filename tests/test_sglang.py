@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tidespec.config import EngineParams
 from tidespec.adapters import sglang as sg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +157,7 @@ def _sglang_double(target, mode: str, drop_rows: int = 0):
     from fastapi import FastAPI
 
     from tidespec.engine.speculative import Engine
-    eng = Engine(target, None, 3, 256)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     app = FastAPI()
     app.get("/health")(lambda: {})
 
@@ -194,7 +195,7 @@ def test_capture_record_equals_the_embedded_engines(tiny_target, doubles):
     prompt = [5, 17, 42, 99, 7, 3, 250, 11]
     res, rec = sg.serve_and_capture(doubles["serve"], doubles["aux"], doubles["last"], prompt, 12,
                                     tiny_target.cfg.hidden_size)
-    ref = Engine(tiny_target, None, 3, 256).generate(prompt, 12, speculative=False, capture=True)
+    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(prompt, 12, speculative=False, capture=True)
     assert res.output_ids == ref.tokens and res.acceptance_length == 1.0
     validate_record(rec)
     assert torch.equal(rec["input_ids"], ref.record["input_ids"])
@@ -258,7 +259,7 @@ def test_real_sglang_serves_losslessly_and_captures(tmp_path, real_target):
                                     **common)}
     servers = [sg.SGLangServer(c, tmp_path / f"{k}.log").start() for k, c in cfgs.items()]
     try:
-        eng = Engine(target, None, 4, 1024)
+        eng = Engine(target, None, EngineParams(num_draft_tokens=4, max_seq_len=1024))
         for text in ("def fibonacci(n):", "Write a haiku about the sea."):
             ids = tok(text)["input_ids"]
             res, rec = sg.serve_and_capture(cfgs["serve"].url, cfgs["aux"].url, cfgs["last"].url, ids, 48,

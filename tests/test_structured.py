@@ -13,6 +13,7 @@ import torch
 from conftest import add_tiny_tokenizer, make_tiny_target, random_draft
 from pydantic import BaseModel, Field
 
+from tidespec.config import EngineParams
 from tidespec.bench.serve import serve_in_thread
 from tidespec.config import ServeParams
 from tidespec.engine.speculative import Engine
@@ -53,8 +54,8 @@ def servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("structured") / "target"  # a byte-level tokenizer: tool prompts need > 512 positions
     add_tiny_tokenizer(make_tiny_target(d, max_position_embeddings=2048))
     target, tok = load_target(d)
-    spec_eng = Engine(target, DraftRunner(random_draft(target, 64)), 3, 2048, suffix=SuffixCache())
-    plain_eng = Engine(target, None, 3, 2048)
+    spec_eng = Engine(target, DraftRunner(random_draft(target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=2048), suffix=SuffixCache())
+    plain_eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=2048))
     cfg = ServeParams(max_tokens=400)
     spec, plain = (serve_in_thread(build_app(e, tok, cfg, model="tiny")) for e in (spec_eng, plain_eng))
     yield {"spec": spec, "plain": plain}
@@ -294,7 +295,7 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
     target, tok = load_target(d)
     live = CaptureWriter(tmp_path / "live", target.target_id, shard_max_records=4)
     text = TextCapture(tmp_path / "text")
-    eng = Engine(target, DraftRunner(random_draft(target, 64, seed=1)), 3, 2048, capture=live, suffix=SuffixCache())
+    eng = Engine(target, DraftRunner(random_draft(target, 64, seed=1)), EngineParams(num_draft_tokens=3, max_seq_len=2048), capture=live, suffix=SuffixCache())
     schema = Person.model_json_schema() | {"additionalProperties": False}
     bodies = [{"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
               {"response_format": {"type": "json_object"}, "max_tokens": 40},
@@ -326,7 +327,7 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
         rows.append({"id": rid, "input_ids": prompt, "constraint": row.constraint, "served": served})
     kinds = sorted("tools" if "tools" in r["constraint"] else r["constraint"]["response_format"]["type"] for r in rows)
     assert kinds == ["json_object", "json_schema", "tools", "tools"]
-    runs = replay({"base": (Engine(target, None, 3, 2048), False)}, constrained(rows, target, tok), 160)
+    runs = replay({"base": (Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=2048)), False)}, constrained(rows, target, tok), 160)
     for r in rows:  # a record holds prompt + generated[:-1]: the replayed output continues it exactly
         out = runs["base"]["outputs"][r["id"]]
         assert out[:len(r["served"])] == r["served"] and len(out) > len(r["served"])

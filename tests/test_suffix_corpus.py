@@ -7,6 +7,7 @@ import pytest
 from conftest import make_tiny_workspace, random_draft
 from fastapi.testclient import TestClient
 
+from tidespec.config import EngineParams
 from tidespec.engine.speculative import Engine
 from tidespec.engine.suffix import CORPUS_FILE, SuffixCache, corpus_info, load_corpus, save_corpus
 
@@ -32,13 +33,13 @@ def test_corpus_roundtrip_budget_and_malformed_files(tmp_path):
 
 
 def test_engine_installs_a_corpus_and_proposes_from_it(tiny_target):
-    eng = Engine(tiny_target, None, 3, 256, suffix=SuffixCache(max_depth=8, max_tokens=100))
-    ref = Engine(tiny_target, None, 3, 256).generate([77, 78], 16).tokens
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache(max_depth=8, max_tokens=100))
+    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate([77, 78], 16).tokens
     assert eng.set_suffix_corpus([[1, 2, 3], [77, 78] + ref]) == 3 + 2 + len(ref)
     g = eng.generate([77, 78], 16)
     assert g.tokens == ref and g.stats_by_proposer["suffix"].num_accepted_tokens >= 12  # it knew the answer
     with pytest.raises(ValueError, match="engine.suffix.enabled"):
-        Engine(tiny_target, None, 3, 256).set_suffix_corpus([[1, 2]])
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).set_suffix_corpus([[1, 2]])
 
 
 def test_cycle_corpus_is_the_curated_windows_outputs(tmp_path, tiny_target_dir):
@@ -69,8 +70,7 @@ def test_server_swap_installs_the_drafts_corpus(tiny_target, tmp_path):
     (drafts / "v3").mkdir()
     save_checkpoint(random_draft(tiny_target, 64, seed=3), drafts / "v3")
     (drafts / "v3" / CORPUS_FILE).write_bytes(b"garbage")
-    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64, seed=1)), 3, 256, "v1",
-                 suffix=SuffixCache(max_depth=8))
+    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64, seed=1)), EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache(max_depth=8), draft_version="v1")
     ok = {"Authorization": "Bearer s3cret"}
     with TestClient(build_app(eng, None, ServeParams(max_tokens=16), drafts_dir=drafts, admin_token="s3cret")) as c:
         r = c.post("/admin/draft", json={"path": "v2"}, headers=ok)
@@ -89,6 +89,6 @@ def test_reload_with_a_corrupt_corpus_swaps_the_draft_and_keeps_the_live_tree(ti
     save_checkpoint(random_draft(tiny_target, 64, seed=2), d)
     write_version(d, "7", "run")
     (d / CORPUS_FILE).write_bytes(b"garbage")
-    eng = Engine(tiny_target, None, 3, 256, suffix=SuffixCache(max_depth=8))
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache(max_depth=8))
     eng.set_suffix_corpus([[5, 6, 7]])
     assert reload_if_changed(eng, d) and eng.draft_version == "7" and eng.suffix.retained_tokens == 3

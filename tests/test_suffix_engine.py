@@ -7,8 +7,9 @@ from conftest import random_draft
 from numerics import fp32_logprob_tol, logit_scale
 from scipy.stats import chisquare
 
+from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, warp
-from tidespec.engine.speculative import Engine
+from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.suffix import SuffixCache
 from tidespec.models.eagle3 import DraftRunner
 
@@ -19,8 +20,8 @@ PROMPTS = [[5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12], [42], [9, 30, 31, 9, 30]
 @pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(frequency_penalty=0.5, logprobs=1)])
 def test_greedy_suffix_and_hybrid_equal_target_only(tiny_target, hybrid, sp):
     draft = DraftRunner(random_draft(tiny_target, 64)) if hybrid else None
-    eng = Engine(tiny_target, draft, 3, 256, suffix=SuffixCache(max_depth=12))
-    ref = Engine(tiny_target, None, 3, 256)
+    eng = Engine(tiny_target, draft, EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache(max_depth=12))
+    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     accepted = 0
     for p in PROMPTS:
         want = ref.generate(p, 30, sampling=sp)
@@ -39,7 +40,7 @@ def test_greedy_suffix_and_hybrid_equal_target_only(tiny_target, hybrid, sp):
 
 def test_global_tree_learns_from_finished_outputs(tiny_target):
     cache = SuffixCache(max_depth=8, alpha=4.0)
-    eng = Engine(tiny_target, None, 3, 256, suffix=cache)
+    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=cache)
     first = eng.generate([77, 78], 16)
     assert cache.retained_tokens == len(first.tokens)
     again = eng.generate([77, 78], 16)  # the same prompt: the global tree holds its whole output
@@ -52,7 +53,7 @@ def test_sampled_suffix_speculation_keeps_the_target_distribution(tiny_target, m
     equals the target's exact marginal Σ_t1 p(t1) p(t2 | t1) (chi-square, p > 1e-3). Seeded draws make
     the test deterministic; the engine keeps seeded requests off suffix proposals (next test), so
     that rule is lifted here."""
-    monkeypatch.setattr("tidespec.engine.plan.seeded", lambda req: False)
+    monkeypatch.setattr(Request, "seeded", property(lambda self: False))
     T = tiny_target
     sp = SamplingParams(temperature=1.5, top_k=6)
     prompt = [9, 9, 9, 9, 9, 9]  # the tiny target copies its last token: the suffix proposal (9) is often right
@@ -62,7 +63,7 @@ def test_sampled_suffix_speculation_keeps_the_target_distribution(tiny_target, m
     for t1 in p1.nonzero().squeeze(-1).tolist():
         c.crop(len(prompt))
         marg += p1[t1] * warp(T.forward(torch.tensor([t1]), c, need_hidden=False).logits[0], sp)
-    eng = Engine(T, None, 3, 64, suffix=SuffixCache(max_depth=8, max_tokens=0))  # request trees only
+    eng = Engine(T, None, EngineParams(num_draft_tokens=3, max_seq_len=64), suffix=SuffixCache(max_depth=8, max_tokens=0))  # request trees only
     N, counts, drafted, accepted = 1000, torch.zeros(T.cfg.vocab_size), 0, 0
     for i in range(N):
         g = eng.generate(prompt, 3, sampling=SamplingParams(1.5, top_k=6, seed=i))  # room for 1 draft
@@ -87,7 +88,7 @@ def test_a_seeded_request_never_takes_suffix_proposals(tiny_target):
     prompt = [9, 9, 9, 9, 9, 9]
     outs = []
     for corpus in ([], [[9] * 40], [[9, 3, 9, 3] * 10]):
-        eng = Engine(tiny_target, None, 3, 64, suffix=SuffixCache(max_depth=8))
+        eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=64), suffix=SuffixCache(max_depth=8))
         eng.set_suffix_corpus(corpus)
         g = eng.generate(prompt, 12, sampling=sp)
         assert g.stats.num_drafts == 0
@@ -113,7 +114,7 @@ def test_params_enable_the_suffix_proposer_and_metrics_report_it(tiny_target, tm
     eng = make_engine(p, tiny_target)
     sx = eng.suffix
     assert (sx.max_depth, sx.max_spec, sx.alpha, sx.min_score, sx.max_tokens) == (10, 5, 3.0, 0.2, 99)
-    assert eng.suffix_min_expected == 2.5
+    assert next(x for x in eng.proposers if x.name == "suffix").min_expected == 2.5
     with TestClient(build_app(eng, None, ServeParams(max_tokens=24))) as c:
         r = c.post("/v1/completions", json={"prompt": [9, 9, 9, 9], "max_tokens": 24}).json()
         m = c.get("/metrics").text

@@ -11,6 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from conftest import add_tiny_word_tokenizer, random_draft, tiny_params_yaml
+from tidespec.config import EngineParams
 
 
 def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
@@ -32,7 +33,7 @@ def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
     tid = target.target_id
     live = CaptureWriter(tmp_path / "live", tid, shard_max_records=4)
     text = TextCapture(tmp_path / "text")
-    eng = Engine(target, DraftRunner(random_draft(target, 64, seed=1)), 3, 256, capture=live)  # speculation on
+    eng = Engine(target, DraftRunner(random_draft(target, 64, seed=1)), EngineParams(num_draft_tokens=3, max_seq_len=256), capture=live)  # speculation on
     with TestClient(build_app(eng, tok, ServeParams(max_tokens=12), text_capture=text)) as c:
         for body in ({"messages": [{"role": "user", "content": "t7 t99 t300 t41"}]},
                      {"messages": [{"role": "system", "content": "t12 t13"}, {"role": "user", "content": "t88"}],

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny_workspace, tiny_records
 
+from tidespec.config import EngineParams
 from tidespec.capture.store import seal
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CurateParams, DraftParams, TrainParams
@@ -273,7 +274,7 @@ def test_simulated_tau_matches_greedy_engine_replay(tiny_target, tmp_path):
     k, N = 3, 24
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 12, (8,), generator=g).tolist() for _ in range(52)]  # learnable: small alphabet
-    cap = Engine(tiny_target, None, k, 256, max_batch=8)
+    cap = Engine(tiny_target, None, EngineParams(num_draft_tokens=k, max_seq_len=256, max_batch=8))
     gens = cap.generate_batch([Request(p, N, speculative=False, capture=True) for p in prompts])
     train, hold = gens[:40], gens[40:]
     tp = TrainParams(epochs=1, ttt_steps=k, batch_tokens=512, max_seq_len=128)  # a few steps: a mediocre draft
@@ -284,8 +285,7 @@ def test_simulated_tau_matches_greedy_engine_replay(tiny_target, tmp_path):
     assert m["simulated_acceptance_length"] == pytest.approx(ev.simulated_tau(k))
     assert [m[f"val/cond_acc_{j}"] for j in range(k)] == pytest.approx(ev.conditional(k))
 
-    eng = Engine(tiny_target, DraftRunner(load_checkpoint(tmp_path / "d", tiny_target.embed, tiny_target.target_id)),
-                 k, 256)
+    eng = Engine(tiny_target, DraftRunner(load_checkpoint(tmp_path / "d", tiny_target.embed, tiny_target.target_id)), EngineParams(num_draft_tokens=k, max_seq_len=256))
     stats = SpecDecodingStats(k)
     for p, ref in zip(prompts[40:], hold):
         out = eng.generate(p, N, speculative=True, k=k)

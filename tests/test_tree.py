@@ -5,12 +5,13 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import random_draft
+from conftest import ladder, random_draft
 
 from tidespec.config import EngineParams, tree_num_draft_tokens
-from tidespec.engine.adaptive import AdaptiveK
+from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.calibration import Calibration
-from tidespec.engine.goodput import Ladder, StepCost, _Step, draft_batches, goodput, step_draft_batches
+from tidespec.engine.policy import StepCost, draft_batches, goodput
+from tidespec.engine.policy.search import _Step, best_alone, step_draft_batches
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.tree import (
@@ -134,10 +135,10 @@ def test_tree_decoding_equals_target_only(tiny_target, topk, n):
     prompts = [torch.randint(3, 320, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
                for _ in range(4)]
     lp = SamplingParams(logprobs=3)  # values, not only argmaxes: a wrong mask or position changes them
-    ref = [Engine(tiny_target, None, 3, 256).generate(p, 40, capture=True, sampling=lp) for p in prompts]
+    ref = [Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(p, 40, capture=True, sampling=lp) for p in prompts]
     # a random draft over the 12 tokens the target emits most: some paths get accepted
     runner = DraftRunner(random_draft(tiny_target, 12, counts=Counter(t for r in ref for t in r.tokens), seed=topk))
-    eng = Engine(tiny_target, runner, num_draft_tokens=3, max_seq_len=256, eagle_topk=topk, tree_num_draft_tokens=n)
+    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, tree={"eagle_topk": topk, "num_draft_tokens": n}))
     alone = [eng.generate(p, 40, capture=True, sampling=lp) for p in prompts]
     batch = eng.generate_batch([Request(p, 40, capture=True, sampling=lp) for p in prompts])
     nodes = (n or 1 + 3 * topk) - 1
@@ -159,35 +160,34 @@ def test_tree_decoding_equals_target_only(tiny_target, topk, n):
 
 def test_sampled_and_processed_requests_draft_chains(tiny_target):
     runner = DraftRunner(random_draft(tiny_target, 64, seed=1))
-    eng = Engine(tiny_target, runner, num_draft_tokens=3, max_seq_len=256, eagle_topk=3)
+    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, tree={"eagle_topk": 3}))
     s = eng.generate([5, 6, 7], 24, sampling=SamplingParams(temperature=0.8, seed=1))
     assert s.stats.num_draft_tokens == 3 * s.stats.num_drafts  # a chain of k = 3 every step
     p = eng.generate([5, 6, 7], 24, sampling=SamplingParams(repetition_penalty=1.3))
     assert p.stats.num_draft_tokens == 3 * p.stats.num_drafts
-    ref = Engine(tiny_target, None, 3, 256).generate([5, 6, 7], 24, sampling=SamplingParams(repetition_penalty=1.3))
+    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate([5, 6, 7], 24, sampling=SamplingParams(repetition_penalty=1.3))
     assert p.tokens == ref.tokens
 
 
 def test_tree_under_the_goodput_policy_is_lossless_and_sizes_the_tree(tiny_target):
     cal = Calibration((10.0, 10.5, 11.0, 11.5), 1.0, "test", 128, (1, 4), (1, 2, 3, 4, 8),
                       ((10.0, 10.5, 11.0, 11.5, 13.0), (20.0, 40.0, 60.0, 80.0, 160.0)), (1.0, 2.0))
-    pol = AdaptiveK(cal, prior=0.9, probe_every=4)
+    pol = GoodputPolicy(cal, prior=0.9, probe_every=4)
     runner = DraftRunner(random_draft(tiny_target, 64, seed=2))
-    eng = Engine(tiny_target, runner, num_draft_tokens=3, max_seq_len=256, adaptive=pol, eagle_topk=2,
-                 tree_num_draft_tokens=7)
-    ref = Engine(tiny_target, None, 3, 256)
+    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, draft_early_stop=False, tree={"eagle_topk": 2, "num_draft_tokens": 7}), policy=pol)
+    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     outs = eng.generate_batch([Request(p, 32, workload="code") for p in prompts])
     for p, o in zip(prompts, outs):
         assert o.tokens == ref.generate(p, 32).tokens
-    assert pol._tree.get("code"), "the policy learned accepted tokens per tree size"
-    gains = pol.tree_gains("code", 6, lambda n: min(3, n))
+    assert pol.estimator("eagle3").report("code")["accepted_by_tree_size"], "it learned accepted tokens per tree size"
+    gains = pol.estimator("eagle3").tree_gains("code", 6, lambda n: min(3, n))
     assert len(gains) == 6 and all(b >= a for a, b in zip(gains, gains[1:]))
 
 
 def test_tree_costs_in_the_plan():
-    chain, tree = Ladder((0.5, 0.8, 1.0)), Ladder((0.6, 1.0, 1.2, 1.4), eagle_depth=(1, 2, 2, 3), draft_rows=2)
-    assert tree.depth(3) == 2 and chain.depth(3) == 3
+    chain, tree = ladder((0.5, 0.8, 1.0)), ladder((0.6, 1.0, 1.2, 1.4), eagle_depth=(1, 2, 2, 3), draft_rows=2)
+    assert tree.rung("eagle3").depth_of(3) == 2 and chain.rung("eagle3").depth_of(3) == 3
     # one catch-up forward for both; then the chain's positions 1, 2 (1 row each) and the tree's
     # expansions at depth 1, 2 (2 rows each) run as separate forwards
     assert step_draft_batches([chain, tree], [("eagle3", 3), ("eagle3", 4)]) == [2, 1, 1, 2, 2]
@@ -215,10 +215,11 @@ def test_tree_knobs_follow_sglang_and_bad_sizes_are_refused():
 def test_a_probe_runs_the_best_tree_size_alone():
     cal = Calibration((10.0, 10.5, 11.0, 11.5), 1.0, "test", 128, (1, 4), (1, 2, 3, 4, 8),
                       ((10.0, 10.5, 11.0, 11.5, 13.0), (20.0, 40.0, 60.0, 80.0, 160.0)), (1.0, 2.0))
-    pol = AdaptiveK(cal)
-    flat = Ladder((0.1, 0.9, 0.95, 0.96, 0.97), eagle_depth=(1, 2, 2, 3, 3), draft_rows=2)
-    assert pol.probe_size(flat) == 2  # the knee: 2 nodes already return what more nodes would
-    assert pol.probe_size(Ladder((0.1, 0.2, 0.3, 3.0))) == 4
+    pol = GoodputPolicy(cal)
+    flat = ladder((0.1, 0.9, 0.95, 0.96, 0.97), eagle_depth=(1, 2, 2, 3, 3), draft_rows=2)
+    assert best_alone(flat, flat.rung("eagle3"), pol.cost) == 2  # the knee: 2 nodes already return what more nodes would
+    steep = ladder((0.1, 0.2, 0.3, 3.0))
+    assert best_alone(steep, steep.rung("eagle3"), pol.cost) == 4
 
 
 def test_widen_adds_the_nodes_that_still_pay_ancestors_first():
@@ -236,7 +237,7 @@ def test_step_costs_fed_back_match_the_draft_forwards_that_ran(tiny_target):
     by the cost model are the ones the engine ran (rows per forward, in order)."""
     cal = Calibration((10.0, 10.5, 11.0, 11.5), 1.0, "test", 128, (1, 4), (1, 2, 3, 4, 8),
                       ((10.0, 10.5, 11.0, 11.5, 13.0), (20.0, 40.0, 60.0, 80.0, 160.0)), (1.0, 2.0))
-    pol = AdaptiveK(cal, prior=1.0, margin=0.0)
+    pol = GoodputPolicy(cal, prior=1.0, margin=0.0)
     runner = DraftRunner(random_draft(tiny_target, 64, seed=4))
     ran: list[int] = []
     for name in ("extend_batch", "step_batch", "tree_step_batch"):
@@ -245,8 +246,7 @@ def test_step_costs_fed_back_match_the_draft_forwards_that_ran(tiny_target):
             ran.append(sum(i[1].shape[0] for i in items) if name == "tree_step_batch" else len(items)), f(items))[1])
     seen = []
     pol.observe_step = lambda b, rows, fw, ms: (seen.append((list(fw), ran[:])), ran.clear())
-    eng = Engine(tiny_target, runner, num_draft_tokens=3, max_seq_len=256, adaptive=pol, eagle_topk=2,
-                 tree_num_draft_tokens=7)
+    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, draft_early_stop=False, tree={"eagle_topk": 2, "num_draft_tokens": 7}), policy=pol)
     eng.generate_batch([Request([5, 6, 7], 12, workload="a"),
                         Request([8, 9], 12, workload="a", sampling=SamplingParams(temperature=0.7, seed=None))])
     assert seen, "decode steps were observed"
@@ -256,9 +256,9 @@ def test_step_costs_fed_back_match_the_draft_forwards_that_ran(tiny_target):
 
 def test_tree_requests_are_admitted_like_chains_and_fit_the_kv_room(tiny_target):
     runner = DraftRunner(random_draft(tiny_target, 64, seed=5))
-    eng = Engine(tiny_target, runner, num_draft_tokens=3, max_seq_len=64, eagle_topk=4, tree_num_draft_tokens=13)
+    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=64, tree={"eagle_topk": 4, "num_draft_tokens": 13}))
     prompt = list(range(3, 43))  # 40 + 16 new + k 3 + 1 = 60 <= 64: admitted; the tree shrinks near the end
     out = eng.generate(prompt, 16)
-    assert out.tokens == Engine(tiny_target, None, 3, 64).generate(prompt, 16).tokens
+    assert out.tokens == Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=64)).generate(prompt, 16).tokens
     with pytest.raises(ValueError, match="max_seq_len"):
         eng.generate(list(range(3, 49)), 16)

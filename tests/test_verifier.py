@@ -30,6 +30,7 @@ import torch
 from conftest import TINY, random_draft
 from scipy.stats import chisquare
 
+from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, rejection_verify, sample, warp
 from tidespec.engine.speculative import Engine, Request
 from tidespec.models.eagle3 import DraftRunner
@@ -261,7 +262,7 @@ def trained(varied, tmp_path_factory):
     _, target = varied
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 40, (6,), generator=g).tolist() for _ in range(48)]
-    gens = Engine(target, None, 3, 128, max_batch=16).generate_batch(
+    gens = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=16)).generate_batch(
         [Request(p, 40, speculative=False, capture=True) for p in prompts])
     out = tmp_path_factory.mktemp("trained-draft")
     train_draft([x.record for x in gens], [], target, DraftParams(draft_vocab_size=320),
@@ -300,7 +301,7 @@ def test_greedy_engine_equals_transformers_generate(which, request):
     eos = list(target.cfg.eos_token_ids)
     assert eos == [TINY["eos_token_id"]]
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eng = Engine(target, runner, num_draft_tokens=3, max_seq_len=64)
+    eng = Engine(target, runner, EngineParams(num_draft_tokens=3, max_seq_len=64))
     saw_stop = False
     for prompt in prompts:
         ref = hf_greedy(hf, prompt, 24, eos)
@@ -355,7 +356,7 @@ def lossless_runs(varied, trained):
     (speculative=False) 40-token output from `trained`."""
     _, target = varied
     runner, prompts, gens = trained
-    eng = Engine(target, runner, num_draft_tokens=4, max_seq_len=128)
+    eng = Engine(target, runner, EngineParams(num_draft_tokens=4, max_seq_len=128))
     cases = [(p, g.tokens) for p, g in zip(prompts, gens) if g.finish_reason == "length"][:5]
     assert len(cases) == 5
     runs = {}
@@ -443,7 +444,7 @@ def test_sampled_speculation_matches_target_distribution(varied, trained, k):
     sp = SamplingParams(1.0, top_k=4)
     exact = exact_sequences(target, prompt, sp, L3)
     assert len(exact) == 4 ** L3 and abs(sum(exact.values()) - 1) < 1e-4
-    eng = Engine(target, runner, num_draft_tokens=k, max_seq_len=32, max_batch=64)
+    eng = Engine(target, runner, EngineParams(num_draft_tokens=k, max_seq_len=32, max_batch=64))
     gens = eng.generate_batch([Request(prompt, L3, k=k, sampling=replace(sp, seed=i)) for i in range(N_SAMPLED)])
     seqs = Counter(tuple(g.tokens) for g in gens)
     acc = sum(g.stats.num_accepted_tokens for g in gens)

@@ -17,6 +17,7 @@ import torch
 
 from conftest import make_vllm_tiny_target, vllm_python_or_skip
 
+from tidespec.config import EngineParams
 from tidespec.adapters import vllm
 from tidespec.adapters.process import free_port
 K, MAX_TOKENS = 3, 24
@@ -49,7 +50,7 @@ def tiny_vllm_setup(tmp_path_factory):
 def _greedy_record(target, prompt: list[int], n: int) -> dict:
     """A capture-format record of `prompt` + the target's greedy continuation (loss on the continuation)."""
     from tidespec.engine.speculative import Engine
-    out = Engine(target, None, K, 256).generate(prompt, n).tokens
+    out = Engine(target, None, EngineParams(num_draft_tokens=K, max_seq_len=256)).generate(prompt, n).tokens
     ids = torch.tensor(prompt + out)
     f = target.forward(ids, target.new_cache(len(ids)))
     mask = torch.zeros(len(ids), dtype=torch.uint8)
@@ -83,7 +84,7 @@ def test_vllm_counters_equal_the_tidespec_engine(tiny_vllm_setup, vllm_python, t
     from tidespec.engine.stats import SpecDecodingStats
     from tidespec.models.eagle3 import DraftRunner, load_checkpoint
     _, target, draft, prompts = tiny_vllm_setup
-    eng = Engine(target, DraftRunner(load_checkpoint(draft, target.embed, target.target_id)), K, 256)
+    eng = Engine(target, DraftRunner(load_checkpoint(draft, target.embed, target.target_id)), EngineParams(num_draft_tokens=K, max_seq_len=256))
     ours, total = [], SpecDecodingStats(K)
     for p in prompts:
         g = eng.generate(p, MAX_TOKENS, sampling=SamplingParams(ignore_eos=True))
@@ -156,7 +157,7 @@ def test_bench_engine_vllm_row_streams_the_targets_tokens_and_counts_its_drafts(
     from tidespec.engine.speculative import Engine
     d, target, draft, prompts = tiny_vllm_setup
     params = Params.model_validate(yaml.safe_load(tiny_params_yaml(d)))
-    eng = Engine(target, None, K, 256)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=K, max_seq_len=256))
     ours = [eng.generate(p, MAX_TOKENS).tokens for p in prompts]
     w = _Worker(mp.get_context("spawn"), MethodSpec("vllm_eagle3", "vllm", draft=str(draft), k=K, max_batch=2,
                                                     python=vllm_python), params.model_dump(mode="json"), 2, None)
@@ -184,7 +185,7 @@ def test_bench_engine_vllm_row_streams_the_targets_tokens_and_counts_its_drafts(
 
 def _exchanges(target, prompts, n=MAX_TOKENS):
     from tidespec.engine.speculative import Engine
-    eng = Engine(target, None, K, 256)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=K, max_seq_len=256))
     return [(p, eng.generate(p, n).tokens) for p in prompts]
 
 

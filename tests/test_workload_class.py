@@ -10,6 +10,7 @@ import pytest
 from conftest import add_tiny_word_tokenizer, random_draft
 from pydantic import ValidationError
 
+from tidespec.config import EngineParams
 from tidespec.bench.serve import serve_in_thread
 from tidespec.config import ServeParams
 from tidespec.engine.speculative import Engine
@@ -74,7 +75,7 @@ def server(tmp_path_factory, tiny_target_dir):
     shutil.copytree(tiny_target_dir, d)
     add_tiny_word_tokenizer(d)
     target, tok = load_target(d)
-    eng = Engine(target, DraftRunner(random_draft(target, 64)), 3, 512, draft_version="v1")
+    eng = Engine(target, DraftRunner(random_draft(target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=512), draft_version="v1")
     srv = serve_in_thread(build_app(eng, tok, ServeParams(max_tokens=16, workload_by_model={"tiny-code": "code"}),
                                     model="tiny"))
     yield srv

@@ -93,6 +93,14 @@ class EngineParams(_Strict):
             raise ValueError(f"engine.tree: {e}") from None
         return self
 
+    def fixed(self, **update) -> EngineParams:
+        """These settings for a plain engine: EAGLE3 chains of num_draft_tokens, no goodput policy, no
+        suffix proposer, no trees (what evaluation's replay, the demos and fixed-k benchmarks run),
+        with `update` applied (validated: ValueError for a bad value)."""
+        raw = self.model_dump() | {"adaptive": False, "suffix": self.suffix.model_dump() | {"enabled": False},
+                                   "tree": TreeParams().model_dump()}
+        return type(self).model_validate(raw | update)
+
     @model_validator(mode="after")
     def _hysteresis(self):
         if self.adaptive_margin_off > self.adaptive_margin:

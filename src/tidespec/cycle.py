@@ -209,7 +209,7 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
     e = params.engine
 
     def engine(runner, name):  # τ of the draft alone: no grammar-forced proposals (constrained prompts keep their masks)
-        return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, name, forced_tokens=False)
+        return Engine(target, runner, e.fixed(), draft_version=name, forced_tokens=False)
 
     configs = {"baseline": (engine(None, None), False)}
     champ = runner_for(champion, target)

@@ -171,7 +171,7 @@ def run_demo(root: Path, params_path: Path) -> dict:
                     params.curate.drift_threshold, commit=False)
     writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture, ws.snapshots, on_seal=pub,
                                        detokenize=tok.decode)
-    engine = Engine(target, None, params.engine.num_draft_tokens, params.engine.max_seq_len, capture=writer)
+    engine = Engine(target, None, params.engine.fixed(), capture=writer)
     reload_if_changed(engine, ws.champion)
     console.print(f"serving champion v{engine.draft_version} (static draft)")
     taus = []

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from .bootstrap import chat_ids
+from .config import EngineParams
 from .engine.speculative import Engine, Request
 from .models.target import Target
 
@@ -28,7 +29,7 @@ def self_distill(target: Target, tok, conversations: list[list[dict]], max_token
     Returns dicts with input_ids `[T]` int32, loss_mask `[T]` uint8 (1 on the answer),
     aux_hidden_states `[T, 3H]` bf16, hidden_states `[T, H]` bf16. `progress(tokens)` after each record.
     """
-    eng = Engine(target, None, 1, max_tokens + 1, max_batch=batch)
+    eng = Engine(target, None, EngineParams(max_seq_len=max(16, max_tokens + 1), max_batch=batch, adaptive=False))
     prompts = [chat_ids(tok, conv[:1], True) for conv in conversations if conv and conv[0]["role"] == "user"]
     prompts = [p for p in prompts if len(p) <= max_tokens - 16]
     recs, total = [], 0

@@ -13,8 +13,8 @@ import torch
 
 from .assets import cache_dir, target_gguf
 from .config import Params, tree_num_draft_tokens
-from .engine.adaptive import AdaptiveK
 from .engine.calibration import load_or_calibrate
+from .engine.policy import GoodputPolicy, PolicyConfig
 from .engine.speculative import Engine
 from .engine.suffix import CORPUS_FILE, SuffixCache, load_corpus
 from .models.eagle3 import DraftRunner, load_checkpoint
@@ -80,16 +80,11 @@ def make_engine(params: Params, target: Target, runner: DraftRunner | None = Non
                    if e.tree.eagle_topk > 1 and runner is not None else 0)
         cal = load_or_calibrate(target, runner, e.num_draft_tokens, cache_dir(), max_batch=e.max_batch, max_rows=rows,
                                 progress=progress)
-        pol = AdaptiveK(cal, prior=e.adaptive_prior, probe_every=e.adaptive_probe_every,
-                        margin=e.adaptive_margin, margin_off=e.adaptive_margin_off)
-    kw = {"capture": capture} if capture is not None else {}
+        pol = GoodputPolicy(cal, PolicyConfig.from_params(e))
     sx = e.suffix
-    if sx.enabled:
-        kw |= {"suffix": SuffixCache(sx.max_depth, sx.max_tokens, sx.max_spec, sx.alpha, sx.min_score),
-               "suffix_min_expected": sx.min_expected}
-    return Engine(target, runner, e.num_draft_tokens, e.max_seq_len, version, max_batch=e.max_batch, adaptive=pol,
-                  draft_early_stop=e.draft_early_stop, eagle_topk=e.tree.eagle_topk,
-                  tree_num_draft_tokens=e.tree.num_draft_tokens, replayed=replayed if runner is not None else None, **kw)
+    suffix = SuffixCache(sx.max_depth, sx.max_tokens, sx.max_spec, sx.alpha, sx.min_score) if sx.enabled else None
+    return Engine(target, runner, e, policy=pol, suffix=suffix, capture=capture, draft_version=version,
+                  replayed=replayed if runner is not None else None)
 
 
 def load_suffix_corpus(engine: Engine, draft_dir: Path | None) -> int | None:

@@ -64,7 +64,7 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
         raise ValueError("serve.max_tokens is unresolved: pass Params.serve_resolved() (engine.max_new_tokens)")
     writer = engine.capture
     textlog = text_capture if isinstance(text_capture, TextLog) else TextLog(text_capture)
-    loop, metrics = EngineLoop(engine), ServeMetrics(engine.k)
+    loop, metrics = EngineLoop(engine), ServeMetrics(engine.cfg.num_draft_tokens)
     metrics.set_draft(engine.draft_version)
     if writer is not None and hasattr(writer, "collector"):
         metrics.registry.register(writer.collector())

@@ -50,7 +50,7 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
     t0 = time.perf_counter()
     target, tok = get_target(params)
     prompts = [prompt_ids(tok, p.text) for p in load("humaneval")[:n_prompts]]
-    Engine(target, None, 1, params.engine.max_seq_len).generate(prompts[0], 8, speculative=False)  # warm-up
+    Engine(target, None, params.engine.fixed()).generate(prompts[0], 8, speculative=False)  # warm-up
     tmp = Path(tempfile.mkdtemp(prefix="tidespec-bench-capture-"))
     gate = threading.Event()
     writers = {c: CaptureWriter(tmp / c, target.target_id, 2 if c == "hung_disk" else 64, 1,
@@ -59,7 +59,7 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
     _hang(writers["hung_disk"], gate)
     text = TextCapture(tmp / "text")  # capture.mode: text — request/response bodies, logged after the response
     text_stats = {"bytes": 0, "tokens": 0, "cpu_s": 0.0, "wall_s": 0.0, "records": 0}
-    engines = {c: Engine(target, None, 1, params.engine.max_seq_len, capture=writers.get(c)) for c in CONFIGS}
+    engines = {c: Engine(target, None, params.engine.fixed(), capture=writers.get(c)) for c in CONFIGS}
     acc = {c: {"itl": [], "tokens": 0, "seconds": 0.0} for c in CONFIGS}
     n = 0
     for r in range(rounds):

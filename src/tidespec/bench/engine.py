@@ -393,12 +393,11 @@ def markdown(res: dict, prof: str | None = None) -> str:
         lines += ["## Adaptive k (chosen per workload class at the end of the run)", ""]
         for n, rep in ad.items():
             for cls, v in rep.items():
-                if cls.split("#")[0] in ("warmup", "profile"):
+                if cls in ("warmup", "profile"):
                     continue
                 if "accepted_by_tree_size" in v:  # EAGLE-2 trees (engine.tree)
-                    lines.append(f"- {n} / {cls}: accepted tokens by tree size {v['accepted_by_tree_size']}, "
+                    lines.append(f"- {n} / {cls} (trees): accepted tokens by tree size {v['accepted_by_tree_size']}, "
                                  f"conditional acceptance by depth {v['conditional_acceptance_by_depth']}")
-                    continue
                 lines.append(f"- {n} / {cls}: k = {v['k']} alone (speculation {'on' if v['speculation'] else 'off'}), "
                              f"by batch size {v.get('k_by_batch', {})}, predicted speed-up alone "
                              f"{v['predicted_speedup']:.2f}×, conditional acceptance {v['conditional_acceptance']}, "

@@ -22,7 +22,6 @@ import torch
 from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.speculative import Request
-from ..engine.suffix import SuffixCache
 from ..runtime import get_target, make_engine, runner_for, target_dir
 from ..workspace import served
 
@@ -201,13 +200,12 @@ class TidespecMethod:
         """Forget what the suffix proposer's global tree learned (a new benchmark pass must not see
         the outputs of the same prompts from the pass before)."""
         if self.engine.suffix is not None:
-            sx = self.params.engine.suffix
-            self.engine.suffix = SuffixCache(sx.max_depth, sx.max_tokens, sx.max_spec, sx.alpha, sx.min_score)
+            self.engine.set_suffix_corpus([])
         return {}
 
     def info(self) -> dict:
-        a = self.engine.adaptive
-        d = {"adaptive": a.report() if a else None, "realized": a.realized() if a else None,
+        a = self.engine.policy
+        d = {"adaptive": a.report() if a else None, "realized": a.margins.report() if a else None,
              "calibration_ms": {"target": list(a.cal.target_ms), "draft_step": a.cal.draft_ms,
                                 "batch_sizes": list(a.cal.batch_sizes), "rows": list(a.cal.rows),
                                 "grid": [list(r) for r in a.cal.grid_ms],

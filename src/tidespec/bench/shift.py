@@ -348,18 +348,19 @@ def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:
     none = make_engine(params.draft_only(), target, None)
     warm = [p for ps in groups.values() for p in ps[:1]]  # the policy learns each class online
     replay({"adaptive": (spec, True)}, warm, cfg.max_new_tokens // 2)
-    cal = spec.adaptive.cal
+    cal = spec.policy.cal
     base = cal.step_ms(0)
-    out = {"_cost_model": {"target_ms": list(cal.target_ms), "draft_ms": cal.draft_ms, "margin": spec.adaptive.margin,
+    out = {"_cost_model": {"target_ms": list(cal.target_ms), "draft_ms": cal.draft_ms,
+                           "margin": spec.policy.config.margin,
                            "step_ms": [cal.step_ms(k) for k in range(cal.k_max + 1)],
                            "breakeven_tau": [cal.step_ms(k) / base for k in range(cal.k_max + 1)]}}
     for g, ps in groups.items():
         runs = replay({"none": (none, False), "adaptive": (spec, True)}, ps, cfg.max_new_tokens, reference="none")
         a, n = runs["adaptive"]["metrics"], runs["none"]["metrics"]
-        pol = spec.adaptive.report().get(g, {})
-        out[g] = {"structured": g != "open-ended", "num_prompts": len(ps), "k_chosen": spec.adaptive.best_k(g),
+        pol = spec.policy.report().get(g, {})
+        out[g] = {"structured": g != "open-ended", "num_prompts": len(ps), "k_chosen": spec.policy.best_k(g),
                   "predicted_speedup": pol.get("predicted_speedup"), "policy_step_ms": pol.get("step_ms"),
-                  "acceptance": spec.adaptive.acceptance(g), "itl_ms_p50_none": n["itl_ms_p50"],
+                  "acceptance": spec.policy.estimator(spec.policy.chain_kind).acceptance(g), "itl_ms_p50_none": n["itl_ms_p50"],
                   "itl_ms_p50_spec": a["itl_ms_p50"], "tokens_per_s_none": n["tokens_per_s"],
                   "tokens_per_s_spec": a["tokens_per_s"], "speedup": a["tokens_per_s"] / n["tokens_per_s"],
                   "tau": a["acceptance_length"], "mismatches": a["mismatches"]}

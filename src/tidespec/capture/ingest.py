@@ -185,7 +185,7 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
     led = ledger_path(ws, source)
     done = read_ledger(led)
     seen = captured_ids(writer.dir, ws.snapshots, writer.target_id)
-    engine = Engine(target, None, 1, params.engine.max_seq_len)  # regenerates missing responses
+    engine = Engine(target, None, params.engine.fixed())  # regenerates missing responses
     rep = {"source": source, "objects": 0, "records": 0, "rehydrated": 0, "regenerated": 0, "skipped": Counter()}
     for obj in store.list_objects(source):
         if done.get(obj["key"], {}).get("etag") == obj["etag"]:
@@ -267,7 +267,7 @@ def _exchange_ids(exchanges, seen: set[str], params: Params, target, tok, engine
             continue
         origin = "rehydrated"
         if ex.response_text is None:
-            n_new = min(params.ingest.max_new_tokens, engine.max_seq_len - len(prompt) - 1)
+            n_new = min(params.ingest.max_new_tokens, engine.cfg.max_seq_len - len(prompt) - 1)
             if n_new < 1:
                 skipped["too_long"] += 1
                 continue

@@ -1,5 +1,5 @@
 """Measured step costs of this machine: target forwards by batch size and rows per request, draft
-steps by batch size. The goodput policy (`engine.goodput`, `engine.adaptive`) predicts a step's
+steps by batch size. The goodput policy (`engine.policy`) predicts a step's
 wall time from them.
 
 A ragged verify forward over b requests with r_i rows each costs T(b, R), R = Σ r_i (vLLM-style

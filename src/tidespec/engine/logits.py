@@ -22,14 +22,16 @@ from __future__ import annotations
 import torch
 
 from .grammar import GrammarState
+from .invalid import InvalidRequest
 from .sampling import SamplingParams
 
 
 def check_token_ids(sp: SamplingParams, vocab_size: int) -> None:
-    """Raise ValueError for a logit_bias or stop token id outside [0, vocab_size)."""
-    for t in list(sp.logit_bias) + list(sp.stop_token_ids):
-        if t >= vocab_size:
-            raise ValueError(f"token id {t} in logit_bias / stop_token_ids is outside the vocabulary [0, {vocab_size})")
+    """Raise InvalidRequest (field logit_bias or stop_token_ids) for a token id outside [0, vocab_size)."""
+    for field, ids in (("logit_bias", sp.logit_bias), ("stop_token_ids", sp.stop_token_ids)):
+        for t in ids:
+            if t >= vocab_size:
+                raise InvalidRequest(field, f"token id {t} in {field} is outside the vocabulary [0, {vocab_size})")
 
 
 class RequestLogits:
@@ -37,7 +39,7 @@ class RequestLogits:
 
     sp: the request's SamplingParams; prompt_ids: its prompt (repetition penalty); vocab_size: V;
     eos_ids: the target's EOS ids (masked by min_tokens unless ignore_eos); grammar: the request's
-    matcher (None: unconstrained). Raises ValueError for a logit_bias or stop token id outside [0, V).
+    matcher (None: unconstrained). Raises InvalidRequest for a logit_bias or stop token id outside [0, V).
     """
 
     def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, eos_ids: set[int],

@@ -13,7 +13,8 @@ import torch
 
 from ..models.target import Target
 from .grammar import Grammar
-from .logits import RequestLogits
+from .invalid import InvalidRequest
+from .logits import RequestLogits, check_token_ids
 from .sampling import GREEDY, SamplingParams, TokenLogprob, logprobs_of, sample, token_logprobs, warp
 from .stats import RequestTiming, SpecDecodingStats
 
@@ -49,6 +50,62 @@ class Request:
     prompt_id: str = ""
     stop: Callable[[list[int]], tuple[int, str] | None] | None = field(default=None, compare=False)
     grammar: Grammar | None = field(default=None, compare=False)
+
+    @property
+    def seeded(self) -> bool:
+        """A sampled request with a seed: it keeps the engine's k and never takes suffix proposals (the
+        random stream a seed fixes depends on the proposal, which depends on other traffic)."""
+        return not self.sampling.greedy and self.sampling.seed is not None
+
+
+def under_policy(policy, req: Request) -> bool:
+    """Does the goodput policy choose this request's options? Not with a fixed k, nor for a seeded one."""
+    return policy is not None and req.k is None and not req.seeded
+
+
+def max_draft(policy, k: int, req: Request) -> int:
+    """The longest chain (or tree depth) the request may draft: its k, the policy's k_max when it is
+    under the policy, else the engine's k (num_draft_tokens)."""
+    if req.k is not None:
+        return req.k
+    return policy.k_max if under_policy(policy, req) else k
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_request(req: Request, vocab_size: int, max_seq_len: int, k: int) -> None:
+    """Raise InvalidRequest naming the field and the fix for a request an engine of this vocabulary
+    size V and max_seq_len cannot run; `k`: the longest draft it may verify (0: not speculative)."""
+    if not isinstance(req.prompt_ids, (list, tuple)) or not req.prompt_ids:
+        raise InvalidRequest("prompt_ids", "empty prompt: send at least one token id")
+    if not all(_is_int(t) and 0 <= t < vocab_size for t in req.prompt_ids):
+        raise InvalidRequest("prompt_ids", f"prompt token ids must be integers in [0, {vocab_size})")
+    if not _is_int(req.max_new_tokens) or req.max_new_tokens < 1:
+        raise InvalidRequest("max_new_tokens", f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
+    if req.k is not None and (not _is_int(req.k) or req.k < 1):
+        raise InvalidRequest("k", f"k (num_draft_tokens) must be an integer >= 1, got {req.k!r}; use "
+                             "speculative=False to turn speculation off")
+    if not isinstance(req.sampling, SamplingParams):
+        raise InvalidRequest("sampling", "sampling must be a SamplingParams")
+    if not isinstance(req.workload, str):
+        raise InvalidRequest("workload", f"workload must be a string label, got {type(req.workload).__name__}")
+    check_token_ids(req.sampling, vocab_size)
+    if req.grammar is not None:
+        if req.grammar.vocab_size != vocab_size:
+            raise InvalidRequest("grammar", f"grammar compiled for a vocabulary of {req.grammar.vocab_size}, the "
+                                 f"target has {vocab_size}")
+        if req.sampling.min_tokens:
+            raise InvalidRequest("min_tokens", "min_tokens cannot be combined with a grammar (it would mask the "
+                                 "stop the grammar requires): drop min_tokens")
+    if req.stop is not None and not callable(req.stop):
+        raise InvalidRequest("stop", "stop must be a callable (a stop-string check) or None")
+    need = len(req.prompt_ids) + req.max_new_tokens + k + 1
+    if need > max_seq_len:
+        raise InvalidRequest("max_new_tokens", f"prompt ({len(req.prompt_ids)}) + max_new_tokens "
+                             f"({req.max_new_tokens}) + k ({k}) + 1 = {need} exceeds max_seq_len {max_seq_len}; "
+                             "shorten the prompt or raise engine.max_seq_len")
 
 
 @dataclass

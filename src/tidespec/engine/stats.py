@@ -158,7 +158,7 @@ def simulated_acceptance_length(acc: list[float]) -> float:
     2503.01840 §3). Feeding unconditional per-step accuracies (step j right regardless of steps
     < j, e.g. the trainer's `val/acc_{j}`) gives a different, wrong number: drafts' errors at
     consecutive steps are correlated. Producers of conditional a_j: `train.trainer.evaluate_holdout`
-    (teacher-forced) and `engine.adaptive.AdaptiveK` (from verify steps). Returns 1.0 for [].
+    (teacher-forced) and `proposers.eagle3_estimate.Eagle3Estimator` (from verify steps). Returns 1.0 for [].
     """
     tau, run = 1.0, 1.0
     for a in acc:

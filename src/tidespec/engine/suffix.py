@@ -21,6 +21,7 @@ past the depth bound re-matches its own tail and continues.
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,6 +279,8 @@ class SuffixCache:
         self._retained: deque[list[int]] = deque()
         self._retained_tokens = 0
         self._live: dict[str, _Live] = {}
+        self._staged: tuple[SuffixTrie, deque, int] | None = None  # a global tree waiting for the next step
+        self._stage_lock = threading.Lock()
 
     def start(self, request_id: str, prompt: list[int]) -> None:
         """Open the request's context with its prompt (its first proposals scan it; its tree is built
@@ -325,6 +328,26 @@ class SuffixCache:
     def install_global(self, built: tuple[SuffixTrie, deque, int]) -> None:
         """Replace the global tree with one from `build_global` (call between engine steps)."""
         self.global_trie, self._retained, self._retained_tokens = built
+
+    def stage_global(self, seqs: list[list[int]], vocab_size: int) -> int:
+        """Build a global tree over `seqs` (`build_global`) to be installed by `install_staged`, the
+        next time the engine is between steps. Returns the tokens it retains. Raises ValueError for
+        a token id outside [0, vocab_size) (a corpus built for another target), staging nothing."""
+        bad = next((t for seq in seqs for t in seq if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"suffix corpus token id {bad} outside the target vocabulary [0, {vocab_size}); "
+                             "it was built for another target: rebuild it with the cycle")
+        built = self.build_global(seqs)
+        with self._stage_lock:
+            self._staged = built
+        return built[2]
+
+    def install_staged(self) -> None:
+        """Install a staged global tree, if any (call between engine steps)."""
+        with self._stage_lock:
+            built, self._staged = self._staged, None
+        if built is not None:
+            self.install_global(built)
 
     def insert(self, tokens: list[int]) -> None:
         """Add a finished output to the global tree (cycle rebuilds call this for the curated window)."""

@@ -36,9 +36,9 @@ class HealthGuard:
     def __init__(self, engine: Engine, metrics: ServeMetrics, every_s: float,
                  rollback: Callable[[str, str], None] | None = None):
         self.engine, self.rollback, self.label = engine, rollback, metrics.label
-        if engine.topk > 1:
+        if engine.cfg.tree.eagle_topk > 1:
             log.info("draft health counts EAGLE3 chains: with engine.tree.eagle_topk %d greedy requests draft "
-                     "trees, which it does not count", engine.topk)
+                     "trees, which it does not count", engine.cfg.tree.eagle_topk)
         r = metrics.registry
         self.acceptance = Gauge(f"{PREFIX}draft_first_token_acceptance", "First-token acceptance of the served "
                                 "draft's EAGLE3 chains: live, replayed by its evaluation, or the previous version's "

@@ -31,11 +31,12 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
         """The served model, or an alias of it (serve.workload_by_model: `parent` is the served id,
         `tidespec.workload` the class its requests get)."""
         e, alias = serving.engine, model_id != serving.model
-        ts = {"draft_version": e.draft_version, "num_draft_tokens": e.k, "adaptive": e.adaptive is not None}
+        ts = {"draft_version": e.draft_version, "num_draft_tokens": e.cfg.num_draft_tokens,
+              "adaptive": e.policy is not None}
         if alias:
             ts["workload"] = serving.cfg.workload_by_model[model_id]
         return {"id": model_id, "object": "model", "created": started, "owned_by": "tidespec",
-                "root": serving.model, "parent": serving.model if alias else None, "max_model_len": e.max_seq_len,
+                "root": serving.model, "parent": serving.model if alias else None, "max_model_len": e.cfg.max_seq_len,
                 "tidespec": ts}
 
     @router.get("/v1/models")

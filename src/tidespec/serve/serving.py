@@ -27,6 +27,7 @@ from ..bootstrap import chat_ids
 from ..config import ServeParams
 from ..detok import TextOutput
 from ..engine.grammar import GrammarCompiler
+from ..engine.invalid import InvalidRequest
 from ..engine.speculative import Engine, Generation
 from ..engine.speculative import Request as EngineRequest
 from . import structured
@@ -39,6 +40,9 @@ from .structured import Constraint, ToolCallStream
 from .textlog import TextLog
 from .workload import workload_of
 
+# an engine request field → the OpenAI parameter a client changes (`InvalidRequest.field`); others keep their name
+PARAMS = {"max_new_tokens": "max_tokens", "grammar": None, "sampling": None, "k": None,
+          "request_id": None}
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.05  # how often a waiting non-streamed request checks that its client is still there, s
@@ -164,7 +168,7 @@ class OpenAIServing:
                                         on_tokens=on_tokens(idx) if on_tokens else None,
                                         grammar=constraint.grammar if constraint is not None else None)
                     calls = ToolCallStream() if constraint is not None and constraint.tools else None
-                    adm.choices.append(Choice(idx, req, self._submit(req, body, ids, api.prompt_param), text, calls=calls))
+                    adm.choices.append(Choice(idx, req, self._submit(req, api.prompt_param), text, calls=calls))
         except BaseException:
             for c in adm.choices:
                 self.engine.abort(c.req.request_id)
@@ -231,24 +235,14 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), param="stop") from None
 
-    def _submit(self, req: EngineRequest, body: _Sampling, ids: list[int], prompt_param: str) -> Future:
+    def _submit(self, req: EngineRequest, prompt_param: str) -> Future:
+        """Queue the request; the engine's refusal (`InvalidRequest`) is a 400 naming the OpenAI
+        parameter its field maps to (`PARAMS`; the prompt's own parameter for prompt_ids)."""
         try:
             return self.loop.submit(req)
-        except ValueError as e:  # Engine.validate: the request, not the engine
-            raise OpenAIError(str(e), param=self._blame(body, ids, prompt_param)) from None
-
-    def _blame(self, body: _Sampling, ids: list[int], prompt_param: str) -> str:
-        """The field a refusal of `Engine.validate` is about: the prompt (empty, ids outside the
-        vocabulary), logit_bias or stop_token_ids (ids outside the vocabulary), else max_tokens
-        (prompt + max_tokens exceed the engine's max_seq_len: the field a client lowers)."""
-        V = self.engine.target.cfg.vocab_size
-        if not ids or any(not 0 <= t < V for t in ids):
-            return prompt_param
-        if any(int(t) >= V for t in body.logit_bias or {}):
-            return "logit_bias"
-        if any(t >= V for t in body.stop_token_ids or ()):
-            return "stop_token_ids"
-        return "max_tokens"
+        except InvalidRequest as e:  # the request, not the engine
+            raise OpenAIError(str(e), param=prompt_param if e.field == "prompt_ids" else PARAMS.get(e.field, e.field)) \
+                from None
 
     # -- results --------------------------------------------------------------------------
     async def collect(self, request: Request, adm: Admitted) -> list[Generation] | None:

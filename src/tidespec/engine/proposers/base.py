@@ -1,19 +1,57 @@
-"""What a proposer is (`Proposer`) and what it works on (`Slot`: one running request's share of one
-engine step). The shape follows vLLM's `v1/spec_decode/` (one class per method with `propose()`);
-the step that drives them is `engine.speculative.Engine.step`.
+"""What a proposer is and what it works on, after vLLM's `v1/spec_decode/` (one class per method).
+
+A proposer (`Proposer`) offers each request a rung of options (`Rung`: n = 1..N drafted tokens and
+their expected accepted tokens), drafts for the requests the plan gives it (`propose`), and rolls
+back what verification rejected (`observe`). Its estimator (`Estimator`) learns, per workload
+class, how much of what it proposes is accepted. A proposer joins the engine by one `register`
+call in its own module (`proposers.registry`); the goodput policy searches over whatever is
+registered. The step that drives them is `engine.speculative.Engine.step`.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from ...models.eagle3 import DraftRunner
-from ..adaptive import AdaptiveK
 from ..request import Seq
-from ..suffix import Proposal
 from ..tree import Layout
+
+if TYPE_CHECKING:
+    from ...config import EngineParams
+    from ..suffix import SuffixCache
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One proposer's options for one request this step: n = 1..len(gains) drafted tokens.
+
+    kind: the proposer's name (`Proposer.name`: the option's key, its estimator's and its counters');
+    proposer: the object that drafts it; gains[n-1]: expected accepted tokens with n drafted
+    (cumulative; empty outside the policy); drafts: it runs draft-model forwards (a catch-up over
+    the rows verified last step, then one forward per position), else it costs verify rows only;
+    depth[n-1]: draft forwards of option n (() = n, a chain); draft_rows: rows each forward feeds
+    per request (1 a chain, topk a tree); catch_up_ms: what drafting now adds for the draft's
+    catch-up over a long backlog, amortised (`StepCost.catch_up_ms`; the plan's objective counts
+    it, a step's predicted wall time does not). fixed: outside the policy (a fixed k, a seeded
+    request) the option (rank, n, expected accepted) it claims; the claim of lowest rank wins.
+    """
+
+    kind: str
+    proposer: object
+    gains: tuple[float, ...] = ()
+    drafts: bool = False
+    depth: tuple[int, ...] = ()
+    draft_rows: int = 1
+    catch_up_ms: float = 0.0
+    fixed: tuple[float, int, float] | None = None
+
+    def depth_of(self, n: int) -> int:
+        """Draft forwards (chain positions / tree depth) of option n; 0 for a rung that runs none."""
+        if not self.drafts or not n:
+            return 0
+        return self.depth[n - 1] if self.depth else n
 
 
 @dataclass(eq=False)
@@ -25,15 +63,16 @@ class Slot:
     option's size: chain length k, suffix prefix length, or verified tree nodes), depth (tree depth:
     draft forwards), cap (most tree nodes the KV and output room allow), stop_below (early-stop /
     tree-widening threshold on the estimated probability that a further token is reached and
-    accepted, 0 = off), proposal (its suffix proposal, capped to the room), learn (the policy that
-    learns from this request's verifications; None when the request is outside the policy).
-    Set by the EAGLE3 catch-up: hidden `[1, H]` and logits `[Vd]` fp32, the draft's chain start.
-    Set by `Proposer.propose`: drafts (target ids), draft_probs (one proposal distribution `[V]`
-    fp32 per draft, sampled requests only), layout (a verified tree's rows; None: a chain), base
-    (the draft cache length before drafting, the rollback point), stopped / reach / confs (chain
-    early stop: cut, the estimated probability that the last draft is reached and accepted, the
-    draft's probability of each draft), draft_forwards / draft_rows (the batched draft forwards it joined and the rows it fed to
-    each: what the cost model charges). Set by acceptance: accepted (drafts accepted).
+    accepted, 0 = off), learn (the request is under the goodput policy), estimator (its proposer's
+    estimator when it is: what verification teaches). Set by `Proposer.offer`: offers (what each
+    proposer computed for the request, by kind: a suffix proposal, the grammar's forced tokens). Set by the EAGLE3 catch-up: hidden `[1, H]`
+    and logits `[Vd]` fp32, the draft's chain start. Set by `Proposer.propose`: drafts (target
+    ids), draft_probs (one proposal distribution `[V]` fp32 per draft, sampled requests only),
+    layout (a verified tree's rows; None: a chain), base (the draft cache length before drafting,
+    the rollback point), stopped / reach / confs (chain early stop: cut, the estimated probability
+    that the last draft is reached and accepted, the draft's probability of each draft),
+    draft_forwards / draft_rows (the batched draft forwards it joined and the rows it fed to each:
+    what the cost model charges). Set by acceptance: accepted (drafts accepted).
     """
 
     seq: Seq
@@ -42,9 +81,9 @@ class Slot:
     depth: int = 0
     cap: int = 0
     stop_below: float = 0.0
-    proposal: Proposal | None = None
-    forced: tuple[int, ...] = ()
-    learn: AdaptiveK | None = None
+    offers: dict[str, object] = field(default_factory=dict)
+    learn: bool = False
+    estimator: Estimator | None = None
     hidden: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     drafts: list[int] = field(default_factory=list)
@@ -64,21 +103,61 @@ class Slot:
         return len(self.drafts)
 
     @property
-    def version(self) -> str | None:
-        """The draft version the request runs (`Seq.version`)."""
-        return self.seq.version
+    def workload(self) -> str:
+        """The request's workload class (the estimators' key)."""
+        return self.seq.req.workload
+
+
+@dataclass(frozen=True)
+class Build:
+    """What a proposer is built from (`registry.build`): the engine's config (`EngineParams`, whole),
+    the target's vocabulary size V, the engine's suffix cache (None: no suffix proposer) and
+    whether constrained requests propose their grammar's forced tokens."""
+
+    cfg: EngineParams
+    vocab_size: int
+    suffix: SuffixCache | None = None
+    forced_tokens: bool = True
+
+
+class Estimator(Protocol):
+    """A proposer's acceptance estimate per workload class, learned from verified proposals."""
+
+    def observe(self, slot: Slot) -> None:
+        """Learn from one verified proposal (`slot.drafts`, `slot.accepted`)."""
+        ...
+
+    def reset(self, replayed: Mapping[str, tuple[float, float]] | None = None) -> None:
+        """Forget what was learned (a new draft serves); `replayed`: the draft's replayed first-token
+        acceptance per class {class: (a₁, chains)} ("" over all classes), for a draft model's prior."""
+        ...
+
+    def report(self, workload: str) -> dict:
+        """What it holds for one class (JSON values), for /health and the benchmarks."""
+        ...
+
+    def classes(self) -> set[str]:
+        """The classes it has observed."""
+        ...
 
 
 class Proposer(Protocol):
-    """A source of draft tokens for the requests the plan gives it.
+    """A source of draft tokens. name: its kind (the option's key, its estimator's and its counters'
+    `Generation.stats_by_proposer`); uses_draft: it runs the request's draft model (the plan then
+    charges the draft's catch-up, probes the class while it is off, and keeps it on with
+    hysteresis; the draft's health counts its first-token acceptance); gated: computing its offer
+    costs, so the policy stops computing it for a class where the plan leaves it unchosen."""
 
-    name: the goodput policy's option (`goodput.Ladder`) and the key of the request's counters
-    (`Generation.stats_by_proposer`): "eagle3", "suffix" or "grammar".
-    A new proposer implements these two methods and is registered in the engine's proposer table
-    (`Engine._proposers`); the plan offers it through the request's `Ladder`.
-    """
+    name: ClassVar[str]
+    uses_draft: ClassVar[bool]
+    gated: ClassVar[bool]
 
-    name: str
+    def offer(self, slot: Slot, room: int, policy) -> Rung | None:
+        """This request's options this step, at most `room` tokens (its output and KV room, the bonus
+        token excluded); None when it has nothing to propose. `policy`: the goodput policy (None:
+        the engine has none), whose estimator for this kind gives the gains when `slot.learn`. Keeps
+        what it computed for `propose` in `slot.offers[name]`."""
+        ...
 
     def propose(self, slots: list[Slot]) -> None:
         """Draft for these requests (all of them this proposer's this step) up to each slot's `n`:
@@ -88,8 +167,8 @@ class Proposer(Protocol):
         ...
 
     def observe(self, slot: Slot) -> None:
-        """After verification accepted `slot.accepted` of `slot.drafts`: roll back what was
-        drafted past them and teach `slot.learn` (when set). Raises only on a bug (the request fails)."""
+        """After verification accepted `slot.accepted` of `slot.drafts`: roll back what was drafted
+        past them. Raises only on a bug (the request fails)."""
         ...
 
 
@@ -102,6 +181,6 @@ def one_hot(vocab_size: int, tokens: list[int]) -> list[torch.Tensor]:
 def by_draft(slots: list[Slot]):
     """(draft, its slots) groups: requests keep the draft they started with, so after a hot-swap one
     step may hold two drafts; each group runs one batched draft forward."""
-    drafts: dict[int, DraftRunner] = {id(sl.seq.draft): sl.seq.draft for sl in slots}
+    drafts = {id(sl.seq.draft): sl.seq.draft for sl in slots}
     for draft in drafts.values():
         yield draft, [sl for sl in slots if sl.seq.draft is draft]

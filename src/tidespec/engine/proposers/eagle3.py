@@ -1,10 +1,11 @@
-"""EAGLE3 chain proposer: k tokens per request, one batched draft forward per position.
+"""EAGLE3 chain proposer: k tokens per request, one batched draft forward per position, and the
+estimate of its acceptance (`Eagle3Estimator`, shared with EAGLE-2 trees: `proposers.tree`).
 
 Source: EAGLE-3 (Li et al., arXiv 2503.01840 §3): the draft reads the target's low/mid/high aux
 hidden states `[n, 3*H]` of the verified rows (`catch_up`), then drafts autoregressively, feeding its
 own hidden state `[1, H]` forward. Early stop (requests under the goodput policy with
-`draft_early_stop`): SpecDec++ (arXiv 2405.19715 §3) stops at a threshold on the predicted
-rejection probability; here the threshold is the step's break-even (`AdaptiveK.stop_below`) and the
+`draft_early_stop`): SpecDec++ (arXiv 2405.19715 §3) stops at a threshold on the predicted rejection
+probability; here the threshold is the step's break-even (`GoodputPolicy.stop_below`) and the
 acceptance of a token is estimated from the draft's confidence in it (EAGLE-2, arXiv 2406.16858 §4).
 """
 from __future__ import annotations
@@ -12,7 +13,11 @@ from __future__ import annotations
 import torch
 
 from ..sampling import warp
-from .base import Slot, by_draft
+from .base import Build, Rung, Slot, by_draft
+from .eagle3_estimate import Eagle3Estimator
+from .registry import register
+
+FIXED_RANK = 2  # outside the policy: after a grammar's ≥ 2 forced tokens and a confident suffix proposal
 
 
 def catch_up(slots: list[Slot]) -> None:
@@ -49,11 +54,29 @@ def draft_token(sl: Slot, j: int) -> tuple[torch.Tensor | None, torch.Tensor | N
 
 
 class Eagle3Chain:
-    """EAGLE3 chains (see the module docstring). `propose` drafts `slot.n` tokens per request
-    (fewer with early stop); `observe` rolls the draft cache back to before the chain (the accepted
-    rows are re-read as next step's catch-up) and teaches the policy."""
+    """EAGLE3 chains (module docstring) for requests that do not draft trees. `offer`: k = 1..room
+    under the policy (gains from the class's conditional acceptance), else the request's k (or
+    num_draft_tokens); `propose` drafts `slot.n` tokens per request (fewer with early stop);
+    `observe` rolls the draft cache back to before the chain (the accepted rows are re-read as the
+    next step's catch-up)."""
 
     name = "eagle3"
+    uses_draft = True
+    gated = False
+
+    def __init__(self, k: int = 4):
+        self.k = k
+
+    def offer(self, sl: Slot, room: int, policy) -> Rung | None:
+        s = sl.seq
+        if s.draft is None or s.tree:
+            return None
+        est = policy.estimator(self.name) if policy is not None else None
+        if sl.learn:
+            gains = est.gains(sl.workload, room)
+            return Rung(self.name, self, gains, drafts=True, catch_up_ms=policy.catch_up_ms(s) if gains else 0.0)
+        k = s.req.k if s.req.k is not None else self.k
+        return Rung(self.name, self, drafts=True, fixed=(FIXED_RANK, k, est.gains(sl.workload, k)[-1] if est else 0.0))
 
     def propose(self, slots: list[Slot]) -> None:
         """Draft forwards batched across requests per position j (requests still drafting at j)."""
@@ -86,7 +109,7 @@ class Eagle3Chain:
             return torch.zeros(1, dtype=torch.int64)
         if sl.stop_below > 0:  # the draft's probability of the token it drafted
             conf = float(q[d]) if q is not None else float(torch.softmax(sl.logits, -1).max())
-            reach = sl.reach * sl.learn.accept_given_confidence(sl.seq.req.workload, conf)
+            reach = sl.reach * sl.estimator.accept_given_confidence(sl.workload, conf)
             if j > 0 and reach < sl.stop_below:
                 sl.stopped = True
                 return d
@@ -98,12 +121,12 @@ class Eagle3Chain:
         return d
 
     def observe(self, slot: Slot) -> None:
-        """Roll the draft cache back to `slot.base`; teach the policy the chain's acceptance (a chain
-        cut by early stop counts its stop position as not accepted: the planner's a_j must describe
-        what planning k returns with early stop on) and the acceptance per draft confidence."""
+        """Roll the draft cache back to `slot.base`."""
         slot.seq.draft_cache.length = slot.base
-        if slot.learn is not None:
-            w, k, n = slot.seq.req.workload, slot.k, slot.accepted
-            slot.learn.observe(w, slot.n if slot.stopped and n == k else k, n)
-            if slot.confs:
-                slot.learn.observe_confidence(w, slot.confs, n)
+
+
+def _build(b: Build) -> Eagle3Chain:
+    return Eagle3Chain(b.cfg.num_draft_tokens)
+
+
+register(Eagle3Chain, rung=0, estimator=Eagle3Estimator, build=_build)

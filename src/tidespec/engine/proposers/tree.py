@@ -7,20 +7,47 @@ the tree maths are `engine.tree`. The verify forward gives each node the cache a
 """
 from __future__ import annotations
 
-from ..tree import TreeJob, expand, layout, select, widen
-from .base import Slot, by_draft
+from ...config import tree_num_draft_tokens
+from ..request import max_draft
+from ..tree import TreeJob, expand, layout, max_nodes, select, widen
+from .base import Build, Rung, Slot, by_draft
+from .eagle3 import FIXED_RANK
+from .eagle3_estimate import Eagle3Estimator
+from .registry import register
 
 
 class Eagle3Tree:
     """EAGLE-2 trees of `slot.depth` draft forwards and `slot.n` verified nodes (up to `slot.cap`
-    when widened); `topk` children per expanded node (SGLang's `--speculative-eagle-topk`).
-    Its name is "eagle3": a tree is the EAGLE3 option of a tree request (same counters, same policy
-    option, sized per node instead of per position)."""
+    when widened); `topk` children per expanded node (SGLang's `--speculative-eagle-topk`), at most
+    `nodes` drafted nodes per tree; depth at most `k` (num_draft_tokens, or the policy's k_max).
+    Its kind is the chain's ("eagle3"): a tree is the EAGLE3 option of a tree request (same
+    counters, same estimator, sized per node instead of per position)."""
 
     name = "eagle3"
+    uses_draft = True
+    gated = False
 
-    def __init__(self, topk: int):
-        self.topk = topk
+    def __init__(self, topk: int, nodes: int, k: int, max_seq_len: int):
+        self.topk, self.nodes, self.k, self.max_seq_len = topk, nodes, k, max_seq_len
+
+    def offer(self, sl: Slot, room: int, policy) -> Rung | None:
+        """n = 1..N−1 verified nodes (N = tree num_draft_tokens, capped by the KV and output room),
+        depth min(depth, n, output room): under the policy its gains and width are the plan's; else
+        the fixed tree of SGLang's knobs. Sets `sl.cap`."""
+        s = sl.seq
+        if not s.tree or room <= 0:
+            return None
+        steps = max_draft(policy, self.k, s.req)
+        out_room = s.req.max_new_tokens - len(s.gen) - 1
+        cap = min(self.nodes, max_nodes(min(steps, out_room), self.topk), self.max_seq_len - s.cache.length - 1)
+        depth = tuple(min(steps, n, out_room) for n in range(1, cap + 1))
+        sl.cap = cap
+        est = policy.estimator(self.name) if policy is not None else None
+        if sl.learn:
+            return Rung(self.name, self, est.tree_gains(sl.workload, cap, lambda n: depth[n - 1]), drafts=True,
+                        depth=depth, draft_rows=self.topk, catch_up_ms=policy.catch_up_ms(s))
+        gain = est.tree_gains(sl.workload, cap, lambda n: depth[n - 1])[-1] if est else 0.0
+        return Rung(self.name, self, drafts=True, depth=depth, draft_rows=self.topk, fixed=(FIXED_RANK, cap, gain))
 
     def propose(self, slots: list[Slot]) -> None:
         """Expand each request's tree to its depth (one batched draft forward per depth and draft),
@@ -35,15 +62,25 @@ class Eagle3Tree:
             for sl, job in zip(group, jobs):
                 nodes = select(job.tree, sl.n)
                 if sl.stop_below > 0:  # EAGLE-2 value selection: more nodes while each still pays
-                    w, learn = sl.seq.req.workload, sl.learn
-                    nodes = widen(job.tree, nodes, lambda c: learn.accept_given_confidence(w, c), sl.stop_below, sl.cap)
+                    w, est = sl.workload, sl.estimator
+                    nodes = widen(job.tree, nodes, lambda c: est.accept_given_confidence(w, c), sl.stop_below, sl.cap)
                 sl.layout = layout(job.tree, nodes, sl.seq.next_token)
                 sl.drafts = sl.layout.tokens[1:]
                 sl.seq.draft_cache.length = sl.base
                 sl.draft_forwards, sl.draft_rows = sl.depth, self.topk
 
     def observe(self, slot: Slot) -> None:
-        """Teach the policy the accepted tokens of a tree of this size and depth (the target's KV
-        rows of the rejected nodes were dropped at acceptance, `KVCache.keep`)."""
-        if slot.learn is not None:
-            slot.learn.observe_tree(slot.seq.req.workload, slot.k, slot.layout.max_depth, slot.accepted)
+        """Nothing to roll back: the tree's draft rows went at `propose`, the target's KV rows of the
+        rejected nodes at acceptance (`KVCache.keep`)."""
+
+
+def _build(b: Build) -> Eagle3Tree | None:
+    """Trees only with eagle_topk > 1 (1: chains)."""
+    c = b.cfg
+    if c.tree.eagle_topk <= 1:
+        return None
+    n = tree_num_draft_tokens(c.num_draft_tokens, c.tree.eagle_topk, c.tree.num_draft_tokens)
+    return Eagle3Tree(c.tree.eagle_topk, n - 1, c.num_draft_tokens, c.max_seq_len)
+
+
+register(Eagle3Tree, rung=1, estimator=Eagle3Estimator, build=_build)
