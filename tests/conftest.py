@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tidespec.config import EngineParams
+from tidespec.config import CaptureParams, EngineParams
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -263,7 +263,7 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     target = get_target(params)[0]
     ws = Workspace(root)
     eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
-    w = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, shard_max_records=4)
+    w = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, CaptureParams(shard_max_records=4))
     g = torch.Generator().manual_seed(seed)
     for i in range(n_requests):
         prompt = torch.randint(3, max_token, (8,), generator=g).tolist()

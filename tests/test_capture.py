@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tidespec.config import EngineParams
+from tidespec.config import CaptureParams, EngineParams
 from tidespec.capture.store import (
     list_snapshots,
     load_snapshot,
@@ -37,7 +37,7 @@ def _mode(p):
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_roundtrip_and_manifest(tmp_path, compression):
-    w = CaptureWriter(tmp_path / "cap", "tid", queue_size=16, shard_max_records=3, compression=compression)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(queue_size=16, shard_max_records=3, compression=compression))
     recs = [_rec(10 + i, seed=i) for i in range(7)]
     for i, r in enumerate(recs):
         # fp32 hidden states in (as the engine produces them): stored as bf16
@@ -78,7 +78,7 @@ def test_zstd_is_smaller_on_smooth_states(tmp_path):
          "aux_hidden_states": h[:, :3 * H], "hidden_states": h[:, 3 * H:]}
     sizes = {}
     for c in ("none", "zstd"):
-        w = CaptureWriter(tmp_path / c, "tid", compression=c)
+        w = CaptureWriter(tmp_path / c, "tid", CaptureParams(compression=c))
         w.submit(r, request_id="a", workload="x", acceptance_length=1.0)
         w.close()
         sizes[c] = w.stats().bytes_total
@@ -87,14 +87,14 @@ def test_zstd_is_smaller_on_smooth_states(tmp_path):
 
 
 def test_store_text_opt_in(tmp_path):
-    w = CaptureWriter(tmp_path / "cap", "tid", store_text=True)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(store_text=True))
     w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0, text={"prompt": "p", "completion": "c"})
     w.close()
     assert read_manifest(tmp_path / "cap")[0].text == {"prompt": "p", "completion": "c"}
 
 
 def test_unlisted_and_torn_files_are_ignored(tmp_path):
-    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=2)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=2))
     w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
     w.close()
     (tmp_path / "cap" / "shard-999.safetensors").write_bytes(b"torn")  # not in the manifest
@@ -116,7 +116,7 @@ def test_hung_disk_drops_never_blocks(tmp_path, monkeypatch):
     entered, gate = threading.Event(), threading.Event()
     real = wm.write_shard
     monkeypatch.setattr(wm, "write_shard", lambda *a: (entered.set(), gate.wait(), real(*a))[2])
-    w = CaptureWriter(tmp_path / "cap", "tid", queue_size=2, shard_max_records=1)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(queue_size=2, shard_max_records=1))
     assert w.submit(_rec(6), request_id="first", workload="x", acceptance_length=1.0)
     assert entered.wait(30)  # the writer thread is now stuck in the disk write
     done = threading.Event()
@@ -132,7 +132,7 @@ def test_hung_disk_drops_never_blocks(tmp_path, monkeypatch):
 
 
 def test_filter_sampling_and_acceptance_threshold(tmp_path):
-    w = CaptureWriter(tmp_path / "cap", "tid", sample_rate=0.25, max_acceptance_rate=0.5)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(sample_rate=0.25, max_acceptance_rate=0.5))
     wanted = [w.wants(f"req-{i}") for i in range(400)]
     assert 0.18 < sum(wanted) / 400 < 0.32 and wanted == [w.wants(f"req-{i}") for i in range(400)]  # deterministic
     rates = [None, 0.1, 0.49, 0.5, 0.9]  # None: served without drafts → kept
@@ -147,8 +147,7 @@ def test_filter_sampling_and_acceptance_threshold(tmp_path):
 
 def test_disk_quota_stops_capture_until_seal(tmp_path):
     rec = _rec(64, H=64)  # ~33 KB a record in bf16
-    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=1, disk_quota_mb=0.1,
-                      snapshots_root=tmp_path / "snaps")
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=1, disk_quota_mb=0.1), snapshots_root=tmp_path / "snaps")
     for i in range(6):
         w.submit(rec, request_id=f"r{i}", workload="x", acceptance_length=1.0)
     w.flush()
@@ -164,7 +163,7 @@ def test_disk_quota_stops_capture_until_seal(tmp_path):
 
 
 def test_min_free_disk_stops_capture(tmp_path):
-    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=1, min_free_disk_mb=1e12)  # an exabyte free? no
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=1, min_free_disk_mb=1e12))  # an exabyte free? no
     w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
     w.close()
     assert w.stats().dropped == {"disk_full": 1} and read_manifest(tmp_path / "cap") == []
@@ -172,8 +171,7 @@ def test_min_free_disk_stops_capture(tmp_path):
 
 def test_auto_seal_on_tokens_and_age(tmp_path):
     infos = []
-    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=2, snapshots_root=tmp_path / "snaps",
-                      seal_min_tokens=40, seal_max_age_s=1.0, on_seal=infos.append, idle_flush_s=0.1)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=2, seal_min_tokens=40, seal_max_age_s=1.0), snapshots_root=tmp_path / "snaps", on_seal=infos.append, idle_flush_s=0.1)
     for i in range(4):  # 4 × 12 tokens: sealed once 48 >= 40 are written
         w.submit(_rec(12, seed=i), request_id=f"r{i}", workload="x", acceptance_length=1.0)
     w.flush()
@@ -192,7 +190,7 @@ def test_auto_seal_on_tokens_and_age(tmp_path):
 
 
 def _write_snapshot(tmp_path, name, records):
-    w = CaptureWriter(tmp_path / f"cap-{name}", "tid", shard_max_records=8)
+    w = CaptureWriter(tmp_path / f"cap-{name}", "tid", CaptureParams(shard_max_records=8))
     for rid, r in records:
         w.submit(r, request_id=rid, workload=name, acceptance_length=1.0)
     w.close()
@@ -285,7 +283,7 @@ def test_prometheus_exposition(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from tidespec.capture.metrics import CaptureCollector
-    w = CaptureWriter(tmp_path / "cap", "tid", max_acceptance_rate=0.5)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(max_acceptance_rate=0.5))
     reg = CollectorRegistry()
     reg.register(CaptureCollector(w))
     w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
@@ -307,7 +305,7 @@ def test_cli_seals_leftover_capture_and_lists(tmp_path, monkeypatch):
     import tidespec.capture.store as store
     from tidespec.cli import app
     cap = tmp_path / "data" / "capture" / "tid"
-    w = CaptureWriter(cap, "tid-full-id", shard_max_records=2)
+    w = CaptureWriter(cap, "tid-full-id", CaptureParams(shard_max_records=2))
     for i in range(3):
         w.submit(_rec(6, seed=i), request_id=f"a{i}", workload="x", acceptance_length=1.0)
     w.close()
@@ -349,7 +347,7 @@ def test_engine_serves_through_a_hung_disk(tmp_path, tiny_target):
     target = tiny_target
     eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     gate, entered = threading.Event(), threading.Event()
-    w = CaptureWriter(tmp_path / "cap", target.target_id, queue_size=2, shard_max_records=1)
+    w = CaptureWriter(tmp_path / "cap", target.target_id, CaptureParams(queue_size=2, shard_max_records=1))
     real = w._write_pending
     w._write_pending = lambda: (entered.set(), gate.wait(), real())[2]
     g = torch.Generator().manual_seed(0)
@@ -393,7 +391,7 @@ def test_torn_manifest_tail_does_not_swallow_later_rows(tmp_path):
 
 
 def test_bad_records_are_refused_at_submit_and_the_writer_goes_on(tmp_path):
-    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=3)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=3))
     good = _rec(6)
     bad = [{k: v for k, v in good.items() if k != "hidden_states"},
            dict(good, loss_mask=good["loss_mask"][:4]),
@@ -419,8 +417,7 @@ def test_bad_records_are_refused_at_submit_and_the_writer_goes_on(tmp_path):
 
 def test_seal_failure_keeps_capturing(tmp_path):
     (tmp_path / "snaps").write_text("not a directory")
-    w = CaptureWriter(tmp_path / "cap", "tid", shard_max_records=2, snapshots_root=tmp_path / "snaps",
-                      seal_min_tokens=10)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=2, seal_min_tokens=10), snapshots_root=tmp_path / "snaps")
     for i in range(10):
         w.submit(_rec(6, seed=i), request_id=f"r{i}", workload="x", acceptance_length=1.0)
     w.close()
@@ -435,7 +432,7 @@ def test_seal_failure_keeps_capturing(tmp_path):
 
 
 def test_close_racing_submits_loses_nothing_uncounted(tmp_path):
-    w = CaptureWriter(tmp_path / "cap", "tid", queue_size=256, shard_max_records=4)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(queue_size=256, shard_max_records=4))
     accepted, stop = [], threading.Event()
 
     def spam(k):
@@ -459,7 +456,7 @@ def test_close_racing_submits_loses_nothing_uncounted(tmp_path):
 
 def test_close_returns_within_its_timeout_on_a_stalled_disk(tmp_path):
     gate, entered = threading.Event(), threading.Event()
-    w = CaptureWriter(tmp_path / "cap", "tid", queue_size=2, shard_max_records=1)
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(queue_size=2, shard_max_records=1))
     real = w._write_pending
     w._write_pending = lambda: (entered.set(), gate.wait(), real())[2]
     w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
@@ -478,7 +475,7 @@ def test_close_returns_within_its_timeout_on_a_stalled_disk(tmp_path):
 def test_corrupt_shard_is_named_and_skipped_by_curate(tmp_path, caplog):
     from tidespec.capture.store import CorruptShard
     for c in ("none", "zstd"):
-        w = CaptureWriter(tmp_path / f"cap-{c}", "tid", shard_max_records=2, compression=c)
+        w = CaptureWriter(tmp_path / f"cap-{c}", "tid", CaptureParams(shard_max_records=2, compression=c))
         for i in range(4):
             w.submit(_rec(12, seed=i + (10 if c == "zstd" else 0)), request_id=f"{c}{i}", workload="x",
                      acceptance_length=1.0)

@@ -23,6 +23,7 @@ from tidespec.capture.store import (
     seal,
 )
 from tidespec.capture.writer import CaptureWriter
+from tidespec.config import CaptureParams
 
 TID = "tid"
 
@@ -38,8 +39,7 @@ def _record(i: int, H: int = 8) -> dict[str, torch.Tensor]:
 
 
 def _child(conn, cap, snaps, start, compression):  # runs in a forkserver child, killed with SIGKILL
-    w = CaptureWriter(cap, TID, queue_size=64, shard_max_records=2, compression=compression,
-                      snapshots_root=snaps, seal_min_tokens=120, idle_flush_s=0.05)
+    w = CaptureWriter(cap, TID, CaptureParams(queue_size=64, shard_max_records=2, compression=compression, seal_min_tokens=120), snapshots_root=snaps, idle_flush_s=0.05)
     conn.send(("ready", []))
     i = start
     while True:
@@ -126,7 +126,7 @@ def test_kill9_at_random_points_loses_nothing(tmp_path):
 @pytest.mark.parametrize("crash_at", ["after_freeze", "mid_link", "after_publish"])
 def test_interrupted_seal_is_finished_once(tmp_path, monkeypatch, crash_at):
     cap, snaps = tmp_path / "cap", tmp_path / "snaps"
-    w = CaptureWriter(cap, TID, shard_max_records=2)
+    w = CaptureWriter(cap, TID, CaptureParams(shard_max_records=2))
     for i in range(5):
         w.submit(_record(i), request_id=f"r{i}", workload="x", acceptance_length=1.0)
     w.close()

@@ -91,7 +91,7 @@ def _ingest(root: Path):
     from tidespec.workspace import Workspace
     ws, params = Workspace(root), load_params(root / "params.yaml")
     target, tok = get_target(params)
-    w = CaptureWriter.from_params(ws.ingest_dir(target.target_id), target.target_id, params.capture)
+    w = CaptureWriter(ws.ingest_dir(target.target_id), target.target_id, params.capture)
     try:
         reps = [ingest_source(s, S3Objects(aws.client("s3")), ws, params, target, tok, w)
                 for s in default_sources(params, target.target_id)]
@@ -186,7 +186,7 @@ def test_a_writer_that_drops_stops_the_ingest_without_losing_the_object(project)
     target, tok = get_target(params)
     (src,) = default_sources(params, target.target_id)
     tiny = params.capture.model_copy(update={"disk_quota_mb": 0.001, "min_free_disk_mb": 0})  # 1 kB: the first shard
-    w = CaptureWriter.from_params(ws.ingest_dir(target.target_id), target.target_id, tiny)
+    w = CaptureWriter(ws.ingest_dir(target.target_id), target.target_id, tiny)
     try:
         rep = ingest_source(src, S3Objects(aws.client("s3")), ws, params, target, tok, w)
     finally:

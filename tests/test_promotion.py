@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import make_tiny_target, make_tiny_workspace
+from tidespec.config import CaptureParams
 
 pytestmark = pytest.mark.services
 
@@ -25,7 +26,7 @@ def _shuffled_workspace(root, ws, params, target):
     (root / "params.yaml").write_text((ws.root / "params.yaml").read_text())
     idx = json.loads(ws.curated.read_text())
     recs = curate.load_records(idx["train"] + idx["val"], ws.curated.parent)
-    w = CaptureWriter(ws2.capture_dir(target.target_id), target.target_id, shard_max_records=4)
+    w = CaptureWriter(ws2.capture_dir(target.target_id), target.target_id, CaptureParams(shard_max_records=4))
     sigma = torch.randperm(target.cfg.vocab_size, generator=torch.Generator().manual_seed(7)).int()
     for i, r in enumerate(recs):
         r = dict(r)

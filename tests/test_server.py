@@ -191,7 +191,7 @@ def test_capture_sample_rate_over_http_and_counters_on_metrics(tiny_target, tmp_
     from tidespec.engine.speculative import Engine
     from tidespec.server import build_app
 
-    w = CaptureWriter.from_params(tmp_path / "cap", tiny_target.target_id, CaptureParams(sample_rate=0.5))
+    w = CaptureWriter(tmp_path / "cap", tiny_target.target_id, CaptureParams(sample_rate=0.5))
     eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), capture=w)
     n = 40
     with TestClient(build_app(eng, None, ServeParams(max_tokens=4))) as c:
@@ -307,7 +307,7 @@ def test_store_false_is_served_and_never_captured(tiny_target_dir, tmp_path):
     shutil.copytree(tiny_target_dir, tmp_path / "target")
     add_tiny_word_tokenizer(tmp_path / "target")
     target, tok = load_target(tmp_path / "target")
-    w = CaptureWriter.from_params(tmp_path / "cap", target.target_id, CaptureParams())
+    w = CaptureWriter(tmp_path / "cap", target.target_id, CaptureParams())
     text = TextCapture(tmp_path / "text")
     eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), capture=w)
     chat = {"messages": [{"role": "user", "content": "t7 t99"}], "max_tokens": 4}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidespec.config import EngineParams
+from tidespec.config import CaptureParams, EngineParams
 from tidespec.adapters import sglang as sg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +209,7 @@ def test_capture_record_equals_the_embedded_engines(tiny_target, doubles):
 def test_sglang_capture_lands_in_a_snapshot(tiny_target, doubles, tmp_path):
     from tidespec.capture.store import iter_records
     from tidespec.capture.writer import CaptureWriter
-    w = CaptureWriter(tmp_path / "capture", tiny_target.target_id, shard_max_records=2)
+    w = CaptureWriter(tmp_path / "capture", tiny_target.target_id, CaptureParams(shard_max_records=2))
     for i, prompt in enumerate(([5, 6, 7, 8], [9, 10, 11, 12, 13])):
         res, rec = sg.serve_and_capture(doubles["serve"], doubles["aux"], doubles["last"], prompt, 6,
                                         tiny_target.cfg.hidden_size)

@@ -13,7 +13,7 @@ import torch
 from conftest import add_tiny_tokenizer, make_tiny_target, random_draft
 from pydantic import BaseModel, Field
 
-from tidespec.config import EngineParams
+from tidespec.config import CaptureParams, EngineParams
 from tidespec.bench.serve import serve_in_thread
 from tidespec.config import ServeParams
 from tidespec.engine.speculative import Engine
@@ -293,7 +293,7 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
 
     d = add_tiny_tokenizer(make_tiny_target(tmp_path / "target", max_position_embeddings=2048))
     target, tok = load_target(d)
-    live = CaptureWriter(tmp_path / "live", target.target_id, shard_max_records=4)
+    live = CaptureWriter(tmp_path / "live", target.target_id, CaptureParams(shard_max_records=4))
     text = TextCapture(tmp_path / "text")
     eng = Engine(target, DraftRunner(random_draft(target, 64, seed=1)), EngineParams(num_draft_tokens=3, max_seq_len=2048), capture=live, suffix=SuffixCache())
     schema = Person.model_json_schema() | {"additionalProperties": False}
@@ -310,7 +310,7 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
     text.close()
     (tmp_path / "params.yaml").write_text(tiny_params_yaml(d))
     params = load_params(tmp_path / "params.yaml")
-    w = CaptureWriter(tmp_path / "ingested", target.target_id, shard_max_records=4)
+    w = CaptureWriter(tmp_path / "ingested", target.target_id, CaptureParams(shard_max_records=4))
     rep = ingest_source(str(tmp_path / "text"), None, Workspace(tmp_path), params, target, tok, w)
     w.close()
     assert rep["rehydrated"] == 4 and rep["skipped"] == {}, rep

@@ -11,7 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from conftest import add_tiny_word_tokenizer, random_draft, tiny_params_yaml
-from tidespec.config import EngineParams
+from tidespec.config import CaptureParams, EngineParams
 
 
 def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
@@ -31,7 +31,7 @@ def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
     add_tiny_word_tokenizer(tdir)
     target, tok = load_target(tdir)
     tid = target.target_id
-    live = CaptureWriter(tmp_path / "live", tid, shard_max_records=4)
+    live = CaptureWriter(tmp_path / "live", tid, CaptureParams(shard_max_records=4))
     text = TextCapture(tmp_path / "text")
     eng = Engine(target, DraftRunner(random_draft(target, 64, seed=1)), EngineParams(num_draft_tokens=3, max_seq_len=256), capture=live)  # speculation on
     with TestClient(build_app(eng, tok, ServeParams(max_tokens=12), text_capture=text)) as c:
@@ -51,7 +51,7 @@ def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
     (tmp_path / "params.yaml").write_text(tiny_params_yaml(tdir))
     params = load_params(tmp_path / "params.yaml")
     ws = Workspace(tmp_path)
-    w = CaptureWriter(tmp_path / "ingested", tid, shard_max_records=4)
+    w = CaptureWriter(tmp_path / "ingested", tid, CaptureParams(shard_max_records=4))
     rep = ingest_source(str(tmp_path / "text"), None, ws, params, target, tok, w)
     w.close()
     assert rep["records"] == 4 and rep["rehydrated"] == 4 and rep["skipped"] == {}
@@ -76,10 +76,10 @@ def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
     line["eventMetadata"]["eventId"] = "grown-1"
     with open(files[0], "a") as f:
         f.write(json.dumps(line) + "\n")
-    w = CaptureWriter(tmp_path / "ingested", tid, shard_max_records=4)
+    w = CaptureWriter(tmp_path / "ingested", tid, CaptureParams(shard_max_records=4))
     again = ingest_source(str(tmp_path / "text"), None, ws, params, target, tok, w)
     w.close()
     assert (again["objects"], again["records"], again["skipped"]) == (1, 1, {"duplicate_event": 4})
-    w = CaptureWriter(tmp_path / "ingested", tid, shard_max_records=4)
+    w = CaptureWriter(tmp_path / "ingested", tid, CaptureParams(shard_max_records=4))
     assert ingest_source(str(tmp_path / "text"), None, ws, params, target, tok, w)["objects"] == 0  # unchanged: not read
     w.close()

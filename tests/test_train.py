@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny_workspace, tiny_records
 
-from tidespec.config import EngineParams
+from tidespec.config import CaptureParams, EngineParams
 from tidespec.capture.store import seal
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CurateParams, DraftParams, TrainParams
@@ -96,7 +96,7 @@ def _rec(T, seed, H=8):
 
 
 def _snapshot(root, tid, wl, seeds, record_tid=None):
-    w = CaptureWriter(root / "cap", record_tid or tid, shard_max_records=8)
+    w = CaptureWriter(root / "cap", record_tid or tid, CaptureParams(shard_max_records=8))
     for s in seeds:
         w.submit(_rec(12, s), request_id=f"{wl}{s}", workload=wl, acceptance_length=1.0)
     w.close()

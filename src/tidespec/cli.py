@@ -312,8 +312,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     p = p.model_copy(update={"serve": p.serve.model_copy(update={k: v for k, v in flags.items() if v is not None})})
     hidden, text = capture and p.capture.mode == "hidden", capture and p.capture.mode == "text"
     target, tok = get_target(p)
-    writer = CaptureWriter.from_params(ws.capture_dir(target.target_id), target.target_id, p.capture, ws.snapshots,
-                                       on_seal=pub, detokenize=tok.decode if tok is not None else None) if hidden else None
+    writer = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, p.capture, snapshots_root=ws.snapshots, on_seal=pub, detokenize=tok.decode if tok is not None else None) if hidden else None
     text_capture = _text_log(TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate),
                              target.target_id, p.capture.seal_min_tokens) if text else None
     runner = runner_for(ws.champion, target)

@@ -169,8 +169,7 @@ def run_demo(root: Path, params_path: Path) -> dict:
     versioning.ensure_repo(root, str(ws.state / "dvc-remote"), machine_local=True)
     pub = Publisher(root, ws.snapshots, params.capture.keep_local_snapshots, ws.curated,
                     params.curate.drift_threshold, commit=False)
-    writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture, ws.snapshots, on_seal=pub,
-                                       detokenize=tok.decode)
+    writer = CaptureWriter(ws.capture_dir(tid), tid, params.capture, snapshots_root=ws.snapshots, on_seal=pub, detokenize=tok.decode)
     engine = Engine(target, None, params.engine.fixed(), capture=writer)
     reload_if_changed(engine, ws.champion)
     console.print(f"serving champion v{engine.draft_version} (static draft)")

@@ -188,8 +188,8 @@ def _cycles(params: Params, ws: Workspace, uri: str, target, tok, static: Path, 
            "cpu_threads": shift._threads(), "points": [], "cycles": []}
     serve_s = 0.0
     rep["seal_min_tokens"] = thr = {w: seal_tokens(cs, cfg.traffic_max_new_tokens) for w, cs in traffic.items()}
-    writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
-        update={"seal_min_tokens": thr[cfg.workload]}), ws.snapshots, on_seal=seals.put)
+    writer = CaptureWriter(ws.capture_dir(tid), tid, params.capture.model_copy(
+        update={"seal_min_tokens": thr[cfg.workload]}), snapshots_root=ws.snapshots, on_seal=seals.put)
     try:
         for w in [cfg.workload, *([cfg.switch_to] if cfg.switch_to else [])]:
             m, refs[w] = point(arms, hold[w], cfg, None)
@@ -200,7 +200,7 @@ def _cycles(params: Params, ws: Workspace, uri: str, target, tok, static: Path, 
         for i, w in enumerate(cfg.schedule(), start=1):
             chunk = traffic[w][used[w]]
             used[w] += 1
-            writer.seal_min_tokens = thr[w]  # read by the writer's next flush (an int: one atomic store)
+            writer.cfg = writer.cfg.model_copy(update={"seal_min_tokens": thr[w]})  # one atomic store: the next flush reads it
             t = time.perf_counter()
             cyc = shift._serve_traffic(w, chunk, target, params, ws, writer, seals, flow, uri, tid, work,
                                        replace(sc, concurrency=(cfg.traffic_concurrency,)), progress)

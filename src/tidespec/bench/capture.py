@@ -25,7 +25,7 @@ import torch
 from ..bootstrap import prompt_ids
 from ..capture.text import TextCapture
 from ..capture.writer import CaptureWriter
-from ..config import Params
+from ..config import CaptureParams, Params
 from ..engine.speculative import Engine
 from ..engine.stats import itl_percentiles
 from ..prompts import load
@@ -53,8 +53,7 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
     Engine(target, None, params.engine.fixed()).generate(prompts[0], 8, speculative=False)  # warm-up
     tmp = Path(tempfile.mkdtemp(prefix="tidespec-bench-capture-"))
     gate = threading.Event()
-    writers = {c: CaptureWriter(tmp / c, target.target_id, 2 if c == "hung_disk" else 64, 1,
-                                compression="none" if c == "raw" else "zstd", idle_flush_s=3600.0)
+    writers = {c: CaptureWriter(tmp / c, target.target_id, CaptureParams(queue_size=2 if c == "hung_disk" else 64, shard_max_records=1, compression="none" if c == "raw" else "zstd"), idle_flush_s=3600.0)
                for c in CONFIGS if c != "off"}
     _hang(writers["hung_disk"], gate)
     text = TextCapture(tmp / "text")  # capture.mode: text — request/response bodies, logged after the response

@@ -135,7 +135,7 @@ class TidespecMethod:
             eng = type(eng).model_validate({**eng.model_dump(), "tree": {"eagle_topk": spec.tree[0],
                                                                           "num_draft_tokens": spec.tree[1]}})
         self.params = params
-        self.writer = (CaptureWriter.from_params(capture_dir, target.target_id, params.capture)
+        self.writer = (CaptureWriter(capture_dir, target.target_id, params.capture)
                        if spec.capture else None)
         self.engine = make_engine(params.model_copy(update={"engine": eng}), target, runner,
                                   adaptive=(runner is not None or spec.suffix) and spec.k is None,

@@ -269,8 +269,8 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
                 ref = before.pop("reference")
                 progress(f"{phase}: before: {_brief(before)}")
                 thr = phase_threshold(traffic, cfg)
-                writer = CaptureWriter.from_params(ws.capture_dir(tid), tid, params.capture.model_copy(
-                    update={"seal_min_tokens": thr}), ws.snapshots, on_seal=seals.put)
+                writer = CaptureWriter(ws.capture_dir(tid), tid, params.capture.model_copy(
+                    update={"seal_min_tokens": thr}), snapshots_root=ws.snapshots, on_seal=seals.put)
                 cyc = _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress)
                 rest = writer.seal_now()  # the phase's remainder: a snapshot the next cycles replay, not a cycle
                 writer.close()

@@ -24,7 +24,7 @@ from .. import prompts
 from ..bootstrap import prompt_ids
 from ..capture.store import iter_records, list_snapshots, seal
 from ..capture.writer import CaptureWriter
-from ..config import EngineParams, Params
+from ..config import CaptureParams, EngineParams, Params
 from ..curate import load_records
 from ..cycle import step_curate
 from ..engine.speculative import Engine, Request
@@ -46,7 +46,7 @@ def serve_and_capture(target: Target, prompts: list[tuple[str, list[int]]], max_
                       workload: str, max_batch: int = 8, progress: Callable[[int], None] | None = None) -> dict:
     """Greedy target-only generation of every prompt (continuous batching), captured to `capture_dir`.
     Returns {id: generated token ids} and tokens/s."""
-    w = CaptureWriter(capture_dir, target.target_id, shard_max_records=16)
+    w = CaptureWriter(capture_dir, target.target_id, CaptureParams(shard_max_records=16))
     eng = Engine(target, None, EngineParams(max_seq_len=max(len(p) for _, p in prompts) + max_new_tokens + 1,
                                               max_batch=max_batch, adaptive=False), capture=w)
     futs = {pid: eng.submit(Request(ids, max_new_tokens, speculative=False, capture=True, request_id=pid,

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ..config import CaptureParams
 from ..hashing import unit_hash
 from ..workspace import private_dir
 from .metrics import CaptureCollector
@@ -88,10 +89,12 @@ class CaptureStats:
 
 
 class CaptureWriter:
-    """Writes finished requests to `directory` as shards of up to `shard_max_records` records.
+    """Writes finished requests to `directory` as shards of `cfg.shard_max_records` records, as
+    `cfg` (`CaptureParams`, whole: queue, shards, compression, disk quota and floor, sample rate,
+    the acceptance filter, store_text, seal thresholds; default `CaptureParams()`) says.
 
     With `snapshots_root`, seals `directory` into `snapshots_root/<target_id>/<sid>/` when
-    `seal_min_tokens` unsealed tokens or `seal_max_age_s` (age of the oldest unsealed record)
+    `cfg.seal_min_tokens` unsealed tokens or `cfg.seal_max_age_s` (age of the oldest unsealed record)
     is reached, then calls `on_seal(SnapshotInfo)` on a publisher thread. On start it removes
     temp files and finishes seals a crash interrupted (publishing those too). A failed publish
     (`on_seal` raised: DVC remote or Prefect down) is counted (`publish_errors`) and retried after
@@ -100,30 +103,23 @@ class CaptureWriter:
     `directory` until `close()`: a second writer or an offline `seal` there raises CaptureDirBusy.
     """
 
-    def __init__(self, directory: Path, target_id: str, queue_size: int = 64, shard_max_records: int = 16, *,
-                 compression: str = "none", disk_quota_mb: float | None = None, min_free_disk_mb: float = 0.0,
-                 sample_rate: float = 1.0, max_acceptance_rate: float | None = None, store_text: bool = False,
-                 snapshots_root: Path | None = None, seal_min_tokens: int | None = None,
-                 seal_max_age_s: float | None = None, on_seal: Callable[[SnapshotInfo], object] | None = None,
+    def __init__(self, directory: Path, target_id: str, cfg: CaptureParams | None = None, *,
+                 snapshots_root: Path | None = None, on_seal: Callable[[SnapshotInfo], object] | None = None,
                  idle_flush_s: float = 2.0, seed: int = 0, detokenize: Callable[[list[int]], str] | None = None,
                  publish_retry_s: float = PUBLISH_RETRY_S, publish_attempts: int = PUBLISH_ATTEMPTS):
-        if compression not in ("none", "zstd"):
-            raise ValueError(f"compression must be 'none' or 'zstd', got {compression!r}")
+        cfg = cfg or CaptureParams()
+        self.cfg = cfg
         self.dir = private_dir(Path(directory))
         self._dir_lock = lock_capture_dir(self.dir)  # one writer per directory; raises CaptureDirBusy
         self.target_id = target_id
-        self.shard_max = shard_max_records
-        self.compression = compression
-        self.quota = disk_quota_mb * MB if disk_quota_mb else None
-        self.min_free = min_free_disk_mb * MB
-        self.sample_rate, self.max_acceptance_rate, self.seed = sample_rate, max_acceptance_rate, seed
-        self.store_text, self.detokenize = store_text, detokenize
+        self.quota = cfg.disk_quota_mb * MB if cfg.disk_quota_mb else None
+        self.min_free = cfg.min_free_disk_mb * MB
+        self.seed, self.detokenize = seed, detokenize
         self.snapshots_root = Path(snapshots_root) if snapshots_root else None
-        self.seal_min_tokens, self.seal_max_age_s = seal_min_tokens, seal_max_age_s
         self.on_seal = on_seal
         self.idle_flush_s = idle_flush_s
         self.manifest = self.dir / "manifest.jsonl"
-        self.q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.q: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
         self._lock = threading.Lock()  # counters
         self._dropped: Counter = Counter()
         self._filtered: Counter = Counter()
@@ -145,21 +141,11 @@ class CaptureWriter:
         self._thread = threading.Thread(target=self._run, name="tidespec-capture", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_params(cls, directory: Path, target_id: str, p, snapshots_root: Path | None = None,
-                    on_seal: Callable[[SnapshotInfo], object] | None = None, **kw) -> "CaptureWriter":
-        """A writer configured by `params.capture` (CaptureParams)."""
-        return cls(directory, target_id, p.queue_size, p.shard_max_records, compression=p.compression,
-                   disk_quota_mb=p.disk_quota_mb, min_free_disk_mb=p.min_free_disk_mb, sample_rate=p.sample_rate,
-                   max_acceptance_rate=p.max_acceptance_rate, store_text=p.store_text,
-                   snapshots_root=snapshots_root, seal_min_tokens=p.seal_min_tokens,
-                   seal_max_age_s=p.seal_max_age_s, on_seal=on_seal, **kw)
-
     # -- engine side (never blocks) -------------------------------------------------------
     def wants(self, request_id: str) -> bool:
         """Admission: capture this request? (`sample_rate`, by request-id hash; counts `sampled_out`).
         Ask before serving so unsampled requests do not even collect hidden states."""
-        if self.sample_rate >= 1.0 or unit_hash(f"capture:{self.seed}:{request_id}") < self.sample_rate:
+        if self.cfg.sample_rate >= 1.0 or unit_hash(f"capture:{self.seed}:{request_id}") < self.cfg.sample_rate:
             return True
         with self._lock:
             self._filtered["sampled_out"] += 1
@@ -174,15 +160,15 @@ class CaptureWriter:
         `constraint`: a constrained request's spec (replay and evaluation constrain it the same way).
         Returns True if queued; False if filtered or dropped (both counted). Raises ValueError for a
         record that breaks the contract (`store.validate_record`), before anything is queued."""
-        if (self.max_acceptance_rate is not None and acceptance_rate is not None
-                and acceptance_rate >= self.max_acceptance_rate):
+        if (self.cfg.max_acceptance_rate is not None and acceptance_rate is not None
+                and acceptance_rate >= self.cfg.max_acceptance_rate):
             with self._lock:
                 self._filtered["high_acceptance"] += 1
             return False
         validate_record(record)
         meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length), origin=origin,
                     acceptance_rate=None if acceptance_rate is None else float(acceptance_rate),
-                    prompt_id=prompt_id, ts=utc_now(), text=text if self.store_text else None, constraint=constraint)
+                    prompt_id=prompt_id, ts=utc_now(), text=text if self.cfg.store_text else None, constraint=constraint)
         with self._submit_lock:
             reason = "closed" if self._closing or not self._thread.is_alive() else self._full
             if reason is None:
@@ -206,7 +192,7 @@ class CaptureWriter:
             raise ValueError(f"request {gen.request_id} has no capture record: submit it with capture=True")
         st, draft = gen.stats, gen.stats_by_proposer.get("eagle3")
         text = None
-        if self.store_text and self.detokenize is not None:
+        if self.cfg.store_text and self.detokenize is not None:
             ids = gen.record["input_ids"].tolist()
             text = {"prompt": self.detokenize(ids[:gen.prompt_len]), "completion": self.detokenize(gen.tokens)}
         return self.submit(gen.record, request_id=gen.request_id, workload=workload,
@@ -310,7 +296,7 @@ class CaptureWriter:
             try:
                 if kind == "record":
                     self._pending.append(item)
-                    if len(self._pending) >= self.shard_max:
+                    if len(self._pending) >= self.cfg.shard_max_records:
                         self._write_pending()
                 elif kind == "idle":  # traffic paused: nothing lingers in memory; space may be back
                     self._write_pending()
@@ -351,7 +337,7 @@ class CaptureWriter:
         batch, self._pending = self._pending, []
         c0, w0 = time.thread_time(), time.perf_counter()
         try:
-            data = encode_shard([r for r, _ in batch], self.compression, validated=True)  # checked at submit
+            data = encode_shard([r for r, _ in batch], self.cfg.compression, validated=True)  # checked at submit
             rows = [ManifestRow(request_id=m["request_id"], ts=m["ts"], workload=m["workload"],
                                 target_id=self.target_id, num_tokens=int(r["input_ids"].shape[0]),
                                 acceptance_length=m["acceptance_length"], shard="", offset=i,
@@ -371,7 +357,7 @@ class CaptureWriter:
                 self._dropped[reason] += len(batch)
             log.warning("capture %s: %d records dropped; a seal or free space resumes it", reason, len(batch))
             return
-        name = shard_name(f"shard-{time.time_ns()}", self.compression)
+        name = shard_name(f"shard-{time.time_ns()}", self.cfg.compression)
         rows = [dataclasses.replace(r, shard=name) for r in rows]
         try:
             path = write_shard(self.dir, name, data)
@@ -395,9 +381,9 @@ class CaptureWriter:
         if self.snapshots_root is None or self._oldest is None or time.monotonic() < self._seal_retry_at:
             return
         reason = None
-        if self.seal_min_tokens and self._unsealed_tokens >= self.seal_min_tokens:
+        if self.cfg.seal_min_tokens and self._unsealed_tokens >= self.cfg.seal_min_tokens:
             reason = "tokens"
-        elif self.seal_max_age_s and time.time() - self._oldest >= self.seal_max_age_s:
+        elif self.cfg.seal_max_age_s and time.time() - self._oldest >= self.cfg.seal_max_age_s:
             self._write_pending()
             reason = "age"
         if reason:
