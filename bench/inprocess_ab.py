@@ -35,16 +35,16 @@ from pathlib import Path
 import torch
 
 import tidespec.engine.speculative as speculative
-from tidespec import prompts
+from tidespec.assets import prompts
 from tidespec.bench.engine import WORKLOADS, workload_prompts
 from tidespec.bench.methods import MethodSpec, TidespecMethod
-from tidespec.bootstrap import prompt_ids
+from tidespec.models.chat import prompt_ids
 from tidespec.config import load_params
 from tidespec.engine.goodput import draft_batches
 from tidespec.engine.plan import Planner
 from tidespec.engine.proposers.eagle3 import Eagle3Chain
 from tidespec.engine.proposers.tree import Eagle3Tree
-from tidespec.runtime import get_target
+from tidespec.models.load import get_target
 
 # --breakdown: seconds inside the engine's step, its plan (proposals + the goodput search), the draft's
 # catch-up and chain/tree drafting, the target's verify forward, per engine, and the calibrated cost of

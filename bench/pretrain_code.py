@@ -22,9 +22,9 @@ import sysconfig
 import time
 from pathlib import Path
 
-from tidespec.bootstrap import teacher_force
+from tidespec.steps.bootstrap import teacher_force
 from tidespec.config import load_params
-from tidespec.runtime import get_target
+from tidespec.models.load import get_target
 from tidespec.train.trainer import train_draft
 
 

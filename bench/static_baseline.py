@@ -23,7 +23,7 @@ from tidespec.bench.engine import WORKLOADS, workload_prompts
 from tidespec.config import load_params
 from tidespec.engine.replay import replay
 from tidespec.engine.speculative import Engine
-from tidespec.runtime import get_target, runner_for
+from tidespec.models.load import get_target, runner_for
 
 
 def main() -> None:

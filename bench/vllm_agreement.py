@@ -18,14 +18,14 @@ import httpx
 
 from tidespec.adapters import vllm
 from tidespec.adapters.process import free_port
-from tidespec.bootstrap import prompt_ids
+from tidespec.models.chat import prompt_ids
 from tidespec.config import EngineParams, Params
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine
 from tidespec.engine.stats import SpecDecodingStats
 from tidespec.models.eagle3 import DraftRunner, load_checkpoint
-from tidespec.prompts import humaneval
-from tidespec.runtime import get_target, target_dir
+from tidespec.assets.prompts import humaneval
+from tidespec.models.load import get_target, target_dir
 from tidespec.workspace import engine_dir
 
 

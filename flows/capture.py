@@ -15,7 +15,7 @@ from tidespec.adapters.vllm import rehydrator_for
 from tidespec.capture.ingest import ingest_source
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import load_params
-from tidespec.runtime import get_target, target_id
+from tidespec.models.load import get_target, target_id
 from tidespec.workspace import Workspace
 
 

@@ -1,4 +1,4 @@
-"""Prefect flow `tide_cycle`: curate → train → evaluate → register → deploy (thin: logic in `tidespec.cycle`).
+"""Prefect flow `tide_cycle`: curate → train → evaluate → register → deploy (thin: logic in `tidespec.steps.cycle`).
 
 Deployed by prefect.yaml (`tide-cycle`, entrypoint `flows/cycle.py:tide_cycle`: interval schedule +
 trigger on `tidespec.capture.threshold`); run in-process by `tidespec cycle`, the demos and `bench
@@ -16,10 +16,12 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from tidespec import cycle
+from tidespec.steps import cycle
+from tidespec.steps.evaluate import step_evaluate
+from tidespec.steps.register import step_register
 from tidespec.adapters import orchestrate, registry
 from tidespec.config import load_params
-from tidespec.runtime import target_id as target_id_of
+from tidespec.models.load import target_id as target_id_of
 from tidespec.workspace import Workspace
 
 TRANSIENT = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": orchestrate.retry_if_transient}
@@ -50,17 +52,16 @@ def train(root: str, params_path: str, curated: str, init: str | None) -> dict:
 @task(name="evaluate")
 def evaluate(root: str, params_path: str, champion: str | None) -> dict:
     ws = _ws(root)
-    return cycle.step_evaluate(ws, load_params(params_path), ws.candidate, Path(champion) if champion else None,
-                               ws.eval_prompts, ws.eval_report)
+    return step_evaluate(ws, load_params(params_path), ws.candidate, Path(champion) if champion else None,
+                         ws.eval_prompts, ws.eval_report)
 
 
 @task(name="register", **TRANSIENT)
 def register(params_path: str, target_id: str, candidate: str, report: dict, train_metrics: dict,
              tracking_uri: str, curated: str, snapshot_rev: str, workload_mix: dict,
              drift_jsd: float | None = None, trigger: str = "manual") -> dict:
-    return cycle.step_register(load_params(params_path), target_id, Path(candidate), report, train_metrics,
-                               tracking_uri, cycle.lineage(Path(curated), snapshot_rev), workload_mix, drift_jsd,
-                               trigger)
+    return step_register(load_params(params_path), target_id, Path(candidate), report, train_metrics,
+                         tracking_uri, cycle.lineage(Path(curated), snapshot_rev), workload_mix, drift_jsd, trigger)
 
 
 @task(name="deploy", **TRANSIENT)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from tidespec import cycle
+from tidespec.steps import cycle
 from tidespec.config import load_params
 from tidespec.workspace import Workspace
 

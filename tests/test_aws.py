@@ -132,7 +132,7 @@ def test_missing_boto3_names_the_install(monkeypatch):
 
 def test_modules_import_without_boto3():
     code = ("import sys; sys.modules['boto3'] = None; sys.modules['botocore'] = None\n"
-            "import tidespec.adapters.aws, tidespec.sagemaker_config, tidespec.config\n"
+            "import tidespec.adapters.aws, tidespec.config.sagemaker, tidespec.config\n"
             "import tidespec.train.sagemaker, tidespec.adapters.sagemaker_train, tidespec.adapters.sagemaker_deploy\n"
             "print('ok')")
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}

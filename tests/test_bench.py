@@ -119,7 +119,7 @@ def test_bench_train_on_tiny_target(tmp_path, tiny_target_dir):
 
     from tidespec.bench import train as bt
     from tidespec.config import load_params
-    from tidespec.runtime import get_target
+    from tidespec.models.load import get_target
     (tmp_path / "params.yaml").write_text(tiny_params_yaml(tiny_target_dir))
     p = load_params(tmp_path / "params.yaml")
     target = get_target(p)[0]
@@ -198,7 +198,7 @@ def test_pass_ratios_are_paired_per_pass_and_flag_the_noise():
 def test_concurrency_sweep_summary_markdown_and_png(tmp_path):
     """Per pass, tokens/s = tokens / the run's wall time; the ratio pairs each pass with the
     reference's same pass; identical is judged per prompt id; the PNG is written."""
-    from tidespec import plots
+    from tidespec.steps import plots
     from tidespec.bench.engine import by_concurrency, sweep_markdown, sweep_summary
 
     def run(ps, wall, toks, steps=((0.1, 2),)):

@@ -10,16 +10,10 @@ import pytest
 import torch
 
 from tidespec.config import CaptureParams, EngineParams
-from tidespec.capture.store import (
-    list_snapshots,
-    load_snapshot,
-    read_manifest,
-    read_record,
-    seal,
-)
+from tidespec.capture.store import list_snapshots, load_snapshot, read_manifest, read_record, seal
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CurateParams, Params
-from tidespec.curate import curate, jsd_bits, snapshot_drift
+from tidespec.capture.curate import curate, jsd_bits, snapshot_drift
 
 
 def _rec(T, H=8, seed=0, prompt_len=4):
@@ -249,7 +243,7 @@ def _text_records(texts, seed):
 
 
 def test_drift_rises_on_shift_and_stays_low_on_repeat(tmp_path):
-    from tidespec import prompts
+    from tidespec.assets import prompts
     code, math = [p.text for p in prompts.load("humaneval")], [p.text for p in prompts.load("gsm-en")]
     p = CurateParams(window=1, val_fraction=0.1, holdout_fraction=0.1)
     first = _write_snapshot(tmp_path, "code1", _text_records(code[:40], "a"))

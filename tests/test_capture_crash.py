@@ -15,13 +15,7 @@ import pytest
 import torch
 
 from tidespec.capture import store
-from tidespec.capture.store import (
-    list_snapshots,
-    read_manifest,
-    read_record,
-    recover,
-    seal,
-)
+from tidespec.capture.store import list_snapshots, read_manifest, read_record, recover, seal
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CaptureParams
 

@@ -35,7 +35,7 @@ def _line(eid, request, response, enc="JSON", ctype="application/json") -> str:
 
 def _traffic(target, tok, n: int) -> list[str]:
     """n chat exchanges whose responses are the target's own greedy outputs (what the endpoint served)."""
-    from tidespec.bootstrap import chat_ids
+    from tidespec.models.chat import chat_ids
     from tidespec.engine.speculative import Engine
     eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     lines = []
@@ -64,7 +64,7 @@ def test_endpoint_traffic_closes_the_loop(tmp_path, tiny_target_dir):
     from tidespec.adapters import orchestrate, registry, services, versioning
     from tidespec.adapters import sagemaker_deploy as smd
     from tidespec.config import load_params
-    from tidespec.cycle import step_deploy
+    from tidespec.steps.cycle import step_deploy
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.target import load_target
     from tidespec.workspace import Workspace, read_version

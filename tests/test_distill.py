@@ -6,8 +6,8 @@ import torch
 from conftest import add_tiny_word_tokenizer
 
 from tidespec.config import EngineParams
-from tidespec.bootstrap import chat_ids
-from tidespec.distill import self_distill
+from tidespec.models.chat import chat_ids
+from tidespec.train.distill import self_distill
 from tidespec.engine.speculative import Engine
 from tidespec.models.target import load_target
 

@@ -128,7 +128,7 @@ def test_replayed_figures_travel_from_evaluate_to_version_json(tmp_path):
     import json
 
     from tidespec.adapters.registry import FIRST_TOKEN_TAG, replayed
-    from tidespec.cycle import first_token_acceptance
+    from tidespec.steps.register import first_token_acceptance
     from tidespec.workspace import read_version, write_version
     m = {"accepted_per_pos/0": 0.4, "num_drafts": 230.0, "accepted_per_pos/1": 0.2,
          "first_token_acceptance/code": 0.5, "num_drafts/code": 120, "first_token_acceptance/chat": 0.3}

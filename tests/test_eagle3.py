@@ -8,12 +8,7 @@ import torch
 from conftest import random_draft, tiny_records
 
 from tidespec.config import DraftParams, TrainParams
-from tidespec.models.eagle3 import (
-    DraftRunner,
-    build_vocab,
-    load_checkpoint,
-    save_checkpoint,
-)
+from tidespec.models.eagle3 import DraftRunner, build_vocab, load_checkpoint, save_checkpoint
 from tidespec.train.trainer import batches, init_draft, prepare, train_draft, ttt_loss
 
 

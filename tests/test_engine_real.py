@@ -16,9 +16,10 @@ from tidespec.models.eagle3 import DraftRunner, load_checkpoint
 def test_lossless_on_real_target(real_target, tmp_path):
     """≥5 real prompts × 64 new tokens: speculative greedy == target-only greedy, token for token,
     with a randomly initialised draft and with a trained one (teacher-forced, few epochs)."""
-    from tidespec.bootstrap import prompt_ids, teacher_force
+    from tidespec.models.chat import prompt_ids
+    from tidespec.steps.bootstrap import teacher_force
     from tidespec.config import DraftParams, TrainParams
-    from tidespec.prompts import sharegpt_conversations
+    from tidespec.assets.prompts import sharegpt_conversations
     from tidespec.train.trainer import train_draft
 
     target, tok = real_target

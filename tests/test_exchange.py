@@ -8,13 +8,7 @@ from collections import Counter
 
 import pytest
 
-from tidespec.capture.exchange import (
-    SKIP_REASONS,
-    Exchange,
-    SkipRecord,
-    parse_line,
-    parse_object,
-)
+from tidespec.capture.exchange import SKIP_REASONS, Exchange, SkipRecord, parse_line, parse_object
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CHAT_REQ = {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},

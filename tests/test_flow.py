@@ -82,7 +82,7 @@ def test_params_are_read_once_per_cycle(tmp_path, tiny_target_dir, prefect_serve
     from mlflow import MlflowClient
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tidespec import cycle
+    from tidespec.steps import cycle
     from tidespec.adapters import orchestrate, registry
     from tidespec.config import load_params
 

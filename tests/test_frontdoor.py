@@ -22,9 +22,9 @@ def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import ServeParams, load_params
     from tidespec.engine.speculative import Engine
-    from tidespec.frontdoor import build_frontdoor
+    from tidespec.serve.frontdoor import build_frontdoor
     from tidespec.models.target import load_target
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
     from tidespec.workspace import Workspace
 
     tdir = tmp_path / "target"

@@ -87,7 +87,7 @@ def _ingest(root: Path):
     from tidespec.capture.ingest import ingest_source
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
-    from tidespec.runtime import get_target
+    from tidespec.models.load import get_target
     from tidespec.workspace import Workspace
     ws, params = Workspace(root), load_params(root / "params.yaml")
     target, tok = get_target(params)
@@ -152,7 +152,7 @@ def test_kill9_at_every_stage_loses_nothing_counts_nothing_twice(project):
     code = CHILD.format(tests=str(Path(__file__).resolve().parent), root=str(root))
     from tidespec.capture.ingest import CRASH_ENV
     from tidespec.config import load_params
-    from tidespec.runtime import get_target
+    from tidespec.models.load import get_target
     from tidespec.workspace import Workspace
     ws, target = Workspace(root), get_target(load_params(root / "params.yaml"))[0]
     before, seen = 0, []
@@ -179,7 +179,7 @@ def test_a_writer_that_drops_stops_the_ingest_without_losing_the_object(project)
     from tidespec.capture.ingest import ingest_source, ledger_path, read_ledger
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
-    from tidespec.runtime import get_target
+    from tidespec.models.load import get_target
     from tidespec.workspace import Workspace
     root, want, _ = project
     ws, params = Workspace(root), load_params(root / "params.yaml")

@@ -17,7 +17,7 @@ from tidespec.config import ServeParams
 from tidespec.engine.speculative import Engine
 from tidespec.models.eagle3 import DraftRunner
 from tidespec.models.target import load_target
-from tidespec.server import build_app
+from tidespec.serve.server import build_app
 
 MODEL = "tiny"
 

@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 
 from tidespec.config import EngineParams
 from tidespec.config import ServeParams
-from tidespec.detok import TextOutput
+from tidespec.models.detok import TextOutput
 from tidespec.engine.speculative import Engine
 from tidespec.models.eagle3 import DraftRunner
-from tidespec.server import build_app
+from tidespec.serve.server import build_app
 
 JAPANESE = "おはようございます 🌅 — 日本語のテキスト、絵文字 👍🏽 も。"
 

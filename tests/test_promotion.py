@@ -16,7 +16,7 @@ def _shuffled_workspace(root, ws, params, target):
     """A second workspace whose only snapshot holds ws's records with their token ids relabelled
     by a random permutation of the vocabulary: the hidden states no longer predict the labels
     (a deliberately bad training set: shuffled targets)."""
-    from tidespec import curate
+    from tidespec.capture import curate
     from tidespec.capture.store import list_snapshots, seal
     from tidespec.capture.writer import CaptureWriter
     from tidespec.workspace import Workspace
@@ -56,7 +56,7 @@ def _force_accept_all(monkeypatch):
 def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_server, monkeypatch):
     from typer.testing import CliRunner
 
-    from tidespec import cycle
+    from tidespec.steps import cycle, evaluate, register
     from tidespec.adapters import registry
     from tidespec.cli import app
     from tidespec.workspace import served_version
@@ -72,11 +72,11 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     # cycle 1: a properly trained draft becomes champion
     cycle.step_curate(ws, params, tid)
     tm = cycle.train_candidate(ws, params, ws.curated, None, ws.candidate)
-    rep = cycle.step_evaluate(ws, params, ws.candidate, None, ws.eval_prompts, ws.eval_report)
-    d1 = cycle.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, cycle.lineage(ws.curated, "rev-1"))
+    rep = evaluate.step_evaluate(ws, params, ws.candidate, None, ws.eval_prompts, ws.eval_report)
+    d1 = register.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, cycle.lineage(ws.curated, "rev-1"))
     assert d1["promoted"] and rep["lossless"]
     # a retried register (e.g. after a connection reset) finds its version: no second registration
-    again = cycle.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, cycle.lineage(ws.curated, "rev-1"))
+    again = register.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, cycle.lineage(ws.curated, "rev-1"))
     assert again["version"] == d1["version"] and again["promoted"]
     assert [h["version"] for h in registry.cycle_history(mlflow_server, tid)] == [d1["version"]]
     cycle.step_deploy(ws, mlflow_server, tid)
@@ -95,10 +95,10 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     cycle.step_curate(ws2, params, tid)
     bad = tmp_path / "bad-candidate"
     tm2 = cycle.train_candidate(ws2, params, ws2.curated, None, bad)
-    rep2 = cycle.step_evaluate(ws, params, bad, ws.champion, ws.eval_prompts, tmp_path / "eval2.json")
+    rep2 = evaluate.step_evaluate(ws, params, bad, ws.champion, ws.eval_prompts, tmp_path / "eval2.json")
     assert rep2["lossless"] and rep2["champion"]["acceptance_length"] == pytest.approx(tau1)
     assert rep2["candidate"]["acceptance_length"] < tau1
-    d2 = cycle.step_register(params, tid, bad, rep2, tm2, mlflow_server, cycle.lineage(ws2.curated, "rev-shuffled"))
+    d2 = register.step_register(params, tid, bad, rep2, tm2, mlflow_server, cycle.lineage(ws2.curated, "rev-shuffled"))
     assert not d2["promoted"] and d2["previous_champion"] == d1["version"]
     assert "<" in d2["reason"] and f"champion v{d1['version']}" in d2["reason"]
     assert registry.champion(mlflow_server, tid).version == d1["version"]
@@ -106,10 +106,10 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     # cycle 3: the trained draft again, but the verifier accepts everything → outputs differ → never promoted
     with monkeypatch.context() as m:
         _force_accept_all(m)
-        rep3 = cycle.step_evaluate(ws, params, ws.candidate, ws.champion, ws.eval_prompts, tmp_path / "eval3.json")
+        rep3 = evaluate.step_evaluate(ws, params, ws.candidate, ws.champion, ws.eval_prompts, tmp_path / "eval3.json")
     assert not rep3["lossless"] and rep3["candidate"]["mismatches"] > 0
     assert rep3["candidate"]["acceptance_length"] > tau1  # its τ looks great: the gate must not care
-    d3 = cycle.step_register(params, tid, ws.candidate, rep3, tm, mlflow_server, cycle.lineage(ws.curated, "rev-lossy"))
+    d3 = register.step_register(params, tid, ws.candidate, rep3, tm, mlflow_server, cycle.lineage(ws.curated, "rev-lossy"))
     assert not d3["promoted"] and "losslessness" in d3["reason"]
 
     # by hand: the lossy one is refused; the worse one can be forced in, then rolled back
@@ -128,13 +128,13 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     # now) the same traffic; its live first-token acceptance is clearly below v1's, so the guard rolls it back
     # through the registry (an audited decision) and deploys v1 where the champion watcher picks it up
     from tidespec.cli import _registry_rollback
-    from tidespec.runtime import install_draft, make_engine
+    from tidespec.engine.build import install_draft, make_engine
     from tidespec.serve.guard import HealthGuard
     from tidespec.serve.metrics import ServeMetrics
     from tidespec.engine.speculative import Request
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     hold = [json.loads(x) for x in ws.eval_prompts.read_text().splitlines()]
-    eng = make_engine(params.draft_only(), target, None, adaptive=False)  # the EAGLE3 draft's own a₁
+    eng = make_engine(params.engine.fixed(), target)  # the EAGLE3 draft's own a₁
     guard = HealthGuard(eng, ServeMetrics(eng.cfg.num_draft_tokens), 0, _registry_rollback(params, tid, ws))
     for draft in (registry.download_version(mlflow_server, tid, d1["version"], tmp_path / "served"), ws.champion):
         install_draft(eng, draft)

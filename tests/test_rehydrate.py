@@ -22,12 +22,7 @@ import torch
 from conftest import random_draft
 
 from tidespec.config import EngineParams
-from tidespec.capture.rehydrate import (
-    completion_ids,
-    regenerate,
-    rehydrate,
-    request_prompt_ids,
-)
+from tidespec.capture.rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
 from tidespec.models.eagle3 import DraftRunner
@@ -177,9 +172,9 @@ def test_rehydrate_from_served_text_on_real_target(real_target):
     that hits max_tokens)."""
     from fastapi.testclient import TestClient
 
-    from tidespec.bootstrap import chat_ids
+    from tidespec.models.chat import chat_ids
     from tidespec.config import ServeParams
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
 
     target, tok = real_target
 

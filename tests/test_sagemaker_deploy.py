@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from tidespec.config import Params, TreeParams
 from tidespec.adapters import sagemaker_deploy as smd
 from tidespec.models.eagle3 import save_checkpoint
-from tidespec.sagemaker_config import CanaryParams
+from tidespec.config.sagemaker import CanaryParams
 
 ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"
 ROOT = Path(__file__).resolve().parents[1]
@@ -388,7 +388,7 @@ def test_cli_deploys_to_moto_end_to_end(aws_env, tiny_target, tiny_target_dir, d
 
 def test_data_capture_config_request(tiny_target_dir):
     """deploy.sagemaker.data_capture → CreateEndpointConfig DataCaptureConfig (AWS API shape); off by default."""
-    from tidespec.sagemaker_config import DataCaptureParams
+    from tidespec.config.sagemaker import DataCaptureParams
     assert smd.data_capture_config(_params(tiny_target_dir).deploy.sagemaker) is None
     p = _params(tiny_target_dir, data_capture={"enabled": True, "sampling_percentage": 25, "kms_key_id": "alias/k"})
     assert smd.data_capture_config(p.deploy.sagemaker) == {
@@ -431,7 +431,7 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
     from conftest import make_tiny_target
 
     from tidespec.adapters import registry
-    from tidespec.cycle import Workspace, step_deploy
+    from tidespec.steps.cycle import Workspace, step_deploy
     from tidespec.models.target import load_target
     # its own target (seed 11): a registry model no other test touches on the shared MLflow server
     tdir = make_tiny_target(tmp_path / "target", seed=11)
@@ -464,8 +464,8 @@ def test_tuned_window_per_profile_and_speculation_off(tiny_target_dir, draft_dir
     """τ(k) from per-position acceptance, speed-up τ(k) / (1 + (verify + draft)·k): the best k per
     profile, 0 (no speculative settings at all) when none reaches min_speedup; the deploy applies it."""
     from tidespec.engine.stats import tau_by_k
-    from tidespec.sagemaker_config import EndpointProfile
-    from tidespec.tuning import tune_windows, tuned_window
+    from tidespec.config.sagemaker import EndpointProfile
+    from tidespec.steps.tuning import tune_windows, tuned_window
     per_pos = [0.6, 0.4, 0.2, 0.05]
     assert tau_by_k(per_pos) == pytest.approx([1.0, 1.6, 2.0, 2.2, 2.25])
     gpu = EndpointProfile(engine="sglang", instance_type="ml.g6e.2xlarge")  # 0.07 per step
@@ -547,8 +547,8 @@ def test_live_per_position_acceptance_retunes_each_profiles_window():
     the per-position acceptance it measured (`tuning.live_windows`), never past the k it served; the
     registry's `tuned_k` then prefers the live window to the register step's replayed one."""
     from tidespec.adapters.registry import tuned_k
-    from tidespec.sagemaker_config import SageMakerDeployParams
-    from tidespec.tuning import LIVE_MIN_DRAFTS, live_windows, tuned_window
+    from tidespec.config.sagemaker import SageMakerDeployParams
+    from tidespec.steps.tuning import LIVE_MIN_DRAFTS, live_windows, tuned_window
     sm = SageMakerDeployParams(role_arn="arn:aws:iam::123456789012:role/r", s3_prefix="s3://bucket/tidespec",
                                profiles={"gpu": {"engine": "sglang", "instance_type": "ml.g6e.2xlarge"}})
     replayed = [0.6, 0.4, 0.2, 0.05]  # k = 3 (test above)

@@ -26,17 +26,8 @@ from conftest import make_tiny_workspace
 from pydantic import ValidationError
 
 from tidespec.adapters.aws import NAME_RE, WaitTimeout, upload_dir
-from tidespec.adapters.sagemaker_train import (
-    SageMakerTrainingFailed,
-    TrainingJob,
-    download_model,
-    job_name,
-    launch,
-    train_on_sagemaker,
-    training_job_request,
-    wait,
-)
-from tidespec.sagemaker_config import SageMakerTrainParams
+from tidespec.adapters.sagemaker_train import SageMakerTrainingFailed, TrainingJob, download_model, job_name, launch, train_on_sagemaker, training_job_request, wait
+from tidespec.config.sagemaker import SageMakerTrainParams
 from tidespec.train.sagemaker import container_main
 
 pytestmark = pytest.mark.services
@@ -160,8 +151,8 @@ def test_params_spot_wait_and_normalisation():
     p = SageMakerTrainParams(role_arn=ROLE, image_uri=IMAGE, s3_prefix="s3://tide-bucket/drafts/")
     assert p.s3_prefix == "s3://tide-bucket/drafts" and p.instance_type == "ml.g5.2xlarge" and p.wait_limit_s == 86400
     assert _params(instance_type="ml.p5.48xlarge").instance_type == "ml.p5.48xlarge"
-    from tidespec.config import _Strict
-    assert SageMakerTrainParams.model_config == _Strict.model_config  # same strictness as params.yaml's models
+    from tidespec.config.strict import Strict
+    assert SageMakerTrainParams.model_config == Strict.model_config  # same strictness as params.yaml's models
     q = _params(tags={"team": "spec"}, environment={"A": "1"})  # mappings in params.yaml, stored as pairs
     assert q.tags == (("team", "spec"),) and hash(q) == hash(SageMakerTrainParams.model_validate_json(q.model_dump_json()))
     with pytest.raises(ValidationError, match="environment 'bad-key'"):
@@ -229,7 +220,7 @@ def test_upload_dir_errors(aws_env, tmp_path):
 
 def test_train_on_sagemaker_end_to_end(aws_env, tmp_path, tiny_target_dir, monkeypatch):
     """Launch → (container emulated like local mode, from what moto stored) → wait → download."""
-    from tidespec.cycle import step_curate
+    from tidespec.steps.cycle import step_curate
 
     (tmp_path / "ws").mkdir()
     ws, params, target = make_tiny_workspace(tmp_path / "ws", tiny_target_dir, n_requests=6, champion=True)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tidespec.config import Params, ServeParams, load_params
-from tidespec.serve_launch import ServeLaunch
+from tidespec.config.serve import ServeLaunch
 
 SHIPPED = Path(__file__).resolve().parents[1] / "params.yaml"
 NO_MLFLOW: dict[str, str] = {}

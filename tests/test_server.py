@@ -12,7 +12,7 @@ def served(tiny_target, tmp_path):
     from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import DraftRunner, save_checkpoint
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
 
     drafts = tmp_path / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
@@ -56,7 +56,7 @@ def test_completions_lossless_usage_and_metrics(served, tiny_target):
 def test_bad_requests_get_clear_4xx(served, tiny_target):
     from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
 
     c, _, _ = served
     assert "token ids" in c.post("/v1/completions", json={"prompt": "hello"}).json()["error"]["message"]
@@ -133,7 +133,7 @@ def test_load_with_hot_swap_no_errors_outputs_unchanged(tiny_target, tmp_path):
     from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import DraftRunner, load_checkpoint, save_checkpoint
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
 
     drafts = tmp_path / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
@@ -161,10 +161,10 @@ def test_deploy_notifies_a_running_server(tiny_target, tmp_path):
 
     from tidespec.bench.serve import serve_in_thread
     from tidespec.config import ServeParams
-    from tidespec.deploy.local import notify_server
+    from tidespec.steps.deploy.local import notify_server
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
 
     drafts = tmp_path / "data" / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=3), drafts / "champion")
@@ -189,7 +189,7 @@ def test_capture_sample_rate_over_http_and_counters_on_metrics(tiny_target, tmp_
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import CaptureParams, ServeParams
     from tidespec.engine.speculative import Engine
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
 
     w = CaptureWriter(tmp_path / "cap", tiny_target.target_id, CaptureParams(sample_rate=0.5))
     eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), capture=w)
@@ -224,7 +224,7 @@ def test_engine_failure_is_a_500_with_the_request_id_streamed_or_not(tiny_target
     from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import DraftRunner
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
 
     class ExplodingDraft(DraftRunner):
         def new_cache(self, max_len):
@@ -302,7 +302,7 @@ def test_store_false_is_served_and_never_captured(tiny_target_dir, tmp_path):
     from tidespec.config import CaptureParams, ServeParams
     from tidespec.engine.speculative import Engine
     from tidespec.models.target import load_target
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
 
     shutil.copytree(tiny_target_dir, tmp_path / "target")
     add_tiny_word_tokenizer(tmp_path / "target")

@@ -245,7 +245,7 @@ def test_real_sglang_serves_losslessly_and_captures(tmp_path, real_target):
 
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
-    from tidespec.runtime import target_dir
+    from tidespec.models.load import target_dir
     from tidespec.adapters.process import free_port
     target, tok = real_target
     hf = Path(target_dir("smollm2"))  # the GGUF dequantised once into an HF dir

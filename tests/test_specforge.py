@@ -85,7 +85,7 @@ def test_unavailable_without_cuda_says_why(tmp_path, tiny_target_dir, monkeypatc
     assert "not found" in sf.unavailable_reason("no-such-specforge-binary")
     monkeypatch.setattr(sf.shutil, "which", lambda name: None if name == "nvidia-smi" else "/usr/bin/" + name)
     assert "needs a CUDA GPU" in sf.unavailable_reason("specforge")
-    from tidespec.cycle import step_curate, train_candidate
+    from tidespec.steps.cycle import step_curate, train_candidate
     ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir)
     step_curate(ws, params, target.target_id)
     p = params.model_copy(update={"train": params.train.model_copy(update={"backend": "specforge",

@@ -20,7 +20,7 @@ from tidespec.engine.speculative import Engine
 from tidespec.engine.suffix import SuffixCache
 from tidespec.models.eagle3 import DraftRunner
 from tidespec.models.target import load_target
-from tidespec.server import build_app
+from tidespec.serve.server import build_app
 from tidespec.engine.constraint import ToolCallStream, parse_tool_calls
 
 
@@ -286,7 +286,7 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
     from tidespec.capture.text import TextCapture
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
-    from tidespec.cycle import constrained
+    from tidespec.steps.evaluate import constrained
     from tidespec.engine.replay import replay
     from tidespec.workspace import Workspace
     from conftest import tiny_params_yaml

@@ -43,7 +43,8 @@ def test_engine_installs_a_corpus_and_proposes_from_it(tiny_target):
 
 
 def test_cycle_corpus_is_the_curated_windows_outputs(tmp_path, tiny_target_dir):
-    from tidespec import curate, cycle
+    from tidespec.capture import curate
+    from tidespec.steps import cycle
     ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir, n_requests=12)
     cycle.step_curate(ws, params, target.target_id)
     idx = json.loads(ws.curated.read_text())
@@ -61,7 +62,7 @@ def test_cycle_corpus_is_the_curated_windows_outputs(tmp_path, tiny_target_dir):
 def test_server_swap_installs_the_drafts_corpus(tiny_target, tmp_path):
     from tidespec.config import ServeParams
     from tidespec.models.eagle3 import DraftRunner, save_checkpoint
-    from tidespec.server import build_app
+    from tidespec.serve.server import build_app
 
     drafts = tmp_path / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
@@ -82,7 +83,7 @@ def test_server_swap_installs_the_drafts_corpus(tiny_target, tmp_path):
 
 
 def test_reload_with_a_corrupt_corpus_swaps_the_draft_and_keeps_the_live_tree(tiny_target, tmp_path):
-    from tidespec.deploy.local import reload_if_changed
+    from tidespec.steps.deploy.local import reload_if_changed
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.workspace import write_version
     d = tmp_path / "champion"

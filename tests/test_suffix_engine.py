@@ -102,16 +102,16 @@ def test_params_enable_the_suffix_proposer_and_metrics_report_it(tiny_target, tm
     from fastapi.testclient import TestClient
 
     from tidespec.config import Params, ServeParams
-    from tidespec.runtime import make_engine
-    from tidespec.server import build_app
+    from tidespec.engine.build import make_engine
+    from tidespec.serve.server import build_app
 
     small = {"max_seq_len": 256, "adaptive": False}
-    assert make_engine(Params.model_validate({"engine": small}), tiny_target).suffix is not None  # on by default
+    assert make_engine(Params.model_validate({"engine": small}).engine, tiny_target).suffix is not None  # on by default
     off = Params.model_validate({"engine": small | {"suffix": {"enabled": False}}})
-    assert make_engine(off, tiny_target).suffix is None and off == Params.model_validate({"engine": small}).draft_only()
+    assert make_engine(off.engine, tiny_target).suffix is None and off == Params.model_validate({"engine": small}).draft_only()
     p = Params.model_validate({"engine": small | {"suffix": {"enabled": True, "max_depth": 10, "max_spec": 5, "alpha": 3.0,
                                                      "min_score": 0.2, "max_tokens": 99, "min_expected": 2.5}}})
-    eng = make_engine(p, tiny_target)
+    eng = make_engine(p.engine, tiny_target)
     sx = eng.suffix
     assert (sx.max_depth, sx.max_spec, sx.alpha, sx.min_score, sx.max_tokens) == (10, 5, 3.0, 0.2, 99)
     assert next(x for x in eng.proposers if x.name == "suffix").min_expected == 2.5

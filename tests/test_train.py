@@ -14,7 +14,7 @@ from tidespec.config import CaptureParams, EngineParams
 from tidespec.capture.store import seal
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CurateParams, DraftParams, TrainParams
-from tidespec.curate import curate
+from tidespec.capture.curate import curate
 from tidespec.models.eagle3 import load_checkpoint
 from tidespec.train.resume import state_dir
 from tidespec.train.trainer import train_draft
@@ -130,7 +130,7 @@ def test_snapshot_of_another_target_is_refused(tmp_path):
 
 
 def test_too_small_set_skips_the_cycle(tmp_path, tiny_target_dir):
-    from tidespec.cycle import step_curate, train_candidate
+    from tidespec.steps.cycle import step_curate, train_candidate
     ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir, n_requests=4, champion=True)
     before = (ws.champion / "model.safetensors").read_bytes()
     step_curate(ws, params, target.target_id)
@@ -147,7 +147,7 @@ def test_stage_train_resumes_after_kill_9(tmp_path, tiny_target_dir):
         "train: {ttt_steps: 2, epochs: 2,", "train: {checkpoint_every: 1, ttt_steps: 2, epochs: 150,")
     (tmp_path / "params.yaml").write_text(txt)
     from tidespec.config import load_params
-    from tidespec.cycle import step_curate
+    from tidespec.steps.cycle import step_curate
     step_curate(ws, load_params(tmp_path / "params.yaml"), target.target_id)
     cmd = [sys.executable, "-m", "tidespec.cli", "stage", "train", "--root", str(tmp_path),
            "--params", str(tmp_path / "params.yaml")]

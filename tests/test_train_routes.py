@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def calls(monkeypatch):
-    from tidespec import cycle
+    from tidespec.steps import cycle
     got = []
 
     def record(ws, params, curated, init, out, *, params_path=None, here=False, progress=None):

@@ -145,13 +145,13 @@ def test_drift_above_threshold_triggers_a_cycle_event(tmp_path, monkeypatch):
     from the last curated set; a repeat of the same workload does not."""
     from test_capture import _text_records
 
-    from tidespec import prompts
+    from tidespec.assets import prompts
     from tidespec.adapters import orchestrate
     from tidespec.adapters.publish import Publisher
     from tidespec.capture.store import seal
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import CurateParams
-    from tidespec.curate import curate
+    from tidespec.capture.curate import curate
     sent = []
     monkeypatch.setattr(orchestrate, "capture_threshold", lambda sid, tid, payload: sent.append(payload) or "ev")
     r = tmp_path / "repo"

@@ -51,9 +51,9 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
     from tidespec.adapters import orchestrate, registry, versioning
     from tidespec.adapters.services import free_port
     from tidespec.config import load_params
-    from tidespec.cycle import step_deploy
+    from tidespec.steps.cycle import step_deploy
     from tidespec.models.eagle3 import save_checkpoint
-    from tidespec.runtime import get_target
+    from tidespec.models.load import get_target
     from tidespec.workspace import Workspace
 
     tdir = make_vllm_tiny_target(tmp_path / "target")
@@ -112,7 +112,7 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
         wait_until(lambda: _live_tau(mlflow_server, tid, champ.version) == after.acceptance_length, 60,
               f"v{champ.version}'s live τ in MLflow", proc)
         # the endpoint profiles' windows, tuned again from the per-position acceptance vLLM measured
-        from tidespec.tuning import live_windows
+        from tidespec.steps.tuning import live_windows
         want = {p: str(w["k"]) for p, w in live_windows(params.deploy.sagemaker, after.per_position_rate,
                                                            after.num_drafts).items()}
         assert set(want) == {"gpu", "trn2"}

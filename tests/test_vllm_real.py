@@ -102,8 +102,8 @@ def test_vllm_counters_equal_the_tidespec_engine(tiny_vllm_setup, vllm_python, t
 def test_blue_green_swap_under_load_drops_nothing(tiny_vllm_setup, vllm_python, tmp_path):
     """The front door keeps answering while a new vLLM server with another draft starts, takes over
     and the old one drains and stops: every request of a steady concurrent load gets 200."""
-    from tidespec.deploy.vllm import VLLMDeployment
-    from tidespec.frontdoor import build_frontdoor
+    from tidespec.steps.deploy.vllm import VLLMDeployment
+    from tidespec.serve.frontdoor import build_frontdoor
     from tidespec.workspace import make_bundle, write_version
     d, _, draft, prompts = tiny_vllm_setup
     bundle = make_bundle(draft, tmp_path / "champion")

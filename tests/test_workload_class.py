@@ -16,7 +16,7 @@ from tidespec.config import ServeParams
 from tidespec.engine.speculative import Engine
 from tidespec.models.eagle3 import DraftRunner
 from tidespec.models.target import load_target
-from tidespec.server import build_app
+from tidespec.serve.server import build_app
 from tidespec.serve.workload import content_class, workload_of
 
 CODE = "def add(a: int, b: int) -> int:\n    \"\"\"Add two numbers.\n    >>> add(2, 3)\n    5\n    \"\"\"\n"

@@ -21,7 +21,7 @@ boto3 resolves them; nothing is hard-coded. boto3 / botocore are imported lazily
 functions that call AWS, so importing this module (and the SageMaker modules) works without them.
 
 The pure identifier validators (ROLE_ARN_RE, NAME_RE, parse_s3_uri, check_role_arn, is_name) are
-defined in `tidespec.sagemaker_config`, the bottom layer, so the params schemas use them without
+defined in `tidespec.config.sagemaker`, the bottom layer, so the params schemas use them without
 importing this adapter; they are re-exported here, the one place callers take them from.
 
 Errors raised: AWSUnavailable (a RuntimeError: boto3 not installed), ValueError (bad S3 URI, bad
@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from ..assets import sha256_file
 from ..errors import Unavailable
-from ..sagemaker_config import (  # noqa: F401 — the AWS identifier validators, re-exported here
+from ..config.sagemaker import (  # noqa: F401 - the AWS identifier validators, re-exported here
     NAME_RE,
     ROLE_ARN_RE,
     S3_URI_RE,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..capture.store import SnapshotInfo, list_snapshots
-from ..curate import snapshot_drift
+from ..capture.curate import snapshot_drift
 from . import orchestrate, versioning
 
 log = logging.getLogger(__name__)

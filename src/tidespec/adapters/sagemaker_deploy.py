@@ -27,8 +27,8 @@ One deploy (`deploy_endpoint`):
 
 API calls go through `adapters.aws` (boto3 clients configured from the environment, AWS_ENDPOINT_URL
 for moto in tests; SSE-S3 uploads with sha256 metadata; the polling loop); the params schemas live in
-`tidespec.sagemaker_config`, the window each profile gets (τ(k) against its step cost) is chosen by the
-register step (`tidespec.tuning`) and read here from version.json. Request shapes: the SageMaker API reference (CreateModel,
+`tidespec.config.sagemaker`, the window each profile gets (τ(k) against its step cost) is chosen by the
+register step (`tidespec.steps.tuning`) and read here from version.json. Request shapes: the SageMaker API reference (CreateModel,
 CreateEndpointConfig, UpdateEndpoint `DeploymentConfig`) and botocore's sagemaker service model.
 It stays one module (over 400 lines) because the request builders, the draft checks and
 `deploy_endpoint` form one transaction whose create / roll-back / prune steps share names and state.
@@ -50,7 +50,7 @@ from ..assets import sha256_file
 from ..config import Params, TreeParams, tree_num_draft_tokens
 from ..errors import TidespecError
 from ..models.eagle3 import load_checkpoint
-from ..sagemaker_config import CanaryParams, EndpointProfile, SageMakerDeployParams
+from ..config.sagemaker import CanaryParams, EndpointProfile, SageMakerDeployParams
 from ..workspace import copy_engine_files, engine_dir, read_version
 from . import aws
 from .aws import NAME_RE, parse_s3_uri

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..config import Params
 from ..errors import TidespecError
-from ..sagemaker_config import SageMakerTrainParams
+from ..config.sagemaker import SageMakerTrainParams
 from ..train.entry import skip_reason
 from ..train.sagemaker import CHECKPOINT_LOCAL
 from ..workspace import engine_dir

@@ -452,7 +452,7 @@ def rehydrator_for(params, target, state_dir: Path, python: str | None = None):
     if ing.rehydrate_url:
         yield VLLMRehydrator(ing.rehydrate_url, target, batch_size=ing.rehydrate_batch)
         return
-    from ..runtime import target_dir
+    from ..models.load import target_dir
     out = Path(state_dir) / "vllm-extract"
     out.mkdir(parents=True, exist_ok=True)
     cfg = VLLMLaunch(str(target_dir(params.target.source)),

@@ -30,7 +30,7 @@ from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.grammar import GrammarCompiler
 from ..engine.stats import per_position, tau_standard_error
-from ..runtime import runner_for
+from ..models.load import runner_for
 from ..workspace import Workspace, served_version
 from . import shift
 

@@ -22,14 +22,14 @@ from typing import Callable
 
 import torch
 
-from ..bootstrap import prompt_ids
+from ..models.chat import prompt_ids
 from ..capture.text import TextCapture
 from ..capture.writer import CaptureWriter
 from ..config import CaptureParams, Params
-from ..engine.speculative import Engine
+from ..engine.build import make_engine
 from ..engine.stats import itl_percentiles
-from ..prompts import load
-from ..runtime import get_target
+from ..assets.prompts import load
+from ..models.load import get_target
 
 CONFIGS = ("off", "raw", "zstd", "hung_disk", "text")
 
@@ -50,7 +50,7 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
     t0 = time.perf_counter()
     target, tok = get_target(params)
     prompts = [prompt_ids(tok, p.text) for p in load("humaneval")[:n_prompts]]
-    Engine(target, None, params.engine.fixed()).generate(prompts[0], 8, speculative=False)  # warm-up
+    make_engine(params.engine.fixed(), target).generate(prompts[0], 8, speculative=False)  # warm-up
     tmp = Path(tempfile.mkdtemp(prefix="tidespec-bench-capture-"))
     gate = threading.Event()
     writers = {c: CaptureWriter(tmp / c, target.target_id, CaptureParams(queue_size=2 if c == "hung_disk" else 64, shard_max_records=1, compression="none" if c == "raw" else "zstd"), idle_flush_s=3600.0)
@@ -58,7 +58,7 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
     _hang(writers["hung_disk"], gate)
     text = TextCapture(tmp / "text")  # capture.mode: text — request/response bodies, logged after the response
     text_stats = {"bytes": 0, "tokens": 0, "cpu_s": 0.0, "wall_s": 0.0, "records": 0}
-    engines = {c: Engine(target, None, params.engine.fixed(), capture=writers.get(c)) for c in CONFIGS}
+    engines = {c: make_engine(params.engine.fixed(), target, capture=writers.get(c)) for c in CONFIGS}
     acc = {c: {"itl": [], "tokens": 0, "seconds": 0.0} for c in CONFIGS}
     n = 0
     for r in range(rounds):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .. import prompts
+from ..assets import prompts
 from ..serve.workload import CHAT, CODE, MATH, content_class
 
 CLASSES = (CODE, MATH, CHAT)

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ..prompts import STRUCTURED
+from ..assets.prompts import STRUCTURED
 from ..workspace import DRAFT_FILES, Workspace, engine_dir
 
 bench_app = typer.Typer(help="Benchmarks; results to bench/results/*.json + a markdown table.")
@@ -36,7 +36,7 @@ def bench_train(params: Path = PARAMS,
     """EAGLE3 training on a fixed code snapshot: τ at k on the holdout, tokens/s, time per cycle."""
     from .. import assets
     from ..config import load_params
-    from ..runtime import get_target
+    from ..models.load import get_target
     from . import train as bench
     p = load_params(params)
     try:
@@ -51,7 +51,7 @@ def bench_train(params: Path = PARAMS,
         raise typer.BadParameter("bench train measures the embedded trainer; set train.backend: embedded "
                                  "(the SpecForge backend runs in its own environment on a GPU)")
     if shift:
-        from .. import prompts as prompt_sets
+        from ..assets import prompts as prompt_sets
         if shift not in prompt_sets.NAMES:
             raise typer.BadParameter(f"--shift {shift!r}: unknown prompt set; valid: {', '.join(prompt_sets.NAMES)}")
     if epochs:
@@ -66,8 +66,8 @@ def bench_train(params: Path = PARAMS,
     root = root or assets.cache_dir() / "bench" / f"code-{target.target_id[:12]}-{len(tr)}x{len(ho)}-{max_new_tokens}"
     sh = None
     if shift:
-        from .. import prompts as prompt_sets
-        from ..bootstrap import prompt_ids
+        from ..assets import prompts as prompt_sets
+        from ..models.chat import prompt_ids
         sp = prompt_sets.load(shift)[:shift_prompts]
         s_tr, s_ho = prompt_sets.split(sp, p.workload.holdout_fraction, p.workload.seed)
         sh = (shift, [(x.id, prompt_ids(tok, x.text)) for x in s_tr], [(x.id, prompt_ids(tok, x.text)) for x in s_ho])
@@ -148,11 +148,12 @@ def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.O
     import shutil
 
     from .. import assets
-    from .. import prompts as prompt_sets
-    from ..bootstrap import prompt_ids
+    from ..assets import prompts as prompt_sets
+    from ..models.chat import prompt_ids
     from ..config import ServeParams, load_params
-    from ..runtime import get_target, make_engine, runner_for
-    from ..server import build_app
+    from ..models.load import get_target, runner_for
+    from ..engine.build import make_engine
+    from ..serve.server import build_app
     from ..workspace import VERSION_FILE, served
     from .serve import load, serve_in_thread
     p, ws = load_params(params), Workspace(root.resolve())
@@ -167,7 +168,7 @@ def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.O
     (swap_dir / VERSION_FILE).unlink(missing_ok=True)
     held_out = prompt_sets.split(prompt_sets.load(p.workload.prompts), p.workload.holdout_fraction, p.workload.seed)[1]
     ids = [prompt_ids(tok, x.text) for x in held_out[:prompts]]
-    engine = make_engine(p, target, runner, **served(ws.champion))
+    engine = make_engine(p.engine, target, runner, **served(ws.champion))
     with console.status(f"target-only reference outputs for {len(ids)} prompts"):
         reference = {i: engine.generate(x, max_tokens, speculative=False).tokens for i, x in enumerate(ids)}
     srv = serve_in_thread(build_app(engine, tok, ServeParams(max_queue=clients, max_tokens=max_tokens),
@@ -208,8 +209,8 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     tokens/s by concurrency."""
     from .. import assets
     from ..config import load_params
-    from ..demo import static_draft_dir
-    from ..runtime import target_id
+    from ..steps.bootstrap import static_draft_dir
+    from ..models.load import target_id
     from . import engine as bench
     p = load_params(params)
     bad = set(workload) - set(bench.WORKLOADS)
@@ -259,8 +260,8 @@ def bench_structured(root: Path = ROOT, params: Path = PARAMS,
     1 and a closed-loop sweep; every output checked valid and equal to the constrained reference."""
     from .. import assets
     from ..config import load_params
-    from ..demo import static_draft_dir
-    from ..runtime import target_id
+    from ..steps.bootstrap import static_draft_dir
+    from ..models.load import target_id
     from . import structured as bench
     p = load_params(params)
     bad = sorted(set(prompt_set) - set(STRUCTURED))
@@ -304,7 +305,7 @@ def bench_classes(params: Path = PARAMS, sharegpt: int = typer.Option(2000, min=
     clustering): the workload classes served requests get without a `workload` field."""
     from .. import assets
     from ..config import load_params
-    from ..runtime import get_target
+    from ..models.load import get_target
     from . import classes
     assets.fetch_all()
     _, tok = get_target(load_params(params))

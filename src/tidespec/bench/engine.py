@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import prompts
-from ..bootstrap import prompt_ids
+from ..assets import prompts
+from ..models.chat import prompt_ids
 from ..engine.calibration import cpu_model
 from ..engine.stats import itl_percentiles
-from ..runtime import get_target
+from ..models.load import get_target
 from .methods import MethodSpec, TidespecMethod, worker
 
 
@@ -222,7 +222,7 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
            "ratios": ratios(rows, k, prompt_lookup), "spread": spread, "concurrency": sweep}
     out.mkdir(parents=True, exist_ok=True)
     if sweep:
-        from .. import plots  # matplotlib (the mlops extra) only when there is a sweep to draw
+        from ..steps import plots  # matplotlib (the mlops extra) only when there is a sweep to draw
         fig = plots.tokens_per_s_by_concurrency(by_concurrency(res))
         fig.savefig(out / "engine-concurrency.png", dpi=120)
     (out / "engine.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -22,7 +22,8 @@ import torch
 from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.speculative import Request
-from ..runtime import get_target, make_engine, runner_for, target_dir
+from ..models.load import get_target, runner_for, target_dir
+from ..engine.build import make_engine
 from ..workspace import served
 
 
@@ -129,17 +130,16 @@ class TidespecMethod:
             raise FileNotFoundError(f"draft {spec.draft} not found")
         sx = params.engine.suffix.model_copy(update={"enabled": spec.suffix})
         eng = params.engine.model_copy(update={"num_draft_tokens": spec.k or params.engine.num_draft_tokens,
-                                               "suffix": sx,
-                                               "max_batch": spec.max_batch or params.engine.max_batch})
+                                               "suffix": sx, "max_batch": spec.max_batch or params.engine.max_batch,
+                                               "adaptive": (runner is not None or spec.suffix) and spec.k is None})
         if spec.tree is not None:
             eng = type(eng).model_validate({**eng.model_dump(), "tree": {"eagle_topk": spec.tree[0],
                                                                           "num_draft_tokens": spec.tree[1]}})
         self.params = params
         self.writer = (CaptureWriter(capture_dir, target.target_id, params.capture)
                        if spec.capture else None)
-        self.engine = make_engine(params.model_copy(update={"engine": eng}), target, runner,
-                                  adaptive=(runner is not None or spec.suffix) and spec.k is None,
-                                  capture=self.writer, **(served(Path(spec.draft)) if spec.draft else {}))
+        self.engine = make_engine(eng, target, runner, capture=self.writer,
+                                  **(served(Path(spec.draft)) if spec.draft else {}))
         self._compiler, self._grammars = None, {}
 
     @property

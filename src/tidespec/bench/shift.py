@@ -39,20 +39,21 @@ from pathlib import Path
 
 import yaml
 
-from .. import prompts as P
+from ..assets import prompts as P
 from ..adapters import orchestrate, registry, services
 from ..assets import cache_dir
-from ..bootstrap import chat_ids, prompt_ids
+from ..models.chat import chat_ids, prompt_ids
 from ..capture.writer import CaptureWriter
 from ..config import Params
-from ..cycle import step_deploy
-from ..demo import bootstrap_static
+from ..steps.cycle import step_deploy
+from ..steps.bootstrap import bootstrap_static
 from ..engine.constraint import grammar_for, render
 from ..engine.grammar import GrammarCompiler
 from ..engine.replay import replay
 from ..engine.speculative import Request
 from ..engine.stats import per_position
-from ..runtime import get_target, load_suffix_corpus, make_engine, runner_for
+from ..models.load import get_target, runner_for
+from ..engine.build import load_suffix_corpus, make_engine
 from ..workspace import Workspace, served, served_version
 
 
@@ -125,7 +126,7 @@ def split_phase(pool: list[P.Prompt], tok, cfg: ShiftConfig, holdout_fraction: f
     """(traffic, held-out) as engine prompts {id, input_ids, workload, grammar?}, prompts over
     `max_prompt_tokens` dropped; GSM splits by problem (category) so translations never straddle.
     A structured prompt's tools are rendered into its chat prompt and its constraint compiled with
-    `compiler` (`"grammar"`), as `tidespec serve` does."""
+    `compiler` (`"compiled_grammar"`), as `tidespec serve` does."""
     key = (lambda p: p.category) if pool and pool[0].category.startswith("gsm8k/") else None
     traffic, hold = P.split(pool, holdout_fraction, cfg.seed, key=key)
 
@@ -137,7 +138,7 @@ def split_phase(pool: list[P.Prompt], tok, cfg: ShiftConfig, holdout_fraction: f
                 else prompt_ids(tok, p.text)
             if len(ids) <= cfg.max_prompt_tokens:
                 out.append({"id": p.id, "input_ids": ids, "workload": p.workload}
-                           | ({"grammar": grammar_for(spec, compiler)} if spec else {}))
+                           | ({"compiled_grammar": grammar_for(spec, compiler)} if spec else {}))
             if len(out) == n:
                 break
         return out
@@ -185,13 +186,12 @@ def _arms(target, params: Params, runners: dict, champion_dir: Path | None = Non
     "hybrid" — the adapting arm as it would serve: the champion draft + the suffix proposer under
     the goodput policy, its global suffix tree the corpus the cycle deployed with the champion.
     Batches up to engine.max_batch (bench_params raises it to the largest concurrency)."""
-    arms = {name: (make_engine(params.draft_only(), target, r, adaptive=False), r is not None)
+    arms = {name: (make_engine(params.engine.fixed(), target, r), r is not None)
             for name, r in runners.items()}
     if champion_dir is not None:
         e = params.engine
-        hp = params.model_copy(update={"engine": e.model_copy(update={
-            "adaptive": True, "suffix": e.suffix.model_copy(update={"enabled": True})})})
-        eng = make_engine(hp, target, runner_for(champion_dir, target), adaptive=True, **served(champion_dir))
+        hybrid = e.model_copy(update={"adaptive": True, "suffix": e.suffix.model_copy(update={"enabled": True})})
+        eng = make_engine(hybrid, target, runner_for(champion_dir, target), **served(champion_dir))
         load_suffix_corpus(eng, champion_dir)
         arms["hybrid"] = (eng, True)
     return arms
@@ -235,7 +235,7 @@ def experiment(base: Params, params: Params, work: Path, label: str):
         os.environ.update(env)
         uri = env["MLFLOW_TRACKING_URI"]
         target, tok = get_target(params)
-        static = bootstrap_static(base, target, tok, cache_dir())
+        static = bootstrap_static(base, target, tok, cache_dir(), say=print)
         _, v = registry.log_candidate(uri, target.target_id, static, params.model_dump(mode="json"), {},
                                       {"role": "static-bootstrap", "params_sha": params.sha()}, run_name="static")
         registry.promote(uri, target.target_id, v, f"{label}: the static draft is the first champion",
@@ -305,14 +305,14 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
 def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress) -> list:
     """Serve `traffic` in waves of max concurrency with capture; a sealed snapshot runs the cycle at
     once (serving waits: 2 cores) and the champion reloads. Returns the cycles' records."""
-    eng = make_engine(params.draft_only(), target, runner_for(ws.champion, target), adaptive=False,
-                      **served(ws.champion), capture=writer)
+    eng = make_engine(params.engine.fixed(), target, runner_for(ws.champion, target), **served(ws.champion),
+                      capture=writer)
     c = max(cfg.concurrency)
     cycles = []
     for w in range(0, len(traffic), c):
         wave = traffic[w:w + c]
         eng.generate_batch([Request(list(p["input_ids"]), cfg.traffic_max_new_tokens, True, workload=phase,
-                                    prompt_id=p["id"], grammar=p.get("grammar"))
+                                    prompt_id=p["id"], grammar=p.get("compiled_grammar"))
                             for p in wave])  # captured by the engine's hook
         writer.flush()
         while True:
@@ -343,9 +343,9 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
 def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:
     """ITL with and without speculation per workload group under the adaptive k policy (final champion)."""
     groups = contrast_prompts(tok, cfg, code_hold)
-    spec = make_engine(params.draft_only(), target, runner_for(ws.champion, target), adaptive=True,
-                       **served(ws.champion))
-    none = make_engine(params.draft_only(), target, None)
+    spec = make_engine(params.draft_only().engine.model_copy(update={"adaptive": True}), target,
+                       runner_for(ws.champion, target), **served(ws.champion))
+    none = make_engine(params.draft_only().engine, target, None)
     warm = [p for ps in groups.values() for p in ps[:1]]  # the policy learns each class online
     replay({"adaptive": (spec, True)}, warm, cfg.max_new_tokens // 2)
     cal = spec.policy.cal

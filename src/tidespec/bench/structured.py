@@ -25,13 +25,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import jsonschema
-import numpy as np
 import torch
 
-from .. import prompts
-from ..bootstrap import chat_ids
+from ..assets import prompts
+from ..models.chat import chat_ids
 from ..engine.constraint import parse_tool_calls, render
-from ..runtime import get_target
+from ..models.load import get_target
 from .engine import _sweep, _Worker, pass_ratios, summarize, sweep_summary
 from .methods import MethodSpec
 

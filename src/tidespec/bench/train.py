@@ -20,14 +20,15 @@ from typing import Callable
 
 import torch
 
-from .. import prompts
-from ..bootstrap import prompt_ids
+from ..assets import prompts
+from ..models.chat import prompt_ids
 from ..capture.store import iter_records, list_snapshots, seal
 from ..capture.writer import CaptureWriter
 from ..config import CaptureParams, EngineParams, Params
-from ..curate import load_records
-from ..cycle import step_curate
-from ..engine.speculative import Engine, Request
+from ..capture.curate import load_records
+from ..steps.cycle import step_curate
+from ..engine.build import make_engine
+from ..engine.speculative import Request
 from ..engine.stats import SpecDecodingStats
 from ..models.eagle3 import DraftRunner, load_checkpoint
 from ..models.target import Target
@@ -47,8 +48,8 @@ def serve_and_capture(target: Target, prompts: list[tuple[str, list[int]]], max_
     """Greedy target-only generation of every prompt (continuous batching), captured to `capture_dir`.
     Returns {id: generated token ids} and tokens/s."""
     w = CaptureWriter(capture_dir, target.target_id, CaptureParams(shard_max_records=16))
-    eng = Engine(target, None, EngineParams(max_seq_len=max(len(p) for _, p in prompts) + max_new_tokens + 1,
-                                              max_batch=max_batch, adaptive=False), capture=w)
+    eng = make_engine(EngineParams().fixed(max_seq_len=max(len(p) for _, p in prompts) + max_new_tokens + 1,
+                                           max_batch=max_batch), target, capture=w)
     futs = {pid: eng.submit(Request(ids, max_new_tokens, speculative=False, capture=True, request_id=pid,
                                     workload=workload, prompt_id=pid)) for pid, ids in prompts}  # the engine captures
     t0, outs, done = time.perf_counter(), {}, 0
@@ -100,7 +101,7 @@ def replay_tau(target: Target, draft_dir: Path, holdout: list[dict], k: int, max
     seconds (wall), new_tokens."""
     runner = DraftRunner(load_checkpoint(draft_dir, target.embed, target.target_id))
     L = max(len(h["input_ids"]) for h in holdout) + max_new_tokens + k + 2
-    eng = Engine(target, runner, EngineParams(num_draft_tokens=k, max_seq_len=L, max_batch=max_batch, adaptive=False))
+    eng = make_engine(EngineParams().fixed(num_draft_tokens=k, max_seq_len=L, max_batch=max_batch), target, runner)
     t0 = time.perf_counter()
     gens = eng.generate_batch([Request(h["input_ids"], max_new_tokens, True, k, request_id=h["id"]) for h in holdout])
     secs = time.perf_counter() - t0

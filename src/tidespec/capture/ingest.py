@@ -38,8 +38,9 @@ from typing import Protocol
 from ..config import Params
 from ..engine.constraint import grammar_for, spec_of_request
 from ..engine.grammar import GrammarCompiler, GrammarError
+from ..engine.build import make_engine
 from ..engine.speculative import Engine
-from ..sagemaker_config import parse_s3_uri
+from ..config.sagemaker import parse_s3_uri
 from ..workspace import Workspace
 from .exchange import parse_object
 from .rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids
@@ -185,7 +186,7 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
     led = ledger_path(ws, source)
     done = read_ledger(led)
     seen = captured_ids(writer.dir, ws.snapshots, writer.target_id)
-    engine = Engine(target, None, params.engine.fixed())  # regenerates missing responses
+    engine = make_engine(params.engine.fixed(), target)  # regenerates missing responses
     rep = {"source": source, "objects": 0, "records": 0, "rehydrated": 0, "regenerated": 0, "skipped": Counter()}
     for obj in store.list_objects(source):
         if done.get(obj["key"], {}).get("etag") == obj["etag"]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..bootstrap import chat_ids
+from ..models.chat import chat_ids
 from ..engine.constraint import render
 from ..engine.grammar import Grammar
 from ..engine.sampling import GREEDY, SamplingParams

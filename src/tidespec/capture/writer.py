@@ -36,23 +36,7 @@ from ..config import CaptureParams
 from ..hashing import unit_hash
 from ..workspace import private_dir
 from .metrics import CaptureCollector
-from .store import (
-    ManifestRow,
-    SnapshotInfo,
-    append_manifest,
-    encode_shard,
-    lock_capture_dir,
-    parse_ts,
-    prompt_hash,
-    read_manifest,
-    recover,
-    seal,
-    shard_name,
-    unlock,
-    utc_now,
-    validate_record,
-    write_shard,
-)
+from .store import ManifestRow, SnapshotInfo, append_manifest, encode_shard, lock_capture_dir, parse_ts, prompt_hash, read_manifest, recover, seal, shard_name, unlock, utc_now, validate_record, write_shard
 
 log = logging.getLogger(__name__)
 _STOP = object()

@@ -17,7 +17,7 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
     """Run the prompts greedily through every configuration, `concurrency` requests at a time (one
     engine batch), interleaved wave by wave (so machine load drifts hit all configurations alike).
     configs: name → (engine, speculative); an engine batches up to its max_batch. A prompt is a dict
-    {"id", "input_ids", "workload"?, "grammar"?}: a constrained prompt's compiled grammar
+    {"id", "input_ids", "workload"?, "compiled_grammar"?}: a constrained prompt's compiled grammar
     (`engine.grammar.Grammar`) constrains it in every configuration.
 
     Returns name → {"metrics", "outputs", "mismatched_ids"}; with `reference` (a config name, run
@@ -35,7 +35,7 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
         wave = prompts[w:w + concurrency]
         for name, (eng, spec) in configs.items():
             reqs = [Request(list(p["input_ids"]), max_new_tokens, spec, workload=p.get("workload", "default"),
-                            grammar=p.get("grammar")) for p in wave]
+                            grammar=p.get("compiled_grammar")) for p in wave]
             t0 = time.perf_counter()
             gens = eng.generate_batch(reqs)
             a = acc[name]

@@ -1,6 +1,6 @@
 """Draft hot-swap: `POST /admin/draft` (bearer token in $TIDESPEC_ADMIN_TOKEN) and the
 `ChampionWatcher`, the two ways a live `tidespec serve` changes drafts. Both go through one
-`DraftInstaller` (`runtime.install_draft` under a lock, then /metrics' `draft_info`). The engine
+`DraftInstaller` (`engine.build.install_draft` under a lock, then /metrics' `draft_info`). The engine
 swaps between steps: requests in flight finish on the draft they started with."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..engine.speculative import Engine
 from ..errors import TidespecError
-from ..runtime import install_draft
+from ..engine.build import install_draft
 from ..workspace import served_version
 from .errors import OpenAIError
 
@@ -35,7 +35,7 @@ class DraftSwap(BaseModel):
 
 class DraftInstaller:
     """`installer(path, version)`: the draft checkpoint at `path` into `engine`
-    (`runtime.install_draft`, one swap at a time), then `on_installed(version)` (/metrics). Returns
+    (`engine.build.install_draft`, one swap at a time), then `on_installed(version)` (/metrics). Returns
     {"draft_version", "suffix_corpus_tokens"}; raises ValueError or OSError for a draft the engine
     refuses (the old one keeps serving)."""
 

@@ -6,7 +6,7 @@ whole or a delta — and its logprobs in the route's format. Per choice vLLM's `
 """
 from __future__ import annotations
 
-from ..detok import token_text_and_bytes
+from ..models.detok import token_text_and_bytes
 from ..engine.sampling import TokenLogprob
 from ..engine.speculative import Generation
 

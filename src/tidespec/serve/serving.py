@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import BaseModel
 
-from ..bootstrap import chat_ids
+from ..models.chat import chat_ids
 from ..config import ServeParams
-from ..detok import TextOutput
+from ..models.detok import TextOutput
 from ..engine.grammar import GrammarCompiler
 from ..engine.invalid import InvalidRequest
 from ..engine.speculative import Engine, Generation

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..config import Params
-from ..curate import load_records
+from ..capture.curate import load_records
 from ..models.eagle3 import load_checkpoint
 from ..models.target import Target
 from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..config import Params
-from ..runtime import get_target, target_dir
+from ..models.load import get_target, target_dir
 from .entry import train_here
 
 CHECKPOINT_LOCAL = "/opt/ml/checkpoints"  # CheckpointConfig.LocalPath: synced to S3 (spot restarts resume)

@@ -33,13 +33,7 @@ from safetensors import safe_open
 
 from ..config import DraftParams, TrainParams
 from ..errors import Unavailable
-from ..models.eagle3 import (
-    Eagle3Config,
-    build_vocab,
-    count_tokens,
-    load_checkpoint,
-    save_checkpoint,
-)
+from ..models.eagle3 import Eagle3Config, build_vocab, count_tokens, load_checkpoint, save_checkpoint
 from ..models.target import Target
 from .resume import fingerprint, records_fingerprint
 

@@ -35,25 +35,9 @@ import torch.nn.functional as F
 
 from ..config import DraftParams, TrainParams
 from ..engine.stats import simulated_acceptance_length
-from ..models.eagle3 import (
-    Eagle3Config,
-    Eagle3Draft,
-    build_vocab,
-    count_tokens,
-    load_checkpoint,
-    remap_lm_head,
-    save_checkpoint,
-)
+from ..models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab, count_tokens, load_checkpoint, remap_lm_head, save_checkpoint
 from ..models.target import Target
-from .resume import (
-    clear_state,
-    fingerprint,
-    load_state,
-    records_fingerprint,
-    save_state,
-    state_dir,
-    weights_digest,
-)
+from .resume import clear_state, fingerprint, load_state, records_fingerprint, save_state, state_dir, weights_digest
 
 
 @dataclass

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 
-from ..adapters import registry
-from ..runtime import install_draft
-from ..workspace import served_version
+from ...adapters import registry
+from ...engine.build import install_draft
+from ...workspace import served_version
 
 log = logging.getLogger(__name__)
 

@@ -15,27 +15,19 @@ import logging
 import os
 from pathlib import Path
 
-from . import curate as curate_mod
-from . import plots
-from .adapters import registry, versioning
-from .adapters import sagemaker_deploy as smd
-from .adapters.orchestrate import train_on_pool
-from .adapters.sagemaker_train import train_on_sagemaker
-from .assets import sha256_file
-from .capture.store import list_snapshots
-from .config import Params, load_params
+from ..capture import curate as curate_mod
+from ..adapters import versioning
+from ..adapters import sagemaker_deploy as smd
+from ..adapters.orchestrate import train_on_pool
+from ..adapters.sagemaker_train import train_on_sagemaker
+from ..capture.store import list_snapshots
+from ..config import Params, load_params
 from .deploy.local import deploy_champion, notify_server
-from .engine.constraint import grammar_for
-from .engine.grammar import GrammarCompiler, GrammarError
-from .engine.replay import replay
-from .engine.speculative import Engine
-from .engine.stats import per_position
-from .engine.suffix import CORPUS_FILE, corpus_info, newest_within, save_corpus
-from .runtime import get_target, runner_for, target_dir
-from .runtime import target_id as target_id_of
-from .train.entry import preflight, skip_reason, train_here
-from .tuning import tune_windows
-from .workspace import Workspace, served_version
+from ..engine.suffix import CORPUS_FILE, newest_within, save_corpus
+from ..models.load import get_target, target_dir
+from ..models.load import target_id as target_id_of
+from ..train.entry import preflight, skip_reason, train_here
+from ..workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -162,75 +154,6 @@ def _train_draft(ws: Workspace, params: Params, curated: Path, init: Path | None
 
 
 # -- evaluate ---------------------------------------------------------------------------------
-def read_eval_prompts(path: Path) -> list[dict]:
-    """Rows {id, workload, input_ids} of a holdout file. Raises FileNotFoundError (run curate) or
-    ValueError (empty: no holdout traffic)."""
-    if not Path(path).exists():
-        raise FileNotFoundError(f"holdout prompts {path} missing; run `tidespec stage curate` (or the flow) first")
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"{path} has no holdout requests: capture more traffic or raise curate.holdout_fraction")
-    return rows
-
-
-def constrained(prompts: list[dict], target, tok) -> list[dict]:
-    """Holdout rows with a captured constraint spec get its compiled grammar (`"grammar"`), so replay
-    constrains them as they were served. Raises ValueError when a constrained row cannot be compiled
-    (it names the row) or there is no tokenizer to compile it for."""
-    if not any("constraint" in p for p in prompts):
-        return prompts
-    if tok is None:
-        raise ValueError("the holdout holds constrained requests (response_format / tools) but the target has no "
-                         "tokenizer to compile their grammars")
-    gc = GrammarCompiler.for_target(target, tok)
-    out = []
-    for p in prompts:
-        if "constraint" in p:
-            try:
-                p = p | {"grammar": grammar_for(p["constraint"], gc)}
-            except (GrammarError, KeyError, TypeError) as err:
-                raise ValueError(f"holdout request {p['id']}: its captured constraint cannot be compiled: {err}") from None
-        out.append(p)
-    return out
-
-
-def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path | None,
-                  prompts_path: Path, out: Path, progress=None) -> dict:
-    """Replay the holdout with no speculation, the champion and the candidate, side by side
-    (interleaved per prompt, fixed k = engine.num_draft_tokens).
-
-    Report: {"baseline": m, "champion": m | None, "candidate": m, "lossless": bool,
-    "speedup": {...}} where each m is `replay`'s metrics. Lossless = the candidate's and the
-    champion's greedy outputs equal target-only outputs token for token.
-    """
-    target, tok = get_target(params)
-    prompts = constrained(read_eval_prompts(prompts_path), target, tok)
-    n = params.evaluate.max_new_tokens
-    e = params.engine
-
-    def engine(runner, name):  # τ of the draft alone: no grammar-forced proposals (constrained prompts keep their masks)
-        return Engine(target, runner, e.fixed(), draft_version=name, forced_tokens=False)
-
-    configs = {"baseline": (engine(None, None), False)}
-    champ = runner_for(champion, target)
-    if champ is not None:
-        configs["champion"] = (engine(champ, "champion"), True)
-    configs["candidate"] = (engine(runner_for(candidate, target), "candidate"), True)
-    runs = replay(configs, prompts, n, reference="baseline", progress=progress)
-    rep = {"baseline": runs["baseline"]["metrics"], "num_prompts": len(prompts), "max_new_tokens": n,
-           "num_draft_tokens": e.num_draft_tokens,
-           "champion_version": served_version(champion) if champ is not None else None,
-           "champion": runs["champion"]["metrics"] if champ is not None else None,
-           "candidate": runs["candidate"]["metrics"]}
-    rep["lossless"] = rep["candidate"]["mismatches"] == 0 and (champ is None or rep["champion"]["mismatches"] == 0)
-    bt = rep["baseline"]["tokens_per_s"] or 1.0
-    rep["speedup"] = {k: rep[k]["tokens_per_s"] / bt for k in ("champion", "candidate") if rep[k]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rep, indent=2))
-    return rep
-
-
-# -- register / deploy ------------------------------------------------------------------------
 def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
     """Data lineage of a curated set, however the cycle was started: `snapshot_revs` (JSON
     {snapshot id: DVC rev} of every snapshot the set was drawn from, window and replay; the rev is
@@ -254,90 +177,6 @@ def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
         raise ValueError(f"{curated} names no snapshot: no data lineage; curate sealed snapshots first")
     newest = Path(idx["snapshots"][-1]).name if idx["snapshots"] else ""
     return {"snapshot_rev": snapshot_rev or revs.get(newest, ""), "snapshot_revs": json.dumps(revs, sort_keys=True)}
-
-
-def first_token_acceptance(m: dict) -> dict[str, list[float]]:
-    """{class: [a₁, chains]} from evaluate's metrics of a draft: "" = `accepted_per_pos/0` over
-    `num_drafts`, each class its `first_token_acceptance/<class>` over `num_drafts/<class>` (what a serving
-    engine's draft health compares live traffic with, `engine.health`)."""
-    out = {"": [float(m["accepted_per_pos/0"]), float(m["num_drafts"])]} if "accepted_per_pos/0" in m else {}
-    per = {k.split("/", 1)[1]: float(v) for k, v in m.items() if k.startswith("first_token_acceptance/")}
-    return out | {w: [a, float(m.get(f"num_drafts/{w}", 0.0))] for w, a in per.items()}
-
-
-def step_register(params: Params, target_id: str, candidate: Path, report: dict, train_metrics: dict,
-                  tracking_uri: str, data: dict[str, str], workload_mix: dict | None = None,
-                  drift_jsd: float | None = None, trigger: str = "manual") -> dict:
-    """Log the candidate as a model version (alias challenger) with its metrics, training curves
-    and lineage tags, apply the promotion rule (registry.promote_if_better, against the champion
-    version evaluate measured: `report["champion_version"]`), then log plots (τ over cycles,
-    per-position acceptance, loss; best effort: a failure there is logged, not raised). Idempotent: a retry finds the version it already
-    logged (tag `draft_sha256` + snapshot_rev) and returns its decision instead of registering the
-    same draft twice. `data`: `lineage()` of the curated set (tags snapshot_rev, snapshot_revs);
-    `drift_jsd`: curate's drift (bits) vs the previous curated set; `trigger`: what started the
-    cycle (tag). With deploy.sagemaker, each profile's tuned window goes on the version (tags
-    `tuned_k.<profile>`, metrics `tau_k/<k>`, `predicted_speedup/<profile>`; `tune_windows`) and into
-    the result's `tuned_k`. Raises ValueError for empty lineage."""
-    if not data.get("snapshot_rev") or not json.loads(data.get("snapshot_revs") or "{}"):
-        raise ValueError("no data lineage for this candidate: pass lineage(curated) (snapshot revs of its curated set)")
-    cand, champ = report["candidate"], report.get("champion")
-    key = {"draft_sha256": sha256_file(Path(candidate) / "model.safetensors"), "snapshot_rev": data["snapshot_rev"]}
-    prior = registry.find_version(tracking_uri, target_id, key)
-    if prior is not None and prior.tags.get("decision"):
-        return {"run_id": prior.run_id, "version": prior.version, "promoted": prior.tags["decision"] == "promoted",
-                "reason": prior.tags.get("decision_reason", ""), "previous_champion": None,
-                "tuned_k": registry.tuned_k(prior.tags)}
-    if prior is not None:
-        run_id, version = prior.run_id, prior.version
-    else:
-        metrics = {k: float(v) for k, v in cand.items() if isinstance(v, (int, float))}
-        metrics["baseline_tokens_per_s"] = report["baseline"]["tokens_per_s"]
-        if champ:
-            metrics["baseline_acceptance_length"] = champ["acceptance_length"]
-        metrics |= {k: float(v) for k, v in train_metrics.items() if isinstance(v, (int, float))}
-        if drift_jsd is not None:
-            metrics["drift_jsd"] = float(drift_jsd)
-        losses = list(train_metrics.get("train/loss", []))
-        windows = tune_windows(params, cand)
-        if windows:  # τ(k) on the holdout and each endpoint's window (deploy sagemaker applies it)
-            metrics |= {f"tau_k/{k}": t for k, t in enumerate(next(iter(windows.values()))["tau_k"])}
-            metrics |= {f"predicted_speedup/{p}": w["predicted_speedup"] for p, w in windows.items()}
-        corpus = Path(candidate) / CORPUS_FILE
-        if corpus.exists():  # the global suffix tree deployed with this draft: lineage + size
-            tags = {"suffix_corpus_sha256": sha256_file(corpus)}
-            metrics |= {f"suffix_corpus/{k}": float(v) for k, v in corpus_info(corpus).items()}
-        else:
-            tags = {}
-        tags |= {**key, "snapshot_revs": data["snapshot_revs"], "params_sha": params.sha(), "trigger": trigger,
-                **{f"tuned_k.{p}": str(w["k"]) for p, w in windows.items()},
-                "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
-                "num_holdout_prompts": str(report.get("num_prompts", "")),
-                registry.FIRST_TOKEN_TAG: json.dumps(first_token_acceptance(cand))}
-        run_id, version = registry.log_candidate(tracking_uri, target_id, candidate, params.model_dump(mode="json"),
-                                                 metrics, tags, step_metrics={"train/loss": losses})
-    current = registry.champion(tracking_uri, target_id)
-    champ_tau = champ["acceptance_length"] if (champ and current) else None
-    d = registry.promote_if_better(tracking_uri, target_id, version, cand["acceptance_length"], champ_tau,
-                                   params.evaluate.min_relative_gain, bool(report["lossless"]),
-                                   evaluated_champion=report.get("champion_version") if champ else None)
-    try:  # plots are a view: failing to draw or upload them does not undo or block the decision
-        losses = list(train_metrics.get("train/loss", []))
-        registry.log_figures(tracking_uri, run_id, _figures(tracking_uri, target_id, report, losses))
-    except Exception as e:  # noqa: BLE001
-        log.warning("plots not logged for run %s: %s", run_id, e)
-    return {"run_id": run_id, "version": version, "promoted": d.promoted, "reason": d.reason,
-            "previous_champion": d.previous_champion,
-            "tuned_k": {p: w["k"] for p, w in tune_windows(params, cand).items()}}
-
-
-def _figures(tracking_uri: str, target_id: str, report: dict, losses: list[float]) -> dict:
-    def per_pos(m):
-        return per_position(m) if m else None
-    figs = {"tau_over_cycles": plots.tau_over_cycles(registry.cycle_history(tracking_uri, target_id)),
-            "per_position_acceptance": plots.per_position(per_pos(report["candidate"]), per_pos(report.get("champion")))}
-    if losses:
-        figs["train_loss"] = plots.loss(losses)
-    return figs
 
 
 def step_deploy(ws: Workspace, tracking_uri: str, target_id: str, params: Params | None = None) -> dict:

@@ -11,87 +11,31 @@
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from rich.table import Table
 
-from . import assets, prompts
-from .adapters import orchestrate, registry, services, versioning
-from .adapters.publish import Publisher
-from .bootstrap import prompt_ids, teacher_force
-from .capture.writer import CaptureWriter
-from .config import Params, load_params
-from .cycle import step_deploy
-from .deploy.local import reload_if_changed
-from .engine.speculative import Engine
-from .runtime import get_target
-from .train.entry import preflight
-from .train.trainer import train_draft
-from .workspace import Workspace
+from .. import assets
+from ..assets import prompts
+from ..adapters import orchestrate, registry, services, versioning
+from ..adapters.publish import Publisher
+from ..models.chat import prompt_ids
+from ..steps.bootstrap import bootstrap_static
+from ..capture.writer import CaptureWriter
+from ..config import load_params
+from ..steps.cycle import step_deploy
+from ..steps.deploy.local import reload_if_changed
+from ..engine.build import make_engine
+from ..models.load import get_target
+from ..train.entry import preflight
+from ..workspace import Workspace
+from .progress import Reporter
 
 console = Console(width=None if Console().is_terminal else 120)
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
-
-
-def static_draft_dir(params: Params, target_id: str, cache: Path) -> Path:
-    """Where the static draft for these params lives in the download cache (keyed by their hash)."""
-    b = params.bootstrap  # answers: dataset (the default) keeps the key drafts were cached under before the knob
-    boot = b.model_dump(exclude={"answers"}) if b.answers == "dataset" else b.model_dump()
-    key = hashlib.sha256(json.dumps([target_id, boot, params.draft.model_dump(),
-                                     params.train.model_dump()], sort_keys=True).encode()).hexdigest()[:12]
-    return cache / "bootstrap" / f"static-{key}"
-
-
-def bootstrap_static(params: Params, target, tok, cache: Path) -> Path:
-    """Train (or reuse) the static generic-chat draft; returns its checkpoint dir."""
-    out = static_draft_dir(params, target.target_id, cache)
-    if (out / "model.safetensors").exists():
-        console.print(f"static draft: reusing cached bootstrap {out}")
-        return out
-    b = params.bootstrap
-    convs = prompts.sharegpt_conversations(limit=b.conversations * 2)[: b.conversations]
-    with _progress() as pg:
-        if b.answers == "target":  # self-distilled: the target's own greedy answers (generation)
-            from .distill import self_distill
-            t = pg.add_task("bootstrap: the target answers ShareGPT prompts (tokens)", total=b.tokens, info="")
-            recs = self_distill(target, tok, convs, b.max_tokens, b.tokens, progress=lambda n: pg.advance(t, n))
-        else:
-            t = pg.add_task("bootstrap: teacher-force ShareGPT (tokens)", total=b.tokens, info="")
-            recs = teacher_force(target, tok, convs, b.max_tokens, progress=lambda n: pg.advance(t, n),
-                                 token_budget=b.tokens)
-        n_val = max(1, len(recs) // 10)
-        t2 = pg.add_task("bootstrap: train static EAGLE3 draft", total=None, info="")
-
-        def cb(step, total, loss):
-            pg.update(t2, completed=step, total=total, info=f"loss {loss:.3f}")
-
-        tp = params.train.model_copy(update={"epochs": b.epochs, "warm_start": False})
-        m = train_draft(recs[n_val:], recs[:n_val], target, params.draft, tp, out.with_suffix(".tmp"), progress=cb)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(out.with_suffix(".tmp"), out)
-    sim = m["simulated_acceptance_length"]
-    console.print(f"static draft: {len(recs)} conversations, {sum(len(r['input_ids']) for r in recs)} tokens "
-                  f"({sum(int(r['loss_mask'].sum()) for r in recs)} answer), simulated τ "
-                  f"{'n/a (no validation records)' if sim is None else f'{sim:.2f}'}, "
-                  f"trained in {m['train_seconds']:.0f} s")
-    return out
 
 
 def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env: dict, ws: Workspace) -> dict:
@@ -155,7 +99,8 @@ def run_demo(root: Path, params_path: Path) -> dict:
     served = prompts.split(prompts.load(w.prompts), w.holdout_fraction, w.seed)[0][: w.serve_prompts]
 
     # 1. static draft → first champion
-    static = bootstrap_static(params, target, tok, cache)
+    with Reporter(console) as report:
+        static = bootstrap_static(params, target, tok, cache, report, say=console.print)
     if registry.champion(uri, tid) is None:
         _, v = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {},
                                       {"role": "static-bootstrap", "params_sha": params.sha()},
@@ -170,17 +115,17 @@ def run_demo(root: Path, params_path: Path) -> dict:
     pub = Publisher(root, ws.snapshots, params.capture.keep_local_snapshots, ws.curated,
                     params.curate.drift_threshold, commit=False)
     writer = CaptureWriter(ws.capture_dir(tid), tid, params.capture, snapshots_root=ws.snapshots, on_seal=pub, detokenize=tok.decode)
-    engine = Engine(target, None, params.engine.fixed(), capture=writer)
+    engine = make_engine(params.engine.fixed(), target, capture=writer)
     reload_if_changed(engine, ws.champion)
     console.print(f"serving champion v{engine.draft_version} (static draft)")
     taus = []
-    with _progress() as pg:
-        t = pg.add_task(f"serve {w.prompts} with capture", total=len(served), info="")
-        for p in served:
+    with Reporter(console) as report:
+        for i, p in enumerate(served, 1):
             g = engine.generate(prompt_ids(tok, p.text), params.engine.max_new_tokens, workload=p.workload,
                                 prompt_id=p.id)
             taus.append(g.stats.acceptance_length)
-            pg.update(t, advance=1, info=f"last τ {g.stats.acceptance_length:.2f}  {g.tokens_per_s:.1f} tok/s")
+            report(f"serve {w.prompts} with capture (prompts)", i, len(served),
+                   f"last τ {g.stats.acceptance_length:.2f}  {g.tokens_per_s:.1f} tok/s")
 
     # 3. snapshot → DVC
     with console.status("seal snapshot; dvc add + push"):

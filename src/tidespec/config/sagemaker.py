@@ -1,6 +1,6 @@
 """The `train.sagemaker` and `deploy.sagemaker` sections of params.yaml (pydantic, strict).
 
-Bottom layer: imports only `tidespec.strict` and pydantic, so config.py can use these schemas
+Bottom layer: imports only `tidespec.config.strict` and pydantic, so config.py can use these schemas
 without importing the SageMaker launcher, the deployer or the AWS adapter (no cycle). It also
 defines the pure AWS identifier validators the schemas need (IAM role ARN, SageMaker resource
 name, S3 URI; IAM User Guide "IAM identifiers", SageMaker API reference); `tidespec.adapters.aws`

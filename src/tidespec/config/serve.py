@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .config import Params
+from .params import Params
 from .strict import Strict
 
 MLFLOW_ENV = "MLFLOW_TRACKING_URI"

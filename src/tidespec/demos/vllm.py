@@ -32,15 +32,17 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from . import assets, prompts
-from .adapters import orchestrate, registry, services, versioning, vllm
-from .adapters.process import free_port, poll_until
-from .bootstrap import prompt_ids
-from .config import load_params
-from .cycle import step_deploy
-from .demo import bootstrap_static
-from .runtime import get_target
-from .workspace import Workspace
+from .. import assets
+from ..assets import prompts
+from ..adapters import orchestrate, registry, services, versioning, vllm
+from ..adapters.process import free_port, poll_until
+from ..models.chat import prompt_ids
+from ..config import load_params
+from ..steps.cycle import step_deploy
+from ..steps.bootstrap import bootstrap_static
+from .progress import Reporter
+from ..models.load import get_target
+from ..workspace import Workspace
 
 console = Console(width=None if Console().is_terminal else 120)
 N_HOLDOUT = 12  # holdout prompts measured before and after
@@ -102,7 +104,8 @@ def _loop(root: Path, ws: Workspace, env: dict, base, python: str) -> dict:
     params = load_params(ws.root / "params.yaml")
     subprocess.run(["git", "init", "-q", str(ws.root)], check=True)  # its own repo, not the user's checkout
     versioning.ensure_repo(ws.root, str(ws.state / "dvc-remote"), machine_local=True)
-    static = bootstrap_static(base, target, tok, assets.cache_dir())  # keyed by the unmodified params
+    with Reporter(console) as report:  # keyed by the unmodified params
+        static = bootstrap_static(base, target, tok, assets.cache_dir(), report, say=console.print)
     _, v1 = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {}, {"role": "static-bootstrap"},
                                    run_name="static-bootstrap")
     registry.promote(uri, tid, v1, "demo-vllm: the static draft is the first champion", allow_unevaluated=True)

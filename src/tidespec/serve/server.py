@@ -23,17 +23,17 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from .config import ServeParams
-from .engine.speculative import Engine
-from .serve.admin import ADMIN_TOKEN_ENV, ChampionWatcher, DraftInstaller, admin_router
-from .serve.engine_loop import EngineLoop
-from .serve.errors import install_error_handlers
-from .serve.guard import HealthGuard
-from .serve.lifespan import closing
-from .serve.metrics import ServeMetrics, metrics_response
-from .serve.openai import openai_router
-from .serve.serving import OpenAIServing
-from .serve.textlog import TextLog
+from ..config import ServeParams
+from ..engine.speculative import Engine
+from .admin import ADMIN_TOKEN_ENV, ChampionWatcher, DraftInstaller, admin_router
+from .engine_loop import EngineLoop
+from .errors import install_error_handlers
+from .guard import HealthGuard
+from .lifespan import closing
+from .metrics import ServeMetrics, metrics_response
+from .openai import openai_router
+from .serving import OpenAIServing
+from .textlog import TextLog
 
 __all__ = ["ADMIN_TOKEN_ENV", "build_app"]
 

@@ -30,10 +30,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .serve.errors import OpenAIError, install_error_handlers
-from .serve.lifespan import closing
-from .serve.metrics import FrontdoorMetrics, metrics_response
-from .serve.textlog import TextLog
+from .errors import OpenAIError, install_error_handlers
+from .lifespan import closing
+from .metrics import FrontdoorMetrics, metrics_response
+from .textlog import TextLog
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 JSON = {"content-type": "application/json"}

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import httpx
 
-from ..adapters import process, registry
-from ..adapters.vllm import VLLMError, VLLMLaunch, VLLMServer, live_below_replay, scrape
+from ...adapters import process, registry
+from ...adapters.vllm import VLLMError, VLLMLaunch, VLLMServer, live_below_replay, scrape
 from ..tuning import live_windows
-from ..workspace import copy_engine_files, private_dir, served_version
+from ...workspace import copy_engine_files, private_dir, served_version
 
 log = logging.getLogger(__name__)
 

@@ -25,18 +25,22 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from . import assets, prompts
-from .adapters import aws, orchestrate, registry, services
-from .adapters import sagemaker_deploy as smd
-from .bootstrap import prompt_ids
-from .capture.store import seal
-from .capture.text import capture_line
-from .config import load_params
-from .cycle import step_deploy
-from .demo import bootstrap_static, result_rows
-from .engine.speculative import Engine, Request
-from .runtime import get_target
-from .workspace import Workspace, read_version
+from .. import assets
+from ..assets import prompts
+from ..adapters import aws, orchestrate, registry, services
+from ..adapters import sagemaker_deploy as smd
+from ..models.chat import prompt_ids
+from ..capture.store import seal
+from ..capture.text import capture_line
+from ..config import load_params
+from ..steps.cycle import step_deploy
+from ..steps.bootstrap import bootstrap_static
+from .progress import Reporter
+from .demo import result_rows
+from ..engine.build import make_engine
+from ..engine.speculative import Request
+from ..models.load import get_target
+from ..workspace import Workspace, read_version
 
 console = Console(width=None if Console().is_terminal else 120)
 ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"  # moto checks no IAM
@@ -96,7 +100,8 @@ def _loop(ws: Workspace, env: dict, base) -> dict:
     params = load_params(pp)
     target, tok = get_target(params)
     tid = target.target_id
-    static = bootstrap_static(base, target, tok, assets.cache_dir())  # keyed by the unmodified params
+    with Reporter(console) as report:  # keyed by the unmodified params
+        static = bootstrap_static(base, target, tok, assets.cache_dir(), report, say=console.print)
     _, v1 = registry.log_candidate(uri, tid, static, params.model_dump(mode="json"), {}, {"role": "static-bootstrap"},
                                    run_name="static-bootstrap")
     registry.promote(uri, tid, v1, "demo-sagemaker: the static draft is the first champion", allow_unevaluated=True)
@@ -108,7 +113,7 @@ def _loop(ws: Workspace, env: dict, base) -> dict:
     w = params.workload
     fits = [(p, ids) for p in prompts.split(prompts.load(w.prompts), w.holdout_fraction, w.seed)[0]
             if len(ids := prompt_ids(tok, p.text)) + max_new <= params.engine.max_seq_len][:N_PROMPTS]
-    eng = Engine(target, None, params.engine.fixed(max_batch=8))
+    eng = make_engine(params.engine.fixed(max_batch=8), target)
     with console.status(f"the endpoint serves {len(fits)} {w.prompts} prompts (target, greedy, ≤{max_new} tokens)"):
         gens = eng.generate_batch([Request(ids, max_new, speculative=False) for _, ids in fits])
     served = [(f"ev-{p.id}", p.text, tok.decode(g.tokens, skip_special_tokens=True), g.finish_reason)

@@ -12,7 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from .sagemaker_config import SageMakerDeployParams, SageMakerTrainParams
+from .sagemaker import SageMakerDeployParams, SageMakerTrainParams
 from .strict import Strict as _Strict
 
 
@@ -177,7 +177,7 @@ class BootstrapParams(_Strict):
 
 
 class WorkloadParams(_Strict):
-    prompts: str = "humaneval"  # prompt set name (tidespec.prompts.load)
+    prompts: str = "humaneval"  # prompt set name (tidespec.assets.prompts.load)
     serve_prompts: int = Field(40, ge=1)  # prompts served (captured) per phase; curate splits the holdout off
     holdout_fraction: float = Field(0.3, gt=0, lt=1)  # prompt-level split: demo serves the rest, benches these
     seed: int = 0

@@ -20,16 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .capture.store import (
-    CorruptShard,
-    ManifestRow,
-    list_snapshots,
-    read_manifest,
-    read_record,
-    write_private,
-)
-from .config import CurateParams
-from .hashing import unit_hash
+from .store import CorruptShard, ManifestRow, list_snapshots, read_manifest, read_record, write_private
+from ..config import CurateParams
+from ..hashing import unit_hash
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,4 @@
+"""`python -m tidespec.cli`: the `tidespec` command."""
+from . import main
+
+main()

