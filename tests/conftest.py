@@ -250,7 +250,7 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
     learnable workload). Returns (Workspace, Params, Target)."""
     import torch
 
-    from tidespec.capture.store import seal
+    from tidespec.capture.snapshots import seal
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
     from tidespec.engine.speculative import Engine

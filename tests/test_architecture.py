@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", (PACKAGE, "errors", "hashing", "workspace", "assets", "config", "config.*")),
     ("models", ("models", "models.*", "assets.prompts")),
     ("engine", ("engine", "engine.*", "capture", "capture.store", "capture.metrics", "capture.text")),
-    ("data+train", ("capture.writer", "capture.exchange", "capture.rehydrate", "capture.ingest", "capture.curate",
+    ("data+train", ("capture.writer", "capture.snapshots", "capture.exchange", "capture.rehydrate", "capture.ingest",
+                    "capture.curate",
                     "train", "train.*")),
     ("serve", ("serve", "serve.*")),
     ("adapters", ("adapters", "adapters.*")),  # adapters.vllm_plugin.* runs inside the vLLM server, imports vllm only
@@ -252,7 +253,7 @@ def test_flows_live_in_the_project_not_the_package():
 @pytest.mark.parametrize("where,line", [
     ("config/params.py", "from ..cli import app\n"),  # module level
     ("engine/speculative.py", "def _f():\n    from ..steps.cycle import step_curate\n"),  # hidden in a function
-    ("adapters/registry.py", "import tidespec.demos.demo\n"),  # absolute form
+    ("adapters/registry/client.py", "import tidespec.demos.demo\n"),  # absolute form
     ("__init__.py", "from .cli import app\n"),  # the package's own __init__
 ])
 def test_an_injected_upward_import_is_caught(tmp_path, where, line):

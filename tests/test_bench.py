@@ -4,9 +4,10 @@ import json
 import pytest
 from conftest import random_draft
 
-from tidespec.bench.engine import markdown, ratios, summarize
+from tidespec.bench.engine_report import markdown, ratios
+from tidespec.bench.engine import summarize
 from tidespec.engine.calibration import load_or_calibrate
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 
 
 def _r(pid, tokens, ttft, steps, drafts=None):
@@ -199,7 +200,8 @@ def test_concurrency_sweep_summary_markdown_and_png(tmp_path):
     """Per pass, tokens/s = tokens / the run's wall time; the ratio pairs each pass with the
     reference's same pass; identical is judged per prompt id; the PNG is written."""
     from tidespec.steps import plots
-    from tidespec.bench.engine import by_concurrency, sweep_markdown, sweep_summary
+    from tidespec.bench.engine import by_concurrency, sweep_summary
+    from tidespec.bench.engine_report import sweep_markdown
 
     def run(ps, wall, toks, steps=((0.1, 2),)):
         return {"pass": ps, "wall_s": wall, "results": [{"id": "a", "tokens": toks, "forwards": 2,

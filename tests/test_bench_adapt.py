@@ -87,7 +87,7 @@ def test_point_measures_several_passes_and_pairs_their_ratios(tiny_target):
     from conftest import random_draft
 
     from tidespec.engine.speculative import Engine
-    from tidespec.models.eagle3 import DraftRunner
+    from tidespec.models.runner import DraftRunner
 
     def arms():
         return {"none": (Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), False),

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tidespec.config import CaptureParams, EngineParams
-from tidespec.capture.store import list_snapshots, load_snapshot, read_manifest, read_record, seal
+from tidespec.capture.snapshots import list_snapshots, load_snapshot, seal
+from tidespec.capture.store import read_manifest, read_record
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CurateParams, Params
 from tidespec.capture.curate import curate, jsd_bits, snapshot_drift
@@ -296,7 +297,7 @@ def test_cli_seals_leftover_capture_and_lists(tmp_path, monkeypatch):
     """After a crash: `tidespec snapshots seal` finishes the interrupted seal and seals the rest."""
     from typer.testing import CliRunner
 
-    import tidespec.capture.store as store
+    import tidespec.capture.snapshots as store
     from tidespec.cli import app
     cap = tmp_path / "data" / "capture" / "tid"
     w = CaptureWriter(cap, "tid-full-id", CaptureParams(shard_max_records=2))
@@ -314,14 +315,14 @@ def test_cli_seals_leftover_capture_and_lists(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     snaps = list_snapshots(tmp_path / "data" / "snapshots", "tid-full-id")
     assert [[x.request_id for x in read_manifest(s)] for s in snaps] == [["a0", "a1", "a2"], ["b0"]]
-    from tidespec import cli
+    from tidespec.cli import common as cli
     monkeypatch.setattr(cli.console, "width", 200)
     out = CliRunner().invoke(app, ["snapshots", "list", "--root", str(tmp_path)]).output
     assert snaps[0].name in out and "local only" in out
 
 
 def test_one_writer_per_capture_dir(tmp_path):
-    from tidespec.capture.store import CaptureDirBusy
+    from tidespec.capture.snapshots import CaptureDirBusy
     w = CaptureWriter(tmp_path / "cap", "tid")
     w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
     with pytest.raises(CaptureDirBusy, match="seal_now"):
@@ -488,7 +489,7 @@ def test_corrupt_shard_is_named_and_skipped_by_curate(tmp_path, caplog):
 
 
 def test_snapshot_ids_never_collide(tmp_path, monkeypatch):
-    import tidespec.capture.store as store
+    import tidespec.capture.snapshots as store
     real = store.new_snapshot_id
     ids = iter(["s1-aaaa", "s1-aaaa", "s1-aaaa", "s2-bbbb"])
     monkeypatch.setattr(store, "new_snapshot_id", lambda: next(ids, None) or real())

@@ -14,8 +14,9 @@ import time
 import pytest
 import torch
 
-from tidespec.capture import store
-from tidespec.capture.store import list_snapshots, read_manifest, read_record, recover, seal
+from tidespec.capture import snapshots, store
+from tidespec.capture.snapshots import list_snapshots, recover, seal
+from tidespec.capture.store import read_manifest, read_record
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CaptureParams
 
@@ -128,15 +129,15 @@ def test_interrupted_seal_is_finished_once(tmp_path, monkeypatch, crash_at):
     class Crash(Exception):
         pass
 
-    real_link = store._link_or_copy
+    real_link = snapshots._link_or_copy
     if crash_at == "after_freeze":
-        monkeypatch.setattr(store, "_finish_seal", lambda *a: (_ for _ in ()).throw(Crash()))
+        monkeypatch.setattr(snapshots, "_finish_seal", lambda *a: (_ for _ in ()).throw(Crash()))
     elif crash_at == "mid_link":
         calls = []
-        monkeypatch.setattr(store, "_link_or_copy",
+        monkeypatch.setattr(snapshots, "_link_or_copy",
                             lambda s, d: (calls.append(s), real_link(s, d), len(calls) == 2 and (_ for _ in ()).throw(Crash())))
     else:  # snapshot renamed into place, capture copies not yet removed
-        monkeypatch.setattr(store.Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(Crash()))
+        monkeypatch.setattr(snapshots.Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(Crash()))
     with pytest.raises(Crash):
         seal(cap, snaps, TID)
     monkeypatch.undo()

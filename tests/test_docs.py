@@ -139,6 +139,29 @@ def tidespec_invocations(line: str) -> list[list[str]]:
     return out
 
 
+def script_parser(path: list[str]):
+    """The argparse parser of a `tidespec bench` experiment script (`bench.cli.SCRIPTS`), or None."""
+    import importlib
+
+    from tidespec.bench.cli import SCRIPTS
+    if path[:2] != ["tidespec", "bench"] or len(path) != 3 or path[2] not in SCRIPTS:
+        return None
+    return importlib.import_module(f"tidespec.bench.{SCRIPTS[path[2]][0]}").parser()
+
+
+def check_script_args(ap, args: list[str], where: str) -> str | None:
+    """None when an experiment script's parser accepts `args` (as typed), else its error."""
+    import contextlib
+    import io
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ap.parse_args(args)
+    except SystemExit as e:
+        return None if e.code == 0 else f"`{where} {' '.join(args)}`: {err.getvalue().strip().splitlines()[-1]}"
+    return None
+
+
 def check_command_line(args: list[str]) -> str | None:
     """None when `tidespec <args>` parses, else why not."""
     cmd, path = cli_root(), ["tidespec"]
@@ -149,6 +172,8 @@ def check_command_line(args: list[str]) -> str | None:
         if sub is None:
             return f"`{' '.join(path)}` has no subcommand {args[0]!r} (has: {', '.join(sorted(cmd.commands))})"
         cmd, path, args = sub, path + [args[0]], args[1:]
+    if (ap := script_parser(path)) is not None:
+        return check_script_args(ap, args, " ".join(path))
     try:
         cmd.make_context(" ".join(path), list(args), resilient_parsing=False)
     except typer.Exit:  # --help
@@ -172,6 +197,8 @@ def check_inline_span(span: str) -> str | None:
     if is_group(cmd):
         return None
     known = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+    if (ap := script_parser(path)) is not None:
+        known = {o for a in ap._actions for o in a.option_strings}
     for w in words:
         opt = w.strip("[]()").split("=", 1)[0]
         if opt.startswith("--") and opt not in known:
@@ -260,6 +287,10 @@ def test_the_command_checker_catches_mistakes():
     assert check_command_line(["deploy", "sagemaker", "--profile", "gpu", "--dry-run"]) is None
     assert "No such option: --prot" in check_command_line(["serve", "--prot", "8000"])
     assert "no subcommand" in check_command_line(["bench", "engin"])
+    assert check_command_line(["bench", "inprocess-ab", "--out", "x", "--passes", "2", "--breakdown"]) is None
+    assert "unrecognized arguments: --bogus" in check_command_line(["bench", "inprocess-ab", "--out", "x", "--bogus"])
+    assert "required: --out" in check_command_line(["bench", "inprocess-ab", "--passes", "2"])
+    assert "no option --bogus" in check_inline_span("tidespec bench static-baseline --bogus")
     assert "Missing option" in check_command_line(["promote", "3"])
     assert tidespec_invocations('eval "$(tidespec services up)"') == [["services", "up"]]
     assert tidespec_invocations(".venv/bin/tidespec snapshots pull <SID>") == [["snapshots", "pull", "X"]]
@@ -294,7 +325,7 @@ def serve_lines() -> list[tuple[str, str]]:
 def test_documented_serve_commands_pass_their_checks_as_typed(page, line, monkeypatch):
     import inspect
 
-    from tidespec.cli import serve_preflight
+    from tidespec.cli.serve import serve_preflight
     env, rest = split_env(line)
     (args,) = tidespec_invocations(rest)
     cmd = cli_root().commands["serve"]

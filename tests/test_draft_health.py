@@ -11,7 +11,7 @@ from conftest import random_draft
 from tidespec.config import EngineParams
 from tidespec.engine.health import MIN_CHAINS, DraftHealth, clearly_below
 from tidespec.engine.speculative import Engine, Request
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 from tidespec.serve.guard import HealthGuard
 from tidespec.serve.metrics import ServeMetrics
 

@@ -8,8 +8,10 @@ import torch
 from conftest import random_draft, tiny_records
 
 from tidespec.config import DraftParams, TrainParams
-from tidespec.models.eagle3 import DraftRunner, build_vocab, load_checkpoint, save_checkpoint
-from tidespec.train.trainer import batches, init_draft, prepare, train_draft, ttt_loss
+from tidespec.models.runner import DraftRunner
+from tidespec.models.eagle3 import build_vocab, load_checkpoint, save_checkpoint
+from tidespec.train.examples import batches, prepare
+from tidespec.train.trainer import init_draft, train_draft, ttt_loss
 
 
 def _draft(tiny_target, vd=64, seed=0):

@@ -9,7 +9,7 @@ from tidespec.engine.calibration import Calibration
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats, per_position, simulated_acceptance_length, tau_standard_error
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 
 
 def _random_runner(target, vd, seed=0):

@@ -9,7 +9,8 @@ from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats
-from tidespec.models.eagle3 import DraftRunner, load_checkpoint
+from tidespec.models.runner import DraftRunner
+from tidespec.models.eagle3 import load_checkpoint
 
 
 @pytest.mark.full_model

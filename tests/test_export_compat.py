@@ -139,7 +139,7 @@ def test_vllm_loader_fills_every_parameter_and_scatters_logits(saved):
     logits = torch.randn(3, 64)
     full = torch.full((3, d.config.vocab_size), float("-inf"))
     full[:, torch.arange(64) + sd["d2t"]] = logits
-    from tidespec.models.eagle3 import DraftRunner
+    from tidespec.models.runner import DraftRunner
     r = DraftRunner(d)
     assert torch.equal(full.argmax(-1), r.to_target_ids(logits.argmax(-1)))
 

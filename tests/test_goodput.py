@@ -14,7 +14,7 @@ from tidespec.engine.calibration import Calibration, calibrate
 from tidespec.engine.policy import StepCost, goodput, plan, predicted_step
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.suffix import SuffixCache
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 
 # A CPU-like machine: alone, a forward of 1..5 rows costs about the same (weight-bound); at batch 8
 # each extra row per request costs 180 ms / 8 requests (compute-bound), so speculation that pays

@@ -22,7 +22,7 @@ from tidespec.engine.sampling import SamplingParams, warp
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats
 from tidespec.engine.suffix import SuffixCache
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 
 SCHEMA = {"type": "object", "properties": {
     "kind": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"},

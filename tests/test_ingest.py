@@ -101,7 +101,8 @@ def _ingest(root: Path):
 
 
 def _ids(ws, target) -> list[str]:
-    from tidespec.capture.store import list_snapshots, read_manifest
+    from tidespec.capture.snapshots import list_snapshots
+    from tidespec.capture.store import read_manifest
     rows = read_manifest(ws.ingest_dir(target.target_id))
     for snap in list_snapshots(ws.snapshots, target.target_id):
         rows += read_manifest(snap)

@@ -15,7 +15,7 @@ from tidespec.config import EngineParams
 from tidespec.bench.serve import serve_in_thread
 from tidespec.config import ServeParams
 from tidespec.engine.speculative import Engine
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 from tidespec.models.target import load_target
 from tidespec.serve.server import build_app
 

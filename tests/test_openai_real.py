@@ -12,7 +12,7 @@ from tidespec.config import EngineParams
 from tidespec.config import ServeParams
 from tidespec.models.detok import TextOutput
 from tidespec.engine.speculative import Engine
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 from tidespec.serve.server import build_app
 
 JAPANESE = "おはようございます 🌅 — 日本語のテキスト、絵文字 👍🏽 も。"

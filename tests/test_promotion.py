@@ -17,7 +17,7 @@ def _shuffled_workspace(root, ws, params, target):
     by a random permutation of the vocabulary: the hidden states no longer predict the labels
     (a deliberately bad training set: shuffled targets)."""
     from tidespec.capture import curate
-    from tidespec.capture.store import list_snapshots, seal
+    from tidespec.capture.snapshots import list_snapshots, seal
     from tidespec.capture.writer import CaptureWriter
     from tidespec.workspace import Workspace
 
@@ -127,7 +127,7 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     # `tidespec serve`'s engine and draft-health guard: v1 serves the holdout traffic, then v2 (the champion
     # now) the same traffic; its live first-token acceptance is clearly below v1's, so the guard rolls it back
     # through the registry (an audited decision) and deploys v1 where the champion watcher picks it up
-    from tidespec.cli import _registry_rollback
+    from tidespec.cli.serve import _registry_rollback
     from tidespec.engine.build import install_draft, make_engine
     from tidespec.serve.guard import HealthGuard
     from tidespec.serve.metrics import ServeMetrics

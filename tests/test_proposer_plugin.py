@@ -19,7 +19,7 @@ from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.proposers import Rung, register, unregister
 from tidespec.engine.proposers.base import one_hot
 from tidespec.engine.speculative import Engine, Request
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 
 
 def lookup(context: list[int], n: int, most: int) -> list[int]:

@@ -25,7 +25,7 @@ from tidespec.config import EngineParams
 from tidespec.capture.rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 
 TINY_TOL = (1e-5, 0.999)  # (max abs diff, bf16-equal share) on the tiny target
 SMOLLM2_TOL = (2e-3, 0.997)  # on SmolLM2-135M (full_model test)

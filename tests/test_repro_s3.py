@@ -12,7 +12,7 @@ import pytest
 from conftest import make_tiny_workspace
 
 from tidespec.adapters import versioning
-from tidespec.capture.store import list_snapshots
+from tidespec.capture.snapshots import list_snapshots
 
 pytestmark = pytest.mark.services
 ROOT = Path(__file__).resolve().parents[1]

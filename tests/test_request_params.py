@@ -11,7 +11,7 @@ from tidespec.config import EngineParams
 from tidespec.engine.logits import RequestLogits
 from tidespec.engine.sampling import SamplingParams, warp
 from tidespec.engine.speculative import Engine
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [42]]
 

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from tidespec.config import Params, TreeParams
 from tidespec.adapters import sagemaker_deploy as smd
+from tidespec.assets import sha256_file
 from tidespec.models.eagle3 import save_checkpoint
 from tidespec.config.sagemaker import CanaryParams
 
@@ -453,7 +454,7 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
     sm_dep = dep["sagemaker"]["gpu"]
     assert dep["version"] == v and sm_dep["action"] in ("create", "update") and sm_dep["status"] == "InService"
     env = boto3.client("sagemaker").describe_model(ModelName=sm_dep["model"])["PrimaryContainer"]["Environment"]
-    assert env["TIDESPEC_DRAFT_SHA256"] == smd.sha256_file(ws.champion / "draft" / "model.safetensors")
+    assert env["TIDESPEC_DRAFT_SHA256"] == sha256_file(ws.champion / "draft" / "model.safetensors")
     assert env["TIDESPEC_DRAFT_VERSION"] == str(v)
     assert (env["SM_SGLANG_SPECULATIVE_NUM_STEPS"], env["SM_SGLANG_SPECULATIVE_NUM_DRAFT_TOKENS"]) == ("2", "3")
     assert json.loads((ws.champion / "version.json").read_text())["tuned_k"] == {"gpu": 2}

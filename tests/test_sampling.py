@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, rejection_verify, warp
 from tidespec.engine.speculative import Engine
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 
 
 def first_token_prob(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

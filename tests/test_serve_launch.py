@@ -91,7 +91,7 @@ def test_preflight_runs_the_command_checks_on_its_own_arguments(tmp_path, capsys
     """`serve_preflight` (what `tidespec serve` runs first) with the shipped params, in a root that is
     a DVC repo: accepted, the auto_rollback note printed; in one that is not, publishing is refused
     with the fix, and --no-publish is accepted."""
-    from tidespec.cli import serve_preflight
+    from tidespec.cli.serve import serve_preflight
     (tmp_path / ".dvc").mkdir()
     p, ws, launch, pub = serve_preflight(tmp_path, SHIPPED, env=NO_MLFLOW)
     assert launch.backend == "embedded" and pub is not None and ws.root == tmp_path.resolve()

@@ -11,7 +11,8 @@ from tidespec.config import EngineParams
 def served(tiny_target, tmp_path):
     from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
-    from tidespec.models.eagle3 import DraftRunner, save_checkpoint
+    from tidespec.models.runner import DraftRunner
+    from tidespec.models.eagle3 import save_checkpoint
     from tidespec.serve.server import build_app
 
     drafts = tmp_path / "drafts"
@@ -132,7 +133,8 @@ def test_load_with_hot_swap_no_errors_outputs_unchanged(tiny_target, tmp_path):
     from tidespec.bench.serve import load, serve_in_thread
     from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
-    from tidespec.models.eagle3 import DraftRunner, load_checkpoint, save_checkpoint
+    from tidespec.models.runner import DraftRunner
+    from tidespec.models.eagle3 import load_checkpoint, save_checkpoint
     from tidespec.serve.server import build_app
 
     drafts = tmp_path / "drafts"
@@ -223,7 +225,7 @@ def test_engine_failure_is_a_500_with_the_request_id_streamed_or_not(tiny_target
     to the server log under that id."""
     from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
-    from tidespec.models.eagle3 import DraftRunner
+    from tidespec.models.runner import DraftRunner
     from tidespec.serve.server import build_app
 
     class ExplodingDraft(DraftRunner):

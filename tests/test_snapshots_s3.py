@@ -12,7 +12,7 @@ import torch
 
 from tidespec.adapters import versioning
 from tidespec.adapters.publish import Publisher
-from tidespec.capture.store import list_snapshots
+from tidespec.capture.snapshots import list_snapshots
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CaptureParams
 

@@ -18,7 +18,7 @@ from tidespec.bench.serve import serve_in_thread
 from tidespec.config import ServeParams
 from tidespec.engine.speculative import Engine
 from tidespec.engine.suffix import SuffixCache
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 from tidespec.models.target import load_target
 from tidespec.serve.server import build_app
 from tidespec.engine.constraint import ToolCallStream, parse_tool_calls

@@ -61,7 +61,8 @@ def test_cycle_corpus_is_the_curated_windows_outputs(tmp_path, tiny_target_dir):
 
 def test_server_swap_installs_the_drafts_corpus(tiny_target, tmp_path):
     from tidespec.config import ServeParams
-    from tidespec.models.eagle3 import DraftRunner, save_checkpoint
+    from tidespec.models.runner import DraftRunner
+    from tidespec.models.eagle3 import save_checkpoint
     from tidespec.serve.server import build_app
 
     drafts = tmp_path / "drafts"

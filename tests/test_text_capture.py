@@ -21,7 +21,7 @@ def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import ServeParams, load_params
     from tidespec.engine.speculative import Engine
-    from tidespec.models.eagle3 import DraftRunner
+    from tidespec.models.runner import DraftRunner
     from tidespec.models.target import load_target
     from tidespec.serve.server import build_app
     from tidespec.workspace import Workspace

@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny_workspace, tiny_records
 
 from tidespec.config import CaptureParams, EngineParams
-from tidespec.capture.store import seal
+from tidespec.capture.snapshots import seal
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CurateParams, DraftParams, TrainParams
 from tidespec.capture.curate import curate
@@ -245,7 +245,7 @@ def test_simulated_tau_is_conditional_over_visited_chains_not_the_unconditional_
     Greedy speculative decoding starts at position 0; a chain with a leading run L emits
     min(L, k) + 1 tokens, so the chains start at 0, 3, 4, 7 with runs 2, 0, 2, 1: τ = 1 + 5/4."""
     from tidespec.engine.stats import simulated_acceptance_length
-    from tidespec.train.trainer import HoldoutEval, chain_starts, conditional_acceptance
+    from tidespec.train.holdout import HoldoutEval, chain_starts, conditional_acceptance
 
     right = torch.tensor([[1, 1], [0, 1], [1, 0], [0, 0], [1, 1], [0, 0], [0, 0], [1, 0]], dtype=torch.bool)
     uncond = right.float().mean(0).tolist()  # [4/8, 3/8]: step j right whatever steps < j did
@@ -268,8 +268,8 @@ def test_simulated_tau_matches_greedy_engine_replay(tiny_target, tmp_path):
     replaying the same prompts greedily with speculative decoding at the same k."""
     from tidespec.engine.speculative import Engine, Request
     from tidespec.engine.stats import SpecDecodingStats, simulated_acceptance_length
-    from tidespec.models.eagle3 import DraftRunner
-    from tidespec.train.trainer import holdout_accuracy
+    from tidespec.models.runner import DraftRunner
+    from tidespec.train.holdout import holdout_accuracy
 
     k, N = 3, 24
     g = torch.Generator().manual_seed(0)

@@ -31,7 +31,7 @@ def _project(tmp_path):
 
 def test_every_route_calls_train_candidate(tmp_path, calls, monkeypatch):
     from tidespec.adapters.orchestrate import load_flow
-    from tidespec.cli import stage_train
+    from tidespec.cli.stages import stage_train
     from tidespec.workspace import Workspace
 
     flow_train_task = load_flow("tide_cycle", REPO).fn.__globals__["train"]  # flows/cycle.py's train task

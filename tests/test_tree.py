@@ -15,7 +15,7 @@ from tidespec.engine.policy.search import _Step, best_alone, step_draft_batches
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.tree import DraftTree, TreeJob, accept_greedy, expand, layout, max_nodes, select, widen
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 from tidespec.models.target import Segment
 
 

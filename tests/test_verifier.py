@@ -33,7 +33,7 @@ from scipy.stats import chisquare
 from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, rejection_verify, sample, warp
 from tidespec.engine.speculative import Engine, Request
-from tidespec.models.eagle3 import DraftRunner
+from tidespec.models.runner import DraftRunner
 
 ALPHA = 1e-3  # chi-square threshold: p > ALPHA passes, p < ALPHA is a detected broken verifier
 

@@ -110,7 +110,7 @@ def test_failed_publish_is_retried_by_the_next(tmp_path):
     and only then may retention drop it."""
     r, remote, snaps, pub, w, rec = _publishing_writer(tmp_path, keep_local=1, publish_attempts=1)
     first = w.seal_now()
-    w._publisher.submit(lambda: None).result()  # wait for the publisher
+    w._publisher._pool.submit(lambda: None).result()  # wait for the publisher
     assert w.stats().publish_errors == 1 and (snaps / "tid" / first.snapshot_id).exists()
     remote.unlink()  # the remote is back
     remote.mkdir(mode=0o700)
@@ -148,7 +148,7 @@ def test_drift_above_threshold_triggers_a_cycle_event(tmp_path, monkeypatch):
     from tidespec.assets import prompts
     from tidespec.adapters import orchestrate
     from tidespec.adapters.publish import Publisher
-    from tidespec.capture.store import seal
+    from tidespec.capture.snapshots import seal
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import CurateParams
     from tidespec.capture.curate import curate

@@ -82,7 +82,8 @@ def test_vllm_counters_equal_the_tidespec_engine(tiny_vllm_setup, vllm_python, t
     from tidespec.engine.sampling import SamplingParams
     from tidespec.engine.speculative import Engine
     from tidespec.engine.stats import SpecDecodingStats
-    from tidespec.models.eagle3 import DraftRunner, load_checkpoint
+    from tidespec.models.runner import DraftRunner
+    from tidespec.models.eagle3 import load_checkpoint
     _, target, draft, prompts = tiny_vllm_setup
     eng = Engine(target, DraftRunner(load_checkpoint(draft, target.embed, target.target_id)), EngineParams(num_draft_tokens=K, max_seq_len=256))
     ours, total = [], SpecDecodingStats(K)

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..capture.store import SnapshotInfo, list_snapshots
+from ..capture.snapshots import SnapshotInfo, list_snapshots
 from ..capture.curate import snapshot_drift
 from . import orchestrate, versioning
 

@@ -32,7 +32,7 @@ from ..engine.grammar import GrammarCompiler
 from ..engine.stats import per_position, tau_standard_error
 from ..models.load import runner_for
 from ..workspace import Workspace, served_version
-from . import shift
+from . import shift, shift_report
 
 ARMS = ("none", "static", "adapted", "default")  # measured per point; "default" = the hybrid as serve runs it
 NOISE = 0.03  # "within noise" for τ changes between points (greedy τ is deterministic; tokens/s is not)
@@ -285,7 +285,7 @@ def summarize(rep: dict) -> dict:
 
 def write_report(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     """`out/<stem>.json`, `.md` and the plots; returns the plot paths."""
-    return shift.write_report(rep, out, stem, plots, markdown)
+    return shift_report.write_report(rep, out, stem, plots, markdown)
 
 
 FLAGS = (("workload", "--workload"), ("switch_to", "--switch-to"), ("cycles", "--cycles"),
@@ -326,7 +326,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
         ax.set_xlabel("serving + cycle wall time (min)")
         ax.set_ylabel("tokens/s (held-out)")
     axes[0][0].legend(fontsize=7)
-    paths["tokens_per_s"] = shift.save_png(fig, out / f"{stem}-tokens-per-s.png")
+    paths["tokens_per_s"] = shift_report.save_png(fig, out / f"{stem}-tokens-per-s.png")
 
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     c0 = cs[0]
@@ -341,7 +341,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     ax.set_ylabel(f"τ at k={rep['k']} (held-out)")
     ax.set_title(f"{w}: acceptance length over the run (cycle numbers)")
     ax.legend(fontsize=7)
-    paths["tau"] = shift.save_png(fig, out / f"{stem}-tau.png")
+    paths["tau"] = shift_report.save_png(fig, out / f"{stem}-tau.png")
 
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
     r = rep["summary"]["default_over_static"]
@@ -350,7 +350,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     ax.set_xlabel("concurrency")
     ax.set_ylabel("default / static tokens/s")
     ax.set_title(f"after {rep['config']['cycles']} cycles on {w}")
-    paths["ratio"] = shift.save_png(fig, out / f"{stem}-ratio.png")
+    paths["ratio"] = shift_report.save_png(fig, out / f"{stem}-ratio.png")
 
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for p in pts:
@@ -362,7 +362,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     ax.set_ylabel("accepted / drafts")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=6, ncol=2)
-    paths["per_position"] = shift.save_png(fig, out / f"{stem}-per-position.png")
+    paths["per_position"] = shift_report.save_png(fig, out / f"{stem}-per-position.png")
     return paths
 
 

@@ -212,10 +212,11 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     from ..steps.bootstrap import static_draft_dir
     from ..models.load import target_id
     from . import engine as bench
+    from .engine_report import WORKLOADS
     p = load_params(params)
-    bad = set(workload) - set(bench.WORKLOADS)
+    bad = set(workload) - set(WORKLOADS)
     if bad:
-        raise ValueError(f"unknown workload(s) {sorted(bad)}; use {', '.join(bench.WORKLOADS)}")
+        raise ValueError(f"unknown workload(s) {sorted(bad)}; use {', '.join(WORKLOADS)}")
     if any(c < 1 for c in concurrency):
         raise ValueError(f"--concurrency must be >= 1, got {sorted(concurrency)}")
     adapted = adapted or Workspace(root.resolve()).champion
@@ -323,3 +324,29 @@ def bench_capture(params: Path = PARAMS, prompts: int = typer.Option(8, min=1),
     rep = bench.run(load_params(params), out, prompts, max_new_tokens, rounds, progress=console.print)
     console.print((out / "capture.md").read_text())
     console.print(f"wrote {out / 'capture.json'} and {out / 'capture.md'} in {rep['setup']['wall_s']:.0f} s")
+
+
+# The experiment scripts: argparse programs of their own, run as `tidespec bench NAME ARGS...` (their
+# --help is theirs); one module each in this package, `main(argv)`.
+SCRIPTS = {
+    "inprocess-ab": ("inprocess_ab", "A speculation config vs no speculation, both engines in one process "
+                                     "(the engine's own work per step, paired ratios)."),
+    "static-baseline": ("static_baseline", "τ per workload of static and adapted drafts (fixed chain k; trees)."),
+    "vllm-agreement": ("vllm_agreement", "vLLM and tidespec's engine on the same prompts and draft: equal tokens "
+                                         "and spec-decode counters."),
+    "grammar-libs": ("grammar_libs", "xgrammar vs llguidance: compile, mask and consume costs on the target's "
+                                     "tokenizer."),
+    "pretrain-code": ("pretrain_code", "A draft pretrained on teacher-forced generic code (the standard library)."),
+}
+
+
+def _script(name: str, module: str, doc: str) -> None:
+    @bench_app.command(name, help=f"{doc} Arguments: `tidespec bench {name} --help`.", add_help_option=False,
+                       context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def run(ctx: typer.Context) -> None:
+        import importlib
+        importlib.import_module(f"{__package__}.{module}").main(list(ctx.args))
+
+
+for _name, (_module, _doc) in SCRIPTS.items():
+    _script(_name, _module, _doc)

@@ -22,7 +22,8 @@ import torch
 
 from ..assets import prompts
 from ..models.chat import prompt_ids
-from ..capture.store import iter_records, list_snapshots, seal
+from ..capture.store import iter_records
+from ..capture.snapshots import list_snapshots, seal
 from ..capture.writer import CaptureWriter
 from ..config import CaptureParams, EngineParams, Params
 from ..capture.curate import load_records
@@ -30,9 +31,12 @@ from ..steps.cycle import step_curate
 from ..engine.build import make_engine
 from ..engine.speculative import Request
 from ..engine.stats import SpecDecodingStats
-from ..models.eagle3 import DraftRunner, load_checkpoint
+from ..models.runner import DraftRunner
+from ..models.eagle3 import load_checkpoint
 from ..models.target import Target
-from ..train.trainer import evaluate_holdout, holdout_accuracy, prepare, train_draft
+from ..train.holdout import evaluate_holdout, holdout_accuracy
+from ..train.examples import prepare
+from ..train.trainer import train_draft
 from ..workspace import Workspace
 
 

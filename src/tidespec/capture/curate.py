@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .store import CorruptShard, ManifestRow, list_snapshots, read_manifest, read_record, write_private
+from .store import CorruptShard, ManifestRow, read_manifest, read_record, write_private
+from .snapshots import list_snapshots
 from ..config import CurateParams
 from ..hashing import unit_hash
 

@@ -44,7 +44,8 @@ from ..config.sagemaker import parse_s3_uri
 from ..workspace import Workspace
 from .exchange import parse_object
 from .rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids
-from .store import list_snapshots, read_manifest, read_rows
+from .snapshots import list_snapshots
+from .store import read_manifest, read_rows
 from .writer import CaptureWriter
 
 log = logging.getLogger(__name__)

@@ -28,20 +28,16 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from filelock import FileLock, Timeout
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..errors import TidespecError
-from ..workspace import private_dir
 
 log = logging.getLogger(__name__)
 FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
@@ -282,183 +278,3 @@ def iter_records(directory: Path) -> Iterator[tuple[ManifestRow, dict[str, torch
         yield row, read_record(directory, row)
 
 
-# -- snapshots --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SnapshotInfo:
-    snapshot_id: str
-    path: Path
-    target_id: str
-    num_records: int
-    num_tokens: int
-    workloads: dict[str, int]
-    num_bytes: int = 0
-    reason: str = "manual"  # why it was sealed: manual | tokens | age
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.num_bytes / self.num_tokens if self.num_tokens else 0.0
-
-
-def new_snapshot_id() -> str:
-    """`s<UTC time, µs>-<4 random hex>`: sorts by time; replicas sealing at once do not collide."""
-    return "s" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ") + "-" + os.urandom(2).hex()
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except FileExistsError:
-        dst.unlink()
-        _link_or_copy(src, dst)
-    except OSError:  # another filesystem (or no hard links): copy + fsync
-        shutil.copyfile(src, dst)
-        os.chmod(dst, 0o600)
-        _fsync_file(dst)
-
-
-def _finish_seal(capture_dir: Path, snapshots_root: Path, target_id: str, sid: str,
-                 reason: str) -> SnapshotInfo | None:
-    """Build snapshot `sid` from `capture_dir/sealing-<sid>.jsonl`, then drop the capture's copies.
-    Idempotent: rerun after a crash at any point gives the same snapshot."""
-    sealing = capture_dir / f"sealing-{sid}.jsonl"
-    rows = read_rows(sealing)
-    dest = Path(snapshots_root) / target_id / sid
-    if rows and not (dest / "snapshot.json").exists():
-        private_dir(dest.parent)
-        tmp = dest.with_name(f".{sid}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        private_dir(tmp)
-        shards = sorted({r.shard for r in rows})
-        for s in shards:
-            _link_or_copy(capture_dir / s, tmp / s)
-        append_manifest(tmp / MANIFEST, rows)
-        workloads: dict[str, int] = {}
-        for r in rows:
-            workloads[r.workload] = workloads.get(r.workload, 0) + 1
-        nbytes = sum((tmp / s).stat().st_size for s in shards)
-        ntok = sum(r.num_tokens for r in rows)
-        info = {"snapshot_id": sid, "target_id": target_id, "created": utc_now(), "reason": reason,
-                "num_records": len(rows), "num_tokens": ntok, "num_bytes": nbytes,
-                "bytes_per_token": nbytes / ntok if ntok else 0.0, "workloads": workloads,
-                "first_ts": min(r.ts for r in rows), "last_ts": max(r.ts for r in rows),
-                "codecs": sorted({"zstd" if s.endswith(".zst") else "none" for s in shards})}
-        write_private(tmp / "snapshot.json", json.dumps(info, indent=2).encode())
-        _fsync_dir(tmp)
-        os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
-    # the capture's copies go only once the snapshot exists
-    for s in sorted({r.shard for r in rows}):
-        (capture_dir / s).unlink(missing_ok=True)
-    sealing.unlink(missing_ok=True)
-    _fsync_dir(capture_dir)
-    return load_snapshot(dest) if rows else None
-
-
-def load_snapshot(path: Path) -> SnapshotInfo:
-    """SnapshotInfo from `path/snapshot.json`. Raises FileNotFoundError if it is not a sealed snapshot."""
-    path = Path(path)
-    info = json.loads((path / "snapshot.json").read_text())
-    return SnapshotInfo(info["snapshot_id"], path, info["target_id"], info["num_records"], info["num_tokens"],
-                        info.get("workloads", {}), info.get("num_bytes", 0), info.get("reason", "manual"),
-                        {k: info[k] for k in ("first_ts", "last_ts", "codecs") if k in info})
-
-
-def recover(capture_dir: Path, snapshots_root: Path | None = None, target_id: str | None = None) -> list[SnapshotInfo]:
-    """After a crash: remove temp files and shards no manifest lists (never acknowledged), cut a
-    torn manifest tail, and finish interrupted seals (when `snapshots_root` is given; else they are
-    left, logged). Call it only while holding the capture dir's lock. Returns the snapshots it finished."""
-    capture_dir = Path(capture_dir)
-    if not capture_dir.exists():
-        return []
-    for tmp in capture_dir.glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
-    if trim_torn_tail(capture_dir / MANIFEST):
-        log.warning("%s: cut a torn last line (crash mid-append; that record was never acknowledged)", capture_dir)
-    listed = {r.shard for r in read_manifest(capture_dir)}
-    listed |= {r.shard for f in capture_dir.glob("sealing-*.jsonl") for r in read_rows(f)}
-    for shard in capture_dir.glob("shard-*"):  # written, but its manifest rows never were: not acknowledged
-        if shard.name not in listed:
-            log.warning("%s: removing unlisted shard %s (crash before its manifest append)", capture_dir, shard.name)
-            shard.unlink(missing_ok=True)
-    done = []
-    for sealing in sorted(capture_dir.glob("sealing-*.jsonl")):
-        sid = sealing.stem.removeprefix("sealing-")
-        rows = read_rows(sealing)
-        tid = target_id or (rows[0].target_id if rows else "")
-        if snapshots_root is None:  # left for whoever seals (`tidespec snapshots seal`)
-            log.warning("%s is an interrupted seal; `tidespec snapshots seal` finishes it", sealing)
-            continue
-        info = _finish_seal(capture_dir, snapshots_root, tid, sid, "recovered")
-        if info:
-            done.append(info)
-    if snapshots_root is not None and target_id:
-        for tmp in (Path(snapshots_root) / target_id).glob(".*.tmp"):
-            if not (capture_dir / f"sealing-{tmp.name[1:-4]}.jsonl").exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return done
-
-
-class CaptureDirBusy(TidespecError):
-    """Another writer (or sealer) holds this capture directory."""
-
-
-def lock_capture_dir(capture_dir: Path) -> FileLock:
-    """Exclusive, non-blocking lock on `<dir>/.lock` (flock through `filelock`, released by the kernel
-    if the holder dies): one writer or sealer per capture dir. Returns the held lock, to pass to
-    `unlock` (from any thread). Raises CaptureDirBusy."""
-    lock = FileLock(private_dir(Path(capture_dir)) / ".lock", timeout=0, mode=0o600, thread_local=False,
-                    fallback_to_soft=False)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise CaptureDirBusy(f"{capture_dir} is in use by another capture writer or sealer (one per directory): "
-                             "stop it, or seal through it (CaptureWriter.seal_now)") from None
-    return lock
-
-
-def unlock(lock: FileLock) -> None:
-    """Release a `lock_capture_dir` lock."""
-    lock.release(force=True)
-
-
-def seal(capture_dir: Path, snapshots_root: Path, target_id: str, reason: str = "manual",
-         lock: bool = True) -> SnapshotInfo | None:
-    """Move every record listed in the capture manifest into a new immutable snapshot.
-
-    Layout: `snapshots_root/<target_id>/<snapshot_id>/{shards, manifest.jsonl, snapshot.json}`
-    (snapshot.json: counts, bytes, bytes_per_token, workloads, first/last ts, reason). Unlisted
-    files (temp or torn shards) stay behind. Returns None when nothing was captured. Takes the
-    capture dir's lock (`lock=False` only for its holder: the writer thread). Raises CaptureDirBusy
-    while a writer runs there (seal through it: `CaptureWriter.seal_now()`), ValueError when the
-    capture holds records of another target.
-    """
-    capture_dir = Path(capture_dir)
-    if lock:
-        held = lock_capture_dir(capture_dir)
-        try:
-            return seal(capture_dir, snapshots_root, target_id, reason, lock=False)
-        finally:
-            unlock(held)
-    recover(capture_dir, snapshots_root, target_id)
-    rows = read_manifest(capture_dir)
-    if not rows:
-        return None
-    others = {r.target_id for r in rows} - {target_id}
-    if others:
-        raise ValueError(f"capture {capture_dir} holds records of other targets {sorted(others)}; seal them separately")
-    sid = new_snapshot_id()
-    while (Path(snapshots_root) / target_id / sid).exists() or (Path(snapshots_root) / target_id / f".{sid}.tmp").exists():
-        sid = new_snapshot_id()
-    os.replace(capture_dir / MANIFEST, capture_dir / f"sealing-{sid}.jsonl")
-    _fsync_dir(capture_dir)
-    return _finish_seal(capture_dir, snapshots_root, target_id, sid, reason)
-
-
-def list_snapshots(snapshots_root: Path, target_id: str) -> list[Path]:
-    """Sealed snapshot dirs of a target present locally, oldest first."""
-    d = Path(snapshots_root) / target_id
-    if not d.exists():
-        return []
-    return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")
-                  and (p / "snapshot.json").exists())

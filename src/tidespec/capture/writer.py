@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -36,7 +36,8 @@ from ..config import CaptureParams
 from ..hashing import unit_hash
 from ..workspace import private_dir
 from .metrics import CaptureCollector
-from .store import ManifestRow, SnapshotInfo, append_manifest, encode_shard, lock_capture_dir, parse_ts, prompt_hash, read_manifest, recover, seal, shard_name, unlock, utc_now, validate_record, write_shard
+from .store import ManifestRow, append_manifest, encode_shard, parse_ts, prompt_hash, read_manifest, shard_name, utc_now, validate_record, write_shard
+from .snapshots import SealPublisher, SnapshotInfo, lock_capture_dir, recover, seal, unlock
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -77,38 +78,31 @@ class CaptureWriter:
     `cfg` (`CaptureParams`, whole: queue, shards, compression, disk quota and floor, sample rate,
     the acceptance filter, store_text, seal thresholds; default `CaptureParams()`) says.
 
-    With `snapshots_root`, seals `directory` into `snapshots_root/<target_id>/<sid>/` when
-    `cfg.seal_min_tokens` unsealed tokens or `cfg.seal_max_age_s` (age of the oldest unsealed record)
-    is reached, then calls `on_seal(SnapshotInfo)` on a publisher thread. On start it removes
-    temp files and finishes seals a crash interrupted (publishing those too). A failed publish
-    (`on_seal` raised: DVC remote or Prefect down) is counted (`publish_errors`) and retried after
-    `publish_retry_s` s, doubling, up to `publish_attempts` tries; the sealed snapshot stays on
-    local disk meanwhile, and the next seal's publish takes it along. Holds an exclusive lock on
-    `directory` until `close()`: a second writer or an offline `seal` there raises CaptureDirBusy.
-    """
+    With `snapshots_root`, seals `directory` into `snapshots_root/<target_id>/<sid>/` at
+    `cfg.seal_min_tokens` unsealed tokens or `cfg.seal_max_age_s` (the oldest unsealed record's age),
+    and publishes each seal with `on_seal(SnapshotInfo)` (`snapshots.SealPublisher`: its own thread,
+    retried `publish_attempts` times from `publish_retry_s` s). On start it removes temp files and
+    finishes (and publishes) seals a crash interrupted. Holds an exclusive lock on `directory` until
+    `close()`: a second writer or an offline `seal` there raises CaptureDirBusy."""
 
     def __init__(self, directory: Path, target_id: str, cfg: CaptureParams | None = None, *,
                  snapshots_root: Path | None = None, on_seal: Callable[[SnapshotInfo], object] | None = None,
                  idle_flush_s: float = 2.0, seed: int = 0, detokenize: Callable[[list[int]], str] | None = None,
                  publish_retry_s: float = PUBLISH_RETRY_S, publish_attempts: int = PUBLISH_ATTEMPTS):
-        cfg = cfg or CaptureParams()
-        self.cfg = cfg
+        self.cfg = cfg = cfg or CaptureParams()
         self.dir = private_dir(Path(directory))
         self._dir_lock = lock_capture_dir(self.dir)  # one writer per directory; raises CaptureDirBusy
         self.target_id = target_id
         self.quota = cfg.disk_quota_mb * MB if cfg.disk_quota_mb else None
         self.min_free = cfg.min_free_disk_mb * MB
-        self.seed, self.detokenize = seed, detokenize
+        self.seed, self.detokenize, self.on_seal, self.idle_flush_s = seed, detokenize, on_seal, idle_flush_s
         self.snapshots_root = Path(snapshots_root) if snapshots_root else None
-        self.on_seal = on_seal
-        self.idle_flush_s = idle_flush_s
         self.manifest = self.dir / "manifest.jsonl"
         self.q: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
         self._lock = threading.Lock()  # counters
         self._dropped: Counter = Counter()
         self._filtered: Counter = Counter()
-        self.written_total = self.tokens_total = self.bytes_total = self.sealed_total = 0
-        self.publish_errors = self.seal_errors = 0
+        self.written_total = self.tokens_total = self.bytes_total = self.sealed_total = self.seal_errors = 0
         self._seal_retry_at = 0.0
         self._closing = False
         self._submit_lock = threading.Lock()  # orders submits against close(): nothing enters after STOP
@@ -116,11 +110,10 @@ class CaptureWriter:
         self.error: BaseException | None = None
         self._full: str | None = None  # latched drop reason (quota / disk) until a seal frees space
         self._pending: list[tuple[dict, dict]] = []
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tidespec-publish") if on_seal else None
-        self.publish_retry_s, self.publish_attempts = publish_retry_s, publish_attempts
-        self._closed = threading.Event()  # cuts a publish retry's backoff short at close()
+        self._publisher = SealPublisher(on_seal, publish_retry_s, publish_attempts) if on_seal else None
         for info in recover(self.dir, self.snapshots_root, target_id):
-            self._publish(info)
+            if self._publisher:
+                self._publisher.publish(info)
         self._rescan()
         self._thread = threading.Thread(target=self._run, name="tidespec-capture", daemon=True)
         self._thread.start()
@@ -174,15 +167,12 @@ class CaptureWriter:
         for a Generation without a record."""
         if gen.record is None:
             raise ValueError(f"request {gen.request_id} has no capture record: submit it with capture=True")
-        st, draft = gen.stats, gen.stats_by_proposer.get("eagle3")
         text = None
         if self.cfg.store_text and self.detokenize is not None:
             ids = gen.record["input_ids"].tolist()
             text = {"prompt": self.detokenize(ids[:gen.prompt_len]), "completion": self.detokenize(gen.tokens)}
-        return self.submit(gen.record, request_id=gen.request_id, workload=workload,
-                           acceptance_length=st.acceptance_length, prompt_id=prompt_id, text=text,
-                           acceptance_rate=draft.acceptance_rate if draft is not None and draft.num_draft_tokens
-                           else None,
+        return self.submit(gen.record, request_id=gen.request_id, workload=workload, prompt_id=prompt_id, text=text,
+                           acceptance_length=gen.stats.acceptance_length, acceptance_rate=draft_acceptance_rate(gen),
                            constraint=gen.constraint)
 
     def collector(self):
@@ -196,19 +186,14 @@ class CaptureWriter:
                                 dict(self._filtered), self.sealed_total, self._unsealed_tokens, self.q.qsize(),
                                 self.publish_errors, self.seal_errors, self.write_cpu_s, self.write_wall_s)
 
+    @property
+    def publish_errors(self) -> int:
+        """Failed publish attempts so far (each retried, `SealPublisher`)."""
+        return self._publisher.errors if self._publisher else 0
+
     # -- control ---------------------------------------------------------------------------
     def _command(self, name: str, timeout_s: float) -> Future:
-        fut: Future = Future()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self._thread.is_alive():
-                raise RuntimeError(f"capture writer is not running ({self.error or 'closed'})")
-            try:
-                self.q.put((name, fut), timeout=0.1)
-                return fut
-            except queue.Full:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("capture queue did not drain") from None
+        return command(self.q, self._thread, name, timeout_s, self.error)
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Block until everything queued so far is on disk (pending shard written). Raises
@@ -247,8 +232,7 @@ class CaptureWriter:
                                        "its records stay queued in this process")
         finally:
             if self._publisher:
-                self._closed.set()
-                self._publisher.shutdown(wait=not self._thread.is_alive())
+                self._publisher.close(wait=not self._thread.is_alive())
             if self._dir_lock is not None and not self._thread.is_alive():
                 unlock(self._dir_lock)
                 self._dir_lock = None
@@ -322,13 +306,7 @@ class CaptureWriter:
         c0, w0 = time.thread_time(), time.perf_counter()
         try:
             data = encode_shard([r for r, _ in batch], self.cfg.compression, validated=True)  # checked at submit
-            rows = [ManifestRow(request_id=m["request_id"], ts=m["ts"], workload=m["workload"],
-                                target_id=self.target_id, num_tokens=int(r["input_ids"].shape[0]),
-                                acceptance_length=m["acceptance_length"], shard="", offset=i,
-                                prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"],
-                                acceptance_rate=m["acceptance_rate"], text=m["text"], origin=m["origin"],
-                                constraint=m["constraint"])
-                    for i, (r, m) in enumerate(batch)]
+            rows = manifest_rows(batch, self.target_id)
         except Exception as e:  # noqa: BLE001 - one bad batch (validated at submit: should not happen)
             self._fail(e, batch)
             return
@@ -388,28 +366,43 @@ class CaptureWriter:
         if info:
             with self._lock:
                 self.sealed_total += 1
-            self._publish(info)
+            if self._publisher:
+                self._publisher.publish(info)
         return info
 
-    def _publish(self, info: SnapshotInfo) -> None:
-        if self._publisher is None:
-            return
 
-        def run():  # on the publisher thread: serving and capture never wait for it
-            for attempt in range(self.publish_attempts):
-                try:
-                    self.on_seal(info)
-                    return
-                except Exception:  # noqa: BLE001 - the snapshot stays local and sealed: nothing is lost
-                    wait_s = self.publish_retry_s * 2 ** attempt
-                    log.exception("publishing snapshot %s failed (try %d of %d; next in %.0f s, and the next "
-                                  "seal's publish takes it along)", info.snapshot_id, attempt + 1, self.publish_attempts,
-                                  wait_s)
-                    with self._lock:
-                        self.publish_errors += 1
-                if attempt + 1 == self.publish_attempts or self._closed.wait(wait_s):
-                    return
-        self._publisher.submit(run)
+def command(q: queue.Queue, thread: threading.Thread, name: str, timeout_s: float, error) -> Future:
+    """Queue a control command ("flush", "seal") behind the records for the writer `thread`; returns the
+    Future it resolves. Raises RuntimeError when the thread is gone (`error`: why), TimeoutError when
+    the queue does not take it within `timeout_s` s."""
+    fut: Future = Future()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not thread.is_alive():
+            raise RuntimeError(f"capture writer is not running ({error or 'closed'})")
+        try:
+            q.put((name, fut), timeout=0.1)
+            return fut
+        except queue.Full:
+            if time.monotonic() > deadline:
+                raise TimeoutError("capture queue did not drain") from None
+
+
+def draft_acceptance_rate(gen) -> float | None:
+    """The EAGLE3 draft's acceptance rate on a Generation (None when it drafted nothing for it)."""
+    draft = gen.stats_by_proposer.get("eagle3")
+    return draft.acceptance_rate if draft is not None and draft.num_draft_tokens else None
+
+
+def manifest_rows(batch: list[tuple[dict, dict]], target_id: str) -> list[ManifestRow]:
+    """The manifest rows of a batch of (record, metadata) about to be written as one shard (shard name
+    set when it is)."""
+    return [ManifestRow(request_id=m["request_id"], ts=m["ts"], workload=m["workload"], target_id=target_id,
+                        num_tokens=int(r["input_ids"].shape[0]), acceptance_length=m["acceptance_length"], shard="",
+                        offset=i, prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"],
+                        acceptance_rate=m["acceptance_rate"], text=m["text"], origin=m["origin"],
+                        constraint=m["constraint"])
+            for i, (r, m) in enumerate(batch)]
 
 
 __all__ = ["CaptureWriter", "CaptureStats"]

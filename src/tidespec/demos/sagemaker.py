@@ -30,7 +30,7 @@ from ..assets import prompts
 from ..adapters import aws, orchestrate, registry, services
 from ..adapters import sagemaker_deploy as smd
 from ..models.chat import prompt_ids
-from ..capture.store import seal
+from ..capture.snapshots import seal
 from ..capture.text import capture_line
 from ..config import load_params
 from ..steps.cycle import step_deploy

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..assets import cache_dir
 from ..config import EngineParams, tree_num_draft_tokens
-from ..models.eagle3 import DraftRunner
+from ..models.runner import DraftRunner
 from ..models.load import runner_for
 from ..models.target import Target
 from ..workspace import served

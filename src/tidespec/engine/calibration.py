@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ..models import eagle3, target as target_mod
+from ..models import eagle3, runner
+from ..models import target as target_mod
 from ..models.target import Segment
 
 VERSION = 3  # the cached file's format: a calibration of another version is measured anew
@@ -121,7 +122,7 @@ def cpu_model() -> str:
 def _code_hash() -> str:
     """The forward code's identity: a calibration measured before a kernel change is not reused."""
     h = hashlib.sha256()
-    for mod in (target_mod, eagle3):
+    for mod in (target_mod, eagle3, runner):
         h.update(Path(mod.__file__).read_bytes())
     return h.hexdigest()[:12]
 

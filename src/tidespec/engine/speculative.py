@@ -25,7 +25,7 @@ from concurrent.futures import Future
 import torch
 
 from ..config import EngineParams
-from ..models.eagle3 import DraftRunner
+from ..models.runner import DraftRunner
 from ..models.target import Segment, Target
 from .accept import after_prefill, after_verify, cut_to_grammar, guard
 from .generation import CaptureSink, Generation, generation_of, wanted

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.eagle3 import DraftCache, DraftRunner
+from ..models.runner import DraftCache, DraftRunner
 
 
 @dataclass

@@ -9,7 +9,8 @@ import torch
 
 from ..assets import cache_dir, target_gguf
 from ..config import Params
-from .eagle3 import DraftRunner, load_checkpoint
+from .runner import DraftRunner
+from .eagle3 import load_checkpoint
 from .target import Target, convert_gguf, load_target, target_id_for
 
 def target_dir(source: str) -> Path:

@@ -20,7 +20,7 @@ from ..adapters import versioning
 from ..adapters import sagemaker_deploy as smd
 from ..adapters.orchestrate import train_on_pool
 from ..adapters.sagemaker_train import train_on_sagemaker
-from ..capture.store import list_snapshots
+from ..capture.snapshots import list_snapshots
 from ..config import Params, load_params
 from .deploy.local import deploy_champion, notify_server
 from ..engine.suffix import CORPUS_FILE, newest_within, save_corpus

@@ -15,7 +15,8 @@ from ..capture.curate import load_records
 from ..models.eagle3 import load_checkpoint
 from ..models.target import Target
 from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason
-from .trainer import holdout_accuracy, train_draft
+from .holdout import holdout_accuracy
+from .trainer import train_draft
 
 
 def preflight(params: Params) -> None:

@@ -26,7 +26,6 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,89 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from ..config import DraftParams, TrainParams
-from ..engine.stats import simulated_acceptance_length
 from ..models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab, count_tokens, load_checkpoint, remap_lm_head, save_checkpoint
 from ..models.target import Target
+from .examples import batches, prepare
+from .holdout import HoldoutEval, evaluate_holdout
 from .resume import clear_state, fingerprint, load_state, records_fingerprint, save_state, state_dir, weights_digest
-
-
-@dataclass
-class Example:
-    """One training sequence: aux `[T, 3H]` fp32, ids `[T]` int64, target logits over the draft
-    vocab `[T, Vd]` bf16, valid `[T]` bool (learnable position: kept by the loss mask, and its
-    target argmax is in the draft vocab), keep `[T]` bool (kept by the loss mask, whatever the
-    argmax: the positions a draft is evaluated on; None = same as valid)."""
-
-    aux: torch.Tensor
-    ids: torch.Tensor
-    tlogits: torch.Tensor
-    valid: torch.Tensor
-    keep: torch.Tensor | None = None
-
-
-def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int,
-            loss_on_prompt: bool = False, dropped: Counter | None = None) -> list[Example]:
-    """Turn capture records into examples (target logits computed once, restricted to the draft vocab).
-
-    `loss_on_prompt`: also learn the target's distribution at prompt positions (loss_mask == 0).
-    SpecForge masks them; on small captures they are extra in-domain signal for free.
-    Records with NaN/Inf hidden states, shorter than 3 tokens, or without a position to learn
-    (all cut off by `max_len`, or every target argmax outside the draft vocab) are dropped and
-    counted in `dropped` (keys `non_finite`, `too_short`, `no_valid_positions`).
-    """
-    out = []
-    dropped = Counter() if dropped is None else dropped
-    cols = t2d.nonzero().squeeze(-1)
-    for r in records:
-        T = min(int(r["input_ids"].shape[0]), max_len)
-        if T < 3:
-            dropped["too_short"] += 1
-            continue
-        if not (torch.isfinite(r["hidden_states"][:T]).all() and torch.isfinite(r["aux_hidden_states"][:T]).all()):
-            dropped["non_finite"] += 1
-            continue
-        hid = r["hidden_states"][:T].float()
-        with torch.no_grad():
-            full = target.logits_from_hidden(hid)  # [T, V]
-        keep = torch.ones(T, dtype=torch.bool) if loss_on_prompt else r["loss_mask"][:T].bool()
-        valid = keep & t2d[full.argmax(-1)]
-        if not valid[1:].any():  # nothing to learn (e.g. generation cut off by max_len, or out of vocab)
-            dropped["no_valid_positions"] += 1
-            continue
-        out.append(Example(r["aux_hidden_states"][:T].float(), r["input_ids"][:T].long(),
-                           full[:, cols].to(torch.bfloat16), valid, keep))
-    return out
-
-
-def _groups(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random) -> list[list[int]]:
-    order = sorted(range(len(examples)), key=lambda i: examples[i].ids.shape[0])
-    groups, cur = [], []
-    for i in order:
-        t = examples[i].ids.shape[0]
-        if cur and (len(cur) + 1) * t > max_tokens:
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
-    if shuffle:
-        rng.shuffle(groups)
-    return groups
-
-
-def _pad(t: torch.Tensor, T: int, v=0) -> torch.Tensor:
-    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, T - t.shape[0]), value=v)
-
-
-def batches(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random):
-    """Length-bucketed padded batches of at most `max_tokens` (B·T_max) tokens: (aux `[B,T,3H]`,
-    ids `[B,T]`, tlogits `[B,T,Vd]`, valid `[B,T]`, key_valid `[B,T]` (not padding))."""
-    for g in _groups(examples, max_tokens, shuffle, rng):
-        ex = [examples[i] for i in g]
-        T = max(e.ids.shape[0] for e in ex)
-        yield (torch.stack([_pad(e.aux, T) for e in ex]), torch.stack([_pad(e.ids, T) for e in ex]),
-               torch.stack([_pad(e.tlogits, T) for e in ex]), torch.stack([_pad(e.valid, T, False) for e in ex]),
-               torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex]))
 
 
 def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int, decay: float):
@@ -146,155 +67,6 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
         correct.append(int((logits.argmax(-1) == tp.argmax(-1)).sum()))
         count.append(n)
     return loss, correct, count
-
-
-def conditional_acceptance(correct: torch.Tensor) -> list[float]:
-    """Conditional per-position acceptance from per-chain outcomes.
-
-    correct: `[N, S]` bool, row n = one chain start, column j = whether the draft's (j+1)-th
-    chained token there is the target's greedy token (a step past the end of the text counts as
-    wrong). Returns S values a_j = #(rows right at steps 0..j) / #(rows right at steps 0..j-1), in
-    [0, 1]; 0.0 where no row reached step j. With these, `simulated_acceptance_length(a[:k])` =
-    1 + mean over rows of the leading run of right steps, capped at k (the product telescopes).
-    Raises ValueError unless `correct` is 2-D.
-    """
-    if correct.dim() != 2:
-        raise ValueError(f"correct must be [N, S] bool, got shape {tuple(correct.shape)}")
-    run = torch.cumprod(correct.bool().long(), dim=1)  # [N, S]: 1 while every step so far was right
-    reached = torch.cat([torch.ones(correct.shape[0], 1, dtype=torch.long), run[:, :-1]], dim=1)
-    num, den = run.sum(0).tolist(), reached.sum(0).tolist()
-    return [n / d if d else 0.0 for n, d in zip(num, den)]
-
-
-def chain_starts(pos: list[int], runs: list[int], k: int) -> list[int]:
-    """Indices into `pos` of the chain starts greedy speculative decoding with k drafts visits.
-
-    pos: text positions (ascending) where a chain can start (the next token was generated);
-    runs: the leading run of right draft steps at each. From the first start, a chain at t
-    emits min(run, k) accepted drafts + the target's bonus token, so the next chain starts at
-    t + min(run, k) + 1 (or at the next possible start after it: a gap is a prompt the engine
-    prefills).
-    """
-    where = {t: i for i, t in enumerate(pos)}
-    out, i = [], 0 if pos else None
-    while i is not None:
-        out.append(i)
-        nxt = pos[i] + min(runs[i], k) + 1
-        i = where.get(nxt)
-        if i is None:
-            i = next((j for j in range(out[-1] + 1, len(pos)) if pos[j] > nxt), None)
-    return out
-
-
-class HoldoutEval:
-    """Teacher-forced evaluation of a draft on held-out sequences (no grad, greedy), from
-    `evaluate_holdout`.
-
-    acc: `steps` floats in [0, 1], the unconditional top-1 agreement per TTT step j (step j right
-    regardless of steps < j), over rows whose target token at that step is learnable (`valid`);
-    what the loss optimises, not an acceptance.
-    positions: number of rows where a chain can start (the next token was generated); 0 when
-    nothing was evaluated (then `acc` is empty and `simulated_tau` is None).
-    Per-chain outcomes are kept per sequence so that `conditional(k)` / `simulated_tau(k)` follow
-    the chain starts greedy speculative decoding at k visits (`chain_starts`): tokens per verify
-    step is a ratio over the chains the engine runs, which weighs positions differently from a
-    mean over every position (a stretch the draft gets right is crossed in one chain of k+1
-    tokens, a stretch it gets wrong takes one chain per token).
-    """
-
-    def __init__(self, acc: list[float], steps: int, seqs: list[tuple[list[int], torch.Tensor]] = ()):
-        self.acc = list(acc)
-        self.steps = steps
-        self._seqs = list(seqs)  # per sequence: (chain-start positions, right `[n, steps]` bool)
-        self.positions = sum(len(p) for p, _ in self._seqs)
-
-    def _rows(self, k: int) -> torch.Tensor:
-        rows = []
-        for pos, right in self._seqs:
-            runs = torch.cumprod(right[:, :k].long(), 1).sum(1).tolist()
-            rows.append(right[chain_starts(pos, runs, k), :k])
-        return torch.cat(rows) if rows else torch.zeros(0, k, dtype=torch.bool)
-
-    def conditional(self, k: int | None = None) -> list[float]:
-        """Conditional acceptance a_j (j < k; k defaults to, and is capped at, the TTT steps):
-        P(draft step j right | steps 0..j-1 right), over the chain starts visited at k. Empty
-        when nothing was evaluated."""
-        k = self.steps if k is None else min(k, self.steps)
-        return conditional_acceptance(self._rows(k)) if self.positions and k > 0 else []
-
-    def chains(self, k: int | None = None) -> int:
-        """Number of chains (verify steps) greedy speculative decoding at k runs on these sequences."""
-        k = self.steps if k is None else min(k, self.steps)
-        return int(self._rows(k).shape[0]) if self.positions else 0
-
-    def simulated_tau(self, k: int | None = None) -> float | None:
-        """Simulated acceptance length at k drafts (k defaults to, and is capped at, the TTT
-        steps): τ = 1 + Σ_{i<k} Π_{j≤i} a_j with a_j = `conditional(k)`, i.e. 1 + the mean leading
-        run of right drafts (≤ k) over the chains greedy speculative decoding runs: tokens per
-        target verify step, in [1, 1 + k]. None when nothing was evaluated. Drafts past the end
-        of a sequence count as rejected (the holdout cannot score them)."""
-        return simulated_acceptance_length(self.conditional(k)) if self.positions else None
-
-
-def evaluate_holdout(draft: Eagle3Draft, examples: list[Example], steps: int, batch_tokens: int) -> HoldoutEval:
-    """Teacher-forced `HoldoutEval` of `draft` over prepared `examples` (`steps` TTT steps,
-    batched by `batch_tokens` tokens), no grad.
-
-    TTT step j at row t (EAGLE-3, arXiv 2503.01840 §3: training-time test) is the draft's (j+1)-th
-    chained token after position t, fed the record's tokens t+1..t+1+j (teacher forcing). Where
-    steps < j were right and the records are the target's own greedy outputs, those tokens are
-    exactly the draft's own chain, so the outcome at a chain start is the outcome greedy
-    speculative decoding has there (up to rounding: captured hidden states are bf16). A target
-    token outside the draft vocab is a wrong step (the draft cannot propose it)."""
-    corr, cnt = [0] * steps, [0] * steps
-    seqs: list[tuple[list[int], torch.Tensor]] = []
-    with torch.no_grad():
-        for g in _groups(examples, batch_tokens, False, random.Random(0)):
-            ex = [examples[i] for i in g]
-            T = max(e.ids.shape[0] for e in ex)
-            aux = torch.stack([_pad(e.aux, T) for e in ex])
-            ids = torch.stack([_pad(e.ids, T) for e in ex])
-            tl = torch.stack([_pad(e.tlogits, T) for e in ex])
-            valid = torch.stack([_pad(e.valid, T, False) for e in ex])
-            keep = torch.stack([_pad(e.valid if e.keep is None else e.keep, T, False) for e in ex])
-            kv = torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex])
-            hs = draft.ttt_forward(aux, ids, steps, kv)
-            right = []
-            for j, h in enumerate(hs):
-                m = F.pad(valid[:, 1 + j:], (0, 1 + j), value=False)  # step j's target position is learnable
-                tgt = F.pad(tl[:, 1 + j:], (0, 0, 0, 1 + j))
-                r = torch.zeros_like(m)
-                if m.any():
-                    r[m] = draft.logits(h[m]).argmax(-1) == tgt[m].float().argmax(-1)
-                corr[j] += int(r.sum())
-                cnt[j] += int(m.sum())
-                right.append(r)
-            right_ = torch.stack(right, -1)  # [B, T, steps]
-            start = F.pad(keep[:, 1:], (0, 1), value=False)  # rows whose next token was generated
-            for b in range(len(ex)):
-                pos = start[b].nonzero().squeeze(-1)
-                if pos.numel():
-                    seqs.append((pos.tolist(), right_[b, pos]))
-    if not seqs:
-        return HoldoutEval([], steps)
-    return HoldoutEval([a / n if n else 0.0 for a, n in zip(corr, cnt)], steps, seqs)
-
-
-def evaluate_examples(draft, examples, steps, batch_tokens) -> list[float]:
-    """Unconditional teacher-forced accuracy per TTT step (`evaluate_holdout(...).acc`: argmax
-    agreement with the target at step j whatever steps < j did, in [0, 1]; `steps` values, empty
-    when nothing was evaluated). Not a per-position acceptance: for τ use `evaluate_holdout`."""
-    return evaluate_holdout(draft, examples, steps, batch_tokens).acc
-
-
-def holdout_accuracy(draft: Eagle3Draft, target: Target, records: list[dict], tparams: TrainParams) -> HoldoutEval:
-    """`evaluate_holdout` on capture records (generated positions only; prepared with the draft's
-    vocab; `tparams.ttt_steps` steps). `.acc`: unconditional accuracy per step (log as
-    `val/acc_{j}`); `.conditional(k)`: conditional acceptance (`val/cond_acc_{j}`);
-    `.simulated_tau(k)`: the simulated τ at k drafts, None when no record is usable (then `.acc`
-    and `.conditional()` are empty)."""
-    ex = prepare(records, target, draft.t2d, tparams.max_seq_len)
-    return evaluate_holdout(draft, ex, tparams.ttt_steps, tparams.batch_tokens) if ex else HoldoutEval([], tparams.ttt_steps)
 
 
 def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) -> Eagle3Draft:

@@ -1,10 +1,10 @@
-"""Cross-engine agreement on the real target: vLLM (`make vllm`) and tidespec's engine serve the same
+"""`tidespec bench vllm-agreement`: cross-engine agreement on the real target: vLLM (`make vllm`) and tidespec's engine serve the same
 HumanEval prompts with the same draft, greedy, same k; their tokens and vLLM's spec-decode counters
 (drafts, draft tokens, accepted, per position; `SpecDecodingStats.as_vllm`) must be equal. Counts
 only, no timing: safe on a busy machine. The tiny-target version runs in the suite
 (tests/test_vllm_real.py); this one takes a real draft, e.g. the champion `make demo` deploys:
 
-    PYTHONPATH=src .venv/bin/python bench/vllm_agreement.py data/drafts/champion \\
+    tidespec bench vllm-agreement data/drafts/champion \\
         --prompts 5 --max-new-tokens 64 --k 3 --out bench/results/vllm-agreement.json
 """
 from __future__ import annotations
@@ -21,27 +21,33 @@ from tidespec.adapters.process import free_port
 from tidespec.models.chat import prompt_ids
 from tidespec.config import EngineParams, Params
 from tidespec.engine.sampling import SamplingParams
-from tidespec.engine.speculative import Engine
+from tidespec.engine.build import make_engine
 from tidespec.engine.stats import SpecDecodingStats
-from tidespec.models.eagle3 import DraftRunner, load_checkpoint
+from tidespec.models.runner import DraftRunner
+from tidespec.models.eagle3 import load_checkpoint
 from tidespec.assets.prompts import humaneval
 from tidespec.models.load import get_target, target_dir
 from tidespec.workspace import engine_dir
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The command line (`tidespec bench vllm-agreement` ARGS)."""
+    ap = argparse.ArgumentParser(prog="tidespec bench vllm-agreement", description=__doc__.splitlines()[0])
     ap.add_argument("draft", type=Path, help="a draft bundle (data/drafts/champion) or engine dir")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--python", default=f"{vllm.VENV}/bin/python")
     ap.add_argument("--out", type=Path)
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
     target, tok = get_target(Params())
     prompts = [prompt_ids(tok, p.text) for p in humaneval()[-a.prompts:]]
-    eng = Engine(target, DraftRunner(load_checkpoint(a.draft, target.embed, target.target_id)),
-                 EngineParams(num_draft_tokens=a.k, max_seq_len=1024, adaptive=False))
+    eng = make_engine(EngineParams().fixed(num_draft_tokens=a.k, max_seq_len=1024), target,
+                      DraftRunner(load_checkpoint(a.draft, target.embed, target.target_id)))
     ours, total = [], SpecDecodingStats(a.k)
     for p in prompts:
         g = eng.generate(p, a.max_new_tokens, sampling=SamplingParams(ignore_eos=True))
@@ -71,6 +77,3 @@ def main() -> None:
     if not (res["equal_counters"] and res["equal_tokens"]):
         raise SystemExit("vLLM and tidespec disagree")
 
-
-if __name__ == "__main__":
-    main()

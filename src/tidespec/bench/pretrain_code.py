@@ -1,4 +1,4 @@
-"""Experiment for issue 4: does a code-pretrained draft (generic code, teacher-forced) lift τ on HumanEval?
+"""`tidespec bench pretrain-code`: does a code-pretrained draft (generic code, teacher-forced) lift τ on HumanEval?
 
 Corpus: this interpreter's own standard library (`sysconfig` stdlib dir, top-level *.py, sorted,
 cut into chunks), wrapped as chat answers ("```python ...```") and teacher-forced through the target
@@ -6,7 +6,7 @@ cut into chunks), wrapped as chat answers ("```python ...```") and teacher-force
 every position — as the static bootstrap does with ShareGPT). The draft trained on it is the
 `--init` of a `tidespec bench train` run on the fixed HumanEval snapshot.
 
-    PYTHONPATH=src .venv/bin/python bench/pretrain_code.py --chunks 300 --epochs 2 --out /tmp/code-pretrained
+    tidespec bench pretrain-code --chunks 300 --epochs 2 --out /tmp/code-pretrained
     .venv/bin/tidespec bench train --init /tmp/code-pretrained --fractions 1.0 --shift '' \
         --max-new-tokens 192 --epochs 6 --out /tmp/init-code
 
@@ -45,13 +45,18 @@ def chunks(tok, n: int, max_tokens: int) -> list[list[dict]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    """The command line (`tidespec bench pretrain-code` ARGS)."""
+    ap = argparse.ArgumentParser(prog="tidespec bench pretrain-code")
     ap.add_argument("--chunks", type=int, default=300)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
     params = load_params(a.params)
     target, tok = get_target(params)
     t0 = time.perf_counter()
@@ -65,6 +70,3 @@ def main() -> None:
     (a.out / "pretrain_summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
 
-
-if __name__ == "__main__":
-    main()

@@ -27,19 +27,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import TidespecError, Unavailable
-from ..workspace import DRAFT_FILES
-from . import process
+from ...errors import TidespecError, Unavailable
+from ...workspace import DRAFT_FILES
+from .. import process
 
 VLLM_VERSION = "0.32.0"
-PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"  # loaded by the vLLM server, never by tidespec
+PLUGIN_DIR = Path(__file__).resolve().parents[1] / "vllm_plugin"  # loaded by the vLLM server, never by tidespec
 CONNECTOR, CONNECTOR_MODULE = "TidespecCPUHiddenStatesConnector", "tidespec_hidden_states"
 VENV = ".venv-vllm"  # `make vllm`
-CHECKOUT = Path(__file__).resolve().parents[3]  # the repository root when the package runs from a checkout
+CHECKOUT = Path(__file__).resolve().parents[4]  # the repository root when the package runs from a checkout
 
 
 def default_python() -> str:
@@ -53,7 +52,6 @@ def default_python() -> str:
     if here.exists() or not (CHECKOUT / here).exists():
         return str(here)
     return str(CHECKOUT / here)
-METRIC_PREFIX = "vllm:spec_decode_"
 PROBE = "import json, vllm; print(json.dumps({'vllm': vllm.__version__}))"
 
 
@@ -260,205 +258,6 @@ class VLLMServer:
         self.stop()
 
 
-# -- counters ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SpecDecodeCounters:
-    """vLLM's spec-decode counters (cumulative since the server started, or a difference of two
-    scrapes): drafts (verify steps with a draft), draft tokens, accepted tokens, accepted per draft
-    position (index 0 = first drafted token)."""
-
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_pos: tuple[int, ...]
-
-    @property
-    def acceptance_length(self) -> float | None:
-        """Mean acceptance length τ = 1 + accepted / drafts (tokens per verify step); None without drafts."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """accepted / drafted tokens; None without drafts."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def acceptance_length_se(self) -> float | None:
-        """Standard error of τ: X = accepted tokens per draft (0..k) has P(X ≥ i) = per-pos count
-        i-1 / drafts, so E[X] = Σ P(X ≥ i), E[X²] = Σ (2i−1)·P(X ≥ i), SE = sqrt(Var X / drafts)
-        (drafts treated as independent). None without drafts."""
-        n = self.num_drafts
-        if not n:
-            return None
-        p = [c / n for c in self.accepted_per_pos]
-        mean, sq = sum(p), sum((2 * i + 1) * q for i, q in enumerate(p))
-        return max(sq - mean * mean, 0.0) ** 0.5 / n ** 0.5
-
-    @property
-    def per_position_rate(self) -> tuple[float, ...]:
-        """Per-position acceptance: accepted at position i / drafts."""
-        return tuple(a / self.num_drafts for a in self.accepted_per_pos) if self.num_drafts else ()
-
-    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
-        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        pad = lambda t: tuple(t) + (0,) * (n - len(t))  # noqa: E731
-        return SpecDecodeCounters(self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
-                                  self.num_accepted_tokens - other.num_accepted_tokens,
-                                  tuple(a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))))
-
-
-def live_below_replay(live: SpecDecodeCounters, replay_tau: float, z: float = 3.0, min_drafts: int = 100) -> bool:
-    """True when the live τ is clearly below the replayed one: live τ + z·SE < replay τ with at
-    least `min_drafts` drafts (z = 3: one false alarm in ~740 healthy checks under the normal
-    approximation). vLLM counts accepted drafts a cut drops, tidespec's replay does not: the
-    comparison leans towards not flagging."""
-    se = live.acceptance_length_se
-    return se is not None and live.num_drafts >= min_drafts and live.acceptance_length + z * se < replay_tau
-
-
-def parse_metrics(text: str) -> SpecDecodeCounters | None:
-    """vLLM's spec-decode counters from a `/metrics` exposition (summed over its label sets, e.g.
-    several engines); None when the server exports none (no speculation, or an older vLLM): live τ
-    is then unknown, never 0."""
-    from prometheus_client.parser import text_string_to_metric_families
-    vals: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
-    for fam in text_string_to_metric_families(text):
-        if not fam.name.startswith(METRIC_PREFIX):
-            continue
-        for s in fam.samples:
-            if not s.name.endswith("_total"):
-                continue
-            name = s.name.removeprefix(METRIC_PREFIX).removesuffix("_total")
-            if name == "num_accepted_tokens_per_pos":
-                pos = int(s.labels["position"])
-                per_pos[pos] = per_pos.get(pos, 0.0) + s.value
-            else:
-                vals[name] = vals.get(name, 0.0) + s.value
-    if "num_drafts" not in vals:
-        return None
-    pos = tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos) + 1)) if per_pos else ()
-    return SpecDecodeCounters(int(vals["num_drafts"]), int(vals.get("num_draft_tokens", 0)),
-                              int(vals.get("num_accepted_tokens", 0)), pos)
-
-
-def scrape(url: str, timeout_s: float = 10.0, client=None) -> SpecDecodeCounters | None:
-    """GET `<url>/metrics` and parse it (`parse_metrics`). Raises VLLMError when the server does not answer."""
-    import httpx
-    try:
-        r = (client or httpx).get(f"{url.rstrip('/')}/metrics", timeout=timeout_s)
-    except httpx.HTTPError as e:
-        raise VLLMError(f"vLLM at {url} did not answer /metrics: {e}") from None
-    if r.status_code != 200:
-        raise VLLMError(f"vLLM at {url} answered /metrics with {r.status_code}")
-    return parse_metrics(r.text)
-
-
 # ---------------------------------------------------------------- rehydration by hidden-state extraction
 
 
-def rehydration_layers(aux_layers, num_layers: int) -> tuple[int, ...]:
-    """The vLLM layer ids a rehydration extracts: the target's aux layers (tidespec/SpecForge ids are
-    output-of-layer i = vLLM's input of layer i + 1) and the last layer's output (id = num_layers,
-    before the final norm; `VLLMRehydrator` applies it)."""
-    return tuple(int(i) + 1 for i in aux_layers) + (int(num_layers),)
-
-
-def read_hidden_states(path: str, timeout_s: float = 60.0) -> dict:
-    """The file vLLM's hidden-states connector wrote for one request (`hidden_states` `[T, n, H]`,
-    `token_ids` `[T]`), once its writer released the file's lock (a shared flock on `<path>.lock`,
-    as vLLM's `load_hidden_states`); both files are removed after reading. Raises VLLMError when
-    the file does not appear within `timeout_s` s."""
-    import fcntl
-    import time
-
-    from safetensors.torch import load_file
-    lock, deadline = Path(path + ".lock"), time.monotonic() + timeout_s
-    while not lock.exists() and not Path(path).exists():
-        if time.monotonic() > deadline:
-            raise VLLMError(f"vLLM wrote no hidden states at {path} within {timeout_s:g} s")
-        time.sleep(0.01)
-    if lock.exists():
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)  # sleeps until the writer thread closes its exclusive lock
-    data = load_file(path, device="cpu")
-    for p in (Path(path), lock):
-        p.unlink(missing_ok=True)
-    return data
-
-
-class VLLMRehydrator:
-    """`capture.ingest.Rehydrator` backed by a vLLM server started with `extract_layers =
-    rehydration_layers(target.aux_layers, L)` (`VLLMLaunch`): each exchange is one `/v1/completions`
-    with the prompt + generation ids as the prompt and max_tokens 1 (vLLM's prefill, batched with the
-    others in flight: `batch_size` concurrent requests); its hidden states come back through the
-    connector's file. Record: aux `[T, 3H]` = the three aux layers concatenated in order, hidden
-    `[T, H]` = the target's final RMSNorm over the last layer's output, in the target's dtype; equal
-    to the embedded prefill within fp32 noise (tests/test_vllm_real.py). An exchange the embedded
-    check refuses (`capture.rehydrate.check_exchange`) or vLLM rejects (400) comes back as its
-    ValueError; a server error raises VLLMError."""
-
-    def __init__(self, url: str, target, model: str | None = None, batch_size: int = 16, timeout_s: float = 600.0):
-        self.url, self.target, self.model = url.rstrip("/"), target, model
-        self.batch_size, self.timeout_s = batch_size, timeout_s
-
-    def __call__(self, exchanges: list[tuple[list[int], list[int]]]) -> list:
-        from concurrent.futures import ThreadPoolExecutor
-
-        import httpx
-        with httpx.Client(timeout=self.timeout_s) as client, ThreadPoolExecutor(self.batch_size) as ex:
-            return list(ex.map(lambda e: self._one(client, *e), exchanges))
-
-    def _one(self, client, prompt: list[int], gen: list[int]):
-        import torch
-
-        from ..capture.rehydrate import check_exchange, make_record
-        from ..models.target import rms_norm
-        try:
-            ids = check_exchange(self.target, prompt, gen)
-        except ValueError as e:
-            return e
-        body = {"prompt": ids, "max_tokens": 1, "temperature": 0} | ({"model": self.model} if self.model else {})
-        r = client.post(f"{self.url}/v1/completions", json=body)
-        if r.status_code == 400:
-            return ValueError(f"vLLM refused the exchange: {r.text[:300]}")
-        if r.status_code != 200:
-            raise VLLMError(f"vLLM at {self.url} answered {r.status_code}: {r.text[:300]}")
-        path = (r.json().get("kv_transfer_params") or {}).get("hidden_states_path")
-        if not path:
-            raise VLLMError(f"vLLM at {self.url} returned no hidden_states_path: is it started with extract_layers?")
-        data = read_hidden_states(path)
-        hs, got = data["hidden_states"], data["token_ids"].tolist()
-        if got != ids or hs.shape[1] != 4:
-            raise VLLMError(f"vLLM's hidden states are for {len(got)} tokens × {hs.shape[1]} layers, expected "
-                            f"{len(ids)} × 4 (3 aux + last)")
-        dt, c = self.target.dtype, self.target.cfg
-        aux = hs[:, :3].reshape(len(ids), -1).to(dt)
-        hidden = rms_norm(hs[:, 3].to(torch.float32), self.target.norm.float(), c.rms_norm_eps).to(dt)
-        return make_record(ids, len(prompt), aux, hidden)
-
-
-@contextmanager
-def rehydrator_for(params, target, state_dir: Path, python: str | None = None):
-    """The rehydrator `ingest.rehydrate_backend` names, for one ingest run (context manager): None for
-    `embedded` (ingest's default), a `VLLMRehydrator` on `ingest.rehydrate_url`, or on a vLLM server
-    started here (`python`, else `default_python()`) with the target's
-    HF dir, hidden-state extraction into `state_dir`/vllm-extract, stopped on exit. Raises
-    VLLMUnavailable / VLLMError as `VLLMServer.start`."""
-    ing = params.ingest
-    if ing.rehydrate_backend == "embedded":
-        yield None
-        return
-    if ing.rehydrate_url:
-        yield VLLMRehydrator(ing.rehydrate_url, target, batch_size=ing.rehydrate_batch)
-        return
-    from ..models.load import target_dir
-    out = Path(state_dir) / "vllm-extract"
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = VLLMLaunch(str(target_dir(params.target.source)),
-                     python=python or default_python(),
-                     extract_layers=rehydration_layers(target.aux_layers, target.cfg.num_layers), extract_dir=str(out),
-                     port=process.free_port(), dtype=params.target.dtype, max_model_len=target.cfg.max_position,
-                     max_num_seqs=ing.rehydrate_batch)
-    with VLLMServer(cfg, Path(state_dir) / "vllm-extract.log") as srv:
-        yield VLLMRehydrator(srv.url, target, batch_size=ing.rehydrate_batch)

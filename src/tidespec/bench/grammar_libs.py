@@ -1,18 +1,12 @@
-"""Experiment for issue 27 (item 1): which grammar library constrains tidespec's decoding on CPU.
-
-xgrammar 0.2.8 (vLLM 0.32's default backend; Dong et al. 2024, arXiv 2411.15100) against llguidance
-1.9.1 (Microsoft's Earley-based matcher, the `guidance` engine) on the SmolLM2 tokenizer (V = 49152),
-for three grammars a structured workload sends: any JSON object (`response_format: json_object`), an
-extraction schema (strings, integers, enums, arrays), and a three-tool call (`anyOf` of
-`{"name": const, "arguments": {...}}`). Measured per library: grammar compile time (ms, once per
-distinct schema, cached after), and per generated token the time to fill the next-token bitmask and to
-consume the token (µs), walking a valid output token by token; then one speculative step's cost: k = 4
-drafted tokens consumed, 5 masks filled (one per verify row), 4 rolled back. Whole-process setup (the
-tokenizer's vocabulary analysis) is reported too. Passes interleave the libraries (A, B, B, A, ...), and
-each figure is the median over passes with its range.
+"""`tidespec bench grammar-libs`: which grammar library constrains tidespec's decoding on CPU —
+xgrammar (vLLM's default backend; arXiv 2411.15100) against llguidance (an Earley matcher) on the
+target's tokenizer, for any JSON object, an extraction schema and a three-tool call. Per library:
+compile time (ms), per generated token the time to fill the next-token bitmask and to consume the
+token (µs), and one speculative step (k = 4 consumed, 5 masks, 4 rolled back). Passes interleave the
+libraries; each figure is the median over passes with its range.
 
     .venv/bin/pip install xgrammar==0.2.8   # not a tidespec dependency (it pulls triton, ~1 GB)
-    PYTHONPATH=src .venv/bin/python bench/grammar_libs.py --passes 5 --out bench/results/grammar-libs
+    tidespec bench grammar-libs --passes 5 --out bench/results/grammar-libs
 """
 from __future__ import annotations
 
@@ -136,12 +130,17 @@ def run_case(lib, schema: dict, ids: list[int], k: int = 4) -> dict:
             "tokens": len(ids)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The command line (`tidespec bench grammar-libs` ARGS)."""
+    ap = argparse.ArgumentParser(prog="tidespec bench grammar-libs", description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", default=".cache/tidespec/models/smollm2-hf")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
     from transformers import AutoTokenizer
     hf_tok = AutoTokenizer.from_pretrained(a.tokenizer)
     setup = {}
@@ -183,6 +182,3 @@ def main() -> None:
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,26 +1,15 @@
-"""Experiment for issue 28 (the hybrid as the default): the hybrid (EAGLE3 draft + suffix proposer
-under the goodput policy, params.yaml's default) — or with `--config default` the EAGLE3 draft alone
-under the policy (the old default) — against no speculation, per workload × concurrency cell, both engines in ONE
-process sharing the same target weights, alternating run by run.
+"""`tidespec bench inprocess-ab`: a speculation config (`--config hybrid`: the EAGLE3 draft plus the
+suffix proposer under the goodput policy, the default; `default`: the draft alone under the policy;
+`none`: an A/A run) against no speculation, both engines in ONE process sharing the target's
+weights, alternating run by run, per workload × concurrency cell. A paired ratio here measures only
+the engine's own work per step (planning, proposals, bookkeeping), not what differs between two
+processes. `--breakdown` adds the seconds each engine spent in its steps, plans, the draft's
+catch-up and the verify forwards, and a counted ratio (forwards costed by the calibration at the
+cell's measured speed). `--workload` also takes traffic the warm-up never shows (`UNSEEN`). Timed:
+run it alone on the machine. Results: `--out PREFIX`.json/.md; `--render` rewrites the report.
 
-`tidespec bench engine` runs each method in its own worker process, as a deployment would; at 16
-concurrent requests on 2 cores a cell's paired ratios then carry whatever differs between the two
-processes (memory placement, the machine's load while each ran) on top of what the configuration
-costs. Here both engines share one process and one copy of the weights, so a paired ratio measures
-only the engine's own work per step: planning, proposals, bookkeeping, the draft's aux rows. The
-warm-up mirrors the grid's (c = 1 on every workload, then c = 4 and 8), so the policy has learned
-what it learns there. `--breakdown` also reports the seconds each engine spent in its steps, its
-plans (suffix proposals + the goodput search), the draft's catch-up and the target's verify forwards
-(timers wrapped around those functions by this script). Several `--workload` / `--concurrency`
-values run every cell with the same two engines (their max batch is the highest concurrency; a cell's
-closed-loop clients keep c requests running), each pass over all cells in turn. Besides code, chat
-and math (the traffic the champion adapted on and the warm-up sees), `--workload` takes traffic the
-warm-up never shows the policy (`UNSEEN`: GSM8K in Korean and Japanese, MT-Bench's structured turns —
-extraction and coding —, ShareGPT's first human turns), each its own class. Timed: run it alone on
-the machine.
-
-    PYTHONPATH=src .venv/bin/python bench/inprocess_ab.py --draft data/drafts/champion \\
-        --workload code --concurrency 16 --passes 8 --out bench/results/default-config/inprocess-code-16
+    tidespec bench inprocess-ab --draft data/drafts/champion --workload code --concurrency 16 \
+        --passes 8 --out bench/results/default-config/inprocess-code-16
 """
 from __future__ import annotations
 
@@ -36,14 +25,14 @@ import torch
 
 import tidespec.engine.speculative as speculative
 from tidespec.assets import prompts
-from tidespec.bench.engine import WORKLOADS, workload_prompts
+from tidespec.bench.engine import workload_prompts
+from tidespec.bench.engine_report import WORKLOADS
 from tidespec.bench.methods import MethodSpec, TidespecMethod
 from tidespec.models.chat import prompt_ids
 from tidespec.config import load_params
-from tidespec.engine.goodput import draft_batches
 from tidespec.engine.plan import Planner
-from tidespec.engine.proposers.eagle3 import Eagle3Chain
-from tidespec.engine.proposers.tree import Eagle3Tree
+from tidespec.engine.policy import draft_batches
+from tidespec.engine.proposers import entries
 from tidespec.models.load import get_target
 
 # --breakdown: seconds inside the engine's step, its plan (proposals + the goodput search), the draft's
@@ -83,8 +72,9 @@ def _instrument() -> None:
     speculative.Engine._observe_cost = _costed(speculative.Engine._observe_cost)
     speculative.catch_up = _timed("catch-up", speculative.catch_up)
     Planner.plan = _timed("plan", Planner.plan)
-    for cls in (Eagle3Chain, Eagle3Tree):
-        cls.propose = _timed("draft", cls.propose)
+    for e in entries():  # the proposers that run the draft model: their forwards are "draft" time
+        if e.cls.uses_draft:
+            e.cls.propose = _timed("draft", e.cls.propose)
 
 
 def _own(spent: dict) -> float:
@@ -215,8 +205,9 @@ def write_report(res: dict, out: Path) -> str:
     return text
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The command line (`tidespec bench inprocess-ab` ARGS)."""
+    ap = argparse.ArgumentParser(prog="tidespec bench inprocess-ab", description=__doc__.splitlines()[0])
     ap.add_argument("--draft", help="the EAGLE3 champion's directory")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--workload", action="append", choices=(*WORKLOADS, *UNSEEN),
@@ -236,7 +227,12 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="also time step / plan / catch-up / verify per engine")
     ap.add_argument("--render", action="store_true", help="only rewrite PREFIX.md (and the derived fields of "
                                                           "PREFIX.json) from an existing PREFIX.json")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
+    a = ap.parse_args(argv)
     out = Path(a.out)
     if a.render:
         print(write_report(json.loads(out.with_suffix(".json").read_text()), out))
@@ -281,7 +277,7 @@ def main() -> None:
            "config": name, "draft": a.draft, "passes": a.passes, "max_new_tokens": a.max_new_tokens,
            "prompts_per_wave": "max(concurrency, 8)" if a.prompts_per_client == 1 else
            f"max({a.prompts_per_client} × concurrency, 8)", "breakdown": a.breakdown, "wall_s": time.time() - t0,
-           "command": (f"PYTHONPATH=src .venv/bin/python bench/inprocess_ab.py --draft {a.draft} --config {a.config} "
+           "command": (f"tidespec bench inprocess-ab --draft {a.draft} --config {a.config} "
                        + "".join(f"--workload {w} " for w in workloads) + "".join(f"--concurrency {c} " for c in levels)
                        + f"--passes {a.passes} --max-new-tokens {a.max_new_tokens} --out {a.out}"
                        + (f" --prompts-per-client {a.prompts_per_client}" if a.prompts_per_client > 1 else "")
@@ -297,6 +293,3 @@ def main() -> None:
                              "breakdown_s": {k: dict(v) for k, v in spent[(w, c)].items()}})
     print(write_report(res, out))
 
-
-if __name__ == "__main__":
-    main()

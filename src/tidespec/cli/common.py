@@ -1,0 +1,40 @@
+"""What every command module shares: the `tidespec` typer app and its command groups, the console,
+the --params / --root options, and the workspace / tracking-URI lookups."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from ..bench.cli import bench_app
+
+app = typer.Typer(help="tidespec: self-improving speculative decoding (capture → curate → train → "
+                       "evaluate → register → deploy).", no_args_is_help=True)
+services_app = typer.Typer(help="Start/stop the local Prefect and MLflow servers (and moto with --moto).")
+snap_app = typer.Typer(help="Captured snapshots: list, seal what is captured, pull one back from the DVC remote.")
+stage_app = typer.Typer(help="DVC stages (dvc.yaml): curate, train, evaluate, register.")
+deploy_app = typer.Typer(help="Deploy the champion draft to serving endpoints (SageMaker blue/green).")
+app.add_typer(services_app, name="services")
+app.add_typer(snap_app, name="snapshots")
+app.add_typer(stage_app, name="stage")
+app.add_typer(bench_app, name="bench")
+app.add_typer(deploy_app, name="deploy")
+console = Console()
+PARAMS = typer.Option(Path("params.yaml"), "--params", help="params.yaml")
+ROOT = typer.Option(Path("."), "--root", help="workspace root (data/ lives here)")
+
+
+def ws_of(root: Path):
+    """The `Workspace` at `root` (resolved)."""
+    from ..workspace import Workspace
+    return Workspace(root.resolve())
+
+
+def tracking_uri() -> str:
+    """$MLFLOW_TRACKING_URI; typer.BadParameter naming the fix when unset."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise typer.BadParameter("set MLFLOW_TRACKING_URI (eval $(tidespec services up))")
+    return uri

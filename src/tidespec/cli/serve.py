@@ -1,0 +1,218 @@
+"""`tidespec serve`: the OpenAI-compatible server on the embedded engine, or the front door before
+a vLLM server it starts or an SGLang server. Everything it checks runs first (`serve_preflight`)."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import typer
+
+from .common import PARAMS, ROOT, app, console, ws_of
+
+log = logging.getLogger(__name__)
+
+
+@app.command()
+def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", port: int = 8000,
+          capture: bool = typer.Option(True, help="capture finished requests into data/capture (TIDE; capture.mode: "
+                                                  "hidden states, or text for `tidespec ingest`)"),
+          max_queue: int = typer.Option(None, min=1, help="requests waiting+running before 429 "
+                                                          "(default serve.max_queue)"),
+          timeout_s: float = typer.Option(None, min=0.001, help="per-request timeout, s (504 after; default "
+                                                                "serve.request_timeout_s)"),
+          max_tokens: int = typer.Option(None, min=1, help="cap of a request's max_tokens (default "
+                                                           "serve.max_tokens, else engine.max_new_tokens)"),
+          backend: str = typer.Option("embedded", help="embedded (this engine) | vllm (starts a vLLM server from "
+                                                       "`make vllm`'s venv with the champion as its EAGLE3 draft, "
+                                                       "behind the front door; swaps drafts blue/green; text "
+                                                       "capture) | sglang (front door to an SGLang server)"),
+          sglang_url: str = typer.Option(None, help="the SGLang server for --backend sglang, e.g. "
+                                                    "http://127.0.0.1:30000"),
+          vllm_python: str = typer.Option(None, help="python of vLLM's venv for --backend vllm (default "
+                                                     "$TIDESPEC_VLLM_PYTHON, else .venv-vllm/bin/python)"),
+          publish: bool = typer.Option(True, help="publish each sealed snapshot: dvc add + push, retention, "
+                                                  "drift, the tidespec.capture.threshold event that starts "
+                                                  "tide-cycle (needs --root to be a DVC repo, as `make demo` "
+                                                  "sets up)")):
+    """OpenAI-compatible server (/v1/completions, /v1/chat/completions, /health, /metrics,
+    /admin/draft with $TIDESPEC_ADMIN_TOKEN) on the target + the served champion draft. With capture,
+    each sealed snapshot is published (DVC + the Prefect event that starts a cycle, $PREFECT_API_URL)
+    and the champion a cycle deploys is served within serve.watch_champion_s."""
+    import uvicorn
+
+    from ..capture.text import TextCapture
+    from ..capture.writer import CaptureWriter
+    from ..models.load import get_target, runner_for
+    from ..engine.build import install_suffix_corpus, make_engine
+    from ..serve.server import ADMIN_TOKEN_ENV, build_app
+    from ..workspace import served
+    p, ws, launch, pub = serve_preflight(root, params, backend=backend, sglang_url=sglang_url,
+                                         vllm_python=vllm_python, capture=capture, publish=publish,
+                                         max_queue=max_queue, timeout_s=timeout_s, max_tokens=max_tokens)
+    if launch.backend != "embedded":
+        _serve_frontdoor(p, ws, launch, host, port)
+        return
+    flags = {"max_queue": max_queue, "request_timeout_s": timeout_s, "max_tokens": max_tokens}
+    p = p.model_copy(update={"serve": p.serve.model_copy(update={k: v for k, v in flags.items() if v is not None})})
+    hidden, text = capture and p.capture.mode == "hidden", capture and p.capture.mode == "text"
+    target, tok = get_target(p)
+    writer = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, p.capture, snapshots_root=ws.snapshots, on_seal=pub, detokenize=tok.decode if tok is not None else None) if hidden else None
+    text_capture = _text_log(TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate),
+                             target.target_id, p.capture.seal_min_tokens) if text else None
+    runner = runner_for(ws.champion, target)
+    engine = make_engine(p.engine, target, runner, capture=writer, **(served(ws.champion) if runner else {}),
+                         progress=lambda m: console.print(f"serve: {m}", markup=False, highlight=False))
+    if runner is not None:  # the global suffix tree deployed with the champion (never refuses to start)
+        install_suffix_corpus(engine, ws.champion)
+    sv = p.serve_resolved()
+    try:
+        uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
+                              admin_token=os.environ.get(ADMIN_TOKEN_ENV),
+                              load_version=_registry_loader(target.target_id, ws), text_capture=text_capture,
+                              watch_dir=ws.champion, watch_s=sv.watch_champion_s,
+                              rollback=_registry_rollback(p, target.target_id, ws)),
+                    host=host, port=port)
+    finally:
+        if writer is not None:
+            writer.close()
+
+def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sglang_url: str | None = None,
+                    vllm_python: str | None = None, capture: bool = True, publish: bool = True,
+                    max_queue: int | None = None, timeout_s: float | None = None, max_tokens: int | None = None,
+                    env=None):
+    """Everything `tidespec serve` checks before it loads a model or starts a server, with the
+    command's own arguments: the params file, the flags against the backend and the params
+    (`serve_launch.ServeLaunch`), and, for hidden-state capture with publishing, the publisher
+    (`_serve_publisher`). Prints the notes. Returns (params, workspace, launch, publisher or None).
+    Raises ValueError / typer.BadParameter naming the fix. `env`: the environment (default os.environ)."""
+    from ..config import load_params
+    from ..config.serve import ServeLaunch
+    p, ws = load_params(params), ws_of(root)
+    launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, vllm_python=vllm_python, capture=capture,
+                               publish=publish, max_queue=max_queue, request_timeout_s=timeout_s,
+                               max_tokens=max_tokens)
+    for note in launch.check(p, os.environ if env is None else env):
+        console.print(f"serve: {note}", markup=False, highlight=False)
+    hidden = launch.backend == "embedded" and capture and p.capture.mode == "hidden"
+    return p, ws, launch, _serve_publisher(p, ws, env) if hidden and publish else None
+
+def _serve_publisher(p, ws, env=None):
+    """The publisher of `tidespec serve`'s seals (the same as the demo's and `tide_capture`'s):
+    refuses a --root that is not a DVC repo (naming the fix); warns when no Prefect server is set
+    (snapshots are still versioned, but no event starts a cycle)."""
+    import importlib.util
+    missing = [m for m in ("dvc", "prefect") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise typer.BadParameter(f"publishing sealed snapshots needs {' and '.join(missing)}: "
+                                 "pip install 'tidespec[mlops]', or pass --no-publish (snapshots stay local)")
+    from ..adapters.publish import Publisher
+    if not (ws.root / ".dvc").is_dir():
+        raise typer.BadParameter(f"--root {ws.root} is not a DVC repo, so sealed snapshots cannot be published: "
+                                 "run `make demo` once (it sets one up), or `dvc init && dvc remote add -d "
+                                 "local <dir>`, or pass --no-publish (snapshots stay local)")
+    if not (os.environ if env is None else env).get("PREFECT_API_URL"):
+        console.print("PREFECT_API_URL is unset: sealed snapshots are versioned in DVC but no "
+                      "tidespec.capture.threshold event starts a cycle (`eval \"$(tidespec services up)\"`)",
+                      markup=False)
+    return Publisher.for_workspace(ws, p)
+
+def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
+    """`tidespec serve --backend sglang|vllm`: the OpenAI front door (`frontdoor.py`) before an engine
+    server: SGLang at `launch.sglang_url`, or a vLLM server this command starts, swapped blue/green to
+    each champion the cycle deploys (`deploy.vllm`). Capture there is text (a front door sees no
+    hidden states)."""
+    import uvicorn
+
+    from ..capture.text import TextCapture
+    from ..serve.frontdoor import build_frontdoor
+    from ..models.load import target_id
+    capture = launch.capture
+    text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture.sample_rate) if capture else None
+    textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
+    timeout = launch.request_timeout_s or p.serve.request_timeout_s
+    if launch.backend == "sglang":
+        uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog), host=host, port=port)
+        return
+    dep = _start_vllm(p, ws, launch.vllm_python, host)
+    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
+                          info=lambda: {"draft_version": dep.draft_version, "engine": "vllm"})
+    dep.proxy = app.state.proxy
+    from ..serve.admin import ChampionWatcher
+    every = p.serve.watch_champion_s
+    watcher = ChampionWatcher(ws.champion, every, dep, dep.install) if every > 0 else None
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    from ..steps.deploy.vllm import LiveReporter
+    live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s, p.deploy.sagemaker)
+            if uri and p.serve.live_stats_s > 0 else None)
+    try:
+        uvicorn.run(app, host=host, port=port)
+    finally:
+        for c in (watcher, live):
+            if c:
+                c.close()
+        dep.close()
+
+def _text_log(text, tid: str, threshold: int):
+    """The front door's text log: with $PREFECT_API_URL, every `threshold` (capture.seal_min_tokens)
+    captured tokens emit `tidespec.capture.text`, which runs the tide-capture deployment (ingest →
+    snapshot → the cycle's event); without it the hourly schedule (or `tidespec ingest`) picks them up."""
+    from ..serve.textlog import TextLog
+    if text is None or not os.environ.get("PREFECT_API_URL"):
+        if text is not None:
+            console.print("PREFECT_API_URL is unset: text capture waits for tide-capture's schedule or "
+                          "`tidespec ingest`", markup=False)
+        return TextLog(text)
+    from ..adapters.orchestrate import text_captured
+    return TextLog(text, threshold, lambda n: text_captured(tid, n, str(text.dir)))
+
+def _start_vllm(p, ws, python: str | None, host: str):
+    """Start vLLM on the target (converted HF dir) with the served champion (if any) as its EAGLE3
+    draft: k = engine.num_draft_tokens, max_model_len = engine.max_seq_len, max_num_seqs =
+    engine.max_batch (the engine knobs vLLM has no equivalent for were refused by `serve_preflight`)."""
+    from ..adapters.process import free_port
+    from ..adapters.vllm import VLLMLaunch, default_python
+    from ..steps.deploy.vllm import VLLMDeployment
+    from ..models.load import target_dir
+    e = p.engine
+    python = python or default_python()
+    sv = p.serve_resolved()
+    launch = VLLMLaunch(str(target_dir(p.target.source)), python=python, num_speculative_tokens=e.num_draft_tokens,
+                        host=host, port=free_port(host), served_model_name=sv.served_model_name,
+                        max_model_len=e.max_seq_len, max_num_seqs=e.max_batch)
+    console.print(f"serve: starting vLLM ({python}; log under {ws.state / 'vllm' / 'logs'}; ~30-60 s on CPU)",
+                  markup=False)
+    return VLLMDeployment(launch, ws.state / "vllm").start(ws.champion if ws.champion.exists() else None)
+
+def _registry_rollback(p, target_id: str, ws):
+    """The draft-health guard's rollback (`serve.guard`): when the registry's champion is still the
+    version the guard found worse, `registry.rollback` (an audited decision) and the restored
+    champion deployed into data/drafts/champion, where the champion watcher installs it. None
+    without MLFLOW_TRACKING_URI (the guard then reports only; `serve_preflight` noted it)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri or not p.serve.auto_rollback:
+        return None
+    from ..adapters import registry
+    from ..steps.deploy.local import deploy_champion
+
+    def roll_back(version: str, reason: str) -> None:
+        champ = registry.champion(uri, target_id)
+        if champ is None or champ.version != version:
+            log.warning("not rolling back v%s: the registry's champion is %s now", version,
+                        champ.version if champ else None)
+            return
+        registry.rollback(uri, target_id, f"automatic (draft health): {reason}")
+        deploy_champion(uri, target_id, ws.champion)
+    return roll_back
+
+def _registry_loader(target_id: str, ws):
+    """`/admin/draft {"version"}` → the registry (needs MLFLOW_TRACKING_URI and the [mlops] extra);
+    None without a tracking URI: the server then swaps by path only."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return None
+    from ..adapters import registry  # mlflow: only for a server that has a registry
+
+    def load(ref):
+        return registry.download_version(uri, target_id, ref, ws.work / "served")
+    return load

@@ -1,0 +1,43 @@
+"""`tidespec services up|down|status`: the local Prefect (server + worker), MLflow and moto servers."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from .common import console, services_app
+
+log = logging.getLogger(__name__)
+
+
+@services_app.command("up")
+def services_up(state: Path = typer.Option(Path(".tidespec/services")),
+                moto: bool = typer.Option(False, help="also a moto server (S3 + SageMaker API emulator)"),
+                pool: list[str] = typer.Option([], help="also a worker on this work pool (repeatable), e.g. "
+                                                        "tidespec-train for train.work_pool")):
+    """Start Prefect + a process worker (pool tidespec) + MLflow (and moto) on 127.0.0.1, create
+    the work pools ./prefect.yaml names; prints the client env to export. Idempotent."""
+    from ..adapters import orchestrate, services
+    svc = services.up(state, which=services.NAMES + (("moto",) if moto else ()), pools=tuple(pool))
+    if Path("prefect.yaml").exists():
+        orchestrate.ensure_pools(svc["prefect"].url, orchestrate.yaml_pools(Path(".")))
+    for k, v in services.env_for(svc).items():
+        console.print(f"export {k}={v}")
+    workers = ", ".join(f"{n} (pid {s.pid})" for n, s in svc.items() if n.startswith("worker"))
+    Console(stderr=True).print(f"workers: {workers}; next: prefect --no-prompt deploy --all "
+                                f"(with the env above)")
+
+@services_app.command("down")
+def services_down(state: Path = typer.Option(Path(".tidespec/services"))):
+    """Stop the servers recorded under --state (only the pids it started)."""
+    from ..adapters import services
+    console.print(f"stopped: {services.down(state)}")
+
+@services_app.command("status")
+def services_status(state: Path = typer.Option(Path(".tidespec/services"))):
+    """Recorded servers: url, pid, alive, healthy (JSON)."""
+    from ..adapters import services
+    console.print_json(json.dumps(services.status(state), default=str))

@@ -1,0 +1,69 @@
+"""`tidespec stage curate|train|evaluate|register`: the DVC stages `dvc repro` runs (dvc.yaml)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import typer
+
+from .common import PARAMS, ROOT, console, stage_app, tracking_uri, ws_of
+
+log = logging.getLogger(__name__)
+
+
+@stage_app.command("curate")
+def stage_curate(root: Path = ROOT, params: Path = PARAMS):
+    """Curate data/snapshots/<target_id> → data/work/curated.json."""
+    from ..config import load_params
+    from ..steps.cycle import step_curate
+    from ..models.load import target_id
+    p = load_params(params)
+    console.print_json(json.dumps(step_curate(ws_of(root), p, target_id(p))))
+
+@stage_app.command("train")
+def stage_train(root: Path = ROOT, params: Path = PARAMS):
+    """Train data/work/candidate from data/work/curated.json, warm-started from data/drafts/champion."""
+    from ..config import load_params
+    from ..steps.cycle import train_candidate
+    ws = ws_of(root)
+    p = load_params(params)
+    m = train_candidate(ws, p, ws.curated, ws.champion if ws.champion.exists() else None, ws.candidate,
+                        params_path=params)
+    if m.get("skipped"):
+        console.print(f"[red]cycle skipped, champion untouched:[/red] {m['skipped']}")
+        raise typer.Exit(3)
+    console.print_json(json.dumps({k: v for k, v in m.items() if k != "train/loss"}))
+
+@stage_app.command("evaluate")
+def stage_evaluate(root: Path = ROOT, params: Path = PARAMS):
+    """Replay data/work/holdout.jsonl (curated holdout traffic): target-only, champion, candidate → data/work/eval.json."""
+    from ..config import load_params
+    from ..steps.evaluate import step_evaluate
+    ws = ws_of(root)
+    rep = step_evaluate(ws, load_params(params), ws.candidate, ws.champion if ws.champion.exists() else None,
+                        ws.eval_prompts, ws.eval_report)
+    console.print(f"candidate τ {rep['candidate']['acceptance_length']:.3f}, lossless {rep['lossless']}")
+
+@stage_app.command("register")
+def stage_register(root: Path = ROOT, params: Path = PARAMS):
+    """Register data/work/candidate in MLflow with data/work/eval.json and the curated set's lineage
+    (DVC revs of its snapshots, params hash), apply the promotion gate → data/work/register.json.
+    Deploying the champion is the next step (`tidespec deploy local`; make repro runs both). Needs
+    MLFLOW_TRACKING_URI (make repro starts the services)."""
+    from ..config import load_params
+    from ..steps.cycle import lineage
+    from ..steps.register import step_register
+    from ..models.load import target_id
+    ws, p, uri = ws_of(root), load_params(params), tracking_uri()
+    tid = target_id(p)
+    for f in (ws.eval_report, ws.curated, ws.candidate / "train_metrics.json"):
+        if not f.exists():
+            raise FileNotFoundError(f"{f} missing: run the curate, train and evaluate stages first (dvc repro)")
+    idx = json.loads(ws.curated.read_text())
+    dec = step_register(p, tid, ws.candidate, json.loads(ws.eval_report.read_text()),
+                        json.loads((ws.candidate / "train_metrics.json").read_text()), uri, lineage(ws.curated),
+                        idx.get("workload_mix", {}), idx.get("drift_jsd"), trigger="dvc-repro")
+    ws.register_report.write_text(json.dumps(dec, indent=2, default=str))
+    console.print(f"version {dec['version']}: promoted={dec['promoted']} ({dec['reason']}); deploy the champion "
+                  "with `tidespec deploy local`", highlight=False)

@@ -1,0 +1,88 @@
+"""Training examples from capture records: the target's next-token distribution at every position (from the captured last hidden state through its lm_head), mapped into the draft vocabulary, and length-grouped, padded batches of them."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+from ..models.target import Target
+
+
+@dataclass
+class Example:
+    """One training sequence: aux `[T, 3H]` fp32, ids `[T]` int64, target logits over the draft
+    vocab `[T, Vd]` bf16, valid `[T]` bool (learnable position: kept by the loss mask, and its
+    target argmax is in the draft vocab), keep `[T]` bool (kept by the loss mask, whatever the
+    argmax: the positions a draft is evaluated on; None = same as valid)."""
+
+    aux: torch.Tensor
+    ids: torch.Tensor
+    tlogits: torch.Tensor
+    valid: torch.Tensor
+    keep: torch.Tensor | None = None
+
+
+def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int,
+            loss_on_prompt: bool = False, dropped: Counter | None = None) -> list[Example]:
+    """Turn capture records into examples (target logits computed once, restricted to the draft vocab).
+
+    `loss_on_prompt`: also learn the target's distribution at prompt positions (loss_mask == 0).
+    SpecForge masks them; on small captures they are extra in-domain signal for free.
+    Records with NaN/Inf hidden states, shorter than 3 tokens, or without a position to learn
+    (all cut off by `max_len`, or every target argmax outside the draft vocab) are dropped and
+    counted in `dropped` (keys `non_finite`, `too_short`, `no_valid_positions`).
+    """
+    out = []
+    dropped = Counter() if dropped is None else dropped
+    cols = t2d.nonzero().squeeze(-1)
+    for r in records:
+        T = min(int(r["input_ids"].shape[0]), max_len)
+        if T < 3:
+            dropped["too_short"] += 1
+            continue
+        if not (torch.isfinite(r["hidden_states"][:T]).all() and torch.isfinite(r["aux_hidden_states"][:T]).all()):
+            dropped["non_finite"] += 1
+            continue
+        hid = r["hidden_states"][:T].float()
+        with torch.no_grad():
+            full = target.logits_from_hidden(hid)  # [T, V]
+        keep = torch.ones(T, dtype=torch.bool) if loss_on_prompt else r["loss_mask"][:T].bool()
+        valid = keep & t2d[full.argmax(-1)]
+        if not valid[1:].any():  # nothing to learn (e.g. generation cut off by max_len, or out of vocab)
+            dropped["no_valid_positions"] += 1
+            continue
+        out.append(Example(r["aux_hidden_states"][:T].float(), r["input_ids"][:T].long(),
+                           full[:, cols].to(torch.bfloat16), valid, keep))
+    return out
+
+
+def _groups(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random) -> list[list[int]]:
+    order = sorted(range(len(examples)), key=lambda i: examples[i].ids.shape[0])
+    groups, cur = [], []
+    for i in order:
+        t = examples[i].ids.shape[0]
+        if cur and (len(cur) + 1) * t > max_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    if shuffle:
+        rng.shuffle(groups)
+    return groups
+
+
+def _pad(t: torch.Tensor, T: int, v=0) -> torch.Tensor:
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, T - t.shape[0]), value=v)
+
+
+def batches(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random):
+    """Length-bucketed padded batches of at most `max_tokens` (B·T_max) tokens: (aux `[B,T,3H]`,
+    ids `[B,T]`, tlogits `[B,T,Vd]`, valid `[B,T]`, key_valid `[B,T]` (not padding))."""
+    for g in _groups(examples, max_tokens, shuffle, rng):
+        ex = [examples[i] for i in g]
+        T = max(e.ids.shape[0] for e in ex)
+        yield (torch.stack([_pad(e.aux, T) for e in ex]), torch.stack([_pad(e.ids, T) for e in ex]),
+               torch.stack([_pad(e.tlogits, T) for e in ex]), torch.stack([_pad(e.valid, T, False) for e in ex]),
+               torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex]))

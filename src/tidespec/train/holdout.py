@@ -1,0 +1,153 @@
+"""Teacher-forced holdout evaluation of a draft: per-position accuracy over the TTT chain, the conditional acceptance a_j it implies (chains started where the engine would start them), and the simulated τ (EAGLE-3, arXiv 2503.01840 §3; SpecForge's eval)."""
+from __future__ import annotations
+
+import random
+import torch
+import torch.nn.functional as F
+from ..config import TrainParams
+from ..engine.stats import simulated_acceptance_length
+from ..models.eagle3 import Eagle3Draft
+from ..models.target import Target
+from .examples import Example, _groups, _pad, prepare
+
+
+def conditional_acceptance(correct: torch.Tensor) -> list[float]:
+    """Conditional per-position acceptance from per-chain outcomes.
+
+    correct: `[N, S]` bool, row n = one chain start, column j = whether the draft's (j+1)-th
+    chained token there is the target's greedy token (a step past the end of the text counts as
+    wrong). Returns S values a_j = #(rows right at steps 0..j) / #(rows right at steps 0..j-1), in
+    [0, 1]; 0.0 where no row reached step j. With these, `simulated_acceptance_length(a[:k])` =
+    1 + mean over rows of the leading run of right steps, capped at k (the product telescopes).
+    Raises ValueError unless `correct` is 2-D.
+    """
+    if correct.dim() != 2:
+        raise ValueError(f"correct must be [N, S] bool, got shape {tuple(correct.shape)}")
+    run = torch.cumprod(correct.bool().long(), dim=1)  # [N, S]: 1 while every step so far was right
+    reached = torch.cat([torch.ones(correct.shape[0], 1, dtype=torch.long), run[:, :-1]], dim=1)
+    num, den = run.sum(0).tolist(), reached.sum(0).tolist()
+    return [n / d if d else 0.0 for n, d in zip(num, den)]
+
+
+def chain_starts(pos: list[int], runs: list[int], k: int) -> list[int]:
+    """Indices into `pos` of the chain starts greedy speculative decoding with k drafts visits.
+
+    pos: text positions (ascending) where a chain can start (the next token was generated);
+    runs: the leading run of right draft steps at each. From the first start, a chain at t
+    emits min(run, k) accepted drafts + the target's bonus token, so the next chain starts at
+    t + min(run, k) + 1 (or at the next possible start after it: a gap is a prompt the engine
+    prefills).
+    """
+    where = {t: i for i, t in enumerate(pos)}
+    out, i = [], 0 if pos else None
+    while i is not None:
+        out.append(i)
+        nxt = pos[i] + min(runs[i], k) + 1
+        i = where.get(nxt)
+        if i is None:
+            i = next((j for j in range(out[-1] + 1, len(pos)) if pos[j] > nxt), None)
+    return out
+
+
+class HoldoutEval:
+    """Teacher-forced evaluation of a draft on held-out sequences (no grad, greedy), from
+    `evaluate_holdout`.
+
+    acc: `steps` floats in [0, 1], the unconditional top-1 agreement per TTT step j (step j right
+    regardless of steps < j), over rows whose target token at that step is learnable (`valid`);
+    what the loss optimises, not an acceptance.
+    positions: number of rows where a chain can start (the next token was generated); 0 when
+    nothing was evaluated (then `acc` is empty and `simulated_tau` is None).
+    Per-chain outcomes are kept per sequence so that `conditional(k)` / `simulated_tau(k)` follow
+    the chain starts greedy speculative decoding at k visits (`chain_starts`): tokens per verify
+    step is a ratio over the chains the engine runs, which weighs positions differently from a
+    mean over every position (a stretch the draft gets right is crossed in one chain of k+1
+    tokens, a stretch it gets wrong takes one chain per token).
+    """
+
+    def __init__(self, acc: list[float], steps: int, seqs: list[tuple[list[int], torch.Tensor]] = ()):
+        self.acc = list(acc)
+        self.steps = steps
+        self._seqs = list(seqs)  # per sequence: (chain-start positions, right `[n, steps]` bool)
+        self.positions = sum(len(p) for p, _ in self._seqs)
+
+    def _rows(self, k: int) -> torch.Tensor:
+        rows = []
+        for pos, right in self._seqs:
+            runs = torch.cumprod(right[:, :k].long(), 1).sum(1).tolist()
+            rows.append(right[chain_starts(pos, runs, k), :k])
+        return torch.cat(rows) if rows else torch.zeros(0, k, dtype=torch.bool)
+
+    def conditional(self, k: int | None = None) -> list[float]:
+        """Conditional acceptance a_j (j < k; k defaults to, and is capped at, the TTT steps):
+        P(draft step j right | steps 0..j-1 right), over the chain starts visited at k. Empty
+        when nothing was evaluated."""
+        k = self.steps if k is None else min(k, self.steps)
+        return conditional_acceptance(self._rows(k)) if self.positions and k > 0 else []
+
+    def chains(self, k: int | None = None) -> int:
+        """Number of chains (verify steps) greedy speculative decoding at k runs on these sequences."""
+        k = self.steps if k is None else min(k, self.steps)
+        return int(self._rows(k).shape[0]) if self.positions else 0
+
+    def simulated_tau(self, k: int | None = None) -> float | None:
+        """Simulated acceptance length at k drafts (k defaults to, and is capped at, the TTT
+        steps): τ = 1 + Σ_{i<k} Π_{j≤i} a_j with a_j = `conditional(k)`, i.e. 1 + the mean leading
+        run of right drafts (≤ k) over the chains greedy speculative decoding runs: tokens per
+        target verify step, in [1, 1 + k]. None when nothing was evaluated. Drafts past the end
+        of a sequence count as rejected (the holdout cannot score them)."""
+        return simulated_acceptance_length(self.conditional(k)) if self.positions else None
+
+
+def evaluate_holdout(draft: Eagle3Draft, examples: list[Example], steps: int, batch_tokens: int) -> HoldoutEval:
+    """Teacher-forced `HoldoutEval` of `draft` over prepared `examples` (`steps` TTT steps,
+    batched by `batch_tokens` tokens), no grad.
+
+    TTT step j at row t (EAGLE-3, arXiv 2503.01840 §3: training-time test) is the draft's (j+1)-th
+    chained token after position t, fed the record's tokens t+1..t+1+j (teacher forcing). Where
+    steps < j were right and the records are the target's own greedy outputs, those tokens are
+    exactly the draft's own chain, so the outcome at a chain start is the outcome greedy
+    speculative decoding has there (up to rounding: captured hidden states are bf16). A target
+    token outside the draft vocab is a wrong step (the draft cannot propose it)."""
+    corr, cnt = [0] * steps, [0] * steps
+    seqs: list[tuple[list[int], torch.Tensor]] = []
+    with torch.no_grad():
+        for g in _groups(examples, batch_tokens, False, random.Random(0)):
+            ex = [examples[i] for i in g]
+            T = max(e.ids.shape[0] for e in ex)
+            aux = torch.stack([_pad(e.aux, T) for e in ex])
+            ids = torch.stack([_pad(e.ids, T) for e in ex])
+            tl = torch.stack([_pad(e.tlogits, T) for e in ex])
+            valid = torch.stack([_pad(e.valid, T, False) for e in ex])
+            keep = torch.stack([_pad(e.valid if e.keep is None else e.keep, T, False) for e in ex])
+            kv = torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex])
+            hs = draft.ttt_forward(aux, ids, steps, kv)
+            right = []
+            for j, h in enumerate(hs):
+                m = F.pad(valid[:, 1 + j:], (0, 1 + j), value=False)  # step j's target position is learnable
+                tgt = F.pad(tl[:, 1 + j:], (0, 0, 0, 1 + j))
+                r = torch.zeros_like(m)
+                if m.any():
+                    r[m] = draft.logits(h[m]).argmax(-1) == tgt[m].float().argmax(-1)
+                corr[j] += int(r.sum())
+                cnt[j] += int(m.sum())
+                right.append(r)
+            right_ = torch.stack(right, -1)  # [B, T, steps]
+            start = F.pad(keep[:, 1:], (0, 1), value=False)  # rows whose next token was generated
+            for b in range(len(ex)):
+                pos = start[b].nonzero().squeeze(-1)
+                if pos.numel():
+                    seqs.append((pos.tolist(), right_[b, pos]))
+    if not seqs:
+        return HoldoutEval([], steps)
+    return HoldoutEval([a / n if n else 0.0 for a, n in zip(corr, cnt)], steps, seqs)
+
+
+def holdout_accuracy(draft: Eagle3Draft, target: Target, records: list[dict], tparams: TrainParams) -> HoldoutEval:
+    """`evaluate_holdout` on capture records (generated positions only; prepared with the draft's
+    vocab; `tparams.ttt_steps` steps). `.acc`: unconditional accuracy per step (log as
+    `val/acc_{j}`); `.conditional(k)`: conditional acceptance (`val/cond_acc_{j}`);
+    `.simulated_tau(k)`: the simulated τ at k drafts, None when no record is usable (then `.acc`
+    and `.conditional()` are empty)."""
+    ex = prepare(records, target, draft.t2d, tparams.max_seq_len)
+    return evaluate_holdout(draft, ex, tparams.ttt_steps, tparams.batch_tokens) if ex else HoldoutEval([], tparams.ttt_steps)
