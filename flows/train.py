@@ -11,8 +11,8 @@ from pathlib import Path
 
 from prefect import flow
 
-from tidespec.steps import cycle
 from tidespec.config import load_params
+from tidespec.steps import cycle
 from tidespec.workspace import Workspace
 
 

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from tidespec.config import CaptureParams, EngineParams
 
 REPO = Path(__file__).resolve().parents[1]

@@ -227,7 +227,9 @@ def test_a_module_in_the_wrong_folder_is_caught(tmp_path):
                for v in folder_violations(root, layers))
     (root / "newpkg").mkdir()
     (root / "newpkg" / "__init__.py").write_text("")
-    assert "folder newpkg/: in no FOLDERS entry (add it, and to docs/architecture.md)" in folder_violations(root, layers)
+    assert "folder newpkg/: in no FOLDERS entry (add it, and to docs/architecture.md)" in folder_violations(
+        root, layers
+    )
 
 
 def test_flows_live_in_the_project_not_the_package():
@@ -279,6 +281,21 @@ def test_the_package_root_is_no_drawer():
     assert all(_layer(m.removesuffix(".py") if m != "__init__.py" else PACKAGE) == 0 for m in root), root
 
 
+CLASS_LINES_MAX, MODULE_LINES_MAX = 300, 450  # a class and a module a reader can hold in their head
+
+
+def test_no_class_or_module_outgrows_a_reader():
+    """A class over CLASS_LINES_MAX lines or a module over MODULE_LINES_MAX is split by role (as
+    engine/proposers and engine/policy were split out of the engine), never waved through."""
+    big = []
+    for path in PKG.rglob("*.py"):
+        tree, n = _parse(path), path.read_text().count("\n")
+        big += [f"{path.relative_to(PKG)} {n} lines"] if n > MODULE_LINES_MAX else []
+        big += [f"{path.relative_to(PKG)}:{c.name} {c.end_lineno - c.lineno + 1} lines" for c in ast.walk(tree)
+                if isinstance(c, ast.ClassDef) and c.end_lineno - c.lineno + 1 > CLASS_LINES_MAX]
+    assert big == [], big
+
+
 def test_no_proposer_is_named_in_the_engine_outside_its_own_module():
     """Proposers are plugins: engine/ code outside proposers/ never names one (a string equal to a
     registered proposer's kind), so a new proposer is its own module and one registration. Field
@@ -292,8 +309,11 @@ def test_no_proposer_is_named_in_the_engine_outside_its_own_module():
         tree = _parse(path)
         fields = {id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args
                   and getattr(n.func, "id", None) == "InvalidRequest"}
-        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
-                and n.body and isinstance(n.body[0], ast.Expr)}
+        docs = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)
+        }
         found += [f"{path.relative_to(PKG)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
                   if isinstance(n, ast.Constant) and n.value in kinds and id(n) not in fields | docs]
     assert kinds >= {"eagle3", "suffix", "grammar"} and found == [], found

@@ -20,8 +20,11 @@ except ImportError:  # package not installed: run from the source tree
     sys.path.insert(0, str(REPO / "src"))
 
 from tidespec import assets  # noqa: E402
-from tidespec.assets import prompts  # noqa: E402
-from tidespec.assets import AssetError, Wheel  # noqa: E402
+from tidespec.assets import (  # noqa: E402
+    AssetError,
+    Wheel,
+    prompts,
+)
 from tidespec.assets.prompts import Prompt  # noqa: E402
 
 

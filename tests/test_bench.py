@@ -2,10 +2,10 @@
 import json
 
 import pytest
-from conftest import random_draft
 
-from tidespec.bench.engine_report import markdown, ratios
+from conftest import random_draft
 from tidespec.bench.engine import summarize
+from tidespec.bench.engine_report import markdown, ratios
 from tidespec.engine.calibration import load_or_calibrate
 from tidespec.models.runner import DraftRunner
 
@@ -16,10 +16,32 @@ def _r(pid, tokens, ttft, steps, drafts=None):
 
 def test_summarize_counts_tokens_tau_itl_and_matches():
     ref = {"a": [1, 2, 3, 4], "b": [5, 6]}
-    rows = [_r("a", [1, 2, 3, 4], 0.5, [(0.2, 2), (0.1, 1)],
-               {"num_drafts": 2, "num_draft_tokens": 8, "num_accepted_tokens": 1, "num_accepted_tokens_per_pos": [1, 0, 0, 0]}),
-            _r("b", [5, 7], 0.5, [(0.1, 1)],
-               {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [0, 0, 0, 0]})]
+    rows = [
+        _r(
+            "a",
+            [1, 2, 3, 4],
+            0.5,
+            [(0.2, 2), (0.1, 1)],
+            {
+                "num_drafts": 2,
+                "num_draft_tokens": 8,
+                "num_accepted_tokens": 1,
+                "num_accepted_tokens_per_pos": [1, 0, 0, 0],
+            },
+        ),
+        _r(
+            "b",
+            [5, 7],
+            0.5,
+            [(0.1, 1)],
+            {
+                "num_drafts": 0,
+                "num_draft_tokens": 0,
+                "num_accepted_tokens": 0,
+                "num_accepted_tokens_per_pos": [0, 0, 0, 0],
+            },
+        ),
+    ]
     s = summarize(rows, ref)
     assert s["tokens"] == 6 and s["wall_s"] == pytest.approx(1.4)
     assert s["tokens_per_s"] == pytest.approx(6 / 1.4)
@@ -35,10 +57,16 @@ def test_ratios_and_markdown():
     def row(tps, itl):
         return {"tokens_per_s": tps, "itl_ms_p50": itl, "itl_ms_p99": itl, "tau": 1.0, "ttft_ms_p50": 1.0,
                 "peak_rss_mb": 1.0, "identical_to_target_only": 1.0}
-    rows = {"tidespec_no_spec": {"code": row(10, 100)}, "tidespec_adapted_adaptive": {"code": row(15, 66)},
-            "tidespec_adapted_k4": {"code": row(15, 66)}, "tidespec_adapted_k4_capture": {"code": row(14.7, 67.32)}, "hf_prompt_lookup_10": {"code": row(12, 80)},
-            "hf_generate": {"code": row(8, 120)}, "vllm_no_spec": {"code": row(8, 110)},
-            "vllm_eagle3_adapted_k4": {"code": row(6, 150)}}
+    rows = {
+        "tidespec_no_spec": {"code": row(10, 100)},
+        "tidespec_adapted_adaptive": {"code": row(15, 66)},
+        "tidespec_adapted_k4": {"code": row(15, 66)},
+        "tidespec_adapted_k4_capture": {"code": row(14.7, 67.32)},
+        "hf_prompt_lookup_10": {"code": row(12, 80)},
+        "hf_generate": {"code": row(8, 120)},
+        "vllm_no_spec": {"code": row(8, 110)},
+        "vllm_eagle3_adapted_k4": {"code": row(6, 150)},
+    }
     r = ratios(rows, 4, 10)
     assert r["code: vllm_eagle3_adapted_k4 / vllm_no_spec"] == pytest.approx(0.75)  # vLLM rows against vLLM
     assert r["code: tidespec_no_spec / vllm_no_spec"] == pytest.approx(1.25)
@@ -116,8 +144,8 @@ def test_bench_train_on_tiny_target(tmp_path, tiny_target_dir):
     import json as _json
 
     import torch as _torch
-    from conftest import tiny_params_yaml
 
+    from conftest import tiny_params_yaml
     from tidespec.bench import train as bt
     from tidespec.config import load_params
     from tidespec.models.load import get_target
@@ -158,8 +186,8 @@ def test_worker_peak_rss_is_its_own_not_the_coordinators(tiny_target_dir):
 
     import numpy as np
     import yaml
-    from conftest import tiny_params_yaml
 
+    from conftest import tiny_params_yaml
     from tidespec.bench.engine import _Worker
     from tidespec.bench.methods import MethodSpec, peak_rss_mb
     from tidespec.config import Params
@@ -199,9 +227,9 @@ def test_pass_ratios_are_paired_per_pass_and_flag_the_noise():
 def test_concurrency_sweep_summary_markdown_and_png(tmp_path):
     """Per pass, tokens/s = tokens / the run's wall time; the ratio pairs each pass with the
     reference's same pass; identical is judged per prompt id; the PNG is written."""
-    from tidespec.steps import plots
     from tidespec.bench.engine import by_concurrency, sweep_summary
     from tidespec.bench.engine_report import sweep_markdown
+    from tidespec.steps import plots
 
     def run(ps, wall, toks, steps=((0.1, 2),)):
         return {"pass": ps, "wall_s": wall, "results": [{"id": "a", "tokens": toks, "forwards": 2,

@@ -5,8 +5,8 @@ from dataclasses import asdict
 
 import pytest
 
-from tidespec.config import EngineParams
 from tidespec.bench import adapt
+from tidespec.config import EngineParams
 
 
 def test_schedule_validation_and_seal_threshold():
@@ -77,22 +77,35 @@ def test_report_markdown_and_plots(tmp_path):
     assert "Command: `tidespec bench adapt --cycles 3`" in md  # the fields that differ from the defaults
     assert adapt.command(dict(asdict(adapt.AdaptConfig.quick()), switch_to="", passes=3)) == \
         "tidespec bench adapt --quick --switch-to '' --passes 3"
-    assert "c=1 2.50× (2.50–2.50)" in md and "on chat after its cycle: c=1 1.00×" in md and "still rising at cycle 3: True" in md and "(within 5 %: True)" in md
+    assert (
+        "c=1 2.50× (2.50–2.50)" in md
+        and "on chat after its cycle: c=1 1.00×" in md
+        and "still rising at cycle 3: True" in md
+        and "(within 5 %: True)" in md
+    )
 
 
 def test_point_measures_several_passes_and_pairs_their_ratios(tiny_target):
     """A point runs `passes` side-by-side measurements on fresh engines: tokens/s is the median, the
     per-pass values are kept for paired ratios, τ and outputs are those of a greedy run (lossless)."""
     import torch
-    from conftest import random_draft
 
+    from conftest import random_draft
     from tidespec.engine.speculative import Engine
     from tidespec.models.runner import DraftRunner
 
     def arms():
-        return {"none": (Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), False),
-                "default": (Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)),
-                            True)}
+        return {
+            "none": (Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), False),
+            "default": (
+                Engine(
+                    tiny_target,
+                    DraftRunner(random_draft(tiny_target, seed=4)),
+                    EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4),
+                ),
+                True,
+            ),
+        }
 
     g = torch.Generator().manual_seed(0)
     hold = [{"id": f"p{i}", "input_ids": torch.randint(3, 300, (6 + i,), generator=g).tolist(), "workload": "code"}

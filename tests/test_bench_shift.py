@@ -6,11 +6,10 @@ tiny target with real engines: outputs of every arm and concurrency must equal t
 import json
 
 import pytest
-from conftest import random_draft
 
-from tidespec.config import EngineParams
+from conftest import random_draft
 from tidespec.bench import shift
-from tidespec.config import Params
+from tidespec.config import EngineParams, Params
 from tidespec.engine.speculative import Engine
 
 
@@ -18,9 +17,21 @@ from tidespec.engine.speculative import Engine
 def arms(tiny_target):
     d = random_draft(tiny_target, seed=3)
     from tidespec.models.runner import DraftRunner
-    return {"none": (Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), False),
-            "static": (Engine(tiny_target, DraftRunner(d), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), True),
-            "adapted": (Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), True)}
+    return {
+        "none": (Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)), False),
+        "static": (
+            Engine(tiny_target, DraftRunner(d), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4)),
+            True,
+        ),
+        "adapted": (
+            Engine(
+                tiny_target,
+                DraftRunner(random_draft(tiny_target, seed=4)),
+                EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4),
+            ),
+            True,
+        ),
+    }
 
 
 def _prompts(n, phase, seed=0):
@@ -52,12 +63,18 @@ def test_measure_is_lossless_at_every_concurrency(arms):
 
 @pytest.fixture(scope="module")
 def arms_hybrid(arms, tiny_target):
-    from tidespec.engine.policy import GoodputPolicy
     from tidespec.engine.calibration import Calibration
+    from tidespec.engine.policy import GoodputPolicy
     from tidespec.engine.suffix import SuffixCache
     from tidespec.models.runner import DraftRunner
     pol = GoodputPolicy(Calibration((10.0, 10.5, 11.0, 11.5), 0.5, "test", 128))
-    hy = Engine(tiny_target, DraftRunner(random_draft(tiny_target, seed=4)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4, draft_early_stop=True), policy=pol, suffix=SuffixCache(max_depth=8))
+    hy = Engine(
+        tiny_target,
+        DraftRunner(random_draft(tiny_target, seed=4)),
+        EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4, draft_early_stop=True),
+        policy=pol,
+        suffix=SuffixCache(max_depth=8),
+    )
     return arms | {"hybrid": (hy, True)}
 
 

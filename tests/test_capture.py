@@ -9,12 +9,11 @@ from collections import Counter
 import pytest
 import torch
 
-from tidespec.config import CaptureParams, EngineParams
+from tidespec.capture.curate import curate, jsd_bits, snapshot_drift
 from tidespec.capture.snapshots import list_snapshots, load_snapshot, seal
 from tidespec.capture.store import read_manifest, read_record
 from tidespec.capture.writer import CaptureWriter
-from tidespec.config import CurateParams, Params
-from tidespec.capture.curate import curate, jsd_bits, snapshot_drift
+from tidespec.config import CaptureParams, CurateParams, EngineParams, Params
 
 
 def _rec(T, H=8, seed=0, prompt_len=4):
@@ -32,7 +31,9 @@ def _mode(p):
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_roundtrip_and_manifest(tmp_path, compression):
-    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(queue_size=16, shard_max_records=3, compression=compression))
+    w = CaptureWriter(
+        tmp_path / "cap", "tid", CaptureParams(queue_size=16, shard_max_records=3, compression=compression)
+    )
     recs = [_rec(10 + i, seed=i) for i in range(7)]
     for i, r in enumerate(recs):
         # fp32 hidden states in (as the engine produces them): stored as bf16
@@ -77,7 +78,9 @@ def test_zstd_is_smaller_on_smooth_states(tmp_path):
         w.submit(r, request_id="a", workload="x", acceptance_length=1.0)
         w.close()
         sizes[c] = w.stats().bytes_total
-        assert torch.equal(read_record(tmp_path / c, read_manifest(tmp_path / c)[0])["hidden_states"], r["hidden_states"])
+        assert torch.equal(
+            read_record(tmp_path / c, read_manifest(tmp_path / c)[0])["hidden_states"], r["hidden_states"]
+        )
     assert sizes["zstd"] < 0.8 * sizes["none"]
 
 
@@ -142,7 +145,12 @@ def test_filter_sampling_and_acceptance_threshold(tmp_path):
 
 def test_disk_quota_stops_capture_until_seal(tmp_path):
     rec = _rec(64, H=64)  # ~33 KB a record in bf16
-    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=1, disk_quota_mb=0.1), snapshots_root=tmp_path / "snaps")
+    w = CaptureWriter(
+        tmp_path / "cap",
+        "tid",
+        CaptureParams(shard_max_records=1, disk_quota_mb=0.1),
+        snapshots_root=tmp_path / "snaps",
+    )
     for i in range(6):
         w.submit(rec, request_id=f"r{i}", workload="x", acceptance_length=1.0)
     w.flush()
@@ -158,7 +166,9 @@ def test_disk_quota_stops_capture_until_seal(tmp_path):
 
 
 def test_min_free_disk_stops_capture(tmp_path):
-    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=1, min_free_disk_mb=1e12))  # an exabyte free? no
+    w = CaptureWriter(
+        tmp_path / "cap", "tid", CaptureParams(shard_max_records=1, min_free_disk_mb=1e12)
+    )  # an exabyte free? no
     w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0)
     w.close()
     assert w.stats().dropped == {"disk_full": 1} and read_manifest(tmp_path / "cap") == []
@@ -166,7 +176,14 @@ def test_min_free_disk_stops_capture(tmp_path):
 
 def test_auto_seal_on_tokens_and_age(tmp_path):
     infos = []
-    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=2, seal_min_tokens=40, seal_max_age_s=1.0), snapshots_root=tmp_path / "snaps", on_seal=infos.append, idle_flush_s=0.1)
+    w = CaptureWriter(
+        tmp_path / "cap",
+        "tid",
+        CaptureParams(shard_max_records=2, seal_min_tokens=40, seal_max_age_s=1.0),
+        snapshots_root=tmp_path / "snaps",
+        on_seal=infos.append,
+        idle_flush_s=0.1,
+    )
     for i in range(4):  # 4 × 12 tokens: sealed once 48 >= 40 are written
         w.submit(_rec(12, seed=i), request_id=f"r{i}", workload="x", acceptance_length=1.0)
     w.flush()
@@ -256,7 +273,12 @@ def test_drift_rises_on_shift_and_stays_low_on_repeat(tmp_path):
     c3 = curate(tmp_path / "snaps", "tid", p, tmp_path / "c3.json", previous=tmp_path / "c2.json")
     assert c3.drift_jsd > 3 * c2.drift_jsd and c3.drift_jsd > 0.06 > 0.03 > c2.drift_jsd
     # the publisher's check: a fresh snapshot against the last curated set
-    assert snapshot_drift(repeat.path, tmp_path / "c1.json") < 0.03 < 0.06 < snapshot_drift(shift.path, tmp_path / "c1.json")
+    assert (
+        snapshot_drift(repeat.path, tmp_path / "c1.json")
+        < 0.03
+        < 0.06
+        < snapshot_drift(shift.path, tmp_path / "c1.json")
+    )
     assert c1.dropped == {} and snapshot_drift(first.path, tmp_path / "c1.json") == pytest.approx(0.0, abs=1e-9)
 
 
@@ -412,7 +434,12 @@ def test_bad_records_are_refused_at_submit_and_the_writer_goes_on(tmp_path):
 
 def test_seal_failure_keeps_capturing(tmp_path):
     (tmp_path / "snaps").write_text("not a directory")
-    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=2, seal_min_tokens=10), snapshots_root=tmp_path / "snaps")
+    w = CaptureWriter(
+        tmp_path / "cap",
+        "tid",
+        CaptureParams(shard_max_records=2, seal_min_tokens=10),
+        snapshots_root=tmp_path / "snaps",
+    )
     for i in range(10):
         w.submit(_rec(6, seed=i), request_id=f"r{i}", workload="x", acceptance_length=1.0)
     w.close()

@@ -34,7 +34,13 @@ def _record(i: int, H: int = 8) -> dict[str, torch.Tensor]:
 
 
 def _child(conn, cap, snaps, start, compression):  # runs in a forkserver child, killed with SIGKILL
-    w = CaptureWriter(cap, TID, CaptureParams(queue_size=64, shard_max_records=2, compression=compression, seal_min_tokens=120), snapshots_root=snaps, idle_flush_s=0.05)
+    w = CaptureWriter(
+        cap,
+        TID,
+        CaptureParams(queue_size=64, shard_max_records=2, compression=compression, seal_min_tokens=120),
+        snapshots_root=snaps,
+        idle_flush_s=0.05,
+    )
     conn.send(("ready", []))
     i = start
     while True:
@@ -134,8 +140,11 @@ def test_interrupted_seal_is_finished_once(tmp_path, monkeypatch, crash_at):
         monkeypatch.setattr(snapshots, "_finish_seal", lambda *a: (_ for _ in ()).throw(Crash()))
     elif crash_at == "mid_link":
         calls = []
-        monkeypatch.setattr(snapshots, "_link_or_copy",
-                            lambda s, d: (calls.append(s), real_link(s, d), len(calls) == 2 and (_ for _ in ()).throw(Crash())))
+        monkeypatch.setattr(
+            snapshots,
+            "_link_or_copy",
+            lambda s, d: (calls.append(s), real_link(s, d), len(calls) == 2 and (_ for _ in ()).throw(Crash())),
+        )
     else:  # snapshot renamed into place, capture copies not yet removed
         monkeypatch.setattr(snapshots.Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(Crash()))
     with pytest.raises(Crash):

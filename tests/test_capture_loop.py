@@ -28,15 +28,20 @@ def _line(eid, request, response, enc="JSON", ctype="application/json") -> str:
         raw = x if isinstance(x, str) else json.dumps(x)
         return {"observedContentType": ctype if mode == "OUTPUT" else "application/json", "mode": mode,
                 "data": base64.b64encode(raw.encode()).decode() if enc == "BASE64" else raw, "encoding": enc}
-    return json.dumps({"captureData": {"endpointInput": body(request, "INPUT"), "endpointOutput": body(response, "OUTPUT")},
-                       "eventMetadata": {"eventId": eid, "inferenceTime": "2026-11-30T12:00:00.000Z"},
-                       "eventVersion": "0"})
+
+    return json.dumps(
+        {
+            "captureData": {"endpointInput": body(request, "INPUT"), "endpointOutput": body(response, "OUTPUT")},
+            "eventMetadata": {"eventId": eid, "inferenceTime": "2026-11-30T12:00:00.000Z"},
+            "eventVersion": "0",
+        }
+    )
 
 
 def _traffic(target, tok, n: int) -> list[str]:
     """n chat exchanges whose responses are the target's own greedy outputs (what the endpoint served)."""
-    from tidespec.models.chat import chat_ids
     from tidespec.engine.speculative import Engine
+    from tidespec.models.chat import chat_ids
     eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     lines = []
     for i in range(n):
@@ -60,13 +65,12 @@ def _traffic(target, tok, n: int) -> list[str]:
 
 def test_endpoint_traffic_closes_the_loop(tmp_path, tiny_target_dir):
     from test_sagemaker_deploy import _MotoWithUpdate
-
     from tidespec.adapters import orchestrate, registry, services, versioning
     from tidespec.adapters import sagemaker_deploy as smd
     from tidespec.config import load_params
-    from tidespec.steps.cycle import step_deploy
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.target import load_target
+    from tidespec.steps.cycle import step_deploy
     from tidespec.workspace import Workspace, read_version
 
     # its own servers: the worker must carry moto's AWS env to its flow runs

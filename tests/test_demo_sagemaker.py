@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import tiny_params_yaml
 
 pytestmark = pytest.mark.services

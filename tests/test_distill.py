@@ -3,13 +3,13 @@ answers, in the capture format the trainer reads, up to the token budget."""
 import shutil
 
 import torch
-from conftest import add_tiny_word_tokenizer
 
+from conftest import add_tiny_word_tokenizer
 from tidespec.config import EngineParams
-from tidespec.models.chat import chat_ids
-from tidespec.train.distill import self_distill
 from tidespec.engine.speculative import Engine
+from tidespec.models.chat import chat_ids
 from tidespec.models.target import load_target
+from tidespec.train.distill import self_distill
 
 
 def test_records_are_the_targets_greedy_answers(tiny_target_dir, tmp_path):

@@ -209,7 +209,9 @@ def check_inline_span(span: str) -> str | None:
 # -- (a) the README is a front page with a table of contents ---------------------------------------
 def test_readme_is_small_and_has_a_table_of_contents():
     data = README.read_bytes()
-    assert len(data) <= README_MAX_BYTES, f"README.md is {len(data)} bytes (limit {README_MAX_BYTES}): move reference to docs/"
+    assert len(data) <= README_MAX_BYTES, (
+        f"README.md is {len(data)} bytes (limit {README_MAX_BYTES}): move reference to docs/"
+    )
     text = data.decode()
     body = prose(text)
     toc = re.search(r"^##[ \t]+(?:Contents|Table of contents)[ \t]*\n(.*?)(?=^#)", body, re.M | re.S | re.I)
@@ -294,11 +296,16 @@ def test_the_command_checker_catches_mistakes():
     assert "Missing option" in check_command_line(["promote", "3"])
     assert tidespec_invocations('eval "$(tidespec services up)"') == [["services", "up"]]
     assert tidespec_invocations(".venv/bin/tidespec snapshots pull <SID>") == [["snapshots", "pull", "X"]]
-    assert strip_comment("tidespec serve --port 8000   # 'tidespec bench' in a comment") == "tidespec serve --port 8000   "
+    assert (
+        strip_comment("tidespec serve --port 8000   # 'tidespec bench' in a comment") == "tidespec serve --port 8000   "
+    )
     assert tidespec_invocations("ls src/tidespec/ && tidespec-draft x") == []
     assert check_inline_span("tidespec serve --backend sglang --sglang-url URL") is None
     assert "no option" in check_inline_span("tidespec serve --sglang URL")
-    assert slug("Goodput policy: adaptive k, proposer and off-switch") == "goodput-policy-adaptive-k-proposer-and-off-switch"
+    assert (
+        slug("Goodput policy: adaptive k, proposer and off-switch")
+        == "goodput-policy-adaptive-k-proposer-and-off-switch"
+    )
     assert slug("Every load: concurrency 1/4/8/16") == "every-load-concurrency-14816"
 
 

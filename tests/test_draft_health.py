@@ -6,8 +6,8 @@ import logging
 import random
 
 import pytest
-from conftest import random_draft
 
+from conftest import random_draft
 from tidespec.config import EngineParams
 from tidespec.engine.health import MIN_CHAINS, DraftHealth, clearly_below
 from tidespec.engine.speculative import Engine, Request
@@ -69,7 +69,10 @@ def test_health_by_version_and_class_recovers_with_the_window():
 
 def test_engine_feeds_health_and_the_guard_reports_and_rolls_back_once(tiny_target, caplog):
     from collections import Counter
-    off = DraftRunner(random_draft(tiny_target, 64, counts=Counter(range(250, 314))))  # drafts ids the target rarely emits
+
+    off = DraftRunner(
+        random_draft(tiny_target, 64, counts=Counter(range(250, 314)))
+    )  # drafts ids the target rarely emits
     eng = Engine(tiny_target, off, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8), draft_version="7")
     eng.set_draft(off, "7", replayed={"": (0.9, 300)})  # its evaluation claimed 0.9 over 300 chains: far below
     reqs = [Request([5 + i, 6, 7], 60, workload="chat") for i in range(8)]

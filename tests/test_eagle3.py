@@ -5,11 +5,11 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import random_draft, tiny_records
 
+from conftest import random_draft, tiny_records
 from tidespec.config import DraftParams, TrainParams
-from tidespec.models.runner import DraftRunner
 from tidespec.models.eagle3 import build_vocab, load_checkpoint, save_checkpoint
+from tidespec.models.runner import DraftRunner
 from tidespec.train.examples import batches, prepare
 from tidespec.train.trainer import init_draft, train_draft, ttt_loss
 

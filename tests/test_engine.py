@@ -1,11 +1,11 @@
 """Engine: the lean target forward matches transformers; speculative greedy == target-only greedy."""
 import pytest
 import torch
-from conftest import ladder, random_draft
 
+from conftest import ladder, random_draft
 from tidespec.config import EngineParams
-from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.calibration import Calibration
+from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats, per_position, simulated_acceptance_length, tau_standard_error
@@ -93,7 +93,9 @@ def _prompts(n, seed, lo=1, hi=20):
 
 def test_batched_equals_alone(tiny_target):
     """Mixed batch (speculative or not, k 1..4, capture, sampling, different lengths) == each alone."""
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=8))
+    eng = Engine(
+        tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=8)
+    )
     reqs = [Request(p, 20 + 3 * i, speculative=i % 3 != 0, k=1 + i % 4, capture=i % 2 == 0,
                     sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=i) if i == 5 else SamplingParams())
             for i, p in enumerate(_prompts(7, 1))]
@@ -108,7 +110,9 @@ def test_batched_equals_alone(tiny_target):
 
 
 def test_requests_join_and_leave_between_steps(tiny_target):
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=2, max_seq_len=128, max_batch=2))
+    eng = Engine(
+        tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=2, max_seq_len=128, max_batch=2)
+    )
     ps = _prompts(4, 2)
     ref = [eng.generate(p, 12 + 4 * i, speculative=False).tokens for i, p in enumerate(ps)]
     futs = [eng.submit(Request(ps[0], 12)), eng.submit(Request(ps[1], 16))]
@@ -131,7 +135,10 @@ def test_threads_calling_generate_share_steps(tiny_target, monkeypatch):
     several requests' segments, fewer forwards than the requests alone took); outputs as alone."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=4))
+
+    eng = Engine(
+        tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=4)
+    )
     ps = _prompts(4, 4)
     segs, real = [], tiny_target.forward_batch
     monkeypatch.setattr(tiny_target, "forward_batch", lambda ss, *a, **kw: segs.append(len(ss)) or real(ss, *a, **kw))
@@ -190,7 +197,12 @@ def test_cancelled_request_is_dropped_and_callbacks_may_reenter(tiny_target):
 
 def test_seeded_sampling_is_reproducible_with_adaptive_k(tiny_target):
     pol = GoodputPolicy(_cal([100, 104, 108], 2), prior=0.9, alpha=0.5)
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=2, max_seq_len=128, draft_early_stop=False), policy=pol)
+    eng = Engine(
+        tiny_target,
+        _random_runner(tiny_target, 64),
+        EngineParams(num_draft_tokens=2, max_seq_len=128, draft_early_stop=False),
+        policy=pol,
+    )
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
     first = eng.generate([5, 6, 7], 30, sampling=sp).tokens
     for _ in range(3):  # the policy's state moves between runs; a seeded request keeps the engine's k
@@ -275,7 +287,12 @@ def test_adaptive_k_margin_keeps_break_even_classes_off():
 def test_adaptive_engine_is_lossless_and_learns(tiny_target):
     cal = _cal([100, 104, 108, 112, 116], 2)
     pol = GoodputPolicy(cal, prior=0.9, alpha=0.2, probe_every=8)
-    eng = Engine(tiny_target, _random_runner(tiny_target, 64), EngineParams(num_draft_tokens=4, max_seq_len=256, draft_early_stop=False), policy=pol)
+    eng = Engine(
+        tiny_target,
+        _random_runner(tiny_target, 64),
+        EngineParams(num_draft_tokens=4, max_seq_len=256, draft_early_stop=False),
+        policy=pol,
+    )
     ps = _prompts(6, 3)
     ref = [eng.generate(p, 40, speculative=False).tokens for p in ps]
     gens = eng.generate_batch([Request(p, 40, workload="code") for p in ps])
@@ -403,10 +420,14 @@ def test_each_refusal_names_the_request_field_it_is_about(tiny_target):
     """`InvalidRequest.field` is what a server maps to its own parameter (no guessing from the message)."""
     from tidespec.engine.invalid import InvalidRequest
     eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=2, max_seq_len=64))
-    cases = {"prompt_ids": [Request([], 4), Request([5, 999], 4)], "max_new_tokens": [Request([5], 0), Request([5] * 40, 30)],
-             "k": [Request([5], 4, k=0)], "logit_bias": [Request([5], 4, sampling=SamplingParams(logit_bias={999: 1.0}))],
-             "stop_token_ids": [Request([5], 4, sampling=SamplingParams(stop_token_ids=(999,)))],
-             "workload": [Request([5], 4, workload=3)]}
+    cases = {
+        "prompt_ids": [Request([], 4), Request([5, 999], 4)],
+        "max_new_tokens": [Request([5], 0), Request([5] * 40, 30)],
+        "k": [Request([5], 4, k=0)],
+        "logit_bias": [Request([5], 4, sampling=SamplingParams(logit_bias={999: 1.0}))],
+        "stop_token_ids": [Request([5], 4, sampling=SamplingParams(stop_token_ids=(999,)))],
+        "workload": [Request([5], 4, workload=3)],
+    }
     for field, reqs in cases.items():
         for r in reqs:
             with pytest.raises(InvalidRequest) as e:

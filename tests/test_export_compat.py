@@ -19,9 +19,9 @@ import json
 
 import pytest
 import torch
-from conftest import random_draft
 from safetensors.torch import load_file
 
+from conftest import random_draft
 from tidespec.models.eagle3 import save_checkpoint
 
 STACKED = [(".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
@@ -30,10 +30,10 @@ STACKED = [(".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv
 
 def _shapes(c):
     """Parameter shapes of the engines' EAGLE3 modules for a draft config `c` (per the sources)."""
-    H, I, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
     qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd
     layer = {"self_attn.qkv_proj.weight": (qkv, 2 * H), "self_attn.o_proj.weight": (H, c.num_attention_heads * hd),
-             "mlp.gate_up_proj.weight": (2 * I, H), "mlp.down_proj.weight": (H, I),
+             "mlp.gate_up_proj.weight": (2 * inter, H), "mlp.down_proj.weight": (H, inter),
              "input_layernorm.weight": (H,), "hidden_norm.weight": (H,), "post_attention_layernorm.weight": (H,)}
     common = {"model.fc.weight": (H, 3 * c.target_hidden_size), "model.norm.weight": (H,),
               "model.embed_tokens.weight": (c.vocab_size, H), "lm_head.weight": (c.draft_vocab_size, H)}

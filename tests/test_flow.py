@@ -3,6 +3,7 @@ flow is loaded from the project's flows/cycle.py as a worker loads it (`orchestr
 from pathlib import Path
 
 import pytest
+
 from conftest import make_tiny_workspace
 
 pytestmark = pytest.mark.services
@@ -82,9 +83,9 @@ def test_params_are_read_once_per_cycle(tmp_path, tiny_target_dir, prefect_serve
     from mlflow import MlflowClient
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tidespec.steps import cycle
     from tidespec.adapters import orchestrate, registry
     from tidespec.config import load_params
+    from tidespec.steps import cycle
 
     ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir)
     pp = tmp_path / "params.yaml"

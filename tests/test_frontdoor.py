@@ -22,8 +22,8 @@ def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import ServeParams, load_params
     from tidespec.engine.speculative import Engine
-    from tidespec.serve.frontdoor import build_frontdoor
     from tidespec.models.target import load_target
+    from tidespec.serve.frontdoor import build_frontdoor
     from tidespec.serve.server import build_app
     from tidespec.workspace import Workspace
 
@@ -31,10 +31,18 @@ def test_frontdoor_forwards_captures_and_reports(tmp_path, tiny_target_dir):
     shutil.copytree(tiny_target_dir, tdir)
     add_tiny_word_tokenizer(tdir)
     target, tok = load_target(tdir)
-    backend = serve_in_thread(build_app(Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)), tok, ServeParams(max_tokens=10)))
+    backend = serve_in_thread(
+        build_app(
+            Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)), tok, ServeParams(max_tokens=10)
+        )
+    )
     text = TextCapture(tmp_path / "text")
     try:
-        direct = TestClient(build_app(Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)), tok, ServeParams(max_tokens=10)))
+        direct = TestClient(
+            build_app(
+                Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)), tok, ServeParams(max_tokens=10)
+            )
+        )
         with TestClient(build_frontdoor(backend.url, text)) as c:
             chat = {"messages": [{"role": "user", "content": "t7 t99 t300"}], "max_tokens": 8, "temperature": 0}
             r = c.post("/v1/chat/completions", json=chat)

@@ -5,13 +5,12 @@ import math
 import random
 
 import pytest
-from conftest import ladder, random_draft
 
+from conftest import ladder, random_draft
 from tidespec.config import EngineParams
-from tidespec.engine.policy import GoodputPolicy
-from tidespec.engine.policy.margin import REALIZED_PRIOR
 from tidespec.engine.calibration import Calibration, calibrate
-from tidespec.engine.policy import StepCost, goodput, plan, predicted_step
+from tidespec.engine.policy import GoodputPolicy, StepCost, goodput, plan, predicted_step
+from tidespec.engine.policy.margin import REALIZED_PRIOR
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.suffix import SuffixCache
 from tidespec.models.runner import DraftRunner
@@ -92,7 +91,10 @@ def test_step_cost_refit_cannot_predict_speedups_from_spikes():
 def test_policy_reports_k_by_batch_and_learns_suffix_correction():
     sure = GoodputPolicy(_cal(), prior=0.6, alpha=1.0)  # alpha 1: the last observation is the estimate
     sure.estimator("eagle3").observe_chain("code", 4, 1)  # a = [1, 0, .6, .6]: one sure token per step
-    assert sure.report()["code"]["k_by_batch"] == {1: 1, 8: 0}  # at 8: 16 tokens / 384 ms is within the margin of 8 / 200
+    assert sure.report()["code"]["k_by_batch"] == {
+        1: 1,
+        8: 0,
+    }  # at 8: 16 tokens / 384 ms is within the margin of 8 / 200
     pol = GoodputPolicy(_cal(), prior=0.6, alpha=0.5)
     assert pol.estimator("suffix").gains("chat", (0.9, 0.8)) == pytest.approx((0.9, 1.7))
     for _ in range(20):  # suffix scores said 1.7 expected, 0.85 were accepted
@@ -101,8 +103,12 @@ def test_policy_reports_k_by_batch_and_learns_suffix_correction():
     # proposals against the prior's one at 1.0: (2 · 0.39 + 1) / 3
     assert pol.estimator("suffix").correction("chat") == pytest.approx((2 * (2 / 3) / 1.7 + 1) / 3, abs=1e-3)
     assert pol.estimator("suffix").gains("chat", (0.9, 0.8))[1] < 1.1
-    pol.estimator("suffix").observe_proposal("code", 2.0, 0)  # one wrong proposal halves it at once: (1 · 0 + 1) / (1 + 1)
-    assert pol.estimator("suffix").correction("code") == 0.5 and pol.estimator("suffix").gains("code", (0.9,)) == (0.45,)
+    pol.estimator("suffix").observe_proposal(
+        "code", 2.0, 0
+    )  # one wrong proposal halves it at once: (1 · 0 + 1) / (1 + 1)
+    assert pol.estimator("suffix").correction("code") == 0.5 and pol.estimator("suffix").gains("code", (0.9,)) == (
+        0.45,
+    )
     for _ in range(30):  # all wrong: it falls to 1 / (1/alpha + 1) and stays there, never 0
         pol.estimator("suffix").observe_proposal("code", 2.0, 0)
     assert pol.estimator("suffix").correction("code") == pytest.approx(1 / 3)
@@ -138,7 +144,13 @@ class _Spy(GoodputPolicy):
 
 def test_engine_with_goodput_policy_is_lossless_and_feeds_back_step_costs(tiny_target):
     pol = _Spy(Calibration((100.0, 101.0, 102.0, 103.0), 1.0, "test", 128), prior=0.9, probe_every=4)
-    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4, draft_early_stop=False), policy=pol, suffix=SuffixCache(max_depth=8))
+    eng = Engine(
+        tiny_target,
+        DraftRunner(random_draft(tiny_target, 64)),
+        EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4, draft_early_stop=False),
+        policy=pol,
+        suffix=SuffixCache(max_depth=8),
+    )
     ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     ps = [[5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12], [42], [9, 30, 31, 9, 30]]
     want = [ref.generate(p, 24).tokens for p in ps]
@@ -147,7 +159,7 @@ def test_engine_with_goodput_policy_is_lossless_and_feeds_back_step_costs(tiny_t
     via = {k for g in gens for k in g.stats_by_proposer}
     assert "suffix" in via  # the tiny target repeats itself: suffix proposals win steps
     assert pol.steps and all(rows >= b for b, rows, _ in pol.steps)
-    for b, rows, drafts in pol.steps:  # draft positions never exceed the batch, one entry per chain position
+    for b, _rows, drafts in pol.steps:  # draft positions never exceed the batch, one entry per chain position
         assert all(0 < n <= b for n in drafts) and list(drafts) == sorted(drafts, reverse=True)
     assert max(b for b, _, _ in pol.steps) == 4
     assert sum(rows - b for b, rows, _ in pol.steps) == sum(g.stats.num_draft_tokens for g in gens)
@@ -167,7 +179,12 @@ def test_engine_under_load_switches_speculation_off(tiny_target):
     """With a machine where rows are dear at batch 8 (GRID), a batch of 8 drafts only on probes."""
     cal = Calibration(GRID[0][:4], 2.0, "test", 128, (1, 8), (1, 2, 3, 4), tuple(r[:4] for r in GRID), (2.0, 4.0))
     pol = GoodputPolicy(cal, prior=0.6, probe_every=8)
-    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8, draft_early_stop=False), policy=pol)
+    eng = Engine(
+        tiny_target,
+        DraftRunner(random_draft(tiny_target, 64)),
+        EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8, draft_early_stop=False),
+        policy=pol,
+    )
     gens = eng.generate_batch([Request([5 + i, 6, 7], 24, workload="chat") for i in range(8)])
     drafts = sum(g.stats.num_drafts for g in gens)
     assert 0 < drafts <= 8 * 24 // 8 + 8  # one probe per class every 8th request-step
@@ -176,7 +193,9 @@ def test_engine_under_load_switches_speculation_off(tiny_target):
 
 def test_early_stop_threshold_and_learned_confidence():
     pol = GoodputPolicy(_cal(), prior=0.6, alpha=0.2)
-    assert pol.estimator("eagle3").accept_given_confidence("code", 0.37) == 0.37  # unobserved bin: the draft's own confidence
+    assert (
+        pol.estimator("eagle3").accept_given_confidence("code", 0.37) == 0.37
+    )  # unobserved bin: the draft's own confidence
     for _ in range(10):  # confident drafts (0.9) are rejected at position 0: the bin learns it
         pol.estimator("eagle3").observe_confidence("code", [0.91, 0.2], 0)
     assert pol.estimator("eagle3").accept_given_confidence("code", 0.95) < 0.1
@@ -194,14 +213,23 @@ def test_early_stop_threshold_and_learned_confidence():
 
 def test_engine_early_stop_shortens_chains_and_stays_lossless(tiny_target, monkeypatch):
     """A random draft is rarely right: with the learned confidence, chains stop after one token."""
-    monkeypatch.setattr("tidespec.engine.policy.probes.PROBE_BACKOFF", 1)  # probe_every=1 below: every step, no back-off
+    monkeypatch.setattr(
+        "tidespec.engine.policy.probes.PROBE_BACKOFF", 1
+    )  # probe_every=1 below: every step, no back-off
     cal = Calibration((100.0, 101.0, 102.0, 103.0, 104.0), 1.0, "test", 128)
     ps = [[5, 6, 7], [11, 12, 13, 11, 12], [42], [9, 30, 31, 9, 30]]
-    ref = [Engine(tiny_target, None, EngineParams(num_draft_tokens=4, max_seq_len=256)).generate(p, 24).tokens for p in ps]
+    ref = [
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=4, max_seq_len=256)).generate(p, 24).tokens for p in ps
+    ]
     runs = {}
     for stop in (False, True):
         pol = GoodputPolicy(cal, prior=1.0, alpha=0.05, probe_every=1)  # prior 1 + probe every step: always drafts
-        eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=4, max_seq_len=256, max_batch=4, draft_early_stop=stop), policy=pol)
+        eng = Engine(
+            tiny_target,
+            DraftRunner(random_draft(tiny_target, 64)),
+            EngineParams(num_draft_tokens=4, max_seq_len=256, max_batch=4, draft_early_stop=stop),
+            policy=pol,
+        )
         for _ in range(2):  # the first round teaches the confidence bins
             gens = eng.generate_batch([Request(p, 24, workload="code") for p in ps])
             assert [g.tokens for g in gens] == ref
@@ -224,7 +252,13 @@ def test_review_fixes_draft_costs_probes_backlog_grid(tiny_target):
     cal = Calibration((100.0, 101.0, 102.0, 103.0), 0.0, "test", 128, (1, 4), (1, 2, 3, 4),
                       ((100.0, 101.0, 102.0, 103.0), (150.0, 200.0, 250.0, 300.0)), (0.0, 0.0))
     pol = GoodputPolicy(cal, prior=0.0, probe_every=4)
-    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4, draft_early_stop=False), policy=pol, suffix=SuffixCache(max_depth=8))
+    eng = Engine(
+        tiny_target,
+        None,
+        EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=4, draft_early_stop=False),
+        policy=pol,
+        suffix=SuffixCache(max_depth=8),
+    )
     runner = DraftRunner(random_draft(tiny_target, 64))
     eng.set_draft(runner, "v1")
     assert pol.cal.draft_shape == (runner.config.hidden_size, runner.config.intermediate_size, 64)
@@ -354,7 +388,7 @@ def test_suffix_proposals_left_unchosen_stop_being_computed_and_are_probed():
     another batch size and another class are not affected; a hot-swap forgets it."""
     pol = GoodputPolicy(_cal(), prior=0.6, probe_every=2)
     due = []
-    for step in range(1, 20):
+    for _ in range(1, 20):
         d = pol.offer_due("suffix", "code", 8)
         due.append(d)
         if d:
@@ -392,9 +426,17 @@ def test_engine_under_load_stops_computing_suffix_proposals_it_never_chooses(tin
                       ((100.0, 101.0, 102.0, 103.0), (200.0, 560.0, 920.0, 1280.0)), (2.0, 4.0))
     pol = GoodputPolicy(cal, prior=0.0, probe_every=4)
     sfx = _CountingSuffix(max_depth=8)
-    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8, draft_early_stop=False), policy=pol, suffix=sfx)
+    eng = Engine(
+        tiny_target,
+        None,
+        EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8, draft_early_stop=False),
+        policy=pol,
+        suffix=sfx,
+    )
     ps = [[5 + i, 6, 7, 5 + i, 6, 7] for i in range(8)]
-    ref = [Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(p, 40).tokens for p in ps]
+    ref = [
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(p, 40).tokens for p in ps
+    ]
     gens = eng.generate_batch([Request(p, 40, workload="code") for p in ps])
     assert [g.tokens for g in gens] == ref and all(len(g.tokens) == 40 for g in gens)
     assert sum(g.stats.num_drafts for g in gens) == 0
@@ -414,19 +456,27 @@ def test_acceptance_starts_from_the_replayed_first_token_acceptance_worth_a_few_
     pol = GoodputPolicy(_cal(), prior=0.6, alpha=0.05)
     for _ in range(4):
         pol.estimator("eagle3").observe_chain("chat", 4, 0)
-    assert pol.estimator("eagle3").acceptance("chat")[:2] == pytest.approx([0.6 * 4 / 8, 0.6])  # position 2 never reached
+    assert pol.estimator("eagle3").acceptance("chat")[:2] == pytest.approx(
+        [0.6 * 4 / 8, 0.6]
+    )  # position 2 never reached
     overall = (396 * 0.5 + 4 * 0.6) / 400
     pol.reset({"code": (0.9, 96), "": (0.5, 396), "json": (0.0, 2), "math": (0.7, 0)})
     assert pol.estimator("eagle3").acceptance("code") == pytest.approx([(96 * 0.9 + 4 * overall) / 100, 0.6, 0.6, 0.6])
     assert pol.estimator("eagle3").acceptance("json")[0] == pytest.approx(4 * overall / 6)  # 2 rejected chains: not 0
-    assert pol.estimator("eagle3").acceptance("chat")[0] == pytest.approx(overall) == pol.estimator("eagle3").acceptance("math")[0]
+    assert (
+        pol.estimator("eagle3").acceptance("chat")[0]
+        == pytest.approx(overall)
+        == pol.estimator("eagle3").acceptance("math")[0]
+    )
     assert pol.estimator("eagle3").tree_acceptance("code")[0] == 0.6  # trees: not the chains' replay
     a1 = pol.estimator("eagle3").acceptance("code")[0]
     pol.estimator("eagle3").observe_chain("code", 4, 0)
     assert pol.estimator("eagle3").acceptance("code")[0] == pytest.approx(a1 - a1 / 5)
     pol.reset()
     assert pol.estimator("eagle3").acceptance("code")[0] == 0.6
-    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, draft_early_stop=False), policy=pol)
+    eng = Engine(
+        tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256, draft_early_stop=False), policy=pol
+    )
     eng.set_draft(DraftRunner(random_draft(tiny_target, 64)), "v1", replayed={"": (0.3, 196.0), "code": (0.8, 116.0)})
     at = (196 * 0.3 + 4 * 0.6) / 200
     assert pol.estimator("eagle3").acceptance("code")[0] == pytest.approx((116 * 0.8 + 4 * at) / 120)
@@ -435,7 +485,14 @@ def test_acceptance_starts_from_the_replayed_first_token_acceptance_worth_a_few_
         eng.set_draft(DraftRunner(random_draft(tiny_target, 64)), "v2", replayed={"code": (float("nan"), 3)})
     assert eng.draft_version == "v1" and pol.estimator("eagle3").acceptance("math")[0] == pytest.approx(at)
     pol2 = GoodputPolicy(_cal(), prior=0.6)
-    eng2 = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=256, draft_early_stop=False), policy=pol2, replayed={"": (0.2, 96.0)}, draft_version="v3")
+    eng2 = Engine(
+        tiny_target,
+        DraftRunner(random_draft(tiny_target, 64)),
+        EngineParams(num_draft_tokens=3, max_seq_len=256, draft_early_stop=False),
+        policy=pol2,
+        replayed={"": (0.2, 96.0)},
+        draft_version="v3",
+    )
     assert pol2.estimator("eagle3").acceptance("code")[0] == pytest.approx((96 * 0.2 + 4 * 0.6) / 100)
     assert eng2.health.against_replay("v3", "code").reference == 0.2  # draft health got the reference too
 
@@ -443,6 +500,7 @@ def test_acceptance_starts_from_the_replayed_first_token_acceptance_worth_a_few_
 def test_served_reads_version_and_replay_from_the_draft_dir(tmp_path):
     """`workspace.served`: the keywords make_engine / set_draft take for a deployed draft dir."""
     import json
+
     from tidespec.workspace import served
     assert served(tmp_path) == {"version": None, "replayed": None}
     (tmp_path / "version.json").write_text(json.dumps({"version": "4", "replayed": {"": [0.5, 10], "code": [0.7, 3]}}))
@@ -453,6 +511,7 @@ def test_a_step_whose_tries_matched_nothing_is_not_a_miss_of_the_suffix_gate():
     """Repetition comes in bursts: steps where no request of a class had a suffix proposal (empty
     ladders) do not count towards turning its proposals off; computed, offered and unchosen ones do."""
     from types import SimpleNamespace as NS
+
     from tidespec.engine.plan import Planner
     from tidespec.engine.proposers.suffix import SuffixProposer
     pol = GoodputPolicy(_cal(), prior=0.6, probe_every=2)
@@ -517,7 +576,9 @@ def test_the_margin_rises_by_what_speculation_realized_of_its_predictions():
     assert pol.plan_step(["code"], [lad]) == [("eagle3", 1)]  # 1.12 × 100 / 102 = 1.098
     for _ in range(20):  # predicted 1.12 tokens in 102 ms; realized 1.12 tokens in 113.33 ms = 0.9
         pol.observe_realized(["code"], True, (1.12, 102.0), 1, 102.0 / 0.9 / 1.12)
-    assert pol.margins.margin_at(["code"], 1, 0.05) == 0.05  # no plain step to compare with: the own work is not blamed on it
+    assert (
+        pol.margins.margin_at(["code"], 1, 0.05) == 0.05
+    )  # no plain step to compare with: the own work is not blamed on it
     pol.observe_realized(["code"], False, (1.0, 100.0), 1, 100.0)
     w = 20 * (1 - pol.config.alpha / 4)  # one plain step aged the speculative evidence once
     rho = (w * 0.9 + REALIZED_PRIOR) / (w + REALIZED_PRIOR)
@@ -525,8 +586,12 @@ def test_the_margin_rises_by_what_speculation_realized_of_its_predictions():
     assert pol.margins.ratio("code", 1, False) == pytest.approx((1.0 + REALIZED_PRIOR) / (1 + REALIZED_PRIOR))
     assert pol.margins.margin_at(["code"], 1, 0.05) == pytest.approx(1.05 / rho - 1)  # 0.13
     assert pol.plan_step(["code"], [lad]) == [("", 0)]
-    assert pol.margins.ratio("code", 2, True) is None and pol.margins.margin_at(["code"], 2, 0.05) == 0.05  # another batch size
-    assert pol.margins.report() == {"code": {1: {"plain": 1.0, "speculative": round(rho, 4), "margin": round(1.05 / rho - 1, 4)}}}
+    assert (
+        pol.margins.ratio("code", 2, True) is None and pol.margins.margin_at(["code"], 2, 0.05) == 0.05
+    )  # another batch size
+    assert pol.margins.report() == {
+        "code": {1: {"plain": 1.0, "speculative": round(rho, 4), "margin": round(1.05 / rho - 1, 4)}}
+    }
     for _ in range(200):  # plain steps on time: the speculative evidence ages, the margin relaxes
         pol.observe_realized(["code"], False, (1.0, 100.0), 1, 100.0)
     assert 0.05 < pol.margins.margin_at(["code"], 1, 0.05) < 0.07 and pol.plan_step(["code"], [lad]) == [("eagle3", 1)]
@@ -556,7 +621,10 @@ def test_one_stalled_step_moves_the_realized_margin_never_decides_it():
     pol.observe_realized(["math"] * 8, True, (10.0, 250.0), 10, 250_000.0)
     rho = ((20 * (1 - 0.05 / 2)) + REALIZED_PRIOR) / (20 + REALIZED_PRIOR)  # EMA 1 → 1 − 0.05·½
     assert pol.margins.ratio("math", 8, True) == pytest.approx(rho)
-    assert pol.margins.margin_at(["math"], 8, 0.05) == pytest.approx(1.05 / rho - 1) and pol.margins.margin_at(["math"], 8, 0.05) < 0.07
+    assert (
+        pol.margins.margin_at(["math"], 8, 0.05) == pytest.approx(1.05 / rho - 1)
+        and pol.margins.margin_at(["math"], 8, 0.05) < 0.07
+    )
 
 
 def test_the_realized_margin_is_per_class_and_a_mixed_batch_clears_the_highest():
@@ -621,11 +689,19 @@ def test_engine_probes_the_request_whose_draft_has_little_to_catch_up(tiny_targe
     monkeypatch.setattr("tidespec.engine.policy.probes.PROBE_BACKOFF", 1)
     cal = Calibration((100.0, 101.0, 102.0, 103.0, 104.0), 1.0, "test", 256)
     long, short = [7 + i % 50 for i in range(100)], [5, 6, 7]
-    ref = [Engine(tiny_target, None, EngineParams(num_draft_tokens=4, max_seq_len=256)).generate(p, 12).tokens for p in (long, short)]
+    ref = [
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=4, max_seq_len=256)).generate(p, 12).tokens
+        for p in (long, short)
+    ]
     pol = GoodputPolicy(cal, prior=0.0, probe_every=1)
     calls, plan_step = [], pol.plan_step
     pol.plan_step = lambda *a: calls.append((a[3], plan_step(*a))) or calls[-1][1]
-    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=4, max_seq_len=256, max_batch=2, draft_early_stop=False), policy=pol)
+    eng = Engine(
+        tiny_target,
+        DraftRunner(random_draft(tiny_target, 64)),
+        EngineParams(num_draft_tokens=4, max_seq_len=256, max_batch=2, draft_early_stop=False),
+        policy=pol,
+    )
     gens = eng.generate_batch([Request(p, 12, workload="chat") for p in (long, short)])
     assert [g.tokens for g in gens] == ref
     assert calls[0][0] == [100, 3] and calls[0][1] == [("", 0), ("eagle3", 1)]
@@ -647,8 +723,19 @@ def test_the_plan_counts_the_drafts_catch_up_over_a_long_backlog(tiny_target):
     pol = GoodputPolicy(cal, prior=0.6, probe_every=1000)
     seen, plan_step = [], pol.plan_step
     pol.plan_step = lambda w, lads, *a: seen.append(lads) or plan_step(w, lads, *a)
-    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=2, max_seq_len=256, max_batch=2, draft_early_stop=False), policy=pol)
-    ref = [Engine(tiny_target, None, EngineParams(num_draft_tokens=2, max_seq_len=256)).generate(p, 12).tokens for p in ([7 + i % 50 for i in range(100)], [5])]
+    eng = Engine(
+        tiny_target,
+        DraftRunner(random_draft(tiny_target, 64)),
+        EngineParams(num_draft_tokens=2, max_seq_len=256, max_batch=2, draft_early_stop=False),
+        policy=pol,
+    )
+    ref = [
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=2, max_seq_len=256)).generate(p, 12).tokens
+        for p in ([7 + i % 50 for i in range(100)], [5])
+    ]
     gens = eng.generate_batch([Request(p, 12, workload="chat") for p in ([7 + i % 50 for i in range(100)], [5])])
     assert [g.tokens for g in gens] == ref
-    assert [x.rung("eagle3").catch_up_ms for x in seen[0]] == [pytest.approx(cost.catch_up_ms(100, 11)), 0.0]  # 11 tokens left
+    assert [x.rung("eagle3").catch_up_ms for x in seen[0]] == [
+        pytest.approx(cost.catch_up_ms(100, 11)),
+        0.0,
+    ]  # 11 tokens left

@@ -10,14 +10,14 @@ from collections import Counter
 import jsonschema
 import pytest
 import torch
-from conftest import random_draft
 from scipy.stats import chisquare
 
+from conftest import random_draft
 from tidespec.config import EngineParams
 from tidespec.engine import grammar as grammar_mod
-from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.grammar import GrammarCompiler, GrammarError
+from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.sampling import SamplingParams, warp
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats
@@ -54,7 +54,13 @@ def _engines(target):
         "suffix": Engine(target, None, EngineParams(max_seq_len=256), suffix=SuffixCache()),
         "grammar only": Engine(target, None, EngineParams(max_seq_len=256)),
         "hybrid": Engine(target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache()),
-        "policy": Engine(target, runner, EngineParams(num_draft_tokens=4, max_seq_len=256, draft_early_stop=False), policy=GoodputPolicy(cal, prior=0.9, alpha=0.2), suffix=SuffixCache()),
+        "policy": Engine(
+            target,
+            runner,
+            EngineParams(num_draft_tokens=4, max_seq_len=256, draft_early_stop=False),
+            policy=GoodputPolicy(cal, prior=0.9, alpha=0.2),
+            suffix=SuffixCache(),
+        ),
     }
 
 
@@ -101,9 +107,9 @@ def test_masks_leave_the_state_and_cut_drafts_the_grammar_forbids(tok_target, co
     assert st.done and st.masks([], 1)[0].nonzero().squeeze(1).tolist() == [eos]
     assert m.shape == (4, V)
     # the engine cuts a proposal before its first forbidden token: no verify row is spent on it
+    from tidespec.engine.accept import cut_to_grammar
     from tidespec.engine.proposers.base import Slot
     from tidespec.engine.request import Seq
-    from tidespec.engine.accept import cut_to_grammar
     g = compiler.lark('start: "ab" /[xy]/ "c"')
     seq = Seq(Request([5], 8, grammar=g), "r", None, None, V, False, {eos})
     sl = Slot(seq, drafts=[a, b, z, c], draft_probs=[torch.zeros(V)] * 4)
@@ -133,7 +139,12 @@ def test_sampled_constrained_marginal_is_exact(tok_target, compiler):
     # drafts allowed tokens, an unmasked one would draft forbidden ones (then cut: not exact)
     allowed = tok.encode("abcd0123z", add_special_tokens=False)
     freq = Counter({t: 1000 for t in allowed} | {t: 10 for t in range(3, 3 + 50)})
-    eng = Engine(T, DraftRunner(random_draft(T, 64, counts=freq)), EngineParams(num_draft_tokens=2, max_seq_len=16), suffix=SuffixCache())
+    eng = Engine(
+        T,
+        DraftRunner(random_draft(T, 64, counts=freq)),
+        EngineParams(num_draft_tokens=2, max_seq_len=16),
+        suffix=SuffixCache(),
+    )
     N, pvalues, drafted = 2000, [], 0
     for block in range(2):  # a second, independent block of seeds only if the first lands in the 1 % tail
         counts = torch.zeros(T.cfg.vocab_size)

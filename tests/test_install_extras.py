@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+
 from conftest import shipped_params
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -35,7 +36,9 @@ def _serve_only_site(tmp: Path) -> Path:
 
 def _child(tmp: Path, argv: list[str], **kw) -> subprocess.Popen:
     """`tidespec ARGV` in a python that sees only the serve-only site (-S: no .pth, no user site)."""
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp), "PYTHONPATH": f"{SRC}:{_serve_only_site(tmp)}"} | kw.pop("env", {})
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp), "PYTHONPATH": f"{SRC}:{_serve_only_site(tmp)}"} | kw.pop(
+        "env", {}
+    )
     code = "import sys; from tidespec.cli import main; sys.argv = ['tidespec', *sys.argv[1:]]; main()"
     return subprocess.Popen([sys.executable, "-S", "-c", code, *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, **kw)

@@ -32,8 +32,8 @@ def test_lineage_of_a_curated_set(tmp_path, tiny_target_dir):
 
 
 def test_register_refuses_empty_lineage(tmp_path):
-    from tidespec.steps import register
     from tidespec.config import Params
+    from tidespec.steps import register
     for data in ({}, {"snapshot_rev": "x"}, {"snapshot_rev": "x", "snapshot_revs": "{}"}):
         with pytest.raises(ValueError, match="lineage"):
             register.step_register(Params(), "t" * 64, tmp_path, {"candidate": {}}, {}, "http://127.0.0.1:9", data)
@@ -44,8 +44,8 @@ def test_params_are_frozen_as_the_files_bytes(tmp_path):
     to data/work/params-<sha>.yaml, load back as the same params — also when a cross-field rule
     depends on which keys were set (engine.adaptive: false leaves draft_early_stop unset); a later
     edit of params.yaml leaves the frozen copy as it was; a missing params.yaml freezes the defaults."""
-    from tidespec.steps import cycle
     from tidespec.config import Params, load_params
+    from tidespec.steps import cycle
     from tidespec.workspace import Workspace
     ws, pp = Workspace(tmp_path), tmp_path / "params.yaml"
     text = "# tuned by hand\nengine: {adaptive: false}\ntrain: {lr: 0.0123}\n"

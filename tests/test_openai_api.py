@@ -8,12 +8,11 @@ import time
 import httpx
 import openai
 import pytest
+
 from conftest import add_tiny_word_tokenizer, random_draft
 from numerics import fp32_logprob_tol, logit_scale
-
-from tidespec.config import EngineParams
 from tidespec.bench.serve import serve_in_thread
-from tidespec.config import ServeParams
+from tidespec.config import EngineParams, ServeParams
 from tidespec.engine.speculative import Engine
 from tidespec.models.runner import DraftRunner
 from tidespec.models.target import load_target
@@ -43,7 +42,13 @@ def servers(tmp_path_factory, tiny_target_dir):
     add_tiny_word_tokenizer(d)
     target, tok = load_target(d)
     sink = Sink()
-    spec_eng = Engine(target, DraftRunner(random_draft(target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=512), capture=sink, draft_version="v7")
+    spec_eng = Engine(
+        target,
+        DraftRunner(random_draft(target, 64)),
+        EngineParams(num_draft_tokens=3, max_seq_len=512),
+        capture=sink,
+        draft_version="v7",
+    )
     plain_eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=512))
     cfg = ServeParams(max_tokens=256)
     spec = serve_in_thread(build_app(spec_eng, tok, cfg, model=MODEL))
@@ -120,7 +125,10 @@ def test_stop_strings_across_token_boundaries(servers, include):
 
 def test_streaming_chat_joined_deltas_equal_the_whole_and_usage(servers):
     c = client(servers["spec"])
-    msgs = [{"role": "developer", "content": "t9 t10"}, {"role": "user", "content": [{"type": "text", "text": "t8 t66"}]}]
+    msgs = [
+        {"role": "developer", "content": "t9 t10"},
+        {"role": "user", "content": [{"type": "text", "text": "t8 t66"}]},
+    ]
     whole = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, frequency_penalty=1.0, stop=["t2"])
     stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, frequency_penalty=1.0, stop=["t2"],
                                        stream=True, stream_options={"include_usage": True})

@@ -4,14 +4,13 @@ incremental detokenization on its byte-level tokenizer."""
 import json
 
 import pytest
-from conftest import random_draft
-from numerics import fp32_logprob_tol, logit_scale
 from fastapi.testclient import TestClient
 
-from tidespec.config import EngineParams
-from tidespec.config import ServeParams
-from tidespec.models.detok import TextOutput
+from conftest import random_draft
+from numerics import fp32_logprob_tol, logit_scale
+from tidespec.config import EngineParams, ServeParams
 from tidespec.engine.speculative import Engine
+from tidespec.models.detok import TextOutput
 from tidespec.models.runner import DraftRunner
 from tidespec.serve.server import build_app
 
@@ -24,7 +23,10 @@ def clients(real_target):
     spec = Engine(target, DraftRunner(random_draft(target, 512)), EngineParams(num_draft_tokens=3, max_seq_len=512))
     plain = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=512))
     cfg = ServeParams(max_tokens=64, served_model_name="smol")
-    with TestClient(build_app(spec, tok, cfg, model="smol")) as a, TestClient(build_app(plain, tok, cfg, model="smol")) as b:
+    with (
+        TestClient(build_app(spec, tok, cfg, model="smol")) as a,
+        TestClient(build_app(plain, tok, cfg, model="smol")) as b,
+    ):
         yield a, b, tok
 
 
@@ -51,7 +53,7 @@ def test_stop_string_text_is_held_back_until_it_cannot_match(real_target):
     ids = tok("alpha beta gamma delta", add_special_tokens=False)["input_ids"]
     out = TextOutput(tok, stop=["gamma d"])
     streamed = []
-    for i, t in enumerate(ids):
+    for t in ids:
         hit = out([t])
         streamed.append(out.release())
         if hit:

@@ -1,6 +1,7 @@
 """prefect.yaml deployments against a real Prefect server + process worker: schedule, event trigger,
 concurrency limit; an event starts a real cycle run on the tiny target."""
 import pytest
+
 from conftest import copy_prefect_project, make_tiny_workspace
 
 pytestmark = pytest.mark.services
@@ -55,7 +56,10 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     revs = json.loads(champ.tags["snapshot_revs"])  # lineage: every snapshot of the curated window
     assert sorted(revs) == sorted(p.name for p in (ws.snapshots / target.target_id).iterdir() if p.is_dir())
     assert all(revs.values()) and champ.tags["params_sha"] == params.sha()
-    assert sorted(p.name for p in (ws.champion / "draft").iterdir()) == ["config.json", "model.safetensors"]  # deployed locally by the run, in the project dir: what vLLM / SGLang load
+    assert sorted(p.name for p in (ws.champion / "draft").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]  # deployed locally by the run, in the project dir: what vLLM / SGLang load
     # another emitter's partial payload still starts a run ("" for what is missing); nothing new → skipped
     orchestrate.emit(orchestrate.CAPTURE_THRESHOLD, "tidespec.snapshot.other", {"snapshot_rev": "rev-partial"},
                 api_url=prefect_server)
@@ -215,7 +219,7 @@ def test_mlflow_5xx_is_transient_4xx_is_not():
         try:
             raise ConnectionError("reset")
         except ConnectionError:
-            raise ValueError("curated set is for another target")
+            raise ValueError("curated set is for another target")  # noqa: B904 - the chaining is what is tested
     except ValueError as e:
         assert not is_transient(e)
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from conftest import make_tiny_target, make_tiny_workspace
 from tidespec.config import CaptureParams
 
@@ -56,9 +57,9 @@ def _force_accept_all(monkeypatch):
 def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_server, monkeypatch):
     from typer.testing import CliRunner
 
-    from tidespec.steps import cycle, evaluate, register
     from tidespec.adapters import registry
     from tidespec.cli import app
+    from tidespec.steps import cycle, evaluate, register
     from tidespec.workspace import served_version
 
     (tmp_path / "main").mkdir()
@@ -76,7 +77,9 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     d1 = register.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, cycle.lineage(ws.curated, "rev-1"))
     assert d1["promoted"] and rep["lossless"]
     # a retried register (e.g. after a connection reset) finds its version: no second registration
-    again = register.step_register(params, tid, ws.candidate, rep, tm, mlflow_server, cycle.lineage(ws.curated, "rev-1"))
+    again = register.step_register(
+        params, tid, ws.candidate, rep, tm, mlflow_server, cycle.lineage(ws.curated, "rev-1")
+    )
     assert again["version"] == d1["version"] and again["promoted"]
     assert [h["version"] for h in registry.cycle_history(mlflow_server, tid)] == [d1["version"]]
     cycle.step_deploy(ws, mlflow_server, tid)
@@ -109,7 +112,9 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
         rep3 = evaluate.step_evaluate(ws, params, ws.candidate, ws.champion, ws.eval_prompts, tmp_path / "eval3.json")
     assert not rep3["lossless"] and rep3["candidate"]["mismatches"] > 0
     assert rep3["candidate"]["acceptance_length"] > tau1  # its τ looks great: the gate must not care
-    d3 = register.step_register(params, tid, ws.candidate, rep3, tm, mlflow_server, cycle.lineage(ws.curated, "rev-lossy"))
+    d3 = register.step_register(
+        params, tid, ws.candidate, rep3, tm, mlflow_server, cycle.lineage(ws.curated, "rev-lossy")
+    )
     assert not d3["promoted"] and "losslessness" in d3["reason"]
 
     # by hand: the lossy one is refused; the worse one can be forced in, then rolled back
@@ -120,7 +125,9 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     assert isinstance(r.exception, registry.RegistryError) and "never promoted" in str(r.exception)
     r = runner.invoke(app, ["promote", d2["version"], "--reason", "canary by hand", *common], env=env)
     assert r.exit_code == 0, r.output
-    assert registry.champion(mlflow_server, tid).version == d2["version"] and served_version(ws.champion) == d2["version"]
+    assert (
+        registry.champion(mlflow_server, tid).version == d2["version"] and served_version(ws.champion) == d2["version"]
+    )
     assert sha256_file(ws.champion / CORPUS_FILE) == sha256_file(bad / CORPUS_FILE) != corpus1  # moved with it
     r = runner.invoke(app, ["promote", d2["version"], "--reason", "again", *common], env=env)
     assert r.exit_code == 0 and "already champion; nothing changed" in r.output  # a no-op, not a new entry
@@ -129,9 +136,9 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     # through the registry (an audited decision) and deploys v1 where the champion watcher picks it up
     from tidespec.cli.serve import _registry_rollback
     from tidespec.engine.build import install_draft, make_engine
+    from tidespec.engine.speculative import Request
     from tidespec.serve.guard import HealthGuard
     from tidespec.serve.metrics import ServeMetrics
-    from tidespec.engine.speculative import Request
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     hold = [json.loads(x) for x in ws.eval_prompts.read_text().splitlines()]
     eng = make_engine(params.engine.fixed(), target)  # the EAGLE3 draft's own a₁
@@ -145,7 +152,9 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     below = guard.check()
     v1_live = eng.health.live(d1["version"], "code")[0]
     assert any(v.version == d2["version"] and v.reference == v1_live and v.live < v1_live for v in below)
-    assert registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
+    assert (
+        registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
+    )
     assert "automatic (draft health): live first-token acceptance" in registry.decisions(mlflow_server, tid,
                                                                                           d2["version"])[-1]
     r = runner.invoke(app, ["promote", d2["version"], "--reason", "canary by hand, again", *common], env=env)
@@ -153,7 +162,9 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     r = runner.invoke(app, ["rollback", "--reason", "canary p99 regressed", *common], env=env)
     assert r.exit_code == 0, r.output
     assert f"champion v{d1['version']} (was v{d2['version']})" in r.output
-    assert registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
+    assert (
+        registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
+    )
     assert sha256_file(ws.champion / CORPUS_FILE) == corpus1  # rolled back with its draft
     # every decision recorded with its reason, on the version and its run
     hist = {h["version"]: h["decision"] for h in registry.cycle_history(mlflow_server, tid)}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import random_draft
 
+from conftest import random_draft
 from tidespec.config import EngineParams
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.policy import GoodputPolicy
@@ -111,7 +111,11 @@ def test_a_registered_proposer_is_chosen_by_the_policy_and_stays_lossless(tiny_t
     ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=6, max_seq_len=256))
     want = [ref.generate(p, 24, speculative=False).tokens for p in PROMPTS]
     eng = _engine(tiny_target, DraftRunner(random_draft(tiny_target, 64, seed=3)))  # a draft that is rarely right
-    assert [type(p).__name__ for p in eng.proposers] == ["Eagle3Chain", "GrammarProposer", "PromptLookup"]  # no suffix cache
+    assert [type(p).__name__ for p in eng.proposers] == [
+        "Eagle3Chain",
+        "GrammarProposer",
+        "PromptLookup",
+    ]  # no suffix cache
     gens = eng.generate_batch([Request(p, 24, workload="loop") for p in PROMPTS])
     assert [g.tokens for g in gens] == want
     lk = [g.stats_by_proposer.get("prompt_lookup") for g in gens]
@@ -137,3 +141,38 @@ def test_a_rung_or_kind_clash_is_refused(registered):
         register(Other, rung=4, estimator=LookupAcceptance)
     with pytest.raises(ValueError, match="share one estimator"):
         register(Other, rung=9, estimator=lambda s: LookupAcceptance(s))
+
+
+def test_a_proposer_registered_after_the_policy_is_refused_when_the_engine_is_built(tiny_target):
+    policy = GoodputPolicy(CAL)  # knows the estimators registered so far
+    register(PromptLookup, rung=4, estimator=LookupAcceptance, build=lambda b: PromptLookup(b.vocab_size))
+    try:
+        with pytest.raises(ValueError, match=r"no estimator for proposer\(s\) \['prompt_lookup'\]"):
+            Engine(tiny_target, None, EngineParams(num_draft_tokens=6, max_seq_len=256), policy=policy)
+    finally:
+        unregister(PromptLookup)
+
+
+class Failing(PromptLookup):
+    """Offers whenever a lookup exists, then fails while drafting: the step's shared part fails."""
+
+    def offer(self, sl, room, policy):
+        r = super().offer(sl, room, policy)
+        return None if r is None else Rung(self.name, self, fixed=(0, len(sl.offers[self.name]), 0.0))
+
+    def propose(self, slots):
+        raise RuntimeError("plugin propose failed")
+
+
+def test_a_failing_proposer_fails_its_step_and_frees_every_requests_state(tiny_target):
+    from tidespec.engine.suffix import SuffixCache
+    register(Failing, rung=7, estimator=LookupAcceptance, build=lambda b: Failing(b.vocab_size))
+    try:
+        eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=6, max_seq_len=256), suffix=SuffixCache())
+        futs = [eng.submit(Request(p, 24, request_id=f"r{i}")) for i, p in enumerate(PROMPTS)]
+        while not all(f.done() for f in futs):
+            eng.step()
+        assert [str(f.exception()) for f in futs] == ["plugin propose failed"] * 3
+        assert eng.suffix._live == {} and eng._running == [] and eng._seqs == {}  # nothing of theirs is kept
+    finally:
+        unregister(Failing)

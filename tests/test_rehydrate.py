@@ -19,10 +19,10 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import random_draft
 
-from tidespec.config import EngineParams
+from conftest import random_draft
 from tidespec.capture.rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids
+from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
 from tidespec.models.runner import DraftRunner
@@ -53,7 +53,11 @@ def _assert_matches(live, rec, prompt_len: int, tol=TINY_TOL) -> None:
 @pytest.fixture(scope="module")
 def engines(tiny_target):
     runner = DraftRunner(random_draft(tiny_target, 64, seed=0))
-    return Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)), Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8)), runner
+    return (
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)),
+        Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8)),
+        runner,
+    )
 
 
 def test_rehydrated_equals_live_greedy(tiny_target, engines):
@@ -109,7 +113,13 @@ def test_regenerate_is_target_greedy_and_uncaptured(tiny_target):
     eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256), capture=sink)
     p = [7, 99, 123, 45]
     out = regenerate(eng, p, 8)
-    assert out == Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(p, 8, speculative=False).tokens and not sink.got
+    assert (
+        out
+        == Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
+        .generate(p, 8, speculative=False)
+        .tokens
+        and not sink.got
+    )
 
 
 def test_rehydrate_errors(tiny_target):
@@ -141,7 +151,9 @@ class _StubTok:
 
 def test_request_shapes_and_errors():
     tok = _StubTok()
-    ids = lambda s: [ord(c) for c in s]
+
+    def ids(s):
+        return [ord(c) for c in s]
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     assert request_prompt_ids(tok, "chat", parts) == ids("<user>a\nb<assistant>")
     named = {"messages": [{"role": "user", "content": "x", "name": "n"}]}  # extra keys dropped, as the server does
@@ -172,8 +184,8 @@ def test_rehydrate_from_served_text_on_real_target(real_target):
     that hits max_tokens)."""
     from fastapi.testclient import TestClient
 
-    from tidespec.models.chat import chat_ids
     from tidespec.config import ServeParams
+    from tidespec.models.chat import chat_ids
     from tidespec.serve.server import build_app
 
     target, tok = real_target

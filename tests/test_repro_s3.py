@@ -9,8 +9,8 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import make_tiny_workspace
 
+from conftest import make_tiny_workspace
 from tidespec.adapters import versioning
 from tidespec.capture.snapshots import list_snapshots
 

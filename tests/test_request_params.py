@@ -1,12 +1,14 @@
-"""Every sampling/stopping parameter at every verified position: speculation on == off (greedy, token
-for token; logprobs within the fp32 bound of tests/numerics.py), stops cut exactly, counters never count past a cut, abort."""
+"""Every sampling/stopping parameter at every verified position: speculation on == off (greedy, token for
+token; logprobs within the fp32 bound of tests/numerics.py), stops cut exactly, counters never count past a
+cut, abort."""
+
 import math
 
 import pytest
 import torch
+
 from conftest import random_draft
 from numerics import fp32_logprob_tol, logit_scale
-
 from tidespec.config import EngineParams
 from tidespec.engine.logits import RequestLogits
 from tidespec.engine.sampling import SamplingParams, warp
@@ -18,7 +20,9 @@ PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [42]]
 
 @pytest.fixture(scope="module")
 def eng(tiny_target):
-    return Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=128))
+    return Engine(
+        tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=128)
+    )
 
 
 def both(eng, prompt, n, sp):
@@ -132,7 +136,9 @@ def test_stop_token_ids_ignore_eos_and_exact_cut_counters(eng):
 
 def test_eos_and_ignore_eos(tiny_target):
     eos = tiny_target.cfg.eos_token_ids[0]
-    e = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=128))
+    e = Engine(
+        tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=128)
+    )
     sp = SamplingParams(logit_bias={eos: 100.0})  # EOS forced from the first token
     g = e.generate(PROMPTS[0], 8, sampling=sp)
     assert g.tokens == [eos] and g.finish_reason == "stop" and g.stop_reason is None
@@ -169,7 +175,12 @@ def test_bad_ids_refused(eng):
 
 def test_abort_frees_the_request_at_the_next_step(tiny_target):
     from tidespec.engine.speculative import Request
-    e = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=512, max_batch=2))
+
+    e = Engine(
+        tiny_target,
+        DraftRunner(random_draft(tiny_target, 64)),
+        EngineParams(num_draft_tokens=3, max_seq_len=512, max_batch=2),
+    )
     futs = [e.submit(Request([5, 6, 7], 400, request_id=f"r{i}")) for i in range(3)]
     e.step()
     e.step()

@@ -23,14 +23,14 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
-from conftest import random_draft
 from pydantic import ValidationError
 
-from tidespec.config import Params, TreeParams
+from conftest import random_draft
 from tidespec.adapters import sagemaker_deploy as smd
 from tidespec.assets import sha256_file
-from tidespec.models.eagle3 import save_checkpoint
+from tidespec.config import Params, TreeParams
 from tidespec.config.sagemaker import CanaryParams
+from tidespec.models.eagle3 import save_checkpoint
 
 ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,9 @@ def test_names_alarms_update_and_outcome():
     two = smd.update_request("ep", "cfg", 2, canary, alarms)["DeploymentConfig"]
     assert two["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"] == {
         "Type": "CANARY", "WaitIntervalInSeconds": 300, "CanarySize": {"Type": "CAPACITY_PERCENT", "Value": 20}}
-    assert two["AutoRollbackConfiguration"] == {"Alarms": [{"AlarmName": "tidespec-ep-5xx"}, {"AlarmName": "tidespec-ep-p99-latency"}]}  # operator policy: alarm:tidespec-*
+    assert two["AutoRollbackConfiguration"] == {
+        "Alarms": [{"AlarmName": "tidespec-ep-5xx"}, {"AlarmName": "tidespec-ep-p99-latency"}]
+    }  # operator policy: alarm:tidespec-*
     one = smd.update_request("ep", "cfg", 1, canary, alarms)["DeploymentConfig"]["BlueGreenUpdatePolicy"]
     assert one["TrafficRoutingConfiguration"] == {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": 300}
     d = {"EndpointName": "ep", "EndpointConfigName": "new", "EndpointStatus": "Updating"}
@@ -209,13 +211,28 @@ def test_update_exact_request_and_rollback(aws_env, tiny_target, tiny_target_dir
     ep, old = f"tidespec-{tid[:12]}-gpu", f"tidespec-{tid[:12]}-gpu-v1-20261129000000"
     new = f"{ep}-v2-20261130120000"
     sm, stub = _stubbed_sm()
-    stub.add_response("describe_endpoint", {"EndpointName": ep, "EndpointArn": _arn("endpoint", ep), "EndpointConfigName": old,
-                                            "EndpointStatus": "InService", "CreationTime": NOW,
-                                            "LastModifiedTime": NOW}, {"EndpointName": ep})
-    stub.add_response("describe_endpoint_config", {"EndpointConfigName": old, "EndpointConfigArn": _arn("endpoint-config", old),
-                                                   "CreationTime": NOW, "ProductionVariants": [
-                                                       {"VariantName": "AllTraffic", "ModelName": old}]},
-                      {"EndpointConfigName": old})
+    stub.add_response(
+        "describe_endpoint",
+        {
+            "EndpointName": ep,
+            "EndpointArn": _arn("endpoint", ep),
+            "EndpointConfigName": old,
+            "EndpointStatus": "InService",
+            "CreationTime": NOW,
+            "LastModifiedTime": NOW,
+        },
+        {"EndpointName": ep},
+    )
+    stub.add_response(
+        "describe_endpoint_config",
+        {
+            "EndpointConfigName": old,
+            "EndpointConfigArn": _arn("endpoint-config", old),
+            "CreationTime": NOW,
+            "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": old}],
+        },
+        {"EndpointConfigName": old},
+    )
     stub.add_response("create_model", {"ModelArn": _arn("model", new)}, {"ModelName": new, "ExecutionRoleArn": ROLE,
                                                                "PrimaryContainer": ANY, "Tags": ANY})
     stub.add_response("create_endpoint_config", {"EndpointConfigArn": _arn("endpoint-config", new)},
@@ -232,8 +249,14 @@ def test_update_exact_request_and_rollback(aws_env, tiny_target, tiny_target_dir
     for status, cfg, reason in [("Updating", old, None), ("Updating", old, None),
                                 ("InService", old, "Alarm tidespec-5xx in ALARM state"),
                                 ("InService", old, "Alarm tidespec-5xx in ALARM state")]:
-        resp = {"EndpointName": ep, "EndpointArn": _arn("endpoint", ep), "EndpointConfigName": cfg, "EndpointStatus": status,
-                "CreationTime": NOW, "LastModifiedTime": NOW}
+        resp = {
+            "EndpointName": ep,
+            "EndpointArn": _arn("endpoint", ep),
+            "EndpointConfigName": cfg,
+            "EndpointStatus": status,
+            "CreationTime": NOW,
+            "LastModifiedTime": NOW,
+        }
         stub.add_response("describe_endpoint", resp | ({"FailureReason": reason} if reason else {}),
                           {"EndpointName": ep})
     # rolled back: the unused new config and model are deleted (never the live one), nothing pruned
@@ -430,10 +453,9 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
     """step_deploy with deploy.sagemaker.on_promote: registry champion → data/drafts/champion (local)
     → the gpu endpoint on moto serves the same draft bytes; a second run changes nothing."""
     from conftest import make_tiny_target
-
     from tidespec.adapters import registry
-    from tidespec.steps.cycle import Workspace, step_deploy
     from tidespec.models.target import load_target
+    from tidespec.steps.cycle import Workspace, step_deploy
     # its own target (seed 11): a registry model no other test touches on the shared MLflow server
     tdir = make_tiny_target(tmp_path / "target", seed=11)
     target = load_target(tdir)[0]
@@ -464,8 +486,8 @@ def test_cycle_deploy_step_updates_on_promote_profiles(aws_env, mlflow_server, t
 def test_tuned_window_per_profile_and_speculation_off(tiny_target_dir, draft_dirs):
     """τ(k) from per-position acceptance, speed-up τ(k) / (1 + (verify + draft)·k): the best k per
     profile, 0 (no speculative settings at all) when none reaches min_speedup; the deploy applies it."""
-    from tidespec.engine.stats import tau_by_k
     from tidespec.config.sagemaker import EndpointProfile
+    from tidespec.engine.stats import tau_by_k
     from tidespec.steps.tuning import tune_windows, tuned_window
     per_pos = [0.6, 0.4, 0.2, 0.05]
     assert tau_by_k(per_pos) == pytest.approx([1.0, 1.6, 2.0, 2.2, 2.25])
@@ -499,17 +521,27 @@ def test_tuned_window_per_profile_and_speculation_off(tiny_target_dir, draft_dir
 
 
 def test_collisions_and_sloppy_values_are_refused(tiny_target_dir):
-    for bad, msg in [({"profiles": {"gpu": {"endpoint_name": "app"}, "big": {"engine": "sglang", "instance_type":
-                                                                              "ml.p5.48xlarge", "endpoint_name": "app"}}},
-                      "same endpoint_name"),
-                     ({"profiles": {"gpu_small": {"engine": "sglang", "instance_type": "ml.g5.xlarge"}}},
-                      "profile name 'gpu_small'"),
-                     ({"target_model": "s3:/bucket/x"}, "not an S3 URI"),
-                     ({"num_draft_tokens": 9}, "needs num_steps"),
-                     ({"on_promote": ["gpu", "gpu"]}, "twice"),
-                     ({"role_arn": ROLE + "\n"}, "not an IAM role ARN"),
-                     ({"profiles": {"gpu": {"instance_type": "ml.g6e.banana"}}}, "does not fit"),
-                     ({"tags": {"aws:owner": "me"}}, "no aws: prefix")]:
+    for bad, msg in [
+        (
+            {
+                "profiles": {
+                    "gpu": {"endpoint_name": "app"},
+                    "big": {"engine": "sglang", "instance_type": "ml.p5.48xlarge", "endpoint_name": "app"},
+                }
+            },
+            "same endpoint_name",
+        ),
+        (
+            {"profiles": {"gpu_small": {"engine": "sglang", "instance_type": "ml.g5.xlarge"}}},
+            "profile name 'gpu_small'",
+        ),
+        ({"target_model": "s3:/bucket/x"}, "not an S3 URI"),
+        ({"num_draft_tokens": 9}, "needs num_steps"),
+        ({"on_promote": ["gpu", "gpu"]}, "twice"),
+        ({"role_arn": ROLE + "\n"}, "not an IAM role ARN"),
+        ({"profiles": {"gpu": {"instance_type": "ml.g6e.banana"}}}, "does not fit"),
+        ({"tags": {"aws:owner": "me"}}, "no aws: prefix"),
+    ]:
         with pytest.raises(ValidationError, match=msg):
             _params(tiny_target_dir, **bad)
 

@@ -22,11 +22,20 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.config import Config
-from conftest import make_tiny_workspace
 from pydantic import ValidationError
 
+from conftest import make_tiny_workspace
 from tidespec.adapters.aws import NAME_RE, WaitTimeout, upload_dir
-from tidespec.adapters.sagemaker_train import SageMakerTrainingFailed, TrainingJob, download_model, job_name, launch, train_on_sagemaker, training_job_request, wait
+from tidespec.adapters.sagemaker_train import (
+    SageMakerTrainingFailed,
+    TrainingJob,
+    download_model,
+    job_name,
+    launch,
+    train_on_sagemaker,
+    training_job_request,
+    wait,
+)
 from tidespec.config.sagemaker import SageMakerTrainParams
 from tidespec.train.sagemaker import container_main
 
@@ -154,7 +163,9 @@ def test_params_spot_wait_and_normalisation():
     from tidespec.config.strict import Strict
     assert SageMakerTrainParams.model_config == Strict.model_config  # same strictness as params.yaml's models
     q = _params(tags={"team": "spec"}, environment={"A": "1"})  # mappings in params.yaml, stored as pairs
-    assert q.tags == (("team", "spec"),) and hash(q) == hash(SageMakerTrainParams.model_validate_json(q.model_dump_json()))
+    assert q.tags == (("team", "spec"),) and hash(q) == hash(
+        SageMakerTrainParams.model_validate_json(q.model_dump_json())
+    )
     with pytest.raises(ValidationError, match="environment 'bad-key'"):
         _params(environment={"bad-key": "1"})
 
@@ -293,7 +304,9 @@ def _status_override(sm, status: str, reason: str | None = None):
 
     def hook(parsed, **_):
         calls.append(parsed["TrainingJobName"])
-        parsed.update({"TrainingJobStatus": status, "SecondaryStatus": "Training" if status == "InProgress" else status})
+        parsed.update(
+            {"TrainingJobStatus": status, "SecondaryStatus": "Training" if status == "InProgress" else status}
+        )
         parsed.pop("FailureReason", None)
         if reason:
             parsed["FailureReason"] = reason
@@ -314,11 +327,15 @@ def test_wait_completed_stopped_failed_timeout(aws_env, tmp_path):
     assert wait(job, boto3.client("sagemaker"), timeout_s=5, poll_s=0.1)["TrainingJobStatus"] == "Completed"
 
     with pytest.raises(Exception, match="StopTrainingJob"):  # moto 5.2.5 has no StopTrainingJob (HTTP 500)
-        boto3.client("sagemaker", config=Config(retries={"max_attempts": 1})).stop_training_job(TrainingJobName=job.name)
+        boto3.client("sagemaker", config=Config(retries={"max_attempts": 1})).stop_training_job(
+            TrainingJobName=job.name
+        )
 
     sm = boto3.client("sagemaker")
     _status_override(sm, "Stopped")
-    with pytest.raises(SageMakerTrainingFailed, match=rf"{job.name} Stopped.*StopTrainingJob.*/aws/sagemaker/TrainingJobs"):
+    with pytest.raises(
+        SageMakerTrainingFailed, match=rf"{job.name} Stopped.*StopTrainingJob.*/aws/sagemaker/TrainingJobs"
+    ):
         wait(job, sm, timeout_s=5, poll_s=0.1)
 
     sm = boto3.client("sagemaker")

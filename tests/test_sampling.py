@@ -1,9 +1,9 @@
 """Lossless rejection sampling: exact one-step probabilities, chi-square over 20k draws, end to end."""
 import pytest
 import torch
-from conftest import random_draft
 from scipy.stats import chisquare
 
+from conftest import random_draft
 from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, rejection_verify, warp
 from tidespec.engine.speculative import Engine
@@ -88,7 +88,9 @@ def test_end_to_end_first_speculative_token(tiny_target):
 
 
 def test_seeded_sampling_is_reproducible_and_speculation_is_exercised(tiny_target):
-    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=128))
+    eng = Engine(
+        tiny_target, DraftRunner(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=128)
+    )
     a = eng.generate([5, 6, 7], 32, sampling=SamplingParams(0.8, top_p=0.9, seed=7))
     b = eng.generate([5, 6, 7], 32, sampling=SamplingParams(0.8, top_p=0.9, seed=7))
     assert a.tokens == b.tokens and a.stats.num_drafts > 0

@@ -78,8 +78,8 @@ def test_backend_specific_refusals_name_the_key_or_flag():
     (dict(backend="sglang"), "--sglang-url goes with --backend sglang"),
     (dict(vllm_python="/usr/bin/python3"), "--vllm-python goes with --backend vllm"),
     (dict(backend="vllm", max_queue=4), "--max-queue applies to the embedded engine"),
-    (dict(backend="nope"), "backend: Input should be 'embedded', 'vllm' or 'sglang'"),
-    (dict(request_timeout_s=float("inf")), "request_timeout_s: Input should be a finite number"),
+    (dict(backend="nope"), "--backend: Input should be 'embedded', 'vllm' or 'sglang'"),
+    (dict(request_timeout_s=float("inf")), "--timeout-s: Input should be a finite number"),
 ])
 def test_flags_of_another_backend_are_refused_in_one_line(flags, message):
     with pytest.raises(ValueError) as e:
@@ -112,3 +112,42 @@ def test_a_front_doors_text_capture_is_ingested_whatever_capture_mode_says(tmp_p
     assert p.capture.mode == "hidden" and default_sources(p, tid, ws) == []
     ws.text_capture_dir(tid).mkdir(parents=True)
     assert default_sources(p, tid, ws) == [str(ws.text_capture_dir(tid))]
+
+
+def test_flag_values_are_refused_naming_the_flag(tmp_path):
+    """A flag's bad value names the flag the user typed, and a flag is validated with the params as
+    params.yaml is (serve.max_tokens < engine.max_seq_len)."""
+    from tidespec.cli.serve import serve_preflight
+    for flags, message in ((dict(request_timeout_s=float("inf")), "--timeout-s: Input should be a finite number"),
+                           (dict(backend="sglang", sglang_url="ftp://x"), "--sglang-url: Value error"),
+                           (dict(backend="sglang", sglang_url="http://"), "--sglang-url: 'http://' names no host"),
+                           (dict(backend="vllm", vllm_python=""), "--vllm-python: String should have at least")):
+        with pytest.raises(ValueError) as e:
+            ServeLaunch.build(**flags)
+        assert str(e.value).startswith(message.split(": Value error")[0]), e.value
+    with pytest.raises(ValueError, match=r"^--max-tokens 2000: serve.max_tokens \(2000\) must be < engine.max_seq_len"):
+        serve_preflight(tmp_path, SHIPPED, publish=False, max_tokens=2000, env=NO_MLFLOW)
+    p = serve_preflight(tmp_path, SHIPPED, publish=False, max_tokens=50, timeout_s=9.0, env=NO_MLFLOW)[0]
+    assert (p.serve.max_tokens, p.serve.request_timeout_s) == (50, 9.0)  # what `tidespec serve` then runs
+    with pytest.raises(ValueError, match=r"engine.max_new_tokens \(2000\), serve.max_tokens' default, must be <"):
+        shipped(engine={"max_new_tokens": 2000})
+
+
+@pytest.mark.parametrize("backend,key,value", [
+    ("vllm", "max_queue", 3), ("vllm", "max_tokens", 50), ("vllm", "default_temperature", 0.7),
+    ("sglang", "max_queue", 3), ("sglang", "served_model_name", "foo"), ("sglang", "watch_champion_s", 1.0)])
+def test_a_serve_setting_a_front_door_forwards_past_is_refused(backend, key, value):
+    url = "http://127.0.0.1:30000" if backend == "sglang" else None
+    with pytest.raises(ValueError, match=f"serve.{key}: --backend {backend} does not use them"):
+        ServeLaunch.build(backend=backend, sglang_url=url).check(shipped(serve={key: value}), NO_MLFLOW)
+
+
+def test_the_acceptance_filter_is_refused_where_capture_is_text():
+    p = shipped(capture={"max_acceptance_rate": 0.5})
+    ServeLaunch().check(p, NO_MLFLOW)  # hidden-state capture on the embedded engine: its filter
+    for launch in (ServeLaunch.build(backend="vllm"), ServeLaunch.build(backend="sglang", sglang_url="http://h:1")):
+        with pytest.raises(ValueError, match="capture.max_acceptance_rate filters hidden-state capture"):
+            launch.check(p, NO_MLFLOW)
+    with pytest.raises(ValueError, match="text capture has no acceptance"):
+        ServeLaunch().check(shipped(capture={"max_acceptance_rate": 0.5, "mode": "text"}), NO_MLFLOW)
+    ServeLaunch.build(backend="vllm", capture=False).check(p, NO_MLFLOW)  # nothing captured: nothing to filter

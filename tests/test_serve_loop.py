@@ -13,6 +13,7 @@ import sys
 import httpx
 import pytest
 import yaml
+
 from conftest import copy_prefect_project, health, published_rev, random_draft, tiny_params_yaml, wait_until
 
 pytestmark = pytest.mark.services
@@ -23,9 +24,9 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
     from tidespec.adapters import orchestrate, registry, versioning
     from tidespec.adapters.services import free_port
     from tidespec.config import load_params
-    from tidespec.steps.cycle import step_deploy
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.load import get_target
+    from tidespec.steps.cycle import step_deploy
     from tidespec.workspace import Workspace
 
     proj = copy_prefect_project(tmp_path / "proj")  # prefect.yaml + the flows/ its entrypoints name

@@ -2,8 +2,9 @@
 import shutil
 
 import pytest
-from conftest import add_tiny_word_tokenizer, make_tiny_target, random_draft
 from fastapi.testclient import TestClient
+
+from conftest import add_tiny_word_tokenizer, make_tiny_target, random_draft
 from tidespec.config import EngineParams
 
 
@@ -11,15 +12,21 @@ from tidespec.config import EngineParams
 def served(tiny_target, tmp_path):
     from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
-    from tidespec.models.runner import DraftRunner
     from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.models.runner import DraftRunner
     from tidespec.serve.server import build_app
 
     drafts = tmp_path / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
     save_checkpoint(random_draft(tiny_target, 64, seed=2), drafts / "v2")
     from tidespec.models.eagle3 import load_checkpoint
-    eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)), EngineParams(num_draft_tokens=3, max_seq_len=256), draft_version="v1")
+
+    eng = Engine(
+        tiny_target,
+        DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)),
+        EngineParams(num_draft_tokens=3, max_seq_len=256),
+        draft_version="v1",
+    )
     with TestClient(build_app(eng, None, ServeParams(max_tokens=16), drafts_dir=drafts, admin_token="s3cret")) as c:
         yield c, eng, drafts
 
@@ -71,7 +78,9 @@ def test_bad_requests_get_clear_4xx(served, tiny_target):
         with eng._step_lock:  # hold the engine between steps so the queued request stays queued
             busy = full.app.state.loop.submit(Request([5, 6], 200))  # the one queue slot is taken
             r = full.post("/v1/completions", json={"prompt": [5, 6]})
-        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+        assert (
+            r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+        )
         assert _prom(full, "tidespec:request_rejected_total") == 1
         r = full.post("/v1/completions", json={"prompt": [5, 6], "n": 2})  # can never fit: 400, not a retry loop
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
@@ -111,7 +120,11 @@ def test_streaming_pieces_concatenate_to_the_output(served, tiny_target):
 
     c, _, _ = served
     p = [5, 17, 33, 8, 90, 41]
-    want = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(p, 14, speculative=False).tokens
+    want = (
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
+        .generate(p, 14, speculative=False)
+        .tokens
+    )
     with c.stream("POST", "/v1/completions", json={"prompt": p, "max_tokens": 14, "stream": True,
                                                   "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -121,7 +134,10 @@ def test_streaming_pieces_concatenate_to_the_output(served, tiny_target):
     pieces = [ch["choices"][0]["tidespec"]["token_ids"] for ch in chunks[:-2]]
     assert sum(pieces, []) == want and len(pieces) > 1  # several steps, in order, nothing past EOS/max
     last, usage = chunks[-2], chunks[-1]
-    assert last["choices"][0]["finish_reason"] in ("length", "stop") and last["choices"][0]["tidespec"]["token_ids"] == want
+    assert (
+        last["choices"][0]["finish_reason"] in ("length", "stop")
+        and last["choices"][0]["tidespec"]["token_ids"] == want
+    )
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(want)
     assert all(ch["object"] == "text_completion" and ch["choices"][0]["finish_reason"] is None for ch in chunks[:-2])
     assert all(ch["usage"] is None for ch in chunks[:-1])  # include_usage: null until the usage chunk
@@ -133,14 +149,19 @@ def test_load_with_hot_swap_no_errors_outputs_unchanged(tiny_target, tmp_path):
     from tidespec.bench.serve import load, serve_in_thread
     from tidespec.config import ServeParams
     from tidespec.engine.speculative import Engine
-    from tidespec.models.runner import DraftRunner
     from tidespec.models.eagle3 import load_checkpoint, save_checkpoint
+    from tidespec.models.runner import DraftRunner
     from tidespec.serve.server import build_app
 
     drafts = tmp_path / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=1), drafts / "v1")
     save_checkpoint(random_draft(tiny_target, 64, seed=2), drafts / "v2")
-    eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)), EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8), draft_version="v1")
+    eng = Engine(
+        tiny_target,
+        DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)),
+        EngineParams(num_draft_tokens=3, max_seq_len=256, max_batch=8),
+        draft_version="v1",
+    )
     prompts = [[5 + i, 17, 33, 8 + 2 * i, 90, 41 + i] for i in range(8)]
     ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     reference = {i: ref.generate(p, 12, speculative=False).tokens for i, p in enumerate(prompts)}
@@ -163,10 +184,10 @@ def test_deploy_notifies_a_running_server(tiny_target, tmp_path):
 
     from tidespec.bench.serve import serve_in_thread
     from tidespec.config import ServeParams
-    from tidespec.steps.deploy.local import notify_server
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.serve.server import build_app
+    from tidespec.steps.deploy.local import notify_server
 
     drafts = tmp_path / "data" / "drafts"
     save_checkpoint(random_draft(tiny_target, 64, seed=3), drafts / "champion")
@@ -232,7 +253,12 @@ def test_engine_failure_is_a_500_with_the_request_id_streamed_or_not(tiny_target
         def new_cache(self, max_len):
             raise ValueError("draft kernel exploded at /secret/internal/path")
 
-    eng = Engine(tiny_target, ExplodingDraft(random_draft(tiny_target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=256), draft_version="bad")
+    eng = Engine(
+        tiny_target,
+        ExplodingDraft(random_draft(tiny_target, 64)),
+        EngineParams(num_draft_tokens=3, max_seq_len=256),
+        draft_version="bad",
+    )
     with TestClient(build_app(eng, None, ServeParams(max_tokens=8))) as c:
         r = c.post("/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 4})
         assert r.status_code == 500, r.text
@@ -258,6 +284,7 @@ def test_a_bad_field_is_a_400_naming_it_streamed_or_not(served):
     for body, param in (({"prompt": [10**6]}, "prompt"),  # an id outside the vocabulary (Engine.validate)
                         ({"prompt": [5], "logit_bias": {"99999": 1}}, "logit_bias"),
                         ({"prompt": [5] * 250, "max_tokens": 16}, "max_tokens"),  # prompt + max_tokens > max_seq_len
+                        ({"prompt": [5] * 252, "max_tokens": 1}, "prompt"),  # 252 + 1 + k + 1 > 256: no max_tokens fits
                         ({"prompt": [5], "max_tokens": 10**5}, "max_tokens"),  # above serve.max_tokens
                         ({"prompt": [5], "top_p": 0}, "top_p")):
         for stream in (False, True):
@@ -333,6 +360,7 @@ def test_champion_watcher_survives_an_unreadable_version_json(tmp_path, caplog):
     import json
     import time
     from types import SimpleNamespace
+
     from tidespec.serve.admin import ChampionWatcher
     installed = []
     engine = SimpleNamespace(draft_version="1")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
 import sqlite3
+import sys
 import uuid
 from pathlib import Path
 
@@ -142,7 +142,10 @@ def test_download_champion_identical(mlflow_server, tid, ckpt, tmp_path):
     registry.promote_if_better(mlflow_server, tid, v, 2.0, None, 0.02, True)
     source = registry.champion(mlflow_server, tid).source  # what a user points vLLM / SGLang at
     listed = MlflowClient(mlflow_server).list_artifacts(registry.champion(mlflow_server, tid).run_id, "draft")
-    assert source.endswith("/draft") and sorted(Path(a.path).name for a in listed) == ["config.json", "model.safetensors"]
+    assert source.endswith("/draft") and sorted(Path(a.path).name for a in listed) == [
+        "config.json",
+        "model.safetensors",
+    ]
     got = registry.download_champion(mlflow_server, tid, tmp_path / "dl")
     assert sorted(p.name for p in got.iterdir()) == ["draft", "suffix_corpus.safetensors", "train_metrics.json",
                                                      "version.json"]

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidespec.config import CaptureParams, EngineParams
 from tidespec.adapters import sglang as sg
+from tidespec.config import CaptureParams, EngineParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,7 +195,9 @@ def test_capture_record_equals_the_embedded_engines(tiny_target, doubles):
     prompt = [5, 17, 42, 99, 7, 3, 250, 11]
     res, rec = sg.serve_and_capture(doubles["serve"], doubles["aux"], doubles["last"], prompt, 12,
                                     tiny_target.cfg.hidden_size)
-    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(prompt, 12, speculative=False, capture=True)
+    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(
+        prompt, 12, speculative=False, capture=True
+    )
     assert res.output_ids == ref.tokens and res.acceptance_length == 1.0
     validate_record(rec)
     assert torch.equal(rec["input_ids"], ref.record["input_ids"])
@@ -242,11 +244,10 @@ def test_real_sglang_serves_losslessly_and_captures(tmp_path, real_target):
     """SmolLM2 (HF dir converted from the GGUF) + a draft: SGLang's greedy output equals our target-only
     output; its capture record matches the embedded engine's within bf16 noise."""
     from conftest import random_draft
-
+    from tidespec.adapters.process import free_port
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.load import target_dir
-    from tidespec.adapters.process import free_port
     target, tok = real_target
     hf = Path(target_dir("smollm2"))  # the GGUF dequantised once into an HF dir
     champion = ROOT / "data/drafts/champion"

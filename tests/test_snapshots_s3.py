@@ -55,7 +55,13 @@ def test_publish_s3_sse_retention_event_and_fresh_clone_pull(tmp_path, aws_env, 
                            cache_type="hardlink,copy")
     snaps = repo / "data" / "snapshots"
     pub = Publisher(repo, snaps, keep_local=2)
-    w = CaptureWriter(repo / "data" / "capture", TID, CaptureParams(shard_max_records=2, compression="zstd", seal_min_tokens=48), snapshots_root=snaps, on_seal=pub)
+    w = CaptureWriter(
+        repo / "data" / "capture",
+        TID,
+        CaptureParams(shard_max_records=2, compression="zstd", seal_min_tokens=48),
+        snapshots_root=snaps,
+        on_seal=pub,
+    )
     for i in range(12):  # 3 snapshots of 4 × 12 tokens, sealed on the token threshold
         w.submit(_rec(i), request_id=f"r{i}", workload="code", acceptance_length=1.0)
         if i % 4 == 3:

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 import yaml
-from conftest import make_tiny_workspace
 
+from conftest import make_tiny_workspace
 from tidespec.config import DraftParams, TrainParams
 from tidespec.train import specforge as sf
 

@@ -10,18 +10,17 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import add_tiny_tokenizer, make_tiny_target, random_draft
 from pydantic import BaseModel, Field
 
-from tidespec.config import CaptureParams, EngineParams
+from conftest import add_tiny_tokenizer, make_tiny_target, random_draft
 from tidespec.bench.serve import serve_in_thread
-from tidespec.config import ServeParams
+from tidespec.config import CaptureParams, EngineParams, ServeParams
+from tidespec.engine.constraint import ToolCallStream, parse_tool_calls
 from tidespec.engine.speculative import Engine
 from tidespec.engine.suffix import SuffixCache
 from tidespec.models.runner import DraftRunner
 from tidespec.models.target import load_target
 from tidespec.serve.server import build_app
-from tidespec.engine.constraint import ToolCallStream, parse_tool_calls
 
 
 class Person(BaseModel):
@@ -54,7 +53,12 @@ def servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("structured") / "target"  # a byte-level tokenizer: tool prompts need > 512 positions
     add_tiny_tokenizer(make_tiny_target(d, max_position_embeddings=2048))
     target, tok = load_target(d)
-    spec_eng = Engine(target, DraftRunner(random_draft(target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=2048), suffix=SuffixCache())
+    spec_eng = Engine(
+        target,
+        DraftRunner(random_draft(target, 64)),
+        EngineParams(num_draft_tokens=3, max_seq_len=2048),
+        suffix=SuffixCache(),
+    )
     plain_eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=2048))
     cfg = ServeParams(max_tokens=400)
     spec, plain = (serve_in_thread(build_app(e, tok, cfg, model="tiny")) for e in (spec_eng, plain_eng))
@@ -281,21 +285,27 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
     prompt under the grammar compiled from that spec gives the served tokens back (evaluation's path)."""
     from fastapi.testclient import TestClient
 
+    from conftest import tiny_params_yaml
     from tidespec.capture.ingest import ingest_source
     from tidespec.capture.store import read_manifest, read_record
     from tidespec.capture.text import TextCapture
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
-    from tidespec.steps.evaluate import constrained
     from tidespec.engine.replay import replay
+    from tidespec.steps.evaluate import constrained
     from tidespec.workspace import Workspace
-    from conftest import tiny_params_yaml
 
     d = add_tiny_tokenizer(make_tiny_target(tmp_path / "target", max_position_embeddings=2048))
     target, tok = load_target(d)
     live = CaptureWriter(tmp_path / "live", target.target_id, CaptureParams(shard_max_records=4))
     text = TextCapture(tmp_path / "text")
-    eng = Engine(target, DraftRunner(random_draft(target, 64, seed=1)), EngineParams(num_draft_tokens=3, max_seq_len=2048), capture=live, suffix=SuffixCache())
+    eng = Engine(
+        target,
+        DraftRunner(random_draft(target, 64, seed=1)),
+        EngineParams(num_draft_tokens=3, max_seq_len=2048),
+        capture=live,
+        suffix=SuffixCache(),
+    )
     schema = Person.model_json_schema() | {"additionalProperties": False}
     bodies = [{"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
               {"response_format": {"type": "json_object"}, "max_tokens": 40},
@@ -327,7 +337,11 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
         rows.append({"id": rid, "input_ids": prompt, "constraint": row.constraint, "served": served})
     kinds = sorted("tools" if "tools" in r["constraint"] else r["constraint"]["response_format"]["type"] for r in rows)
     assert kinds == ["json_object", "json_schema", "tools", "tools"]
-    runs = replay({"base": (Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=2048)), False)}, constrained(rows, target, tok), 160)
+    runs = replay(
+        {"base": (Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=2048)), False)},
+        constrained(rows, target, tok),
+        160,
+    )
     for r in rows:  # a record holds prompt + generated[:-1]: the replayed output continues it exactly
         out = runs["base"]["outputs"][r["id"]]
         assert out[:len(r["served"])] == r["served"] and len(out) > len(r["served"])

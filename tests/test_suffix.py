@@ -124,8 +124,9 @@ def test_binary_search_match_equals_the_longest_continuing_suffix():
 def test_request_tree_is_built_on_first_proposal_and_equals_the_incremental_one():
     """A request's own tree is built only when proposals are asked for (the policy may never ask; the
     first ones scan); built late, it must propose exactly what a tree extended token by token proposes."""
-    from tidespec.engine.suffix import OWN_TREE_AFTER
     import random
+
+    from tidespec.engine.suffix import OWN_TREE_AFTER
     rng = random.Random(2)
     for case in range(40):
         c = SuffixCache(max_depth=6, max_tokens=0, alpha=2.0, min_score=0.0)  # no global tree: own proposals only

@@ -4,9 +4,9 @@ with the draft: tests/test_promotion.py)."""
 import json
 
 import pytest
-from conftest import make_tiny_workspace, random_draft
 from fastapi.testclient import TestClient
 
+from conftest import make_tiny_workspace, random_draft
 from tidespec.config import EngineParams
 from tidespec.engine.speculative import Engine
 from tidespec.engine.suffix import CORPUS_FILE, SuffixCache, corpus_info, load_corpus, save_corpus
@@ -33,7 +33,12 @@ def test_corpus_roundtrip_budget_and_malformed_files(tmp_path):
 
 
 def test_engine_installs_a_corpus_and_proposes_from_it(tiny_target):
-    eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache(max_depth=8, max_tokens=100))
+    eng = Engine(
+        tiny_target,
+        None,
+        EngineParams(num_draft_tokens=3, max_seq_len=256),
+        suffix=SuffixCache(max_depth=8, max_tokens=100),
+    )
     ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate([77, 78], 16).tokens
     assert eng.set_suffix_corpus([[1, 2, 3], [77, 78] + ref]) == 3 + 2 + len(ref)
     g = eng.generate([77, 78], 16)
@@ -50,7 +55,9 @@ def test_cycle_corpus_is_the_curated_windows_outputs(tmp_path, tiny_target_dir):
     idx = json.loads(ws.curated.read_text())
     seqs = curate.output_sequences(ws.curated)
     assert len(seqs) == len(idx["train"]) + len(idx["val"]) and all(len(s) == 23 for s in seqs)  # 24 generated - 1
-    holdout = {tuple(json.loads(x)["input_ids"]) for x in (ws.curated.parent / "holdout.jsonl").read_text().splitlines()}
+    holdout = {
+        tuple(json.loads(x)["input_ids"]) for x in (ws.curated.parent / "holdout.jsonl").read_text().splitlines()
+    }
     assert holdout  # evaluation prompts exist, and their outputs are not in the corpus
     out = tmp_path / "cand"
     out.mkdir()
@@ -61,8 +68,8 @@ def test_cycle_corpus_is_the_curated_windows_outputs(tmp_path, tiny_target_dir):
 
 def test_server_swap_installs_the_drafts_corpus(tiny_target, tmp_path):
     from tidespec.config import ServeParams
-    from tidespec.models.runner import DraftRunner
     from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.models.runner import DraftRunner
     from tidespec.serve.server import build_app
 
     drafts = tmp_path / "drafts"
@@ -72,7 +79,13 @@ def test_server_swap_installs_the_drafts_corpus(tiny_target, tmp_path):
     (drafts / "v3").mkdir()
     save_checkpoint(random_draft(tiny_target, 64, seed=3), drafts / "v3")
     (drafts / "v3" / CORPUS_FILE).write_bytes(b"garbage")
-    eng = Engine(tiny_target, DraftRunner(random_draft(tiny_target, 64, seed=1)), EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache(max_depth=8), draft_version="v1")
+    eng = Engine(
+        tiny_target,
+        DraftRunner(random_draft(tiny_target, 64, seed=1)),
+        EngineParams(num_draft_tokens=3, max_seq_len=256),
+        suffix=SuffixCache(max_depth=8),
+        draft_version="v1",
+    )
     ok = {"Authorization": "Bearer s3cret"}
     with TestClient(build_app(eng, None, ServeParams(max_tokens=16), drafts_dir=drafts, admin_token="s3cret")) as c:
         r = c.post("/admin/draft", json={"path": "v2"}, headers=ok)
@@ -84,8 +97,8 @@ def test_server_swap_installs_the_drafts_corpus(tiny_target, tmp_path):
 
 
 def test_reload_with_a_corrupt_corpus_swaps_the_draft_and_keeps_the_live_tree(tiny_target, tmp_path):
-    from tidespec.steps.deploy.local import reload_if_changed
     from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.steps.deploy.local import reload_if_changed
     from tidespec.workspace import write_version
     d = tmp_path / "champion"
     save_checkpoint(random_draft(tiny_target, 64, seed=2), d)

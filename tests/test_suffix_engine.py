@@ -3,10 +3,10 @@ sampled output keeps the target distribution (one-hot proposals through rejectio
 per-proposer counters add up to the request's."""
 import pytest
 import torch
-from conftest import random_draft
-from numerics import fp32_logprob_tol, logit_scale
 from scipy.stats import chisquare
 
+from conftest import random_draft
+from numerics import fp32_logprob_tol, logit_scale
 from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, warp
 from tidespec.engine.speculative import Engine, Request
@@ -20,7 +20,9 @@ PROMPTS = [[5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12], [42], [9, 30, 31, 9, 30]
 @pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(frequency_penalty=0.5, logprobs=1)])
 def test_greedy_suffix_and_hybrid_equal_target_only(tiny_target, hybrid, sp):
     draft = DraftRunner(random_draft(tiny_target, 64)) if hybrid else None
-    eng = Engine(tiny_target, draft, EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache(max_depth=12))
+    eng = Engine(
+        tiny_target, draft, EngineParams(num_draft_tokens=3, max_seq_len=256), suffix=SuffixCache(max_depth=12)
+    )
     ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     accepted = 0
     for p in PROMPTS:
@@ -63,7 +65,9 @@ def test_sampled_suffix_speculation_keeps_the_target_distribution(tiny_target, m
     for t1 in p1.nonzero().squeeze(-1).tolist():
         c.crop(len(prompt))
         marg += p1[t1] * warp(T.forward(torch.tensor([t1]), c, need_hidden=False).logits[0], sp)
-    eng = Engine(T, None, EngineParams(num_draft_tokens=3, max_seq_len=64), suffix=SuffixCache(max_depth=8, max_tokens=0))  # request trees only
+    eng = Engine(
+        T, None, EngineParams(num_draft_tokens=3, max_seq_len=64), suffix=SuffixCache(max_depth=8, max_tokens=0)
+    )  # request trees only
     N, counts, drafted, accepted = 1000, torch.zeros(T.cfg.vocab_size), 0, 0
     for i in range(N):
         g = eng.generate(prompt, 3, sampling=SamplingParams(1.5, top_k=6, seed=i))  # room for 1 draft
@@ -88,7 +92,9 @@ def test_a_seeded_request_never_takes_suffix_proposals(tiny_target):
     prompt = [9, 9, 9, 9, 9, 9]
     outs = []
     for corpus in ([], [[9] * 40], [[9, 3, 9, 3] * 10]):
-        eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=64), suffix=SuffixCache(max_depth=8))
+        eng = Engine(
+            tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=64), suffix=SuffixCache(max_depth=8)
+        )
         eng.set_suffix_corpus(corpus)
         g = eng.generate(prompt, 12, sampling=sp)
         assert g.stats.num_drafts == 0
@@ -108,9 +114,26 @@ def test_params_enable_the_suffix_proposer_and_metrics_report_it(tiny_target, tm
     small = {"max_seq_len": 256, "adaptive": False}
     assert make_engine(Params.model_validate({"engine": small}).engine, tiny_target).suffix is not None  # on by default
     off = Params.model_validate({"engine": small | {"suffix": {"enabled": False}}})
-    assert make_engine(off.engine, tiny_target).suffix is None and off == Params.model_validate({"engine": small}).draft_only()
-    p = Params.model_validate({"engine": small | {"suffix": {"enabled": True, "max_depth": 10, "max_spec": 5, "alpha": 3.0,
-                                                     "min_score": 0.2, "max_tokens": 99, "min_expected": 2.5}}})
+    assert (
+        make_engine(off.engine, tiny_target).suffix is None
+        and off == Params.model_validate({"engine": small}).draft_only()
+    )
+    p = Params.model_validate(
+        {
+            "engine": small
+            | {
+                "suffix": {
+                    "enabled": True,
+                    "max_depth": 10,
+                    "max_spec": 5,
+                    "alpha": 3.0,
+                    "min_score": 0.2,
+                    "max_tokens": 99,
+                    "min_expected": 2.5,
+                }
+            }
+        }
+    )
     eng = make_engine(p.engine, tiny_target)
     sx = eng.suffix
     assert (sx.max_depth, sx.max_spec, sx.alpha, sx.min_score, sx.max_tokens) == (10, 5, 3.0, 0.2, 99)
@@ -118,5 +141,9 @@ def test_params_enable_the_suffix_proposer_and_metrics_report_it(tiny_target, tm
     with TestClient(build_app(eng, None, ServeParams(max_tokens=24))) as c:
         r = c.post("/v1/completions", json={"prompt": [9, 9, 9, 9], "max_tokens": 24}).json()
         m = c.get("/metrics").text
-    acc = [ln for ln in m.splitlines() if ln.startswith('tidespec:spec_decode_num_accepted_tokens_by_proposer_total{proposer="suffix"}')]
+    acc = [
+        ln
+        for ln in m.splitlines()
+        if ln.startswith('tidespec:spec_decode_num_accepted_tokens_by_proposer_total{proposer="suffix"}')
+    ]
     assert acc and float(acc[0].split()[-1]) > 0 and r["tidespec"]["num_drafts"] > 0

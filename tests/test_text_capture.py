@@ -33,7 +33,12 @@ def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
     tid = target.target_id
     live = CaptureWriter(tmp_path / "live", tid, CaptureParams(shard_max_records=4))
     text = TextCapture(tmp_path / "text")
-    eng = Engine(target, DraftRunner(random_draft(target, 64, seed=1)), EngineParams(num_draft_tokens=3, max_seq_len=256), capture=live)  # speculation on
+    eng = Engine(
+        target,
+        DraftRunner(random_draft(target, 64, seed=1)),
+        EngineParams(num_draft_tokens=3, max_seq_len=256),
+        capture=live,
+    )  # speculation on
     with TestClient(build_app(eng, tok, ServeParams(max_tokens=12), text_capture=text)) as c:
         for body in ({"messages": [{"role": "user", "content": "t7 t99 t300 t41"}]},
                      {"messages": [{"role": "system", "content": "t12 t13"}, {"role": "user", "content": "t88"}],
@@ -81,5 +86,34 @@ def test_text_capture_rehydrates_to_the_live_records(tmp_path, tiny_target_dir):
     w.close()
     assert (again["objects"], again["records"], again["skipped"]) == (1, 1, {"duplicate_event": 4})
     w = CaptureWriter(tmp_path / "ingested", tid, CaptureParams(shard_max_records=4))
-    assert ingest_source(str(tmp_path / "text"), None, ws, params, target, tok, w)["objects"] == 0  # unchanged: not read
+    assert (
+        ingest_source(str(tmp_path / "text"), None, ws, params, target, tok, w)["objects"] == 0
+    )  # unchanged: not read
     w.close()
+
+
+def test_text_capture_honours_the_disk_quota_floor_and_refuses_the_acceptance_filter(tmp_path):
+    """capture.disk_quota_mb bounds the text directory, counting what a previous run left there;
+    capture.min_free_disk_mb keeps the filesystem's free space; an exchange over either is dropped and
+    counted, never written in part."""
+    import shutil as sh
+    from datetime import UTC, datetime
+
+    import pytest
+
+    from tidespec.capture.text import MB, TextCapture, capture_line
+    req, resp = {"prompt": "x" * 400}, {"id": "r", "usage": {"total_tokens": 3}}
+    line = len(capture_line("e0", req, resp, datetime.now(UTC)).encode()) + 1
+    quota = 3.5 * line / MB  # room for three exchanges, not four
+    t = TextCapture(tmp_path / "t", CaptureParams(disk_quota_mb=quota, min_free_disk_mb=0))
+    assert [t.log(f"e{i}", req, resp) > 0 for i in range(5)] == [True] * 3 + [False] * 2
+    t.close()
+    assert t.written_total == 3 and t.dropped == {"disk_quota": 2}
+    again = TextCapture(tmp_path / "t", CaptureParams(disk_quota_mb=quota, min_free_disk_mb=0))  # a restart
+    assert again.log("e9", req, resp) == 0 and again.dropped == {"disk_quota": 1}
+    free_mb = sh.disk_usage(tmp_path).free / MB
+    full = TextCapture(tmp_path / "u", CaptureParams(min_free_disk_mb=free_mb + 1))
+    assert full.log("e0", req, resp) == 0 and full.dropped == {"disk_full": 1}
+    assert not list((tmp_path / "u").rglob("*.jsonl"))
+    with pytest.raises(ValueError, match="capture.max_acceptance_rate .* text capture has no acceptance"):
+        TextCapture(tmp_path / "v", CaptureParams(max_acceptance_rate=0.5))

@@ -8,13 +8,12 @@ import time
 
 import pytest
 import torch
-from conftest import make_tiny_workspace, tiny_records
 
-from tidespec.config import CaptureParams, EngineParams
+from conftest import make_tiny_workspace, tiny_records
+from tidespec.capture.curate import curate
 from tidespec.capture.snapshots import seal
 from tidespec.capture.writer import CaptureWriter
-from tidespec.config import CurateParams, DraftParams, TrainParams
-from tidespec.capture.curate import curate
+from tidespec.config import CaptureParams, CurateParams, DraftParams, EngineParams, TrainParams
 from tidespec.models.eagle3 import load_checkpoint
 from tidespec.train.resume import state_dir
 from tidespec.train.trainer import train_draft
@@ -173,7 +172,6 @@ def test_stage_train_resumes_after_kill_9(tmp_path, tiny_target_dir):
 def test_resume_state_is_keyed_on_contents_not_paths(tiny_target, tmp_path):
     """A replaced warm start at the same path, or changed loss masks, start fresh (breaker findings)."""
     from conftest import random_draft
-
     from tidespec.models.eagle3 import save_checkpoint
     recs = _records(tiny_target, n=6)
     dp = DraftParams(draft_vocab_size=64)
@@ -285,7 +283,11 @@ def test_simulated_tau_matches_greedy_engine_replay(tiny_target, tmp_path):
     assert m["simulated_acceptance_length"] == pytest.approx(ev.simulated_tau(k))
     assert [m[f"val/cond_acc_{j}"] for j in range(k)] == pytest.approx(ev.conditional(k))
 
-    eng = Engine(tiny_target, DraftRunner(load_checkpoint(tmp_path / "d", tiny_target.embed, tiny_target.target_id)), EngineParams(num_draft_tokens=k, max_seq_len=256))
+    eng = Engine(
+        tiny_target,
+        DraftRunner(load_checkpoint(tmp_path / "d", tiny_target.embed, tiny_target.target_id)),
+        EngineParams(num_draft_tokens=k, max_seq_len=256),
+    )
     stats = SpecDecodingStats(k)
     for p, ref in zip(prompts[40:], hold):
         out = eng.generate(p, N, speculative=True, k=k)

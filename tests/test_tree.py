@@ -5,12 +5,11 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import ladder, random_draft
 
+from conftest import ladder, random_draft
 from tidespec.config import EngineParams, tree_num_draft_tokens
-from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.calibration import Calibration
-from tidespec.engine.policy import StepCost, draft_batches, goodput
+from tidespec.engine.policy import GoodputPolicy, StepCost, draft_batches, goodput
 from tidespec.engine.policy.search import _Step, best_alone, step_draft_batches
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
@@ -126,10 +125,19 @@ def test_tree_decoding_equals_target_only(tiny_target, topk, n):
     prompts = [torch.randint(3, 320, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
                for _ in range(4)]
     lp = SamplingParams(logprobs=3)  # values, not only argmaxes: a wrong mask or position changes them
-    ref = [Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(p, 40, capture=True, sampling=lp) for p in prompts]
+    ref = [
+        Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(
+            p, 40, capture=True, sampling=lp
+        )
+        for p in prompts
+    ]
     # a random draft over the 12 tokens the target emits most: some paths get accepted
     runner = DraftRunner(random_draft(tiny_target, 12, counts=Counter(t for r in ref for t in r.tokens), seed=topk))
-    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, tree={"eagle_topk": topk, "num_draft_tokens": n}))
+    eng = Engine(
+        tiny_target,
+        runner,
+        EngineParams(num_draft_tokens=3, max_seq_len=256, tree={"eagle_topk": topk, "num_draft_tokens": n}),
+    )
     alone = [eng.generate(p, 40, capture=True, sampling=lp) for p in prompts]
     batch = eng.generate_batch([Request(p, 40, capture=True, sampling=lp) for p in prompts])
     nodes = (n or 1 + 3 * topk) - 1
@@ -156,7 +164,9 @@ def test_sampled_and_processed_requests_draft_chains(tiny_target):
     assert s.stats.num_draft_tokens == 3 * s.stats.num_drafts  # a chain of k = 3 every step
     p = eng.generate([5, 6, 7], 24, sampling=SamplingParams(repetition_penalty=1.3))
     assert p.stats.num_draft_tokens == 3 * p.stats.num_drafts
-    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate([5, 6, 7], 24, sampling=SamplingParams(repetition_penalty=1.3))
+    ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate(
+        [5, 6, 7], 24, sampling=SamplingParams(repetition_penalty=1.3)
+    )
     assert p.tokens == ref.tokens
 
 
@@ -165,7 +175,7 @@ def test_tree_under_the_goodput_policy_is_lossless_and_sizes_the_tree(tiny_targe
                       ((10.0, 10.5, 11.0, 11.5, 13.0), (20.0, 40.0, 60.0, 80.0, 160.0)), (1.0, 2.0))
     pol = GoodputPolicy(cal, prior=0.9, probe_every=4)
     runner = DraftRunner(random_draft(tiny_target, 64, seed=2))
-    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, draft_early_stop=False, tree={"eagle_topk": 2, "num_draft_tokens": 7}), policy=pol)
+    eng = _tree_engine(tiny_target, runner, pol)
     ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     outs = eng.generate_batch([Request(p, 32, workload="code") for p in prompts])
@@ -208,7 +218,9 @@ def test_a_probe_runs_the_best_tree_size_alone():
                       ((10.0, 10.5, 11.0, 11.5, 13.0), (20.0, 40.0, 60.0, 80.0, 160.0)), (1.0, 2.0))
     pol = GoodputPolicy(cal)
     flat = ladder((0.1, 0.9, 0.95, 0.96, 0.97), eagle_depth=(1, 2, 2, 3, 3), draft_rows=2)
-    assert best_alone(flat, flat.rung("eagle3"), pol.cost) == 2  # the knee: 2 nodes already return what more nodes would
+    assert (
+        best_alone(flat, flat.rung("eagle3"), pol.cost) == 2
+    )  # the knee: 2 nodes already return what more nodes would
     steep = ladder((0.1, 0.2, 0.3, 3.0))
     assert best_alone(steep, steep.rung("eagle3"), pol.cost) == 4
 
@@ -237,7 +249,7 @@ def test_step_costs_fed_back_match_the_draft_forwards_that_ran(tiny_target):
             ran.append(sum(i[1].shape[0] for i in items) if name == "tree_step_batch" else len(items)), f(items))[1])
     seen = []
     pol.observe_step = lambda b, rows, fw, ms: (seen.append((list(fw), ran[:])), ran.clear())
-    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=256, draft_early_stop=False, tree={"eagle_topk": 2, "num_draft_tokens": 7}), policy=pol)
+    eng = _tree_engine(tiny_target, runner, pol)
     eng.generate_batch([Request([5, 6, 7], 12, workload="a"),
                         Request([8, 9], 12, workload="a", sampling=SamplingParams(temperature=0.7, seed=None))])
     assert seen, "decode steps were observed"
@@ -247,9 +259,23 @@ def test_step_costs_fed_back_match_the_draft_forwards_that_ran(tiny_target):
 
 def test_tree_requests_are_admitted_like_chains_and_fit_the_kv_room(tiny_target):
     runner = DraftRunner(random_draft(tiny_target, 64, seed=5))
-    eng = Engine(tiny_target, runner, EngineParams(num_draft_tokens=3, max_seq_len=64, tree={"eagle_topk": 4, "num_draft_tokens": 13}))
+    eng = Engine(
+        tiny_target,
+        runner,
+        EngineParams(num_draft_tokens=3, max_seq_len=64, tree={"eagle_topk": 4, "num_draft_tokens": 13}),
+    )
     prompt = list(range(3, 43))  # 40 + 16 new + k 3 + 1 = 60 <= 64: admitted; the tree shrinks near the end
     out = eng.generate(prompt, 16)
-    assert out.tokens == Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=64)).generate(prompt, 16).tokens
+    assert (
+        out.tokens
+        == Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=64)).generate(prompt, 16).tokens
+    )
     with pytest.raises(ValueError, match="max_seq_len"):
         eng.generate(list(range(3, 49)), 16)
+
+
+def _tree_engine(target, runner, policy):
+    """A tree-drafting engine (eagle_topk 2, 7 draft tokens) under `policy`, without early stop."""
+    tree = {"eagle_topk": 2, "num_draft_tokens": 7}
+    cfg = EngineParams(num_draft_tokens=3, max_seq_len=256, draft_early_stop=False, tree=tree)
+    return Engine(target, runner, cfg, policy=policy)

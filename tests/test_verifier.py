@@ -27,9 +27,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TINY, random_draft
 from scipy.stats import chisquare
 
+from conftest import TINY, random_draft
 from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, rejection_verify, sample, warp
 from tidespec.engine.speculative import Engine, Request

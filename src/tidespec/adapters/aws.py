@@ -1,32 +1,11 @@
-"""The one adapter between tidespec and AWS, shared by SageMaker training (`sagemaker_train`),
-deployment (`sagemaker_deploy`) and the capture-object reader (`s3_capture`).
-
-What it holds: boto3 client construction, S3 URI parsing, SSE-S3 uploads with sha256 metadata,
-the poll-until-done loop of long-running SageMaker resources, and the validators of the names
-both sides send (IAM role ARNs, SageMaker resource names).
-
-AWS documentation followed:
-- S3 PutObject / upload_file: `ServerSideEncryption: AES256` (SSE-S3) on every object; user
-  metadata `x-amz-meta-sha256` (boto3 `Metadata={"sha256": ...}`) holds the hex sha256 of the bytes;
-  HeadObject reads it back (404 / NoSuchKey / NotFound → absent).
-- IAM ARN format (IAM User Guide, "IAM identifiers"): `arn:<partition>:iam::<12-digit account>:
-  role/<path/><name>`; partition aws, aws-cn, aws-us-gov, aws-iso*, ...; path ≤ 512 chars of
-  ASCII ! .. ~; role name ≤ 64 chars of [A-Za-z0-9_+=,.@-].
-- SageMaker API reference: TrainingJobName / EndpointName / ModelName / EndpointConfigName match
-  `^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$`; DescribeTrainingJob / DescribeEndpoint are polled (no push).
-
-Clients: region and endpoint come from the environment (AWS_REGION / AWS_DEFAULT_REGION / the
-profile; AWS_ENDPOINT_URL or AWS_ENDPOINT_URL_<SERVICE>, e.g. a moto server in tests) exactly as
-boto3 resolves them; nothing is hard-coded. boto3 / botocore are imported lazily, inside the
-functions that call AWS, so importing this module (and the SageMaker modules) works without them.
-
-The pure identifier validators (ROLE_ARN_RE, NAME_RE, parse_s3_uri, check_role_arn, is_name) are
-defined in `tidespec.config.sagemaker`, the bottom layer, so the params schemas use them without
-importing this adapter; they are re-exported here, the one place callers take them from.
-
-Errors raised: AWSUnavailable (a RuntimeError: boto3 not installed), ValueError (bad S3 URI, bad
-ARN / name, missing bucket), FileNotFoundError (missing local dir or file), WaitTimeout (a
-TimeoutError: a resource did not settle in time), botocore ClientError passed through otherwise.
+"""The one adapter between tidespec and AWS, shared by SageMaker training, deployment and the
+capture-object reader: boto3 clients (region and endpoint from the environment as boto3 resolves
+them: AWS_ENDPOINT_URL for a moto server), SSE-S3 uploads with sha256 metadata, the poll loop of
+long-running SageMaker resources, and the identifier validators (re-exported from
+`config.sagemaker`, where the params schemas use them). boto3 is imported inside the functions that
+call AWS. Raises AWSUnavailable (no boto3), ValueError (a bad S3 URI, ARN or name),
+FileNotFoundError, WaitTimeout; botocore's ClientError passes through. The AWS documentation
+followed: docs/design/adapters.md.
 """
 from __future__ import annotations
 
@@ -38,7 +17,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..assets import sha256_file
-from ..errors import Unavailable
 from ..config.sagemaker import (  # noqa: F401 - the AWS identifier validators, re-exported here
     NAME_RE,
     ROLE_ARN_RE,
@@ -47,6 +25,7 @@ from ..config.sagemaker import (  # noqa: F401 - the AWS identifier validators, 
     is_name,
     parse_s3_uri,
 )
+from ..errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +36,11 @@ NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 INSTALL_HINT = "pip install 'tidespec[aws]'"
 
 
-class AWSUnavailable(Unavailable):  # noqa: N818 — the name says what happened
+class AWSUnavailable(Unavailable):
     """boto3 is not installed; the message names the install command."""
 
 
-class WaitTimeout(TimeoutError):  # noqa: N818
+class WaitTimeout(TimeoutError):
     """A polled AWS resource did not reach its done state within the timeout."""
 
 

@@ -1,24 +1,9 @@
-"""Prefect adapter: deployments (prefect.yaml), the flows they run, events, transient-failure
-retries, training on another pool.
-
-Deployments (prefect.yaml at the project root, `prefect deploy --all`), entrypoints in the project's
-`flows/` directory (`flows/cycle.py:tide_cycle`...):
-- `tide_cycle/tide-cycle` on pool `tidespec`: interval schedule + an event trigger on
-  `tidespec.capture.threshold` (parameters from the event payload), deployment concurrency 1.
-- `tide_train/tide-train` on pool `tidespec-train`: the train step alone, started by the cycle
-  with `run_deployment` when `train.work_pool` is set (a team's cheaper/GPU machines).
-- `tide_capture/tide-capture` on pool `tidespec`: production traffic → snapshots, hourly.
-Whoever runs a flow in-process (`tidespec cycle`, `tidespec ingest`, the demos, `bench shift`, tests)
-loads it as a worker does, from its entrypoint (`load_flow`); the package never imports `flows/`.
-Flow runs pass paths/URIs only (Prefect docs: "Deployments", "Event triggers", "run_deployment").
-
-Events (`prefect.events.emit_event`): `tidespec.capture.threshold` (resource
-`tidespec.snapshot.<snapshot_id>`) is emitted when a sealed snapshot should start a cycle: enough
-new tokens, or a workload drift above `curate.drift_threshold`; the tide-cycle trigger matches it.
-Events go only to the server in PREFECT_API_URL (never an ephemeral server).
-
-Prefect, MLflow and the HTTP clients are imported inside the functions that use them: importing
-this module (the publisher of `tidespec serve` does) costs nothing.
+"""The Prefect adapter: deployments (prefect.yaml: tide-cycle, tide-train, tide-capture), the flows
+they run (loaded from the project's flows/ as a worker loads them: `load_flow`), events
+(`tidespec.capture.threshold`, `tidespec.capture.text`, emitted only to the server in
+PREFECT_API_URL), transient-failure retries, and training on another work pool. Flow runs pass
+paths and URIs only. Prefect, MLflow and the HTTP clients are imported inside the functions that
+use them. The deployments in full: docs/design/adapters.md.
 """
 from __future__ import annotations
 
@@ -28,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+from datetime import UTC
 from pathlib import Path
 
 import yaml
@@ -250,8 +236,10 @@ def deploy(project: Path, api_url: str, names: tuple[str, ...] = (), timeout_s: 
     env = os.environ | {"PREFECT_API_URL": api_url}
     r = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=timeout_s)
     if r.returncode != 0:
-        raise OrchestrationError(f"`prefect deploy` in {project} failed (rc {r.returncode}); is the Prefect "
-                                 f"server at {api_url} up (tidespec services up)?\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+        raise OrchestrationError(
+            f"`prefect deploy` in {project} failed (rc {r.returncode}); is the Prefect "
+            f"server at {api_url} up (tidespec services up)?\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+        )
     return r.stdout
 
 
@@ -290,11 +278,11 @@ def crash_runs(api_url: str, pool: str, message: str) -> list[str]:
 
 def _polling_workers(api_url: str, pool: str, within_s: float = 90) -> list[str]:
     """Names of workers that polled `pool` in the last `within_s` seconds."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     async def go(c):
         return await c.read_workers_for_work_pool(pool)
-    cut = datetime.now(timezone.utc) - timedelta(seconds=within_s)
+    cut = datetime.now(UTC) - timedelta(seconds=within_s)
     return [w.name for w in _call(api_url, go) if w.last_heartbeat_time and w.last_heartbeat_time >= cut]
 
 
@@ -361,8 +349,11 @@ def train_on_pool(pool: str, parameters: dict, out: Path, timeout_s: float | Non
     metrics.unlink(missing_ok=True)
     from prefect.settings import PREFECT_API_URL
     if not _await_worker(PREFECT_API_URL.value(), pool, worker_wait_s):
-        raise OrchestrationError(f"no worker polls work pool {pool!r} (waited {worker_wait_s:g} s): start one (tidespec services up --pool {pool}) "
-                                 "or unset train.work_pool to train in the cycle's own process")
+        raise OrchestrationError(
+            f"no worker polls work pool {pool!r} (waited {worker_wait_s:g} s): start one "
+            f"(tidespec services up --pool {pool}) "
+            "or unset train.work_pool to train in the cycle's own process"
+        )
     run = run_deployment(TRAIN_DEPLOYMENT, parameters=parameters, timeout=timeout_s, as_subflow=True)
     if not (run.state and run.state.is_completed()):
         raise OrchestrationError(f"train run {run.name} on pool {pool} ended {run.state.name if run.state else None}: "

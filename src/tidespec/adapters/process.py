@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -101,7 +101,7 @@ def lost_port_race(log: Path, offset: int = 0) -> bool:
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     """True iff GET `url` answers 200 within `timeout_s` seconds."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (loopback only)
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -161,7 +161,7 @@ def launch(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Pa
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as fh:
-        fh.write(f"\n=== {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n".encode())
+        fh.write(f"\n=== {datetime.now(UTC).isoformat()} {' '.join(cmd)}\n".encode())
         fh.flush()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=os.environ | (env or {}), start_new_session=True, cwd=cwd)
@@ -236,7 +236,12 @@ class ServerProcess:
                  probe_timeout_s: float = 5.0):
         self.args, self.host, self.port, self.health_url = list(args), host, port, health_url
         self.log_path, self.what, self.error, self.env = Path(log_path), what, error, env
-        self.ready_timeout_s, self.grace_s, self.poll_s, self.probe_timeout_s = ready_timeout_s, grace_s, poll_s, probe_timeout_s
+        self.ready_timeout_s, self.grace_s, self.poll_s, self.probe_timeout_s = (
+            ready_timeout_s,
+            grace_s,
+            poll_s,
+            probe_timeout_s,
+        )
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:

@@ -20,8 +20,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..capture.snapshots import SnapshotInfo, list_snapshots
 from ..capture.curate import snapshot_drift
+from ..capture.snapshots import SnapshotInfo, list_snapshots
 from . import orchestrate, versioning
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Publisher:
     published: list = field(default_factory=list)
 
     @classmethod
-    def for_workspace(cls, ws, params, commit: bool = False) -> "Publisher":
+    def for_workspace(cls, ws, params, commit: bool = False) -> Publisher:
         """The publisher of a workspace's seals as params.yaml says (capture.keep_local_snapshots,
         curate.drift_threshold against the last curated set): what serve, ingest and `snapshots
         seal` use. `ws`: a `workspace.Workspace` whose root is the git+DVC repo."""

@@ -1,21 +1,8 @@
-"""Train the draft as a SageMaker training job (cheaper GPU or Trainium machines than the serving box):
-the launcher side.
-
-AWS calls go through `adapters.aws` (boto3 clients configured from the environment, e.g.
-AWS_ENDPOINT_URL, never hard-coded; boto3 is imported only when a call is made):
-`train_on_sagemaker` stages the curated index plus the snapshot dirs it references, uploads them
-(SSE-S3 AES256, sha256 metadata) to `<s3_prefix>/<job>/input/<channel>/`, calls CreateTrainingJob, polls
-DescribeTrainingJob, downloads `model.tar.gz` and unpacks the draft checkpoint into `out`.
-
-S3 layout of one job (everything under `<s3_prefix>/<job>/`):
-  input/curated/   curated.json + snapshots (same relative layout as on disk)
-  input/init/      warm-start draft (optional)
-  input/target/    target HF dir, only when `target.source` is a local dir (not "smollm2")
-  checkpoints/     CheckpointConfig: /opt/ml/checkpoints, synced so a spot interruption resumes
-  output/model.tar.gz   what SageMaker packs from /opt/ml/model
-
-Container side: `tidespec.train.sagemaker` (the training image runs `python -m
-tidespec.train.sagemaker`; it trains with `train.entry` and calls no AWS API).
+"""Train the draft as a SageMaker training job, the launcher side (`train_on_sagemaker`): stage the
+curated index and the snapshots it references (and the warm-start draft, and a local target) to
+`<s3_prefix>/<job>/input/`, CreateTrainingJob with a checkpoint channel (a spot interruption
+resumes), poll it, download and unpack the draft. The container side is `train.sagemaker`, which
+calls no AWS API. The S3 layout: docs/design/adapters.md.
 """
 from __future__ import annotations
 
@@ -34,8 +21,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..config import Params
-from ..errors import TidespecError
 from ..config.sagemaker import SageMakerTrainParams
+from ..errors import TidespecError
 from ..train.entry import skip_reason
 from ..train.sagemaker import CHECKPOINT_LOCAL
 from ..workspace import engine_dir
@@ -96,7 +83,7 @@ def check_hyperparameters(hps: Mapping[str, Any]) -> dict[str, str]:
         if not isinstance(k, str) or not 0 < len(k) <= MAX_HP_KEY:
             raise ValueError(f"hyperparameter key {str(k)[:60]!r}: must be a str of 1..{MAX_HP_KEY} chars")
         if not isinstance(v, str):
-            raise ValueError(f"hyperparameter {k!r}: value must be a str, got {type(v).__name__}")  # noqa: TRY004
+            raise ValueError(f"hyperparameter {k!r}: value must be a str, got {type(v).__name__}")
         if len(v) > MAX_HP_VALUE:
             raise ValueError(f"hyperparameter {k!r}: value is {len(v)} chars; SageMaker allows at most "
                              f"{MAX_HP_VALUE} (ship large data in an input channel instead)")

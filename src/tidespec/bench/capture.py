@@ -17,18 +17,18 @@ import platform
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from ..models.chat import prompt_ids
+from ..assets.prompts import load
 from ..capture.text import TextCapture
 from ..capture.writer import CaptureWriter
 from ..config import CaptureParams, Params
 from ..engine.build import make_engine
 from ..engine.stats import itl_percentiles
-from ..assets.prompts import load
+from ..models.chat import prompt_ids
 from ..models.load import get_target
 
 CONFIGS = ("off", "raw", "zstd", "hung_disk", "text")
@@ -53,8 +53,20 @@ def run(params: Params, out: Path, n_prompts: int = 8, max_new_tokens: int = 64,
     make_engine(params.engine.fixed(), target).generate(prompts[0], 8, speculative=False)  # warm-up
     tmp = Path(tempfile.mkdtemp(prefix="tidespec-bench-capture-"))
     gate = threading.Event()
-    writers = {c: CaptureWriter(tmp / c, target.target_id, CaptureParams(queue_size=2 if c == "hung_disk" else 64, shard_max_records=1, compression="none" if c == "raw" else "zstd"), idle_flush_s=3600.0)
-               for c in CONFIGS if c != "off"}
+    writers = {
+        c: CaptureWriter(
+            tmp / c,
+            target.target_id,
+            CaptureParams(
+                queue_size=2 if c == "hung_disk" else 64,
+                shard_max_records=1,
+                compression="none" if c == "raw" else "zstd",
+            ),
+            idle_flush_s=3600.0,
+        )
+        for c in CONFIGS
+        if c != "off"
+    }
     _hang(writers["hung_disk"], gate)
     text = TextCapture(tmp / "text")  # capture.mode: text — request/response bodies, logged after the response
     text_stats = {"bytes": 0, "tokens": 0, "cpu_s": 0.0, "wall_s": 0.0, "records": 0}

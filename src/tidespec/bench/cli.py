@@ -20,19 +20,22 @@ ROOT = typer.Option(Path("."), "--root", help="workspace root (data/ lives here)
 
 
 @bench_app.command("train")
-def bench_train(params: Path = PARAMS,
-                max_new_tokens: int = typer.Option(256, min=8, help="generated tokens per snapshot request"),
-                train_prompts: int = typer.Option(0, min=0, help="HumanEval train prompts served (0: all)"),
-                holdout_prompts: int = typer.Option(0, min=0, help="holdout prompts (0: all)"),
-                fractions: str = typer.Option("1.0", help="comma-separated data fractions, e.g. 0.25,0.5,1.0 "
-                                              "('' with --shift: reuse the last 100% draft)"),
-                epochs: int = typer.Option(None, min=1, help="override train.epochs"),
-                init: Path = typer.Option(None, help="warm start from this draft dir (default: from scratch)"),
-                threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
-                root: Path = typer.Option(None, help="snapshot/work dir (default: <cache>/bench/code-<target>-<tokens>)"),
-                shift: str = typer.Option("gsm-en", help="second workload for the forgetting/replay check ('' = skip)"),
-                shift_prompts: int = typer.Option(48, min=2, help="prompts of the shifted workload (30% held out)"),
-                out: Path = typer.Option(Path("bench/results"))):
+def bench_train(
+    params: Path = PARAMS,
+    max_new_tokens: int = typer.Option(256, min=8, help="generated tokens per snapshot request"),
+    train_prompts: int = typer.Option(0, min=0, help="HumanEval train prompts served (0: all)"),
+    holdout_prompts: int = typer.Option(0, min=0, help="holdout prompts (0: all)"),
+    fractions: str = typer.Option(
+        "1.0", help="comma-separated data fractions, e.g. 0.25,0.5,1.0 ('' with --shift: reuse the last 100% draft)"
+    ),
+    epochs: int = typer.Option(None, min=1, help="override train.epochs"),
+    init: Path = typer.Option(None, help="warm start from this draft dir (default: from scratch)"),
+    threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
+    root: Path = typer.Option(None, help="snapshot/work dir (default: <cache>/bench/code-<target>-<tokens>)"),
+    shift: str = typer.Option("gsm-en", help="second workload for the forgetting/replay check ('' = skip)"),
+    shift_prompts: int = typer.Option(48, min=2, help="prompts of the shifted workload (30% held out)"),
+    out: Path = typer.Option(Path("bench/results")),
+):
     """EAGLE3 training on a fixed code snapshot: τ at k on the holdout, tokens/s, time per cycle."""
     from .. import assets
     from ..config import load_params
@@ -149,10 +152,10 @@ def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.O
 
     from .. import assets
     from ..assets import prompts as prompt_sets
-    from ..models.chat import prompt_ids
     from ..config import ServeParams, load_params
-    from ..models.load import get_target, runner_for
     from ..engine.build import make_engine
+    from ..models.chat import prompt_ids
+    from ..models.load import get_target, runner_for
     from ..serve.server import build_app
     from ..workspace import VERSION_FILE, served
     from .serve import load, serve_in_thread
@@ -209,8 +212,8 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     tokens/s by concurrency."""
     from .. import assets
     from ..config import load_params
-    from ..steps.bootstrap import static_draft_dir
     from ..models.load import target_id
+    from ..steps.bootstrap import static_draft_dir
     from . import engine as bench
     from .engine_report import WORKLOADS
     p = load_params(params)
@@ -261,8 +264,8 @@ def bench_structured(root: Path = ROOT, params: Path = PARAMS,
     1 and a closed-loop sweep; every output checked valid and equal to the constrained reference."""
     from .. import assets
     from ..config import load_params
-    from ..steps.bootstrap import static_draft_dir
     from ..models.load import target_id
+    from ..steps.bootstrap import static_draft_dir
     from . import structured as bench
     p = load_params(params)
     bad = sorted(set(prompt_set) - set(STRUCTURED))

@@ -1,20 +1,10 @@
-"""`tidespec bench engine`: the engine against what a user would otherwise run, side by side.
+"""`tidespec bench engine`: the engine against what a user would otherwise run, side by side (`run`).
 
-One run, interleaved: every prompt goes to every method in turn (rotating order), each method in
-its own worker process, same prompts, same max tokens, greedy, fixed CPU threads. Workers are
-started with the `spawn` context (fork + exec of a fresh interpreter: nothing of the coordinator,
-which has loaded the target to tokenize, is inherited), and each reports its own address space's
-peak RSS (`methods.peak_rss_mb`: VmHWM, not `ru_maxrss`, which Linux carries over fork + exec and
-so reported the coordinator's ~1830 MB for every method).
-Workloads: code (HumanEval holdout split, the adapted draft never saw it), open-ended chat
-(MT-Bench first turns) and math (GSM8K, English). Concurrency sweep (`concurrency` > 1): each
-tidespec method serves max(c, prompts) prompts with c closed-loop clients in one engine
-(continuous batching), methods rotated per pass, the suffix proposer's global tree reset before
-every run; tokens/s = tokens / wall time of the run. HF rows run at concurrency 1 only
-(transformers' assisted generation takes batch size 1). With `make vllm`'s venv, vLLM rows (a
-real vLLM server per row, `methods.VLLMMethod`) run beside them at every level: no speculation,
-n-gram, and EAGLE3 with the static and the adapted draft. Output: `<out>/engine.json`,
-`<out>/engine.md` and, with a sweep, `<out>/engine-concurrency.png`.
+One interleaved run: every prompt to every method in turn, each method in its own worker process
+(spawned fresh; each reports its own peak RSS), greedy, fixed threads, on code, chat and math. A
+concurrency sweep runs the tidespec methods (and vLLM's, with `make vllm`) with c closed-loop
+clients; HF rows at concurrency 1. Paired ratios with their spread. Output: `<out>/engine.json`,
+`.md` and, with a sweep, `engine-concurrency.png`. The design choices: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -31,13 +21,11 @@ import numpy as np
 import torch
 
 from ..assets import prompts
-from ..models.chat import prompt_ids
 from ..engine.stats import itl_percentiles
+from ..models.chat import prompt_ids
 from ..models.load import get_target
-from .methods import MethodSpec, TidespecMethod, worker
-
 from .engine_report import VLLM_NGRAM_MAX, _cpu, markdown, ratios
-
+from .methods import MethodSpec, TidespecMethod, worker
 
 TREE = (4, 12)  # the tree methods' (eagle_topk, num_draft_tokens): up to 11 nodes, the policy sizes each step
 

@@ -1,10 +1,17 @@
-"""`tidespec bench engine`'s report: the per-method table, paired ratios with their spread, the concurrency sweep, the policy's choices per class, the calibration, as markdown."""
+"""`tidespec bench engine`'s report: the per-method table, paired ratios with their spread, the concurrency sweep, the
+policy's choices per class, the calibration, as markdown."""
+
 from __future__ import annotations
 
 from ..engine.calibration import cpu_model
 
 WORKLOADS = ("code", "chat", "math")
 VLLM_NGRAM_MAX = 4  # vLLM n-gram rows: prompt_lookup_max (min 2), the value vLLM's docs use
+
+
+SERVER_RSS = "the sum of the server processes’ peaks (API server, engine core, worker)"
+CLIENT_RSS = ("the HTTP client’s only (this report predates measuring the server; a vLLM server of this target "
+              "peaks at ~3.5–5 GB)")
 
 
 def _ratio(x: float | None) -> str:
@@ -56,12 +63,15 @@ def markdown(res: dict, prof: str | None = None) -> str:
              f"{s['max_new_tokens']} new tokens, interleaved, one process per method. k = {s['k']}, HF "
              f"prompt_lookup_num_tokens = {s['prompt_lookup_num_tokens']}. τ = tokens per target forward.", ""]
     if any(x["kind"] == "vllm" for x in res.get("methods", ())):
-        lines += [f"vllm_* rows: a vLLM {res['info'].get('vllm_no_spec', {}).get('vllm', '')} OpenAI server per row "
-                  "(`make vllm`, same target dir, fp32, prefix caching off, same OMP threads), driven over HTTP "
-                  "from the worker: token-id prompts, streamed, one chunk per engine step (τ = tokens per chunk); "
-                  f"peak RSS = {'the sum of the server processes’ peaks (API server, engine core, worker)' if any('server_peak_rss_mb' in i for i in res['info'].values()) else 'the HTTP client’s only (this report predates measuring the server; a vLLM server of this target peaks at ~3.5–5 GB)'}. "
-                  "Their times include the HTTP round trip and streaming that the in-process rows do not pay. "
-                  f"n-gram: prompt_lookup_min 2, max {VLLM_NGRAM_MAX}. EAGLE3 in vLLM runs chains at fixed k.", ""]
+        lines += [
+            f"vllm_* rows: a vLLM {res['info'].get('vllm_no_spec', {}).get('vllm', '')} OpenAI server per row "
+            "(`make vllm`, same target dir, fp32, prefix caching off, same OMP threads), driven over HTTP "
+            "from the worker: token-id prompts, streamed, one chunk per engine step (τ = tokens per chunk); "
+            f"peak RSS = {SERVER_RSS if any('server_peak_rss_mb' in i for i in res['info'].values()) else CLIENT_RSS}. "
+            "Their times include the HTTP round trip and streaming that the in-process rows do not pay. "
+            f"n-gram: prompt_lookup_min 2, max {VLLM_NGRAM_MAX}. EAGLE3 in vLLM runs chains at fixed k.",
+            "",
+        ]
     elif res["setup"].get("vllm_skipped"):
         lines += [f"No vllm_* rows: {res['setup']['vllm_skipped']}.", ""]
     for w in next(iter(res["results"].values())):

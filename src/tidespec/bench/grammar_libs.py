@@ -169,14 +169,15 @@ def main(argv: list[str] | None = None) -> None:
                                                "runs": runs}, indent=1))
     lines = [f"# Grammar libraries on CPU (SmolLM2 tokenizer, V = {len(hf_tok)}; {a.passes} interleaved passes, "
              "median (min–max))", "",
-             f"Setup (tokenizer analysis, once per process): "
+             "Setup (tokenizer analysis, once per process): "
              + ", ".join(f"{n} {ms:.0f} ms" for n, ms in setup.items()), "",
              "| library | grammar | tokens | compile ms | mask fill µs/token | p99 µs | consume µs | "
              "spec step k=4 µs (5 masks, 4 consumed, rollback) |", "|---|---|---|---|---|---|---|---|"]
     for name, cases in summary.items():
         for c in CASES:
             s = cases[c]
-            f = lambda key: f"{s[key]['median']:.0f} ({s[key]['min']:.0f}–{s[key]['max']:.0f})"  # noqa: E731
+            def f(key, s=s):
+                return f"{s[key]['median']:.0f} ({s[key]['min']:.0f}–{s[key]['max']:.0f})"
             lines.append(f"| {name} | {c} | {s['tokens']} | {f('compile_ms')} | {f('fill_us')} | {f('fill_p99_us')} | "
                          f"{f('consume_us')} | {f('spec_step_k4_us')} |")
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")

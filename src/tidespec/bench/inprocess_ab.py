@@ -28,11 +28,11 @@ from tidespec.assets import prompts
 from tidespec.bench.engine import workload_prompts
 from tidespec.bench.engine_report import WORKLOADS
 from tidespec.bench.methods import MethodSpec, TidespecMethod
-from tidespec.models.chat import prompt_ids
 from tidespec.config import load_params
 from tidespec.engine.plan import Planner
 from tidespec.engine.policy import draft_batches
 from tidespec.engine.proposers import entries
+from tidespec.models.chat import prompt_ids
 from tidespec.models.load import get_target
 
 # --breakdown: seconds inside the engine's step, its plan (proposals + the goodput search), the draft's
@@ -147,8 +147,14 @@ def _cell_md(name: str, runs: dict, ratios: list[float], spent: dict, breakdown:
     itl = {k: statistics.median(r["itl_ms_p50"] for r in v) for k, v in runs.items()}
     inside = ratios[0] <= 1.0 <= ratios[-1]
     cols = ("step", "plan", "draft forwards", "verify", "own", "calibrated decode")
-    val = {"step": lambda x: x["step"], "plan": lambda x: x["plan"], "draft forwards": lambda x: x["catch-up"] + x["draft"],
-           "verify": lambda x: x["verify"], "own": _own, "calibrated decode": lambda x: x["calibrated"]}
+    val = {
+        "step": lambda x: x["step"],
+        "plan": lambda x: x["plan"],
+        "draft forwards": lambda x: x["catch-up"] + x["draft"],
+        "verify": lambda x: x["verify"],
+        "own": _own,
+        "calibrated decode": lambda x: x["calibrated"],
+    }
     table = ("\n| engine | wall s (all waves) | steps | " + " | ".join(f"{x} s" for x in cols) + " |\n|---|---|---|"
              + "---|" * len(cols) + "\n" + "".join(
                  f"| {k} | {sum(r['wall_s'] for r in runs[k]):.2f} | {spent[k]['step calls']:.0f} | "
@@ -190,17 +196,25 @@ def write_report(res: dict, out: Path) -> str:
     summary = ("| workload | " + " | ".join(f"c={c}" for c in levels) + " |\n|---|" + "---|" * len(levels) + "\n"
                + "".join(f"| {w} | " + " | ".join(fmt(by[(w, c)]) if (w, c) in by else "–" for c in levels) + " |\n"
                          for w in workloads))
-    text = (f"# In-process A/B: {name} vs no speculation ({res['date']})\n\n"
-            f"Both engines in one process (shared target weights), {res['passes']} alternating passes over the cells; "
-            f"a wave is {res['prompts_per_wave'].replace('concurrency', 'c')} prompts (at most the set's: "
-            f"{_sizes(res['cells'])}) × ≤ {res['max_new_tokens']} tokens with c closed-loop clients, after the "
-            f"grid's warm-up; draft `{res['draft']}`; {res['wall_s'] / 60:.1f} min.\n\n"
-            f"Paired ratio {name} / none per cell, median (range); ~ = the range holds 1.0 (inside the noise)"
-            + ("; after · the modeled ratio: the forwards counted instead of timed (each engine's decode steps costed "
-               "by the calibration, scaled to the machine's measured speed in that cell), the engine's own work (its "
-               "step time outside the forwards) as measured" if breakdown else "") + ":\n\n"
-            + summary + "".join(f"\n## {c['workload']}, concurrency {c['concurrency']}\n\n{c['md']}" for c in res["cells"])
-            + f"\n`{res['command']}`\n")
+    text = (
+        f"# In-process A/B: {name} vs no speculation ({res['date']})\n\n"
+        f"Both engines in one process (shared target weights), {res['passes']} alternating passes over the cells; "
+        f"a wave is {res['prompts_per_wave'].replace('concurrency', 'c')} prompts (at most the set's: "
+        f"{_sizes(res['cells'])}) × ≤ {res['max_new_tokens']} tokens with c closed-loop clients, after the "
+        f"grid's warm-up; draft `{res['draft']}`; {res['wall_s'] / 60:.1f} min.\n\n"
+        f"Paired ratio {name} / none per cell, median (range); ~ = the range holds 1.0 (inside the noise)"
+        + (
+            "; after · the modeled ratio: the forwards counted instead of timed (each engine's decode steps costed "
+            "by the calibration, scaled to the machine's measured speed in that cell), the engine's own work (its "
+            "step time outside the forwards) as measured"
+            if breakdown
+            else ""
+        )
+        + ":\n\n"
+        + summary
+        + "".join(f"\n## {c['workload']}, concurrency {c['concurrency']}\n\n{c['md']}" for c in res["cells"])
+        + f"\n`{res['command']}`\n"
+    )
     out.with_suffix(".md").write_text(text)
     return text
 

@@ -4,7 +4,8 @@ Methods: HF transformers `generate` (greedy, no speculation), HF prompt-lookup d
 (`prompt_lookup_num_tokens`, Saxena 2023; transformers `generation/candidate_generator.py`),
 the tidespec engine (no speculation, or an EAGLE3 draft at fixed or adaptive k, with capture
 optional), and a real vLLM server (`make vllm`: no speculation, its n-gram proposer, or an EAGLE3
-draft at fixed k), driven over HTTP with token-id prompts, streamed, its counters from `/metrics`. Each worker is its own spawned process (fresh interpreter, fresh address space) and
+draft at fixed k), driven over HTTP with token-id prompts, streamed, its counters from `/metrics`. Each worker is its
+own spawned process (fresh interpreter, fresh address space) and
 reports its peak RSS as its own address space's high-water mark (`peak_rss_mb`), so a method's
 peak RSS is the memory it needs, not the coordinator's.
 """
@@ -21,9 +22,9 @@ import torch
 
 from ..capture.writer import CaptureWriter
 from ..config import Params
+from ..engine.build import make_engine
 from ..engine.speculative import Request
 from ..models.load import get_target, runner_for, target_dir
-from ..engine.build import make_engine
 from ..workspace import served
 
 
@@ -228,11 +229,12 @@ class TidespecMethod:
 class VLLMMethod:
     """A vLLM OpenAI server (`adapters.vllm`) on the same target dir, started by this worker: no
     speculation, vLLM's n-gram proposer (prompt_lookup_max = `spec.prompt_lookup`, prompt_lookup_min
-    = min(2, that)) or the EAGLE3 draft `spec.draft` at k = `spec.k` (vLLM's k is fixed per server). Prefix caching is off (a later
-    pass must not find its prompts cached: tidespec's engine has no prefix cache). Each request is a
-    streamed `/v1/completions` with the prompt as token ids and `return_token_ids`; a chunk is one
-    engine step (stream_interval 1), so chunk times give TTFT and per-step latencies as the in-process
-    methods report them. Draft counters: vLLM's `/metrics` before and after (exact at concurrency 1)."""
+    = min(2, that)) or the EAGLE3 draft `spec.draft` at k = `spec.k` (vLLM's k is fixed per server).
+    Prefix caching is off (a later pass must not find its prompts cached: tidespec's engine has no
+    prefix cache). Each request is a streamed `/v1/completions` with the prompt as token ids and
+    `return_token_ids`; a chunk is one engine step (stream_interval 1), so chunk times give TTFT and
+    per-step latencies as the in-process methods report them. Draft counters: vLLM's `/metrics`
+    before and after (exact at concurrency 1)."""
 
     def __init__(self, spec: MethodSpec, params, threads: int):
         import tempfile
@@ -243,13 +245,21 @@ class VLLMMethod:
 
         self.spec, self.k = spec, spec.k or params.engine.num_draft_tokens
         pl = spec.prompt_lookup
-        cfg = vllm.VLLMLaunch(str(target_dir(params.target.source)), python=spec.python or vllm.default_python(),
-                              draft_path=str(engine_dir(Path(spec.draft))) if spec.draft else None,
-                              ngram=(min(2, pl), pl) if pl else None, num_speculative_tokens=self.k,
-                              port=free_port(), served_model_name="bench", dtype=params.target.dtype,
-                              max_model_len=params.engine.max_seq_len, max_num_seqs=spec.max_batch or params.engine.max_batch,
-                              threads=threads, extra_args=("--no-enable-prefix-caching",),
-                              kv_cache_gib=1)  # 8 × 1024 tokens of SmolLM2 KV need ~0.4 GiB; 2 GiB × 4 rows OOMed 24 GiB
+        cfg = vllm.VLLMLaunch(
+            str(target_dir(params.target.source)),
+            python=spec.python or vllm.default_python(),
+            draft_path=str(engine_dir(Path(spec.draft))) if spec.draft else None,
+            ngram=(min(2, pl), pl) if pl else None,
+            num_speculative_tokens=self.k,
+            port=free_port(),
+            served_model_name="bench",
+            dtype=params.target.dtype,
+            max_model_len=params.engine.max_seq_len,
+            max_num_seqs=spec.max_batch or params.engine.max_batch,
+            threads=threads,
+            extra_args=("--no-enable-prefix-caching",),
+            kv_cache_gib=1,
+        )  # 8 × 1024 tokens of SmolLM2 KV need ~0.4 GiB; 2 GiB × 4 rows OOMed 24 GiB
         self.log = Path(tempfile.mkdtemp(prefix="tidespec-bench-vllm-")) / "vllm.log"
         t0 = time.perf_counter()
         self.server = vllm.VLLMServer(cfg, self.log)
@@ -361,5 +371,5 @@ def _serve(conn, m) -> None:
             else:
                 res = m.info() if hasattr(m, "info") else {}
             conn.send(("ok", res, peak_rss_mb()))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - reported to the coordinator
             conn.send(("error", f"{type(e).__name__}: {e}"))

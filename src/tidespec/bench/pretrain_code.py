@@ -22,9 +22,9 @@ import sysconfig
 import time
 from pathlib import Path
 
-from tidespec.steps.bootstrap import teacher_force
 from tidespec.config import load_params
 from tidespec.models.load import get_target
+from tidespec.steps.bootstrap import teacher_force
 from tidespec.train.trainer import train_draft
 
 

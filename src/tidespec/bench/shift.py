@@ -1,29 +1,11 @@
 """`tidespec bench shift`: the workload-shift experiment (TIDE's adaptation curve, arXiv 2602.05145 §5).
 
-Traffic shifts phase by phase (generic chat → code → math EN → math KO/JA; or any of them and the
-`structured` phase: the structured prompt sets, each request constrained by its own
-`response_format` / tools grammar when it is served, captured, evaluated and measured). Per phase:
-1. measure, side by side on the phase's held-out prompts (greedy, k = engine.num_draft_tokens,
-   waves of 1 / 4 / 8 concurrent requests): no speculation, the static draft (generic ShareGPT
-   bootstrap), the adapting draft (champion at phase start);
-2. serve the phase's traffic prompts on the adapting draft with capture on; when the capture
-   writer seals a snapshot (capture.seal_min_tokens reached) the TIDE cycle runs — the real
-   `tide_cycle` flow in-process against Prefect + MLflow servers: curate → train (warm start) →
-   evaluate → register (gate) → deploy — and the engine reloads the champion; the threshold is
-   half the phase's traffic tokens, so each phase triggers one cycle, and the remainder is sealed
-   at the phase's end (a snapshot later cycles replay, no cycle of its own);
-3. measure static and adapting again.
-Then the structured vs open-ended contrast: ITL with and without speculation under the adaptive
-k policy (k per workload from measured acceptance and step costs, spec off where it loses) on
-code + MT-Bench extraction (structured) and MT-Bench writing/roleplay/humanities (open-ended).
-
-Writes bench/results/shift-<date>.json, shift-<date>.md and PNG plots (`--quick`:
-shift-quick-<date>.*); every figure comes from the run. Prompts: held-out and traffic sets are
-disjoint (seeded split by id; GSM by problem, so a problem's translations stay on one side); chat
-skips the ShareGPT records the bootstrap used.
-
-One file (~490 lines): prompts, measurement, the run and its report form one experiment whose
-numbers must be read together.
+Traffic shifts phase by phase (chat → code → math EN → math KO/JA, or the structured phase). Per
+phase: measure no speculation, the static and the adapting draft on the phase's held-out prompts;
+serve its traffic with capture, where each seal runs the real `tide_cycle` flow and the engine
+reloads the champion; measure again. Then the structured vs open-ended contrast under the goodput
+policy. Writes bench/results/shift-<date>.{json,md,png}; every figure comes from the run. The
+protocol in full: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -38,22 +20,21 @@ from pathlib import Path
 
 import yaml
 
-from ..assets import prompts as P
 from ..adapters import orchestrate, registry, services
 from ..assets import cache_dir
-from ..models.chat import chat_ids, prompt_ids
+from ..assets import prompts as P
 from ..capture.writer import CaptureWriter
 from ..config import Params
-from ..steps.cycle import step_deploy
-from ..steps.bootstrap import bootstrap_static
+from ..engine.build import load_suffix_corpus, make_engine
 from ..engine.constraint import grammar_for, render
 from ..engine.grammar import GrammarCompiler
 from ..engine.replay import replay
 from ..engine.speculative import Request
+from ..models.chat import chat_ids, prompt_ids
 from ..models.load import get_target, runner_for
-from ..engine.build import load_suffix_corpus, make_engine
+from ..steps.bootstrap import bootstrap_static
+from ..steps.cycle import step_deploy
 from ..workspace import Workspace, served, served_version
-
 from .shift_report import summarize, write_report
 
 
@@ -76,12 +57,12 @@ class ShiftConfig:
     seed: int = 0
 
     @classmethod
-    def quick(cls) -> "ShiftConfig":
+    def quick(cls) -> ShiftConfig:
         return cls(phases=("chat", "code"), concurrency=(1, 8), eval_prompts=4, traffic_prompts=12,
                    max_new_tokens=32, traffic_max_new_tokens=64, contrast_prompts=2, train_epochs=3,
                    cycle_eval_tokens=32, cycle_max_holdout=6, name="shift-quick")
 
-    def with_phases(self, phases: list[str] | tuple[str, ...]) -> "ShiftConfig":
+    def with_phases(self, phases: list[str] | tuple[str, ...]) -> ShiftConfig:
         """These phases, in order (results named after them). Raises ValueError naming the phases for
         an unknown or repeated one, or none."""
         bad = [p for p in phases if p not in PHASE_TITLES]
@@ -260,7 +241,9 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
                "cpu_threads": _threads(), "phases": [], "cycles": []}
         try:
             for phase in cfg.phases:
-                traffic, hold = split_phase(phase_prompts(phase, params), tok, cfg, params.workload.holdout_fraction, gc)
+                traffic, hold = split_phase(
+                    phase_prompts(phase, params), tok, cfg, params.workload.holdout_fraction, gc
+                )
                 progress(f"{phase}: {len(traffic)} traffic / {len(hold)} held-out prompts")
                 champ = runner_for(ws.champion, target)
                 before = measure(_arms(target, params, {"none": None, "static": static_runner, "adapted": champ},
@@ -270,7 +253,9 @@ def run(params: Params, out: Path, work: Path, cfg: ShiftConfig, progress=print)
                 thr = phase_threshold(traffic, cfg)
                 writer = CaptureWriter(ws.capture_dir(tid), tid, params.capture.model_copy(
                     update={"seal_min_tokens": thr}), snapshots_root=ws.snapshots, on_seal=seals.put)
-                cyc = _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress)
+                cyc = _serve_traffic(
+                    phase, traffic, target, params, ws, writer, seals, flow, uri, tid, work, cfg, progress
+                )
                 rest = writer.seal_now()  # the phase's remainder: a snapshot the next cycles replay, not a cycle
                 writer.close()
                 writer = None
@@ -357,12 +342,21 @@ def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:
         runs = replay({"none": (none, False), "adaptive": (spec, True)}, ps, cfg.max_new_tokens, reference="none")
         a, n = runs["adaptive"]["metrics"], runs["none"]["metrics"]
         pol = spec.policy.report().get(g, {})
-        out[g] = {"structured": g != "open-ended", "num_prompts": len(ps), "k_chosen": spec.policy.best_k(g),
-                  "predicted_speedup": pol.get("predicted_speedup"), "policy_step_ms": pol.get("step_ms"),
-                  "acceptance": spec.policy.estimator(spec.policy.chain_kind).acceptance(g), "itl_ms_p50_none": n["itl_ms_p50"],
-                  "itl_ms_p50_spec": a["itl_ms_p50"], "tokens_per_s_none": n["tokens_per_s"],
-                  "tokens_per_s_spec": a["tokens_per_s"], "speedup": a["tokens_per_s"] / n["tokens_per_s"],
-                  "tau": a["acceptance_length"], "mismatches": a["mismatches"]}
+        out[g] = {
+            "structured": g != "open-ended",
+            "num_prompts": len(ps),
+            "k_chosen": spec.policy.best_k(g),
+            "predicted_speedup": pol.get("predicted_speedup"),
+            "policy_step_ms": pol.get("step_ms"),
+            "acceptance": spec.policy.estimator(spec.policy.chain_kind).acceptance(g),
+            "itl_ms_p50_none": n["itl_ms_p50"],
+            "itl_ms_p50_spec": a["itl_ms_p50"],
+            "tokens_per_s_none": n["tokens_per_s"],
+            "tokens_per_s_spec": a["tokens_per_s"],
+            "speedup": a["tokens_per_s"] / n["tokens_per_s"],
+            "tau": a["acceptance_length"],
+            "mismatches": a["mismatches"],
+        }
         progress(f"contrast: {g}: k={out[g]['k_chosen']} speed-up {out[g]['speedup']:.2f}×")
     return out
 

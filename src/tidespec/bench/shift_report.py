@@ -1,8 +1,11 @@
-"""The workload-shift experiment's report (`tidespec bench shift`): the summary against its goals, the figures (matplotlib), and the markdown."""
+"""The workload-shift experiment's report (`tidespec bench shift`): the summary against its goals, the figures
+(matplotlib), and the markdown."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
 from ..engine.stats import per_position
 
 NOISE_FLOOR = 0.97  # "never slower": a speed-up ≥ this counts as equal (run-to-run noise of one side-by-side pass)
@@ -35,11 +38,15 @@ def summarize(rep: dict) -> dict:
     goals = {
         "adapted_over_static_shifted_min": min((r["adapted_over_static"] for r in shifted), default=None),
         "adapted_over_static_shifted_max": max((r["adapted_over_static"] for r in shifted), default=None),
-        "tau_code_k": k, "tau_code_adapted": code[0]["tau_adapted"] if code else None,
+        "tau_code_k": k,
+        "tau_code_adapted": code[0]["tau_adapted"] if code else None,
         "open_ended_speedup_vs_none": open_["speedup"] if open_ else None,
-        "cycle_s_max": max(cyc) if cyc else None, "cycles_promoted": sum(bool(c.get("promoted")) for c in rep["cycles"]),
-        "cycles": len(rep["cycles"]), "lossless": all(r["mismatches"] == 0 for r in rows),
-        "breakeven_tau_k": cost["breakeven_tau"][k] if cost and k < len(cost["breakeven_tau"]) else None}
+        "cycle_s_max": max(cyc) if cyc else None,
+        "cycles_promoted": sum(bool(c.get("promoted")) for c in rep["cycles"]),
+        "cycles": len(rep["cycles"]),
+        "lossless": all(r["mismatches"] == 0 for r in rows),
+        "breakeven_tau_k": cost["breakeven_tau"][k] if cost and k < len(cost["breakeven_tau"]) else None,
+    }
     hyb = [r for r in rows if "hybrid_over_none" in r]
     if hyb:  # the adapting arm as served: champion draft + suffix proposer, goodput policy (issue 19)
         code_h = [r for r in hyb if r["phase"] == "code"]
@@ -158,21 +165,37 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
                  f"{r['tokens_per_s_adapted']:.1f} | {h(r, 'tokens_per_s_hybrid', '.1f')} | "
                  f"{r['adapted_over_static']:.2f}× | {h(r, 'hybrid_over_static', '.2f')}× | "
                  f"{h(r, 'hybrid_over_none', '.2f')}× | {'yes' if r['mismatches'] == 0 else 'NO'} |")
-    L += ["", "## Before each phase's cycle (champion of the previous phase on the new traffic)", "",
-          "| phase | conc. | τ static | τ adapted | τ hybrid | tok/s none | tok/s static | tok/s adapted | tok/s hybrid |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "## Before each phase's cycle (champion of the previous phase on the new traffic)",
+        "",
+        "| phase | conc. | τ static | τ adapted | τ hybrid | tok/s none | tok/s static | tok/s adapted "
+        "| tok/s hybrid |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in rep["phases"]:
         for c, a in p["before"].items():
             hy = a.get("hybrid")
-            L.append(f"| {p['phase']} | {c} | {a['static']['acceptance_length']:.2f} | {a['adapted']['acceptance_length']:.2f} | "
-                     f"{hy['acceptance_length'] if hy else '-':{'.2f' if hy else ''}} | "
-                     f"{a['none']['tokens_per_s']:.1f} | {a['static']['tokens_per_s']:.1f} | {a['adapted']['tokens_per_s']:.1f} | "
-                     f"{hy['tokens_per_s'] if hy else '-':{'.1f' if hy else ''}} |")
-    L += ["", "## Cycles (capture threshold → promoted draft deployed)", "",
-          "| phase | snapshot tokens | cycle s | train s | drift JSD | cand. τ | champ. τ | decision |", "|---|---|---|---|---|---|---|---|"]
+            L.append(
+                f"| {p['phase']} | {c} | {a['static']['acceptance_length']:.2f} | "
+                f"{a['adapted']['acceptance_length']:.2f} | "
+                f"{hy['acceptance_length'] if hy else '-':{'.2f' if hy else ''}} | "
+                f"{a['none']['tokens_per_s']:.1f} | {a['static']['tokens_per_s']:.1f} | "
+                f"{a['adapted']['tokens_per_s']:.1f} | "
+                f"{hy['tokens_per_s'] if hy else '-':{'.1f' if hy else ''}} |"
+            )
+    L += [
+        "",
+        "## Cycles (capture threshold → promoted draft deployed)",
+        "",
+        "| phase | snapshot tokens | cycle s | train s | drift JSD | cand. τ | champ. τ | decision |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in rep["cycles"]:
         if c.get("skipped"):
-            L.append(f"| {c['phase']} | {c['snapshot_tokens']} | {c['cycle_s']:.0f} | | | | | skipped: {c['skipped']} |")
+            L.append(
+                f"| {c['phase']} | {c['snapshot_tokens']} | {c['cycle_s']:.0f} | | | | | skipped: {c['skipped']} |"
+            )
             continue
         ct, dj = c.get("champion_tau"), c.get("drift_jsd")
         djs = "" if dj is None else f"{dj:.3f}"
@@ -212,14 +235,24 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
     for name, ok in g["met"].items():
         L.append(f"- {'met' if ok else 'NOT met'}: {name}")
     if g.get("hybrid_over_none_min") is not None:
-        L += [f"- hybrid (champion + suffix corpus, goodput policy) / no speculation: lowest {g['hybrid_over_none_min']:.2f}×"
-              f" over every phase and concurrency; on code and math at the lowest concurrency ≥ "
-              f"{g['hybrid_over_none_c1_code_math_min'] or 0:.2f}×; hybrid/static on code ≥ "
-              f"{g['hybrid_over_static_code_min'] or 0:.2f}×"]
+        L += [
+            "- hybrid (champion + suffix corpus, goodput policy) / no speculation: lowest "
+            f"{g['hybrid_over_none_min']:.2f}×"
+            f" over every phase and concurrency; on code and math at the lowest concurrency ≥ "
+            f"{g['hybrid_over_none_c1_code_math_min'] or 0:.2f}×; hybrid/static on code ≥ "
+            f"{g['hybrid_over_static_code_min'] or 0:.2f}×"
+        ]
     L += [f"- adapted/static tokens/s on shifted phases: {g['adapted_over_static_shifted_min']:.2f}× – "
           f"{g['adapted_over_static_shifted_max']:.2f}×" if g["adapted_over_static_shifted_min"] else "",
           f"- τ on code at k={g['tau_code_k']}: {g['tau_code_adapted']:.2f}" if g["tau_code_adapted"] else "",
           f"- cycles: {g['cycles']} ({g['cycles_promoted']} promoted), longest {g['cycle_s_max']:.0f} s"
           if g["cycle_s_max"] else "", f"- lossless (every output = target-only): {g['lossless']}", ""]
-    L += [f"![τ]({figs['tau']})", "", f"![tokens/s]({figs['tokens_per_s']})", "", f"![per-position]({figs['per_position']})", ""]
+    L += [
+        f"![τ]({figs['tau']})",
+        "",
+        f"![tokens/s]({figs['tokens_per_s']})",
+        "",
+        f"![per-position]({figs['per_position']})",
+        "",
+    ]
     return "\n".join(x for x in L if x is not None) + "\n"

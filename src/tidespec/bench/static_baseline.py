@@ -22,8 +22,8 @@ from pathlib import Path
 from tidespec.bench.engine import workload_prompts
 from tidespec.bench.engine_report import WORKLOADS
 from tidespec.config import load_params
-from tidespec.engine.replay import replay
 from tidespec.engine.build import make_engine
+from tidespec.engine.replay import replay
 from tidespec.models.load import get_target, runner_for
 
 
@@ -72,8 +72,12 @@ def main(argv: list[str] | None = None) -> None:
            "max_new_tokens": a.max_new_tokens, "drafts": meta, "tau": rows, "wall_s": time.time() - t0}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(out, indent=2) + "\n")
-    lines = [f"# τ per workload ({out['date']}): {a.prompts} prompts × {a.max_new_tokens} tokens per workload, greedy", "",
-             "| draft, drafting | code | chat | math | all | outputs ≠ target-only |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# τ per workload ({out['date']}): {a.prompts} prompts × {a.max_new_tokens} tokens per workload, greedy",
+        "",
+        "| draft, drafting | code | chat | math | all | outputs ≠ target-only |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
         lines.append(f"| {name} | " + " | ".join(f"{r[w]:.2f}" if r[w] else "–" for w in (*WORKLOADS, "all"))
                      + f" | {r['mismatches']} |")

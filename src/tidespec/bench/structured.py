@@ -1,19 +1,10 @@
 """`tidespec bench structured`: speculation on structured output and tool calls, side by side.
 
-The structured prompt sets (`prompts.STRUCTURED`: HumanEval → a signature as JSON, GSM8K → a
-calculator tool call, ShareGPT → a classification form, MT-Bench extraction → any JSON object; the
-held-out split of each, so a draft adapted on the train split never saw them), each request
-constrained by its own `response_format` / `tools` grammar. Methods, each in its own worker process
-(`bench.engine`'s workers, interleaved passes, rotating order): constrained decoding without
-speculation (the reference), grammar-forced tokens alone, the suffix proposer, the static and the
-adapted EAGLE3 draft under the goodput policy, and the hybrid (adapted draft + suffix); with a
-constraint every speculating method also gets the forced tokens. Concurrency 1 per prompt, then a
-closed-loop sweep (`concurrency`). Every output is checked: equal to the constrained reference token
-for token, and valid against its schema (JSON parses; `json_schema` and tool arguments validate).
-HF's generate and vLLM have no rows here: HF has no grammar-constrained generate, and vLLM's JSON
-grammar (xgrammar, flexible whitespace) is another grammar than tidespec's compact one, so its
-outputs could not be compared token for token.
-Output: `<out>/structured.json`, `<out>/structured.md`.
+The structured prompt sets (held-out splits), each request constrained by its own grammar. Methods,
+each in its own worker process: constrained decoding without speculation (the reference),
+grammar-forced tokens, the suffix proposer, the static and adapted drafts under the policy, and the
+hybrid. Every output must equal the constrained reference token for token and be valid against its
+schema. Output: `<out>/structured.json`, `.md`. Why no HF or vLLM rows: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -28,8 +19,8 @@ import jsonschema
 import torch
 
 from ..assets import prompts
-from ..models.chat import chat_ids
 from ..engine.constraint import parse_tool_calls, render
+from ..models.chat import chat_ids
 from ..models.load import get_target
 from .engine import _sweep, _Worker, pass_ratios, summarize, sweep_summary
 from .methods import MethodSpec
@@ -179,17 +170,25 @@ def goals(res: dict) -> dict:
 
 def markdown(res: dict) -> str:
     s = res["setup"]
-    lines = [f"# Structured output and tool calls under speculation ({res['date']})", "",
-             f"SmolLM2-135M fp32, greedy, {s['prompts_per_set']} held-out prompts per set × ≤ {s['max_new_tokens']} new "
-             f"tokens, {s['passes']} interleaved passes, one process per method, {res['machine']['threads']} threads. "
-             "Every request constrained by its own grammar; τ = tokens per target forward. Ratios are paired per "
-             "pass to constrained decoding without speculation (median, range; ~ = the range spans 1.0).", ""]
+    lines = [
+        f"# Structured output and tool calls under speculation ({res['date']})",
+        "",
+        f"SmolLM2-135M fp32, greedy, {s['prompts_per_set']} held-out prompts per set × ≤ {s['max_new_tokens']} new "
+        f"tokens, {s['passes']} interleaved passes, one process per method, {res['machine']['threads']} threads. "
+        "Every request constrained by its own grammar; τ = tokens per target forward. Ratios are paired per "
+        "pass to constrained decoding without speculation (median, range; ~ = the range spans 1.0).",
+        "",
+    ]
     for w in s["sets"]:
         lines += [f"## {w}", "", "| method | tokens/s | ratio c=1 | τ | finished | valid | = reference | accepted by "
                   "proposer |", "|---|---|---|---|---|---|---|---|"]
         for name, per in res["results"].items():
             r, x = per[w], res["spread"].get(w, {}).get(name)
-            ratio = "1.00×" if x is None else f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f}){' ~' if x['inside_noise'] else ''}"
+            ratio = (
+                "1.00×"
+                if x is None
+                else f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f}){' ~' if x['inside_noise'] else ''}"
+            )
             lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {ratio} | {r['tau']:.2f} | {r['finished']:.0%} | "
                          f"{'-' if r['valid_of_finished'] is None else format(r['valid_of_finished'], '.0%')} | "
                          f"{r['identical_to_target_only']:.0%} | "
@@ -205,7 +204,9 @@ def markdown(res: dict) -> str:
         gf = g["grammar_forced_ratio_c1"]
         at_c = (f"{g['best_method_at_concurrency']} (c={g['concurrency']}) | {g['ratio_at_concurrency']:.2f}×"
                 if "ratio_at_concurrency" in g else "- | -")
-        lines.append(f"| {w} | {g['best_method_c1']} | {g['ratio_c1']:.2f}× | {g['tau_c1']:.2f} | "
-                     f"{'-' if gf is None else f'{gf:.2f}×'} | {at_c} | {'100 %' if g['all_valid_of_finished'] else 'NO'} "
-                     f"| {'100 %' if g['all_identical'] else 'NO'} |")
+        lines.append(
+            f"| {w} | {g['best_method_c1']} | {g['ratio_c1']:.2f}× | {g['tau_c1']:.2f} | "
+            f"{'-' if gf is None else f'{gf:.2f}×'} | {at_c} | {'100 %' if g['all_valid_of_finished'] else 'NO'} "
+            f"| {'100 %' if g['all_identical'] else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"

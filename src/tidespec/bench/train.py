@@ -15,27 +15,27 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from ..assets import prompts
-from ..models.chat import prompt_ids
-from ..capture.store import iter_records
+from ..capture.curate import load_records
 from ..capture.snapshots import list_snapshots, seal
+from ..capture.store import iter_records
 from ..capture.writer import CaptureWriter
 from ..config import CaptureParams, EngineParams, Params
-from ..capture.curate import load_records
-from ..steps.cycle import step_curate
 from ..engine.build import make_engine
 from ..engine.speculative import Request
 from ..engine.stats import SpecDecodingStats
-from ..models.runner import DraftRunner
+from ..models.chat import prompt_ids
 from ..models.eagle3 import load_checkpoint
+from ..models.runner import DraftRunner
 from ..models.target import Target
-from ..train.holdout import evaluate_holdout, holdout_accuracy
+from ..steps.cycle import step_curate
 from ..train.examples import prepare
+from ..train.holdout import evaluate_holdout, holdout_accuracy
 from ..train.trainer import train_draft
 from ..workspace import Workspace
 
@@ -148,7 +148,7 @@ def run(params: Params, out: Path, root: Path, target: Target, train_p, hold_p, 
         t_curate = time.perf_counter() - t0
         hold_ex: list = []
 
-        def on_epoch(ep, draft):
+        def on_epoch(ep, draft, hold_ex=hold_ex, frac=frac):
             if not hold_ex:
                 hold_ex.extend(prepare(hold_recs, target, draft.t2d, params.train.max_seq_len))
             ev = evaluate_holdout(draft, hold_ex, params.train.ttt_steps, params.train.batch_tokens)
@@ -221,7 +221,10 @@ def forgetting(params: Params, root: Path, target: Target, base_draft: Path, nam
         if not link.exists():
             link.symlink_to(code_snap.resolve())
         info = {}
-        for part, prompts, dest in (("train", train_p, Workspace(sroot).snapshots), ("holdout", hold_p, sroot / "holdout")):
+        for part, prompts, dest in (
+            ("train", train_p, Workspace(sroot).snapshots),
+            ("holdout", hold_p, sroot / "holdout"),
+        ):
             progress(f"shift {name}: serving {len(prompts)} {part} prompts × ≤{max_new_tokens} tokens")
             serve_and_capture(target, prompts, max_new_tokens, sroot / f"capture-{part}", name, params.engine.max_batch)
             s = seal(sroot / f"capture-{part}", dest, tid)
@@ -230,8 +233,15 @@ def forgetting(params: Params, root: Path, target: Target, base_draft: Path, nam
     info = json.loads(meta.read_text())
     code_hold = [r for _, r in iter_records(list_snapshots(root / "holdout", tid)[0])]
     new_hold = [r for _, r in iter_records(list_snapshots(sroot / "holdout", tid)[0])]
-    res = {"workload": name, "snapshot": info, "base_draft": base_draft.name, "base": {"code": holdout_tau(target, base_draft, code_hold, params),
-                                                         name: holdout_tau(target, base_draft, new_hold, params)}}
+    res = {
+        "workload": name,
+        "snapshot": info,
+        "base_draft": base_draft.name,
+        "base": {
+            "code": holdout_tau(target, base_draft, code_hold, params),
+            name: holdout_tau(target, base_draft, new_hold, params),
+        },
+    }
     for rf in (0.0, params.curate.replay_fraction):
         cp = params.model_copy(update={"curate": params.curate.model_copy(update={
             "val_fraction": 0.0, "holdout_fraction": 0.0, "window": 1, "max_tokens": 100_000,
@@ -239,7 +249,15 @@ def forgetting(params: Params, root: Path, target: Target, base_draft: Path, nam
         cur = step_curate(Workspace(sroot), cp, tid)
         idx = json.loads(Path(cur["curated"]).read_text())
         cand = sroot / "work" / f"candidate-replay{rf}"
-        tm = train_draft(load_records(idx["train"], Path(cur["curated"]).parent), [], target, params.draft, params.train, cand, init=base_draft)
+        tm = train_draft(
+            load_records(idx["train"], Path(cur["curated"]).parent),
+            [],
+            target,
+            params.draft,
+            params.train,
+            cand,
+            init=base_draft,
+        )
         r = {"replay_fraction": rf, "num_replay": idx["num_replay"], "train_records": len(idx["train"]),
              "train_seconds": tm["train_seconds"], "code": holdout_tau(target, cand, code_hold, params),
              name: holdout_tau(target, cand, new_hold, params)}
@@ -255,15 +273,21 @@ def markdown(rep: dict) -> str:
     learning curve, forgetting)."""
     k = rep["num_draft_tokens"]
     s = rep["snapshot"]
-    lines = [f"# EAGLE3 training on a fixed code snapshot ({rep['date']})", "",
-             f"Target {rep['target_id'][:12]} (SmolLM2-135M-Instruct, fp32), {rep['machine']['threads']} CPU threads. "
-             f"Snapshot: HumanEval train split, {s['train']['records']} requests, {s['train']['tokens']} tokens "
-             f"({s['train']['generated_tokens']} generated, greedy, ≤{rep['max_new_tokens']} per request); holdout: "
-             f"{s['holdout']['records']} disjoint problems. Params: ttt_steps {rep['params']['train']['ttt_steps']}, "
-             f"epochs {rep['params']['train']['epochs']}, lr {rep['params']['train']['lr']}, draft_vocab_size "
-             f"{rep['params']['draft']['draft_vocab_size']}; init: {rep['init'] or 'scratch'}.", "",
-             f"| data | records | τ at k={k} (replay) | per-position acceptance | = target-only | simulated τ at k={k} (holdout) "
-             "| train tok/s | cycle s (curate/train/eval) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# EAGLE3 training on a fixed code snapshot ({rep['date']})",
+        "",
+        f"Target {rep['target_id'][:12]} (SmolLM2-135M-Instruct, fp32), {rep['machine']['threads']} CPU threads. "
+        f"Snapshot: HumanEval train split, {s['train']['records']} requests, {s['train']['tokens']} tokens "
+        f"({s['train']['generated_tokens']} generated, greedy, ≤{rep['max_new_tokens']} per request); holdout: "
+        f"{s['holdout']['records']} disjoint problems. Params: ttt_steps {rep['params']['train']['ttt_steps']}, "
+        f"epochs {rep['params']['train']['epochs']}, lr {rep['params']['train']['lr']}, draft_vocab_size "
+        f"{rep['params']['draft']['draft_vocab_size']}; init: {rep['init'] or 'scratch'}.",
+        "",
+        f"| data | records | τ at k={k} (replay) | per-position acceptance | = target-only "
+        f"| simulated τ at k={k} (holdout) "
+        "| train tok/s | cycle s (curate/train/eval) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     if not rep["runs"]:  # a forgetting-only run (--fractions ''): no training table
         lines = lines[:-3]
     for r in rep["runs"]:
@@ -287,11 +311,16 @@ def markdown(rep: dict) -> str:
     f = rep.get("forgetting")
     if f:
         n = f["workload"]
-        lines += ["", f"Forgetting: a second cycle on `{n}` ({f['snapshot']['train']['records']} requests), warm-started "
-                  f"from `{f['base_draft']}`; simulated τ at k (teacher-forced holdout, conditional acceptance):", "",
-                  f"| draft | replay records | code holdout | {n} holdout |", "|---|---|---|---|",
-                  f"| before (code draft) | - | {_f(f['base']['code']['simulated_tau'])} | "
-                  f"{_f(f['base'][n]['simulated_tau'])} |"]
+        lines += [
+            "",
+            f"Forgetting: a second cycle on `{n}` ({f['snapshot']['train']['records']} requests), warm-started "
+            f"from `{f['base_draft']}`; simulated τ at k (teacher-forced holdout, conditional acceptance):",
+            "",
+            f"| draft | replay records | code holdout | {n} holdout |",
+            "|---|---|---|---|",
+            f"| before (code draft) | - | {_f(f['base']['code']['simulated_tau'])} | "
+            f"{_f(f['base'][n]['simulated_tau'])} |",
+        ]
         for key in [k_ for k_ in f if k_.startswith("replay_")]:
             r = f[key]
             lines.append(f"| after, replay_fraction {r['replay_fraction']} | {r['num_replay']} | "

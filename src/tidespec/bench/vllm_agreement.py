@@ -1,7 +1,7 @@
-"""`tidespec bench vllm-agreement`: cross-engine agreement on the real target: vLLM (`make vllm`) and tidespec's engine serve the same
-HumanEval prompts with the same draft, greedy, same k; their tokens and vLLM's spec-decode counters
-(drafts, draft tokens, accepted, per position; `SpecDecodingStats.as_vllm`) must be equal. Counts
-only, no timing: safe on a busy machine. The tiny-target version runs in the suite
+"""`tidespec bench vllm-agreement`: cross-engine agreement on the real target: vLLM (`make vllm`) and
+tidespec's engine serve the same HumanEval prompts with the same draft, greedy, same k; their tokens and
+vLLM's spec-decode counters (drafts, draft tokens, accepted, per position; `SpecDecodingStats.as_vllm`) must
+be equal. Counts only, no timing: safe on a busy machine. The tiny-target version runs in the suite
 (tests/test_vllm_real.py); this one takes a real draft, e.g. the champion `make demo` deploys:
 
     tidespec bench vllm-agreement data/drafts/champion \\
@@ -18,15 +18,15 @@ import httpx
 
 from tidespec.adapters import vllm
 from tidespec.adapters.process import free_port
-from tidespec.models.chat import prompt_ids
-from tidespec.config import EngineParams, Params
-from tidespec.engine.sampling import SamplingParams
-from tidespec.engine.build import make_engine
-from tidespec.engine.stats import SpecDecodingStats
-from tidespec.models.runner import DraftRunner
-from tidespec.models.eagle3 import load_checkpoint
 from tidespec.assets.prompts import humaneval
+from tidespec.config import EngineParams, Params
+from tidespec.engine.build import make_engine
+from tidespec.engine.sampling import SamplingParams
+from tidespec.engine.stats import SpecDecodingStats
+from tidespec.models.chat import prompt_ids
+from tidespec.models.eagle3 import load_checkpoint
 from tidespec.models.load import get_target, target_dir
+from tidespec.models.runner import DraftRunner
 from tidespec.workspace import engine_dir
 
 

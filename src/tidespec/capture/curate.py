@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from .store import CorruptShard, ManifestRow, read_manifest, read_record, write_private
-from .snapshots import list_snapshots
 from ..config import CurateParams
 from ..hashing import unit_hash
+from .snapshots import list_snapshots
+from .store import CorruptShard, ManifestRow, read_manifest, read_record, write_private
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     `params.window` snapshots of `target_id`.
 
     Drops (counted by reason): too short/long, duplicate prompt (newest kept), non-finite hidden
-    states, unreadable (a corrupt or missing shard: logged with the fix, the rest is curated). Splits (see module docstring): holdout (`holdout_fraction`, at most `max_holdout`
+    states, unreadable (a corrupt or missing shard: logged with the fix, the rest is curated). Splits (see module
+    docstring): holdout (`holdout_fraction`, at most `max_holdout`
     requests, replayed by evaluate; the rest of that bucket is not trained on either), val
     (`val_fraction`, training validation), train. Replay buffer: `params.replay_fraction` of the
     training set is drawn (seeded) from train-bucket records of the older snapshots outside the
@@ -194,7 +195,9 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
                         len(replay), len(holdout), hold_path)
 
 
-def load_records(entries: list[dict], base: Path, fields: tuple[str, ...] | None = None) -> list[dict[str, torch.Tensor]]:
+def load_records(
+    entries: list[dict], base: Path, fields: tuple[str, ...] | None = None
+) -> list[dict[str, torch.Tensor]]:
     """Read the tensors of curated index entries (all, or only `fields`); `base`: the index's
     directory (entry paths are relative to it)."""
     out = []

@@ -1,60 +1,13 @@
-"""SageMaker Data Capture object → OpenAI exchanges (pure parsing; every bad input counted by reason).
+"""SageMaker Data Capture objects → OpenAI exchanges (pure parsing; every bad input counted by reason).
 
-An endpoint with Data Capture on writes JSON Lines objects to
-``s3://<destination>/<endpoint>/<variant>/yyyy/mm/dd/hh/<file>.jsonl``, one line per sampled invocation::
-
-    {"captureData": {"endpointInput":  {"observedContentType": ..., "mode": "INPUT",  "data": ..., "encoding": ...},
-                     "endpointOutput": {"observedContentType": ..., "mode": "OUTPUT", "data": ..., "encoding": ...}},
-     "eventMetadata": {"eventId": ..., "inferenceTime": "2022-02-14T17:25:49Z", "inferenceId"?: ...},
-     "eventVersion": "0"}
-
-``encoding`` is ``JSON`` (``data`` is the body text), ``BASE64`` (the body bytes, base64) or ``CSV``.
-Bodies whose content type is not listed in ``CaptureContentTypeHeader`` are base64 encoded by default,
-so an SSE body (``text/event-stream``) normally arrives as BASE64.
-
-Sources
-  * AWS, "Capture data from real-time endpoint", section "View Captured Data" (layout, S3 path; its example takes
-    ``capture_file[-3:-1]`` after ``split("\\n")``, which suggests objects end in a newline):
-    https://docs.aws.amazon.com/sagemaker/latest/dg/model-monitor-data-capture-endpoint.html ; "Data capture"
-    (``inferenceId``): https://docs.aws.amazon.com/sagemaker/latest/dg/model-monitor-data-capture.html ; API reference
-    "DataCaptureConfig" (base64 by default):
-    https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_DataCaptureConfig.html
-  * OpenAI API reference, chat completion / chat completion chunk / completion objects:
-    https://platform.openai.com/docs/api-reference/chat , https://platform.openai.com/docs/api-reference/completions
-    (SGLang and vLLM serve the same shapes and send errors as ``{"error": ...}`` / ``{"object": "error", ...}``).
-  * Server-sent events, WHATWG HTML Living Standard: https://html.spec.whatwg.org/multipage/server-sent-events.html :
-    ``data:`` lines (one space after the colon dropped) joined by newlines form an event, a blank line ends it;
-    other fields and ``:`` comments carry no data. OpenAI streams end with ``data: [DONE]``.
-
-Streaming finding: none of the AWS pages above, nor the "InvokeEndpointWithResponseStream" API reference
-(https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_runtime_InvokeEndpointWithResponseStream.html),
-says what Data Capture records for a streamed response; it could not be confirmed either way. So a missing or
-empty ``endpointOutput`` is not a skip: the exchange is yielded with ``response_text=None`` (counted
-``missing_response``) and the caller regenerates the response. An SSE body, when captured, is parsed.
-
-Skip rules (``SkipRecord.reason``); the line is checked first, then the request, then the response, and the
-first rule that fails names the skip:
-  * ``non_utf8``: the line, or a base64-decoded body, is not UTF-8.
-  * ``malformed_json``: the line is not JSON; or a body (request, response, stream chunk) is not JSON.
-  * ``truncated``: the object's last line has no trailing newline and is not JSON (cut mid-write).
-  * ``bad_record``: JSON, but not the capture layout (no ``captureData.endpointInput``, no string
-    ``eventMetadata.eventId``/``inferenceTime``, a non-string ``data``, an unknown ``encoding``).
-  * ``csv_body``: a body captured with ``CSV`` encoding (LLM traffic is JSON; refused).
-  * ``bad_base64``: a ``BASE64`` body that does not decode.
-  * ``not_openai``: the request is not a JSON object with a ``messages`` list (chat) or a ``prompt`` (completions),
-    or has a malformed ``messages`` entry, ``prompt`` or ``n``.
-  * ``other_model``: ``model`` was given and the request's or the response's model id differs from it
-    (a side that names no model is not checked).
-  * ``n_gt_1``: ``n`` > 1, a batch of several prompts, several response choices, or a stream chunk for choice index > 0
-    (which choice would be the target's?).
-  * ``empty_prompt``: chat with no user message with text (string content, or ``{"type": "text"}`` parts; a list
-    of only non-text parts is empty), or a completions prompt that is blank / an empty token list.
-  * ``error_response``: the response is ``{"error": ...}`` or ``{"object": "error"}`` (OpenAI, vLLM, SGLang errors,
-    also as a stream chunk), or JSON without a non-empty ``choices`` list, or a choice without its text.
-
-Not skips, ``response_text=None`` (the caller regenerates): a missing/empty response, a stream cut before
-``data: [DONE]``, a chat reply whose ``content`` is not all the model generated (``tool_calls``, ``function_call``,
-``reasoning_content`` or ``reasoning`` present, or ``content`` null). Blank lines carry no record: passed over.
+`parse_object(data, model)` reads one JSON Lines object (AWS's Data Capture layout: `captureData`
+endpointInput/Output with JSON, BASE64 or CSV encoding, `eventMetadata` eventId/inferenceTime) and
+yields `Exchange`s (request body, response text or None, event id, time) and `SkipRecord`s whose
+`reason` names the first rule the line broke: non_utf8, malformed_json, truncated, bad_record,
+csv_body, bad_base64, not_openai, other_model, n_gt_1, empty_prompt, error_response. A missing or
+empty response, a stream cut before `data: [DONE]`, or a reply with tool calls is not a skip: its
+`response_text` is None and the caller regenerates it. SSE bodies (OpenAI streams) are parsed.
+The raw object is never modified. Sources and the layout in full: docs/design/capture.md.
 """
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
-"""Production traffic back into snapshots: SageMaker Data Capture objects → exchanges → rehydrated
-records → the capture writer (then sealed, DVC-tracked and announced like live capture).
+"""Production traffic back into snapshots: capture objects → exchanges → rehydrated records → the
+capture writer (then sealed, DVC-tracked and announced like live capture).
 
-An endpoint with data capture on (`deploy.sagemaker.data_capture`) writes JSON Lines objects under
-`<destination>/<endpoint>/<variant>/yyyy/mm/dd/hh/…jsonl` (AWS SageMaker Developer Guide, "Capture
-data from real-time endpoint"). For each new object: `capture.exchange.parse_object` (bad lines
-counted by reason, the raw object never modified or deleted), the target's chat template gives the
-prompt ids, the response text (or, when the endpoint recorded none, the target's own greedy output,
-marked `regenerated`) the generated ids, and one prefill through the target rebuilds the record
-(`capture.rehydrate`): the same record the embedded engine captures live. That prefill runs in this
-process (`EmbeddedRehydrator`) or in a vLLM server's hidden-state extraction
-(`adapters.vllm.VLLMRehydrator`, `ingest.rehydrate_backend: vllm`), a batch of exchanges at a time. Where the objects come
-from is the caller's: an `ObjectStore` lists and reads them — `LocalDir` here (the text capture of
-`tidespec serve`, `capture.mode: text`); S3 and the endpoints' capture prefixes: `adapters.s3_capture`.
-
-Exactly once, across kills at any point:
-- a per-source ledger (`<state>/ingest/<sha of source>.jsonl`, one fsynced line per object, written
-  only after the writer flushed that object's records to disk) says which objects are done, with
-  their etag: they are never re-read, unless they grew since (a live hourly text capture file: its
-  earlier events are then skipped as duplicates, below);
-- an object read again after a kill between its records and its ledger line is deduplicated by the
-  event id (the record's `request_id`), against every request id already in the capture dir, its
-  sealing manifests and the target's snapshots: nothing is counted twice, and what the kill lost is
-  written on the second pass.
+`ingest_source(source, store, ws, params, target, tok, writer)` reads every object of a source not
+in its ledger (`capture.exchange.parse_object`), builds prompt ids with the target's chat template
+and generated ids from the response (or the target's own greedy output, marked `regenerated`), and
+rebuilds each record with one prefill (`Rehydrator`: here, or a vLLM server's extraction). Exactly
+once across kills: a per-source ledger line per finished object (written after the writer flushed
+its records), and dedupe by event id against every request id already captured, sealing or sealed.
+Returns counts by outcome and skip reason. Details: docs/design/capture.md.
 """
 from __future__ import annotations
 
@@ -36,11 +22,11 @@ from pathlib import Path
 from typing import Protocol
 
 from ..config import Params
+from ..config.sagemaker import parse_s3_uri
+from ..engine.build import make_engine
 from ..engine.constraint import grammar_for, spec_of_request
 from ..engine.grammar import GrammarCompiler, GrammarError
-from ..engine.build import make_engine
 from ..engine.speculative import Engine
-from ..config.sagemaker import parse_s3_uri
 from ..workspace import Workspace
 from .exchange import parse_object
 from .rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids
@@ -198,7 +184,7 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
         wl, n_obj, dropped0 = _workload(params, source), 0, writer.stats().dropped_total
         for i in range(0, len(items), rehydrator.batch_size):
             batch = items[i:i + rehydrator.batch_size]
-            for (ex, prompt, gen, origin), rec in zip(batch, rehydrator([(p, g) for _, p, g, _ in batch])):
+            for (ex, _prompt, gen, origin), rec in zip(batch, rehydrator([(p, g) for _, p, g, _ in batch])):
                 if isinstance(rec, ValueError):
                     rep["skipped"]["unsupported_request"] += 1
                     continue

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from ..models.chat import chat_ids
 from ..engine.constraint import render
 from ..engine.grammar import Grammar
 from ..engine.sampling import GREEDY, SamplingParams
 from ..engine.speculative import Engine, Request
+from ..models.chat import chat_ids
 from ..models.target import Segment, Target
 
 _ROUTES = {"chat": "chat", "/v1/chat/completions": "chat", "completions": "completions",
@@ -57,7 +57,7 @@ def request_prompt_ids(tok, route: str, request: dict, *, part_sep: str = "\n") 
     if kind is None:
         raise ValueError(f"unsupported route {route!r}: use 'chat' or 'completions'")
     if not isinstance(request, dict):
-        raise ValueError("request must be the logged JSON body (a dict)")  # noqa: TRY004
+        raise ValueError("request must be the logged JSON body (a dict)")
     if kind == "chat":
         msgs = request.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -96,9 +96,11 @@ def completion_ids(tok, text: str, finish_reason: str | None, eos_id: int) -> li
     finish_reason (e.g. "abort", "content_filter") or a non-string text.
     """
     if finish_reason not in ("stop", "tool_calls", "length", None):
-        raise ValueError(f"unsupported finish_reason {finish_reason!r}: expected 'stop', 'tool_calls', 'length' or None")
+        raise ValueError(
+            f"unsupported finish_reason {finish_reason!r}: expected 'stop', 'tool_calls', 'length' or None"
+        )
     if not isinstance(text, str):
-        raise ValueError(f"response text must be a string, got {type(text).__name__}")  # noqa: TRY004
+        raise ValueError(f"response text must be a string, got {type(text).__name__}")
     ids = list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
     return ids + [int(eos_id)] if finish_reason in ("stop", "tool_calls") else ids
 

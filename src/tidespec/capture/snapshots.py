@@ -1,14 +1,17 @@
-"""Snapshots: a capture directory sealed into `snapshots/<target_id>/<snapshot_id>/` (immutable: its shards hard-linked or copied, its manifest, `snapshot.json`), crash-safe (an interrupted seal is finished by `recover`), one writer per capture directory (`lock_capture_dir`)."""
+"""Snapshots: a capture directory sealed into `snapshots/<target_id>/<snapshot_id>/` (immutable: its shards
+hard-linked or copied, its manifest, `snapshot.json`), crash-safe (an interrupted seal is finished by `recover`), one
+writer per capture directory (`lock_capture_dir`)."""
+
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -50,7 +53,7 @@ class SnapshotInfo:
 
 def new_snapshot_id() -> str:
     """`s<UTC time, µs>-<4 random hex>`: sorts by time; replicas sealing at once do not collide."""
-    return "s" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ") + "-" + os.urandom(2).hex()
+    return "s" + datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ") + "-" + os.urandom(2).hex()
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -196,7 +199,9 @@ def seal(capture_dir: Path, snapshots_root: Path, target_id: str, reason: str = 
     if others:
         raise ValueError(f"capture {capture_dir} holds records of other targets {sorted(others)}; seal them separately")
     sid = new_snapshot_id()
-    while (Path(snapshots_root) / target_id / sid).exists() or (Path(snapshots_root) / target_id / f".{sid}.tmp").exists():
+    while (Path(snapshots_root) / target_id / sid).exists() or (
+        Path(snapshots_root) / target_id / f".{sid}.tmp"
+    ).exists():
         sid = new_snapshot_id()
     os.replace(capture_dir / MANIFEST, capture_dir / f"sealing-{sid}.jsonl")
     _fsync_dir(capture_dir)
@@ -233,7 +238,7 @@ class SealPublisher:
             try:
                 self.on_seal(info)
                 return
-            except Exception:  # noqa: BLE001 - the snapshot stays local and sealed: nothing is lost
+            except Exception:
                 wait_s = self.retry_s * 2 ** attempt
                 log.exception("publishing snapshot %s failed (try %d of %d; next in %.0f s, and the next seal's "
                               "publish takes it along)", info.snapshot_id, attempt + 1, self.attempts, wait_s)

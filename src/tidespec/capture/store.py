@@ -1,25 +1,11 @@
-"""Capture store: safetensors shards + JSONL manifest; snapshots (sealed, immutable).
+"""The capture store: the record format, safetensors shards and the JSONL manifest.
 
-Contract (the capture record, docs/architecture.md): per finished request `input_ids [T] int32`,
-`loss_mask [T] uint8`, `aux_hidden_states [T, 3H] bf16`, `hidden_states [T, H] bf16`.
-
-Crash safety: a shard is written to a temp name, fsynced, renamed (and the directory fsynced);
-manifest lines are appended and fsynced only after the rename. A reader trusts the manifest
-only, so it never sees a torn shard; temp files are removed on restart (`recover`).
-
-Sealing (`seal`): the capture manifest is first renamed to `sealing-<sid>.jsonl` (this freezes
-what the snapshot holds), the listed shards are hard-linked (copied across filesystems) into a
-temp snapshot dir, which is fsynced and renamed to `<snapshots_root>/<target_id>/<sid>/`; only
-then are the capture's copies removed. A crash at any point is finished by `recover` (same sid),
-so a record is never lost nor sealed twice.
-
-Compression (`capture.compression: zstd`): bf16 tensors are byte-shuffled (high bytes, then low
-bytes: sign/exponent bytes compress ~2.6×, mantissa bytes barely) and the shard is zstd-compressed
-as a whole (`*.safetensors.zst`): 0.72× the raw size on HumanEval traffic, 41 µs of CPU per token
-(`tidespec bench capture`).
-
-One file (~460 lines): the shard format, the manifest and sealing share one crash-safety protocol
-(write order, fsyncs, recovery), which is easier to audit in one place.
+A record per finished request: `input_ids [T] int32`, `loss_mask [T] uint8`, `aux_hidden_states
+[T, 3H] bf16`, `hidden_states [T, H] bf16` (`validate_record`). A shard is written to a temp name,
+fsynced and renamed, and its manifest lines are appended and fsynced only after the rename: a
+reader trusts the manifest only, so it never sees a torn shard. `capture.compression: zstd`
+byte-shuffles bf16 and compresses the shard as a whole (`*.safetensors.zst`). Sealing, recovery and
+locks: `capture.snapshots`. Measurements: docs/design/capture.md.
 """
 from __future__ import annotations
 
@@ -28,16 +14,15 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
 
 log = logging.getLogger(__name__)
 FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
@@ -67,7 +52,7 @@ class ManifestRow:
 
 def utc_now() -> str:
     """Now, UTC ISO-8601 with milliseconds (manifest `ts`)."""
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 def parse_ts(ts: str) -> float:
@@ -221,7 +206,7 @@ def read_record(directory: Path, row: ManifestRow, fields: tuple[str, ...] = FIE
             return {k: f.get_tensor(f"{row.offset}.{k}") for k in fields}
     except FileNotFoundError:
         raise
-    except Exception as e:  # noqa: BLE001 - safetensors/zstd raise their own types
+    except Exception as e:  # safetensors/zstd raise their own types
         raise CorruptShard(f"shard {path} (record {row.request_id}, offset {row.offset}) is unreadable "
                            f"({type(e).__name__}: {e}); restore the snapshot with `tidespec snapshots pull "
                            f"{Path(directory).name}` (or `dvc pull`), or move it out of the snapshots dir") from e

@@ -11,16 +11,22 @@ directory is private (0700, files 0600) like the hidden-state capture.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import threading
 import uuid
-from datetime import datetime, timezone
+from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 
+from ..config import CaptureParams
 from ..hashing import unit_hash
 from ..workspace import private_dir
 
 VARIANT = "AllTraffic"
+MB = 1 << 20  # capture.*_mb units (as the hidden-state writer counts them)
+log = logging.getLogger(__name__)
 
 
 def capture_line(event_id: str, request: dict, response: dict | str, when: datetime) -> str:
@@ -38,17 +44,26 @@ def capture_line(event_id: str, request: dict, response: dict | str, when: datet
 class TextCapture:
     """Appends capture records to hourly files (one writer per directory and process; each line is
     flushed and fsynced before `log` returns, so a crash loses at most the line being written, which
-    the ingest counts as `truncated`). `sample_rate`: share of requests logged, by request-id hash
-    (`wants`, the same rule as the hidden-state writer)."""
+    the ingest counts as `truncated`). `cfg` (`CaptureParams`, whole; default its defaults):
+    `sample_rate`, share of requests logged, by request-id hash (`wants`, the same rule as the
+    hidden-state writer); `disk_quota_mb`, the most the directory may hold (MB; text waits there for
+    `tidespec ingest`, which never deletes it: remove ingested hours to make room); `min_free_disk_mb`,
+    the free space kept on its filesystem. An exchange over either limit is dropped and counted
+    (`dropped[reason]`, reasons `disk_quota` / `disk_full`), never waited for. Raises ValueError for
+    `max_acceptance_rate` (text is logged without the draft's acceptance: hidden-state capture only)."""
 
-    def __init__(self, directory: Path, sample_rate: float = 1.0, seed: int = 0):
-        if not 0 < sample_rate <= 1:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    def __init__(self, directory: Path, cfg: CaptureParams | None = None, seed: int = 0):
+        cfg = cfg or CaptureParams()
+        if cfg.max_acceptance_rate is not None:
+            raise ValueError("capture.max_acceptance_rate filters hidden-state capture (capture.mode: hidden, "
+                             "the embedded engine): text capture has no acceptance; remove it")
         self.dir = private_dir(Path(directory))
-        self.sample_rate, self.seed = sample_rate, seed
+        self.cfg, self.sample_rate, self.seed = cfg, cfg.sample_rate, seed
         self._lock = threading.Lock()
         self._file, self._hour = None, None
         self.written_total = self.bytes_total = self.sampled_out = 0
+        self.dropped: Counter[str] = Counter()
+        self._held = sum(p.stat().st_size for p in self.dir.rglob("*") if p.is_file())  # bytes in the directory
         self._stem = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     def wants(self, request_id: str) -> bool:
@@ -60,19 +75,35 @@ class TextCapture:
         return False
 
     def log(self, event_id: str, request: dict, response: dict | str) -> int:
-        """Append one exchange (if `wants(event_id)`); returns the bytes written (0: sampled out)."""
+        """Append one exchange (if `wants(event_id)` and within the disk limits); returns the bytes
+        written (0: sampled out or dropped)."""
         if not self.wants(event_id):
             return 0
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         data = (capture_line(event_id, request, response, now) + "\n").encode()
         with self._lock:
+            reason = self._over_limit(len(data))
+            if reason:
+                if not self.dropped:
+                    log.warning("text capture is dropping exchanges (%s) under %s", reason, self.dir)
+                self.dropped[reason] += 1
+                return 0
             f = self._open(now)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
             self.written_total += 1
             self.bytes_total += len(data)
+            self._held += len(data)
         return len(data)
+
+    def _over_limit(self, n: int) -> str | None:
+        quota, floor = self.cfg.disk_quota_mb, self.cfg.min_free_disk_mb
+        if quota is not None and self._held + n > quota * MB:
+            return "disk_quota"
+        if floor and shutil.disk_usage(self.dir).free - n < floor * MB:
+            return "disk_full"
+        return None
 
     def _open(self, now: datetime):
         hour = now.strftime("%Y/%m/%d/%H")

@@ -1,19 +1,13 @@
-"""Asynchronous capture writer: a bounded queue drained by a background thread.
+"""Asynchronous capture writer: a bounded queue drained by a background thread (`CaptureWriter`).
 
 `submit` never blocks the engine: it only enqueues. Records are dropped and counted by reason
-(`capture_dropped_total{reason}`) when the queue is full (slow disk), the quota
-(`capture.disk_quota_mb`, unsealed bytes) or the free-disk floor (`capture.min_free_disk_mb`)
-is reached, or the writer is closed/failed. The TIDE filter (`capture.sample_rate` at
-admission, `capture.max_acceptance_rate` at finish; TIDE/"online speculative decoding" keep the
-requests the draft serves worst) counts what it skips as `filtered{reason}`.
-
-On the writer thread: bf16 conversion, shard encoding (optionally zstd), atomic write, manifest
-append, and sealing into a snapshot when `seal_min_tokens` unsealed tokens or `seal_max_age_s`
-is reached. The slow follow-up of a seal (`on_seal`: DVC add/push, Prefect event, retention)
-runs on a second thread, so it never stalls capture.
-
-The engine owns the wiring: `Engine(capture=writer)` asks `wants()` at admission and hands
-`submit_generation()` each captured request (`engine.speculative.CaptureSink`).
+(`capture_dropped_total{reason}`: queue full, disk quota or floor, closed, write error); the TIDE
+filter (`capture.sample_rate` at admission, `capture.max_acceptance_rate` at finish) counts what it
+skips (`filtered{reason}`). On the writer thread: shard encoding, atomic write, manifest append,
+and sealing into a snapshot at the seal thresholds; publishing a seal (DVC, the Prefect event)
+runs on a third thread (`snapshots.SealPublisher`). The engine owns the wiring:
+`Engine(capture=writer)` asks `wants()` at admission and hands `submit_generation()` each captured
+request (`engine.generation.CaptureSink`).
 """
 from __future__ import annotations
 
@@ -25,10 +19,10 @@ import shutil
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -36,12 +30,23 @@ from ..config import CaptureParams
 from ..hashing import unit_hash
 from ..workspace import private_dir
 from .metrics import CaptureCollector
-from .store import ManifestRow, append_manifest, encode_shard, parse_ts, prompt_hash, read_manifest, shard_name, utc_now, validate_record, write_shard
 from .snapshots import SealPublisher, SnapshotInfo, lock_capture_dir, recover, seal, unlock
+from .store import (
+    ManifestRow,
+    append_manifest,
+    encode_shard,
+    parse_ts,
+    prompt_hash,
+    read_manifest,
+    shard_name,
+    utc_now,
+    validate_record,
+    write_shard,
+)
+from .text import MB
 
 log = logging.getLogger(__name__)
 _STOP = object()
-MB = 1 << 20
 PUBLISH_RETRY_S = 30.0  # first wait after a failed publish (DVC remote or Prefect down); doubles each try
 PUBLISH_ATTEMPTS = 6  # tries per snapshot (≈ 30 min of backoff); after that the next seal's publish takes it along
 SEAL_RETRY_S = 60.0  # after a failed seal (snapshots root unwritable...), capture goes on; retry then
@@ -143,9 +148,10 @@ class CaptureWriter:
                 self._filtered["high_acceptance"] += 1
             return False
         validate_record(record)
-        meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length), origin=origin,
-                    acceptance_rate=None if acceptance_rate is None else float(acceptance_rate),
-                    prompt_id=prompt_id, ts=utc_now(), text=text if self.cfg.store_text else None, constraint=constraint)
+        rate = None if acceptance_rate is None else float(acceptance_rate)
+        meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length),
+                    origin=origin, acceptance_rate=rate, prompt_id=prompt_id, ts=utc_now(),
+                    text=text if self.cfg.store_text else None, constraint=constraint)
         with self._submit_lock:
             reason = "closed" if self._closing or not self._thread.is_alive() else self._full
             if reason is None:
@@ -161,10 +167,10 @@ class CaptureWriter:
     def submit_generation(self, gen, workload: str = "default", prompt_id: str = "") -> bool:
         """`submit` a finished engine Generation that was captured (the engine's capture hook calls
         this: `engine.speculative.CaptureSink`): its record, request id, serving-time τ (every
-        proposer) and the EAGLE3 draft's acceptance rate (None when the draft drafted nothing for it:
-        the filter keeps the requests the draft serves worst, whatever the suffix proposer added). With `store_text` and a
-        `detokenize` callable, prompt and completion text go into the manifest. Raises ValueError
-        for a Generation without a record."""
+        proposer) and the EAGLE3 draft's acceptance rate (None when the draft drafted nothing for
+        it: the filter keeps the requests the draft serves worst, whatever the suffix proposer
+        added). With `store_text` and a `detokenize` callable, prompt and completion text go into
+        the manifest. Raises ValueError for a Generation without a record."""
         if gen.record is None:
             raise ValueError(f"request {gen.request_id} has no capture record: submit it with capture=True")
         text = None
@@ -257,7 +263,7 @@ class CaptureWriter:
             if item is _STOP:
                 try:
                     self._write_pending()
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 - counted, reported by close()
                     self._fail(e, [])
                 return
             kind, arg = item if isinstance(item[0], str) else ("record", None)

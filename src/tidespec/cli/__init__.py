@@ -14,8 +14,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import TidespecError
-from . import demo, loop, serve, services, snapshots, stages  # noqa: F401 - each registers its commands
-from . import deploy  # noqa: F401 - last: `tidespec deploy` after the loop's commands in --help
+from . import (  # noqa: F401 - each registers its commands
+    demo,
+    deploy,
+    loop,
+    serve,
+    services,
+    snapshots,
+    stages,
+)
 from .common import app
 
 EXTRAS = {"prefect": "mlops", "mlflow": "mlops", "dvc": "mlops", "matplotlib": "mlops", "boto3": "aws",
@@ -38,8 +45,11 @@ def main() -> None:
         extra = EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:
             raise
-        Console(stderr=True).print("[red]error:[/red] " + escape(f"this command needs {e.name!r}, which this "
-                                                                 f"install lacks: pip install 'tidespec[{extra}]'"), soft_wrap=True)
+        Console(stderr=True).print(
+            "[red]error:[/red] "
+            + escape(f"this command needs {e.name!r}, which this install lacks: pip install 'tidespec[{extra}]'"),
+            soft_wrap=True,
+        )
         sys.exit(2)
     except TidespecError as e:  # a service, backend, registry or cloud API said no; the message names the fix
         Console(stderr=True).print(f"[red]{e.label}:[/red] {e}")

@@ -17,6 +17,7 @@ def fetch():
     from .. import assets
     assets.fetch_all(progress=console.print)
 
+
 @app.command()
 def demo(root: Path = ROOT, params: Path = PARAMS,
          sagemaker: bool = typer.Option(False, "--sagemaker", help="the production loop on a local moto server: "
@@ -24,19 +25,30 @@ def demo(root: Path = ROOT, params: Path = PARAMS,
          vllm: bool = typer.Option(False, "--vllm", help="the loop around a real vLLM (`make vllm`): serve "
                                    "--backend vllm → text capture → tide_capture → tide_cycle → swap; τ before/after "
                                    "as vLLM's counters report it"),
-         vllm_python: str = typer.Option(None, help="vLLM's interpreter for --vllm (default: .venv-vllm/bin/python)")):
+         vllm_python: str = typer.Option(None, help="vLLM's interpreter for --vllm (default: .venv-vllm/bin/python)"),
+         results_dir: Path = typer.Option(None, help="where the result files go (default data/work/results, "
+                                          "git-ignored; bench/results refreshes the committed reference)")):
     """Run one full TIDE cycle on CPU and print no-spec / static / adapted side by side."""
     if sagemaker and vllm:
         raise typer.BadParameter("--sagemaker and --vllm are two demos: choose one")
     if vllm_python is not None and not vllm:
         raise typer.BadParameter("--vllm-python goes with --vllm")
+    if sagemaker and results_dir is not None:
+        raise typer.BadParameter("--results-dir goes with the demo and --vllm (the SageMaker demo prints its result)")
+    results = results_dir or root / "data" / "work" / "results"
+    if not sagemaker:  # found now, not after the run
+        try:
+            results.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise typer.BadParameter(f"--results-dir {results}: cannot create it ({e.strerror}); pass a "
+                                     "writable directory") from None
     if vllm:
         from ..demos.vllm import run_demo_vllm
-        run_demo_vllm(root, params, vllm_python)
+        run_demo_vllm(root, params, vllm_python, results)
         return
     if sagemaker:
         from ..demos.sagemaker import run_demo_sagemaker
         run_demo_sagemaker(root, params)
         return
     from ..demos.demo import run_demo
-    run_demo(root, params)
+    run_demo(root, params, results)

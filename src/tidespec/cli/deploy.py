@@ -19,8 +19,8 @@ def deploy_local(root: Path = ROOT, params: Path = PARAMS):
     server ($TIDESPEC_SERVER_URL) told to hot-swap, then deploy.sagemaker.on_promote profiles. Needs
     MLFLOW_TRACKING_URI."""
     from ..config import load_params
-    from ..steps.cycle import step_deploy
     from ..models.load import target_id
+    from ..steps.cycle import step_deploy
     p = load_params(params)
     dep = step_deploy(ws_of(root), tracking_uri(), target_id(p), p)
     console.print_json(json.dumps(dep, default=str))

@@ -43,8 +43,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
 
     from ..capture.text import TextCapture
     from ..capture.writer import CaptureWriter
-    from ..models.load import get_target, runner_for
     from ..engine.build import install_suffix_corpus, make_engine
+    from ..models.load import get_target, runner_for
     from ..serve.server import ADMIN_TOKEN_ENV, build_app
     from ..workspace import served
     p, ws, launch, pub = serve_preflight(root, params, backend=backend, sglang_url=sglang_url,
@@ -53,12 +53,21 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     if launch.backend != "embedded":
         _serve_frontdoor(p, ws, launch, host, port)
         return
-    flags = {"max_queue": max_queue, "request_timeout_s": timeout_s, "max_tokens": max_tokens}
-    p = p.model_copy(update={"serve": p.serve.model_copy(update={k: v for k, v in flags.items() if v is not None})})
     hidden, text = capture and p.capture.mode == "hidden", capture and p.capture.mode == "text"
     target, tok = get_target(p)
-    writer = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, p.capture, snapshots_root=ws.snapshots, on_seal=pub, detokenize=tok.decode if tok is not None else None) if hidden else None
-    text_capture = _text_log(TextCapture(ws.text_capture_dir(target.target_id), p.capture.sample_rate),
+    writer = (
+        CaptureWriter(
+            ws.capture_dir(target.target_id),
+            target.target_id,
+            p.capture,
+            snapshots_root=ws.snapshots,
+            on_seal=pub,
+            detokenize=tok.decode if tok is not None else None,
+        )
+        if hidden
+        else None
+    )
+    text_capture = _text_log(TextCapture(ws.text_capture_dir(target.target_id), p.capture),
                              target.target_id, p.capture.seal_min_tokens) if text else None
     runner = runner_for(ws.champion, target)
     engine = make_engine(p.engine, target, runner, capture=writer, **(served(ws.champion) if runner else {}),
@@ -84,7 +93,8 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
     """Everything `tidespec serve` checks before it loads a model or starts a server, with the
     command's own arguments: the params file, the flags against the backend and the params
     (`serve_launch.ServeLaunch`), and, for hidden-state capture with publishing, the publisher
-    (`_serve_publisher`). Prints the notes. Returns (params, workspace, launch, publisher or None).
+    (`_serve_publisher`). Prints the notes. Returns (params with the flags applied, workspace,
+    launch, publisher or None).
     Raises ValueError / typer.BadParameter naming the fix. `env`: the environment (default os.environ)."""
     from ..config import load_params
     from ..config.serve import ServeLaunch
@@ -92,10 +102,30 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
     launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, vllm_python=vllm_python, capture=capture,
                                publish=publish, max_queue=max_queue, request_timeout_s=timeout_s,
                                max_tokens=max_tokens)
+    p = _with_flags(p, launch)
     for note in launch.check(p, os.environ if env is None else env):
         console.print(f"serve: {note}", markup=False, highlight=False)
     hidden = launch.backend == "embedded" and capture and p.capture.mode == "hidden"
     return p, ws, launch, _serve_publisher(p, ws, env) if hidden and publish else None
+
+def _with_flags(p, launch):
+    """The params with the embedded engine's flags (--max-queue, --timeout-s, --max-tokens) over
+    `serve:`, validated as params.yaml is (e.g. serve.max_tokens < engine.max_seq_len); raises
+    ValueError naming the flag."""
+    from pydantic import ValidationError
+
+    from ..config import Params
+    from ..config.strict import one_line
+    flags = {k: getattr(launch, k) for k in ("max_queue", "request_timeout_s", "max_tokens")
+             if getattr(launch, k) is not None}
+    if not flags:
+        return p
+    try:
+        return Params.model_validate({**dict(p), "serve": p.serve.model_copy(update=flags)})
+    except ValidationError as e:
+        named = ", ".join(launch.labels[k] + f" {v:g}" for k, v in flags.items())
+        raise ValueError(f"{named}: {one_line(e)}") from None
+
 
 def _serve_publisher(p, ws, env=None):
     """The publisher of `tidespec serve`'s seals (the same as the demo's and `tide_capture`'s):
@@ -125,10 +155,10 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     import uvicorn
 
     from ..capture.text import TextCapture
-    from ..serve.frontdoor import build_frontdoor
     from ..models.load import target_id
+    from ..serve.frontdoor import build_frontdoor
     capture = launch.capture
-    text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture.sample_rate) if capture else None
+    text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture) if capture else None
     textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
     timeout = launch.request_timeout_s or p.serve.request_timeout_s
     if launch.backend == "sglang":
@@ -172,8 +202,8 @@ def _start_vllm(p, ws, python: str | None, host: str):
     engine.max_batch (the engine knobs vLLM has no equivalent for were refused by `serve_preflight`)."""
     from ..adapters.process import free_port
     from ..adapters.vllm import VLLMLaunch, default_python
-    from ..steps.deploy.vllm import VLLMDeployment
     from ..models.load import target_dir
+    from ..steps.deploy.vllm import VLLMDeployment
     e = p.engine
     python = python or default_python()
     sv = p.serve_resolved()

@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 def stage_curate(root: Path = ROOT, params: Path = PARAMS):
     """Curate data/snapshots/<target_id> → data/work/curated.json."""
     from ..config import load_params
-    from ..steps.cycle import step_curate
     from ..models.load import target_id
+    from ..steps.cycle import step_curate
     p = load_params(params)
     console.print_json(json.dumps(step_curate(ws_of(root), p, target_id(p))))
 
@@ -37,7 +37,8 @@ def stage_train(root: Path = ROOT, params: Path = PARAMS):
 
 @stage_app.command("evaluate")
 def stage_evaluate(root: Path = ROOT, params: Path = PARAMS):
-    """Replay data/work/holdout.jsonl (curated holdout traffic): target-only, champion, candidate → data/work/eval.json."""
+    """Replay data/work/holdout.jsonl (curated holdout traffic): target-only, champion, candidate →
+    data/work/eval.json."""
     from ..config import load_params
     from ..steps.evaluate import step_evaluate
     ws = ws_of(root)
@@ -52,9 +53,9 @@ def stage_register(root: Path = ROOT, params: Path = PARAMS):
     Deploying the champion is the next step (`tidespec deploy local`; make repro runs both). Needs
     MLFLOW_TRACKING_URI (make repro starts the services)."""
     from ..config import load_params
+    from ..models.load import target_id
     from ..steps.cycle import lineage
     from ..steps.register import step_register
-    from ..models.load import target_id
     ws, p, uri = ws_of(root), load_params(params), tracking_uri()
     tid = target_id(p)
     for f in (ws.eval_report, ws.curated, ws.candidate / "train_metrics.json"):

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .sagemaker import SageMakerDeployParams, SageMakerTrainParams
 from .strict import Strict as _Strict
+from .strict import one_line
 
 
 class TargetParams(_Strict):
@@ -24,7 +25,8 @@ class TargetParams(_Strict):
 
 class SuffixParams(_Strict):
     """The suffix proposer (`engine/suffix.py`, SuffixDecoding): enabled (default): consult it every step
-    (alone when there is no EAGLE3 draft, else the hybrid: the policy chooses per request and step); max_depth: suffix-trie depth (tokens);
+    (alone when there is no EAGLE3 draft, else the hybrid: the policy chooses per request and step); max_depth:
+    suffix-trie depth (tokens);
     max_tokens: tokens of recent outputs the global tree keeps; max_spec: most tokens per proposal;
     alpha: proposal tokens per matched token; min_score: a chain stops below this frequency score;
     min_expected: with an EAGLE3 draft and outside the goodput policy (a fixed k, a seeded request,
@@ -51,8 +53,10 @@ def tree_num_draft_tokens(num_steps: int, eagle_topk: int, num_draft_tokens: int
         raise ValueError(f"with eagle_topk 1 (chains) a step verifies num_draft_tokens + 1 = {num_steps + 1} tokens, "
                          f"got tree num_draft_tokens {n}: remove it or set engine.tree.eagle_topk > 1")
     if n > 64:
-        raise ValueError(f"a tree of 1 + num_steps × eagle_topk = {n} tokens is over 64; set engine.tree.num_draft_tokens "
-                         "(<= 64) or a smaller eagle_topk")
+        raise ValueError(
+            f"a tree of 1 + num_steps × eagle_topk = {n} tokens is over 64; set engine.tree.num_draft_tokens "
+            "(<= 64) or a smaller eagle_topk"
+        )
     if not num_steps + 1 <= n <= most:
         raise ValueError(f"tree num_draft_tokens {n} must be in [num_steps + 1, 1 + topk + (num_steps - 1) * topk^2] = "
                          f"[{num_steps + 1}, {most}] for num_steps {num_steps}, eagle_topk {eagle_topk}")
@@ -288,6 +292,10 @@ class Params(_Strict):
         if self.serve.max_tokens is not None and self.serve.max_tokens >= self.engine.max_seq_len:
             raise ValueError(f"serve.max_tokens ({self.serve.max_tokens}) must be < engine.max_seq_len "
                              f"({self.engine.max_seq_len}): prompt and completion share the sequence")
+        if self.serve.max_tokens is None and self.engine.max_new_tokens >= self.engine.max_seq_len:
+            raise ValueError(f"engine.max_new_tokens ({self.engine.max_new_tokens}), serve.max_tokens' default, "
+                             f"must be < engine.max_seq_len ({self.engine.max_seq_len}): prompt and completion "
+                             "share the sequence")
         if self.capture.keep_local_snapshots < self.curate.window:
             raise ValueError(f"capture.keep_local_snapshots ({self.capture.keep_local_snapshots}) must be >= "
                              f"curate.window ({self.curate.window}): curate reads the window's snapshots locally")
@@ -300,7 +308,7 @@ class Params(_Strict):
         return s.model_copy(update={"max_tokens": s.max_tokens or self.engine.max_new_tokens,
                                     "served_model_name": s.served_model_name or self.target.source})
 
-    def draft_only(self) -> "Params":
+    def draft_only(self) -> Params:
         """These params with the suffix proposer off (`engine.suffix.enabled: false`): the EAGLE3 draft
         alone, as benchmark arms at a fixed k and the draft-health checks measure it."""
         e = self.engine
@@ -331,5 +339,5 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as e:
-        raise ValueError(f"{path}: invalid params (fix the keys below):\n{e}") from None
+        raise ValueError(f"{path}: invalid params: {one_line(e)}") from None
 

@@ -246,7 +246,8 @@ class SageMakerDeployParams(_Strict):
     models need HF_TOKEN in the profile's environment). None: upload `target.source` when it is a
     local HF dir. num_steps / eagle_topk / num_draft_tokens: SGLang's --speculative-* (None:
     engine.num_draft_tokens steps and `engine.tree`'s topk and tree size, the numbers the embedded
-    engine serves; vLLM's num_speculative_tokens = num_steps, chains). keep_versions: models/configs of this endpoint kept (for a manual rollback).
+    engine serves; vLLM's num_speculative_tokens = num_steps, chains). keep_versions: models/configs of this endpoint
+    kept (for a manual rollback).
     Times in s.
     """
 

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .params import Params
 from .strict import Strict
 
 MLFLOW_ENV = "MLFLOW_TRACKING_URI"
 EMBEDDED_ONLY = ("health_check_s", "auto_rollback", "classify_workload", "workload_by_model")
+# serve.* keys a front door forwards past: the backend's own limits and defaults apply (set them there)
+FRONTDOOR_UNUSED = ("max_queue", "max_tokens", "default_temperature")
+SGLANG_UNUSED = ("served_model_name", "watch_champion_s")  # set on the SGLang server; tidespec does not start it
 
 
 class ServeLaunch(Strict):
@@ -25,7 +29,10 @@ class ServeLaunch(Strict):
     front door before the SGLang server at `sglang_url`); vllm_python: vLLM's interpreter;
     capture / publish: capture finished requests, publish sealed snapshots; max_queue,
     request_timeout_s (s), max_tokens: the embedded engine's admission limits. Raises ValueError
-    (pydantic's) naming the flag for a flag of another backend."""
+    in one line naming the flag (`labels`) for a bad value or a flag of another backend."""
+
+    labels = {"sglang_url": "--sglang-url", "vllm_python": "--vllm-python", "max_queue": "--max-queue",
+              "request_timeout_s": "--timeout-s", "max_tokens": "--max-tokens", "backend": "--backend"}
 
     backend: Literal["embedded", "vllm", "sglang"] = "embedded"
     sglang_url: str | None = Field(None, pattern=r"^https?://")
@@ -35,6 +42,13 @@ class ServeLaunch(Strict):
     max_queue: int | None = Field(None, ge=1)
     request_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     max_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("sglang_url")
+    @classmethod
+    def _a_server_url(cls, v: str | None) -> str | None:
+        if v is not None and not urlsplit(v).hostname:
+            raise ValueError(f"{v!r} names no host: pass the SGLang server's http://HOST:PORT")
+        return v
 
     @model_validator(mode="after")
     def _flags_of_the_backend(self):
@@ -56,6 +70,10 @@ class ServeLaunch(Strict):
         if self.backend != "vllm" and s.changed("live_stats_s") and s.live_stats_s > 0:
             raise ValueError(f"serve.live_stats_s logs vLLM's live counters (--backend vllm), not {self.backend}'s "
                              "(they are on its /metrics): remove it or set it to 0")
+        if self.capture and p.capture.max_acceptance_rate is not None and (
+                self.backend != "embedded" or p.capture.mode == "text"):
+            raise ValueError("capture.max_acceptance_rate filters hidden-state capture (the embedded engine, "
+                             "capture.mode: hidden); text capture has no acceptance: remove it")
         if self.backend == "embedded":
             if s.auto_rollback and not env.get(MLFLOW_ENV):
                 notes.append(f"serve.auto_rollback: {MLFLOW_ENV} is unset, so the draft-health guard reports a "
@@ -64,13 +82,28 @@ class ServeLaunch(Strict):
         if self.capture and p.capture.mode != "text":  # "hidden" is the default: nothing a user asked for
             notes.append(f"--backend {self.backend} captures request/response text (capture.mode: text): a front "
                          "door sees no hidden states; `tidespec ingest` rehydrates them")
-        wrong = s.changed(*EMBEDDED_ONLY)
+        self._unused(p)
+        notes.append(f"requests are forwarded as sent: one without temperature gets --backend {self.backend}'s "
+                     "default (serve.default_temperature is the embedded engine's)")
+        if self.backend == "vllm":
+            if s.live_stats_s > 0 and not env.get(MLFLOW_ENV):
+                notes.append(f"serve.live_stats_s: {MLFLOW_ENV} is unset, so vLLM's live counters are logged "
+                             "nowhere (set it to log them to the registry's run)")
+            notes += self._vllm(p)
+        return notes
+
+    def _unused(self, p: Params) -> None:
+        """Refuses serve.* keys set (changed from their default) that this front door does not use."""
+        wrong = p.serve.changed(*EMBEDDED_ONLY)
         if wrong:
             raise ValueError(f"serve.{', serve.'.join(wrong)}: the embedded engine's (draft health, workload classes); "
                              f"--backend {self.backend} does not use them: remove them or set their defaults")
-        if self.backend == "vllm":
-            notes += self._vllm(p)
-        return notes
+        unused = FRONTDOOR_UNUSED + (SGLANG_UNUSED if self.backend == "sglang" else ())
+        wrong = p.serve.changed(*unused)
+        if wrong:
+            raise ValueError(f"serve.{', serve.'.join(wrong)}: --backend {self.backend} does not use them (the front "
+                             f"door forwards requests as sent; set them on the {self.backend} server): remove them "
+                             "or set their defaults")
 
     @staticmethod
     def _vllm(p: Params) -> list[str]:

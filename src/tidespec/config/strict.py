@@ -3,23 +3,34 @@ values are frozen and finite. Bottom layer: config.py and sagemaker_config.py bu
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
+def one_line(e: ValidationError, labels: Mapping[str, str] | None = None) -> str:
+    """pydantic's errors as one line: per problem the field's dotted path (or its label, e.g. the CLI
+    flag it came from), then the message without "Value error, " or the documentation link."""
+    labels = labels or {}
+    out = []
+    for err in e.errors():
+        loc = ".".join(map(str, err["loc"]))
+        out.append((f"{labels.get(loc, loc)}: " if loc else "") + err["msg"].removeprefix("Value error, "))
+    return "; ".join(out)
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    labels: ClassVar[Mapping[str, str]] = {}  # field → the name its user typed (a flag), in `build`'s errors
 
     @classmethod
     def build(cls, **values):
-        """The model from `values`; raises ValueError with one line per problem (the field, then
-        pydantic's message, without its "Value error, " prefix or its documentation link)."""
+        """The model from `values`; raises ValueError in one line (`one_line`, fields named by
+        `labels`)."""
         try:
             return cls(**values)
         except ValidationError as e:
-            lines = [(f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "")
-                     + err["msg"].removeprefix("Value error, ") for err in e.errors()]
-            raise ValueError("; ".join(lines)) from None
+            raise ValueError(one_line(e, cls.labels)) from None
 
     def changed(self, *names: str) -> list[str]:
         """Those of `names` whose value differs from the field's default: the settings a user asked

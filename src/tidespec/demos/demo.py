@@ -20,17 +20,17 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import assets
-from ..assets import prompts
 from ..adapters import orchestrate, registry, services, versioning
 from ..adapters.publish import Publisher
-from ..models.chat import prompt_ids
-from ..steps.bootstrap import bootstrap_static
+from ..assets import prompts
 from ..capture.writer import CaptureWriter
 from ..config import load_params
+from ..engine.build import make_engine
+from ..models.chat import prompt_ids
+from ..models.load import get_target
+from ..steps.bootstrap import bootstrap_static
 from ..steps.cycle import step_deploy
 from ..steps.deploy.local import reload_if_changed
-from ..engine.build import make_engine
-from ..models.load import get_target
 from ..train.entry import preflight
 from ..workspace import Workspace
 from .progress import Reporter
@@ -54,7 +54,9 @@ def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env:
         orchestrate.deploy(root, api)
     ws.eval_report.unlink(missing_ok=True)
     orchestrate.capture_threshold(sid, tid, {"trigger": "demo", "snapshot_rev": rev}, api_url=api)
-    console.print(f"event {orchestrate.CAPTURE_THRESHOLD} (snapshot {sid}) → trigger → {orchestrate.CYCLE_DEPLOYMENT} run")
+    console.print(
+        f"event {orchestrate.CAPTURE_THRESHOLD} (snapshot {sid}) → trigger → {orchestrate.CYCLE_DEPLOYMENT} run"
+    )
     with console.status("tide_cycle run on the worker: curate → train → evaluate → register → deploy") as st:
         run = orchestrate.wait_for_run(api, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, timeout_s=3600,
                                        on_poll=lambda r: st.update(f"tide_cycle run {r.name}: {r.state_name} "
@@ -72,7 +74,10 @@ def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env:
                          "reason": ch.tags.get("decision_reason", "")}}
 
 
-def run_demo(root: Path, params_path: Path) -> dict:
+def run_demo(root: Path, params_path: Path, results: Path | None = None) -> dict:
+    """The demo (module docstring) in the workspace `root` with the params at `params_path`; writes
+    demo.json and demo.md to `results` (default `root`/data/work/results, git-ignored). Returns the
+    summary. Raises RuntimeError when nothing was captured or the cycle was skipped."""
     t_start = time.perf_counter()
     root = root.resolve()
     params = load_params(params_path)
@@ -114,7 +119,9 @@ def run_demo(root: Path, params_path: Path) -> dict:
     versioning.ensure_repo(root, str(ws.state / "dvc-remote"), machine_local=True)
     pub = Publisher(root, ws.snapshots, params.capture.keep_local_snapshots, ws.curated,
                     params.curate.drift_threshold, commit=False)
-    writer = CaptureWriter(ws.capture_dir(tid), tid, params.capture, snapshots_root=ws.snapshots, on_seal=pub, detokenize=tok.decode)
+    writer = CaptureWriter(
+        ws.capture_dir(tid), tid, params.capture, snapshots_root=ws.snapshots, on_seal=pub, detokenize=tok.decode
+    )
     engine = make_engine(params.engine.fixed(), target, capture=writer)
     reload_if_changed(engine, ws.champion)
     console.print(f"serving champion v{engine.draft_version} (static draft)")
@@ -171,11 +178,11 @@ def run_demo(root: Path, params_path: Path) -> dict:
     summary = {"wall_s": wall, "snapshot": snap.snapshot_id, "snapshot_rev": rev, "register": dec,
                "evaluate": rep, "served_version": engine.draft_version}
     (ws.work / "demo_summary.json").write_text(json.dumps(summary, indent=2))
-    results = root / "bench" / "results"
-    if results.is_dir():  # a checkout: the README's demo figures cite these files
-        (results / "demo.json").write_text(json.dumps(summary | {"table": rows}, indent=2))
-        (results / "demo.md").write_text(markdown(title, rows, summary))
-        console.print(f"results: {results / 'demo.json'} and demo.md")
+    results = Path(results or root / "data" / "work" / "results")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "demo.json").write_text(json.dumps(summary | {"table": rows}, indent=2))
+    (results / "demo.md").write_text(markdown(title, rows, summary))
+    console.print(f"results: {results / 'demo.json'} and demo.md")
     return summary
 
 
@@ -188,12 +195,18 @@ def result_rows(rep: dict) -> list[dict[str, str]]:
             continue
         per_pos = " / ".join(f"{m[f'accepted_per_pos/{i}']:.2f}" for i in range(rep["num_draft_tokens"])
                              if f"accepted_per_pos/{i}" in m) or "-"
-        rows.append({"draft": name, "τ": f"{m['acceptance_length']:.2f}",
-                     "accept rate": f"{m.get('acceptance_rate', 0):.2f}" if spec else "-",
-                     "per-position acceptance": per_pos if spec else "-",
-                     "tokens/s": f"{m['tokens_per_s']:.1f}", "speed-up": f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}×",
-                     "ITL p50 ms": f"{m['itl_ms_p50']:.0f}",
-                     "= target-only": "yes" if m.get("mismatches", 0) == 0 else f"NO ({m['mismatches']})"})
+        rows.append(
+            {
+                "draft": name,
+                "τ": f"{m['acceptance_length']:.2f}",
+                "accept rate": f"{m.get('acceptance_rate', 0):.2f}" if spec else "-",
+                "per-position acceptance": per_pos if spec else "-",
+                "tokens/s": f"{m['tokens_per_s']:.1f}",
+                "speed-up": f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}×",
+                "ITL p50 ms": f"{m['itl_ms_p50']:.0f}",
+                "= target-only": "yes" if m.get("mismatches", 0) == 0 else f"NO ({m['mismatches']})",
+            }
+        )
     return rows
 
 

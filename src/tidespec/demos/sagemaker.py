@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
@@ -26,21 +26,21 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import assets
-from ..assets import prompts
 from ..adapters import aws, orchestrate, registry, services
 from ..adapters import sagemaker_deploy as smd
-from ..models.chat import prompt_ids
+from ..assets import prompts
 from ..capture.snapshots import seal
 from ..capture.text import capture_line
 from ..config import load_params
-from ..steps.cycle import step_deploy
-from ..steps.bootstrap import bootstrap_static
-from .progress import Reporter
-from .demo import result_rows
 from ..engine.build import make_engine
 from ..engine.speculative import Request
+from ..models.chat import prompt_ids
 from ..models.load import get_target
+from ..steps.bootstrap import bootstrap_static
+from ..steps.cycle import step_deploy
 from ..workspace import Workspace, read_version
+from .demo import result_rows
+from .progress import Reporter
 
 console = Console(width=None if Console().is_terminal else 120)
 ROLE = "arn:aws:iam::123456789012:role/tidespec-sagemaker"  # moto checks no IAM
@@ -55,7 +55,7 @@ def capture_objects(served: list[tuple[str, str, str, str]], prefix: str, max_ne
         req = {"model": "tidespec", "messages": [{"role": "user", "content": text}], "max_tokens": max_new}
         resp = {"object": "chat.completion", "model": "tidespec", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": finish}]}
-        lines.append(capture_line(eid, req, resp, datetime.now(timezone.utc)))
+        lines.append(capture_line(eid, req, resp, datetime.now(UTC)))
     half = len(lines) // 2
     return {f"{prefix}/AllTraffic/2026/11/30/12/00-00-000-a.jsonl": "\n".join(lines[:half]) + "\n",
             f"{prefix}/AllTraffic/2026/11/30/13/00-00-000-b.jsonl": "\n".join(lines[half:]) + "\n"}

@@ -1,20 +1,11 @@
 """`tidespec demo --vllm` (`make demo-vllm`): one TIDE cycle around a real vLLM, on SmolLM2-135M and
-HumanEval, with no hand step between the requests and the new draft.
+HumanEval, with no hand step between the requests and the new draft (`run_demo_vllm`).
 
-1. Prefect (server + worker) and MLflow on 127.0.0.1; the workspace `.tidespec/demo-vllm/` (wiped
-   at start, its own git + DVC repo) is a Prefect project: prefect.yaml and flows/ copied, and a
-   params.yaml that is the given one with text capture on (`capture.mode: text`) and
-   `capture.seal_min_tokens` sized to the demo's traffic;
-2. the static draft (cached by `make demo`, else trained) becomes the first champion;
-3. `tidespec serve --backend vllm` (a subprocess: the command a user runs) starts vLLM with it as
-   the EAGLE3 draft behind the front door;
-4. HumanEval's train split through the front door → the text log passes seal_min_tokens →
-   `tidespec.capture.text` → `tide-capture` (rehydrate, seal, DVC, `tidespec.capture.threshold`) →
-   `tide-cycle` (curate → train → evaluate → register → deploy) → the serving command swaps vLLM to
-   the promoted draft (blue/green);
-5. τ before and after *as vLLM reports it*: HumanEval holdout prompts (never served before) sent
-   with `"store": false` (not captured) to the old and to the new draft, vLLM's own spec-decode
-   counters (differences of its `/metrics`) around each batch.
+Prefect and MLflow on 127.0.0.1 and a fresh workspace (`.tidespec/demo-vllm/`); the static draft
+becomes the first champion; `tidespec serve --backend vllm` (the command a user runs) serves it;
+HumanEval traffic through the front door is text-captured → tide-capture → tide-cycle → the serving
+command swaps vLLM to the promoted draft; τ before and after as vLLM's own counters report it, on
+holdout prompts never served. The steps in full: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -33,16 +24,16 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import assets
-from ..assets import prompts
 from ..adapters import orchestrate, registry, services, versioning, vllm
 from ..adapters.process import free_port, poll_until
-from ..models.chat import prompt_ids
+from ..assets import prompts
 from ..config import load_params
-from ..steps.cycle import step_deploy
-from ..steps.bootstrap import bootstrap_static
-from .progress import Reporter
+from ..models.chat import prompt_ids
 from ..models.load import get_target
+from ..steps.bootstrap import bootstrap_static
+from ..steps.cycle import step_deploy
 from ..workspace import Workspace
+from .progress import Reporter
 
 console = Console(width=None if Console().is_terminal else 120)
 N_HOLDOUT = 12  # holdout prompts measured before and after
@@ -57,9 +48,10 @@ def seal_threshold(prompt_tokens: list[int]) -> int:
     return int(0.9 * sum(prompt_tokens))
 
 
-def run_demo_vllm(root: Path, params_path: Path, python: str | None = None) -> dict:
+def run_demo_vllm(root: Path, params_path: Path, python: str | None = None, results: Path | None = None) -> dict:
     """The demo (module docstring). `python`: vLLM's interpreter (default: `make vllm`'s venv under
-    `root`). Returns the summary (also `bench/results/demo-vllm.{json,md}` in a checkout).
+    `root`). Returns the summary, also written to `results`/demo-vllm.json (default
+    `root`/data/work/results, git-ignored).
     Raises VLLMUnavailable naming the fix, RuntimeError when a step does not happen in time."""
     t0 = time.perf_counter()
     root = Path(root).resolve()
@@ -85,7 +77,7 @@ def run_demo_vllm(root: Path, params_path: Path, python: str | None = None) -> d
         orchestrate.flush_logs()
         services.down(ws.state / "services")
     out["wall_s"] = time.perf_counter() - t0
-    _report(root, out)
+    _report(Path(results or root / "data" / "work" / "results"), out)
     return out
 
 
@@ -218,7 +210,7 @@ def _measure(url: str, model: str, batch, max_tokens: int) -> dict:
             "completion_tokens": sum(u["completion_tokens"] for u in usage), "texts": [u["text"] for u in usage]}
 
 
-def _report(root: Path, out: dict) -> None:
+def _report(results: Path, out: dict) -> None:
     b, a = out["before"], out["after"]
     t = Table(title=f"HumanEval holdout, {out['holdout_prompts']} prompts, greedy, k={out['k']}: vLLM's own counters")
     for c in ("draft", "τ (vLLM)", "drafts", "draft tokens", "accepted", "per position",
@@ -236,7 +228,6 @@ def _report(root: Path, out: dict) -> None:
                   f"{'yes' if out['same_outputs'] else 'NO'}", markup=False)
     console.print(f"cycle {out['cycle_s']:.0f} s; promoted={out['promoted']} ({out['decision']}); "
                   f"demo wall {out['wall_s'] / 60:.1f} min; workspace {out['workspace']}", markup=False)
-    results = root / "bench" / "results"
-    if results.is_dir():
-        (results / "demo-vllm.json").write_text(json.dumps(out, indent=2) + "\n")
-        console.print(f"results: {results / 'demo-vllm.json'}")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "demo-vllm.json").write_text(json.dumps(out, indent=2) + "\n")
+    console.print(f"results: {results / 'demo-vllm.json'}")

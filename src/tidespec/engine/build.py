@@ -7,8 +7,8 @@ from pathlib import Path
 
 from ..assets import cache_dir
 from ..config import EngineParams, tree_num_draft_tokens
-from ..models.runner import DraftRunner
 from ..models.load import runner_for
+from ..models.runner import DraftRunner
 from ..models.target import Target
 from ..workspace import served
 from .calibration import load_or_calibrate

@@ -85,7 +85,7 @@ class Calibration:
                 raise ValueError(f"calibration {name} must be strictly increasing and >= 1, got {list(xs)}; "
                                  "delete the cached file to measure again")
 
-    def with_draft_costs(self, draft_batch_ms: tuple[float, ...], draft_shape: tuple[int, ...]) -> "Calibration":
+    def with_draft_costs(self, draft_batch_ms: tuple[float, ...], draft_shape: tuple[int, ...]) -> Calibration:
         """This calibration with another draft's step costs (one per batch size, `measure_draft`)."""
         return replace(self, draft_ms=draft_batch_ms[0], draft_batch_ms=tuple(draft_batch_ms), draft_shape=draft_shape)
 

@@ -1,22 +1,11 @@
 """A request's constraint: OpenAI's `response_format` / `tools` + `tool_choice` as a canonical spec,
-the grammar it compiles to (`engine.grammar`), and the tool-call format around it.
+the grammar it compiles to (`grammar_for`), and the tool-call format around it.
 
-The spec is what a constrained request carries everywhere after the server checked it — the engine
-request's grammar is compiled from it, a captured record keeps it (with its `schema_key`), replay and
-evaluation compile the same grammar from it — so a request is constrained the same way when it is
-served, replayed and evaluated. Spec shapes (`grammar_for`):
-`{"response_format": {"type": "json_object"}}`,
-`{"response_format": {"type": "json_schema", "json_schema": {"name", "schema", "strict"?}}}`,
-`{"tools": [OpenAI tool, ...], "tool_choice": "auto" | "required" | {"type": "function", "function":
-{"name"}}, "parallel_tool_calls": bool}`.
-
-Tool-call format. SmolLM2-Instruct's chat template renders no tools, so tidespec uses one documented
-fallback, the Hermes-style format Qwen2.5 and NousResearch's Hermes models are trained on (vLLM's
-`hermes` tool parser reads it): the tools' JSON schemas go into the system message (`render`), and a
-call is `<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>`, calls separated by a
-newline (`parse_tool_calls`). The grammar per `tool_choice`: `required` — one or more calls (exactly
-one with `parallel_tool_calls: false`); a named function — one call of it; `auto` — either text that
-does not start with `<` or calls. JSON is compact (`", "` / `": "`, `engine.grammar.JSON_OPTIONS`).
+The spec travels with the request everywhere after the server checked it (captured with the
+record, replayed and evaluated under the same grammar). Tools use the Hermes-style format (the
+schemas in the system message, each call a `{"name", "arguments"}` object between `<tool_call>` lines): the
+target's chat template renders no tools. `tool_choice` `required` = one or more calls, a named
+function = one call of it, `auto` = text or calls. Spec shapes in full: docs/design/engine.md.
 """
 from __future__ import annotations
 
@@ -79,7 +68,10 @@ def tools_grammar(tools: list[dict], choice, parallel: bool) -> str:
     for i, t in enumerate(allowed):
         params = (t["function"].get("parameters") or ANY_OBJECT) | {"x-guidance": JSON_OPTIONS}  # compact JSON
         head = OPEN + '{"name": ' + json.dumps(t["function"]["name"])[:-1] + _ARGS
-        rules += [f"call_{i}: {_lark_str(head)} args_{i} {_lark_str('}' + CLOSE)}", f"args_{i}: %json {json.dumps(params)}"]
+        rules += [
+            f"call_{i}: {_lark_str(head)} args_{i} {_lark_str('}' + CLOSE)}",
+            f"args_{i}: %json {json.dumps(params)}",
+        ]
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(allowed)))
     calls = "calls: call" if named or not parallel else r'calls: call ("\n" call)*'  # Lark's "\n": a newline
     start = "start: calls | TEXT\n" + r"TEXT: /[^<][\s\S]*/" if choice == "auto" else "start: calls"
@@ -102,8 +94,15 @@ def render(messages: list[dict], tools: list[dict] | None) -> list[dict]:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if calls:
-            blocks = [OPEN + json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])},
-                                        separators=(", ", ": ")) + CLOSE for c in calls]
+            blocks = [
+                OPEN
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])},
+                    separators=(", ", ": "),
+                )
+                + CLOSE
+                for c in calls
+            ]
             m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
         out.append(m)
     if tools:

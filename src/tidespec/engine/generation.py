@@ -70,7 +70,7 @@ def wanted(sink: CaptureSink | None, request_id: str) -> bool:
         return False
     try:
         return bool(sink.wants(request_id))
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("capture sink failed at admission of request %s; serving it uncaptured", request_id)
         return False
 

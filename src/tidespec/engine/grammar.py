@@ -1,21 +1,12 @@
-"""Grammar constraints over token ids: which tokens may come next, at every verified position.
+"""Grammar constraints over token ids: which tokens may come next, at every verified position
+(`GrammarCompiler`, `Grammar`, `GrammarState`), on llguidance.
 
-The library is llguidance (Microsoft's Earley parser + derivative-based lexer, the `guidance` backend
-vLLM also offers). Measured against xgrammar on this tokenizer (`bench/results/grammar-libs.md`):
-both cost microseconds per token against a target forward of tens of ms (xgrammar fills a mask in
-3–11 µs, llguidance 12–16 µs; a k = 4 speculative step 30–53 vs 48–83 µs), so speed does not decide.
-llguidance is chosen because it gives what speculation needs directly — the forced tokens of the
-current state (`compute_ff_tokens`: the grammar proposer), how many of a draft the grammar accepts
-(`validate_tokens`), rollback — and bounds each mask's work (`STEP_LEXER_FUEL`: a pathological schema errors
-instead of stalling the batch), and it installs as one 3 MB wheel (xgrammar pulls triton, 1 GB).
-
-JSON is compiled compact and canonical (`", "` and `": "` separators, no free whitespace): a small
-target cannot loop on whitespace, and keys and punctuation become forced tokens.
-
-How the engine uses a `GrammarState` (`engine.logits.RequestLogits`): verify row i is masked by the
-state after drafts[:i] (`masks`), EAGLE3 drafts are drawn from the masked draft distribution (so
-every draft is valid and sampling stays exact), other drafts are cut at the first token the grammar
-forbids before verification (`valid_prefix`), and only emitted tokens advance the state (`advance`).
+JSON compiles compact and canonical (no free whitespace): keys and punctuation become forced tokens.
+The engine masks verify row i by the state after drafts[:i] (`masks`), draws EAGLE3 drafts from the
+masked distribution, cuts other drafts at the first forbidden token (`valid_prefix`), proposes the
+forced tokens (`forced`), and advances the state by emitted tokens only. Each mask's work is
+bounded (`STEP_LEXER_FUEL`): a pathological schema errors instead of stalling the batch. Why
+llguidance over xgrammar, measured: docs/design/engine.md.
 """
 from __future__ import annotations
 
@@ -193,7 +184,9 @@ class GrammarState:
                 consumed += bool(self.m.consume_token(prefix[head + i]))
         if consumed and not self.m.is_error():
             self.m.rollback(consumed)
-        allowed = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.V].astype(bool))
+        allowed = torch.from_numpy(
+            np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.V].astype(bool)
+        )
         empty = ~allowed.any(1)
         if empty.any():  # only after an error (a sound grammar that is done still allows the stop ids)
             allowed[empty.nonzero().squeeze(1)[:, None], torch.tensor(self.stop_ids or (0,))[None]] = True

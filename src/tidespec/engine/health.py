@@ -1,28 +1,12 @@
-"""Draft health: is the served EAGLE3 draft still accepted as well as its evaluation said, and as
-well as the version it replaced?
+"""Draft health: is the served EAGLE3 draft accepted as well as its evaluation said, and as well as the
+version it replaced? (`DraftHealth`)
 
-The measure is the first-token acceptance a₁ of EAGLE3 chains — the share of chains whose first
-drafted token the target accepted. Unlike τ it does not depend on the chain length the goodput
-policy chose or on early stops (every chain drafts its first token), so live figures at any k
-compare with the cycle's replay at fixed k (`accepted_per_pos/0` of evaluate and the chains it
-counted, per workload where the holdout had the class). Live counts per (draft version, workload
-class) are decayed sums over about the last `window` chains, so a recovery shows; at most
-`MAX_CLASSES` classes per version are kept apart (later ones pool as "other"). EAGLE-2 trees are not
-counted (their first position holds several candidates: not comparable with the chains' replay).
-
-Two verdicts, each a one-sided z-test (z = 3: about one false alarm in 740 healthy checks under
-the normal approximation) and a relative floor (`tolerance`: a difference that is significant but
-small does not count):
-- **regressed against its replay**: live a₁ clearly below the replayed a₁ (a two-proportion test
-  with the replay's chain count) — the draft fits the traffic worse than it fit the holdout (drift,
-  or a deployment problem such as SGLang #27829's acceptance 0.00);
-- **regressed against the previous version**: after a swap, live a₁ of the new version clearly
-  below the live a₁ of the version it replaced when it was first served, on the same class of
-  traffic, both measured by this engine — the evidence for an automatic rollback (`serve.guard`). A
-  version served again (restored by a rollback) keeps its first predecessor: it is never judged
-  against the version it replaced on the way back.
-The off-switch itself is the goodput policy's (`engine.adaptive`): a draft that is not accepted
-predicts no gain and is left off for its class (probing with back-off).
+The measure is the first-token acceptance a₁ of EAGLE3 chains (independent of the chain length the
+policy chose), per (draft version, workload class), as decayed sums over about the last `window`
+chains. Two verdicts, each a one-sided z-test (z = 3) plus a relative floor: **against its replay**
+(live a₁ clearly below the replayed a₁: drift or a deployment problem) and **against the previous
+version** (after a swap, on the same class, both measured here: the evidence for an automatic
+rollback, `serve.guard`). EAGLE-2 trees are not counted. Why these numbers: docs/design/engine.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
-"""The request's logits transforms at every verified position, given that position's prefix.
+"""The request's logits transforms at every verified position, given that position's prefix
+(`RequestLogits`).
 
-Speculation verifies k drafted tokens in one forward, so the target's row i must be transformed as
-if drafts[:i] had already been generated: a frequency penalty at row 2 counts the two drafted
-tokens before it, a min_tokens mask lifts at the row where the output reaches min_tokens. The draft's
-proposal at chain position j gets the same transforms with prefix drafts[:j], so greedy drafting
-proposes what the transformed target would pick and sampled drafting proposes from a distribution
-that overlaps the transformed target's (rejection sampling stays exact either way: Leviathan et
-al. 2023, arXiv 2211.17192, Algorithm 1, holds for any q).
-
-Order and definitions follow vLLM's sampler (`vllm/v1/sample/sampler.py`, steps 5–6): min_tokens
-(EOS and stop_token_ids masked to -inf), logit_bias (added), then penalties
-(`vllm/model_executor/layers/utils.py::apply_penalties`): repetition (CTRL, Keskar et al. 2019
-§4.1: tokens seen in prompt or output, logit / r when positive, × r when negative), frequency
-(− f × count in the output), presence (− p × [count > 0]). Temperature, min_p, top-k and top-p
-come after (`sampling.warp`). A grammar (`engine.grammar`: structured output, tool calls) masks last:
-row i allows only the tokens its state after drafts[:i] accepts (vLLM applies its structured-output
-bitmask to the same logits, `vllm/v1/structured_output/`).
+Row i of a verify forward is transformed as if drafts[:i] were already generated (penalties count
+them, min_tokens lifts where the output reaches it); the draft's proposal at position j gets the
+same transforms with prefix drafts[:j], so rejection sampling stays exact (Leviathan et al. 2023,
+Algorithm 1: any q). Order and definitions follow vLLM's sampler (`vllm/v1/sample/sampler.py`):
+min_tokens, logit_bias, repetition / frequency / presence penalties; temperature, min_p, top-k and
+top-p come after (`sampling.warp`); a grammar masks last. Raises InvalidRequest for token ids
+outside the vocabulary. More: docs/design/engine.md.
 """
 from __future__ import annotations
 

@@ -40,10 +40,15 @@ class StepPlan:
 
 class Planner:
     """Plans steps for an engine: `cfg` (its `EngineParams`: max_seq_len, draft_early_stop), its
-    proposers (rung order) and its policy (None: every request takes its fixed option)."""
+    proposers (rung order) and its policy (None: every request takes its fixed option). Raises
+    ValueError when the policy has no estimator for one of the proposers (registered after it)."""
 
     def __init__(self, cfg: EngineParams, proposers: list[Proposer], policy: GoodputPolicy | None):
         self.cfg, self.proposers, self.policy = cfg, proposers, policy
+        unknown = sorted({p.name for p in proposers} - set(policy.estimators)) if policy else []
+        if unknown:
+            raise ValueError(f"the policy has no estimator for proposer(s) {unknown} (registered after it was "
+                             "built): register proposers first, then build the GoodputPolicy")
 
     def plan(self, running: list[Seq]) -> StepPlan:
         """Each request's slot: its proposer and option size, its early-stop threshold, its proposals."""

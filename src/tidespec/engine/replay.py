@@ -29,8 +29,17 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    acc = {name: {"stats": SpecDecodingStats(eng.cfg.num_draft_tokens if spec else 0), "outs": {}, "itl": [], "toks": 0, "secs": 0.0,
-                  "by_workload": {}} for name, (eng, spec) in configs.items()}
+    acc = {
+        name: {
+            "stats": SpecDecodingStats(eng.cfg.num_draft_tokens if spec else 0),
+            "outs": {},
+            "itl": [],
+            "toks": 0,
+            "secs": 0.0,
+            "by_workload": {},
+        }
+        for name, (eng, spec) in configs.items()
+    }
     for w in range(0, len(prompts), concurrency):
         wave = prompts[w:w + concurrency]
         for name, (eng, spec) in configs.items():
@@ -44,7 +53,9 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
                 a["outs"][p["id"]] = g.tokens
                 a["stats"] = a["stats"].merge(g.stats)
                 wl = p.get("workload", "default")
-                a["by_workload"][wl] = a["by_workload"].get(wl, SpecDecodingStats(eng.cfg.num_draft_tokens if spec else 0)).merge(g.stats)
+                a["by_workload"][wl] = (
+                    a["by_workload"].get(wl, SpecDecodingStats(eng.cfg.num_draft_tokens if spec else 0)).merge(g.stats)
+                )
                 a["itl"] += g.timing.itl_ms()
                 a["toks"] += len(g.tokens)
             if progress:

@@ -101,11 +101,14 @@ def check_request(req: Request, vocab_size: int, max_seq_len: int, k: int) -> No
                                  "stop the grammar requires): drop min_tokens")
     if req.stop is not None and not callable(req.stop):
         raise InvalidRequest("stop", "stop must be a callable (a stop-string check) or None")
+    if len(req.prompt_ids) + 1 + k + 1 > max_seq_len:  # not even one new token fits: the prompt's fault
+        raise InvalidRequest("prompt_ids", f"prompt ({len(req.prompt_ids)} tokens) + 1 new token + k ({k}) + 1 "
+                             f"exceeds max_seq_len {max_seq_len}; shorten the prompt or raise engine.max_seq_len")
     need = len(req.prompt_ids) + req.max_new_tokens + k + 1
     if need > max_seq_len:
         raise InvalidRequest("max_new_tokens", f"prompt ({len(req.prompt_ids)}) + max_new_tokens "
                              f"({req.max_new_tokens}) + k ({k}) + 1 = {need} exceeds max_seq_len {max_seq_len}; "
-                             "shorten the prompt or raise engine.max_seq_len")
+                             "lower max_new_tokens, shorten the prompt or raise engine.max_seq_len")
 
 
 @dataclass

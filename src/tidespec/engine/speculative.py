@@ -62,7 +62,8 @@ class Engine:
     `generate` runs one request; `generate_batch` / `submit` run many together, up to max_batch per
     step. Any thread may drive the engine: `step()` is serialised. `set_draft` swaps the draft
     atomically; a request keeps the draft it started with. Raises ValueError for max_seq_len beyond
-    the target's context, or a draft of another target (vocab, hidden size, aux layers, id).
+    the target's context, a draft of another target (vocab, hidden size, aux layers, id), or a
+    proposer registered after the policy was built (it has no estimator there).
     """
 
     def __init__(self, target: Target, draft: DraftRunner | None = None, cfg: EngineParams | None = None, *,
@@ -155,7 +156,9 @@ class Engine:
         with self._lock:
             draft, version = (self._draft, self._draft_version) if req.speculative else (None, None)
             if rid in self._seqs:
-                raise InvalidRequest("request_id", f"request id {rid!r} is already in flight; request ids must be unique")
+                raise InvalidRequest(
+                    "request_id", f"request id {rid!r} is already in flight; request ids must be unique"
+                )
             s = Seq(req, rid, draft, version, self.target.cfg.vocab_size, bool(capture), self._eos)
             # trees: greedy requests without logits transforms (they depend on the path; sampled ones chain)
             s.tree = topk > 1 and draft is not None and s.rng is None and not s.lp.active
@@ -235,8 +238,9 @@ class Engine:
                 cut_to_grammar(plan.slots)
                 outs = self._verify(new, plan)
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-                results += [(s, e) for s in new + running]  # after the aborted ones: every future resolves
-                self._running = []
+                for s in new + running:  # after the aborted ones: every future resolves, suffix state freed
+                    s.error = e
+                results += self._retire(new + running)
             else:
                 t_end = time.perf_counter()
                 for s, out in zip(new, outs):
@@ -314,7 +318,7 @@ class Engine:
                 self.suffix.finish(s.rid, s.gen if s.error is None and not s.aborted else None)
             try:
                 out.append((s, s.error if s.error is not None else generation_of(s)))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - its future resolves to the error
                 out.append((s, e))
         return out
 
@@ -330,7 +334,7 @@ class Engine:
             if s.capture and self.capture is not None and not s.aborted and not isinstance(r, BaseException):
                 try:
                     self.capture.submit_generation(r, s.req.workload, s.req.prompt_id)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("capture sink refused request %s", s.rid)
             if isinstance(r, BaseException):
                 s.future.set_exception(r)

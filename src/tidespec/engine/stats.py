@@ -45,7 +45,7 @@ class SpecDecodingStats:
         for i in range(num_accepted, num_accepted if num_verified is None else num_verified):
             self.num_cut_accepted_per_pos[i] += 1
 
-    def merge(self, other: "SpecDecodingStats") -> "SpecDecodingStats":
+    def merge(self, other: SpecDecodingStats) -> SpecDecodingStats:
         k = max(self.num_spec_tokens, other.num_spec_tokens)
         add = lambda a, b: [x + y for x, y in zip(_pad(a, k), _pad(b, k))]  # noqa: E731
         return SpecDecodingStats(k, self.num_drafts + other.num_drafts,

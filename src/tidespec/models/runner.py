@@ -1,8 +1,12 @@
-"""The EAGLE3 draft at inference (`DraftRunner`): batched catch-up over verified rows, chain and tree steps, per-request draft KV caches (`DraftCache`), and the draft-to-target vocabulary maps. EAGLE-3 (arXiv 2503.01840 §3); the module it runs is `models.eagle3.Eagle3Draft`."""
+"""The EAGLE3 draft at inference (`DraftRunner`): batched catch-up over verified rows, chain and tree steps,
+per-request draft KV caches (`DraftCache`), and the draft-to-target vocabulary maps. EAGLE-3 (arXiv 2503.01840 §3);
+the module it runs is `models.eagle3.Eagle3Draft`."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from .eagle3 import Eagle3Config, Eagle3Draft
 from .target import PackedLinear, apply_rope, causal_bias, gqa_attention, visible_bias
 

@@ -73,7 +73,7 @@ class Segment:
     """
 
     ids: torch.Tensor
-    cache: "KVCache"
+    cache: KVCache
     last_only: bool = False
     tree: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -232,7 +232,7 @@ class Target:
         self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position, dtype)
 
     @classmethod
-    def from_hf(cls, model, dtype=torch.float32, aux_layers=None, target_id: str = "unknown") -> "Target":
+    def from_hf(cls, model, dtype=torch.float32, aux_layers=None, target_id: str = "unknown") -> Target:
         """Wrap a loaded HF `LlamaForCausalLM` (weights are copied to `dtype`)."""
         c = model.config
         eos = c.eos_token_id if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
@@ -266,7 +266,7 @@ class Target:
         return self.forward_batch([Segment(ids, cache)], need_hidden)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, segs: list["Segment"], need_hidden: bool = True) -> list[TargetOutput]:
+    def forward_batch(self, segs: list[Segment], need_hidden: bool = True) -> list[TargetOutput]:
         """One forward over a ragged batch: each segment appends `ids` `[n_i]` to its own cache.
 
         vLLM-style flattening: the N = Σ n_i rows share every linear layer (one GEMM per weight),
@@ -423,5 +423,21 @@ def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.floa
     return Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid), tok
 
 
-__all__ = ["TargetConfig", "TargetOutput", "Target", "KVCache", "load_target", "load_hf",
-           "target_id_for", "Segment", "causal_bias", "visible_bias", "gqa_attention", "rms_norm", "apply_rope", "rope_tables", "convert_gguf", "PackedLinear"]
+__all__ = [
+    "TargetConfig",
+    "TargetOutput",
+    "Target",
+    "KVCache",
+    "load_target",
+    "load_hf",
+    "target_id_for",
+    "Segment",
+    "causal_bias",
+    "visible_bias",
+    "gqa_attention",
+    "rms_norm",
+    "apply_rope",
+    "rope_tables",
+    "convert_gguf",
+    "PackedLinear",
+]

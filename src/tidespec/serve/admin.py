@@ -14,9 +14,9 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from ..engine.build import install_draft
 from ..engine.speculative import Engine
 from ..errors import TidespecError
-from ..engine.build import install_draft
 from ..workspace import served_version
 from .errors import OpenAIError
 

@@ -43,7 +43,7 @@ class EngineLoop:
                     return
             try:
                 self.engine.step()
-            except Exception:  # noqa: BLE001 - an engine bug outside a step's own error handling: log, keep stepping
+            except Exception:  # an engine bug outside a step's own error handling: log, keep stepping
                 log.exception("engine step failed outside its request handling; the engine keeps stepping")
 
     def close(self, timeout_s: float = 60.0) -> None:

@@ -1,21 +1,12 @@
-"""OpenAI front door for an engine server: SGLang (`tidespec serve --backend sglang --sglang-url URL`)
-or vLLM (`tidespec serve --backend vllm`, which starts and supervises the vLLM server itself).
+"""The OpenAI front door before an engine server: SGLang (`--backend sglang --sglang-url URL`) or vLLM
+(`--backend vllm`, which `tidespec serve` starts and supervises).
 
-The engine serves the OpenAI routes itself (`/v1/completions`, `/v1/chat/completions`, `/v1/models`);
-EAGLE3 drafts included (`adapters.sglang`, `adapters.vllm` launch them). The front door forwards
-those routes unchanged — request bodies as sent, responses and server-sent-event streams byte for
-byte, the backend's status codes and error bodies — and adds what the loop needs: text capture of each
-successful exchange in the SageMaker Data Capture format (`capture.text`, `capture.mode: text`; the
-`tide_capture` flow rehydrates it), and Prometheus metrics (`tidespec:frontdoor_requests_total{route,
-status}`, `..._latency_seconds`, `prompt_tokens_total` / `generation_tokens_total` from the responses'
-usage). Parameters are the backend's to honour or refuse: nothing is dropped here. A backend that
-cannot be reached gets 502 (503 on /health), one that does not answer in time 504, in OpenAI's error
-envelope. Error envelope, text capture, metric names and shutdown are `tidespec serve`'s own pieces
-(`serve.errors`, `serve.textlog`, `serve.metrics`, `serve.lifespan`).
-
-The backend can be switched while serving (`Proxy.switch`, blue/green: `deploy.vllm`): a request
-goes wholly to the backend that was current when it arrived, and `Proxy.inflight(url)` says how many
-are still running on an old one, so it is stopped only once drained.
+It forwards `/v1/completions`, `/v1/chat/completions` and `/v1/models` unchanged (bodies as sent,
+responses and SSE streams byte for byte, the backend's status codes and errors) and adds what the
+loop needs: text capture of each successful exchange (Data Capture format) and Prometheus metrics.
+An unreachable backend is 502 (503 on /health), a slow one 504, in OpenAI's envelope. The backend
+can be switched while serving (`Proxy.switch`: blue/green); a request goes wholly to the backend
+that was current when it arrived. More: docs/design/serve.md.
 """
 from __future__ import annotations
 

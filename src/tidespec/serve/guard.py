@@ -99,8 +99,10 @@ class HealthGuard:
         if self.rollback is None or v.version in self._rolled:
             return
         prev = self.engine.health.previous(v.version)
-        reason = (f"live first-token acceptance of v{v.version} on {v.workload!r} traffic {v.live:.3f} (~{v.chains:.0f} "
-                  f"chains) clearly below v{prev}'s {v.reference:.3f} on the same traffic")
+        reason = (
+            f"live first-token acceptance of v{v.version} on {v.workload!r} traffic {v.live:.3f} (~{v.chains:.0f} "
+            f"chains) clearly below v{prev}'s {v.reference:.3f} on the same traffic"
+        )
         try:
             self.rollback(v.version, reason)
         except Exception as e:  # noqa: BLE001 - a registry hiccup must not stop serving
@@ -114,7 +116,7 @@ class HealthGuard:
         while not self._stop.wait(every_s):
             try:
                 self.check()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("draft health check failed")
 
     def close(self) -> None:

@@ -29,6 +29,6 @@ def closing(*closers: Closer | None) -> Callable[[FastAPI], AsyncIterator[None]]
                 out = close()
                 if inspect.isawaitable(out):
                     await out
-            except Exception:  # noqa: BLE001 - close the rest
+            except Exception:  # close the rest
                 log.exception("shutdown step %r failed", close)
     return lifespan

@@ -6,10 +6,9 @@ whole or a delta — and its logprobs in the route's format. Per choice vLLM's `
 """
 from __future__ import annotations
 
-from ..models.detok import token_text_and_bytes
 from ..engine.sampling import TokenLogprob
 from ..engine.speculative import Generation
-
+from ..models.detok import token_text_and_bytes
 
 MIN_LOGPROB = -9999.0  # a token a grammar or min_tokens masks has logprob -inf; JSON has no -inf (vLLM clamps the same)
 
@@ -58,7 +57,9 @@ class Api:
         finished Generation (None: more pieces follow); `token_ids`: a piece's new token ids;
         `calls`: tool calls (whole: OpenAI `tool_calls`; a piece: its `delta.tool_calls` entries);
         `called`: the choice made tool calls (finish_reason "tool_calls")."""
-        reason = ("tool_calls" if called and finish.finish_reason == "stop" else finish.finish_reason) if finish else None
+        reason = (
+            ("tool_calls" if called and finish.finish_reason == "stop" else finish.finish_reason) if finish else None
+        )
         d = {"index": index, **self.content(text, delta, calls), "finish_reason": reason,
              "logprobs": self.logprobs(lps, offsets, base) if lps is not None else None}
         if finish is not None:

@@ -1,20 +1,12 @@
-"""OpenAI-compatible HTTP server over the embedded engine (FastAPI + uvicorn): `tidespec serve`.
+"""The OpenAI-compatible HTTP server over the embedded engine (FastAPI + uvicorn): `tidespec serve`
+(`build_app`).
 
-Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI request/response shapes,
-`stream: true` as server-sent events; every request field honoured or refused with a 400 naming it
-in OpenAI's error envelope: `serve.protocol`), `GET /v1/models` (the served id; the draft in
-`tidespec`), `GET /health`, `GET /metrics` (Prometheus, spec-decode names after vLLM
-`vllm/v1/spec_decode/metrics.py` and `vllm/v1/metrics/loggers.py`, prefix `tidespec:`),
-`POST /admin/draft` (bearer token: swap the draft between engine steps; requests in flight finish on
-the draft they started with). One background thread steps the engine (continuous batching);
-requests beyond `serve.max_queue` waiting get 429; a request the engine fails gets 500 with its
-request id (streamed: as the last event). Capture is the engine's own hook (`Engine(capture=writer)`):
-the server only exposes the writer's counters on /metrics and flushes it on shutdown. Limits come
-from `config.ServeParams` (params.yaml `serve:`), the one serve config. Text comes from
-`detok.TextOutput` (incremental, stop strings; the same object feeds streamed deltas and the whole
-text). A client that disconnects aborts its request within one engine step.
-
-This module composes the rooms of `tidespec.serve` (listed there) into the app.
+`POST /v1/completions`, `POST /v1/chat/completions` (streamed as SSE; every field honoured or
+refused with a 400 naming it), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus, names
+after vLLM's spec-decode metrics, prefix `tidespec:`), `POST /admin/draft` (bearer token: the draft
+swapped between engine steps). One thread steps the engine; beyond `serve.max_queue` requests get
+429; a request the engine fails gets 500 with its request id. Composes the rooms of `tidespec.serve`.
+More: docs/design/serve.md.
 """
 from __future__ import annotations
 
@@ -51,14 +43,14 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     /admin (None: admin disabled, 403); `load_version(v)`: registry version or alias → local
     checkpoint dir (raises LookupError for an unknown one); `text_capture`
     (`capture.text.TextCapture`, or a `serve.textlog.TextLog` over one, `capture.mode: text`): each
-    finished request's request and response bodies are logged in the Data Capture format; `watch_dir` (the local champion dir,
-    data/drafts/champion): every `watch_s` s the server installs the version the cycle's deploy step
-    put there (`ChampionWatcher`); the draft-health guard (`serve.guard`) runs every
-    `serve.health_check_s` s and calls `rollback(version, reason)` for a version clearly worse than
-    its predecessor (None: report only). At shutdown: the watcher stops, requests in flight finish, the
-    engine's capture sink (if any) is flushed (its counters are served on /metrics), text capture
-    is closed. Every error is answered in OpenAI's envelope (`serve.errors`). Raises ValueError for
-    unresolved max_tokens."""
+    finished request's request and response bodies are logged in the Data Capture format;
+    `watch_dir` (the local champion dir, data/drafts/champion): every `watch_s` s the server
+    installs the version the cycle's deploy step put there (`ChampionWatcher`); the draft-health
+    guard (`serve.guard`) runs every `serve.health_check_s` s and calls `rollback(version, reason)`
+    for a version clearly worse than its predecessor (None: report only). At shutdown: the watcher
+    stops, requests in flight finish, the engine's capture sink (if any) is flushed (its counters
+    are served on /metrics), text capture is closed. Every error is answered in OpenAI's envelope
+    (`serve.errors`). Raises ValueError for unresolved max_tokens."""
     cfg = serve or ServeParams()
     if cfg.max_tokens is None:
         raise ValueError("serve.max_tokens is unresolved: pass Params.serve_resolved() (engine.max_new_tokens)")

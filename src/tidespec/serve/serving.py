@@ -11,8 +11,8 @@ A `ValueError` is a client error only where it comes from checking the request (
 from __future__ import annotations
 
 import asyncio
-import logging
 import functools
+import logging
 import threading
 import time
 import uuid
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import BaseModel
 
-from ..models.chat import chat_ids
 from ..config import ServeParams
-from ..models.detok import TextOutput
 from ..engine.grammar import GrammarCompiler
 from ..engine.invalid import InvalidRequest
 from ..engine.speculative import Engine, Generation
 from ..engine.speculative import Request as EngineRequest
+from ..models.chat import chat_ids
+from ..models.detok import TextOutput
 from . import structured
 from .engine_loop import EngineLoop
 from .errors import EngineError, OpenAIError, RequestTimeout
@@ -145,7 +145,8 @@ class OpenAIServing:
     def admit(self, body: _Sampling, api: Api, prompts: list[list[int]], logprobs: int | None,
               on_tokens: Callable[[int], OnTokens] | None = None, constraint: Constraint | None = None) -> Admitted:
         """Queue `body.n` engine requests per prompt (`on_tokens(choice index)`: the streaming
-        callback of each; `constraint`: the grammar every choice follows). Raises OpenAIError — 404 another model, 429 queue full, 400 naming the
+        callback of each; `constraint`: the grammar every choice follows). Raises OpenAIError — 404 another model, 429
+        queue full, 400 naming the
         field for anything the request asks that cannot be served — and then nothing is queued."""
         max_new = self._check(body, len(prompts))
         # the text of a stop token (stop_token_ids, EOS) is left out unless include_stop_str_in_output (vLLM)
@@ -162,11 +163,17 @@ class OpenAIServing:
                     idx = i * body.n + j
                     text = self._text_output(body, stops, stop_ids, ids)
                     rid = adm.request_id if idx == 0 else f"{adm.request_id}-{idx}"
-                    req = EngineRequest(ids, max_new, request_id=rid, capture=False if getattr(body, "store", None) is False else None,
-                                        sampling=body.sampling(self.cfg.default_temperature, j, logprobs),
-                                        workload=classes[i], stop=text,
-                                        on_tokens=on_tokens(idx) if on_tokens else None,
-                                        grammar=constraint.grammar if constraint is not None else None)
+                    req = EngineRequest(
+                        ids,
+                        max_new,
+                        request_id=rid,
+                        capture=False if getattr(body, "store", None) is False else None,
+                        sampling=body.sampling(self.cfg.default_temperature, j, logprobs),
+                        workload=classes[i],
+                        stop=text,
+                        on_tokens=on_tokens(idx) if on_tokens else None,
+                        grammar=constraint.grammar if constraint is not None else None,
+                    )
                     calls = ToolCallStream() if constraint is not None and constraint.tools else None
                     adm.choices.append(Choice(idx, req, self._submit(req, api.prompt_param), text, calls=calls))
         except BaseException:

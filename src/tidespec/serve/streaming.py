@@ -87,7 +87,7 @@ class ChoiceStream:
     async def _next(self, deadline: float) -> tuple[int, list[int] | None, list[TokenLogprob] | None]:
         try:
             return await asyncio.wait_for(self.queue.get(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RequestTimeout(self.serving.cfg.request_timeout_s) from None
 
     def _echo(self, c: Choice) -> str | None:

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
-from ..engine.constraint import ANY_OBJECT, ToolCallStream, grammar_for, kind_of, parse_tool_calls, render, spec_of_request
+from ..engine.constraint import (
+    ANY_OBJECT,
+    ToolCallStream,
+    grammar_for,
+    kind_of,
+    parse_tool_calls,
+    render,
+    spec_of_request,
+)
 from ..engine.grammar import Grammar, GrammarCompiler, GrammarError, schema_key
 from .errors import OpenAIError
 

@@ -53,7 +53,7 @@ class TextLog:
     def _notify(self, tokens: int) -> None:
         try:
             self.on_threshold(tokens)
-        except Exception:  # noqa: BLE001 - a missed notification is retried by the next threshold
+        except Exception:  # a missed notification is retried by the next threshold
             log.exception("text capture threshold notification (%d tokens) failed", tokens)
 
     def close(self) -> None:

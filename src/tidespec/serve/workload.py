@@ -23,8 +23,11 @@ CLASSES = (CODE, MATH, CHAT, STRUCTURED, DEFAULT)  # the classes the server itse
 
 _FENCE = re.compile(r"```")
 # line starts: `[ \t]*`, never `\s*` (it would run over every blank line below each line start: quadratic)
-_SIGNATURE = re.compile(r"^[ \t]*(def \w+\(.*\)\s*(->.*)?:|(async )?function \w*\(|(public|private|static) [\w<>\[\]]+ \w+\(|"
-                        r"fn \w+\(|func \w+\(|#include <|>>> )", re.MULTILINE)
+_SIGNATURE = re.compile(
+    r"^[ \t]*(def \w+\(.*\)\s*(->.*)?:|(async )?function \w*\(|(public|private|static) [\w<>\[\]]+ \w+\(|"
+    r"fn \w+\(|func \w+\(|#include <|>>> )",
+    re.MULTILINE,
+)
 _CODE_LINE = re.compile(
     r"^[ \t]*(def |class |import |from \w[\w.]* import |#include|function\b|public |private |const |let |var |"
     r"return\b|for \(|for \w+ in |while \(|if \(|SELECT |CREATE TABLE|\}|\w+\s*=\s*[\w\[\{\(\"']+.*[;)]?$)",

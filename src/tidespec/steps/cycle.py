@@ -15,19 +15,19 @@ import logging
 import os
 from pathlib import Path
 
-from ..capture import curate as curate_mod
-from ..adapters import versioning
 from ..adapters import sagemaker_deploy as smd
+from ..adapters import versioning
 from ..adapters.orchestrate import train_on_pool
 from ..adapters.sagemaker_train import train_on_sagemaker
+from ..capture import curate as curate_mod
 from ..capture.snapshots import list_snapshots
 from ..config import Params, load_params
-from .deploy.local import deploy_champion, notify_server
 from ..engine.suffix import CORPUS_FILE, newest_within, save_corpus
 from ..models.load import get_target, target_dir
 from ..models.load import target_id as target_id_of
 from ..train.entry import preflight, skip_reason, train_here
 from ..workspace import Workspace
+from .deploy.local import deploy_champion, notify_server
 
 log = logging.getLogger(__name__)
 

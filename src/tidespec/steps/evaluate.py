@@ -42,7 +42,9 @@ def constrained(prompts: list[dict], target, tok) -> list[dict]:
             try:
                 p = p | {"compiled_grammar": grammar_for(p["constraint"], gc)}
             except (GrammarError, KeyError, TypeError) as err:
-                raise ValueError(f"holdout request {p['id']}: its captured constraint cannot be compiled: {err}") from None
+                raise ValueError(
+                    f"holdout request {p['id']}: its captured constraint cannot be compiled: {err}"
+                ) from None
         out.append(p)
     return out
 
@@ -61,7 +63,9 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
     n = params.evaluate.max_new_tokens
     e = params.engine
 
-    def engine(runner, name):  # τ of the draft alone: no grammar-forced proposals (constrained prompts keep their masks)
+    def engine(
+        runner, name
+    ):  # τ of the draft alone: no grammar-forced proposals (constrained prompts keep their masks)
         return make_engine(e.fixed(), target, runner, version=name, forced_tokens=False)
 
     configs = {"baseline": (engine(None, None), False)}

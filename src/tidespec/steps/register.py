@@ -29,16 +29,16 @@ def first_token_acceptance(m: dict) -> dict[str, list[float]]:
 def step_register(params: Params, target_id: str, candidate: Path, report: dict, train_metrics: dict,
                   tracking_uri: str, data: dict[str, str], workload_mix: dict | None = None,
                   drift_jsd: float | None = None, trigger: str = "manual") -> dict:
-    """Log the candidate as a model version (alias challenger) with its metrics, training curves
-    and lineage tags, apply the promotion rule (registry.promote_if_better, against the champion
-    version evaluate measured: `report["champion_version"]`), then log plots (τ over cycles,
-    per-position acceptance, loss; best effort: a failure there is logged, not raised). Idempotent: a retry finds the version it already
-    logged (tag `draft_sha256` + snapshot_rev) and returns its decision instead of registering the
-    same draft twice. `data`: `lineage()` of the curated set (tags snapshot_rev, snapshot_revs);
-    `drift_jsd`: curate's drift (bits) vs the previous curated set; `trigger`: what started the
-    cycle (tag). With deploy.sagemaker, each profile's tuned window goes on the version (tags
-    `tuned_k.<profile>`, metrics `tau_k/<k>`, `predicted_speedup/<profile>`; `tune_windows`) and into
-    the result's `tuned_k`. Raises ValueError for empty lineage."""
+    """Log the candidate as a model version (alias challenger) with its metrics, training curves and
+    lineage tags, apply the promotion rule (registry.promote_if_better, against the champion version
+    evaluate measured: `report["champion_version"]`), then log plots (τ over cycles, per-position
+    acceptance, loss; best effort: a failure there is logged, not raised). Idempotent: a retry finds
+    the version it already logged (tag `draft_sha256` + snapshot_rev) and returns its decision
+    instead of registering the same draft twice. `data`: `lineage()` of the curated set (tags
+    snapshot_rev, snapshot_revs); `drift_jsd`: curate's drift (bits) vs the previous curated set;
+    `trigger`: what started the cycle (tag). With deploy.sagemaker, each profile's tuned window goes
+    on the version (tags `tuned_k.<profile>`, metrics `tau_k/<k>`, `predicted_speedup/<profile>`;
+    `tune_windows`) and into the result's `tuned_k`. Raises ValueError for empty lineage."""
     if not data.get("snapshot_rev") or not json.loads(data.get("snapshot_revs") or "{}"):
         raise ValueError("no data lineage for this candidate: pass lineage(curated) (snapshot revs of its curated set)")
     cand, champ = report["candidate"], report.get("champion")
@@ -84,7 +84,7 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     try:  # plots are a view: failing to draw or upload them does not undo or block the decision
         losses = list(train_metrics.get("train/loss", []))
         registry.log_figures(tracking_uri, run_id, _figures(tracking_uri, target_id, report, losses))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - figures are best effort: the version stands without them
         log.warning("plots not logged for run %s: %s", run_id, e)
     return {"run_id": run_id, "version": version, "promoted": d.promoted, "reason": d.reason,
             "previous_champion": d.previous_champion,
@@ -94,8 +94,10 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
 def _figures(tracking_uri: str, target_id: str, report: dict, losses: list[float]) -> dict:
     def per_pos(m):
         return per_position(m) if m else None
-    figs = {"tau_over_cycles": plots.tau_over_cycles(registry.cycle_history(tracking_uri, target_id)),
-            "per_position_acceptance": plots.per_position(per_pos(report["candidate"]), per_pos(report.get("champion")))}
+    figs = {
+        "tau_over_cycles": plots.tau_over_cycles(registry.cycle_history(tracking_uri, target_id)),
+        "per_position_acceptance": plots.per_position(per_pos(report["candidate"]), per_pos(report.get("champion"))),
+    }
     if losses:
         figs["train_loss"] = plots.loss(losses)
     return figs

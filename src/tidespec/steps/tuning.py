@@ -9,8 +9,8 @@ SGLang / vLLM settings.
 from __future__ import annotations
 
 from ..config import Params
-from ..engine.stats import per_position, tau_by_k
 from ..config.sagemaker import EndpointProfile
+from ..engine.stats import per_position, tau_by_k
 
 
 def tuned_window(profile: EndpointProfile, per_pos: list[float], min_speedup: float) -> dict:

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..models.chat import chat_ids
 from ..config import EngineParams
 from ..engine.build import make_engine
 from ..engine.speculative import Request
+from ..models.chat import chat_ids
 from ..models.target import Target
 
 

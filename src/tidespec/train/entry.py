@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import Params
 from ..capture.curate import load_records
+from ..config import Params
 from ..models.eagle3 import load_checkpoint
 from ..models.target import Target
-from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason
 from .holdout import holdout_accuracy
+from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason
 from .trainer import train_draft
 
 
@@ -38,8 +38,10 @@ def skip_reason(params: Params, curated: Path) -> str | None:
     fresh = [e for e in idx["train"] if not e.get("replay")]  # replayed old records are not new traffic
     n = sum(e["num_tokens"] for e in fresh)
     if n < params.train.min_train_tokens:
-        return (f"curated training set has {n} new tokens in {len(fresh)} records, below "
-                f"train.min_train_tokens={params.train.min_train_tokens}; capture more traffic (dropped: {idx['dropped']})")
+        return (
+            f"curated training set has {n} new tokens in {len(fresh)} records, below "
+            f"train.min_train_tokens={params.train.min_train_tokens}; capture more traffic (dropped: {idx['dropped']})"
+        )
     return None
 
 

@@ -1,11 +1,16 @@
-"""Training examples from capture records: the target's next-token distribution at every position (from the captured last hidden state through its lm_head), mapped into the draft vocabulary, and length-grouped, padded batches of them."""
+"""Training examples from capture records: the target's next-token distribution at every position (from the
+captured last hidden state through its lm_head), mapped into the draft vocabulary, and length-grouped, padded
+batches of them."""
+
 from __future__ import annotations
 
 import random
 from collections import Counter
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
 from ..models.target import Target
 
 

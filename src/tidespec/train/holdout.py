@@ -1,9 +1,14 @@
-"""Teacher-forced holdout evaluation of a draft: per-position accuracy over the TTT chain, the conditional acceptance a_j it implies (chains started where the engine would start them), and the simulated τ (EAGLE-3, arXiv 2503.01840 §3; SpecForge's eval)."""
+"""Teacher-forced holdout evaluation of a draft: per-position accuracy over the TTT chain, the conditional
+acceptance a_j it implies (chains started where the engine would start them), and the simulated τ (EAGLE-3,
+arXiv 2503.01840 §3; SpecForge's eval)."""
+
 from __future__ import annotations
 
 import random
+
 import torch
 import torch.nn.functional as F
+
 from ..config import TrainParams
 from ..engine.stats import simulated_acceptance_length
 from ..models.eagle3 import Eagle3Draft
@@ -150,4 +155,8 @@ def holdout_accuracy(draft: Eagle3Draft, target: Target, records: list[dict], tp
     `.simulated_tau(k)`: the simulated τ at k drafts, None when no record is usable (then `.acc`
     and `.conditional()` are empty)."""
     ex = prepare(records, target, draft.t2d, tparams.max_seq_len)
-    return evaluate_holdout(draft, ex, tparams.ttt_steps, tparams.batch_tokens) if ex else HoldoutEval([], tparams.ttt_steps)
+    return (
+        evaluate_holdout(draft, ex, tparams.ttt_steps, tparams.batch_tokens)
+        if ex
+        else HoldoutEval([], tparams.ttt_steps)
+    )

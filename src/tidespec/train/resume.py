@@ -67,7 +67,7 @@ def load_state(d: Path, fp: str) -> dict | None:
         return None
     try:
         st = torch.load(f, weights_only=False)
-    except Exception:  # unreadable (should not happen with the atomic rename): start fresh
+    except Exception:  # noqa: BLE001 - unreadable (should not happen with the atomic rename): start fresh
         return None
     return st if st.get("fingerprint") == fp else None
 

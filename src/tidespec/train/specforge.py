@@ -1,22 +1,10 @@
-"""SpecForge training backend (GPU): our snapshots → SpecForge offline data → `specforge train` → export.
+"""The SpecForge training backend (GPU): tidespec snapshots → SpecForge offline data → `specforge train`
+→ export to a draft directory (`train_specforge`).
 
-SpecForge 0.2.0 pins torch 2.11 / transformers 5.8.1 / sglang 0.5.14 and its EAGLE3 loss is a
-Triton GPU kernel, so it lives in its own environment and is driven through its CLI (a process
-boundary, never an import). Facts from sgl-project/SpecForge @ a6b6b0230009d15ec2a97a57384e6f53f0f96946:
-- `specforge train -c CONFIG` (`specforge/cli.py`); single process needs no torchrun; config
-  schema `specforge/config/schema.py` (every section `extra="forbid"`); offline mode when
-  `data.hidden_states_path` is set, with `deployment.mode: local_colocated`.
-- offline files: `*.ckpt` under hidden_states_path, `torch.load`ed dicts with `input_ids` `[L]`
-  int64, `loss_mask` `[L]` int64, `hidden_state` `[1, L, H]` bf16 (final post-norm hidden: it
-  feeds the frozen lm_head), `aux_hidden_state` `[1, L, 3H]` bf16
-  (`specforge/algorithms/eagle3/data.py::normalize_offline_sample`, `scripts/prepare_hidden_states.py`).
-- vocab mapping: `torch.save({"d2t": [Vd] int64 offsets, "t2d": [V] bool})`
-  (`specforge/data/preprocessing.py::process_token_dict_to_mappings`).
-- target head: the target dir needs exactly one `*.index.json` naming `lm_head_key`
-  (`specforge/modeling/target/target_head.py`); tied-embedding targets point it at the embedding.
-- checkpoints `output_dir/{run_id}-step{N}/` with a `{run_id}-latest` link; export
-  `specforge export --to sglang --checkpoint DIR --draft-config JSON --output-dir OUT
-  --vocab-mapping PT` writes config.json + model.safetensors (`specforge/export/`).
+SpecForge pins its own torch and its EAGLE3 loss is a Triton GPU kernel, so it lives in its own
+environment and is driven through its CLI (a process boundary, never an import). Raises
+SpecForgeUnavailable naming the fix without CUDA or its environment. The SpecForge source facts it
+relies on (config schema, offline files, vocabulary mapping, export): docs/design/train.md.
 """
 from __future__ import annotations
 
@@ -64,7 +52,9 @@ def write_offline_data(records: list[dict], out: Path, max_len: int) -> int:
     n = 0
     for r in records:
         T = min(int(r["input_ids"].shape[0]), max_len)
-        if T < 3 or not (torch.isfinite(r["hidden_states"][:T]).all() and torch.isfinite(r["aux_hidden_states"][:T]).all()):
+        if T < 3 or not (
+            torch.isfinite(r["hidden_states"][:T]).all() and torch.isfinite(r["aux_hidden_states"][:T]).all()
+        ):
             continue  # as the embedded trainer: NaN/Inf or too short → dropped (the caller counts the gap)
         i = n
         lm = r["loss_mask"][:T].to(torch.int64).clone()

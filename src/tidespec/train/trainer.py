@@ -1,23 +1,11 @@
-"""Embedded EAGLE3 trainer (CPU): training-time test over captured hidden states.
+"""The embedded EAGLE3 trainer: training-time test (TTT) over captured hidden states (`train_draft`).
 
-Loss (SpecForge `specforge/core/loss.py::_compute_loss`, `training/strategies/base.py`):
-L = Σ_j decay^j · L_j, L_j = mean over valid positions of −Σ_v p_target(v) · log q_draft(v), where
-p_target = softmax of the target's logits restricted to the draft vocab (t2d), from the captured
-final hidden state through the target's lm_head; positions whose target argmax is outside the draft
-vocab are dropped.
-
-Holdout evaluation (`evaluate_holdout`, teacher-forced, no sampling): TTT step j at row t is the
-draft's (j+1)-th chained token after position t (EAGLE-3, arXiv 2503.01840 §3, training-time
-test). Two figures per step j: `acc_j`, the unconditional top-1 agreement (step j right, whatever
-steps < j did; what the loss optimises, logged as `val/acc_{j}`), and the conditional acceptance
-a_j = P(step j right | steps 0..j-1 right at the same chain start) (`val/cond_acc_{j}`), taken
-over the chain starts greedy speculative decoding visits. Only the conditional one gives the
-simulated acceptance length τ = 1 + Σ_{i<k} Π_{j≤i} a_j (= 1 + mean leading run of right steps,
-capped at k), the τ greedy speculative decoding with k drafts measures on the same text (tested
-against an engine replay); Π acc_j is not that (errors at consecutive steps are correlated).
-
-One file (~460 lines): the TTT loop, its loss and the holdout evaluation (unconditional accuracy,
-conditional acceptance over the chains greedy decoding visits, simulated τ) share one unroll.
+Loss (SpecForge `specforge/core/loss.py::_compute_loss`): L = Σ_j decay^j · L_j, L_j the mean over
+valid positions of −Σ_v p_target(v) · log q_draft(v), p_target the target's distribution restricted
+to the draft vocabulary, from the captured final hidden state through its lm_head; positions whose
+target argmax is outside the draft vocabulary are dropped. Warm start from a draft (its vocabulary
+remapped), resumable state every `checkpoint_every` steps, the holdout evaluated per epoch
+(`train.holdout`). Devices: CPU (fp32). More: docs/design/train.md.
 """
 from __future__ import annotations
 
@@ -26,14 +14,22 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..config import DraftParams, TrainParams
-from ..models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab, count_tokens, load_checkpoint, remap_lm_head, save_checkpoint
+from ..models.eagle3 import (
+    Eagle3Config,
+    Eagle3Draft,
+    build_vocab,
+    count_tokens,
+    load_checkpoint,
+    remap_lm_head,
+    save_checkpoint,
+)
 from ..models.target import Target
 from .examples import batches, prepare
 from .holdout import HoldoutEval, evaluate_holdout

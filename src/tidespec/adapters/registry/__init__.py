@@ -1,4 +1,13 @@
-"""The MLflow adapter: experiments, runs and the model registry for drafts (`client`: runs, versions, aliases, tags), their bundles and figures (`artifacts`), and the promotion decisions (`decisions`). Names follow the registry contract: experiment `tidespec/<target_id>`, model `tidespec-draft-<short id>`, aliases `champion` / `challenger`."""
+"""The MLflow adapter: experiments, runs and the model registry for drafts (`client`: runs, versions, aliases, tags),
+their bundles and figures (`artifacts`), and the promotion decisions (`decisions`). Names follow the registry
+contract: experiment `tidespec/<target_id>`, model `tidespec-draft-<short id>`, aliases `champion` / `challenger`."""
+from .artifacts import (
+    cycle_history,
+    download_champion,
+    download_version,
+    find_version,
+    log_figures,
+)
 from .client import (
     ARTIFACT_DIR,
     CHALLENGER,
@@ -6,10 +15,10 @@ from .client import (
     FIRST_TOKEN_TAG,
     HISTORY_MAX,
     HISTORY_TAG,
-    ModelVersionInfo,
-    RegistryError,
     SIDECAR_DIR,
     VERSION_TAG_KEYS,
+    ModelVersionInfo,
+    RegistryError,
     challenger,
     champion,
     ensure_experiment,
@@ -22,13 +31,6 @@ from .client import (
     tuned_k,
     version_tags,
 )
-from .artifacts import (
-    cycle_history,
-    download_champion,
-    download_version,
-    find_version,
-    log_figures,
-)
 from .decisions import (
     Decision,
     decisions,
@@ -38,4 +40,37 @@ from .decisions import (
     rollback,
 )
 
-__all__ = ["ARTIFACT_DIR", "CHALLENGER", "CHAMPION", "Decision", "FIRST_TOKEN_TAG", "HISTORY_MAX", "HISTORY_TAG", "ModelVersionInfo", "RegistryError", "SIDECAR_DIR", "VERSION_TAG_KEYS", "challenger", "champion", "cycle_history", "decisions", "download_champion", "download_version", "ensure_experiment", "ensure_registered_model", "evaluation_problem", "experiment_name", "find_version", "log_candidate", "log_figures", "log_live", "model_name", "promote", "promote_if_better", "replayed", "rollback", "tuned_k", "version_tags"]
+__all__ = [
+    "ARTIFACT_DIR",
+    "CHALLENGER",
+    "CHAMPION",
+    "Decision",
+    "FIRST_TOKEN_TAG",
+    "HISTORY_MAX",
+    "HISTORY_TAG",
+    "ModelVersionInfo",
+    "RegistryError",
+    "SIDECAR_DIR",
+    "VERSION_TAG_KEYS",
+    "challenger",
+    "champion",
+    "cycle_history",
+    "decisions",
+    "download_champion",
+    "download_version",
+    "ensure_experiment",
+    "ensure_registered_model",
+    "evaluation_problem",
+    "experiment_name",
+    "find_version",
+    "log_candidate",
+    "log_figures",
+    "log_live",
+    "model_name",
+    "promote",
+    "promote_if_better",
+    "replayed",
+    "rollback",
+    "tuned_k",
+    "version_tags",
+]

@@ -1,9 +1,13 @@
-"""Draft bundles and figures in MLflow: a registered version's draft directory downloaded (the champion's, or any version's), the cycle history across versions, a version found by its tags, and plots logged to a run."""
+"""Draft bundles and figures in MLflow: a registered version's draft directory downloaded (the champion's, or any
+version's), the cycle history across versions, a version found by its tags, and plots logged to a run."""
+
 from __future__ import annotations
 
 import math
 from pathlib import Path
+
 from mlflow.exceptions import MlflowException
+
 from ...workspace import make_bundle, write_version
 from .client import (
     ARTIFACT_DIR,

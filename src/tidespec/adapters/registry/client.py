@@ -1,19 +1,10 @@
-"""MLflow model registry for EAGLE3 drafts (README, "Orchestration and the registry").
-
-Names: experiment ``tidespec/<target_id[:12]>``, registered model ``tidespec-draft-<target_id[:12]>``.
-Aliases: ``challenger`` (last candidate), ``champion`` (serving). MLflow keeps no alias history,
-so the registered model carries a tag ``champion_history`` = comma-separated versions, oldest
-first, current champion last; ``rollback`` pops it.
-
-A model version's ``source`` is the run's ``draft/`` artifact directory: exactly config.json +
-model.safetensors, what vLLM (``speculative_config.model``) and SGLang
-(``--speculative-draft-model-path``) load as downloaded; the rest of the checkpoint (suffix corpus,
-train_metrics.json) is the run's ``sidecars/``. Downloads rebuild a draft bundle
-(``workspace.make_bundle``: ``draft/`` + sidecars beside it). There is no pyfunc flavour. Every function takes the
-tracking URI explicitly and uses its own ``MlflowClient``; no global MLflow state is touched.
-
-One file (~500 lines): logging, the alias history, the promotion gate and its audit trail share
-the registry's conventions (names, tags) and are tested together against a real MLflow server.
+"""MLflow runs and registry versions of EAGLE3 drafts: names (experiment `tidespec/<target_id[:12]>`,
+model `tidespec-draft-<target_id[:12]>`), candidates logged with their lineage tags, aliases
+(`champion` serving, `challenger` the last candidate), version tags (the tuned windows, the replayed
+first-token acceptance). A version's `source` is the run's `draft/` artifact directory: exactly
+config.json + model.safetensors, what vLLM and SGLang load; the rest of the checkpoint is the run's
+`sidecars/`. Every function takes the tracking URI and its own MlflowClient; no global MLflow state.
+More: docs/design/adapters.md.
 """
 
 from __future__ import annotations
@@ -149,7 +140,8 @@ def log_candidate(tracking_uri: str, target_id: str, checkpoint_dir: Path, param
     ``params`` may be nested (flattened to ``a.b``); ``metrics`` are final values (names may
     contain ``/``, e.g. ``accepted_per_pos/0``); ``step_metrics`` are per-step series (e.g.
     ``train/loss``, step = list index). ``checkpoint_dir`` (flat or a bundle) is uploaded as
-    ``draft/`` (config.json + model.safetensors) and ``sidecars/`` (every other file). Version tags = ``tags`` + ``target_id`` + the metrics ``acceptance_length`` and
+    ``draft/`` (config.json + model.safetensors) and ``sidecars/`` (every other file). Version tags = ``tags`` +
+    ``target_id`` + the metrics ``acceptance_length`` and
     ``baseline_acceptance_length`` when given. Returns ``(run_id, version)``.
     Raises FileNotFoundError if ``checkpoint_dir`` is not a directory; MlflowException on server errors.
     """
@@ -280,7 +272,9 @@ def replayed(tags: dict[str, str]) -> dict[str, list[float]]:
     the tag is missing or malformed."""
     try:
         rep = json.loads(tags.get(FIRST_TOKEN_TAG, "{}"))
-        return {str(k): [float(a), float(n)] for k, (a, n) in rep.items() if 0 <= float(a) <= 1 and 0 <= float(n) < math.inf}
+        return {
+            str(k): [float(a), float(n)] for k, (a, n) in rep.items() if 0 <= float(a) <= 1 and 0 <= float(n) < math.inf
+        }
     except (ValueError, TypeError, AttributeError):
         return {}
 

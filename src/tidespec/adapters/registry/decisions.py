@@ -1,11 +1,16 @@
-"""Promotion decisions in the MLflow registry: the gate (challenger → champion iff lossless and τ gains), promotion and rollback by hand, each an audited decision on the version and its run, and the champion history behind rollback."""
+"""Promotion decisions in the MLflow registry: the gate (challenger → champion iff lossless and τ gains),
+promotion and rollback by hand, each an audited decision on the version and its run, and the champion history
+behind rollback."""
+
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass
+
 from mlflow import MlflowClient
 from mlflow.entities import RunTag
+
 from .artifacts import _float
 from .client import (
     CHAMPION,

@@ -1,14 +1,26 @@
-"""The SageMaker endpoint adapter: what a deploy sends, computed without AWS (`plan`), and the blue/green deploy through boto3 with auto-rollback alarms, waits and pruning (`client`)."""
+"""The SageMaker endpoint adapter: what a deploy sends, computed without AWS (`plan`), and the blue/green deploy
+through boto3 with auto-rollback alarms, waits and pruning (`client`)."""
+
+from .client import (
+    BUSY,
+    deploy_endpoint,
+    live_matches,
+    prune,
+    region_of,
+    upload_draft,
+    upload_target,
+    wait_endpoint,
+)
 from .plan import (
     DRAFT_CHANNEL,
     DRAFT_DIR,
-    DeployPlan,
-    DraftArtifact,
     MODEL_DIR,
     SGLANG_DLC,
-    SageMakerDeployFailed,
     TERMINAL_BAD,
     VARIANT,
+    DeployPlan,
+    DraftArtifact,
+    SageMakerDeployFailed,
     alarm_requests,
     check_draft,
     container_env,
@@ -26,15 +38,39 @@ from .plan import (
     target_prefix,
     update_request,
 )
-from .client import (
-    BUSY,
-    deploy_endpoint,
-    live_matches,
-    prune,
-    region_of,
-    upload_draft,
-    upload_target,
-    wait_endpoint,
-)
 
-__all__ = ["BUSY", "DRAFT_CHANNEL", "DRAFT_DIR", "DeployPlan", "DraftArtifact", "MODEL_DIR", "SGLANG_DLC", "SageMakerDeployFailed", "TERMINAL_BAD", "VARIANT", "alarm_requests", "check_draft", "container_env", "data_capture_config", "deploy_endpoint", "endpoint_config_request", "endpoint_name", "endpoint_outcome", "image_uri", "live_matches", "model_request", "plan", "private_copy", "prune", "region_of", "resolve_target", "resource_name", "spec_settings", "target_prefix", "update_request", "upload_draft", "upload_target", "wait_endpoint"]
+__all__ = [
+    "BUSY",
+    "DRAFT_CHANNEL",
+    "DRAFT_DIR",
+    "DeployPlan",
+    "DraftArtifact",
+    "MODEL_DIR",
+    "SGLANG_DLC",
+    "SageMakerDeployFailed",
+    "TERMINAL_BAD",
+    "VARIANT",
+    "alarm_requests",
+    "check_draft",
+    "container_env",
+    "data_capture_config",
+    "deploy_endpoint",
+    "endpoint_config_request",
+    "endpoint_name",
+    "endpoint_outcome",
+    "image_uri",
+    "live_matches",
+    "model_request",
+    "plan",
+    "private_copy",
+    "prune",
+    "region_of",
+    "resolve_target",
+    "resource_name",
+    "spec_settings",
+    "target_prefix",
+    "update_request",
+    "upload_draft",
+    "upload_target",
+    "wait_endpoint",
+]

@@ -1,37 +1,12 @@
-"""Deploy the champion draft to a SageMaker real-time endpoint, blue/green.
+"""Deploy the champion draft to a SageMaker real-time endpoint, blue/green (`deploy_endpoint`).
 
-Profiles (`deploy.sagemaker.profiles` in params.yaml):
-  gpu   SGLang serving container (AWS SGLang DLC by default) on ml.g6e / ml.p5 (ml.g4dn/g5/g6/p4d
-        accepted). The container turns each `SM_SGLANG_<FLAG>` variable into `--<flag> <value>` of
-        `python -m sglang.launch_server`.
-  trn2  vLLM with the Neuron plugin on ml.trn2.48xlarge; `SM_VLLM_<FLAG>` → `vllm serve --<flag>`
-        (vLLM's examples/online_serving/sagemaker-entrypoint.sh convention, also
-        infra/containers/vllm-neuron/sagemaker-entrypoint.sh); EAGLE3 via `--speculative-config`
-        `{"method": "eagle3", "model": <draft dir>, "num_speculative_tokens": k}`.
-
-One deploy (`deploy_endpoint`):
-1. validate the draft dir (EAGLE3 layout; trained for this target) and upload config.json +
-   model.safetensors to `<s3_prefix>/drafts/<sha256[:16]>/` (SSE-S3; content-addressed, so a
-   re-deploy uploads nothing);
-2. CreateModel: target weights as `ModelDataSource` (an uncompressed S3 prefix → /opt/ml/model) or a
-   hub id the container downloads; the draft as `AdditionalModelDataSources` channel `draft`
-   (→ /opt/ml/additional-model-data-sources/draft);
-3. CreateEndpointConfig (one variant `AllTraffic`, instance type/count, startup and download
-   timeouts);
-4. PutMetricAlarm × 2 (Invocation5XXErrors, ModelLatency p99) — the auto-rollback alarms;
-5. CreateEndpoint, or UpdateEndpoint with a BlueGreenUpdatePolicy (CANARY when the fleet has ≥ 2
-   instances, else ALL_AT_ONCE with a baking period) and AutoRollbackConfiguration on the alarms;
-6. poll DescribeEndpoint until InService on the new config. A rollback (alarm fired, or the new
-   fleet failed its health checks) leaves the old config serving and raises SageMakerDeployFailed;
-7. delete this endpoint's older models/configs beyond `keep_versions` (never the live one).
-
-API calls go through `adapters.aws` (boto3 clients configured from the environment, AWS_ENDPOINT_URL
-for moto in tests; SSE-S3 uploads with sha256 metadata; the polling loop); the params schemas live in
-`tidespec.config.sagemaker`, the window each profile gets (τ(k) against its step cost) is chosen by the
-register step (`tidespec.steps.tuning`) and read here from version.json. Request shapes: the SageMaker API reference (CreateModel,
-CreateEndpointConfig, UpdateEndpoint `DeploymentConfig`) and botocore's sagemaker service model.
-It stays one module (over 400 lines) because the request builders, the draft checks and
-`deploy_endpoint` form one transaction whose create / roll-back / prune steps share names and state.
+One deploy: check and upload the draft (content-addressed, SSE-S3), CreateModel (the target's
+weights as ModelDataSource, the draft as an AdditionalModelDataSources channel), CreateEndpointConfig,
+the two auto-rollback alarms (Invocation5XXErrors, ModelLatency p99), CreateEndpoint or UpdateEndpoint
+with a blue/green policy (canary with ≥ 2 instances), wait until InService on the new config, prune
+older configs. A rollback leaves the old config serving and raises SageMakerDeployFailed; a deploy
+of an endpoint already busy waits (a file lock per endpoint). The requests themselves are
+`plan`'s. Profiles, the container conventions and the API sources: docs/design/adapters.md.
 """
 from __future__ import annotations
 
@@ -66,8 +41,10 @@ log = logging.getLogger(__name__)
 def upload_draft(s3, draft: DraftArtifact, s3_prefix: str) -> tuple[str, int]:
     """config.json + model.safetensors → `<s3_prefix>/drafts/<draft.key>/` (SSE-S3, sha256 in object
     metadata; objects already there with the same sha256 are kept). Returns (prefix URI, uploaded)."""
-    files = [(draft.path / "config.json", "config.json", draft.config_sha256 or sha256_file(draft.path / "config.json")),
-             (draft.path / "model.safetensors", "model.safetensors", draft.sha256)]
+    files = [
+        (draft.path / "config.json", "config.json", draft.config_sha256 or sha256_file(draft.path / "config.json")),
+        (draft.path / "model.safetensors", "model.safetensors", draft.sha256),
+    ]
     return aws.upload_files(s3, files, f"{s3_prefix}/drafts/{draft.key}/")
 
 
@@ -231,7 +208,13 @@ def deploy_endpoint(params: Params, profile_name: str, draft: DraftArtifact, tar
         return out
 
 
-BUSY = ("Creating", "Updating", "SystemUpdating", "RollingBack", "Deleting")  # UpdateRollbackFailed: an update repairs it
+BUSY = (
+    "Creating",
+    "Updating",
+    "SystemUpdating",
+    "RollingBack",
+    "Deleting",
+)  # UpdateRollbackFailed: an update repairs it
 
 
 def live_matches(sm, config_name: str, p: DeployPlan) -> bool:
@@ -267,7 +250,7 @@ def _delete(sm, created: list[tuple[str, str]]) -> None:
                 sm.delete_endpoint_config(EndpointConfigName=name)
             else:
                 sm.delete_model(ModelName=name)
-        except Exception as e:  # noqa: BLE001 — cleanup must not mask the original error
+        except Exception as e:  # noqa: BLE001 - best effort: a leftover resource costs nothing, the deploy stands
             log.warning("could not delete %s %s: %s", kind, name, e)
 
 

@@ -1,4 +1,7 @@
-"""What a SageMaker deploy would send, computed without calling AWS: names, the model / endpoint config / alarm / update requests, the container's speculative settings per engine (SGLang, vLLM-neuron), and the draft artifact checks (`plan`: `tidespec deploy sagemaker --dry-run` prints it)."""
+"""What a SageMaker deploy would send, computed without calling AWS: names, the model / endpoint config / alarm /
+update requests, the container's speculative settings per engine (SGLang, vLLM-neuron), and the draft artifact checks
+(`plan`: `tidespec deploy sagemaker --dry-run` prints it)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,11 +12,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+
 from ...assets import sha256_file
 from ...config import Params, TreeParams, tree_num_draft_tokens
-from ...models.eagle3 import load_checkpoint
-from ...errors import TidespecError
 from ...config.sagemaker import CanaryParams, EndpointProfile, SageMakerDeployParams
+from ...errors import TidespecError
+from ...models.eagle3 import load_checkpoint
 from ...workspace import copy_engine_files, engine_dir, read_version
 from ..aws import NAME_RE, parse_s3_uri
 
@@ -259,7 +263,8 @@ def endpoint_outcome(desc: dict, config_name: str) -> bool:
 # -- draft ------------------------------------------------------------------------------------------
 def check_draft(path: Path, target_id: str | None, version: str | None = None) -> DraftArtifact:
     """Validate a draft dir (a bundle or a flat checkpoint: config.json + model.safetensors in the
-    EAGLE3 layout, trained for `target_id` when given) and hash it; the artifact's path is the engine dir. Raises FileNotFoundError / ValueError (as load_checkpoint)."""
+    EAGLE3 layout, trained for `target_id` when given) and hash it; the artifact's path is the engine dir. Raises
+    FileNotFoundError / ValueError (as load_checkpoint)."""
     path = Path(path)
     try:
         load_checkpoint(path, target_id=target_id)

@@ -1,9 +1,11 @@
-"""vLLM's spec-decode counters (`vllm:spec_decode_*` on its /metrics, as `v1/spec_decode/metrics.py` names them): parsed, scraped, differenced, and the check that live τ sits clearly below a draft's replay."""
+"""vLLM's spec-decode counters (`vllm:spec_decode_*` on its /metrics, as `v1/spec_decode/metrics.py` names them):
+parsed, scraped, differenced, and the check that live τ sits clearly below a draft's replay."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from .server import VLLMError
 
+from .server import VLLMError
 
 METRIC_PREFIX = "vllm:spec_decode_"
 

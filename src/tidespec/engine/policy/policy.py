@@ -114,7 +114,9 @@ class GoodputPolicy:
         the indices of the requests a probe was forced on."""
         eager = {w for w, lad in zip(workloads, ladders) if lad.fixed is None and self._drafting_rung(lad)}
         choice = plan(ladders, self.cost, self.margins.for_plan(workloads, len(ladders), eager))
-        drafted = {(c[0], w) for w, lad, c in zip(workloads, ladders, choice) if lad.fixed is None and c[0] in self.drafting}
+        drafted = {
+            (c[0], w) for w, lad, c in zip(workloads, ladders, choice) if lad.fixed is None and c[0] in self.drafting
+        }
         for kind, w in drafted:
             self.probes.drafted(kind, w)
         self.margins.drafted({w for _, w in drafted})

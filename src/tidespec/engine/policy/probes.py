@@ -1,19 +1,12 @@
 """When the goodput policy tries again what it left off (`ProbeSchedule`).
 
-Draft probes: a class whose requests could draft with a draft model but were all left without
-still runs one request's best option alone when due — first after `probe_every` of its idle steps,
-then, while each probe leaves the class off, after twice as many (up to `PROBE_BACKOFF` ×
-probe_every): a draft that improves (a hot-swap) or a workload that turns structured is noticed,
-and a draft that stays useless under load costs one probe per 512 steps, not per 32. A probe skips
-a request whose draft still has more than `PROBE_BACKLOG` prompt rows to read (its catch-up would
-cost more than the probe measures) unless every request has.
-
-Offer gates: a proposer whose offer costs to compute (`Proposer.gated`: the suffix proposer's trie
-match and context scan) stops computing it for a class, per calibrated batch size, once the plan
-left it unchosen for `probe_every` consecutive steps there; a probe step computes it again after
-`probe_every` steps, then twice as many while each is left unchosen; one chosen offer turns it back
-on. A step where none of the class's offers matched anything is not a miss (repetition comes in
-bursts). Measurements behind these numbers: docs/design/policy.md.
+Draft probes: a class whose requests could draft with a draft model but were all left without runs
+one request's best option alone when due — after `probe_every` idle steps, then twice as many while
+each probe leaves it off (up to PROBE_BACKOFF × probe_every); a probe skips a request whose draft has
+more than PROBE_BACKLOG prompt rows left to read, unless every one has. Offer gates: a gated
+proposer's offers (the suffix proposer's) left unchosen `probe_every` steps in a row at a batch size
+are computed only on probe steps there, with the same back-off; one chosen offer turns them on. A
+step where none matched is not a miss. Why these numbers: docs/design/policy.md.
 """
 from __future__ import annotations
 
@@ -102,7 +95,9 @@ class ProbeSchedule:
     def gated_at(self, kind: str, workload: str) -> list[int]:
         """The batch sizes at which the kind's offers for the class are off (probed only)."""
         with self._lock:
-            return sorted(b for (k, w, b), st in self._gate.items() if (k, w) == (kind, workload) and st[0] >= self.every)
+            return sorted(
+                b for (k, w, b), st in self._gate.items() if (k, w) == (kind, workload) and st[0] >= self.every
+            )
 
     def classes(self) -> set[str]:
         with self._lock:

@@ -65,7 +65,8 @@ class Slot:
     tree-widening threshold on the estimated probability that a further token is reached and
     accepted, 0 = off), learn (the request is under the goodput policy), estimator (its proposer's
     estimator when it is: what verification teaches). Set by `Proposer.offer`: offers (what each
-    proposer computed for the request, by kind: a suffix proposal, the grammar's forced tokens). Set by the EAGLE3 catch-up: hidden `[1, H]`
+    proposer computed for the request, by kind: a suffix proposal, the grammar's forced tokens). Set by the EAGLE3
+    catch-up: hidden `[1, H]`
     and logits `[Vd]` fp32, the draft's chain start. Set by `Proposer.propose`: drafts (target
     ids), draft_probs (one proposal distribution `[V]` fp32 per draft, sampled requests only),
     layout (a verified tree's rows; None: a chain), base (the draft cache length before drafting,

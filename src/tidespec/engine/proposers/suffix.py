@@ -22,7 +22,8 @@ CONFIDENT_RANK, WEAK_RANK = 1, 3  # outside the policy: before the draft when co
 
 
 class SuffixProposer:
-    """The first `slot.n` tokens of the request's suffix proposal (`slot.offers["suffix"]`). cache: the engine's suffix cache; vocab_size: the
+    """The first `slot.n` tokens of the request's suffix proposal (`slot.offers["suffix"]`). cache: the engine's
+    suffix cache; vocab_size: the
     target's V (one-hot q `[V]`); min_expected: outside the policy, the proposal is taken over the
     draft's when its expected accepted tokens (the sum of its chain scores) reach this. A seeded
     sampled request never takes suffix proposals (its output would depend on other traffic)."""

@@ -7,6 +7,8 @@ the tree maths are `engine.tree`. The verify forward gives each node the cache a
 """
 from __future__ import annotations
 
+import functools
+
 from ...config import tree_num_draft_tokens
 from ..request import max_draft
 from ..tree import TreeJob, expand, layout, max_nodes, select, widen
@@ -62,8 +64,8 @@ class Eagle3Tree:
             for sl, job in zip(group, jobs):
                 nodes = select(job.tree, sl.n)
                 if sl.stop_below > 0:  # EAGLE-2 value selection: more nodes while each still pays
-                    w, est = sl.workload, sl.estimator
-                    nodes = widen(job.tree, nodes, lambda c: est.accept_given_confidence(w, c), sl.stop_below, sl.cap)
+                    accept = functools.partial(sl.estimator.accept_given_confidence, sl.workload)
+                    nodes = widen(job.tree, nodes, accept, sl.stop_below, sl.cap)
                 sl.layout = layout(job.tree, nodes, sl.seq.next_token)
                 sl.drafts = sl.layout.tokens[1:]
                 sl.seq.draft_cache.length = sl.base

@@ -2,8 +2,8 @@
 
 The serving directory is a draft bundle (`workspace.make_bundle`): `draft/` holds exactly what
 vLLM and SGLang load (config.json + model.safetensors), the suffix corpus and a `version.json`
-(which registry version it is) sit beside it. It is replaced by rename (never half-written). A running engine picks it up with
-`reload_if_changed`, between requests, so requests in flight finish on the old draft.
+(which registry version it is) sit beside it. It is replaced by rename (never half-written). A
+running engine picks it up with `reload_if_changed`, between requests, so requests in flight finish on the old draft.
 """
 from __future__ import annotations
 

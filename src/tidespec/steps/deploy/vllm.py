@@ -26,8 +26,8 @@ import httpx
 
 from ...adapters import process, registry
 from ...adapters.vllm import VLLMError, VLLMLaunch, VLLMServer, live_below_replay, scrape
-from ..tuning import live_windows
 from ...workspace import copy_engine_files, private_dir, served_version
+from ..tuning import live_windows
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class VLLMDeployment:
             drained = self._drain(old) if old else True
             if blue:
                 blue.stop()
-            log.info("vLLM now serves draft %s at %s (previous server stopped, drained=%s)", version, green.url, drained)
+            log.info(
+                "vLLM now serves draft %s at %s (previous server stopped, drained=%s)", version, green.url, drained
+            )
             return {"draft_version": version, "url": green.url, "drained": drained}
 
     def _launch(self, bundle: Path | None, port: int, version: str | None = None) -> tuple[VLLMServer, str | None]:
@@ -172,7 +174,7 @@ class LiveReporter:
                 report_live(*self.args)
             except VLLMError as e:  # a server stopping (a swap, shutdown) between reading its URL and scraping it
                 log.warning("live spec-decode figures not logged this time: %s", e)
-            except Exception:  # noqa: BLE001 - a registry hiccup must not stop serving
+            except Exception:  # a registry hiccup must not stop serving
                 log.exception("live spec-decode figures not logged this time")
 
     def close(self) -> None:
