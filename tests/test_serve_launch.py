@@ -24,6 +24,13 @@ def shipped(**sections) -> Params:
     return Params.model_validate(raw)
 
 
+def shipped_file(tmp_path: Path, **sections) -> Path:
+    """`shipped(**sections)` written to a params file under `tmp_path`; returns its path."""
+    f = tmp_path / "params-shipped.yaml"
+    f.write_text(yaml.safe_dump(shipped(**sections).model_dump(mode="json")))
+    return f
+
+
 def test_changed_means_differs_from_the_default_not_written_out():
     s = ServeParams.model_validate({"auto_rollback": True, "health_check_s": 30.0, "classify_workload": False})
     assert s.model_fields_set == {"auto_rollback", "health_check_s", "classify_workload"}  # written out
@@ -126,11 +133,12 @@ def test_flag_values_are_refused_naming_the_flag(tmp_path):
             ServeLaunch.build(**flags)
         assert str(e.value).startswith(message.split(": Value error")[0]), e.value
     with pytest.raises(ValueError, match=r"^--max-tokens 2000: serve.max_tokens \(2000\) must be < engine.max_seq_len"):
-        serve_preflight(tmp_path, SHIPPED, publish=False, max_tokens=2000, env=NO_MLFLOW)
+        serve_preflight(tmp_path, shipped_file(tmp_path, engine={"max_seq_len": 1024}), publish=False,
+                        max_tokens=2000, env=NO_MLFLOW)
     p = serve_preflight(tmp_path, SHIPPED, publish=False, max_tokens=50, timeout_s=9.0, env=NO_MLFLOW)[0]
     assert (p.serve.max_tokens, p.serve.request_timeout_s) == (50, 9.0)  # what `tidespec serve` then runs
     with pytest.raises(ValueError, match=r"engine.max_new_tokens \(2000\), serve.max_tokens' default, must be <"):
-        shipped(engine={"max_new_tokens": 2000})
+        shipped(engine={"max_new_tokens": 2000, "max_seq_len": 1024})
 
 
 @pytest.mark.parametrize("backend,key,value", [

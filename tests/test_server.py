@@ -193,7 +193,9 @@ def test_deploy_notifies_a_running_server(tiny_target, tmp_path):
     save_checkpoint(random_draft(tiny_target, 64, seed=3), drafts / "champion")
     (drafts / "champion" / "version.json").write_text(json.dumps({"version": "7", "run_id": "r"}))
     eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
-    srv = serve_in_thread(build_app(eng, None, ServeParams(max_tokens=256), drafts_dir=drafts, admin_token="t"))
+    with pytest.raises(ValueError, match=r"serve.max_tokens \(256\) must be < the engine's max_seq_len \(256\)"):
+        build_app(eng, None, ServeParams(max_tokens=256))  # no room left for the prompt
+    srv = serve_in_thread(build_app(eng, None, ServeParams(max_tokens=64), drafts_dir=drafts, admin_token="t"))
     try:
         bad = notify_server(drafts / "champion", srv.url, "wrong")
         assert bad["status"] == 401 and "bearer token" in bad["error"] and eng.draft_version is None

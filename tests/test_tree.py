@@ -105,9 +105,7 @@ def test_expansion_drafts_each_nodes_children_from_its_own_path(tiny_target):
             path.append(x)
             x = t.parents[x]
         c2 = runner.new_cache(64)
-        c2.k.copy_(snapshot[0])
-        c2.v.copy_(snapshot[1])
-        c2.length = snapshot[2]
+        c2.k, c2.v, c2.length = snapshot[0].clone(), snapshot[1].clone(), snapshot[2]
         hh = h
         for x in path[::-1]:
             hh, logits = runner.step(hh, torch.tensor([t.tokens[x]]), c2)

@@ -262,10 +262,11 @@ def main(argv: list[str] | None = None) -> None:
         _instrument()
     torch.set_num_threads(2)
     params = load_params(a.params)
-    _, tok = get_target(params)
+    target, tok = get_target(params)
     top = max(levels)
     wl = workload_prompts(tok, params, per_wave(top))
-    fits = params.engine.max_seq_len - a.max_new_tokens - params.engine.num_draft_tokens - 1
+    context = params.engine.max_seq_len or target.cfg.max_position
+    fits = context - a.max_new_tokens - params.engine.num_draft_tokens - 1
     wl |= unseen_prompts(tok, per_wave(top), [w for w in workloads if w in UNSEEN], fits)
     name = "none (A/A)" if a.config == "none" else a.config
     none = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top), params)

@@ -146,7 +146,7 @@ def rehydrate(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> dict
     T = len(ids)
     out = target.forward_batch([Segment(torch.tensor(ids, dtype=torch.int64), target.new_cache(T), last_only=True)],
                                need_hidden=True)[0]
-    return make_record(ids, len(prompt_ids), out.aux, out.hidden)
+    return make_record(ids, len(prompt_ids), out.aux.cpu(), out.hidden.cpu())
 
 
 def regenerate(engine: Engine, prompt_ids: list[int], max_new_tokens: int,

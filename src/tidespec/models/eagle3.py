@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ..workspace import engine_dir
-from .target import apply_rope, rope_tables
+from .layers import apply_rope, rope_tables
 
 ARCH = "LlamaForCausalLMEagle3"
 
@@ -172,6 +172,14 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"embedding {tuple(embed.shape)} does not fit draft (V={c.vocab_size}, H={c.hidden_size})")
         self.embed = embed.detach()
 
+    def place(self, device: torch.device) -> Eagle3Draft:
+        """Move the draft to `device`, its attached target embedding too (`nn.Module.to` does not:
+        the embedding is not a parameter). Returns self."""
+        self.to(device)
+        if self.embed is not None:
+            self.embed = self.embed.to(device)
+        return self
+
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
@@ -219,10 +227,10 @@ class Eagle3Draft(nn.Module):
         c = self.config
         rep = c.num_attention_heads // c.num_key_value_heads
         g = self.fc(aux)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        causal = torch.ones(T, T, dtype=torch.bool, device=aux.device).tril()
         mask0 = causal if key_valid is None else causal & key_valid[:, None, None, :]
         scale = c.head_dim ** -0.5
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=aux.device)
         ks, vs, outs = [], [], []
         for j in range(steps):
             tok = F.pad(input_ids[:, 1 + j:], (0, 1 + j))[:, :T]

@@ -9,6 +9,7 @@ import torch
 
 from ..assets import cache_dir, target_gguf
 from ..config import Params
+from .device import resolve_device
 from .eagle3 import load_checkpoint
 from .runner import DraftRunner
 from .target import Target, convert_gguf, load_target, target_id_for
@@ -27,8 +28,8 @@ def target_dir(source: str) -> Path:
 
 
 @functools.lru_cache(maxsize=2)
-def _target(source: str, dtype: str, aux: tuple | None) -> tuple[Target, object]:
-    return load_target(target_dir(source), dtype=getattr(torch, dtype), aux_layers=aux)
+def _target(source: str, dtype: str, aux: tuple | None, device: str) -> tuple[Target, object]:
+    return load_target(target_dir(source), dtype=getattr(torch, dtype), aux_layers=aux, device=device)
 
 
 def target_id(params: Params) -> str:
@@ -37,9 +38,11 @@ def target_id(params: Params) -> str:
 
 
 def get_target(params: Params) -> tuple[Target, object]:
-    """(Target, tokenizer or None), cached per process (tasks pass params, not tensors)."""
+    """(Target, tokenizer or None) on `target.device`, cached per process (tasks pass params, not
+    tensors). Raises ValueError for a device torch cannot see (`models.device.resolve_device`)."""
     t = params.target
-    return _target(t.source, t.dtype, tuple(t.aux_layers) if t.aux_layers else None)
+    dev = str(resolve_device(t.device, "target.device"))
+    return _target(t.source, t.dtype, tuple(t.aux_layers) if t.aux_layers else None, dev)
 
 
 def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
@@ -47,4 +50,4 @@ def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
     (ValueError for another target's draft or wrong shapes)."""
     if path is None or not Path(path).exists():
         return None
-    return DraftRunner(load_checkpoint(Path(path), target.embed, target.target_id))
+    return DraftRunner(load_checkpoint(Path(path), target.embed, target.target_id).place(target.device))

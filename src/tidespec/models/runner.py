@@ -8,17 +8,22 @@ import torch
 import torch.nn.functional as F
 
 from .eagle3 import Eagle3Config, Eagle3Draft
-from .target import PackedLinear, apply_rope, causal_bias, gqa_attention, visible_bias
+from .layers import PREFILL_CHUNK, PackedLinear, apply_rope, causal_bias, gqa_attention, grow_kv, visible_bias
 
 
 class DraftCache:
-    """Draft KV cache for one sequence: k/v `[nkv, max_len, hd]`, `length` valid positions."""
+    """Draft KV cache for one sequence: k/v `[nkv, capacity, hd]`, `length` valid positions; the
+    capacity grows on demand up to `max_len` (`reserve`, as `KVCache`)."""
 
-    def __init__(self, c: Eagle3Config, max_len: int, dtype=torch.float32):
-        self.k = torch.zeros(c.num_key_value_heads, max_len, c.head_dim, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+    def __init__(self, c: Eagle3Config, max_len: int, dtype=torch.float32, device: torch.device | str = "cpu"):
+        self.k = torch.empty(c.num_key_value_heads, 0, c.head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
         self.length = 0
         self.max_len = max_len
+
+    def reserve(self, n: int) -> None:
+        """Make room for `n` positions (ValueError beyond max_len: a draft cache overflow)."""
+        self.k, self.v = grow_kv(self.k, self.v, n, self.length, self.max_len, dim=1)
 
 
 class DraftRunner:
@@ -40,13 +45,14 @@ class DraftRunner:
         self.gate_up = PackedLinear(torch.cat([L.mlp.gate_proj.weight, L.mlp.up_proj.weight]).detach())
         self.down = PackedLinear(L.mlp.down_proj.weight.detach())
         self.lm_head = PackedLinear(draft.lm_head.weight.detach())
-        self.d2t = draft.d2t.clone()
+        self.device = draft.fc.weight.device  # the draft's weights, caches and hidden states; logits go to CPU
+        self.d2t = draft.d2t.clone().cpu()
         self.used = torch.arange(self.d2t.shape[0]) + self.d2t  # target ids of the draft vocab
         self.nq = c.num_attention_heads * c.head_dim
         self.nk = c.num_key_value_heads * c.head_dim
 
     def new_cache(self, max_len: int) -> DraftCache:
-        return DraftCache(self.config, max_len)
+        return DraftCache(self.config, max_len, device=self.device)
 
     @torch.inference_mode()
     def _layer(self, toks: list[torch.Tensor], g: torch.Tensor, caches: list[DraftCache], last_only: bool,
@@ -59,14 +65,13 @@ class DraftRunner:
         c, d, L = self.config, self.draft, self.draft.midlayer
         ns, ps = [t.shape[0] for t in toks], [cc.length for cc in caches]
         for cc, p, n in zip(caches, ps, ns):
-            if p + n > cc.max_len:
-                raise ValueError(f"draft cache overflow ({p + n} > {cc.max_len})")
-        N, hd = sum(ns), c.head_dim
-        emb = F.embedding(torch.cat(toks), d.embed)
+            cc.reserve(p + n)
+        N, hd, dev = sum(ns), c.head_dim, self.device
+        emb = F.embedding(torch.cat(toks).to(dev), d.embed)
         x = torch.cat([L.input_layernorm(emb), L.hidden_norm(g)], dim=-1)
         qkv = self.qkv_w(x)
-        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(ps, ns)]) if trees is None \
-            else torch.cat([t[1] for t in trees])
+        pos = torch.cat([torch.arange(p, p + n, device=dev) for p, n in zip(ps, ns)]) if trees is None \
+            else torch.cat([t[1] for t in trees]).to(dev)
         cos, sin = d.rope_cos[pos][:, None], d.rope_sin[pos][:, None]
         q = apply_rope(qkv[:, :self.nq].view(N, -1, hd), cos, sin)
         k = apply_rope(qkv[:, self.nq:self.nq + self.nk].view(N, -1, hd), cos, sin)
@@ -75,7 +80,8 @@ class DraftRunner:
         rep = c.num_attention_heads // c.num_key_value_heads
         for i, (cc, p, n) in enumerate(zip(caches, ps, ns)):
             cc.k[:, p:p + n], cc.v[:, p:p + n] = k[o:o + n].transpose(0, 1), v[o:o + n].transpose(0, 1)
-            mask = causal_bias(n, p, rep) if trees is None else visible_bias(trees[i][0], p, rep)
+            mask = (causal_bias(n, p, rep, device=dev) if trees is None
+                    else visible_bias(trees[i][0], p, rep, device=dev))
             a = gqa_attention(q[o:o + n].transpose(0, 1), cc.k[:, :p + n], cc.v[:, :p + n], mask)
             outs.append(a.transpose(0, 1).reshape(n, self.nq))
             cc.length = p + n
@@ -86,7 +92,7 @@ class DraftRunner:
         h = h + self.down(F.silu(gg) * uu)
         ends = torch.tensor(ns).cumsum(0)
         rows = (ends - 1) if last_only else torch.arange(N)
-        logits = self.lm_head(d.norm(h[rows])).float()
+        logits = self.lm_head(d.norm(h[rows.to(dev)])).float().cpu()
         hs = h.split(ns)
         ls = logits.split([1] * len(ns) if last_only else ns)
         return list(zip(hs, ls))
@@ -96,7 +102,7 @@ class DraftRunner:
 
         Returns (pre-norm hidden `[n, H]`, draft logits `[n, Vd]` fp32).
         """
-        return self._layer([next_tokens], self.fc(aux.float()), [cache], last_only=False)[0]
+        return self._layer([next_tokens], self.fc(aux.to(self.device, torch.float32)), [cache], last_only=False)[0]
 
     def step(self, hidden: torch.Tensor, token: torch.Tensor, cache: DraftCache):
         """One chain step: hidden `[1, H]` (previous draft output), token `[1]` → (hidden, logits)."""
@@ -106,9 +112,18 @@ class DraftRunner:
         """Batched `extend` over sequences `(aux [n_i, 3Ht], next_tokens [n_i], cache)`.
 
         Returns per sequence (last pre-norm hidden `[1, H]`, last-row logits `[Vd]` fp32): the
-        chain's starting point (only the last row's prediction is drafted from).
+        chain's starting point (only the last row's prediction is drafted from). Rows beyond
+        `PREFILL_CHUNK` per sequence run in chunks (as `Target.forward_batch`).
         """
-        g = self.fc(torch.cat([a for a, _, _ in items]).float())
+        if any(t.shape[0] > PREFILL_CHUNK for _, t, _ in items):
+            last: list = [None] * len(items)
+            for a in range(0, max(t.shape[0] for _, t, _ in items), PREFILL_CHUNK):
+                idx = [i for i, (_, t, _) in enumerate(items) if t.shape[0] > a]
+                sub = [(items[i][0][a:a + PREFILL_CHUNK], items[i][1][a:a + PREFILL_CHUNK], items[i][2]) for i in idx]
+                for i, out in zip(idx, self.extend_batch(sub)):
+                    last[i] = out
+            return last
+        g = self.fc(torch.cat([a for a, _, _ in items]).to(self.device, torch.float32))
         out = self._layer([t for _, t, _ in items], g, [c for _, _, c in items], last_only=True)
         return [(h[-1:], lg[0]) for h, lg in out]
 

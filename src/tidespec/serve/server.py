@@ -50,10 +50,14 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     for a version clearly worse than its predecessor (None: report only). At shutdown: the watcher
     stops, requests in flight finish, the engine's capture sink (if any) is flushed (its counters
     are served on /metrics), text capture is closed. Every error is answered in OpenAI's envelope
-    (`serve.errors`). Raises ValueError for unresolved max_tokens."""
+    (`serve.errors`). Raises ValueError for unresolved max_tokens, or max_tokens ≥ the engine's
+    max_seq_len."""
     cfg = serve or ServeParams()
     if cfg.max_tokens is None:
         raise ValueError("serve.max_tokens is unresolved: pass Params.serve_resolved() (engine.max_new_tokens)")
+    if cfg.max_tokens >= engine.cfg.max_seq_len:
+        raise ValueError(f"serve.max_tokens ({cfg.max_tokens}) must be < the engine's max_seq_len "
+                         f"({engine.cfg.max_seq_len}): prompt and completion share the sequence")
     writer = engine.capture
     textlog = text_capture if isinstance(text_capture, TextLog) else TextLog(text_capture)
     loop, metrics = EngineLoop(engine), ServeMetrics(engine.cfg.num_draft_tokens)

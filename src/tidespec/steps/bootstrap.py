@@ -58,8 +58,8 @@ def teacher_force(target: Target, tok, conversations: list[list[dict]], max_toke
         mask = torch.zeros(len(full), dtype=torch.uint8)
         mask[len(p):] = 1
         recs.append({"input_ids": ids.to(torch.int32), "loss_mask": mask,
-                     "aux_hidden_states": out.aux.to(torch.bfloat16),
-                     "hidden_states": out.hidden.to(torch.bfloat16)})
+                     "aux_hidden_states": out.aux.to("cpu", torch.bfloat16),
+                     "hidden_states": out.hidden.to("cpu", torch.bfloat16)})
         total += len(full)
         if progress:
             progress(len(full))

@@ -73,7 +73,7 @@ def _train_specforge(params: Params, target: Target, target_dir: Path, train: li
     scratch (no warm start: SpecForge loads its own checkpoints); validation accuracy is measured
     with the embedded trainer's code so both backends report the same metrics."""
     m = train_specforge(train, target, target_dir, params.draft, params.train, out, params.train.specforge_bin)
-    ev = holdout_accuracy(load_checkpoint(out, target.embed.float(), target.target_id).eval(), target, val,
+    ev = holdout_accuracy(load_checkpoint(out, target.embed.float().cpu(), target.target_id).eval(), target, val,
                           params.train)
     if ev.positions:
         m.update({f"val/acc_{j}": a for j, a in enumerate(ev.acc)})

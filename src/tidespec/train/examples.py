@@ -40,6 +40,7 @@ def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int
     """
     out = []
     dropped = Counter() if dropped is None else dropped
+    t2d = t2d.cpu()
     cols = t2d.nonzero().squeeze(-1)
     for r in records:
         T = min(int(r["input_ids"].shape[0]), max_len)
@@ -51,7 +52,7 @@ def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int
             continue
         hid = r["hidden_states"][:T].float()
         with torch.no_grad():
-            full = target.logits_from_hidden(hid)  # [T, V]
+            full = target.logits_from_hidden(hid).cpu()  # [T, V], on the target's device; examples stay on CPU
         keep = torch.ones(T, dtype=torch.bool) if loss_on_prompt else r["loss_mask"][:T].bool()
         valid = keep & t2d[full.argmax(-1)]
         if not valid[1:].any():  # nothing to learn (e.g. generation cut off by max_len, or out of vocab)
@@ -82,12 +83,14 @@ def _pad(t: torch.Tensor, T: int, v=0) -> torch.Tensor:
     return F.pad(t, (0, 0) * (t.dim() - 1) + (0, T - t.shape[0]), value=v)
 
 
-def batches(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random):
-    """Length-bucketed padded batches of at most `max_tokens` (B·T_max) tokens: (aux `[B,T,3H]`,
-    ids `[B,T]`, tlogits `[B,T,Vd]`, valid `[B,T]`, key_valid `[B,T]` (not padding))."""
+def batches(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random,
+            device: torch.device | str = "cpu"):
+    """Length-bucketed padded batches of at most `max_tokens` (B·T_max) tokens, on `device`: (aux
+    `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid `[B,T]`, key_valid `[B,T]` (not padding))."""
     for g in _groups(examples, max_tokens, shuffle, rng):
         ex = [examples[i] for i in g]
         T = max(e.ids.shape[0] for e in ex)
-        yield (torch.stack([_pad(e.aux, T) for e in ex]), torch.stack([_pad(e.ids, T) for e in ex]),
-               torch.stack([_pad(e.tlogits, T) for e in ex]), torch.stack([_pad(e.valid, T, False) for e in ex]),
-               torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex]))
+        batch = (torch.stack([_pad(e.aux, T) for e in ex]), torch.stack([_pad(e.ids, T) for e in ex]),
+                 torch.stack([_pad(e.tlogits, T) for e in ex]), torch.stack([_pad(e.valid, T, False) for e in ex]),
+                 torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex]))
+        yield tuple(t.to(device) for t in batch)

@@ -126,6 +126,8 @@ def evaluate_holdout(draft: Eagle3Draft, examples: list[Example], steps: int, ba
             valid = torch.stack([_pad(e.valid, T, False) for e in ex])
             keep = torch.stack([_pad(e.valid if e.keep is None else e.keep, T, False) for e in ex])
             kv = torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex])
+            dev = draft.fc.weight.device
+            aux, ids, tl, valid, keep, kv = (t.to(dev) for t in (aux, ids, tl, valid, keep, kv))
             hs = draft.ttt_forward(aux, ids, steps, kv)
             right = []
             for j, h in enumerate(hs):
@@ -142,7 +144,7 @@ def evaluate_holdout(draft: Eagle3Draft, examples: list[Example], steps: int, ba
             for b in range(len(ex)):
                 pos = start[b].nonzero().squeeze(-1)
                 if pos.numel():
-                    seqs.append((pos.tolist(), right_[b, pos]))
+                    seqs.append((pos.tolist(), right_[b, pos].cpu()))
     if not seqs:
         return HoldoutEval([], steps)
     return HoldoutEval([a / n if n else 0.0 for a, n in zip(corr, cnt)], steps, seqs)

@@ -66,7 +66,7 @@ def load_state(d: Path, fp: str) -> dict | None:
     if not f.exists():
         return None
     try:
-        st = torch.load(f, weights_only=False)
+        st = torch.load(f, weights_only=False, map_location="cpu")  # load_state_dict places it
     except Exception:  # noqa: BLE001 - unreadable (should not happen with the atomic rename): start fresh
         return None
     return st if st.get("fingerprint") == fp else None

@@ -161,7 +161,7 @@ def train_specforge(train_records: list[dict], target: Target, target_dir: Path,
         p = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if p.returncode:
             raise RuntimeError(f"{argv[1]} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
-    draft = load_checkpoint(run["export"], target.embed)  # SpecForge's export, validated by our loader
+    draft = load_checkpoint(run["export"], target.embed.cpu())  # SpecForge's export, validated by our loader
     if draft.config.aux_layer_ids != tuple(target.aux_layers) or draft.config.vocab_size != target.cfg.vocab_size:
         raise RuntimeError(f"SpecForge export {run['export']} does not match the target: {draft.config}")
     object.__setattr__(draft.config, "target_id", target.target_id)  # frozen; the export has no tidespec fields

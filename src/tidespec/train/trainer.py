@@ -5,7 +5,9 @@ valid positions of −Σ_v p_target(v) · log q_draft(v), p_target the target's 
 to the draft vocabulary, from the captured final hidden state through its lm_head; positions whose
 target argmax is outside the draft vocabulary are dropped. Warm start from a draft (its vocabulary
 remapped), resumable state every `checkpoint_every` steps, the holdout evaluated per epoch
-(`train.holdout`). Devices: CPU (fp32). More: docs/design/train.md.
+(`train.holdout`). Device: `train.device` (the draft, its optimizer and each batch); precision:
+`train.precision` (bf16 autocast over fp32 weights, the default on CUDA; CPU trains in fp32).
+More: docs/design/train.md.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import DraftParams, TrainParams
+from ..models.device import autocast_dtype, resolve_device
 from ..models.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
@@ -45,7 +48,7 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
     (non-padding) positions, so later steps, with fewer valid rows, weigh less.
     """
     hs = draft.ttt_forward(aux, ids, steps, key_valid)
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=aux.device)
     denom = max(int(key_valid.sum()), 1)
     correct, count = [], []
     for j, h in enumerate(hs):
@@ -66,13 +69,14 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
 
 
 def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) -> Eagle3Draft:
-    """New draft (lm_head rows from the target's) or warm start from `init`, remapped to the new vocab."""
+    """New draft (lm_head rows from the target's) or warm start from `init`, remapped to the new
+    vocab; on CPU (the caller places it: `Eagle3Draft.place`)."""
     cfg = Eagle3Config.for_target(target.cfg, target.aux_layers, dparams.draft_vocab_size,
                                   dparams.intermediate_size, target.target_id)
     d2t, t2d = build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size)
-    head = target.lm_head_weight.float()
+    head, embed = target.lm_head_weight.float().cpu(), target.embed.float().cpu()  # built on CPU, then placed
     if init is not None:
-        draft = load_checkpoint(init, target.embed.float(), target.target_id)
+        draft = load_checkpoint(init, embed, target.target_id)
         if draft.config.draft_vocab_size != cfg.draft_vocab_size:
             raise ValueError(f"warm start {init} has draft_vocab_size {draft.config.draft_vocab_size}, "
                              f"params say {cfg.draft_vocab_size}; set train.warm_start: false to retrain")
@@ -80,7 +84,7 @@ def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) 
         return draft
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
-    draft.set_embed(target.embed.float())
+    draft.set_embed(embed)
     remap_lm_head(draft, d2t, t2d, head)
     return draft
 
@@ -115,7 +119,9 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     if tparams.threads:
         torch.set_num_threads(tparams.threads)
     counts = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
-    draft = init_draft(target, dparams, counts, init)
+    dev = resolve_device(tparams.device, "train.device")
+    amp = autocast_dtype(tparams.precision, dev)
+    draft = init_draft(target, dparams, counts, init).place(dev)
     draft.train()
     dropped, val_dropped = Counter(), Counter()
     ex_train = prepare(train_records, target, draft.t2d, tparams.max_seq_len, tparams.loss_on_prompt, dropped)
@@ -127,7 +133,7 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     rng = random.Random(tparams.seed)
     torch.manual_seed(tparams.seed)
     sdir = state_dir(out)
-    fp = fingerprint(tparams.model_dump(exclude={"threads"}), dparams.model_dump(), weights_digest(init),
+    fp = fingerprint(tparams.model_dump(exclude={"threads", "device"}), dparams.model_dump(), weights_digest(init),
                      target.target_id, str(target.dtype), list(target.aux_layers), records_fingerprint(train_records))
     run, resumed_from = _resume(sdir, fp, draft, opt, sched, tparams.ttt_steps, rng)
 
@@ -136,14 +142,15 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
                           "sched": sched.state_dict(), "run": run})
 
     for ep in range(run["epoch"], tparams.epochs):
-        _train_epoch(draft, opt, sched, params, ex_train, tparams, rng, run, total, progress, checkpoint)
+        _train_epoch(draft, opt, sched, params, ex_train, tparams, rng, run, total, progress, checkpoint, amp)
         _end_epoch(draft, run, ep, rng, tparams.ttt_steps, on_epoch)
         checkpoint()
     draft.eval()
     if not all(torch.isfinite(p).all() for p in params):
         raise ValueError(f"training diverged (non-finite weights; lr {tparams.lr}); nothing saved, lower train.lr")
     metrics = _metrics(draft, ex_train, ex_val, run, tparams, resumed_from, dropped, val_dropped)
-    save_checkpoint(draft, out, extra={"warm_start": str(init) if init else None})
+    metrics |= {"train_device": str(dev), "train_precision": "bf16" if amp else "fp32"}
+    save_checkpoint(draft.place(torch.device("cpu")), out, extra={"warm_start": str(init) if init else None})
     (Path(out) / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
     clear_state(sdir)
     return metrics
@@ -175,16 +182,19 @@ def _resume(sdir: Path, fp: str, draft, opt, sched, steps: int, rng: random.Rand
 
 
 def _train_epoch(draft, opt, sched, params: list, ex_train: list, tparams: TrainParams, rng: random.Random,
-                 run: dict, total: int, progress, checkpoint) -> None:
+                 run: dict, total: int, progress, checkpoint, amp: torch.dtype | None) -> None:
     """One epoch of TTT steps (EAGLE-3 §3.2 training-time test) over `ex_train`, from batch
     `run["batches_done"]` on (a resumed epoch skips what it did); updates `run` in place and
-    checkpoints every `train.checkpoint_every` optimizer steps."""
+    checkpoints every `train.checkpoint_every` optimizer steps. `amp`: the autocast dtype of the
+    forward and loss (None: fp32); gradients and AdamW stay fp32 on the fp32 weights."""
     rng.setstate(run["epoch_rng"])  # the epoch's batch order, reproducible on resume
     every, t0 = tparams.checkpoint_every, time.perf_counter()
-    for bi, (aux, ids, tl, valid, kv) in enumerate(batches(ex_train, tparams.batch_tokens, True, rng)):
+    dev = draft.fc.weight.device
+    for bi, (aux, ids, tl, valid, kv) in enumerate(batches(ex_train, tparams.batch_tokens, True, rng, dev)):
         if bi < run["batches_done"]:
             continue
-        loss, c, n = ttt_loss(draft, aux, ids, tl, valid, kv, tparams.ttt_steps, tparams.loss_decay)
+        with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
+            loss, c, n = ttt_loss(draft, aux, ids, tl, valid, kv, tparams.ttt_steps, tparams.loss_decay)
         run["batches_done"] = bi + 1
         if not loss.requires_grad or not torch.isfinite(loss):  # nothing to learn / a bad batch
             run["skipped"] += 1

@@ -66,7 +66,7 @@ class VLLMRehydrator:
         import torch
 
         from ...capture.rehydrate import check_exchange, make_record
-        from ...models.target import rms_norm
+        from ...models.layers import rms_norm
         try:
             ids = check_exchange(self.target, prompt, gen)
         except ValueError as e:

@@ -71,7 +71,7 @@ class VLLMLaunch:
     port: int = 8100
     served_model_name: str | None = None
     dtype: str = "float32"
-    max_model_len: int = 2048
+    max_model_len: int | None = 2048  # None: the model's own (vLLM's default)
     max_num_seqs: int = 8
     kv_cache_gib: int = 2
     threads: int | None = None
@@ -94,7 +94,8 @@ class VLLMLaunch:
             raise ValueError("extract_layers and extract_dir go together (hidden-state extraction)")
         if self.extract_layers and (self.draft_path is not None or self.ngram is not None):
             raise ValueError("hidden-state extraction is vLLM's speculative method: no draft or ngram beside it")
-        if self.max_model_len < 16 or self.max_num_seqs < 1 or self.kv_cache_gib < 1:
+        if (self.max_model_len is not None and self.max_model_len < 16) or self.max_num_seqs < 1 \
+                or self.kv_cache_gib < 1:
             raise ValueError("max_model_len >= 16, max_num_seqs >= 1, kv_cache_gib >= 1")
 
     @property
@@ -147,8 +148,10 @@ def speculative_config(cfg: VLLMLaunch) -> dict | None:
 def launch_args(cfg: VLLMLaunch) -> list[str]:
     """The server's command line."""
     a = [cfg.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model_path),
-         "--host", cfg.host, "--port", str(cfg.port), "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
+         "--host", cfg.host, "--port", str(cfg.port), "--dtype", cfg.dtype,
          "--max-num-seqs", str(cfg.max_num_seqs), "--enforce-eager", "--seed", str(cfg.seed)]
+    if cfg.max_model_len is not None:
+        a += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.served_model_name:
         a += ["--served-model-name", cfg.served_model_name]
     spec = speculative_config(cfg)

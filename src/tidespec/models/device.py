@@ -1,0 +1,29 @@
+"""Where tensors live: `resolve_device` turns a `target.device` / `train.device` setting into a
+`torch.device`, and `autocast_dtype` a `train.precision` into the autocast dtype. Every model,
+optimizer and tensor is placed through these; nothing moves implicitly."""
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(spec: str, setting: str) -> torch.device:
+    """`auto` → cuda when torch sees a GPU, else cpu; `cpu`; `cuda` / `cuda:N`. Raises ValueError
+    naming `setting` (e.g. "train.device") when it asks for a GPU torch cannot see, or a GPU index
+    beyond the visible ones."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{setting}: {spec} but torch sees no CUDA GPU here; set {setting}: cpu (or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{setting}: {spec} but only {torch.cuda.device_count()} GPU(s) are visible")
+    return dev
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of `train.precision` on `device`: bf16 → torch.bfloat16; fp32 → None (no
+    autocast); auto → bf16 on CUDA, None on CPU (the tested fp32 path)."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
