@@ -77,3 +77,21 @@ def test_cuda_engine_is_lossless(tiny_target_dir):
     spec = [Engine(target, runner, cfg).generate(p, 16).tokens for p in prompts]
     plain = [Engine(target, None, cfg).generate(p, 16, speculative=False).tokens for p in prompts]
     assert spec == plain
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_engine_with_the_goodput_policy_calibrates_and_swaps(tiny_target_dir):
+    """The serving path as `tidespec serve` builds it on a CUDA target: `make_engine` with the goodput
+    policy calibrates (draft steps timed on the device), a hot-swap times the new draft, and output
+    equals the target alone."""
+    from tidespec.engine.build import make_engine
+    from tidespec.models.runner import DraftRunner
+    from tidespec.models.target import load_target
+    target = load_target(tiny_target_dir, device="cuda")[0]
+    runner = DraftRunner(random_draft(target, 64).place(target.device))
+    eng = make_engine(EngineParams(num_draft_tokens=3, max_seq_len=256), target, runner)
+    eng.set_draft(DraftRunner(random_draft(target, 64, seed=4).place(target.device)), "v2")
+    plain = make_engine(EngineParams(num_draft_tokens=3, max_seq_len=256).fixed(), target)
+    prompt = [5, 17, 33, 90, 41]
+    assert eng.generate(prompt, 16).tokens == plain.generate(prompt, 16, speculative=False).tokens

@@ -122,3 +122,15 @@ def test_synthetic_target_runs_at_its_width():
     assert out.aux.shape == (37, 768) and out.logits.shape == (37, 1000) and torch.isfinite(out.logits).all()
     with pytest.raises(KeyError, match="one of smollm2, h2048, llama8b-width"):
         named("h9999")
+
+
+def test_scaling_bench_counts_the_bytes_a_record_holds():
+    """`bench scaling`'s bytes per token at rest: a raw record is aux `[T, 3H]` + hidden `[T, H]` in
+    bf16 (8·H bytes per token) + ids (int32) + loss mask (uint8), plus one safetensors header
+    (under 1 KiB, shared by the T tokens); zstd stores fewer."""
+    from tidespec.bench.scaling import _round
+    from tidespec.bench.synthetic import synthetic_target
+    t = synthetic_target(128, 4, 4, 2, 256, 500)
+    r = _round(t, list(range(3, 259)))
+    assert 8 * 128 + 5 <= r["raw_bytes_per_token"] <= 8 * 128 + 5 + 1024 / 256
+    assert r["zstd_bytes_per_token"] < r["raw_bytes_per_token"] and r["prefill_ms_per_token"] > 0

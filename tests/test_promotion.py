@@ -220,3 +220,34 @@ def test_promote_by_hand_refuses_a_version_never_evaluated(tmp_path, mlflow_serv
     d = registry.promote(uri, tid, bare, "bootstrap", allow_unevaluated=True)
     assert d.promoted and d.previous_champion == good and "unevaluated" in d.reason
     assert registry.decisions(uri, tid, bare)[-1].endswith("promoted: manual, unevaluated (bootstrap): bootstrap")
+
+
+def test_batched_evaluate_replays_the_same_tokens_and_tau(tmp_path, tiny_target_dir, monkeypatch):
+    """evaluate.concurrency 4 runs each wave of 4 holdout requests as one engine batch in every arm:
+    on CPU (row-consistent fp32 forwards) outputs and τ equal the one-at-a-time replay's exactly,
+    lossless holds, and the report says which gate and which concurrency it used."""
+    import json
+
+    from conftest import make_tiny_workspace, random_draft
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.steps import cycle, evaluate
+    (tmp_path / "ws").mkdir()
+    ws, params, target = make_tiny_workspace(tmp_path / "ws", tiny_target_dir, n_requests=16)
+    cycle.step_curate(ws, params, target.target_id)
+    cand = save_checkpoint(random_draft(target, 64, seed=2), tmp_path / "cand")
+    from tidespec.engine.speculative import Engine
+    batches, real = [], Engine.generate_batch
+    monkeypatch.setattr(Engine, "generate_batch", lambda self, reqs: batches.append(len(reqs)) or real(self, reqs))
+    reps = {}
+    for c in (1, 4):
+        batches.clear()
+        p = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"concurrency": c})})
+        reps[c] = evaluate.step_evaluate(ws, p, cand, None, ws.eval_prompts, tmp_path / f"eval{c}.json")
+        assert (reps[c]["gate"], reps[c]["concurrency"]) == ("replay", c)
+        assert json.loads((tmp_path / f"eval{c}.json").read_text())["concurrency"] == c
+        assert max(batches) == min(c, reps[c]["num_prompts"])  # the waves really ran as batches of c
+    assert reps[1]["num_prompts"] >= 4 and reps[1]["lossless"] and reps[4]["lossless"]
+    for arm in ("baseline", "candidate"):
+        for m in ("acceptance_length", "new_tokens", "mismatches"):
+            assert reps[1][arm][m] == reps[4][arm][m], (arm, m)
+    assert reps[1]["candidate"]["num_drafts"] == reps[4]["candidate"]["num_drafts"] > 0

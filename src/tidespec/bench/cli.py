@@ -329,6 +329,18 @@ def bench_capture(params: Path = PARAMS, prompts: int = typer.Option(8, min=1),
     console.print(f"wrote {out / 'capture.json'} and {out / 'capture.md'} in {rep['setup']['wall_s']:.0f} s")
 
 
+@bench_app.command("scaling")
+def bench_scaling(params: Path = PARAMS,
+                  tokens: int = typer.Option(512, min=16, help="tokens in the prefilled sequence"),
+                  rounds: int = typer.Option(3, min=1), out: Path = typer.Option(Path("bench/results"))):
+    """Capture at real widths (SmolLM2, synthetic H = 2048 / 4096): bytes per token at rest, capture CPU
+    against prefill."""
+    from ..config import load_params
+    from . import scaling
+    scaling.run(load_params(params), out, tokens, rounds, progress=console.print)
+    console.print((out / "scaling.md").read_text())
+
+
 # The experiment scripts: argparse programs of their own, run as `tidespec bench NAME ARGS...` (their
 # --help is theirs); one module each in this package, `main(argv)`.
 SCRIPTS = {

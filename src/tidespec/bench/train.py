@@ -103,7 +103,7 @@ def replay_tau(target: Target, draft_dir: Path, holdout: list[dict], k: int, max
     to interleave configurations; here only τ matters): τ, acceptance rate, per-position acceptance
     (unconditional, vLLM's `accepted_per_pos`), mismatches vs the target-only reference outputs,
     seconds (wall), new_tokens."""
-    runner = DraftRunner(load_checkpoint(draft_dir, target.embed, target.target_id))
+    runner = DraftRunner(load_checkpoint(draft_dir, target.embed, target.target_id).place(target.device))
     L = max(len(h["input_ids"]) for h in holdout) + max_new_tokens + k + 2
     eng = make_engine(EngineParams().fixed(num_draft_tokens=k, max_seq_len=L, max_batch=max_batch), target, runner)
     t0 = time.perf_counter()
@@ -190,7 +190,7 @@ def holdout_tau(target: Target, draft_dir: Path, recs: list[dict], params: Param
     """Teacher-forced holdout evaluation (no replay: cheap): {"acc": unconditional accuracy per TTT
     step, "conditional": conditional acceptance per position, "simulated_tau": τ at k =
     engine.num_draft_tokens from the conditional acceptances (None: no usable holdout record)}."""
-    ev = holdout_accuracy(load_checkpoint(draft_dir, target.embed.float(), target.target_id).eval(), target, recs,
+    ev = holdout_accuracy(load_checkpoint(draft_dir, target.embed.float().cpu(), target.target_id).eval(), target, recs,
                           params.train)
     k = params.engine.num_draft_tokens
     return {"acc": ev.acc, "conditional": ev.conditional(k),

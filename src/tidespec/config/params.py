@@ -229,8 +229,13 @@ class TrainParams(_Strict):
 
 
 class EvaluateParams(_Strict):
+    """The evaluate step's replay. concurrency: holdout requests replayed at once per arm (one
+    engine batch; every arm runs the same waves, so each is compared with the baseline at the same
+    batch); 1 = one at a time (single-stream speed-ups, as the demo reports them)."""
+
     min_relative_gain: float = Field(0.02, ge=0)
     max_new_tokens: int = Field(96, ge=1)
+    concurrency: int = Field(1, ge=1, le=256)
 
 
 class ServeParams(_Strict):

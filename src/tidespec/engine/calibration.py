@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import eagle3, runner
+from ..models import eagle3, layers, runner
 from ..models import target as target_mod
 from ..models.target import Segment
 
@@ -122,7 +122,7 @@ def cpu_model() -> str:
 def _code_hash() -> str:
     """The forward code's identity: a calibration measured before a kernel change is not reused."""
     h = hashlib.sha256()
-    for mod in (target_mod, eagle3, runner):
+    for mod in (layers, target_mod, eagle3, runner):
         h.update(Path(mod.__file__).read_bytes())
     return h.hexdigest()[:12]
 
@@ -139,9 +139,13 @@ def row_grid(k_max: int, max_rows: int) -> tuple[int, ...]:
 
 
 def calibration_key(target, runner, k_max: int, max_batch: int = 1, max_rows: int = 0) -> str:
-    """Machine + code + target + draft shape + threads + grid: a calibration is reused only where it was measured."""
+    """Machine + device + code + target + draft shape + threads + grid: a calibration is reused only
+    where it was measured."""
     d = runner.config if runner is not None else None
-    parts = [VERSION, cpu_model(), os.cpu_count(), torch.get_num_threads(), torch.__version__, _code_hash(),
+    dev = target.device
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    parts = [VERSION, cpu_model(), str(dev), gpu, os.cpu_count(), torch.get_num_threads(), torch.__version__,
+             _code_hash(),
              target.target_id, target.cfg.hidden_size, target.cfg.num_layers, str(target.dtype), k_max,
              batch_grid(max_batch), row_grid(k_max, max_rows),
              (d.hidden_size, d.intermediate_size, d.draft_vocab_size) if d else None]
@@ -234,7 +238,7 @@ def measure_draft(target, runner, batch_sizes: tuple[int, ...], context: int = 1
         dc = runner.new_cache(context + 2)
         runner.extend(torch.randn(context, 3 * target.cfg.hidden_size, generator=g),
                       torch.randint(0, V, (context,), generator=g), dc)
-        items.append((torch.randn(1, runner.config.hidden_size, generator=g), torch.tensor([1]), dc))
+        items.append((torch.randn(1, runner.config.hidden_size, generator=g).to(runner.device), torch.tensor([1]), dc))
 
     def dstep(b):
         def f():

@@ -94,6 +94,8 @@ class Engine:
         if c.vocab_size != t.vocab_size or c.target_hidden_size != t.hidden_size:
             raise ValueError(f"draft (V={c.vocab_size}, Ht={c.target_hidden_size}) does not fit the target "
                              f"(V={t.vocab_size}, H={t.hidden_size})")
+        if draft.device != self.target.device:
+            raise ValueError(f"draft on {draft.device}, target on {self.target.device}: place it with runner_for")
         if tuple(c.aux_layer_ids) != tuple(self.target.aux_layers):
             raise ValueError(f"draft aux layers {c.aux_layer_ids} != target capture layers {self.target.aux_layers}")
         if c.target_id and self.target.target_id != "unknown" and c.target_id != self.target.target_id:

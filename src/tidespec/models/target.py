@@ -152,7 +152,11 @@ class Target:
         if len(self.aux_layers) != 3 or not all(0 <= i < cfg.num_layers for i in self.aux_layers):
             raise ValueError(f"aux_layers must be 3 layer ids in [0, {cfg.num_layers}), got {self.aux_layers}")
         w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in weights.items()}
+        tied = weights.get("lm_head.weight")
+        if tied is not None and tied.data_ptr() == weights["model.embed_tokens.weight"].data_ptr():
+            w["lm_head.weight"] = w["model.embed_tokens.weight"]  # tied: one copy on the device
         self.embed = w["model.embed_tokens.weight"]
+        self.device = self.embed.device  # with its index (cuda:0), as a module's parameters report it
         self.lm_head_weight = w.get("lm_head.weight", self.embed)
         self.lm_head = PackedLinear(self.lm_head_weight)
         self.norm = w["model.norm.weight"]

@@ -52,29 +52,33 @@ def constrained(prompts: list[dict], target, tok) -> list[dict]:
 def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path | None,
                   prompts_path: Path, out: Path, progress=None) -> dict:
     """Replay the holdout with no speculation, the champion and the candidate, side by side
-    (interleaved per prompt, fixed k = engine.num_draft_tokens).
+    (interleaved per wave of `evaluate.concurrency` requests, one engine batch each; fixed k =
+    engine.num_draft_tokens).
 
     Report: {"baseline": m, "champion": m | None, "candidate": m, "lossless": bool,
-    "speedup": {...}} where each m is `replay`'s metrics. Lossless = the candidate's and the
-    champion's greedy outputs equal target-only outputs token for token.
+    "speedup": {...}, "gate": "replay", "concurrency": c} where each m is `replay`'s metrics.
+    Lossless = the candidate's and the champion's greedy outputs equal the baseline's (target-only,
+    same waves) token for token; "gate" names what the promotion gate compares (τ replayed).
     """
     target, tok = get_target(params)
     prompts = constrained(read_eval_prompts(prompts_path), target, tok)
-    n = params.evaluate.max_new_tokens
+    n, c = params.evaluate.max_new_tokens, params.evaluate.concurrency
     e = params.engine
 
     def engine(
         runner, name
     ):  # τ of the draft alone: no grammar-forced proposals (constrained prompts keep their masks)
-        return make_engine(e.fixed(), target, runner, version=name, forced_tokens=False)
+        return make_engine(e.fixed(max_batch=max(e.max_batch, c)), target, runner, version=name,
+                           forced_tokens=False)
 
     configs = {"baseline": (engine(None, None), False)}
     champ = runner_for(champion, target)
     if champ is not None:
         configs["champion"] = (engine(champ, "champion"), True)
     configs["candidate"] = (engine(runner_for(candidate, target), "candidate"), True)
-    runs = replay(configs, prompts, n, reference="baseline", progress=progress)
+    runs = replay(configs, prompts, n, reference="baseline", progress=progress, concurrency=c)
     rep = {"baseline": runs["baseline"]["metrics"], "num_prompts": len(prompts), "max_new_tokens": n,
+           "gate": "replay", "concurrency": c,
            "num_draft_tokens": e.num_draft_tokens,
            "champion_version": served_version(champion) if champ is not None else None,
            "champion": runs["champion"]["metrics"] if champ is not None else None,

@@ -134,7 +134,8 @@ def train_draft(train_records: list[dict], val_records: list[dict], target: Targ
     torch.manual_seed(tparams.seed)
     sdir = state_dir(out)
     fp = fingerprint(tparams.model_dump(exclude={"threads", "device"}), dparams.model_dump(), weights_digest(init),
-                     target.target_id, str(target.dtype), list(target.aux_layers), records_fingerprint(train_records))
+                     target.target_id, str(target.dtype), list(target.aux_layers), records_fingerprint(train_records),
+                     str(amp))  # the resolved precision: `auto` is bf16 on CUDA, fp32 on CPU
     run, resumed_from = _resume(sdir, fp, draft, opt, sched, tparams.ttt_steps, rng)
 
     def checkpoint():

@@ -87,7 +87,7 @@ class VLLMRehydrator:
                             f"{len(ids)} × 4 (3 aux + last)")
         dt, c = self.target.dtype, self.target.cfg
         aux = hs[:, :3].reshape(len(ids), -1).to(dt)
-        hidden = rms_norm(hs[:, 3].to(torch.float32), self.target.norm.float(), c.rms_norm_eps).to(dt)
+        hidden = rms_norm(hs[:, 3].to(torch.float32), self.target.norm.float().cpu(), c.rms_norm_eps).to(dt)
         return make_record(ids, len(prompt), aux, hidden)
 
 
