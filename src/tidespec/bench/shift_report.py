@@ -91,6 +91,17 @@ def save_png(fig, path: Path) -> Path:
     return path
 
 
+SPEC_ARMS = (("static", "s--"), ("adapted", "o-"), ("hybrid", "^-"))  # speculating arms, matplotlib styles
+
+
+def _plot_arms(ax, phases: list[dict], c, metric: str, arms: tuple[tuple[str, str], ...]) -> None:
+    """One line per arm (name, matplotlib style) present at concurrency `c`: `metric` before and
+    after each phase's cycle, in phase order."""
+    for arm, style in arms:
+        if arm in phases[0]["before"][c]:
+            ax.plot([p[s][c][arm][metric] for p in phases for s in ("before", "after")], style, label=arm)
+
+
 def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     """Three PNGs from an in-memory report (concurrency keys are ints): τ over the run (per phase,
     before/after its cycle, lowest concurrency), tokens/s (one panel per concurrency) and per-position
@@ -104,11 +115,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
     paths = {}
     fig, ax = plt.subplots(figsize=(max(6, len(xs) * 0.9), 3.6))
     c0 = min(cs, default=1)
-    for arm, style in (("static", "s--"), ("adapted", "o-"), ("hybrid", "^-")):
-        if arm not in phases[0]["before"][c0]:
-            continue
-        ys = [p[s][c0][arm]["acceptance_length"] for p in phases for s in ("before", "after")]
-        ax.plot(range(len(xs)), ys, style, label=arm)
+    _plot_arms(ax, phases, c0, "acceptance_length", SPEC_ARMS)
     ax.set_xticks(range(len(xs)), xs, fontsize=8)
     ax.set_ylabel(f"τ (k={rep['k']})")
     ax.set_title("acceptance length over the shifting workload")
@@ -117,11 +124,7 @@ def plots(rep: dict, out: Path, stem: str) -> dict[str, Path]:
 
     fig, axes = plt.subplots(1, len(cs), figsize=(max(6, len(xs) * 0.9) * max(1, len(cs)) / 1.6, 3.6), squeeze=False)
     for ax, c in zip(axes[0], cs):
-        for arm, style in (("none", ":"), ("static", "s--"), ("adapted", "o-"), ("hybrid", "^-")):
-            if arm not in phases[0]["before"][c]:
-                continue
-            ys = [p[s][c][arm]["tokens_per_s"] for p in phases for s in ("before", "after")]
-            ax.plot(range(len(xs)), ys, style, label=arm)
+        _plot_arms(ax, phases, c, "tokens_per_s", (("none", ":"), *SPEC_ARMS))
         ax.set_xticks(range(len(xs)), xs, fontsize=7)
         ax.set_title(f"concurrency {c}")
         ax.set_ylabel("tokens/s")

@@ -100,6 +100,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rot * sin
 
 
+def chunk_rounds(lengths: list[int], chunk: int):
+    """The chunked-prefill schedule for sequences of `lengths` rows: per round, (start row, indices of
+    the sequences that still have rows from there); each round takes rows [start, start + chunk)."""
+    for a in range(0, max(lengths), chunk):
+        yield a, [i for i, n in enumerate(lengths) if n > a]
+
+
 def grow_kv(k: torch.Tensor, v: torch.Tensor, n: int, length: int, max_len: int, dim: int):
     """`(k, v)` with room for `n` positions along `dim`: unchanged when they have it, else new
     tensors of max(n, 2 × capacity, 64) positions (at most `max_len`) holding the first `length`.

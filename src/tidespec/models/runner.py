@@ -8,7 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from .eagle3 import Eagle3Config, Eagle3Draft
-from .layers import PREFILL_CHUNK, PackedLinear, apply_rope, causal_bias, gqa_attention, grow_kv, visible_bias
+from .layers import (
+    PREFILL_CHUNK,
+    PackedLinear,
+    apply_rope,
+    causal_bias,
+    chunk_rounds,
+    gqa_attention,
+    grow_kv,
+    visible_bias,
+)
 
 
 class DraftCache:
@@ -117,8 +126,7 @@ class DraftRunner:
         """
         if any(t.shape[0] > PREFILL_CHUNK for _, t, _ in items):
             last: list = [None] * len(items)
-            for a in range(0, max(t.shape[0] for _, t, _ in items), PREFILL_CHUNK):
-                idx = [i for i, (_, t, _) in enumerate(items) if t.shape[0] > a]
+            for a, idx in chunk_rounds([t.shape[0] for _, t, _ in items], PREFILL_CHUNK):
                 sub = [(items[i][0][a:a + PREFILL_CHUNK], items[i][1][a:a + PREFILL_CHUNK], items[i][2]) for i in idx]
                 for i, out in zip(idx, self.extend_batch(sub)):
                     last[i] = out

@@ -27,6 +27,7 @@ from .layers import (
     PackedLinear,
     apply_rope,
     causal_bias,
+    chunk_rounds,
     gqa_attention,
     grow_kv,
     rms_norm,
@@ -221,8 +222,7 @@ class Target:
         if any(s.tree is not None and s.ids.shape[0] > chunk for s in segs):
             raise ValueError(f"a draft tree of more than {chunk} nodes cannot be verified in chunks")
         parts: list[list[TargetOutput]] = [[] for _ in segs]
-        for a in range(0, max(s.ids.shape[0] for s in segs), chunk):
-            idx = [i for i, s in enumerate(segs) if s.ids.shape[0] > a]
+        for a, idx in chunk_rounds([s.ids.shape[0] for s in segs], chunk):
             sub = [Segment(segs[i].ids[a:a + chunk], segs[i].cache, segs[i].last_only, segs[i].tree) for i in idx]
             for i, out in zip(idx, self.forward_rows(sub, need_hidden)):
                 parts[i].append(out)
