@@ -217,5 +217,9 @@ def output_sequences(index: Path) -> list[list[int]]:
     rank = {snap: i for i, snap in enumerate(idx["snapshots"])}  # the window, oldest first
     entries = sorted((e for e in idx["train"] + idx["val"] if not e.get("replay")),
                      key=lambda e: (rank.get(e["snapshot"], -1), e["shard"], e["offset"]))
-    recs = load_records(entries, Path(index).parent, ("input_ids", "loss_mask"))
-    return [s for s in (r["input_ids"][r["loss_mask"].bool()].tolist() for r in recs) if s]
+    out = []
+    for e in entries:  # one record at a time: a record's tensors may map its whole shard file
+        r = load_records([e], Path(index).parent, ("input_ids", "loss_mask"))[0]
+        if s := r["input_ids"][r["loss_mask"].bool()].tolist():
+            out.append(s)
+    return out

@@ -221,6 +221,29 @@ class TrainParams(_Strict):
     work_pool: str | None = None  # train as deployment tide-train on this Prefect pool (prefect.yaml: tidespec-train)
     sagemaker: SageMakerTrainParams | None = None  # train as a SageMaker training job (GPU / trn1 instances)
     checkpoint_every: int = Field(50, ge=0)  # optimizer steps between resumable state saves (0: epoch ends only)
+    buffer_mb: float = Field(1024.0, gt=0, allow_inf_nan=False)  # prepared examples held at once (train.stream)
+    nproc_per_node: int = Field(1, ge=1)  # ranks on this machine (torchrun --nproc-per-node; 1: no torchrun)
+    nnodes: int = Field(1, ge=1)  # machines (torchrun --nnodes; > 1 needs rdzv_endpoint, every node runs the step)
+    rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d+$")  # host:port of the c10d rendezvous
+    max_restarts: int = Field(0, ge=0)  # torchrun --max-restarts: ranks restart from the last training state
+
+    @model_validator(mode="after")
+    def _ranks(self):
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"train.nnodes is {self.nnodes}: set train.rdzv_endpoint (host:port of the rendezvous, "
+                             "reachable from every node)")
+        if self.nnodes == 1 and self.rdzv_endpoint:
+            raise ValueError("train.rdzv_endpoint is set but train.nnodes is 1 (one machine needs no rendezvous "
+                             "endpoint): remove it or raise train.nnodes")
+        if self.max_restarts and self.nproc_per_node * self.nnodes == 1:
+            raise ValueError("train.max_restarts restarts torchrun's ranks, and one rank runs without torchrun: "
+                             "set it to 0 or raise train.nproc_per_node")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: nproc_per_node × nnodes."""
+        return self.nproc_per_node * self.nnodes
     min_train_tokens: int = Field(512, ge=1)  # fewer curated tokens: the cycle is skipped, champion untouched
     seed: int = 0
     threads: int | None = Field(None, ge=1)

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from ..adapters import sagemaker_deploy as smd
-from ..adapters import versioning
+from ..adapters import torchrun, versioning
 from ..adapters.orchestrate import train_on_pool
 from ..adapters.sagemaker_train import train_on_sagemaker
 from ..capture import curate as curate_mod
@@ -148,9 +148,27 @@ def _train_draft(ws: Workspace, params: Params, curated: Path, init: Path | None
         return train_on_pool(params.train.work_pool, {
             "root": str(ws.root), "params_path": str(Path(params_path).resolve()), "curated": str(curated),
             "init": str(init) if init else None, "out": str(out)}, Path(out))
+    if params.train.world_size > 1 and params.train.backend == "embedded" and "WORLD_SIZE" not in os.environ:
+        return _train_ranks(params, Path(curated), Path(init) if init else None, Path(out))
     target, _ = get_target(params)
     return train_here(params, target, target_dir(params.target.source), Path(curated),
                       Path(init) if init else None, Path(out), progress=progress)
+
+
+def _train_ranks(params: Params, curated: Path, init: Path | None, out: Path) -> dict:
+    """Train here as `train.world_size` ranks under torchrun (`adapters.torchrun`; every rank runs
+    `steps.rank` on a spec file beside `out`, their output goes to `<out>.ranks.log`). Returns
+    rank 0's metrics, or {"skipped": reason}. Raises RanksFailed when the ranks fail (after
+    `train.max_restarts` restarts; a rerun resumes from the last training state)."""
+    if reason := skip_reason(params, curated):
+        return {"skipped": reason}
+    out = out.resolve()
+    spec = out.with_name(out.name + ".ranks.json")
+    spec.write_text(json.dumps({"params": params.model_dump(mode="json"), "curated": str(curated.resolve()),
+                                "init": str(init.resolve()) if init else None, "out": str(out)}))
+    run_id = hashlib.sha256(str(out).encode()).hexdigest()[:12]
+    torchrun.run(torchrun.argv(params.train, spec, run_id), out.with_name(out.name + ".ranks.log"))
+    return json.loads((out / "train_metrics.json").read_text())
 
 
 # -- evaluate ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from ..config import Params
 from ..models.eagle3 import load_checkpoint
 from ..models.target import Target
 from .holdout import holdout_accuracy
+from .source import IndexRecords
 from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason
 from .trainer import train_draft
 
@@ -59,12 +60,13 @@ def train_here(params: Params, target: Target, target_dir: Path, curated: Path, 
                          f"{target.target_id[:12]}; curate snapshots of this target")
     if reason:
         return {"skipped": reason}
-    train = load_records(idx["train"], Path(curated).parent)
-    val = load_records(idx["val"], Path(curated).parent)
+    base = Path(curated).parent
     if params.train.backend == "specforge":
+        train, val = load_records(idx["train"], base), load_records(idx["val"], base)
         return _train_specforge(params, target, target_dir, train, val, out)
     init = init if (init is not None and params.train.warm_start and Path(init).exists()) else None
-    return train_draft(train, val, target, params.draft, params.train, out, init=init, progress=progress)
+    return train_draft(IndexRecords(idx["train"], base), IndexRecords(idx["val"], base), target, params.draft,
+                       params.train, out, init=init, progress=progress)
 
 
 def _train_specforge(params: Params, target: Target, target_dir: Path, train: list[dict], val: list[dict],

@@ -63,11 +63,14 @@ def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int
     return out
 
 
-def _groups(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random) -> list[list[int]]:
-    order = sorted(range(len(examples)), key=lambda i: examples[i].ids.shape[0])
+def group_by_length(lengths: list[int], max_tokens: int, shuffle: bool, rng: random.Random) -> list[list[int]]:
+    """Positions 0..n-1 grouped into batches of at most `max_tokens` padded tokens (B·T_max):
+    sorted by length (ties in position order), cut greedily; the groups shuffled by `rng` when
+    `shuffle`. A sequence longer than `max_tokens` is a batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups, cur = [], []
     for i in order:
-        t = examples[i].ids.shape[0]
+        t = lengths[i]
         if cur and (len(cur) + 1) * t > max_tokens:
             groups.append(cur)
             cur = []
@@ -79,18 +82,26 @@ def _groups(examples: list[Example], max_tokens: int, shuffle: bool, rng: random
     return groups
 
 
+def _groups(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random) -> list[list[int]]:
+    return group_by_length([e.ids.shape[0] for e in examples], max_tokens, shuffle, rng)
+
+
 def _pad(t: torch.Tensor, T: int, v=0) -> torch.Tensor:
     return F.pad(t, (0, 0) * (t.dim() - 1) + (0, T - t.shape[0]), value=v)
 
 
+def collate(ex: list[Example], device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """One padded batch on `device`: (aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid
+    `[B,T]`, key_valid `[B,T]` (not padding)), T the longest example."""
+    T = max(e.ids.shape[0] for e in ex)
+    batch = (torch.stack([_pad(e.aux, T) for e in ex]), torch.stack([_pad(e.ids, T) for e in ex]),
+             torch.stack([_pad(e.tlogits, T) for e in ex]), torch.stack([_pad(e.valid, T, False) for e in ex]),
+             torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex]))
+    return tuple(t.to(device) for t in batch)
+
+
 def batches(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random,
             device: torch.device | str = "cpu"):
-    """Length-bucketed padded batches of at most `max_tokens` (B·T_max) tokens, on `device`: (aux
-    `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid `[B,T]`, key_valid `[B,T]` (not padding))."""
+    """Length-bucketed padded batches (`collate`) of at most `max_tokens` (B·T_max) tokens."""
     for g in _groups(examples, max_tokens, shuffle, rng):
-        ex = [examples[i] for i in g]
-        T = max(e.ids.shape[0] for e in ex)
-        batch = (torch.stack([_pad(e.aux, T) for e in ex]), torch.stack([_pad(e.ids, T) for e in ex]),
-                 torch.stack([_pad(e.tlogits, T) for e in ex]), torch.stack([_pad(e.valid, T, False) for e in ex]),
-                 torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex]))
-        yield tuple(t.to(device) for t in batch)
+        yield collate([examples[i] for i in g], device)

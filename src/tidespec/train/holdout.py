@@ -5,6 +5,7 @@ arXiv 2503.01840 §3; SpecForge's eval)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +107,7 @@ class HoldoutEval:
 
 def evaluate_holdout(draft: Eagle3Draft, examples: list[Example], steps: int, batch_tokens: int) -> HoldoutEval:
     """Teacher-forced `HoldoutEval` of `draft` over prepared `examples` (`steps` TTT steps,
-    batched by `batch_tokens` tokens), no grad.
+    batched by `batch_tokens` tokens), no grad; `evaluate_chunks` on one chunk.
 
     TTT step j at row t (EAGLE-3, arXiv 2503.01840 §3: training-time test) is the draft's (j+1)-th
     chained token after position t, fed the record's tokens t+1..t+1+j (teacher forcing). Where
@@ -114,10 +115,16 @@ def evaluate_holdout(draft: Eagle3Draft, examples: list[Example], steps: int, ba
     exactly the draft's own chain, so the outcome at a chain start is the outcome greedy
     speculative decoding has there (up to rounding: captured hidden states are bf16). A target
     token outside the draft vocab is a wrong step (the draft cannot propose it)."""
+    return evaluate_chunks(draft, [examples], steps, batch_tokens)
+
+
+def evaluate_chunks(draft: Eagle3Draft, chunks: Iterable[list[Example]], steps: int, batch_tokens: int) -> HoldoutEval:
+    """`evaluate_holdout` over examples that arrive in chunks (`stream.ExampleStream.chunks`: one
+    buffer in memory at a time); the outcomes are per row, so chunking does not change them."""
     corr, cnt = [0] * steps, [0] * steps
     seqs: list[tuple[list[int], torch.Tensor]] = []
     with torch.no_grad():
-        for g in _groups(examples, batch_tokens, False, random.Random(0)):
+        for examples, g in ((ex, g) for ex in chunks for g in _groups(ex, batch_tokens, False, random.Random(0))):
             ex = [examples[i] for i in g]
             T = max(e.ids.shape[0] for e in ex)
             aux = torch.stack([_pad(e.aux, T) for e in ex])

@@ -100,7 +100,8 @@ def train_config(target_view_dir: Path, lm_head_key: str, draft_config: Path, vo
             "data": {"hidden_states_path": str(data_dir), "max_length": tparams.max_seq_len,
                      "cache_dir": str(out_dir / "cache")},
             "training": training, "run_id": "tidespec", "output_dir": str(out_dir / "runs"),
-            "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}}}
+            "deployment": {"mode": "local_colocated",  # SpecForge launches its own ranks: train.nproc_per_node / nnodes
+                           "trainer": {"nnodes": tparams.nnodes, "nproc_per_node": tparams.nproc_per_node}}}
 
 
 def commands(bin_path: str, config: Path, checkpoint: Path, draft_config: Path, vocab_mapping: Path,

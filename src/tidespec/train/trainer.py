@@ -28,28 +28,31 @@ from ..models.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
     build_vocab,
-    count_tokens,
     load_checkpoint,
     remap_lm_head,
     save_checkpoint,
 )
 from ..models.target import Target
-from .examples import batches, prepare
-from .holdout import HoldoutEval, evaluate_holdout
-from .resume import clear_state, fingerprint, load_state, records_fingerprint, save_state, state_dir, weights_digest
+from . import ranks
+from .holdout import HoldoutEval, evaluate_chunks
+from .resume import clear_state, fingerprint, load_state, save_state, state_dir, weights_digest
+from .source import RecordSource, as_source
+from .stream import ExampleStream, token_counts
 
 
-def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int, decay: float):
+def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int, decay: float,
+             denom: int | None = None):
     """Returns (loss, [correct_j], [count_j]) for one padded batch.
 
     aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid/key_valid `[B,T]` bool.
     Step j row t is trained on the target distribution at position t+1+j. As SpecForge
     (`core/loss.py`), L_j sums the cross-entropy over step j's valid rows and divides by all
-    (non-padding) positions, so later steps, with fewer valid rows, weigh less.
+    (non-padding) positions, so later steps, with fewer valid rows, weigh less. `denom`: that
+    position count when this batch is one rank's share of a global batch (the global batch's).
     """
     hs = draft.ttt_forward(aux, ids, steps, key_valid)
     loss = torch.zeros((), device=aux.device)
-    denom = max(int(key_valid.sum()), 1)
+    denom = max(int(key_valid.sum()) if denom is None else denom, 1)
     correct, count = [], []
     for j, h in enumerate(hs):
         tl = F.pad(tlogits[:, 1 + j:], (0, 0, 0, 1 + j))
@@ -89,80 +92,100 @@ def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) 
     return draft
 
 
-def train_draft(train_records: list[dict], val_records: list[dict], target: Target, dparams: DraftParams,
-                tparams: TrainParams, out: Path, init: Path | None = None,
+def train_draft(train_records: RecordSource | list[dict], val_records: RecordSource | list[dict], target: Target,
+                dparams: DraftParams, tparams: TrainParams, out: Path, init: Path | None = None,
                 progress: Callable[[int, int, float], None] | None = None,
                 on_epoch: Callable[[int, Eagle3Draft], dict] | None = None) -> dict:
     """Train (or warm-start) a draft and save it to `out` (config.json + model.safetensors + train_metrics.json).
+
+    Records: a `RecordSource` (`IndexRecords`: a curated index's shards, read as needed) or a list
+    of record dicts. They stream through a buffer of `train.buffer_mb` (`stream.ExampleStream`):
+    a set that fits is prepared once and kept; a larger one is re-read each epoch, one buffer at a
+    time, so memory does not grow with the set. Under torchrun (WORLD_SIZE > 1) each rank trains
+    on its rows of every global batch and the gradients are summed (`ranks`): the same global
+    batches, hence the same weights up to summation order, as one process; rank 0 writes the
+    training state, the checkpoint and the metrics (other ranks return {"rank": r}).
 
     `on_epoch(epoch, draft)` runs after each epoch (draft in eval mode, no grad); its dicts are
     returned in order as metrics["curve"] (benchmarks log learning curves with it).
 
     Resumable: the training state (weights, AdamW, LR schedule, epoch, batch, RNG) is saved every
     `train.checkpoint_every` optimizer steps and at each epoch end under `<out>.train-state/`; a rerun
-    with the same data, params and warm start continues from it and gives the same weights as an
-    uninterrupted run. Returns metrics (the names MLflow gets; docs/orchestration.md): `train/loss` (per epoch list),
+    with the same data, params and warm start continues from it (at any rank count) and gives the
+    same weights as an uninterrupted run. Returns metrics (the names MLflow gets;
+    docs/orchestration.md): `train/loss` (per epoch list),
     `train/acc_{j}` (last epoch, unconditional), and on the validation records (`evaluate_holdout`;
     all absent when no validation record is usable, never the training accuracy under `val/`):
     `val/acc_{j}` (unconditional top-1 agreement at TTT step j), `val/cond_acc_{j}` (conditional
     acceptance a_j at k = ttt_steps), `val_positions`; `simulated_acceptance_length` (1 + Σ_i Π_{j≤i}
     a_j at k = ttt_steps, `HoldoutEval.simulated_tau`; None without validation records),
-    `train_tokens_per_s` (non-padding
-    tokens per second of optimizer steps), `train_seconds`, `train_tokens`, `dropped/{reason}`,
-    `val_dropped/{reason}`, `skipped_nonfinite_steps` (batches with a non-finite loss or nothing to
-    learn), `resumed_from_step`. The resume fingerprint covers params, every record's tensors, the
+    `train_tokens_per_s` (non-padding tokens per second of optimizer steps), `train_seconds`,
+    `train_tokens`, `train_steps` (optimizer steps), `dropped/{reason}`, `val_dropped/{reason}`,
+    `skipped_nonfinite_steps` (batches with a non-finite loss or nothing to learn),
+    `resumed_from_step`, `train_world_size`, `train_buffers` (buffers per epoch; 1: held in
+    memory). The resume fingerprint covers params, the records' content, the
     target (id, dtype, aux layers) and the warm start's weights. Raises ValueError for an empty
     training set, or when training diverged (non-finite weights; nothing is saved).
     """
-    if not train_records:
+    src, val_src = as_source(train_records), as_source(val_records)
+    if not len(src):
         raise ValueError("no training records after curation; capture more traffic")
     if tparams.threads:
         torch.set_num_threads(tparams.threads)
-    counts = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
-    dev = resolve_device(tparams.device, "train.device")
+    dev = ranks.rank_device(resolve_device(tparams.device, "train.device"))
+    rank, world = ranks.init(dev)
     amp = autocast_dtype(tparams.precision, dev)
-    draft = init_draft(target, dparams, counts, init).place(dev)
+    draft = init_draft(target, dparams, token_counts(src, rank, world), init).place(dev)
     draft.train()
     dropped, val_dropped = Counter(), Counter()
-    ex_train = prepare(train_records, target, draft.t2d, tparams.max_seq_len, tparams.loss_on_prompt, dropped)
-    ex_val = prepare(val_records, target, draft.t2d, tparams.max_seq_len, dropped=val_dropped)
-    if not ex_train:
+    opts = (tparams.max_seq_len, tparams.loss_on_prompt, tparams.buffer_mb, tparams.batch_tokens, tparams.seed)
+    stream = ExampleStream(src, target, draft.t2d, *opts, dropped, rank, world)
+    val = None
+    if rank == 0:
+        val = ExampleStream(val_src, target, draft.t2d, tparams.max_seq_len, False, *opts[2:], val_dropped,
+                            collective=False)
+    if not len(stream):
         raise ValueError(f"every training record was dropped ({dict(dropped)}); capture more traffic")
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt, sched, total = _optimizer(params, ex_train, tparams)
+    opt, sched, total = _optimizer(params, stream, tparams)
     rng = random.Random(tparams.seed)
     torch.manual_seed(tparams.seed)
     sdir = state_dir(out)
     fp = fingerprint(tparams.model_dump(exclude={"threads", "device"}), dparams.model_dump(), weights_digest(init),
-                     target.target_id, str(target.dtype), list(target.aux_layers), records_fingerprint(train_records),
+                     target.target_id, str(target.dtype), list(target.aux_layers), src.fingerprint(),
                      str(amp))  # the resolved precision: `auto` is bf16 on CUDA, fp32 on CPU
     run, resumed_from = _resume(sdir, fp, draft, opt, sched, tparams.ttt_steps, rng)
 
     def checkpoint():
-        save_state(sdir, {"fingerprint": fp, "draft": draft.state_dict(), "opt": opt.state_dict(),
-                          "sched": sched.state_dict(), "run": run})
+        if rank == 0:
+            save_state(sdir, {"fingerprint": fp, "draft": draft.state_dict(), "opt": opt.state_dict(),
+                              "sched": sched.state_dict(), "run": run})
 
     for ep in range(run["epoch"], tparams.epochs):
-        _train_epoch(draft, opt, sched, params, ex_train, tparams, rng, run, total, progress, checkpoint, amp)
-        _end_epoch(draft, run, ep, rng, tparams.ttt_steps, on_epoch)
+        _train_epoch(draft, opt, sched, params, stream, tparams, rng, run, total, progress, checkpoint, amp)
+        _end_epoch(draft, run, ep, rng, tparams.ttt_steps, on_epoch if rank == 0 else None)
         checkpoint()
     draft.eval()
     if not all(torch.isfinite(p).all() for p in params):
         raise ValueError(f"training diverged (non-finite weights; lr {tparams.lr}); nothing saved, lower train.lr")
-    metrics = _metrics(draft, ex_train, ex_val, run, tparams, resumed_from, dropped, val_dropped)
-    metrics |= {"train_device": str(dev), "train_precision": "bf16" if amp else "fp32"}
+    if rank != 0:
+        ranks.barrier()  # rank 0 saves; every rank returns once the checkpoint is there
+        return {"rank": rank}
+    metrics = _metrics(draft, stream, val, run, tparams, resumed_from, dropped, val_dropped)
+    metrics |= {"train_device": str(dev), "train_precision": "bf16" if amp else "fp32", "train_world_size": world}
     save_checkpoint(draft.place(torch.device("cpu")), out, extra={"warm_start": str(init) if init else None})
     (Path(out) / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
     clear_state(sdir)
+    ranks.barrier()
     return metrics
 
 
-def _optimizer(params: list, ex_train: list, tparams: TrainParams):
-    """AdamW + linear warm-up (5 % of the steps) then cosine decay over every epoch's batches.
-    Returns (optimizer, scheduler, total optimizer steps)."""
+def _optimizer(params: list, stream: ExampleStream, tparams: TrainParams):
+    """AdamW + linear warm-up (5 % of the steps) then cosine decay over every epoch's batches
+    (counted from the plans, before any is read). Returns (optimizer, scheduler, total optimizer steps)."""
     opt = torch.optim.AdamW(params, lr=tparams.lr, weight_decay=tparams.weight_decay)
-    nb = sum(1 for _ in batches(ex_train, tparams.batch_tokens, False, random.Random(0)))
-    total = max(1, nb * tparams.epochs)
+    nb = sum(len(buf) for ep in range(tparams.epochs) for buf in stream.epoch_plan(ep, random.Random(0), False))
+    total = max(1, nb)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, total // 20)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     return opt, sched, total
@@ -182,37 +205,45 @@ def _resume(sdir: Path, fp: str, draft, opt, sched, steps: int, rng: random.Rand
     return st["run"], st["run"]["step"]
 
 
-def _train_epoch(draft, opt, sched, params: list, ex_train: list, tparams: TrainParams, rng: random.Random,
+def _train_epoch(draft, opt, sched, params: list, stream: ExampleStream, tparams: TrainParams, rng: random.Random,
                  run: dict, total: int, progress, checkpoint, amp: torch.dtype | None) -> None:
-    """One epoch of TTT steps (EAGLE-3 §3.2 training-time test) over `ex_train`, from batch
-    `run["batches_done"]` on (a resumed epoch skips what it did); updates `run` in place and
-    checkpoints every `train.checkpoint_every` optimizer steps. `amp`: the autocast dtype of the
-    forward and loss (None: fp32); gradients and AdamW stay fp32 on the fp32 weights."""
+    """One epoch of TTT steps (EAGLE-3 §3.2 training-time test) over `stream`'s plan for epoch
+    `run["epoch"]`, from batch `run["batches_done"]` on (a resumed epoch skips what it did, without
+    reading it); updates `run` in place and checkpoints every `train.checkpoint_every` optimizer
+    steps. `amp`: the autocast dtype of the forward and loss (None: fp32); gradients and AdamW stay
+    fp32 on the fp32 weights. Every rank takes every step (a rank without rows adds zeros)."""
     rng.setstate(run["epoch_rng"])  # the epoch's batch order, reproducible on resume
-    every, t0 = tparams.checkpoint_every, time.perf_counter()
+    every, t0, steps = tparams.checkpoint_every, time.perf_counter(), tparams.ttt_steps
     dev = draft.fc.weight.device
-    for bi, (aux, ids, tl, valid, kv) in enumerate(batches(ex_train, tparams.batch_tokens, True, rng, dev)):
-        if bi < run["batches_done"]:
-            continue
-        with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
-            loss, c, n = ttt_loss(draft, aux, ids, tl, valid, kv, tparams.ttt_steps, tparams.loss_decay)
+    plan = stream.epoch_plan(run["epoch"], rng)
+    for bi, tokens, batch in stream.batches(plan, run["batches_done"], dev):
+        loss, c, n = torch.zeros(()), [0] * steps, [0] * steps
+        if batch is not None:
+            with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
+                loss, c, n = ttt_loss(draft, *batch, steps, tparams.loss_decay, denom=tokens)
         run["batches_done"] = bi + 1
-        if not loss.requires_grad or not torch.isfinite(loss):  # nothing to learn / a bad batch
+        learn = loss.requires_grad and bool(torch.isfinite(loss))
+        # one all-reduce: [sum of losses, ranks with something to learn, ranks with a bad loss, correct, counts]
+        g = ranks.sum_(torch.tensor([float(loss.detach()) if learn else 0.0, float(learn),
+                                     float(not torch.isfinite(loss)), *c, *n], dtype=torch.float64))
+        if g[1] == 0 or g[2] > 0:  # nothing to learn anywhere / a bad batch on some rank
             run["skipped"] += 1
             continue
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if learn:
+            loss.backward()
+        ranks.sum_grads(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         run["step"] += 1
-        run["tokens"] += int(kv.sum())
-        run["ep_loss"] += float(loss.detach())
+        run["tokens"] += tokens
+        run["ep_loss"] += float(g[0])
         run["ep_n"] += 1
-        run["corr"] = [a + b for a, b in zip(run["corr"], c)]
-        run["cnt"] = [a + b for a, b in zip(run["cnt"], n)]
+        run["corr"] = [a + int(b) for a, b in zip(run["corr"], g[3:3 + steps])]
+        run["cnt"] = [a + int(b) for a, b in zip(run["cnt"], g[3 + steps:])]
         if progress:
-            progress(run["step"], total, float(loss.detach()))
+            progress(run["step"], total, float(g[0]))
         if every and run["step"] % every == 0:
             run["seconds"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -235,17 +266,19 @@ def _end_epoch(draft, run: dict, ep: int, rng: random.Random, steps: int, on_epo
         draft.train()
 
 
-def _metrics(draft, ex_train: list, ex_val: list, run: dict, tparams: TrainParams, resumed_from: int,
-             dropped: Counter, val_dropped: Counter) -> dict:
+def _metrics(draft, stream: ExampleStream, val: ExampleStream | None, run: dict, tparams: TrainParams,
+             resumed_from: int, dropped: Counter, val_dropped: Counter) -> dict:
     """The metrics `train_draft` returns (its docstring names them), with the holdout evaluation."""
     steps = tparams.ttt_steps
     train_acc = run.get("last_train_acc", [0.0] * steps)
-    ev = evaluate_holdout(draft, ex_val, steps, tparams.batch_tokens) if ex_val else HoldoutEval([], steps)
+    ev = (evaluate_chunks(draft, val.chunks(), steps, tparams.batch_tokens) if val is not None and len(val)
+          else HoldoutEval([], steps))
     secs = run["seconds"]
     metrics = {"train/loss": run["losses"], "train_seconds": secs,
                "train_tokens_per_s": run["tokens"] / secs if secs else 0.0, "train_tokens": run["tokens"],
-               "simulated_acceptance_length": ev.simulated_tau(),
-               "train_examples": len(ex_train), "val_examples": len(ex_val),
+               "train_steps": run["step"], "simulated_acceptance_length": ev.simulated_tau(),
+               "train_examples": len(stream), "val_examples": len(val) if val is not None else 0,
+               "train_buffers": len(stream.epoch_plan(0, random.Random(0), False)),
                "skipped_nonfinite_steps": run["skipped"], "resumed_from_step": resumed_from,
                "curve": run.get("curve", [])}
     metrics.update({f"dropped/{k}": v for k, v in dropped.items()})

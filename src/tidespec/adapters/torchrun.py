@@ -1,0 +1,51 @@
+"""torchrun: start the train step's ranks (`torch.distributed.run`, PyTorch's elastic launcher).
+
+`torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint host:port --rdzv-id
+ID] --max-restarts R -m tidespec.steps.rank SPEC`: every rank runs the same train step
+(`steps.rank`); torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, restarts
+every rank (up to R times) when one dies, and exits non-zero when they fail for good. On one node
+it uses a free local port for the rendezvous. See https://pytorch.org/docs/stable/elastic/run.html.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..config import TrainParams
+from ..errors import TidespecError
+from .process import free_port, launch, log_tail, reap, stop
+
+RANK_MODULE = "tidespec.steps.rank"
+
+
+class RanksFailed(TidespecError):
+    """torchrun's ranks failed (after its restarts); the message holds the log's tail."""
+
+
+def argv(tparams: TrainParams, spec: Path, run_id: str, port: int | None = None) -> list[str]:
+    """The torchrun command line for `tparams` (nproc_per_node, nnodes, rdzv_endpoint,
+    max_restarts) running `steps.rank` on `spec`; `port`: the single-node rendezvous port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tparams.nproc_per_node),
+           "--max-restarts", str(tparams.max_restarts)]
+    if tparams.nnodes > 1:
+        cmd += ["--nnodes", str(tparams.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", tparams.rdzv_endpoint,
+                "--rdzv-id", run_id]
+    else:
+        cmd += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port or free_port()}",
+                "--rdzv-id", run_id]
+    return cmd + ["-m", RANK_MODULE, str(spec)]
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    """Run torchrun `cmd` to the end, its output (every rank's) appended to `log`. Raises
+    RanksFailed naming the exit code and the log's last lines."""
+    proc = launch(cmd, log, env=env)
+    try:
+        code = proc.wait()
+    except BaseException:  # interrupted (Ctrl-C, a cancelled flow run): no rank outlives its step
+        stop(proc.pid)
+        raise
+    reap(proc.pid)
+    if code != 0:
+        raise RanksFailed(f"torchrun exited with {code} (train.nproc_per_node / nnodes ranks); log {log}:\n"
+                          f"{log_tail(log, 30)}")

@@ -1,0 +1,29 @@
+"""One rank of the train step under torchrun (`adapters.torchrun` starts `python -m
+tidespec.steps.rank SPEC` on every rank). SPEC: a JSON file {"params": the cycle's params,
+"curated", "init", "out"} written by `cycle._train_draft`. Each rank loads the target and runs
+`train.entry.train_here`; rank 0 writes the candidate and its train_metrics.json."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..config import Params
+from ..models.load import get_target, target_dir
+from ..train import ranks
+from ..train.entry import train_here
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    params = Params.model_validate(spec["params"])
+    target, _ = get_target(params)
+    try:
+        train_here(params, target, target_dir(params.target.source), Path(spec["curated"]),
+                   Path(spec["init"]) if spec["init"] else None, Path(spec["out"]))
+    finally:
+        ranks.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,173 @@
+"""Training examples streamed from a `RecordSource` through a bounded buffer, split across ranks.
+
+The plan is made from lengths alone, so every rank makes the same one and the LR schedule knows
+its step count before any tensor is read:
+
+1. `survey`: each rank prepares its share of the records (teacher logits, `examples.prepare`)
+   once, to learn each one's trainable length (0: dropped, with the reason); the shares are
+   gathered, so every rank holds the same lengths.
+2. `epoch_plan`: when every prepared example fits `train.buffer_mb`, one buffer holds them all
+   (kept in memory across epochs, the set prepared once). Otherwise the shard groups are
+   shuffled (seeded by seed and epoch) and cut into buffers that fit; within a buffer examples
+   are grouped by length into batches of ≤ `train.batch_tokens` padded tokens, and the batches
+   shuffled (the trainer's RNG). A bounded shuffle buffer, as `torch.utils.data` shuffles an
+   iterable dataset.
+3. `batches`: rank r reads, prepares and collates rows r, r+world, … of each global batch.
+   Each batch carries the global batch's token count, so a rank's loss divided by it, summed
+   over ranks (`ranks.sum_grads`), is the one-process loss of the whole batch.
+
+Memory: one buffer of prepared examples (≤ `buffer_mb`, divided over the ranks), the decoded
+shards `capture.store` caches, and one batch; it does not grow with the set's size.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+
+from ..models.target import Target
+from . import ranks
+from .examples import Example, collate, group_by_length, prepare
+from .source import RecordSource
+
+
+def example_bytes_per_token(hidden: int, draft_vocab: int) -> int:
+    """Bytes one prepared token holds: aux fp32 (3·4·H) + teacher logits bf16 (2·Vd) + ids int64
+    + valid/keep bools."""
+    return 12 * hidden + 2 * draft_vocab + 8 + 2
+
+
+class ExampleStream:
+    """Examples of `source` for one rank (`rank` of `world`), planned in buffers of at most
+    `buffer_mb` MiB of prepared examples. `dropped` counts the records `prepare` drops (every
+    rank's, gathered). Raises as `RecordSource.read` (a missing or corrupt shard)."""
+
+    def __init__(self, source: RecordSource, target: Target, t2d: torch.Tensor, max_len: int,
+                 loss_on_prompt: bool, buffer_mb: float, batch_tokens: int, seed: int,
+                 dropped: Counter, rank: int = 0, world: int = 1, collective: bool = True):
+        self.source, self.target, self.t2d = source, target, t2d
+        self.max_len, self.loss_on_prompt, self.batch_tokens, self.seed = max_len, loss_on_prompt, batch_tokens, seed
+        self.rank, self.world = rank, world
+        per_token = example_bytes_per_token(target.cfg.hidden_size, int(t2d.sum()))
+        self.capacity = max(1, int(buffer_mb * 2**20 // per_token))  # tokens of prepared examples per buffer
+        self._cache: dict[int, Example] | None = {}
+        self.lengths = self._survey(dropped, collective)
+        self.resident = sum(self.lengths) <= self.capacity  # every example in one buffer, kept across epochs
+        if not self.resident:
+            self._cache = None
+
+    def __len__(self) -> int:
+        """Examples kept (records not dropped)."""
+        return sum(1 for t in self.lengths if t)
+
+    def _prepare(self, i: int, dropped: Counter) -> Example | None:
+        ex = prepare([self.source.read(i)], self.target, self.t2d, self.max_len, self.loss_on_prompt, dropped)
+        return ex[0] if ex else None
+
+    def _survey(self, dropped: Counter, collective: bool) -> list[int]:
+        """Every record's prepared length (0: dropped); each rank prepares its share, kept in the
+        cache while the total fits one buffer (one process: the set is prepared once)."""
+        n, share, mine = len(self.source), (self.rank, self.world) if collective else (0, 1), {}
+        local, held = Counter(), 0
+        for i in range(share[0], n, share[1]):
+            ex = self._prepare(i, local)
+            mine[i] = 0 if ex is None else int(ex.ids.shape[0])
+            if ex is not None and self._cache is not None and share[1] == 1:
+                held += mine[i]
+                self._cache[i] = ex
+                if held > self.capacity:
+                    self._cache = None  # does not fit: stream it
+        parts = ranks.gather((mine, local)) if collective else [(mine, local)]
+        lengths = [0] * n
+        for m, c in parts:
+            for i, t in m.items():
+                lengths[i] = t
+            dropped.update(c)
+        if self._cache is not None and share[1] > 1:
+            self._cache = {}
+        return lengths
+
+    def epoch_plan(self, epoch: int, rng: random.Random, shuffle: bool = True) -> list[list[list[int]]]:
+        """The epoch's buffers, each a list of global batches (record positions, sorted by
+        length). `rng` shuffles the batches within each buffer (the trainer's RNG: its state is
+        the resume point); the shard order comes from (seed, epoch)."""
+        live = [i for i, t in enumerate(self.lengths) if t]
+        if self.resident:
+            buffers = [live]
+        else:
+            units = list(self.source.units)
+            if shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(units)
+            buffers, cur, held = [], [], 0
+            for i in (i for u in units for i in u if self.lengths[i]):
+                if cur and held + self.lengths[i] > self.capacity:
+                    buffers.append(cur)
+                    cur, held = [], 0
+                cur.append(i)
+                held += self.lengths[i]
+            if cur:
+                buffers.append(cur)
+        plan = []
+        for buf in buffers:
+            buf = sorted(buf)  # position order, so one buffer groups as the whole set would
+            groups = group_by_length([self.lengths[i] for i in buf], self.batch_tokens, shuffle, rng)
+            plan.append([[buf[j] for j in g] for g in groups])
+        return plan
+
+    def batches(self, plan: list[list[list[int]]], skip: int = 0, device: torch.device | str = "cpu",
+                ) -> Iterator[tuple[int, int, tuple[torch.Tensor, ...] | None]]:
+        """(batch number, global batch tokens, this rank's batch or None when its share is empty)
+        over `plan`, from batch `skip` on (buffers before it are not read)."""
+        b = 0
+        for groups in plan:
+            if b + len(groups) <= skip:
+                b += len(groups)
+                continue
+            mine = [g[self.rank::self.world] for g in groups]
+            ex = self._examples(sorted(i for g in mine[max(0, skip - b):] for i in g))
+            for g, own in zip(groups, mine):
+                if b >= skip:
+                    yield b, sum(self.lengths[i] for i in g), collate([ex[i] for i in own], device) if own else None
+                b += 1
+            del ex
+
+    def _examples(self, positions: list[int]) -> dict[int, Example]:
+        """Prepared examples at `positions` (from the cache when resident)."""
+        if self._cache is not None and all(i in self._cache for i in positions):
+            return self._cache
+        out = {i: self._prepare(i, Counter()) for i in positions}
+        if self._cache is not None:
+            self._cache.update(out)
+        return out
+
+    def chunks(self) -> Iterator[list[Example]]:
+        """Every kept example (this process, all ranks' shares), one buffer at a time, in
+        position order (the holdout evaluation's input)."""
+        for groups in self.epoch_plan(0, random.Random(0), shuffle=False):
+            pos = sorted(i for g in groups for i in g)
+            ex = self._examples(pos)
+            yield [ex[i] for i in pos]
+
+
+def token_counts(source: RecordSource, rank: int = 0, world: int = 1) -> Counter:
+    """Counts of the loss-masked token ids over every record (each rank reads its share; the
+    shares are gathered), inserted in order of first appearance in position order, so
+    `Counter.most_common` breaks ties as one process counting in order would
+    (`models.eagle3.count_tokens`, the draft vocabulary's input)."""
+    seen: dict[int, list[int]] = {}  # token → [count, first record position, first offset]
+    for i in range(rank, len(source), world):
+        r = source.read(i, ("input_ids", "loss_mask"))
+        for j, t in enumerate(r["input_ids"][r["loss_mask"].bool()].tolist()):
+            if t in seen:
+                seen[t][0] += 1
+            else:
+                seen[t] = [1, i, j]
+    merged: dict[int, list[int]] = {}
+    for part in ranks.gather(seen):
+        for t, (c, i, j) in part.items():
+            m = merged.setdefault(t, [0, i, j])
+            m[0] += c
+            m[1:] = min(m[1:], [i, j])
+    return Counter({t: m[0] for t, m in sorted(merged.items(), key=lambda kv: kv[1][1:])})

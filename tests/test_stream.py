@@ -1,0 +1,158 @@
+"""Streaming training data: the trainer reads a curated set through a bounded buffer
+(`train.stream`), so its memory does not grow with the snapshot.
+
+The budget is a data budget: the trainer's peak RSS (`tidespec stage train`, a fresh process)
+above the same command's on a set that fits one buffer, trained for as many optimizer steps
+(interpreter, torch, target, draft, AdamW state, activations and glibc's heap after that many
+steps are the same in both runs). It is `train.buffer_mb` (4 MiB of prepared examples) + 20 MiB
+for what else a streamed run holds at once: one record read (256 KiB), a padded batch's copy
+(batch_tokens 2,048 × 2,058 B/token = 4 MiB) while the previous one is freed, the index's
+entries, and glibc's heap holding a freed buffer's pieces (≤ 2 buffers' worth) — 24 MiB. The snapshot is ≥ 5 × that
+at rest. Holding it all, as the trainer did before, would take ~3 × its size at rest (records
++ prepared examples: 12·H + 2·Vd bytes per prepared token against 8·H at rest).
+"""
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import make_tiny_target
+from tidespec.train.examples import group_by_length
+
+H, V, T = 128, 256, 256
+BUFFER_MB, DATA_BUDGET_MB = 4, 24
+
+
+def _workspace(root, target_dir, n_records: int, epochs: int = 1, seed: int = 0):
+    """A workspace whose one snapshot holds `n_records` synthetic records of T tokens (random
+    hidden states: their teacher logits are random, every position learnable)."""
+    from tidespec.capture.snapshots import seal
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.config import CaptureParams, load_params
+    from tidespec.models.load import target_id
+    from tidespec.workspace import Workspace
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text(f"""
+target: {{source: "{target_dir}"}}
+draft: {{draft_vocab_size: {V}, intermediate_size: 64}}
+curate: {{window: 1, min_tokens: 4, max_tokens: 4096, val_fraction: 0.02, holdout_fraction: 0.0}}
+train: {{ttt_steps: 1, epochs: {epochs}, batch_tokens: 2048, max_seq_len: {T}, min_train_tokens: 16,
+        buffer_mb: {BUFFER_MB}, threads: 1, checkpoint_every: 0}}
+""")
+    params = load_params(root / "params.yaml")
+    tid = target_id(params)
+    ws = Workspace(root)
+    w = CaptureWriter(ws.capture_dir(tid), tid, CaptureParams(shard_max_records=16, queue_size=4096))
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(T, dtype=torch.uint8)
+    mask[T // 4:] = 1
+    for i in range(n_records):
+        rec = {"input_ids": torch.randint(3, V, (T,), generator=g, dtype=torch.int32), "loss_mask": mask,
+               "aux_hidden_states": torch.randn(T, 3 * H, generator=g).bfloat16(),
+               "hidden_states": torch.randn(T, H, generator=g).bfloat16()}
+        w.submit(rec, request_id=f"r{seed}-{i}", workload="code", acceptance_length=1.0, prompt_id=f"p{i}")
+    w.close()
+    seal(ws.capture_dir(tid), ws.snapshots, tid)
+    return ws, params
+
+
+PEAK = """
+import atexit, sys
+OUT = sys.argv[1]
+def peak():
+    kb = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM'))
+    open(OUT, 'w').write(str(kb))
+atexit.register(peak)
+sys.argv = ['tidespec', 'stage', 'train', '--root', sys.argv[2], '--params', sys.argv[2] + '/params.yaml']
+from tidespec.cli import main
+main()
+"""
+
+
+def _train_peak_mb(ws) -> tuple[float, dict]:
+    """`tidespec stage train` in a fresh process: (its peak RSS in MiB, its metrics)."""
+    from tidespec.config import load_params
+    from tidespec.models.load import target_id
+    from tidespec.steps.cycle import step_curate
+    step_curate(ws, load_params(ws.root / "params.yaml"), target_id(load_params(ws.root / "params.yaml")))
+    out = ws.root / "peak_kb"
+    r = subprocess.run([sys.executable, "-c", PEAK, str(out), str(ws.root)], capture_output=True, text=True,
+                       timeout=600, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return int(out.read_text()) / 1024, json.loads((ws.candidate / "train_metrics.json").read_text())
+
+
+def _snapshot_mb(ws) -> float:
+    return sum(f.stat().st_size for f in ws.snapshots.rglob("*.safetensors*")) / 2**20
+
+
+def test_peak_rss_does_not_grow_with_the_snapshot(tmp_path):
+    target_dir = make_tiny_target(tmp_path / "target", vocab_size=V, hidden_size=H, intermediate_size=64,
+                                  num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
+                                  max_position_embeddings=512)
+    big, _ = _workspace(tmp_path / "big", target_dir, 480, seed=1)
+    assert _snapshot_mb(big) >= 5 * DATA_BUDGET_MB
+    p_big, m_big = _train_peak_mb(big)
+    small, _ = _workspace(tmp_path / "small", target_dir, 6, epochs=m_big["train_steps"])  # one step per epoch
+    p_small, m_small = _train_peak_mb(small)
+    assert m_small["train_buffers"] == 1 and m_big["train_buffers"] >= 10  # the big set streamed
+    assert m_small["train_steps"] >= m_big["train_steps"]
+    print(f"snapshot {_snapshot_mb(big):.0f} MiB: peak {p_big:.0f} MiB vs {p_small:.0f} MiB")
+    assert p_big - p_small <= DATA_BUDGET_MB, (p_small, p_big)
+
+
+def _stream(tiny_target, recs, buffer_mb, rank=0, world=1):
+    from collections import Counter
+
+    from tidespec.train.source import InMemory
+    from tidespec.train.stream import ExampleStream
+    t2d = torch.ones(tiny_target.cfg.vocab_size, dtype=torch.bool)
+    return ExampleStream(InMemory(recs), tiny_target, t2d, 64, False, buffer_mb, 96, 0, Counter(), rank, world,
+                         collective=False)
+
+
+def test_plan_covers_every_example_once_within_the_buffer(tiny_target):
+    from conftest import tiny_records
+    from tidespec.train.stream import example_bytes_per_token
+    recs = tiny_records(tiny_target, n=9, T=40) + tiny_records(tiny_target, n=7, T=23, seed=1)
+    per_token = example_bytes_per_token(tiny_target.cfg.hidden_size, tiny_target.cfg.vocab_size)
+    whole = _stream(tiny_target, recs, 1.0)  # 1 MiB: everything fits
+    assert whole.resident and [len(b) for b in whole.epoch_plan(0, random.Random(0))] == [
+        len(group_by_length(whole.lengths, 96, False, random.Random(0)))]
+    s = _stream(tiny_target, recs, 130 * per_token / 2**20)  # 130 tokens per buffer: 3-5 records
+    assert not s.resident and s.capacity == 130
+    plans = [s.epoch_plan(ep, random.Random(ep)) for ep in range(3)]
+    for plan in plans:
+        seen = [i for buf in plan for g in buf for i in g]
+        assert sorted(seen) == list(range(len(recs)))  # each example once per epoch
+        for buf in plan:
+            assert sum(s.lengths[i] for g in buf for i in g) <= 130
+            for g in buf:  # a batch: ≤ batch_tokens padded tokens
+                assert len(g) * max(s.lengths[i] for i in g) <= 96 or len(g) == 1
+    assert plans[0] != plans[1]  # the shard order is reshuffled per epoch
+    # two ranks: each takes rows r::2 of every global batch, and the global token counts agree
+    mb = 130 * per_token / 2**20
+    r0, r1 = _stream(tiny_target, recs, mb, 0, 2), _stream(tiny_target, recs, mb, 1, 2)
+    plan = s.epoch_plan(0, random.Random(0))
+    b0, b1 = list(r0.batches(plan)), list(r1.batches(plan))
+    assert [(b, t) for b, t, _ in b0] == [(b, t) for b, t, _ in b1] == [
+        (n, sum(s.lengths[i] for i in g)) for n, g in enumerate(g for buf in plan for g in buf)]
+    rows = sum((0 if x is None else x[1].shape[0]) for _, _, x in b0 + b1)
+    assert rows == len(recs)
+
+
+@pytest.mark.parametrize("skip", [0, 3])
+def test_resumed_epoch_skips_without_changing_the_rest(tiny_target, skip):
+    from conftest import tiny_records
+    recs = tiny_records(tiny_target, n=12, T=30)
+    s = _stream(tiny_target, recs, 0.1)
+    plan = s.epoch_plan(0, random.Random(0))
+    full = list(s.batches(plan))
+    part = list(s.batches(plan, skip=skip))
+    assert [b for b, _, _ in part] == list(range(skip, len(full)))
+    for (_, _, a), (_, _, b) in zip(full[skip:], part):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
