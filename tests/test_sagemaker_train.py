@@ -104,12 +104,13 @@ def test_request_gpu_exact():
 
 
 def test_request_trn1_spot():
-    p = _params(instance_type="ml.trn1.32xlarge", instance_count=2, volume_gb=200, max_runtime_s=7200,
-                use_spot=True, max_wait_s=10800, environment={"NEURON_CC_FLAGS": "--model-type=transformer"},
-                tags={"team": "spec"})
+    p = _params(instance_type="ml.trn1.32xlarge", instance_count=2, distribution="torch_distributed",
+                volume_gb=200, max_runtime_s=7200, use_spot=True, max_wait_s=10800,
+                environment={"NEURON_CC_FLAGS": "--model-type=transformer"}, tags={"team": "spec"})
     req = training_job_request("j-2", p, {"curated": "s3://tide-bucket/a/", "init": "s3://tide-bucket/b/"},
                                {}, "s3://tide-bucket/c/")
     assert req["ResourceConfig"] == {"InstanceType": "ml.trn1.32xlarge", "InstanceCount": 2, "VolumeSizeInGB": 200}
+    assert req["HyperParameters"] == {"distribution": "torch_distributed"}  # the container runs torchrun
     assert req["StoppingCondition"] == {"MaxRuntimeInSeconds": 7200, "MaxWaitTimeInSeconds": 10800}
     assert req["EnableManagedSpotTraining"] is True
     assert [c["ChannelName"] for c in req["InputDataConfig"]] == ["curated", "init"]
@@ -375,3 +376,90 @@ def test_download_model_missing_and_unsafe(aws_env, tmp_path):
     _put_tar(s3, job.output_s3, link)
     with pytest.raises(ValueError, match="unsafe member 'model.safetensors'"):
         download_model(desc, s3, tmp_path / "dest")
+
+
+def test_instances_need_torch_distributed():
+    with pytest.raises(ValidationError, match="distribution: torch_distributed"):
+        _params(instance_count=2)
+    from tidespec.config import TrainParams
+    with pytest.raises(ValidationError, match="instance_count"):
+        TrainParams(nnodes=2, rdzv_endpoint="h:1",
+                    sagemaker=_params(instance_count=2, distribution="torch_distributed"))
+
+
+def test_two_instances_train_as_torchrun_ranks(tmp_path, tiny_target_dir):
+    """Two emulated instances of one torch_distributed job (two container processes on this
+    machine, each with its own /opt/ml and SageMaker's resourceconfig.json): the containers start
+    torchrun over the job's hosts, global rank 0 (on the first host) writes the model, the other
+    instance's model dir stays empty."""
+    import subprocess
+    import sys
+
+    from tidespec.adapters.sagemaker_train import params_json, stage_curated
+    from tidespec.steps.cycle import step_curate
+    from tidespec.train.sagemaker import rank_command
+    (tmp_path / "ws").mkdir()
+    ws, params, target = make_tiny_workspace(tmp_path / "ws", tiny_target_dir, n_requests=8)
+    step_curate(ws, params, target.target_id)
+    rel = stage_curated(ws.curated, tmp_path / "curated")
+    hosts = ["127.0.0.1", "localhost"]  # two names of this machine: two "instances"
+    hps = {"params": params_json(params), "curated": rel, "distribution": "torch_distributed"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = []
+    for host in hosts:
+        opt = tmp_path / f"opt-{host}"
+        (opt / "config").mkdir(parents=True)
+        (opt / "config" / "hyperparameters.json").write_text(json.dumps(hps))
+        (opt / "config" / "resourceconfig.json").write_text(json.dumps({"current_host": host, "hosts": hosts}))
+        e = env | {"SM_CHANNEL_CURATED": str(tmp_path / "curated"), "SM_INPUT_CONFIG_DIR": str(opt / "config"),
+                   "SM_MODEL_DIR": str(opt / "model"), "SM_OUTPUT_DIR": str(opt / "output"),
+                   "TIDESPEC_SM_CHECKPOINT_DIR": str(opt / "checkpoints"), "OMP_NUM_THREADS": "1"}
+        (opt / "checkpoints").mkdir()
+        cmd = rank_command(e, hps, params)
+        assert cmd[cmd.index("--node-rank") + 1] == str(hosts.index(host))
+        assert cmd[cmd.index("--master-addr") + 1] == "127.0.0.1" and cmd[cmd.index("--nnodes") + 1] == "2"
+        procs.append(subprocess.Popen([sys.executable, "-m", "tidespec.train.sagemaker", "train"], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    lead, other = tmp_path / "opt-127.0.0.1" / "model", tmp_path / "opt-localhost" / "model"
+    m = json.loads((lead / "train_metrics.json").read_text())
+    assert m["train_world_size"] == 2 and m["train_examples"] > 0
+    assert (lead / "model.safetensors").exists() and not (other.exists() and any(other.iterdir()))
+
+
+def test_dry_run_prints_the_distributed_request_moto_accepts(aws_env, tmp_path, tiny_target_dir):
+    """`tidespec stage train --dry-run` prints the CreateTrainingJob request (2 instances,
+    torch_distributed) without uploading or calling anything; moto's SageMaker accepts it as is.
+    Without train.sagemaker and with 2 ranks it prints the torchrun command instead."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from tidespec.cli import app
+    from tidespec.steps.cycle import step_curate
+    ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir, n_requests=6)
+    step_curate(ws, params, target.target_id)
+    bucket = _bucket()
+    raw = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    raw["train"] |= {"nproc_per_node": 4, "sagemaker": {"role_arn": ROLE, "image_uri": IMAGE, "s3_prefix":
+                     f"s3://{bucket}/drafts", "instance_count": 2, "distribution": "torch_distributed"}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    args = ["stage", "train", "--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"), "--dry-run"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output)
+    req = plan["request"]
+    assert plan["route"] == "sagemaker" and req["ResourceConfig"]["InstanceCount"] == 2
+    assert req["HyperParameters"]["distribution"] == "torch_distributed"
+    assert json.loads(req["HyperParameters"]["params"])["train"]["nproc_per_node"] == 4
+    assert not boto3.client("s3").list_objects_v2(Bucket=bucket).get("Contents")  # nothing uploaded
+    sm = boto3.client("sagemaker")
+    sm.create_training_job(**req)
+    d = sm.describe_training_job(TrainingJobName=req["TrainingJobName"])
+    assert d["ResourceConfig"]["InstanceCount"] == 2 and d["HyperParameters"]["distribution"] == "torch_distributed"
+    del raw["train"]["sagemaker"]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    plan = json.loads(CliRunner().invoke(app, args).output)
+    assert plan["route"] == "torchrun" and plan["world_size"] == 4
+    assert plan["command"][plan["command"].index("--nproc-per-node") + 1] == "4"
+    assert not ws.candidate.exists()

@@ -94,7 +94,9 @@ def training_job_request(job_name: str, params: SageMakerTrainParams, inputs: di
                          hyperparameters: dict[str, str], checkpoint_s3: str) -> dict:
     """The CreateTrainingJob request (kwargs for `sm.create_training_job`). `inputs`: channel name →
     S3 prefix URI (File mode, FullyReplicated: every instance gets all of it). Output path is
-    `params.s3_prefix` (artifacts land at <s3_prefix>/<job>/output/model.tar.gz). Raises ValueError
+    `params.s3_prefix` (artifacts land at <s3_prefix>/<job>/output/model.tar.gz). With
+    `distribution: torch_distributed` the `distribution` hyperparameter tells the container to run
+    torchrun across the `instance_count` instances (`train.sagemaker.container_main`). Raises ValueError
     on an invalid job name, channel name, S3 URI or hyperparameter (named)."""
     if not NAME_RE.fullmatch(job_name):
         raise ValueError(f"job name {job_name!r} must match {NAME_RE.pattern} (use job_name())")
@@ -121,7 +123,9 @@ def training_job_request(job_name: str, params: SageMakerTrainParams, inputs: di
         "StoppingCondition": stop,
         "EnableManagedSpotTraining": params.use_spot,
         "CheckpointConfig": {"S3Uri": checkpoint_s3, "LocalPath": CHECKPOINT_LOCAL},
-        "HyperParameters": check_hyperparameters(hyperparameters),
+        "HyperParameters": check_hyperparameters(  # the container starts torchrun across the instances
+            {**hyperparameters, "distribution": params.distribution} if params.distribution != "none"
+            else hyperparameters),
         "Environment": {"PYTHONUNBUFFERED": "1", **dict(params.environment)},  # unbuffered: logs reach CloudWatch live
         "Tags": [{"Key": "project", "Value": "tidespec"}]
                 + [{"Key": k, "Value": v} for k, v in params.tags if k != "project"],
@@ -259,6 +263,34 @@ def params_json(params: Params) -> str:
     return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
 
+def _job_inputs(params: Params, curated_json: Path, init: Path | None, stage: Path) -> tuple[dict, dict]:
+    """(channel → local dir, hyperparameters) of the job: the curated set staged under `stage`,
+    the warm start (when `init` holds a draft and train.warm_start), the target dir (a local
+    target.source)."""
+    rel = stage_curated(curated_json, stage)
+    inputs = {"curated": stage}
+    if init is not None and params.train.warm_start and (engine_dir(init) / "model.safetensors").exists():
+        inputs["init"] = engine_dir(init)  # a bundle's draft/ (config.json + model.safetensors)
+    if params.target.source != "smollm2" and Path(params.target.source).is_dir():
+        inputs["target"] = Path(params.target.source)
+    return inputs, {"params": params_json(params), "curated": rel}
+
+
+def preview_request(params: Params, curated_json: Path, init: Path | None) -> dict:
+    """The CreateTrainingJob request `train_on_sagemaker` would send, its channels' S3 URIs where
+    `launch` would upload them; nothing is uploaded or called (`tidespec stage train --dry-run`).
+    Raises ValueError when train.sagemaker is not set, FileNotFoundError for a missing snapshot."""
+    sm_params = params.train.sagemaker
+    if sm_params is None:
+        raise ValueError("train.sagemaker is not configured in params.yaml (role_arn, image_uri, s3_prefix)")
+    name = job_name()
+    lay = job_layout(sm_params, name)
+    with tempfile.TemporaryDirectory(prefix="tidespec-sm-") as tmp:
+        inputs, hps = _job_inputs(params, Path(curated_json), init, Path(tmp) / "curated")
+    uris = {ch: f"{lay['input']}/{ch}/" for ch in inputs}
+    return training_job_request(name, sm_params, uris, hps, lay["checkpoints"])
+
+
 def train_on_sagemaker(params: Params, curated_json: Path, init: Path | None, out: Path,
                        sm_params: SageMakerTrainParams | None = None, sm=None, s3=None,
                        on_launched: Callable[[TrainingJob], None] | None = None) -> dict:
@@ -277,14 +309,8 @@ def train_on_sagemaker(params: Params, curated_json: Path, init: Path | None, ou
         return {"skipped": reason}
     sm, s3 = _clients(sm_params, sm, s3)
     with tempfile.TemporaryDirectory(prefix="tidespec-sm-") as tmp:
-        stage = Path(tmp) / "curated"
-        rel = stage_curated(Path(curated_json), stage)
-        inputs = {"curated": stage}
-        if init is not None and params.train.warm_start and (engine_dir(init) / "model.safetensors").exists():
-            inputs["init"] = engine_dir(init)  # a bundle's draft/ (config.json + model.safetensors)
-        if params.target.source != "smollm2" and Path(params.target.source).is_dir():
-            inputs["target"] = Path(params.target.source)
-        job = launch(sm_params, inputs, {"params": params_json(params), "curated": rel}, sm=sm, s3=s3)
+        inputs, hps = _job_inputs(params, Path(curated_json), init, Path(tmp) / "curated")
+        job = launch(sm_params, inputs, hps, sm=sm, s3=s3)
     if on_launched:
         on_launched(job)
     desc = wait(job, sm, timeout_s=sm_params.wait_limit_s + WAIT_SLACK_S, poll_s=sm_params.poll_s)

@@ -8,11 +8,11 @@ it uses a free local port for the rendezvous. See https://pytorch.org/docs/stabl
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from ..config import TrainParams
 from ..errors import TidespecError
+from ..train import ranks
 from .process import free_port, launch, log_tail, reap, stop
 
 RANK_MODULE = "tidespec.steps.rank"
@@ -24,16 +24,11 @@ class RanksFailed(TidespecError):
 
 def argv(tparams: TrainParams, spec: Path, run_id: str, port: int | None = None) -> list[str]:
     """The torchrun command line for `tparams` (nproc_per_node, nnodes, rdzv_endpoint,
-    max_restarts) running `steps.rank` on `spec`; `port`: the single-node rendezvous port."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tparams.nproc_per_node),
-           "--max-restarts", str(tparams.max_restarts)]
-    if tparams.nnodes > 1:
-        cmd += ["--nnodes", str(tparams.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", tparams.rdzv_endpoint,
-                "--rdzv-id", run_id]
-    else:
-        cmd += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port or free_port()}",
-                "--rdzv-id", run_id]
-    return cmd + ["-m", RANK_MODULE, str(spec)]
+    max_restarts) running `steps.rank` on `spec`; one node rendezvous on 127.0.0.1:`port` (a
+    free port when None)."""
+    endpoint = tparams.rdzv_endpoint if tparams.nnodes > 1 else f"127.0.0.1:{port or free_port()}"
+    return ranks.torchrun_argv(tparams.nproc_per_node, tparams.nnodes, tparams.max_restarts, endpoint, run_id,
+                               ["-m", RANK_MODULE, str(spec)])
 
 
 def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:

@@ -22,12 +22,18 @@ def stage_curate(root: Path = ROOT, params: Path = PARAMS):
     console.print_json(json.dumps(step_curate(ws_of(root), p, target_id(p))))
 
 @stage_app.command("train")
-def stage_train(root: Path = ROOT, params: Path = PARAMS):
+def stage_train(root: Path = ROOT, params: Path = PARAMS,
+                dry_run: bool = typer.Option(False, "--dry-run", help="print where and how it would train "
+                                             "(the SageMaker request, the torchrun command); train nothing")):
     """Train data/work/candidate from data/work/curated.json, warm-started from data/drafts/champion."""
     from ..config import load_params
-    from ..steps.cycle import train_candidate
+    from ..steps.cycle import train_candidate, train_plan
     ws = ws_of(root)
     p = load_params(params)
+    if dry_run:
+        init = ws.champion if ws.champion.exists() else None
+        console.print_json(json.dumps(train_plan(ws, p, ws.curated, init, ws.candidate)))
+        return
     m = train_candidate(ws, p, ws.curated, ws.champion if ws.champion.exists() else None, ws.candidate,
                         params_path=params)
     if m.get("skipped"):

@@ -235,7 +235,11 @@ class TrainParams(_Strict):
         if self.nnodes == 1 and self.rdzv_endpoint:
             raise ValueError("train.rdzv_endpoint is set but train.nnodes is 1 (one machine needs no rendezvous "
                              "endpoint): remove it or raise train.nnodes")
-        if self.max_restarts and self.nproc_per_node * self.nnodes == 1:
+        if self.sagemaker is not None and self.nnodes > 1:
+            raise ValueError("train.nnodes with train.sagemaker: SageMaker sets the nodes; set "
+                             "train.sagemaker.instance_count (and distribution: torch_distributed) instead")
+        if self.max_restarts and self.nproc_per_node * self.nnodes == 1 and not (
+                self.sagemaker is not None and self.sagemaker.instance_count > 1):
             raise ValueError("train.max_restarts restarts torchrun's ranks, and one rank runs without torchrun: "
                              "set it to 0 or raise train.nproc_per_node")
         return self

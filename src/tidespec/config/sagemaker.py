@@ -61,13 +61,16 @@ class SageMakerTrainParams(_Strict):
     instance_type: GPU `ml.g5.*` (A10G 24 GB), `ml.p4d.*` (A100), `ml.p5.*` (H100), or Trainium
     `ml.trn1.*` / `ml.trn1n.*` (the image must then carry torch-neuronx). Times in seconds.
     use_spot: managed spot training; `max_wait_s` (>= max_runtime_s; None → max_runtime_s) bounds
-    runtime plus waiting for spot capacity. Raises pydantic ValidationError on a bad value.
+    runtime plus waiting for spot capacity. distribution: `torch_distributed` trains as torchrun
+    ranks across the instances (`train.nproc_per_node` per instance; node 0 is the rendezvous);
+    instance_count > 1 needs it. Raises pydantic ValidationError on a bad value.
     """
 
     role_arn: str  # IAM execution role SageMaker assumes (S3 read/write on s3_prefix, CloudWatch logs)
     image_uri: str  # training image with tidespec installed (e.g. ECR, built from this project)
     instance_type: str = "ml.g5.2xlarge"
     instance_count: int = Field(1, ge=1)
+    distribution: Literal["none", "torch_distributed"] = "none"  # torch_distributed: torchrun across instances
     volume_gb: int = Field(50, ge=1)  # EBS volume per instance (channels are copied onto it)
     max_runtime_s: int = Field(86400, ge=1)
     s3_prefix: str  # s3://bucket/prefix: inputs, checkpoints and outputs of every job go below it
@@ -123,6 +126,13 @@ class SageMakerTrainParams(_Strict):
             if not 0 < len(k) <= 128 or len(val) > 256:
                 raise ValueError(f"tag {k!r}: keys 1..128 chars, values ≤256 chars")
         return v
+
+    @model_validator(mode="after")
+    def _distribution(self):
+        if self.instance_count > 1 and self.distribution != "torch_distributed":
+            raise ValueError(f"instance_count {self.instance_count} without distribution: torch_distributed would "
+                             "train the same draft on every instance alone; set distribution: torch_distributed")
+        return self
 
     @model_validator(mode="after")
     def _spot(self):

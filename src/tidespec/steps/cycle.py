@@ -18,7 +18,7 @@ from pathlib import Path
 from ..adapters import sagemaker_deploy as smd
 from ..adapters import torchrun, versioning
 from ..adapters.orchestrate import train_on_pool
-from ..adapters.sagemaker_train import train_on_sagemaker
+from ..adapters.sagemaker_train import preview_request, train_on_sagemaker
 from ..capture import curate as curate_mod
 from ..capture.snapshots import list_snapshots
 from ..config import Params, load_params
@@ -153,6 +153,26 @@ def _train_draft(ws: Workspace, params: Params, curated: Path, init: Path | None
     target, _ = get_target(params)
     return train_here(params, target, target_dir(params.target.source), Path(curated),
                       Path(init) if init else None, Path(out), progress=progress)
+
+
+def train_plan(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path) -> dict:
+    """Where and how `_train_draft` would train, computed without training or calling a service
+    (`tidespec stage train --dry-run`): {"route": "sagemaker", "request": the CreateTrainingJob
+    request}, {"route": "work_pool", ...}, {"route": "torchrun", "command": [...]} or {"route":
+    "here", ...}. Raises as `sagemaker_train.preview_request`."""
+    t = params.train
+    if t.sagemaker:
+        return {"route": "sagemaker", "request": preview_request(params, Path(curated), Path(init) if init else None)}
+    if t.work_pool:
+        return {"route": "work_pool", "work_pool": t.work_pool, "deployment": "tide_train/tide-train",
+                "world_size": t.world_size}
+    where = {"backend": t.backend, "device": t.device, "precision": t.precision, "world_size": t.world_size}
+    if t.world_size > 1 and t.backend == "embedded":
+        out = Path(out).resolve()
+        run_id = hashlib.sha256(str(out).encode()).hexdigest()[:12]
+        return {"route": "torchrun", **where,
+                "command": torchrun.argv(t, out.with_name(out.name + ".ranks.json"), run_id)}
+    return {"route": "here", **where}
 
 
 def _train_ranks(params: Params, curated: Path, init: Path | None, out: Path) -> dict:

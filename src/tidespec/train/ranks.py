@@ -10,9 +10,26 @@ MASTER_ADDR/PORT; see https://pytorch.org/docs/stable/elastic/run.html).
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
+
+
+def torchrun_argv(nproc_per_node: int, nnodes: int, max_restarts: int, endpoint: str, run_id: str, tail: list[str],
+                  node_rank: int | None = None) -> list[str]:
+    """`python -m torch.distributed.run` (torchrun) for `tail` (`-m module args...`): c10d
+    rendezvous at `endpoint` (host:port) under `run_id`, ranks numbered as nodes join; with
+    `node_rank`, a static rendezvous instead (`endpoint` is node 0, the master; this node's ranks
+    are node_rank·nproc_per_node + local rank, so global rank 0 is on node 0)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
+           "--nnodes", str(nnodes), "--max-restarts", str(max_restarts)]
+    if node_rank is None:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
+    else:
+        host, port = endpoint.rsplit(":", 1)
+        cmd += ["--node-rank", str(node_rank), "--master-addr", host, "--master-port", port]
+    return cmd + tail
 
 
 def world() -> tuple[int, int]:

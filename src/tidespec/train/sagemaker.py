@@ -7,7 +7,9 @@ SM_CHANNEL_<NAME> (default /opt/ml/input/data/<name>), SM_MODEL_DIR (/opt/ml/mod
 (JSON) or SM_INPUT_CONFIG_DIR/hyperparameters.json (/opt/ml/input/config), SM_OUTPUT_DIR
 (/opt/ml/output; a failure message goes to its `failure` file, which SageMaker reports as
 FailureReason). TIDESPEC_SM_CHECKPOINT_DIR overrides /opt/ml/checkpoints. It trains with
-`train.entry.train_here` and calls no AWS API; the launcher (CreateTrainingJob, S3, polling) is
+`train.entry.train_here` and calls no AWS API; with the `distribution` hyperparameter
+(`torch_distributed`) or `train.nproc_per_node` > 1 it starts torchrun over the job's hosts
+(`rank_command`), whose ranks run this entry point again; the launcher (CreateTrainingJob, S3, polling) is
 `adapters.sagemaker_train`.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import traceback
 from collections.abc import Mapping
@@ -23,8 +26,10 @@ from pathlib import Path
 
 from ..config import Params
 from ..models.load import get_target, target_dir
+from . import ranks
 from .entry import train_here
 
+MASTER_PORT = 29500  # torchrun's default master port, on the job's first host
 CHECKPOINT_LOCAL = "/opt/ml/checkpoints"  # CheckpointConfig.LocalPath: synced to S3 (spot restarts resume)
 
 
@@ -68,15 +73,57 @@ def _train_in_container(env: Mapping[str, str]) -> dict:
     ckpt = Path(env.get("TIDESPEC_SM_CHECKPOINT_DIR", CHECKPOINT_LOCAL))
     # train under the synced checkpoint dir so the resume state (<out>.train-state) survives a spot restart
     out = ckpt / "model" if ckpt.is_dir() else model_dir
+    if cmd := rank_command(env, hps, params):  # this instance's ranks: each reruns this entry point
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            raise RuntimeError(f"torchrun's ranks exited with {rc} (their tracebacks are in the job's log)")
+        done = model_dir / "train_metrics.json"  # global rank 0 (on the first host) wrote it
+        return json.loads(done.read_text()) if done.exists() else {"ranks_finished": True}
     target_model, _ = get_target(params)
     metrics = train_here(params, target_model, target_dir(params.target.source), curated_json,
                          init if init.is_dir() else None, out)
+    if ranks.world()[0] != 0:
+        return metrics  # global rank 0 hands the model back
     model_dir.mkdir(parents=True, exist_ok=True)
     if out != model_dir and out.is_dir():
         shutil.copytree(out, model_dir, dirs_exist_ok=True)
     if "skipped" in metrics:  # nothing trained: still hand the reason back through the archive
         (model_dir / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def job_hosts(env: Mapping[str, str]) -> tuple[list[str], str]:
+    """(the job's hosts, this instance's): SM_HOSTS (JSON list) and SM_CURRENT_HOST, else
+    <SM_INPUT_CONFIG_DIR>/resourceconfig.json ("hosts", "current_host"), as SageMaker writes it on
+    every instance. Raises FileNotFoundError when neither exists, ValueError when this host is
+    not among the hosts."""
+    if env.get("SM_HOSTS") and env.get("SM_CURRENT_HOST"):
+        hosts, me = json.loads(env["SM_HOSTS"]), env["SM_CURRENT_HOST"]
+    else:
+        f = Path(env.get("SM_INPUT_CONFIG_DIR", "/opt/ml/input/config")) / "resourceconfig.json"
+        if not f.exists():
+            raise FileNotFoundError(f"distribution torch_distributed: neither SM_HOSTS/SM_CURRENT_HOST nor {f}")
+        rc = json.loads(f.read_text())
+        hosts, me = rc["hosts"], rc["current_host"]
+    if me not in hosts:
+        raise ValueError(f"this host {me!r} is not among the job's hosts {hosts}")
+    return sorted(hosts), me
+
+
+def rank_command(env: Mapping[str, str], hps: Mapping, params: Params) -> list[str] | None:
+    """The torchrun command that runs this instance's `train.nproc_per_node` ranks, or None to
+    train in this process (one rank in all, or this process is a rank already). Under
+    `distribution: torch_distributed` the nodes are the job's hosts (sorted; the first is the
+    master at port MASTER_PORT, so global rank 0, which writes the model, runs there)."""
+    if "WORLD_SIZE" in env:
+        return None
+    distributed = hps.get("distribution", "none") == "torch_distributed"
+    if not distributed and params.train.nproc_per_node == 1:
+        return None
+    hosts, me = job_hosts(env) if distributed else (["localhost"], "localhost")
+    return ranks.torchrun_argv(params.train.nproc_per_node, len(hosts), params.train.max_restarts,
+                               f"{hosts[0]}:{MASTER_PORT}", "tidespec", ["-m", "tidespec.train.sagemaker", "train"],
+                               node_rank=hosts.index(me))
 
 
 def container_main(argv: list[str] | None = None) -> int:
