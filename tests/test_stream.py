@@ -7,19 +7,19 @@ above the same command's on a set that fits one buffer, trained for as many opti
 steps are the same in both runs). It is `train.buffer_mb` (4 MiB of prepared examples) + 20 MiB
 for what else a streamed run holds at once: one record read (256 KiB), a padded batch's copy
 (batch_tokens 2,048 × 2,058 B/token = 4 MiB) while the previous one is freed, the index's
-entries, and glibc's heap holding a freed buffer's pieces (≤ 2 buffers' worth) — 24 MiB. The snapshot is ≥ 5 × that
+entries, and what glibc's heap keeps of freed buffers (the stream hands it back with
+`malloc_trim` after each buffer; without that, 17–28 MiB over the baseline were measured) —
+24 MiB; measured: 7–9 MiB over the baseline. The snapshot is ≥ 5 × that
 at rest. Holding it all, as the trainer did before, would take ~3 × its size at rest (records
 + prepared examples: 12·H + 2·Vd bytes per prepared token against 8·H at rest).
 """
-import json
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import make_tiny_target
+from tidespec.bench.train_scaling import stage_train_peak, synthetic_workspace
 from tidespec.train.examples import group_by_length
 
 H, V, T = 128, 256, 256
@@ -27,63 +27,18 @@ BUFFER_MB, DATA_BUDGET_MB = 4, 24
 
 
 def _workspace(root, target_dir, n_records: int, epochs: int = 1, seed: int = 0):
-    """A workspace whose one snapshot holds `n_records` synthetic records of T tokens (random
-    hidden states: their teacher logits are random, every position learnable)."""
-    from tidespec.capture.snapshots import seal
-    from tidespec.capture.writer import CaptureWriter
-    from tidespec.config import CaptureParams, load_params
-    from tidespec.models.load import target_id
-    from tidespec.workspace import Workspace
-
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "params.yaml").write_text(f"""
-target: {{source: "{target_dir}"}}
-draft: {{draft_vocab_size: {V}, intermediate_size: 64}}
-curate: {{window: 1, min_tokens: 4, max_tokens: 4096, val_fraction: 0.02, holdout_fraction: 0.0}}
-train: {{ttt_steps: 1, epochs: {epochs}, batch_tokens: 2048, max_seq_len: {T}, min_train_tokens: 16,
-        buffer_mb: {BUFFER_MB}, threads: 1, checkpoint_every: 0}}
-""")
-    params = load_params(root / "params.yaml")
-    tid = target_id(params)
-    ws = Workspace(root)
-    w = CaptureWriter(ws.capture_dir(tid), tid, CaptureParams(shard_max_records=16, queue_size=4096))
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(T, dtype=torch.uint8)
-    mask[T // 4:] = 1
-    for i in range(n_records):
-        rec = {"input_ids": torch.randint(3, V, (T,), generator=g, dtype=torch.int32), "loss_mask": mask,
-               "aux_hidden_states": torch.randn(T, 3 * H, generator=g).bfloat16(),
-               "hidden_states": torch.randn(T, H, generator=g).bfloat16()}
-        w.submit(rec, request_id=f"r{seed}-{i}", workload="code", acceptance_length=1.0, prompt_id=f"p{i}")
-    w.close()
-    seal(ws.capture_dir(tid), ws.snapshots, tid)
-    return ws, params
-
-
-PEAK = """
-import atexit, sys
-OUT = sys.argv[1]
-def peak():
-    kb = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM'))
-    open(OUT, 'w').write(str(kb))
-atexit.register(peak)
-sys.argv = ['tidespec', 'stage', 'train', '--root', sys.argv[2], '--params', sys.argv[2] + '/params.yaml']
-from tidespec.cli import main
-main()
-"""
+    """A curated workspace whose one snapshot holds `n_records` synthetic records of T tokens
+    (random hidden states: their teacher logits are random, every position learnable)."""
+    raw = {"target": {"source": str(target_dir)}, "draft": {"draft_vocab_size": V, "intermediate_size": 64},
+           "curate": {"window": 1, "min_tokens": 4, "max_tokens": 4096, "val_fraction": 0.02, "holdout_fraction": 0.0},
+           "train": {"ttt_steps": 1, "epochs": epochs, "batch_tokens": 2048, "max_seq_len": T, "min_train_tokens": 16,
+                     "buffer_mb": BUFFER_MB, "threads": 1, "checkpoint_every": 0}}
+    return synthetic_workspace(root, raw, n_records, T, seed=seed)
 
 
 def _train_peak_mb(ws) -> tuple[float, dict]:
     """`tidespec stage train` in a fresh process: (its peak RSS in MiB, its metrics)."""
-    from tidespec.config import load_params
-    from tidespec.models.load import target_id
-    from tidespec.steps.cycle import step_curate
-    step_curate(ws, load_params(ws.root / "params.yaml"), target_id(load_params(ws.root / "params.yaml")))
-    out = ws.root / "peak_kb"
-    r = subprocess.run([sys.executable, "-c", PEAK, str(out), str(ws.root)], capture_output=True, text=True,
-                       timeout=600, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return int(out.read_text()) / 1024, json.loads((ws.candidate / "train_metrics.json").read_text())
+    return stage_train_peak(ws.root, {"OMP_NUM_THREADS": "1"}, timeout_s=600)
 
 
 def _snapshot_mb(ws) -> float:
@@ -94,10 +49,10 @@ def test_peak_rss_does_not_grow_with_the_snapshot(tmp_path):
     target_dir = make_tiny_target(tmp_path / "target", vocab_size=V, hidden_size=H, intermediate_size=64,
                                   num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
                                   max_position_embeddings=512)
-    big, _ = _workspace(tmp_path / "big", target_dir, 480, seed=1)
+    big = _workspace(tmp_path / "big", target_dir, 480, seed=1)
     assert _snapshot_mb(big) >= 5 * DATA_BUDGET_MB
     p_big, m_big = _train_peak_mb(big)
-    small, _ = _workspace(tmp_path / "small", target_dir, 6, epochs=m_big["train_steps"])  # one step per epoch
+    small = _workspace(tmp_path / "small", target_dir, 6, epochs=m_big["train_steps"])  # one step per epoch
     p_small, m_small = _train_peak_mb(small)
     assert m_small["train_buffers"] == 1 and m_big["train_buffers"] >= 10  # the big set streamed
     assert m_small["train_steps"] >= m_big["train_steps"]

@@ -341,6 +341,20 @@ def bench_scaling(params: Path = PARAMS,
     console.print((out / "scaling.md").read_text())
 
 
+@bench_app.command("train-scaling")
+def bench_train_scaling(params: Path = PARAMS,
+                        tokens: int = typer.Option(16384, min=256, help="tokens of the throughput snapshot"),
+                        seq_len: int = typer.Option(256, min=16), passes: int = typer.Option(3, min=1),
+                        buffer_mb: float = typer.Option(64.0, min=1, help="train.buffer_mb of the memory arms"),
+                        work: Path = typer.Option(Path(".cache/tidespec/bench-train-scaling")),
+                        out: Path = typer.Option(Path("bench/results"))):
+    """The train step at 1 and 2 ranks (tokens/s, paired ratios), and peak RSS against snapshot size
+    (streamed vs held whole), on synthetic snapshots at the target's width."""
+    from . import train_scaling
+    train_scaling.run(params, out, tokens, seq_len, passes, buffer_mb, work, progress=console.print)
+    console.print((out / "train_scaling.md").read_text())
+
+
 # The experiment scripts: argparse programs of their own, run as `tidespec bench NAME ARGS...` (their
 # --help is theirs); one module each in this package, `main(argv)`.
 SCRIPTS = {

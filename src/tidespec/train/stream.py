@@ -21,6 +21,7 @@ shards `capture.store` caches, and one batch; it does not grow with the set's si
 """
 from __future__ import annotations
 
+import ctypes
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -31,6 +32,24 @@ from ..models.target import Target
 from . import ranks
 from .examples import Example, collate, group_by_length, prepare
 from .source import RecordSource
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc `malloc_trim(0)`; a no-op elsewhere).
+    A freed buffer's examples are hundreds of mid-sized tensors: glibc keeps them on its heap
+    (its mmap threshold rises to the largest freed block), so without this the process holds
+    a buffer's worth of freed memory on top of the next one."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
 
 
 def example_bytes_per_token(hidden: int, draft_vocab: int) -> int:
@@ -132,6 +151,8 @@ class ExampleStream:
                     yield b, sum(self.lengths[i] for i in g), collate([ex[i] for i in own], device) if own else None
                 b += 1
             del ex
+            if not self.resident:
+                release_free_heap()
 
     def _examples(self, positions: list[int]) -> dict[int, Example]:
         """Prepared examples at `positions` (from the cache when resident)."""
