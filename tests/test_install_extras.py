@@ -14,6 +14,7 @@ import httpx
 import yaml
 
 from conftest import shipped_params
+from tidespec import assets
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # the [mlops] and [aws] extras' packages (and what only they pull in)
@@ -59,7 +60,8 @@ def test_serve_runs_without_mlops_packages(tmp_path, tiny_target_dir):
     assert refused.returncode == 2 and "pip install 'tidespec[mlops]'" in out and "--no-publish" in out, out
     proc = _child(tmp_path, ["serve", "--root", str(tmp_path), "--params", str(tmp_path / "params.yaml"),
                              "--port", str(port), "--no-publish"], cwd=tmp_path,
-                  env={"TIDESPEC_ADMIN_TOKEN": "change-me"})
+                  env={"TIDESPEC_ADMIN_TOKEN": "change-me",  # the machine's calibration, as other tests share it
+                       "TIDESPEC_CACHE": str(assets.cache_dir().resolve())})
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300  # the suffix proposer (default) calibrates the policy's costs first

@@ -57,14 +57,15 @@ def test_two_ranks_give_one_rank_weights(tmp_path, tiny_target_dir):
     assert m1["simulated_acceptance_length"] == pytest.approx(m2["simulated_acceptance_length"], abs=1e-6)
 
 
-def _kill_a_rank(state, deadline_s: float = 120.0) -> int:
-    """SIGKILL rank 1 once the training state exists; returns the killed pid."""
+def _kill_a_rank(state, spec, deadline_s: float = 120.0) -> int:
+    """SIGKILL rank 1 of the run on `spec` (this test's ranks only) once the training state
+    exists; returns the killed pid."""
     deadline = time.time() + deadline_s
     while time.time() < deadline:
         if state.exists():
             for p in psutil.process_iter(["cmdline", "pid"]):
                 cmd = " ".join(p.info["cmdline"] or [])
-                if "tidespec.steps.rank" in cmd and "torch.distributed.run" not in cmd:
+                if f"tidespec.steps.rank {spec}" in cmd and "torch.distributed.run" not in cmd:
                     try:
                         if p.environ().get("RANK") == "1":
                             os.kill(p.pid, signal.SIGKILL)
@@ -82,7 +83,7 @@ def test_killed_rank_restarts_from_the_last_state(tmp_path, tiny_target_dir):
     killed, got = [], {}
     t = threading.Thread(target=lambda: got.update(_train(ws, params, "cut", max_restarts=1, **kw)))
     t.start()
-    killed.append(_kill_a_rank(state_dir(ws.work / "cut") / "state.pt"))
+    killed.append(_kill_a_rank(state_dir(ws.work / "cut") / "state.pt", (ws.work / "cut.ranks.json").resolve()))
     t.join(300)
     assert not t.is_alive() and got, "the restarted ranks did not finish"
     assert 0 < got["resumed_from_step"] < ref["train_steps"] == got["train_steps"]

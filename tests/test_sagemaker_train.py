@@ -463,3 +463,25 @@ def test_dry_run_prints_the_distributed_request_moto_accepts(aws_env, tmp_path, 
     assert plan["route"] == "torchrun" and plan["world_size"] == 4
     assert plan["command"][plan["command"].index("--nproc-per-node") + 1] == "4"
     assert not ws.candidate.exists()
+
+
+def test_container_rank_command_cases(tmp_path):
+    """The container's torchrun: none for one rank, for a rank itself or for SpecForge (which
+    launches its own ranks); a restart budget valid for the job is valid in its container."""
+    from tidespec.config import Params
+    from tidespec.train.sagemaker import container_params, rank_command
+    env = {"SM_HOSTS": '["algo-2", "algo-1"]', "SM_CURRENT_HOST": "algo-2"}
+    dist = {"distribution": "torch_distributed"}
+    sm = {"role_arn": ROLE, "image_uri": IMAGE, "s3_prefix": "s3://tide-bucket/p", "instance_count": 2,
+          "distribution": "torch_distributed"}
+    raw = {"target": {"source": "smollm2"}, "train": {"max_restarts": 2, "sagemaker": sm}}
+    Params.model_validate(raw)  # the launcher's check: 2 instances, so restarts make sense
+    p = container_params({"params": json.dumps(raw)}, None)
+    assert p.train.max_restarts == 2 and p.train.sagemaker is None
+    cmd = rank_command(env, dist, p)
+    assert cmd[cmd.index("--node-rank") + 1] == "1" and cmd[cmd.index("--master-addr") + 1] == "algo-1"
+    assert cmd[cmd.index("--max-restarts") + 1] == "2"
+    assert rank_command(env | {"WORLD_SIZE": "2"}, dist, p) is None  # already a rank
+    assert rank_command(env, {}, p) is None  # one instance, one rank: train in the process
+    spec = p.model_copy(update={"train": p.train.model_copy(update={"backend": "specforge", "nproc_per_node": 4})})
+    assert rank_command(env, dist, spec) is None

@@ -6,7 +6,7 @@ above the same command's on a set that fits one buffer, trained for as many opti
 (interpreter, torch, target, draft, AdamW state, activations and glibc's heap after that many
 steps are the same in both runs). It is `train.buffer_mb` (4 MiB of prepared examples) + 20 MiB
 for what else a streamed run holds at once: one record read (256 KiB), a padded batch's copy
-(batch_tokens 2,048 × 2,058 B/token = 4 MiB) while the previous one is freed, the index's
+(batch_tokens 1,792 × 2,058 B/token = 3.5 MiB) while the previous one is freed, the index's
 entries, and what glibc's heap keeps of freed buffers (the stream hands it back with
 `malloc_trim` after each buffer; without that, 17–28 MiB over the baseline were measured) —
 24 MiB; measured: 7–9 MiB over the baseline. The snapshot is ≥ 5 × that
@@ -31,7 +31,7 @@ def _workspace(root, target_dir, n_records: int, epochs: int = 1, seed: int = 0)
     (random hidden states: their teacher logits are random, every position learnable)."""
     raw = {"target": {"source": str(target_dir)}, "draft": {"draft_vocab_size": V, "intermediate_size": 64},
            "curate": {"window": 1, "min_tokens": 4, "max_tokens": 4096, "val_fraction": 0.02, "holdout_fraction": 0.0},
-           "train": {"ttt_steps": 1, "epochs": epochs, "batch_tokens": 2048, "max_seq_len": T, "min_train_tokens": 16,
+           "train": {"ttt_steps": 1, "epochs": epochs, "batch_tokens": 1792, "max_seq_len": T, "min_train_tokens": 16,
                      "buffer_mb": BUFFER_MB, "threads": 1, "checkpoint_every": 0}}
     return synthetic_workspace(root, raw, n_records, T, seed=seed)
 
@@ -104,10 +104,44 @@ def test_plan_covers_every_example_once_within_the_buffer(tiny_target):
 def test_resumed_epoch_skips_without_changing_the_rest(tiny_target, skip):
     from conftest import tiny_records
     recs = tiny_records(tiny_target, n=12, T=30)
-    s = _stream(tiny_target, recs, 0.1)
+    s = _stream(tiny_target, recs, 0.2)
     plan = s.epoch_plan(0, random.Random(0))
     full = list(s.batches(plan))
     part = list(s.batches(plan, skip=skip))
     assert [b for b, _, _ in part] == list(range(skip, len(full)))
     for (_, _, a), (_, _, b) in zip(full[skip:], part):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_buffer_smaller_than_a_batch_is_refused(tiny_target):
+    from conftest import tiny_records
+    with pytest.raises(ValueError, match="train.buffer_mb .* fewer than train.batch_tokens 96: raise buffer_mb"):
+        _stream(tiny_target, tiny_records(tiny_target, n=2, T=30), 0.01)
+
+
+def test_streamed_schedule_counts_the_steps_it_runs(tiny_target, tmp_path):
+    """The LR schedule's step count is the batches the epochs really run (the shard order, hence
+    where buffers are cut, changes per epoch), and a run killed mid-way resumes at another rank
+    count (the state is keyed on data and params, not on where the ranks run)."""
+    from conftest import tiny_records
+    from tidespec.config import DraftParams, TrainParams
+    from tidespec.train.trainer import train_draft
+    recs = tiny_records(tiny_target, n=11, T=33) + tiny_records(tiny_target, n=9, T=21, seed=1)
+    tp = TrainParams(epochs=4, ttt_steps=2, batch_tokens=70, buffer_mb=0.15, checkpoint_every=3)
+    seen = []
+    m = train_draft(recs, [], tiny_target, DraftParams(draft_vocab_size=64), tp, tmp_path / "a",
+                    progress=lambda step, total, loss: seen.append((step, total)))
+    assert m["train_buffers"] > 2 and m["skipped_nonfinite_steps"] == 0
+    assert seen[-1][0] == seen[-1][1] == m["train_steps"]
+
+    class Killed(Exception):
+        pass
+
+    def kill(step, total, loss):
+        if step == 7:
+            raise Killed()
+    with pytest.raises(Killed):
+        train_draft(recs, [], tiny_target, DraftParams(draft_vocab_size=64), tp, tmp_path / "b", progress=kill)
+    again = train_draft(recs, [], tiny_target, DraftParams(draft_vocab_size=64),
+                        tp.model_copy(update={"nproc_per_node": 2, "max_restarts": 1}), tmp_path / "b")
+    assert again["resumed_from_step"] == 6 and again["train/loss"] == m["train/loss"]

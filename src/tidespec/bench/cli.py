@@ -346,13 +346,18 @@ def bench_train_scaling(params: Path = PARAMS,
                         tokens: int = typer.Option(16384, min=256, help="tokens of the throughput snapshot"),
                         seq_len: int = typer.Option(256, min=16), passes: int = typer.Option(3, min=1),
                         buffer_mb: float = typer.Option(64.0, min=1, help="train.buffer_mb of the memory arms"),
+                        batch_tokens: int | None = typer.Option(None, min=8, help="train.batch_tokens (default: "
+                                                                "params.yaml's)"),
+                        memory: bool = typer.Option(True, help="also the memory arms (--no-memory: ranks only)"),
                         work: Path = typer.Option(Path(".cache/tidespec/bench-train-scaling")),
                         out: Path = typer.Option(Path("bench/results"))):
     """The train step at 1 and 2 ranks (tokens/s, paired ratios), and peak RSS against snapshot size
     (streamed vs held whole), on synthetic snapshots at the target's width."""
     from . import train_scaling
-    train_scaling.run(params, out, tokens, seq_len, passes, buffer_mb, work, progress=console.print)
-    console.print((out / "train_scaling.md").read_text())
+    train_scaling.run(params, out, tokens, seq_len, passes, buffer_mb, work, progress=console.print,
+                      batch_tokens=batch_tokens, memory=memory)
+    stem = "train_scaling" + (f"-b{batch_tokens}" if batch_tokens else "")
+    console.print((out / f"{stem}.md").read_text())
 
 
 # The experiment scripts: argparse programs of their own, run as `tidespec bench NAME ARGS...` (their

@@ -99,10 +99,13 @@ ARMS = {"1 rank × 1 thread": (1, 1), "1 rank × 2 threads": (1, 2), "2 ranks ×
 
 
 def run(params_path: Path, out: Path, tokens: int, seq_len: int, passes: int, buffer_mb: float, work: Path,
-        progress=print) -> dict:
-    """Both figure sets (module docstring) on the target of `params_path`; files under `out`."""
+        progress=print, batch_tokens: int | None = None, memory: bool = True) -> dict:
+    """Both figure sets (module docstring; `memory` False: the rank arms only) on the target of
+    `params_path` (`batch_tokens`: its train.batch_tokens, None: as params.yaml says); files
+    `train_scaling[-b<batch_tokens>].{json,md}` under `out`."""
     base = yaml.safe_load(Path(params_path).read_text())
-    base = _with_train(base, epochs=1, min_train_tokens=16, checkpoint_every=0, warm_start=False)
+    base = _with_train(base, epochs=1, min_train_tokens=16, checkpoint_every=0, warm_start=False,
+                       **({"batch_tokens": batch_tokens} if batch_tokens else {}))
     base["curate"] = (base.get("curate") or {}) | {"window": 1, "holdout_fraction": 0.0, "val_fraction": 0.02,
                                                    "replay_fraction": 0.0, "max_tokens": max(seq_len, 64)}
     n = max(1, tokens // seq_len)
@@ -119,7 +122,7 @@ def run(params_path: Path, out: Path, tokens: int, seq_len: int, passes: int, bu
                                "peak_mb": peak, "world": m["train_world_size"]})
             progress(f"pass {p + 1}/{passes} {name}: {m['train_tokens_per_s']:.0f} tokens/s")
     mem = []
-    for mult, bmb in ((1, buffer_mb), (2, buffer_mb), (4, buffer_mb), (1, 65536.0), (2, 65536.0)):
+    for mult, bmb in ((1, buffer_mb), (2, buffer_mb), (4, buffer_mb), (1, 65536.0), (2, 65536.0)) if memory else ():
         root = work / f"mem-{mult}-{int(bmb)}"
         ws = synthetic_workspace(root, _with_train(base, buffer_mb=bmb, threads=1), n * mult, seq_len, seed=mult)
         peak, m = stage_train_peak(root, {"OMP_NUM_THREADS": "1"})
@@ -128,10 +131,12 @@ def run(params_path: Path, out: Path, tokens: int, seq_len: int, passes: int, bu
                     "buffers": m["train_buffers"], "peak_mb": round(peak, 1)})
         progress(f"memory: {at_rest:.0f} MiB snapshot, buffer {bmb:.0f} MiB → peak {peak:.0f} MiB")
     res = {"target": base["target"], "tokens": n * seq_len, "seq_len": seq_len, "passes": passes,
+           "batch_tokens": base["train"].get("batch_tokens"),
            "throughput": _summary(rows), "memory": mem, "cpus": os.cpu_count()}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_scaling.json").write_text(json.dumps(res, indent=2))
-    (out / "train_scaling.md").write_text(_markdown(res))
+    stem = "train_scaling" + (f"-b{batch_tokens}" if batch_tokens else "")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    (out / f"{stem}.md").write_text(_markdown(res))
     return res
 
 
@@ -151,16 +156,19 @@ def _summary(rows: dict[str, list[dict]]) -> dict:
 
 def _markdown(res: dict) -> str:
     t = res["throughput"]
-    lines = [f"# Train step: ranks and memory ({res['tokens']} tokens of {res['seq_len']}, {res['passes']} passes, "
-             f"{res['cpus']} CPUs)", "", "| arm | tokens/s (median, range) | × 1 rank·1 thread (median, range) "
-             "| peak RSS MiB |", "|---|---|---|---|"]
-    for name in ARMS:
+    lines = [f"# Train step: ranks and memory ({res['tokens']} tokens of {res['seq_len']}, batch_tokens "
+             f"{res['batch_tokens']}, {res['passes']} passes, {res['cpus']} CPUs)", "",
+             "| arm | tokens/s (median, range) | × 1 rank·1 thread (median, range) |", "|---|---|---|"]
+    for name in ARMS:  # (peak RSS is the stage process's: under torchrun the launcher's, so not shown)
         r = t[name]
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} ({r['tokens_per_s_range'][0]:.0f}–"
                      f"{r['tokens_per_s_range'][1]:.0f}) | {r['ratio_vs_1x1']:.2f} ({r['ratio_range'][0]:.2f}–"
-                     f"{r['ratio_range'][1]:.2f}) | {r['peak_mb']:.0f} |")
-    lines += ["", f"Scaling efficiency at 2 ranks (one thread each): {t['scaling_efficiency_2_ranks']:.2f}.", "",
-              "| snapshot tokens | at rest MiB | buffer_mb | buffers/epoch | peak RSS MiB |", "|---|---|---|---|---|"]
+                     f"{r['ratio_range'][1]:.2f}) |")
+    lines += ["", f"Scaling efficiency at 2 ranks (one thread each): {t['scaling_efficiency_2_ranks']:.2f}."]
+    if not res["memory"]:
+        return "\n".join(lines) + "\n"
+    lines += ["", "| snapshot tokens | at rest MiB | buffer_mb | buffers/epoch | peak RSS MiB |",
+              "|---|---|---|---|---|"]
     for m in res["memory"]:
         buf = "whole set" if m["buffers"] == 1 else f"{m['buffer_mb']:.0f}"
         lines.append(f"| {m['snapshot_tokens']} | {m['snapshot_mb']} | {buf} | {m['buffers']} | {m['peak_mb']} |")

@@ -167,7 +167,9 @@ def train_plan(ws: Workspace, params: Params, curated: Path, init: Path | None, 
         return {"route": "work_pool", "work_pool": t.work_pool, "deployment": "tide_train/tide-train",
                 "world_size": t.world_size}
     where = {"backend": t.backend, "device": t.device, "precision": t.precision, "world_size": t.world_size}
-    if t.world_size > 1 and t.backend == "embedded":
+    if reason := skip_reason(params, Path(curated)):
+        where["skipped"] = reason  # too few new tokens: the real run would stop here
+    if t.world_size > 1 and t.backend == "embedded" and "WORLD_SIZE" not in os.environ:
         out = Path(out).resolve()
         run_id = hashlib.sha256(str(out).encode()).hexdigest()[:12]
         return {"route": "torchrun", **where,

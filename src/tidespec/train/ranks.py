@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,11 @@ def torchrun_argv(nproc_per_node: int, nnodes: int, max_restarts: int, endpoint:
         host, port = endpoint.rsplit(":", 1)
         cmd += ["--node-rank", str(node_rank), "--master-addr", host, "--master-port", port]
     return cmd + tail
+
+
+# how long a rank waits in a collective: rank 0 alone prepares the validation set and evaluates,
+# saves and measures at the end while the others wait (torch's defaults: 10 min nccl, 30 min gloo)
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 def world() -> tuple[int, int]:
@@ -52,7 +58,8 @@ def init(device: torch.device) -> tuple[int, int]:
         # its dead predecessors published (gloo would connect to a dead port), so each attempt
         # keys its own namespace
         store = dist.PrefixStore(f"tidespec/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=r, world_size=n)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=r, world_size=n,
+                                timeout=COLLECTIVE_TIMEOUT)
     return world()
 
 
@@ -93,6 +100,15 @@ def gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast(obj):
+    """Rank 0's `obj` (picklable) on every rank; `obj` as is for one process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def barrier() -> None:

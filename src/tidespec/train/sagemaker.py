@@ -57,7 +57,9 @@ def container_params(hps: dict, target_dir: Path | None) -> Params:
     raw.get("train", {}).pop("sagemaker", None)
     if target_dir is not None:
         raw.setdefault("target", {})["source"] = str(target_dir)
-    return Params.model_validate(raw)
+    restarts = raw.get("train", {}).pop("max_restarts", 0)  # checked against the job's instances by the launcher
+    params = Params.model_validate(raw)
+    return params.model_copy(update={"train": params.train.model_copy(update={"max_restarts": restarts})})
 
 
 def _train_in_container(env: Mapping[str, str]) -> dict:
@@ -115,7 +117,7 @@ def rank_command(env: Mapping[str, str], hps: Mapping, params: Params) -> list[s
     train in this process (one rank in all, or this process is a rank already). Under
     `distribution: torch_distributed` the nodes are the job's hosts (sorted; the first is the
     master at port MASTER_PORT, so global rank 0, which writes the model, runs there)."""
-    if "WORLD_SIZE" in env:
+    if "WORLD_SIZE" in env or params.train.backend != "embedded":  # SpecForge launches its own ranks
         return None
     distributed = hps.get("distribution", "none") == "torch_distributed"
     if not distributed and params.train.nproc_per_node == 1:

@@ -71,6 +71,10 @@ class ExampleStream:
         self.rank, self.world = rank, world
         per_token = example_bytes_per_token(target.cfg.hidden_size, int(t2d.sum()))
         self.capacity = max(1, int(buffer_mb * 2**20 // per_token))  # tokens of prepared examples per buffer
+        if self.capacity < batch_tokens:  # batches are cut within a buffer: a smaller one would shrink them
+            raise ValueError(f"train.buffer_mb {buffer_mb} holds {self.capacity} prepared tokens, fewer than "
+                             f"train.batch_tokens {batch_tokens}: raise buffer_mb to at least "
+                             f"{batch_tokens * per_token / 2**20:.2f} (a prepared token is {per_token} bytes here)")
         self._cache: dict[int, Example] | None = {}
         self.lengths = self._survey(dropped, collective)
         self.resident = sum(self.lengths) <= self.capacity  # every example in one buffer, kept across epochs

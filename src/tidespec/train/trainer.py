@@ -151,7 +151,8 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     rng = random.Random(tparams.seed)
     torch.manual_seed(tparams.seed)
     sdir = state_dir(out)
-    fp = fingerprint(tparams.model_dump(exclude={"threads", "device"}), dparams.model_dump(), weights_digest(init),
+    where = {"threads", "device", "nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts", "sagemaker", "work_pool"}
+    fp = fingerprint(tparams.model_dump(exclude=where), dparams.model_dump(), weights_digest(init),
                      target.target_id, str(target.dtype), list(target.aux_layers), src.fingerprint(),
                      str(amp))  # the resolved precision: `auto` is bf16 on CUDA, fp32 on CPU
     run, resumed_from = _resume(sdir, fp, draft, opt, sched, tparams.ttt_steps, rng)
@@ -184,7 +185,8 @@ def _optimizer(params: list, stream: ExampleStream, tparams: TrainParams):
     """AdamW + linear warm-up (5 % of the steps) then cosine decay over every epoch's batches
     (counted from the plans, before any is read). Returns (optimizer, scheduler, total optimizer steps)."""
     opt = torch.optim.AdamW(params, lr=tparams.lr, weight_decay=tparams.weight_decay)
-    nb = sum(len(buf) for ep in range(tparams.epochs) for buf in stream.epoch_plan(ep, random.Random(0), False))
+    # the shard order (hence where buffers are cut) depends on (seed, epoch) only; the batch shuffle not the count
+    nb = sum(len(buf) for ep in range(tparams.epochs) for buf in stream.epoch_plan(ep, random.Random(0)))
     total = max(1, nb)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, total // 20)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
@@ -196,7 +198,8 @@ def _resume(sdir: Path, fp: str, draft, opt, sched, steps: int, rng: random.Rand
     `draft`, `opt`, `sched`) when `sdir` holds a state with fingerprint `fp`. Returns (run, resumed step)."""
     run = {"step": 0, "epoch": 0, "batches_done": 0, "losses": [], "tokens": 0, "seconds": 0.0, "skipped": 0,
            "ep_loss": 0.0, "ep_n": 0, "corr": [0] * steps, "cnt": [0] * steps, "epoch_rng": rng.getstate()}
-    st = load_state(sdir, fp)
+    # rank 0 reads the state and hands it to the others: a node may not see rank 0's disk (SageMaker)
+    st = ranks.broadcast(load_state(sdir, fp) if ranks.world()[0] == 0 else None)
     if st is None:
         return run, 0
     draft.load_state_dict(st["draft"])
@@ -278,7 +281,7 @@ def _metrics(draft, stream: ExampleStream, val: ExampleStream | None, run: dict,
                "train_tokens_per_s": run["tokens"] / secs if secs else 0.0, "train_tokens": run["tokens"],
                "train_steps": run["step"], "simulated_acceptance_length": ev.simulated_tau(),
                "train_examples": len(stream), "val_examples": len(val) if val is not None else 0,
-               "train_buffers": len(stream.epoch_plan(0, random.Random(0), False)),
+               "train_buffers": len(stream.epoch_plan(0, random.Random(0))),
                "skipped_nonfinite_steps": run["skipped"], "resumed_from_step": resumed_from,
                "curve": run.get("curve", [])}
     metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
