@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -23,8 +24,9 @@ def stage_curate(root: Path = ROOT, params: Path = PARAMS):
 
 @stage_app.command("train")
 def stage_train(root: Path = ROOT, params: Path = PARAMS,
-                dry_run: bool = typer.Option(False, "--dry-run", help="print where and how it would train "
-                                             "(the SageMaker request, the torchrun command); train nothing")):
+                dry_run: Annotated[bool, typer.Option("--dry-run", help="print where and how it would train (the "
+                                                      "SageMaker request, the torchrun command); train nothing")]
+                = False):
     """Train data/work/candidate from data/work/curated.json, warm-started from data/drafts/champion."""
     from ..config import load_params
     from ..steps.cycle import train_candidate, train_plan
