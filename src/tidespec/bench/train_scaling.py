@@ -48,8 +48,9 @@ main()
 def synthetic_workspace(root: Path, params_raw: dict, n_records: int, seq_len: int, seed: int = 0) -> Workspace:
     """A workspace (params.yaml = `params_raw`) whose one sealed snapshot holds `n_records`
     records of `seq_len` tokens: random token ids, random bf16 hidden states at the target's
-    width (`[T, 3H]`, `[T, H]`), loss on the last 3/4; then curated. Hidden size and vocab come
-    from the target's config (read without loading its weights when it is an HF dir)."""
+    width (aux `[T, 3H]`, hidden `[T, H]`), loss on the last 3/4; then curated. Hidden size and
+    vocab come from the target's config (the target is loaded once for it). Raises as
+    `load_params` / `get_target` for bad params or a missing target."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(params_raw))
     params = load_params(root / "params.yaml")
@@ -92,7 +93,10 @@ def _fresh(root: Path) -> None:
     """Drop the previous run's candidate (and state) so each run trains from scratch."""
     import shutil
     for p in (root / "data/work").glob("candidate*"):
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink()
 
 
 ARMS = {"1 rank × 1 thread": (1, 1), "1 rank × 2 threads": (1, 2), "2 ranks × 1 thread": (2, 1)}

@@ -199,7 +199,9 @@ def load_records(
     entries: list[dict], base: Path, fields: tuple[str, ...] | None = None
 ) -> list[dict[str, torch.Tensor]]:
     """Read the tensors of curated index entries (all, or only `fields`); `base`: the index's
-    directory (entry paths are relative to it)."""
+    directory (entry paths are relative to it). A record read from an uncompressed shard may keep
+    that shard file mapped while it lives: to go over a large set, read and drop one record at a
+    time (`output_sequences`, `train.source.IndexRecords`) instead of holding the list."""
     out = []
     for e in entries:
         row = ManifestRow(request_id=e["request_id"], ts="", workload=e.get("workload", ""), target_id="",

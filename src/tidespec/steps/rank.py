@@ -15,6 +15,9 @@ from ..train.entry import train_here
 
 
 def main(spec_path: str) -> None:
+    """Train this rank from the spec file at `spec_path` (JSON, see the module docstring), then
+    leave the process group. Raises as `train_here` (FileNotFoundError for a missing curated index,
+    ValueError for another target's set); torchrun reports a raising rank and stops the others."""
     spec = json.loads(Path(spec_path).read_text())
     params = Params.model_validate(spec["params"])
     target, _ = get_target(params)

@@ -92,12 +92,13 @@ class ExampleStream:
     def _survey(self, dropped: Counter, collective: bool) -> list[int]:
         """Every record's prepared length (0: dropped); each rank prepares its share, kept in the
         cache while the total fits one buffer (one process: the set is prepared once)."""
-        n, share, mine = len(self.source), (self.rank, self.world) if collective else (0, 1), {}
-        local, held = Counter(), 0
-        for i in range(share[0], n, share[1]):
+        n = len(self.source)
+        first, step = (self.rank, self.world) if collective else (0, 1)
+        mine, local, held = {}, Counter(), 0
+        for i in range(first, n, step):
             ex = self._prepare(i, local)
             mine[i] = 0 if ex is None else int(ex.ids.shape[0])
-            if ex is not None and self._cache is not None and share[1] == 1:
+            if ex is not None and self._cache is not None and step == 1:  # ranks cache their own rows later
                 held += mine[i]
                 self._cache[i] = ex
                 if held > self.capacity:
@@ -108,8 +109,6 @@ class ExampleStream:
             for i, t in m.items():
                 lengths[i] = t
             dropped.update(c)
-        if self._cache is not None and share[1] > 1:
-            self._cache = {}
         return lengths
 
     def epoch_plan(self, epoch: int, rng: random.Random, shuffle: bool = True) -> list[list[list[int]]]:

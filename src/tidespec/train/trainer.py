@@ -225,10 +225,11 @@ def _train_epoch(draft, opt, sched, params: list, stream: ExampleStream, tparams
             with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
                 loss, c, n = ttt_loss(draft, *batch, steps, tparams.loss_decay, denom=tokens)
         run["batches_done"] = bi + 1
-        learn = loss.requires_grad and bool(torch.isfinite(loss))
+        finite = bool(torch.isfinite(loss))
+        learn = loss.requires_grad and finite
         # one all-reduce: [sum of losses, ranks with something to learn, ranks with a bad loss, correct, counts]
-        g = ranks.sum_(torch.tensor([float(loss.detach()) if learn else 0.0, float(learn),
-                                     float(not torch.isfinite(loss)), *c, *n], dtype=torch.float64))
+        g = ranks.sum_(torch.tensor([float(loss.detach()) if learn else 0.0, float(learn), float(not finite),
+                                     *c, *n], dtype=torch.float64))
         if g[1] == 0 or g[2] > 0:  # nothing to learn anywhere / a bad batch on some rank
             run["skipped"] += 1
             continue
