@@ -5,7 +5,8 @@ The budget is a data budget: the trainer's peak RSS (`tidespec stage train`, a f
 above the same command's on a set that fits one buffer, trained for as many optimizer steps
 (interpreter, torch, target, draft, AdamW state, activations and glibc's heap after that many
 steps are the same in both runs). It is `train.buffer_mb` (4 MiB of prepared examples) + 20 MiB
-for what else a streamed run holds at once: one record read (256 KiB), a padded batch's copy
+for what else a streamed run holds at once: the records read ahead (`train.prefetch_mb` 1 MiB plus
+the one being read, 256 KiB), a padded batch's copy
 (batch_tokens 1,792 × 2,058 B/token = 3.5 MiB) while the previous one is freed, the index's
 entries, and what glibc's heap keeps of freed buffers (the stream hands it back with
 `malloc_trim` after each buffer; without that, 17–28 MiB over the baseline were measured) —
@@ -32,7 +33,7 @@ def _workspace(root, target_dir, n_records: int, epochs: int = 1, seed: int = 0)
     raw = {"target": {"source": str(target_dir)}, "draft": {"draft_vocab_size": V, "intermediate_size": 64},
            "curate": {"window": 1, "min_tokens": 4, "max_tokens": 4096, "val_fraction": 0.02, "holdout_fraction": 0.0},
            "train": {"ttt_steps": 1, "epochs": epochs, "batch_tokens": 1792, "max_seq_len": T, "min_train_tokens": 16,
-                     "buffer_mb": BUFFER_MB, "threads": 1, "checkpoint_every": 0}}
+                     "buffer_mb": BUFFER_MB, "prefetch_mb": 1, "threads": 1, "checkpoint_every": 0}}
     return synthetic_workspace(root, raw, n_records, T, seed=seed)
 
 

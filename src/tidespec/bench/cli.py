@@ -360,6 +360,24 @@ def bench_train_scaling(params: Path = PARAMS,
     console.print((out / f"{stem}.md").read_text())
 
 
+@bench_app.command("online")
+def bench_online(target: str = typer.Option("smollm2", help="smollm2 (params.yaml's target) or a synthetic width: "
+                                             "h2048, llama8b-width"),
+                 params: Path = PARAMS, tokens: int = typer.Option(4096, min=64),
+                 seq_len: int = typer.Option(256, min=16),
+                 passes: int = typer.Option(3, min=1), epochs: int = typer.Option(2, min=1),
+                 buffer_mb: float = typer.Option(40.0, min=1, help="train.buffer_mb: below the set, so each epoch "
+                                                 "reads its records again"),
+                 work: Path = typer.Option(Path(".cache/tidespec/bench-online")),
+                 out: Path = typer.Option(Path("bench/results"))):
+    """Online rehydration (tokens at rest, hidden states rebuilt by the target while training) against
+    hidden states read from disk: records/s, the train step's time with and without the producer thread,
+    bytes per token at rest."""
+    from . import online
+    online.run(target, params, out, work, tokens, seq_len, passes, epochs, buffer_mb, progress=console.print)
+    console.print((out / f"online_rehydration-{target}.md").read_text())
+
+
 # The experiment scripts: argparse programs of their own, run as `tidespec bench NAME ARGS...` (their
 # --help is theirs); one module each in this package, `main(argv)`.
 SCRIPTS = {

@@ -57,7 +57,7 @@ def snapshot_token_counts(snap: Path) -> Counter:
     """Token-id counts (prompt + generated) over a snapshot's records."""
     counts: Counter = Counter()
     for row in read_manifest(snap):
-        counts.update(read_record(snap, row)["input_ids"].tolist())
+        counts.update(read_record(snap, row, ("input_ids",))["input_ids"].tolist())
     return counts
 
 
@@ -102,20 +102,22 @@ def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: 
         if key in seen:
             dropped["duplicate_prompt"] += 1
             continue
-        try:
+        try:  # a tokens-only record (ingest.mode: online) has no hidden states to check: the trainer rebuilds them
             rec = read_record(snap, row)
         except (CorruptShard, FileNotFoundError) as e:  # one bad shard must not block the cycle
             log.error("%s", e)
             dropped["unreadable"] += 1
             continue
-        if not (torch.isfinite(rec["aux_hidden_states"].float()).all()
-                and torch.isfinite(rec["hidden_states"].float()).all()):
+        if not row.tokens_only and not (torch.isfinite(rec["aux_hidden_states"].float()).all()
+                                        and torch.isfinite(rec["hidden_states"].float()).all()):
             dropped["non_finite"] += 1
             continue
         seen.add(key)
         counts.update(rec["input_ids"].tolist())
         e = {"snapshot": str(snap), "shard": row.shard, "offset": row.offset, "request_id": row.request_id,
              "num_tokens": row.num_tokens, "workload": row.workload, "prompt_hash": row.prompt_hash, **(tag or {})}
+        if row.tokens_only:
+            e["tokens_only"] = True
         if keep_prompt_ids:
             e["prompt_ids"] = rec["input_ids"][rec["loss_mask"] == 0].tolist()
             if row.constraint is not None:  # evaluate replays it under the same grammar
@@ -205,7 +207,8 @@ def load_records(
     out = []
     for e in entries:
         row = ManifestRow(request_id=e["request_id"], ts="", workload=e.get("workload", ""), target_id="",
-                          num_tokens=e["num_tokens"], acceptance_length=0.0, shard=e["shard"], offset=e["offset"])
+                          num_tokens=e["num_tokens"], acceptance_length=0.0, shard=e["shard"], offset=e["offset"],
+                          tokens_only=bool(e.get("tokens_only")))
         out.append(read_record(Path(base) / e["snapshot"], row, *((fields,) if fields else ())))
     return out
 

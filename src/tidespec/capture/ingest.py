@@ -29,7 +29,7 @@ from ..engine.grammar import GrammarCompiler, GrammarError
 from ..engine.speculative import Engine
 from ..workspace import Workspace
 from .exchange import parse_object
-from .rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids
+from .rehydrate import completion_ids, regenerate, rehydrate, request_prompt_ids, token_record
 from .snapshots import list_snapshots
 from .store import read_manifest, read_rows
 from .writer import CaptureWriter
@@ -139,18 +139,20 @@ class Rehydrator(Protocol):
 
 
 class EmbeddedRehydrator:
-    """One prefill per exchange through the target in this process (`capture.rehydrate.rehydrate`)."""
+    """One prefill per exchange through the target in this process (`capture.rehydrate.rehydrate`);
+    `tokens_only`: no prefill, the tokens-only record (`capture.rehydrate.token_record`,
+    `ingest.mode: online`)."""
 
     batch_size = 1
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, tokens_only: bool = False):
+        self.target, self.tokens_only = target, tokens_only
 
     def __call__(self, exchanges: list[tuple[list[int], list[int]]]) -> list[dict | ValueError]:
         out = []
         for p, g in exchanges:
             try:
-                out.append(rehydrate(self.target, p, g))
+                out.append((token_record if self.tokens_only else rehydrate)(self.target, p, g))
             except ValueError as e:  # ids outside the target's vocabulary (another tokenizer's traffic)
                 out.append(e)
         return out
@@ -160,15 +162,19 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
                   writer: CaptureWriter, progress=None, rehydrator: Rehydrator | None = None) -> dict:
     """Ingest every object of `source` (S3 prefix or local directory) not in its ledger; `store` lists
     and reads them (None: `LocalDir`, a local directory); `rehydrator` rebuilds the records (None:
-    `EmbeddedRehydrator`), `batch_size` exchanges at a time. Returns counts: objects, records,
-    rehydrated, regenerated, skipped {reason: n} (parse reasons + `duplicate_event`, `too_long`,
-    `unsupported_request`, `unsupported_response`, `empty_response`), and `stopped` (why) when the
-    capture writer refused a record: that object gets no ledger line and is read again next time.
+    `EmbeddedRehydrator`), `batch_size` exchanges at a time; with `ingest.mode: online` nothing is
+    rehydrated here (tokens-only records: the train step rebuilds their hidden states). Returns
+    counts: objects, records, rehydrated, regenerated, skipped {reason: n} (parse reasons +
+    `duplicate_event`, `too_long`, `unsupported_request`, `unsupported_response`, `empty_response`),
+    and `stopped` (why) when the capture writer refused a record: that object gets no ledger line
+    and is read again next time.
     Raises AWS errors (listing/reading) and ValueError for a target without a tokenizer or a bad
     S3 URI; the ledger and the records stay consistent."""
     if tok is None:
         raise ValueError(f"target {params.target.source} has no tokenizer: endpoint text cannot be tokenized")
     store = store if store is not None else LocalDir()
+    if params.ingest.mode == "online":  # tokens at rest: the train step rehydrates them (`train.online`)
+        rehydrator = EmbeddedRehydrator(target, tokens_only=True)
     rehydrator = rehydrator or EmbeddedRehydrator(target)
     led = ledger_path(ws, source)
     done = read_ledger(led)

@@ -125,13 +125,35 @@ def check_exchange(target: Target, prompt_ids: list[int], gen_ids: list[int]) ->
     return p + g[:-1]
 
 
-def make_record(ids: list[int], n_prompt: int, aux: torch.Tensor, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+def make_record(ids: list[int], n_prompt: int, aux: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A capture record: input_ids `[T]` int32, loss_mask `[T]` uint8 (1 from `n_prompt` on), the
-    given aux_hidden_states `[T, 3H]` and hidden_states `[T, H]` (final, post-norm)."""
+    given aux_hidden_states `[T, 3H]` and hidden_states `[T, H]` (final, post-norm); without them,
+    a tokens-only record (`ingest.mode: online`)."""
     mask = torch.zeros(len(ids), dtype=torch.uint8)
     mask[n_prompt:] = 1
-    return {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask,
-            "aux_hidden_states": aux, "hidden_states": hidden}
+    rec = {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask}
+    return rec if aux is None else rec | {"aux_hidden_states": aux, "hidden_states": hidden}
+
+
+def token_record(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The tokens-only record of an exchange (`ingest.mode: online`): `rehydrate`'s input_ids and
+    loss_mask, no prefill. Raises ValueError as `check_exchange`."""
+    return make_record(check_exchange(target, prompt_ids, gen_ids), len(prompt_ids))
+
+
+def exchange_of(record: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
+    """The exchange (prompt ids, generated ids) that `rehydrate` turns back into `record`'s ids and
+    mask: the prompt is the loss_mask == 0 prefix; the generation is the rest plus a stand-in for
+    its last token, which a record never holds (it is never fed back; the stand-in repeats the
+    last id, so the exchange has its original length). Raises ValueError when the mask is not a
+    prompt prefix of 0s followed by 1s (a record `rehydrate` could not have made)."""
+    ids, mask = record["input_ids"].tolist(), record["loss_mask"].tolist()
+    n = mask.index(1) if 1 in mask else len(mask)
+    if n == 0 or n == len(mask) or any(m != 1 for m in mask[n:]):
+        raise ValueError(f"loss_mask {mask[:8]}... is not a prompt (0s) then a generation (1s): this record "
+                         "cannot be rehydrated")
+    return ids[:n], ids[n:] + ids[-1:]
 
 
 def rehydrate(target: Target, prompt_ids: list[int], gen_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -160,4 +182,5 @@ def regenerate(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
     return list(engine.generate_batch([req])[0].tokens)
 
 
-__all__ = ["check_exchange", "completion_ids", "make_record", "regenerate", "rehydrate", "request_prompt_ids"]
+__all__ = ["check_exchange", "completion_ids", "exchange_of", "make_record", "regenerate", "rehydrate",
+           "request_prompt_ids", "token_record"]

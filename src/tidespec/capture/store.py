@@ -1,7 +1,9 @@
 """The capture store: the record format, safetensors shards and the JSONL manifest.
 
 A record per finished request: `input_ids [T] int32`, `loss_mask [T] uint8`, `aux_hidden_states
-[T, 3H] bf16`, `hidden_states [T, H] bf16` (`validate_record`). A shard is written to a temp name,
+[T, 3H] bf16`, `hidden_states [T, H] bf16` (`validate_record`); a tokens-only record (`ingest.mode:
+online`) holds the first two alone, its manifest row says `tokens_only`, and the train step
+rebuilds its hidden states from the target as it trains (`train.online`). A shard is written to a temp name,
 fsynced and renamed, and its manifest lines are appended and fsynced only after the rename: a
 reader trusts the manifest only, so it never sees a torn shard. `capture.compression: zstd`
 byte-shuffles bf16 and compresses the shard as a whole (`*.safetensors.zst`). Sealing, recovery and
@@ -26,6 +28,8 @@ from safetensors.torch import save as st_save
 
 log = logging.getLogger(__name__)
 FIELDS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
+TOKEN_FIELDS = FIELDS[:2]  # what a tokens-only record holds
+HIDDEN_FIELDS = FIELDS[2:]
 DTYPES = {"input_ids": torch.int32, "loss_mask": torch.uint8,
           "aux_hidden_states": torch.bfloat16, "hidden_states": torch.bfloat16}
 CODECS = ("none", "zstd")
@@ -48,6 +52,7 @@ class ManifestRow:
     text: dict | None = None  # {"prompt", "completion"} only with capture.store_text: true
     origin: str = "live"  # live (served here) | rehydrated (endpoint text → one prefill) | regenerated (no response)
     constraint: dict | None = None  # a constrained request's spec (response_format / tools, `engine.constraint`)
+    tokens_only: bool = False  # input_ids + loss_mask at rest, no hidden states (`ingest.mode: online`)
 
 
 def utc_now() -> str:
@@ -89,28 +94,38 @@ def write_private(path: Path, data: bytes) -> None:
     os.chmod(path, 0o600)
 
 
+def is_tokens_only(r: dict) -> bool:
+    """True for a tokens-only record: neither hidden-state field present."""
+    return isinstance(r, dict) and not any(f in r for f in HIDDEN_FIELDS)
+
+
 def validate_record(r: dict) -> int:
     """Check one capture record against the contract; returns T. Raises ValueError naming the fix:
-    all four fields, torch tensors on CPU-readable devices, `input_ids`/`loss_mask` `[T]` integer
-    (ids in [0, 2**31), mask 0/1), `aux_hidden_states` `[T, 3H]` and `hidden_states` `[T, H]`
-    floating point, T >= 1."""
+    all four fields (or, for a tokens-only record, `input_ids` and `loss_mask` alone), torch tensors
+    on CPU-readable devices, `input_ids`/`loss_mask` `[T]` integer (ids in [0, 2**31), mask 0/1),
+    `aux_hidden_states` `[T, 3H]` and `hidden_states` `[T, H]` floating point, T >= 1."""
     fix = "submit Generation.record of a capture=True request (CaptureWriter.submit_generation)"
-    if not isinstance(r, dict) or any(f not in r for f in FIELDS):
-        missing = [f for f in FIELDS if not isinstance(r, dict) or f not in r]
+    fields = TOKEN_FIELDS if is_tokens_only(r) else FIELDS
+    if not isinstance(r, dict) or any(f not in r for f in fields):
+        missing = [f for f in fields if not isinstance(r, dict) or f not in r]
         raise ValueError(f"capture record lacks {missing}: {fix}")
-    bad = [f for f in FIELDS if not isinstance(r[f], torch.Tensor) or r[f].is_meta]
+    bad = [f for f in fields if not isinstance(r[f], torch.Tensor) or r[f].is_meta]
     if bad:
         raise ValueError(f"capture record fields {bad} are not materialised torch tensors: {fix}")
-    ids, mask, aux, hid = (r[f] for f in FIELDS)
+    ids, mask = r["input_ids"], r["loss_mask"]
     T = ids.shape[0] if ids.dim() == 1 else -1
-    if T < 1 or mask.shape != (T,) or hid.dim() != 2 or hid.shape[0] != T or aux.shape != (T, 3 * hid.shape[1]):
-        raise ValueError(f"capture record shapes input_ids {tuple(ids.shape)}, loss_mask {tuple(mask.shape)}, "
-                         f"aux_hidden_states {tuple(aux.shape)}, hidden_states {tuple(hid.shape)}: need [T], [T], "
-                         f"[T, 3H], [T, H] with T >= 1; {fix}")
+    if T < 1 or mask.shape != (T,):
+        raise ValueError(f"capture record shapes input_ids {tuple(ids.shape)}, loss_mask {tuple(mask.shape)}: "
+                         f"need [T], [T] with T >= 1; {fix}")
+    if fields is FIELDS:
+        aux, hid = r["aux_hidden_states"], r["hidden_states"]
+        if hid.dim() != 2 or hid.shape[0] != T or aux.shape != (T, 3 * hid.shape[1]):
+            raise ValueError(f"capture record shapes input_ids {tuple(ids.shape)}, aux_hidden_states "
+                             f"{tuple(aux.shape)}, hidden_states {tuple(hid.shape)}: need [T], [T, 3H], [T, H]; {fix}")
+        if not (aux.is_floating_point() and hid.is_floating_point()):
+            raise ValueError(f"hidden states must be floating point (got {aux.dtype}, {hid.dtype}); {fix}")
     if ids.is_floating_point() or ids.is_complex() or mask.is_floating_point():
         raise ValueError(f"input_ids/loss_mask must be integer tensors (got {ids.dtype}, {mask.dtype}); {fix}")
-    if not (aux.is_floating_point() and hid.is_floating_point()):
-        raise ValueError(f"hidden states must be floating point (got {aux.dtype}, {hid.dtype}); {fix}")
     if int(ids.min()) < 0 or int(ids.max()) >= 2 ** 31:
         raise ValueError(f"input_ids outside [0, 2**31): token ids of the target's vocab expected; {fix}")
     if mask.numel() and int(mask.max()) > 1 or int(mask.min()) < 0:
@@ -131,7 +146,8 @@ def _unshuffle(planes: torch.Tensor, shape: list[int]) -> torch.Tensor:
 
 def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "none",
                  validated: bool = False) -> bytes:
-    """Serialise records (per store.FIELDS; cast to DTYPES) as one shard's bytes. Keys `{i}.{field}`.
+    """Serialise records (per store.FIELDS, or TOKEN_FIELDS for a tokens-only record; cast to
+    DTYPES) as one shard's bytes. Keys `{i}.{field}`.
     `validated`: the caller already ran `validate_record` on each (the writer does, at submit).
     Raises ValueError for an unknown codec or a record breaking the contract."""
     if compression not in CODECS:
@@ -140,7 +156,7 @@ def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "non
     for i, r in enumerate(records):
         if not validated:
             validate_record(r)
-        for f in FIELDS:  # a copy: records may share storage (safetensors refuses shared tensors)
+        for f in TOKEN_FIELDS if is_tokens_only(r) else FIELDS:  # a copy: records may share storage
             t = r[f].detach().to("cpu", DTYPES[f], copy=True).contiguous()
             if compression == "zstd" and t.dtype == torch.bfloat16:
                 shapes[f"{i}.{f}"] = list(t.shape)
@@ -193,11 +209,12 @@ class CorruptShard(ValueError):
     """A shard listed in a manifest cannot be read (truncated, overwritten, bit rot)."""
 
 
-def read_record(directory: Path, row: ManifestRow, fields: tuple[str, ...] = FIELDS) -> dict[str, torch.Tensor]:
+def read_record(directory: Path, row: ManifestRow, fields: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """Load one record's tensors (see module docstring for shapes/dtypes), either codec; `fields`:
-    which (an uncompressed shard reads only those bytes).
+    which (an uncompressed shard reads only those bytes; None: all the record holds).
     Raises FileNotFoundError (shard missing) or CorruptShard naming the shard and the fix."""
     path = Path(directory) / row.shard
+    fields = fields or (TOKEN_FIELDS if row.tokens_only else FIELDS)
     try:
         if row.shard.endswith(".zst"):
             t = _decoded(str(path), path.stat().st_mtime_ns)

@@ -35,6 +35,7 @@ from .store import (
     ManifestRow,
     append_manifest,
     encode_shard,
+    is_tokens_only,
     parse_ts,
     prompt_hash,
     read_manifest,
@@ -407,7 +408,7 @@ def manifest_rows(batch: list[tuple[dict, dict]], target_id: str) -> list[Manife
                         num_tokens=int(r["input_ids"].shape[0]), acceptance_length=m["acceptance_length"], shard="",
                         offset=i, prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"],
                         acceptance_rate=m["acceptance_rate"], text=m["text"], origin=m["origin"],
-                        constraint=m["constraint"])
+                        constraint=m["constraint"], tokens_only=is_tokens_only(r))
             for i, (r, m) in enumerate(batch)]
 
 

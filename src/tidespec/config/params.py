@@ -155,9 +155,13 @@ class IngestParams(_Strict):
     rehydrate_backend: where the prefill that rebuilds each record's hidden states runs — embedded
     (the target in the ingest process) or vllm (vLLM's hidden-state extraction: a server started for
     the run from `make vllm`'s venv, or the one at rehydrate_url, e.g. on a GPU fleet);
-    rehydrate_batch: exchanges sent to vLLM at once (its continuous batching)."""
+    rehydrate_batch: exchanges sent to vLLM at once (its continuous batching);
+    mode: `hidden` — rebuild each exchange's hidden states at ingest and keep them at rest
+    (4·H·2 bytes a token); `online` — keep its tokens alone (5 bytes a token) and let the train step
+    rebuild the hidden states while it trains, from the same rehydrate backend (docs/training.md)."""
 
     sources: tuple[str, ...] = ()
+    mode: Literal["hidden", "online"] = "hidden"
     served_model: str | None = Field(None, min_length=1)
     max_new_tokens: int = Field(256, ge=1)
     workload: str | None = Field(None, min_length=1)
@@ -222,6 +226,7 @@ class TrainParams(_Strict):
     sagemaker: SageMakerTrainParams | None = None  # train as a SageMaker training job (GPU / trn1 instances)
     checkpoint_every: int = Field(50, ge=0)  # optimizer steps between resumable state saves (0: epoch ends only)
     buffer_mb: float = Field(1024.0, gt=0, allow_inf_nan=False)  # prepared examples held at once (train.stream)
+    prefetch_mb: float = Field(64.0, ge=0, allow_inf_nan=False)  # records a producer thread reads ahead (0: in line)
     nproc_per_node: int = Field(1, ge=1)  # ranks on this machine (torchrun --nproc-per-node; 1: no torchrun)
     nnodes: int = Field(1, ge=1)  # machines (torchrun --nnodes; > 1 needs rdzv_endpoint, every node runs the step)
     rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d+$")  # host:port of the c10d rendezvous

@@ -46,13 +46,16 @@ def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env:
     if not (root / "prefect.yaml").exists() or Path(params_path).resolve() != (root / "params.yaml").resolve():
         console.print("no prefect.yaml here or another params file: running tide_cycle in-process")
         tide_cycle = orchestrate.load_flow("tide_cycle", root if (root / "prefect.yaml").exists() else None)
+        t0 = time.perf_counter()
         with console.status("Prefect flow tide_cycle: curate → train → evaluate → register → deploy"), \
                 orchestrate.using_api(api):
-            return tide_cycle(root=str(root), params_path=str(params_path), target_id=tid, snapshot_rev=rev,
-                                   tracking_uri=uri)
+            res = tide_cycle(root=str(root), params_path=str(params_path), target_id=tid, snapshot_rev=rev,
+                             tracking_uri=uri)
+        return res | {"cycle_s": time.perf_counter() - t0}
     with console.status("prefect deploy (prefect.yaml: tide-cycle, tide-train)"):
         orchestrate.deploy(root, api)
     ws.eval_report.unlink(missing_ok=True)
+    t0 = time.perf_counter()  # the cycle's time: from the threshold event to the champion deployed
     orchestrate.capture_threshold(sid, tid, {"trigger": "demo", "snapshot_rev": rev}, api_url=api)
     console.print(
         f"event {orchestrate.CAPTURE_THRESHOLD} (snapshot {sid}) → trigger → {orchestrate.CYCLE_DEPLOYMENT} run"
@@ -65,11 +68,13 @@ def _run_cycle(root: Path, params_path: Path, tid: str, sid: str, rev: str, env:
     if not run.state.is_completed():
         raise RuntimeError(f"tide_cycle run {run.name} ended {run.state_name}: {run.state.message}; the champion "
                            f"keeps serving; see {env.get('PREFECT_API_URL', '')[:-4]}/runs/flow-run/{run.id}")
-    console.print(f"tide_cycle run {run.name}: {run.state_name} ({(run.total_run_time.total_seconds()):.0f} s)")
+    cycle_s = time.perf_counter() - t0
+    console.print(f"tide_cycle run {run.name}: {run.state_name} ({run.total_run_time.total_seconds():.0f} s running, "
+                  f"{cycle_s:.0f} s from the threshold event to the champion deployed)")
     if not ws.eval_report.exists():
         return {"skipped": "the run wrote no evaluation (skipped: see its logs)"}
     ch = registry.challenger(uri, tid)
-    return {"evaluate": json.loads(ws.eval_report.read_text()),
+    return {"cycle_s": cycle_s, "evaluate": json.loads(ws.eval_report.read_text()),
             "register": {"version": ch.version, "run_id": ch.run_id, "promoted": ch.tags.get("decision") == "promoted",
                          "reason": ch.tags.get("decision_reason", "")}}
 
@@ -175,7 +180,8 @@ def run_demo(root: Path, params_path: Path, results: Path | None = None) -> dict
     console.print("services keep running (the UIs above); stop them with `tidespec services down` (or make clean)")
     console.print(f"snapshot: {snap.path.relative_to(root)} (dvc rev {rev});  eval report: "
                   f"{ws.eval_report.relative_to(root)};  demo wall time {wall / 60:.1f} min")
-    summary = {"wall_s": wall, "snapshot": snap.snapshot_id, "snapshot_rev": rev, "register": dec,
+    summary = {"wall_s": wall, "cycle_s": res["cycle_s"], "snapshot_tokens": snap.num_tokens,
+               "snapshot": snap.snapshot_id, "snapshot_rev": rev, "register": dec,
                "evaluate": rep, "served_version": engine.draft_version}
     (ws.work / "demo_summary.json").write_text(json.dumps(summary, indent=2))
     results = Path(results or root / "data" / "work" / "results")
@@ -218,5 +224,7 @@ def markdown(title: str, rows: list[dict[str, str]], summary: dict) -> str:
     lines += ["| " + " | ".join(r.values()) + " |" for r in rows]
     d = summary["register"]
     lines += ["", f"Version {d['version']} promoted={d['promoted']} ({d['reason']}); snapshot "
-              f"{summary['snapshot']} (dvc rev {summary['snapshot_rev']}); wall {summary['wall_s'] / 60:.1f} min.", ""]
+              f"{summary['snapshot']} (dvc rev {summary['snapshot_rev']}, {summary['snapshot_tokens']} tokens); cycle "
+              f"{summary['cycle_s'] / 60:.1f} min from the threshold event to deployed; wall "
+              f"{summary['wall_s'] / 60:.1f} min.", ""]
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from ..models.load import target_id as target_id_of
 from ..train.entry import preflight, skip_reason, train_here
 from ..workspace import Workspace
 from .deploy.local import deploy_champion, notify_server
+from .online import train_rehydrator
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +152,9 @@ def _train_draft(ws: Workspace, params: Params, curated: Path, init: Path | None
     if params.train.world_size > 1 and params.train.backend == "embedded" and "WORLD_SIZE" not in os.environ:
         return _train_ranks(params, Path(curated), Path(init) if init else None, Path(out))
     target, _ = get_target(params)
-    return train_here(params, target, target_dir(params.target.source), Path(curated),
-                      Path(init) if init else None, Path(out), progress=progress)
+    with train_rehydrator(params, target, Path(curated), ws.state) as rehydrator:
+        return train_here(params, target, target_dir(params.target.source), Path(curated),
+                          Path(init) if init else None, Path(out), progress=progress, rehydrator=rehydrator)
 
 
 def train_plan(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path) -> dict:

@@ -12,6 +12,7 @@ from ..config import Params
 from ..models.load import get_target, target_dir
 from ..train import ranks
 from ..train.entry import train_here
+from .online import train_rehydrator
 
 
 def main(spec_path: str) -> None:
@@ -21,9 +22,11 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     params = Params.model_validate(spec["params"])
     target, _ = get_target(params)
+    curated = Path(spec["curated"])
     try:
-        train_here(params, target, target_dir(params.target.source), Path(spec["curated"]),
-                   Path(spec["init"]) if spec["init"] else None, Path(spec["out"]))
+        with train_rehydrator(params, target, curated, Path(spec["out"]).parent) as rehydrator:
+            train_here(params, target, target_dir(params.target.source), curated,
+                       Path(spec["init"]) if spec["init"] else None, Path(spec["out"]), rehydrator=rehydrator)
     finally:
         ranks.close()
 

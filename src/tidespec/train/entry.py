@@ -11,10 +11,12 @@ import json
 from pathlib import Path
 
 from ..capture.curate import load_records
+from ..capture.ingest import Rehydrator
 from ..config import Params
 from ..models.eagle3 import load_checkpoint
 from ..models.target import Target
 from .holdout import holdout_accuracy
+from .online import online
 from .source import IndexRecords
 from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason
 from .trainer import train_draft
@@ -47,12 +49,16 @@ def skip_reason(params: Params, curated: Path) -> str | None:
 
 
 def train_here(params: Params, target: Target, target_dir: Path, curated: Path, init: Path | None, out: Path,
-               progress=None) -> dict:
+               progress=None, rehydrator: Rehydrator | None = None) -> dict:
     """Train a candidate from the curated index into `out`, warm-started from `init` when given and
-    `train.warm_start`. Returns the trainer's metrics, or {"skipped": reason} when the set is too
+    `train.warm_start`. Tokens-only records (`ingest.mode: online`) get their hidden states from
+    `rehydrator` as they are read (`train.online`; None: the target in this process). Returns the
+    trainer's metrics, or {"skipped": reason} when the set is too
     small (`skip_reason`; nothing is written, the champion keeps serving). A killed run resumes
-    from its last training-state checkpoint. Raises ValueError for another target's set,
-    FileNotFoundError for a missing index, SpecForgeUnavailable for the SpecForge backend off-GPU."""
+    from its last training-state checkpoint. Raises ValueError for another target's set, for
+    tokens-only records with the SpecForge backend or with `ingest.rehydrate_backend: vllm` and no
+    rehydrator, FileNotFoundError for a missing index, SpecForgeUnavailable for the SpecForge
+    backend off-GPU."""
     reason = skip_reason(params, curated)  # FileNotFoundError first: a missing index names its fix
     idx = json.loads(Path(curated).read_text())
     if idx["target_id"] != target.target_id:
@@ -61,12 +67,21 @@ def train_here(params: Params, target: Target, target_dir: Path, curated: Path, 
     if reason:
         return {"skipped": reason}
     base = Path(curated).parent
+    online_set = any(e.get("tokens_only") for e in idx["train"] + idx["val"])
+    if online_set and params.train.backend == "specforge":
+        raise ValueError("the curated set holds tokens-only records (ingest.mode: online) and train.backend "
+                         "specforge reads hidden states from disk: use train.backend embedded, or ingest.mode hidden")
+    if online_set and rehydrator is None and params.ingest.rehydrate_backend != "embedded":
+        raise ValueError("ingest.rehydrate_backend vllm: the train step's producer is a vLLM extraction server "
+                         "(`steps.online.train_rehydrator` starts or reaches it); set rehydrate_backend embedded "
+                         "to rehydrate with the target here")
     if params.train.backend == "specforge":
         train, val = load_records(idx["train"], base), load_records(idx["val"], base)
         return _train_specforge(params, target, target_dir, train, val, out)
     init = init if (init is not None and params.train.warm_start and Path(init).exists()) else None
-    return train_draft(IndexRecords(idx["train"], base), IndexRecords(idx["val"], base), target, params.draft,
-                       params.train, out, init=init, progress=progress)
+    name = params.ingest.rehydrate_url or params.ingest.rehydrate_backend
+    train, val = (online(IndexRecords(idx[k], base), rehydrator, target, name) for k in ("train", "val"))
+    return train_draft(train, val, target, params.draft, params.train, out, init=init, progress=progress)
 
 
 def _train_specforge(params: Params, target: Target, target_dir: Path, train: list[dict], val: list[dict],

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..capture.curate import load_records
+from ..capture.store import TOKEN_FIELDS
 from .resume import records_fingerprint
 
 
@@ -24,17 +25,27 @@ class RecordSource:
     input_ids/loss_mask `[T]`, aux_hidden_states `[T, 3H]` bf16, hidden_states `[T, H]` bf16).
 
     `lengths[i]`: record i's token count; `units`: lists of positions stored together (one
-    shard), in storage order; `read(i)` loads record i; `fingerprint()` identifies the content
-    (the resume state's key)."""
+    shard), in storage order; `read(i)` loads record i, `read_many` `read_batch` of them at once
+    (a rehydrator's batch: `train.online`); `fingerprint()` identifies the content (the resume
+    state's key)."""
 
     lengths: list[int]
     units: list[list[int]]
+    read_batch: int = 1
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def read(self, i: int, fields: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def read_many(self, positions: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The records at `positions`, every field, in order."""
+        return [self.read(i) for i in positions]
+
+    def tokens_only(self, i: int) -> bool:
+        """True when record i holds no hidden states at rest (`ingest.mode: online`)."""
+        return False
 
     def fingerprint(self) -> str:
         raise NotImplementedError
@@ -71,7 +82,18 @@ class IndexRecords(RecordSource):
         self.units = list(by_shard.values())
 
     def read(self, i: int, fields: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """Record i's `fields` (None: all it holds: a tokens-only record's ids and mask). Raises
+        ValueError when hidden states are asked of a tokens-only record (`train.online` rebuilds them)."""
+        if self.tokens_only(i):
+            if fields is None:
+                fields = TOKEN_FIELDS
+            elif set(fields) - set(TOKEN_FIELDS):
+                raise ValueError(f"record {self.entries[i]['request_id']} holds tokens only (ingest.mode: online): "
+                                 "its hidden states come from the target (train.online.OnlineRecords)")
         return load_records([self.entries[i]], self.base, fields)[0]
+
+    def tokens_only(self, i: int) -> bool:
+        return bool(self.entries[i].get("tokens_only"))
 
     def fingerprint(self) -> str:
         """sha256 (16 hex) of the entries (shard, offset, request) and of every shard file they

@@ -16,8 +16,13 @@ its step count before any tensor is read:
    Each batch carries the global batch's token count, so a rank's loss divided by it, summed
    over ranks (`ranks.sum_grads`), is the one-process loss of the whole batch.
 
-Memory: one buffer of prepared examples (≤ `buffer_mb`, divided over the ranks), the decoded
-shards `capture.store` caches, and one batch; it does not grow with the set's size.
+Records are read ahead by a producer thread (`train.prefetch`, `train.prefetch_mb`): while the
+trainer works through one buffer, the next one's records are read (and, for a tokens-only
+record, rehydrated: `train.online`) into a bounded queue.
+
+Memory: one buffer of prepared examples (≤ `buffer_mb`, divided over the ranks), the prefetch
+queue (≤ `prefetch_mb` + one record), the decoded shards `capture.store` caches, and one batch;
+it does not grow with the set's size.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import torch
 from ..models.target import Target
 from . import ranks
 from .examples import Example, collate, group_by_length, prepare
+from .prefetch import read_ahead
 from .source import RecordSource
 
 
@@ -60,13 +66,17 @@ def example_bytes_per_token(hidden: int, draft_vocab: int) -> int:
 
 class ExampleStream:
     """Examples of `source` for one rank (`rank` of `world`), planned in buffers of at most
-    `buffer_mb` MiB of prepared examples. `dropped` counts the records `prepare` drops (every
-    rank's, gathered). Raises as `RecordSource.read` (a missing or corrupt shard)."""
+    `buffer_mb` MiB of prepared examples, records read `prefetch_mb` MiB ahead by a producer
+    thread (0: in line). `dropped` counts the records `prepare` drops (every rank's, gathered).
+    Raises as `RecordSource.read` (a missing or corrupt shard, a record the target cannot
+    rehydrate)."""
 
     def __init__(self, source: RecordSource, target: Target, t2d: torch.Tensor, max_len: int,
                  loss_on_prompt: bool, buffer_mb: float, batch_tokens: int, seed: int,
-                 dropped: Counter, rank: int = 0, world: int = 1, collective: bool = True):
+                 dropped: Counter, rank: int = 0, world: int = 1, collective: bool = True,
+                 prefetch_mb: float = 0.0):
         self.source, self.target, self.t2d = source, target, t2d
+        self.prefetch_bytes = int(prefetch_mb * 2**20)
         self.max_len, self.loss_on_prompt, self.batch_tokens, self.seed = max_len, loss_on_prompt, batch_tokens, seed
         self.rank, self.world = rank, world
         per_token = example_bytes_per_token(target.cfg.hidden_size, int(t2d.sum()))
@@ -85,9 +95,13 @@ class ExampleStream:
         """Examples kept (records not dropped)."""
         return sum(1 for t in self.lengths if t)
 
-    def _prepare(self, i: int, dropped: Counter) -> Example | None:
-        ex = prepare([self.source.read(i)], self.target, self.t2d, self.max_len, self.loss_on_prompt, dropped)
+    def _prepare(self, record: dict, dropped: Counter) -> Example | None:
+        ex = prepare([record], self.target, self.t2d, self.max_len, self.loss_on_prompt, dropped)
         return ex[0] if ex else None
+
+    def _read(self, positions: list[int]):
+        """(position, record) for `positions` in order, read ahead by the producer thread."""
+        return read_ahead(self.source.read_many, positions, self.prefetch_bytes, self.source.read_batch)
 
     def _survey(self, dropped: Counter, collective: bool) -> list[int]:
         """Every record's prepared length (0: dropped); each rank prepares its share, kept in the
@@ -95,8 +109,8 @@ class ExampleStream:
         n = len(self.source)
         first, step = (self.rank, self.world) if collective else (0, 1)
         mine, local, held = {}, Counter(), 0
-        for i in range(first, n, step):
-            ex = self._prepare(i, local)
+        for i, rec in self._read(range(first, n, step)):
+            ex = self._prepare(rec, local)
             mine[i] = 0 if ex is None else int(ex.ids.shape[0])
             if ex is not None and self._cache is not None and step == 1:  # ranks cache their own rows later
                 held += mine[i]
@@ -141,14 +155,17 @@ class ExampleStream:
     def batches(self, plan: list[list[list[int]]], skip: int = 0, device: torch.device | str = "cpu",
                 ) -> Iterator[tuple[int, int, tuple[torch.Tensor, ...] | None]]:
         """(batch number, global batch tokens, this rank's batch or None when its share is empty)
-        over `plan`, from batch `skip` on (buffers before it are not read)."""
-        b = 0
+        over `plan`, from batch `skip` on (buffers before it are not read). One producer reads
+        every buffer's records in turn, so the next buffer's are read while this one trains."""
+        todo, b = [], 0
         for groups in plan:
-            if b + len(groups) <= skip:
-                b += len(groups)
-                continue
-            mine = [g[self.rank::self.world] for g in groups]
-            ex = self._examples(sorted(i for g in mine[max(0, skip - b):] for i in g))
+            if b + len(groups) > skip:
+                mine = [g[self.rank::self.world] for g in groups]
+                todo.append((b, groups, mine, sorted(i for g in mine[max(0, skip - b):] for i in g)))
+            b += len(groups)
+        records = self._read([i for *_, pos in todo for i in pos if not self._cached(i)])
+        for b, groups, mine, pos in todo:
+            ex = self._examples(pos, records)
             for g, own in zip(groups, mine):
                 if b >= skip:
                     yield b, sum(self.lengths[i] for i in g), collate([ex[i] for i in own], device) if own else None
@@ -157,21 +174,32 @@ class ExampleStream:
             if not self.resident:
                 release_free_heap()
 
-    def _examples(self, positions: list[int]) -> dict[int, Example]:
-        """Prepared examples at `positions` (from the cache when resident)."""
-        if self._cache is not None and all(i in self._cache for i in positions):
-            return self._cache
-        out = {i: self._prepare(i, Counter()) for i in positions}
-        if self._cache is not None:
-            self._cache.update(out)
+    def _cached(self, i: int) -> bool:
+        return self._cache is not None and i in self._cache
+
+    def _examples(self, positions: list[int], records: Iterator[tuple[int, dict]]) -> dict[int, Example]:
+        """Prepared examples at `positions`: from the cache when resident, else the next of
+        `records` (which yields the uncached positions in this order)."""
+        out = {}
+        for i in positions:
+            if not self._cached(i):
+                j, rec = next(records)
+                assert j == i, (j, i)
+                ex = self._prepare(rec, Counter())
+                if self._cache is not None:
+                    self._cache[i] = ex
+                out[i] = ex
+            else:
+                out[i] = self._cache[i]
         return out
 
     def chunks(self) -> Iterator[list[Example]]:
         """Every kept example (this process, all ranks' shares), one buffer at a time, in
         position order (the holdout evaluation's input)."""
-        for groups in self.epoch_plan(0, random.Random(0), shuffle=False):
-            pos = sorted(i for g in groups for i in g)
-            ex = self._examples(pos)
+        bufs = [sorted(i for g in groups for i in g) for groups in self.epoch_plan(0, random.Random(0), shuffle=False)]
+        records = self._read([i for pos in bufs for i in pos if not self._cached(i)])
+        for pos in bufs:
+            ex = self._examples(pos, records)
             yield [ex[i] for i in pos]
 
 

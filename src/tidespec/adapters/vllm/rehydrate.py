@@ -92,14 +92,16 @@ class VLLMRehydrator:
 
 
 @contextmanager
-def rehydrator_for(params, target, state_dir: Path, python: str | None = None):
-    """The rehydrator `ingest.rehydrate_backend` names, for one ingest run (context manager): None for
-    `embedded` (ingest's default), a `VLLMRehydrator` on `ingest.rehydrate_url`, or on a vLLM server
+def rehydrator_for(params, target, state_dir: Path, python: str | None = None, step: str = "ingest"):
+    """The rehydrator `ingest.rehydrate_backend` names, for one ingest run or (`step="train"`) one
+    train step over tokens-only records (context manager): None for `embedded` (the target in this
+    process) and for an ingest under `ingest.mode: online` (it rehydrates nothing), a
+    `VLLMRehydrator` on `ingest.rehydrate_url`, or on a vLLM server
     started here (`python`, else `default_python()`) with the target's
     HF dir, hidden-state extraction into `state_dir`/vllm-extract, stopped on exit. Raises
     VLLMUnavailable / VLLMError as `VLLMServer.start`."""
     ing = params.ingest
-    if ing.rehydrate_backend == "embedded":
+    if ing.rehydrate_backend == "embedded" or (step == "ingest" and ing.mode == "online"):
         yield None
         return
     if ing.rehydrate_url:
