@@ -238,3 +238,78 @@ def commit_git(repo: Path, message: str) -> str | None:
         return None
     git(repo, "commit", "-q", "-m", message, "--", *paths)
     return git(repo, "rev-parse", "HEAD").stdout.strip()
+
+
+class RemoteShards:
+    """Snapshot shards read from the DVC remote into a bounded local cache while training
+    (`train.shard_cache_mb`): a shard missing from the workspace (a training node that never
+    pulled the snapshot, or one retention dropped) is fetched alone through DVC's Python API
+    (`dvc.api.DVCFileSystem` over `repo`: the tracked directory's listing, then the one object,
+    from whichever remote the repo names: local, S3, ...), kept under `cache_dir` as
+    `<md5>-<shard name>`, and the least recently used ones deleted once they hold more than
+    `max_bytes` (never the one just fetched: at most `max_bytes` plus one shard are held). Safe
+    across the producer thread and the ranks of one node (a file lock around fetch and eviction;
+    a reader holding an evicted shard keeps it until it closes it). `peak_bytes`: the most the
+    cache held; `fetched`: shards downloaded."""
+
+    def __init__(self, repo: Path, cache_dir: Path, max_bytes: int):
+        self.repo, self.dir, self.max_bytes = Path(repo).resolve(), Path(cache_dir), int(max_bytes)
+        self.peak_bytes = self.fetched = 0
+        self._fs = None
+
+    def _rel(self, path: Path) -> str:
+        return str(Path(path).resolve().relative_to(self.repo))
+
+    def _fs_(self):
+        if self._fs is None:
+            from dvc.api import DVCFileSystem
+            self._fs = DVCFileSystem(str(self.repo))
+        return self._fs
+
+    def digest(self, path: Path) -> str | None:
+        """The shard's md5 from the DVC listing of its tracked snapshot (None: not tracked)."""
+        try:
+            return self._fs_().info(self._rel(path)).get("md5")
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def locate(self, path: Path) -> Path:
+        """`path` itself when the workspace holds it, else its copy in the cache (fetched if
+        needed). Raises FileNotFoundError naming the fix when neither the workspace nor the
+        snapshot's DVC listing and remote have it."""
+        if Path(path).exists():
+            return Path(path)
+        md5 = self.digest(path)
+        if md5 is None:
+            raise FileNotFoundError(f"shard {path} is neither here nor in a DVC-tracked snapshot: `tidespec "
+                                    "snapshots pull` it, or track and push the snapshot where it was captured")
+        dst = self.dir / f"{md5}-{Path(path).name}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        from filelock import FileLock
+        with FileLock(str(self.dir / ".lock")):
+            if dst.exists():
+                os.utime(dst)  # most recently used
+                return dst
+            tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+            try:
+                self._fs_().get_file(self._rel(path), str(tmp))
+            except Exception as e:
+                tmp.unlink(missing_ok=True)
+                raise FileNotFoundError(f"shard {path} (md5 {md5}) could not be fetched from the DVC remote "
+                                        f"({type(e).__name__}: {e}); `dvc push` it from where it was captured") from e
+            os.replace(tmp, dst)
+            self.fetched += 1
+            self._evict(keep=dst)
+        return dst
+
+    def _evict(self, keep: Path) -> None:
+        files = sorted((f for f in self.dir.iterdir() if f.is_file() and not f.name.startswith(".")),
+                       key=lambda f: f.stat().st_mtime_ns)
+        held = sum(f.stat().st_size for f in files)
+        self.peak_bytes = max(self.peak_bytes, held)
+        for f in files:
+            if held <= self.max_bytes:
+                break
+            if f != keep:
+                held -= f.stat().st_size
+                f.unlink(missing_ok=True)

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,25 +199,31 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
 
 
 def load_records(
-    entries: list[dict], base: Path, fields: tuple[str, ...] | None = None
+    entries: list[dict], base: Path, fields: tuple[str, ...] | None = None,
+    locate: Callable[[Path], Path] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Read the tensors of curated index entries (all, or only `fields`); `base`: the index's
-    directory (entry paths are relative to it). A record read from an uncompressed shard may keep
+    directory (entry paths are relative to it); `locate`: maps a shard's path to the local file
+    holding it (`adapters.versioning.RemoteShards.locate`: fetched from the DVC remote when the
+    workspace lacks it; None: the path itself). A record read from an uncompressed shard may keep
     that shard file mapped while it lives: to go over a large set, read and drop one record at a
     time (`output_sequences`, `train.source.IndexRecords`) instead of holding the list."""
     out = []
     for e in entries:
+        path = Path(base) / e["snapshot"] / e["shard"]
+        path = locate(path) if locate else path
         row = ManifestRow(request_id=e["request_id"], ts="", workload=e.get("workload", ""), target_id="",
-                          num_tokens=e["num_tokens"], acceptance_length=0.0, shard=e["shard"], offset=e["offset"],
+                          num_tokens=e["num_tokens"], acceptance_length=0.0, shard=path.name, offset=e["offset"],
                           tokens_only=bool(e.get("tokens_only")))
-        out.append(read_record(Path(base) / e["snapshot"], row, *((fields,) if fields else ())))
+        out.append(read_record(path.parent, row, *((fields,) if fields else ())))
     return out
 
 
-def output_sequences(index: Path) -> list[list[int]]:
+def output_sequences(index: Path, locate: Callable[[Path], Path] | None = None) -> list[list[int]]:
     """The served outputs (the loss-masked tokens: what the target generated) of a curated index's
     train and val requests, oldest snapshot first — the global suffix tree a cycle deploys with its
-    draft. Holdout requests (evaluation) and replayed older ones are left out. Raises
+    draft. Holdout requests (evaluation) and replayed older ones are left out; `locate` as in
+    `load_records`. Raises
     FileNotFoundError / CorruptShard as `read_record`."""
     idx = json.loads(Path(index).read_text())
     rank = {snap: i for i, snap in enumerate(idx["snapshots"])}  # the window, oldest first
@@ -224,7 +231,7 @@ def output_sequences(index: Path) -> list[list[int]]:
                      key=lambda e: (rank.get(e["snapshot"], -1), e["shard"], e["offset"]))
     out = []
     for e in entries:  # one record at a time: a record's tensors may map its whole shard file
-        r = load_records([e], Path(index).parent, ("input_ids", "loss_mask"))[0]
+        r = load_records([e], Path(index).parent, ("input_ids", "loss_mask"), locate)[0]
         if s := r["input_ids"][r["loss_mask"].bool()].tolist():
             out.append(s)
     return out

@@ -227,6 +227,7 @@ class TrainParams(_Strict):
     checkpoint_every: int = Field(50, ge=0)  # optimizer steps between resumable state saves (0: epoch ends only)
     buffer_mb: float = Field(1024.0, gt=0, allow_inf_nan=False)  # prepared examples held at once (train.stream)
     prefetch_mb: float = Field(64.0, ge=0, allow_inf_nan=False)  # records a producer thread reads ahead (0: in line)
+    shard_cache_mb: float = Field(4096.0, gt=0, allow_inf_nan=False)  # shards fetched from the DVC remote, kept at once
     nproc_per_node: int = Field(1, ge=1)  # ranks on this machine (torchrun --nproc-per-node; 1: no torchrun)
     nnodes: int = Field(1, ge=1)  # machines (torchrun --nnodes; > 1 needs rdzv_endpoint, every node runs the step)
     rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d+$")  # host:port of the c10d rendezvous

@@ -28,7 +28,7 @@ from ..models.load import target_id as target_id_of
 from ..train.entry import preflight, skip_reason, train_here
 from ..workspace import Workspace
 from .deploy.local import deploy_champion, notify_server
-from .online import train_rehydrator
+from .train_data import remote_shards, train_rehydrator
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +107,19 @@ def train_candidate(ws: Workspace, params: Params, curated: Path, init: Path | N
     the draft move both. Returns the trainer's metrics plus `suffix_corpus/*`, or {"skipped": reason}."""
     m = _train_draft(ws, params, curated, init, out, params_path=params_path, here=here, progress=progress)
     if "skipped" not in m and (Path(out) / "model.safetensors").exists():
-        m |= write_suffix_corpus(Path(curated), Path(out), params.engine.suffix.max_tokens)
+        shards = remote_shards(params, ws.root)
+        m |= write_suffix_corpus(Path(curated), Path(out), params.engine.suffix.max_tokens,
+                                 shards.locate if shards else None)
     return m
 
 
-def write_suffix_corpus(curated: Path, out: Path, max_tokens: int) -> dict:
+def write_suffix_corpus(curated: Path, out: Path, max_tokens: int, locate=None) -> dict:
     """`<out>/suffix_corpus.safetensors`: the served outputs of the curated window
-    (`curate.output_sequences`), newest kept within `max_tokens` (engine.suffix.max_tokens, the
-    global tree's budget). Returns {"suffix_corpus/sequences", "suffix_corpus/tokens"}."""
-    info = save_corpus(out / CORPUS_FILE, newest_within(curate_mod.output_sequences(curated), max_tokens))
+    (`curate.output_sequences`; `locate` as there), newest kept within `max_tokens`
+    (engine.suffix.max_tokens, the global tree's budget). Returns {"suffix_corpus/sequences",
+    "suffix_corpus/tokens"}."""
+    seqs = curate_mod.output_sequences(curated, locate)
+    info = save_corpus(out / CORPUS_FILE, newest_within(seqs, max_tokens))
     return {"suffix_corpus/sequences": info["sequences"], "suffix_corpus/tokens": info["tokens"]}
 
 
@@ -150,11 +154,12 @@ def _train_draft(ws: Workspace, params: Params, curated: Path, init: Path | None
             "root": str(ws.root), "params_path": str(Path(params_path).resolve()), "curated": str(curated),
             "init": str(init) if init else None, "out": str(out)}, Path(out))
     if params.train.world_size > 1 and params.train.backend == "embedded" and "WORLD_SIZE" not in os.environ:
-        return _train_ranks(params, Path(curated), Path(init) if init else None, Path(out))
+        return _train_ranks(ws, params, Path(curated), Path(init) if init else None, Path(out))
     target, _ = get_target(params)
     with train_rehydrator(params, target, Path(curated), ws.state) as rehydrator:
         return train_here(params, target, target_dir(params.target.source), Path(curated),
-                          Path(init) if init else None, Path(out), progress=progress, rehydrator=rehydrator)
+                          Path(init) if init else None, Path(out), progress=progress, rehydrator=rehydrator,
+                          shards=remote_shards(params, ws.root))
 
 
 def train_plan(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path) -> dict:
@@ -179,7 +184,7 @@ def train_plan(ws: Workspace, params: Params, curated: Path, init: Path | None, 
     return {"route": "here", **where}
 
 
-def _train_ranks(params: Params, curated: Path, init: Path | None, out: Path) -> dict:
+def _train_ranks(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path) -> dict:
     """Train here as `train.world_size` ranks under torchrun (`adapters.torchrun`; every rank runs
     `steps.rank` on a spec file beside `out`, their output goes to `<out>.ranks.log`). Returns
     rank 0's metrics, or {"skipped": reason}. Raises RanksFailed when the ranks fail (after
@@ -188,7 +193,8 @@ def _train_ranks(params: Params, curated: Path, init: Path | None, out: Path) ->
         return {"skipped": reason}
     out = out.resolve()
     spec = out.with_name(out.name + ".ranks.json")
-    spec.write_text(json.dumps({"params": params.model_dump(mode="json"), "curated": str(curated.resolve()),
+    spec.write_text(json.dumps({"params": params.model_dump(mode="json"), "root": str(ws.root.resolve()),
+                                "curated": str(curated.resolve()),
                                 "init": str(init.resolve()) if init else None, "out": str(out)}))
     run_id = hashlib.sha256(str(out).encode()).hexdigest()[:12]
     torchrun.run(torchrun.argv(params.train, spec, run_id), out.with_name(out.name + ".ranks.log"))

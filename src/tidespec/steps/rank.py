@@ -1,6 +1,6 @@
 """One rank of the train step under torchrun (`adapters.torchrun` starts `python -m
 tidespec.steps.rank SPEC` on every rank). SPEC: a JSON file {"params": the cycle's params,
-"curated", "init", "out"} written by `cycle._train_draft`. Each rank loads the target and runs
+"root": the workspace, "curated", "init", "out"} written by `cycle._train_ranks`. Each rank loads the target and runs
 `train.entry.train_here`; rank 0 writes the candidate and its train_metrics.json."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ..config import Params
 from ..models.load import get_target, target_dir
 from ..train import ranks
 from ..train.entry import train_here
-from .online import train_rehydrator
+from .train_data import remote_shards, train_rehydrator
 
 
 def main(spec_path: str) -> None:
@@ -26,7 +26,8 @@ def main(spec_path: str) -> None:
     try:
         with train_rehydrator(params, target, curated, Path(spec["out"]).parent) as rehydrator:
             train_here(params, target, target_dir(params.target.source), curated,
-                       Path(spec["init"]) if spec["init"] else None, Path(spec["out"]), rehydrator=rehydrator)
+                       Path(spec["init"]) if spec["init"] else None, Path(spec["out"]), rehydrator=rehydrator,
+                       shards=remote_shards(params, Path(spec["root"])))
     finally:
         ranks.close()
 

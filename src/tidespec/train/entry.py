@@ -17,7 +17,7 @@ from ..models.eagle3 import load_checkpoint
 from ..models.target import Target
 from .holdout import holdout_accuracy
 from .online import online
-from .source import IndexRecords
+from .source import IndexRecords, ShardLocator
 from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason
 from .trainer import train_draft
 
@@ -49,10 +49,11 @@ def skip_reason(params: Params, curated: Path) -> str | None:
 
 
 def train_here(params: Params, target: Target, target_dir: Path, curated: Path, init: Path | None, out: Path,
-               progress=None, rehydrator: Rehydrator | None = None) -> dict:
+               progress=None, rehydrator: Rehydrator | None = None, shards: ShardLocator | None = None) -> dict:
     """Train a candidate from the curated index into `out`, warm-started from `init` when given and
     `train.warm_start`. Tokens-only records (`ingest.mode: online`) get their hidden states from
-    `rehydrator` as they are read (`train.online`; None: the target in this process). Returns the
+    `rehydrator` as they are read (`train.online`; None: the target in this process); shards the
+    workspace lacks come from `shards` (the DVC remote through a bounded cache). Returns the
     trainer's metrics, or {"skipped": reason} when the set is too
     small (`skip_reason`; nothing is written, the champion keeps serving). A killed run resumes
     from its last training-state checkpoint. Raises ValueError for another target's set, for
@@ -80,7 +81,7 @@ def train_here(params: Params, target: Target, target_dir: Path, curated: Path, 
         return _train_specforge(params, target, target_dir, train, val, out)
     init = init if (init is not None and params.train.warm_start and Path(init).exists()) else None
     name = params.ingest.rehydrate_url or params.ingest.rehydrate_backend
-    train, val = (online(IndexRecords(idx[k], base), rehydrator, target, name) for k in ("train", "val"))
+    train, val = (online(IndexRecords(idx[k], base, shards), rehydrator, target, name) for k in ("train", "val"))
     return train_draft(train, val, target, params.draft, params.train, out, init=init, progress=progress)
 
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -67,14 +68,24 @@ class InMemory(RecordSource):
         return records_fingerprint(self.records)
 
 
+class ShardLocator(Protocol):
+    """Where a shard missing from the workspace is read from (`adapters.versioning.RemoteShards`:
+    the DVC remote, through a bounded cache)."""
+
+    def locate(self, path: Path) -> Path: ...  # a local file holding `path`'s bytes
+
+    def digest(self, path: Path) -> str | None: ...  # its content hash without reading it (None: unknown)
+
+
 class IndexRecords(RecordSource):
     """The records a curated index names (`entries`: its "train" or "val" list; paths relative to
-    `base`, the index's directory), read from their snapshot shards on demand. Units: the entries
-    of one shard file, in index order. Raises FileNotFoundError / CorruptShard on read as
+    `base`, the index's directory), read from their snapshot shards on demand; `shards`: where a
+    shard the workspace lacks comes from (None: it must be here). Units: the entries of one shard
+    file, in index order. Raises FileNotFoundError / CorruptShard on read as
     `capture.store.read_record`."""
 
-    def __init__(self, entries: list[dict], base: Path):
-        self.entries, self.base = list(entries), Path(base)
+    def __init__(self, entries: list[dict], base: Path, shards: ShardLocator | None = None):
+        self.entries, self.base, self.shards = list(entries), Path(base), shards
         self.lengths = [int(e["num_tokens"]) for e in self.entries]
         by_shard: dict[tuple[str, str], list[int]] = {}
         for i, e in enumerate(self.entries):
@@ -90,18 +101,23 @@ class IndexRecords(RecordSource):
             elif set(fields) - set(TOKEN_FIELDS):
                 raise ValueError(f"record {self.entries[i]['request_id']} holds tokens only (ingest.mode: online): "
                                  "its hidden states come from the target (train.online.OnlineRecords)")
-        return load_records([self.entries[i]], self.base, fields)[0]
+        return load_records([self.entries[i]], self.base, fields, self.shards and self.shards.locate)[0]
 
     def tokens_only(self, i: int) -> bool:
         return bool(self.entries[i].get("tokens_only"))
 
     def fingerprint(self) -> str:
-        """sha256 (16 hex) of the entries (shard, offset, request) and of every shard file they
-        name, read in 1 MiB blocks (the memory a fingerprint takes does not grow with the set)."""
+        """sha256 (16 hex) of the entries (shard, offset, request) and of every shard they name:
+        its DVC md5 when `shards` knows it (nothing fetched), else its bytes read in 1 MiB blocks
+        (the memory a fingerprint takes does not grow with the set)."""
         h = hashlib.sha256(json.dumps([(e["snapshot"], e["shard"], e["offset"], e["request_id"])
                                        for e in self.entries]).encode())
         for snap, shard in dict.fromkeys((e["snapshot"], e["shard"]) for e in self.entries):
-            with open(self.base / snap / shard, "rb") as f:
+            path = self.base / snap / shard
+            if self.shards is not None and (md5 := self.shards.digest(path)):
+                h.update(md5.encode())
+                continue
+            with open(path, "rb") as f:
                 while block := f.read(1 << 20):
                     h.update(block)
         return h.hexdigest()[:16]

@@ -152,7 +152,7 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     torch.manual_seed(tparams.seed)
     sdir = state_dir(out)
     where = {"threads", "device", "nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts", "sagemaker", "work_pool",
-             "prefetch_mb"}
+             "prefetch_mb", "shard_cache_mb"}
     fp = fingerprint(tparams.model_dump(exclude=where), dparams.model_dump(), weights_digest(init),
                      target.target_id, str(target.dtype), list(target.aux_layers), src.fingerprint(),
                      str(amp))  # the resolved precision: `auto` is bf16 on CUDA, fp32 on CPU

@@ -1,15 +1,16 @@
-"""The train step's producer of hidden states for tokens-only records (`ingest.mode: online`):
-the target in the training process, or vLLM's hidden-state extraction
-(`ingest.rehydrate_backend: vllm`, the server at `ingest.rehydrate_url` or one started for the
-step), as `train.online` describes."""
+"""Where the train step's records come from, beyond the curated index: the producer of hidden
+states for tokens-only records (`ingest.mode: online`, `train_rehydrator`), and the DVC remote for
+shards the workspace lacks (`remote_shards`)."""
 from __future__ import annotations
 
 import json
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..adapters.versioning import RemoteShards
 from ..adapters.vllm import rehydrator_for
 from ..config import Params
+from ..workspace import Workspace
 
 
 def holds_tokens_only(curated: Path) -> bool:
@@ -34,3 +35,12 @@ def train_rehydrator(params: Params, target, curated: Path, state_dir: Path):
                          "one extraction server they share (or rehydrate_backend: embedded)")
     with rehydrator_for(params, target, state_dir, step="train") as r:
         yield r
+
+
+def remote_shards(params: Params, root: Path) -> RemoteShards | None:
+    """Shards the workspace `root` lacks, fetched from its DVC remote into `data/work/shard-cache`,
+    bounded by `train.shard_cache_mb`; None when `root` is not a DVC repository (the shards must
+    then be here)."""
+    if not (Path(root) / ".dvc").is_dir():
+        return None
+    return RemoteShards(root, Workspace(root).work / "shard-cache", int(params.train.shard_cache_mb * 2**20))
