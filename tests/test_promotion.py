@@ -251,3 +251,46 @@ def test_batched_evaluate_replays_the_same_tokens_and_tau(tmp_path, tiny_target_
         for m in ("acceptance_length", "new_tokens", "mismatches"):
             assert reps[1][arm][m] == reps[4][arm][m], (arm, m)
     assert reps[1]["candidate"]["num_drafts"] == reps[4]["candidate"]["num_drafts"] > 0
+
+
+def test_teacher_forced_gate_compares_simulated_tau_and_replays_a_subset(tmp_path, monkeypatch):
+    """evaluate.gate teacher_forced: each draft's τ is its simulated τ over the curated holdout's
+    records (as `train.holdout` computes it, independently here), per-position acceptance the
+    running product of the conditional ones; only `replay_subset` prompts are replayed, and a
+    verifier bug there still fails losslessness. replay_subset without that gate is refused."""
+    from pydantic import ValidationError
+
+    from conftest import random_draft
+    from tidespec.capture import curate
+    from tidespec.config import EvaluateParams
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.steps import cycle, evaluate
+    from tidespec.train.holdout import holdout_accuracy
+    (tmp_path / "ws").mkdir()  # a 9-token prompt alphabet: learnable continuations (as the gate test above)
+    ws, params, target = make_tiny_workspace(tmp_path / "ws", make_tiny_target(tmp_path / "target", seed=5),
+                                             n_requests=32, max_token=12)
+    cycle.step_curate(ws, params, target.target_id)
+    cand = tmp_path / "cand"  # trained on the set: it accepts on the holdout; the random champion does not
+    cycle.train_candidate(ws, params, ws.curated, None, cand)
+    champ = save_checkpoint(random_draft(target, 64, seed=1), tmp_path / "champ")
+    p = params.model_copy(update={"evaluate": EvaluateParams(gate="teacher_forced", replay_subset=2,
+                                                             max_new_tokens=8)})
+    rep = evaluate.step_evaluate(ws, p, cand, champ, ws.eval_prompts, tmp_path / "eval.json")
+    idx = json.loads(ws.curated.read_text())
+    recs = curate.load_records(idx["holdout"], ws.curated.parent)
+    assert (rep["gate"], rep["num_prompts"], rep["holdout_records"]) == ("teacher_forced", 2, len(recs))
+    assert rep["lossless"] and rep["candidate"]["new_tokens"] > 0 and "candidate" in rep["speedup"]
+    k = p.engine.num_draft_tokens
+    for arm, d in (("candidate", cand), ("champion", champ)):
+        from tidespec.models.eagle3 import load_checkpoint
+        ev = holdout_accuracy(load_checkpoint(d, target.embed.float(), target.target_id).eval(), target, recs, p.train)
+        cond = ev.conditional(k)
+        assert rep[arm]["acceptance_length"] == ev.simulated_tau(k)
+        assert rep[arm]["accepted_per_pos/1"] == pytest.approx(cond[0] * cond[1], rel=1e-12)
+    assert rep["candidate"]["acceptance_length"] > 1.0 and rep["candidate"]["accepted_per_pos/1"] > 0
+    assert "replay_acceptance_length" in rep["candidate"] and "tokens_per_s" not in rep["champion"]
+    _force_accept_all(monkeypatch)
+    bad = evaluate.step_evaluate(ws, p, cand, champ, ws.eval_prompts, tmp_path / "eval-bad.json")
+    assert not bad["lossless"] and bad["candidate"]["mismatches"] > 0
+    with pytest.raises(ValidationError, match="replay_subset"):
+        EvaluateParams(replay_subset=3)

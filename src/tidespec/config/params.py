@@ -262,13 +262,27 @@ class TrainParams(_Strict):
 
 
 class EvaluateParams(_Strict):
-    """The evaluate step's replay. concurrency: holdout requests replayed at once per arm (one
-    engine batch; every arm runs the same waves, so each is compared with the baseline at the same
-    batch); 1 = one at a time (single-stream speed-ups, as the demo reports them)."""
+    """The evaluate step. gate: what the promotion gate compares — `replay` (the holdout replayed
+    with no speculation, the champion and the candidate: τ as served) or `teacher_forced` (for a
+    target too large to replay the holdout here: each draft's simulated τ over the holdout records,
+    teacher-forced as the trainer measures it, plus `replay_subset` holdout prompts replayed with no
+    speculation and with the candidate to check losslessness); concurrency: holdout requests
+    replayed at once per arm (one engine batch; every arm runs the same waves, so each is compared
+    with the baseline at the same batch); 1 = one at a time (single-stream speed-ups, as the demo
+    reports them)."""
 
     min_relative_gain: float = Field(0.02, ge=0)
     max_new_tokens: int = Field(96, ge=1)
     concurrency: int = Field(1, ge=1, le=256)
+    gate: Literal["replay", "teacher_forced"] = "replay"
+    replay_subset: int | None = Field(None, ge=1)  # teacher_forced: prompts replayed for losslessness (None: 4)
+
+    @model_validator(mode="after")
+    def _subset_needs_teacher_forced(self):
+        if self.replay_subset is not None and self.gate != "teacher_forced":
+            raise ValueError("evaluate.replay_subset is the lossless check of gate: teacher_forced; with gate: replay "
+                             "every holdout prompt is replayed (remove replay_subset, or set gate: teacher_forced)")
+        return self
 
 
 class ServeParams(_Strict):
