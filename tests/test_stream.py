@@ -10,8 +10,8 @@ the one being read, 256 KiB), a padded batch's copy
 (batch_tokens 1,792 × 2,058 B/token = 3.5 MiB) while the previous one is freed, the index's
 entries, and what glibc's heap keeps of freed buffers (the stream hands it back with
 `malloc_trim` after each buffer; without that, 17–28 MiB over the baseline were measured) —
-24 MiB; measured: 7–9 MiB over the baseline. The snapshot is ≥ 5 × that
-at rest. Holding it all, as the trainer did before, would take ~3 × its size at rest (records
+24 MiB; measured: 4–15 MiB over the baseline (7–9 before the producer thread). The snapshot
+is ≥ 5 × that at rest. Holding it all, as the trainer did before, would take ~3 × its size at rest (records
 + prepared examples: 12·H + 2·Vd bytes per prepared token against 8·H at rest).
 """
 import random

@@ -205,9 +205,8 @@ def load_records(
     """Read the tensors of curated index entries (all, or only `fields`); `base`: the index's
     directory (entry paths are relative to it); `locate`: maps a shard's path to the local file
     holding it (`adapters.versioning.RemoteShards.locate`: fetched from the DVC remote when the
-    workspace lacks it; None: the path itself). A record read from an uncompressed shard may keep
-    that shard file mapped while it lives: to go over a large set, read and drop one record at a
-    time (`output_sequences`, `train.source.IndexRecords`) instead of holding the list."""
+    workspace lacks it; None: the path itself). To go over a large set, read and drop one record
+    at a time (`output_sequences`, `train.source.IndexRecords`) instead of holding the list."""
     out = []
     for e in entries:
         path = Path(base) / e["snapshot"] / e["shard"]
@@ -230,7 +229,7 @@ def output_sequences(index: Path, locate: Callable[[Path], Path] | None = None) 
     entries = sorted((e for e in idx["train"] + idx["val"] if not e.get("replay")),
                      key=lambda e: (rank.get(e["snapshot"], -1), e["shard"], e["offset"]))
     out = []
-    for e in entries:  # one record at a time: a record's tensors may map its whole shard file
+    for e in entries:  # one record at a time
         r = load_records([e], Path(index).parent, ("input_ids", "loss_mask"), locate)[0]
         if s := r["input_ids"][r["loss_mask"].bool()].tolist():
             out.append(s)

@@ -220,7 +220,9 @@ def read_record(directory: Path, row: ManifestRow, fields: tuple[str, ...] | Non
             t = _decoded(str(path), path.stat().st_mtime_ns)
             return {k: t[f"{row.offset}.{k}"] for k in fields}
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(f"{row.offset}.{k}") for k in fields}
+            # copied out: a tensor safetensors maps from the file keeps the whole shard mapped while it
+            # lives, and records queued by the trainer's producer thread kept every shard resident
+            return {k: f.get_tensor(f"{row.offset}.{k}").clone() for k in fields}
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors/zstd raise their own types
