@@ -368,14 +368,25 @@ def bench_online(target: str = typer.Option("smollm2", help="smollm2 (params.yam
                  passes: int = typer.Option(3, min=1), epochs: int = typer.Option(2, min=1),
                  buffer_mb: float = typer.Option(40.0, min=1, help="train.buffer_mb: below the set, so each epoch "
                                                  "reads its records again"),
+                 device: str = typer.Option("cpu", help="where the target and the draft run: cpu, cuda[:N], auto"),
+                 peak_tflops: float = typer.Option(790.0, min=1, help="the device's measured dense bf16 peak, "
+                                                   "for the MFU column (H200: 790)"),
+                 draft_vocab_size: int = typer.Option(4096, min=2,
+                                                     help="the draft's vocabulary (capped at the target's)"),
+                 batch_tokens: int = typer.Option(1024, min=8, help="train.batch_tokens (padded tokens per step)"),
                  work: Path = typer.Option(Path(".cache/tidespec/bench-online")),
                  out: Path = typer.Option(Path("bench/results"))):
     """Online rehydration (tokens at rest, hidden states rebuilt by the target while training) against
     hidden states read from disk: records/s, the train step's time with and without the producer thread,
-    bytes per token at rest."""
+    the trainer's tokens/s (and MFU on a GPU), bytes per token at rest."""
     from . import online
-    online.run(target, params, out, work, tokens, seq_len, passes, epochs, buffer_mb, progress=console.print)
-    console.print((out / f"online_rehydration-{target}.md").read_text())
+    try:
+        res = online.run(target, params, out, work, tokens, seq_len, passes, epochs, buffer_mb,
+                         progress=console.print, device=device, peak_tflops=peak_tflops,
+                         draft_vocab=draft_vocab_size, batch_tokens=batch_tokens)
+    except (ValueError, KeyError) as e:
+        raise typer.BadParameter(str(e)) from e
+    console.print((out / f"{res['stem']}.md").read_text())
 
 
 # The experiment scripts: argparse programs of their own, run as `tidespec bench NAME ARGS...` (their

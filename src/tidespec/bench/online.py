@@ -16,7 +16,11 @@ passes, in this process:
 Reported: medians, ranges and paired ratios per pass (online / hidden), bytes per token at
 rest. Targets: `smollm2` (the real one of params.yaml) or a synthetic width
 (`bench.synthetic.WIDTHS`: random weights, so the draft learns nothing; only time and bytes
-are measured). Output: `<out>/online_rehydration-<target>.{json,md}`.
+are measured). `device` places the target and the draft (`target.device` and `train.device`;
+cuda trains under bf16 autocast): on a GPU the rows add the trainer's tokens/s, its model FLOP
+utilisation against `peak_tflops` (6 · trainable parameters · `train.ttt_steps` FLOP per token,
+EAGLE-3 §3.2's k forward-backward passes; the teacher's lm_head not counted) and the peak GPU
+memory. Output: `<out>/online_rehydration-<target>[-<device>].{json,md}`.
 """
 from __future__ import annotations
 
@@ -34,17 +38,19 @@ from ..capture.snapshots import list_snapshots, seal
 from ..capture.store import read_manifest
 from ..capture.writer import CaptureWriter
 from ..config import CaptureParams, DraftParams, TrainParams, load_params
+from ..models.device import resolve_device
 from ..train.online import OnlineRecords
 from ..train.source import IndexRecords
 from ..train.trainer import train_draft
 
 
-def _target(name: str, params_path: Path):
+def _target(name: str, params_path: Path, device: str):
     if name == "smollm2":
         from ..models.load import get_target
-        return get_target(load_params(params_path))[0]
+        p = load_params(params_path)
+        return get_target(p.model_copy(update={"target": p.target.model_copy(update={"device": device})}))[0]
     from .synthetic import named
-    return named(name)
+    return named(name, device=resolve_device(device, "--device"))
 
 
 def _write(root: Path, target, records: list[dict]) -> IndexRecords:
@@ -70,18 +76,33 @@ def _read_all(src) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _train_s(src, target, tparams: TrainParams, out: Path) -> float:
+def _train(src, target, tparams: TrainParams, out: Path, draft_vocab: int) -> dict:
+    """One `train_draft` run: wall seconds, the trainer's tokens/s and (on CUDA) peak GPU MiB."""
     shutil.rmtree(out, ignore_errors=True)
+    cuda = torch.cuda.is_available() and resolve_device(tparams.device, "--device").type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    train_draft(src, [], target, DraftParams(draft_vocab_size=min(4096, target.cfg.vocab_size)), tparams, out)
-    return time.perf_counter() - t0
+    m = train_draft(src, [], target, DraftParams(draft_vocab_size=min(draft_vocab, target.cfg.vocab_size)), tparams,
+                    out)
+    return {"train_s": time.perf_counter() - t0, "train_tokens_per_s": m["train_tokens_per_s"],
+            "input_wait_share": m["train_input_wait_seconds"] / max(m["train_seconds"], 1e-9),
+            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
+
+
+def trainable_params(out: Path, target) -> int:
+    """Trainable parameters of the draft saved in `out` (its frozen embedding, the target's, not counted)."""
+    from ..models.eagle3 import load_checkpoint
+    return sum(p.numel() for p in load_checkpoint(out, target.embed, target.target_id).parameters())
 
 
 def run(target_name: str, params_path: Path, out: Path, work: Path, tokens: int, seq_len: int, passes: int,
-        epochs: int, buffer_mb: float, progress=print) -> dict:
-    """The figures of the module docstring, written to `out`; returns them."""
+        epochs: int, buffer_mb: float, progress=print, device: str = "cpu", peak_tflops: float = 790.0,
+        draft_vocab: int = 4096, batch_tokens: int = 1024) -> dict:
+    """The figures of the module docstring, written to `out`; returns them. Raises ValueError for a
+    `device` torch cannot see."""
     torch.manual_seed(0)
-    target = _target(target_name, params_path)
+    target = _target(target_name, params_path, device)
     V, n = target.cfg.vocab_size, max(2, tokens // seq_len)
     g = torch.Generator().manual_seed(0)
     exchanges = [torch.randint(3, V, (seq_len + 1,), generator=g).tolist() for _ in range(n)]
@@ -95,8 +116,8 @@ def run(target_name: str, params_path: Path, out: Path, work: Path, tokens: int,
     online = OnlineRecords(onl_index, _embedded(target), "embedded")
     at_rest = {k: sum(f.stat().st_size for f in (work / k / "snapshots").rglob("*.safetensors")) / (n * seq_len)
                for k in ("hidden", "online")}
-    tp = dict(epochs=epochs, batch_tokens=1024, max_seq_len=seq_len, buffer_mb=buffer_mb, checkpoint_every=0,
-              ttt_steps=2, warm_start=False)
+    tp = dict(epochs=epochs, batch_tokens=batch_tokens, max_seq_len=seq_len, buffer_mb=buffer_mb, checkpoint_every=0,
+              ttt_steps=2, warm_start=False, device=device)
     arms = {"hidden (disk)": (hidden, 64.0), "online, producer thread": (online, 64.0),
             "online, in line": (online, 0.0)}
     rows: dict[str, list[dict]] = {a: [] for a in arms}
@@ -104,17 +125,23 @@ def run(target_name: str, params_path: Path, out: Path, work: Path, tokens: int,
     for p in range(passes):
         for name, (src, pf) in arms.items():
             r = {"read_tokens_per_s": _read_all(src) if pf else None,
-                 "train_s": _train_s(src, target, TrainParams(**tp, prefetch_mb=pf), work / "cand")}
+                 **_train(src, target, TrainParams(**tp, prefetch_mb=pf), work / "cand", draft_vocab)}
             rows[name].append(r)
             progress(f"pass {p + 1}/{passes} {name}: train {r['train_s']:.1f} s"
                      + (f", read {r['read_tokens_per_s']:.0f} tokens/s" if r["read_tokens_per_s"] else ""))
-    res = {"target": target_name, "hidden_size": target.cfg.hidden_size, "tokens": n * seq_len,
+    n_params = trainable_params(work / "cand", target)
+    res = {"target": target_name, "device": str(target.device), "hidden_size": target.cfg.hidden_size,
+           "gpu": torch.cuda.get_device_name() if target.device.type == "cuda" else None,
+           "draft_trainable_params": n_params, "flop_per_trained_token": 6 * n_params * tp["ttt_steps"],
+           "peak_tflops": peak_tflops, "batch_tokens": batch_tokens, "tokens": n * seq_len,
            "seq_len": seq_len, "passes": passes, "epochs": epochs, "buffer_mb": buffer_mb,
            "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "ingest_prefill_tokens_per_s": ingest_tps,
            "bytes_per_token_at_rest": at_rest, "arms": _summary(rows)}
+    stem = f"online_rehydration-{target_name}" + ("" if device == "cpu" else f"-{target.device.type}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"online_rehydration-{target_name}.json").write_text(json.dumps(res, indent=2))
-    (out / f"online_rehydration-{target_name}.md").write_text(_markdown(res))
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    (out / f"{stem}.md").write_text(_markdown(res))
+    res["stem"] = stem
     return res
 
 
@@ -130,10 +157,16 @@ def _summary(rows: dict[str, list[dict]]) -> dict:
         secs = [r["train_s"] for r in rs]
         ratio = [r["train_s"] / h["train_s"] for r, h in zip(rs, ref)]
         reads = [r["read_tokens_per_s"] for r in rs if r["read_tokens_per_s"]]
+        tps = [r["train_tokens_per_s"] for r in rs]
+        wait = [r["input_wait_share"] for r in rs]
+        peak = [r["peak_gpu_mib"] for r in rs if r["peak_gpu_mib"] is not None]
         out[name] = {"train_s": statistics.median(secs), "train_s_range": [min(secs), max(secs)],
                      "train_s_vs_hidden": statistics.median(ratio), "ratio_range": [min(ratio), max(ratio)],
                      "read_tokens_per_s": statistics.median(reads) if reads else None,
-                     "read_range": [min(reads), max(reads)] if reads else None}
+                     "read_range": [min(reads), max(reads)] if reads else None,
+                     "train_tokens_per_s": statistics.median(tps), "train_tokens_per_s_range": [min(tps), max(tps)],
+                     "input_wait_share": statistics.median(wait),
+                     "peak_gpu_mib": max(peak) if peak else None}
     return out
 
 
@@ -143,13 +176,19 @@ def _markdown(res: dict) -> str:
              f"{res['tokens']} tokens of {res['seq_len']}, {res['epochs']} epochs streamed through "
              f"{res['buffer_mb']} MiB, {res['passes']} passes, {res['threads']} thread(s), {res['cpus']} CPUs)", "",
              f"At rest: {b['hidden']:.0f} bytes/token with hidden states, {b['online']:.1f} tokens only. "
-             f"The ingest's prefill ran at {res['ingest_prefill_tokens_per_s']:.0f} tokens/s.", "",
+             f"The ingest's prefill ran at {res['ingest_prefill_tokens_per_s']:.0f} tokens/s "
+             f"on {res['device']}{' (' + res['gpu'] + ')' if res['gpu'] else ''}. Draft: "
+             f"{res['draft_trainable_params'] / 1e6:.0f}M trainable parameters, "
+             f"{res['flop_per_trained_token'] / 1e9:.1f} GFLOP per trained token.", "",
              "| arm | records read, tokens/s (median, range) | train step s (median, range) | × hidden "
-             "(paired median, range) |", "|---|---|---|---|"]
+             f"(paired median, range) | trainer tokens/s | waiting for input | MFU (of {res['peak_tflops']:.0f} "
+             "TFLOP/s) | peak GPU MiB |", "|---|---|---|---|---|---|---|---|"]
     for name, r in a.items():
         read = (f"{r['read_tokens_per_s']:.0f} ({r['read_range'][0]:.0f}–{r['read_range'][1]:.0f})"
                 if r["read_tokens_per_s"] else "—")
         lines.append(f"| {name} | {read} | {r['train_s']:.1f} ({r['train_s_range'][0]:.1f}–"
                      f"{r['train_s_range'][1]:.1f}) | {r['train_s_vs_hidden']:.2f} ({r['ratio_range'][0]:.2f}–"
-                     f"{r['ratio_range'][1]:.2f}) |")
+                     f"{r['ratio_range'][1]:.2f}) | {r['train_tokens_per_s']:.0f} | {r['input_wait_share']:.0%} | "
+                     f"{r['train_tokens_per_s'] * res['flop_per_trained_token'] / (res['peak_tflops'] * 1e12):.1%} | "
+                     f"{'—' if r['peak_gpu_mib'] is None else format(r['peak_gpu_mib'], '.0f')} |")
     return "\n".join(lines) + "\n"

@@ -16,7 +16,8 @@ from ..models.target import Target
 
 @dataclass
 class Example:
-    """One training sequence: aux `[T, 3H]` fp32, ids `[T]` int64, target logits over the draft
+    """One training sequence: aux `[T, 3H]` as the record holds it (bf16 from a snapshot; cast to
+    fp32 on the training device, `collate`), ids `[T]` int64, target logits over the draft
     vocab `[T, Vd]` bf16, valid `[T]` bool (learnable position: kept by the loss mask, and its
     target argmax is in the draft vocab), keep `[T]` bool (kept by the loss mask, whatever the
     argmax: the positions a draft is evaluated on; None = same as valid)."""
@@ -40,7 +41,7 @@ def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int
     """
     out = []
     dropped = Counter() if dropped is None else dropped
-    t2d = t2d.cpu()
+    t2d = t2d.to(target.device)  # the logits stay on the target's device: only [T, Vd] bf16 comes back
     cols = t2d.nonzero().squeeze(-1)
     for r in records:
         T = min(int(r["input_ids"].shape[0]), max_len)
@@ -50,16 +51,15 @@ def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int
         if not (torch.isfinite(r["hidden_states"][:T]).all() and torch.isfinite(r["aux_hidden_states"][:T]).all()):
             dropped["non_finite"] += 1
             continue
-        hid = r["hidden_states"][:T].float()
         with torch.no_grad():
-            full = target.logits_from_hidden(hid).cpu()  # [T, V], on the target's device; examples stay on CPU
+            full = target.logits_from_hidden(r["hidden_states"][:T])  # [T, V] fp32 on the target's device
+            in_vocab, tlogits = t2d[full.argmax(-1)].cpu(), full[:, cols].to(torch.bfloat16).cpu()
         keep = torch.ones(T, dtype=torch.bool) if loss_on_prompt else r["loss_mask"][:T].bool()
-        valid = keep & t2d[full.argmax(-1)]
+        valid = keep & in_vocab
         if not valid[1:].any():  # nothing to learn (e.g. generation cut off by max_len, or out of vocab)
             dropped["no_valid_positions"] += 1
             continue
-        out.append(Example(r["aux_hidden_states"][:T].float(), r["input_ids"][:T].long(),
-                           full[:, cols].to(torch.bfloat16), valid, keep))
+        out.append(Example(r["aux_hidden_states"][:T].clone(), r["input_ids"][:T].long(), tlogits, valid, keep))
     return out
 
 
@@ -94,10 +94,17 @@ def collate(ex: list[Example], device: torch.device | str = "cpu") -> tuple[torc
     """One padded batch on `device`: (aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid
     `[B,T]`, key_valid `[B,T]` (not padding)), T the longest example."""
     T = max(e.ids.shape[0] for e in ex)
-    batch = (torch.stack([_pad(e.aux, T) for e in ex]), torch.stack([_pad(e.ids, T) for e in ex]),
-             torch.stack([_pad(e.tlogits, T) for e in ex]), torch.stack([_pad(e.valid, T, False) for e in ex]),
+    batch = (torch.stack([_pad(e.ids, T) for e in ex]), torch.stack([_pad(e.tlogits, T) for e in ex]),
+             torch.stack([_pad(e.valid, T, False) for e in ex]),
              torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex]))
-    return tuple(t.to(device) for t in batch)
+    return (stack_aux(ex, T, device), *(t.to(device) for t in batch))
+
+
+def stack_aux(ex: list[Example], T: int, device: torch.device | str) -> torch.Tensor:
+    """The examples' aux, padded to T, as `[B, T, 3H]` fp32 on `device`: moved in the dtype the
+    examples hold (bf16 from a snapshot: half the bytes of fp32 to copy), then cast there."""
+    dt = ex[0].aux.dtype if all(e.aux.dtype == ex[0].aux.dtype for e in ex) else torch.float32
+    return torch.stack([_pad(e.aux.to(dt), T) for e in ex]).to(device).float()
 
 
 def batches(examples: list[Example], max_tokens: int, shuffle: bool, rng: random.Random,

@@ -14,7 +14,7 @@ from ..config import TrainParams
 from ..engine.stats import simulated_acceptance_length
 from ..models.eagle3 import Eagle3Draft
 from ..models.target import Target
-from .examples import Example, _groups, _pad, prepare
+from .examples import Example, _groups, _pad, prepare, stack_aux
 
 
 def conditional_acceptance(correct: torch.Tensor) -> list[float]:
@@ -127,14 +127,14 @@ def evaluate_chunks(draft: Eagle3Draft, chunks: Iterable[list[Example]], steps: 
         for examples, g in ((ex, g) for ex in chunks for g in _groups(ex, batch_tokens, False, random.Random(0))):
             ex = [examples[i] for i in g]
             T = max(e.ids.shape[0] for e in ex)
-            aux = torch.stack([_pad(e.aux, T) for e in ex])
             ids = torch.stack([_pad(e.ids, T) for e in ex])
             tl = torch.stack([_pad(e.tlogits, T) for e in ex])
             valid = torch.stack([_pad(e.valid, T, False) for e in ex])
             keep = torch.stack([_pad(e.valid if e.keep is None else e.keep, T, False) for e in ex])
             kv = torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex])
             dev = draft.fc.weight.device
-            aux, ids, tl, valid, keep, kv = (t.to(dev) for t in (aux, ids, tl, valid, keep, kv))
+            aux = stack_aux(ex, T, dev)
+            ids, tl, valid, keep, kv = (t.to(dev) for t in (ids, tl, valid, keep, kv))
             hs = draft.ttt_forward(aux, ids, steps, kv)
             right = []
             for j, h in enumerate(hs):

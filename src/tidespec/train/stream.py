@@ -59,8 +59,8 @@ _TRIM = None
 
 
 def example_bytes_per_token(hidden: int, draft_vocab: int) -> int:
-    """Bytes one prepared token holds: aux fp32 (3·4·H) + teacher logits bf16 (2·Vd) + ids int64
-    + valid/keep bools."""
+    """Bytes one prepared token holds, at most: aux (3·4·H counted at fp32; bf16 records hold half)
+    + teacher logits bf16 (2·Vd) + ids int64 + valid/keep bools."""
     return 12 * hidden + 2 * draft_vocab + 8 + 2
 
 

@@ -120,6 +120,7 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     acceptance a_j at k = ttt_steps), `val_positions`; `simulated_acceptance_length` (1 + Σ_i Π_{j≤i}
     a_j at k = ttt_steps, `HoldoutEval.simulated_tau`; None without validation records),
     `train_tokens_per_s` (non-padding tokens per second of optimizer steps), `train_seconds`,
+    `train_input_wait_seconds` (of those, waiting for batches: reading, preparing, copying),
     `train_tokens`, `train_steps` (optimizer steps), `dropped/{reason}`, `val_dropped/{reason}`,
     `skipped_nonfinite_steps` (batches with a non-finite loss or nothing to learn),
     `resumed_from_step`, `train_world_size`, `train_buffers` (buffers per epoch; 1: held in
@@ -166,7 +167,8 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     for ep in range(run["epoch"], tparams.epochs):
         _train_epoch(draft, opt, sched, params, stream, tparams, rng, run, total, progress, checkpoint, amp)
         _end_epoch(draft, run, ep, rng, tparams.ttt_steps, on_epoch if rank == 0 else None)
-        checkpoint()
+        if ep + 1 < tparams.epochs:  # after the last one the checkpoint below is saved and the state cleared
+            checkpoint()
     draft.eval()
     if not all(torch.isfinite(p).all() for p in params):
         raise ValueError(f"training diverged (non-finite weights; lr {tparams.lr}); nothing saved, lower train.lr")
@@ -220,7 +222,7 @@ def _train_epoch(draft, opt, sched, params: list, stream: ExampleStream, tparams
     every, t0, steps = tparams.checkpoint_every, time.perf_counter(), tparams.ttt_steps
     dev = draft.fc.weight.device
     plan = stream.epoch_plan(run["epoch"], rng)
-    for bi, tokens, batch in stream.batches(plan, run["batches_done"], dev):
+    for bi, tokens, batch in _timed(stream.batches(plan, run["batches_done"], dev), run):
         loss, c, n = torch.zeros(()), [0] * steps, [0] * steps
         if batch is not None:
             with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
@@ -256,6 +258,19 @@ def _train_epoch(draft, opt, sched, params: list, stream: ExampleStream, tparams
     run["seconds"] += time.perf_counter() - t0
 
 
+def _timed(batches, run: dict):
+    """`batches` as is, the seconds spent waiting for each (reading, preparing, copying to the
+    device) added to `run["input_wait"]`: the trainer's input-bound share."""
+    it = iter(batches)
+    while True:
+        t0 = time.perf_counter()
+        b = next(it, None)
+        run["input_wait"] = run.get("input_wait", 0.0) + time.perf_counter() - t0
+        if b is None:
+            return
+        yield b
+
+
 def _end_epoch(draft, run: dict, ep: int, rng: random.Random, steps: int, on_epoch) -> None:
     """Close epoch `ep` in `run` (mean loss, training accuracy, next epoch's batch order) and log
     `on_epoch(ep + 1, draft)` to the learning curve (draft in eval mode, no grad)."""
@@ -281,6 +296,7 @@ def _metrics(draft, stream: ExampleStream, val: ExampleStream | None, run: dict,
     secs = run["seconds"]
     metrics = {"train/loss": run["losses"], "train_seconds": secs,
                "train_tokens_per_s": run["tokens"] / secs if secs else 0.0, "train_tokens": run["tokens"],
+               "train_input_wait_seconds": run.get("input_wait", 0.0),
                "train_steps": run["step"], "simulated_acceptance_length": ev.simulated_tau(),
                "train_examples": len(stream), "val_examples": len(val) if val is not None else 0,
                "train_buffers": len(stream.epoch_plan(0, random.Random(0))),
