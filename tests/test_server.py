@@ -106,7 +106,7 @@ def test_admin_swap_auth_traversal_wrong_target(served, tmp_path):
     assert r.status_code == 409 and "keeps serving" in r.json()["error"]["message"]
     assert eng.draft_version == "v1"
     r = c.post("/admin/draft", json={"path": "v2"}, headers=ok)
-    assert r.status_code == 200 and r.json() == {"draft_version": "v2"}
+    assert r.status_code == 200 and r.json() == {"draft_version": "v2", "pinned": True}
     assert c.get("/health").json()["draft_version"] == "v2"
     out = c.post("/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 8}).json()
     assert out["tidespec"]["draft_version"] == "v2"
@@ -354,6 +354,59 @@ def test_store_false_is_served_and_never_captured(tiny_target_dir, tmp_path):
     assert len(read_manifest(tmp_path / "cap")) == 1  # the one request sent without store: false
     (f,) = list((tmp_path / "text").rglob("*.jsonl"))
     assert len(f.read_text().splitlines()) == 1 and '"store"' not in f.read_text()
+
+
+def test_an_operators_swap_is_pinned_until_released(tiny_target, tmp_path, caplog):
+    """Under a champion watcher: `POST /admin/draft {"version": 2}` (an integer, as docs/serving.md
+    writes it) installs v2 and pins it; the watcher, whose champion is v3, leaves v2 serving and logs
+    that once; `DELETE /admin/draft/pin` releases it and the watcher installs v3. Every swap is
+    logged with the version served."""
+    import logging
+    import time
+
+    from tidespec.config import ServeParams
+    from tidespec.engine.speculative import Engine
+    from tidespec.models.eagle3 import load_checkpoint, save_checkpoint
+    from tidespec.models.runner import DraftRunner
+    from tidespec.serve.server import build_app
+    from tidespec.workspace import make_bundle, write_version
+    drafts = tmp_path / "drafts"
+    for v in (1, 2, 3):
+        save_checkpoint(random_draft(tiny_target, 64, seed=v), drafts / f"v{v}")
+    champion = make_bundle(drafts / "v3", tmp_path / "champion")
+    write_version(champion, "3", "run")
+    eng = Engine(tiny_target, DraftRunner(load_checkpoint(drafts / "v1", tiny_target.embed, tiny_target.target_id)),
+                 EngineParams(num_draft_tokens=3, max_seq_len=256), draft_version="1")
+    ok = {"Authorization": "Bearer s3cret"}
+    caplog.set_level(logging.INFO, logger="tidespec.serve.admin")
+    app = build_app(eng, None, ServeParams(max_tokens=16), drafts_dir=drafts, admin_token="s3cret",
+                    load_version=lambda v: drafts / f"v{v}", watch_dir=champion, watch_s=0.05)
+
+    def wait_for(version):
+        for _ in range(200):
+            if eng.draft_version == version:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"serving {eng.draft_version}, not {version}")
+    with TestClient(app) as c:
+        wait_for("3")  # the watcher follows the champion
+        r = c.post("/admin/draft", json={"version": 2}, headers=ok)
+        assert r.status_code == 200 and r.json() == {"draft_version": "2", "pinned": True}, r.text
+        time.sleep(0.5)  # ten polls
+        assert eng.draft_version == "2" and c.get("/health").json()["draft_version"] == "2"
+        held = [m for m in caplog.messages if "pinned by POST /admin/draft" in m]
+        assert held == [f"champion 3 at {champion} not installed: draft 2 is pinned by POST /admin/draft (DELETE "
+                        "/admin/draft/pin to follow the champion again)"]
+        assert c.post("/admin/draft", json={"version": 0}, headers=ok).status_code == 400
+        assert c.delete("/admin/draft/pin").status_code == 401
+        r = c.delete("/admin/draft/pin", headers=ok)
+        assert r.status_code == 200 and r.json() == {"draft_version": "2", "released": "2"}
+        wait_for("3")
+    swaps = [m for m in caplog.messages if m.startswith("serving draft")]
+    assert [m.split(" from ")[0] for m in swaps] == [
+        "serving draft 3 (was 1), installed by the champion watcher",
+        "serving draft 2 (was 3), installed by POST /admin/draft",
+        "serving draft 3 (was 2), installed by the champion watcher"]
 
 
 def test_champion_watcher_survives_an_unreadable_version_json(tmp_path, caplog):

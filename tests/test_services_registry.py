@@ -290,3 +290,19 @@ def test_free_port_is_below_the_ephemeral_range():
     low = process._ephemeral_low()
     ports = {process.free_port(services.HOST) for _ in range(20)}
     assert all(process._PICK_FROM <= p < low for p in ports) and len(ports) > 1
+
+
+def test_stop_kills_a_process_whose_main_thread_exited_while_others_run(tmp_path):
+    """A server whose main thread has exited while another thread runs shows as a zombie in /proc
+    but lives on (a vLLM API server waiting for keep-alive connections did this). `stop` must still
+    see it alive and kill it; it used to return at once and leave it running."""
+    import time
+    code = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(120,)).start(); "
+            "ctypes.CDLL(None).pthread_exit(None)")
+    proc = process.launch([sys.executable, "-c", code], tmp_path / "log")
+    process.poll_until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, 30, "the main thread to exit")
+    assert proc.poll() is None and process.group_alive(proc.pid)  # a zombie leader, the process alive
+    t0 = time.monotonic()
+    process.stop(proc.pid, grace_s=1.0)
+    assert proc.poll() is not None and not process.group_alive(proc.pid)
+    assert time.monotonic() - t0 < 10  # SIGTERM ends it (the default action), no need to wait the 120 s

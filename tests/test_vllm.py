@@ -49,7 +49,19 @@ def test_launch_line_names_the_draft_and_k(tmp_path):
     assert kv["kv_connector"] == "TidespecCPUHiddenStatesConnector" and kv["kv_connector_extra_config"] == {
         "shared_storage_path": "/x"} and "--no-enable-prefix-caching" in a
     plugin = vllm.launch_env(ex)["PYTHONPATH"].split(os.pathsep)[0]
-    assert sorted(p.name for p in Path(plugin).glob("*.py")) == [f"{kv['kv_connector_module_path']}.py"]  # nothing else
+    assert sorted(p.name for p in Path(plugin).glob("*.py")) == [  # nothing else
+        f"{vllm.SWAP_EXTENSION.split('.')[0]}.py", f"{kv['kv_connector_module_path']}.py"]
+    # in-place draft swap: the worker extension, vLLM's development routes, drafts from one root only
+    sw = vllm.VLLMLaunch("/m", draft_path="/s/drafts/1", draft_swap_root="/s/drafts")
+    a, env = vllm.launch_args(sw), vllm.launch_env(sw)
+    assert a[a.index("--worker-extension-cls") + 1] == "tidespec_draft_swap.TidespecDraftSwap"
+    assert (env["VLLM_SERVER_DEV_MODE"], env["TIDESPEC_DRAFT_ROOT"]) == ("1", "/s/drafts")
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == plugin
+    assert "--worker-extension-cls" not in vllm.launch_args(vllm.VLLMLaunch("/m", draft_path="/d"))
+    with pytest.raises(ValueError, match="needs a draft_path"):
+        vllm.VLLMLaunch("/m", draft_swap_root="/s")
+    with pytest.raises(ValueError, match="host 0.0.0.0 must be a loopback address"):
+        vllm.VLLMLaunch("/m", draft_path="/d", draft_swap_root="/s", host="0.0.0.0")
     with pytest.raises(ValueError, match="go together"):
         vllm.VLLMLaunch("/m", extract_layers=(2,))
     with pytest.raises(ValueError, match="no draft or ngram beside it"):

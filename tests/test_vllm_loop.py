@@ -4,8 +4,9 @@ door → its traffic is text-captured → past capture.seal_min_tokens the front
 tidespec.capture.text → the `tide-capture` deployment's trigger ingests it (the hidden states
 rehydrated by a second vLLM, `ingest.rehydrate_backend: vllm`) → the seal is published (DVC + the
 tidespec.capture.threshold event) → `tide-cycle` on
-the worker trains, evaluates and promotes → the serving command swaps vLLM to the new champion
-(blue/green) → vLLM's own counters, read through the front door's /metrics, give τ before and after.
+the worker trains, evaluates and promotes → the serving command loads the new champion into the
+running vLLM (in place: the same server) → vLLM's own counters, read through the front door's
+/metrics, give τ before and after (after: less the counts at the swap).
 No hand step between the requests and the new draft."""
 from __future__ import annotations
 
@@ -118,8 +119,10 @@ def test_serve_vllm_traffic_trains_the_draft_vllm_then_serves(tmp_path, prefect_
         assert champ.version != v1 and champ.tags["snapshot_rev"] == rev
         wait_until(lambda: (h := health(url)) and h["draft_version"] == champ.version, 400,
               f"vLLM to serve v{champ.version}", proc)
-        _traffic(url, seed=0)  # the same workload again, now on the new draft in a new vLLM server
-        after = _counters(url)
+        assert health(url)["backend"] == h["backend"]  # loaded in place: the same vLLM server
+        at_swap = _counters(url)
+        _traffic(url, seed=0)  # the same workload again, now on the new draft
+        after = _counters(url) - at_swap
         assert after.num_drafts > 0 and after.acceptance_length > before.acceptance_length, (before, after)
         wait_until(lambda: _live_tau(mlflow_server, tid, champ.version) == after.acceptance_length, 60,
               f"v{champ.version}'s live τ in MLflow", proc)

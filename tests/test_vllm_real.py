@@ -8,8 +8,10 @@ reason printed, only where vLLM cannot run
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -105,44 +107,153 @@ def test_vllm_counters_equal_the_tidespec_engine(tiny_vllm_setup, vllm_python, t
     assert got == vllm.SpecDecodeCounters(*total.as_vllm())  # vLLM also counts accepted drafts a cut drops
 
 
-def test_blue_green_swap_under_load_drops_nothing(tiny_vllm_setup, vllm_python, tmp_path):
-    """The front door keeps answering while a new vLLM server with another draft starts, takes over
-    and the old one drains and stops: every request of a steady concurrent load gets 200."""
+@pytest.fixture(scope="module")
+def weak_draft(tiny_vllm_setup, tmp_path_factory):
+    """A second draft of the same config as the setup's, trained for 2 epochs instead of 20: other
+    weights, other acceptance, so counters tell the two apart."""
+    from tidespec.config import DraftParams, TrainParams
+    from tidespec.train.trainer import train_draft
+    _, target, _, prompts = tiny_vllm_setup
+    g = torch.Generator().manual_seed(2)
+    recs = [_greedy_record(target, torch.randint(6, 320, (8,), generator=g).tolist(), 40) for _ in range(6)]
+    out = tmp_path_factory.mktemp("vllm-weak") / "draft"
+    train_draft(recs, [], target, DraftParams(draft_vocab_size=64),
+                TrainParams(epochs=2, lr=3e-3, ttt_steps=K, batch_tokens=512, max_seq_len=64), out)
+    (out / "train_metrics.json").unlink()
+    return out
+
+
+def test_in_place_swap_then_blue_green_under_load(tiny_vllm_setup, weak_draft, vllm_python, tmp_path):
+    """Two swaps of the served draft while 3 clients keep sending requests through the front door,
+    every request answered 200:
+    1. **in place**: the strong draft (v2) loaded into the running server that serves the weak one
+       (v1): the same server and port afterwards;
+    2. **blue/green** (in place turned off): v2 again as v3, in a new server, the old one drained and
+       stopped; the new server is a fresh server with the strong draft.
+    The outputs and spec-decode counters on fixed prompts after the in-place load equal those of that
+    fresh server: a load that did not reach the draft's weights would give the weak draft's counters
+    (checked different). A draft of another shape is refused in place, naming the change."""
     from tidespec.serve.frontdoor import build_frontdoor
     from tidespec.steps.deploy.vllm import VLLMDeployment
     from tidespec.workspace import make_bundle, write_version
-    d, _, draft, prompts = tiny_vllm_setup
-    bundle = make_bundle(draft, tmp_path / "champion")
-    write_version(bundle, "7", "run")
-    dep = VLLMDeployment(_launch(tiny_vllm_setup, vllm_python, draft=False), tmp_path / "state").start(None)
+    _, _, strong, prompts = tiny_vllm_setup
+    bundles = {}
+    for v, src in (("1", weak_draft), ("2", strong), ("3", strong)):
+        bundles[v] = make_bundle(src, tmp_path / f"b{v}")
+        write_version(bundles[v], v, "run")
+    dep = VLLMDeployment(_launch(tiny_vllm_setup, vllm_python, draft=False), tmp_path / "state").start(bundles["1"])
     app = build_frontdoor(dep.url, None, 120)
     dep.proxy = app.state.proxy
-    blue = dep.server
-    statuses: list[int] = []
-    done = threading.Event()
+    url, pid = dep.url, dep.server.server.proc.pid
+    try:
+        weak_out, weak_counts = _fixed_pass(url, prompts)
+        res, statuses = _under_load(app, prompts, lambda: dep.install(bundles["2"]))
+        assert res["mode"] == "in_place" and res["draft_version"] == "2" == dep.draft_version, res
+        assert dep.url == url and dep.server.server.proc.pid == pid  # the same server
+        assert len(statuses) >= 6 and set(statuses) == {200}, statuses
+        swapped_out, swapped_counts = _fixed_pass(url, prompts)
+        wider = make_bundle(strong, tmp_path / "b4")
+        cfg = json.loads((wider / "draft" / "config.json").read_text())
+        (wider / "draft" / "config.json").write_text(json.dumps(cfg | {"draft_vocab_size": 128}))
+        assert dep._in_place_refusal(wider / "draft") == "the draft's config changed: draft_vocab_size 64 → 128"
+
+        dep.in_place = False
+        blue = dep.server
+        app = build_frontdoor(dep.url, None, 120)  # its HTTP client belongs to the next load's event loop
+        dep.proxy = app.state.proxy
+        res, statuses = _under_load(app, prompts, lambda: dep.install(bundles["3"]))
+        assert res["mode"] == "blue_green" and res["draft_version"] == "3" and res["drained"], res
+        assert res["in_place_refused"] == "in-place swaps are off for this deployment"
+        assert not blue.running and dep.url != url  # the old server was stopped after draining
+        assert len(statuses) >= 6 and set(statuses) == {200}, statuses
+        copied = sorted(p.name for p in Path(dep.server.cfg.draft_path).iterdir())
+        assert copied == ["config.json", "model.safetensors"]  # its own copy of the engine dir
+        fresh_out, fresh_counts = _fixed_pass(dep.url, prompts, reset=False)  # a fresh server: cache empty
+    finally:
+        dep.close()
+    assert swapped_out == fresh_out == weak_out  # lossless: the target's tokens whatever the draft
+    assert swapped_counts == fresh_counts and swapped_counts != weak_counts, (swapped_counts, weak_counts)
+
+
+def _under_load(app, prompts, swap):
+    """`swap()` run while 3 clients send requests through the front door `app` (from 2 s before
+    until one round after it returns): (its result, every request's status)."""
+    statuses, done = [], threading.Event()
 
     async def load():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://fd", timeout=180) as c:
             async def one(i):
                 r = await c.post("/v1/completions", json={"model": "tiny", "prompt": prompts[i % len(prompts)],
-                                                          "max_tokens": 8, "temperature": 0})
+                                                          "max_tokens": 12, "temperature": 0})
                 statuses.append(r.status_code)
             while not done.is_set():
                 await asyncio.gather(*(one(i) for i in range(3)))
-            await asyncio.gather(*(one(i) for i in range(3)))  # and after the switch
+            await asyncio.gather(*(one(i) for i in range(3)))  # and after the swap
     t = threading.Thread(target=lambda: asyncio.run(load()))
     t.start()
     try:
-        res = dep.install(bundle)
+        time.sleep(2)  # requests in flight when the swap lands
+        return swap(), statuses
     finally:
         done.set()
         t.join(300)
+
+
+def test_live_guard_reloads_a_decayed_draft_and_rolls_back_a_bad_champion(tiny_vllm_setup, weak_draft, vllm_python,
+                                                                          tmp_path):
+    """`LiveGuard` on a real vLLM, one check per round of traffic (4 prompts): healthy windows do
+    nothing; the served draft corrupted in place (the weak draft's weights under v1's name: decay)
+    is flagged two windows in a row and reloaded, after which it is healthy again; a bad champion
+    (v2, the weak draft, claiming v1's replayed τ) is reloaded, still flagged, and rolled back to
+    v1, which the guard then leaves alone."""
+    from tidespec.steps.deploy.vllm import LiveGuard, VLLMDeployment
+    from tidespec.workspace import copy_engine_files, make_bundle, write_version
+    _, _, strong, prompts = tiny_vllm_setup
+    bundles = {}
+    for v, src in (("1", strong), ("2", weak_draft)):
+        bundles[v] = make_bundle(src, tmp_path / f"b{v}")
+        write_version(bundles[v], v, "run")
+    dep = VLLMDeployment(_launch(tiny_vllm_setup, vllm_python, draft=False), tmp_path / "state").start(bundles["1"])
+    rolled = []
+
+    def rollback(version, reason):
+        rolled.append((version, reason))
+        dep.install(bundles["1"])
+        return "1"
+
+    def rounds(n):
+        out = []
+        for _ in range(n):
+            for p in prompts:
+                _complete(dep.url, p)
+            out.append(guard.check())
+        return out
+    try:
+        _, strong_counts = _fixed_pass(dep.url, prompts)
+        tau = strong_counts.acceptance_length
+        guard = LiveGuard(dep, {"1": tau, "2": tau}.get, rollback, min_drafts=30, confirm=2)
+        assert rounds(3) == [None, None, None]  # the first check only opens the window
+        corrupt = copy_engine_files(weak_draft, Path(dep.draft_dir).parent / "corrupt")
+        vllm.load_draft_in_place(dep.url, corrupt)  # v1's name, the weak draft's weights: decay
+        assert rounds(2) == [None, "reloaded"]
+        assert rounds(2) == [None, None]  # v1's own weights again
+        assert dep.install(bundles["2"])["mode"] == "in_place"
+        assert rounds(5) == [None, None, "reloaded", None, "rolled_back"]
+        assert dep.draft_version == "1" and rolled[0][0] == "2" and "after a reload" in rolled[0][1]
+        assert rounds(4) == [None, None, None, None]
+    finally:
         dep.close()
-    assert res["draft_version"] == "7" and res["drained"] and dep.draft_version == "7"
-    assert not blue.running and blue.url != dep.url  # the old server was stopped after draining
-    assert len(statuses) >= 6 and set(statuses) == {200}, statuses
-    copied = sorted(p.name for p in Path(dep.server.cfg.draft_path).iterdir())
-    assert copied == ["config.json", "model.safetensors"]  # its own copy of the engine dir
+
+
+def _fixed_pass(url: str, prompts, reset: bool = True) -> tuple[list[list[int]], vllm.SpecDecodeCounters]:
+    """Greedy outputs of `prompts` one at a time on an empty prefix cache (`reset`: emptied first,
+    a development route of the swap-enabled server), and the counters they added."""
+    if reset:
+        r = httpx.post(f"{url}/reset_prefix_cache", timeout=60)
+        assert r.status_code == 200 and r.json()["success"], r.text
+    before = vllm.scrape(url)
+    out = [_complete(url, p) for p in prompts]
+    return out, vllm.scrape(url) - before
 
 
 def test_bench_engine_vllm_row_streams_the_targets_tokens_and_counts_its_drafts(tiny_vllm_setup, vllm_python):

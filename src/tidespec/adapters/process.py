@@ -140,11 +140,16 @@ def alive(pid: int, create_time: float | None = None) -> bool:
 
 
 def group_alive(pgid: int) -> bool:
-    """True iff any non-zombie process is left in process group `pgid`."""
+    """True iff any process is left in process group `pgid` that has not exited. A process whose
+    main thread exited while others run shows as a zombie in /proc but lives on (waitpid does not
+    report it): it counts as alive, so `stop` still kills it."""
     reap(pgid)
+    own = _CHILDREN.get(pgid)
+    if own is not None and own.poll() is None:
+        return True
     for p in psutil.process_iter(["pid", "status"]):
         try:
-            if os.getpgid(p.info["pid"]) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+            if os.getpgid(p.info["pid"]) == pgid and (p.info["status"] != psutil.STATUS_ZOMBIE or p.num_threads() > 1):
                 return True
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue

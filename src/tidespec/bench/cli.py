@@ -397,6 +397,7 @@ SCRIPTS = {
     "static-baseline": ("static_baseline", "τ per workload of static and adapted drafts (fixed chain k; trees)."),
     "vllm-agreement": ("vllm_agreement", "vLLM and tidespec's engine on the same prompts and draft: equal tokens "
                                          "and spec-decode counters."),
+    "vllm-swap": ("vllm_swap", "A new draft into a serving vLLM: in place against blue/green (seconds, memory)."),
     "grammar-libs": ("grammar_libs", "xgrammar vs llguidance: compile, mask and consume costs on the target's "
                                      "tokenizer."),
     "pretrain-code": ("pretrain_code", "A draft pretrained on teacher-forced generic code (the standard library)."),

@@ -173,8 +173,8 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     watcher = ChampionWatcher(ws.champion, every, dep, dep.install) if every > 0 else None
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     from ..steps.deploy.vllm import LiveReporter
-    live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s, p.deploy.sagemaker)
-            if uri and p.serve.live_stats_s > 0 else None)
+    live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s, p.deploy.sagemaker,
+                         _live_guard(p, ws, dep, uri)) if uri and p.serve.live_stats_s > 0 else None)
     try:
         uvicorn.run(app, host=host, port=port)
     finally:
@@ -197,15 +197,18 @@ def _text_log(text, tid: str, threshold: int):
     return TextLog(text, threshold, lambda n: text_captured(tid, n, str(text.dir)))
 
 def _start_vllm(p, ws, python: str | None, host: str):
-    """Start vLLM on the target (converted HF dir) with the served champion (if any) as its EAGLE3
-    draft: k = engine.num_draft_tokens, max_model_len = engine.max_seq_len (None: the model's), max_num_seqs =
+    """Start vLLM on a loopback port (the front door is its only client) on the target (converted HF
+    dir) with the served champion (if any) as its EAGLE3 draft, loaded in place at later deploys:
+    k = engine.num_draft_tokens, max_model_len = engine.max_seq_len (None: the model's), max_num_seqs =
     engine.max_batch (the engine knobs vLLM has no equivalent for were refused by `serve_preflight`)."""
     from ..adapters.process import free_port
     from ..adapters.vllm import VLLMLaunch, default_python
+    from ..adapters.vllm.server import LOOPBACK
     from ..models.load import target_dir
     from ..steps.deploy.vllm import VLLMDeployment
     e = p.engine
     python = python or default_python()
+    host = host if host in LOOPBACK else "127.0.0.1"  # only the front door talks to vLLM (and its swap route)
     sv = p.serve_resolved()
     launch = VLLMLaunch(str(target_dir(p.target.source)), python=python, num_speculative_tokens=e.num_draft_tokens,
                         host=host, port=free_port(host), served_model_name=sv.served_model_name,
@@ -214,25 +217,41 @@ def _start_vllm(p, ws, python: str | None, host: str):
                   markup=False)
     return VLLMDeployment(launch, ws.state / "vllm").start(ws.champion if ws.champion.exists() else None)
 
+def _live_guard(p, ws, dep, uri: str):
+    """The live-acceptance guard behind vLLM (`deploy.vllm.LiveGuard`): replayed τ from the version's
+    registry tags; rollback through the registry when `serve.auto_rollback`, else reload only."""
+    from ..adapters import registry
+    from ..models.load import target_id
+    from ..steps.deploy.vllm import LiveGuard
+    tid = target_id(p)
+
+    def replayed(version: str) -> float | None:
+        tau = registry.version_tags(uri, tid, version).get("acceptance_length")
+        return float(tau) if tau is not None else None
+    return LiveGuard(dep, replayed, _registry_rollback(p, tid, ws))
+
+
 def _registry_rollback(p, target_id: str, ws):
-    """The draft-health guard's rollback (`serve.guard`): when the registry's champion is still the
-    version the guard found worse, `registry.rollback` (an audited decision) and the restored
-    champion deployed into data/drafts/champion, where the champion watcher installs it. None
-    without MLFLOW_TRACKING_URI (the guard then reports only; `serve_preflight` noted it)."""
+    """The draft-health guards' rollback (`serve.guard`, `deploy.vllm.LiveGuard`): when the registry's
+    champion is still the version the guard found worse, `registry.rollback` (an audited decision)
+    and the restored champion deployed into data/drafts/champion, where the champion watcher
+    installs it; returns the restored version (None: nothing rolled back). None without
+    MLFLOW_TRACKING_URI or with `serve.auto_rollback` off (the guard then reports only)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri or not p.serve.auto_rollback:
         return None
     from ..adapters import registry
     from ..steps.deploy.local import deploy_champion
 
-    def roll_back(version: str, reason: str) -> None:
+    def roll_back(version: str, reason: str) -> str | None:
         champ = registry.champion(uri, target_id)
         if champ is None or champ.version != version:
             log.warning("not rolling back v%s: the registry's champion is %s now", version,
                         champ.version if champ else None)
-            return
-        registry.rollback(uri, target_id, f"automatic (draft health): {reason}")
+            return None
+        d = registry.rollback(uri, target_id, f"automatic (draft health): {reason}")
         deploy_champion(uri, target_id, ws.champion)
+        return d.version
     return roll_back
 
 def _registry_loader(target_id: str, ws):

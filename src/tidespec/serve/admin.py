@@ -1,7 +1,9 @@
 """Draft hot-swap: `POST /admin/draft` (bearer token in $TIDESPEC_ADMIN_TOKEN) and the
 `ChampionWatcher`, the two ways a live `tidespec serve` changes drafts. Both go through one
-`DraftInstaller` (`engine.build.install_draft` under a lock, then /metrics' `draft_info`). The engine
-swaps between steps: requests in flight finish on the draft they started with."""
+`DraftInstaller` (`engine.build.install_draft` under a lock, then /metrics' `draft_info`), which
+logs every swap with the version now served. The engine swaps between steps: requests in flight
+finish on the draft they started with. A draft an operator installs is pinned (`DraftPin`): the
+watcher leaves it serving, and says so once, until `DELETE /admin/draft/pin`."""
 from __future__ import annotations
 
 import hmac
@@ -10,9 +12,10 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.build import install_draft
 from ..engine.speculative import Engine
@@ -26,11 +29,35 @@ ADMIN_TOKEN_ENV = "TIDESPEC_ADMIN_TOKEN"
 
 class DraftSwap(BaseModel):
     """`POST /admin/draft` body: exactly one of `path` (a draft checkpoint dir inside the server's
-    drafts dir) or `version` (a registry version, or an alias: "champion", "challenger")."""
+    drafts dir) or `version` (a registry version, 2 or "2", or an alias: "champion", "challenger")."""
 
     model_config = ConfigDict(extra="forbid")
     path: str | None = None
-    version: str | None = None
+    version: Annotated[int, Field(ge=1)] | str | None = None
+
+    @field_validator("version")
+    @classmethod
+    def _as_text(cls, v):
+        return None if v is None else str(v)
+
+
+class DraftPin:
+    """The version an operator installed with `POST /admin/draft` (None: the server follows the
+    champion). Thread-safe."""
+
+    def __init__(self):
+        self._lock, self._version = threading.Lock(), None
+
+    @property
+    def version(self) -> str | None:
+        with self._lock:
+            return self._version
+
+    def set(self, version: str | None) -> str | None:
+        """Pin `version` (None: release); returns the previous pin."""
+        with self._lock:
+            old, self._version = self._version, version
+            return old
 
 
 class DraftInstaller:
@@ -43,10 +70,12 @@ class DraftInstaller:
         self.engine, self.on_installed = engine, on_installed
         self._lock = threading.Lock()
 
-    def __call__(self, path: Path, version: str | None) -> dict:
+    def __call__(self, path: Path, version: str | None, by: str = "the champion watcher") -> dict:
         with self._lock:
+            old = self.engine.draft_version
             out = install_draft(self.engine, path, version)
             self.on_installed(out["draft_version"])
+        log.info("serving draft %s (was %s), installed by %s from %s", out["draft_version"], old, by, path)
         return out
 
 
@@ -58,8 +87,11 @@ class ChampionWatcher:
     logged once and not retried until the directory changes again; an unreadable version.json is
     logged once and polling goes on (the next deploy's rename replaces it)."""
 
-    def __init__(self, directory: Path, every_s: float, engine: Engine, install: Callable[[Path, str], dict]):
+    def __init__(self, directory: Path, every_s: float, engine: Engine, install: Callable[[Path, str], dict],
+                 pin: DraftPin | None = None):
         self.directory, self.every_s, self.engine, self.install = Path(directory), every_s, engine, install
+        self.pin = pin
+        self._held: tuple | None = None  # (champion, pinned) last logged as held back by a pin
         self._refused: str | None = None
         self._unreadable: str | None = None  # the last error reading the directory's version.json
         self._stop = threading.Event()
@@ -79,6 +111,13 @@ class ChampionWatcher:
         self._unreadable = None
         if v is None or v == self.engine.draft_version or v == self._refused:
             return None
+        pinned = self.pin.version if self.pin else None
+        if pinned is not None:
+            if self._held != (v, pinned):  # logged once per champion and pin
+                self._held = (v, pinned)
+                log.warning("champion %s at %s not installed: draft %s is pinned by POST /admin/draft "
+                            "(DELETE /admin/draft/pin to follow the champion again)", v, self.directory, pinned)
+            return None
         try:
             self.install(self.directory, v)
         except (ValueError, OSError, TidespecError) as e:
@@ -86,7 +125,6 @@ class ChampionWatcher:
             log.error("champion %s at %s refused, draft %s keeps serving: %s", v, self.directory,
                       self.engine.draft_version, e)
             return None
-        log.info("serving champion %s from %s", v, self.directory)
         return v
 
     def _run(self) -> None:
@@ -100,14 +138,17 @@ class ChampionWatcher:
 
 
 def admin_router(engine: Engine, install: DraftInstaller, drafts_dir: Path | None, admin_token: str | None,
-                 load_version: Callable[[str], Path] | None) -> APIRouter:
-    """`POST /admin/draft`: swap the served draft. Errors (OpenAI's envelope): 403 when `admin_token`
-    is None (admin disabled), 401 for a missing or wrong bearer token, 400 naming the field for a
-    bad body (neither or both fields; a path outside `drafts_dir`; a version with no registry,
-    `load_version` None), 404 for a version `load_version` does not know (LookupError), 409 for a
-    draft the engine refuses (the old one keeps serving). Returns {"draft_version"} (plus
-    "suffix_corpus_tokens" when the engine has a suffix proposer)."""
+                 load_version: Callable[[str], Path] | None, pin: DraftPin | None = None) -> APIRouter:
+    """`POST /admin/draft`: swap the served draft and pin it (the champion watcher leaves it
+    serving); `DELETE /admin/draft/pin`: release the pin (the watcher installs the champion at its
+    next poll). Errors (OpenAI's envelope): 403 when `admin_token` is None (admin disabled), 401
+    for a missing or wrong bearer token, 400 naming the field for a bad body (neither or both
+    fields; a path outside `drafts_dir`; a version with no registry, `load_version` None), 404 for a
+    version `load_version` does not know (LookupError), 409 for a draft the engine refuses (the old
+    one keeps serving). POST returns {"draft_version", "pinned"} (plus "suffix_corpus_tokens" when
+    the engine has a suffix proposer); DELETE {"draft_version", "released"} (the pin it removed)."""
     router = APIRouter()
+    pin = pin or DraftPin()
 
     @router.post("/admin/draft")
     def swap(body: DraftSwap, request: Request):
@@ -120,13 +161,21 @@ def admin_router(engine: Engine, install: DraftInstaller, drafts_dir: Path | Non
         else:
             path, version = _download(body.version, load_version), body.version
         try:
-            out = install(path, version)
+            out = install(path, version, by="POST /admin/draft")
         except (ValueError, OSError) as e:
             raise OpenAIError(f"draft refused, the old one keeps serving: {e}", status=409,
                               code="draft_refused") from None
+        pin.set(out["draft_version"])
         if engine.suffix is None:  # tokens of the global suffix tree installed: only with the suffix proposer
             out.pop("suffix_corpus_tokens")
-        return out
+        return out | {"pinned": True}
+
+    @router.delete("/admin/draft/pin")
+    def unpin(request: Request):
+        authorize(request, admin_token)
+        old = pin.set(None)
+        log.info("draft pin %s released: the server follows the champion again", old)
+        return {"draft_version": engine.draft_version, "released": old}
 
     return router
 

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from ..config import ServeParams
 from ..engine.speculative import Engine
-from .admin import ADMIN_TOKEN_ENV, ChampionWatcher, DraftInstaller, admin_router
+from .admin import ADMIN_TOKEN_ENV, ChampionWatcher, DraftInstaller, DraftPin, admin_router
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .guard import HealthGuard
@@ -64,14 +64,15 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     metrics.set_draft(engine.draft_version)
     if writer is not None and hasattr(writer, "collector"):
         metrics.registry.register(writer.collector())
-    install = DraftInstaller(engine, metrics.set_draft)
-    watcher = ChampionWatcher(watch_dir, watch_s, engine, install) if watch_dir is not None and watch_s > 0 else None
+    install, pin = DraftInstaller(engine, metrics.set_draft), DraftPin()
+    watcher = (ChampionWatcher(watch_dir, watch_s, engine, install, pin) if watch_dir is not None and watch_s > 0
+               else None)
     guard = HealthGuard(engine, metrics, cfg.health_check_s, rollback if cfg.auto_rollback else None)
     app = FastAPI(title="tidespec", version="0.1", lifespan=closing(
         watcher and watcher.close, guard.close, loop.close, getattr(writer, "flush", None), textlog.close))
     app.state.loop, app.state.metrics, app.state.guard = loop, metrics, guard
     app.include_router(openai_router(OpenAIServing(engine, loop, metrics, tokenizer, cfg, model, textlog)))
-    app.include_router(admin_router(engine, install, drafts_dir, admin_token, load_version))
+    app.include_router(admin_router(engine, install, drafts_dir, admin_token, load_version, pin))
     app.add_api_route("/metrics", lambda: metrics_response(metrics.registry), methods=["GET"])
     install_error_handlers(app)
     return app

@@ -15,6 +15,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from ...errors import TidespecError, Unavailable
 from ...workspace import DRAFT_FILES
 from .. import process
@@ -22,6 +24,8 @@ from .. import process
 VLLM_VERSION = "0.32.0"
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "vllm_plugin"  # loaded by the vLLM server, never by tidespec
 CONNECTOR, CONNECTOR_MODULE = "TidespecCPUHiddenStatesConnector", "tidespec_hidden_states"
+SWAP_EXTENSION, SWAP_METHOD = "tidespec_draft_swap.TidespecDraftSwap", "tidespec_load_draft"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 VENV = ".venv-vllm"  # `make vllm`
 CHECKOUT = Path(__file__).resolve().parents[4]  # the repository root when the package runs from a checkout
 
@@ -58,7 +62,10 @@ class VLLMLaunch:
     extract_dir (`rehydration_layers`, `VLLMRehydrator`); none of them: no speculation;
     num_speculative_tokens: k, drafted tokens per step. kv_cache_gib: CPU KV cache
     (VLLM_CPU_KVCACHE_SPACE, GiB); threads: OMP threads (None: all cores); bind_threads: pin them
-    to cores 0..threads-1 (`launch_env`)."""
+    to cores 0..threads-1 (`launch_env`). draft_swap_root: drafts under this directory can be loaded
+    into the running server in place (`load_draft_in_place`; the worker extension in
+    vllm_plugin/tidespec_draft_swap.py and vLLM's development routes, so a loopback host only);
+    None: the draft is fixed for the server's life."""
 
     model_path: str
     python: str = field(default_factory=default_python)
@@ -78,6 +85,7 @@ class VLLMLaunch:
     bind_threads: bool = False
     seed: int = 0
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    draft_swap_root: str | None = None
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -94,6 +102,13 @@ class VLLMLaunch:
             raise ValueError("extract_layers and extract_dir go together (hidden-state extraction)")
         if self.extract_layers and (self.draft_path is not None or self.ngram is not None):
             raise ValueError("hidden-state extraction is vLLM's speculative method: no draft or ngram beside it")
+        if self.draft_swap_root is not None:
+            if self.draft_path is None:
+                raise ValueError("draft_swap_root needs a draft_path: vLLM builds its draft model at start, and "
+                                 "a server started without one has nothing to load into")
+            if self.host not in LOOPBACK:
+                raise ValueError(f"draft_swap_root serves vLLM's development routes (/collective_rpc): host "
+                                 f"{self.host} must be a loopback address ({', '.join(LOOPBACK)})")
         if (self.max_model_len is not None and self.max_model_len < 16) or self.max_num_seqs < 1 \
                 or self.kv_cache_gib < 1:
             raise ValueError("max_model_len >= 16, max_num_seqs >= 1, kv_cache_gib >= 1")
@@ -161,6 +176,8 @@ def launch_args(cfg: VLLMLaunch) -> list[str]:
         a += ["--kv-transfer-config", json.dumps({
             "kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": str(cfg.extract_dir)}}), "--no-enable-prefix-caching"]
+    if cfg.draft_swap_root is not None:
+        a += ["--worker-extension-cls", SWAP_EXTENSION]
     return a + list(cfg.extra_args)
 
 
@@ -172,8 +189,10 @@ def launch_env(cfg: VLLMLaunch) -> dict[str, str]:
     n = cfg.threads or os.cpu_count() or 1
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), "OMP_NUM_THREADS": str(n),
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    if cfg.extract_layers:  # the connector module, importable by vLLM's process (it holds nothing else)
+    if cfg.extract_layers or cfg.draft_swap_root is not None:  # plugin modules vLLM's process imports
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    if cfg.draft_swap_root is not None:  # /collective_rpc and /reset_prefix_cache are development routes
+        env |= {"VLLM_SERVER_DEV_MODE": "1", "TIDESPEC_DRAFT_ROOT": str(cfg.draft_swap_root)}
     if cfg.bind_threads:
         return env | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}"}
     return env | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "KMP_BLOCKTIME": "0"}
@@ -200,6 +219,24 @@ def _has_avx2() -> bool:
         return " avx2 " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
     except OSError:
         return True  # not Linux: let the import decide
+
+
+def load_draft_in_place(url: str, draft_dir: Path, timeout_s: float = 300.0) -> dict:
+    """Load the draft in `draft_dir` (config.json + model.safetensors, under the server's
+    `draft_swap_root`) into the running server at `url`, then reset its prefix cache (running
+    requests are preempted and resume on recomputed KV: cached blocks hold the old draft's KV).
+    Takes effect between two engine steps; requests in flight continue. Returns the worker's
+    {"seconds", "tensors"} plus "reset_prefix_cache" (bool). Raises VLLMError with vLLM's answer."""
+    try:
+        r = httpx.post(f"{url}/collective_rpc", json={"method": SWAP_METHOD, "args": [str(draft_dir)],
+                                                      "timeout": timeout_s}, timeout=timeout_s + 10)
+        if r.status_code != 200:
+            raise VLLMError(f"in-place draft load at {url} answered {r.status_code}: {r.text[:500]}")
+        res = r.json()["results"][0]
+        c = httpx.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise VLLMError(f"in-place draft load at {url} failed: {e}") from None
+    return res | {"reset_prefix_cache": c.status_code == 200 and bool(c.json().get("success"))}
 
 
 class VLLMServer:

@@ -1,31 +1,48 @@
-"""Deploy the champion into vLLM: a vLLM server behind the front door, swapped blue/green.
+"""Deploy the champion into vLLM: loaded in place into the running server, or blue/green.
 
-vLLM v0.32 has no runtime update of a draft's weights (its `/collective_rpc`-driven weight updates
-reach the target model's worker only, and a draft is loaded once when the engine is built), so a new
-champion gets a new server: start *green* on a free port with the new draft (its own copy of the
-engine dir, so a later deploy cannot change files under it), wait for `/health`, send a canary
-completion, switch the front door to green, wait until the requests still running on *blue* have
-finished (`Proxy.inflight`), stop blue. Any failure before the switch stops green and leaves blue
-serving: nothing is dropped, and the error names the log. Costs one engine's memory more (~4 GB for
-SmolLM2 on CPU) for the duration of a swap.
+**In place** (the default): the server runs vLLM's in-place reload of the draft's weights through a
+worker extension (`adapters/vllm_plugin/tidespec_draft_swap.py`, `adapters.vllm.load_draft_in_place`),
+between two engine steps, then resets its prefix cache; requests in flight continue, nothing is
+started beside the server, and the memory is the new weights' once (what a GPU node running the
+target at `gpu_memory_utilization` 0.9 can afford). It is refused, with the reason logged and
+returned, when the new draft's config differs from the served one's (shapes, vocabulary, aux
+layers: vLLM sized its buffers and KV cache for the first) or the server runs no draft.
 
-Each version runs in its own server, so that server's cumulative spec-decode counters are the
-version's live figures: `report_live` logs them to the version's MLflow run (`live/acceptance_length`,
-`live/accepted_per_pos/<i>`, ...) and flags a version whose live τ is clearly below its replayed τ.
+**Blue/green** (the fallback): start *green* on a free port with the new draft (its own copy of the
+engine dir), wait for `/health`, send a canary completion, switch the front door to green, wait
+until the requests still running on *blue* have finished (`Proxy.inflight`), stop blue. Any failure
+before the switch stops green and leaves blue serving. Costs one engine's memory more for the
+duration of a swap (~4 GB for SmolLM2 on CPU).
+
+Live figures per version: the server's cumulative spec-decode counters, less those it had when
+the version was loaded (`VLLMDeployment.counters_base`; zero for a fresh server). `report_live` logs
+them to the version's MLflow run (`live/acceptance_length`, `live/accepted_per_pos/<i>`, ...) and
+flags a version whose live τ is clearly below its replayed τ.
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
 from ...adapters import process, registry
-from ...adapters.vllm import VLLMError, VLLMLaunch, VLLMServer, live_below_replay, scrape
+from ...adapters.vllm import (
+    SpecDecodeCounters,
+    VLLMError,
+    VLLMLaunch,
+    VLLMServer,
+    live_below_replay,
+    load_draft_in_place,
+    scrape,
+)
+from ...adapters.vllm.server import LOOPBACK
 from ...workspace import copy_engine_files, private_dir, served_version
 from ..tuning import live_windows
 
@@ -39,11 +56,13 @@ class VLLMDeployment:
     registry), as `serve.admin.ChampionWatcher` expects of an engine."""
 
     def __init__(self, launch: VLLMLaunch, state_dir: Path, proxy=None, ready_timeout_s: float = 600.0,
-                 drain_timeout_s: float = 300.0):
+                 drain_timeout_s: float = 300.0, in_place: bool = True):
         self.launch, self.state_dir, self.proxy = launch, Path(state_dir), proxy
-        self.ready_timeout_s, self.drain_timeout_s = ready_timeout_s, drain_timeout_s
+        self.ready_timeout_s, self.drain_timeout_s, self.in_place = ready_timeout_s, drain_timeout_s, in_place
         self.server: VLLMServer | None = None
         self.draft_version: str | None = None
+        self.draft_dir: Path | None = None  # the engine dir of the draft served now
+        self.counters_base: SpecDecodeCounters | None = None  # the server's counters when it was loaded
         self._swap = threading.Lock()
         self._n = 0
 
@@ -55,30 +74,82 @@ class VLLMDeployment:
     def start(self, bundle: Path | None) -> VLLMDeployment:
         """Start serving the draft in `bundle` (a draft bundle or flat checkpoint; None or missing:
         the target alone). Raises VLLMError / VLLMUnavailable; nothing is left running then."""
-        self.server, self.draft_version = self._launch(bundle, self.launch.port)
+        self._serving(*self._launch(bundle, self.launch.port))
         return self
 
     def install(self, bundle: Path, version: str | None = None) -> dict:
-        """Blue/green swap to the draft in `bundle` (module docstring). Returns {"draft_version",
-        "url", "drained"}: drained False when blue still had requests after drain_timeout_s (it is
-        stopped anyway). Raises VLLMError (green refused the draft, died, failed the canary): blue
-        keeps serving."""
+        """Serve the draft in `bundle`: in place, else blue/green (module docstring). Returns
+        {"draft_version", "url", "mode": "in_place" | "blue_green", "seconds"} plus, in place,
+        "load_seconds" (the worker's) and, blue/green, "drained" (False when blue still had requests
+        after drain_timeout_s; it is stopped anyway) and "in_place_refused" (why not in place).
+        Raises VLLMError (the server refused the draft; green died or failed the canary): the
+        served draft keeps serving."""
         with self._swap:
-            green, version = self._launch(bundle, process.free_port(self.launch.host), version)
+            t0 = time.perf_counter()
+            version = served_version(Path(bundle)) or version
+            draft = self._private_copy(Path(bundle), f"{self._n + 1}-v{version or 'local'}")
+            why = self._in_place_refusal(draft)
+            if why is None:
+                return self._load_in_place(draft, version, t0)
+            log.info("vLLM: draft %s goes blue/green, not in place: %s", version, why)
+            return self._blue_green(bundle, version, t0) | {"in_place_refused": why}
+
+    def reload(self) -> dict:
+        """Load the served draft's own files into the server again, in place (prefix cache reset).
+        Raises VLLMError (no draft served in place, or vLLM refused)."""
+        with self._swap:
+            if self.draft_dir is None or self.server is None or self.server.cfg.draft_swap_root is None:
+                raise VLLMError("no draft served in place to reload")
+            res = load_draft_in_place(self.server.url, self.draft_dir)
+            self.counters_base = scrape(self.server.url)
+            log.info("vLLM reloaded draft %s in place in %.3f s", self.draft_version, res["seconds"])
+            return res
+
+    def _in_place_refusal(self, draft: Path) -> str | None:
+        """Why `draft` cannot be loaded into the running server (None: it can)."""
+        if not self.in_place:
+            return "in-place swaps are off for this deployment"
+        if self.server is None or self.draft_dir is None:
+            return "the server runs no draft (started on the target alone)"
+        if self.server.cfg.draft_swap_root is None:
+            return "the server was started without draft_swap_root"
+        return config_change(self.draft_dir, draft)
+
+    def _load_in_place(self, draft: Path, version: str | None, t0: float) -> dict:
+        try:
+            res = load_draft_in_place(self.server.url, draft)
+        except VLLMError as e:  # a load that failed part-way: put the served draft's weights back
             try:
-                canary(green.url, self.launch.served_model_name or self.launch.model_path)
-            except BaseException:
-                green.stop()
-                raise
-            blue, old = self.server, self.proxy.switch(green.url) if self.proxy else None
-            self.server, self.draft_version = green, version
-            drained = self._drain(old) if old else True
-            if blue:
-                blue.stop()
-            log.info(
-                "vLLM now serves draft %s at %s (previous server stopped, drained=%s)", version, green.url, drained
-            )
-            return {"draft_version": version, "url": green.url, "drained": drained}
+                load_draft_in_place(self.server.url, self.draft_dir)
+            except VLLMError as again:
+                raise VLLMError(f"{e}; restoring the served draft {self.draft_version} failed too ({again}): "
+                                "restart the server") from None
+            raise VLLMError(f"{e}; the served draft {self.draft_version} was loaded again") from None
+        self._n += 1
+        self.draft_dir, self.draft_version = draft, version
+        self.counters_base = scrape(self.server.url)
+        log.info("vLLM now serves draft %s at %s, loaded in place in %.3f s (prefix cache reset: %s)", version,
+                 self.server.url, res["seconds"], res["reset_prefix_cache"])
+        return {"draft_version": version, "url": self.server.url, "mode": "in_place",
+                "seconds": time.perf_counter() - t0, "load_seconds": res["seconds"]}
+
+    def _blue_green(self, bundle: Path, version: str | None, t0: float) -> dict:
+        green, version = self._launch(bundle, process.free_port(self.launch.host), version)
+        try:
+            canary(green.url, self.launch.served_model_name or self.launch.model_path)
+        except BaseException:
+            green.stop()
+            raise
+        blue, old = self.server, self.proxy.switch(green.url) if self.proxy else None
+        self._serving(green, version)
+        drained = self._drain(old) if old else True
+        if blue:
+            blue.stop()
+        log.info(
+            "vLLM now serves draft %s at %s (previous server stopped, drained=%s)", version, green.url, drained
+        )
+        return {"draft_version": version, "url": green.url, "mode": "blue_green",
+                "seconds": time.perf_counter() - t0, "drained": drained}
 
     def _launch(self, bundle: Path | None, port: int, version: str | None = None) -> tuple[VLLMServer, str | None]:
         self._n += 1
@@ -86,10 +157,16 @@ class VLLMDeployment:
         if bundle is not None and Path(bundle).exists():
             version = served_version(Path(bundle)) or version
             draft = self._private_copy(Path(bundle), f"{self._n}-v{version or 'local'}")
-        cfg = replace(self.launch, draft_path=str(draft) if draft else None, port=port)
+        swap_root = str(draft.parent) if draft and self.in_place and self.launch.host in LOOPBACK else None
+        cfg = replace(self.launch, draft_path=str(draft) if draft else None, port=port, draft_swap_root=swap_root)
         srv = VLLMServer(cfg, self.state_dir / "logs" / f"vllm-{self._n}.log", ready_timeout_s=self.ready_timeout_s)
         srv.start()
         return srv, version if draft else None
+
+    def _serving(self, srv: VLLMServer, version: str | None) -> None:
+        """`srv` serves `version` now: a fresh server, whose counters are that version's alone."""
+        self.server, self.draft_version = srv, version
+        self.draft_dir, self.counters_base = (Path(srv.cfg.draft_path) if srv.cfg.draft_path else None), None
 
     def _private_copy(self, bundle: Path, name: str) -> Path:
         dest = private_dir(self.state_dir / "drafts") / name
@@ -113,6 +190,19 @@ class VLLMDeployment:
         """Stop the serving vLLM server (its whole process group)."""
         if self.server:
             self.server.stop()
+
+
+def config_change(served: Path, new: Path) -> str | None:
+    """How the draft config in `new` differs from the served one's in `served` (config.json, less
+    tidespec's own bookkeeping: the warm start's path), or None when they are the same draft
+    architecture, which an in-place load needs. E.g. "draft_vocab_size 64 → 128"."""
+    def cfg(d: Path) -> dict:
+        c = json.loads((d / "config.json").read_text())
+        c.get("tidespec", {}).pop("warm_start", None)
+        return c
+    a, b = cfg(served), cfg(new)
+    diff = [f"{k} {a.get(k)} → {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return "the draft's config changed: " + "; ".join(diff) if diff else None
 
 
 def canary(url: str, model: str, timeout_s: float = 120.0) -> None:
@@ -140,6 +230,8 @@ def report_live(dep: VLLMDeployment, tracking_uri: str, target_id: str, sagemake
     if version is None or url is None:
         return None
     live = scrape(url)
+    if live is not None and dep.counters_base is not None:
+        live = live - dep.counters_base  # the version loaded in place: its own drafts only
     if live is None or not live.num_drafts:
         return None
     m = {"acceptance_length": live.acceptance_length, "acceptance_rate": live.acceptance_rate,
@@ -158,12 +250,87 @@ def report_live(dep: VLLMDeployment, tracking_uri: str, target_id: str, sagemake
     return m | {"flagged": "live_tau_below_replay" in tags, "live_tuned_k": {p: w["k"] for p, w in windows.items()}}
 
 
+class LiveGuard:
+    """Acts on live acceptance behind vLLM, one `check()` per round (`LiveReporter` calls it).
+
+    Each round judges the served version's counters since the last judged window, once the window
+    holds `min_drafts` drafts: clearly below the version's replayed τ (`replayed(version)`;
+    `adapters.vllm.live_below_replay`, 3 SE) or not. Hysteresis: `confirm` windows in a row below
+    trigger an action, any window not below resets the count, and each version gets each action
+    once:
+    1. **reload** the served draft in place (its own files again, prefix cache reset): what restores
+       a draft that decayed or was corrupted while serving (vLLM #41838: acceptance decaying over
+       hours, restored by a prefix-cache reset; SGLang PR #31674: draft weights lost after a memory
+       release);
+    2. still below after the reload: **roll back** — `rollback(version, reason)` (the server wires
+       the registry: the champion alias moved back, the decision and reason recorded, the restored
+       champion deployed, which the champion watcher then loads; it returns the restored version).
+       A version restored by a rollback is never rolled back by this guard (no cascade).
+    `rollback` None: reload only. Returns from `check()` the action taken ("reloaded",
+    "rolled_back") or None."""
+
+    def __init__(self, dep: VLLMDeployment, replayed: Callable[[str], float | None],
+                 rollback: Callable[[str, str], str | None] | None = None, min_drafts: int = 100,
+                 confirm: int = 2):
+        self.dep, self.replayed, self.rollback = dep, replayed, rollback
+        self.min_drafts, self.confirm = min_drafts, confirm
+        self._version: str | None = None
+        self._start: SpecDecodeCounters | None = None
+        self._below = 0
+        self._reloaded: set[str] = set()
+        self._rolled: set[str] = set()
+        self._restored: set[str] = set()
+
+    def check(self) -> str | None:
+        version, url = self.dep.draft_version, self.dep.url
+        if version is None or url is None:
+            return None
+        now = scrape(url)
+        if now is None:
+            return None
+        if version != self._version or self._start is None or now.num_drafts < self._start.num_drafts:
+            self._version, self._start, self._below = version, now, 0  # a new version, or a new server
+            return None
+        window = now - self._start
+        if window.num_drafts < self.min_drafts:
+            return None
+        self._start = now
+        replay = self.replayed(version)
+        if replay is None or not live_below_replay(window, replay, min_drafts=self.min_drafts):
+            self._below = 0
+            return None
+        self._below += 1
+        if self._below < self.confirm:
+            return None
+        self._below = 0
+        reason = (f"live τ {window.acceptance_length:.3f} ± {window.acceptance_length_se:.3f} over the last "
+                  f"{window.num_drafts} drafts, {self.confirm} windows in a row, clearly below its replayed τ "
+                  f"{replay:.3f}")
+        return self._act(version, reason)
+
+    def _act(self, version: str, reason: str) -> str | None:
+        if version not in self._reloaded:
+            self._reloaded.add(version)
+            self.dep.reload()
+            log.warning("reloaded draft %s in place: %s", version, reason)
+            return "reloaded"
+        if self.rollback is None or version in self._rolled or version in self._restored:
+            return None
+        self._rolled.add(version)
+        back = self.rollback(version, f"{reason}, after a reload")
+        if back is not None:
+            self._restored.add(str(back))
+        log.warning("rolled back draft %s to %s: %s, after a reload", version, back, reason)
+        return "rolled_back"
+
+
 class LiveReporter:
-    """Calls `report_live` every `every_s` seconds on a daemon thread; errors are logged, never raised."""
+    """Calls `report_live` and then `guard.check()` (a `LiveGuard`, or None) every `every_s` seconds
+    on a daemon thread; errors are logged, never raised."""
 
     def __init__(self, dep: VLLMDeployment, tracking_uri: str, target_id: str, every_s: float = 60.0,
-                 sagemaker=None):
-        self.args, self.every_s = (dep, tracking_uri, target_id, sagemaker), every_s
+                 sagemaker=None, guard: LiveGuard | None = None):
+        self.args, self.every_s, self.guard = (dep, tracking_uri, target_id, sagemaker), every_s, guard
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tidespec-vllm-live", daemon=True)
         self._thread.start()
@@ -172,6 +339,8 @@ class LiveReporter:
         while not self._stop.wait(self.every_s):
             try:
                 report_live(*self.args)
+                if self.guard:
+                    self.guard.check()
             except VLLMError as e:  # a server stopping (a swap, shutdown) between reading its URL and scraping it
                 log.warning("live spec-decode figures not logged this time: %s", e)
             except Exception:  # a registry hiccup must not stop serving
