@@ -191,6 +191,12 @@ def test_tool_results_in_history_and_auto_choice(servers):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _deep(200)}}},
      "response_format.json_schema.schema"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.tool_calls"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "open", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "s", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
 ])
 def test_bad_structured_requests_are_400_naming_the_field(servers, body, param):
     r = httpx.post(f"{servers['spec'].url}/v1/chat/completions", json={"model": "tiny", "messages": ASK} | body,
@@ -217,10 +223,20 @@ def test_tool_call_stream_gives_the_whole_parse_for_any_split(step):
     assert whole_content is None and [c["function"]["arguments"] for c in calls] == args
     # text first (tool_choice auto's text branch): a call block inside it is text, never a call
     assert parse_tool_calls("Sure.<tool_call>\n" + text[12:]) == ("Sure.<tool_call>\n" + text[12:], [])
-    # cut by max_tokens inside the arguments: the partial call, as OpenAI returns it; inside the header: text
+    # cut by max_tokens inside the arguments: the partial call, as OpenAI returns it
     assert parse_tool_calls('<tool_call>\n{"name": "a", "arguments": {"x": 12')[1][0]["function"]["arguments"] \
         == '{"x": 12'
-    assert parse_tool_calls('<tool_call>\n{"na') == ('<tool_call>\n{"na', [])
+    # cut anywhere else in the layout: the fragment is neither a call nor content, streamed or whole
+    two = text.index("<tool_call>", 1)
+    for cut, n in [('<tool_call>\n{"na', 0), ("<tool_", 0), (text[:two + 5], 1), (text[:two + 30], 1),
+                   (text[:two - 4], 1), (text[:-3], 2)]:
+        content, calls = parse_tool_calls(cut)
+        assert content is None and len(calls) == n, (cut, content, calls)
+        s, got = ToolCallStream(), ""
+        for i in range(0, len(cut), step):
+            got += s.feed(cut[i:i + step], final=i + step >= len(cut))[0]
+        assert got == "", (cut, got)
+    assert [c["function"]["arguments"] for c in parse_tool_calls(text[:-3])[1]] == args  # cut in the close
 
 
 def test_nested_pydantic_tool_refs_resolve_in_the_tool_own_schema(servers):
@@ -345,3 +361,52 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
     for r in rows:  # a record holds prompt + generated[:-1]: the replayed output continues it exactly
         out = runs["base"]["outputs"][r["id"]]
         assert out[:len(r["served"])] == r["served"] and len(out) > len(r["served"])
+
+
+def test_strict_means_closed_objects_as_openai_means_it():
+    """`strict: true` refuses an object that is not closed, naming its JSON pointer and what it lacks;
+    a closed schema (what the SDK's `parse` sends, here from pydantic) passes, nested objects and
+    $defs included."""
+    from openai.lib._pydantic import to_strict_json_schema
+
+    from tidespec.serve.errors import OpenAIError
+    from tidespec.serve.structured import check_strict
+
+    class Inner(BaseModel):
+        x: int
+
+    class Outer(BaseModel):
+        inner: Inner
+        tags: list[Inner]
+    check_strict(to_strict_json_schema(Outer), "p")  # closed everywhere: passes
+    bad = {"type": "object", "additionalProperties": False, "required": ["a", "b"], "properties": {
+        "a": {"type": "string"}, "b": {"type": "array", "items": {"$ref": "#/$defs/I"}}},
+           "$defs": {"I": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                           "required": ["x"], "additionalProperties": False}}}
+    with pytest.raises(OpenAIError, match=r"the object at /\$defs/I needs 'y' in \"required\"") as e:
+        check_strict(bad, "response_format.json_schema.schema")
+    assert e.value.param == "response_format.json_schema.schema"
+    bad["$defs"]["I"] |= {"required": ["x", "y"], "additionalProperties": True}
+    with pytest.raises(OpenAIError, match=r'the object at /\$defs/I needs "additionalProperties": false'):
+        check_strict(bad, "p")
+
+
+def test_formats_the_grammar_cannot_enforce_are_annotations(servers):
+    """What pydantic writes for Path, bytes, SecretStr (format path, binary, password; also
+    uri-reference, regex) is generated as a plain string instead of a 400; an enforced format (date)
+    still constrains the value."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["p", "b", "s", "u", "r", "d"],
+              "properties": {"p": {"type": "string", "format": "path", "maxLength": 4},
+                             "b": {"type": "string", "format": "binary", "maxLength": 4},
+                             "s": {"type": "string", "format": "password", "maxLength": 4},
+                             "u": {"type": "string", "format": "uri-reference", "maxLength": 4},
+                             "r": {"type": "string", "format": "regex", "maxLength": 4},
+                             "d": {"type": "string", "format": "date"}}}
+    r = httpx.post(f"{servers['spec'].url}/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": ASK, "max_tokens": 120, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema, "strict": True}}})
+    assert r.status_code == 200, r.text
+    out = json.loads(r.json()["choices"][0]["message"]["content"])
+    jsonschema.validate(out, schema)  # format is an annotation to jsonschema too: the shape and lengths
+    import datetime
+    datetime.date.fromisoformat(out["d"])  # the enforced one is a real date

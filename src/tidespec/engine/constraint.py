@@ -14,7 +14,7 @@ import re
 import uuid
 from dataclasses import dataclass, replace
 
-from .grammar import JSON_OPTIONS, Grammar, GrammarCompiler
+from .grammar import JSON_OPTIONS, Grammar, GrammarCompiler, annotation_formats_dropped
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 ANY_OBJECT = {"type": "object"}
@@ -66,7 +66,8 @@ def tools_grammar(tools: list[dict], choice, parallel: bool) -> str:
     allowed = [t for t in tools if t["function"]["name"] == named] if named else tools
     rules = []
     for i, t in enumerate(allowed):
-        params = (t["function"].get("parameters") or ANY_OBJECT) | {"x-guidance": JSON_OPTIONS}  # compact JSON
+        params = annotation_formats_dropped(t["function"].get("parameters") or ANY_OBJECT) | {
+            "x-guidance": JSON_OPTIONS}  # compact JSON
         head = OPEN + '{"name": ' + json.dumps(t["function"]["name"])[:-1] + _ARGS
         rules += [
             f"call_{i}: {_lark_str(head)} args_{i} {_lark_str('}' + CLOSE)}",
@@ -133,7 +134,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole completion, exactly as `ToolCallStream` streams it: a
     completion that starts with `<tool_call>` is calls (each `arguments` the generated JSON text
     verbatim, so `call_text` gives the completion back; a call cut by max_tokens keeps its partial
-    arguments, as OpenAI returns them); any other completion is content (None if empty)."""
+    arguments, as OpenAI returns them, and a cut call-layout fragment is dropped: `ToolCallStream`);
+    any other completion is content (None if empty)."""
     st = ToolCallStream()
     content, entries = st.feed(text, final=True)
     calls: dict[int, dict] = {}
@@ -150,7 +152,11 @@ class ToolCallStream:
     one entry with its index, id, type and name (`arguments: ""`), then the arguments' text in pieces
     as it is generated. The first characters decide: a completion that starts with `<tool_call>\n`
     is calls (separated by one newline); any other is content throughout (`tool_choice: auto`'s text
-    branch — a call block written inside text is text, never a call). `feed(text, final)` returns
+    branch — a call block written inside text is text, never a call). A completion cut by max_tokens
+    (finish_reason "length") inside a call's arguments keeps that call with its partial arguments,
+    as OpenAI and vLLM's streaming return them; cut anywhere else in the call layout (inside
+    `<tool_call>`, before the call's name, inside its closing), the fragment is neither a call nor
+    content: it is dropped, so `content` stays null beside calls. `feed(text, final)` returns
     (content piece, tool-call delta entries); `calls` counts calls opened."""
 
     buf: str = ""
@@ -178,6 +184,8 @@ class ToolCallStream:
                     self.head_at, self.pos, self.state = self.pos, self.pos + len(OPEN), "head"
                 elif OPEN.startswith(rest) and not final:
                     break  # may still become "<tool_call>\n"
+                elif OPEN.startswith(rest):  # the completion ends inside a call's opening: dropped
+                    self.pos = len(self.buf)
                 else:
                     self.state = "plain"
             elif self.state == "head":
@@ -199,6 +207,9 @@ class ToolCallStream:
                 need = "}" + CLOSE
                 if len(rest) <= len(need) and need.startswith(rest) and not final:
                     break  # wait for the close, and for the character after it ("\n": another call)
+                if final and need.startswith(rest):  # cut inside the close: the arguments are whole
+                    self.pos, self.calls = len(self.buf), self.calls + 1
+                    continue
                 if not rest.startswith(need):
                     self.state = "plain"  # not this layout: the rest is content
                     continue
@@ -207,8 +218,7 @@ class ToolCallStream:
                 if self.buf[self.pos:self.pos + 1] == "\n":
                     self.pos += 1
                 self.state = "open"
-        if final and self.state == "head":  # a call cut inside its header: its text, as content
-            content += self.buf[self.head_at:]
+        if final and self.state == "head":  # a call cut inside its header, before its name: dropped
             self.pos = len(self.buf)
         return content, out
 

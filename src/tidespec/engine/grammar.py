@@ -34,6 +34,22 @@ STEP_MAX_ITEMS = 50_000
 MAX_ITEMS_IN_ROW = 2_000
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept (LRU), per compiler
+# `format` values llguidance enforces; JSON Schema 2020-12 makes `format` an annotation unless asserted
+# (§7.2), so any other (pydantic writes uri-reference, path, binary, password, regex) constrains nothing
+ENFORCED_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6",
+                              "uri", "uuid"})
+
+
+def annotation_formats_dropped(schema):
+    """`schema` with every `format` keyword outside `ENFORCED_FORMATS` removed (a copy; the rest as
+    sent): such a field is generated as a plain string. A property named "format" (a schema, not a
+    string) is kept."""
+    if isinstance(schema, list):
+        return [annotation_formats_dropped(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: annotation_formats_dropped(v) for k, v in schema.items()
+            if not (k == "format" and isinstance(v, str) and v not in ENFORCED_FORMATS)}
 
 
 class GrammarError(ValueError):
@@ -90,12 +106,13 @@ class GrammarCompiler:
         return cls(backend.to_str(), target.cfg.vocab_size, target.cfg.eos_token_ids)
 
     def json_schema(self, schema: dict) -> Grammar:
-        """A JSON value valid against `schema` (dict), compact (`JSON_OPTIONS`). Raises GrammarError
+        """A JSON value valid against `schema` (dict), compact (`JSON_OPTIONS`); a `format` llguidance
+        does not enforce is an annotation (`annotation_formats_dropped`). Raises GrammarError
         for a schema llguidance cannot compile (unknown type, a `$ref` to nothing, unsupported keywords)."""
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
         try:
-            text = _llg().LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            text = _llg().LLMatcher.grammar_from_json_schema(annotation_formats_dropped(schema), overrides=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
             raise GrammarError(str(e)) from None
         return self.compile(text)

@@ -136,6 +136,8 @@ def build(body, compiler: GrammarCompiler | None) -> Constraint | None:
     elif rf.type == "json_schema":
         param = "response_format.json_schema.schema"
         check_schema(rf.json_schema.schema_, param)
+        if rf.json_schema.strict:
+            check_strict(rf.json_schema.schema_, param)
     spec = spec_of_request({"tools": tools, "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls,
                             "response_format": rf.model_dump(by_alias=True, exclude_none=True) if rf else None})
     return Constraint(_compile(spec, compiler, param), kind_of(spec), spec, schema_key(spec), tools=use_tools)
@@ -149,6 +151,45 @@ def _check_tools(tools: list[dict]) -> None:
         if params.get("type", "object") != "object":
             raise OpenAIError(f"{param} must describe a JSON object (type \"object\"), got type "
                               f"{params.get('type')!r}", param=param)
+        if t["function"].get("strict"):
+            check_strict(params, param)
+
+
+# where schemas nest: keyword → its value is a schema, a list of schemas, or a map of schemas
+_SUB = {"items": "one", "additionalProperties": "one", "not": "one", "contains": "one", "prefixItems": "list",
+        "anyOf": "list", "oneOf": "list", "allOf": "list", "properties": "map", "$defs": "map",
+        "definitions": "map", "patternProperties": "map"}
+
+
+def check_strict(schema: dict, param: str) -> None:
+    """`strict: true` as OpenAI's strict mode means it: every object schema closed —
+    `"additionalProperties": false` and every property in `required` (the OpenAI SDK's `parse`
+    writes schemas so). Raises OpenAIError 400 naming `param`, the JSON pointer of the first object
+    that is not, and the fix (close it, or send strict: false); an open object would let the model
+    fill keys the schema never named."""
+    def walk(node, path: str):
+        if not isinstance(node, dict):
+            return
+        if node.get("type") == "object" or "properties" in node:
+            props = node.get("properties", {})
+            missing = [k for k in props if k not in node.get("required", [])]
+            if node.get("additionalProperties") is not False or missing:
+                what = ('"additionalProperties": false' if node.get("additionalProperties") is not False
+                        else f"{', '.join(map(repr, missing))} in \"required\"")
+                raise OpenAIError(f"{param}: strict: true means closed objects (OpenAI's strict mode: "
+                                  f"\"additionalProperties\": false and every property required); the object at "
+                                  f"{path or '/'} needs {what}. Close it, or send strict: false", param=param)
+        for key, kind in _SUB.items():
+            sub = node.get(key)
+            if kind == "one":
+                walk(sub, f"{path}/{key}")
+            elif kind == "list" and isinstance(sub, list):
+                for i, v in enumerate(sub):
+                    walk(v, f"{path}/{key}/{i}")
+            elif kind == "map" and isinstance(sub, dict):
+                for k, v in sub.items():
+                    walk(v, f"{path}/{key}/{k}")
+    walk(schema, "")
 
 
 def _compile_tools(tools: list[dict], compiler: GrammarCompiler) -> None:
