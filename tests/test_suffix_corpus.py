@@ -89,9 +89,11 @@ def test_server_swap_installs_the_drafts_corpus(tiny_target, tmp_path):
     ok = {"Authorization": "Bearer s3cret"}
     with TestClient(build_app(eng, None, ServeParams(max_tokens=16), drafts_dir=drafts, admin_token="s3cret")) as c:
         r = c.post("/admin/draft", json={"path": "v2"}, headers=ok)
-        assert r.json() == {"draft_version": "v2", "suffix_corpus_tokens": 6} and eng.suffix.retained_tokens == 6
+        assert r.json() == {"draft_version": "v2", "suffix_corpus_tokens": 6, "pinned": True}
+        assert eng.suffix.retained_tokens == 6
         r = c.post("/admin/draft", json={"path": "v3"}, headers=ok)  # a corrupt corpus: draft swapped, tree kept
-        assert r.json() == {"draft_version": "v3", "suffix_corpus_tokens": None} and eng.suffix.retained_tokens == 6
+        assert r.json() == {"draft_version": "v3", "suffix_corpus_tokens": None, "pinned": True}
+        assert eng.suffix.retained_tokens == 6
         r = c.post("/admin/draft", json={"path": "v1"}, headers=ok)  # no corpus: the live tree keeps serving
         assert r.json()["suffix_corpus_tokens"] is None and eng.suffix.retained_tokens == 6
 
