@@ -38,9 +38,9 @@ def test_changed_means_differs_from_the_default_not_written_out():
     assert ServeParams(workload_by_model={"m": "code"}).changed("workload_by_model") == ["workload_by_model"]
 
 
-@pytest.mark.parametrize("launch", [dict(backend="embedded"), dict(backend="vllm"),
+@pytest.mark.parametrize("launch", [dict(backend="embedded"), dict(backend="vllm"), dict(backend="sglang"),
                                     dict(backend="sglang", sglang_url="http://127.0.0.1:30000")],
-                         ids=["embedded", "vllm", "sglang"])
+                         ids=["embedded", "vllm", "sglang", "sglang-url"])
 def test_the_shipped_params_are_accepted_by_every_backend(launch):
     p = load_params(SHIPPED)
     assert p.serve.model_fields_set >= {"auto_rollback", "health_check_s", "classify_workload"}  # it spells them out
@@ -58,8 +58,8 @@ def test_auto_rollback_without_mlflow_is_a_note_not_a_refusal():
     assert not ServeLaunch().check(shipped(serve={"auto_rollback": False}), NO_MLFLOW)
 
 
-@pytest.mark.parametrize("key,value", [("auto_rollback", False), ("health_check_s", 5.0),
-                                       ("classify_workload", False), ("workload_by_model", {"m": "code"})])
+@pytest.mark.parametrize("key,value", [("health_check_s", 5.0), ("classify_workload", False),
+                                       ("workload_by_model", {"m": "code"})])
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_an_embedded_only_setting_changed_is_refused_on_a_front_door(backend, key, value):
     url = "http://127.0.0.1:30000" if backend == "sglang" else None
@@ -68,8 +68,22 @@ def test_an_embedded_only_setting_changed_is_refused_on_a_front_door(backend, ke
                                                                                 NO_MLFLOW)
 
 
+def test_keys_of_a_server_tidespec_starts_are_refused_for_your_own_sglang():
+    """auto_rollback, live_stats_s, watch_champion_s, served_model_name act on a server tidespec starts
+    (vLLM; SGLang without --sglang-url) and are refused before a server at --sglang-url, naming the fix."""
+    changed = dict(auto_rollback=False, live_stats_s=10.0, watch_champion_s=2.0, served_model_name="m")
+    for key, value in changed.items():
+        for launch in (dict(backend="vllm"), dict(backend="sglang")):
+            ServeLaunch.build(**launch, capture=False).check(shipped(serve={key: value}), NO_MLFLOW)
+        with pytest.raises(ValueError, match=f"serve.{key}: --backend sglang at --sglang-url .*drop --sglang-url"):
+            ServeLaunch.build(backend="sglang", sglang_url="http://127.0.0.1:30000", capture=False).check(
+                shipped(serve={key: value}), NO_MLFLOW)
+    tree = shipped(engine={"tree": {"eagle_topk": 2, "num_draft_tokens": 6}})
+    ServeLaunch.build(backend="sglang", capture=False).check(tree, NO_MLFLOW)  # SGLang verifies trees
+
+
 def test_backend_specific_refusals_name_the_key_or_flag():
-    with pytest.raises(ValueError, match="serve.live_stats_s logs vLLM's live counters"):
+    with pytest.raises(ValueError, match="serve.live_stats_s logs the live counters of a server tidespec starts"):
         ServeLaunch().check(shipped(serve={"live_stats_s": 10.0}), NO_MLFLOW)
     ServeLaunch().check(shipped(serve={"live_stats_s": 0.0}), NO_MLFLOW)  # 0 = never: nothing to refuse
     notes = ServeLaunch.build(backend="vllm").check(load_params(SHIPPED), NO_MLFLOW)  # capture.mode: its default
@@ -82,7 +96,9 @@ def test_backend_specific_refusals_name_the_key_or_flag():
 
 @pytest.mark.parametrize("flags,message", [
     (dict(backend="vllm", sglang_url="http://x:1"), "--sglang-url goes with --backend sglang"),
-    (dict(backend="sglang"), "--sglang-url goes with --backend sglang"),
+    (dict(backend="sglang", sglang_url="http://x:1", sglang_python="/p"),
+     "--sglang-python goes with --backend sglang without --sglang-url"),
+    (dict(backend="vllm", sglang_python="/p"), "--sglang-python goes with --backend sglang"),
     (dict(vllm_python="/usr/bin/python3"), "--vllm-python goes with --backend vllm"),
     (dict(backend="vllm", max_queue=4), "--max-queue applies to the embedded engine"),
     (dict(backend="nope"), "--backend: Input should be 'embedded', 'vllm' or 'sglang'"),
@@ -143,11 +159,11 @@ def test_flag_values_are_refused_naming_the_flag(tmp_path):
 
 @pytest.mark.parametrize("backend,key,value", [
     ("vllm", "max_queue", 3), ("vllm", "max_tokens", 50), ("vllm", "default_temperature", 0.7),
-    ("sglang", "max_queue", 3), ("sglang", "served_model_name", "foo"), ("sglang", "watch_champion_s", 1.0)])
+    ("sglang", "max_queue", 3), ("sglang", "default_temperature", 0.7)])
 def test_a_serve_setting_a_front_door_forwards_past_is_refused(backend, key, value):
-    url = "http://127.0.0.1:30000" if backend == "sglang" else None
-    with pytest.raises(ValueError, match=f"serve.{key}: --backend {backend} does not use them"):
-        ServeLaunch.build(backend=backend, sglang_url=url).check(shipped(serve={key: value}), NO_MLFLOW)
+    for url in ([None, "http://127.0.0.1:30000"] if backend == "sglang" else [None]):
+        with pytest.raises(ValueError, match=f"serve.{key}: --backend {backend}( at --sglang-url .*)? does not use"):
+            ServeLaunch.build(backend=backend, sglang_url=url).check(shipped(serve={key: value}), NO_MLFLOW)
 
 
 def test_the_acceptance_filter_is_refused_where_capture_is_text():

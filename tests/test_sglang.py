@@ -8,12 +8,20 @@ SGLang cannot run here (CUDA-only kernels; its own torch pin), so:
   the embedded engine's record for the same request;
 - the process lifecycle runs a stand-in interpreter (`fake-python`) that answers the availability
   probe and serves /health_generate, so start/ready/stop and the early-exit error are real processes;
+- in-place draft swaps, live counters and `tidespec serve --backend sglang` run against a recorded
+  SGLang API (`RECORDED`: the 0.5.23 routes' request checks and replies, `sglang/srt/managers/
+  io_struct.py` and `entrypoints/http_server.py`), served by the same stand-in interpreter, which
+  also runs the swap script with a serializer stand-in (`STUB`: torch.save bytes where SGLang's
+  sends CUDA IPC handles);
 - `test_real_sglang_*` (marked gpu) runs the real server when a CUDA SGLang env is given in
   $TIDESPEC_SGLANG_PYTHON.
 """
+import json
 import os
+import shutil
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,25 +88,119 @@ def test_unavailable_names_the_fix(tmp_path):
 # -- process lifecycle with a stand-in interpreter -----------------------------------------------------
 FAKE = textwrap.dedent('''\
     #!{python}
-    # stand-in for an SGLang env's python: answers the probe, serves /health_generate on --port
-    import json, sys, os
+    # stand-in for an SGLang env's python: answers the probe, serves the recorded API on --port, runs
+    # scripts (the swap script) with the serializer stand-in importable as sglang
+    import json, os, runpy, sys
     if sys.argv[1] == "-c":
         print(json.dumps({{"sglang": "0.5.23", "cuda": True}})); sys.exit(0)
+    if sys.argv[1] != "-m":
+        sys.path.insert(0, {stub!r})
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__"); sys.exit(0)
     if os.environ.get("FAKE_FAIL"):
         print("RuntimeError: CUDA out of memory (fake)"); sys.stdout.flush(); sys.exit(3)
-    port = int(sys.argv[sys.argv.index("--port") + 1])
-    import uvicorn
-    from fastapi import FastAPI
-    app = FastAPI()
-    app.get("/health_generate")(lambda: {{}})
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    sys.argv = sys.argv[2:]
+    runpy.run_path({recorded!r}, run_name="__main__")
     ''')
+
+RECORDED = textwrap.dedent('''\
+    # SGLang 0.5.23's routes as recorded: request checks (io_struct) and replies (http_server);
+    # every call is appended to $SGLANG_RECORD as one JSON line
+    import base64, io, json, os, sys, threading
+    import torch, uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    argv, rec = sys.argv, os.environ.get("SGLANG_RECORD")
+    st, lock = {"session": None, "verify": 0, "generated": 0}, threading.Lock()
+    def log(entry):
+        if rec:
+            with lock, open(rec, "a") as f:
+                f.write(json.dumps(entry) + "\\n")
+    log({"argv": argv})
+    app = FastAPI()
+    app.get("/health_generate")(lambda: {})
+    app.get("/health")(lambda: {})
+    def bad(msg):
+        return JSONResponse({"success": False, "message": msg}, status_code=400)
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        with lock:  # 12 tokens in 5 verify steps (tau 2.4)
+            st["verify"] += 5; st["generated"] += 12
+        return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": body.get("model"),
+                "choices": [{"index": 0, "text": " recorded", "logprobs": None, "finish_reason": "length",
+                             "matched_stop": None}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}}
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(
+            "# HELP sglang:spec_verify_calls_total Number of speculative decoding verification calls.\\n"
+            "# TYPE sglang:spec_verify_calls_total counter\\n"
+            f'sglang:spec_verify_calls_total{{model_name="m"}} {st["verify"]}.0\\n'
+            "# HELP sglang:generation_tokens_total Number of generation tokens processed.\\n"
+            "# TYPE sglang:generation_tokens_total counter\\n"
+            f'sglang:generation_tokens_total{{is_streaming="false",model_name="m"}} {st["generated"]}.0\\n')
+    @app.post("/begin_weight_update")
+    async def begin(body: dict):
+        log({"path": "/begin_weight_update", "body": body})
+        if st["session"] is not None:
+            return bad("a weight-update session is already open; call end_weight_update() first")
+        if body.get("selector", "all") not in ("target", "draft", "all"):
+            return JSONResponse({"detail": "selector"}, status_code=422)
+        st["session"] = body.get("selector", "all")
+        return {"success": True, "message": "Success"}
+    @app.post("/update_weights_from_tensor")
+    async def update(body: dict):
+        named = [torch.load(io.BytesIO(base64.b64decode(x))) for x in body["serialized_named_tensors"]]
+        log({"path": "/update_weights_from_tensor", "selector": body.get("selector", "all"),
+             "flush_cache": body.get("flush_cache", True), "session": st["session"],
+             "ranks": [{k: float(v.double().sum()) for k, v in r} for r in named]})
+        if st["session"] is None:
+            return bad("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+        if os.environ.get("FAKE_UPDATE_FAILS") and os.path.exists(os.environ["FAKE_UPDATE_FAILS"]):
+            os.remove(os.environ["FAKE_UPDATE_FAILS"])  # fails once
+            return bad("Failed to update parameter online: size mismatch. The full weights of the ModelRunner "
+                       "are partially updated. Please discard the whole weights.")
+        return {"success": True, "message": "Success"}
+    @app.post("/end_weight_update")
+    async def end(body: dict):
+        log({"path": "/end_weight_update"})
+        if st["session"] is None:
+            return bad("no weight-update session is open; call begin_weight_update() first")
+        st["session"] = None
+        return {"success": True, "message": "Success"}
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush():
+        log({"path": "/flush_cache"})
+        return PlainTextResponse("Cache flushed.\\n")
+    uvicorn.run(app, host="127.0.0.1", port=int(argv[argv.index("--port") + 1]), log_level="warning")
+    ''')
+
+STUB = {  # sglang's serializer as the swap script imports it; torch.save bytes stand in for CUDA IPC handles
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/utils/__init__.py": "",
+    "sglang/srt/utils/patch_torch.py": "def monkey_patch_torch_reductions():\n    pass\n",
+    "sglang/srt/utils/common.py": textwrap.dedent('''\
+        import base64, io
+        import torch
+        class MultiprocessingSerializer:
+            @staticmethod
+            def serialize(obj, output_str=False):
+                buf = io.BytesIO(); torch.save(obj, buf)
+                return base64.b64encode(buf.getvalue()).decode() if output_str else buf.getvalue()
+        '''),
+}
 
 
 @pytest.fixture
 def fake_python(tmp_path):
+    stub = tmp_path / "stub"
+    for rel, text in STUB.items():
+        (stub / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stub / rel).write_text(text)
+    (tmp_path / "recorded_sglang.py").write_text(RECORDED)
     p = tmp_path / "fake-python"
-    p.write_text(FAKE.format(python=sys.executable))
+    p.write_text(FAKE.format(python=sys.executable, stub=str(stub), recorded=str(tmp_path / "recorded_sglang.py")))
     p.chmod(0o755)
     return str(p)
 
@@ -147,6 +249,207 @@ def test_server_that_dies_reports_its_log(fake_python, tmp_path, monkeypatch):
     with pytest.raises(sg.SGLangError, match="(?s)exited with 3.*CUDA out of memory"):
         sg.SGLangServer(sg.SGLangLaunch("/m", python=fake_python, port=free_port()), tmp_path / "l.log",
                         ready_timeout_s=60).start()
+
+
+# -- in-place swaps, live counters and the launched backend, against the recorded API ----------------------
+def _bundles(tiny_target, tmp_path) -> dict[str, Path]:
+    """Registry-style bundles of three drafts of one config: v1, v2 (other weights), v4 (other
+    weights and another vocabulary map)."""
+    from conftest import random_draft
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.workspace import make_bundle, write_version
+    out = {}
+    for v, seed in (("1", 1), ("2", 2), ("4", 4)):
+        d = random_draft(tiny_target, vd=64, seed=seed)
+        if v == "4":
+            d.d2t.add_(1)  # every draft id maps one target id further
+        out[v] = make_bundle(save_checkpoint(d, tmp_path / f"ck{v}"), tmp_path / f"b{v}")
+        write_version(out[v], v, f"run{v}")
+    return out
+
+
+def _calls(record: Path, since: int = 0) -> list[dict]:
+    return [json.loads(x) for x in record.read_text().splitlines()[since:]]
+
+
+def _sums(bundle: Path) -> dict[str, float]:
+    from safetensors.torch import load_file
+    return {k: float(v.double().sum()) for k, v in load_file(bundle / "draft" / "model.safetensors").items()
+            if k not in ("d2t", "t2d")}
+
+
+def test_in_place_swap_on_sglang_under_load(fake_python, tiny_target, tmp_path, monkeypatch):
+    """SGLangDeployment against the recorded API: the draft in v2 goes into the running server through
+    SGLang's draft-only update (begin(draft) → update_weights_from_tensor(draft, one payload per TP rank,
+    no cache flush inside) → end → /flush_cache) while 3 clients send requests through the front door,
+    all answered 200; the payload holds exactly v2's tensors less the vocabulary map. A draft with
+    another config or vocabulary map is refused before any call, naming why; an update SGLang fails
+    loads the served draft's files again. Live counters are differenced at the swap."""
+    from tidespec.adapters.process import free_port
+    from tidespec.serve.frontdoor import build_frontdoor
+    from tidespec.steps.deploy.sglang import SGLangDeployment
+    record = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("SGLANG_RECORD", str(record))
+    fails = tmp_path / "fail"  # the recorded server fails the next update once this file exists
+    monkeypatch.setenv("FAKE_UPDATE_FAILS", str(fails))
+    b = _bundles(tiny_target, tmp_path)
+    launch = sg.SGLangLaunch("/m/target", python=fake_python, port=free_port(), num_steps=3, tp_size=2)
+    dep = SGLangDeployment(launch, tmp_path / "state", ready_timeout_s=60).start(b["1"])
+    try:
+        argv = _calls(record)[0]["argv"]
+        assert argv[argv.index("--speculative-draft-model-path") + 1].endswith("1-v1")
+        assert dep.draft_version == "1" and dep.scrape().num_drafts == 0
+        app = build_frontdoor(dep.url, None, 60)
+        n0 = len(_calls(record))
+        res, statuses = _under_load(app, lambda: dep.install(b["2"]))
+        assert res["mode"] == "in_place" and res["draft_version"] == "2" == dep.draft_version and res["flushed"]
+        assert len(statuses) >= 6 and set(statuses) == {200}, statuses
+        calls = _calls(record, n0)
+        assert [c["path"] for c in calls] == ["/begin_weight_update", "/update_weights_from_tensor",
+                                              "/end_weight_update", "/flush_cache"]
+        assert calls[0]["body"] == {"selector": "draft"}
+        up = calls[1]
+        assert up["selector"] == "draft" and up["session"] == "draft" and up["flush_cache"] is False
+        assert len(up["ranks"]) == 2 and up["ranks"][0] == up["ranks"][1] == pytest.approx(_sums(b["2"]))
+        assert up["ranks"][0] != pytest.approx(_sums(b["1"]))
+        assert dep.counters_base.num_drafts > 0  # v1's drafts: v2's own figures start at the swap
+        before = dep.scrape() - dep.counters_base
+        import httpx
+        httpx.post(f"{dep.url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 12})
+        live = dep.scrape() - dep.counters_base - before
+        assert (live.num_drafts, live.num_accepted_tokens, live.num_draft_tokens) == (5, 7, 15)
+        assert live.acceptance_length == pytest.approx(2.4)
+
+        n0 = len(_calls(record))
+        with pytest.raises(sg.SGLangError, match=r"vocabulary map changed \(d2t\).*restart"):
+            dep.install(b["4"])
+        wide = tmp_path / "b5"
+        shutil.copytree(b["2"], wide)
+        cfg = json.loads((wide / "draft" / "config.json").read_text())
+        (wide / "draft" / "config.json").write_text(json.dumps(cfg | {"draft_vocab_size": 128}))
+        with pytest.raises(sg.SGLangError, match="draft_vocab_size 64 → 128"):
+            dep.install(wide)
+        assert _calls(record, n0) == [] and dep.draft_version == "2"
+
+        fails.touch()
+        three = tmp_path / "b3"
+        shutil.copytree(b["1"], three)
+        (three / "version.json").write_text(json.dumps({"version": "3", "run_id": "r3"}))
+        n0 = len(_calls(record))
+        with pytest.raises(sg.SGLangError, match="(?s)partially updated.*served draft 2 was loaded again"):
+            dep.install(three)
+        ups = [c for c in _calls(record, n0) if c["path"] == "/update_weights_from_tensor"]
+        assert [u["ranks"][0] for u in ups] == [pytest.approx(_sums(b["1"])), pytest.approx(_sums(b["2"]))]
+        assert dep.draft_version == "2"
+    finally:
+        dep.close()
+
+
+def test_serve_backend_sglang_starts_it_and_loads_each_champion_in_place(fake_python, tiny_target_dir, tmp_path):
+    """The path a user takes: `tidespec serve --backend sglang --sglang-python PY` starts SGLang (its
+    launch line from the params: the champion as EAGLE3 draft, engine.num_draft_tokens steps, context
+    length, max running requests, served name) behind the front door; a champion the cycle deploys
+    into data/drafts/champion is loaded into that same server in place; stopping the command stops it."""
+    import signal
+    import subprocess
+
+    from conftest import health, tiny_params_yaml, wait_until
+    from tidespec.adapters.process import free_port
+    from tidespec.models.target import load_target
+    from tidespec.workspace import Workspace
+    target = load_target(tiny_target_dir)[0]
+    b = _bundles(target, tmp_path)
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "params.yaml").write_text(tiny_params_yaml(tiny_target_dir)
+                                      + "serve: {watch_champion_s: 0.3, served_model_name: tiny}\n")
+    champion = Workspace(proj).champion
+    champion.parent.mkdir(parents=True)
+    shutil.copytree(b["1"], champion)
+    record, port = tmp_path / "calls.jsonl", free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", "--backend", "sglang", "--sglang-python",
+                             fake_python, "--root", str(proj), "--params", str(proj / "params.yaml"), "--port",
+                             str(port), "--no-capture", "--no-publish"], cwd=proj,
+                            env=env | {"SGLANG_RECORD": str(record)}, stdout=open(tmp_path / "serve.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        h = wait_until(lambda: health(url), 120, "/health", proc)
+        assert h["engine"] == "sglang" and h["draft_version"] == "1", h
+        argv = _calls(record)[0]["argv"]
+        flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+        assert flags["--speculative-num-steps"] == "3" and flags["--speculative-eagle-topk"] == "1"
+        assert flags["--speculative-num-draft-tokens"] == "4" and flags["--context-length"] == "256"
+        assert flags["--max-running-requests"] == "8" and flags["--served-model-name"] == "tiny"
+        assert flags["--model-path"] == str(tiny_target_dir)
+        assert flags["--speculative-draft-model-path"].endswith("1-v1")
+        import httpx
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 12}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " recorded"
+        staged = champion.parent / ".staged"
+        shutil.copytree(b["2"], staged)
+        shutil.rmtree(champion)
+        staged.rename(champion)
+        wait_until(lambda: (h := health(url)) and h["draft_version"] == "2", 60, "v2 served", proc)
+        ups = [c for c in _calls(record) if c.get("path") == "/update_weights_from_tensor"]
+        assert len(ups) == 1 and ups[0]["selector"] == "draft"
+        assert ups[0]["ranks"] == [pytest.approx(_sums(b["2"]))]
+        assert len([c for c in _calls(record) if "argv" in c]) == 1  # the same server: none started beside it
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{flags['--port']}/health", timeout=2)  # SGLang stopped with it
+
+
+def _under_load(app, swap):
+    """`swap()` run while 3 clients send completions through the front door `app`: (its result, every
+    request's status)."""
+    import asyncio
+    import threading
+    import time
+
+    import httpx
+    statuses, done = [], threading.Event()
+
+    async def load():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://fd", timeout=60) as c:
+            async def one():
+                r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 12})
+                statuses.append(r.status_code)
+            while not done.is_set():
+                await asyncio.gather(*(one() for _ in range(3)))
+            await asyncio.gather(*(one() for _ in range(3)))
+    t = threading.Thread(target=lambda: asyncio.run(load()))
+    t.start()
+    try:
+        time.sleep(0.5)
+        return swap(), statuses
+    finally:
+        done.set()
+        t.join(60)
+
+
+def test_sglang_counters_and_their_standard_error():
+    """SGLang's counters (the exposition prometheus_client writes for its Counters) → drafts = verify
+    calls, accepted = output tokens − verify calls, summed over label sets; no verify counter → None
+    (unknown, never 0). Without per-position counts the SE is the Bhatia–Davis bound
+    sqrt(μ(k−μ)/n): at μ = 1.5, k = 3, n = 1000 it is sqrt(2.25/1000) = 0.04743."""
+    text = textwrap.dedent("""\
+        # TYPE sglang:spec_verify_calls_total counter
+        sglang:spec_verify_calls_total{model_name="m"} 600.0
+        sglang:spec_verify_calls_total{model_name="n"} 400.0
+        # TYPE sglang:generation_tokens_total counter
+        sglang:generation_tokens_total{is_streaming="false",model_name="m"} 1500.0
+        sglang:generation_tokens_total{is_streaming="true",model_name="m"} 1000.0
+        """)
+    c = sg.parse_metrics(text, 3)
+    assert (c.num_drafts, c.num_accepted_tokens, c.num_draft_tokens, c.accepted_per_pos) == (1000, 1500, 3000, ())
+    assert c.acceptance_length == 2.5 and c.acceptance_length_se == pytest.approx(0.0474342, rel=1e-5)
+    assert sg.parse_metrics("# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total 5.0\n", 3) is None
+    from tidespec.adapters.spec_counters import live_below_replay
+    assert live_below_replay(c, 2.65) and not live_below_replay(c, 2.64)  # 2.5 + 3 × 0.0474 = 2.642
 
 
 # -- the /generate contract ----------------------------------------------------------------------------
@@ -274,3 +577,57 @@ def test_real_sglang_serves_losslessly_and_captures(tmp_path, real_target):
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(sg.unavailable_reason(SGLANG_PY) is not None, reason="needs CUDA + an SGLang 0.5.23 env "
+                                                                         "($TIDESPEC_SGLANG_PYTHON)")
+def test_real_sglang_swaps_the_draft_in_place(tmp_path, real_target):
+    """SmolLM2 + two drafts of one config on a real SGLang: v2 loaded in place into the server serving v1
+    (the same process) gives the outputs and spec-decode counters, on fixed prompts, of a fresh server
+    started with v2; the outputs are the target's alone either way."""
+    import httpx
+
+    from conftest import random_draft
+    from tidespec.adapters.process import free_port
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.models.load import target_dir
+    from tidespec.steps.deploy.sglang import SGLangDeployment
+    from tidespec.workspace import make_bundle, write_version
+    target, tok = real_target
+    hf = str(target_dir("smollm2"))
+    b = {}
+    for v in ("1", "2"):
+        b[v] = make_bundle(save_checkpoint(random_draft(target, vd=4096, seed=int(v)), tmp_path / f"d{v}"),
+                           tmp_path / f"b{v}")
+        write_version(b[v], v, "run")
+    prompts = [tok(t)["input_ids"] for t in ("def fibonacci(n):", "import json\n\ndef load(path):",
+                                              "Write a haiku about the sea.")]
+
+    def fixed(dep):
+        before, outs = dep.scrape(), []
+        for ids in prompts:
+            r = httpx.post(f"{dep.url}/generate", json={"input_ids": ids, "sampling_params": {
+                "max_new_tokens": 48, "temperature": 0.0}}, timeout=300)
+            outs.append(r.json()["output_ids"])
+        return outs, dep.scrape() - before
+
+    launch = sg.SGLangLaunch(hf, python=SGLANG_PY, port=free_port(), dtype="float32", num_steps=4,
+                             mem_fraction_static=0.3)
+    dep = SGLangDeployment(launch, tmp_path / "a").start(b["1"])
+    try:
+        pid = dep.server.proc.pid
+        v1_out, v1_counts = fixed(dep)
+        res = dep.install(b["2"])
+        assert res["mode"] == "in_place" and dep.server.proc.pid == pid and dep.draft_version == "2"
+        httpx.post(f"{dep.url}/flush_cache", timeout=60)
+        swapped_out, swapped_counts = fixed(dep)
+    finally:
+        dep.close()
+    fresh = SGLangDeployment(replace(launch, port=free_port()), tmp_path / "b").start(b["2"])
+    try:
+        fresh_out, fresh_counts = fixed(fresh)
+    finally:
+        fresh.close()
+    assert v1_out == swapped_out == fresh_out
+    assert swapped_counts == fresh_counts and swapped_counts != v1_counts, (swapped_counts, v1_counts)

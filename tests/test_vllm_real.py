@@ -77,36 +77,6 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def test_vllm_counters_equal_the_tidespec_engine(tiny_vllm_setup, vllm_python, tmp_path):
-    """Cross-engine agreement: greedy, same k, same prompts → the same tokens and the same
-    spec-decode counters (drafts, draft tokens, accepted, per position) in vLLM as in tidespec's
-    engine. A draft vLLM reads differently (aux layer ids, d2t, fc layout) changes the counters;
-    "accepted > 0" would not notice."""
-    from tidespec.engine.sampling import SamplingParams
-    from tidespec.engine.speculative import Engine
-    from tidespec.engine.stats import SpecDecodingStats
-    from tidespec.models.eagle3 import load_checkpoint
-    from tidespec.models.runner import DraftRunner
-    _, target, draft, prompts = tiny_vllm_setup
-    eng = Engine(
-        target,
-        DraftRunner(load_checkpoint(draft, target.embed, target.target_id)),
-        EngineParams(num_draft_tokens=K, max_seq_len=256),
-    )
-    ours, total = [], SpecDecodingStats(K)
-    for p in prompts:
-        g = eng.generate(p, MAX_TOKENS, sampling=SamplingParams(ignore_eos=True))
-        ours.append(g.tokens)
-        total = total.merge(g.stats)
-    with vllm.VLLMServer(_launch(tiny_vllm_setup, vllm_python), tmp_path / "vllm.log") as srv:
-        before = vllm.scrape(srv.url)
-        theirs = [_complete(srv.url, p) for p in prompts]
-        got = vllm.scrape(srv.url) - before
-    assert theirs == ours  # lossless across engines
-    assert total.num_accepted_tokens > 0.2 * total.num_draft_tokens  # a trained draft: counters discriminate
-    assert got == vllm.SpecDecodeCounters(*total.as_vllm())  # vLLM also counts accepted drafts a cut drops
-
-
 @pytest.fixture(scope="module")
 def weak_draft(tiny_vllm_setup, tmp_path_factory):
     """A second draft of the same config as the setup's, trained for 2 epochs instead of 20: other
@@ -123,22 +93,37 @@ def weak_draft(tiny_vllm_setup, tmp_path_factory):
     return out
 
 
-def test_in_place_swap_then_blue_green_under_load(tiny_vllm_setup, weak_draft, vllm_python, tmp_path):
-    """Two swaps of the served draft while 3 clients keep sending requests through the front door,
-    every request answered 200:
-    1. **in place**: the strong draft (v2) loaded into the running server that serves the weak one
-       (v1): the same server and port afterwards;
-    2. **blue/green** (in place turned off): v2 again as v3, in a new server, the old one drained and
-       stopped; the new server is a fresh server with the strong draft.
-    The outputs and spec-decode counters on fixed prompts after the in-place load equal those of that
-    fresh server: a load that did not reach the draft's weights would give the weak draft's counters
-    (checked different). A draft of another shape is refused in place, naming the change."""
+def test_in_place_swap_live_guard_blue_green_and_agreement(tiny_vllm_setup, weak_draft, vllm_python, tmp_path):
+    """One vLLM deployment through every way a draft changes, while the outputs stay the target's:
+    1. **in place** under load: the strong draft (v2) loaded into the running server that serves the
+       weak one (v1), 3 clients sending requests through the front door, every request answered 200;
+       the same server and port afterwards. A draft of another shape is refused in place, naming the
+       change.
+    2. **`LiveGuard`**, one check per round of traffic (4 prompts): healthy windows do nothing; the
+       served draft corrupted in place (the weak draft's weights under v2's name: decay) is flagged
+       two windows in a row and reloaded, after which it is healthy again; a bad champion (v5, the
+       weak draft, claiming v2's replayed τ) is reloaded, still flagged, and rolled back to v2, which
+       the guard then leaves alone.
+    3. **blue/green** (in place turned off): the strong draft as v3 in a new server, the old one
+       drained and stopped.
+    The outputs and spec-decode counters on fixed prompts after the in-place load equal those of the
+    fresh blue/green server (a load that did not reach the draft's weights would give the weak draft's
+    counters, checked different), and those equal tidespec's engine with the same draft, greedy, same
+    k: the same tokens and the same drafts, draft tokens, accepted and per-position counts (a draft
+    vLLM reads differently — aux layer ids, d2t, fc layout — changes them; "accepted > 0" would not
+    notice; vLLM also counts accepted drafts a cut drops, which `as_vllm()` adds back)."""
+    from tidespec.engine.sampling import SamplingParams
+    from tidespec.engine.speculative import Engine
+    from tidespec.engine.stats import SpecDecodingStats
+    from tidespec.models.eagle3 import load_checkpoint
+    from tidespec.models.runner import DraftRunner
     from tidespec.serve.frontdoor import build_frontdoor
+    from tidespec.steps.deploy.live import LiveGuard
     from tidespec.steps.deploy.vllm import VLLMDeployment
-    from tidespec.workspace import make_bundle, write_version
-    _, _, strong, prompts = tiny_vllm_setup
+    from tidespec.workspace import copy_engine_files, make_bundle, write_version
+    _, target, strong, prompts = tiny_vllm_setup
     bundles = {}
-    for v, src in (("1", weak_draft), ("2", strong), ("3", strong)):
+    for v, src in (("1", weak_draft), ("2", strong), ("3", strong), ("5", weak_draft)):
         bundles[v] = make_bundle(src, tmp_path / f"b{v}")
         write_version(bundles[v], v, "run")
     dep = VLLMDeployment(_launch(tiny_vllm_setup, vllm_python, draft=False), tmp_path / "state").start(bundles["1"])
@@ -157,6 +142,32 @@ def test_in_place_swap_then_blue_green_under_load(tiny_vllm_setup, weak_draft, v
         (wider / "draft" / "config.json").write_text(json.dumps(cfg | {"draft_vocab_size": 128}))
         assert dep._in_place_refusal(wider / "draft") == "the draft's config changed: draft_vocab_size 64 → 128"
 
+        rolled = []
+
+        def rollback(version, reason):
+            rolled.append((version, reason))
+            dep.install(bundles["2"])
+            return "2"
+
+        def rounds(n):
+            out = []
+            for _ in range(n):
+                for p in prompts:
+                    _complete(dep.url, p)
+                out.append(guard.check())
+            return out
+        tau = swapped_counts.acceptance_length
+        guard = LiveGuard(dep, {"2": tau, "5": tau}.get, rollback, min_drafts=30, confirm=2)
+        assert rounds(3) == [None, None, None]  # the first check only opens the window
+        corrupt = copy_engine_files(weak_draft, Path(dep.draft_dir).parent / "corrupt")
+        vllm.load_draft_in_place(dep.url, corrupt)  # v2's name, the weak draft's weights: decay
+        assert rounds(2) == [None, "reloaded"]
+        assert rounds(2) == [None, None]  # v2's own weights again
+        assert dep.install(bundles["5"])["mode"] == "in_place"
+        assert rounds(5) == [None, None, "reloaded", None, "rolled_back"]
+        assert dep.draft_version == "2" and rolled[0][0] == "5" and "after a reload" in rolled[0][1]
+        assert rounds(4) == [None, None, None, None]
+
         dep.in_place = False
         blue = dep.server
         app = build_frontdoor(dep.url, None, 120)  # its HTTP client belongs to the next load's event loop
@@ -168,11 +179,21 @@ def test_in_place_swap_then_blue_green_under_load(tiny_vllm_setup, weak_draft, v
         assert len(statuses) >= 6 and set(statuses) == {200}, statuses
         copied = sorted(p.name for p in Path(dep.server.cfg.draft_path).iterdir())
         assert copied == ["config.json", "model.safetensors"]  # its own copy of the engine dir
-        fresh_out, fresh_counts = _fixed_pass(dep.url, prompts, reset=False)  # a fresh server: cache empty
+        fresh_out, fresh_counts = _fixed_pass(dep.url, prompts, reset=False)  # a fresh server
     finally:
         dep.close()
     assert swapped_out == fresh_out == weak_out  # lossless: the target's tokens whatever the draft
     assert swapped_counts == fresh_counts and swapped_counts != weak_counts, (swapped_counts, weak_counts)
+    eng = Engine(target, DraftRunner(load_checkpoint(strong, target.embed, target.target_id)),
+                 EngineParams(num_draft_tokens=K, max_seq_len=256))
+    ours, total = [], SpecDecodingStats(K)
+    for p in prompts:
+        g = eng.generate(p, MAX_TOKENS, sampling=SamplingParams(ignore_eos=True))
+        ours.append(g.tokens)
+        total = total.merge(g.stats)
+    assert fresh_out == ours  # lossless across engines
+    assert total.num_accepted_tokens > 0.2 * total.num_draft_tokens  # a trained draft: counters discriminate
+    assert fresh_counts == vllm.SpecDecodeCounters(*total.as_vllm())
 
 
 def _under_load(app, prompts, swap):
@@ -197,52 +218,6 @@ def _under_load(app, prompts, swap):
     finally:
         done.set()
         t.join(300)
-
-
-def test_live_guard_reloads_a_decayed_draft_and_rolls_back_a_bad_champion(tiny_vllm_setup, weak_draft, vllm_python,
-                                                                          tmp_path):
-    """`LiveGuard` on a real vLLM, one check per round of traffic (4 prompts): healthy windows do
-    nothing; the served draft corrupted in place (the weak draft's weights under v1's name: decay)
-    is flagged two windows in a row and reloaded, after which it is healthy again; a bad champion
-    (v2, the weak draft, claiming v1's replayed τ) is reloaded, still flagged, and rolled back to
-    v1, which the guard then leaves alone."""
-    from tidespec.steps.deploy.vllm import LiveGuard, VLLMDeployment
-    from tidespec.workspace import copy_engine_files, make_bundle, write_version
-    _, _, strong, prompts = tiny_vllm_setup
-    bundles = {}
-    for v, src in (("1", strong), ("2", weak_draft)):
-        bundles[v] = make_bundle(src, tmp_path / f"b{v}")
-        write_version(bundles[v], v, "run")
-    dep = VLLMDeployment(_launch(tiny_vllm_setup, vllm_python, draft=False), tmp_path / "state").start(bundles["1"])
-    rolled = []
-
-    def rollback(version, reason):
-        rolled.append((version, reason))
-        dep.install(bundles["1"])
-        return "1"
-
-    def rounds(n):
-        out = []
-        for _ in range(n):
-            for p in prompts:
-                _complete(dep.url, p)
-            out.append(guard.check())
-        return out
-    try:
-        _, strong_counts = _fixed_pass(dep.url, prompts)
-        tau = strong_counts.acceptance_length
-        guard = LiveGuard(dep, {"1": tau, "2": tau}.get, rollback, min_drafts=30, confirm=2)
-        assert rounds(3) == [None, None, None]  # the first check only opens the window
-        corrupt = copy_engine_files(weak_draft, Path(dep.draft_dir).parent / "corrupt")
-        vllm.load_draft_in_place(dep.url, corrupt)  # v1's name, the weak draft's weights: decay
-        assert rounds(2) == [None, "reloaded"]
-        assert rounds(2) == [None, None]  # v1's own weights again
-        assert dep.install(bundles["2"])["mode"] == "in_place"
-        assert rounds(5) == [None, None, "reloaded", None, "rolled_back"]
-        assert dep.draft_version == "1" and rolled[0][0] == "2" and "after a reload" in rolled[0][1]
-        assert rounds(4) == [None, None, None, None]
-    finally:
-        dep.close()
 
 
 def _fixed_pass(url: str, prompts, reset: bool = True) -> tuple[list[list[int]], vllm.SpecDecodeCounters]:

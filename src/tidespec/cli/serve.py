@@ -25,10 +25,15 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
                                                            "serve.max_tokens, else engine.max_new_tokens)"),
           backend: str = typer.Option("embedded", help="embedded (this engine) | vllm (starts a vLLM server from "
                                                        "`make vllm`'s venv with the champion as its EAGLE3 draft, "
-                                                       "behind the front door; swaps drafts blue/green; text "
-                                                       "capture) | sglang (front door to an SGLang server)"),
-          sglang_url: str = typer.Option(None, help="the SGLang server for --backend sglang, e.g. "
-                                                    "http://127.0.0.1:30000"),
+                                                       "behind the front door; loads new champions in place; text "
+                                                       "capture) | sglang (the same with SGLang, on a CUDA GPU; or a "
+                                                       "front door to your own server with --sglang-url)"),
+          sglang_url: str = typer.Option(None, help="your own SGLang server for --backend sglang, e.g. "
+                                                    "http://127.0.0.1:30000 (tidespec then neither starts nor "
+                                                    "swaps it)"),
+          sglang_python: str = typer.Option(None, help="python of SGLang's environment for --backend sglang "
+                                                       "(default $TIDESPEC_SGLANG_PYTHON, else "
+                                                       ".venv-sglang/bin/python)"),
           vllm_python: str = typer.Option(None, help="python of vLLM's venv for --backend vllm (default "
                                                      "$TIDESPEC_VLLM_PYTHON, else .venv-vllm/bin/python)"),
           publish: bool = typer.Option(True, help="publish each sealed snapshot: dvc add + push, retention, "
@@ -48,7 +53,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     from ..serve.server import ADMIN_TOKEN_ENV, build_app
     from ..workspace import served
     p, ws, launch, pub = serve_preflight(root, params, backend=backend, sglang_url=sglang_url,
-                                         vllm_python=vllm_python, capture=capture, publish=publish,
+                                         sglang_python=sglang_python, vllm_python=vllm_python, capture=capture,
+                                         publish=publish,
                                          max_queue=max_queue, timeout_s=timeout_s, max_tokens=max_tokens)
     if launch.backend != "embedded":
         _serve_frontdoor(p, ws, launch, host, port)
@@ -87,7 +93,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
             writer.close()
 
 def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sglang_url: str | None = None,
-                    vllm_python: str | None = None, capture: bool = True, publish: bool = True,
+                    sglang_python: str | None = None, vllm_python: str | None = None, capture: bool = True,
+                    publish: bool = True,
                     max_queue: int | None = None, timeout_s: float | None = None, max_tokens: int | None = None,
                     env=None):
     """Everything `tidespec serve` checks before it loads a model or starts a server, with the
@@ -99,7 +106,8 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
     from ..config import load_params
     from ..config.serve import ServeLaunch
     p, ws = load_params(params), ws_of(root)
-    launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, vllm_python=vllm_python, capture=capture,
+    launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, sglang_python=sglang_python,
+                               vllm_python=vllm_python, capture=capture,
                                publish=publish, max_queue=max_queue, request_timeout_s=timeout_s,
                                max_tokens=max_tokens)
     p = _with_flags(p, launch)
@@ -149,9 +157,10 @@ def _serve_publisher(p, ws, env=None):
 
 def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     """`tidespec serve --backend sglang|vllm`: the OpenAI front door (`frontdoor.py`) before an engine
-    server: SGLang at `launch.sglang_url`, or a vLLM server this command starts, swapped blue/green to
-    each champion the cycle deploys (`deploy.vllm`). Capture there is text (a front door sees no
-    hidden states)."""
+    server: one this command starts (vLLM; SGLang without --sglang-url), with each champion the
+    cycle deploys loaded into it (`deploy.vllm`, `deploy.sglang`) and its live acceptance logged
+    and acted on (`deploy.live`); or the user's SGLang at `launch.sglang_url`, as it is. Capture
+    there is text (a front door sees no hidden states)."""
     import uvicorn
 
     from ..capture.text import TextCapture
@@ -161,18 +170,19 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture) if capture else None
     textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
     timeout = launch.request_timeout_s or p.serve.request_timeout_s
-    if launch.backend == "sglang":
+    if not launch.launches:
         uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog), host=host, port=port)
         return
-    dep = _start_vllm(p, ws, launch.vllm_python, host)
+    dep = (_start_vllm(p, ws, launch.vllm_python, host) if launch.backend == "vllm"
+           else _start_sglang(p, ws, launch.sglang_python, host))
     app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
-                          info=lambda: {"draft_version": dep.draft_version, "engine": "vllm"})
+                          info=lambda: {"draft_version": dep.draft_version, "engine": launch.backend})
     dep.proxy = app.state.proxy
     from ..serve.admin import ChampionWatcher
     every = p.serve.watch_champion_s
     watcher = ChampionWatcher(ws.champion, every, dep, dep.install) if every > 0 else None
     uri = os.environ.get("MLFLOW_TRACKING_URI")
-    from ..steps.deploy.vllm import LiveReporter
+    from ..steps.deploy.live import LiveReporter
     live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s, p.deploy.sagemaker,
                          _live_guard(p, ws, dep, uri)) if uri and p.serve.live_stats_s > 0 else None)
     try:
@@ -217,12 +227,36 @@ def _start_vllm(p, ws, python: str | None, host: str):
                   markup=False)
     return VLLMDeployment(launch, ws.state / "vllm").start(ws.champion if ws.champion.exists() else None)
 
+def _start_sglang(p, ws, python: str | None, host: str):
+    """Start SGLang (its own environment's `python`) on a loopback port with the target (converted HF
+    dir) and the served champion (if any) as its EAGLE3 draft, loaded in place at later deploys:
+    engine.num_draft_tokens steps, engine.tree's topk and size, context length = engine.max_seq_len
+    (None: the model's), max running requests = engine.max_batch. Raises SGLangUnavailable naming
+    the fix (no CUDA, no SGLang environment)."""
+    from ..adapters.process import free_port
+    from ..adapters.sglang import SGLangLaunch, default_python
+    from ..adapters.vllm.server import LOOPBACK
+    from ..config import tree_num_draft_tokens
+    from ..models.load import target_dir
+    from ..steps.deploy.sglang import SGLangDeployment
+    e, sv = p.engine, p.serve_resolved()
+    topk = e.tree.eagle_topk
+    host = host if host in LOOPBACK else "127.0.0.1"  # only the front door and the swap script talk to it
+    launch = SGLangLaunch(str(target_dir(p.target.source)), python=python or default_python(), host=host,
+                          port=free_port(host), num_steps=e.num_draft_tokens, eagle_topk=topk,
+                          num_draft_tokens=tree_num_draft_tokens(e.num_draft_tokens, topk,
+                                                                 e.tree.num_draft_tokens if topk > 1 else None),
+                          served_model_name=sv.served_model_name, context_length=e.max_seq_len,
+                          max_running_requests=e.max_batch)
+    console.print(f"serve: starting SGLang ({launch.python}; log under {ws.state / 'sglang' / 'logs'})", markup=False)
+    return SGLangDeployment(launch, ws.state / "sglang").start(ws.champion if ws.champion.exists() else None)
+
 def _live_guard(p, ws, dep, uri: str):
-    """The live-acceptance guard behind vLLM (`deploy.vllm.LiveGuard`): replayed τ from the version's
+    """The live-acceptance guard behind vLLM or SGLang (`deploy.live.LiveGuard`): replayed τ from the version's
     registry tags; rollback through the registry when `serve.auto_rollback`, else reload only."""
     from ..adapters import registry
     from ..models.load import target_id
-    from ..steps.deploy.vllm import LiveGuard
+    from ..steps.deploy.live import LiveGuard
     tid = target_id(p)
 
     def replayed(version: str) -> float | None:
@@ -232,7 +266,7 @@ def _live_guard(p, ws, dep, uri: str):
 
 
 def _registry_rollback(p, target_id: str, ws):
-    """The draft-health guards' rollback (`serve.guard`, `deploy.vllm.LiveGuard`): when the registry's
+    """The draft-health guards' rollback (`serve.guard`, `deploy.live.LiveGuard`): when the registry's
     champion is still the version the guard found worse, `registry.rollback` (an audited decision)
     and the restored champion deployed into data/drafts/champion, where the champion watcher
     installs it; returns the restored version (None: nothing rolled back). None without

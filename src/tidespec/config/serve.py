@@ -17,25 +17,29 @@ from .params import Params
 from .strict import Strict
 
 MLFLOW_ENV = "MLFLOW_TRACKING_URI"
-EMBEDDED_ONLY = ("health_check_s", "auto_rollback", "classify_workload", "workload_by_model")
+EMBEDDED_ONLY = ("health_check_s", "classify_workload", "workload_by_model")
 # serve.* keys a front door forwards past: the backend's own limits and defaults apply (set them there)
 FRONTDOOR_UNUSED = ("max_queue", "max_tokens", "default_temperature")
-SGLANG_UNUSED = ("served_model_name", "watch_champion_s")  # set on the SGLang server; tidespec does not start it
+# keys of a server tidespec starts and swaps; an SGLang server at --sglang-url is the user's own
+ATTACHED_UNUSED = ("served_model_name", "watch_champion_s", "auto_rollback", "live_stats_s")
 
 
 class ServeLaunch(Strict):
     """The flags of `tidespec serve` (None: the params' value). backend: embedded (this process's
-    engine) | vllm (a vLLM server this command starts, behind the OpenAI front door) | sglang (a
-    front door before the SGLang server at `sglang_url`); vllm_python: vLLM's interpreter;
+    engine) | vllm (a vLLM server this command starts, behind the OpenAI front door) | sglang (an
+    SGLang server this command starts with `sglang_python`, or, with `sglang_url`, the user's own
+    server, which tidespec neither swaps nor watches); vllm_python: vLLM's interpreter;
     capture / publish: capture finished requests, publish sealed snapshots; max_queue,
     request_timeout_s (s), max_tokens: the embedded engine's admission limits. Raises ValueError
     in one line naming the flag (`labels`) for a bad value or a flag of another backend."""
 
-    labels = {"sglang_url": "--sglang-url", "vllm_python": "--vllm-python", "max_queue": "--max-queue",
+    labels = {"sglang_url": "--sglang-url", "sglang_python": "--sglang-python", "vllm_python": "--vllm-python",
+              "max_queue": "--max-queue",
               "request_timeout_s": "--timeout-s", "max_tokens": "--max-tokens", "backend": "--backend"}
 
     backend: Literal["embedded", "vllm", "sglang"] = "embedded"
     sglang_url: str | None = Field(None, pattern=r"^https?://")
+    sglang_python: str | None = Field(None, min_length=1)
     vllm_python: str | None = Field(None, min_length=1)
     capture: bool = True
     publish: bool = True
@@ -52,8 +56,11 @@ class ServeLaunch(Strict):
 
     @model_validator(mode="after")
     def _flags_of_the_backend(self):
-        if (self.backend == "sglang") != (self.sglang_url is not None):
+        if self.sglang_url is not None and self.backend != "sglang":
             raise ValueError("--sglang-url goes with --backend sglang (and only with it)")
+        if self.sglang_python is not None and (self.backend != "sglang" or self.sglang_url is not None):
+            raise ValueError("--sglang-python goes with --backend sglang without --sglang-url (tidespec starts "
+                             "SGLang with it; a server at --sglang-url runs in its own environment)")
         if self.vllm_python is not None and self.backend != "vllm":
             raise ValueError("--vllm-python goes with --backend vllm (and only with it)")
         for flag, v in (("--max-queue", self.max_queue), ("--max-tokens", self.max_tokens)):
@@ -67,9 +74,9 @@ class ServeLaunch(Strict):
         without. `env`: the process environment (MLFLOW_TRACKING_URI decides whether a rollback can
         reach the registry)."""
         s, notes = p.serve, []
-        if self.backend != "vllm" and s.changed("live_stats_s") and s.live_stats_s > 0:
-            raise ValueError(f"serve.live_stats_s logs vLLM's live counters (--backend vllm), not {self.backend}'s "
-                             "(they are on its /metrics): remove it or set it to 0")
+        if self.backend == "embedded" and s.changed("live_stats_s") and s.live_stats_s > 0:
+            raise ValueError("serve.live_stats_s logs the live counters of a server tidespec starts (--backend vllm "
+                             "or sglang); the embedded engine's are on its /metrics: remove it or set it to 0")
         if self.capture and p.capture.max_acceptance_rate is not None and (
                 self.backend != "embedded" or p.capture.mode == "text"):
             raise ValueError("capture.max_acceptance_rate filters hidden-state capture (the embedded engine, "
@@ -85,12 +92,17 @@ class ServeLaunch(Strict):
         self._unused(p)
         notes.append(f"requests are forwarded as sent: one without temperature gets --backend {self.backend}'s "
                      "default (serve.default_temperature is the embedded engine's)")
-        if self.backend == "vllm":
+        if self.launches:
             if s.live_stats_s > 0 and not env.get(MLFLOW_ENV):
-                notes.append(f"serve.live_stats_s: {MLFLOW_ENV} is unset, so vLLM's live counters are logged "
-                             "nowhere (set it to log them to the registry's run)")
-            notes += self._vllm(p)
+                notes.append(f"serve.live_stats_s: {MLFLOW_ENV} is unset, so {self.backend}'s live counters are "
+                             "logged nowhere and live τ rolls nothing back (set it to use the registry)")
+            notes += self._vllm(p) if self.backend == "vllm" else self._sglang(p)
         return notes
+
+    @property
+    def launches(self) -> bool:
+        """True when this command starts the engine server (vLLM; SGLang without --sglang-url)."""
+        return self.backend == "vllm" or (self.backend == "sglang" and self.sglang_url is None)
 
     def _unused(self, p: Params) -> None:
         """Refuses serve.* keys set (changed from their default) that this front door does not use."""
@@ -98,12 +110,27 @@ class ServeLaunch(Strict):
         if wrong:
             raise ValueError(f"serve.{', serve.'.join(wrong)}: the embedded engine's (draft health, workload classes); "
                              f"--backend {self.backend} does not use them: remove them or set their defaults")
-        unused = FRONTDOOR_UNUSED + (SGLANG_UNUSED if self.backend == "sglang" else ())
+        unused = FRONTDOOR_UNUSED + (() if self.launches else ATTACHED_UNUSED)
         wrong = p.serve.changed(*unused)
         if wrong:
-            raise ValueError(f"serve.{', serve.'.join(wrong)}: --backend {self.backend} does not use them (the front "
-                             f"door forwards requests as sent; set them on the {self.backend} server): remove them "
-                             "or set their defaults")
+            where = "" if self.launches else " at --sglang-url (its own; drop --sglang-url to have tidespec start " \
+                                            "and swap one)"
+            raise ValueError(f"serve.{', serve.'.join(wrong)}: --backend {self.backend}{where} does not use them (the "
+                             f"front door forwards requests as sent; set them on the {self.backend} server): remove "
+                             "them or set their defaults")
+
+    @staticmethod
+    def _sglang(p: Params) -> list[str]:
+        """SGLang drafts EAGLE3 chains or trees (engine.tree, validated with the params) at
+        engine.num_draft_tokens steps; the policy and the suffix proposer (the embedded engine's)
+        are noted."""
+        e, notes = p.engine, []
+        if e.suffix.enabled:
+            notes.append("SGLang drafts with the EAGLE3 draft only (engine.suffix is the embedded engine's)")
+        if e.adaptive:
+            notes.append(f"SGLang drafts {e.num_draft_tokens} steps = engine.num_draft_tokens (engine.adaptive, the "
+                         "goodput policy, is the embedded engine's)")
+        return notes
 
     @staticmethod
     def _vllm(p: Params) -> list[str]:

@@ -1,5 +1,5 @@
-"""The OpenAI front door before an engine server: SGLang (`--backend sglang --sglang-url URL`) or vLLM
-(`--backend vllm`, which `tidespec serve` starts and supervises).
+"""The OpenAI front door before an engine server: vLLM or SGLang, which `tidespec serve --backend
+vllm|sglang` starts and supervises, or your own SGLang (`--backend sglang --sglang-url URL`).
 
 It forwards `/v1/completions`, `/v1/chat/completions` and `/v1/models` unchanged (bodies as sent,
 responses and SSE streams byte for byte, the backend's status codes and errors) and adds what the

@@ -14,10 +14,9 @@ until the requests still running on *blue* have finished (`Proxy.inflight`), sto
 before the switch stops green and leaves blue serving. Costs one engine's memory more for the
 duration of a swap (~4 GB for SmolLM2 on CPU).
 
-Live figures per version: the server's cumulative spec-decode counters, less those it had when
-the version was loaded (`VLLMDeployment.counters_base`; zero for a fresh server). `report_live` logs
-them to the version's MLflow run (`live/acceptance_length`, `live/accepted_per_pos/<i>`, ...) and
-flags a version whose live τ is clearly below its replayed τ.
+Live figures per version: the server's cumulative spec-decode counters (`scrape`), less those it
+had when the version was loaded (`VLLMDeployment.counters_base`; zero for a fresh server), which
+`deploy.live` logs and acts on.
 """
 from __future__ import annotations
 
@@ -26,25 +25,22 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
-from ...adapters import process, registry
+from ...adapters import process
 from ...adapters.vllm import (
     SpecDecodeCounters,
     VLLMError,
     VLLMLaunch,
     VLLMServer,
-    live_below_replay,
     load_draft_in_place,
     scrape,
 )
 from ...adapters.vllm.server import LOOPBACK
 from ...workspace import copy_engine_files, private_dir, served_version
-from ..tuning import live_windows
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +182,11 @@ class VLLMDeployment:
             time.sleep(0.1)
         return True
 
+    def scrape(self) -> SpecDecodeCounters | None:
+        """The serving server's cumulative spec-decode counters (None: none exported, or no server).
+        Raises VLLMError when it does not answer."""
+        return scrape(self.server.url) if self.server else None
+
     def close(self) -> None:
         """Stop the serving vLLM server (its whole process group)."""
         if self.server:
@@ -215,138 +216,3 @@ def canary(url: str, model: str, timeout_s: float = 120.0) -> None:
         raise VLLMError(f"canary to {url} failed: {e}") from None
     if r.status_code != 200 or len(r.json().get("choices", [])) != 1:
         raise VLLMError(f"canary to {url} answered {r.status_code}: {r.text[:300]}")
-
-
-def report_live(dep: VLLMDeployment, tracking_uri: str, target_id: str, sagemaker=None) -> dict | None:
-    """Scrape the serving vLLM's counters and log them as the served version's live figures (MLflow
-    run metrics `live/*`, step = drafts so far). A version whose live τ is clearly below the τ its
-    evaluation replayed (`adapters.vllm.live_below_replay`) gets tag `live_tau_below_replay` = both
-    figures and a warning naming them. With `sagemaker` (`deploy.sagemaker`), each endpoint
-    profile's window is tuned again from the measured per-position acceptance (`tuning.live_windows`,
-    ≥ 100 drafts): tag `live_tuned_k.<profile>` (what `tidespec deploy sagemaker` then applies) and
-    metric `live/predicted_speedup/<profile>`. Returns the logged metrics, or None when there is
-    nothing to log: no registry version served, or no counters exported (live τ unknown, never 0)."""
-    version, url = dep.draft_version, dep.url
-    if version is None or url is None:
-        return None
-    live = scrape(url)
-    if live is not None and dep.counters_base is not None:
-        live = live - dep.counters_base  # the version loaded in place: its own drafts only
-    if live is None or not live.num_drafts:
-        return None
-    m = {"acceptance_length": live.acceptance_length, "acceptance_rate": live.acceptance_rate,
-         "num_drafts": live.num_drafts, "num_draft_tokens": live.num_draft_tokens,
-         "num_accepted_tokens": live.num_accepted_tokens}
-    m |= {f"accepted_per_pos/{i}": r for i, r in enumerate(live.per_position_rate)}
-    windows = live_windows(sagemaker, live.per_position_rate, live.num_drafts)
-    m |= {f"predicted_speedup/{p}": w["predicted_speedup"] for p, w in windows.items()}
-    tags = {f"live_tuned_k.{p}": str(w["k"]) for p, w in windows.items()}
-    replay_tau = registry.version_tags(tracking_uri, target_id, version).get("acceptance_length")
-    if replay_tau is not None and live_below_replay(live, float(replay_tau)):
-        tags["live_tau_below_replay"] = f"live {live.acceptance_length:.3f} < replayed {float(replay_tau):.3f}"
-        log.warning("draft v%s: live τ %.3f (±%.3f, %d drafts) is clearly below its replayed τ %s", version,
-                    live.acceptance_length, live.acceptance_length_se, live.num_drafts, replay_tau)
-    registry.log_live(tracking_uri, target_id, version, m, live.num_drafts, tags)
-    return m | {"flagged": "live_tau_below_replay" in tags, "live_tuned_k": {p: w["k"] for p, w in windows.items()}}
-
-
-class LiveGuard:
-    """Acts on live acceptance behind vLLM, one `check()` per round (`LiveReporter` calls it).
-
-    Each round judges the served version's counters since the last judged window, once the window
-    holds `min_drafts` drafts: clearly below the version's replayed τ (`replayed(version)`;
-    `adapters.vllm.live_below_replay`, 3 SE) or not. Hysteresis: `confirm` windows in a row below
-    trigger an action, any window not below resets the count, and each version gets each action
-    once:
-    1. **reload** the served draft in place (its own files again, prefix cache reset): what restores
-       a draft that decayed or was corrupted while serving (vLLM #41838: acceptance decaying over
-       hours, restored by a prefix-cache reset; SGLang PR #31674: draft weights lost after a memory
-       release);
-    2. still below after the reload: **roll back** — `rollback(version, reason)` (the server wires
-       the registry: the champion alias moved back, the decision and reason recorded, the restored
-       champion deployed, which the champion watcher then loads; it returns the restored version).
-       A version restored by a rollback is never rolled back by this guard (no cascade).
-    `rollback` None: reload only. Returns from `check()` the action taken ("reloaded",
-    "rolled_back") or None."""
-
-    def __init__(self, dep: VLLMDeployment, replayed: Callable[[str], float | None],
-                 rollback: Callable[[str, str], str | None] | None = None, min_drafts: int = 100,
-                 confirm: int = 2):
-        self.dep, self.replayed, self.rollback = dep, replayed, rollback
-        self.min_drafts, self.confirm = min_drafts, confirm
-        self._version: str | None = None
-        self._start: SpecDecodeCounters | None = None
-        self._below = 0
-        self._reloaded: set[str] = set()
-        self._rolled: set[str] = set()
-        self._restored: set[str] = set()
-
-    def check(self) -> str | None:
-        version, url = self.dep.draft_version, self.dep.url
-        if version is None or url is None:
-            return None
-        now = scrape(url)
-        if now is None:
-            return None
-        if version != self._version or self._start is None or now.num_drafts < self._start.num_drafts:
-            self._version, self._start, self._below = version, now, 0  # a new version, or a new server
-            return None
-        window = now - self._start
-        if window.num_drafts < self.min_drafts:
-            return None
-        self._start = now
-        replay = self.replayed(version)
-        if replay is None or not live_below_replay(window, replay, min_drafts=self.min_drafts):
-            self._below = 0
-            return None
-        self._below += 1
-        if self._below < self.confirm:
-            return None
-        self._below = 0
-        reason = (f"live τ {window.acceptance_length:.3f} ± {window.acceptance_length_se:.3f} over the last "
-                  f"{window.num_drafts} drafts, {self.confirm} windows in a row, clearly below its replayed τ "
-                  f"{replay:.3f}")
-        return self._act(version, reason)
-
-    def _act(self, version: str, reason: str) -> str | None:
-        if version not in self._reloaded:
-            self._reloaded.add(version)
-            self.dep.reload()
-            log.warning("reloaded draft %s in place: %s", version, reason)
-            return "reloaded"
-        if self.rollback is None or version in self._rolled or version in self._restored:
-            return None
-        self._rolled.add(version)
-        back = self.rollback(version, f"{reason}, after a reload")
-        if back is not None:
-            self._restored.add(str(back))
-        log.warning("rolled back draft %s to %s: %s, after a reload", version, back, reason)
-        return "rolled_back"
-
-
-class LiveReporter:
-    """Calls `report_live` and then `guard.check()` (a `LiveGuard`, or None) every `every_s` seconds
-    on a daemon thread; errors are logged, never raised."""
-
-    def __init__(self, dep: VLLMDeployment, tracking_uri: str, target_id: str, every_s: float = 60.0,
-                 sagemaker=None, guard: LiveGuard | None = None):
-        self.args, self.every_s, self.guard = (dep, tracking_uri, target_id, sagemaker), every_s, guard
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tidespec-vllm-live", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                report_live(*self.args)
-                if self.guard:
-                    self.guard.check()
-            except VLLMError as e:  # a server stopping (a swap, shutdown) between reading its URL and scraping it
-                log.warning("live spec-decode figures not logged this time: %s", e)
-            except Exception:  # a registry hiccup must not stop serving
-                log.exception("live spec-decode figures not logged this time")
-
-    def close(self) -> None:
-        """Stop reporting (waits at most 5 s for a report in progress)."""
-        self._stop.set()
-        self._thread.join(5)

@@ -1,4 +1,4 @@
-"""The SGLang adapter (CUDA only): launch arguments, the server process (through `process`), its
+"""SGLang's server (CUDA only): launch arguments, the server process (through `process`), its
 client, and capture from it.
 
 SGLang pins its own torch, transformers and CUDA kernels, so it never shares tidespec's venv: it
@@ -11,6 +11,7 @@ SGLangUnavailable naming the fix. The SGLang source facts it relies on: docs/des
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,14 +19,21 @@ from typing import Literal
 
 import torch
 
-from ..errors import TidespecError, Unavailable
-from . import process
+from ...errors import TidespecError, Unavailable
+from .. import process
 
 SGLANG_VERSION = "0.5.23"
+VENV = ".venv-sglang"  # SGLang's own environment (its torch and CUDA kernels), on a GPU machine
 CONDITIONAL_PLUS_ONE = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
                         "GptOssForCausalLM")
 PROBE = ("import json, torch, sglang; print(json.dumps({'sglang': sglang.__version__, "
          "'cuda': torch.cuda.is_available()}))")
+
+
+def default_python() -> str:
+    """SGLang's interpreter when none is given: $TIDESPEC_SGLANG_PYTHON, else `.venv-sglang/bin/python`
+    in the working directory."""
+    return os.environ.get("TIDESPEC_SGLANG_PYTHON") or str(Path(VENV) / "bin" / "python")
 
 
 class SGLangUnavailable(Unavailable):
@@ -42,7 +50,9 @@ class SGLangLaunch:
     without it), `capture_aux` (target alone, returns aux hidden states `[T, 3H]`), `capture_last`
     (target alone, returns final hidden states `[T, H]`). aux_layer_ids: output-of-layer ids
     (tidespec/SpecForge convention), required for capture_aux. capture_max_len: the longest
-    sequence a capture request may send (the chunked-prefill size, so prefill is one pass)."""
+    sequence a capture request may send (the chunked-prefill size, so prefill is one pass).
+    served_model_name, context_length (tokens; None: the model's), max_running_requests (None:
+    SGLang's): `--served-model-name`, `--context-length`, `--max-running-requests` of a serve server."""
 
     model_path: str
     mode: Literal["serve", "capture_aux", "capture_last"] = "serve"
@@ -58,6 +68,9 @@ class SGLangLaunch:
     num_draft_tokens: int | None = None  # None: num_steps + 1 (chain) when topk is 1
     aux_layer_ids: tuple[int, ...] | None = None
     capture_max_len: int = 4096
+    served_model_name: str | None = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
@@ -71,6 +84,10 @@ class SGLangLaunch:
             raise ValueError(f"mem_fraction_static {self.mem_fraction_static} must be in (0, 1)")
         if self.capture_max_len < 2:
             raise ValueError("capture_max_len must be >= 2")
+        for name in ("context_length", "max_running_requests"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} {v} must be >= 1")
 
     @property
     def url(self) -> str:
@@ -105,6 +122,10 @@ def launch_args(cfg: SGLangLaunch) -> list[str]:
         a += ["--mem-fraction-static", f"{cfg.mem_fraction_static:g}"]
     if cfg.mode == "serve":
         a += ["--enable-metrics"]
+        for flag, v in (("--served-model-name", cfg.served_model_name), ("--context-length", cfg.context_length),
+                        ("--max-running-requests", cfg.max_running_requests)):
+            if v is not None:
+                a += [flag, str(v)]
         if cfg.draft_path:
             n = cfg.num_draft_tokens or (cfg.num_steps + 1 if cfg.eagle_topk == 1 else None)
             if n is None:
@@ -119,6 +140,10 @@ def launch_args(cfg: SGLangLaunch) -> list[str]:
         if cfg.draft_path:
             raise ValueError("capture servers run the target alone: SGLang rejects a draft path with "
                              "--enable-return-aux-hidden-states")
+        serve_only = [n for n in ("served_model_name", "context_length", "max_running_requests")
+                      if getattr(cfg, n) is not None]
+        if serve_only:
+            raise ValueError(f"{', '.join(serve_only)}: settings of a serve server, not of a capture server")
         a += ["--disable-radix-cache", "--chunked-prefill-size", str(cfg.capture_max_len),
               "--context-length", str(cfg.capture_max_len + 8)]
         if cfg.mode == "capture_aux":

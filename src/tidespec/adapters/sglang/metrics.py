@@ -1,0 +1,49 @@
+"""SGLang's spec-decode counters, read from its Prometheus `/metrics` (`--enable-metrics`), as
+`spec_counters.SpecDecodeCounters`.
+
+SGLang 0.5.23 counts, per finished request, `sglang:spec_verify_calls_total` (verify forwards)
+and `sglang:generation_tokens_total` (output tokens); its per-request `spec_accept_length` is their
+ratio (`tokenizer_manager._calculate_spec_decoding_metrics`), and its gauges
+(`sglang:spec_accept_length`) hold only the last batch's. So: drafts = verify calls, accepted =
+output tokens − verify calls, draft tokens = drafts × k (`--speculative-num-steps` with topk 1);
+SGLang counts no per-position acceptance. The first output token of a request comes from its
+prefill, not a verify, so this τ sits above the verify-step τ by up to 1 / output length: the
+live check leans towards not flagging.
+"""
+from __future__ import annotations
+
+from ..spec_counters import SpecDecodeCounters
+from .server import SGLangError
+
+VERIFY = "sglang:spec_verify_calls"
+GENERATED = "sglang:generation_tokens"
+
+
+def parse_metrics(text: str, num_draft_tokens: int) -> SpecDecodeCounters | None:
+    """The spec-decode counters of an SGLang `/metrics` exposition (summed over label sets:
+    streaming or not, several ranks), with `num_draft_tokens` = k per draft. None when SGLang
+    exports no verify counter (no speculation, or metrics off): live τ is then unknown, never 0."""
+    from prometheus_client.parser import text_string_to_metric_families
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens {num_draft_tokens} must be >= 1")
+    vals: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name in (VERIFY, GENERATED):
+            vals[fam.name] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    if VERIFY not in vals:
+        return None
+    drafts = int(vals[VERIFY])
+    accepted = max(int(vals.get(GENERATED, 0)) - drafts, 0)
+    return SpecDecodeCounters(drafts, drafts * num_draft_tokens, accepted, ())
+
+
+def scrape(url: str, num_draft_tokens: int, timeout_s: float = 10.0) -> SpecDecodeCounters | None:
+    """GET `<url>/metrics` and parse it (`parse_metrics`). Raises SGLangError when the server does not answer."""
+    import httpx
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/metrics", timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise SGLangError(f"SGLang at {url} did not answer /metrics: {e}") from None
+    if r.status_code != 200:
+        raise SGLangError(f"SGLang at {url} answered /metrics with {r.status_code}")
+    return parse_metrics(r.text, num_draft_tokens)

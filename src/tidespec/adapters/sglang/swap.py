@@ -1,0 +1,53 @@
+"""Draft swaps on a running SGLang server: in place, through `sglang_plugin/tidespec_sglang_swap.py`
+run by SGLang's own interpreter (the draft-only weight update of SGLang 0.5.23; that script's
+docstring gives the calls), and the checks that decide whether a new draft can go in place."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from .server import SGLangError
+
+SWAP_SCRIPT = Path(__file__).resolve().parents[1] / "sglang_plugin" / "tidespec_sglang_swap.py"
+VOCAB_MAP = ("d2t", "t2d")
+
+
+def load_draft_in_place(url: str, draft_dir: Path, python: str, tp_size: int = 1, base_gpu_id: int = 0,
+                        timeout_s: float = 600.0) -> dict:
+    """Load the draft in `draft_dir` (model.safetensors) into the SGLang server at `url`, in place.
+    Returns {"seconds" (wall, here), "load_seconds" (the script's), "tensors", "flushed" (the radix
+    cache was flushed; False while requests ran)}. Raises SGLangError with SGLang's answer when a
+    call fails (the draft may then be partly updated: load the served one again)."""
+    t0 = time.perf_counter()
+    cmd = [python, str(SWAP_SCRIPT), "--url", url, "--draft", str(draft_dir), "--tp-size", str(tp_size),
+           "--base-gpu-id", str(base_gpu_id), "--timeout-s", f"{timeout_s:g}"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SGLangError(f"the in-place draft load did not finish ({type(e).__name__}: {e})") from None
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SGLangError(f"SGLang refused the in-place draft load from {draft_dir}: {tail}")
+    try:
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise SGLangError(f"the in-place draft load answered without its JSON line: {r.stdout[-200:]!r}") from None
+    return {"seconds": time.perf_counter() - t0, "load_seconds": float(res["seconds"]),
+            "tensors": int(res["tensors"]), "flushed": bool(res["flushed"])}
+
+
+def vocab_map_change(served: Path, new: Path) -> str | None:
+    """Why `new`'s draft→target vocabulary map (d2t, t2d in model.safetensors) cannot replace the
+    served one's in place, or None when they are equal (SGLang's EAGLE worker reads it once at start)."""
+    from safetensors import safe_open
+
+    def maps(d: Path) -> dict:
+        with safe_open(str(Path(d) / "model.safetensors"), "pt") as f:
+            return {k: f.get_tensor(k) for k in VOCAB_MAP if k in f.keys()}
+    a, b = maps(served), maps(new)
+    changed = [k for k in VOCAB_MAP if (k in a) != (k in b) or (k in a and (a[k].shape != b[k].shape
+                                                                         or not bool((a[k] == b[k]).all())))]
+    return (f"the draft's vocabulary map changed ({', '.join(changed)}): SGLang reads it once at start"
+            if changed else None)

@@ -1,0 +1,96 @@
+"""Load a tidespec EAGLE3 draft into a running SGLang server's draft, in place. Run by SGLang's own
+interpreter, on the server's node (never imported by tidespec):
+
+    <sglang python> tidespec_sglang_swap.py --url URL --draft DIR [--tp-size N] [--base-gpu-id G]
+
+SGLang 0.5.23's draft-only weight update (`srt/managers/scheduler_components/weight_updater.py`:
+`_select_runners("draft")`), between two scheduler steps, requests in flight continuing:
+1. POST /begin_weight_update {"selector": "draft"};
+2. POST /update_weights_from_tensor {"serialized_named_tensors": [one per TP rank], "selector":
+   "draft", "flush_cache": false}: the draft's tensors on each rank's GPU, serialized by SGLang's
+   `MultiprocessingSerializer` (CUDA IPC: only handles travel), held here until the call returns;
+3. POST /end_weight_update (also after a failed step 2, so no session stays open);
+4. POST /flush_cache, best effort: SGLang refuses it while requests run; the target verifies every
+   token, so a radix-cache entry the old draft computed costs acceptance, never output.
+`d2t`/`t2d` are not sent: SGLang's EAGLE worker copies the vocabulary map once at start, so
+tidespec refuses an in-place swap that changes it. `/update_weights_from_disk` is not the route:
+it loads the one path into the target's runners as well.
+
+Prints one JSON line: {"seconds", "tensors", "flushed"}; exits 1 with the reason on stderr.
+"""
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+SKIP = ("d2t", "t2d")
+
+
+def post(url: str, path: str, body: dict | None, timeout_s: float) -> tuple[int, str]:
+    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def call(url: str, path: str, body: dict | None, timeout_s: float) -> None:
+    code, text = post(url, path, body, timeout_s)
+    try:
+        ok = code == 200 and json.loads(text).get("success", True)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise RuntimeError(f"SGLang {path} answered {code}: {text[:300]}")
+
+
+def payloads(draft: str, tp_size: int, base_gpu_id: int) -> tuple[list[str], int, list]:
+    """One serialized [(name, tensor)] list per TP rank (tensors on that rank's GPU), the tensor
+    count, and the tensors themselves (kept alive until SGLang has copied them)."""
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    monkey_patch_torch_reductions()
+    weights = {k: v for k, v in load_file(f"{draft}/model.safetensors").items() if k not in SKIP}
+    out, held = [], []
+    for rank in range(tp_size):
+        dev = torch.device("cuda", base_gpu_id + rank) if torch.cuda.is_available() else torch.device("cpu")
+        named = [(k, v.to(dev)) for k, v in weights.items()]
+        held.append(named)
+        out.append(MultiprocessingSerializer.serialize(named, output_str=True))
+    return out, len(weights), held
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--draft", required=True, help="a draft engine dir (model.safetensors + config.json)")
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--base-gpu-id", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        serialized, n, held = payloads(a.draft, a.tp_size, a.base_gpu_id)
+        call(a.url, "/begin_weight_update", {"selector": "draft"}, a.timeout_s)
+        try:
+            call(a.url, "/update_weights_from_tensor", {"serialized_named_tensors": serialized, "selector": "draft",
+                                                        "flush_cache": False}, a.timeout_s)
+        finally:
+            call(a.url, "/end_weight_update", {}, a.timeout_s)
+        del held
+    except Exception as e:  # noqa: BLE001 - reported to the caller, which keeps the served draft
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    code, _ = post(a.url, "/flush_cache", None, a.timeout_s)
+    print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n, "flushed": code == 200}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
