@@ -134,6 +134,9 @@ def test_endpoint_traffic_closes_the_loop(tmp_path, tiny_target_dir):
         assert json.loads(champ.tags["snapshot_revs"]) == {snaps[0].name: versioning.snapshot_rev(proj, snaps[0])}
         k = int(champ.tags["tuned_k.gpu"])
         assert read_version(ws.champion)["tuned_k"]["gpu"] == k  # the local deploy carries the window
+        tau_k = json.loads(champ.tags["tau_k"])  # τ(0..K) replayed: the acceptance alarm's reference
+        assert tau_k[0] == 1.0 and tau_k == sorted(tau_k) and len(tau_k) == params.engine.num_draft_tokens + 1
+        assert read_version(ws.champion)["tau_k"] == tau_k
         # the endpoint gets the new champion with its tuned window (moto lacks UpdateEndpoint: applied as
         # the blue/green update's result, the request validated by botocore's model)
         upd = smd.deploy_endpoint(params, "gpu", smd.check_draft(ws.champion, tid), tid, sm=_MotoWithUpdate(sm))

@@ -102,11 +102,12 @@ class Workspace:
 
 
 def read_version(draft_dir: Path) -> dict | None:
-    """`{"version": str, "run_id": str, "tuned_k": {profile: k}, "replayed": {class: a₁}}` of a draft
-    dir that came from the registry (tuned_k: the per-endpoint window the register step chose;
-    replayed: the first-token acceptance its evaluation replayed, overall under "" and per workload
-    class — `engine.health`; {} when none), None when the dir has no version.json. Raises ValueError
-    for a version.json that is not such an object."""
+    """`{"version": str, "run_id": str, "tuned_k": {profile: k}, "replayed": {class: a₁}, "tau_k":
+    [τ]}` of a draft dir that came from the registry (tuned_k: the per-endpoint window the register
+    step chose; replayed: the first-token acceptance its evaluation replayed, overall under "" and
+    per workload class — `engine.health`; {} when none; tau_k: the acceptance length it replayed at
+    k = 0, 1, ... — the SageMaker acceptance alarm's reference; [] when none), None when the dir
+    has no version.json. Raises ValueError for a version.json that is not such an object."""
     f = Path(draft_dir) / VERSION_FILE
     if not f.exists():
         return None
@@ -122,8 +123,13 @@ def read_version(draft_dir: Path) -> dict | None:
                                                         for x in v) and 0 <= v[0] <= 1 and 0 <= v[1] < math.inf
             for v in rep.values()):
         raise ValueError(f"{f}: replayed must map workload classes to [acceptance in [0, 1], finite chains >= 0]")
+    tau_k = meta.get("tau_k", [])
+    if not isinstance(tau_k, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                              and 1 <= t < math.inf for t in tau_k):
+        raise ValueError(f"{f}: tau_k must list acceptance lengths >= 1 (τ at k = 0, 1, ...)")
     return {"version": str(meta["version"]), "run_id": str(meta.get("run_id", "")), "tuned_k": tuned,
-            "replayed": {str(k): [float(a), float(n)] for k, (a, n) in rep.items()}}
+            "replayed": {str(k): [float(a), float(n)] for k, (a, n) in rep.items()},
+            "tau_k": [float(t) for t in tau_k]}
 
 
 def served_version(draft_dir: Path) -> str | None:
@@ -140,12 +146,13 @@ def served(draft_dir: Path) -> dict:
 
 
 def write_version(draft_dir: Path, version: str, run_id: str, tuned_k: dict[str, int] | None = None,
-                  replayed: dict[str, list[float]] | None = None) -> None:
+                  replayed: dict[str, list[float]] | None = None, tau_k: list[float] | None = None) -> None:
     """Record which registry version (and MLflow run) `draft_dir` holds, the per-endpoint window
-    its register step tuned (profile → k, 0 = speculation off) and the first-token acceptance its
-    evaluation replayed (class → [a₁, chains], "" overall)."""
+    its register step tuned (profile → k, 0 = speculation off), the first-token acceptance its
+    evaluation replayed (class → [a₁, chains], "" overall) and the acceptance length it replayed
+    at each window (τ(0..K))."""
     meta = {"version": str(version), "run_id": run_id} | ({"tuned_k": dict(tuned_k)} if tuned_k else {}) | \
-        ({"replayed": dict(replayed)} if replayed else {})
+        ({"replayed": dict(replayed)} if replayed else {}) | ({"tau_k": list(tau_k)} if tau_k else {})
     (Path(draft_dir) / VERSION_FILE).write_text(json.dumps(meta))
 
 

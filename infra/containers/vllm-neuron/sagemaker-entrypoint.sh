@@ -22,5 +22,10 @@ while IFS= read -r -d '' kv; do
   args+=("--${name//_/-}")
   [[ -n $val ]] && args+=("$val")
 done < <(env -0 | sort -z)
+# TIDESPEC_ACCEPTANCE=1 (set by `tidespec deploy sagemaker` with canary.alarm_acceptance): publish the
+# engine's live acceptance length to CloudWatch beside it, for the auto-rollback alarm
+if [[ ${TIDESPEC_ACCEPTANCE:-0} == 1 ]]; then
+  python3 -m tidespec.adapters.sagemaker_deploy.acceptance &
+fi
 read -r -a cmd <<< "${VLLM_CMD:-vllm serve}"
 exec "${cmd[@]}" "${args[@]}"

@@ -230,7 +230,11 @@ class CanaryParams(_Strict):
     """Blue/green update knobs (UpdateEndpoint DeploymentConfig). percent: canary share of the new
     fleet's capacity (SageMaker takes ≤ 50 %; used when instance_count ≥ 2); wait_s: canary (or, with
     one instance, baking) period watched by the alarms; alarm_5xx: Invocation5XXErrors per minute that
-    trips the rollback; alarm_p99_latency_ms: ModelLatency p99 that does (None: no latency alarm)."""
+    trips the rollback; alarm_p99_latency_ms: ModelLatency p99 that does (None: no latency alarm);
+    alarm_acceptance: a third alarm on the new draft's live acceptance length, which the serving
+    image publishes to CloudWatch (`sagemaker_deploy.acceptance`; the images in infra/containers run
+    it): two minutes below the τ its evaluation replayed at the served window, by more than 3
+    standard errors over 100 drafts, trip the rollback."""
 
     percent: int = Field(10, ge=1, le=50)
     wait_s: int = Field(600, ge=0, le=3600)  # WaitIntervalInSeconds
@@ -238,6 +242,7 @@ class CanaryParams(_Strict):
     max_execution_s: int = Field(3600, ge=600, le=14400)  # MaximumExecutionTimeoutInSeconds
     alarm_5xx: int = Field(1, ge=1)
     alarm_p99_latency_ms: float | None = Field(30000, gt=0)
+    alarm_acceptance: bool = False
 
 
 # built-in profiles; a profile of the same name in params.yaml overrides these keys only
@@ -354,4 +359,9 @@ class SageMakerDeployParams(_Strict):
         if prof.engine == "vllm-neuron" and not prof.image_uri:
             raise ValueError(f"profile {name!r} (vllm-neuron) needs image_uri: a vLLM-Neuron serving image in your "
                              f"ECR (deploy.sagemaker.profiles.{name}.image_uri; see infra/README.md, 'Images')")
+        if self.canary.alarm_acceptance and not prof.image_uri:
+            raise ValueError(f"deploy.sagemaker.canary.alarm_acceptance: profile {name!r} runs the AWS SGLang DLC, "
+                             "which publishes no acceptance metric, so the alarm could never fire; build "
+                             f"infra/containers/sglang on it and set deploy.sagemaker.profiles.{name}.image_uri, or "
+                             "turn the alarm off")
         return prof

@@ -71,6 +71,7 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
             tags = {}
         tags |= {**key, "snapshot_revs": data["snapshot_revs"], "params_sha": params.sha(), "trigger": trigger,
                 **{f"tuned_k.{p}": str(w["k"]) for p, w in windows.items()},
+                **({"tau_k": json.dumps(next(iter(windows.values()))["tau_k"])} if windows else {}),
                 "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
                 "num_holdout_prompts": str(report.get("num_prompts", "")),
                 registry.FIRST_TOKEN_TAG: json.dumps(first_token_acceptance(cand))}

@@ -28,6 +28,7 @@ from .client import (
     log_live,
     model_name,
     replayed,
+    tau_k,
     tuned_k,
     version_tags,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "promote_if_better",
     "replayed",
     "rollback",
+    "tau_k",
     "tuned_k",
     "version_tags",
 ]

@@ -266,6 +266,16 @@ def tuned_k(tags: dict[str, str]) -> dict[str, int]:
     return out | {k.removeprefix("live_tuned_k."): int(v) for k, v in tags.items() if k.startswith("live_tuned_k.")}
 
 
+def tau_k(tags: dict[str, str]) -> list[float]:
+    """The acceptance length a version's evaluation replayed at windows 0..K (tag ``tau_k``, JSON,
+    written by the register step with deploy.sagemaker set); [] when missing or malformed."""
+    try:
+        out = [float(t) for t in json.loads(tags.get("tau_k", "[]"))]
+    except (ValueError, TypeError):
+        return []
+    return out if all(1.0 <= t < math.inf for t in out) else []
+
+
 def replayed(tags: dict[str, str]) -> dict[str, list[float]]:
     """The first-token acceptance a version's evaluation replayed and the chains it counted (tag
     ``first_token_acceptance``, JSON {class: [a₁, chains]}, "" = overall; `engine.health`); {} when

@@ -20,6 +20,7 @@ from ...errors import TidespecError
 from ...models.eagle3 import load_checkpoint
 from ...workspace import copy_engine_files, engine_dir, read_version
 from ..aws import NAME_RE, parse_s3_uri
+from .acceptance import alarm_request as acceptance_alarm
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class DraftArtifact:
     sha256: str
     config_sha256: str = ""
     tuned_k: tuple[tuple[str, int], ...] = ()  # (profile, k) the register step chose (0: speculation off)
+    tau_k: tuple[float, ...] = ()  # τ(0..K) its evaluation replayed (the acceptance alarm's reference)
 
     @property
     def key(self) -> str:
@@ -121,10 +123,12 @@ def spec_settings(sm_params: SageMakerDeployParams, k: int, tree: TreeParams = T
 
 
 def container_env(profile: EndpointProfile, model_path: str, spec: Mapping[str, int],
-                  draft: DraftArtifact) -> dict[str, str]:
+                  draft: DraftArtifact, endpoint: str = "", acceptance: bool = False) -> dict[str, str]:
     """Container environment of the Model. SGLang: SM_SGLANG_* (→ launch_server flags); vLLM-neuron:
     SM_VLLM_* with SPECULATIVE_CONFIG as JSON; `spec` None: no speculative settings (the tuned
-    window found none that pays). Profile environment entries override."""
+    window found none that pays). `acceptance` (with `spec`): the image's acceptance publisher is
+    told to run and what to label (`acceptance.main`), and SGLang to export its counters.
+    Profile environment entries override."""
     if profile.engine == "sglang":
         env = {"SM_SGLANG_MODEL_PATH": model_path, "SM_SGLANG_TP_SIZE": str(profile.tensor_parallel_size)}
         if spec is not None:
@@ -139,6 +143,12 @@ def container_env(profile: EndpointProfile, model_path: str, spec: Mapping[str, 
             cfg = {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": spec["num_steps"]}
             env["SM_VLLM_SPECULATIVE_CONFIG"] = json.dumps(cfg, separators=(",", ":"))
     env |= {"TIDESPEC_DRAFT_VERSION": str(draft.version or ""), "TIDESPEC_DRAFT_SHA256": draft.sha256}
+    if acceptance and spec is not None:
+        engine = "sglang" if profile.engine == "sglang" else "vllm"
+        env |= {"TIDESPEC_ACCEPTANCE": "1", "TIDESPEC_ENDPOINT_NAME": endpoint, "TIDESPEC_ENGINE": engine,
+                "TIDESPEC_NUM_STEPS": str(spec["num_steps"])}
+        if engine == "sglang":
+            env["SM_SGLANG_ENABLE_METRICS"] = ""  # a bare --enable-metrics
     return env | dict(profile.environment)
 
 
@@ -168,7 +178,8 @@ def model_request(name: str, sm_params: SageMakerDeployParams, profile: Endpoint
         model_path = MODEL_DIR
     else:
         model_path = target
-    container["Environment"] = container_env(profile, model_path, spec, draft)
+    container["Environment"] = container_env(profile, model_path, spec, draft, endpoint,
+                                             sm_params.canary.alarm_acceptance)
     return {"ModelName": name, "ExecutionRoleArn": sm_params.role_arn, "PrimaryContainer": container,
             "Tags": _tags(sm_params, endpoint, draft)}
 
@@ -203,9 +214,13 @@ def endpoint_config_request(name: str, model_name: str, profile: EndpointProfile
             "Tags": _tags(sm_params, endpoint, draft)}
 
 
-def alarm_requests(endpoint: str, canary: CanaryParams) -> tuple[dict, ...]:
+def alarm_requests(endpoint: str, canary: CanaryParams, draft: DraftArtifact | None = None,
+                   spec: Mapping[str, int] | None = None) -> tuple[dict, ...]:
     """PutMetricAlarm kwargs of the auto-rollback alarms (AWS/SageMaker per-variant metrics, 1-min
-    periods): 5xx count ≥ alarm_5xx, and ModelLatency p99 (µs) > alarm_p99_latency_ms."""
+    periods): 5xx count ≥ alarm_5xx, ModelLatency p99 (µs) > alarm_p99_latency_ms, and with
+    canary.alarm_acceptance the draft's live acceptance length below its replayed τ at the served
+    window (`acceptance.alarm_request`; none when `spec` is None: speculation off, nothing to
+    accept). Raises ValueError when that alarm is asked for a draft without a replayed τ(k)."""
     dims = [{"Name": "EndpointName", "Value": endpoint}, {"Name": "VariantName", "Value": VARIANT}]
     base = endpoint if endpoint.startswith("tidespec-") else f"tidespec-{endpoint}"  # operator policy: alarm:tidespec-*
     out = [{"AlarmName": f"{base}-5xx", "Namespace": "AWS/SageMaker", "MetricName": "Invocation5XXErrors",
@@ -219,6 +234,13 @@ def alarm_requests(endpoint: str, canary: CanaryParams) -> tuple[dict, ...]:
                     "EvaluationPeriods": 2, "Threshold": canary.alarm_p99_latency_ms * 1000.0,
                     "ComparisonOperator": "GreaterThanThreshold", "TreatMissingData": "notBreaching",
                     "AlarmDescription": "tidespec blue/green auto-rollback: ModelLatency p99 (µs)"})
+    if canary.alarm_acceptance and spec is not None:
+        if draft is None or not draft.tau_k:
+            raise ValueError(f"deploy.sagemaker.canary.alarm_acceptance: draft {draft.version if draft else None} "
+                             "has no replayed τ(k) (version.json tau_k, from the registry tag the register step "
+                             "writes with deploy.sagemaker set): deploy a registry version registered so, or turn "
+                             "the alarm off")
+        out.append(acceptance_alarm(f"{base}-acceptance", endpoint, draft.version, draft.tau_k, spec["num_steps"]))
     return tuple(out)
 
 
@@ -276,7 +298,8 @@ def check_draft(path: Path, target_id: str | None, version: str | None = None) -
         raise ValueError(f"{path}: not a readable draft checkpoint ({type(e).__name__}: {e})") from None
     eng = engine_dir(path)  # a bundle's draft/ (what the endpoint loads); its version.json is beside it
     return DraftArtifact(eng, None if version is None else str(version), sha256_file(eng / "model.safetensors"),
-                         sha256_file(eng / "config.json"), tuple(sorted(meta.get("tuned_k", {}).items())))
+                         sha256_file(eng / "config.json"), tuple(sorted(meta.get("tuned_k", {}).items())),
+                         tuple(float(t) for t in meta.get("tau_k", ())))
 
 
 def private_copy(draft: DraftArtifact, dest: Path) -> DraftArtifact:
@@ -288,7 +311,7 @@ def private_copy(draft: DraftArtifact, dest: Path) -> DraftArtifact:
     if sha != draft.sha256:
         raise ValueError(f"draft {draft.path} changed since it was checked (a promotion or rollback meanwhile?); "
                          "deploy again")
-    return DraftArtifact(dest, draft.version, sha, sha256_file(dest / "config.json"), draft.tuned_k)
+    return DraftArtifact(dest, draft.version, sha, sha256_file(dest / "config.json"), draft.tuned_k, draft.tau_k)
 
 
 def target_prefix(s3_prefix: str, target_id: str) -> str:
@@ -324,5 +347,5 @@ def plan(params: Params, sm_params: SageMakerDeployParams, profile_name: str, dr
     return DeployPlan(profile_name, endpoint,
                       model_request(name, sm_params, profile, region, target_uri, draft_s3, spec, draft, endpoint),
                       endpoint_config_request(name, name, profile, sm_params, draft, endpoint),
-                      alarm_requests(endpoint, sm_params.canary), draft_s3,
+                      alarm_requests(endpoint, sm_params.canary, draft, spec), draft_s3,
                       target_uri if target_uri.startswith("s3://") else None)
