@@ -50,11 +50,14 @@ demo-sagemaker: assets     ## the production loop on moto: endpoint with data ca
 	$(VENV)/bin/tidespec demo --sagemaker
 
 # two workers, one test file each at a time (module fixtures stay in one process), one thread each
-# (two workers × 2 threads on 2 cores oversubscribe); the vLLM tests need `make vllm`'s venv (a
-# machine where it cannot be built, e.g. without AVX2, still runs the rest: those tests skip, saying why)
+# (two workers × 2 threads on 2 cores oversubscribe), files handed out in collection order, which
+# tests/conftest.py starts with the longest (xdist's default reorder, by test count, left the
+# few-test vLLM files for last); the vLLM tests need `make vllm`'s venv (a machine where it cannot
+# be built, e.g. without AVX2, still runs the rest: those tests skip, saying why)
 test: assets               ## full suite (incl. the real vLLM lane); starts Prefect/MLflow/moto/vLLM servers on 127.0.0.1 itself
 	@$(MAKE) --no-print-directory vllm || echo "make vllm failed: the vLLM tests will skip, each naming why"
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -rs --durations=25
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -rs \
+		--durations=25
 
 repro: assets              ## rerun a cycle from the DVC-tracked snapshots (dvc repro: curate → train → evaluate → register), then deploy the champion
 	eval "$$($(VENV)/bin/tidespec services up)" && $(VENV)/bin/dvc repro && $(VENV)/bin/tidespec deploy local

@@ -20,6 +20,18 @@ from tidespec.config import CaptureParams, EngineParams
 REPO = Path(__file__).resolve().parents[1]
 
 
+# `make test` runs two xdist workers, a file at a time each (--dist loadfile --no-loadscope-reorder),
+# handing files out in collection order: the longest files (--durations of a full run) go first, so
+# neither worker is left running one of them alone at the end
+LONGEST_FIRST = ("test_vllm_real.py", "test_vllm_loop.py", "test_repro_s3.py", "test_engine_real.py",
+                 "test_install_extras.py", "test_orchestration.py", "test_capture_loop.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def copy_prefect_project(dest: Path) -> Path:
     """The repository's Prefect project into `dest`: prefect.yaml and the flows/ its entrypoints name
     (a worker loads `flows/*.py` from the deployment's working directory, `dest`). Returns `dest`."""
