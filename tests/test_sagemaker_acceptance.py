@@ -63,7 +63,7 @@ def test_threshold_is_the_replayed_tau_less_three_bhatia_davis_errors():
     assert acceptance.threshold(TAU_K, 4) == pytest.approx(1.6501, abs=1e-4)
     assert acceptance.threshold(TAU_K, 6) == pytest.approx(1.48, abs=1e-12)
     assert acceptance.threshold(TAU_K, 1) == pytest.approx(1.4530, abs=1e-4)
-    for bad, k in (([], 4), (TAU_K, 0)):
+    for bad, k in (([], 4), (TAU_K, 0), ([1.0, 5.0], 1), ([1.2, 1.6], 1), ([1.0, 1.9, 1.7], 2)):
         with pytest.raises(ValueError, match="threshold needs"):
             acceptance.threshold(bad, k)
 
@@ -115,13 +115,15 @@ class _Metrics(BaseHTTPRequestHandler):
     """SGLang's /metrics as prometheus_client writes it, from the counters in `self.server.c`."""
 
     def do_GET(self):
-        v, g = self.server.c["verify"], self.server.c["generated"]
+        v, g, n = self.server.c["verify"], self.server.c["generated"], self.server.c["requests"]
         body = ("# HELP sglang:spec_verify_calls_total Number of speculative decoding verification calls.\n"
                 "# TYPE sglang:spec_verify_calls_total counter\n"
                 f'sglang:spec_verify_calls_total{{model_name="m"}} {v}.0\n'
                 "# HELP sglang:generation_tokens_total Number of generation tokens processed.\n"
                 "# TYPE sglang:generation_tokens_total counter\n"
-                f'sglang:generation_tokens_total{{is_streaming="false",model_name="m"}} {g}.0\n').encode()
+                f'sglang:generation_tokens_total{{is_streaming="false",model_name="m"}} {g}.0\n'
+                "# TYPE sglang:num_requests_total counter\n"
+                f'sglang:num_requests_total{{is_streaming="false",model_name="m"}} {n}.0\n').encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.send_header("Content-Length", str(len(body)))
@@ -148,17 +150,22 @@ def test_published_acceptance_lands_on_the_alarms_metric_on_moto(aws_env, tiny_t
     (alarm,) = cw.describe_alarms(AlarmNames=[f"{ep}-acceptance"])["MetricAlarms"]
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
-    srv.c = {"verify": 40, "generated": 100}
+    srv.c = {"verify": 40, "generated": 110, "requests": 10}
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         pub = acceptance.Publisher(f"http://127.0.0.1:{srv.server_port}", "sglang", 4, ep, "7", cloudwatch=cw)
         assert pub.publish_once() is None  # the first read opens the window
-        srv.c = {"verify": 120, "generated": 240}
+        srv.c = {"verify": 120, "generated": 250, "requests": 20}
         assert pub.publish_once() is None  # 80 drafts: too few for a datapoint
-        srv.c = {"verify": 140, "generated": 230}  # since the first read: 100 drafts, 130 tokens → τ 1.3
+        srv.c = {"verify": 140, "generated": 250, "requests": 20}  # since the first read: 100 drafts, 140
+        # tokens, 10 of them the prefills' → τ 1.3
         assert pub.publish_once() == pytest.approx(1.3)
-        srv.c = {"verify": 340, "generated": 690}  # 200 drafts, 460 tokens → τ 2.3
+        srv.c = {"verify": 340, "generated": 730, "requests": 40}  # 200 drafts, 480 tokens, 20 requests → τ 2.3
         assert pub.publish_once() == pytest.approx(2.3)
+        srv.c = {"verify": 30, "generated": 70, "requests": 10}  # the engine restarted: counters went back
+        assert pub.publish_once() is None  # a new window opens there, nothing negative is put
+        srv.c = {"verify": 130, "generated": 250, "requests": 20}  # 100 drafts, 180 tokens, 10 requests → τ 1.7
+        assert pub.publish_once() == pytest.approx(1.7)
     finally:
         srv.shutdown()
     listed = cw.describe_alarms_for_metric(MetricName=acceptance.METRIC, Namespace=acceptance.NAMESPACE,
@@ -171,7 +178,7 @@ def test_published_acceptance_lands_on_the_alarms_metric_on_moto(aws_env, tiny_t
         StartTime=datetime.now(UTC) - timedelta(minutes=10), EndTime=datetime.now(UTC) + timedelta(minutes=10),
     )["MetricDataResults"]
     low, high = (min(r["Values"]) if r["Id"] == "minimum" else max(r["Values"]) for r in got)
-    assert (low, high) == (pytest.approx(1.3), pytest.approx(2.3))
+    assert (low, high) == (pytest.approx(1.3), pytest.approx(2.3))  # and 1.7 between them
     assert alarm["Threshold"] == pytest.approx(1.6501, abs=1e-4) and low < alarm["Threshold"] < high
 
 

@@ -111,7 +111,7 @@ RECORDED = textwrap.dedent('''\
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse
     argv, rec = sys.argv, os.environ.get("SGLANG_RECORD")
-    st, lock = {"session": None, "verify": 0, "generated": 0}, threading.Lock()
+    st, lock = {"session": None, "paused": False, "verify": 0, "generated": 0, "requests": 0}, threading.Lock()
     def log(entry):
         if rec:
             with lock, open(rec, "a") as f:
@@ -124,8 +124,11 @@ RECORDED = textwrap.dedent('''\
         return JSONResponse({"success": False, "message": msg}, status_code=400)
     @app.post("/v1/completions")
     async def completions(body: dict):
-        with lock:  # 12 tokens in 5 verify steps (tau 2.4)
-            st["verify"] += 5; st["generated"] += 12
+        import asyncio
+        while st["paused"]:  # a paused scheduler holds new requests
+            await asyncio.sleep(0.01)
+        with lock:  # 12 tokens: 1 from the prefill, 11 in 5 verify steps (6 accepted: tau 2.2)
+            st["verify"] += 5; st["generated"] += 12; st["requests"] += 1
         return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": body.get("model"),
                 "choices": [{"index": 0, "text": " recorded", "logprobs": None, "finish_reason": "length",
                              "matched_stop": None}],
@@ -138,7 +141,19 @@ RECORDED = textwrap.dedent('''\
             f'sglang:spec_verify_calls_total{{model_name="m"}} {st["verify"]}.0\\n'
             "# HELP sglang:generation_tokens_total Number of generation tokens processed.\\n"
             "# TYPE sglang:generation_tokens_total counter\\n"
-            f'sglang:generation_tokens_total{{is_streaming="false",model_name="m"}} {st["generated"]}.0\\n')
+            f'sglang:generation_tokens_total{{is_streaming="false",model_name="m"}} {st["generated"]}.0\\n'
+            "# TYPE sglang:num_requests_total counter\\n"
+            f'sglang:num_requests_total{{is_streaming="false",model_name="m"}} {st["requests"]}.0\\n')
+    @app.post("/pause_generation")
+    async def pause(body: dict):
+        log({"path": "/pause_generation", "body": body})
+        st["paused"] = body.get("mode", "abort") != "abort"
+        return {"message": "Generation paused successfully.", "status": "ok"}
+    @app.post("/continue_generation")
+    async def resume(body: dict):
+        log({"path": "/continue_generation"})
+        st["paused"] = False
+        return {"message": "Generation continued successfully.", "status": "ok"}
     @app.post("/begin_weight_update")
     async def begin(body: dict):
         log({"path": "/begin_weight_update", "body": body})
@@ -152,7 +167,7 @@ RECORDED = textwrap.dedent('''\
     async def update(body: dict):
         named = [torch.load(io.BytesIO(base64.b64decode(x))) for x in body["serialized_named_tensors"]]
         log({"path": "/update_weights_from_tensor", "selector": body.get("selector", "all"),
-             "flush_cache": body.get("flush_cache", True), "session": st["session"],
+             "flush_cache": body.get("flush_cache", True), "session": st["session"], "paused": st["paused"],
              "ranks": [{k: float(v.double().sum()) for k, v in r} for r in named]})
         if st["session"] is None:
             return bad("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
@@ -160,6 +175,9 @@ RECORDED = textwrap.dedent('''\
             os.remove(os.environ["FAKE_UPDATE_FAILS"])  # fails once
             return bad("Failed to update parameter online: size mismatch. The full weights of the ModelRunner "
                        "are partially updated. Please discard the whole weights.")
+        if body.get("flush_cache", True) and not st["paused"]:  # SGLang flushes only an idle or paused scheduler
+            return bad("Weights were updated, but the cache was not flushed because requests are still running or "
+                       "queued. Retract or finish them, then call /flush_cache.")
         return {"success": True, "message": "Success"}
     @app.post("/end_weight_update")
     async def end(body: dict):
@@ -280,11 +298,11 @@ def _sums(bundle: Path) -> dict[str, float]:
 
 def test_in_place_swap_on_sglang_under_load(fake_python, tiny_target, tmp_path, monkeypatch):
     """SGLangDeployment against the recorded API: the draft in v2 goes into the running server through
-    SGLang's draft-only update (begin(draft) → update_weights_from_tensor(draft, one payload per TP rank,
-    no cache flush inside) → end → /flush_cache) while 3 clients send requests through the front door,
-    all answered 200; the payload holds exactly v2's tensors less the vocabulary map. A draft with
-    another config or vocabulary map is refused before any call, naming why; an update SGLang fails
-    loads the served draft's files again. Live counters are differenced at the swap."""
+    SGLang's draft-only update inside a pause (pause(retract) → begin(draft) → update_weights_from_tensor
+    (draft, one payload per TP rank, cache flushed while paused) → end → continue) while 3 clients send
+    requests through the front door, all answered 200; the payload holds exactly v2's tensors less the
+    vocabulary map. A draft with another config or vocabulary map is refused before any call, naming
+    why; an update SGLang fails loads the served draft's files again. Live counters are differenced at the swap."""
     from tidespec.adapters.process import free_port
     from tidespec.serve.frontdoor import build_frontdoor
     from tidespec.steps.deploy.sglang import SGLangDeployment
@@ -305,11 +323,12 @@ def test_in_place_swap_on_sglang_under_load(fake_python, tiny_target, tmp_path, 
         assert res["mode"] == "in_place" and res["draft_version"] == "2" == dep.draft_version and res["flushed"]
         assert len(statuses) >= 6 and set(statuses) == {200}, statuses
         calls = _calls(record, n0)
-        assert [c["path"] for c in calls] == ["/begin_weight_update", "/update_weights_from_tensor",
-                                              "/end_weight_update", "/flush_cache"]
-        assert calls[0]["body"] == {"selector": "draft"}
-        up = calls[1]
-        assert up["selector"] == "draft" and up["session"] == "draft" and up["flush_cache"] is False
+        assert [c["path"] for c in calls] == ["/pause_generation", "/begin_weight_update",
+                                              "/update_weights_from_tensor", "/end_weight_update",
+                                              "/continue_generation"]
+        assert calls[0]["body"] == {"mode": "retract"} and calls[1]["body"] == {"selector": "draft"}
+        up = calls[2]
+        assert up["selector"] == "draft" and up["session"] == "draft" and up["flush_cache"] is True and up["paused"]
         assert len(up["ranks"]) == 2 and up["ranks"][0] == up["ranks"][1] == pytest.approx(_sums(b["2"]))
         assert up["ranks"][0] != pytest.approx(_sums(b["1"]))
         assert dep.counters_base.num_drafts > 0  # v1's drafts: v2's own figures start at the swap
@@ -317,8 +336,8 @@ def test_in_place_swap_on_sglang_under_load(fake_python, tiny_target, tmp_path, 
         import httpx
         httpx.post(f"{dep.url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 12})
         live = dep.scrape() - dep.counters_base - before
-        assert (live.num_drafts, live.num_accepted_tokens, live.num_draft_tokens) == (5, 7, 15)
-        assert live.acceptance_length == pytest.approx(2.4)
+        assert (live.num_drafts, live.num_accepted_tokens, live.num_draft_tokens) == (5, 6, 15)
+        assert live.acceptance_length == pytest.approx(2.2)  # the prefill's token is not a verify's
 
         n0 = len(_calls(record))
         with pytest.raises(sg.SGLangError, match=r"vocabulary map changed \(d2t\).*restart"):
@@ -433,20 +452,26 @@ def _under_load(app, swap):
 
 def test_sglang_counters_and_their_standard_error():
     """SGLang's counters (the exposition prometheus_client writes for its Counters) → drafts = verify
-    calls, accepted = output tokens − verify calls, summed over label sets; no verify counter → None
+    calls, accepted = output tokens − requests (each one's prefill token) − verify calls, summed over
+    label sets; requests that never verified (max_tokens 1) change nothing; no verify counter → None
     (unknown, never 0). Without per-position counts the SE is the Bhatia–Davis bound
     sqrt(μ(k−μ)/n): at μ = 1.5, k = 3, n = 1000 it is sqrt(2.25/1000) = 0.04743."""
-    text = textwrap.dedent("""\
-        # TYPE sglang:spec_verify_calls_total counter
-        sglang:spec_verify_calls_total{model_name="m"} 600.0
-        sglang:spec_verify_calls_total{model_name="n"} 400.0
-        # TYPE sglang:generation_tokens_total counter
-        sglang:generation_tokens_total{is_streaming="false",model_name="m"} 1500.0
-        sglang:generation_tokens_total{is_streaming="true",model_name="m"} 1000.0
-        """)
-    c = sg.parse_metrics(text, 3)
+    def text(generated, requests):
+        return textwrap.dedent(f"""\
+            # TYPE sglang:spec_verify_calls_total counter
+            sglang:spec_verify_calls_total{{model_name="m"}} 600.0
+            sglang:spec_verify_calls_total{{model_name="n"}} 400.0
+            # TYPE sglang:generation_tokens_total counter
+            sglang:generation_tokens_total{{is_streaming="false",model_name="m"}} 1600.0
+            sglang:generation_tokens_total{{is_streaming="true",model_name="m"}} {generated - 1600}.0
+            # TYPE sglang:num_requests_total counter
+            sglang:num_requests_total{{is_streaming="false",model_name="m"}} 120.0
+            sglang:num_requests_total{{is_streaming="true",model_name="m"}} {requests - 120}.0
+            """)
+    c = sg.parse_metrics(text(2700, 200), 3)
     assert (c.num_drafts, c.num_accepted_tokens, c.num_draft_tokens, c.accepted_per_pos) == (1000, 1500, 3000, ())
     assert c.acceptance_length == 2.5 and c.acceptance_length_se == pytest.approx(0.0474342, rel=1e-5)
+    assert sg.parse_metrics(text(2760, 260), 3) == c  # 60 one-token requests: no drafts, nothing accepted
     assert sg.parse_metrics("# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total 5.0\n", 3) is None
     from tidespec.adapters.spec_counters import live_below_replay
     assert live_below_replay(c, 2.65) and not live_below_replay(c, 2.64)  # 2.5 + 3 × 0.0474 = 2.642

@@ -124,12 +124,22 @@ def read_version(draft_dir: Path) -> dict | None:
             for v in rep.values()):
         raise ValueError(f"{f}: replayed must map workload classes to [acceptance in [0, 1], finite chains >= 0]")
     tau_k = meta.get("tau_k", [])
-    if not isinstance(tau_k, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
-                                              and 1 <= t < math.inf for t in tau_k):
-        raise ValueError(f"{f}: tau_k must list acceptance lengths >= 1 (τ at k = 0, 1, ...)")
+    if not valid_tau_k(tau_k):
+        raise ValueError(f"{f}: tau_k must list the acceptance length at k = 0, 1, ...: 1 at k = 0, never "
+                         "falling, at most k + 1")
     return {"version": str(meta["version"]), "run_id": str(meta.get("run_id", "")), "tuned_k": tuned,
             "replayed": {str(k): [float(a), float(n)] for k, (a, n) in rep.items()},
             "tau_k": [float(t) for t in tau_k]}
+
+
+def valid_tau_k(tau_k) -> bool:
+    """True for a list of acceptance lengths τ(k), k = 0, 1, ... that a chain replay can give:
+    numbers, τ(0) = 1, never falling with k, τ(k) ≤ k + 1 (an empty list too: none recorded)."""
+    if not isinstance(tau_k, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                              for t in tau_k):
+        return False
+    return not tau_k or (tau_k[0] == 1 and all(a <= b for a, b in zip(tau_k, tau_k[1:]))
+                         and all(t <= k + 1 for k, t in enumerate(tau_k)))
 
 
 def served_version(draft_dir: Path) -> str | None:

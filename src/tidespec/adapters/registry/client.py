@@ -21,7 +21,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from ...errors import TidespecError
-from ...workspace import bundle_files
+from ...workspace import bundle_files, valid_tau_k
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -268,12 +268,13 @@ def tuned_k(tags: dict[str, str]) -> dict[str, int]:
 
 def tau_k(tags: dict[str, str]) -> list[float]:
     """The acceptance length a version's evaluation replayed at windows 0..K (tag ``tau_k``, JSON,
-    written by the register step with deploy.sagemaker set); [] when missing or malformed."""
+    written by the register step with deploy.sagemaker set); [] when missing or not a chain's
+    (`workspace.valid_tau_k`)."""
     try:
-        out = [float(t) for t in json.loads(tags.get("tau_k", "[]"))]
-    except (ValueError, TypeError):
+        out = json.loads(tags.get("tau_k", "[]"))
+    except ValueError:
         return []
-    return out if all(1.0 <= t < math.inf for t in out) else []
+    return [float(t) for t in out] if valid_tau_k(out) else []
 
 
 def replayed(tags: dict[str, str]) -> dict[str, list[float]]:

@@ -27,6 +27,7 @@ import os
 import threading
 from collections.abc import Sequence
 
+from ...workspace import valid_tau_k
 from ..spec_counters import SpecDecodeCounters
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,9 @@ def threshold(tau_k: Sequence[float], k: int, min_drafts: int = MIN_DRAFTS, z: f
     """τ(k) − z·sqrt(μ(k−μ)/min_drafts), μ = τ(k) − 1 (module docstring). `tau_k`: replayed τ at
     windows 0..K; a served k above K uses τ(K), which is lower (τ grows with k): the alarm leans
     towards not firing. Raises ValueError for an empty `tau_k` or k < 1."""
-    if not tau_k or k < 1:
-        raise ValueError(f"threshold needs replayed τ(k) and k >= 1 (got {len(tau_k)} values, k {k})")
+    if not tau_k or k < 1 or not valid_tau_k(list(tau_k)):
+        raise ValueError(f"threshold needs a chain's replayed τ(k) (1 at k = 0, never falling, ≤ k + 1) and k >= 1 "
+                         f"(got {list(tau_k)}, k {k})")
     tau = float(tau_k[min(k, len(tau_k) - 1)])
     mu = tau - 1.0
     return tau - z * math.sqrt(max(mu * (k - mu), 0.0) / min_drafts)

@@ -1,14 +1,14 @@
 """SGLang's spec-decode counters, read from its Prometheus `/metrics` (`--enable-metrics`), as
 `spec_counters.SpecDecodeCounters`.
 
-SGLang 0.5.23 counts, per finished request, `sglang:spec_verify_calls_total` (verify forwards)
-and `sglang:generation_tokens_total` (output tokens); its per-request `spec_accept_length` is their
-ratio (`tokenizer_manager._calculate_spec_decoding_metrics`), and its gauges
-(`sglang:spec_accept_length`) hold only the last batch's. So: drafts = verify calls, accepted =
-output tokens − verify calls, draft tokens = drafts × k (`--speculative-num-steps` with topk 1);
-SGLang counts no per-position acceptance. The first output token of a request comes from its
-prefill, not a verify, so this τ sits above the verify-step τ by up to 1 / output length: the
-live check leans towards not flagging.
+SGLang 0.5.23 counts, per finished request (`srt/observability/metrics_collector.py`),
+`sglang:spec_verify_calls_total` (verify forwards), `sglang:generation_tokens_total` (output
+tokens) and `sglang:num_requests_total`; its gauges (`sglang:spec_accept_length`) hold only the
+last batch's. A request's first output token comes from its prefill, every later one from a verify
+step (which yields its accepted draft tokens + 1), so: drafts = verify calls, accepted = output
+tokens − requests − verify calls, draft tokens = drafts × k. Exact when every decode step verifies
+a draft, as with EAGLE3 in SGLang; SGLang's own per-request `spec_accept_length` (output tokens /
+verify calls) counts the prefill's token too and sits above this τ. No per-position acceptance.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from .server import SGLangError
 
 VERIFY = "sglang:spec_verify_calls"
 GENERATED = "sglang:generation_tokens"
+REQUESTS = "sglang:num_requests"
 
 
 def parse_metrics(text: str, num_draft_tokens: int) -> SpecDecodeCounters | None:
@@ -28,12 +29,12 @@ def parse_metrics(text: str, num_draft_tokens: int) -> SpecDecodeCounters | None
         raise ValueError(f"num_draft_tokens {num_draft_tokens} must be >= 1")
     vals: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
-        if fam.name in (VERIFY, GENERATED):
+        if fam.name in (VERIFY, GENERATED, REQUESTS):
             vals[fam.name] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
     if VERIFY not in vals:
         return None
     drafts = int(vals[VERIFY])
-    accepted = max(int(vals.get(GENERATED, 0)) - drafts, 0)
+    accepted = max(int(vals.get(GENERATED, 0)) - int(vals.get(REQUESTS, 0)) - drafts, 0)
     return SpecDecodeCounters(drafts, drafts * num_draft_tokens, accepted, ())
 
 

@@ -15,19 +15,22 @@ VOCAB_MAP = ("d2t", "t2d")
 
 
 def load_draft_in_place(url: str, draft_dir: Path, python: str, tp_size: int = 1, base_gpu_id: int = 0,
-                        timeout_s: float = 600.0) -> dict:
-    """Load the draft in `draft_dir` (model.safetensors) into the SGLang server at `url`, in place.
-    Returns {"seconds" (wall, here), "load_seconds" (the script's), "tensors", "flushed" (the radix
-    cache was flushed; False while requests ran)}. Raises SGLangError with SGLang's answer when a
-    call fails (the draft may then be partly updated: load the served one again)."""
+                        timeout_s: float = 120.0) -> dict:
+    """Load the draft in `draft_dir` (model.safetensors) into the SGLang server at `url`, in place;
+    `timeout_s` per SGLang call (five of them). Returns {"seconds" (wall, here), "load_seconds"
+    (the script's), "tensors", "flushed" (the radix cache was flushed)}. Raises SGLangError with
+    SGLang's answer when a call fails (the draft may then be partly updated: load the served one
+    again); the weight-update session and the pause are closed first, so a later load can run."""
     t0 = time.perf_counter()
     cmd = [python, str(SWAP_SCRIPT), "--url", url, "--draft", str(draft_dir), "--tp-size", str(tp_size),
            "--base-gpu-id", str(base_gpu_id), "--timeout-s", f"{timeout_s:g}"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 60)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * timeout_s + 120)
     except (OSError, subprocess.TimeoutExpired) as e:
+        _close_session(url)
         raise SGLangError(f"the in-place draft load did not finish ({type(e).__name__}: {e})") from None
     if r.returncode != 0:
+        _close_session(url)
         tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise SGLangError(f"SGLang refused the in-place draft load from {draft_dir}: {tail}")
     try:
@@ -36,6 +39,17 @@ def load_draft_in_place(url: str, draft_dir: Path, python: str, tp_size: int = 1
         raise SGLangError(f"the in-place draft load answered without its JSON line: {r.stdout[-200:]!r}") from None
     return {"seconds": time.perf_counter() - t0, "load_seconds": float(res["seconds"]),
             "tensors": int(res["tensors"]), "flushed": bool(res["flushed"])}
+
+
+def _close_session(url: str) -> None:
+    """After a load that failed or was killed: end any weight-update session it left open (SGLang
+    refuses every later one otherwise) and resume generation; best effort (each refusal is fine)."""
+    import httpx
+    for path in ("/end_weight_update", "/continue_generation"):
+        try:
+            httpx.post(f"{url.rstrip('/')}{path}", json={}, timeout=60)
+        except httpx.HTTPError:
+            pass
 
 
 def vocab_map_change(served: Path, new: Path) -> str | None:

@@ -4,17 +4,22 @@ interpreter, on the server's node (never imported by tidespec):
     <sglang python> tidespec_sglang_swap.py --url URL --draft DIR [--tp-size N] [--base-gpu-id G]
 
 SGLang 0.5.23's draft-only weight update (`srt/managers/scheduler_components/weight_updater.py`:
-`_select_runners("draft")`), between two scheduler steps, requests in flight continuing:
-1. POST /begin_weight_update {"selector": "draft"};
-2. POST /update_weights_from_tensor {"serialized_named_tensors": [one per TP rank], "selector":
-   "draft", "flush_cache": false}: the draft's tensors on each rank's GPU, serialized by SGLang's
+`_select_runners("draft")`), inside a pause of the scheduler:
+1. POST /pause_generation {"mode": "retract"}: running requests go back to the waiting queue with
+   their state (their KV is recomputed after step 5); new ones wait. While paused, the weight calls
+   skip the tokenizer manager's writer lock, which would otherwise wait for every request in flight
+   to finish, and block new ones, once per call (`tokenizer_control_mixin._weight_update_session_call`);
+2. POST /begin_weight_update {"selector": "draft"};
+3. POST /update_weights_from_tensor {"serialized_named_tensors": [one per TP rank], "selector":
+   "draft", "flush_cache": true}: the draft's tensors on each rank's GPU, serialized by SGLang's
    `MultiprocessingSerializer` (CUDA IPC: only handles travel), held here until the call returns;
-3. POST /end_weight_update (also after a failed step 2, so no session stays open);
-4. POST /flush_cache, best effort: SGLang refuses it while requests run; the target verifies every
-   token, so a radix-cache entry the old draft computed costs acceptance, never output.
+   the flush (allowed while paused: `Scheduler.flush_cache` ignores the waiting queue then) drops
+   every cached prefix the old draft computed;
+4. POST /end_weight_update (also after a failed step 3, so no session stays open);
+5. POST /continue_generation (always, once step 1 succeeded).
 `d2t`/`t2d` are not sent: SGLang's EAGLE worker copies the vocabulary map once at start, so
 tidespec refuses an in-place swap that changes it. `/update_weights_from_disk` is not the route:
-it loads the one path into the target's runners as well.
+it loads the one path into the target's runners as well. Each call waits at most `--timeout-s`.
 
 Prints one JSON line: {"seconds", "tensors", "flushed"}; exits 1 with the reason on stderr.
 """
@@ -72,23 +77,26 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", required=True, help="a draft engine dir (model.safetensors + config.json)")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--base-gpu-id", type=int, default=0)
-    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="per call")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
         serialized, n, held = payloads(a.draft, a.tp_size, a.base_gpu_id)
-        call(a.url, "/begin_weight_update", {"selector": "draft"}, a.timeout_s)
+        call(a.url, "/pause_generation", {"mode": "retract"}, a.timeout_s)
         try:
-            call(a.url, "/update_weights_from_tensor", {"serialized_named_tensors": serialized, "selector": "draft",
-                                                        "flush_cache": False}, a.timeout_s)
+            call(a.url, "/begin_weight_update", {"selector": "draft"}, a.timeout_s)
+            try:
+                call(a.url, "/update_weights_from_tensor", {"serialized_named_tensors": serialized,
+                                                            "selector": "draft", "flush_cache": True}, a.timeout_s)
+            finally:
+                call(a.url, "/end_weight_update", {}, a.timeout_s)
         finally:
-            call(a.url, "/end_weight_update", {}, a.timeout_s)
+            call(a.url, "/continue_generation", {}, a.timeout_s)
         del held
     except Exception as e:  # noqa: BLE001 - reported to the caller, which keeps the served draft
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    code, _ = post(a.url, "/flush_cache", None, a.timeout_s)
-    print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n, "flushed": code == 200}))
+    print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n, "flushed": True}))
     return 0
 
 

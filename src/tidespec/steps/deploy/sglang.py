@@ -79,9 +79,10 @@ class SGLangDeployment:
                 shutil.rmtree(draft, ignore_errors=True)
                 raise sglang.SGLangError(f"draft {version} cannot be loaded in place: {why}; restart `tidespec "
                                          "serve --backend sglang` to serve it")
+            before = self._counters()
             res = self._load(draft)
             self.draft_dir, self.draft_version = draft, version
-            self.counters_base = self.scrape()
+            self.counters_base = self._counters() or before
             log.info("SGLang now serves draft %s, loaded in place in %.3f s (radix cache flushed: %s)", version,
                      res["load_seconds"], res["flushed"])
             return {"draft_version": version, "url": self.url, "mode": "in_place",
@@ -93,8 +94,9 @@ class SGLangDeployment:
         with self._swap:
             if self.server is None or self.draft_dir is None:
                 raise sglang.SGLangError("no draft served to reload")
+            before = self._counters()
             res = self._load(self.draft_dir)
-            self.counters_base = self.scrape()
+            self.counters_base = self._counters() or before
             log.info("SGLang reloaded draft %s in place in %.3f s", self.draft_version, res["load_seconds"])
             return res
 
@@ -111,6 +113,15 @@ class SGLangDeployment:
                 raise sglang.SGLangError(f"{e}; loading the served draft {self.draft_version} again failed too "
                                          f"({again}): restart the server") from None
             raise sglang.SGLangError(f"{e}; the served draft {self.draft_version} was loaded again") from None
+
+    def _counters(self) -> SpecDecodeCounters | None:
+        """`scrape()`, None when SGLang does not answer (a load that succeeded must not be reported
+        as failed for a metrics hiccup: the counters read just before the load stand in)."""
+        try:
+            return self.scrape()
+        except sglang.SGLangError as e:
+            log.warning("SGLang's counters unreadable at a swap: %s", e)
+            return None
 
     def scrape(self) -> SpecDecodeCounters | None:
         """The server's cumulative spec-decode counters (None: none exported, or no server).
