@@ -26,6 +26,13 @@ import psutil
 from ..errors import TidespecError
 
 STOP_GRACE_S = 10.0
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def loopback(host: str) -> str:
+    """`host` when it is a loopback address, else 127.0.0.1: where an engine server whose only
+    client is this machine's front door (and its swap route) listens."""
+    return host if host in LOOPBACK else "127.0.0.1"
 
 # Popen handles of the processes this process launched, so they get reaped (no zombies).
 _CHILDREN: dict[int, subprocess.Popen] = {}

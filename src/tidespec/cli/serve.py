@@ -54,8 +54,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     from ..workspace import served
     p, ws, launch, pub = serve_preflight(root, params, backend=backend, sglang_url=sglang_url,
                                          sglang_python=sglang_python, vllm_python=vllm_python, capture=capture,
-                                         publish=publish,
-                                         max_queue=max_queue, timeout_s=timeout_s, max_tokens=max_tokens)
+                                         publish=publish, max_queue=max_queue, timeout_s=timeout_s,
+                                         max_tokens=max_tokens)
     if launch.backend != "embedded":
         _serve_frontdoor(p, ws, launch, host, port)
         return
@@ -94,9 +94,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
 
 def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sglang_url: str | None = None,
                     sglang_python: str | None = None, vllm_python: str | None = None, capture: bool = True,
-                    publish: bool = True,
-                    max_queue: int | None = None, timeout_s: float | None = None, max_tokens: int | None = None,
-                    env=None):
+                    publish: bool = True, max_queue: int | None = None, timeout_s: float | None = None,
+                    max_tokens: int | None = None, env=None):
     """Everything `tidespec serve` checks before it loads a model or starts a server, with the
     command's own arguments: the params file, the flags against the backend and the params
     (`serve_launch.ServeLaunch`), and, for hidden-state capture with publishing, the publisher
@@ -107,9 +106,8 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
     from ..config.serve import ServeLaunch
     p, ws = load_params(params), ws_of(root)
     launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, sglang_python=sglang_python,
-                               vllm_python=vllm_python, capture=capture,
-                               publish=publish, max_queue=max_queue, request_timeout_s=timeout_s,
-                               max_tokens=max_tokens)
+                               vllm_python=vllm_python, capture=capture, publish=publish, max_queue=max_queue,
+                               request_timeout_s=timeout_s, max_tokens=max_tokens)
     p = _with_flags(p, launch)
     for note in launch.check(p, os.environ if env is None else env):
         console.print(f"serve: {note}", markup=False, highlight=False)
@@ -211,14 +209,13 @@ def _start_vllm(p, ws, python: str | None, host: str):
     dir) with the served champion (if any) as its EAGLE3 draft, loaded in place at later deploys:
     k = engine.num_draft_tokens, max_model_len = engine.max_seq_len (None: the model's), max_num_seqs =
     engine.max_batch (the engine knobs vLLM has no equivalent for were refused by `serve_preflight`)."""
-    from ..adapters.process import free_port
+    from ..adapters.process import free_port, loopback
     from ..adapters.vllm import VLLMLaunch, default_python
-    from ..adapters.vllm.server import LOOPBACK
     from ..models.load import target_dir
     from ..steps.deploy.vllm import VLLMDeployment
     e = p.engine
     python = python or default_python()
-    host = host if host in LOOPBACK else "127.0.0.1"  # only the front door talks to vLLM (and its swap route)
+    host = loopback(host)  # only the front door talks to vLLM (and its swap route)
     sv = p.serve_resolved()
     launch = VLLMLaunch(str(target_dir(p.target.source)), python=python, num_speculative_tokens=e.num_draft_tokens,
                         host=host, port=free_port(host), served_model_name=sv.served_model_name,
@@ -233,15 +230,14 @@ def _start_sglang(p, ws, python: str | None, host: str):
     engine.num_draft_tokens steps, engine.tree's topk and size, context length = engine.max_seq_len
     (None: the model's), max running requests = engine.max_batch. Raises SGLangUnavailable naming
     the fix (no CUDA, no SGLang environment)."""
-    from ..adapters.process import free_port
+    from ..adapters.process import free_port, loopback
     from ..adapters.sglang import SGLangLaunch, default_python
-    from ..adapters.vllm.server import LOOPBACK
     from ..config import tree_num_draft_tokens
     from ..models.load import target_dir
     from ..steps.deploy.sglang import SGLangDeployment
     e, sv = p.engine, p.serve_resolved()
     topk = e.tree.eagle_topk
-    host = host if host in LOOPBACK else "127.0.0.1"  # only the front door and the swap script talk to it
+    host = loopback(host)  # only the front door and the swap script talk to it
     launch = SGLangLaunch(str(target_dir(p.target.source)), python=python or default_python(), host=host,
                           port=free_port(host), num_steps=e.num_draft_tokens, eagle_topk=topk,
                           num_draft_tokens=tree_num_draft_tokens(e.num_draft_tokens, topk,

@@ -96,7 +96,7 @@ class ServeLaunch(Strict):
             if s.live_stats_s > 0 and not env.get(MLFLOW_ENV):
                 notes.append(f"serve.live_stats_s: {MLFLOW_ENV} is unset, so {self.backend}'s live counters are "
                              "logged nowhere and live τ rolls nothing back (set it to use the registry)")
-            notes += self._vllm(p) if self.backend == "vllm" else self._sglang(p)
+            notes += self._started_engine(p)
         return notes
 
     @property
@@ -119,31 +119,19 @@ class ServeLaunch(Strict):
                              f"front door forwards requests as sent; set them on the {self.backend} server): remove "
                              "them or set their defaults")
 
-    @staticmethod
-    def _sglang(p: Params) -> list[str]:
-        """SGLang drafts EAGLE3 chains or trees (engine.tree, validated with the params) at
-        engine.num_draft_tokens steps; the policy and the suffix proposer (the embedded engine's)
-        are noted."""
-        e, notes = p.engine, []
-        if e.suffix.enabled:
-            notes.append("SGLang drafts with the EAGLE3 draft only (engine.suffix is the embedded engine's)")
-        if e.adaptive:
-            notes.append(f"SGLang drafts {e.num_draft_tokens} steps = engine.num_draft_tokens (engine.adaptive, the "
-                         "goodput policy, is the embedded engine's)")
-        return notes
-
-    @staticmethod
-    def _vllm(p: Params) -> list[str]:
-        """vLLM runs EAGLE3 chains at a fixed k: trees are refused, the policy and the suffix
-        proposer (the embedded engine's) are noted."""
-        e, notes = p.engine, []
-        if e.tree.eagle_topk > 1:
+    def _started_engine(self, p: Params) -> list[str]:
+        """What the engine server tidespec starts takes from engine.*: vLLM runs EAGLE3 chains (trees
+        refused), SGLang chains or trees (engine.tree, validated with the params), both at k =
+        engine.num_draft_tokens; the goodput policy and the suffix proposer are the embedded
+        engine's (noted)."""
+        e, notes, name = p.engine, [], {"vllm": "vLLM", "sglang": "SGLang"}[self.backend]
+        if self.backend == "vllm" and e.tree.eagle_topk > 1:
             raise ValueError("--backend vllm runs EAGLE3 chains: engine.tree.eagle_topk > 1 applies to the embedded "
                              "engine; set it to 1")
         if e.suffix.enabled:
-            notes.append("vLLM drafts with the EAGLE3 draft only (engine.suffix, the suffix proposer and the hybrid, "
-                         "is the embedded engine's)")
+            notes.append(f"{name} drafts with the EAGLE3 draft only (engine.suffix, the suffix proposer and the "
+                         "hybrid, is the embedded engine's)")
         if e.adaptive:
-            notes.append(f"vLLM drafts a fixed k = engine.num_draft_tokens = {e.num_draft_tokens} (engine.adaptive, "
+            notes.append(f"{name} drafts a fixed k = engine.num_draft_tokens = {e.num_draft_tokens} (engine.adaptive, "
                          "the goodput policy, is the embedded engine's)")
         return notes

@@ -86,6 +86,8 @@ class Publisher:
         self._start: SpecDecodeCounters | None = None
 
     def scrape(self) -> SpecDecodeCounters | None:
+        """The engine's cumulative counters (None: it exports none). Raises SGLangError /
+        VLLMError when it does not answer."""
         if self.engine == "sglang":
             from ..sglang.metrics import scrape
             return scrape(self.url, self.k)
@@ -94,7 +96,8 @@ class Publisher:
 
     def publish_once(self) -> float | None:
         """Read the counters; when the window since the last datapoint holds ≥ min_drafts drafts,
-        put its τ and draft count and start a new window. Returns the τ put, or None."""
+        put its τ and draft count and start a new window. Returns the τ put (tokens per verify
+        step), or None. Raises what `scrape` raises and botocore's errors from PutMetricData."""
         now = self.scrape()
         if now is None:
             return None

@@ -20,12 +20,12 @@ import httpx
 from ...errors import TidespecError, Unavailable
 from ...workspace import DRAFT_FILES
 from .. import process
+from ..process import LOOPBACK
 
 VLLM_VERSION = "0.32.0"
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "vllm_plugin"  # loaded by the vLLM server, never by tidespec
 CONNECTOR, CONNECTOR_MODULE = "TidespecCPUHiddenStatesConnector", "tidespec_hidden_states"
 SWAP_EXTENSION, SWAP_METHOD = "tidespec_draft_swap.TidespecDraftSwap", "tidespec_load_draft"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 VENV = ".venv-vllm"  # `make vllm`
 CHECKOUT = Path(__file__).resolve().parents[4]  # the repository root when the package runs from a checkout
 

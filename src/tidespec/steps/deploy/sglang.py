@@ -2,12 +2,13 @@
 
 SGLang runs the target on a GPU node at `mem_fraction_static`, where a second server with its own
 copy of the target does not fit, so a new champion is loaded into the running server's draft
-(`adapters.sglang.load_draft_in_place`: SGLang's draft-only weight update, between two scheduler
-steps; requests in flight continue). Refused, with the reason, when the new draft's config differs
-from the served one's (shapes, vocabulary size, aux layers: SGLang sized its buffers for the first)
-or its draft→target vocabulary map does (SGLang's EAGLE worker reads it once at start), or the
-server runs no draft: the served draft keeps serving, and restarting `tidespec serve --backend
-sglang` serves the new one. A load that fails part-way loads the served draft's files again.
+(`adapters.sglang.load_draft_in_place`: SGLang's draft-only weight update inside a pause of its
+scheduler; running requests are retracted and resume, none fails). Refused, with the reason, when
+the new draft's config differs from the served one's (shapes, vocabulary size, aux layers: SGLang
+sized its buffers for the first) or its draft→target vocabulary map does (SGLang's EAGLE worker
+reads it once at start), or the server runs no draft: the served draft keeps serving, and
+restarting `tidespec serve --backend sglang` serves the new one. A load that fails part-way loads
+the served draft's files again.
 
 Live figures per version: SGLang's counters (`adapters.sglang.metrics`) less those at the load
 (`counters_base`), which `deploy.live` logs and acts on, as behind vLLM.

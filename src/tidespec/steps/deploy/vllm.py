@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from ...adapters import process
+from ...adapters.process import LOOPBACK
 from ...adapters.vllm import (
     SpecDecodeCounters,
     VLLMError,
@@ -39,7 +40,6 @@ from ...adapters.vllm import (
     load_draft_in_place,
     scrape,
 )
-from ...adapters.vllm.server import LOOPBACK
 from ...workspace import copy_engine_files, private_dir, served_version
 
 log = logging.getLogger(__name__)
