@@ -14,7 +14,7 @@ def test_lineage_of_a_curated_set(tmp_path, tiny_target_dir):
     got = cycle.lineage(ws.curated)
     revs = json.loads(got["snapshot_revs"])
     assert list(revs) == [snap.name] and revs[snap.name].startswith("untracked:")  # no DVC here
-    assert got["snapshot_rev"] == revs[snap.name]
+    assert got["snapshot_rev"] == revs[snap.name] and got["holdout_split"] == params.curate.holdout_split
     assert cycle.lineage(ws.curated, "ev-rev")["snapshot_rev"] == "ev-rev"  # the event's rev wins
     # a DVC-tracked snapshot: its .dvc md5
     (snap.parent / (snap.name + ".dvc")).write_text("outs:\n- md5: abc123.dir\n  path: x\n")

@@ -56,6 +56,7 @@ def test_deployments_schedule_trigger_and_event_run(tmp_path, tiny_target_dir, p
     revs = json.loads(champ.tags["snapshot_revs"])  # lineage: every snapshot of the curated window
     assert sorted(revs) == sorted(p.name for p in (ws.snapshots / target.target_id).iterdir() if p.is_dir())
     assert all(revs.values()) and champ.tags["params_sha"] == params.sha()
+    assert champ.tags["holdout_split"] == "random"  # which holdout the gate scored
     assert sorted(p.name for p in (ws.champion / "draft").iterdir()) == [
         "config.json",
         "model.safetensors",

@@ -23,6 +23,7 @@ import torch
 
 from ..config import CurateParams
 from ..hashing import unit_hash
+from .replay_buffer import ReplayBuffer
 from .snapshots import list_snapshots
 from .store import CorruptShard, ManifestRow, read_manifest, read_record, write_private
 
@@ -48,7 +49,7 @@ def _val_bucket(key: str, seed: int) -> float:
 
 def split_of(entry: dict, params: CurateParams) -> str:
     """"holdout" | "val" | "train" for an index entry, from its prompt hash (or request id)."""
-    b = _val_bucket(entry.get("prompt_hash") or entry["request_id"], params.seed)
+    b = _val_bucket(_prompt_key(entry), params.seed)
     if b < params.holdout_fraction:
         return "holdout"
     return "val" if b < params.holdout_fraction + params.val_fraction else "train"
@@ -87,7 +88,7 @@ def jsd_bits(a: Counter, b: Counter) -> float:
 
 
 def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: Counter, counts: Counter,
-          tag: dict | None = None, keep_prompt_ids: bool = True) -> list[dict]:
+          keep_prompt_ids: bool = True) -> list[dict]:
     """Index entries of one snapshot that pass the filters; updates `seen` (prompt keys), `dropped`
     (reason → count) and `counts` (token counts). With `keep_prompt_ids`, entries carry their prompt
     token ids (`prompt_ids`, for the holdout file). Raises ValueError on another target's rows."""
@@ -116,7 +117,7 @@ def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: 
         seen.add(key)
         counts.update(rec["input_ids"].tolist())
         e = {"snapshot": str(snap), "shard": row.shard, "offset": row.offset, "request_id": row.request_id,
-             "num_tokens": row.num_tokens, "workload": row.workload, "prompt_hash": row.prompt_hash, **(tag or {})}
+             "num_tokens": row.num_tokens, "workload": row.workload, "prompt_hash": row.prompt_hash, "ts": row.ts}
         if row.tokens_only:
             e["tokens_only"] = True
         if keep_prompt_ids:
@@ -127,21 +128,29 @@ def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: 
     return out
 
 
+def replay_buffer_path(snapshots_root: Path, target_id: str) -> Path:
+    """A target's replay buffer file: `<snapshots_root>/../replay/<target_id>.json` (data/replay/)."""
+    return Path(snapshots_root).parent / "replay" / f"{target_id}.json"
+
+
 def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path,
            previous: Path | None = None) -> CurateResult:
     """Build the curated index `out` (JSON) and `out.parent/holdout.jsonl` from the newest
-    `params.window` snapshots of `target_id`.
+    `params.window` snapshots of `target_id`, mixed with the replay buffer.
 
     Drops (counted by reason): too short/long, duplicate prompt (newest kept), non-finite hidden
-    states, unreadable (a corrupt or missing shard: logged with the fix, the rest is curated). Splits (see module
-    docstring): holdout (`holdout_fraction`, at most `max_holdout`
-    requests, replayed by evaluate; the rest of that bucket is not trained on either), val
-    (`val_fraction`, training validation), train. Replay buffer: `params.replay_fraction` of the
-    training set is drawn (seeded) from train-bucket records of the older snapshots outside the
-    window, so a draft does not forget earlier workloads (entries tagged `"replay": true`;
-    experience replay as in continual learning, e.g. Rolnick et al. 2019). Raises ValueError when no
-    snapshot exists for the target (the fix: capture traffic and seal a snapshot first) or when a
-    snapshot holds another target's records.
+    states, unreadable (a corrupt or missing shard: logged with the fix, the rest is curated).
+    Splits: holdout, replayed by evaluate (`holdout_split: random`: the prompt-hash bucket of
+    `holdout_fraction`, see the module docstring; `time`: the newest `holdout_fraction` of the
+    window's requests by capture time, so the gate scores traffic newer than all it trains on); at
+    most `max_holdout` of them are replayed and the rest of the holdout is not trained on either; val
+    (`val_fraction`, by prompt hash); train. Replay: snapshots that left the window enter the
+    target's buffer (`replay_buffer_path`: data/replay/<target_id>.json; `curate.replay_tokens`
+    per workload class, `capture.replay_buffer.ReplayBuffer`) and
+    `replay_fraction` of the training tokens are drawn from it, classes in equal shares (entries
+    tagged `"replay": true`; no prompt of the window is drawn). Raises ValueError when no snapshot
+    exists for the target (the fix: capture traffic and seal a snapshot first) or when a snapshot
+    holds another target's records.
     """
     all_snaps = list_snapshots(snapshots_root, target_id)
     snaps, older = all_snaps[-params.window:], all_snaps[:-params.window]
@@ -154,48 +163,97 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     chosen: list[dict] = []
     for snap in reversed(snaps):  # newest first, so dedupe keeps the newest
         chosen += _scan(snap, target_id, params, seen, dropped, counts)
-    parts: dict[str, list[dict]] = {"train": [], "val": [], "holdout": []}
-    for r in chosen:
-        parts[split_of(r, params)].append(r)
+    parts = _split(chosen, params)
     train, val = parts["train"], parts["val"]
-    holdout = sorted(parts["holdout"], key=lambda r: _val_bucket("order:" + r["request_id"], params.seed))
-    holdout = holdout[:params.max_holdout]
+    holdout = parts["holdout"][:params.max_holdout]
     for r in train + val:
         r.pop("prompt_ids", None)
         r.pop("constraint", None)
-    replay, replay_dropped = [], Counter()
-    if params.replay_fraction > 0 and older:
-        pool = []
-        for snap in reversed(older):
-            pool += _scan(snap, target_id, params, seen, replay_dropped, Counter(), tag={"replay": True},
-                          keep_prompt_ids=False)
-        pool = [r for r in pool if split_of(r, params) == "train"]
-        want = round(len(train) * params.replay_fraction / (1 - params.replay_fraction))
-        replay = sorted(pool, key=lambda r: _val_bucket("replay:" + r["request_id"], params.seed))[:want]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    replay, replay_dropped, buffer_summary = _replay(snapshots_root, target_id, params, older, snaps, seen,
+                                                    sum(r["num_tokens"] for r in train), out.parent)
     train += replay
     drift = None
     if previous and Path(previous).exists():
         prev = json.loads(Path(previous).read_text())
         drift = jsd_bits(counts, Counter({int(k): v for k, v in prev.get("token_counts", {}).items()}))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     hold_path = out.with_name("holdout.jsonl")  # prompts (token ids): private, like the snapshots
     write_private(hold_path, "".join(json.dumps({"id": r["request_id"], "workload": r["workload"],
                                                  "input_ids": r["prompt_ids"], "prompt_hash": r["prompt_hash"]}
                                                 | ({"constraint": r["constraint"]} if "constraint" in r else {})) + "\n"
                                      for r in holdout).encode())
     holdout_index = [{k: v for k, v in r.items() if k not in ("prompt_ids", "constraint")} for r in holdout]
-    for r in train + val + holdout_index:  # relative to the index: a clone or another machine reads the same set
+    for r in train[:len(train) - len(replay)] + val + holdout_index:  # relative to the index: any clone reads it
         r["snapshot"] = os.path.relpath(r["snapshot"], out.parent)
     index = {"target_id": target_id, "snapshots": [os.path.relpath(s, out.parent) for s in snaps],
-             "replay_snapshots": [os.path.relpath(s, out.parent) for s in older],
-             "train": train, "val": val, "holdout": holdout_index, "num_replay": len(replay),
+             "replay_snapshots": sorted({r["snapshot"] for r in replay}),
+             "train": train, "val": val, "holdout": holdout_index, "holdout_split": params.holdout_split,
+             "num_replay": len(replay), "replay_buffer": buffer_summary,
              "dropped": dict(dropped), "replay_dropped": dict(replay_dropped), "drift_jsd": drift,
              "workload_mix": dict(Counter(r["workload"] for r in train)),
              "token_counts": {str(k): v for k, v in counts.items()}}
     write_private(out, json.dumps(index).encode())
     return CurateResult(out, len(train), len(val), sum(r["num_tokens"] for r in train), dict(dropped), drift,
                         len(replay), len(holdout), hold_path)
+
+
+def _split(chosen: list[dict], params: CurateParams) -> dict[str, list[dict]]:
+    """{"train", "val", "holdout"} of the window's deduplicated entries (`curate`'s docstring); the
+    holdout in replay order (random: a seeded order; time: newest first)."""
+    parts: dict[str, list[dict]] = {"train": [], "val": [], "holdout": []}
+    if params.holdout_split == "time":
+        newest = sorted(chosen, key=lambda r: (Path(r["snapshot"]).name, r["ts"], r["offset"]), reverse=True)
+        n = round(params.holdout_fraction * len(newest))
+        parts["holdout"] = newest[:n]
+        held = {id(r) for r in parts["holdout"]}
+        for r in chosen:
+            if id(r) not in held:
+                parts["val" if _val_bucket(_prompt_key(r), params.seed) < params.val_fraction else "train"].append(r)
+        return parts
+    for r in chosen:
+        parts[split_of(r, params)].append(r)
+    parts["holdout"].sort(key=lambda r: _val_bucket("order:" + r["request_id"], params.seed))
+    return parts
+
+
+def _prompt_key(entry: dict) -> str:
+    return entry.get("prompt_hash") or entry["request_id"]
+
+
+def _trainable(entry: dict, params: CurateParams) -> bool:
+    """True for an entry of a snapshot that left the window that may be trained on: the train bucket
+    (`holdout_split: random`: a prompt keeps its split for good), or anything but val (`time`: the
+    holdout was the newest traffic of its day)."""
+    if params.holdout_split == "random":
+        return split_of(entry, params) == "train"
+    return _val_bucket(_prompt_key(entry), params.seed) >= params.val_fraction
+
+
+def _replay(snapshots_root: Path, target_id: str, params: CurateParams, older: list[Path], snaps: list[Path],
+            seen: set, train_tokens: int, base: Path) -> tuple[list[dict], Counter, dict]:
+    """Absorb the snapshots that left the window into the target's replay buffer, then draw
+    `replay_fraction` of the training set from it (`ReplayBuffer`). Returns (replay entries, drops
+    while absorbing, the buffer's {class: {records, tokens}})."""
+    dropped: Counter = Counter()
+    buf = ReplayBuffer(replay_buffer_path(snapshots_root, target_id), params.seed)
+    with buf.lock():
+        buf = ReplayBuffer(buf.path, params.seed)  # read under the lock
+        fresh = [s for s in older if s.name not in buf.absorbed]
+        for snap in fresh:
+            pool = _scan(snap, target_id, params, set(), dropped, Counter(), keep_prompt_ids=False)
+            buf.absorb(snap.name, [r for r in pool if _trainable(r, params)], params.replay_tokens)
+        gone = {p.name[:-4] for p in (Path(snapshots_root) / target_id).glob("*.dvc")} - {s.name for s in older + snaps}
+        if gone := {g for g in gone if g < snaps[0].name} - buf.absorbed:  # dropped by retention before a curate saw it
+            log.warning("replay: %d snapshot(s) left local disk before entering the replay buffer (%s...): keep "
+                        "capture.keep_local_snapshots above curate.window by the seals between two cycles",
+                        len(gone), min(gone))
+            dropped["not_local"] += len(gone)
+            buf.absorbed |= gone  # counted once
+        if fresh or gone or not buf.path.exists():
+            buf.save()
+    want = train_tokens * params.replay_fraction / (1 - params.replay_fraction)
+    return (buf.draw(want, seen, base) if want > 0 else []), dropped, buf.summary()
 
 
 def load_records(

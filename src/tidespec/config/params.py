@@ -206,7 +206,9 @@ class CurateParams(_Strict):
     holdout_fraction: float = Field(0.25, ge=0, lt=1)  # by request (grouped by prompt): replayed by evaluate
     max_holdout: int = Field(32, ge=1)  # holdout requests replayed per cycle (evaluate cost)
     drift_threshold: float = Field(0.3, ge=0, le=1)  # JSD bits of a new snapshot vs the last curated set → cycle
-    replay_fraction: float = Field(0.25, ge=0, lt=1)  # share of the train set drawn from older snapshots
+    holdout_split: Literal["random", "time"] = "random"  # random: by prompt hash | time: the window's newest requests
+    replay_fraction: float = Field(0.25, ge=0, lt=1)  # share of the training tokens drawn from the replay buffer
+    replay_tokens: int = Field(65536, ge=0)  # replay buffer: tokens kept per workload class (0: no buffer)
     seed: int = 0
 
 

@@ -96,7 +96,8 @@ def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
     r = curate_mod.curate(ws.snapshots, target_id, params.curate, ws.curated, previous=prev)
     return {"curated": str(r.path), "num_train": r.num_train, "num_val": r.num_val,
             "num_holdout": r.num_holdout, "holdout": str(r.holdout), "num_tokens": r.num_tokens,
-            "dropped": r.dropped, "drift_jsd": r.drift_jsd, "num_replay": r.num_replay}
+            "dropped": r.dropped, "drift_jsd": r.drift_jsd, "num_replay": r.num_replay,
+            "holdout_split": params.curate.holdout_split}
 
 
 # -- train ------------------------------------------------------------------------------------
@@ -206,7 +207,8 @@ def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
     """Data lineage of a curated set, however the cycle was started: `snapshot_revs` (JSON
     {snapshot id: DVC rev} of every snapshot the set was drawn from, window and replay; the rev is
     the `.dvc` file's content md5, or `untracked:<sha256 of the manifest>` for a snapshot DVC does
-    not track) and `snapshot_rev` (the triggering event's rev, else the newest window snapshot's).
+    not track), `snapshot_rev` (the triggering event's rev, else the newest window snapshot's) and
+    `holdout_split` (how the gate's holdout was split off: `curate.holdout_split`).
     Raises FileNotFoundError for a missing index."""
     idx = json.loads(Path(curated).read_text())
     base = Path(curated).parent
@@ -224,7 +226,8 @@ def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
     if not revs:
         raise ValueError(f"{curated} names no snapshot: no data lineage; curate sealed snapshots first")
     newest = Path(idx["snapshots"][-1]).name if idx["snapshots"] else ""
-    return {"snapshot_rev": snapshot_rev or revs.get(newest, ""), "snapshot_revs": json.dumps(revs, sort_keys=True)}
+    return {"snapshot_rev": snapshot_rev or revs.get(newest, ""), "snapshot_revs": json.dumps(revs, sort_keys=True),
+            "holdout_split": idx.get("holdout_split", "random")}
 
 
 def step_deploy(ws: Workspace, tracking_uri: str, target_id: str, params: Params | None = None) -> dict:

@@ -65,7 +65,8 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
     engine.num_draft_tokens). `teacher_forced`: `teacher_forced_gate`.
 
     Report: {"baseline": m, "champion": m | None, "candidate": m, "lossless": bool,
-    "speedup": {...}, "gate": "replay" | "teacher_forced", "concurrency": c, "num_prompts"} where
+    "speedup": {...}, "gate": "replay" | "teacher_forced", "holdout_split": "random" | "time",
+    "concurrency": c, "num_prompts"} where
     each m is `replay`'s metrics (τ as `acceptance_length`, `accepted_per_pos/j`, tokens/s, ...).
     Lossless = the candidate's and the champion's greedy outputs equal the baseline's (target-only,
     same waves) token for token; "gate" names what the promotion gate compares.
@@ -79,6 +80,8 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
     bt = rep["baseline"]["tokens_per_s"] or 1.0
     rep["speedup"] = {k: rep[k]["tokens_per_s"] / bt for k in ("champion", "candidate")
                       if rep[k] and rep[k].get("tokens_per_s") is not None}
+    if ws.curated.exists():  # which holdout the gate scores (curate.holdout_split)
+        rep["holdout_split"] = json.loads(ws.curated.read_text()).get("holdout_split", "random")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=2))
     return rep

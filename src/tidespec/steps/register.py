@@ -35,7 +35,8 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     acceptance, loss; best effort: a failure there is logged, not raised). Idempotent: a retry finds
     the version it already logged (tag `draft_sha256` + snapshot_rev) and returns its decision
     instead of registering the same draft twice. `data`: `lineage()` of the curated set (tags
-    snapshot_rev, snapshot_revs); `drift_jsd`: curate's drift (bits) vs the previous curated set;
+    snapshot_rev, snapshot_revs, holdout_split: the gate's holdout); `drift_jsd`: curate's drift
+    (bits) vs the previous curated set;
     `trigger`: what started the cycle (tag). With deploy.sagemaker, each profile's tuned window goes
     on the version (tags `tuned_k.<profile>`, metrics `tau_k/<k>`, `predicted_speedup/<profile>`;
     `tune_windows`) and into the result's `tuned_k`. Raises ValueError for empty lineage."""
@@ -70,6 +71,7 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
         else:
             tags = {}
         tags |= {**key, "snapshot_revs": data["snapshot_revs"], "params_sha": params.sha(), "trigger": trigger,
+                "holdout_split": data.get("holdout_split", "random"),
                 **{f"tuned_k.{p}": str(w["k"]) for p, w in windows.items()},
                 **({"tau_k": json.dumps(next(iter(windows.values()))["tau_k"])} if windows else {}),
                 "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
