@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,14 @@ class Workspace:
 
     @property
     def champion(self) -> Path:
+        """The generalist's champion bundle: serves every class without a champion of its own."""
         return self.drafts / "champion"
+
+    @property
+    def class_champions(self) -> Path:
+        """One champion bundle per workload class that has its own (`<class>/`, registry alias
+        `champion-<class>`)."""
+        return self.drafts / "classes"
 
     @property
     def eval_prompts(self) -> Path:
@@ -140,6 +148,19 @@ def valid_tau_k(tau_k) -> bool:
         return False
     return not tau_k or (tau_k[0] == 1 and all(a <= b for a, b in zip(tau_k, tau_k[1:]))
                          and all(t <= k + 1 for k, t in enumerate(tau_k)))
+
+
+CLASS_NAME = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")  # a workload class with a champion of its own
+
+
+def class_dirs(root: Path) -> dict[str, Path]:
+    """{class: its champion bundle} under `root` (`Workspace.class_champions`), deployed ones only
+    (a `version.json` inside, a valid class name)."""
+    root = Path(root)
+    if not root.exists():
+        return {}
+    return {d.name: d for d in sorted(root.iterdir()) if d.is_dir() and CLASS_NAME.match(d.name)
+            and (d / "version.json").exists()}
 
 
 def served_version(draft_dir: Path) -> str | None:

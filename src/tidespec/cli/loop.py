@@ -42,16 +42,22 @@ def ingest(root: Path = ROOT, params: Path = PARAMS,
 
 @app.command()
 def promote(version: str, reason: str = typer.Option(..., help="why (recorded on the version and its run)"),
+            workload: str = typer.Option("", help="make it this workload class's own champion "
+                                                  "(alias champion-<class>)"),
             root: Path = ROOT, params: Path = PARAMS):
-    """Move the `champion` alias to VERSION by hand (a version that failed the losslessness check
-    is refused), then deploy it locally (data/drafts/champion). Needs MLFLOW_TRACKING_URI."""
-    _decide(root, params, lambda reg, uri, tid: reg.promote(uri, tid, version, reason))
+    """Move the `champion` alias (--workload: `champion-<class>`) to VERSION by hand (a version that
+    failed the losslessness check is refused), then deploy it locally (data/drafts/champion, a class's
+    under data/drafts/classes/<class>). Needs MLFLOW_TRACKING_URI."""
+    _decide(root, params, lambda reg, uri, tid: reg.promote(uri, tid, version, reason, workload=workload))
 
 @app.command()
-def rollback(reason: str = typer.Option("", help="why (recorded with the decision)"), root: Path = ROOT,
-             params: Path = PARAMS):
-    """Move `champion` back to the previous champion, then deploy it locally. Needs MLFLOW_TRACKING_URI."""
-    _decide(root, params, lambda reg, uri, tid: reg.rollback(uri, tid, reason))
+def rollback(reason: str = typer.Option("", help="why (recorded with the decision)"),
+             workload: str = typer.Option("", help="roll back this workload class's own champion (its first: to "
+                                                   "the generalist)"),
+             root: Path = ROOT, params: Path = PARAMS):
+    """Move `champion` (--workload: `champion-<class>`) back to the previous champion, then deploy it
+    locally. Needs MLFLOW_TRACKING_URI."""
+    _decide(root, params, lambda reg, uri, tid: reg.rollback(uri, tid, reason, workload=workload))
 
 def _decide(root: Path, params: Path, act) -> None:
     from ..adapters import registry

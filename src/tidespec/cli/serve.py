@@ -80,12 +80,14 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
                          progress=lambda m: console.print(f"serve: {m}", markup=False, highlight=False))
     if runner is not None:  # the global suffix tree deployed with the champion (never refuses to start)
         install_suffix_corpus(engine, ws.champion)
+    _install_class_drafts(engine, ws)
     sv = p.serve_resolved()
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
                               admin_token=os.environ.get(ADMIN_TOKEN_ENV),
                               load_version=_registry_loader(target.target_id, ws), text_capture=text_capture,
                               watch_dir=ws.champion, watch_s=sv.watch_champion_s,
+                              watch_classes_dir=ws.class_champions,
                               rollback=_registry_rollback(p, target.target_id, ws)),
                     host=host, port=port)
     finally:
@@ -271,18 +273,34 @@ def _registry_rollback(p, target_id: str, ws):
     if not uri or not p.serve.auto_rollback:
         return None
     from ..adapters import registry
-    from ..steps.deploy.local import deploy_champion
+    from ..steps.deploy.local import deploy_champion, deploy_class_champions
 
-    def roll_back(version: str, reason: str) -> str | None:
-        champ = registry.champion(uri, target_id)
+    def roll_back(version: str, reason: str, workload: str = "") -> str | None:
+        champ = registry.champion(uri, target_id, workload)
         if champ is None or champ.version != version:
-            log.warning("not rolling back v%s: the registry's champion is %s now", version,
-                        champ.version if champ else None)
+            log.warning("not rolling back v%s: the registry's %s is %s now", version,
+                        registry.champion_alias(workload), champ.version if champ else None)
             return None
-        d = registry.rollback(uri, target_id, f"automatic (draft health): {reason}")
-        deploy_champion(uri, target_id, ws.champion)
+        d = registry.rollback(uri, target_id, f"automatic (draft health): {reason}", workload=workload)
+        if workload:
+            deploy_class_champions(uri, target_id, ws.class_champions)
+        else:
+            deploy_champion(uri, target_id, ws.champion)
         return d.version
     return roll_back
+
+
+def _install_class_drafts(engine, ws) -> None:
+    """The workload classes' own champions deployed under data/drafts/classes into the engine at start;
+    one the engine refuses is logged (the generalist serves that class) and never stops the server."""
+    from ..engine.build import install_draft
+    from ..workspace import class_dirs
+    for cls, d in class_dirs(ws.class_champions).items():
+        try:
+            out = install_draft(engine, d, workload=cls)
+            log.info("class %r served by its own draft %s", cls, out["draft_version"])
+        except (ValueError, OSError) as e:
+            log.error("class %r's champion at %s not loaded, the generalist serves it: %s", cls, d, e)
 
 def _registry_loader(target_id: str, ws):
     """`/admin/draft {"version"}` → the registry (needs MLFLOW_TRACKING_URI and the [mlops] extra);

@@ -93,6 +93,7 @@ class EngineParams(_Strict):
     adaptive_margin: float = Field(0.05, ge=0, lt=1)  # speculate only if predicted >= (1+margin) x plain
     adaptive_margin_off: float = Field(0.02, ge=0, lt=1)  # once on, stay on while predicted >= (1+this) x plain
     draft_early_stop: bool = True  # under the goodput policy: stop a chain where the next token no longer pays
+    draft_memory_mb: float = Field(1024.0, gt=0, allow_inf_nan=False)  # resident draft weights, all drafts together
     suffix: SuffixParams = SuffixParams()
     tree: TreeParams = TreeParams()
 

@@ -65,18 +65,21 @@ def install_suffix_corpus(engine: Engine, draft_dir: Path | None) -> int | None:
         return None
 
 
-def install_draft(engine: Engine, draft_dir: Path, version: str | None = None) -> dict:
+def install_draft(engine: Engine, draft_dir: Path, version: str | None = None, workload: str = "") -> dict:
     """Swap `engine`'s draft for the checkpoint in `draft_dir` and install the suffix corpus deployed
-    with it: the one way a draft enters a live engine (server `/admin/draft`, its champion watcher,
-    `deploy.local.reload_if_changed`). The engine swaps between steps; requests in flight finish on
-    the draft they started with. `version`: used when `draft_dir` has no version.json. Returns
-    {"draft_version", "suffix_corpus_tokens" (None: no corpus or no suffix proposer)}. Raises
-    ValueError (no checkpoint there, another target's draft, wrong shapes) or OSError (unreadable
-    files): the old draft keeps serving."""
+    with it: the one way a draft enters a live engine (server `/admin/draft`, its champion watchers,
+    `deploy.local.reload_if_changed`). `workload`: the draft of that class only (`Engine.set_draft`;
+    its corpus is not installed: the global suffix tree is the generalist's, which every class's
+    traffic feeds). The engine swaps between steps; requests in flight finish on the draft they
+    started with. `version`: used when `draft_dir` has no version.json. Returns {"draft_version",
+    "suffix_corpus_tokens" (None: no corpus, a class draft, or no suffix proposer)}. Raises
+    ValueError (no checkpoint there, another target's draft, wrong shapes, over
+    `engine.draft_memory_mb`) or OSError (unreadable files): the old draft keeps serving."""
     runner = runner_for(draft_dir, engine.target)
     if runner is None:
         raise ValueError(f"no draft checkpoint at {draft_dir} (config.json + model.safetensors)")
     meta = served(Path(draft_dir))
     version = meta["version"] or version
-    engine.set_draft(runner, version, replayed=meta["replayed"])
-    return {"draft_version": version, "suffix_corpus_tokens": install_suffix_corpus(engine, draft_dir)}
+    engine.set_draft(runner, version, replayed=meta["replayed"], workload=workload)
+    corpus = install_suffix_corpus(engine, draft_dir) if not workload else None
+    return {"draft_version": version, "suffix_corpus_tokens": corpus}

@@ -68,21 +68,25 @@ class DraftHealth:
         self._classes: dict[str, set[str]] = {}  # version → its classes kept apart
         self._replayed: dict[str, dict[str, tuple[float, float]]] = {}  # version → class ("" all) → (a₁, chains)
         self._previous: dict[str, str] = {}  # version → the version served before it
-        self._current: str | None = None
+        self._current: dict[str, str] = {}  # slot (class, "" the generalist) → the version serving it
         self._lock = threading.Lock()
 
-    def serve(self, version: str | None, replayed: dict[str, tuple[float, float]] | None = None) -> None:
-        """A draft version starts serving; `replayed`: its evaluation's (a₁, chains), overall (key "")
-        and per class. The version served until now becomes its previous one — only the first time a
-        version is served (a restored version keeps the predecessor it was first judged against)."""
+    def serve(self, version: str | None, replayed: dict[str, tuple[float, float]] | None = None,
+              slot: str = ALL) -> None:
+        """A draft version starts serving `slot` (a workload class with a draft of its own, or ""
+        for the generalist); `replayed`: its evaluation's (a₁, chains), overall (key "") and per
+        class. The version served there until now becomes its previous one — for a class's first
+        draft, the generalist, which served the class before — only the first time a version is
+        served (a restored version keeps the predecessor it was first judged against)."""
         if version is None:
             return
         with self._lock:
             first = version not in self._classes
-            if first and self._current is not None and self._current != version:
-                self._previous[version] = self._current
+            prev = self._current.get(slot) or self._current.get(ALL)
+            if first and prev is not None and prev != version:
+                self._previous[version] = prev
             self._classes.setdefault(version, set())
-            self._current = version
+            self._current[slot] = version
             if replayed:
                 self._replayed[version] = {k: (float(a), float(n)) for k, (a, n) in replayed.items()}
 

@@ -28,6 +28,7 @@ from ..config import EngineParams
 from ..models.runner import DraftRunner
 from ..models.target import Segment, Target
 from .accept import after_prefill, after_verify, cut_to_grammar, guard
+from .drafts import GENERALIST, ServedDrafts, check_fits
 from .generation import CaptureSink, Generation, generation_of, wanted
 from .health import DraftHealth
 from .invalid import InvalidRequest
@@ -42,7 +43,7 @@ from .suffix import SuffixCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CaptureSink", "Engine", "Generation", "InvalidRequest", "Request"]
+__all__ = ["GENERALIST", "CaptureSink", "Engine", "Generation", "InvalidRequest", "Request"]
 
 
 class Engine:
@@ -75,7 +76,7 @@ class Engine:
         self.target, self.cfg, self.policy, self.capture, self.suffix = target, cfg, policy, capture, suffix
         self._lock = threading.Lock()  # draft swap + queues
         self._step_lock = threading.Lock()  # one step at a time
-        self._draft, self._draft_version = draft, draft_version
+        self._drafts = ServedDrafts(int(cfg.draft_memory_mb * 2**20))  # per class, "" the generalist
         self._waiting: list[Seq] = []
         self._seqs: dict[str, Seq] = {}  # request id → state, waiting or running (abort)
         self._running: list[Seq] = []
@@ -83,46 +84,45 @@ class Engine:
         self._planner = Planner(cfg, self.proposers, policy)
         self.health = DraftHealth()  # live first-token acceptance per (draft version, class)
         if draft is not None:  # as set_draft: health's reference and the policy's a₁ from the replay
-            self._check_draft(draft)
+            check_fits(draft, self.target)
             first_token_priors(replayed or {}, 0.0)
+            self._drafts.check_memory(GENERALIST, draft)
+            self._drafts.put(GENERALIST, draft, draft_version, replayed)
             self.health.serve(draft_version, replayed)
             if policy is not None and replayed:
                 policy.reset(replayed)
 
-    def _check_draft(self, draft: DraftRunner) -> None:
-        c, t = draft.config, self.target.cfg
-        if c.vocab_size != t.vocab_size or c.target_hidden_size != t.hidden_size:
-            raise ValueError(f"draft (V={c.vocab_size}, Ht={c.target_hidden_size}) does not fit the target "
-                             f"(V={t.vocab_size}, H={t.hidden_size})")
-        if draft.device != self.target.device:
-            raise ValueError(f"draft on {draft.device}, target on {self.target.device}: place it with runner_for")
-        if tuple(c.aux_layer_ids) != tuple(self.target.aux_layers):
-            raise ValueError(f"draft aux layers {c.aux_layer_ids} != target capture layers {self.target.aux_layers}")
-        if c.target_id and self.target.target_id != "unknown" and c.target_id != self.target.target_id:
-            raise ValueError(f"draft trained for target {c.target_id[:12]}, serving {self.target.target_id[:12]}")
-
     def set_draft(self, draft: DraftRunner | None, version: str | None = None,
-                  replayed: dict[str, tuple[float, float]] | None = None) -> None:
-        """Swap the draft (None = no speculation). Raises ValueError for a draft of another target or a
-        malformed `replayed` (class → (a₁, chains), "" overall: the first-token acceptance its
-        evaluation replayed, what `health` compares its live acceptance with), before anything
-        changes. The policy forgets what it learned (a₁ restarts from the replay) and times a draft
-        of a shape it has not timed first (`GoodputPolicy.ensure_draft_costs`, ~0.5 s)."""
+                  replayed: dict[str, tuple[float, float]] | None = None, workload: str = GENERALIST) -> None:
+        """Swap the draft of one workload class, or the generalist (`workload` ""; it serves every class
+        without its own). None: the class falls back to the generalist; no generalist: no EAGLE3
+        drafts for those classes. Raises ValueError before anything changes (`check_fits`, a
+        malformed `replayed` — class → (a₁, chains), "" overall, what `health` compares live
+        acceptance with —, over `engine.draft_memory_mb`). Running requests keep their draft. The
+        policy forgets what it learned (a₁ restarts from each class's draft's replay) and times an
+        untimed draft shape first (`GoodputPolicy.ensure_draft_costs`, ~0.5 s)."""
         if draft is not None:
-            self._check_draft(draft)
+            check_fits(draft, self.target)
             first_token_priors(replayed or {}, 0.0)
+            self._drafts.check_memory(workload, draft)
             if self.policy is not None:
                 self.policy.ensure_draft_costs(self.target, draft)
-        with self._lock:
-            self._draft, self._draft_version = draft, version
+        with self._lock:  # between admissions: a request starts with the old draft or the new, whole
+            pri = self._drafts.put(workload, draft, version, replayed)
         if draft is not None:
-            self.health.serve(version, replayed)
+            self.health.serve(version, replayed, slot=workload)
         if self.policy is not None:
-            self.policy.reset(replayed if draft is not None else None)
+            self.policy.reset(pri if self._drafts else None)
 
     @property
     def draft_version(self) -> str | None:
-        return self._draft_version
+        """The generalist's version (None: none serves)."""
+        return self._drafts.versions().get(GENERALIST)
+
+    @property
+    def draft_versions(self) -> dict[str, str | None]:
+        """{class: version} of every draft served ("" = the generalist)."""
+        return self._drafts.versions()
 
     def set_suffix_corpus(self, seqs: list[list[int]]) -> int:
         """Replace the suffix proposer's global tree with one over `seqs` (oldest first; the newest
@@ -154,7 +154,7 @@ class Engine:
         capture = req.capture if req.capture is not None else wanted(self.capture, rid)
         topk = self.cfg.tree.eagle_topk
         with self._lock:
-            draft, version = (self._draft, self._draft_version) if req.speculative else (None, None)
+            draft, version = self._drafts.route(req.workload) if req.speculative else (None, None)
             if rid in self._seqs:
                 raise InvalidRequest(
                     "request_id", f"request id {rid!r} is already in flight; request ids must be unique"

@@ -60,6 +60,21 @@ class DraftRunner:
         self.nq = c.num_attention_heads * c.head_dim
         self.nk = c.num_key_value_heads * c.head_dim
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes this draft keeps resident beyond the target: its weights (each storage once; the
+        target's embedding is shared, not counted) and oneDNN's prepacked copies of them (counted at
+        the weight's size). What `engine.draft_memory_mb` budgets."""
+        packs = (self.fc, self.qkv_w, self.o, self.gate_up, self.down, self.lm_head)
+        tensors = list(self.draft.state_dict().values()) + [p.weight for p in packs]
+        seen, total = set(), 0
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total + sum(p.weight.numel() * p.weight.element_size() for p in packs if p.packed is not None)
+
     def new_cache(self, max_len: int) -> DraftCache:
         return DraftCache(self.config, max_len, device=self.device)
 

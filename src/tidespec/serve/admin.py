@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..engine.build import install_draft
 from ..engine.speculative import Engine
 from ..errors import TidespecError
-from ..workspace import served_version
+from ..workspace import class_dirs, served_version
 from .errors import OpenAIError
 
 log = logging.getLogger(__name__)
@@ -61,22 +61,31 @@ class DraftPin:
 
 
 class DraftInstaller:
-    """`installer(path, version)`: the draft checkpoint at `path` into `engine`
-    (`engine.build.install_draft`, one swap at a time), then `on_installed(version)` (/metrics). Returns
-    {"draft_version", "suffix_corpus_tokens"}; raises ValueError or OSError for a draft the engine
-    refuses (the old one keeps serving)."""
+    """`installer(path, version, by, workload)`: the draft checkpoint at `path` into `engine`
+    (`engine.build.install_draft`, one swap at a time; `workload` "" the generalist, else that class's
+    own), then `on_installed(engine.draft_versions)` (/metrics). Returns {"draft_version",
+    "suffix_corpus_tokens"}; raises ValueError or OSError for a draft the engine refuses (the old one
+    keeps serving). `remove(workload)`: that class falls back to the generalist."""
 
-    def __init__(self, engine: Engine, on_installed: Callable[[str | None], None]):
+    def __init__(self, engine: Engine, on_installed: Callable[[dict], None]):
         self.engine, self.on_installed = engine, on_installed
         self._lock = threading.Lock()
 
-    def __call__(self, path: Path, version: str | None, by: str = "the champion watcher") -> dict:
+    def __call__(self, path: Path, version: str | None, by: str = "the champion watcher", workload: str = "") -> dict:
         with self._lock:
-            old = self.engine.draft_version
-            out = install_draft(self.engine, path, version)
-            self.on_installed(out["draft_version"])
-        log.info("serving draft %s (was %s), installed by %s from %s", out["draft_version"], old, by, path)
+            old = self.engine.draft_versions.get(workload)
+            out = install_draft(self.engine, path, version, workload)
+            self.on_installed(self.engine.draft_versions)
+        what = f"class {workload!r}'s draft" if workload else "draft"
+        log.info("serving %s %s (was %s), installed by %s from %s", what, out["draft_version"], old, by, path)
         return out
+
+    def remove(self, workload: str, by: str = "the class champion watcher") -> None:
+        with self._lock:
+            old = self.engine.draft_versions.get(workload)
+            self.engine.set_draft(None, workload=workload)
+            self.on_installed(self.engine.draft_versions)
+        log.info("class %r's draft %s removed by %s: the generalist serves it", workload, old, by)
 
 
 class ChampionWatcher:
@@ -130,6 +139,57 @@ class ChampionWatcher:
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             self.check()
+
+    def close(self) -> None:
+        """Stop polling (waits at most 5 s for a poll in progress)."""
+        self._stop.set()
+        self._thread.join(5)
+
+
+class ClassChampionWatcher:
+    """Polls `root` (data/drafts/classes: one champion bundle per workload class, written by
+    `deploy.local.deploy_class_champions`) every `every_s` s on a daemon thread: installs a class's
+    draft when its directory names another version than the engine serves for it, and drops the
+    draft of a class whose directory is gone (rolled back to the generalist). A version the engine
+    refuses (wrong target, over `engine.draft_memory_mb`) is logged once per version and not retried."""
+
+    def __init__(self, root: Path, every_s: float, engine: Engine, install: DraftInstaller):
+        self.root, self.every_s, self.engine, self.install = Path(root), every_s, engine, install
+        self._refused: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tidespec-class-champion-watch", daemon=True)
+        self._thread.start()
+
+    def check(self) -> dict[str, str | None]:
+        """One poll; returns {class: version installed, None for a class dropped}."""
+        out: dict[str, str | None] = {}
+        dirs = class_dirs(self.root)
+        served = self.engine.draft_versions
+        for cls, d in dirs.items():
+            try:
+                v = served_version(d)
+            except (ValueError, OSError) as e:
+                log.error("class %r champion at %s unreadable: %s", cls, d, e)
+                continue
+            if v is None or v == served.get(cls) or self._refused.get(cls) == v:
+                continue
+            try:
+                out[cls] = self.install(d, v, workload=cls)["draft_version"]
+            except (ValueError, OSError, TidespecError) as e:
+                self._refused[cls] = v
+                log.error("class %r champion %s at %s refused, %s keeps serving it: %s", cls, v, d, cls,
+                          served.get(cls) or "the generalist", e)
+        for cls in set(served) - set(dirs) - {""}:
+            self.install.remove(cls)
+            out[cls] = None
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.check()
+            except Exception:
+                log.exception("class champion poll failed")
 
     def close(self) -> None:
         """Stop polling (waits at most 5 s for a poll in progress)."""

@@ -1,12 +1,14 @@
 """The draft-health guard of `tidespec serve`: reports a draft that is no longer accepted as its
 evaluation said, and rolls back a promotion that made live acceptance clearly worse.
 
-Every `every_s` s, for each workload class the served version has drafted for (`engine.health`):
+Every `every_s` s, for each served draft — the generalist on each workload class it has drafted for,
+a class's own draft on its class (`engine.health`):
 its live first-token acceptance against its replayed one, and against the version served before it
 on the same class. /metrics: `tidespec:draft_first_token_acceptance{version,workload,source}`
 (source live | replayed | previous) and `tidespec:draft_regressed{version,workload,against}` (1 while
 clearly below; against replay | previous); a warning log line when a verdict turns. A version clearly
-below its predecessor calls `rollback(version, reason)` once (the server wires it to the registry:
+below its predecessor calls `rollback(version, reason)` (a class's own draft: `rollback(version,
+reason, workload)`) once (the server wires it to the registry:
 an audited `rolled_back` decision and the restored champion deployed where the champion watcher
 picks it up; `tidespec:draft_rollbacks_total` counts them). Classes are labelled as the request
 counters label them (`ServeMetrics.label`: bounded). EAGLE-2 trees are not counted (`engine.health`):
@@ -57,27 +59,29 @@ class HealthGuard:
             self._thread.start()
 
     def check(self) -> list[Verdict]:
-        """One round; returns the verdicts that are clearly below."""
+        """One round over every served draft (the generalist on the classes it drafted for, each class's
+        own draft on its class); returns the verdicts that are clearly below."""
         h = self.engine.health
-        version = self.engine.draft_version
         self.acceptance.clear()
         self.regressed.clear()
-        if version is None:
-            return []
         below, acc, reg = [], {}, {}
-        for w in h.classes(version):
-            for against, v in (("replay", h.against_replay(version, w)), ("previous", h.against_previous(version, w))):
-                lw = self.label(v.workload)  # classes past the label bound share "other": its worst verdict
-                if v.live is not None:
-                    acc[(version, lw, "live")] = v.live
-                if v.reference is not None:
-                    acc[(version, lw, "replayed" if against == "replay" else "previous")] = v.reference
-                reg[(version, lw, against)] = max(reg.get((version, lw, against), 0.0), float(v.below))
-                self._report(v, against)
-                if v.below:
-                    below.append(v)
-                    if against == "previous":
-                        self._roll_back(v)
+        for slot, version in sorted(self.engine.draft_versions.items()):
+            if version is None:
+                continue
+            for w in h.classes(version) if not slot else [slot]:
+                for against, v in (("replay", h.against_replay(version, w)),
+                                   ("previous", h.against_previous(version, w))):
+                    lw = self.label(v.workload)  # classes past the label bound share "other": its worst verdict
+                    if v.live is not None:
+                        acc[(version, lw, "live")] = v.live
+                    if v.reference is not None:
+                        acc[(version, lw, "replayed" if against == "replay" else "previous")] = v.reference
+                    reg[(version, lw, against)] = max(reg.get((version, lw, against), 0.0), float(v.below))
+                    self._report(v, against)
+                    if v.below:
+                        below.append(v)
+                        if against == "previous":
+                            self._roll_back(v, slot)
         for labels, x in acc.items():
             self.acceptance.labels(*labels).set(x)
         for labels, x in reg.items():
@@ -95,7 +99,7 @@ class HealthGuard:
             log.info("draft v%s, class %r: first-token acceptance %.3f is no longer clearly below %s", v.version,
                      v.workload, v.live, against)
 
-    def _roll_back(self, v: Verdict) -> None:
+    def _roll_back(self, v: Verdict, slot: str = "") -> None:
         if self.rollback is None or v.version in self._rolled:
             return
         prev = self.engine.health.previous(v.version)
@@ -104,13 +108,13 @@ class HealthGuard:
             f"chains) clearly below v{prev}'s {v.reference:.3f} on the same traffic"
         )
         try:
-            self.rollback(v.version, reason)
+            self.rollback(v.version, reason, slot) if slot else self.rollback(v.version, reason)
         except Exception as e:  # noqa: BLE001 - a registry hiccup must not stop serving
             log.error("rollback of v%s failed (it keeps serving; retried at the next check): %s", v.version, e)
             return
         self._rolled.add(v.version)
         self.rollbacks.inc()
-        log.warning("rolled back v%s: %s", v.version, reason)
+        log.warning("rolled back v%s%s: %s", v.version, f" (class {slot!r}'s draft)" if slot else "", reason)
 
     def _run(self, every_s: float) -> None:
         while not self._stop.wait(every_s):

@@ -113,7 +113,9 @@ class ServeMetrics:
         self.itl = Histogram(f"{p}inter_token_latency_seconds", "Time between emitted tokens.", registry=r,
                              buckets=ITL_BUCKETS_S)
         self.running = Gauge(f"{p}num_requests_running", "Requests waiting or running in the engine.", registry=r)
-        self.draft_info = Gauge(f"{p}draft_info", "The served draft (value 1).", ["version"], registry=r)
+        self.draft_info = Gauge(f"{p}draft_info", "The served generalist draft (value 1).", ["version"], registry=r)
+        self.class_draft_info = Gauge(f"{p}class_draft_info", "A workload class's own served draft (value 1).",
+                                      ["workload", "version"], registry=r)
         self.by_proposer = [Counter(f"{p}spec_decode_{name}_by_proposer", help_, ["proposer"], registry=r)
                             for name, help_ in PROPOSER_COUNTERS]
         self.by_workload = [Counter(f"{p}spec_decode_{name}_by_workload", help_, ["workload"], registry=r)
@@ -161,10 +163,16 @@ class ServeMetrics:
         """Requests waiting or running in the engine now."""
         self.running.set(n)
 
-    def set_draft(self, version: str | None) -> None:
-        """The served draft's version (`draft_info{version}` = 1, the previous one's series removed)."""
+    def set_drafts(self, versions: dict[str, str | None]) -> None:
+        """The served drafts' versions ({class: version}, "" the generalist: `Engine.draft_versions`):
+        `draft_info{version}` = 1 for the generalist ("None" without one) and
+        `class_draft_info{workload,version}` = 1 per class with a draft of its own; stale series removed."""
         self.draft_info.clear()
-        self.draft_info.labels(version=str(version)).set(1)
+        self.draft_info.labels(version=str(versions.get("", None))).set(1)
+        self.class_draft_info.clear()
+        for w, v in sorted(versions.items()):
+            if w:
+                self.class_draft_info.labels(workload=self.label(w), version=str(v)).set(1)
 
 
 class FrontdoorMetrics:

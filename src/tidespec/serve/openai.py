@@ -61,7 +61,9 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
 
     @router.get("/health")
     def health():
+        versions = serving.engine.draft_versions
         return {"status": "ok", "draft_version": serving.engine.draft_version,
+                "class_drafts": {w: v for w, v in sorted(versions.items()) if w},
                 "requests": serving.engine.num_unfinished}
 
     return router

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from ..config import ServeParams
 from ..engine.speculative import Engine
-from .admin import ADMIN_TOKEN_ENV, ChampionWatcher, DraftInstaller, DraftPin, admin_router
+from .admin import ADMIN_TOKEN_ENV, ChampionWatcher, ClassChampionWatcher, DraftInstaller, DraftPin, admin_router
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .guard import HealthGuard
@@ -33,8 +33,8 @@ __all__ = ["ADMIN_TOKEN_ENV", "build_app"]
 def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, *, model: str = "tidespec",
               drafts_dir: Path | None = None, admin_token: str | None = None,
               load_version: Callable[[str], Path] | None = None, text_capture=None,
-              watch_dir: Path | None = None, watch_s: float = 5.0,
-              rollback: Callable[[str, str], None] | None = None) -> FastAPI:
+              watch_dir: Path | None = None, watch_s: float = 5.0, watch_classes_dir: Path | None = None,
+              rollback: Callable[..., None] | None = None) -> FastAPI:
     """The FastAPI app. `tokenizer`: HF fast tokenizer (None: token-id prompts only, no chat, no
     stop strings); `serve`: the limits (max_queue, request_timeout_s in s, max_tokens: default and
     cap of a request's max_tokens, which must be resolved: `Params.serve_resolved()`;
@@ -45,9 +45,11 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     (`capture.text.TextCapture`, or a `serve.textlog.TextLog` over one, `capture.mode: text`): each
     finished request's request and response bodies are logged in the Data Capture format;
     `watch_dir` (the local champion dir, data/drafts/champion): every `watch_s` s the server
-    installs the version the cycle's deploy step put there (`ChampionWatcher`); the draft-health
-    guard (`serve.guard`) runs every `serve.health_check_s` s and calls `rollback(version, reason)`
-    for a version clearly worse than its predecessor (None: report only). At shutdown: the watcher
+    installs the version the cycle's deploy step put there (`ChampionWatcher`), and the workload
+    classes' own champions under `watch_classes_dir` (data/drafts/classes: `ClassChampionWatcher`);
+    the draft-health guard (`serve.guard`) runs every `serve.health_check_s` s and calls
+    `rollback(version, reason, workload)` for a version clearly worse than its predecessor on the
+    class it serves ("" the generalist; None: report only). At shutdown: the watcher
     stops, requests in flight finish, the engine's capture sink (if any) is flushed (its counters
     are served on /metrics), text capture is closed. Every error is answered in OpenAI's envelope
     (`serve.errors`). Raises ValueError for unresolved max_tokens, or max_tokens ≥ the engine's
@@ -61,15 +63,18 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     writer = engine.capture
     textlog = text_capture if isinstance(text_capture, TextLog) else TextLog(text_capture)
     loop, metrics = EngineLoop(engine), ServeMetrics(engine.cfg.num_draft_tokens)
-    metrics.set_draft(engine.draft_version)
+    metrics.set_drafts(engine.draft_versions)
     if writer is not None and hasattr(writer, "collector"):
         metrics.registry.register(writer.collector())
-    install, pin = DraftInstaller(engine, metrics.set_draft), DraftPin()
+    install, pin = DraftInstaller(engine, metrics.set_drafts), DraftPin()
     watcher = (ChampionWatcher(watch_dir, watch_s, engine, install, pin) if watch_dir is not None and watch_s > 0
                else None)
+    classes = (ClassChampionWatcher(watch_classes_dir, watch_s, engine, install)
+               if watch_classes_dir is not None and watch_s > 0 else None)
     guard = HealthGuard(engine, metrics, cfg.health_check_s, rollback if cfg.auto_rollback else None)
     app = FastAPI(title="tidespec", version="0.1", lifespan=closing(
-        watcher and watcher.close, guard.close, loop.close, getattr(writer, "flush", None), textlog.close))
+        watcher and watcher.close, classes and classes.close, guard.close, loop.close, getattr(writer, "flush", None),
+        textlog.close))
     app.state.loop, app.state.metrics, app.state.guard = loop, metrics, guard
     app.include_router(openai_router(OpenAIServing(engine, loop, metrics, tokenizer, cfg, model, textlog)))
     app.include_router(admin_router(engine, install, drafts_dir, admin_token, load_version, pin))

@@ -27,7 +27,7 @@ from ..models.load import get_target, target_dir
 from ..models.load import target_id as target_id_of
 from ..train.entry import preflight, skip_reason, train_here
 from ..workspace import Workspace
-from .deploy.local import deploy_champion, notify_server
+from .deploy.local import deploy_champion, deploy_class_champions, notify_server
 from .train_data import remote_shards, train_rehydrator
 
 log = logging.getLogger(__name__)
@@ -231,13 +231,16 @@ def lineage(curated: Path, snapshot_rev: str = "") -> dict[str, str]:
 
 
 def step_deploy(ws: Workspace, tracking_uri: str, target_id: str, params: Params | None = None) -> dict:
-    """Local deploy: materialise the registry champion at `ws.champion` (atomic swap), then ask a
+    """Local deploy: materialise the registry champion at `ws.champion` (atomic swap) and each workload
+    class's own at `ws.class_champions/<class>` (`deploy_class_champions`), then ask a
     running `tidespec serve` ($TIDESPEC_SERVER_URL) to hot-swap to it (`notify_server`: never
     fails the cycle; a server that is down loads the champion when it starts). Then each SageMaker
     profile in `deploy.sagemaker.on_promote` gets it (blue/green; "unchanged" when the endpoint
     already serves this draft). Raises as `deploy_endpoint` (a failed endpoint update rolls back on
     AWS; the local deploy has happened)."""
     dep = deploy_champion(tracking_uri, target_id, ws.champion)
+    if classes := deploy_class_champions(tracking_uri, target_id, ws.class_champions):
+        dep["classes"] = classes  # the server's class watcher installs (or drops) them
     if dep["version"] is not None:
         dep["server"] = notify_server(ws.champion)
         sm = params.deploy.sagemaker if params is not None else None

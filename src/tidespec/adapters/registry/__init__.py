@@ -1,6 +1,7 @@
 """The MLflow adapter: experiments, runs and the model registry for drafts (`client`: runs, versions, aliases, tags),
 their bundles and figures (`artifacts`), and the promotion decisions (`decisions`). Names follow the registry
-contract: experiment `tidespec/<target_id>`, model `tidespec-draft-<short id>`, aliases `champion` / `challenger`."""
+contract: experiment `tidespec/<target_id>`, model `tidespec-draft-<short id>`, aliases `champion` / `challenger`,
+`champion-<class>` for a workload class's own champion."""
 from .artifacts import (
     cycle_history,
     download_champion,
@@ -12,6 +13,7 @@ from .client import (
     ARTIFACT_DIR,
     CHALLENGER,
     CHAMPION,
+    CLASS_NAME,
     FIRST_TOKEN_TAG,
     HISTORY_MAX,
     HISTORY_TAG,
@@ -21,6 +23,8 @@ from .client import (
     RegistryError,
     challenger,
     champion,
+    champion_alias,
+    class_champions,
     ensure_experiment,
     ensure_registered_model,
     experiment_name,
@@ -45,6 +49,7 @@ __all__ = [
     "ARTIFACT_DIR",
     "CHALLENGER",
     "CHAMPION",
+    "CLASS_NAME",
     "Decision",
     "FIRST_TOKEN_TAG",
     "HISTORY_MAX",
@@ -55,6 +60,8 @@ __all__ = [
     "VERSION_TAG_KEYS",
     "challenger",
     "champion",
+    "champion_alias",
+    "class_champions",
     "cycle_history",
     "decisions",
     "download_champion",

@@ -51,11 +51,11 @@ def _download_bundle(tracking_uri: str, source: str, run_id: str | None, dest: P
     return dest
 
 
-def download_champion(tracking_uri: str, target_id: str, dest: Path) -> Path | None:
-    """Download the champion into ``dest/draft``: a draft bundle (``draft/`` for the engines,
-    sidecars and ``version.json`` = {version, run_id, tuned_k}: what was evaluated, beside it).
-    Returns that bundle dir, or None when there is no champion."""
-    info = champion(tracking_uri, target_id)
+def download_champion(tracking_uri: str, target_id: str, dest: Path, workload: str = "") -> Path | None:
+    """Download the champion (``workload``: that class's own) into ``dest/draft``: a draft bundle
+    (``draft/`` for the engines, sidecars and ``version.json`` = {version, run_id, tuned_k}: what was
+    evaluated, beside it). Returns that bundle dir, or None when there is no such champion."""
+    info = champion(tracking_uri, target_id, workload)
     if info is None:
         return None
     local = _download_bundle(tracking_uri, info.source, info.run_id, Path(dest) / ARTIFACT_DIR)

@@ -21,7 +21,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from ...errors import TidespecError
-from ...workspace import bundle_files, valid_tau_k
+from ...workspace import CLASS_NAME, bundle_files, valid_tau_k
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -231,9 +231,39 @@ def log_live(tracking_uri: str, target_id: str, version: str, metrics: dict[str,
         c.set_model_version_tag(model_name(target_id), str(version), k, v)
 
 
-def champion(tracking_uri: str, target_id: str) -> ModelVersionInfo | None:
-    """The version under alias ``champion``, or None (no model or no champion yet)."""
-    return _by_alias(tracking_uri, target_id, CHAMPION)
+def champion_alias(workload: str = "") -> str:
+    """The alias of the generalist's champion (``champion``, `workload` "") or of one workload
+    class's (``champion-<class>``). Raises RegistryError for a class name outside ``[a-z0-9_]``
+    (64 at most, starting alphanumeric): MLflow aliases and directory names must hold it."""
+    if not workload:
+        return CHAMPION
+    if not CLASS_NAME.match(workload):
+        raise RegistryError(f"workload class {workload!r} cannot have a champion: use lower-case letters, digits "
+                            "and '_' (at most 64, starting with a letter or digit)")
+    return f"{CHAMPION}-{workload}"
+
+
+def history_tag(workload: str = "") -> str:
+    """The registered model's tag holding a champion alias's history (rollback's memory)."""
+    return HISTORY_TAG if not workload else f"{HISTORY_TAG}.{workload}"
+
+
+def champion(tracking_uri: str, target_id: str, workload: str = "") -> ModelVersionInfo | None:
+    """The version under alias ``champion`` (the generalist), or ``champion-<workload>`` (that
+    class's own); None when there is none (no model, or the class is served by the generalist)."""
+    return _by_alias(tracking_uri, target_id, champion_alias(workload))
+
+
+def class_champions(tracking_uri: str, target_id: str) -> dict[str, str]:
+    """{class: version} of every workload class with a champion of its own ({} without a model)."""
+    try:
+        aliases = _client(tracking_uri).get_registered_model(model_name(target_id)).aliases
+    except MlflowException as e:
+        if _not_found(e):
+            return {}
+        raise
+    pre = CHAMPION + "-"
+    return {a[len(pre):]: str(v) for a, v in aliases.items() if a.startswith(pre) and CLASS_NAME.match(a[len(pre):])}
 
 
 def challenger(tracking_uri: str, target_id: str) -> ModelVersionInfo | None:

@@ -15,12 +15,13 @@ from .artifacts import _float
 from .client import (
     CHAMPION,
     HISTORY_MAX,
-    HISTORY_TAG,
     RegistryError,
     _alias_version,
     _client,
     _exists,
     _version,
+    champion_alias,
+    history_tag,
     model_name,
 )
 
@@ -35,13 +36,18 @@ class Decision:
     previous_champion: str | None
 
 
-def _history(c: MlflowClient, name: str) -> list[str]:
-    raw = c.get_registered_model(name).tags.get(HISTORY_TAG, "")
+def _history(c: MlflowClient, name: str, workload: str = "") -> list[str]:
+    raw = c.get_registered_model(name).tags.get(history_tag(workload), "")
     return [v for v in raw.split(",") if v]
 
 
-def _set_history(c: MlflowClient, name: str, hist: list[str]) -> None:
-    c.set_registered_model_tag(name, HISTORY_TAG, ",".join(hist))
+def _set_history(c: MlflowClient, name: str, hist: list[str], workload: str = "") -> None:
+    c.set_registered_model_tag(name, history_tag(workload), ",".join(hist))
+
+
+def _of(workload: str) -> str:
+    """How a decision names the alias it moved: "" for the generalist, "class 'code': " for a class."""
+    return f"class {workload!r}: " if workload else ""
 
 
 def _record(c: MlflowClient, name: str, version: str, decision: str, reason: str) -> None:
@@ -65,37 +71,42 @@ def decisions(tracking_uri: str, target_id: str, version: str) -> list[str]:
     return [tags[f"decision.{i}"] for i in range(sum(k.startswith("decision.") for k in tags))]
 
 
-def _make_champion(c: MlflowClient, name: str, version: str) -> str | None:
-    """Move alias ``champion`` to ``version``, append it to the history; return the previous champion."""
-    prev = _alias_version(c, name, CHAMPION)
-    c.set_registered_model_alias(name, CHAMPION, version)
-    hist = _history(c, name)
+def _make_champion(c: MlflowClient, name: str, version: str, workload: str = "") -> str | None:
+    """Move the champion alias (`champion_alias(workload)`) to ``version``, append it to that alias's
+    history; return the previous champion."""
+    alias = champion_alias(workload)
+    prev = _alias_version(c, name, alias)
+    c.set_registered_model_alias(name, alias, version)
+    hist = _history(c, name, workload)
     if prev and (not hist or hist[-1] != prev):  # alias moved outside tidespec: keep it traceable
         hist.append(prev)
-    _set_history(c, name, (hist + [version])[-HISTORY_MAX:])
+    _set_history(c, name, (hist + [version])[-HISTORY_MAX:], workload)
     return prev
 
 
 def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate_tau: float,
                       champion_tau: float | None, min_relative_gain: float, lossless: bool,
-                      evaluated_champion: str | None = None) -> Decision:
+                      evaluated_champion: str | None = None, workload: str = "") -> Decision:
     """Promote ``version`` to ``champion`` iff ``lossless`` and (no champion yet or
     ``candidate_tau >= champion_tau * (1 + min_relative_gain)``); τ in tokens per target forward,
     both measured on the same holdout. ``evaluated_champion``: the champion version ``champion_tau``
     was measured on; when the alias has moved since (a manual promote/rollback during the cycle),
     the candidate is not promoted (it was not compared with the current champion). The decision is
     recorded (``_record``). MLflow aliases have no compare-and-set: two gates racing at the same
-    instant can both pass; the tide-cycle deployment runs one cycle at a time.
+    instant can both pass; the tide-cycle deployment runs one cycle at a time. ``workload``: the
+    gate of one class's champion (alias ``champion-<class>``, τ on that class's holdout); while the
+    class has none, its reference is the generalist that serves it (``champion_tau`` measured on it).
     Raises RegistryError if a champion exists but ``champion_tau`` is None (evaluate it first).
     """
     c = _client(tracking_uri)
     name = model_name(target_id)
     version = _version(c, name, version)
-    current = _alias_version(c, name, CHAMPION)
+    own = _alias_version(c, name, champion_alias(workload))
+    current = own if own is not None or not workload else _alias_version(c, name, CHAMPION)
     if current is not None and champion_tau is None:
         raise RegistryError(f"{name}: champion v{current} exists but champion_tau is None; "
                             "evaluate the champion on the same holdout and pass its τ")
-    if current == version:
+    if own == version or (current == version and not workload):
         reason, ok = f"v{version} is already champion", False
     elif evaluated_champion is not None and current != str(evaluated_champion):
         reason, ok = (f"champion changed during the cycle (evaluated against v{evaluated_champion}, champion is now "
@@ -112,9 +123,10 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
         cmp = ">=" if ok else "<"
         reason = (f"τ {candidate_tau:.4f} {cmp} {bar:.4f} = champion v{current} τ {champion_tau:.4f} "
                   f"× (1 + {min_relative_gain:g})")
+    reason = _of(workload) + reason
     if ok:
-        _make_champion(c, name, version)
-    d = Decision(promoted=ok, reason=reason, version=version, previous_champion=current)
+        _make_champion(c, name, version, workload)
+    d = Decision(promoted=ok, reason=reason, version=version, previous_champion=own if workload else current)
     _record(c, name, version, "promoted" if ok else "rejected", reason)
     return d
 
@@ -135,7 +147,7 @@ def evaluation_problem(tags: dict[str, str]) -> str | None:
 
 
 def promote(tracking_uri: str, target_id: str, version: str, reason: str, *,
-            allow_unevaluated: bool = False) -> Decision:
+            allow_unevaluated: bool = False, workload: str = "") -> Decision:
     """Make ``version`` champion by hand (no τ rule), recording ``reason``; the current champion
     is left as is (Decision with promoted=False, nothing recorded).
 
@@ -145,12 +157,13 @@ def promote(tracking_uri: str, target_id: str, version: str, reason: str, *,
     possible yet) skips the "never evaluated" check and records ``unevaluated`` in the reason; a
     version tagged ``lossless=False`` is refused even then.
     Raises RegistryError when the version does not exist, failed the losslessness check, or was
-    never evaluated (the message names the fix: pick an evaluated version, or run a cycle)."""
+    never evaluated (the message names the fix: pick an evaluated version, or run a cycle).
+    ``workload``: make it that class's champion (alias ``champion-<class>``) instead."""
     c = _client(tracking_uri)
     name = model_name(target_id)
     version = _version(c, name, version)
     mv = c.get_model_version(name, version)
-    if _alias_version(c, name, CHAMPION) == version:
+    if _alias_version(c, name, champion_alias(workload)) == version:
         return Decision(promoted=False, reason=f"v{version} is already champion; nothing changed", version=version,
                         previous_champion=version)
     problem = evaluation_problem(dict(mv.tags))
@@ -159,37 +172,44 @@ def promote(tracking_uri: str, target_id: str, version: str, reason: str, *,
                "promote a version that a cycle evaluated and registered (its tags carry lossless and "
                "acceptance_length; see the versions in the MLflow UI), or run `tidespec cycle` to evaluate a candidate")
         raise RegistryError(f"{name} v{version} {problem}; {fix}")
-    why = f"manual: {reason}" if not problem else f"manual, unevaluated (bootstrap): {reason}"
-    prev = _make_champion(c, name, version)
+    why = _of(workload) + (f"manual: {reason}" if not problem else f"manual, unevaluated (bootstrap): {reason}")
+    prev = _make_champion(c, name, version, workload)
     d = Decision(promoted=True, reason=why, version=version, previous_champion=prev)
     _record(c, name, version, "promoted", d.reason)
     return d
 
 
-def rollback(tracking_uri: str, target_id: str, reason: str = "") -> Decision:
+def rollback(tracking_uri: str, target_id: str, reason: str = "", workload: str = "") -> Decision:
     """Move ``champion`` back to the previous champion in ``champion_history``; ``reason`` (why)
-    is recorded with the decision.
+    is recorded with the decision. ``workload``: that class's alias and history instead; its first
+    champion rolls back to none (the alias removed: the generalist serves the class again).
 
     Returns a Decision about the restored version (``previous_champion`` = the demoted one, which
     gets ``decision=rolled_back``). Raises RegistryError when there is no previous champion.
     """
     c = _client(tracking_uri)
     name = model_name(target_id)
-    current = _alias_version(c, name, CHAMPION)
+    alias = champion_alias(workload)
+    current = _alias_version(c, name, alias)
     if current is None:
-        raise RegistryError(f"{name}: no champion to roll back; promote a version first")
-    hist = _history(c, name)
+        raise RegistryError(f"{name}: no {alias} to roll back; promote a version first")
+    hist = _history(c, name, workload)
     while hist and (hist[-1] == current or not _exists(c, name, hist[-1])):  # deleted versions cannot come back
         hist.pop()
+    why = f": {reason}" if reason else ""
+    if not hist and workload:  # the class's first champion: back to the generalist
+        c.delete_registered_model_alias(name, alias)
+        _set_history(c, name, [], workload)
+        _record(c, name, current, "rolled_back", f"{_of(workload)}rolled back to the generalist{why}")
+        return Decision(promoted=True, reason=f"{_of(workload)}rollback from v{current} to the generalist{why}",
+                        version=_alias_version(c, name, CHAMPION) or "", previous_champion=current)
     if not hist:
         raise RegistryError(f"{name}: no earlier champion than v{current} (deleted versions skipped); nothing to "
                             "roll back to (use promote to pick a version by hand)")
     target = hist[-1]
-    c.set_registered_model_alias(name, CHAMPION, target)
-    _set_history(c, name, hist)
-    why = f": {reason}" if reason else ""
-    reason = f"rollback from v{current}{why}"
-    _record(c, name, current, "rolled_back", f"rolled back to v{target}{why}")
+    c.set_registered_model_alias(name, alias, target)
+    _set_history(c, name, hist, workload)
+    reason = f"{_of(workload)}rollback from v{current}{why}"
+    _record(c, name, current, "rolled_back", f"{_of(workload)}rolled back to v{target}{why}")
     _record(c, name, target, "restored", reason)
-    d = Decision(promoted=True, reason=reason, version=target, previous_champion=current)
-    return d
+    return Decision(promoted=True, reason=reason, version=target, previous_champion=current)

@@ -22,18 +22,16 @@ from ...workspace import served_version
 log = logging.getLogger(__name__)
 
 
-def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
-    """Download the champion's bundle into `dest` (replacing it atomically).
-
-    Returns {"version", "path"}; {"version": None} when the registry has no champion.
-    """
-    info = registry.champion(tracking_uri, target_id)
+def deploy_champion(tracking_uri: str, target_id: str, dest: Path, workload: str = "") -> dict:
+    """Download the champion's bundle (``workload``: that class's own) into `dest`, replacing it
+    atomically. Returns {"version", "path"}; {"version": None} when the registry has no such champion."""
+    info = registry.champion(tracking_uri, target_id, workload)
     if info is None:
         return {"version": None, "path": None}
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".deploy-", dir=dest.parent))
-    got = registry.download_champion(tracking_uri, target_id, tmp / "dl")
+    got = registry.download_champion(tracking_uri, target_id, tmp / "dl", workload)
     stage = dest.with_name(dest.name + ".new")
     shutil.rmtree(stage, ignore_errors=True)
     os.replace(got, stage)  # a bundle with version.json: draft/ (what engines load) + sidecars
@@ -45,6 +43,24 @@ def deploy_champion(tracking_uri: str, target_id: str, dest: Path) -> dict:
     shutil.rmtree(old, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
     return {"version": info.version, "path": str(dest)}
+
+
+def deploy_class_champions(tracking_uri: str, target_id: str, root: Path) -> dict[str, str | None]:
+    """Each workload class's own champion (registry alias `champion-<class>`) into `root/<class>`
+    (`deploy_champion`, skipped when it already holds that version); a class directory whose alias is
+    gone (rolled back to the generalist) is removed, so the server falls back to the generalist.
+    Returns {class: version deployed, None for a class removed}."""
+    want = registry.class_champions(tracking_uri, target_id)
+    root = Path(root)
+    out: dict[str, str | None] = {}
+    for cls, version in sorted(want.items()):
+        if served_version(root / cls) != version:
+            out[cls] = deploy_champion(tracking_uri, target_id, root / cls, cls)["version"]
+    for d in sorted(root.glob("*")) if root.exists() else []:
+        if d.is_dir() and not d.name.startswith(".") and d.name not in want:
+            shutil.rmtree(d)
+            out[d.name] = None
+    return out
 
 
 def reload_if_changed(engine, dest: Path) -> bool:
