@@ -1,4 +1,5 @@
-"""Prefect flow `tide_cycle`: curate → train → evaluate → register → deploy (thin: logic in `tidespec.steps.cycle`).
+"""Prefect flow `tide_cycle`: curate → train → evaluate → register → class drafts → deploy (thin: logic in
+`tidespec.steps.cycle` and `tidespec.steps.classes`).
 
 Deployed by prefect.yaml (`tide-cycle`, entrypoint `flows/cycle.py:tide_cycle`: interval schedule +
 trigger on `tidespec.capture.threshold`); run in-process by `tidespec cycle`, the demos and `bench
@@ -20,6 +21,7 @@ from tidespec.adapters import orchestrate, registry
 from tidespec.config import load_params
 from tidespec.models.load import target_id as target_id_of
 from tidespec.steps import cycle
+from tidespec.steps.classes import class_cycles
 from tidespec.steps.evaluate import step_evaluate
 from tidespec.steps.register import step_register
 from tidespec.workspace import Workspace
@@ -64,6 +66,13 @@ def register(params_path: str, target_id: str, candidate: str, report: dict, tra
                          tracking_uri, cycle.lineage(Path(curated), snapshot_rev), workload_mix, drift_jsd, trigger)
 
 
+@task(name="class drafts")
+def class_drafts(root: str, params_path: str, target_id: str, tracking_uri: str, snapshot_rev: str,
+                 trigger: str) -> dict:
+    return class_cycles(_ws(root), load_params(params_path), target_id, tracking_uri, snapshot_rev=snapshot_rev,
+                        trigger=trigger, params_path=Path(params_path))
+
+
 @task(name="deploy", **TRANSIENT)
 def deploy(root: str, tracking_uri: str, target_id: str, params_path: str = "params.yaml") -> dict:
     return cycle.step_deploy(_ws(root), tracking_uri, target_id, load_params(params_path))
@@ -106,7 +115,9 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     dec = register(frozen, target_id, str(ws.candidate), rep, tm, tracking_uri, cur["curated"], snapshot_rev,
                    mix, cur["drift_jsd"], trigger)
     log.info("register: version %s promoted=%s (%s)", dec["version"], dec["promoted"], dec["reason"])
+    classes = (class_drafts(root, frozen, target_id, tracking_uri, snapshot_rev, trigger)
+               if params.train.class_drafts else {})
     dep = deploy(root, tracking_uri, target_id, frozen)
     cycle.mark_done(ws, Path(cur["curated"]))
     return {"curate": cur, "train": {k: v for k, v in tm.items() if not isinstance(v, list)}, "evaluate": rep,
-            "register": dec, "deploy": dep}
+            "register": dec, "classes": classes, "deploy": dep}

@@ -95,3 +95,25 @@ def test_cuda_engine_with_the_goodput_policy_calibrates_and_swaps(tiny_target_di
     plain = make_engine(EngineParams(num_draft_tokens=3, max_seq_len=256).fixed(), target)
     prompt = [5, 17, 33, 90, 41]
     assert eng.generate(prompt, 16).tokens == plain.generate(prompt, 16, speculative=False).tokens
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_engine_serves_a_draft_per_class_losslessly(tiny_target_dir):
+    """Class drafts on a CUDA target: each class's requests draft with its own draft in one batch,
+    outputs equal the target alone, and the resident budget counts device weights (no oneDNN packs)."""
+    from tidespec.engine.speculative import Engine, Request
+    from tidespec.models.runner import DraftRunner
+    from tidespec.models.target import load_target
+    target = load_target(tiny_target_dir, device="cuda")[0]
+    gen, code = (DraftRunner(random_draft(target, 64, seed=s).place(target.device)) for s in (0, 1))
+    own = sum(t.numel() * t.element_size() for t in code.draft.state_dict().values())
+    assert own <= code.weight_bytes < 2 * own  # no prepacked copies on CUDA
+    cfg = EngineParams(num_draft_tokens=3, max_seq_len=256, adaptive=False)
+    eng = Engine(target, gen, cfg, draft_version="1")
+    eng.set_draft(code, "7", workload="code")
+    prompts = [[5, 17, 33, 2 + i, 90, 41] for i in range(4)]
+    wls = ["code", "chat", "code", "chat"]
+    got = eng.generate_batch([Request(p, 16, workload=w) for p, w in zip(prompts, wls)])
+    plain = [Engine(target, None, cfg).generate(p, 16, speculative=False).tokens for p in prompts]
+    assert [g.tokens for g in got] == plain and [g.draft_version for g in got] == ["7", "1", "7", "1"]

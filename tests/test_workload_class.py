@@ -111,6 +111,8 @@ def test_server_classes_plain_requests_and_counts_them_per_class(server):
     drafts = _series(server, "tidespec:spec_decode_num_drafts_by_workload_total")
     total = _series(server, "tidespec:spec_decode_num_drafts_total")[""]
     assert sum(drafts.values()) == total > 0  # the classes add up to the total
+    by_draft = _series(server, "tidespec:spec_decode_num_drafts_by_draft_total")
+    assert by_draft == drafts  # one draft (v1) served every class: its prequential counts are the classes'
     ids = [m.id for m in openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list().data]
     assert ids == ["tiny", "tiny-code"]
     with pytest.raises(openai.NotFoundError, match="tiny-code"):

@@ -256,6 +256,46 @@ def _replay(snapshots_root: Path, target_id: str, params: CurateParams, older: l
     return (buf.draw(want, seen, base) if want > 0 else []), dropped, buf.summary()
 
 
+def class_subset(index: Path, workload: str, replay_fraction: float, seed: int, out: Path) -> CurateResult:
+    """A workload class's curated set `out` (+ `out.parent/holdout.jsonl`) for its own draft, from the
+    cycle's curated index `index`: the class's train, val and holdout entries (its replay-buffer
+    entries stay tagged `"replay": true`), plus `replay_fraction` of its training tokens drawn from
+    the other classes' training entries in a seeded order (tagged replay: a class draft keeps some of
+    what the generalist knows; same nearest-total rule as `ReplayBuffer.draw`). Window and lineage
+    are the index's. Raises FileNotFoundError for a missing index or holdout file."""
+    index, out = Path(index), Path(out)
+    idx = json.loads(index.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def moved(e: dict, **extra) -> dict:  # paths relative to the new index
+        return dict(e, snapshot=os.path.relpath(index.parent / e["snapshot"], out.parent), **extra)
+
+    train = [moved(e) for e in idx["train"] if e.get("workload") == workload]
+    others = sorted((e for e in idx["train"] if e.get("workload") != workload),
+                    key=lambda e: _val_bucket(f"class-replay:{workload}:{e['request_id']}", seed))
+    want = sum(e["num_tokens"] for e in train) * replay_fraction / (1 - replay_fraction)
+    total = 0
+    for e in others:
+        if total + e["num_tokens"] / 2 >= want:
+            break
+        train.append(moved(e, replay=True))
+        total += e["num_tokens"]
+    val = [moved(e) for e in idx["val"] if e.get("workload") == workload]
+    holdout = [moved(e) for e in idx["holdout"] if e.get("workload") == workload]
+    rows = [r for r in (json.loads(line) for line in index.with_name("holdout.jsonl").read_text().splitlines())
+            if r.get("workload") == workload]
+    hold_path = out.with_name("holdout.jsonl")
+    write_private(hold_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    rel = [os.path.relpath(index.parent / s, out.parent) for s in idx["snapshots"]]
+    sub = idx | {"snapshots": rel, "train": train, "val": val, "holdout": holdout, "workload": workload,
+                 "replay_snapshots": sorted({e["snapshot"] for e in train if e.get("replay")}),
+                 "num_replay": sum(bool(e.get("replay")) for e in train),
+                 "workload_mix": dict(Counter(e["workload"] for e in train))}
+    write_private(out, json.dumps(sub).encode())
+    return CurateResult(out, len(train), len(val), sum(e["num_tokens"] for e in train), {}, idx.get("drift_jsd"),
+                        sub["num_replay"], len(rows), hold_path)
+
+
 def load_records(
     entries: list[dict], base: Path, fields: tuple[str, ...] | None = None,
     locate: Callable[[Path], Path] | None = None,

@@ -167,6 +167,10 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     from ..models.load import target_id
     from ..serve.frontdoor import build_frontdoor
     capture = launch.capture
+    if p.train.class_drafts:  # one draft per engine server there: said, never silently dropped
+        log.warning("train.class_drafts %s: the %s backend serves one EAGLE3 draft, the generalist, for every class; "
+                    "the class drafts are served by the embedded engine (docs/serving.md, A draft per workload "
+                    "class)", p.train.class_drafts, launch.backend)
     text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture) if capture else None
     textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
     timeout = launch.request_timeout_s or p.serve.request_timeout_s

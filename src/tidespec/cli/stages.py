@@ -1,4 +1,4 @@
-"""`tidespec stage curate|train|evaluate|register`: the DVC stages `dvc repro` runs (dvc.yaml)."""
+"""`tidespec stage curate|train|evaluate|register|classes`: the DVC stages `dvc repro` runs (dvc.yaml)."""
 from __future__ import annotations
 
 import json
@@ -76,3 +76,23 @@ def stage_register(root: Path = ROOT, params: Path = PARAMS):
     ws.register_report.write_text(json.dumps(dec, indent=2, default=str))
     console.print(f"version {dec['version']}: promoted={dec['promoted']} ({dec['reason']}); deploy the champion "
                   "with `tidespec deploy local`", highlight=False)
+
+@stage_app.command("classes")
+def stage_classes(root: Path = ROOT, params: Path = PARAMS):
+    """The class drafts of `train.class_drafts` (`steps.classes`): each class's curated subset, candidate,
+    evaluation and registration under data/work/classes/<class>/ → data/work/classes.json (the
+    generalist's cycle is untouched by a class that fails). Needs MLFLOW_TRACKING_URI."""
+    from ..config import load_params
+    from ..models.load import target_id
+    from ..steps.classes import class_cycles
+    ws, p = ws_of(root), load_params(params)
+    if not ws.curated.exists():
+        raise FileNotFoundError(f"{ws.curated} missing: run the curate stage first (dvc repro)")
+    res = class_cycles(ws, p, target_id(p), tracking_uri() if p.train.class_drafts else "", trigger="dvc-repro",
+                       params_path=params) if p.train.class_drafts else {}
+    (ws.work / "classes.json").write_text(json.dumps(res, indent=2, default=str))
+    for cls, r in res.items():
+        what = r.get("error") or r.get("skipped") or r["register"]["reason"]
+        console.print(f"class {cls}: {what}", highlight=False)
+    if not res:
+        console.print("train.class_drafts is empty: the generalist serves every class")

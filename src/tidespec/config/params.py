@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from .sagemaker import SageMakerDeployParams, SageMakerTrainParams
 from .strict import Strict as _Strict
@@ -210,6 +210,7 @@ class CurateParams(_Strict):
     holdout_split: Literal["random", "time"] = "random"  # random: by prompt hash | time: the window's newest requests
     replay_fraction: float = Field(0.25, ge=0, lt=1)  # share of the training tokens drawn from the replay buffer
     replay_tokens: int = Field(65536, ge=0)  # replay buffer: tokens kept per workload class (0: no buffer)
+    class_replay_fraction: float = Field(0.1, ge=0, lt=1)  # a class draft's set: this share from the other classes
     seed: int = 0
 
 
@@ -235,6 +236,15 @@ class TrainParams(_Strict):
     nnodes: int = Field(1, ge=1)  # machines (torchrun --nnodes; > 1 needs rdzv_endpoint, every node runs the step)
     rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d+$")  # host:port of the c10d rendezvous
     max_restarts: int = Field(0, ge=0)  # torchrun --max-restarts: ranks restart from the last training state
+    # workload classes that get a draft of their own each cycle (alias champion-<class>); [] = the generalist only
+    class_drafts: list[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_]{0,63}$")]] = []
+
+    @field_validator("class_drafts")
+    @classmethod
+    def _distinct(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError(f"train.class_drafts lists a class twice: {v}")
+        return v
 
     @model_validator(mode="after")
     def _ranks(self):

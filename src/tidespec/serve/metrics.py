@@ -28,6 +28,10 @@ WORKLOAD_COUNTERS = (("num_drafts", "Draft-verify steps by workload class."),
                      ("num_accepted_tokens", "Draft tokens accepted by workload class."))
 MAX_WORKLOAD_LABELS = 32  # client-named workload label values on /metrics (beyond the server's own classes)
 OVERFLOW_LABEL = "other"  # the label of client-named classes past MAX_WORKLOAD_LABELS
+DRAFT_COUNTERS = (("num_drafts", "EAGLE3 draft-verify steps by draft version and workload class (prequential: each "
+                   "request is scored by the draft that served it, before any cycle trains on it)."),
+                  ("num_draft_tokens", "EAGLE3 draft tokens proposed by draft version and workload class."),
+                  ("num_accepted_tokens", "EAGLE3 draft tokens accepted by draft version and workload class."))
 PROPOSER_COUNTERS = (("num_drafts", "Draft-verify steps by proposer (eagle3, suffix)."),
                      ("num_draft_tokens", "Draft tokens proposed by proposer."),
                      ("num_accepted_tokens", "Draft tokens accepted by proposer."))
@@ -51,6 +55,7 @@ class FinishedRequestStats:
     by_proposer: dict[str, tuple[int, int, int]]
     itl_s: tuple[float, ...]
     workload: str = "default"
+    draft_version: str | None = None  # the EAGLE3 draft that served it (None: none)
 
     @classmethod
     def of(cls, g: Generation) -> FinishedRequestStats:
@@ -63,7 +68,8 @@ class FinishedRequestStats:
                    acceptance_length=st.acceptance_length if st.num_drafts else None,
                    by_proposer={name: tuple(getattr(ps, n) for n, _ in PROPOSER_COUNTERS)
                                 for name, ps in g.stats_by_proposer.items()},
-                   itl_s=tuple(ms / 1000 for ms in g.timing.itl_ms()), workload=g.workload)
+                   itl_s=tuple(ms / 1000 for ms in g.timing.itl_ms()), workload=g.workload,
+                   draft_version=g.draft_version)
 
 
 def usage_tokens(usage: dict | None) -> tuple[int, int]:
@@ -120,6 +126,8 @@ class ServeMetrics:
                             for name, help_ in PROPOSER_COUNTERS]
         self.by_workload = [Counter(f"{p}spec_decode_{name}_by_workload", help_, ["workload"], registry=r)
                             for name, help_ in WORKLOAD_COUNTERS]
+        self.by_draft = [Counter(f"{p}spec_decode_{name}_by_draft", help_, ["version", "workload"], registry=r)
+                         for name, help_ in DRAFT_COUNTERS]
         self.requests_by_workload = Counter(f"{p}request_success_by_workload", "Finished requests by workload class.",
                                             ["workload"], registry=r)
         self._workloads: set[str] = set()
@@ -147,6 +155,9 @@ class ServeMetrics:
         self.requests_by_workload.labels(workload=w).inc()
         for counter, n in zip(self.by_workload, (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)):
             counter.labels(workload=w).inc(n)
+        if st.draft_version is not None and "eagle3" in st.by_proposer:
+            for counter, n in zip(self.by_draft, st.by_proposer["eagle3"]):
+                counter.labels(version=st.draft_version, workload=w).inc(n)
         for s in st.itl_s:
             self.itl.observe(s)
 

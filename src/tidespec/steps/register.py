@@ -28,7 +28,7 @@ def first_token_acceptance(m: dict) -> dict[str, list[float]]:
 
 def step_register(params: Params, target_id: str, candidate: Path, report: dict, train_metrics: dict,
                   tracking_uri: str, data: dict[str, str], workload_mix: dict | None = None,
-                  drift_jsd: float | None = None, trigger: str = "manual") -> dict:
+                  drift_jsd: float | None = None, trigger: str = "manual", workload: str = "") -> dict:
     """Log the candidate as a model version (alias challenger) with its metrics, training curves and
     lineage tags, apply the promotion rule (registry.promote_if_better, against the champion version
     evaluate measured: `report["champion_version"]`), then log plots (τ over cycles, per-position
@@ -37,7 +37,9 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     instead of registering the same draft twice. `data`: `lineage()` of the curated set (tags
     snapshot_rev, snapshot_revs, holdout_split: the gate's holdout); `drift_jsd`: curate's drift
     (bits) vs the previous curated set;
-    `trigger`: what started the cycle (tag). With deploy.sagemaker, each profile's tuned window goes
+    `trigger`: what started the cycle (tag); `workload`: a class draft's (tag `workload`; the gate of
+    that class's champion, `champion-<class>`, against what serves the class now: its champion or the
+    generalist). With deploy.sagemaker, each profile's tuned window goes
     on the version (tags `tuned_k.<profile>`, metrics `tau_k/<k>`, `predicted_speedup/<profile>`;
     `tune_windows`) and into the result's `tuned_k`. Raises ValueError for empty lineage."""
     if not data.get("snapshot_rev") or not json.loads(data.get("snapshot_revs") or "{}"):
@@ -72,6 +74,7 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
             tags = {}
         tags |= {**key, "snapshot_revs": data["snapshot_revs"], "params_sha": params.sha(), "trigger": trigger,
                 "holdout_split": data.get("holdout_split", "random"),
+                **({"workload": workload} if workload else {}),
                 **{f"tuned_k.{p}": str(w["k"]) for p, w in windows.items()},
                 **({"tau_k": json.dumps(next(iter(windows.values()))["tau_k"])} if windows else {}),
                 "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
@@ -79,11 +82,13 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
                 registry.FIRST_TOKEN_TAG: json.dumps(first_token_acceptance(cand))}
         run_id, version = registry.log_candidate(tracking_uri, target_id, candidate, params.model_dump(mode="json"),
                                                  metrics, tags, step_metrics={"train/loss": losses})
-    current = registry.champion(tracking_uri, target_id)
+    current = registry.champion(tracking_uri, target_id, workload) or (
+        registry.champion(tracking_uri, target_id) if workload else None)  # what serves the class now
     champ_tau = champ["acceptance_length"] if (champ and current) else None
     d = registry.promote_if_better(tracking_uri, target_id, version, cand["acceptance_length"], champ_tau,
                                    params.evaluate.min_relative_gain, bool(report["lossless"]),
-                                   evaluated_champion=report.get("champion_version") if champ else None)
+                                   evaluated_champion=report.get("champion_version") if champ else None,
+                                   workload=workload)
     try:  # plots are a view: failing to draw or upload them does not undo or block the decision
         losses = list(train_metrics.get("train/loss", []))
         registry.log_figures(tracking_uri, run_id, _figures(tracking_uri, target_id, report, losses))

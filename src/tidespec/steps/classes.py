@@ -1,0 +1,63 @@
+"""The cycle's class drafts: after the generalist, one candidate per workload class in
+`train.class_drafts`, trained on its class (plus `curate.class_replay_fraction` from the others),
+warm-started from the class's champion or, for its first, from the generalist's; evaluated on its
+class's holdout against what serves the class now; registered with tag `workload` and promoted to
+`champion-<class>` only if τ improves (`registry.promote_if_better(workload=...)`). The deploy step
+then puts each class champion under data/drafts/classes/<class>, where a running server installs it.
+
+A class's failure never undoes the generalist's cycle or another class's: it is logged and reported.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from ..adapters import registry
+from ..capture.curate import class_subset
+from ..config import Params
+from ..workspace import Workspace
+from .cycle import lineage, train_candidate
+from .evaluate import step_evaluate
+from .register import step_register
+
+log = logging.getLogger(__name__)
+
+
+def class_cycles(ws: Workspace, params: Params, target_id: str, tracking_uri: str, *, snapshot_rev: str = "",
+                 trigger: str = "manual", params_path: Path | None = None) -> dict[str, dict]:
+    """`class_cycle` for each class of `train.class_drafts`, in order. Returns {class: its result},
+    {"error": message} for a class that failed (logged with its traceback; the others go on)."""
+    out = {}
+    for cls in params.train.class_drafts:
+        try:
+            out[cls] = class_cycle(ws, params, target_id, cls, tracking_uri, snapshot_rev=snapshot_rev,
+                                   trigger=trigger, params_path=params_path)
+        except Exception as e:
+            log.exception("class %r: cycle failed, its champion keeps serving", cls)
+            out[cls] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def class_cycle(ws: Workspace, params: Params, target_id: str, cls: str, tracking_uri: str, *,
+                snapshot_rev: str = "", trigger: str = "manual", params_path: Path | None = None) -> dict:
+    """One class's curate (`curate.class_subset` of the cycle's curated set, into data/work/classes/<cls>/)
+    → train → evaluate → register. Returns {"curate", "train", "evaluate", "register"}, or
+    {"skipped": reason} (too few new tokens of the class, or no holdout request of it: nothing
+    registered, its champion keeps serving). Raises what the steps raise."""
+    d = ws.work / "classes" / cls
+    cur = class_subset(ws.curated, cls, params.curate.class_replay_fraction, params.curate.seed, d / "curated.json")
+    if cur.num_holdout == 0:
+        return {"skipped": f"no holdout request of class {cls!r} in this cycle's curated set: nothing to gate on"}
+    init = (registry.download_champion(tracking_uri, target_id, d / "champion", cls)
+            or registry.download_champion(tracking_uri, target_id, d / "generalist"))
+    tm = train_candidate(ws, params, cur.path, init, d / "candidate", params_path=params_path)
+    if tm.get("skipped"):
+        return {"skipped": tm["skipped"]}
+    rep = step_evaluate(ws, params, d / "candidate", init, cur.holdout, d / "eval.json")
+    mix = json.loads(cur.path.read_text()).get("workload_mix", {})
+    dec = step_register(params, target_id, d / "candidate", rep, tm, tracking_uri, lineage(cur.path, snapshot_rev),
+                        mix, None, trigger, workload=cls)
+    log.info("class %r: version %s promoted=%s (%s)", cls, dec["version"], dec["promoted"], dec["reason"])
+    return {"curate": {"num_train": cur.num_train, "num_holdout": cur.num_holdout, "num_replay": cur.num_replay},
+            "train": {k: v for k, v in tm.items() if not isinstance(v, list)}, "evaluate": rep, "register": dec}
