@@ -150,7 +150,7 @@ def valid_tau_k(tau_k) -> bool:
                          and all(t <= k + 1 for k, t in enumerate(tau_k)))
 
 
-CLASS_NAME = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")  # a workload class with a champion of its own
+CLASS_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # a workload class with a champion of its own
 
 
 def class_dirs(root: Path) -> dict[str, Path]:

@@ -141,6 +141,35 @@ def bench_adapt(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
     console.print(f"wrote {out / stem}.json/.md/-*.png in {rep['wall_s'] / 60:.1f} min")
 
 
+@bench_app.command("sequence")
+def bench_sequence(params: Path = PARAMS,
+                   quick: bool = typer.Option(False, "--quick", help="code → chat → code, concurrency 1 and 8, one "
+                                              "pass (≈50 min)"),
+                   sequence: str = typer.Option(None, help="comma-separated bench shift phases (default "
+                                                "code,chat,math-en,structured,code)"),
+                   traffic_prompts: int = typer.Option(None, min=1, help="fresh prompts per cycle (default 12, "
+                                                       "quick 8)"),
+                   passes: int = typer.Option(None, min=1, help="throughput passes, arms interleaved (default 2)"),
+                   out: Path = typer.Option(Path("bench/results")),
+                   work: Path = typer.Option(Path(".tidespec/bench-sequence"), help="scratch workspaces (wiped)")):
+    """Drafts per workload class + replay against one draft without replay over a traffic-shift
+    sequence: τ per class after each cycle, forgetting, then tokens/s at concurrency 1/4/8 against a
+    static draft trained on as many tokens and against no speculation; bench/results/sequence-<date>.*"""
+    from ..config import load_params
+    from . import sequence as seq
+    cfg = seq.SequenceConfig.quick() if quick else seq.SequenceConfig()
+    upd = {k: v for k, v in (("traffic_prompts", traffic_prompts), ("passes", passes)) if v is not None}
+    if sequence:
+        upd["sequence"] = tuple(x.strip() for x in sequence.split(",") if x.strip())
+    try:
+        cfg = replace(cfg, **upd).validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    rep = seq.run(load_params(params), out, work.resolve(), cfg, progress=console.print)
+    console.print((out / f"{rep['stem']}.md").read_text(), markup=False, soft_wrap=True)
+    console.print(f"wrote {out / rep['stem']}.json/.md in {rep['wall_s'] / 60:.1f} min")
+
+
 @bench_app.command("serve")
 def bench_serve(root: Path = ROOT, params: Path = PARAMS, clients: int = typer.Option(64, min=1),
                 duration_s: float = typer.Option(60.0, min=1), prompts: int = typer.Option(16, min=1),

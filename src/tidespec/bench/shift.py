@@ -25,7 +25,7 @@ from ..assets import cache_dir
 from ..assets import prompts as P
 from ..capture.writer import CaptureWriter
 from ..config import Params
-from ..engine.build import load_suffix_corpus, make_engine
+from ..engine.build import install_class_drafts, load_suffix_corpus, make_engine
 from ..engine.constraint import grammar_for, render
 from ..engine.grammar import GrammarCompiler
 from ..engine.replay import replay
@@ -291,6 +291,7 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
     once (serving waits: 2 cores) and the champion reloads. Returns the cycles' records."""
     eng = make_engine(params.engine.fixed(), target, runner_for(ws.champion, target), **served(ws.champion),
                       capture=writer)
+    install_class_drafts(eng, ws.class_champions)  # as `tidespec serve` runs: each class's own draft, if any
     c = max(cfg.concurrency)
     cycles = []
     for w in range(0, len(traffic), c):
@@ -317,11 +318,23 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
                 rec |= {"promoted": dec["promoted"], "version": dec["version"], "reason": dec["reason"],
                         "candidate_tau": ev["candidate"]["acceptance_length"],
                         "champion_tau": (ev.get("champion") or {}).get("acceptance_length"),
-                        "drift_jsd": res["curate"].get("drift_jsd"), "train_s": res["train"].get("train_seconds")}
+                        "drift_jsd": res["curate"].get("drift_jsd"), "train_s": res["train"].get("train_seconds"),
+                        "train_tokens": res["train"].get("train_tokens"), "num_replay": res["curate"].get("num_replay"),
+                        "classes": {c: _class_record(r) for c, r in (res.get("classes") or {}).items()}}
                 eng.set_draft(runner_for(ws.champion, target), **served(ws.champion))
+                install_class_drafts(eng, ws.class_champions)
             progress(f"{phase}: cycle {secs:.0f} s: {rec.get('reason', rec.get('skipped'))}")
             cycles.append(rec)
     return cycles
+
+
+def _class_record(r: dict) -> dict:
+    """What a report keeps of one class draft's cycle (`steps.classes.class_cycle`'s result)."""
+    if "register" not in r:
+        return {k: r[k] for k in ("skipped", "error") if k in r}
+    ev, dec = r["evaluate"], r["register"]
+    return {"promoted": dec["promoted"], "version": dec["version"], "reason": dec["reason"],
+            "candidate_tau": ev["candidate"]["acceptance_length"], "train_tokens": r["train"].get("train_tokens")}
 
 
 def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:

@@ -295,16 +295,12 @@ def _registry_rollback(p, target_id: str, ws):
 
 
 def _install_class_drafts(engine, ws) -> None:
-    """The workload classes' own champions deployed under data/drafts/classes into the engine at start;
-    one the engine refuses is logged (the generalist serves that class) and never stops the server."""
-    from ..engine.build import install_draft
-    from ..workspace import class_dirs
-    for cls, d in class_dirs(ws.class_champions).items():
-        try:
-            out = install_draft(engine, d, workload=cls)
-            log.info("class %r served by its own draft %s", cls, out["draft_version"])
-        except (ValueError, OSError) as e:
-            log.error("class %r's champion at %s not loaded, the generalist serves it: %s", cls, d, e)
+    """The workload classes' own champions into the engine at start (`engine.build.install_class_drafts`)."""
+    from ..engine.build import install_class_drafts
+    for cls, v in install_class_drafts(engine, ws.class_champions).items():
+        if v is not None:
+            log.info("class %r served by its own draft %s", cls, v)
+
 
 def _registry_loader(target_id: str, ws):
     """`/admin/draft {"version"}` → the registry (needs MLFLOW_TRACKING_URI and the [mlops] extra);

@@ -237,7 +237,7 @@ class TrainParams(_Strict):
     rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d+$")  # host:port of the c10d rendezvous
     max_restarts: int = Field(0, ge=0)  # torchrun --max-restarts: ranks restart from the last training state
     # workload classes that get a draft of their own each cycle (alias champion-<class>); [] = the generalist only
-    class_drafts: list[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_]{0,63}$")]] = []
+    class_drafts: list[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]] = []
 
     @field_validator("class_drafts")
     @classmethod

@@ -10,7 +10,7 @@ from ..config import EngineParams, tree_num_draft_tokens
 from ..models.load import runner_for
 from ..models.runner import DraftRunner
 from ..models.target import Target
-from ..workspace import served
+from ..workspace import class_dirs, served
 from .calibration import load_or_calibrate
 from .generation import CaptureSink
 from .policy import GoodputPolicy, PolicyConfig
@@ -83,3 +83,18 @@ def install_draft(engine: Engine, draft_dir: Path, version: str | None = None, w
     engine.set_draft(runner, version, replayed=meta["replayed"], workload=workload)
     corpus = install_suffix_corpus(engine, draft_dir) if not workload else None
     return {"draft_version": version, "suffix_corpus_tokens": corpus}
+
+
+def install_class_drafts(engine: Engine, root: Path) -> dict[str, str | None]:
+    """The workload classes' own champions deployed under `root` (data/drafts/classes/<class>,
+    `workspace.class_dirs`) into `engine`, each for its class (`install_draft`): what `tidespec serve`
+    does at start and the benchmarks do to serve as it does. A draft the engine refuses is logged and
+    its class keeps the generalist. Returns {class: version installed, None for one refused}."""
+    out: dict[str, str | None] = {}
+    for cls, d in class_dirs(root).items():
+        try:
+            out[cls] = install_draft(engine, d, workload=cls)["draft_version"]
+        except (ValueError, OSError) as e:
+            log.error("class %r's champion at %s not loaded, the generalist serves it: %s", cls, d, e)
+            out[cls] = None
+    return out

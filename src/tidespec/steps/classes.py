@@ -54,7 +54,7 @@ def class_cycle(ws: Workspace, params: Params, target_id: str, cls: str, trackin
     tm = train_candidate(ws, params, cur.path, init, d / "candidate", params_path=params_path)
     if tm.get("skipped"):
         return {"skipped": tm["skipped"]}
-    rep = step_evaluate(ws, params, d / "candidate", init, cur.holdout, d / "eval.json")
+    rep = step_evaluate(ws, params, d / "candidate", init, cur.holdout, d / "eval.json", curated=cur.path)
     mix = json.loads(cur.path.read_text()).get("workload_mix", {})
     dec = step_register(params, target_id, d / "candidate", rep, tm, tracking_uri, lineage(cur.path, snapshot_rev),
                         mix, None, trigger, workload=cls)

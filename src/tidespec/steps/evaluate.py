@@ -57,7 +57,7 @@ def constrained(prompts: list[dict], target, tok) -> list[dict]:
 
 
 def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path | None,
-                  prompts_path: Path, out: Path, progress=None) -> dict:
+                  prompts_path: Path, out: Path, progress=None, curated: Path | None = None) -> dict:
     """Evaluate the candidate against the champion for the promotion gate (`evaluate.gate`).
 
     `replay`: replay the holdout with no speculation, the champion and the candidate, side by side
@@ -69,19 +69,21 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
     "concurrency": c, "num_prompts"} where
     each m is `replay`'s metrics (τ as `acceptance_length`, `accepted_per_pos/j`, tokens/s, ...).
     Lossless = the candidate's and the champion's greedy outputs equal the baseline's (target-only,
-    same waves) token for token; "gate" names what the promotion gate compares.
+    same waves) token for token; "gate" names what the promotion gate compares. `curated`: the
+    curated index whose holdout `prompts_path` is (default `ws.curated`; a class draft's subset).
     """
     target, tok = get_target(params)
+    curated = Path(curated) if curated is not None else ws.curated
     prompts = constrained(read_eval_prompts(prompts_path), target, tok)
     if params.evaluate.gate == "teacher_forced":
-        rep = teacher_forced_gate(ws, params, target, candidate, champion, prompts, progress)
+        rep = teacher_forced_gate(ws, params, target, candidate, champion, prompts, progress, curated)
     else:
         rep = _replay_gate(params, target, candidate, champion, prompts, progress)
     bt = rep["baseline"]["tokens_per_s"] or 1.0
     rep["speedup"] = {k: rep[k]["tokens_per_s"] / bt for k in ("champion", "candidate")
                       if rep[k] and rep[k].get("tokens_per_s") is not None}
-    if ws.curated.exists():  # which holdout the gate scores (curate.holdout_split)
-        rep["holdout_split"] = json.loads(ws.curated.read_text()).get("holdout_split", "random")
+    if curated.exists():  # which holdout the gate scores (curate.holdout_split)
+        rep["holdout_split"] = json.loads(curated.read_text()).get("holdout_split", "random")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=2))
     return rep
@@ -134,19 +136,21 @@ def teacher_forced_metrics(draft_dir: Path, target, records: list[dict], params:
 
 
 def teacher_forced_gate(ws: Workspace, params: Params, target, candidate: Path, champion: Path | None,
-                        prompts: list[dict], progress=None) -> dict:
+                        prompts: list[dict], progress=None, curated: Path | None = None) -> dict:
     """`evaluate.gate: teacher_forced`, for a target too large to replay the holdout: each draft's
     `teacher_forced_metrics` over the curated holdout's records (read as the trainer reads them:
     online for tokens-only records, from the DVC remote for missing shards), and the first
     `evaluate.replay_subset` (4) holdout prompts replayed with no speculation and with the candidate:
     its outputs must equal target-only (lossless) and give its tokens/s. The candidate's metrics are
     the subset replay's, with τ and per-position acceptance the teacher-forced ones (the replayed
-    τ kept as `replay_acceptance_length`). Raises FileNotFoundError without a curated index."""
+    τ kept as `replay_acceptance_length`). `curated`: the index of those records (default
+    `ws.curated`). Raises FileNotFoundError without a curated index."""
     ev = params.evaluate
-    idx = json.loads(ws.curated.read_text())
+    curated = Path(curated) if curated is not None else ws.curated
+    idx = json.loads(curated.read_text())
     shards = remote_shards(params, ws.root)
-    with train_rehydrator(params, target, ws.curated, ws.state) as rh:
-        src = online(IndexRecords(idx["holdout"], ws.curated.parent, shards), rh, target)
+    with train_rehydrator(params, target, curated, ws.state) as rh:
+        src = online(IndexRecords(idx["holdout"], curated.parent, shards), rh, target)
         records = [src.read(i) for i in range(len(src))]
     sub = prompts[: ev.replay_subset or 4]
     configs = {"baseline": (_engine(params, target, None, None), False),

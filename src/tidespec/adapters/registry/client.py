@@ -233,13 +233,13 @@ def log_live(tracking_uri: str, target_id: str, version: str, metrics: dict[str,
 
 def champion_alias(workload: str = "") -> str:
     """The alias of the generalist's champion (``champion``, `workload` "") or of one workload
-    class's (``champion-<class>``). Raises RegistryError for a class name outside ``[a-z0-9_]``
+    class's (``champion-<class>``). Raises RegistryError for a class name outside ``[a-z0-9_-]``
     (64 at most, starting alphanumeric): MLflow aliases and directory names must hold it."""
     if not workload:
         return CHAMPION
     if not CLASS_NAME.match(workload):
-        raise RegistryError(f"workload class {workload!r} cannot have a champion: use lower-case letters, digits "
-                            "and '_' (at most 64, starting with a letter or digit)")
+        raise RegistryError(f"workload class {workload!r} cannot have a champion: use lower-case letters, "
+                            "digits, '_' and '-' (at most 64, starting with a letter or digit)")
     return f"{CHAMPION}-{workload}"
 
 

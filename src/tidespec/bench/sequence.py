@@ -1,0 +1,260 @@
+"""`tidespec bench sequence`: drafts per workload class and the replay buffer over a traffic-shift
+sequence, against one draft without replay, then throughput against a well-trained static draft.
+
+The sequence (default code → chat → math-en → structured → code) is served with capture by two arms,
+each in its own scratch workspace with the same traffic, every seal running the real `tide_cycle`:
+`classes` = a draft per class of the sequence (`train.class_drafts`) + the replay buffer
+(`curate.replay_fraction`, `replay_tokens`); `single` = the generalist alone, no replay. Both use
+`curate.window` = 1: a cycle sees its own snapshot, and what it keeps of older traffic is the
+replay buffer's (the question is what retraining keeps, not what a wide window hides). After each
+cycle, τ per class at fixed k on every class's held-out prompts, greedy (deterministic), with the
+engine as `tidespec serve` runs it (each class's own draft, else the generalist). Forgetting per
+class = its best τ − its τ after the last cycle (Aurora, arXiv 2602.06932, measures adaptation
+under shift; no forgetting figure is published). Then a static draft trained once on as many
+ShareGPT tokens as the `classes` arm's drafts processed in all (Σ over its cycles and classes of
+training tokens × epochs; cached), and tokens/s at each concurrency of no speculation, that static
+(fixed k), and each arm's final champions as `tidespec serve` runs them (goodput policy, suffix
+proposer, class drafts), waves interleaved, `passes` passes, paired ratios with their range.
+Writes bench/results/<name>-<date>.{json,md}; the protocol: docs/design/bench.md.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import date
+from pathlib import Path
+
+from ..adapters import orchestrate
+from ..assets import cache_dir
+from ..capture.writer import CaptureWriter
+from ..config import Params
+from ..engine.build import install_class_drafts, load_suffix_corpus, make_engine
+from ..engine.grammar import GrammarCompiler
+from ..engine.replay import replay
+from ..models.load import runner_for
+from ..steps.bootstrap import bootstrap_static
+from ..workspace import Workspace, served
+from . import shift
+from .adapt import ratio_spread, seal_tokens
+from .sequence_report import summarize, write_report
+
+ARMS = ("single", "classes")
+
+
+@dataclass(frozen=True)
+class SequenceConfig:
+    """Sizes of one run (2 CPU cores, SmolLM2-135M fp32: full ≈ 2.5 h, quick ≈ 50 min)."""
+
+    sequence: tuple[str, ...] = ("code", "chat", "math-en", "structured", "code")
+    concurrency: tuple[int, ...] = (1, 4, 8)  # the throughput measurement
+    traffic_prompts: int = 12  # fresh prompts per cycle
+    traffic_concurrency: int = 8
+    eval_prompts: int = 4  # held-out prompts per class (τ after every cycle; pooled for throughput)
+    max_new_tokens: int = 32
+    traffic_max_new_tokens: int = 96
+    max_prompt_tokens: int = 320
+    cycle_eval_tokens: int = 32
+    cycle_max_holdout: int = 8
+    train_epochs: int | None = 3
+    replay_fraction: float = 0.25  # the classes arm's
+    static_conversations: int = 8000  # ShareGPT records the well-trained static may read; chat traffic comes after
+    passes: int = 2
+    name: str = "sequence"
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> SequenceConfig:
+        """`--quick`: code → chat → code, 8 prompts a cycle, concurrency 1 and 8, one pass, 2 epochs."""
+        return cls(sequence=("code", "chat", "code"), concurrency=(1, 8), traffic_prompts=8, train_epochs=2,
+                   passes=1, name="sequence-quick")
+
+    def validate(self) -> SequenceConfig:
+        """Raises ValueError naming the field for an unknown phase or sizes that cannot run."""
+        bad = [p for p in self.sequence if p not in shift.PHASE_TITLES]
+        if bad or not self.sequence:
+            raise ValueError(f"sequence: phases of {', '.join(shift.PHASE_TITLES)}; got {list(self.sequence)}")
+        if min(self.traffic_prompts, self.eval_prompts, self.passes) < 1:
+            raise ValueError("traffic_prompts, eval_prompts and passes must be >= 1")
+        if self.eval_prompts * len(self.classes) < max(self.concurrency):
+            raise ValueError("eval_prompts × classes must be >= the highest concurrency (one full wave)")
+        return self
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """The workload classes of the sequence, first appearance order."""
+        return tuple(dict.fromkeys(self.sequence))
+
+    def as_shift(self) -> shift.ShiftConfig:
+        return shift.ShiftConfig(phases=self.classes, concurrency=self.concurrency, eval_prompts=self.eval_prompts,
+                                 traffic_prompts=self.traffic_prompts, max_new_tokens=self.max_new_tokens,
+                                 traffic_max_new_tokens=self.traffic_max_new_tokens,
+                                 max_prompt_tokens=self.max_prompt_tokens, cycle_eval_tokens=self.cycle_eval_tokens,
+                                 cycle_max_holdout=self.cycle_max_holdout, train_epochs=self.train_epochs,
+                                 seed=self.seed)
+
+
+def arm_params(params: Params, cfg: SequenceConfig, arm: str) -> Params:
+    """The run's params for one arm (module docstring): window 1; `classes` with a draft per class and
+    the replay buffer, `single` with neither."""
+    classes = arm == "classes"
+    sc = replace(cfg.as_shift(), concurrency=(*cfg.concurrency, cfg.traffic_concurrency))
+    p = shift.bench_params(params, sc)
+    return p.model_copy(update={
+        "curate": p.curate.model_copy(update={"window": 1, "replay_fraction": cfg.replay_fraction if classes else 0.0}),
+        "train": p.train.model_copy(update={"class_drafts": list(cfg.classes) if classes else []})})
+
+
+def prompts(params: Params, tok, cfg: SequenceConfig, compiler) -> tuple[dict, dict]:
+    """({class: [traffic chunk per cycle of it]}, {class: held-out prompts}), as `bench adapt` cuts them.
+    Raises ValueError when a class has too few prompts."""
+    need = {w: cfg.sequence.count(w) for w in cfg.classes}
+    traffic, hold = {}, {}  # chat from ShareGPT records the static drafts never read
+    params = params.model_copy(update={"bootstrap": params.bootstrap.model_copy(
+        update={"conversations": max(params.bootstrap.conversations, cfg.static_conversations)})})
+    for w, n in need.items():
+        sc = replace(cfg.as_shift(), traffic_prompts=n * cfg.traffic_prompts)
+        tr, ho = shift.split_phase(shift.phase_prompts(w, params), tok, sc, params.workload.holdout_fraction, compiler)
+        if len(tr) < n * cfg.traffic_prompts or len(ho) < cfg.eval_prompts:
+            raise ValueError(f"{w}: {len(tr)} traffic / {len(ho)} held-out prompts fit; lower --traffic-prompts")
+        traffic[w] = [tr[i * cfg.traffic_prompts:(i + 1) * cfg.traffic_prompts] for i in range(n)]
+        hold[w] = ho
+    return traffic, hold
+
+
+def serving_engine(params: Params, target, ws: Workspace, adaptive: bool):
+    """The engine `tidespec serve` would run on `ws`'s deployed champions: the generalist, each class's
+    own draft, and — `adaptive` — the goodput policy and the suffix proposer with the generalist's corpus
+    (else fixed k, chains only, no grammar-forced tokens: the drafts' own τ)."""
+    e = params.engine
+    cfg = e.model_copy(update={"adaptive": True, "suffix": e.suffix.model_copy(update={"enabled": True})}) \
+        if adaptive else e.fixed()
+    eng = make_engine(cfg, target, runner_for(ws.champion, target), **served(ws.champion), forced_tokens=adaptive)
+    if adaptive:
+        load_suffix_corpus(eng, ws.champion)
+    install_class_drafts(eng, ws.class_champions)
+    return eng
+
+
+def tau_point(params: Params, target, ws: Workspace, hold: dict, cfg: SequenceConfig, ref: dict) -> dict:
+    """τ per class at fixed k (greedy, concurrency 1) on every class's held-out prompts, and the
+    mismatches against target-only outputs `ref` ({prompt id: tokens})."""
+    eng = serving_engine(params, target, ws, adaptive=False)
+    ps = [p for w in cfg.classes for p in hold[w]]
+    configs = {"adapted": (eng, True)}
+    if len(eng.draft_versions) > 1:  # class drafts serve: the generalist alone too, on every class
+        configs["generalist"] = (make_engine(params.engine.fixed(), target, runner_for(ws.champion, target),
+                                             forced_tokens=False), True)
+    runs = replay(configs, ps, cfg.max_new_tokens)
+    tau = {name: {w: r["metrics"].get(f"acceptance_length/{w}") for w in cfg.classes} for name, r in runs.items()}
+    return {"tau": tau["adapted"], "tau_generalist": tau.get("generalist", tau["adapted"]),
+            "versions": eng.draft_versions,
+            "mismatches": sum(ref[i] != t for r in runs.values() for i, t in r["outputs"].items())}
+
+
+def run_arm(base: Params, cfg: SequenceConfig, arm: str, work: Path, traffic: dict, hold: dict, progress) -> dict:
+    """One arm's run (module docstring). Returns {"points": [{cycle, phase, tau, versions, mismatches}],
+    "cycles": [...], "workspace"}."""
+    params = arm_params(base, cfg, arm)
+    sc = replace(cfg.as_shift(), concurrency=(cfg.traffic_concurrency,))
+    with shift.experiment(base, params, work, f"bench sequence ({arm})") as (ws, uri, target, tok, _static):
+        tid = target.target_id
+        plain = make_engine(params.engine.fixed(), target)
+        ps = [p for w in cfg.classes for p in hold[w]]
+        ref = replay({"none": (plain, False)}, ps, cfg.max_new_tokens)["none"]["outputs"]
+        rep = {"points": [dict(tau_point(params, target, ws, hold, cfg, ref), cycle=0, phase="")], "cycles": [],
+               "workspace": str(work)}
+        thr = {w: seal_tokens(cs, cfg.traffic_max_new_tokens) for w, cs in traffic.items()}
+        seals: queue.Queue = queue.Queue()
+        flow = orchestrate.load_flow("tide_cycle")
+        writer = CaptureWriter(ws.capture_dir(tid), tid, params.capture.model_copy(
+            update={"seal_min_tokens": thr[cfg.sequence[0]]}), snapshots_root=ws.snapshots, on_seal=seals.put)
+        used = dict.fromkeys(cfg.classes, 0)
+        try:
+            for i, w in enumerate(cfg.sequence, start=1):
+                chunk = traffic[w][used[w]]
+                used[w] += 1
+                writer.cfg = writer.cfg.model_copy(update={"seal_min_tokens": thr[w]})
+                cyc = shift._serve_traffic(w, chunk, target, params, ws, writer, seals, flow, uri, tid, work, sc,
+                                           progress)
+                rep["cycles"] += [dict(c, cycle=i) for c in cyc]
+                pt = dict(tau_point(params, target, ws, hold, cfg, ref), cycle=i, phase=w)
+                rep["points"].append(pt)
+                progress(f"{arm}: cycle {i} ({w}): τ " + ", ".join(f"{c} {t:.2f}" for c, t in pt["tau"].items()
+                                                                   if t is not None))
+        finally:
+            writer.close()
+    return rep
+
+
+def static_tokens(arm: dict) -> int:
+    """Tokens the arm's drafts processed over the run: Σ over its cycles of the generalist's and each
+    class draft's training tokens (the trainer's count, all epochs). Raises ValueError for none."""
+    n = 0
+    for c in arm["cycles"]:
+        n += c.get("train_tokens") or 0
+        n += sum(r.get("train_tokens") or 0 for r in (c.get("classes") or {}).values())
+    if not n:
+        raise ValueError("the classes arm trained nothing: no static baseline to size (see its cycles)")
+    return int(n)
+
+
+def throughput(params: Params, target, arms: dict[str, Workspace], static: Path, hold: dict,
+               cfg: SequenceConfig) -> dict:
+    """Tokens/s per concurrency of no speculation, the static draft (fixed k) and each arm as serve runs
+    it, on the pooled held-out prompts, waves interleaved, `cfg.passes` passes (fresh engines each).
+    Returns {c: {arm: metrics with tokens_per_s the median, tokens_per_s_passes, mismatches}} and the
+    code-only figures at concurrency 1 under "code"."""
+    ps = [p for w in cfg.classes for p in hold[w]]
+    out: dict = {}
+    for label, prompts_, cs in (("pooled", ps, cfg.concurrency), ("code", hold.get("code", []), (1,))):
+        if not prompts_:
+            continue
+        runs = []
+        for _ in range(cfg.passes):
+            engines = {"none": (make_engine(params.engine.fixed(), target), False),
+                       "static": (make_engine(params.engine.fixed(), target, runner_for(static, target)), True)}
+            engines |= {a: (serving_engine(params, target, ws, adaptive=True), True) for a, ws in arms.items()}
+            m = shift.measure(engines, prompts_, replace(cfg.as_shift(), concurrency=cs), None)
+            runs.append(m["by_concurrency"])
+        out[label] = {c: {a: dict(r, tokens_per_s=statistics.median(run[c][a]["tokens_per_s"] for run in runs),
+                                  tokens_per_s_passes=[run[c][a]["tokens_per_s"] for run in runs],
+                                  mismatches=sum(run[c][a]["mismatches"] for run in runs))
+                          for a, r in runs[0][c].items()} for c in cs}
+    return out
+
+
+def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=print) -> dict:
+    """The experiment; returns the report (also written to out/<name>-<date>.{json,md})."""
+    cfg.validate()
+    t0 = time.perf_counter()
+    from ..models.load import get_target
+    target, tok = get_target(params)
+    traffic, hold = prompts(params, tok, cfg, GrammarCompiler.for_target(target, tok))
+    rep = {"config": asdict(cfg), "params_sha": params.sha(), "target_id": target.target_id,
+           "k": params.engine.num_draft_tokens, "cpu_threads": shift._threads(), "arms": {}}
+    partial = Path(out) / f"{cfg.name}-{date.today().isoformat()}.partial.json"
+    for arm in ARMS:
+        rep["arms"][arm] = run_arm(params, cfg, arm, work / arm, traffic, hold, progress)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(rep, indent=2, default=str))  # an arm's hour survives a later failure
+    n = static_tokens(rep["arms"]["classes"])
+    rep["static_tokens"] = n
+    big = params.model_copy(update={"bootstrap": params.bootstrap.model_copy(
+        update={"tokens": n, "epochs": 1, "conversations": cfg.static_conversations})})
+    progress(f"static draft on {n} ShareGPT tokens (built once, cached)")
+    static = bootstrap_static(big, target, tok, cache_dir(), say=progress)
+    rep["static_dir"] = str(static)
+    bp = arm_params(params, cfg, "classes")
+    rep["throughput"] = throughput(bp, target, {a: Workspace(work / a) for a in ARMS}, static, hold, cfg)
+    rep["wall_s"] = time.perf_counter() - t0
+    rep["summary"] = summarize(rep)
+    rep["stem"] = f"{cfg.name}-{date.today().isoformat()}"
+    write_report(rep, out, rep["stem"])
+    partial.unlink(missing_ok=True)
+    return rep
+
+
+__all__ = ["SequenceConfig", "run", "ratio_spread"]

@@ -1,0 +1,114 @@
+"""The report of `tidespec bench sequence`: the goals of per-class drafts and replay as figures
+(`summarize`) and the markdown + JSON (`write_report`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .adapt import ratio_spread
+
+FORGETTING_GOAL = 0.02  # forgetting ≤ 2 % on every class after the sequence
+GENERALIST_GOAL = 0.05  # the generalist within 5 % of the best class draft on every class
+STATIC_GOAL = 1.25  # adapted / well-trained static tokens/s (Aurora, arXiv 2602.06932: 1.25× under shift)
+CODE_GOAL = 2.0  # code at c = 1 against no speculation
+
+
+def forgetting(points: list[dict], classes: list[str]) -> dict[str, dict]:
+    """Per class: best τ over the points from the cycle its class was first served (cycle 0 counts for
+    none), τ after the last cycle, and forgetting = (best − last) / best (≥ 0)."""
+    out = {}
+    for w in classes:
+        first = next((p["cycle"] for p in points if p["phase"] == w), None)
+        taus = [p["tau"][w] for p in points if first is not None and p["cycle"] >= first and p["tau"].get(w)]
+        if not taus:
+            continue
+        best, last = max(taus), taus[-1]
+        out[w] = {"best": best, "last": last, "forgetting": (best - last) / best}
+    return out
+
+
+def summarize(rep: dict) -> dict:
+    """Forgetting per class and arm; class draft vs generalist τ on each class (classes arm, last point);
+    tokens/s ratios per concurrency (paired median and range over passes): classes / static, classes /
+    none, single / static, and code at c = 1 / none; outputs == target-only."""
+    classes = list(dict.fromkeys(rep["config"]["sequence"]))
+    s: dict = {"forgetting": {a: forgetting(arm["points"], classes) for a, arm in rep["arms"].items()}}
+    last = rep["arms"]["classes"]["points"][-1]
+    s["class_vs_generalist"] = {w: {"class": last["tau"].get(w), "generalist": last["tau_generalist"].get(w),
+                                    "served_by": last["versions"].get(w, last["versions"].get(""))}
+                                for w in classes}
+    best = {w: max(v for v in (x["class"], x["generalist"]) if v) for w, x in s["class_vs_generalist"].items()
+            if x["class"] or x["generalist"]}
+    s["generalist_gap"] = {w: 1 - (s["class_vs_generalist"][w]["generalist"] or 0) / b for w, b in best.items()}
+    tp = rep.get("throughput", {})
+    pooled = tp.get("pooled", {})
+    s["ratios"] = {name: {str(c): ratio_spread({c: by}, num, den)[c] for c, by in pooled.items()}
+                   for name, (num, den) in (("classes/static", ("classes", "static")),
+                                            ("classes/none", ("classes", "none")),
+                                            ("single/static", ("single", "static")))}
+    code = tp.get("code", {})
+    s["code_c1_over_none"] = ratio_spread(code, "classes", "none").get(1) if code else None
+    s["mismatches"] = (sum(p["mismatches"] for arm in rep["arms"].values() for p in arm["points"])
+                       + sum(r["mismatches"] for part in tp.values() for by in part.values() for r in by.values()))
+    f = s["forgetting"].get("classes", {})
+    s["goals"] = {
+        "forgetting_le_2pct": all(x["forgetting"] <= FORGETTING_GOAL for x in f.values()) if f else None,
+        "class_ge_generalist": all((x["class"] or 0) >= (x["generalist"] or 0)
+                                   for x in s["class_vs_generalist"].values()),
+        "generalist_within_5pct": all(g <= GENERALIST_GOAL for g in s["generalist_gap"].values()),
+        "code_c1_ge_2x": None if s["code_c1_over_none"] is None else s["code_c1_over_none"][0] >= CODE_GOAL,
+        "classes_over_static_ge_1_25": all(r[0] >= STATIC_GOAL for r in s["ratios"]["classes/static"].values())
+        if pooled else None,
+        "lossless": s["mismatches"] == 0}
+    return s
+
+
+def markdown(rep: dict) -> str:
+    """The report as markdown: τ per class after each cycle per arm, forgetting, class vs generalist,
+    throughput and the goals."""
+    cfg, s = rep["config"], rep["summary"]
+    classes = list(dict.fromkeys(cfg["sequence"]))
+    L = [f"# Drafts per workload class and replay over {' → '.join(cfg['sequence'])}", "",
+         f"SmolLM2-135M-Instruct fp32, greedy, k={rep['k']}, {rep['cpu_threads']} CPU threads; "
+         f"{cfg['traffic_prompts']} fresh prompts per cycle, {cfg['eval_prompts']} held-out prompts per class × "
+         f"≤{cfg['max_new_tokens']} tokens; curate.window 1 in both arms; `classes` = a draft per class + the "
+         f"replay buffer ({cfg['replay_fraction']:.0%}), `single` = one draft, no replay; "
+         f"{cfg['train_epochs']} epochs per cycle; wall time {rep['wall_s'] / 60:.0f} min.", ""]
+    for arm, a in rep["arms"].items():
+        L += [f"## τ per class, `{arm}` (fixed k, as serve routes)", "",
+              "| cycle | phase | " + " | ".join(classes) + " | drafts served |",
+              "|---|---|" + "---|" * len(classes) + "---|"]
+        for p in a["points"]:
+            cells = [f"{p['tau'][w]:.2f}" if p["tau"].get(w) else "–" for w in classes]
+            vs = ", ".join(f"{w or 'generalist'} v{v}" for w, v in sorted(p["versions"].items()))
+            L.append(f"| {p['cycle']} | {p['phase'] or 'start'} | " + " | ".join(cells) + f" | {vs} |")
+        L += ["", "| class | best τ | τ at the end | forgetting |", "|---|---|---|---|"]
+        for w, x in s["forgetting"][arm].items():
+            L.append(f"| {w} | {x['best']:.2f} | {x['last']:.2f} | {x['forgetting']:.1%} |")
+        L.append("")
+    L += ["## Class draft vs generalist (classes arm, after the last cycle)", "",
+          "| class | its own draft τ | generalist τ | served by |", "|---|---|---|---|"]
+    for w, x in s["class_vs_generalist"].items():
+        L.append(f"| {w} | {x['class'] or 0:.2f} | {x['generalist'] or 0:.2f} | v{x['served_by']} |")
+    if rep.get("throughput"):
+        L += ["", f"## Throughput (pooled held-out prompts; static trained once on {rep['static_tokens']:,} "
+              "ShareGPT tokens, what the classes arm's drafts processed)", "",
+              "| concurrency | " + " | ".join(f"{n} (median, range)" for n in s["ratios"]) + " |",
+              "|---|" + "---|" * len(s["ratios"])]
+        for c in sorted({c for r in s["ratios"].values() for c in r}, key=int):
+            L.append(f"| {c} | " + " | ".join(f"{r[c][0]:.2f}× ({r[c][1]:.2f}–{r[c][2]:.2f})"
+                                             for r in s["ratios"].values()) + " |")
+        if s["code_c1_over_none"]:
+            m, lo, hi = s["code_c1_over_none"]
+            L += ["", f"Code at c=1, classes arm / no speculation: {m:.2f}× ({lo:.2f}–{hi:.2f})."]
+    L += ["", "## Goals", ""] + [f"- {k}: {v}" for k, v in s["goals"].items()]
+    L += ["", f"Command: `tidespec bench sequence{' --quick' if cfg['name'].startswith('sequence-quick') else ''}`", ""]
+    return "\n".join(L)
+
+
+def write_report(rep: dict, out: Path, stem: str) -> None:
+    """`out/<stem>.json` and `.md`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(rep, indent=2, default=str) + "\n")
+    (out / f"{stem}.md").write_text(markdown(rep))

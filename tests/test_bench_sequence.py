@@ -1,0 +1,74 @@
+"""`tidespec bench sequence`: the arms' params, the static baseline's size and the report's figures."""
+import pytest
+
+from tidespec.bench import sequence as seq
+from tidespec.bench.sequence_report import forgetting, markdown, summarize
+from tidespec.config import Params
+
+
+def test_arm_params_differ_only_in_class_drafts_and_replay():
+    cfg = seq.SequenceConfig()
+    single, classes = (seq.arm_params(Params(), cfg, a) for a in ("single", "classes"))
+    assert single.curate.window == classes.curate.window == 1
+    assert (single.curate.replay_fraction, single.train.class_drafts) == (0.0, [])
+    assert classes.curate.replay_fraction == 0.25 and classes.train.class_drafts == ["code", "chat", "math-en",
+                                                                                      "structured"]
+    assert single.train.epochs == classes.train.epochs == 3
+    with pytest.raises(ValueError, match="sequence"):
+        seq.SequenceConfig(sequence=("code", "poetry")).validate()
+    with pytest.raises(ValueError, match="highest concurrency"):
+        seq.SequenceConfig(sequence=("code",), eval_prompts=4, concurrency=(1, 8)).validate()
+
+
+def test_the_static_baseline_is_sized_on_every_draft_the_arm_trained():
+    arm = {"cycles": [{"train_tokens": 1000, "classes": {"code": {"train_tokens": 300}, "chat": {"skipped": "x"}}},
+                      {"train_tokens": 500}, {"skipped": "too few"}]}
+    assert seq.static_tokens(arm) == 1800
+    with pytest.raises(ValueError, match="trained nothing"):
+        seq.static_tokens({"cycles": [{"skipped": "too few"}]})
+
+
+def _point(cycle, phase, tau, gen=None, versions=None):
+    return {"cycle": cycle, "phase": phase, "tau": tau, "tau_generalist": gen or tau, "versions": versions or {"": "1"},
+            "mismatches": 0}
+
+
+def _by(tps: dict[str, list[float]]):
+    return {a: {"tokens_per_s": sorted(v)[len(v) // 2], "tokens_per_s_passes": v, "mismatches": 0}
+            for a, v in tps.items()}
+
+
+def test_forgetting_counts_from_the_first_cycle_a_class_was_served():
+    pts = [_point(0, "", {"code": 3.0, "chat": 1.2}), _point(1, "code", {"code": 2.0, "chat": 1.1}),
+           _point(2, "chat", {"code": 1.9, "chat": 1.5}), _point(3, "code", {"code": 2.1, "chat": 1.2})]
+    f = forgetting(pts, ["code", "chat"])
+    assert f["code"] == {"best": 2.1, "last": 2.1, "forgetting": 0.0}  # cycle 0's 3.0 is before code traffic
+    assert f["chat"]["best"] == 1.5 and f["chat"]["forgetting"] == pytest.approx(0.3 / 1.5)
+
+
+def test_summary_and_markdown_state_every_goal():
+    cfg = seq.SequenceConfig(sequence=("code", "chat", "code"), concurrency=(1, 8))
+    pts = [_point(0, "", {"code": 1.1, "chat": 1.1}),
+           _point(1, "code", {"code": 2.0, "chat": 1.1}, versions={"": "2", "code": "3"}),
+           _point(3, "code", {"code": 2.2, "chat": 1.5}, {"code": 2.1, "chat": 1.5}, {"": "6", "code": "7"})]
+    tp = {"pooled": {1: _by({"none": [10, 11], "static": [12, 12], "single": [14, 15], "classes": [16, 16.5]}),
+                     8: _by({"none": [30, 30], "static": [25, 26], "single": [33, 34], "classes": [35, 36]})},
+          "code": {1: _by({"none": [10, 10], "static": [12, 12], "single": [18, 18], "classes": [21, 22]})}}
+    rep = {"config": {**seq.asdict(cfg), "sequence": list(cfg.sequence)}, "k": 4, "cpu_threads": 2, "wall_s": 60,
+           "static_tokens": 12345, "throughput": tp,
+           "arms": {"single": {"points": [_point(0, "", {"code": 1.1, "chat": 1.1}),
+                                          _point(1, "code", {"code": 2.0, "chat": 1.0}),
+                                          _point(3, "code", {"code": 1.8, "chat": 1.0})], "cycles": []},
+                    "classes": {"points": pts, "cycles": []}}}
+    s = summarize(rep)
+    assert s["forgetting"]["single"]["code"]["forgetting"] == pytest.approx(0.1)
+    assert s["class_vs_generalist"]["code"] == {"class": 2.2, "generalist": 2.1, "served_by": "7"}
+    assert s["generalist_gap"]["code"] == pytest.approx(1 - 2.1 / 2.2)
+    assert s["ratios"]["classes/static"]["1"] == (pytest.approx((16 / 12 + 16.5 / 12) / 2), 16 / 12, 16.5 / 12)
+    assert s["code_c1_over_none"][0] == pytest.approx(2.15)
+    g = s["goals"]
+    assert g["forgetting_le_2pct"] and g["class_ge_generalist"] and g["generalist_within_5pct"]
+    assert g["code_c1_ge_2x"] and g["classes_over_static_ge_1_25"] and g["lossless"]
+    rep["summary"] = s
+    md = markdown(rep)
+    assert "| code | 2.20 | 2.10 | v7 |" in md and "12,345 ShareGPT tokens" in md and "forgetting_le_2pct: True" in md
