@@ -165,3 +165,8 @@ def test_bench_classes_writes_both_signals(tmp_path):
     assert res["rules"]["accuracy"] == pytest.approx((181 + 300 + 107) / 624, abs=0.02)
     assert 0 <= res["kmeans_tfidf"]["accuracy"] <= 1 and sum(res["sharegpt_by_rules"]["classes"].values()) == 50
     assert "| content rules" in (tmp_path / "classes.md").read_text()
+    h = res["held_out"]  # the held-out part (GSM problems and MT-Bench questions whole on one side)
+    assert sum(h["prompts"].values()) == sum(sum(r.values()) for r in h["rules"]["matrix"].values())
+    assert 100 < sum(h["prompts"].values()) < 300  # about 30 % of the 624
+    assert h["logistic_tfidf"]["accuracy"] > 0.8  # learned on the rest: character n-grams separate these sets
+    assert "logistic regression" in (tmp_path / "classes.md").read_text()
