@@ -72,3 +72,4 @@ def test_summary_and_markdown_state_every_goal():
     rep["summary"] = s
     md = markdown(rep)
     assert "| code | 2.20 | 2.10 | v7 |" in md and "12,345 ShareGPT tokens" in md and "forgetting_le_2pct: True" in md
+    assert "Command: `tidespec bench sequence --sequence code,chat,code`" in md

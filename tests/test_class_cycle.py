@@ -80,3 +80,10 @@ def test_a_class_draft_is_trained_gated_against_the_generalist_registered_and_se
                  draft_version=gen["version"])
     _install_class_drafts(eng, ws)  # what `tidespec serve` does at start
     assert eng.draft_versions == {"": gen["version"], "code": dec["version"]}
+    # the generalist's very weights registered for a class (a class with all the traffic trains the same
+    # draft): a version of its own, gated per class, never the generalist's registration found again
+    same = register.step_register(params, tid, ws.candidate, code["evaluate"], tm, uri, cycle.lineage(ws.curated),
+                                  workload="code")
+    assert same["version"] not in (gen["version"], dec["version"]) and same["reason"].startswith("class 'code':")
+    again = register.step_register(params, tid, ws.candidate, rep, tm, uri, cycle.lineage(ws.curated))
+    assert again["version"] == gen["version"]  # the generalist's retry still finds its own

@@ -46,7 +46,7 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
         raise ValueError("no data lineage for this candidate: pass lineage(curated) (snapshot revs of its curated set)")
     cand, champ = report["candidate"], report.get("champion")
     key = {"draft_sha256": sha256_file(Path(candidate) / "model.safetensors"), "snapshot_rev": data["snapshot_rev"]}
-    prior = registry.find_version(tracking_uri, target_id, key)
+    prior = registry.find_version(tracking_uri, target_id, key, workload)
     if prior is not None and prior.tags.get("decision"):
         return {"run_id": prior.run_id, "version": prior.version, "promoted": prior.tags["decision"] == "promoted",
                 "reason": prior.tags.get("decision_reason", ""), "previous_champion": None,

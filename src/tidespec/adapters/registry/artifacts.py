@@ -112,9 +112,12 @@ def _float(x: str | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
-def find_version(tracking_uri: str, target_id: str, tags: dict[str, str]) -> ModelVersionInfo | None:
+def find_version(tracking_uri: str, target_id: str, tags: dict[str, str],
+                 workload: str | None = None) -> ModelVersionInfo | None:
     """The newest version of ``target_id``'s draft whose tags include ``tags`` (e.g. the
-    candidate's ``draft_sha256``: a retried register finds what it already logged), or None."""
+    candidate's ``draft_sha256``: a retried register finds what it already logged), and, with
+    ``workload``, registered for that workload class ("" the generalist: no ``workload`` tag; two
+    candidates trained on the same data have the same weights), or None."""
     c = _client(tracking_uri)
     try:
         mvs = c.search_model_versions(f"name = '{model_name(target_id)}'")
@@ -122,7 +125,8 @@ def find_version(tracking_uri: str, target_id: str, tags: dict[str, str]) -> Mod
         if _not_found(e):
             return None
         raise
-    hits = [m for m in mvs if all(m.tags.get(k) == v for k, v in tags.items())]
+    hits = [m for m in mvs if all(m.tags.get(k) == v for k, v in tags.items())
+            and (workload is None or m.tags.get("workload", "") == workload)]
     if not hits:
         return None
     m = max(hits, key=lambda m: int(m.version))
