@@ -44,7 +44,7 @@ def test_a_class_draft_is_trained_gated_against_the_generalist_registered_and_se
     tid, uri = target.target_id, mlflow_server
     params = params.model_copy(update={  # sizes for speed: the gate's verdict is not what is tested here
         "train": params.train.model_copy(update={"class_drafts": ["code", "math", "chat"], "epochs": 1}),
-        "evaluate": params.evaluate.model_copy(update={"max_new_tokens": 8}),
+        "evaluate": params.evaluate.model_copy(update={"max_new_tokens": 8, "min_relative_gain": 0.5}),
         "curate": params.curate.model_copy(update={"class_replay_fraction": 0.2})})
     cycle.step_curate(ws, params, tid)
     tm = cycle.train_candidate(ws, params, ws.curated, None, ws.candidate)
@@ -71,6 +71,7 @@ def test_a_class_draft_is_trained_gated_against_the_generalist_registered_and_se
     assert code["evaluate"]["lossless"] and code["evaluate"]["champion_version"] == gen["version"]  # vs the generalist
     dec = code["register"]
     assert dec["reason"].startswith("class 'code': τ ") and f"champion v{gen['version']} τ" in dec["reason"]
+    assert dec["reason"].endswith("× (1 + 0)")  # a class's first draft: evaluate.class_first_gain, not the 0.5
     tags = registry.version_tags(uri, tid, dec["version"])
     assert tags["workload"] == "code" and registry.champion(uri, tid).version == gen["version"]
     if not dec["promoted"]:  # the gate is honest: promote it by hand to exercise serving

@@ -12,7 +12,7 @@ engine as `tidespec serve` runs it (each class's own draft, else the generalist)
 class = its best τ − its τ after the last cycle (Aurora, arXiv 2602.06932, measures adaptation
 under shift; no forgetting figure is published). Then a static draft trained once on as many
 ShareGPT tokens as the `classes` arm's drafts processed in all (Σ over its cycles and classes of
-training tokens × epochs; cached), and tokens/s at each concurrency of no speculation, that static
+training tokens × epochs), and never fewer than `bootstrap.tokens` (cached), and tokens/s at each concurrency of no speculation, that static
 (fixed k), and each arm's final champions as `tidespec serve` runs them (goodput policy, suffix
 proposer, class drafts), waves interleaved, `passes` passes, paired ratios with their range.
 Writes bench/results/<name>-<date>.{json,md}; the protocol: docs/design/bench.md.
@@ -52,7 +52,7 @@ class SequenceConfig:
     concurrency: tuple[int, ...] = (1, 4, 8)  # the throughput measurement
     traffic_prompts: int = 12  # fresh prompts per cycle
     traffic_concurrency: int = 8
-    eval_prompts: int = 4  # held-out prompts per class (τ after every cycle; pooled for throughput)
+    eval_prompts: int = 8  # held-out prompts per class (τ after every cycle; pooled for throughput)
     max_new_tokens: int = 32
     traffic_max_new_tokens: int = 96
     max_prompt_tokens: int = 320
@@ -240,8 +240,8 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
         rep["arms"][arm] = run_arm(params, cfg, arm, work / arm, traffic, hold, progress)
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(rep, indent=2, default=str))  # an arm's hour survives a later failure
-    n = static_tokens(rep["arms"]["classes"])
-    rep["static_tokens"] = n
+    rep["static_tokens_matched"] = static_tokens(rep["arms"]["classes"])
+    n = rep["static_tokens"] = max(rep["static_tokens_matched"], params.bootstrap.tokens)  # never below today's static
     big = params.model_copy(update={"bootstrap": params.bootstrap.model_copy(
         update={"tokens": n, "epochs": 1, "conversations": cfg.static_conversations})})
     progress(f"static draft on {n} ShareGPT tokens (built once, cached)")

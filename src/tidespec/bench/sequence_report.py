@@ -92,7 +92,8 @@ def markdown(rep: dict) -> str:
         L.append(f"| {w} | {x['class'] or 0:.2f} | {x['generalist'] or 0:.2f} | v{x['served_by']} |")
     if rep.get("throughput"):
         L += ["", f"## Throughput (pooled held-out prompts; static trained once on {rep['static_tokens']:,} "
-              "ShareGPT tokens, what the classes arm's drafts processed)", "",
+              f"ShareGPT tokens: the classes arm's drafts processed {rep.get('static_tokens_matched', 0):,}, "
+              "and the static is never smaller than `bootstrap.tokens`)", "",
               "| concurrency | " + " | ".join(f"{n} (median, range)" for n in s["ratios"]) + " |",
               "|---|" + "---|" * len(s["ratios"])]
         for c in sorted({c for r in s["ratios"].values() for c in r}, key=int):

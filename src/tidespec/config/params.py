@@ -285,6 +285,7 @@ class EvaluateParams(_Strict):
     reports them)."""
 
     min_relative_gain: float = Field(0.02, ge=0)
+    class_first_gain: float = Field(0.0, ge=0)  # a class's first draft replaces the generalist at τ ≥ its τ·(1+this)
     max_new_tokens: int = Field(96, ge=1)
     concurrency: int = Field(1, ge=1, le=256)
     gate: Literal["replay", "teacher_forced"] = "replay"

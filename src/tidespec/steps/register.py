@@ -38,8 +38,9 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     snapshot_rev, snapshot_revs, holdout_split: the gate's holdout); `drift_jsd`: curate's drift
     (bits) vs the previous curated set;
     `trigger`: what started the cycle (tag); `workload`: a class draft's (tag `workload`; the gate of
-    that class's champion, `champion-<class>`, against what serves the class now: its champion or the
-    generalist). With deploy.sagemaker, each profile's tuned window goes
+    that class's champion, `champion-<class>`, against what serves the class now: its champion, with
+    `evaluate.min_relative_gain`, or for its first the generalist, with `evaluate.class_first_gain`).
+    With deploy.sagemaker, each profile's tuned window goes
     on the version (tags `tuned_k.<profile>`, metrics `tau_k/<k>`, `predicted_speedup/<profile>`;
     `tune_windows`) and into the result's `tuned_k`. Raises ValueError for empty lineage."""
     if not data.get("snapshot_rev") or not json.loads(data.get("snapshot_revs") or "{}"):
@@ -82,11 +83,12 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
                 registry.FIRST_TOKEN_TAG: json.dumps(first_token_acceptance(cand))}
         run_id, version = registry.log_candidate(tracking_uri, target_id, candidate, params.model_dump(mode="json"),
                                                  metrics, tags, step_metrics={"train/loss": losses})
-    current = registry.champion(tracking_uri, target_id, workload) or (
-        registry.champion(tracking_uri, target_id) if workload else None)  # what serves the class now
+    own = registry.champion(tracking_uri, target_id, workload) if workload else None
+    current = own or registry.champion(tracking_uri, target_id)  # what serves the class (or all) now
     champ_tau = champ["acceptance_length"] if (champ and current) else None
+    gain = params.evaluate.class_first_gain if workload and own is None else params.evaluate.min_relative_gain
     d = registry.promote_if_better(tracking_uri, target_id, version, cand["acceptance_length"], champ_tau,
-                                   params.evaluate.min_relative_gain, bool(report["lossless"]),
+                                   gain, bool(report["lossless"]),
                                    evaluated_champion=report.get("champion_version") if champ else None,
                                    workload=workload)
     try:  # plots are a view: failing to draw or upload them does not undo or block the decision
