@@ -69,7 +69,7 @@ def test_summary_and_markdown_state_every_goal():
     g = s["goals"]
     assert g["forgetting_le_2pct"] and g["class_ge_generalist"] and g["generalist_within_5pct"]
     assert g["code_c1_ge_2x"] and g["classes_over_static_ge_1_25"] and g["lossless"]
-    rep["summary"] = s
+    rep["summary"], rep["command"] = s, seq.command(rep["config"])
     md = markdown(rep)
     assert "| code | 2.20 | 2.10 | v7 |" in md and "12,345 ShareGPT tokens" in md and "forgetting_le_2pct: True" in md
     assert "Command: `tidespec bench sequence --sequence code,chat,code`" in md

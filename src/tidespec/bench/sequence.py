@@ -5,17 +5,17 @@ The sequence (default code → chat → math-en → structured → code) is serv
 each in its own scratch workspace with the same traffic, every seal running the real `tide_cycle`:
 `classes` = a draft per class of the sequence (`train.class_drafts`) + the replay buffer
 (`curate.replay_fraction`, `replay_tokens`); `single` = the generalist alone, no replay. Both use
-`curate.window` = 1: a cycle sees its own snapshot, and what it keeps of older traffic is the
-replay buffer's (the question is what retraining keeps, not what a wide window hides). After each
-cycle, τ per class at fixed k on every class's held-out prompts, greedy (deterministic), with the
-engine as `tidespec serve` runs it (each class's own draft, else the generalist). Forgetting per
-class = its best τ − its τ after the last cycle (Aurora, arXiv 2602.06932, measures adaptation
-under shift; no forgetting figure is published). Then a static draft trained once on as many
-ShareGPT tokens as the `classes` arm's drafts processed in all (Σ over its cycles and classes of
-training tokens × epochs), and never fewer than `bootstrap.tokens` (cached), and tokens/s at each concurrency of no speculation, that static
-(fixed k), and each arm's final champions as `tidespec serve` runs them (goodput policy, suffix
-proposer, class drafts), waves interleaved, `passes` passes, paired ratios with their range.
-Writes bench/results/<name>-<date>.{json,md}; the protocol: docs/design/bench.md.
+`curate.window` = 1: a cycle sees its own snapshot, and what it keeps of older traffic is the replay
+buffer's (the question is what retraining keeps, not what a wide window hides). After each cycle, τ
+per class at fixed k on every class's held-out prompts, greedy (deterministic), with the engine as
+`tidespec serve` runs it (each class's own draft, else the generalist). Forgetting per class = (its
+best τ − its τ after the last cycle) / best (Aurora, arXiv 2602.06932, measures adaptation under
+shift; no forgetting figure is published). Then a static draft trained once on as many ShareGPT
+tokens as the `classes` arm's drafts processed in all (Σ over its cycles and classes of training
+tokens × epochs), never fewer than `bootstrap.tokens` (cached), and tokens/s at each concurrency of
+no speculation, that static (fixed k), and each arm's final champions as `tidespec serve` runs them
+(goodput policy, suffix proposer, class drafts), waves interleaved, `passes` passes, paired ratios
+with their range. Writes bench/results/<name>-<date>.{json,md}; the protocol: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -226,6 +226,17 @@ def throughput(params: Params, target, arms: dict[str, Workspace], static: Path,
     return out
 
 
+def command(cfg: dict) -> str:
+    """The `tidespec bench sequence` command line that reproduces a run of config `cfg` (`asdict`)."""
+    quick = cfg["name"].startswith("sequence-quick")
+    base = SequenceConfig.quick() if quick else SequenceConfig()
+    flags = [" --quick"] if quick else []
+    if tuple(cfg["sequence"]) != base.sequence:
+        flags.append(f" --sequence {','.join(cfg['sequence'])}")
+    flags += [f" --{f.replace('_', '-')} {cfg[f]}" for f in ("traffic_prompts", "passes") if cfg[f] != getattr(base, f)]
+    return "tidespec bench sequence" + "".join(flags)
+
+
 def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=print) -> dict:
     """The experiment; returns the report (also written to out/<name>-<date>.{json,md})."""
     cfg.validate()
@@ -233,7 +244,8 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
     from ..models.load import get_target
     target, tok = get_target(params)
     traffic, hold = prompts(params, tok, cfg, GrammarCompiler.for_target(target, tok))
-    rep = {"config": asdict(cfg), "params_sha": params.sha(), "target_id": target.target_id,
+    rep = {"config": asdict(cfg), "command": command(asdict(cfg)), "params_sha": params.sha(),
+           "target_id": target.target_id,
            "k": params.engine.num_draft_tokens, "cpu_threads": shift._threads(), "arms": {}}
     partial = Path(out) / f"{cfg.name}-{date.today().isoformat()}.partial.json"
     for arm in ARMS:

@@ -103,20 +103,8 @@ def markdown(rep: dict) -> str:
             m, lo, hi = s["code_c1_over_none"]
             L += ["", f"Code at c=1, classes arm / no speculation: {m:.2f}× ({lo:.2f}–{hi:.2f})."]
     L += ["", "## Goals", ""] + [f"- {k}: {v}" for k, v in s["goals"].items()]
-    L += ["", f"Command: `{command(cfg)}`", ""]
+    L += ["", f"Command: `{rep.get('command', 'tidespec bench sequence')}`", ""]
     return "\n".join(L)
-
-
-def command(cfg: dict) -> str:
-    """The `tidespec bench sequence` command line that reproduces a run of config `cfg` (`asdict`)."""
-    from .sequence import SequenceConfig
-    quick = cfg["name"].startswith("sequence-quick")
-    base = SequenceConfig.quick() if quick else SequenceConfig()
-    flags = [" --quick"] if quick else []
-    if tuple(cfg["sequence"]) != base.sequence:
-        flags.append(f" --sequence {','.join(cfg['sequence'])}")
-    flags += [f" --{f.replace('_', '-')} {cfg[f]}" for f in ("traffic_prompts", "passes") if cfg[f] != getattr(base, f)]
-    return "tidespec bench sequence" + "".join(flags)
 
 
 def write_report(rep: dict, out: Path, stem: str) -> None:
