@@ -1,6 +1,6 @@
 """Docs check: the README and docs/ stay true to the repository. Fast (no services, no model load):
 
-(a) README.md is a front page: at most 15,000 bytes, with a table of contents whose links resolve
+(a) README.md is a front page: at most 12,500 bytes, with a table of contents whose links resolve
     to its headings and that lists every `##` section;
 (b) every relative link (and `#anchor`) in README.md, CHANGELOG.md, flows/README.md and docs/*.md
     points to an existing file (and heading);
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, ROOT / "CHANGELOG.md", ROOT / "flows" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
-README_MAX_BYTES = 15_000
+README_MAX_BYTES = 12_500
 
 FENCE = re.compile(r"^(`{3,}|~{3,})[ \t]*([\w+-]*)[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
 HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)

@@ -1,6 +1,6 @@
 """The official `openai` SDK against a live uvicorn `tidespec serve` app (tiny target, word tokenizer,
 speculation on and off side by side), plus raw HTTP for malformed bodies and disconnects. Every
-parameter in the README's table is exercised here or in test_request_params.py."""
+parameter in docs/api.md's table is exercised here or in test_request_params.py."""
 import json
 import shutil
 import time
