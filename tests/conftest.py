@@ -256,11 +256,12 @@ def shipped_params(target_dir) -> dict:
 
 
 def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool = False, seed: int = 0,
-                        max_token: int = 320):
+                        max_token: int = 320, workloads: tuple[str, ...] = ("code",)):
     """A workspace with params.yaml, one sealed snapshot captured by the engine on the tiny target,
     and (optionally) a champion draft (curate splits the holdout off the snapshot). Prompt token ids
     are drawn from [3, max_token): a small range makes holdout tokens fit the draft vocabulary (a
-    learnable workload). Returns (Workspace, Params, Target)."""
+    learnable workload); request i is tagged `workloads[i % len(workloads)]`. Returns (Workspace,
+    Params, Target)."""
     import torch
 
     from tidespec.capture.snapshots import seal
@@ -282,7 +283,8 @@ def make_tiny_workspace(root, target_dir, n_requests: int = 12, champion: bool =
         prompt = torch.randint(3, max_token, (8,), generator=g).tolist()
         out = eng.generate(prompt, 24, capture=True)
         rid = f"req{i}" if seed == 0 else f"req{seed}-{i}"
-        w.submit(out.record, request_id=rid, workload="code", acceptance_length=1.0, prompt_id=f"p{i}")
+        w.submit(out.record, request_id=rid, workload=workloads[i % len(workloads)], acceptance_length=1.0,
+                 prompt_id=f"p{i}")
     w.close()
     seal(ws.capture_dir(target.target_id), ws.snapshots, target.target_id)
     if champion:

@@ -3,34 +3,8 @@ the others, warm-starts from the generalist, is gated on its class's holdout aga
 registers with tag workload, deploys under data/drafts/classes and serves its class."""
 import json
 
-import torch
-
-from conftest import make_tiny_target, tiny_params_yaml
-from tidespec.config import CaptureParams, EngineParams, load_params
-
-
-def _mixed_workspace(root, target_dir, n=32):
-    """params.yaml + one sealed snapshot of `n` requests alternating code / chat (a 9-token prompt
-    alphabet: learnable continuations)."""
-    from tidespec.capture.snapshots import seal
-    from tidespec.capture.writer import CaptureWriter
-    from tidespec.engine.speculative import Engine
-    from tidespec.models.load import get_target
-    from tidespec.workspace import Workspace
-    root.mkdir(parents=True)
-    (root / "params.yaml").write_text(tiny_params_yaml(target_dir))
-    params = load_params(root / "params.yaml")
-    target = get_target(params)[0]
-    ws = Workspace(root)
-    eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=256))
-    w = CaptureWriter(ws.capture_dir(target.target_id), target.target_id, CaptureParams(shard_max_records=4))
-    g = torch.Generator().manual_seed(0)
-    for i in range(n):
-        out = eng.generate(torch.randint(3, 12, (8,), generator=g).tolist(), 24, capture=True)
-        w.submit(out.record, request_id=f"req{i}", workload=("code", "chat")[i % 2], acceptance_length=1.0)
-    w.close()
-    seal(ws.capture_dir(target.target_id), ws.snapshots, target.target_id)
-    return ws, params, target
+from conftest import make_tiny_target, make_tiny_workspace
+from tidespec.config import EngineParams
 
 
 def test_a_class_draft_is_trained_gated_against_the_generalist_registered_and_served(tmp_path, mlflow_server,
@@ -40,7 +14,9 @@ def test_a_class_draft_is_trained_gated_against_the_generalist_registered_and_se
     from tidespec.engine.speculative import Engine
     from tidespec.models.load import runner_for
     from tidespec.steps import classes, cycle, evaluate, register
-    ws, params, target = _mixed_workspace(tmp_path / "ws", make_tiny_target(tmp_path / "target", seed=7))
+    (tmp_path / "ws").mkdir()  # 32 requests alternating code / chat over a 9-token prompt alphabet (learnable)
+    ws, params, target = make_tiny_workspace(tmp_path / "ws", make_tiny_target(tmp_path / "target", seed=7),
+                                             n_requests=32, max_token=12, workloads=("code", "chat"))
     tid, uri = target.target_id, mlflow_server
     params = params.model_copy(update={  # sizes for speed: the gate's verdict is not what is tested here
         "train": params.train.model_copy(update={"class_drafts": ["code", "math", "chat"], "epochs": 1}),

@@ -22,6 +22,7 @@ from ..engine.speculative import Engine
 from ..errors import TidespecError
 from ..workspace import class_dirs, served_version
 from .errors import OpenAIError
+from .poller import Poller
 
 log = logging.getLogger(__name__)
 ADMIN_TOKEN_ENV = "TIDESPEC_ADMIN_TOKEN"
@@ -88,13 +89,15 @@ class DraftInstaller:
         log.info("class %r's draft %s removed by %s: the generalist serves it", workload, old, by)
 
 
-class ChampionWatcher:
+class ChampionWatcher(Poller):
     """Polls `directory/version.json` every `every_s` s on a daemon thread and calls
     `install(directory, version)` when it names another version than the engine serves: how a
     running `tidespec serve` picks up the draft a `tide_cycle` run deployed (deploy.local writes the
     directory by rename, so a poll never sees half a draft). A version the engine refuses is
     logged once and not retried until the directory changes again; an unreadable version.json is
     logged once and polling goes on (the next deploy's rename replaces it)."""
+
+    what = "champion poll"
 
     def __init__(self, directory: Path, every_s: float, engine: Engine, install: Callable[[Path, str], dict],
                  pin: DraftPin | None = None):
@@ -103,9 +106,7 @@ class ChampionWatcher:
         self._held: tuple | None = None  # (champion, pinned) last logged as held back by a pin
         self._refused: str | None = None
         self._unreadable: str | None = None  # the last error reading the directory's version.json
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tidespec-champion-watch", daemon=True)
-        self._thread.start()
+        self._start(every_s, "tidespec-champion-watch")
 
     def check(self) -> str | None:
         """One poll; returns the version installed now, or None."""
@@ -136,29 +137,20 @@ class ChampionWatcher:
             return None
         return v
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.check()
 
-    def close(self) -> None:
-        """Stop polling (waits at most 5 s for a poll in progress)."""
-        self._stop.set()
-        self._thread.join(5)
-
-
-class ClassChampionWatcher:
+class ClassChampionWatcher(Poller):
     """Polls `root` (data/drafts/classes: one champion bundle per workload class, written by
     `deploy.local.deploy_class_champions`) every `every_s` s on a daemon thread: installs a class's
     draft when its directory names another version than the engine serves for it, and drops the
     draft of a class whose directory is gone (rolled back to the generalist). A version the engine
     refuses (wrong target, over `engine.draft_memory_mb`) is logged once per version and not retried."""
 
+    what = "class champion poll"
+
     def __init__(self, root: Path, every_s: float, engine: Engine, install: DraftInstaller):
         self.root, self.every_s, self.engine, self.install = Path(root), every_s, engine, install
         self._refused: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tidespec-class-champion-watch", daemon=True)
-        self._thread.start()
+        self._start(every_s, "tidespec-class-champion-watch")
 
     def check(self) -> dict[str, str | None]:
         """One poll; returns {class: version installed, None for a class dropped}."""
@@ -183,18 +175,6 @@ class ClassChampionWatcher:
             self.install.remove(cls)
             out[cls] = None
         return out
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                self.check()
-            except Exception:
-                log.exception("class champion poll failed")
-
-    def close(self) -> None:
-        """Stop polling (waits at most 5 s for a poll in progress)."""
-        self._stop.set()
-        self._thread.join(5)
 
 
 def admin_router(engine: Engine, install: DraftInstaller, drafts_dir: Path | None, admin_token: str | None,

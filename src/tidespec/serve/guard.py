@@ -19,7 +19,6 @@ stops drafting for the class).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge
@@ -27,13 +26,16 @@ from prometheus_client import Counter, Gauge
 from ..engine.health import Verdict
 from ..engine.speculative import Engine
 from .metrics import PREFIX, ServeMetrics
+from .poller import Poller
 
 log = logging.getLogger(__name__)
 
 
-class HealthGuard:
+class HealthGuard(Poller):
     """See the module docstring. `rollback(version, reason)`: None = report only. `check()` runs one
     round (the thread calls it; tests call it directly); `every_s` ≤ 0 starts no thread."""
+
+    what = "draft health check"
 
     def __init__(self, engine: Engine, metrics: ServeMetrics, every_s: float,
                  rollback: Callable[[str, str], None] | None = None):
@@ -51,12 +53,7 @@ class HealthGuard:
         self.rollbacks = Counter(f"{PREFIX}draft_rollbacks", "Automatic rollbacks of a promoted draft.", registry=r)
         self._flagged: set[tuple[str, str, str]] = set()
         self._rolled: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = None
-        if every_s > 0:
-            self._thread = threading.Thread(target=self._run, args=(every_s,), name="tidespec-draft-health",
-                                            daemon=True)
-            self._thread.start()
+        self._start(every_s, "tidespec-draft-health")
 
     def check(self) -> list[Verdict]:
         """One round over every served draft (the generalist on the classes it drafted for, each class's
@@ -115,16 +112,3 @@ class HealthGuard:
         self._rolled.add(v.version)
         self.rollbacks.inc()
         log.warning("rolled back v%s%s: %s", v.version, f" (class {slot!r}'s draft)" if slot else "", reason)
-
-    def _run(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
-            try:
-                self.check()
-            except Exception:
-                log.exception("draft health check failed")
-
-    def close(self) -> None:
-        """Stop the checks (waits at most 5 s for one in progress)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
