@@ -113,6 +113,7 @@ class ReplayBuffer:
                 for c, es in sorted(self.classes.items())}
 
     def save(self) -> None:
+        """Write the buffer to `path` atomically (a temporary file, 0600, then rename). Raises OSError."""
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         write_private(tmp, json.dumps({"version": VERSION, "seed": self.seed, "absorbed": sorted(self.absorbed),
                                        "classes": self.classes}).encode())

@@ -78,10 +78,6 @@ class ServedDrafts:
         with self._lock:
             return {w: v for w, (_, v, _) in self._drafts.items()}
 
-    def __bool__(self) -> bool:
-        with self._lock:
-            return bool(self._drafts)
-
 
 def priors(served: dict[str, tuple]) -> dict[str, tuple[float, float]]:
     """The goodput policy's a₁ priors when several drafts serve: each class's from the draft serving it

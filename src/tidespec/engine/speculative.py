@@ -112,7 +112,7 @@ class Engine:
         if draft is not None:
             self.health.serve(version, replayed, slot=workload)
         if self.policy is not None:
-            self.policy.reset(pri if self._drafts else None)
+            self.policy.reset(pri or None)
 
     @property
     def draft_version(self) -> str | None:

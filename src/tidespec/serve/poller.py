@@ -22,6 +22,7 @@ class Poller:
             self._thread.start()
 
     def check(self):
+        """One round of the subclass's work; what it returns is its own."""
         raise NotImplementedError
 
     def _run(self, every_s: float) -> None:

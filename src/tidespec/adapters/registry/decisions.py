@@ -102,11 +102,11 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
     name = model_name(target_id)
     version = _version(c, name, version)
     own = _alias_version(c, name, champion_alias(workload))
-    current = own if own is not None or not workload else _alias_version(c, name, CHAMPION)
+    current = own or (_alias_version(c, name, CHAMPION) if workload else None)  # what serves it now
     if current is not None and champion_tau is None:
         raise RegistryError(f"{name}: champion v{current} exists but champion_tau is None; "
                             "evaluate the champion on the same holdout and pass its τ")
-    if own == version or (current == version and not workload):
+    if own == version:
         reason, ok = f"v{version} is already champion", False
     elif evaluated_champion is not None and current != str(evaluated_champion):
         reason, ok = (f"champion changed during the cycle (evaluated against v{evaluated_champion}, champion is now "
@@ -126,7 +126,7 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
     reason = _of(workload) + reason
     if ok:
         _make_champion(c, name, version, workload)
-    d = Decision(promoted=ok, reason=reason, version=version, previous_champion=own if workload else current)
+    d = Decision(promoted=ok, reason=reason, version=version, previous_champion=own)
     _record(c, name, version, "promoted" if ok else "rejected", reason)
     return d
 
