@@ -2,15 +2,17 @@
 `deploy.sglang`): the served version's live figures logged to the registry (`report_live`), and
 acted on (`LiveGuard`: reload in place, then roll back), on a reporter thread (`LiveReporter`).
 
-A deployment here is what both deploy modules build: `draft_version`, `url`, `scrape()` (the
-server's cumulative `SpecDecodeCounters`, None when it exports none), `counters_base` (the
-counters when the served version was loaded; None for a fresh server) and `reload()`.
+A deployment here is what both deploy modules build: `served` (a `ServedDraft`, replaced whole at
+each swap, never changed in place, so a reader on another thread sees one consistent state),
+`scrape()` (the server's cumulative `SpecDecodeCounters`, None when it exports none) and `reload()`.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from ...adapters import registry
 from ...adapters.spec_counters import SpecDecodeCounters, live_below_replay
@@ -18,6 +20,34 @@ from ...errors import TidespecError
 from ..tuning import live_windows
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedDraft:
+    """What an engine server serves now, as one value: `version` (the registry version; None: no
+    draft, or not from the registry), `url` (the server's base URL; None: not started), `draft_dir`
+    (the private copy of the draft's engine files loaded; None: the target alone) and
+    `counters_base` (the server's cumulative counters when this version was loaded in place; None: a
+    fresh server, whose counters are the version's alone)."""
+    version: str | None = None
+    url: str | None = None
+    draft_dir: Path | None = None
+    counters_base: SpecDecodeCounters | None = None
+
+    def own(self, now: SpecDecodeCounters | None) -> SpecDecodeCounters | None:
+        """`now` (the server's cumulative counters) less `counters_base`: this version's own drafts."""
+        return now - self.counters_base if now is not None and self.counters_base is not None else now
+
+
+def scrape_served(dep) -> tuple[ServedDraft, SpecDecodeCounters | None]:
+    """`dep.served` and the server's counters read while it served that state (`dep.scrape()`):
+    a swap that lands during the scrape is caught (the state changed) and the counters are None,
+    never one version's drafts credited to another. Raises what `dep.scrape()` raises."""
+    served = dep.served
+    if served.url is None:
+        return served, None
+    now = dep.scrape()
+    return served, (now if dep.served is served else None)
 
 
 def report_live(dep, tracking_uri: str, target_id: str, sagemaker=None) -> dict | None:
@@ -29,13 +59,9 @@ def report_live(dep, tracking_uri: str, target_id: str, sagemaker=None) -> dict 
     ≥ 100 drafts): tag `live_tuned_k.<profile>` (what `tidespec deploy sagemaker` then applies) and
     metric `live/predicted_speedup/<profile>`. Returns the logged metrics, or None when there is
     nothing to log: no registry version served, or no counters exported (live τ unknown, never 0)."""
-    version, url = dep.draft_version, dep.url
-    if version is None or url is None:
-        return None
-    live = dep.scrape()
-    if live is not None and dep.counters_base is not None:
-        live = live - dep.counters_base  # the version loaded in place: its own drafts only
-    if live is None or not live.num_drafts:
+    served, now = scrape_served(dep)
+    version, live = served.version, served.own(now)  # loaded in place: the version's own drafts only
+    if version is None or live is None or not live.num_drafts:
         return None
     m = {"acceptance_length": live.acceptance_length, "acceptance_rate": live.acceptance_rate,
          "num_drafts": live.num_drafts, "num_draft_tokens": live.num_draft_tokens,
@@ -86,11 +112,9 @@ class LiveGuard:
         self._restored: set[str] = set()
 
     def check(self) -> str | None:
-        version, url = self.dep.draft_version, self.dep.url
-        if version is None or url is None:
-            return None
-        now = self.dep.scrape()
-        if now is None:
+        served, now = scrape_served(self.dep)
+        version = served.version
+        if version is None or now is None:
             return None
         if version != self._version or self._start is None or now.num_drafts < self._start.num_drafts:
             self._version, self._start, self._below = version, now, 0  # a new version, or a new server

@@ -11,7 +11,8 @@ restarting `tidespec serve --backend sglang` serves the new one. A load that fai
 the served draft's files again.
 
 Live figures per version: SGLang's counters (`adapters.sglang.metrics`) less those at the load
-(`counters_base`), which `deploy.live` logs and acts on, as behind vLLM.
+(`counters_base`), which `deploy.live` logs and acts on, as behind vLLM; what serves is one
+`deploy.live.ServedDraft`, replaced whole at a swap.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from ...adapters import sglang
 from ...adapters.spec_counters import SpecDecodeCounters
 from ...workspace import copy_engine_files, private_dir, served_version
+from .live import ServedDraft
 from .vllm import config_change
 
 log = logging.getLogger(__name__)
@@ -32,23 +34,36 @@ log = logging.getLogger(__name__)
 
 class SGLangDeployment:
     """The SGLang server serving `launch.model_path` with the champion as its EAGLE3 draft.
-    `state_dir`: private copies of deployed drafts and the server's log. `draft_version`: the
-    registry version served (None: no draft, or not from the registry), as
+    `state_dir`: private copies of deployed drafts and the server's log. `served`: what serves now
+    (`deploy.live.ServedDraft`); `draft_version`: its registry version, as
     `serve.admin.ChampionWatcher` expects of an engine."""
 
     def __init__(self, launch: sglang.SGLangLaunch, state_dir: Path, ready_timeout_s: float = 900.0):
         self.launch, self.state_dir, self.ready_timeout_s = launch, Path(state_dir), ready_timeout_s
         self.server: sglang.SGLangServer | None = None
-        self.draft_version: str | None = None
-        self.draft_dir: Path | None = None
-        self.counters_base: SpecDecodeCounters | None = None
+        self.served = ServedDraft()
         self._swap = threading.Lock()
         self._n = 0
 
     @property
     def url(self) -> str | None:
         """Base URL of the SGLang server (None before `start`)."""
-        return self.server.cfg.url if self.server else None
+        return self.served.url
+
+    @property
+    def draft_version(self) -> str | None:
+        """The registry version served (None: no draft, or not from the registry)."""
+        return self.served.version
+
+    @property
+    def draft_dir(self) -> Path | None:
+        """The engine dir of the draft served now (None: the target alone)."""
+        return self.served.draft_dir
+
+    @property
+    def counters_base(self) -> SpecDecodeCounters | None:
+        """The server's counters when the served version was loaded in place (None: a fresh server)."""
+        return self.served.counters_base
 
     def start(self, bundle: Path | None) -> SGLangDeployment:
         """Start SGLang with the draft in `bundle` (a draft bundle or flat checkpoint; None or
@@ -60,7 +75,7 @@ class SGLangDeployment:
         cfg = replace(self.launch, draft_path=str(draft) if draft else None)
         self.server = sglang.SGLangServer(cfg, self.state_dir / "logs" / "sglang.log",
                                           ready_timeout_s=self.ready_timeout_s).start()
-        self.draft_dir, self.draft_version = draft, version if draft else None
+        self.served = ServedDraft(version if draft else None, cfg.url, draft)
         log.info("SGLang serves draft %s at %s", self.draft_version, cfg.url)
         return self
 
@@ -82,8 +97,7 @@ class SGLangDeployment:
                                          "serve --backend sglang` to serve it")
             before = self._counters()
             res = self._load(draft)
-            self.draft_dir, self.draft_version = draft, version
-            self.counters_base = self._counters() or before
+            self.served = ServedDraft(version, self.url, draft, self._counters() or before)
             log.info("SGLang now serves draft %s, loaded in place in %.3f s (radix cache flushed: %s)", version,
                      res["load_seconds"], res["flushed"])
             return {"draft_version": version, "url": self.url, "mode": "in_place",
@@ -97,7 +111,7 @@ class SGLangDeployment:
                 raise sglang.SGLangError("no draft served to reload")
             before = self._counters()
             res = self._load(self.draft_dir)
-            self.counters_base = self._counters() or before
+            self.served = replace(self.served, counters_base=self._counters() or before)
             log.info("SGLang reloaded draft %s in place in %.3f s", self.draft_version, res["load_seconds"])
             return res
 

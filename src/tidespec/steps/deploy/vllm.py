@@ -16,7 +16,9 @@ duration of a swap (~4 GB for SmolLM2 on CPU).
 
 Live figures per version: the server's cumulative spec-decode counters (`scrape`), less those it
 had when the version was loaded (`VLLMDeployment.counters_base`; zero for a fresh server), which
-`deploy.live` logs and acts on.
+`deploy.live` logs and acts on. What serves is one `deploy.live.ServedDraft`, replaced whole at a
+swap (after the new counters base is read), so the reporter thread never sees a new version with
+the old base.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from ...adapters.vllm import (
     scrape,
 )
 from ...workspace import copy_engine_files, private_dir, served_version
+from .live import ServedDraft
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +51,37 @@ log = logging.getLogger(__name__)
 class VLLMDeployment:
     """The vLLM server(s) serving `launch.model_path` behind `proxy` (a `frontdoor.Proxy`; None: no
     front door yet, `url` says where vLLM is). `state_dir`: private copies of deployed drafts and the
-    servers' logs. `draft_version`: the registry version served (None: no draft or not from the
-    registry), as `serve.admin.ChampionWatcher` expects of an engine."""
+    servers' logs. `served`: what serves now (`deploy.live.ServedDraft`); `draft_version`: its
+    registry version, as `serve.admin.ChampionWatcher` expects of an engine."""
 
     def __init__(self, launch: VLLMLaunch, state_dir: Path, proxy=None, ready_timeout_s: float = 600.0,
                  drain_timeout_s: float = 300.0, in_place: bool = True):
         self.launch, self.state_dir, self.proxy = launch, Path(state_dir), proxy
         self.ready_timeout_s, self.drain_timeout_s, self.in_place = ready_timeout_s, drain_timeout_s, in_place
         self.server: VLLMServer | None = None
-        self.draft_version: str | None = None
-        self.draft_dir: Path | None = None  # the engine dir of the draft served now
-        self.counters_base: SpecDecodeCounters | None = None  # the server's counters when it was loaded
+        self.served = ServedDraft()
         self._swap = threading.Lock()
         self._n = 0
 
     @property
     def url(self) -> str | None:
         """Base URL of the vLLM server serving now (None before `start`)."""
-        return self.server.url if self.server else None
+        return self.served.url
+
+    @property
+    def draft_version(self) -> str | None:
+        """The registry version served (None: no draft, or not from the registry)."""
+        return self.served.version
+
+    @property
+    def draft_dir(self) -> Path | None:
+        """The engine dir of the draft served now (None: the target alone)."""
+        return self.served.draft_dir
+
+    @property
+    def counters_base(self) -> SpecDecodeCounters | None:
+        """The server's counters when the served version was loaded in place (None: a fresh server)."""
+        return self.served.counters_base
 
     def start(self, bundle: Path | None) -> VLLMDeployment:
         """Start serving the draft in `bundle` (a draft bundle or flat checkpoint; None or missing:
@@ -97,7 +113,7 @@ class VLLMDeployment:
             if self.draft_dir is None or self.server is None or self.server.cfg.draft_swap_root is None:
                 raise VLLMError("no draft served in place to reload")
             res = load_draft_in_place(self.server.url, self.draft_dir)
-            self.counters_base = scrape(self.server.url)
+            self.served = replace(self.served, counters_base=scrape(self.server.url))
             log.info("vLLM reloaded draft %s in place in %.3f s", self.draft_version, res["seconds"])
             return res
 
@@ -122,8 +138,7 @@ class VLLMDeployment:
                                 "restart the server") from None
             raise VLLMError(f"{e}; the served draft {self.draft_version} was loaded again") from None
         self._n += 1
-        self.draft_dir, self.draft_version = draft, version
-        self.counters_base = scrape(self.server.url)
+        self.served = ServedDraft(version, self.server.url, draft, scrape(self.server.url))
         log.info("vLLM now serves draft %s at %s, loaded in place in %.3f s (prefix cache reset: %s)", version,
                  self.server.url, res["seconds"], res["reset_prefix_cache"])
         return {"draft_version": version, "url": self.server.url, "mode": "in_place",
@@ -161,8 +176,8 @@ class VLLMDeployment:
 
     def _serving(self, srv: VLLMServer, version: str | None) -> None:
         """`srv` serves `version` now: a fresh server, whose counters are that version's alone."""
-        self.server, self.draft_version = srv, version
-        self.draft_dir, self.counters_base = (Path(srv.cfg.draft_path) if srv.cfg.draft_path else None), None
+        self.server = srv
+        self.served = ServedDraft(version, srv.url, Path(srv.cfg.draft_path) if srv.cfg.draft_path else None)
 
     def _private_copy(self, bundle: Path, name: str) -> Path:
         dest = private_dir(self.state_dir / "drafts") / name
