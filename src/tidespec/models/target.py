@@ -13,6 +13,7 @@ the same physical states as SGLang/vLLM's "input of layer" default `[2, L//2, L-
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -24,12 +25,13 @@ import torch.nn.functional as F
 from ..assets import sha256_file
 from .layers import (
     PREFILL_CHUNK,
-    PackedLinear,
+    QUANTIZATIONS,
     apply_rope,
     causal_bias,
     chunk_rounds,
     gqa_attention,
     grow_kv,
+    make_linear,
     rms_norm,
     rope_tables,
     visible_bias,
@@ -138,28 +140,40 @@ class Target:
 
     Build with `Target.from_hf(model)` or `load_target(path)`; weights, rope tables and KV caches
     live on `device` (`target.device`; CPU by default).
-    dtype: fp32 by default — fp32 multi-token verification reproduces one-token greedy
-    exactly, bf16 does not (README, "Design choices, measured").
+    dtype: of activations, KV caches and unquantized weights. fp32 (the default) is the exact
+    reference; bf16 halves the bytes a step reads. quantization: "none", or weight-only "int8" /
+    "int4" linears (`models.layers.Int8Linear` / `Int4Linear`: CPU, bf16 activations), the output
+    projection at int8 under both (as a Q4_1 GGUF keeps its output matrix at 8 bits). Each
+    precision is lossless against target-only decoding at that precision (every linear is
+    row-consistent); its outputs differ from fp32's where a near-tie flips (`tidespec bench engine`
+    reports how often). The embedding stays fp32: it is looked up, not read whole, and the EAGLE3
+    draft shares it as trained. Raises ValueError for int8/int4 with fp32 activations or off CPU.
     """
 
     def __init__(self, cfg: TargetConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
                  aux_layers: tuple[int, ...] | None = None, target_id: str = "unknown",
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", quantization: str = "none"):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         self.target_id = target_id
+        self.quantization = quantization
         self.aux_layers = tuple(aux_layers or cfg.default_aux_layers)
         if len(self.aux_layers) != 3 or not all(0 <= i < cfg.num_layers for i in self.aux_layers):
             raise ValueError(f"aux_layers must be 3 layer ids in [0, {cfg.num_layers}), got {self.aux_layers}")
-        w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in weights.items()}
-        tied = weights.get("lm_head.weight")
-        if tied is not None and tied.data_ptr() == weights["model.embed_tokens.weight"].data_ptr():
-            w["lm_head.weight"] = w["model.embed_tokens.weight"]  # tied: one copy on the device
-        self.embed = w["model.embed_tokens.weight"]
+        check_precision(dtype, quantization, self.device)
+        embed = weights["model.embed_tokens.weight"]
+        head = weights.get("lm_head.weight", embed)
+        self.embed = embed.to(device=self.device, dtype=torch.float32).contiguous()
         self.device = self.embed.device  # with its index (cuda:0), as a module's parameters report it
-        self.lm_head_weight = w.get("lm_head.weight", self.embed)
-        self.lm_head = PackedLinear(self.lm_head_weight)
+        w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in weights.items()
+             if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+        if head.data_ptr() == embed.data_ptr() and dtype == torch.float32:
+            self.lm_head_weight = self.embed  # tied: one copy
+        else:
+            self.lm_head_weight = head.to(device=self.device, dtype=dtype).contiguous()
+        self.lm_head = make_linear(self.lm_head_weight, "none" if quantization == "none" else "int8")
+        lin = functools.partial(make_linear, quantization=quantization)
         self.norm = w["model.norm.weight"]
         self.layers = []
         for i in range(cfg.num_layers):
@@ -169,15 +183,23 @@ class Target:
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], 0).contiguous()
             self.layers.append(dict(
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
-                qkv=PackedLinear(qkv), o=PackedLinear(w[p + "self_attn.o_proj.weight"]),
-                gate_up=PackedLinear(gate_up), down=PackedLinear(w[p + "mlp.down_proj.weight"])))
+                qkv=lin(qkv), o=lin(w[p + "self_attn.o_proj.weight"]),
+                gate_up=lin(gate_up), down=lin(w[p + "mlp.down_proj.weight"])))
         self.cos, self.sin = (t.to(self.device) for t in rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position,
                                                                       dtype))
 
+    @property
+    def precision(self) -> str:
+        """The precision as params name it: "fp32", "bf16", "int8" or "int4" (weights; activations bf16)."""
+        if self.quantization != "none":
+            return self.quantization
+        return "fp32" if self.dtype == torch.float32 else "bf16"
+
     @classmethod
     def from_hf(cls, model, dtype=torch.float32, aux_layers=None, target_id: str = "unknown",
-                device: torch.device | str = "cpu") -> Target:
-        """Wrap a loaded HF `LlamaForCausalLM` (weights are copied to `dtype` on `device`)."""
+                device: torch.device | str = "cpu", quantization: str = "none") -> Target:
+        """Wrap a loaded HF `LlamaForCausalLM` (weights are copied to `dtype` on `device`, linears
+        quantized as `quantization` says)."""
         c = model.config
         eos = c.eos_token_id if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
         rope = getattr(c, "rope_parameters", None) or {}
@@ -193,7 +215,8 @@ class Target:
             max_position=min(int(c.max_position_embeddings), 8192),
             bos_token_id=c.bos_token_id, eos_token_ids=tuple(e for e in eos if e is not None))
         sd = {k: v.detach() for k, v in model.state_dict().items()}
-        return cls(cfg, sd, dtype=dtype, aux_layers=aux_layers, target_id=target_id, device=device)
+        return cls(cfg, sd, dtype=dtype, aux_layers=aux_layers, target_id=target_id, device=device,
+                   quantization=quantization)
 
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.cfg.max_position:
@@ -234,7 +257,7 @@ class Target:
 
         vLLM-style flattening: the N = Σ n_i rows share every linear layer (one GEMM per weight),
         attention runs per segment over its own cache, so there is no padding and a row's result
-        does not depend on the other segments (PackedLinear is bitwise row-consistent): a request
+        does not depend on the other segments (every linear is bitwise row-consistent: `models.layers`): a request
         decodes the same alone or in a batch. A prefill is a segment with `last_only=True` (logits
         of its last row only: the vocab projection of every prompt row is the costliest op).
         A segment with `tree` verifies a draft tree (tree attention mask, positions by depth); the
@@ -254,7 +277,7 @@ class Target:
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [N, 1, hd]
         masks = [causal_bias(n, p, rep, self.dtype, dev) if s.tree is None
                  else visible_bias(s.tree[0], p, rep, self.dtype, dev) for s, p, n in zip(segs, ps, ns)]
-        x = F.embedding(torch.cat([s.ids for s in segs]).to(dev), self.embed)
+        x = F.embedding(torch.cat([s.ids for s in segs]).to(dev), self.embed).to(self.dtype)
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         aux = []
         for li, L in enumerate(self.layers):
@@ -390,11 +413,26 @@ def target_id_for(path: Path, gguf_file: str | None) -> str:
 
 
 def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.float32,
-                aux_layers=None, device: torch.device | str = "cpu"):
-    """Load a target onto `device`: returns `(Target, tokenizer)`. See `load_hf` for errors."""
+                aux_layers=None, device: torch.device | str = "cpu", quantization: str = "none"):
+    """Load a target onto `device`: returns `(Target, tokenizer)`. See `load_hf` and `Target` for errors."""
     model, tok = load_hf(path, gguf_file)
     tid = target_id_for(Path(path), gguf_file)
-    return Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid, device=device), tok
+    return Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid, device=device,
+                          quantization=quantization), tok
+
+
+def check_precision(dtype: torch.dtype, quantization: str, device: torch.device) -> None:
+    """Raise ValueError naming the setting and the fix unless (`target.dtype`, `target.quantization`)
+    can run on `device`: int8/int4 are CPU kernels over bf16 activations."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"target.quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return
+    if dtype != torch.bfloat16:
+        raise ValueError(f"target.quantization {quantization} runs bf16 activations: set target.dtype: bfloat16")
+    if device.type != "cpu":
+        raise ValueError(f"target.quantization {quantization} is a CPU kernel (torch `_weight_{quantization}pack_mm`) "
+                         f"but target.device is {device}: set target.quantization: none, or target.device: cpu")
 
 
 __all__ = [

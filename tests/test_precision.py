@@ -1,0 +1,142 @@
+"""The target at each precision (`target.dtype` × `target.quantization`): row-consistent linears, and
+speculative greedy == target-only greedy at that precision, with a verify-step mutant caught at each."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidespec.config import EngineParams, Params
+from tidespec.engine import accept
+from tidespec.engine.speculative import Engine
+from tidespec.models.layers import INT4_GROUP, Int4Linear, Int8Linear, PackedLinear, make_linear
+from tidespec.models.runner import DraftRunner
+from tidespec.models.target import load_target
+
+PRECISIONS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"),
+              "int8": (torch.bfloat16, "int8"), "int4": (torch.bfloat16, "int4")}
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (64, 128)])
+def test_linears_are_row_consistent(quant, shape):
+    """A row alone (decode) and among up to 9 (verify) give the same bits: what makes a k-token
+    verify reproduce one-token greedy. bf16 through `PackedLinear` too (oneDNN's one-row bf16 kernel
+    differs from its many-row one on K = 1536 unless the row is computed as two)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g) * 0.05
+    x = torch.randn(9, shape[1], generator=g)
+    dtypes = (torch.float32, torch.bfloat16) if quant == "none" else (torch.bfloat16,)
+    for dt in dtypes:
+        lin = make_linear(w.to(dt), quant)
+        full = lin(x.to(dt))
+        for i in range(9):
+            assert torch.equal(lin(x[i:i + 1].to(dt))[0], full[i]), (quant, dt, i)
+        for m in range(2, 9):
+            assert torch.equal(lin(x[:m].to(dt)), full[:m]), (quant, dt, m)
+
+
+def test_quantized_weights_and_their_error():
+    """int8: per-row scale max|w|/127, error ≤ scale/2 per weight. int4: a weight already on a group's
+    16-level grid (GGUF Q4_1: w = d·q + m per 32) comes back on it, to the bf16 rounding of d and m
+    (relative 2⁻⁸ of the group's range); outputs match x @ W.T of the weights the kernels hold."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=g)
+    q8 = Int8Linear(w)
+    s = w.abs().amax(1, keepdim=True) / 127
+    assert (q8.dequantized() - w).abs().le(s / 2 * (1 + 2 ** -8) * (1 + 2 ** -9)).all()  # its bf16 scale, rounded up
+    assert (q8.scales.float()[:, None] >= s).all() and q8.q.abs().amax() == 127
+    # a Q4_1-like weight: 16 levels per group of 32 (both ends used), d and m per group
+    d = torch.rand(64, 128 // INT4_GROUP, 1, generator=g) * 0.1 + 0.01
+    m = torch.randn(64, 128 // INT4_GROUP, 1, generator=g) * 0.1
+    lv = torch.randint(0, 16, (64, 128 // INT4_GROUP, INT4_GROUP), generator=g)
+    lv[..., 0], lv[..., 1] = 0, 15
+    w4 = (d * lv + m).view(64, 128)
+    x = torch.randn(5, 128, generator=g)
+    got = Int4Linear(w4)(x.bfloat16()).float()
+    want = x.bfloat16().float() @ w4.T
+    # bf16 activations in both; the kernel's scale/zero in bf16 (2⁻⁸ relative), its output rounded to bf16
+    bound = (x.bfloat16().float().abs() @ (w4.abs() + d.expand(-1, -1, INT4_GROUP).reshape(64, 128) * 16).T) * 2 ** -7
+    assert (got - want).abs().le(bound).all()
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear(torch.randn(8, 48))
+    with pytest.raises(ValueError, match="quantization 'int3'"):
+        make_linear(w, "int3")
+    assert isinstance(make_linear(w, "none"), PackedLinear)
+
+
+def test_precision_settings_are_checked(tiny_target_dir):
+    """int8/int4 run bf16 activations on CPU: other combinations are refused naming the fix."""
+    with pytest.raises(ValueError, match="set target.dtype: bfloat16"):
+        load_target(tiny_target_dir, quantization="int8")
+    with pytest.raises(ValueError, match="target.quantization 'fp8'"):
+        load_target(tiny_target_dir, dtype=torch.bfloat16, quantization="fp8")
+    with pytest.raises(ValueError):
+        Params.model_validate({"target": {"quantization": "int5"}})
+    t = load_target(tiny_target_dir, dtype=torch.bfloat16, quantization="int4")[0]
+    assert t.precision == "int4" and t.embed.dtype == torch.float32 and isinstance(t.layers[0]["qkv"], Int4Linear)
+    assert isinstance(t.lm_head, Int8Linear)  # the output matrix at 8 bits, as a Q4_1 GGUF keeps it
+
+
+def _off_by_one(real):
+    """A verify-step mutant: after a greedy chain's first rejection, accept that rejected draft too."""
+    def accept_chain(sl, out):
+        toks, rows, kept = real(sl, out)
+        n = len(kept) - 1
+        if sl.k and sl.seq.rng is None and n < sl.k:
+            return sl.drafts[:n + 1] + [int(rows[n + 1].argmax())], rows, list(range(n + 2))
+        return toks, rows, kept
+    return accept_chain
+
+
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory):
+    """(target dir, draft dir, prompts): conftest's TINY config with untied embeddings and lm_head × 16
+    (greedy output moves between tokens; the tied tiny target repeats one), and an EAGLE3 draft
+    trained (~2 s) on its fp32 greedy outputs of 48 prompts, right part of the time on them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import TINY
+    from tidespec.config import DraftParams, TrainParams
+    from tidespec.engine.speculative import Request
+    from tidespec.train.trainer import train_draft
+
+    path = tmp_path_factory.mktemp("varied-target")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**(TINY | {"tie_word_embeddings": False})))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(16.0)
+    model.save_pretrained(path)
+    target = load_target(path)[0]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40, (6,), generator=g).tolist() for _ in range(48)]
+    gens = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=16)).generate_batch(
+        [Request(p, 40, speculative=False, capture=True) for p in prompts])
+    out = tmp_path_factory.mktemp("varied-draft")
+    train_draft([x.record for x in gens], [], target, DraftParams(draft_vocab_size=320),
+                TrainParams(epochs=10, ttt_steps=4, batch_tokens=1024, max_seq_len=128, lr=3e-3), out)
+    return path, out, prompts[:12]
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_lossless_at_each_precision_and_a_verify_mutant_caught(precision, varied, monkeypatch):
+    """The varied target at `precision` with the trained draft, fixed k = 3: speculative greedy ==
+    target-only greedy at the same precision, alone and batched, with drafts both accepted and
+    rejected; the off-by-one mutant of the accept rule changes the output."""
+    from tidespec.engine.speculative import Request
+    from tidespec.models.eagle3 import load_checkpoint
+
+    path, draft, prompts = varied
+    dtype, quant = PRECISIONS[precision]
+    target = load_target(path, dtype=dtype, quantization=quant)[0]
+    runner = DraftRunner(load_checkpoint(draft, target.embed, target.target_id))
+    eng = Engine(target, runner, EngineParams(num_draft_tokens=3, max_seq_len=128, adaptive=False, max_batch=16,
+                                              suffix={"enabled": False}))
+    ref = [eng.generate(p, 32, speculative=False).tokens for p in prompts]
+    spec = [eng.generate(p, 32) for p in prompts]
+    assert [s.tokens for s in spec] == ref
+    drafts = sum(s.stats.num_drafts for s in spec)
+    accepted = sum(s.stats.num_accepted_tokens for s in spec)
+    assert 0.1 * 3 * drafts < accepted < 0.9 * 3 * drafts  # both paths of the verify rule ran, often
+    assert [o.tokens for o in eng.generate_batch([Request(p, 32) for p in prompts])] == ref
+    monkeypatch.setattr(accept, "accept_chain", _off_by_one(accept.accept_chain))
+    assert [eng.generate(p, 32).tokens for p in prompts] != ref
