@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install lint vllm assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-adapt bench-adapt-quick bench-capture services-up services-down clean
+.PHONY: install lint vllm llama-cpp assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-adapt bench-adapt-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 VLLM_VENV  ?= .venv-vllm
@@ -61,6 +61,9 @@ test: assets               ## full suite (incl. the real vLLM lane); starts Pref
 
 repro: assets              ## rerun a cycle from the DVC-tracked snapshots (dvc repro: curate → train → evaluate → register), then deploy the champion
 	eval "$$($(VENV)/bin/tidespec services up)" && $(VENV)/bin/dvc repro && $(VENV)/bin/tidespec deploy local
+
+llama-cpp: install         ## llama-cpp-python for `tidespec bench engine`'s llama.cpp rows (built from its sdist: ~9 min, needs cmake + a C++ compiler)
+	$(PIP) install -q llama-cpp-python==0.3.36
 
 bench: assets              ## engine benchmark vs HF generate / prompt lookup, concurrency 1/4/8/16, ≈ 50 min (needs `make demo`'s drafts)
 	$(VENV)/bin/tidespec bench engine --prompts 3 --method hf_generate --method hf_prompt_lookup_10 \

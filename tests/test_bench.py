@@ -1,5 +1,6 @@
 """Benchmark bookkeeping (pure functions) and the cached start-up calibration."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -251,3 +252,68 @@ def test_concurrency_sweep_summary_markdown_and_png(tmp_path):
     assert data["code"]["tidespec_hybrid_adaptive"] == [(1, 19.0), (4, 2.5)]
     plots.tokens_per_s_by_concurrency(data).savefig(tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_precision_and_llama_cpp_rows_their_references_and_report():
+    """Rows at another precision compare with target-only at that precision (lossless there) and with
+    params' precision; llama.cpp rows with llama.cpp's plain decoding; the report says so, and pairs
+    tokens/s with llama.cpp's per pass."""
+    from tidespec.bench.engine import default_methods, reference_of
+    from tidespec.bench.engine_report import markdown, ratios
+
+    specs = default_methods(None, Path("champion"), 4, 10, precisions=("int4",), llama_cpp=True)
+    by = {s.name: s for s in specs}
+    assert {"tidespec_no_spec_int4", "tidespec_hybrid_adaptive_int4", "llama_cpp_no_spec",
+            "llama_cpp_prompt_lookup_4"} <= set(by)
+    assert by["tidespec_hybrid_adaptive_int4"].precision == "int4" and by["tidespec_hybrid_adaptive_int4"].suffix
+    assert reference_of(by["tidespec_hybrid_adaptive_int4"]) == "tidespec_no_spec_int4"
+    assert reference_of(by["llama_cpp_prompt_lookup_4"]) == "llama_cpp_no_spec"
+    assert reference_of(by["tidespec_hybrid_adaptive"]) == "tidespec_no_spec"
+    assert "tidespec_no_spec_int4" not in {s.name for s in default_methods(None, None, 4, 10)}
+
+    def row(tps, same=1.0):
+        return {"tokens_per_s": tps, "itl_ms_p50": 1.0, "itl_ms_p99": 1.0, "tau": 1.5, "ttft_ms_p50": 1.0,
+                "peak_rss_mb": 1.0, "identical_to_target_only": 1.0, "identical_to_reference_precision": same}
+    rows = {"tidespec_no_spec": {"code": row(20)}, "tidespec_no_spec_int4": {"code": row(60, 0.5)},
+            "tidespec_hybrid_adaptive_int4": {"code": row(90, 0.5)}, "llama_cpp_no_spec": {"code": row(75, 0.25)}}
+    r = ratios(rows, 4, 10)
+    assert r["code: tidespec_hybrid_adaptive_int4 / llama_cpp_no_spec"] == pytest.approx(1.2)
+    assert r["code: tidespec_no_spec_int4 / llama_cpp_no_spec"] == pytest.approx(0.8)
+    spread = {"code": {"tidespec_hybrid_adaptive_int4": {"median": 1.2, "min": 1.1, "max": 1.3, "per_pass": [],
+                                                         "inside_noise": False}}}
+    md = markdown({"date": "d", "machine": {"cpu": "c", "cores": 2, "threads": 2, "torch": "t"},
+                   "setup": {"dtype": "float32", "prompts_per_workload": 1, "max_new_tokens": 8, "k": 4,
+                             "prompt_lookup_num_tokens": 10, "passes": 3}, "results": rows, "ratios": r,
+                   "info": {"llama_cpp_no_spec": {"llama_cpp_python": "0.3.36"}},
+                   "methods": [{"kind": "tidespec", "precision": "int4"}, {"kind": "llama_cpp"}],
+                   "spread_vs_llama_cpp": spread})
+    assert "| tidespec_no_spec_int4 | 60.00 | 1.50 | - | 1.0 | 1.0 | 1 | 1 | 100% | 50% |" in md
+    assert "| llama_cpp_no_spec | 75.00 | - |" in md and "llama-cpp-python 0.3.36 on the shipped GGUF" in md
+    assert "## Paired ratios to llama_cpp_no_spec" in md
+    assert "| tidespec_hybrid_adaptive_int4 | 1.20× (1.10–1.30) |" in md
+    md = markdown({"date": "d", "machine": {"cpu": "c", "cores": 2, "threads": 2, "torch": "t"},
+                   "setup": {"dtype": "float32", "prompts_per_workload": 1, "max_new_tokens": 8, "k": 4,
+                             "prompt_lookup_num_tokens": 10, "llama_cpp_skipped": "llama-cpp-python is not installed"},
+                   "results": rows, "ratios": r, "info": {}, "methods": []})
+    assert "No llama_cpp_* rows: llama-cpp-python is not installed." in md
+
+
+def test_llama_cpp_row_decodes_the_shipped_gguf():
+    """The llama.cpp row on the real GGUF: greedy, the token ids given, stops at max_new; its plain
+    decoding is deterministic. Skipped, naming why, where llama-cpp-python is not installed."""
+    from tidespec.bench.methods import LlamaCppMethod, MethodSpec, llama_cpp_unavailable
+    from tidespec.config import Params
+    from tidespec.models.chat import prompt_ids
+    from tidespec.models.load import get_target
+
+    why = llama_cpp_unavailable()
+    if why:
+        pytest.skip(why)
+    p = Params()
+    ids = prompt_ids(get_target(p)[1], "def add(a, b):")
+    m = LlamaCppMethod(MethodSpec("llama_cpp_no_spec", "llama_cpp"), p, 2)
+    a, b = m.run(ids, 12, "code"), m.run(ids, 12, "code")
+    assert len(a["tokens"]) == 12 and a["tokens"] == b["tokens"] and len(a["steps"]) == 11
+    assert a["drafts"] is None and a["ttft_s"] > 0
+    with pytest.raises(ValueError, match="llama.cpp rows run the shipped GGUF"):
+        LlamaCppMethod(MethodSpec("x", "llama_cpp"), Params.model_validate({"target": {"source": "/some/dir"}}), 2)

@@ -13,7 +13,8 @@ from tidespec.models.runner import DraftRunner
 from tidespec.models.target import load_target
 
 PRECISIONS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"),
-              "int8": (torch.bfloat16, "int8"), "int4": (torch.bfloat16, "int4")}
+              "int8": (torch.float32, "int8"), "int4": (torch.float32, "int4"),
+              "bf16+int4": (torch.bfloat16, "int4")}
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
@@ -65,16 +66,22 @@ def test_quantized_weights_and_their_error():
 
 
 def test_precision_settings_are_checked(tiny_target_dir):
-    """int8/int4 run bf16 activations on CPU: other combinations are refused naming the fix."""
-    with pytest.raises(ValueError, match="set target.dtype: bfloat16"):
-        load_target(tiny_target_dir, quantization="int8")
+    """int8/int4 are CPU kernels (any activation dtype: the kernel's input is rounded to bf16, its
+    output cast back); other devices and names are refused naming the fix."""
+    from tidespec.models.target import check_precision
+    with pytest.raises(ValueError, match="is a CPU kernel .* set target.quantization: none, or target.device: cpu"):
+        check_precision(torch.float32, "int4", torch.device("cuda"))
+    check_precision(torch.float32, "none", torch.device("cuda"))
     with pytest.raises(ValueError, match="target.quantization 'fp8'"):
         load_target(tiny_target_dir, dtype=torch.bfloat16, quantization="fp8")
     with pytest.raises(ValueError):
         Params.model_validate({"target": {"quantization": "int5"}})
-    t = load_target(tiny_target_dir, dtype=torch.bfloat16, quantization="int4")[0]
-    assert t.precision == "int4" and t.embed.dtype == torch.float32 and isinstance(t.layers[0]["qkv"], Int4Linear)
-    assert isinstance(t.lm_head, Int8Linear)  # the output matrix at 8 bits, as a Q4_1 GGUF keeps it
+    t = load_target(tiny_target_dir, quantization="int4")[0]
+    assert t.precision == "int4" and t.dtype == torch.float32 and t.embed.dtype == torch.float32
+    assert isinstance(t.layers[0]["qkv"], Int4Linear) and isinstance(t.lm_head, Int8Linear)  # output at 8 bits
+    out = t.forward(torch.tensor([5, 6, 7]), t.new_cache(16))
+    assert out.logits.dtype == torch.float32 and out.aux.dtype == torch.float32  # the residual stream stays fp32
+    assert load_target(tiny_target_dir, dtype=torch.bfloat16, quantization="int8")[0].precision == "int8"
 
 
 def _off_by_one(real):

@@ -92,6 +92,12 @@ def test_backend_specific_refusals_name_the_key_or_flag():
         ServeLaunch.build(backend="vllm", capture=False).check(shipped(engine={"tree": {"eagle_topk": 2}}), NO_MLFLOW)
     notes = ServeLaunch.build(backend="vllm", capture=False).check(load_params(SHIPPED), NO_MLFLOW)
     assert any("fixed k = engine.num_draft_tokens = 4" in n for n in notes), notes
+    int4 = shipped(target={"dtype": "bfloat16", "quantization": "int4"})
+    ServeLaunch().check(int4, NO_MLFLOW)  # the embedded engine's own kernels
+    for backend in ("vllm", "sglang"):
+        with pytest.raises(ValueError, match=f"target.quantization int4 is the embedded engine's CPU kernels; "
+                                             f"--backend {backend} runs the target with its own"):
+            ServeLaunch.build(backend=backend, capture=False).check(int4, NO_MLFLOW)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -234,17 +234,23 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                  profile: bool = typer.Option(True, help="a torch.profiler table of one request"),
                  vllm_python: str = typer.Option(None, help="vLLM's interpreter for the vllm_* rows (default: "
                                                  "`make vllm`'s .venv-vllm when it runs here; 'none': no vLLM rows)"),
+                 precision: list[str] = typer.Option(["int8", "int4"], help="the target at these precisions too "
+                                                     "(repeat; fp32, bf16, int8, int4): rows tidespec_no_spec_<p> and "
+                                                     "tidespec_hybrid_adaptive_<p>; params' own is the reference"),
+                 llama_cpp: bool = typer.Option(True, help="llama.cpp rows (llama-cpp-python, `make llama-cpp`); "
+                                                "skipped with the reason where it is not installed"),
                  out: Path = typer.Option(Path("bench/results"))):
-    """tidespec vs HF generate, HF prompt lookup and a real vLLM (none, n-gram, EAGLE3 static and
-    adapted) on code, chat, math; capture on/off, suffix and hybrid, at concurrency 1/4/8/16,
-    profile; ≥ 3 interleaved passes with paired ratios and their spread; JSON + markdown + a PNG of
-    tokens/s by concurrency."""
+    """tidespec vs HF generate, HF prompt lookup, llama.cpp and a real vLLM (none, n-gram, EAGLE3
+    static and adapted) on code, chat, math; capture on/off, suffix and hybrid, the target at other
+    precisions, at concurrency 1/4/8/16, profile; ≥ 3 interleaved passes with paired ratios and their
+    spread; JSON + markdown + a PNG of tokens/s by concurrency."""
     from .. import assets
     from ..config import load_params
     from ..models.load import target_id
     from ..steps.bootstrap import static_draft_dir
     from . import engine as bench
     from .engine_report import WORKLOADS
+    from .methods import PRECISIONS, llama_cpp_unavailable
     p = load_params(params)
     bad = set(workload) - set(WORKLOADS)
     if bad:
@@ -261,16 +267,26 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
         raise ValueError(f"static draft not found at {static}: run `make demo` first (it trains both), "
                          "or pass --static DIR")
     vllm_python, vllm_skipped = _vllm_rows(vllm_python)
-    specs = bench.default_methods(static, adapted, p.engine.num_draft_tokens, prompt_lookup, vllm_python)
+    bad = sorted(set(precision) - set(PRECISIONS))
+    if bad:
+        raise ValueError(f"--precision {', '.join(bad)}: choose from {', '.join(PRECISIONS)}")
+    own = next(n for n, dq in PRECISIONS.items() if dq == (p.target.dtype, p.target.quantization))
+    llama_skipped = llama_cpp_unavailable() if llama_cpp else "--no-llama-cpp"
+    if llama_cpp and llama_skipped:
+        console.print(f"no llama_cpp_* rows: {llama_skipped}")
+    specs = bench.default_methods(static, adapted, p.engine.num_draft_tokens, prompt_lookup, vllm_python,
+                                  tuple(dict.fromkeys(x for x in precision if x != own)), not llama_skipped)
     if method:
         names = [s.name for s in specs]
         bad = sorted(set(method) - set(names))
         if bad:
-            raise ValueError(f"unknown method(s) {bad}; choose from {names}")
-        specs = [s for s in specs if s.name in set(method) | {"tidespec_no_spec"}]
+            why = f" ({llama_skipped})" if llama_skipped and any(m.startswith("llama_cpp") for m in bad) else ""
+            raise ValueError(f"unknown method(s) {bad}{why}; choose from {names}")
+        keep = set(method) | {bench.reference_of(s) for s in specs if s.name in method}  # each row's reference too
+        specs = [s for s in specs if s.name in keep | {"tidespec_no_spec"}]
     res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
                     progress=console.print, passes=passes, methods=specs, profile=profile,
-                    concurrency=tuple(concurrency), vllm_skipped=vllm_skipped)
+                    concurrency=tuple(concurrency), vllm_skipped=vllm_skipped, llama_cpp_skipped=llama_skipped)
     console.print((out / "engine.md").read_text())
     console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
 

@@ -24,18 +24,34 @@ from ..assets import prompts
 from ..engine.stats import itl_percentiles
 from ..models.chat import prompt_ids
 from ..models.load import get_target
-from .engine_report import VLLM_NGRAM_MAX, _cpu, markdown, ratios
+from .engine_report import REF, VLLM_NGRAM_MAX, _cpu, markdown, ratios
 from .methods import MethodSpec, TidespecMethod, worker
 
 TREE = (4, 12)  # the tree methods' (eagle_topk, num_draft_tokens): up to 11 nodes, the policy sizes each step
+LLAMA_CPP_REF = "llama_cpp_no_spec"
+
+
+def reference_of(spec: MethodSpec) -> str:
+    """The row whose outputs `spec`'s must equal (lossless: target-only decoding on the same weights at
+    the same precision): tidespec at another precision → its own no-speculation row; llama.cpp →
+    llama.cpp without speculation; every other row → tidespec_no_spec."""
+    if spec.kind == "llama_cpp":
+        return LLAMA_CPP_REF
+    if spec.kind == "tidespec" and spec.precision is not None:
+        return f"{REF}_{spec.precision}"
+    return REF
 
 
 
 
 def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lookup: int,
-                    vllm_python: str | None = None) -> list[MethodSpec]:
+                    vllm_python: str | None = None, precisions: tuple[str, ...] = (),
+                    llama_cpp: bool = False) -> list[MethodSpec]:
     """The rows: HF, tidespec (each proposer and policy), and with `vllm_python` (`make vllm`'s
-    interpreter) a real vLLM server per row: none, n-gram, EAGLE3 static and adapted at fixed k."""
+    interpreter) a real vLLM server per row: none, n-gram, EAGLE3 static and adapted at fixed k.
+    Per precision of `precisions` (methods.PRECISIONS names): tidespec without speculation and in
+    the default configuration (the adapted draft + suffix, goodput policy), `<row>_<precision>`.
+    `llama_cpp`: llama.cpp on the GGUF, without speculation and with its prompt lookup at k."""
     m = [MethodSpec("hf_generate", "hf"),
          MethodSpec(f"hf_prompt_lookup_{prompt_lookup}", "hf", prompt_lookup=prompt_lookup),
          MethodSpec("tidespec_no_spec", "tidespec"),
@@ -51,6 +67,14 @@ def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lo
               MethodSpec("tidespec_adapted_tree_adaptive", "tidespec", draft=str(adapted), tree=tree),
               MethodSpec("tidespec_hybrid_adaptive", "tidespec", draft=str(adapted), suffix=True),
               MethodSpec("tidespec_hybrid_tree_adaptive", "tidespec", draft=str(adapted), suffix=True, tree=tree)]
+    for p in precisions:
+        m.append(MethodSpec(f"tidespec_no_spec_{p}", "tidespec", precision=p))
+        if adapted is not None:
+            m.append(MethodSpec(f"tidespec_hybrid_adaptive_{p}", "tidespec", draft=str(adapted), suffix=True,
+                                precision=p))
+    if llama_cpp:
+        m += [MethodSpec(LLAMA_CPP_REF, "llama_cpp"),
+              MethodSpec(f"llama_cpp_prompt_lookup_{k}", "llama_cpp", prompt_lookup=k)]
     if vllm_python:
         m += [MethodSpec("vllm_no_spec", "vllm", python=vllm_python),
               MethodSpec(f"vllm_ngram_k{k}", "vllm", prompt_lookup=VLLM_NGRAM_MAX, k=k, python=vllm_python)]
@@ -133,7 +157,7 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
         max_new_tokens: int = 96, threads: int | None = None, prompt_lookup: int = 10,
         workloads: tuple[str, ...] = ("code", "chat"), profile: bool = True, progress=print, passes: int = 3,
         methods: list[MethodSpec] | None = None, concurrency: tuple[int, ...] = (1,),
-        vllm_skipped: str | None = None) -> dict:
+        vllm_skipped: str | None = None, llama_cpp_skipped: str | None = None) -> dict:
     """Run the benchmark; writes `out/engine.json` and `out/engine.md`, returns the result dict.
 
     `passes` interleaved passes over the same prompts (each pass rotates the method order; the
@@ -141,7 +165,10 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
     the pass before). Per pass, each method's tokens/s over no speculation gives one paired ratio;
     the report gives their median and range (`spread`) and flags a ratio whose range spans 1.0 as
     inside the noise. `methods`: default `default_methods`. `concurrency`: levels above 1 add the
-    sweep (module docstring). `vllm_skipped`: why there are no vLLM rows (recorded in the report)."""
+    sweep (module docstring). `vllm_skipped` / `llama_cpp_skipped`: why there are no vLLM / llama.cpp
+    rows (recorded in the report). Each row's outputs are compared with its reference's
+    (`reference_of`: lossless at its precision) and with params' precision's
+    (`identical_to_reference_precision`)."""
     threads = threads or torch.get_num_threads()
     _, tok = get_target(params)
     levels = sorted({c for c in concurrency if c > 1})
@@ -188,25 +215,32 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
         draft = adapted or static
         m = TidespecMethod(MethodSpec("profile", "tidespec", draft=str(draft) if draft else None, k=k), params)
         prof = m.profile(wl[next(iter(wl))][0][1], 48, "profile")
-    ref_name = "tidespec_no_spec"
+    ref_name = REF
     rows = {}
     for s in specs:
         rows[s.name] = {}
         for name in wl:
-            ref = {r["id"]: r["tokens"] for r in raw[ref_name][name]}
-            rows[s.name][name] = summarize(raw[s.name][name], ref) | {"peak_rss_mb": rss[s.name]}
+            ref = {r["id"]: r["tokens"] for r in raw[reference_of(s) if reference_of(s) in raw else REF][name]}
+            fp32 = {r["id"]: r["tokens"] for r in raw[REF][name]}  # params' precision: the reference outputs
+            rows[s.name][name] = summarize(raw[s.name][name], ref) | {"peak_rss_mb": rss[s.name]} | {
+                "identical_to_reference_precision": sum(r["tokens"] == fp32[r["id"]] for r in raw[s.name][name])
+                / len(raw[s.name][name])}
     spread = pass_ratios(raw, ref_name, passes)
+    spread_llama = pass_ratios(raw, LLAMA_CPP_REF, passes) if LLAMA_CPP_REF in raw else {}
     sweep = {str(c): sweep_summary(per, ref_name) for c, per in sweep_raw.items()}
     res = {"benchmark": "engine", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
                        "python": platform.python_version()},
            "setup": {"prompts_per_workload": n_prompts, "max_new_tokens": max_new_tokens, "greedy": True,
-                     "dtype": params.target.dtype, "k": k, "prompt_lookup_num_tokens": prompt_lookup,
+                     "dtype": params.target.dtype, "quantization": params.target.quantization, "k": k,
+                     "prompt_lookup_num_tokens": prompt_lookup,
                      "static_draft": str(static) if static else None,
                      "adapted_draft": str(adapted) if adapted else None, "passes": passes,
-                     "concurrency": [1, *levels], "wall_s": time.time() - t0, "vllm_skipped": vllm_skipped},
+                     "concurrency": [1, *levels], "wall_s": time.time() - t0, "vllm_skipped": vllm_skipped,
+                     "llama_cpp_skipped": llama_cpp_skipped},
            "methods": [asdict(s) for s in specs], "results": rows, "info": info,
-           "ratios": ratios(rows, k, prompt_lookup), "spread": spread, "concurrency": sweep}
+           "ratios": ratios(rows, k, prompt_lookup), "spread": spread, "spread_vs_llama_cpp": spread_llama,
+           "concurrency": sweep}
     out.mkdir(parents=True, exist_ok=True)
     if sweep:
         from ..steps import plots  # matplotlib (the mlops extra) only when there is a sweep to draw
@@ -220,7 +254,8 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
 def _sweep(workers: list[_Worker], wl_all: dict, levels: list[int], n_prompts: int, max_new: int, passes: int,
            progress) -> dict:
     """{c: {method: {workload: [run per pass]}}} for the tidespec methods without capture and vLLM's."""
-    ws = [w for w in workers if w.spec.kind in ("tidespec", "vllm") and not w.spec.capture]
+    ws = [w for w in workers if w.spec.kind in ("tidespec", "vllm") and not w.spec.capture
+          and w.spec.precision is None]  # the sweep's identical share is against tidespec_no_spec's outputs
     raw = {c: {w.spec.name: {name: [] for name in wl_all} for w in ws} for c in levels}
     for ps in range(passes):
         for ci, c in enumerate(levels):

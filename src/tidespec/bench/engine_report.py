@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from ..engine.calibration import cpu_model
 
+REF = "tidespec_no_spec"  # every ratio's reference: target-only at params' precision
+PRECISION_SUFFIXES = ("_fp32", "_bf16", "_int8", "_int4")  # rows at another precision than params'
+
 WORKLOADS = ("code", "chat", "math")
 VLLM_NGRAM_MAX = 4  # vLLM n-gram rows: prompt_lookup_max (min 2), the value vLLM's docs use
 
@@ -47,6 +50,9 @@ def ratios(rows: dict, k: int, pl: int) -> dict:
                 r[f"{w}: {m} / vllm_no_spec"] = tps(m, w) / tps("vllm_no_spec", w)
         if tps("vllm_no_spec", w) and base:
             r[f"{w}: tidespec_no_spec / vllm_no_spec"] = base / tps("vllm_no_spec", w)
+        for m in [x for x in rows if x.startswith("tidespec_") and tps("llama_cpp_no_spec", w) and tps(x, w)]:
+            if m in ("tidespec_no_spec", "tidespec_hybrid_adaptive") or m.endswith(PRECISION_SUFFIXES):
+                r[f"{w}: {m} / llama_cpp_no_spec"] = tps(m, w) / tps("llama_cpp_no_spec", w)
         for base_m in ("tidespec_no_spec", f"tidespec_adapted_k{k}"):
             a, c = rows.get(base_m, {}).get(w), rows.get(f"{base_m}_capture", {}).get(w)
             if a and c:
@@ -74,29 +80,24 @@ def markdown(res: dict, prof: str | None = None) -> str:
         ]
     elif res["setup"].get("vllm_skipped"):
         lines += [f"No vllm_* rows: {res['setup']['vllm_skipped']}.", ""]
+    lines += _precision_notes(res)
     for w in next(iter(res["results"].values())):
         lines += [f"## {w}", "", "| method | tokens/s | τ | accept rate | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
-                  "| peak RSS MB | = target-only |", "|---|---|---|---|---|---|---|---|---|"]
+                  f"| peak RSS MB | = target-only | = {REF} |", "|---|---|---|---|---|---|---|---|---|---|"]
         for name, per in res["results"].items():
             r = per[w]
             ar = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "-"
-            lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['tau']:.2f} | {ar} | {r['itl_ms_p50']:.1f} | "
+            same = r.get("identical_to_reference_precision")
+            tau = "-" if name.startswith("llama_cpp") else f"{r['tau']:.2f}"
+            lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {tau} | {ar} | {r['itl_ms_p50']:.1f} | "
                          f"{r['itl_ms_p99']:.1f} | {r['ttft_ms_p50']:.0f} | {r['peak_rss_mb']:.0f} | "
-                         f"{r['identical_to_target_only']:.0%} |")
+                         f"{r['identical_to_target_only']:.0%} | {'-' if same is None else f'{same:.0%}'} |")
         lines.append("")
     lines += ["## Ratios", ""] + [f"- {k}: {v:.3f}" for k, v in res["ratios"].items()] + [""]
     if res.get("spread"):
-        lines += [f"## Paired ratios to tidespec_no_spec over {s.get('passes', 1)} interleaved passes "
-                  "(median, range; ~ = the range spans 1.0: inside the noise)", "",
-                  "| method | " + " | ".join(res["spread"]) + " |", "|---|" + "---|" * len(res["spread"])]
-        for name in res["results"]:
-            cells = []
-            for w in res["spread"]:
-                x = res["spread"][w].get(name)
-                cells.append("-" if x is None else
-                             f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f}){' ~' if x['inside_noise'] else ''}")
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += _spread_table(res, "spread", REF)
+    if res.get("spread_vs_llama_cpp"):
+        lines += _spread_table(res, "spread_vs_llama_cpp", "llama_cpp_no_spec")
     if res.get("concurrency"):
         lines += sweep_markdown(res)
     ad = {n: i.get("adaptive") for n, i in res["info"].items() if i.get("adaptive")}
@@ -128,6 +129,40 @@ def markdown(res: dict, prof: str | None = None) -> str:
         lines += ["## Profile (one request, tidespec with draft, torch.profiler, top ops by self CPU time)", "",
                   "```", prof.strip(), "```", ""]
     return "\n".join(lines)
+
+
+def _spread_table(res: dict, key: str, ref: str) -> list[str]:
+    """Paired ratios of tokens/s to `ref` (`res[key]`: workload → method → median, range) as a table."""
+    sp = res[key]
+    lines = [f"## Paired ratios to {ref} over {res['setup'].get('passes', 1)} interleaved passes "
+             "(median, range; ~ = the range spans 1.0: inside the noise)", "",
+             "| method | " + " | ".join(sp) + " |", "|---|" + "---|" * len(sp)]
+    for name in res["results"]:
+        cells = []
+        for w in sp:
+            x = sp[w].get(name)
+            cells.append("-" if x is None else
+                         f"{x['median']:.2f}× ({x['min']:.2f}–{x['max']:.2f}){' ~' if x['inside_noise'] else ''}")
+        if any(c != "-" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _precision_notes(res: dict) -> list[str]:
+    """What the precision and llama.cpp rows are (or why there are no llama.cpp rows)."""
+    out = []
+    if any(x.get("precision") for x in res.get("methods", ())):
+        out += ["`_int8` / `_int4` / `_bf16` rows: the target at that precision (`target.quantization`, "
+                "`target.dtype`); `= target-only`: equal to `tidespec_no_spec` at the same precision (lossless), "
+                f"`= {REF}`: equal to params' precision's outputs (a near-tie flipped by rounding where not).", ""]
+    if any(x["kind"] == "llama_cpp" for x in res.get("methods", ())):
+        v = res["info"].get("llama_cpp_no_spec", {}).get("llama_cpp_python", "")
+        out += [f"llama_cpp_* rows: llama-cpp-python {v} on the shipped GGUF (Q4_1 layers, Q8_0 embedding), "
+                "greedy, same threads and token ids; `= target-only` compares with its own plain decoding; "
+                "τ is not exposed.", ""]
+    elif res["setup"].get("llama_cpp_skipped"):
+        out += [f"No llama_cpp_* rows: {res['setup']['llama_cpp_skipped']}.", ""]
+    return out
 
 
 def sweep_markdown(res: dict) -> list[str]:

