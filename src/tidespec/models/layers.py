@@ -176,7 +176,7 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
         s = torch.bmm(qg, kt).mul_(hd ** -0.5)
     else:
         s = torch.baddbmm(bias.expand(nkv, -1, -1), qg, kt, alpha=hd ** -0.5)
-    p = torch.softmax(s.float(), dim=-1).to(v.dtype)
+    p = torch.softmax(s if s.dtype == torch.float64 else s.float(), dim=-1).to(v.dtype)
     return torch.bmm(p, v).reshape(nh, n, hd)
 
 

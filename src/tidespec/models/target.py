@@ -94,7 +94,8 @@ class Segment:
 
 
 class KVCache:
-    """Per-layer KV cache for one sequence: k/v `[L, nkv, capacity, head_dim]` in the target dtype.
+    """Per-layer KV cache for one sequence: k/v `[L, nkv, capacity, head_dim]` in the target's
+    attention dtype (`Target.attn_dtype`).
 
     `length` is the number of valid positions; rollback is `length = n` (no copy). The capacity
     grows on demand (`reserve`, doubling, capped at `max_len`), so a request holds KV memory for
@@ -159,6 +160,10 @@ class Target:
         self.device = torch.device(device)
         self.target_id = target_id
         self.quantization = quantization
+        # attention (and the KV cache) in fp64 where a linear rounds its input (bf16, int8/int4): a verify
+        # row's attention sums its keys in another order than a decode step's (fp32: ~1e-7 apart), and
+        # a bf16 rounding turns that into a flipped token; in fp64 the two round to the same fp32
+        self.attn_dtype = torch.float32 if (dtype, quantization) == (torch.float32, "none") else torch.float64
         self.aux_layers = tuple(aux_layers or cfg.default_aux_layers)
         if len(self.aux_layers) != 3 or not all(0 <= i < cfg.num_layers for i in self.aux_layers):
             raise ValueError(f"aux_layers must be 3 layer ids in [0, {cfg.num_layers}), got {self.aux_layers}")
@@ -222,7 +227,7 @@ class Target:
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.cfg.max_position:
             raise ValueError(f"max_len {max_len} exceeds the target context {self.cfg.max_position}")
-        return KVCache(self.cfg, max_len, self.dtype, self.device)
+        return KVCache(self.cfg, max_len, self.attn_dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, need_hidden: bool = True) -> TargetOutput:
@@ -276,8 +281,9 @@ class Target:
         pos = torch.cat([torch.arange(p, p + n, device=dev) if s.tree is None else p + s.tree[1].to(dev)
                          for s, p, n in zip(segs, ps, ns)])
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [N, 1, hd]
-        masks = [causal_bias(n, p, rep, self.dtype, dev) if s.tree is None
-                 else visible_bias(s.tree[0], p, rep, self.dtype, dev) for s, p, n in zip(segs, ps, ns)]
+        ad = self.attn_dtype
+        masks = [causal_bias(n, p, rep, ad, dev) if s.tree is None
+                 else visible_bias(s.tree[0], p, rep, ad, dev) for s, p, n in zip(segs, ps, ns)]
         x = F.embedding(torch.cat([s.ids for s in segs]).to(dev), self.embed).to(self.dtype)
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         aux = []
@@ -291,8 +297,8 @@ class Target:
             for s, p, n, m in zip(segs, ps, ns, masks):
                 s.cache.k[li, :, p:p + n] = k[o:o + n].transpose(0, 1)
                 s.cache.v[li, :, p:p + n] = v[o:o + n].transpose(0, 1)
-                a = gqa_attention(q[o:o + n].transpose(0, 1), s.cache.k[li, :, :p + n],
-                                  s.cache.v[li, :, :p + n], m)
+                a = gqa_attention(q[o:o + n].transpose(0, 1).to(ad), s.cache.k[li, :, :p + n],
+                                  s.cache.v[li, :, :p + n], m).to(x.dtype)
                 outs.append(a.transpose(0, 1).reshape(n, nh * hd))
                 o += n
             x = x + L["o"](torch.cat(outs) if len(outs) > 1 else outs[0])

@@ -67,11 +67,16 @@ def teacher_force(target: Target, tok, conversations: list[list[dict]], max_toke
 
 
 def static_draft_dir(params: Params, target_id: str, cache: Path) -> Path:
-    """Where the static draft for these params lives in the download cache (keyed by their hash)."""
+    """Where the static draft for these params lives in the download cache (keyed by their hash; the
+    target's precision is part of it, as the hidden states it is trained on come from the target at
+    that precision)."""
     b = params.bootstrap  # answers: dataset (the default) keeps the key drafts were cached under before the knob
     boot = b.model_dump(exclude={"answers"}) if b.answers == "dataset" else b.model_dump()
-    key = hashlib.sha256(json.dumps([target_id, boot, params.draft.model_dump(),
-                                     params.train.model_dump()], sort_keys=True).encode()).hexdigest()[:12]
+    parts = [target_id, boot, params.draft.model_dump(), params.train.model_dump()]
+    t = params.target
+    if (t.dtype, t.quantization) != ("float32", "none"):  # fp32 keeps the key drafts were cached under before
+        parts.append([t.dtype, t.quantization])
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
     return cache / "bootstrap" / f"static-{key}"
 
 
