@@ -101,7 +101,7 @@ def run_demo(root: Path, params_path: Path, results: Path | None = None) -> dict
         target, tok = get_target(params)
     tid = target.target_id
     console.print(f"target {tid[:12]}: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, "
-                  f"aux layers {list(target.aux_layers)}, {params.target.dtype}")
+                  f"aux layers {list(target.aux_layers)}, {target.precision}")
 
     # workload: HumanEval's prompt-level train split, served with capture (the other split stays
     # unseen for the benchmarks); curate splits the holdout requests off that traffic
@@ -162,7 +162,7 @@ def run_demo(root: Path, params_path: Path, results: Path | None = None) -> dict
     rep = res["evaluate"]
     dec = res["register"]
     title = (f"{w.prompts} holdout: {rep['num_prompts']} prompts × ≤{rep['max_new_tokens']} tokens, "
-             f"greedy, k={rep['num_draft_tokens']}, {params.target.dtype}, CPU")
+             f"greedy, k={rep['num_draft_tokens']}, {target.precision}, CPU")
     rows = result_rows(rep)
     table = Table(title=title)
     for c in rows[0]:
