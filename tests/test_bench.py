@@ -317,3 +317,25 @@ def test_llama_cpp_row_decodes_the_shipped_gguf():
     assert a["drafts"] is None and a["ttft_s"] > 0
     with pytest.raises(ValueError, match="llama.cpp rows run the shipped GGUF"):
         LlamaCppMethod(MethodSpec("x", "llama_cpp"), Params.model_validate({"target": {"source": "/some/dir"}}), 2)
+
+
+def test_bench_engine_rows_as_the_options_say():
+    """--precision names params' own precision once (the reference rows), any other one as rows; --method
+    keeps each row's reference; an unknown row names why llama.cpp rows are missing."""
+    from tidespec.bench.engine import select_methods
+    from tidespec.config import Params
+
+    p = Params()
+    names = {s.name for s in select_methods(p, None, Path("c"), 10, None, ["fp32", "int4"], None, [])}
+    assert "tidespec_no_spec_int4" in names and "tidespec_no_spec_fp32" not in names and "llama_cpp_no_spec" in names
+    b4 = Params.model_validate({"target": {"dtype": "bfloat16", "quantization": "int4"}})  # no PRECISIONS name
+    names = {s.name for s in select_methods(b4, None, Path("c"), 10, None, ["fp32", "int4"], None, [])}
+    assert {"tidespec_no_spec_fp32", "tidespec_no_spec_int4"} <= names
+    got = [s.name for s in select_methods(p, None, Path("c"), 10, None, ["int4"], None,
+                                          ["tidespec_hybrid_adaptive_int4", "llama_cpp_prompt_lookup_4"])]
+    assert sorted(got) == sorted(["tidespec_no_spec", "tidespec_no_spec_int4", "tidespec_hybrid_adaptive_int4",
+                                  "llama_cpp_no_spec", "llama_cpp_prompt_lookup_4"])
+    with pytest.raises(ValueError, match="--precision int3: choose from fp32, bf16, int8, int4"):
+        select_methods(p, None, None, 10, None, ["int3"], None, [])
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['llama_cpp_no_spec'\] \(not installed\)"):
+        select_methods(p, None, None, 10, None, [], "not installed", ["llama_cpp_no_spec"])

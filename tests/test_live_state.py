@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from tidespec.adapters.spec_counters import SpecDecodeCounters
 from tidespec.steps.deploy import vllm as deploy_vllm
 from tidespec.steps.deploy.live import ServedDraft, scrape_served
@@ -26,45 +28,62 @@ def _counters(drafts: int, accepted: int) -> SpecDecodeCounters:
 
 
 def test_an_in_place_swap_publishes_the_version_with_its_counters_base(tmp_path, monkeypatch):
-    """The reporter thread may read between the load and the base's scrape: it must see the old
-    version then (its drafts up to now), never the new version with the old (None) base, which
-    logged the server's whole history as the new version's τ under a larger MLflow step."""
+    """While the weights change and until the new base is read, the state a reporter thread reads
+    has no url (no live figures); then the new version appears with its base, never with the old
+    (None) base, which logged the server's whole history as the new version's τ under a larger
+    MLflow step. A load that fails restores the served state."""
     served_v1 = ServedDraft("1", URL, _draft(tmp_path / "v1", "1"))
     dep = deploy_vllm.VLLMDeployment(SimpleNamespace(), tmp_path / "state")
     dep.server, dep.served = SimpleNamespace(url=URL, cfg=SimpleNamespace(draft_swap_root=str(tmp_path))), served_v1
     total = {"now": _counters(100, 20)}  # v1's drafts: τ 1.2
-    seen = []
+    seen, fail = [], []
 
     def scrape(url):
-        seen.append(dep.served)  # what a report on the reporter thread would read at this instant
+        if not seen or seen[-1] != "done":  # inside a swap: what a report on the reporter thread reads now
+            seen.append((dep.served, scrape_served(dep)[1] if dep.served.url is None else "readable"))
         return total["now"]
 
+    def load(url, d):
+        seen.append((dep.served, scrape_served(dep)[1] if dep.served.url is None else "readable"))
+        if fail and d.name.endswith("v3"):
+            raise deploy_vllm.VLLMError("worker died")
+        return {"seconds": 0.01, "reset_prefix_cache": True}
+
     monkeypatch.setattr(deploy_vllm, "scrape", scrape)
-    monkeypatch.setattr(deploy_vllm, "load_draft_in_place",
-                        lambda url, d: {"seconds": 0.01, "reset_prefix_cache": True})
+    monkeypatch.setattr(deploy_vllm, "load_draft_in_place", load)
     res = dep.install(_draft(tmp_path / "v2", "2"))
-    assert res["mode"] == "in_place" and res["draft_version"] == "2"
-    assert seen == [served_v1]  # during the swap the state read is v1's, whole
-    assert dep.served.version == "2" and dep.served.counters_base == _counters(100, 20)
+    assert res["mode"] == "in_place" and res["draft_version"] == "2" and dep.url == URL
+    assert len(seen) == 3 and all(s.url is None and s.version == "1" and c is None for s, c in seen), seen
+    seen.append("done")
+    assert dep.served.version == "2" and dep.served.counters_base == _counters(100, 20) and dep.served.url == URL
     total["now"] = _counters(150, 70)  # 50 drafts on v2, 50 accepted: τ 2.0
     served, now = scrape_served(dep)
     assert served.version == "2" and served.own(now) == _counters(50, 50)
     assert served.own(now).acceptance_length == 2.0
+    fail.append(True)
+    v2 = dep.served
+    with pytest.raises(deploy_vllm.VLLMError, match="worker died; the served draft 2 was loaded again"):
+        dep.install(_draft(tmp_path / "v3", "3"))
+    assert dep.served is v2  # the served state back, readable
 
 
 def test_a_swap_during_the_scrape_yields_no_counters():
-    """Counters read while the state changed belong to no one version: dropped, never mixed."""
-    before, after = ServedDraft("1", URL), ServedDraft("2", URL, counters_base=_counters(10, 5))
+    """Counters read while the state changed belong to no one version: dropped, never mixed; they
+    are read from the server the state names."""
+    before, after = ServedDraft("1", URL), ServedDraft("2", URL + "0", counters_base=_counters(10, 5))
     dep = SimpleNamespace(served=before)
+    urls = []
 
-    def scrape():
+    def scrape(url):
+        urls.append(url)
         dep.served = after  # a swap lands while the scrape is in flight
         return _counters(12, 7)
 
     dep.scrape = scrape
     assert scrape_served(dep) == (before, None)
-    dep.scrape = lambda: _counters(12, 7)
+    dep.scrape = lambda url: urls.append(url) or _counters(12, 7)
     assert scrape_served(dep) == (after, _counters(12, 7))
+    assert urls == [URL, URL + "0"]
     assert after.own(_counters(12, 7)) == _counters(2, 2)
     assert ServedDraft("1", URL).own(_counters(12, 7)) == _counters(12, 7)  # a fresh server: all its own
     assert scrape_served(SimpleNamespace(served=ServedDraft())) == (ServedDraft(), None)  # not started

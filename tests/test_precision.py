@@ -69,7 +69,7 @@ def test_quantized_weights_and_their_error():
 def test_precision_settings_are_checked(tiny_target_dir):
     """int8/int4 are CPU kernels (any activation dtype: the kernel's input is rounded to bf16, its
     output cast back); other devices and names are refused naming the fix."""
-    from tidespec.models.target import check_precision
+    from tidespec.models.precision import check_precision
     with pytest.raises(ValueError, match="is a CPU kernel .* set target.quantization: none, or target.device: cpu"):
         check_precision(torch.float32, "int4", torch.device("cuda"))
     check_precision(torch.float32, "none", torch.device("cuda"))
@@ -82,7 +82,11 @@ def test_precision_settings_are_checked(tiny_target_dir):
     assert isinstance(t.layers[0]["qkv"], Int4Linear) and isinstance(t.lm_head, Int8Linear)  # output at 8 bits
     out = t.forward(torch.tensor([5, 6, 7]), t.new_cache(16))
     assert out.logits.dtype == torch.float32 and out.aux.dtype == torch.float32  # the residual stream stays fp32
-    assert load_target(tiny_target_dir, dtype=torch.bfloat16, quantization="int8")[0].precision == "int8"
+    b8 = load_target(tiny_target_dir, dtype=torch.bfloat16, quantization="int8")[0]
+    assert b8.precision == "bf16+int8" and b8.attn_dtype == torch.float64 and t.attn_dtype == torch.float64
+    assert load_target(tiny_target_dir)[0].attn_dtype == torch.float32  # the exact reference keeps fp32
+    with pytest.raises(ValueError, match="ingest.rehydrate_backend vllm rebuilds hidden states with vLLM's own"):
+        Params.model_validate({"target": {"quantization": "int4"}, "ingest": {"rehydrate_backend": "vllm"}})
 
 
 def _off_by_one(real):

@@ -250,7 +250,7 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     from ..steps.bootstrap import static_draft_dir
     from . import engine as bench
     from .engine_report import WORKLOADS
-    from .methods import PRECISIONS, llama_cpp_unavailable
+    from .methods import llama_cpp_unavailable
     p = load_params(params)
     bad = set(workload) - set(WORKLOADS)
     if bad:
@@ -267,23 +267,10 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
         raise ValueError(f"static draft not found at {static}: run `make demo` first (it trains both), "
                          "or pass --static DIR")
     vllm_python, vllm_skipped = _vllm_rows(vllm_python)
-    bad = sorted(set(precision) - set(PRECISIONS))
-    if bad:
-        raise ValueError(f"--precision {', '.join(bad)}: choose from {', '.join(PRECISIONS)}")
-    own = next(n for n, dq in PRECISIONS.items() if dq == (p.target.dtype, p.target.quantization))
     llama_skipped = llama_cpp_unavailable() if llama_cpp else "--no-llama-cpp"
     if llama_cpp and llama_skipped:
         console.print(f"no llama_cpp_* rows: {llama_skipped}")
-    specs = bench.default_methods(static, adapted, p.engine.num_draft_tokens, prompt_lookup, vllm_python,
-                                  tuple(dict.fromkeys(x for x in precision if x != own)), not llama_skipped)
-    if method:
-        names = [s.name for s in specs]
-        bad = sorted(set(method) - set(names))
-        if bad:
-            why = f" ({llama_skipped})" if llama_skipped and any(m.startswith("llama_cpp") for m in bad) else ""
-            raise ValueError(f"unknown method(s) {bad}{why}; choose from {names}")
-        keep = set(method) | {bench.reference_of(s) for s in specs if s.name in method}  # each row's reference too
-        specs = [s for s in specs if s.name in keep | {"tidespec_no_spec"}]
+    specs = bench.select_methods(p, static, adapted, prompt_lookup, vllm_python, precision, llama_skipped, method)
     res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
                     progress=console.print, passes=passes, methods=specs, profile=profile,
                     concurrency=tuple(concurrency), vllm_skipped=vllm_skipped, llama_cpp_skipped=llama_skipped)

@@ -24,8 +24,9 @@ from ..assets import prompts
 from ..engine.stats import itl_percentiles
 from ..models.chat import prompt_ids
 from ..models.load import get_target
+from ..models.precision import precision_name
 from .engine_report import REF, VLLM_NGRAM_MAX, _cpu, markdown, ratios
-from .methods import MethodSpec, TidespecMethod, worker
+from .methods import PRECISIONS, MethodSpec, TidespecMethod, worker
 
 TREE = (4, 12)  # the tree methods' (eagle_topk, num_draft_tokens): up to 11 nodes, the policy sizes each step
 LLAMA_CPP_REF = "llama_cpp_no_spec"
@@ -83,6 +84,29 @@ def default_methods(static: Path | None, adapted: Path | None, k: int, prompt_lo
     return m
 
 
+
+
+def select_methods(params, static: Path | None, adapted: Path | None, prompt_lookup: int, vllm_python: str | None,
+                   precisions: list[str], llama_skipped: str | None, only: list[str]) -> list[MethodSpec]:
+    """`default_methods` as `tidespec bench engine`'s options say: `precisions` (methods.PRECISIONS
+    names; params' own is the reference rows' and is not repeated), llama.cpp rows unless
+    `llama_skipped` says why not, `only` these rows (empty: all) plus each one's reference
+    (`reference_of`) and tidespec_no_spec. Raises ValueError naming an unknown precision or row."""
+    bad = sorted(set(precisions) - set(PRECISIONS))
+    if bad:
+        raise ValueError(f"--precision {', '.join(bad)}: choose from {', '.join(PRECISIONS)}")
+    own = precision_name(getattr(torch, params.target.dtype), params.target.quantization)
+    specs = default_methods(static, adapted, params.engine.num_draft_tokens, prompt_lookup, vllm_python,
+                            tuple(dict.fromkeys(x for x in precisions if x != own)), not llama_skipped)
+    if not only:
+        return specs
+    names = [s.name for s in specs]
+    bad = sorted(set(only) - set(names))
+    if bad:
+        why = f" ({llama_skipped})" if llama_skipped and any(m.startswith("llama_cpp") for m in bad) else ""
+        raise ValueError(f"unknown method(s) {bad}{why}; choose from {names}")
+    keep = set(only) | {reference_of(s) for s in specs if s.name in only} | {REF}
+    return [s for s in specs if s.name in keep]
 
 
 def workload_prompts(tok, params, n: int) -> dict[str, list[tuple[str, list[int]]]]:
@@ -176,6 +200,9 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
     wl = {k: v[:n_prompts] for k, v in wl_all.items()}
     k = params.engine.num_draft_tokens
     specs = methods or default_methods(static, adapted, k, prompt_lookup)
+    missing = sorted({reference_of(s) for s in specs} - {s.name for s in specs})
+    if missing:
+        raise ValueError(f"rows {missing} are the references of other rows: add them to the methods")
     if levels:  # the engine must admit the highest concurrency in one batch
         specs = [replace(s, max_batch=max(levels)) if s.kind in ("tidespec", "vllm") else s for s in specs]
     ctx = mp.get_context("spawn")  # not fork: a worker's memory must not start as a copy of ours
@@ -216,11 +243,14 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
         m = TidespecMethod(MethodSpec("profile", "tidespec", draft=str(draft) if draft else None, k=k), params)
         prof = m.profile(wl[next(iter(wl))][0][1], 48, "profile")
     ref_name = REF
+    missing = sorted({reference_of(s) for s in specs} - set(raw))
+    if missing:  # checked before the run too (below); a row is only judged against its own reference
+        raise ValueError(f"rows {missing} are the references of other rows: add them to the methods")
     rows = {}
     for s in specs:
         rows[s.name] = {}
         for name in wl:
-            ref = {r["id"]: r["tokens"] for r in raw[reference_of(s) if reference_of(s) in raw else REF][name]}
+            ref = {r["id"]: r["tokens"] for r in raw[reference_of(s)][name]}
             fp32 = {r["id"]: r["tokens"] for r in raw[REF][name]}  # params' precision: the reference outputs
             rows[s.name][name] = summarize(raw[s.name][name], ref) | {"peak_rss_mb": rss[s.name]} | {
                 "identical_to_reference_precision": sum(r["tokens"] == fp32[r["id"]] for r in raw[s.name][name])

@@ -61,13 +61,15 @@ PRECISIONS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8":
 
 
 def at_precision(params: Params, precision: str | None) -> Params:
-    """`params` with the target at `precision` (a PRECISIONS name; None: unchanged). Raises KeyError
+    """`params` with the target at `precision` (a PRECISIONS name; None: unchanged), on the CPU when
+    quantized (int8/int4 are CPU kernels; `target.device: auto` would pick a GPU). Raises KeyError
     for another name."""
     if precision is None:
         return params
     dtype, quant = PRECISIONS[precision]
+    where = {"device": "cpu"} if quant != "none" else {}
     return params.model_copy(update={"target": params.target.model_copy(update={"dtype": dtype,
-                                                                                "quantization": quant})})
+                                                                                "quantization": quant} | where)})
 
 
 def _vm_hwm_mb(pid: int) -> float:
@@ -357,8 +359,10 @@ class LlamaCppMethod:
     SmolLM2-135M-Instruct: Q4_1 layers, Q8_0 embedding), as a CPU user would run it: no speculation,
     or its prompt-lookup decoding (`LlamaPromptLookupDecoding`, num_pred_tokens = `spec.prompt_lookup`).
     Greedy (top_k 1, no repeat penalty), `threads` threads, the same token-id prompts, stopping after
-    an EOS id as the engine does. Per-token times from its token generator (`Llama.generate`); it
-    exposes no draft counters, so τ is not reported (`forwards` = tokens). Raises ImportError when
+    an EOS id as the engine does; its KV cache is emptied before each request (tidespec's engine has
+    no prefix cache either, and `generate` would otherwise keep the prefix shared with the last one).
+    Per-token times from its token generator (`Llama.generate`); it exposes no draft counters, so τ
+    is not reported (`forwards` = tokens). Raises ImportError when
     llama-cpp-python is not installed, ValueError for a target other than the shipped GGUF."""
 
     def __init__(self, spec: MethodSpec, params, threads: int):
@@ -376,6 +380,7 @@ class LlamaCppMethod:
 
     def run(self, ids: list[int], max_new: int, workload: str) -> dict:
         """One request: {"tokens", "ttft_s", "steps" [(s, 1)] per token, "forwards", "drafts": None}."""
+        self.llm.reset()  # generate() would keep the KV of the prefix shared with the last request
         toks, t = [], [time.perf_counter()]
         for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             toks.append(int(tok))

@@ -377,6 +377,10 @@ class Params(_Strict):
         if ctx is not None and self.serve.max_tokens is None and self.engine.max_new_tokens >= ctx:
             raise ValueError(f"engine.max_new_tokens ({self.engine.max_new_tokens}), serve.max_tokens' default, "
                              f"must be < engine.max_seq_len ({ctx}): prompt and completion share the sequence")
+        if self.ingest.rehydrate_backend == "vllm" and self.target.quantization != "none":
+            raise ValueError(f"ingest.rehydrate_backend vllm rebuilds hidden states with vLLM's own (unquantized) "
+                             f"target, but the embedded engine runs target.quantization {self.target.quantization}: "
+                             "set ingest.rehydrate_backend: embedded, or target.quantization: none")
         if self.capture.keep_local_snapshots < self.curate.window:
             raise ValueError(f"capture.keep_local_snapshots ({self.capture.keep_local_snapshots}) must be >= "
                              f"curate.window ({self.curate.window}): curate reads the window's snapshots locally")

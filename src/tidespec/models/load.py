@@ -11,8 +11,9 @@ from ..assets import cache_dir, target_gguf
 from ..config import Params
 from .device import resolve_device
 from .eagle3 import load_checkpoint
+from .precision import check_precision
 from .runner import DraftRunner
-from .target import Target, check_precision, convert_gguf, load_target, target_id_for
+from .target import Target, convert_gguf, load_target, target_id_for
 
 
 def target_dir(source: str) -> Path:

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from ..assets import sha256_file
 from .layers import (
     PREFILL_CHUNK,
-    QUANTIZATIONS,
     apply_rope,
     causal_bias,
     chunk_rounds,
@@ -36,6 +35,7 @@ from .layers import (
     rope_tables,
     visible_bias,
 )
+from .precision import check_precision, precision_name
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,8 @@ class Target:
         # attention (and the KV cache) in fp64 where a linear rounds its input (bf16, int8/int4): a verify
         # row's attention sums its keys in another order than a decode step's (fp32: ~1e-7 apart), and
         # a bf16 rounding turns that into a flipped token; in fp64 the two round to the same fp32
-        self.attn_dtype = torch.float32 if (dtype, quantization) == (torch.float32, "none") else torch.float64
+        exact = (dtype, quantization) == (torch.float32, "none") or self.device.type != "cpu"
+        self.attn_dtype = dtype if exact else torch.float64  # (on a GPU the engine's numerics are the device's)
         self.aux_layers = tuple(aux_layers or cfg.default_aux_layers)
         if len(self.aux_layers) != 3 or not all(0 <= i < cfg.num_layers for i in self.aux_layers):
             raise ValueError(f"aux_layers must be 3 layer ids in [0, {cfg.num_layers}), got {self.aux_layers}")
@@ -196,10 +197,8 @@ class Target:
 
     @property
     def precision(self) -> str:
-        """The precision as params name it: "fp32", "bf16", "int8" or "int4" (weights; activations bf16)."""
-        if self.quantization != "none":
-            return self.quantization
-        return "fp32" if self.dtype == torch.float32 else "bf16"
+        """`precision_name(dtype, quantization)`: "fp32", "bf16", "int8", "int4", "bf16+int8", "bf16+int4"."""
+        return precision_name(self.dtype, self.quantization)
 
     @classmethod
     def from_hf(cls, model, dtype=torch.float32, aux_layers=None, target_id: str = "unknown",
@@ -426,16 +425,6 @@ def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.floa
     tid = target_id_for(Path(path), gguf_file)
     return Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid, device=device,
                           quantization=quantization), tok
-
-
-def check_precision(dtype: torch.dtype, quantization: str, device: torch.device) -> None:
-    """Raise ValueError naming the setting and the fix unless (`target.dtype`, `target.quantization`)
-    can run on `device`: int8/int4 are CPU kernels (torch ships no such CUDA kernel for this layout)."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"target.quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
-    if quantization != "none" and device.type != "cpu":
-        raise ValueError(f"target.quantization {quantization} is a CPU kernel (torch `_weight_{quantization}pack_mm`) "
-                         f"but target.device is {device}: set target.quantization: none, or target.device: cpu")
 
 
 __all__ = [

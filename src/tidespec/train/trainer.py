@@ -155,7 +155,8 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     where = {"threads", "device", "nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts", "sagemaker", "work_pool",
              "prefetch_mb", "shard_cache_mb"}
     fp = fingerprint(tparams.model_dump(exclude=where), dparams.model_dump(), weights_digest(init),
-                     target.target_id, str(target.dtype), list(target.aux_layers), src.fingerprint(),
+                     target.target_id, str(target.dtype) if target.quantization == "none" else target.precision,
+                     list(target.aux_layers), src.fingerprint(),
                      str(amp))  # the resolved precision: `auto` is bf16 on CUDA, fp32 on CPU
     run, resumed_from = _resume(sdir, fp, draft, opt, sched, tparams.ttt_steps, rng)
 

@@ -3,8 +3,9 @@
 acted on (`LiveGuard`: reload in place, then roll back), on a reporter thread (`LiveReporter`).
 
 A deployment here is what both deploy modules build: `served` (a `ServedDraft`, replaced whole at
-each swap, never changed in place, so a reader on another thread sees one consistent state),
-`scrape()` (the server's cumulative `SpecDecodeCounters`, None when it exports none) and `reload()`.
+each swap, never changed in place, so a reader on another thread sees one consistent state; its
+`url` is None while weights are being loaded in place), `scrape(url)` (the cumulative
+`SpecDecodeCounters` of the server at `url`, None when it exports none) and `reload()`.
 """
 from __future__ import annotations
 
@@ -40,13 +41,14 @@ class ServedDraft:
 
 
 def scrape_served(dep) -> tuple[ServedDraft, SpecDecodeCounters | None]:
-    """`dep.served` and the server's counters read while it served that state (`dep.scrape()`):
-    a swap that lands during the scrape is caught (the state changed) and the counters are None,
-    never one version's drafts credited to another. Raises what `dep.scrape()` raises."""
+    """`dep.served` and the counters of the server it names, read while it served that state
+    (`dep.scrape(served.url)`): None while an in-place load runs (url None) or when a swap landed
+    during the scrape (the state changed), never one version's drafts credited to another. Raises
+    what `dep.scrape` raises (a blue server stopped by a blue/green swap)."""
     served = dep.served
     if served.url is None:
         return served, None
-    now = dep.scrape()
+    now = dep.scrape(served.url)
     return served, (now if dep.served is served else None)
 
 

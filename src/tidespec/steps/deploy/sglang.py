@@ -48,7 +48,7 @@ class SGLangDeployment:
     @property
     def url(self) -> str | None:
         """Base URL of the SGLang server (None before `start`)."""
-        return self.served.url
+        return self.server.cfg.url if self.server else None
 
     @property
     def draft_version(self) -> str | None:
@@ -95,9 +95,13 @@ class SGLangDeployment:
                 shutil.rmtree(draft, ignore_errors=True)
                 raise sglang.SGLangError(f"draft {version} cannot be loaded in place: {why}; restart `tidespec "
                                          "serve --backend sglang` to serve it")
-            before = self._counters()
-            res = self._load(draft)
-            self.served = ServedDraft(version, self.url, draft, self._counters() or before)
+            served, before = self._hide()
+            try:
+                res = self._load(draft, served)
+            except BaseException:
+                self.served = served
+                raise
+            self.served = ServedDraft(version, served.url, draft, self._counters() or before)
             log.info("SGLang now serves draft %s, loaded in place in %.3f s (radix cache flushed: %s)", version,
                      res["load_seconds"], res["flushed"])
             return {"draft_version": version, "url": self.url, "mode": "in_place",
@@ -109,25 +113,36 @@ class SGLangDeployment:
         with self._swap:
             if self.server is None or self.draft_dir is None:
                 raise sglang.SGLangError("no draft served to reload")
-            before = self._counters()
-            res = self._load(self.draft_dir)
-            self.served = replace(self.served, counters_base=self._counters() or before)
+            served, before = self._hide()
+            try:
+                res = self._load(served.draft_dir, served)
+            except BaseException:
+                self.served = served
+                raise
+            self.served = replace(served, counters_base=self._counters() or before)
             log.info("SGLang reloaded draft %s in place in %.3f s", self.draft_version, res["load_seconds"])
             return res
 
-    def _load(self, draft: Path) -> dict:
+    def _hide(self) -> tuple[ServedDraft, SpecDecodeCounters | None]:
+        """Before an in-place load: the served state and SGLang's counters now, the state published
+        with url None meanwhile (no live figures while the weights change)."""
+        served = self.served
+        self.served = replace(served, url=None)
+        return served, self._counters()
+
+    def _load(self, draft: Path, served: ServedDraft) -> dict:
         cfg = self.server.cfg
         try:
             return sglang.load_draft_in_place(cfg.url, draft, cfg.python, cfg.tp_size)
         except sglang.SGLangError as e:  # maybe partly loaded: put the served draft's weights back
-            if draft == self.draft_dir:
+            if draft == served.draft_dir:
                 raise
             try:
-                sglang.load_draft_in_place(cfg.url, self.draft_dir, cfg.python, cfg.tp_size)
+                sglang.load_draft_in_place(cfg.url, served.draft_dir, cfg.python, cfg.tp_size)
             except sglang.SGLangError as again:
-                raise sglang.SGLangError(f"{e}; loading the served draft {self.draft_version} again failed too "
+                raise sglang.SGLangError(f"{e}; loading the served draft {served.version} again failed too "
                                          f"({again}): restart the server") from None
-            raise sglang.SGLangError(f"{e}; the served draft {self.draft_version} was loaded again") from None
+            raise sglang.SGLangError(f"{e}; the served draft {served.version} was loaded again") from None
 
     def _counters(self) -> SpecDecodeCounters | None:
         """`scrape()`, None when SGLang does not answer (a load that succeeded must not be reported
@@ -138,12 +153,12 @@ class SGLangDeployment:
             log.warning("SGLang's counters unreadable at a swap: %s", e)
             return None
 
-    def scrape(self) -> SpecDecodeCounters | None:
-        """The server's cumulative spec-decode counters (None: none exported, or no server).
-        Raises SGLangError when it does not answer."""
+    def scrape(self, url: str | None = None) -> SpecDecodeCounters | None:
+        """The cumulative spec-decode counters of the server at `url` (default: this one's; None:
+        none exported, or no server). Raises SGLangError when it does not answer."""
         if self.server is None:
             return None
-        return sglang.scrape(self.server.cfg.url, self.server.cfg.num_steps)
+        return sglang.scrape(url or self.server.cfg.url, self.server.cfg.num_steps)
 
     def _private_copy(self, bundle: Path, version: str | None) -> Path:
         self._n += 1

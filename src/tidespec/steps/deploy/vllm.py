@@ -66,7 +66,7 @@ class VLLMDeployment:
     @property
     def url(self) -> str | None:
         """Base URL of the vLLM server serving now (None before `start`)."""
-        return self.served.url
+        return self.server.url if self.server else None
 
     @property
     def draft_version(self) -> str | None:
@@ -112,8 +112,13 @@ class VLLMDeployment:
         with self._swap:
             if self.draft_dir is None or self.server is None or self.server.cfg.draft_swap_root is None:
                 raise VLLMError("no draft served in place to reload")
-            res = load_draft_in_place(self.server.url, self.draft_dir)
-            self.served = replace(self.served, counters_base=scrape(self.server.url))
+            served, before = self._hide()
+            try:
+                res = load_draft_in_place(self.server.url, served.draft_dir)
+            except BaseException:
+                self.served = served
+                raise
+            self.served = replace(served, counters_base=self._counters() or before)
             log.info("vLLM reloaded draft %s in place in %.3f s", self.draft_version, res["seconds"])
             return res
 
@@ -127,18 +132,38 @@ class VLLMDeployment:
             return "the server was started without draft_swap_root"
         return config_change(self.draft_dir, draft)
 
+    def _hide(self) -> tuple[ServedDraft, SpecDecodeCounters | None]:
+        """Before an in-place load: the served state and the server's counters now, the state
+        published with url None meanwhile (no live figures while the weights change)."""
+        served = self.served
+        self.served = replace(served, url=None)
+        return served, self._counters()
+
+    def _counters(self) -> SpecDecodeCounters | None:
+        """`scrape()`, None when the server does not answer: a metrics hiccup must not fail a swap."""
+        try:
+            return self.scrape()
+        except VLLMError as e:
+            log.warning("vLLM's counters unreadable at a swap: %s", e)
+            return None
+
     def _load_in_place(self, draft: Path, version: str | None, t0: float) -> dict:
+        served, before = self._hide()
         try:
             res = load_draft_in_place(self.server.url, draft)
         except VLLMError as e:  # a load that failed part-way: put the served draft's weights back
+            self.served = served
             try:
-                load_draft_in_place(self.server.url, self.draft_dir)
+                load_draft_in_place(self.server.url, served.draft_dir)
             except VLLMError as again:
-                raise VLLMError(f"{e}; restoring the served draft {self.draft_version} failed too ({again}): "
+                raise VLLMError(f"{e}; restoring the served draft {served.version} failed too ({again}): "
                                 "restart the server") from None
-            raise VLLMError(f"{e}; the served draft {self.draft_version} was loaded again") from None
+            raise VLLMError(f"{e}; the served draft {served.version} was loaded again") from None
+        except BaseException:
+            self.served = served
+            raise
         self._n += 1
-        self.served = ServedDraft(version, self.server.url, draft, scrape(self.server.url))
+        self.served = ServedDraft(version, served.url, draft, self._counters() or before)
         log.info("vLLM now serves draft %s at %s, loaded in place in %.3f s (prefix cache reset: %s)", version,
                  self.server.url, res["seconds"], res["reset_prefix_cache"])
         return {"draft_version": version, "url": self.server.url, "mode": "in_place",
@@ -197,10 +222,11 @@ class VLLMDeployment:
             time.sleep(0.1)
         return True
 
-    def scrape(self) -> SpecDecodeCounters | None:
-        """The serving server's cumulative spec-decode counters (None: none exported, or no server).
-        Raises VLLMError when it does not answer."""
-        return scrape(self.server.url) if self.server else None
+    def scrape(self, url: str | None = None) -> SpecDecodeCounters | None:
+        """The cumulative spec-decode counters of the server at `url` (default: the serving one;
+        None: none exported, or no server). Raises VLLMError when it does not answer."""
+        url = url or (self.server.url if self.server else None)
+        return scrape(url) if url else None
 
     def close(self) -> None:
         """Stop the serving vLLM server (its whole process group)."""
