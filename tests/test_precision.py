@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_draft
+from conftest import make_tiny_target, random_draft
 from tidespec.config import EngineParams, Params
 from tidespec.engine import accept
 from tidespec.engine.speculative import Engine
@@ -85,6 +85,14 @@ def test_precision_settings_are_checked(tiny_target_dir):
     b8 = load_target(tiny_target_dir, dtype=torch.bfloat16, quantization="int8")[0]
     assert b8.precision == "bf16+int8" and b8.attn_dtype == torch.float64 and t.attn_dtype == torch.float64
     assert load_target(tiny_target_dir)[0].attn_dtype == torch.float32  # the exact reference keeps fp32
+    odd = make_tiny_target(tiny_target_dir.parent / "odd-heads", num_attention_heads=16, num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"target.quantization int4: int4 needs .* out-features by 16 .* got a \[72, "
+                                         r"64\] weight \(model.layers.0.self_attn.qkv\); use target.quantization int8"):
+        load_target(odd, quantization="int4")  # head_dim 4: q 64 + k 4 + v 4 rows
+    assert load_target(odd, quantization="int8")[0].precision == "int8"
+    from tidespec.models.load import get_target
+    auto = Params.model_validate({"target": {"source": str(tiny_target_dir), "quantization": "int4"}})
+    assert auto.target.device == "auto" and get_target(auto)[0].device.type == "cpu"  # int4 is a CPU kernel
     with pytest.raises(ValueError, match="ingest.rehydrate_backend vllm rebuilds hidden states with vLLM's own"):
         Params.model_validate({"target": {"quantization": "int4"}, "ingest": {"rehydrate_backend": "vllm"}})
 

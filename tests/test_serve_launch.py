@@ -181,3 +181,19 @@ def test_the_acceptance_filter_is_refused_where_capture_is_text():
     with pytest.raises(ValueError, match="text capture has no acceptance"):
         ServeLaunch().check(shipped(capture={"max_acceptance_rate": 0.5, "mode": "text"}), NO_MLFLOW)
     ServeLaunch.build(backend="vllm", capture=False).check(p, NO_MLFLOW)  # nothing captured: nothing to filter
+
+
+def test_a_sigterm_while_an_engine_server_starts_raises_so_it_is_stopped():
+    """`tidespec serve --backend vllm|sglang` starts the server in its own process group; a SIGTERM's
+    default action ended tidespec without its `finally`, leaving that server running with no parent.
+    Inside `_sigterm_raises` it is SystemExit(143), which `ServerProcess.start` answers by stopping the
+    group; the previous handler is back afterwards."""
+    import os
+    import signal
+
+    from tidespec.cli.serve import _sigterm_raises
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e, _sigterm_raises():
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
+    assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) is before

@@ -59,6 +59,7 @@ def test_completions_lossless_usage_and_metrics(served, tiny_target):
     assert _prom(c, "tidespec:spec_decode_num_drafts_total") > 0
     assert _prom(c, 'tidespec:draft_info{version="v1"}') == 1
     assert c.get("/health").json()["draft_version"] == "v1"
+    assert c.get("/health").json()["target_precision"] == "fp32"  # which weights answer (target.quantization)
 
 
 def test_bad_requests_get_clear_4xx(served, tiny_target):

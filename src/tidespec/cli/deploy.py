@@ -44,6 +44,11 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
         raise ValueError(f"{params}: deploy.sagemaker is not configured (role_arn, s3_prefix, target_model); "
                          "see infra/README.md")
     tid = target_id(p)
+    if p.target.quantization != "none":  # said, never silently dropped: the endpoint's engine has its own kernels
+        prof = p.deploy.sagemaker.profiles.get(profile)
+        console.print(f"deploy: target.quantization {p.target.quantization} is the embedded engine's; the endpoint's "
+                      f"{prof.engine if prof else 'engine'} serves the target as uploaded (unquantized) with this "
+                      "draft", markup=False)
     if draft is not None and version is not None:
         raise typer.BadParameter("give one of --version and --draft")
     if version is not None:

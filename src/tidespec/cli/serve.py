@@ -2,8 +2,10 @@
 a vLLM server it starts or an SGLang server. Everything it checks runs first (`serve_preflight`)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 from pathlib import Path
 
 import typer
@@ -177,8 +179,9 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     if not launch.launches:
         uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog), host=host, port=port)
         return
-    dep = (_start_vllm(p, ws, launch.vllm_python, host) if launch.backend == "vllm"
-           else _start_sglang(p, ws, launch.sglang_python, host))
+    with _sigterm_raises():  # a SIGTERM while the engine server starts stops it too (its own process group)
+        dep = (_start_vllm(p, ws, launch.vllm_python, host) if launch.backend == "vllm"
+               else _start_sglang(p, ws, launch.sglang_python, host))
     app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
                           info=lambda: {"draft_version": dep.draft_version, "engine": launch.backend})
     dep.proxy = app.state.proxy
@@ -196,6 +199,20 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
             if c:
                 c.close()
         dep.close()
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises SystemExit(143) inside the block (the default action ends the process without
+    running `finally` blocks, which left a starting vLLM or SGLang, in its own process group, running
+    with no parent); the previous handler is restored after it (uvicorn then installs its own)."""
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
 
 def _text_log(text, tid: str, threshold: int):
     """The front door's text log: with $PREFECT_API_URL, every `threshold` (capture.seal_min_tokens)

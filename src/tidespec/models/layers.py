@@ -89,13 +89,14 @@ class Int4Linear:
     so the weights of a Q4_1 GGUF come back on their own grid (d, m rounded to bf16). An eighth of
     fp32's bytes. gpt-fast `quantize.py` (WeightOnlyInt4Linear) on torch's `_weight_int4pack_mm_for_cpu`.
     Input `[M, K]` any float dtype (rounded to bf16 for the kernel: its fp32 path is ~20× slower) →
-    `[M, N]` in the input's dtype. Raises ValueError when K is not a multiple of 32."""
+    `[M, N]` in the input's dtype. Raises ValueError when K is not a multiple of 32 or N of 16."""
 
     def __init__(self, w: torch.Tensor):
         w = w.detach().float()
         n, k = w.shape
-        if k % INT4_GROUP:
-            raise ValueError(f"int4 needs in-features divisible by {INT4_GROUP}, got {k}")
+        if k % INT4_GROUP or n % 16:
+            raise ValueError(f"int4 needs in-features divisible by {INT4_GROUP} and out-features by 16 (torch's int4 "
+                             f"packing), got a [{n}, {k}] weight")
         g = w.view(n, k // INT4_GROUP, INT4_GROUP)
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=1e-12)

@@ -40,11 +40,13 @@ def target_id(params: Params) -> str:
 
 
 def get_target(params: Params) -> tuple[Target, object]:
-    """(Target, tokenizer or None) on `target.device` at `target.dtype` / `target.quantization`, cached
+    """(Target, tokenizer or None) on `target.device` (`auto` with a quantized target: the CPU, whose
+    kernels int8/int4 are) at `target.dtype` / `target.quantization`, cached
     per process (tasks pass params, not tensors). Raises ValueError for a device torch cannot see
     (`models.device.resolve_device`) or a precision it cannot run there (`models.target.check_precision`)."""
     t = params.target
-    dev = str(resolve_device(t.device, "target.device"))
+    quantized_auto = t.device == "auto" and t.quantization != "none"  # int8/int4 are CPU kernels: auto → cpu
+    dev = "cpu" if quantized_auto else str(resolve_device(t.device, "target.device"))
     check_precision(getattr(torch, t.dtype), t.quantization, torch.device(dev))  # before the load, not after
     return _target(t.source, t.dtype, tuple(t.aux_layers) if t.aux_layers else None, dev, t.quantization)
 

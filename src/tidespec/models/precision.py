@@ -10,8 +10,8 @@ from .layers import QUANTIZATIONS
 
 def precision_name(dtype: torch.dtype, quantization: str) -> str:
     """A target precision's short name: "fp32" / "bf16" (no quantization), "int8" / "int4" (fp32
-    residual stream), "bf16+int8" / "bf16+int4" (a bf16 one)."""
-    base = "fp32" if dtype == torch.float32 else "bf16"
+    residual stream), "bf16+int8" / "bf16+int4" (a bf16 one); another dtype by its torch name."""
+    base = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
     if quantization == "none":
         return base
     return quantization if base == "fp32" else f"{base}+{quantization}"

@@ -13,7 +13,6 @@ the same physical states as SGLang/vLLM's "input of layer" default `[2, L//2, L-
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -180,7 +179,12 @@ class Target:
         else:
             self.lm_head_weight = head.to(device=self.device, dtype=dtype).contiguous()
         self.lm_head = make_linear(self.lm_head_weight, "none" if quantization == "none" else "int8")
-        lin = functools.partial(make_linear, quantization=quantization)
+        def lin(w: torch.Tensor, name: str):
+            try:
+                return make_linear(w, quantization)
+            except ValueError as e:  # a shape the kernel cannot pack: name the layer and the setting
+                raise ValueError(f"target.quantization {quantization}: {e} ({name}); use target.quantization "
+                                 "int8 or none for this model") from None
         self.norm = w["model.norm.weight"]
         self.layers = []
         for i in range(cfg.num_layers):
@@ -190,8 +194,8 @@ class Target:
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], 0).contiguous()
             self.layers.append(dict(
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
-                qkv=lin(qkv), o=lin(w[p + "self_attn.o_proj.weight"]),
-                gate_up=lin(gate_up), down=lin(w[p + "mlp.down_proj.weight"])))
+                qkv=lin(qkv, p + "self_attn.qkv"), o=lin(w[p + "self_attn.o_proj.weight"], p + "self_attn.o_proj"),
+                gate_up=lin(gate_up, p + "mlp.gate_up"), down=lin(w[p + "mlp.down_proj.weight"], p + "mlp.down_proj")))
         self.cos, self.sin = (t.to(self.device) for t in rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position,
                                                                       dtype))
 
