@@ -118,6 +118,40 @@ def make_tiny_target(path, seed: int = 0, **overrides):
     return path
 
 
+def make_varied_target(path):
+    """TINY with untied embeddings and lm_head × 16, saved as an HF dir at `path` (returned): greedy
+    output moves between tokens (the tied tiny target repeats one token) and a temperature-1 top-4
+    distribution is spread (about 0.33 / 0.28 / 0.26 / 0.13 after a prompt)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**(TINY | {"tie_word_embeddings": False})))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(16.0)
+    model.save_pretrained(path)
+    return path
+
+
+def train_on_greedy(target, out):
+    """An EAGLE3 draft trained with the repo's trainer (10 epochs, ~2 s) into `out` on `target`'s own
+    greedy outputs (40 tokens) of 48 prompts of 6 ids from [3, 40); returns (prompts, the target-only
+    Generations). On the varied target it is right part of the time on those prompts."""
+    import torch
+
+    from tidespec.config import DraftParams, EngineParams, TrainParams
+    from tidespec.engine.speculative import Engine, Request
+    from tidespec.train.trainer import train_draft
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40, (6,), generator=g).tolist() for _ in range(48)]
+    gens = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=16)).generate_batch(
+        [Request(p, 40, speculative=False, capture=True) for p in prompts])
+    train_draft([x.record for x in gens], [], target, DraftParams(draft_vocab_size=320),
+                TrainParams(epochs=10, ttt_steps=4, batch_tokens=1024, max_seq_len=128, lr=3e-3), out)
+    return prompts, gens
+
+
 def wait_until(pred, timeout_s: float, what: str, proc=None):
     """Poll `pred()` every 0.5 s until it returns something truthy (returned); AssertionError when
     `timeout_s` (s) pass first or `proc` (a server's Popen) exits meanwhile, naming `what`."""

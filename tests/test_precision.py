@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_target, random_draft
+from conftest import make_tiny_target, make_varied_target, random_draft, train_on_greedy
 from tidespec.config import EngineParams, Params
 from tidespec.engine import accept
 from tidespec.engine.speculative import Engine
@@ -113,27 +113,9 @@ def varied(tmp_path_factory):
     """(target dir, draft dir, prompts): conftest's TINY config with untied embeddings and lm_head × 16
     (greedy output moves between tokens; the tied tiny target repeats one), and an EAGLE3 draft
     trained (~2 s) on its fp32 greedy outputs of 48 prompts, right part of the time on them."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from conftest import TINY
-    from tidespec.config import DraftParams, TrainParams
-    from tidespec.engine.speculative import Request
-    from tidespec.train.trainer import train_draft
-
-    path = tmp_path_factory.mktemp("varied-target")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**(TINY | {"tie_word_embeddings": False})))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(16.0)
-    model.save_pretrained(path)
-    target = load_target(path)[0]
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 40, (6,), generator=g).tolist() for _ in range(48)]
-    gens = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=16)).generate_batch(
-        [Request(p, 40, speculative=False, capture=True) for p in prompts])
+    path = make_varied_target(tmp_path_factory.mktemp("varied-target"))
     out = tmp_path_factory.mktemp("varied-draft")
-    train_draft([x.record for x in gens], [], target, DraftParams(draft_vocab_size=320),
-                TrainParams(epochs=10, ttt_steps=4, batch_tokens=1024, max_seq_len=128, lr=3e-3), out)
+    prompts, _ = train_on_greedy(load_target(path)[0], out)
     return path, out, prompts[:12]
 
 

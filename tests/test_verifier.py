@@ -29,7 +29,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import TINY, random_draft
+from conftest import TINY, make_varied_target, random_draft, train_on_greedy
 from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, rejection_verify, sample, warp
 from tidespec.engine.speculative import Engine, Request
@@ -236,16 +236,9 @@ def varied(tmp_path_factory):
     """(HF dir, Target): conftest's TINY config with untied embeddings and lm_head × 16, so greedy
     output moves between tokens (the tied tiny target repeats one token) and a temperature-1
     top-4 distribution is spread (about 0.33 / 0.28 / 0.26 / 0.13 after a prompt)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from tidespec.models.target import load_target
 
-    path = tmp_path_factory.mktemp("varied-target")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**(TINY | {"tie_word_embeddings": False})))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(16.0)
-    model.save_pretrained(path)
+    path = make_varied_target(tmp_path_factory.mktemp("varied-target"))
     return path, load_target(path)[0]
 
 
@@ -255,18 +248,11 @@ def trained(varied, tmp_path_factory):
     trainer (10 epochs, ~2 s) on the varied target's own greedy outputs (40 tokens) of 48 prompts
     of 6 ids from [3, 40). On those prompts it is right part of the time: greedy acceptance rate
     about 0.5 / 0.4 / 0.25 at k = 1 / 2 / 4, sampled (T=1, top-4) about 0.36 / 0.22 at k = 1 / 2."""
-    from tidespec.config import DraftParams, TrainParams
     from tidespec.models.eagle3 import load_checkpoint
-    from tidespec.train.trainer import train_draft
 
     _, target = varied
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 40, (6,), generator=g).tolist() for _ in range(48)]
-    gens = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=16)).generate_batch(
-        [Request(p, 40, speculative=False, capture=True) for p in prompts])
     out = tmp_path_factory.mktemp("trained-draft")
-    train_draft([x.record for x in gens], [], target, DraftParams(draft_vocab_size=320),
-                TrainParams(epochs=10, ttt_steps=4, batch_tokens=1024, max_seq_len=128, lr=3e-3), out)
+    prompts, gens = train_on_greedy(target, out)
     return DraftRunner(load_checkpoint(out, target.embed, target.target_id)), prompts, gens
 
 

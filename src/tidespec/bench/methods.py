@@ -391,6 +391,7 @@ class LlamaCppMethod:
         return {"tokens": toks, "ttft_s": t[1] - t[0], "steps": steps, "forwards": len(toks), "drafts": None}
 
     def info(self) -> dict:
+        """{"llama_cpp_python": its version} for the report."""
         import llama_cpp
         return {"llama_cpp_python": llama_cpp.__version__}
 

@@ -76,6 +76,7 @@ class Int8Linear:
 
     @property
     def nbytes(self) -> int:
+        """Bytes kept: the int8 weight (1 per weight) and the bf16 scales (2 per output row)."""
         return self.q.numel() + self.scales.numel() * 2
 
 
@@ -112,6 +113,7 @@ class Int4Linear:
 
     @property
     def nbytes(self) -> int:
+        """Bytes kept: the packed int4 weight (½ per weight) and the bf16 scale/zero pairs (4 per group)."""
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...adapters import registry
@@ -38,6 +38,50 @@ class ServedDraft:
     def own(self, now: SpecDecodeCounters | None) -> SpecDecodeCounters | None:
         """`now` (the server's cumulative counters) less `counters_base`: this version's own drafts."""
         return now - self.counters_base if now is not None and self.counters_base is not None else now
+
+
+class ServedDeployment:
+    """What the deployments of an engine server (`deploy.vllm`, `deploy.sglang`) share: `served` (a
+    `ServedDraft`) and its fields as the properties `serve.admin.ChampionWatcher` and the tests read,
+    hiding it before an in-place load (`_hide`) and reading the counters at a swap (`_counters`).
+    Subclasses set `served` and `engine` (its name, for logs) and define `scrape(url)`."""
+
+    engine = "engine"
+    served: ServedDraft
+
+    def scrape(self, url: str | None = None) -> SpecDecodeCounters | None:
+        raise NotImplementedError
+
+    @property
+    def draft_version(self) -> str | None:
+        """The registry version served (None: no draft, or not from the registry)."""
+        return self.served.version
+
+    @property
+    def draft_dir(self) -> Path | None:
+        """The engine dir of the draft served now (None: the target alone)."""
+        return self.served.draft_dir
+
+    @property
+    def counters_base(self) -> SpecDecodeCounters | None:
+        """The server's counters when the served version was loaded in place (None: a fresh server)."""
+        return self.served.counters_base
+
+    def _hide(self) -> tuple[ServedDraft, SpecDecodeCounters | None]:
+        """Before an in-place load: the served state and the server's counters now, the state
+        published with url None meanwhile (no live figures while the weights change)."""
+        served = self.served
+        self.served = replace(served, url=None)
+        return served, self._counters()
+
+    def _counters(self) -> SpecDecodeCounters | None:
+        """`scrape()`, None when the server does not answer: a metrics hiccup must not fail a swap
+        (the counters read before the load stand in)."""
+        try:
+            return self.scrape()
+        except TidespecError as e:
+            log.warning("%s's counters unreadable at a swap: %s", self.engine, e)
+            return None
 
 
 def scrape_served(dep) -> tuple[ServedDraft, SpecDecodeCounters | None]:

@@ -26,13 +26,13 @@ from pathlib import Path
 from ...adapters import sglang
 from ...adapters.spec_counters import SpecDecodeCounters
 from ...workspace import copy_engine_files, private_dir, served_version
-from .live import ServedDraft
+from .live import ServedDeployment, ServedDraft
 from .vllm import config_change
 
 log = logging.getLogger(__name__)
 
 
-class SGLangDeployment:
+class SGLangDeployment(ServedDeployment):
     """The SGLang server serving `launch.model_path` with the champion as its EAGLE3 draft.
     `state_dir`: private copies of deployed drafts and the server's log. `served`: what serves now
     (`deploy.live.ServedDraft`); `draft_version`: its registry version, as
@@ -41,6 +41,7 @@ class SGLangDeployment:
     def __init__(self, launch: sglang.SGLangLaunch, state_dir: Path, ready_timeout_s: float = 900.0):
         self.launch, self.state_dir, self.ready_timeout_s = launch, Path(state_dir), ready_timeout_s
         self.server: sglang.SGLangServer | None = None
+        self.engine = "SGLang"
         self.served = ServedDraft()
         self._swap = threading.Lock()
         self._n = 0
@@ -49,21 +50,6 @@ class SGLangDeployment:
     def url(self) -> str | None:
         """Base URL of the SGLang server (None before `start`)."""
         return self.server.cfg.url if self.server else None
-
-    @property
-    def draft_version(self) -> str | None:
-        """The registry version served (None: no draft, or not from the registry)."""
-        return self.served.version
-
-    @property
-    def draft_dir(self) -> Path | None:
-        """The engine dir of the draft served now (None: the target alone)."""
-        return self.served.draft_dir
-
-    @property
-    def counters_base(self) -> SpecDecodeCounters | None:
-        """The server's counters when the served version was loaded in place (None: a fresh server)."""
-        return self.served.counters_base
 
     def start(self, bundle: Path | None) -> SGLangDeployment:
         """Start SGLang with the draft in `bundle` (a draft bundle or flat checkpoint; None or
@@ -123,13 +109,6 @@ class SGLangDeployment:
             log.info("SGLang reloaded draft %s in place in %.3f s", self.draft_version, res["load_seconds"])
             return res
 
-    def _hide(self) -> tuple[ServedDraft, SpecDecodeCounters | None]:
-        """Before an in-place load: the served state and SGLang's counters now, the state published
-        with url None meanwhile (no live figures while the weights change)."""
-        served = self.served
-        self.served = replace(served, url=None)
-        return served, self._counters()
-
     def _load(self, draft: Path, served: ServedDraft) -> dict:
         cfg = self.server.cfg
         try:
@@ -143,15 +122,6 @@ class SGLangDeployment:
                 raise sglang.SGLangError(f"{e}; loading the served draft {served.version} again failed too "
                                          f"({again}): restart the server") from None
             raise sglang.SGLangError(f"{e}; the served draft {served.version} was loaded again") from None
-
-    def _counters(self) -> SpecDecodeCounters | None:
-        """`scrape()`, None when SGLang does not answer (a load that succeeded must not be reported
-        as failed for a metrics hiccup: the counters read just before the load stand in)."""
-        try:
-            return self.scrape()
-        except sglang.SGLangError as e:
-            log.warning("SGLang's counters unreadable at a swap: %s", e)
-            return None
 
     def scrape(self, url: str | None = None) -> SpecDecodeCounters | None:
         """The cumulative spec-decode counters of the server at `url` (default: this one's; None:

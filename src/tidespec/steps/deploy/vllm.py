@@ -43,12 +43,12 @@ from ...adapters.vllm import (
     scrape,
 )
 from ...workspace import copy_engine_files, private_dir, served_version
-from .live import ServedDraft
+from .live import ServedDeployment, ServedDraft
 
 log = logging.getLogger(__name__)
 
 
-class VLLMDeployment:
+class VLLMDeployment(ServedDeployment):
     """The vLLM server(s) serving `launch.model_path` behind `proxy` (a `frontdoor.Proxy`; None: no
     front door yet, `url` says where vLLM is). `state_dir`: private copies of deployed drafts and the
     servers' logs. `served`: what serves now (`deploy.live.ServedDraft`); `draft_version`: its
@@ -59,6 +59,7 @@ class VLLMDeployment:
         self.launch, self.state_dir, self.proxy = launch, Path(state_dir), proxy
         self.ready_timeout_s, self.drain_timeout_s, self.in_place = ready_timeout_s, drain_timeout_s, in_place
         self.server: VLLMServer | None = None
+        self.engine = "vLLM"
         self.served = ServedDraft()
         self._swap = threading.Lock()
         self._n = 0
@@ -67,21 +68,6 @@ class VLLMDeployment:
     def url(self) -> str | None:
         """Base URL of the vLLM server serving now (None before `start`)."""
         return self.server.url if self.server else None
-
-    @property
-    def draft_version(self) -> str | None:
-        """The registry version served (None: no draft, or not from the registry)."""
-        return self.served.version
-
-    @property
-    def draft_dir(self) -> Path | None:
-        """The engine dir of the draft served now (None: the target alone)."""
-        return self.served.draft_dir
-
-    @property
-    def counters_base(self) -> SpecDecodeCounters | None:
-        """The server's counters when the served version was loaded in place (None: a fresh server)."""
-        return self.served.counters_base
 
     def start(self, bundle: Path | None) -> VLLMDeployment:
         """Start serving the draft in `bundle` (a draft bundle or flat checkpoint; None or missing:
@@ -131,21 +117,6 @@ class VLLMDeployment:
         if self.server.cfg.draft_swap_root is None:
             return "the server was started without draft_swap_root"
         return config_change(self.draft_dir, draft)
-
-    def _hide(self) -> tuple[ServedDraft, SpecDecodeCounters | None]:
-        """Before an in-place load: the served state and the server's counters now, the state
-        published with url None meanwhile (no live figures while the weights change)."""
-        served = self.served
-        self.served = replace(served, url=None)
-        return served, self._counters()
-
-    def _counters(self) -> SpecDecodeCounters | None:
-        """`scrape()`, None when the server does not answer: a metrics hiccup must not fail a swap."""
-        try:
-            return self.scrape()
-        except VLLMError as e:
-            log.warning("vLLM's counters unreadable at a swap: %s", e)
-            return None
 
     def _load_in_place(self, draft: Path, version: str | None, t0: float) -> dict:
         served, before = self._hide()
