@@ -1,4 +1,5 @@
 """EAGLE3 draft: shapes, TTT == incremental inference, training lowers the loss, checkpoint layout."""
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -6,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import random_draft, tiny_records
+from conftest import make_tiny_target, random_draft, tiny_records
 from tidespec.config import DraftParams, TrainParams
 from tidespec.models.eagle3 import build_vocab, load_checkpoint, save_checkpoint
 from tidespec.models.runner import DraftRunner
@@ -135,3 +136,24 @@ def test_warm_start_remaps_vocab(tiny_target, tmp_path):
             assert torch.equal(b.lm_head.weight[i], a.lm_head.weight[ids_a.index(t)])
         else:
             assert torch.equal(b.lm_head.weight[i], tiny_target.lm_head_weight[t].float())
+
+
+def test_shallow_targets_get_three_distinct_aux_layers(tmp_path):
+    """SpecForge's [1, L//2-1, L-4] repeats a layer below 8 layers (L = 6: 1, 2, 2): the draft's fc then
+    got 2H columns instead of 3H and failed inside oneDNN. Every depth gets 3 ascending layers; a
+    6-layer target serves a draft losslessly; repeated ids are refused naming the setting."""
+    from tidespec.config import EngineParams
+    from tidespec.engine.speculative import Engine
+    from tidespec.models.target import load_target
+    t6 = load_target(make_tiny_target(tmp_path / "t6", num_hidden_layers=6))[0]
+    assert t6.aux_layers == (0, 2, 4)
+    for n, want in ((3, (0, 1, 2)), (4, (0, 1, 2)), (5, (0, 1, 3)), (7, (0, 2, 5)), (8, (1, 3, 4)), (30, (1, 14, 26))):
+        cfg = dataclasses.replace(t6.cfg, num_layers=n)
+        assert cfg.default_aux_layers == want, n
+    d = random_draft(t6, vd=64)
+    prompt = [5, 9, 13, 17, 21, 25]
+    spec = Engine(t6, DraftRunner(d), EngineParams(num_draft_tokens=3, max_seq_len=128)).generate(prompt, 24)
+    plain = Engine(t6, None, EngineParams(num_draft_tokens=3, max_seq_len=128)).generate(prompt, 24, speculative=False)
+    assert spec.tokens == plain.tokens and spec.stats.num_drafts > 0
+    with pytest.raises(ValueError, match=r"target.aux_layers.*ascending distinct.*\(2, 2, 4\)"):
+        load_target(tmp_path / "t6", aux_layers=(2, 2, 4))

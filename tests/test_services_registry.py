@@ -158,6 +158,22 @@ def test_download_champion_identical(mlflow_server, tid, ckpt, tmp_path):
     assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in got.iterdir())
 
 
+def test_replayed_tau_k_comes_from_the_tag_or_else_from_the_runs_per_position_acceptance(mlflow_server, tid, ckpt,
+                                                                                       tmp_path):
+    """version.json's tau_k (the live-acceptance checks' reference): the register step's tag where the
+    version has one; a version registered without it (before every version got one) has it rebuilt
+    from its run's accepted_per_pos/<i>: τ(0) = 1, τ(1) = 1 + 0.7 (`_log`'s per-position metric)."""
+    _, old = _log(mlflow_server, tid, ckpt, 2.0)
+    assert json.loads((registry.download_version(mlflow_server, tid, old, tmp_path / "a") / "version.json")
+                      .read_text())["tau_k"] == [1.0, 1.7]
+    _, new = registry.log_candidate(mlflow_server, tid, ckpt, {}, {"accepted_per_pos/0": 0.7},
+                                    {"snapshot_rev": "abc.dir", "tau_k": "[1.0, 1.5, 1.75]"})
+    assert json.loads((registry.download_version(mlflow_server, tid, new, tmp_path / "b") / "version.json")
+                      .read_text())["tau_k"] == [1.0, 1.5, 1.75]
+    assert registry.tau_k({"tau_k": "[1.0, 5.0]"}, {"accepted_per_pos/0": 0.5}) == []  # a bad tag is not patched
+    assert registry.tau_k({}, {"accepted_per_pos/0": 0.5, "accepted_per_pos/2": 0.1}) == [1.0, 1.5]
+
+
 def test_up_reuses_running_prefect(prefect_server, services_state_dir):
     before = services.status(services_state_dir)["prefect"]
     assert before["healthy"] and before["url"] == prefect_server

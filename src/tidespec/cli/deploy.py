@@ -72,15 +72,19 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
 
 def _live_windows(art, tid: str):
     """`art` with its registry version's current windows (`registry.tuned_k`: live-tuned where the
-    serving engine measured them since the version.json was written) when MLFLOW_TRACKING_URI is set."""
+    serving engine measured them since the version.json was written), and its replayed τ(k) where
+    version.json has none (a champion installed before versions carried it: `registry.version_tau_k`),
+    when MLFLOW_TRACKING_URI is set."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri or art.version is None:
         return art
     from dataclasses import replace
 
     from ..adapters import registry
-    k = registry.tuned_k(registry.version_tags(uri, tid, art.version))
+    info = registry.version_info(uri, tid, art.version)
+    k = registry.tuned_k(info.tags)
     if k and dict(art.tuned_k) != k:
         console.print(f"windows of v{art.version} from the registry: {k} (version.json had {dict(art.tuned_k)})",
                       markup=False)
-    return replace(art, tuned_k=tuple(sorted(k.items()))) if k else art
+    art = replace(art, tuned_k=tuple(sorted(k.items()))) if k else art
+    return art if art.tau_k else replace(art, tau_k=tuple(registry.version_tau_k(uri, info.tags, info.run_id)))

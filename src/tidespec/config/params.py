@@ -33,7 +33,7 @@ class TargetParams(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     quantization: Literal["none", "int8", "int4"] = "none"
     device: str = Field("auto", pattern=DEVICE)
-    aux_layers: tuple[int, int, int] | None = None  # output-of-layer ids; None = [1, L//2-1, L-4]
+    aux_layers: tuple[int, int, int] | None = None  # output-of-layer ids; None = [1, L//2-1, L-4] (L ≥ 8)
 
 
 class SuffixParams(_Strict):

@@ -56,9 +56,13 @@ class TargetConfig:
 
     @property
     def default_aux_layers(self) -> tuple[int, int, int]:
-        """SpecForge HF convention (output of layer i, 0-based): `[1, L//2-1, L-4]`."""
+        """SpecForge HF convention (output of layer i, 0-based): `[1, L//2-1, L-4]`
+        (SpecForge `specforge/modeling/target/eagle3_target_model.py`). Below 8 layers that repeats a
+        layer (L = 6: 1, 2, 2), so a shallow target takes `[0, (L-2)//2, L-2]` (L ≥ 4), `[0, 1, 2]` (L = 3)."""
         n = self.num_layers
-        return (1, n // 2 - 1, n - 4)
+        if n >= 8:
+            return (1, n // 2 - 1, n - 4)
+        return (0, (n - 2) // 2, n - 2) if n >= 4 else (0, 1, 2)
 
 
 @dataclass
@@ -165,8 +169,10 @@ class Target:
         exact = (dtype, quantization) == (torch.float32, "none") or self.device.type != "cpu"
         self.attn_dtype = dtype if exact else torch.float64  # (on a GPU the engine's numerics are the device's)
         self.aux_layers = tuple(aux_layers or cfg.default_aux_layers)
-        if len(self.aux_layers) != 3 or not all(0 <= i < cfg.num_layers for i in self.aux_layers):
-            raise ValueError(f"aux_layers must be 3 layer ids in [0, {cfg.num_layers}), got {self.aux_layers}")
+        a = self.aux_layers
+        if len(a) != 3 or not all(0 <= i < cfg.num_layers for i in a) or not a[0] < a[1] < a[2]:
+            raise ValueError(f"aux_layers (target.aux_layers) must be 3 ascending distinct layer ids in "
+                             f"[0, {cfg.num_layers}) (the draft reads 3 hidden states), got {a}")
         check_precision(dtype, quantization, self.device)
         embed = weights["model.embed_tokens.weight"]
         head = weights.get("lm_head.weight", embed)

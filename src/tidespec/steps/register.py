@@ -9,7 +9,7 @@ from pathlib import Path
 from ..adapters import registry
 from ..assets import sha256_file
 from ..config import Params
-from ..engine.stats import per_position
+from ..engine.stats import per_position, tau_by_k
 from ..engine.suffix import CORPUS_FILE, corpus_info
 from . import plots
 from .tuning import tune_windows
@@ -40,9 +40,11 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     `trigger`: what started the cycle (tag); `workload`: a class draft's (tag `workload`; the gate of
     that class's champion, `champion-<class>`, against what serves the class now: its champion, with
     `evaluate.min_relative_gain`, or for its first the generalist, with `evaluate.class_first_gain`).
-    With deploy.sagemaker, each profile's tuned window goes
-    on the version (tags `tuned_k.<profile>`, metrics `tau_k/<k>`, `predicted_speedup/<profile>`;
-    `tune_windows`) and into the result's `tuned_k`. Raises ValueError for empty lineage."""
+    Every version carries the τ(k) its replay measured (tag `tau_k`, JSON [τ(0..K)]: the reference of
+    the live-acceptance checks, SageMaker's alarm among them). With deploy.sagemaker, each profile's
+    tuned window goes on the version (tags `tuned_k.<profile>`, metrics `tau_k/<k>`,
+    `predicted_speedup/<profile>`; `tune_windows`) and into the result's `tuned_k`. Raises ValueError
+    for empty lineage."""
     if not data.get("snapshot_rev") or not json.loads(data.get("snapshot_revs") or "{}"):
         raise ValueError("no data lineage for this candidate: pass lineage(curated) (snapshot revs of its curated set)")
     cand, champ = report["candidate"], report.get("champion")
@@ -77,7 +79,7 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
                 "holdout_split": data.get("holdout_split", "random"),
                 **({"workload": workload} if workload else {}),
                 **{f"tuned_k.{p}": str(w["k"]) for p, w in windows.items()},
-                **({"tau_k": json.dumps(next(iter(windows.values()))["tau_k"])} if windows else {}),
+                **({"tau_k": json.dumps(tau_by_k(per_position(cand)))} if per_position(cand) else {}),
                 "workload_mix": json.dumps(workload_mix or {}), "lossless": str(report["lossless"]),
                 "num_holdout_prompts": str(report.get("num_prompts", "")),
                 registry.FIRST_TOKEN_TAG: json.dumps(first_token_acceptance(cand))}

@@ -34,7 +34,9 @@ from .client import (
     replayed,
     tau_k,
     tuned_k,
+    version_info,
     version_tags,
+    version_tau_k,
 )
 from .decisions import (
     Decision,
@@ -81,5 +83,7 @@ __all__ = [
     "rollback",
     "tau_k",
     "tuned_k",
+    "version_info",
     "version_tags",
+    "version_tau_k",
 ]

@@ -21,8 +21,8 @@ from .client import (
     champion,
     model_name,
     replayed,
-    tau_k,
     tuned_k,
+    version_tau_k,
 )
 
 
@@ -59,7 +59,8 @@ def download_champion(tracking_uri: str, target_id: str, dest: Path, workload: s
     if info is None:
         return None
     local = _download_bundle(tracking_uri, info.source, info.run_id, Path(dest) / ARTIFACT_DIR)
-    write_version(local, info.version, info.run_id, tuned_k(info.tags), replayed(info.tags), tau_k(info.tags))
+    write_version(local, info.version, info.run_id, tuned_k(info.tags), replayed(info.tags),
+                  version_tau_k(tracking_uri, info.tags, info.run_id))
     return local
 
 
@@ -76,7 +77,8 @@ def download_version(tracking_uri: str, target_id: str, ref: str, dest: Path) ->
         raise LookupError(f"{name} has no alias {ref!r}")
     mv = c.get_model_version(name, v)
     local = _download_bundle(tracking_uri, mv.source, mv.run_id, Path(dest) / f"v{v}")
-    write_version(local, v, mv.run_id, tuned_k(dict(mv.tags)), replayed(dict(mv.tags)), tau_k(dict(mv.tags)))
+    write_version(local, v, mv.run_id, tuned_k(dict(mv.tags)), replayed(dict(mv.tags)),
+                  version_tau_k(tracking_uri, dict(mv.tags), mv.run_id))
     return local
 
 

@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
+from ...engine.stats import per_position, tau_by_k
 from ...errors import TidespecError
 from ...workspace import CLASS_NAME, bundle_files, valid_tau_k
 
@@ -283,9 +284,15 @@ def _by_alias(tracking_uri: str, target_id: str, alias: str) -> ModelVersionInfo
     return ModelVersionInfo(version=str(mv.version), run_id=mv.run_id, source=mv.source, tags=dict(mv.tags))
 
 
+def version_info(tracking_uri: str, target_id: str, version: str) -> ModelVersionInfo:
+    """``version`` of ``target_id``'s draft: run id, source, tags. Raises MlflowException."""
+    mv = _client(tracking_uri).get_model_version(model_name(target_id), str(version))
+    return ModelVersionInfo(version=str(mv.version), run_id=mv.run_id, source=mv.source, tags=dict(mv.tags))
+
+
 def version_tags(tracking_uri: str, target_id: str, version: str) -> dict[str, str]:
     """The tags of ``version`` (e.g. its replayed ``acceptance_length``). Raises MlflowException."""
-    return dict(_client(tracking_uri).get_model_version(model_name(target_id), str(version)).tags)
+    return version_info(tracking_uri, target_id, version).tags
 
 
 def tuned_k(tags: dict[str, str]) -> dict[str, int]:
@@ -296,15 +303,30 @@ def tuned_k(tags: dict[str, str]) -> dict[str, int]:
     return out | {k.removeprefix("live_tuned_k."): int(v) for k, v in tags.items() if k.startswith("live_tuned_k.")}
 
 
-def tau_k(tags: dict[str, str]) -> list[float]:
+def tau_k(tags: dict[str, str], run_metrics: dict[str, float] | None = None) -> list[float]:
     """The acceptance length a version's evaluation replayed at windows 0..K (tag ``tau_k``, JSON,
-    written by the register step with deploy.sagemaker set); [] when missing or not a chain's
-    (`workspace.valid_tau_k`)."""
+    written by the register step). A version registered before every version got that tag (only
+    those registered with deploy.sagemaker had it) has it rebuilt from its run's per-position
+    acceptance (``run_metrics``' ``accepted_per_pos/<i>``: τ(k) = 1 + Σ_{i<k}, `engine.stats.tau_by_k`).
+    [] when neither is there or the result is not a chain's (`workspace.valid_tau_k`)."""
     try:
         out = json.loads(tags.get("tau_k", "[]"))
     except ValueError:
-        return []
+        out = []
+    if not out and run_metrics and (pp := per_position(run_metrics)):
+        out = tau_by_k(pp)
     return [float(t) for t in out] if valid_tau_k(out) else []
+
+
+def version_tau_k(tracking_uri: str, tags: dict[str, str], run_id: str | None) -> list[float]:
+    """`tau_k` of a version: its tag, else rebuilt from its run's metrics (one MLflow read, only then)."""
+    out = tau_k(tags)
+    if out or not run_id:
+        return out
+    try:
+        return tau_k(tags, dict(_client(tracking_uri).get_run(run_id).data.metrics))
+    except MlflowException:
+        return []
 
 
 def replayed(tags: dict[str, str]) -> dict[str, list[float]]:

@@ -237,9 +237,9 @@ def alarm_requests(endpoint: str, canary: CanaryParams, draft: DraftArtifact | N
     if canary.alarm_acceptance and spec is not None:
         if draft is None or not draft.tau_k:
             raise ValueError(f"deploy.sagemaker.canary.alarm_acceptance: draft {draft.version if draft else None} "
-                             "has no replayed τ(k) (version.json tau_k, from the registry tag the register step "
-                             "writes with deploy.sagemaker set): deploy a registry version registered so, or turn "
-                             "the alarm off")
+                             "has no replayed τ(k) (version.json tau_k, written when a registry version is "
+                             "downloaded, from its evaluation's per-position acceptance): deploy a version from the "
+                             "registry (`tidespec deploy sagemaker --version N`), or turn the alarm off")
         out.append(acceptance_alarm(f"{base}-acceptance", endpoint, draft.version, draft.tau_k, spec["num_steps"]))
     return tuple(out)
 
