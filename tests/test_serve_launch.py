@@ -124,12 +124,17 @@ def test_preflight_runs_the_command_checks_on_its_own_arguments(tmp_path, capsys
     (tmp_path / ".dvc").mkdir()
     p, ws, launch, pub = serve_preflight(tmp_path, SHIPPED, env=NO_MLFLOW)
     assert launch.backend == "embedded" and pub is not None and ws.root == tmp_path.resolve()
-    assert "serve.auto_rollback: MLFLOW_TRACKING_URI is unset" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "serve.auto_rollback: MLFLOW_TRACKING_URI is unset" in out
+    assert f"capture is on (hidden states of served requests, under {tmp_path.resolve() / 'data/capture'})" in out
     bare = tmp_path / "bare"
     bare.mkdir()
     with pytest.raises(Exception, match="is not a DVC repo.*--no-publish"):
         serve_preflight(bare, SHIPPED, env=NO_MLFLOW)
     assert serve_preflight(bare, SHIPPED, publish=False, env=NO_MLFLOW)[3] is None
+    capsys.readouterr()
+    serve_preflight(bare, SHIPPED, capture=False, env=NO_MLFLOW)
+    assert "capture is on" not in capsys.readouterr().out
 
 
 def test_a_front_doors_text_capture_is_ingested_whatever_capture_mode_says(tmp_path):

@@ -235,6 +235,16 @@ def test_params_file_typos_are_errors(tmp_path):
     with pytest.raises(ValueError, match="not valid YAML"):
         load_params(tmp_path / "p.yaml")
     assert load_params(tmp_path / "params.yaml").train.ttt_steps == 4  # the default name may be absent
+    (tmp_path / "k.yaml").write_text("engin: {}\nengine: {num_draft_token: 3}\nserve: {watch_champion: 2}\n"
+                                     "evaluate: {max_new_tokens: 8}\nbogus: 1\n")
+    with pytest.raises(ValueError) as e:  # a misspelt key names the field it most likely meant, in its section
+        load_params(tmp_path / "k.yaml")
+    assert str(e.value) == (f"{tmp_path / 'k.yaml'}: invalid params: "
+                            "engine.num_draft_token: Extra inputs are not permitted "
+                            "(did you mean 'num_draft_tokens'?); "
+                            "serve.watch_champion: Extra inputs are not permitted (did you mean 'watch_champion_s'?); "
+                            "engin: Extra inputs are not permitted (did you mean 'engine'?); "
+                            "bogus: Extra inputs are not permitted")
 
 
 # -- simulated τ: conditional acceptance over the chains greedy speculative decoding runs ------------

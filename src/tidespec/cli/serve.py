@@ -116,6 +116,10 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
     for note in launch.check(p, os.environ if env is None else env):
         console.print(f"serve: {note}", markup=False, highlight=False)
     hidden = launch.backend == "embedded" and capture and p.capture.mode == "hidden"
+    if capture:  # said at every start: served traffic is stored, on disk and (published) in DVC
+        console.print(f"serve: capture is on ({'hidden states' if hidden else 'request/response text'} of "
+                      f"served requests, under {ws.data / 'capture'}); --no-capture turns it off",
+                      markup=False, highlight=False, soft_wrap=True)
     return p, ws, launch, _serve_publisher(p, ws, env) if hidden and publish else None
 
 def _with_flags(p, launch):

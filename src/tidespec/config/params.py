@@ -424,5 +424,5 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as e:
-        raise ValueError(f"{path}: invalid params: {one_line(e)}") from None
+        raise ValueError(f"{path}: invalid params: {one_line(e, model=Params)}") from None
 

@@ -3,20 +3,42 @@ values are frozen and finite. Bottom layer: config.py and sagemaker_config.py bu
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from difflib import get_close_matches
+from typing import ClassVar, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
-def one_line(e: ValidationError, labels: Mapping[str, str] | None = None) -> str:
+def one_line(e: ValidationError, labels: Mapping[str, str] | None = None, model: type[BaseModel] | None = None) -> str:
     """pydantic's errors as one line: per problem the field's dotted path (or its label, e.g. the CLI
-    flag it came from), then the message without "Value error, " or the documentation link."""
+    flag it came from), then the message without "Value error, " or the documentation link. With
+    `model` (the class validated), an unknown key names the closest field of its section
+    ("did you mean ...?", difflib's ratio ≥ 0.6)."""
     labels = labels or {}
     out = []
     for err in e.errors():
         loc = ".".join(map(str, err["loc"]))
-        out.append((f"{labels.get(loc, loc)}: " if loc else "") + err["msg"].removeprefix("Value error, "))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and model is not None and err["loc"]:
+            near = get_close_matches(str(err["loc"][-1]), _fields_at(model, err["loc"][:-1]), n=1)
+            msg += f" (did you mean {near[0]!r}?)" if near else ""
+        out.append((f"{labels.get(loc, loc)}: " if loc else "") + msg)
     return "; ".join(out)
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the section of `model` at `loc` (a pydantic error location), [] where
+    `loc` does not lead to a model (a dict's keys, a list's items)."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        sub = [a for a in (field.annotation, *get_args(field.annotation))
+               if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not sub:
+            return []
+        model = sub[0]
+    return list(model.model_fields)
 
 
 class Strict(BaseModel):
@@ -30,7 +52,7 @@ class Strict(BaseModel):
         try:
             return cls(**values)
         except ValidationError as e:
-            raise ValueError(one_line(e, cls.labels)) from None
+            raise ValueError(one_line(e, cls.labels, cls)) from None
 
     def changed(self, *names: str) -> list[str]:
         """Those of `names` whose value differs from the field's default: the settings a user asked
