@@ -202,3 +202,32 @@ def test_a_sigterm_while_an_engine_server_starts_raises_so_it_is_stopped():
     with pytest.raises(SystemExit) as e, _sigterm_raises():
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
     assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_servers_tidespec_starts_run_target_dtype(tmp_path, monkeypatch, dtype):
+    """`tidespec serve --backend vllm / sglang` start their server at target.dtype (it was vLLM's
+    float32 and SGLang's auto whatever the params said); SGLang at float32 gets its triton attention
+    backend (fa3, Hopper's default, refuses fp32), and a note says so."""
+    from tidespec.cli import serve as cli_serve
+    from tidespec.steps.deploy import sglang as dep_sglang
+    from tidespec.steps.deploy import vllm as dep_vllm
+    from tidespec.workspace import Workspace
+    got = {}
+
+    class Deployment:  # the launch the command built; nothing starts
+        def __init__(self, launch, state):
+            got["launch"] = launch
+
+        def start(self, champion):
+            return self
+    monkeypatch.setattr(dep_vllm, "VLLMDeployment", Deployment)
+    monkeypatch.setattr(dep_sglang, "SGLangDeployment", Deployment)
+    p, ws = shipped(target={"dtype": dtype}), Workspace(tmp_path)
+    cli_serve._start_vllm(p, ws, "/bin/true", "127.0.0.1")
+    assert got["launch"].dtype == dtype
+    cli_serve._start_sglang(p, ws, "/bin/true", "127.0.0.1")
+    assert got["launch"].dtype == dtype
+    assert got["launch"].extra_args == (("--attention-backend", "triton") if dtype == "float32" else ())
+    notes = ServeLaunch.build(backend="sglang").check(p, NO_MLFLOW)
+    assert any("triton attention backend" in n for n in notes) == (dtype == "float32")

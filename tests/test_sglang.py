@@ -10,11 +10,12 @@ SGLang cannot run here (CUDA-only kernels; its own torch pin), so:
   probe and serves /health_generate, so start/ready/stop and the early-exit error are real processes;
 - in-place draft swaps, live counters and `tidespec serve --backend sglang` run against a recorded
   SGLang API (`RECORDED`: the 0.5.23 routes' request checks and replies, `sglang/srt/managers/
-  io_struct.py` and `entrypoints/http_server.py`), served by the same stand-in interpreter, which
+  io_struct.py` and `entrypoints/http_server.py`; `/server_info` with the fields the swap reads,
+  from the stand-in's own flags), served by the same stand-in interpreter, which
   also runs the swap script with a serializer stand-in (`STUB`: torch.save bytes where SGLang's
   sends CUDA IPC handles);
 - `test_real_sglang_*` (marked gpu) runs the real server when a CUDA SGLang env is given in
-  $TIDESPEC_SGLANG_PYTHON.
+  $TIDESPEC_SGLANG_PYTHON (fp32, to compare with our fp32 target: the triton attention backend).
 """
 import json
 import os
@@ -48,6 +49,29 @@ def test_serve_args_eagle3():
     assert "--speculative-algorithm" not in plain and "--enable-metrics" in plain
     assert plain[-2:] == ["--log-level", "warning"]
     assert plain[plain.index("--mem-fraction-static") + 1] == "0.8"
+    with pytest.raises(ValueError, match="dtype float32.*--attention-backend"):  # fa3, Hopper's default: fp16/bf16
+        sg.launch_args(sg.SGLangLaunch("/m", dtype="float32"))
+    fp32 = sg.launch_args(sg.SGLangLaunch("/m", dtype="float32", extra_args=("--attention-backend", "triton")))
+    assert fp32[fp32.index("--dtype") + 1] == "float32" and fp32[-2:] == ["--attention-backend", "triton"]
+
+
+def test_auto_dtype_is_the_targets_for_the_draft_too(tmp_path):
+    """SGLang resolves `--dtype auto` for the draft from the draft's own config.json (a tidespec draft
+    says float32 → float16), so with a draft `auto` becomes what SGLang gives the target: its config
+    dtype, float32 → float16 (Gemma: bfloat16); unreadable config (a hub id) or no draft → auto."""
+    def dtype_for(config, draft="/d"):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        a = sg.launch_args(sg.SGLangLaunch(str(tmp_path), draft_path=draft))
+        return a[a.index("--dtype") + 1]
+    assert dtype_for({"torch_dtype": "bfloat16"}) == "bfloat16"
+    assert dtype_for({"dtype": "float16"}) == "float16"
+    assert dtype_for({"torch_dtype": "float32", "model_type": "llama"}) == "float16"
+    assert dtype_for({"model_type": "gemma2"}) == "bfloat16"
+    assert dtype_for({"text_config": {"dtype": "bfloat16"}}) == "bfloat16"
+    assert dtype_for({"torch_dtype": "bfloat16"}, draft=None) == "auto"
+    assert sg.auto_dtype(str(tmp_path / "org/model")) is None
+    a = sg.launch_args(sg.SGLangLaunch("org/model", draft_path="/d"))
+    assert a[a.index("--dtype") + 1] == "auto"
 
 
 def test_capture_args_and_layer_ids():
@@ -120,6 +144,17 @@ RECORDED = textwrap.dedent('''\
     app = FastAPI()
     app.get("/health_generate")(lambda: {})
     app.get("/health")(lambda: {})
+    def flag(name, default=None):
+        return argv[argv.index(name) + 1] if name in argv else default
+    @app.get("/server_info")
+    async def server_info():  # ServerArgs.resolved_dict() (the fields the swap reads), this server's flags
+        log({"path": "/server_info"})
+        return {"tp_size": int(flag("--tp-size", 1)), "dp_size": 1, "pp_size": 1, "nnodes": 1,
+                "base_gpu_id": int(flag("--base-gpu-id", 0)), "gpu_id_step": int(flag("--gpu-id-step", 1)),
+                "device": flag("--device", "cpu"),  # resolved to "cuda" on a GPU server; this one is not
+                "speculative_algorithm": flag("--speculative-algorithm"),
+                "speculative_draft_model_path": flag("--speculative-draft-model-path"),
+                "internal_states": [{}], "version": "0.5.23", "frontend": "python"}
     def bad(msg):
         return JSONResponse({"success": False, "message": msg}, status_code=400)
     @app.post("/v1/completions")
@@ -171,11 +206,12 @@ RECORDED = textwrap.dedent('''\
              "ranks": [{k: float(v.double().sum()) for k, v in r} for r in named]})
         if st["session"] is None:
             return bad("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
-        if os.environ.get("FAKE_UPDATE_FAILS") and os.path.exists(os.environ["FAKE_UPDATE_FAILS"]):
-            os.remove(os.environ["FAKE_UPDATE_FAILS"])  # fails once
-            return bad("Failed to update parameter online: size mismatch. The full weights of the ModelRunner "
-                       "are partially updated. Please discard the whole weights.")
-        if body.get("flush_cache", True) and not st["paused"]:  # SGLang flushes only an idle or paused scheduler
+        # SGLang flushes only an idle or paused scheduler (FAKE_UPDATE_FAILS: once, as if requests still ran);
+        # a loader error is not answered at all: it kills the scheduler (weight_updater.py, no except)
+        failing = os.environ.get("FAKE_UPDATE_FAILS") and os.path.exists(os.environ["FAKE_UPDATE_FAILS"])
+        if failing:
+            os.remove(os.environ["FAKE_UPDATE_FAILS"])
+        if body.get("flush_cache", True) and (failing or not st["paused"]):
             return bad("Weights were updated, but the cache was not flushed because requests are still running or "
                        "queued. Retract or finish them, then call /flush_cache.")
         return {"success": True, "message": "Success"}
@@ -298,8 +334,9 @@ def _sums(bundle: Path) -> dict[str, float]:
 
 def test_in_place_swap_on_sglang_under_load(fake_python, tiny_target, tmp_path, monkeypatch):
     """SGLangDeployment against the recorded API: the draft in v2 goes into the running server through
-    SGLang's draft-only update inside a pause (pause(retract) → begin(draft) → update_weights_from_tensor
-    (draft, one payload per TP rank, cache flushed while paused) → end → continue) while 3 clients send
+    SGLang's draft-only update inside a pause (server_info → pause(retract) → begin(draft) →
+    update_weights_from_tensor (draft, one payload per TP rank of the server's own tp_size, cache
+    flushed while paused) → end → continue) while 3 clients send
     requests through the front door, all answered 200; the payload holds exactly v2's tensors less the
     vocabulary map. A draft with another config or vocabulary map is refused before any call, naming
     why; an update SGLang fails loads the served draft's files again. Live counters are differenced at the swap."""
@@ -323,11 +360,11 @@ def test_in_place_swap_on_sglang_under_load(fake_python, tiny_target, tmp_path, 
         assert res["mode"] == "in_place" and res["draft_version"] == "2" == dep.draft_version and res["flushed"]
         assert len(statuses) >= 6 and set(statuses) == {200}, statuses
         calls = _calls(record, n0)
-        assert [c["path"] for c in calls] == ["/pause_generation", "/begin_weight_update",
+        assert [c["path"] for c in calls] == ["/server_info", "/pause_generation", "/begin_weight_update",
                                               "/update_weights_from_tensor", "/end_weight_update",
                                               "/continue_generation"]
-        assert calls[0]["body"] == {"mode": "retract"} and calls[1]["body"] == {"selector": "draft"}
-        up = calls[2]
+        assert calls[1]["body"] == {"mode": "retract"} and calls[2]["body"] == {"selector": "draft"}
+        up = calls[3]
         assert up["selector"] == "draft" and up["session"] == "draft" and up["flush_cache"] is True and up["paused"]
         assert len(up["ranks"]) == 2 and up["ranks"][0] == up["ranks"][1] == pytest.approx(_sums(b["2"]))
         assert up["ranks"][0] != pytest.approx(_sums(b["1"]))
@@ -355,11 +392,76 @@ def test_in_place_swap_on_sglang_under_load(fake_python, tiny_target, tmp_path, 
         shutil.copytree(b["1"], three)
         (three / "version.json").write_text(json.dumps({"version": "3", "run_id": "r3"}))
         n0 = len(_calls(record))
-        with pytest.raises(sg.SGLangError, match="(?s)partially updated.*served draft 2 was loaded again"):
+        with pytest.raises(sg.SGLangError, match="(?s)cache was not flushed.*served draft 2 was loaded again"):
             dep.install(three)
         ups = [c for c in _calls(record, n0) if c["path"] == "/update_weights_from_tensor"]
         assert [u["ranks"][0] for u in ups] == [pytest.approx(_sums(b["1"])), pytest.approx(_sums(b["2"]))]
         assert dep.draft_version == "2"
+    finally:
+        dep.close()
+
+
+def _swap_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tidespec_sglang_swap", sg.SWAP_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_swap_places_each_rank_where_the_server_runs_it():
+    """The swap script's placement comes from the server's /server_info: TP rank r on local GPU
+    base_gpu_id + r·gpu_id_step (SGLang 0.5.23 `entrypoints/engine.py::_launch_scheduler_processes`);
+    a server without an EAGLE3 draft, with dp/pp/nnodes > 1 or on another device is refused, naming it."""
+    swap = _swap_script()
+    info = {"tp_size": 2, "base_gpu_id": 1, "gpu_id_step": 2, "device": "cuda", "dp_size": 1, "pp_size": 1,
+            "nnodes": 1, "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d"}
+    assert swap.rank_devices(info) == ["cuda:1", "cuda:3"]
+    four = info | {"tp_size": 4, "base_gpu_id": 0, "gpu_id_step": 1}
+    assert swap.rank_devices(four) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert swap.rank_devices(info | {"device": "cpu"}) == ["cpu", "cpu"]
+    for bad, msg in [({"speculative_algorithm": None}, "no EAGLE3 draft"),
+                     ({"speculative_draft_model_path": None}, "no EAGLE3 draft"),
+                     ({"dp_size": 2}, "dp_size 2"), ({"pp_size": 2}, "pp_size 2"), ({"nnodes": 2}, "nnodes 2"),
+                     ({"device": "npu"}, "device 'npu'")]:
+        with pytest.raises(swap.Refused, match=msg):
+            swap.rank_devices(info | bad)
+
+
+def test_swap_reads_the_server_and_refuses_before_any_change(fake_python, tiny_target, tmp_path, monkeypatch):
+    """Against the recorded API: a draft whose tensors differ in shape from the served draft's files
+    is refused before the pause (SGLang 0.5.23 would kill its scheduler on the loader error), and so is
+    a server whose TP ranks run on GPUs this process cannot see (read from its /server_info:
+    --base-gpu-id 1 --gpu-id-step 2, tp 2 → cuda:1, cuda:3); the served draft keeps serving."""
+    from conftest import random_draft
+    from tidespec.adapters.process import free_port
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.steps.deploy.sglang import SGLangDeployment
+    record = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("SGLANG_RECORD", str(record))
+    b = _bundles(tiny_target, tmp_path)
+    wide = save_checkpoint(random_draft(tiny_target, vd=128), tmp_path / "wide")  # lm_head [128, H]
+    launch = sg.SGLangLaunch("/m/target", python=fake_python, port=free_port(), num_steps=3)
+    dep = SGLangDeployment(launch, tmp_path / "a", ready_timeout_s=60).start(b["1"])
+    try:
+        n0 = len(_calls(record))
+        with pytest.raises(sg.SGLangRefused, match="before any change.*lm_head.weight"):
+            sg.load_draft_in_place(dep.url, wide, fake_python)
+        assert [c["path"] for c in _calls(record, n0)] == ["/server_info"]
+        res = dep.install(b["2"])
+        assert res["mode"] == "in_place" and res["devices"] == ["cpu"] and dep.draft_version == "2"
+    finally:
+        dep.close()
+    if torch.cuda.is_available() and torch.cuda.device_count() > 3:
+        pytest.skip("cuda:3 is visible here: the placement refusal needs fewer GPUs")
+    gpus = replace(launch, port=free_port(), tp_size=2,
+                   extra_args=("--device", "cuda", "--base-gpu-id", "1", "--gpu-id-step", "2"))
+    dep = SGLangDeployment(gpus, tmp_path / "b", ready_timeout_s=60).start(b["1"])
+    try:
+        n0 = len(_calls(record))
+        with pytest.raises(sg.SGLangRefused, match=r"\['cuda:1', 'cuda:3'\].*CUDA_VISIBLE_DEVICES"):
+            dep.install(b["2"])
+        assert [c["path"] for c in _calls(record, n0)] == ["/server_info"] and dep.draft_version == "1"
     finally:
         dep.close()
 
@@ -403,6 +505,7 @@ def test_serve_backend_sglang_starts_it_and_loads_each_champion_in_place(fake_py
         assert flags["--max-running-requests"] == "8" and flags["--served-model-name"] == "tiny"
         assert flags["--model-path"] == str(tiny_target_dir)
         assert flags["--speculative-draft-model-path"].endswith("1-v1")
+        assert flags["--dtype"] == "float32" and flags["--attention-backend"] == "triton"  # target.dtype, honoured
         import httpx
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 12}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == " recorded"
@@ -563,6 +666,7 @@ def test_missing_rows_are_refused_with_the_fix(tiny_target, doubles):
 
 # -- real SGLang (GPU machine with an SGLang env) --------------------------------------------------------
 SGLANG_PY = os.environ.get("TIDESPEC_SGLANG_PYTHON", "python")
+FP32 = sg.SGLANG_FLOAT32_ARGS  # fp32 runs (to compare with our fp32 target): fa3 takes fp16/bf16 only
 
 
 @pytest.mark.gpu
@@ -576,12 +680,16 @@ def test_real_sglang_serves_losslessly_and_captures(tmp_path, real_target):
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.load import target_dir
+    from tidespec.workspace import engine_dir
     target, tok = real_target
     hf = Path(target_dir("smollm2"))  # the GGUF dequantised once into an HF dir
-    champion = ROOT / "data/drafts/champion"
-    draft = champion if champion.exists() else save_checkpoint(random_draft(target, vd=4096), tmp_path / "draft")
-    common = dict(python=SGLANG_PY, dtype="float32")
-    cfgs = {"serve": sg.SGLangLaunch(str(hf), port=free_port(), draft_path=str(draft), num_steps=4, **common),
+    champion = ROOT / "data/drafts/champion"  # a bundle: SGLang loads its draft/ (config.json + weights)
+    draft = engine_dir(champion) if champion.exists() else save_checkpoint(random_draft(target, vd=4096),
+                                                                            tmp_path / "draft")
+    common = dict(python=SGLANG_PY, dtype="float32", extra_args=FP32)
+    # three servers on one GPU: each sizes its pools from the memory free when it starts
+    cfgs = {"serve": sg.SGLangLaunch(str(hf), port=free_port(), draft_path=str(draft), num_steps=4,
+                                     mem_fraction_static=0.3, **common),
             "aux": sg.SGLangLaunch(str(hf), mode="capture_aux", port=free_port(), aux_layer_ids=target.aux_layers,
                                    mem_fraction_static=0.2, **common),
             "last": sg.SGLangLaunch(str(hf), mode="capture_last", port=free_port(), mem_fraction_static=0.2,
@@ -638,7 +746,7 @@ def test_real_sglang_swaps_the_draft_in_place(tmp_path, real_target):
         return outs, dep.scrape() - before
 
     launch = sg.SGLangLaunch(hf, python=SGLANG_PY, port=free_port(), dtype="float32", num_steps=4,
-                             mem_fraction_static=0.3)
+                             mem_fraction_static=0.3, extra_args=FP32)
     dep = SGLangDeployment(launch, tmp_path / "a").start(b["1"])
     try:
         pid = dep.server.proc.pid

@@ -235,7 +235,8 @@ def _start_vllm(p, ws, python: str | None, host: str):
     """Start vLLM on a loopback port (the front door is its only client) on the target (converted HF
     dir) with the served champion (if any) as its EAGLE3 draft, loaded in place at later deploys:
     k = engine.num_draft_tokens, max_model_len = engine.max_seq_len (None: the model's), max_num_seqs =
-    engine.max_batch (the engine knobs vLLM has no equivalent for were refused by `serve_preflight`)."""
+    engine.max_batch, --dtype = target.dtype (the engine knobs vLLM has no equivalent for were refused
+    by `serve_preflight`)."""
     from ..adapters.process import free_port, loopback
     from ..adapters.vllm import VLLMLaunch, default_python
     from ..models.load import target_dir
@@ -246,7 +247,7 @@ def _start_vllm(p, ws, python: str | None, host: str):
     sv = p.serve_resolved()
     launch = VLLMLaunch(str(target_dir(p.target.source)), python=python, num_speculative_tokens=e.num_draft_tokens,
                         host=host, port=free_port(host), served_model_name=sv.served_model_name,
-                        max_model_len=e.max_seq_len, max_num_seqs=e.max_batch)
+                        max_model_len=e.max_seq_len, max_num_seqs=e.max_batch, dtype=p.target.dtype)
     console.print(f"serve: starting vLLM ({python}; log under {ws.state / 'vllm' / 'logs'}; ~30-60 s on CPU)",
                   markup=False)
     return VLLMDeployment(launch, ws.state / "vllm").start(ws.champion if ws.champion.exists() else None)
@@ -255,10 +256,11 @@ def _start_sglang(p, ws, python: str | None, host: str):
     """Start SGLang (its own environment's `python`) on a loopback port with the target (converted HF
     dir) and the served champion (if any) as its EAGLE3 draft, loaded in place at later deploys:
     engine.num_draft_tokens steps, engine.tree's topk and size, context length = engine.max_seq_len
-    (None: the model's), max running requests = engine.max_batch. Raises SGLangUnavailable naming
+    (None: the model's), max running requests = engine.max_batch, --dtype = target.dtype (float32
+    with SGLang's triton attention backend: `SGLANG_FLOAT32_ARGS`). Raises SGLangUnavailable naming
     the fix (no CUDA, no SGLang environment)."""
     from ..adapters.process import free_port, loopback
-    from ..adapters.sglang import SGLangLaunch, default_python
+    from ..adapters.sglang import SGLANG_FLOAT32_ARGS, SGLangLaunch, default_python
     from ..config import tree_num_draft_tokens
     from ..models.load import target_dir
     from ..steps.deploy.sglang import SGLangDeployment
@@ -270,7 +272,8 @@ def _start_sglang(p, ws, python: str | None, host: str):
                           num_draft_tokens=tree_num_draft_tokens(e.num_draft_tokens, topk,
                                                                  e.tree.num_draft_tokens if topk > 1 else None),
                           served_model_name=sv.served_model_name, context_length=e.max_seq_len,
-                          max_running_requests=e.max_batch)
+                          max_running_requests=e.max_batch, dtype=p.target.dtype,
+                          extra_args=SGLANG_FLOAT32_ARGS if p.target.dtype == "float32" else ())
     console.print(f"serve: starting SGLang ({launch.python}; log under {ws.state / 'sglang' / 'logs'})", markup=False)
     return SGLangDeployment(launch, ws.state / "sglang").start(ws.champion if ws.champion.exists() else None)
 

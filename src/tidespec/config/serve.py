@@ -132,6 +132,9 @@ class ServeLaunch(Strict):
         if self.backend == "vllm" and e.tree.eagle_topk > 1:
             raise ValueError("--backend vllm runs EAGLE3 chains: engine.tree.eagle_topk > 1 applies to the embedded "
                              "engine; set it to 1")
+        if self.backend == "sglang" and p.target.dtype == "float32":
+            notes.append("SGLang runs target.dtype float32 with its triton attention backend (its default on Hopper, "
+                         "fa3, takes fp16/bf16 only); GPU serving usually sets target.dtype: bfloat16")
         if e.suffix.enabled:
             notes.append(f"{name} drafts with the EAGLE3 draft only (engine.suffix, the suffix proposer and the "
                          "hybrid, is the embedded engine's)")

@@ -6,6 +6,7 @@ from .metrics import parse_metrics, scrape
 from .server import (
     CONDITIONAL_PLUS_ONE,
     PROBE,
+    SGLANG_FLOAT32_ARGS,
     SGLANG_VERSION,
     VENV,
     SGLangError,
@@ -13,6 +14,7 @@ from .server import (
     SGLangResult,
     SGLangServer,
     SGLangUnavailable,
+    auto_dtype,
     capture_record,
     check_aux_ids,
     default_python,
@@ -23,19 +25,22 @@ from .server import (
     submit_capture,
     unavailable_reason,
 )
-from .swap import SWAP_SCRIPT, load_draft_in_place, vocab_map_change
+from .swap import SWAP_SCRIPT, SGLangRefused, load_draft_in_place, vocab_map_change
 
 __all__ = [
     "CONDITIONAL_PLUS_ONE",
     "PROBE",
+    "SGLANG_FLOAT32_ARGS",
     "SGLANG_VERSION",
     "SWAP_SCRIPT",
     "SGLangError",
     "SGLangLaunch",
+    "SGLangRefused",
     "SGLangResult",
     "SGLangServer",
     "SGLangUnavailable",
     "VENV",
+    "auto_dtype",
     "capture_record",
     "check_aux_ids",
     "default_python",

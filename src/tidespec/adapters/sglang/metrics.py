@@ -9,6 +9,11 @@ step (which yields its accepted draft tokens + 1), so: drafts = verify calls, ac
 tokens − requests − verify calls, draft tokens = drafts × k. Exact when every decode step verifies
 a draft, as with EAGLE3 in SGLang; SGLang's own per-request `spec_accept_length` (output tokens /
 verify calls) counts the prefill's token too and sits above this τ. No per-position acceptance.
+Labels (`model_name`, `engine_type`, `is_streaming`, custom ones) are summed over. A retracted
+request (the swap's pause, or KV-cache pressure: `managers/schedule_batch.py::reset_for_retract`
+keeps its output and verify count) prefills again and takes one more token no verify produced, so
+accepted is over-counted by one per retraction; requests running across a swap finish, and count
+whole, under the new version.
 """
 from __future__ import annotations
 

@@ -52,7 +52,9 @@ class SGLangLaunch:
     (tidespec/SpecForge convention), required for capture_aux. capture_max_len: the longest
     sequence a capture request may send (the chunked-prefill size, so prefill is one pass).
     served_model_name, context_length (tokens; None: the model's), max_running_requests (None:
-    SGLang's): `--served-model-name`, `--context-length`, `--max-running-requests` of a serve server."""
+    SGLang's): `--served-model-name`, `--context-length`, `--max-running-requests` of a serve server.
+    dtype: SGLang's `--dtype` for target and draft (`auto` with a draft: the target's, `auto_dtype`;
+    float32 needs an `--attention-backend` such as triton in extra_args)."""
 
     model_path: str
     mode: Literal["serve", "capture_aux", "capture_last"] = "serve"
@@ -114,10 +116,42 @@ def check_aux_ids(ids, num_layers: int, architecture: str = "LlamaForCausalLM") 
     return ids
 
 
+# float32 on SGLang: the triton attention backend (fa3, Hopper's default, takes fp16/bf16 only; `launch_args`)
+SGLANG_FLOAT32_ARGS = ("--attention-backend", "triton")
+
+
+def auto_dtype(model_path: str) -> str | None:
+    """What SGLang 0.5.23's `--dtype auto` gives the model at `model_path`
+    (`srt/configs/model_config.py::_get_and_verify_dtype`: its config's dtype; float32 or none →
+    float16, bfloat16 for Gemma), or None when its config.json is not readable here (a hub id)."""
+    try:
+        d = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    c = d.get("text_config") or d
+    v = str(c.get("dtype") or c.get("torch_dtype") or d.get("dtype") or d.get("torch_dtype") or "float32")
+    v = {"half": "float16", "float": "float32"}.get(v, v)
+    if v in ("float16", "bfloat16"):
+        return v
+    return "bfloat16" if str(c.get("model_type", "")).startswith("gemma") else "float16"
+
+
 def launch_args(cfg: SGLangLaunch) -> list[str]:
-    """The full command line of the server process. Raises ValueError for an inconsistent config."""
+    """The full command line of the server process. dtype `auto` with a draft becomes the target's
+    own (`auto_dtype`): SGLang 0.5.23 resolves `auto` for the draft from the draft's config.json
+    (the draft worker gets the same server args: `srt/speculative/eagle_worker_v2.py`), so a float32
+    draft config would run at float16 beside a bfloat16 target and fail on the dtype mismatch.
+    Raises ValueError for an inconsistent config, and for dtype float32 without an
+    `--attention-backend` in extra_args: SGLang picks fa3 on Hopper
+    (`srt/arg_groups/model_override_base.py`), whose kernel (sglang-kernel 0.4.10 `flash_ops`)
+    takes fp16, bf16 and fp8_e4m3 only."""
+    backend = any(x == "--attention-backend" or x.startswith("--attention-backend=") for x in cfg.extra_args)
+    if cfg.dtype in ("float32", "float") and not backend:
+        raise ValueError(f"dtype {cfg.dtype}: SGLang's default attention kernel on Hopper (fa3) takes fp16/bf16 only; "
+                         "pass extra_args=SGLANG_FLOAT32_ARGS (--attention-backend triton) or dtype 'bfloat16'")
+    dtype = (auto_dtype(cfg.model_path) or "auto") if cfg.dtype == "auto" and cfg.draft_path else cfg.dtype
     a = [cfg.python, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
-         "--port", str(cfg.port), "--tp-size", str(cfg.tp_size), "--dtype", cfg.dtype]
+         "--port", str(cfg.port), "--tp-size", str(cfg.tp_size), "--dtype", dtype]
     if cfg.mem_fraction_static is not None:
         a += ["--mem-fraction-static", f"{cfg.mem_fraction_static:g}"]
     if cfg.mode == "serve":

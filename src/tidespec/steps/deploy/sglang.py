@@ -7,8 +7,10 @@ scheduler; running requests are retracted and resume, none fails). Refused, with
 the new draft's config differs from the served one's (shapes, vocabulary size, aux layers: SGLang
 sized its buffers for the first) or its draft→target vocabulary map does (SGLang's EAGLE worker
 reads it once at start), or the server runs no draft: the served draft keeps serving, and
-restarting `tidespec serve --backend sglang` serves the new one. A load that fails part-way loads
-the served draft's files again.
+restarting `tidespec serve --backend sglang` serves the new one. The swap script refuses, before
+touching the server, tensors whose names or shapes differ from the served draft's files (SGLang
+0.5.23 does not catch a loader error in its tensor update: its scheduler, and the server, would
+die). A load that fails part-way loads the served draft's files again.
 
 Live figures per version: SGLang's counters (`adapters.sglang.metrics`) less those at the load
 (`counters_base`), which `deploy.live` logs and acts on, as behind vLLM; what serves is one
@@ -67,8 +69,9 @@ class SGLangDeployment(ServedDeployment):
 
     def install(self, bundle: Path, version: str | None = None) -> dict:
         """Load the draft in `bundle` into the running server. Returns {"draft_version", "url",
-        "mode": "in_place", "seconds", "load_seconds", "flushed"}. Raises SGLangError naming why
-        it cannot go in place, or what SGLang answered: the served draft keeps serving."""
+        "mode": "in_place", "seconds", "load_seconds", "flushed", "devices" (one per TP rank)}.
+        Raises SGLangError naming why it cannot go in place (SGLangRefused: stopped before any
+        change), or what SGLang answered: the served draft keeps serving."""
         with self._swap:
             t0 = time.perf_counter()
             version = served_version(Path(bundle)) or version
@@ -92,7 +95,7 @@ class SGLangDeployment(ServedDeployment):
                      res["load_seconds"], res["flushed"])
             return {"draft_version": version, "url": self.url, "mode": "in_place",
                     "seconds": time.perf_counter() - t0, "load_seconds": res["load_seconds"],
-                    "flushed": res["flushed"]}
+                    "flushed": res["flushed"], "devices": res["devices"]}
 
     def reload(self) -> dict:
         """Load the served draft's own files again, in place. Raises SGLangError."""
@@ -112,12 +115,14 @@ class SGLangDeployment(ServedDeployment):
     def _load(self, draft: Path, served: ServedDraft) -> dict:
         cfg = self.server.cfg
         try:
-            return sglang.load_draft_in_place(cfg.url, draft, cfg.python, cfg.tp_size)
+            return sglang.load_draft_in_place(cfg.url, draft, cfg.python)
+        except sglang.SGLangRefused:  # nothing changed: the served draft still serves
+            raise
         except sglang.SGLangError as e:  # maybe partly loaded: put the served draft's weights back
             if draft == served.draft_dir:
                 raise
             try:
-                sglang.load_draft_in_place(cfg.url, served.draft_dir, cfg.python, cfg.tp_size)
+                sglang.load_draft_in_place(cfg.url, served.draft_dir, cfg.python)
             except sglang.SGLangError as again:
                 raise sglang.SGLangError(f"{e}; loading the served draft {served.version} again failed too "
                                          f"({again}): restart the server") from None
