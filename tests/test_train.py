@@ -245,6 +245,10 @@ def test_params_file_typos_are_errors(tmp_path):
                             "serve.watch_champion: Extra inputs are not permitted (did you mean 'watch_champion_s'?); "
                             "engin: Extra inputs are not permitted (did you mean 'engine'?); "
                             "bogus: Extra inputs are not permitted")
+    (tmp_path / "m.yaml").write_text("deploy: {sagemaker: {role_arn: 'arn:aws:iam::123456789012:role/r', "
+                                     "s3_prefix: 's3://b/p', target_model: t, profiles: {gpu: {instanc_type: x}}}}\n")
+    with pytest.raises(ValueError, match=r"profiles\.gpu\.instanc_type: .*\(did you mean 'instance_type'\?\)$"):
+        load_params(tmp_path / "m.yaml")  # a mapping of sections is entered by its key
 
 
 # -- simulated τ: conditional acceptance over the chains greedy speculative decoding runs ------------

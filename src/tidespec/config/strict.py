@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from difflib import get_close_matches
-from typing import ClassVar, get_args
+from typing import ClassVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -27,17 +27,22 @@ def one_line(e: ValidationError, labels: Mapping[str, str] | None = None, model:
 
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
-    """The field names of the section of `model` at `loc` (a pydantic error location), [] where
-    `loc` does not lead to a model (a dict's keys, a list's items)."""
-    for part in loc:
-        field = model.model_fields.get(str(part))
+    """The field names of the section of `model` at `loc` (a pydantic error location; a mapping of
+    sections, e.g. deploy.sagemaker.profiles, is entered by its key), [] where `loc` does not lead
+    to a model (a list's items, a plain value)."""
+    parts = list(loc)
+    while parts:
+        field = model.model_fields.get(str(parts.pop(0)))
         if field is None:
             return []
+        keyed = get_origin(field.annotation) in (dict, Mapping)
         sub = [a for a in (field.annotation, *get_args(field.annotation))
                if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not sub:
+        if not sub or (keyed and not parts):
             return []
         model = sub[0]
+        if keyed:
+            parts.pop(0)  # the mapping's key, e.g. a profile's name
     return list(model.model_fields)
 
 
