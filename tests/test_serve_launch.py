@@ -231,3 +231,25 @@ def test_the_engine_servers_tidespec_starts_run_target_dtype(tmp_path, monkeypat
     assert got["launch"].extra_args == (("--attention-backend", "triton") if dtype == "float32" else ())
     notes = ServeLaunch.build(backend="sglang").check(p, NO_MLFLOW)
     assert any("triton attention backend" in n for n in notes) == (dtype == "float32")
+
+
+def test_serve_logs_tidespecs_records_at_the_level_asked(monkeypatch):
+    """`log_to_stderr` (what `tidespec serve` calls first): INFO by default, once however often it
+    is called, $TIDESPEC_LOG_LEVEL honoured, an unknown level refused naming the variable."""
+    import logging
+
+    from tidespec.cli.common import log_to_stderr
+    log = logging.getLogger("tidespec")
+    monkeypatch.setattr(log, "handlers", [])
+    monkeypatch.delenv("TIDESPEC_LOG_LEVEL", raising=False)
+    log_to_stderr()
+    log_to_stderr()
+    assert log.level == logging.INFO and len(log.handlers) == 1 and not log.propagate
+    monkeypatch.setenv("TIDESPEC_LOG_LEVEL", "warning")
+    log_to_stderr()
+    assert log.level == logging.WARNING
+    monkeypatch.setenv("TIDESPEC_LOG_LEVEL", "LOUD")
+    with pytest.raises(ValueError, match="TIDESPEC_LOG_LEVEL='LOUD'"):
+        log_to_stderr()
+    log.setLevel(logging.NOTSET)
+    log.propagate = True

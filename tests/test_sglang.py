@@ -523,6 +523,8 @@ def test_serve_backend_sglang_starts_it_and_loads_each_champion_in_place(fake_py
         proc.wait(60)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{flags['--port']}/health", timeout=2)  # SGLang stopped with it
+    out = (tmp_path / "serve.log").read_text()  # the swap is logged with the version now served
+    assert "INFO tidespec.steps.deploy.sglang: SGLang now serves draft 2, loaded in place" in out, out[-2000:]
 
 
 def _under_load(app, swap):

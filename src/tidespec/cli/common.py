@@ -2,6 +2,7 @@
 the --params / --root options, and the workspace / tracking-URI lookups."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -38,3 +39,25 @@ def tracking_uri() -> str:
     if not uri:
         raise typer.BadParameter("set MLFLOW_TRACKING_URI (eval $(tidespec services up))")
     return uri
+
+
+LOG_LEVEL_ENV = "TIDESPEC_LOG_LEVEL"
+
+
+def log_to_stderr() -> None:
+    """Show tidespec's own log records (swaps, rollbacks, pins, live-acceptance warnings) on stderr
+    at $TIDESPEC_LOG_LEVEL (default INFO; DEBUG, WARNING, ...): Python shows only warnings from a
+    logger nobody configured, and uvicorn configures its own loggers only. Idempotent; records do
+    not also reach the root logger (no duplicates under a host that configures it). Raises
+    ValueError naming the variable for an unknown level."""
+    level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"{LOG_LEVEL_ENV}={level!r}: one of DEBUG, INFO, WARNING, ERROR")
+    log = logging.getLogger("tidespec")
+    log.setLevel(level)
+    if not any(getattr(h, "_tidespec", False) for h in log.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        h._tidespec = True
+        log.addHandler(h)
+    log.propagate = False

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from .common import PARAMS, ROOT, app, console, ws_of
+from .common import PARAMS, ROOT, app, console, log_to_stderr, ws_of
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     from ..models.load import get_target, runner_for
     from ..serve.server import ADMIN_TOKEN_ENV, build_app
     from ..workspace import served
+    log_to_stderr()  # every swap, rollback and pin is logged with the version served
     p, ws, launch, pub = serve_preflight(root, params, backend=backend, sglang_url=sglang_url,
                                          sglang_python=sglang_python, vllm_python=vllm_python, capture=capture,
                                          publish=publish, max_queue=max_queue, timeout_s=timeout_s,
