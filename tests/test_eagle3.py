@@ -157,3 +157,5 @@ def test_shallow_targets_get_three_distinct_aux_layers(tmp_path):
     assert spec.tokens == plain.tokens and spec.stats.num_drafts > 0
     with pytest.raises(ValueError, match=r"target.aux_layers.*ascending distinct.*\(2, 2, 4\)"):
         load_target(tmp_path / "t6", aux_layers=(2, 2, 4))
+    with pytest.raises(ValueError, match="2 layer\\(s\\).*at least 3 layers"):  # no setting can serve it
+        load_target(make_tiny_target(tmp_path / "t2", num_hidden_layers=2))

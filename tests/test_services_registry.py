@@ -172,6 +172,8 @@ def test_replayed_tau_k_comes_from_the_tag_or_else_from_the_runs_per_position_ac
                       .read_text())["tau_k"] == [1.0, 1.5, 1.75]
     assert registry.tau_k({"tau_k": "[1.0, 5.0]"}, {"accepted_per_pos/0": 0.5}) == []  # a bad tag is not patched
     assert registry.tau_k({}, {"accepted_per_pos/0": 0.5, "accepted_per_pos/2": 0.1}) == [1.0, 1.5]
+    assert registry.tau_k({}, {"accepted_per_pos/1": 0.25, "accepted_per_pos/0": 0.5}) == [1.0, 1.5, 1.75]
+    assert registry.tau_k({}, {"accepted_per_pos/0": 0.5, "accepted_per_pos/1": 0.9}) == []  # no chain accepts so
 
 
 def test_up_reuses_running_prefect(prefect_server, services_state_dir):

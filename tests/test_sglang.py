@@ -70,6 +70,9 @@ def test_auto_dtype_is_the_targets_for_the_draft_too(tmp_path):
     assert dtype_for({"text_config": {"dtype": "bfloat16"}}) == "bfloat16"
     assert dtype_for({"torch_dtype": "bfloat16"}, draft=None) == "auto"
     assert sg.auto_dtype(str(tmp_path / "org/model")) is None
+    for odd in ([], {"text_config": "abc"}, "float16"):  # JSON, but not a config: unreadable here, as a hub id
+        (tmp_path / "config.json").write_text(json.dumps(odd))
+        assert sg.auto_dtype(str(tmp_path)) == (None if not isinstance(odd, dict) else "float16")
     a = sg.launch_args(sg.SGLangLaunch("org/model", draft_path="/d"))
     assert a[a.index("--dtype") + 1] == "auto"
 
@@ -423,9 +426,15 @@ def test_swap_places_each_rank_where_the_server_runs_it():
     for bad, msg in [({"speculative_algorithm": None}, "no EAGLE3 draft"),
                      ({"speculative_draft_model_path": None}, "no EAGLE3 draft"),
                      ({"dp_size": 2}, "dp_size 2"), ({"pp_size": 2}, "pp_size 2"), ({"nnodes": 2}, "nnodes 2"),
-                     ({"device": "npu"}, "device 'npu'")]:
+                     ({"device": "npu"}, "device 'npu'"),
+                     # a malformed reply names its field (tp_size 0 once loaded nothing and answered success)
+                     ({"tp_size": 0}, "tp_size is 0: expected an integer >= 1"), ({"tp_size": "2"}, "tp_size is '2'"),
+                     ({"tp_size": True}, "tp_size is True"), ({"base_gpu_id": None}, "base_gpu_id is None"),
+                     ({"gpu_id_step": 0}, "gpu_id_step is 0"), ({"dp_size": 0}, "dp_size is 0")]:
         with pytest.raises(swap.Refused, match=msg):
             swap.rank_devices(info | bad)
+    with pytest.raises(swap.Refused, match="tp_size is None"):
+        swap.rank_devices({k: v for k, v in info.items() if k != "tp_size"})
 
 
 def test_swap_reads_the_server_and_refuses_before_any_change(fake_python, tiny_target, tmp_path, monkeypatch):
@@ -459,9 +468,11 @@ def test_swap_reads_the_server_and_refuses_before_any_change(fake_python, tiny_t
     dep = SGLangDeployment(gpus, tmp_path / "b", ready_timeout_s=60).start(b["1"])
     try:
         n0 = len(_calls(record))
-        with pytest.raises(sg.SGLangRefused, match=r"\['cuda:1', 'cuda:3'\].*CUDA_VISIBLE_DEVICES"):
-            dep.install(b["2"])
-        assert [c["path"] for c in _calls(record, n0)] == ["/server_info"] and dep.draft_version == "1"
+        for _ in range(2):
+            with pytest.raises(sg.SGLangRefused, match=r"\['cuda:1', 'cuda:3'\].*CUDA_VISIBLE_DEVICES"):
+                dep.install(b["2"])
+        assert [c["path"] for c in _calls(record, n0)] == ["/server_info"] * 2 and dep.draft_version == "1"
+        assert [d.name for d in (tmp_path / "b/drafts").iterdir()] == ["1-v1"]  # no copy left of a refused draft
     finally:
         dep.close()
 

@@ -249,6 +249,9 @@ def test_params_file_typos_are_errors(tmp_path):
                                      "s3_prefix: 's3://b/p', target_model: t, profiles: {gpu: {instanc_type: x}}}}\n")
     with pytest.raises(ValueError, match=r"profiles\.gpu\.instanc_type: .*\(did you mean 'instance_type'\?\)$"):
         load_params(tmp_path / "m.yaml")  # a mapping of sections is entered by its key
+    (tmp_path / "d.yaml").write_text("engine.num_draft_tokens: 3\n")
+    with pytest.raises(ValueError, match=r"engine\.num_draft_tokens: .*write engine: with the rest nested"):
+        load_params(tmp_path / "d.yaml")  # a section written flat
 
 
 # -- simulated τ: conditional acceptance over the chains greedy speculative decoding runs ------------

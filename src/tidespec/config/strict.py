@@ -20,10 +20,19 @@ def one_line(e: ValidationError, labels: Mapping[str, str] | None = None, model:
         loc = ".".join(map(str, err["loc"]))
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden" and model is not None and err["loc"]:
-            near = get_close_matches(str(err["loc"][-1]), _fields_at(model, err["loc"][:-1]), n=1)
-            msg += f" (did you mean {near[0]!r}?)" if near else ""
+            msg += _hint(str(err["loc"][-1]), _fields_at(model, err["loc"][:-1]))
         out.append((f"{labels.get(loc, loc)}: " if loc else "") + msg)
     return "; ".join(out)
+
+
+def _hint(key: str, fields: list[str]) -> str:
+    """What an unknown `key` among `fields` most likely meant: a dotted key whose head is a field is
+    a section written flat (YAML does not split it), else the closest field, or ""."""
+    head = key.split(".")[0]
+    if "." in key and head in fields:
+        return f" (YAML does not split dotted keys: write {head}: with the rest nested under it)"
+    near = get_close_matches(key, fields, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:

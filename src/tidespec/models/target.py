@@ -56,13 +56,10 @@ class TargetConfig:
 
     @property
     def default_aux_layers(self) -> tuple[int, int, int]:
-        """SpecForge HF convention (output of layer i, 0-based): `[1, L//2-1, L-4]`
-        (SpecForge `specforge/modeling/target/eagle3_target_model.py`). Below 8 layers that repeats a
-        layer (L = 6: 1, 2, 2), so a shallow target takes `[0, (L-2)//2, L-2]` (L ≥ 4), `[0, 1, 2]` (L = 3)."""
+        """SpecForge HF convention (output of layer i, 0-based): `[1, L//2-1, L-4]`; below 8 layers that
+        repeats one (L = 6: 1, 2, 2), so a shallow target takes `[0, (L-2)//2, L-2]`, `[0, 1, 2]` at L = 3."""
         n = self.num_layers
-        if n >= 8:
-            return (1, n // 2 - 1, n - 4)
-        return (0, (n - 2) // 2, n - 2) if n >= 4 else (0, 1, 2)
+        return (1, n // 2 - 1, n - 4) if n >= 8 else (0, (n - 2) // 2, n - 2) if n >= 4 else (0, 1, 2)
 
 
 @dataclass
@@ -170,6 +167,9 @@ class Target:
         self.attn_dtype = dtype if exact else torch.float64  # (on a GPU the engine's numerics are the device's)
         self.aux_layers = tuple(aux_layers or cfg.default_aux_layers)
         a = self.aux_layers
+        if cfg.num_layers < 3:
+            raise ValueError(f"the target has {cfg.num_layers} layer(s): an EAGLE3 draft reads 3 distinct layers' "
+                             "hidden states, so it needs a target of at least 3 layers")
         if len(a) != 3 or not all(0 <= i < cfg.num_layers for i in a) or not a[0] < a[1] < a[2]:
             raise ValueError(f"aux_layers (target.aux_layers) must be 3 ascending distinct layer ids in "
                              f"[0, {cfg.num_layers}) (the draft reads 3 hidden states), got {a}")

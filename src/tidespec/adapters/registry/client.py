@@ -313,7 +313,8 @@ def tau_k(tags: dict[str, str], run_metrics: dict[str, float] | None = None) -> 
         out = json.loads(tags.get("tau_k", "[]"))
     except ValueError:
         out = []
-    if not out and run_metrics and (pp := per_position(run_metrics)):
+    pp = per_position(run_metrics or {})
+    if not out and pp and all(a >= b for a, b in zip(pp, pp[1:])):  # a chain's: never more often deeper
         out = tau_by_k(pp)
     return [float(t) for t in out] if valid_tau_k(out) else []
 

@@ -128,7 +128,10 @@ def auto_dtype(model_path: str) -> str | None:
         d = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    c = d.get("text_config") or d
+    c = d.get("text_config") if isinstance(d, dict) else None
+    c = c if isinstance(c, dict) else d
+    if not isinstance(c, dict):
+        return None
     v = str(c.get("dtype") or c.get("torch_dtype") or d.get("dtype") or d.get("torch_dtype") or "float32")
     v = {"half": "float16", "float": "float32"}.get(v, v)
     if v in ("float16", "bfloat16"):

@@ -40,6 +40,9 @@ def load_draft_in_place(url: str, draft_dir: Path, python: str, timeout_s: float
     tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
     if r.returncode == REFUSED:  # stopped before pausing the server: nothing to close
         raise SGLangRefused(f"the in-place load of {draft_dir} was refused before any change: {tail}")
+    if r.returncode < 0:  # the script was killed: SGLang said nothing
+        _close_session(url)
+        raise SGLangError(f"the in-place draft load of {draft_dir} was killed by signal {-r.returncode}")
     if r.returncode != 0:
         _close_session(url)
         raise SGLangError(f"SGLang refused the in-place draft load from {draft_dir}: {tail}")

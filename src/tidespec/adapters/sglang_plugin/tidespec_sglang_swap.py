@@ -75,9 +75,21 @@ def server_info(url: str, timeout_s: float) -> dict:
     """GET /server_info as a dict. Raises Refused when the server does not answer it."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/server_info", timeout=timeout_s) as r:
-            return json.loads(r.read().decode())
+            info = json.loads(r.read().decode())
     except (OSError, ValueError) as e:
         raise Refused(f"SGLang at {url} did not answer /server_info ({type(e).__name__}: {e})") from None
+    if not isinstance(info, dict):
+        raise Refused(f"SGLang at {url} answered /server_info with a {type(info).__name__}, not its server args")
+    return info
+
+
+def setting(info: dict, key: str, default: int | None = None, least: int = 0) -> int:
+    """The integer `key` of /server_info (`default` when absent). Raises Refused naming the field
+    when it is missing, not an integer, or below `least`."""
+    v = info.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise Refused(f"/server_info field {key} is {v!r}: expected an integer >= {least} (a malformed reply)")
+    return v
 
 
 def rank_devices(info: dict) -> list[str]:
@@ -88,11 +100,11 @@ def rank_devices(info: dict) -> list[str]:
         raise Refused(f"the server runs no EAGLE3 draft (speculative_algorithm {info.get('speculative_algorithm')!r})"
                       ": restart it with one")
     for key in ("dp_size", "pp_size", "nnodes"):
-        if int(info.get(key, 1)) != 1:
+        if setting(info, key, 1, least=1) != 1:
             raise Refused(f"{key} {info[key]}: the in-place draft load serves dp_size, pp_size and nnodes 1 only "
                           "(SGLang asserts dp_size 1; CUDA IPC stays on one node); restart the server to change drafts")
-    tp, base, step, device = (int(info["tp_size"]), int(info.get("base_gpu_id", 0)), int(info.get("gpu_id_step", 1)),
-                              str(info.get("device") or "cuda"))
+    tp, base, step, device = (setting(info, "tp_size", least=1), setting(info, "base_gpu_id", 0),
+                              setting(info, "gpu_id_step", 1, least=1), str(info.get("device") or "cuda"))
     if device == "cpu":
         return ["cpu"] * tp
     if device != "cuda":

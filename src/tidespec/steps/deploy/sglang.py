@@ -89,6 +89,7 @@ class SGLangDeployment(ServedDeployment):
                 res = self._load(draft, served)
             except BaseException:
                 self.served = served
+                shutil.rmtree(draft, ignore_errors=True)  # not served: the served draft's own copy stays
                 raise
             self.served = ServedDraft(version, served.url, draft, self._counters() or before)
             log.info("SGLang now serves draft %s, loaded in place in %.3f s (radix cache flushed: %s)", version,
