@@ -110,18 +110,25 @@ class ServeLaunch(Strict):
 
     def _unused(self, p: Params) -> None:
         """Refuses serve.* keys set (changed from their default) that this front door does not use."""
+        def keys(wrong: list[str]) -> str:
+            return f"serve.{', serve.'.join(wrong)}", ("it", "its default") if len(wrong) == 1 else ("them",
+                                                                                                    "their defaults")
         wrong = p.serve.changed(*EMBEDDED_ONLY)
         if wrong:
-            raise ValueError(f"serve.{', serve.'.join(wrong)}: the embedded engine's (draft health, workload classes); "
-                             f"--backend {self.backend} does not use them: remove them or set their defaults")
-        unused = FRONTDOOR_UNUSED + (() if self.launches else ATTACHED_UNUSED)
-        wrong = p.serve.changed(*unused)
+            named, (it, default) = keys(wrong)
+            raise ValueError(f"{named}: the embedded engine's (draft health, workload classes); --backend "
+                             f"{self.backend} does not use {it}: remove {it} or set {default}")
+        wrong = p.serve.changed(*FRONTDOOR_UNUSED)
         if wrong:
-            where = "" if self.launches else " at --sglang-url (its own; drop --sglang-url to have tidespec start " \
-                                            "and swap one)"
-            raise ValueError(f"serve.{', serve.'.join(wrong)}: --backend {self.backend}{where} does not use them (the "
-                             f"front door forwards requests as sent; set them on the {self.backend} server): remove "
-                             "them or set their defaults")
+            named, (it, default) = keys(wrong)
+            raise ValueError(f"{named}: --backend {self.backend} does not use {it} (the front door forwards requests "
+                             f"as sent; set the limit on the {self.backend} server): remove {it} or set {default}")
+        wrong = [] if self.launches else p.serve.changed(*ATTACHED_UNUSED)
+        if wrong:
+            named, (it, default) = keys(wrong)
+            raise ValueError(f"{named}: --backend sglang at --sglang-url is your own server, not one tidespec starts "
+                             f"and swaps (drop --sglang-url to have tidespec start and swap one): remove {it} or set "
+                             f"{default}")
 
     def _started_engine(self, p: Params) -> list[str]:
         """What the engine server tidespec starts takes from engine.*: vLLM runs EAGLE3 chains (trees

@@ -228,7 +228,7 @@ class OpenAIServing:
         max_new = body.max_new() or self.cfg.max_tokens
         if max_new > self.cfg.max_tokens:
             raise OpenAIError(f"max_tokens {max_new} exceeds this server's cap {self.cfg.max_tokens} "
-                              "(serve.max_tokens)", param="max_tokens")
+                              "(serve.max_tokens; unset, engine.max_new_tokens)", param="max_tokens")
         if body.min_tokens > max_new:
             raise OpenAIError(f"min_tokens {body.min_tokens} exceeds max_tokens {max_new}", param="min_tokens")
         return max_new
