@@ -6,9 +6,12 @@ and datapoints but never evaluates an alarm (infra/README.md), so the breach its
 datapoint's value against the stored threshold."""
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import subprocess
+import sys
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -35,12 +38,16 @@ IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/tidespec-sglang:1"
 def _params(target_dir, canary=None, sm=None, **gpu) -> Params:
     """deploy.sagemaker with the acceptance alarm on and the gpu profile on a tidespec image;
     `canary`, `sm` (deploy.sagemaker keys) and `gpu` (profile keys) override."""
+    return Params.model_validate(_raw(target_dir, canary, sm, **gpu))
+
+
+def _raw(target_dir, canary=None, sm=None, **gpu) -> dict:
+    """`_params`'s params.yaml, as a dict."""
     sm = {"role_arn": ROLE, "s3_prefix": "s3://tide-acc/tidespec", "region": "us-east-1", "poll_s": 0.05,
           "wait_timeout_s": 30, "target_model": "org/target",
           "canary": {"alarm_acceptance": True} | (canary or {}),
           "profiles": {"gpu": {"instance_type": "ml.g4dn.xlarge", "image_uri": IMAGE} | gpu}} | (sm or {})
-    return Params.model_validate({"target": {"source": str(target_dir)}, "engine": {"num_draft_tokens": 4},
-                                  "deploy": {"sagemaker": sm}})
+    return {"target": {"source": str(target_dir)}, "engine": {"num_draft_tokens": 4}, "deploy": {"sagemaker": sm}}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +116,39 @@ def test_a_deploy_adds_the_alarm_to_the_update_and_refuses_one_that_could_not_fi
     plain = _params(tiny_target_dir, canary={"alarm_acceptance": False})
     plan_plain = smd.plan(plain, plain.deploy.sagemaker, "gpu", old, tid, "org/target", "us-east-1", now=NOW)
     assert len(plan_plain.alarms) == 2
+
+
+def test_a_champion_from_before_tau_k_gets_its_alarm_from_the_registry(mlflow_server, tiny_target, tiny_target_dir,
+                                                                       drafts, tmp_path):
+    """`tidespec deploy sagemaker --dry-run` as a user runs it, with a champion installed before
+    version.json carried τ(k): with MLFLOW_TRACKING_URI set, the deploy rebuilds τ(k) from its run's
+    per-position acceptance (0.6, 0.3, 0.1, 0.05 → τ(0..4) = 1, 1.6, 1.9, 2.0, 2.05), and takes the
+    profile's window from the version's tag (k = 3, not engine.num_draft_tokens' 4), so the alarm is
+    planned at τ(3) − 3·sqrt(μ(3−μ)/100), μ = 1.0: 2.0 − 3·sqrt(0.02) = 1.5757. Without the registry
+    the same champion is refused (no τ(k))."""
+    from tidespec.adapters import registry
+
+    tid = tiny_target.target_id
+    per_pos = {f"accepted_per_pos/{i}": a for i, a in enumerate((0.6, 0.3, 0.1, 0.05))}
+    run_id, v = registry.log_candidate(mlflow_server, tid, drafts["8"], {}, per_pos,
+                                       {"tuned_k.gpu": "3"})
+    champion = tmp_path / "data" / "drafts" / "champion"
+    shutil.copytree(drafts["8"], champion)
+    write_version(champion, v, run_id)  # no tau_k, no tuned_k: as an older install wrote it
+    params = tmp_path / "params.yaml"
+    params.write_text(json.dumps(_raw(tiny_target_dir)))
+    args = [sys.executable, "-m", "tidespec.cli", "deploy", "sagemaker", "--profile", "gpu", "--root", str(tmp_path),
+            "--params", str(params), "--dry-run"]
+    env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "MLFLOW_TRACKING_URI": mlflow_server}
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr + r.stdout
+    plan = json.loads(r.stdout[r.stdout.index("\n{\n") + 1:])  # after the notes: the plan, indented JSON
+    (acc,) = [a for a in plan["alarms"] if a["AlarmName"].endswith("-acceptance")]
+    assert acc["Threshold"] == pytest.approx(2.0 - 3 * math.sqrt(0.02), abs=5e-5)  # stored to 4 decimals
+    assert f"windows of v{v} from the registry: {{'gpu': 3}}" in r.stdout
+    env.pop("MLFLOW_TRACKING_URI")
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and f"draft {v} has no replayed τ(k)" in r.stdout + r.stderr
 
 
 class _Metrics(BaseHTTPRequestHandler):
