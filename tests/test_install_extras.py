@@ -80,6 +80,8 @@ def test_serve_runs_without_mlops_packages(tmp_path, tiny_target_dir):
         out = proc.communicate(timeout=60)[0]
     assert "Traceback" not in out, out
     assert "serve.auto_rollback: MLFLOW_TRACKING_URI is unset" in out, out  # shipped default: noted, not refused
+    assert "no draft yet (target alone until one is deployed); proposers " in out, out
+    assert f"k chosen per step up to {shipped_params(tiny_target_dir)['engine']['num_draft_tokens']} (goodput " in out
 
 
 def test_the_serve_only_site_lacks_the_mlops_side(tmp_path):

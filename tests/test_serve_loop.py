@@ -7,6 +7,7 @@ requests and the new draft."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -88,3 +89,6 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
         log.close()
     out = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in out, out
+    k = params.engine.num_draft_tokens  # the start line: what is served, before the first request
+    assert re.search(rf"serve: model '[^']+': target {tid[:12]} \(fp32 on cpu\), draft v{v1}; proposers "
+                     rf"\S*eagle3\S*, k = {k}\n", out), out

@@ -85,6 +85,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
         install_suffix_corpus(engine, ws.champion)
     _install_class_drafts(engine, ws)
     sv = p.serve_resolved()
+    console.print(serving_line(engine, sv.served_model_name), markup=False, highlight=False, soft_wrap=True)
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
                               admin_token=os.environ.get(ADMIN_TOKEN_ENV),
@@ -96,6 +97,20 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     finally:
         if writer is not None:
             writer.close()
+
+def serving_line(engine, model: str) -> str:
+    """The line `tidespec serve` prints before it listens: the model name clients send, the target
+    (id, precision, device), the draft served (version, or none yet: the champion watcher installs
+    one), the proposers and the window (k fixed, or the goodput policy's choice up to k)."""
+    t, cfg = engine.target, engine.cfg
+    draft = f"draft v{engine.draft_version}" if engine.draft_version else "no draft yet (target alone until one is " \
+                                                                             "deployed)"
+    window = (f"k chosen per step up to {cfg.num_draft_tokens} (goodput policy)" if engine.policy is not None
+              else f"k = {cfg.num_draft_tokens}")
+    names = "+".join(pr.name for pr in engine.proposers) or "none"
+    return (f"serve: model {model!r}: target {t.target_id[:12]} ({t.precision} on {t.device}), {draft}; "
+            f"proposers {names}, {window}")
+
 
 def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sglang_url: str | None = None,
                     sglang_python: str | None = None, vllm_python: str | None = None, capture: bool = True,
