@@ -47,6 +47,7 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
     ws = Workspace(proj)
     step_deploy(ws, mlflow_server, tid, params)
     orchestrate.deploy(proj, prefect_server)
+    assert orchestrate.missing_deployments(prefect_server, proj) == []  # `services up` says so, not "deploy"
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

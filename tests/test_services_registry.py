@@ -184,6 +184,19 @@ def test_up_reuses_running_prefect(prefect_server, services_state_dir):
     assert services.env_for({"prefect": again}) == {"PREFECT_API_URL": prefect_server}
 
 
+def test_missing_deployments_names_what_prefect_deploy_would_create(prefect_server, tmp_path):
+    """`tidespec services up`'s next step: the deployments prefect.yaml declares that the server lacks
+    (names of this test's own, so the session's server has none of them), in the file's order; one
+    the server has is not listed (test_serve_loop checks the shipped prefect.yaml after `deploy`)."""
+    from tidespec.adapters import orchestrate
+    tag = uuid.uuid4().hex[:8]
+    (tmp_path / "prefect.yaml").write_text(json.dumps({"deployments": [
+        {"name": f"b-{tag}", "entrypoint": "flows/x.py:f"}, {"name": f"a-{tag}", "entrypoint": "flows/x.py:f"}]}))
+    assert orchestrate.missing_deployments(prefect_server, tmp_path) == [f"b-{tag}", f"a-{tag}"]
+    (tmp_path / "prefect.yaml").write_text(json.dumps({"deployments": []}))
+    assert orchestrate.missing_deployments(prefect_server, tmp_path) == []
+
+
 def test_up_idempotent_then_down_stops(tmp_path, mlflow_server, services_state_dir):
     sd = tmp_path / "svc"
     # seed with the session server's already-migrated db: a fresh one costs ~10 s of migrations

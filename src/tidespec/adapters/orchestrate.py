@@ -209,6 +209,20 @@ def _call(api_url: str, fn):
         return asyncio.run(go())
 
 
+def missing_deployments(api_url: str, project: Path) -> list[str]:
+    """The deployment names `project`/prefect.yaml declares that the Prefect server at `api_url`
+    has none of (what `prefect deploy --all` there would create), in the file's order."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
+    names = [str(d["name"]) for d in doc.get("deployments", []) if d.get("name")]
+
+    async def go(c):
+        have = await c.read_deployments(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=names)))
+        return {d.name for d in have}
+    have = _call(api_url, go) if names else set()
+    return [n for n in names if n not in have]
+
+
 def yaml_pools(project: Path) -> list[str]:
     """Work pools named by the deployments in `project`/prefect.yaml."""
     doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
