@@ -112,3 +112,36 @@ def test_text_log_notifies_every_threshold_tokens(tmp_path):
     tl.log("r3", {"prompt": "x"}, {"usage": {"total_tokens": 33}})
     assert done.wait(10) and fired == [132]
     tl.close()
+
+
+def test_serve_says_at_start_when_its_sglang_url_does_not_answer(tmp_path, tiny_target_dir):
+    """`tidespec serve --backend sglang --sglang-url` before a port nothing listens on: it starts (the
+    user's server may come up later), says so in one line, and its /health is 503 meanwhile."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from conftest import REPO, wait_until
+    from tidespec.adapters.process import free_port
+    (tmp_path / "params.yaml").write_text(tiny_params_yaml(tiny_target_dir))
+    dead, port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", "--backend", "sglang", "--sglang-url",
+                             f"http://127.0.0.1:{dead}", "--no-capture", "--port", str(port), "--root", str(tmp_path),
+                             "--params", str(tmp_path / "params.yaml")], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=os.environ | {"PYTHONPATH": str(REPO / "src")})
+
+    def status():
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
+        except httpx.HTTPError:
+            return None
+    try:
+        assert wait_until(status, 60, "the front door", proc) == 503
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert f"serve: --sglang-url http://127.0.0.1:{dead} does not answer GET /health (ConnectError): requests get " \
+           "502 or 503 until it does" in out, out

@@ -197,6 +197,7 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
     timeout = launch.request_timeout_s or p.serve.request_timeout_s
     if not launch.launches:
+        _note_unanswered(launch.sglang_url)
         uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog), host=host, port=port)
         return
     with _sigterm_raises():  # a SIGTERM while the engine server starts stops it too (its own process group)
@@ -219,6 +220,19 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
             if c:
                 c.close()
         dep.close()
+
+def _note_unanswered(url: str) -> None:
+    """Says at start when the SGLang at --sglang-url does not answer `GET /health` with 200 (the
+    front door starts anyway: the user's server may come up later)."""
+    import httpx
+    try:
+        got = str(httpx.get(f"{url.rstrip('/')}/health", timeout=5).status_code)
+    except httpx.HTTPError as e:
+        got = type(e).__name__
+    if got != "200":
+        console.print(f"serve: --sglang-url {url} does not answer GET /health ({got}): requests get 502 or 503 "
+                      "until it does", markup=False, highlight=False, soft_wrap=True)
+
 
 @contextlib.contextmanager
 def _sigterm_raises():
