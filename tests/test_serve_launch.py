@@ -137,6 +137,21 @@ def test_preflight_runs_the_command_checks_on_its_own_arguments(tmp_path, capsys
     assert "capture is on" not in capsys.readouterr().out
 
 
+def test_an_engine_server_that_cannot_run_here_is_refused_before_any_note(tmp_path, capsys):
+    """`tidespec serve --backend sglang|vllm` with an environment that is not there: refused by the
+    adapter's probe, naming the fix, before any note or "starting" line is printed."""
+    from tidespec.adapters.sglang import SGLangUnavailable
+    from tidespec.adapters.vllm import VLLMUnavailable
+    from tidespec.cli.serve import serve_preflight
+    (tmp_path / ".dvc").mkdir()
+    missing = str(tmp_path / "no-env" / "bin" / "python")
+    for flags, refused, fix in ((dict(backend="sglang", sglang_python=missing), SGLangUnavailable, "install sglang"),
+                                (dict(backend="vllm", vllm_python=missing), VLLMUnavailable, "make vllm")):
+        with pytest.raises(refused, match=f"no usable Python at '{missing}'.*{fix}"):
+            serve_preflight(tmp_path, SHIPPED, env=NO_MLFLOW, **flags)
+        assert capsys.readouterr().out == ""
+
+
 def test_a_front_doors_text_capture_is_ingested_whatever_capture_mode_says(tmp_path):
     """A front door captures text with the shipped capture.mode (hidden), so tide-capture's default
     sources must include the text capture directory whenever it exists, or the loop would not close."""

@@ -129,6 +129,8 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
                                vllm_python=vllm_python, capture=capture, publish=publish, max_queue=max_queue,
                                request_timeout_s=timeout_s, max_tokens=max_tokens)
     p = _with_flags(p, launch)
+    if launch.launches:
+        _engine_runs_here(launch)
     for note in launch.check(p, os.environ if env is None else env):
         console.print(f"serve: {note}", markup=False, highlight=False)
     hidden = launch.backend == "embedded" and capture and p.capture.mode == "hidden"
@@ -137,6 +139,21 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
                       f"served requests, under {ws.data / 'capture'}); --no-capture turns it off",
                       markup=False, highlight=False, soft_wrap=True)
     return p, ws, launch, _serve_publisher(p, ws, env) if hidden and publish else None
+
+def _engine_runs_here(launch) -> None:
+    """Refuses, before any note, an engine server this command cannot start here (its adapter's
+    `unavailable_reason`: no environment, no CUDA for SGLang, no AVX2 for vLLM's CPU build).
+    Raises VLLMUnavailable / SGLangUnavailable naming the fix."""
+    if launch.backend == "vllm":
+        from ..adapters import vllm as engine
+        python, refused = launch.vllm_python or engine.default_python(), engine.VLLMUnavailable
+    else:
+        from ..adapters import sglang as engine
+        python, refused = launch.sglang_python or engine.default_python(), engine.SGLangUnavailable
+    reason = engine.unavailable_reason(python)
+    if reason:
+        raise refused(reason)
+
 
 def _with_flags(p, launch):
     """The params with the embedded engine's flags (--max-queue, --timeout-s, --max-tokens) over
