@@ -125,7 +125,7 @@ def test_a_champion_from_before_tau_k_gets_its_alarm_from_the_registry(mlflow_se
     per-position acceptance (0.6, 0.3, 0.1, 0.05 → τ(0..4) = 1, 1.6, 1.9, 2.0, 2.05), and takes the
     profile's window from the version's tag (k = 3, not engine.num_draft_tokens' 4), so the alarm is
     planned at τ(3) − 3·sqrt(μ(3−μ)/100), μ = 1.0: 2.0 − 3·sqrt(0.02) = 1.5757. Without the registry
-    the same champion is refused (no τ(k))."""
+    the same champion's plan is refused (no τ(k))."""
     from tidespec.adapters import registry
 
     tid = tiny_target.target_id
@@ -146,9 +146,9 @@ def test_a_champion_from_before_tau_k_gets_its_alarm_from_the_registry(mlflow_se
     (acc,) = [a for a in plan["alarms"] if a["AlarmName"].endswith("-acceptance")]
     assert acc["Threshold"] == pytest.approx(2.0 - 3 * math.sqrt(0.02), abs=5e-5)  # stored to 4 decimals
     assert f"windows of v{v} from the registry: {{'gpu': 3}}" in r.stdout
-    env.pop("MLFLOW_TRACKING_URI")
-    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode != 0 and f"draft {v} has no replayed τ(k)" in r.stdout + r.stderr
+    with pytest.raises(ValueError, match=f"draft {v} has no replayed τ"):  # the same champion without the registry
+        smd.plan(_params(tiny_target_dir), _params(tiny_target_dir).deploy.sagemaker, "gpu",
+                 smd.check_draft(champion, tid), tid, "org/target", "us-east-1", now=NOW)
 
 
 class _Metrics(BaseHTTPRequestHandler):
