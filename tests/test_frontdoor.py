@@ -143,5 +143,37 @@ def test_serve_says_at_start_when_its_sglang_url_does_not_answer(tmp_path, tiny_
     finally:
         proc.terminate()
         out = proc.communicate(timeout=30)[0]
-    assert f"serve: --sglang-url http://127.0.0.1:{dead} does not answer GET /health (ConnectError): requests get " \
-           "502 or 503 until it does" in out, out
+    assert f"serve: --sglang-url http://127.0.0.1:{dead} does not answer GET /health (ConnectError): requests fail " \
+           "until it does" in out, out
+
+
+def test_the_start_note_on_sglang_url_follows_its_health(capsys):
+    """The same check before a server that answers: nothing said at 200; at 500, the status and what
+    it means for the front door's own /health."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tidespec.cli.serve import _note_unanswered
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(self.server.code if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}/"
+    try:
+        srv.code = 200
+        _note_unanswered(url)
+        assert capsys.readouterr().out == ""
+        srv.code = 500
+        _note_unanswered(url)
+        assert " ".join(capsys.readouterr().out.split()) == (
+            f"serve: --sglang-url {url} answers GET /health with 500: the front door's /health says 503 until it "
+            "answers 200 (requests are forwarded meanwhile)")
+    finally:
+        srv.shutdown()

@@ -152,6 +152,30 @@ def test_an_engine_server_that_cannot_run_here_is_refused_before_any_note(tmp_pa
         assert capsys.readouterr().out == ""
 
 
+def test_an_engines_probe_is_kept_only_once_it_passed(tmp_path, monkeypatch):
+    """`process.probed` (behind both adapters' `unavailable_reason`): a usable interpreter is not probed
+    again in the process; a refusal is, every time; a relative path is keyed by the file it names."""
+    from tidespec.adapters import process
+    calls = []
+
+    def probe(python):
+        calls.append(python)
+        return None if Path(python).exists() else "missing"
+    rel, a, b = str(Path("env", "bin", "python")), tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (b / rel).parent.mkdir(parents=True)
+    (b / rel).write_text("")
+    engine = f"engine-{tmp_path.name}"
+    monkeypatch.chdir(a)
+    assert process.probed(engine, rel, probe) == "missing"
+    monkeypatch.chdir(b)
+    assert process.probed(engine, rel, probe) is None  # the refusal was not kept
+    assert process.probed(engine, rel, probe) is None  # kept: not probed again
+    monkeypatch.chdir(a)
+    assert process.probed(engine, rel, probe) == "missing"  # the same relative path, another file
+    assert calls == [rel, rel, rel]
+
+
 def test_a_front_doors_text_capture_is_ingested_whatever_capture_mode_says(tmp_path):
     """A front door captures text with the shipped capture.mode (hidden), so tide-capture's default
     sources must include the text capture directory whenever it exists, or the loop would not close."""
@@ -170,6 +194,10 @@ def test_flag_values_are_refused_naming_the_flag(tmp_path):
     for flags, message in ((dict(request_timeout_s=float("inf")), "--timeout-s: Input should be a finite number"),
                            (dict(backend="sglang", sglang_url="ftp://x"), "--sglang-url: Value error"),
                            (dict(backend="sglang", sglang_url="http://"), "--sglang-url: 'http://' names no host"),
+                           (dict(backend="sglang", sglang_url="http://h:abc"),
+                            "--sglang-url: 'http://h:abc': Port could not be cast to integer value as 'abc'"),
+                           (dict(backend="sglang", sglang_url="http://h:99999"),
+                            "--sglang-url: 'http://h:99999': Port out of range 0-65535"),
                            (dict(backend="vllm", vllm_python=""), "--vllm-python: String should have at least")):
         with pytest.raises(ValueError) as e:
             ServeLaunch.build(**flags)

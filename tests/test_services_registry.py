@@ -185,16 +185,27 @@ def test_up_reuses_running_prefect(prefect_server, services_state_dir):
 
 
 def test_missing_deployments_names_what_prefect_deploy_would_create(prefect_server, tmp_path):
-    """`tidespec services up`'s next step: the deployments prefect.yaml declares that the server lacks
-    (names of this test's own, so the session's server has none of them), in the file's order; one
-    the server has is not listed (test_serve_loop checks the shipped prefect.yaml after `deploy`)."""
+    """`tidespec services up`'s next step: the deployments prefect.yaml declares that the server lacks,
+    in the file's order (names of this test's own). One on the server with the same name and
+    entrypoint is there; a namesake running another entrypoint is not; no deployment declared: None
+    (test_serve_loop checks the shipped prefect.yaml after `prefect deploy`)."""
     from tidespec.adapters import orchestrate
     tag = uuid.uuid4().hex[:8]
+    entry = "flows/x.py:f"
+
+    async def create(c):
+        await c.create_deployment(flow_id=await c.create_flow_from_name(f"f-{tag}"), name=f"there-{tag}",
+                                  entrypoint=entry)
+        await c.create_deployment(flow_id=await c.create_flow_from_name(f"other-{tag}"), name=f"namesake-{tag}",
+                                  entrypoint="elsewhere.py:g")
+    orchestrate._call(prefect_server, create)
     (tmp_path / "prefect.yaml").write_text(json.dumps({"deployments": [
-        {"name": f"b-{tag}", "entrypoint": "flows/x.py:f"}, {"name": f"a-{tag}", "entrypoint": "flows/x.py:f"}]}))
-    assert orchestrate.missing_deployments(prefect_server, tmp_path) == [f"b-{tag}", f"a-{tag}"]
-    (tmp_path / "prefect.yaml").write_text(json.dumps({"deployments": []}))
-    assert orchestrate.missing_deployments(prefect_server, tmp_path) == []
+        {"name": f"b-{tag}", "entrypoint": entry}, {"name": f"there-{tag}", "entrypoint": entry},
+        {"name": f"namesake-{tag}", "entrypoint": entry}, {"name": f"a-{tag}", "entrypoint": entry}]}))
+    assert orchestrate.missing_deployments(prefect_server, tmp_path) == [f"b-{tag}", f"namesake-{tag}", f"a-{tag}"]
+    for doc in ({"deployments": []}, {"deployments": None}, {}):
+        (tmp_path / "prefect.yaml").write_text(json.dumps(doc))
+        assert orchestrate.missing_deployments(prefect_server, tmp_path) is None
 
 
 def test_up_idempotent_then_down_stops(tmp_path, mlflow_server, services_state_dir):

@@ -209,18 +209,23 @@ def _call(api_url: str, fn):
         return asyncio.run(go())
 
 
-def missing_deployments(api_url: str, project: Path) -> list[str]:
-    """The deployment names `project`/prefect.yaml declares that the Prefect server at `api_url`
-    has none of (what `prefect deploy --all` there would create), in the file's order."""
+def missing_deployments(api_url: str, project: Path) -> list[str] | None:
+    """The deployments `project`/prefect.yaml declares that the Prefect server at `api_url` lacks
+    (what `prefect deploy --all` there would create), by name, in the file's order; None when it
+    declares none. A deployment counts as there when one of that name runs the same entrypoint (a
+    namesake of another flow does not)."""
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
     doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
-    names = [str(d["name"]) for d in doc.get("deployments", []) if d.get("name")]
+    declared = [(str(d["name"]), d.get("entrypoint")) for d in doc.get("deployments") or [] if d.get("name")]
+    if not declared:
+        return None
 
     async def go(c):
-        have = await c.read_deployments(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=names)))
-        return {d.name for d in have}
-    have = _call(api_url, go) if names else set()
-    return [n for n in names if n not in have]
+        have = await c.read_deployments(deployment_filter=DeploymentFilter(
+            name=DeploymentFilterName(any_=[n for n, _ in declared])))
+        return {(d.name, d.entrypoint) for d in have}
+    have = _call(api_url, go)
+    return [n for n, entry in declared if (n, entry) not in have]
 
 
 def yaml_pools(project: Path) -> list[str]:

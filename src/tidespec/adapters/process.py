@@ -27,6 +27,20 @@ from ..errors import TidespecError
 
 STOP_GRACE_S = 10.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_USABLE: set[tuple[str, str]] = set()  # (engine, interpreter) whose probe passed in this process
+
+
+def probed(engine: str, python: str, probe: Callable[[str], str | None]) -> str | None:
+    """`probe(python)` (why `engine` cannot run with that interpreter, or None), asked once per process
+    for an interpreter it found usable (`tidespec serve` asks before its notes, the server's start
+    asks again); a refusal is asked again every time. A path is keyed absolute, a bare name as given."""
+    key = (engine, os.path.abspath(python) if os.sep in python else python)
+    if key in _USABLE:
+        return None
+    reason = probe(python)
+    if reason is None:
+        _USABLE.add(key)
+    return reason
 
 
 def loopback(host: str) -> str:

@@ -239,16 +239,19 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
         dep.close()
 
 def _note_unanswered(url: str) -> None:
-    """Says at start when the SGLang at --sglang-url does not answer `GET /health` with 200 (the
-    front door starts anyway: the user's server may come up later)."""
+    """Says at start when the SGLang at --sglang-url does not answer `GET /health` with 200 (5 s at
+    most; the front door starts anyway: the user's server may come up later)."""
     import httpx
     try:
-        got = str(httpx.get(f"{url.rstrip('/')}/health", timeout=5).status_code)
+        code = httpx.get(f"{url.rstrip('/')}/health", timeout=5).status_code
     except httpx.HTTPError as e:
-        got = type(e).__name__
-    if got != "200":
-        console.print(f"serve: --sglang-url {url} does not answer GET /health ({got}): requests get 502 or 503 "
+        console.print(f"serve: --sglang-url {url} does not answer GET /health ({type(e).__name__}): requests fail "
                       "until it does", markup=False, highlight=False, soft_wrap=True)
+        return
+    if code != 200:
+        console.print(f"serve: --sglang-url {url} answers GET /health with {code}: the front door's /health says "
+                      "503 until it answers 200 (requests are forwarded meanwhile)", markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 @contextlib.contextmanager

@@ -22,16 +22,19 @@ def services_up(state: Path = typer.Option(Path(".tidespec/services")),
     the work pools ./prefect.yaml names; prints the client env to export. Idempotent."""
     from ..adapters import orchestrate, services
     svc = services.up(state, which=services.NAMES + (("moto",) if moto else ()), pools=tuple(pool))
-    missing = None  # no prefect.yaml here: nothing known to deploy
+    missing = None  # no prefect.yaml here: what to deploy is not known
     if Path("prefect.yaml").exists():
         orchestrate.ensure_pools(svc["prefect"].url, orchestrate.yaml_pools(Path(".")))
         missing = orchestrate.missing_deployments(svc["prefect"].url, Path("."))
     for k, v in services.env_for(svc).items():
         console.print(f"export {k}={v}")
     workers = ", ".join(f"{n} (pid {s.pid})" for n, s in svc.items() if n.startswith("worker"))
-    lacking = f" for {', '.join(missing)}" if missing else ""
-    nxt = ("prefect.yaml's deployments are on the server" if missing == [] else
-           f"next: prefect --no-prompt deploy --all (with the env above){lacking}")
+    if missing == []:
+        nxt = "prefect.yaml's deployments are on the server"
+    elif missing:
+        nxt = f"next: prefect --no-prompt deploy --all (with the env above) for {', '.join(missing)}"
+    else:  # no prefect.yaml here, or one that declares no deployment
+        nxt = "next: prefect --no-prompt deploy --all in the project root (with the env above)"
     Console(stderr=True, soft_wrap=True).print(f"workers: {workers}; {nxt}", markup=False, highlight=False)
 
 @services_app.command("down")

@@ -50,8 +50,15 @@ class ServeLaunch(Strict):
     @field_validator("sglang_url")
     @classmethod
     def _a_server_url(cls, v: str | None) -> str | None:
-        if v is not None and not urlsplit(v).hostname:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if not parts.hostname:
             raise ValueError(f"{v!r} names no host: pass the SGLang server's http://HOST:PORT")
+        try:
+            parts.port  # noqa: B018 (urllib checks the port when it is read)
+        except ValueError as e:
+            raise ValueError(f"{v!r}: {e}: pass the SGLang server's http://HOST:PORT") from None
         return v
 
     @model_validator(mode="after")

@@ -10,7 +10,6 @@ SGLangUnavailable naming the fix. The SGLang source facts it relies on: docs/des
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -198,11 +197,14 @@ def launch_args(cfg: SGLangLaunch) -> list[str]:
     return a + list(cfg.extra_args)
 
 
-@functools.lru_cache(maxsize=16)
 def unavailable_reason(python: str) -> str | None:
     """Why SGLang cannot run with interpreter `python`, or None when it can (SGLang importable, a
-    CUDA device visible to that interpreter's torch). Cached per path for the process (`tidespec
-    serve` asks before its notes, the server's start asks again)."""
+    CUDA device visible to that interpreter's torch; a usable answer is kept for the process:
+    `process.probed`)."""
+    return process.probed("sglang", python, _probe)
+
+
+def _probe(python: str) -> str | None:
     fix = (f"install sglang>={SGLANG_VERSION} in its own environment (it pins torch 2.14.1 and CUDA kernels) and "
            "pass that environment's python; on CPU use `tidespec serve` (the embedded engine)")
     try:

