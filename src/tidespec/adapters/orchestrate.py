@@ -90,12 +90,18 @@ def project_root(start: Path | None = None) -> Path:
                              "does not run from a tidespec checkout: run from the project root")
 
 
+def yaml_deployments(project: Path) -> list[dict]:
+    """The `deployments` entries of `project`/prefect.yaml ([] when it declares none). Raises
+    FileNotFoundError without the file, yaml.YAMLError for a malformed one."""
+    doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
+    return doc.get("deployments") or []
+
+
 def entrypoint(name: str, project: Path) -> str:
     """The entrypoint (`<path>:<function>`, relative to `project`) of flow `name` as the deployments
     of `project`/prefect.yaml name it (the function is named like the flow). Raises
     OrchestrationError when no deployment runs that flow."""
-    doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
-    for d in doc.get("deployments", []):
+    for d in yaml_deployments(project):
         ep = str(d.get("entrypoint", ""))
         if ep.rpartition(":")[2] == name:
             return ep
@@ -215,8 +221,7 @@ def missing_deployments(api_url: str, project: Path) -> list[str] | None:
     declares none. A deployment counts as there when one of that name runs the same entrypoint (a
     namesake of another flow does not)."""
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-    doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
-    declared = [(str(d["name"]), d.get("entrypoint")) for d in doc.get("deployments") or [] if d.get("name")]
+    declared = [(str(d["name"]), d.get("entrypoint")) for d in yaml_deployments(project) if d.get("name")]
     if not declared:
         return None
 
@@ -230,8 +235,7 @@ def missing_deployments(api_url: str, project: Path) -> list[str] | None:
 
 def yaml_pools(project: Path) -> list[str]:
     """Work pools named by the deployments in `project`/prefect.yaml."""
-    doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
-    return sorted({d["work_pool"]["name"] for d in doc.get("deployments", []) if d.get("work_pool", {}).get("name")})
+    return sorted({d["work_pool"]["name"] for d in yaml_deployments(project) if d.get("work_pool", {}).get("name")})
 
 
 def deploy(project: Path, api_url: str, names: tuple[str, ...] = (), timeout_s: float = 300) -> str:
@@ -242,8 +246,7 @@ def deploy(project: Path, api_url: str, names: tuple[str, ...] = (), timeout_s: 
     must be there. Returns the CLI output. Raises OrchestrationError with that output when it fails."""
     if not (Path(project) / "prefect.yaml").exists():
         raise OrchestrationError(f"no prefect.yaml in {project}: run from the tidespec project root")
-    doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
-    missing = sorted({p for d in doc.get("deployments", []) if (p := str(d.get("entrypoint", "")).rpartition(":")[0])
+    missing = sorted({p for d in yaml_deployments(project) if (p := str(d.get("entrypoint", "")).rpartition(":")[0])
                       and not (Path(project) / p).is_file()})
     if missing:
         raise OrchestrationError(f"prefect.yaml in {project} names flow files {missing} that are not there: copy the "

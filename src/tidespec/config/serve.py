@@ -117,9 +117,9 @@ class ServeLaunch(Strict):
 
     def _unused(self, p: Params) -> None:
         """Refuses serve.* keys set (changed from their default) that this front door does not use."""
-        def keys(wrong: list[str]) -> str:
-            return f"serve.{', serve.'.join(wrong)}", ("it", "its default") if len(wrong) == 1 else ("them",
-                                                                                                    "their defaults")
+        def keys(wrong: list[str]) -> tuple[str, tuple[str, str]]:  # ("serve.a, serve.b", (pronoun, default))
+            one = len(wrong) == 1
+            return f"serve.{', serve.'.join(wrong)}", ("it", "its default") if one else ("them", "their defaults")
         wrong = p.serve.changed(*EMBEDDED_ONLY)
         if wrong:
             named, (it, default) = keys(wrong)
