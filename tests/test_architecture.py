@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models", "models.*", "assets.prompts")),
     ("engine", ("engine", "engine.*", "capture", "capture.store", "capture.metrics", "capture.text")),
     ("data+train", ("capture.writer", "capture.snapshots", "capture.exchange", "capture.rehydrate", "capture.ingest",
-                    "capture.curate", "capture.replay_buffer",
+                    "capture.curate", "capture.replay_buffer", "capture.recent",
                     "train", "train.*")),
     ("serve", ("serve", "serve.*")),
     ("adapters", ("adapters", "adapters.*")),  # adapters.vllm_plugin.* runs inside the vLLM server, imports vllm only

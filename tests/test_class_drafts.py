@@ -97,9 +97,13 @@ def test_the_guard_rolls_back_a_class_draft_clearly_below_the_generalist_on_its_
     eng.health._live[("7", "chat")] = [0.0, 500.0]  # (not its class: never judged there)
     eng.health._classes["7"] = {"code", "chat"}
     calls, metrics = [], ServeMetrics(3)
-    guard = HealthGuard(eng, metrics, every_s=0, rollback=lambda *a: calls.append(a))
+    from tidespec.engine.health import PairedComparison
+    judged = []  # the same-traffic scoring says the generalist is clearly better on code's recent records
+    guard = HealthGuard(eng, metrics, every_s=0, rollback=lambda *a: calls.append(a),
+                        judge=lambda v, prev, w: judged.append((v, prev, w)) or PairedComparison(0.4, 0.1, 16))
     below = guard.check()
     assert [(v.version, v.workload) for v in below] == [("7", "code")]
     assert len(calls) == 1 and calls[0][0] == "7" and calls[0][2] == "code" and "below v1's 0.500" in calls[0][1]
+    assert judged == [("7", "1", "code")]  # scored against the generalist on code's traffic
     assert metrics.registry.get_sample_value("tidespec:draft_regressed",
                                              {"against": "previous", "version": "7", "workload": "code"}) == 1.0

@@ -1,7 +1,8 @@
 """Draft health (`engine.health`, `serve.guard`): live first-token acceptance per (version, class)
 against the replay and the previous version — the z-test's false-alarm rate and power, decayed
 counts that show a recovery, the engine feeding it, and the guard's metrics, log line and one
-rollback per version. The rollback through the registry runs in test_promotion."""
+rollback per version, decided on the same recent traffic (a shift rolls nothing back). The rollback
+through the registry runs in test_promotion."""
 import logging
 import random
 
@@ -9,7 +10,7 @@ import pytest
 
 from conftest import random_draft
 from tidespec.config import EngineParams
-from tidespec.engine.health import MIN_CHAINS, DraftHealth, clearly_below
+from tidespec.engine.health import MIN_CHAINS, DraftHealth, PairedComparison, clearly_below
 from tidespec.engine.speculative import Engine, Request
 from tidespec.models.runner import DraftRunner
 from tidespec.serve.guard import HealthGuard
@@ -90,7 +91,9 @@ def test_engine_feeds_health_and_the_guard_reports_and_rolls_back_once(tiny_targ
         if len(calls) == 1:
             raise RuntimeError("registry down")  # the first attempt fails: retried at the next check
 
-    guard = HealthGuard(eng, metrics, every_s=0, rollback=rollback)
+    assert HealthGuard(eng, ServeMetrics(3), every_s=0, rollback=rollback).judge is None  # no judge: reports only
+    worse_here = PairedComparison(0.5, 0.1, 20)  # the same-traffic scoring (test below): v7 clearly better
+    guard = HealthGuard(eng, metrics, every_s=0, rollback=rollback, judge=lambda v, prev, w: worse_here)
     with caplog.at_level(logging.WARNING, logger="tidespec.serve.guard"):
         below = guard.check()
         guard.check()
@@ -143,3 +146,48 @@ def test_replayed_figures_travel_from_evaluate_to_version_json(tmp_path):
     (tmp_path / "version.json").write_text(json.dumps({"version": "3", "replayed": {"": [1.5, 10]}}))
     with pytest.raises(ValueError, match="replayed"):
         read_version(tmp_path)
+
+
+def test_a_shift_of_traffic_rolls_nothing_back_and_a_worse_draft_is_rolled_back_on_the_same_traffic(tmp_path):
+    """The embedded guard's rollback is decided on the same recent traffic (`serve.judge`):
+    v1 (a draft trained on the target's outputs for 48 prompts) serves those prompts;
+    v2 (the same weights, a retrained twin) then serves prompts of ids [200, 320), where any draft is
+    accepted less: its live a₁ is clearly below v1's earlier one (the hint), but scored on the same
+    recent records both are equal, so nothing is rolled back. v3 (a random draft) on the same traffic
+    is clearly worse than v2 there and is rolled back, with the paired figures in the reason."""
+    import torch
+
+    from conftest import make_varied_target, train_on_greedy
+    from tidespec.capture.recent import RecentRecords
+    from tidespec.models.eagle3 import load_checkpoint, save_checkpoint
+    from tidespec.models.target import load_target
+    from tidespec.serve.judge import PairedJudge
+
+    target = load_target(make_varied_target(tmp_path / "t"))[0]
+    trained_prompts, _ = train_on_greedy(target, tmp_path / "v1")
+    save_checkpoint(random_draft(target, 320, seed=3), tmp_path / "v3")
+    dirs = {"1": tmp_path / "v1", "2": tmp_path / "v1", "3": tmp_path / "v3"}
+    recent = RecentRecords(32)
+    eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=16), capture=recent)
+    calls, metrics = [], ServeMetrics(3)
+    guard = HealthGuard(eng, metrics, every_s=0, rollback=lambda v, why: calls.append((v, why)),
+                        judge=PairedJudge(eng, recent.records, dirs.__getitem__))
+    g = torch.Generator().manual_seed(1)
+
+    def serve(version: str, prompts: list[list[int]]) -> None:
+        eng.set_draft(DraftRunner(load_checkpoint(dirs[version], target.embed, target.target_id)), version)
+        eng.generate_batch([Request(p, 40, workload="code") for p in prompts])
+
+    shifted = [torch.randint(200, 320, (6,), generator=g).tolist() for _ in range(48)]
+    serve("1", trained_prompts)
+    serve("2", shifted)
+    a1, a2 = eng.health.live("1", "code")[0], eng.health.live("2", "code")[0]
+    v = eng.health.against_previous("2", "code")
+    assert v.below and a2 < 0.75 * a1, (a1, a2)  # the hint fires: another traffic, not another draft
+    assert [x.version for x in guard.check() if x.reference == a1] == ["2"]
+    assert calls == [] and guard._judged[("2", "code")].diff == 0.0  # same weights, same records: equal
+    serve("3", shifted)
+    guard.check()
+    cmp = guard._judged[("3", "code")]
+    assert cmp.previous_better and cmp.n >= 30 and len(calls) == 1 and calls[0][0] == "3"
+    assert "on the same recent traffic, teacher-forced, v2 is clearly better: v2 − v3 = +" in calls[0][1]

@@ -141,12 +141,17 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     from tidespec.serve.metrics import ServeMetrics
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     hold = [json.loads(x) for x in ws.eval_prompts.read_text().splitlines()]
-    eng = make_engine(params.engine.fixed(), target)  # the EAGLE3 draft's own a₁
-    guard = HealthGuard(eng, ServeMetrics(eng.cfg.num_draft_tokens), 0, _registry_rollback(params, tid, ws))
+    from tidespec.capture.recent import RecentRecords
+    from tidespec.serve.judge import PairedJudge
+    recent = RecentRecords(len(hold))  # both versions scored on the newest served requests
+    eng = make_engine(params.engine.fixed(), target, capture=recent)  # the EAGLE3 draft's own a₁
+    guard = HealthGuard(eng, ServeMetrics(eng.cfg.num_draft_tokens), 0, _registry_rollback(params, tid, ws),
+                        PairedJudge(eng, recent.records,
+                                    lambda v: registry.download_version(mlflow_server, tid, v, tmp_path / "judge")))
     for draft in (registry.download_version(mlflow_server, tid, d1["version"], tmp_path / "served"), ws.champion):
         install_draft(eng, draft)
         for _ in range(4):
-            eng.generate_batch([Request(h["input_ids"], 24, workload="code") for h in hold])
+            eng.generate_batch([Request(h["input_ids"], 64, workload="code") for h in hold])
     assert eng.health.against_replay(d1["version"], "code").reference == pytest.approx(
         rep["candidate"]["accepted_per_pos/0"])  # v1's replayed a₁ came with its bundle (tag → version.json)
     below = guard.check()
@@ -155,8 +160,9 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     assert (
         registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
     )
-    assert "automatic (draft health): live first-token acceptance" in registry.decisions(mlflow_server, tid,
-                                                                                          d2["version"])[-1]
+    decision = registry.decisions(mlflow_server, tid, d2["version"])[-1]
+    assert "automatic (draft health): live first-token acceptance" in decision
+    assert f"teacher-forced, v{d1['version']} is clearly better" in decision
     r = runner.invoke(app, ["promote", d2["version"], "--reason", "canary by hand, again", *common], env=env)
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["rollback", "--reason", "canary p99 regressed", *common], env=env)

@@ -30,6 +30,7 @@ from ..config import CaptureParams
 from ..hashing import unit_hash
 from ..workspace import private_dir
 from .metrics import CaptureCollector
+from .recent import RecentRecords
 from .snapshots import SealPublisher, SnapshotInfo, lock_capture_dir, recover, seal, unlock
 from .store import (
     ManifestRow,
@@ -116,6 +117,7 @@ class CaptureWriter:
         self.error: BaseException | None = None
         self._full: str | None = None  # latched drop reason (quota / disk) until a seal frees space
         self._pending: list[tuple[dict, dict]] = []
+        self.recent = RecentRecords()  # the newest records, for the draft-health guard's paired scoring
         self._publisher = SealPublisher(on_seal, publish_retry_s, publish_attempts) if on_seal else None
         for info in recover(self.dir, self.snapshots_root, target_id):
             if self._publisher:
@@ -174,6 +176,7 @@ class CaptureWriter:
         the manifest. Raises ValueError for a Generation without a record."""
         if gen.record is None:
             raise ValueError(f"request {gen.request_id} has no capture record: submit it with capture=True")
+        self.recent.submit_generation(gen, workload, prompt_id)
         text = None
         if self.cfg.store_text and self.detokenize is not None:
             ids = gen.record["input_ids"].tolist()

@@ -223,13 +223,14 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
                           info=lambda: {"draft_version": dep.draft_version, "engine": launch.backend})
     dep.proxy = app.state.proxy
-    from ..serve.admin import ChampionWatcher
-    every = p.serve.watch_champion_s
-    watcher = ChampionWatcher(ws.champion, every, dep, dep.install) if every > 0 else None
+    from ..serve.admin import ChampionWatcher, DraftPin
+    every, hold = p.serve.watch_champion_s, DraftPin()
+    watcher = ChampionWatcher(ws.champion, every, dep, dep.install, hold) if every > 0 else None
     uri = os.environ.get("MLFLOW_TRACKING_URI")
-    from ..steps.deploy.live import LiveReporter
+    from ..steps.deploy.live import LiveGuard, LiveReporter
     live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s, p.deploy.sagemaker,
-                         _live_guard(p, ws, dep, uri)) if uri and p.serve.live_stats_s > 0 else None)
+                         LiveGuard(dep, _registry_rollback(p, target_id(p), ws), hold))
+            if uri and p.serve.live_stats_s > 0 else None)
     try:
         uvicorn.run(app, host=host, port=port)
     finally:
@@ -326,20 +327,6 @@ def _start_sglang(p, ws, python: str | None, host: str):
                           extra_args=SGLANG_FLOAT32_ARGS if p.target.dtype == "float32" else ())
     console.print(f"serve: starting SGLang ({launch.python}; log under {ws.state / 'sglang' / 'logs'})", markup=False)
     return SGLangDeployment(launch, ws.state / "sglang").start(ws.champion if ws.champion.exists() else None)
-
-def _live_guard(p, ws, dep, uri: str):
-    """The live-acceptance guard behind vLLM or SGLang (`deploy.live.LiveGuard`): replayed τ from the version's
-    registry tags; rollback through the registry when `serve.auto_rollback`, else reload only."""
-    from ..adapters import registry
-    from ..models.load import target_id
-    from ..steps.deploy.live import LiveGuard
-    tid = target_id(p)
-
-    def replayed(version: str) -> float | None:
-        tau = registry.version_tags(uri, tid, version).get("acceptance_length")
-        return float(tau) if tau is not None else None
-    return LiveGuard(dep, replayed, _registry_rollback(p, tid, ws))
-
 
 def _registry_rollback(p, target_id: str, ws):
     """The draft-health guards' rollback (`serve.guard`, `deploy.live.LiveGuard`): when the registry's

@@ -139,3 +139,44 @@ class DraftHealth:
         """Classes with live chains of this version (at most MAX_CLASSES + "other")."""
         with self._lock:
             return sorted(self._classes.get(version, ()))
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """The previous version against the current one on the same traffic: `diff` = mean over `n`
+    pairs of (previous − current) in the unit compared (τ per window, simulated τ per record), `se` its
+    standard error (both sides' uncertainty), `z` the one-sided threshold. `previous_better`: clearly,
+    diff > z·se with at least 2 pairs: the only evidence a guard rolls back on."""
+
+    diff: float
+    se: float
+    n: int
+    z: float = Z
+
+    @property
+    def previous_better(self) -> bool:
+        return self.n >= 2 and self.diff - self.z * self.se > 0
+
+    def line(self, current: str, previous: str, unit: str) -> str:
+        """"v<previous> − v<current> = d ± se over n <unit>" (a log line and an audit reason)."""
+        return f"v{previous} − v{current} = {self.diff:+.3f} ± {self.se:.3f} over {self.n} {unit}"
+
+
+def paired_comparison(diffs: list[float], variances: list[float] | None = None, z: float = Z) -> PairedComparison:
+    """Paired test of previous − current over units of the same traffic (a switchback's window pairs,
+    or records both drafts were scored on). diffs: d_i = previous_i − current_i. `variances`: each
+    d_i's known variance (a window pair: SE²(previous window) + SE²(current window)), giving SE =
+    sqrt(Σ var_i)/n; with 3 or more pairs the sample SE sd(d)/√n is taken when larger (traffic that
+    differs between windows adds variance the counters do not see). None: the sample SE alone
+    (records). Raises ValueError when the lengths differ."""
+    n = len(diffs)
+    if variances is not None and len(variances) != n:
+        raise ValueError(f"{n} differences but {len(variances)} variances")
+    if n == 0:
+        return PairedComparison(0.0, float("inf"), 0, z)
+    mean = sum(diffs) / n
+    sample = (math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n >= 2 else float("inf"))
+    if variances is None:
+        return PairedComparison(mean, sample, n, z)
+    known = math.sqrt(sum(variances)) / n
+    return PairedComparison(mean, max(known, sample) if n >= 3 else known, n, z)

@@ -43,21 +43,28 @@ class DraftSwap(BaseModel):
 
 
 class DraftPin:
-    """The version an operator installed with `POST /admin/draft` (None: the server follows the
-    champion). Thread-safe."""
+    """The version the champion watcher must leave serving (None: the server follows the champion):
+    one an operator installed with `POST /admin/draft`, or one a live guard's switchback trial holds
+    while it serves two versions in turn; `by` says which. Thread-safe."""
 
     def __init__(self):
-        self._lock, self._version = threading.Lock(), None
+        self._lock, self._version, self._by = threading.Lock(), None, "POST /admin/draft"
 
     @property
     def version(self) -> str | None:
         with self._lock:
             return self._version
 
-    def set(self, version: str | None) -> str | None:
-        """Pin `version` (None: release); returns the previous pin."""
+    @property
+    def by(self) -> str:
+        """Who set the pin (a log line names it)."""
         with self._lock:
-            old, self._version = self._version, version
+            return self._by
+
+    def set(self, version: str | None, by: str = "POST /admin/draft") -> str | None:
+        """Pin `version` (None: release) on behalf of `by`; returns the previous pin."""
+        with self._lock:
+            old, self._version, self._by = self._version, version, by
             return old
 
 
@@ -125,8 +132,9 @@ class ChampionWatcher(Poller):
         if pinned is not None:
             if self._held != (v, pinned):  # logged once per champion and pin
                 self._held = (v, pinned)
-                log.warning("champion %s at %s not installed: draft %s is pinned by POST /admin/draft "
-                            "(DELETE /admin/draft/pin to follow the champion again)", v, self.directory, pinned)
+                log.warning("champion %s at %s not installed: draft %s is pinned by %s "
+                            "(DELETE /admin/draft/pin to follow the champion again)", v, self.directory, pinned,
+                            self.pin.by)
             return None
         try:
             self.install(self.directory, v)

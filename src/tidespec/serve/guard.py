@@ -4,11 +4,14 @@ evaluation said, and rolls back a promotion that made live acceptance clearly wo
 Every `every_s` s, for each served draft — the generalist on each workload class it has drafted for,
 a class's own draft on its class (`engine.health`):
 its live first-token acceptance against its replayed one, and against the version served before it
-on the same class. /metrics: `tidespec:draft_first_token_acceptance{version,workload,source}`
+on the same class — measured on the traffic each served, so a hint, not evidence. /metrics:
+`tidespec:draft_first_token_acceptance{version,workload,source}`
 (source live | replayed | previous) and `tidespec:draft_regressed{version,workload,against}` (1 while
 clearly below; against replay | previous); a warning log line when a verdict turns. A version clearly
-below its predecessor calls `rollback(version, reason)` (a class's own draft: `rollback(version,
-reason, workload)`) once (the server wires it to the registry:
+below its predecessor is then scored against it on the same recent traffic (`judge`, a
+`serve.judge.PairedJudge`: both drafts teacher-forced on the class's newest captured records); only
+when the predecessor is clearly better there does it call `rollback(version, reason)` (a class's own
+draft: `rollback(version, reason, workload)`), once (the server wires it to the registry:
 an audited `rolled_back` decision and the restored champion deployed where the champion watcher
 picks it up; `tidespec:draft_rollbacks_total` counts them). Classes are labelled as the request
 counters label them (`ServeMetrics.label`: bounded). EAGLE-2 trees are not counted (`engine.health`):
@@ -23,7 +26,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge
 
-from ..engine.health import Verdict
+from ..engine.health import PairedComparison, Verdict
 from ..engine.speculative import Engine
 from .metrics import PREFIX, ServeMetrics
 from .poller import Poller
@@ -38,8 +41,9 @@ class HealthGuard(Poller):
     what = "draft health check"
 
     def __init__(self, engine: Engine, metrics: ServeMetrics, every_s: float,
-                 rollback: Callable[[str, str], None] | None = None):
-        self.engine, self.rollback, self.label = engine, rollback, metrics.label
+                 rollback: Callable[[str, str], None] | None = None,
+                 judge: Callable[[str, str, str], PairedComparison | None] | None = None):
+        self.engine, self.rollback, self.judge, self.label = engine, rollback, judge, metrics.label
         if engine.cfg.tree.eagle_topk > 1:
             log.info("draft health counts EAGLE3 chains: with engine.tree.eagle_topk %d greedy requests draft "
                      "trees, which it does not count", engine.cfg.tree.eagle_topk)
@@ -53,6 +57,7 @@ class HealthGuard(Poller):
         self.rollbacks = Counter(f"{PREFIX}draft_rollbacks", "Automatic rollbacks of a promoted draft.", registry=r)
         self._flagged: set[tuple[str, str, str]] = set()
         self._rolled: set[str] = set()
+        self._judged: dict[tuple[str, str], PairedComparison | None] = {}  # (version, class) → its verdict
         self._start(every_s, "tidespec-draft-health")
 
     def check(self) -> list[Verdict]:
@@ -100,10 +105,13 @@ class HealthGuard(Poller):
         if self.rollback is None or v.version in self._rolled:
             return
         prev = self.engine.health.previous(v.version)
-        reason = (
-            f"live first-token acceptance of v{v.version} on {v.workload!r} traffic {v.live:.3f} (~{v.chains:.0f} "
-            f"chains) clearly below v{prev}'s {v.reference:.3f} on the same traffic"
-        )
+        cmp = self._compare(v.version, prev, v.workload)
+        if cmp is None or not cmp.previous_better:
+            return
+        reason = (f"live first-token acceptance of v{v.version} on {v.workload!r} traffic {v.live:.3f} "
+                  f"(~{v.chains:.0f} chains) clearly below v{prev}'s {v.reference:.3f}, and on the same recent "
+                  f"traffic, teacher-forced, v{prev} is clearly better: "
+                  f"{cmp.line(v.version, prev, 'records (τ, teacher-forced)')}")
         try:
             self.rollback(v.version, reason, slot) if slot else self.rollback(v.version, reason)
         except Exception as e:  # noqa: BLE001 - a registry hiccup must not stop serving
@@ -112,3 +120,18 @@ class HealthGuard(Poller):
         self._rolled.add(v.version)
         self.rollbacks.inc()
         log.warning("rolled back v%s%s: %s", v.version, f" (class {slot!r}'s draft)" if slot else "", reason)
+
+    def _compare(self, version: str, prev: str, workload: str) -> PairedComparison | None:
+        """The paired verdict of (version, class), scored once (`judge`; None: no evidence yet, asked
+        again at the next check). A version kept is logged once with its figures."""
+        key = (version, workload)
+        if self._judged.get(key) is None:
+            cmp = self.judge(version, prev, workload) if self.judge is not None else None
+            if cmp is None:
+                return None
+            self._judged[key] = cmp
+            if not cmp.previous_better:
+                log.warning("draft v%s on %r: below v%s's earlier live acceptance, but not worse on the same "
+                            "recent traffic (%s): kept", version, workload, prev,
+                            cmp.line(version, prev, "records (τ, teacher-forced)"))
+        return self._judged[key]

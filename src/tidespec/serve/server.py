@@ -10,22 +10,27 @@ More: docs/design/serve.md.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import FastAPI
 
+from ..capture.recent import RecentRecords
 from ..config import ServeParams
 from ..engine.speculative import Engine
 from .admin import ADMIN_TOKEN_ENV, ChampionWatcher, ClassChampionWatcher, DraftInstaller, DraftPin, admin_router
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .guard import HealthGuard
+from .judge import PairedJudge
 from .lifespan import closing
 from .metrics import ServeMetrics, metrics_response
 from .openai import openai_router
 from .serving import OpenAIServing
 from .textlog import TextLog
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ADMIN_TOKEN_ENV", "build_app"]
 
@@ -71,7 +76,8 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                else None)
     classes = (ClassChampionWatcher(watch_classes_dir, watch_s, engine, install)
                if watch_classes_dir is not None and watch_s > 0 else None)
-    guard = HealthGuard(engine, metrics, cfg.health_check_s, rollback if cfg.auto_rollback else None)
+    guard = HealthGuard(engine, metrics, cfg.health_check_s, rollback if cfg.auto_rollback else None,
+                        _judge(engine, load_version, rollback if cfg.auto_rollback else None))
     app = FastAPI(title="tidespec", version="0.1", lifespan=closing(
         watcher and watcher.close, classes and classes.close, guard.close, loop.close, getattr(writer, "flush", None),
         textlog.close))
@@ -81,3 +87,17 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     app.add_api_route("/metrics", lambda: metrics_response(metrics.registry), methods=["GET"])
     install_error_handlers(app)
     return app
+
+
+def _judge(engine, load_version, rollback) -> PairedJudge | None:
+    """The guard's same-traffic scoring (`serve.judge`) over the capture sink's recent records, with
+    drafts from the registry; None (said once) when a rollback could not be judged: no hidden-state
+    capture, or no registry."""
+    sink = engine.capture
+    recent = sink if isinstance(sink, RecentRecords) else getattr(sink, "recent", None)
+    if recent is None or load_version is None:
+        if rollback is not None:
+            log.info("draft health: automatic rollback needs hidden-state capture and a registry to score both "
+                     "versions on the same traffic; without them the guard reports only")
+        return None
+    return PairedJudge(engine, recent.records, load_version)

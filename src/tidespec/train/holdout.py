@@ -96,6 +96,17 @@ class HoldoutEval:
         k = self.steps if k is None else min(k, self.steps)
         return int(self._rows(k).shape[0]) if self.positions else 0
 
+    def every_position_tau(self, k: int | None = None) -> float | None:
+        """1 + the mean leading run of right drafts (≤ k) with a chain started at *every* position
+        where one can start: the same positions whatever the draft, so two drafts compared on one
+        record are paired position by position (`simulated_tau` weighs the chains each draft's own
+        acceptance visits). None when nothing was evaluated."""
+        k = self.steps if k is None else min(k, self.steps)
+        if not self.positions:
+            return None
+        runs = torch.cat([torch.cumprod(right[:, :k].long(), 1).sum(1) for _, right in self._seqs])
+        return 1.0 + float(runs.float().mean())
+
     def simulated_tau(self, k: int | None = None) -> float | None:
         """Simulated acceptance length at k drafts (k defaults to, and is capped at, the TTT
         steps): τ = 1 + Σ_{i<k} Π_{j≤i} a_j with a_j = `conditional(k)`, i.e. 1 + the mean leading
@@ -169,3 +180,16 @@ def holdout_accuracy(draft: Eagle3Draft, target: Target, records: list[dict], tp
         if ex
         else HoldoutEval([], tparams.ttt_steps)
     )
+
+
+def record_taus(draft: Eagle3Draft, target: Target, records: list[dict], tparams: TrainParams,
+                k: int) -> list[float | None]:
+    """Per record, `HoldoutEval.every_position_tau(k)` of `draft` teacher-forced on it (`evaluate_holdout`
+    on that record alone; generated positions only); None for a record with no usable position. What the
+    draft-health guard compares two versions with, record by record (`serve.judge`). k ≥ 1: the
+    evaluation runs k TTT steps (the engine's num_draft_tokens), whatever `tparams.ttt_steps` says."""
+    out: list[float | None] = []
+    for r in records:
+        ex = prepare([r], target, draft.t2d, tparams.max_seq_len)
+        out.append(evaluate_holdout(draft, ex, k, tparams.batch_tokens).every_position_tau(k) if ex else None)
+    return out

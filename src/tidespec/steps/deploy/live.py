@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ...adapters import registry
 from ...adapters.spec_counters import SpecDecodeCounters, live_below_replay
+from ...engine.health import Z, paired_comparison
 from ...errors import TidespecError
 from ..tuning import live_windows
 
@@ -127,50 +129,72 @@ def report_live(dep, tracking_uri: str, target_id: str, sagemaker=None) -> dict 
 
 class LiveGuard:
     """Acts on live acceptance behind an engine server (vLLM, SGLang), one `check()` per round
-    (`LiveReporter` calls it).
+    (`LiveReporter` calls it). A version is judged against figures measured on the traffic it
+    serves, never against its replay (a holdout of other prompts: a shift of traffic would read
+    as a broken draft).
 
-    Each round judges the served version's counters since the last judged window, once the window
-    holds `min_drafts` drafts: clearly below the version's replayed τ (`replayed(version)`;
-    `spec_counters.live_below_replay`, 3 SE) or not. Hysteresis: `confirm` windows in a row below
-    trigger an action, any window not below resets the count, and each version gets each action
-    once:
-    1. **reload** the served draft in place (its own files again, prefix cache reset): what restores
-       a draft that decayed or was corrupted while serving (vLLM #41838: acceptance decaying over
-       hours, restored by a prefix-cache reset; SGLang PR #31674: draft weights lost after a memory
-       release);
-    2. still below after the reload: **roll back** — `rollback(version, reason)` (the server wires
-       the registry: the champion alias moved back, the decision and reason recorded, the restored
-       champion deployed, which the champion watcher then loads; it returns the restored version).
-       A version restored by a rollback is never rolled back by this guard (no cascade).
-    `rollback` None: reload only. Returns from `check()` the action taken ("reloaded",
-    "rolled_back") or None."""
+    Windows: the served version's counters since the last judged window, once it holds `min_drafts`
+    drafts. The version's first `reference_windows` windows are its **own reference** τ. Later
+    windows are compared with it (`below_reference`: τ lower by more than z = 3 standard errors of
+    the difference, both sides' SE). Hysteresis: `confirm` windows in a row below trigger an action,
+    any window not below resets the count:
+    1. **reload** the served draft in place (its own files again, prefix cache reset), once per
+       version: what restores a draft that decayed or was corrupted while serving (vLLM #41838:
+       acceptance decaying over hours, restored by a prefix-cache reset; SGLang PR #31674: draft
+       weights lost after a memory release);
+    2. still below after the reload — or, for a version just installed, its reference clearly below
+       its predecessor's latest window (earlier traffic: a hint) —, with `rollback` wired and a
+       previous version known: a **switchback trial** on the same traffic — the previous version and
+       the current one served in turn, one window each, `trial_pairs` pairs in ABBA order (P C, C P,
+       P C: a linear drift of the traffic cancels), the champion watcher held meanwhile (`hold`, a
+       `serve.admin.DraftPin`).
+       Previous − current τ per pair, with both windows' SE (`engine.health.paired_comparison`):
+       when the previous version is clearly better it is installed and `rollback(version, reason)`
+       moves the registry (returns the restored version); otherwise the current version is installed
+       again, kept (never trialled again) and its reference re-measured on today's traffic.
+    A version restored by a rollback is never trialled (no cascade). Returns from `check()` the
+    action taken ("reloaded", "trial", "rolled_back", "kept") or None."""
 
-    def __init__(self, dep, replayed: Callable[[str], float | None],
-                 rollback: Callable[[str, str], str | None] | None = None, min_drafts: int = 100,
-                 confirm: int = 2):
-        self.dep, self.replayed, self.rollback = dep, replayed, rollback
-        self.min_drafts, self.confirm = min_drafts, confirm
+    def __init__(self, dep, rollback: Callable[[str, str], str | None] | None = None, hold=None,
+                 min_drafts: int = 100, confirm: int = 2, reference_windows: int = 2, trial_pairs: int = 3,
+                 z: float = Z):
+        self.dep, self.rollback, self.hold = dep, rollback, hold
+        self.min_drafts, self.confirm, self.reference_windows = min_drafts, confirm, reference_windows
+        self.trial_pairs, self.z = trial_pairs, z
         self._version: str | None = None
         self._start: SpecDecodeCounters | None = None
-        self._below = 0
+        self._ref_start: SpecDecodeCounters | None = None
+        self._ref: SpecDecodeCounters | None = None
+        self._ref_n = self._below = 0
+        self._dirs: dict[str, Path | None] = {}  # version → its engine dir, as served
+        self._previous: dict[str, str] = {}  # version → the version served before it (its first time)
         self._reloaded: set[str] = set()
-        self._rolled: set[str] = set()
+        self._kept: set[str] = set()
         self._restored: set[str] = set()
+        self._last: dict[str, SpecDecodeCounters] = {}  # version → its latest `reference_windows` windows
+        self._marks: deque[SpecDecodeCounters] = deque(maxlen=reference_windows + 1)  # window boundaries
+        self._trial: _Trial | None = None
 
     def check(self) -> str | None:
         served, now = scrape_served(self.dep)
-        version = served.version
-        if version is None or now is None:
+        if served.version is None or now is None:
             return None
-        if version != self._version or self._start is None or now.num_drafts < self._start.num_drafts:
-            self._version, self._start, self._below = version, now, 0  # a new version, or a new server
+        if self._trial is not None:
+            return self._trial_step(served, now)
+        if served.version != self._version or self._start is None or now.num_drafts < self._start.num_drafts:
+            self._serving(served, now)  # a new version, or a new server (blue/green: counters from 0)
             return None
         window = now - self._start
         if window.num_drafts < self.min_drafts:
             return None
+        self._marks.append(now)
+        self._last[served.version] = now - self._marks[0]  # its latest windows, pooled
         self._start = now
-        replay = self.replayed(version)
-        if replay is None or not live_below_replay(window, replay, min_drafts=self.min_drafts):
+        if self._ref_n < self.reference_windows:
+            self._ref_n += 1
+            self._ref = now - self._ref_start
+            return self._hint(served.version) if self._ref_n == self.reference_windows else None
+        if not below_reference(window, self._ref, self.z):
             self._below = 0
             return None
         self._below += 1
@@ -178,24 +202,124 @@ class LiveGuard:
             return None
         self._below = 0
         reason = (f"live τ {window.acceptance_length:.3f} ± {window.acceptance_length_se:.3f} over the last "
-                  f"{window.num_drafts} drafts, {self.confirm} windows in a row, clearly below its replayed τ "
-                  f"{replay:.3f}")
-        return self._act(version, reason)
-
-    def _act(self, version: str, reason: str) -> str | None:
-        if version not in self._reloaded:
-            self._reloaded.add(version)
+                  f"{window.num_drafts} drafts, {self.confirm} windows in a row, clearly below its own τ "
+                  f"{self._ref.acceptance_length:.3f} ± {self._ref.acceptance_length_se:.3f} "
+                  f"({self._ref.num_drafts} drafts)")
+        if served.version not in self._reloaded:
+            self._reloaded.add(served.version)
             self.dep.reload()
-            log.warning("reloaded draft %s in place: %s", version, reason)
+            log.warning("reloaded draft %s in place: %s", served.version, reason)
             return "reloaded"
-        if self.rollback is None or version in self._rolled or version in self._restored:
+        return self._start_trial(served.version, f"{reason}, after a reload")
+
+    def _serving(self, served: ServedDraft, now: SpecDecodeCounters, rebaseline: bool = False) -> None:
+        """`served` is judged from `now` on: a new reference, measured over its next windows."""
+        if not rebaseline and served.version != self._version:
+            if self._version is not None and served.version not in self._dirs:
+                self._previous[served.version] = self._version
+            self._dirs.setdefault(served.version, served.draft_dir)
+        self._version, self._start, self._ref_start, self._ref = served.version, now, now, None
+        self._marks.clear()
+        self._marks.append(now)
+        self._ref_n = self._below = 0
+
+    def _hint(self, version: str) -> str | None:
+        """A new version's reference clearly below its predecessor's latest windows (measured on earlier
+        traffic: a hint, not evidence) → a switchback trial; None otherwise."""
+        prev = self._previous.get(version)
+        last = self._last.get(prev) if prev is not None else None
+        if last is None or not below_reference(self._ref, last, self.z):
             return None
-        self._rolled.add(version)
-        back = self.rollback(version, f"{reason}, after a reload")
-        if back is not None:
-            self._restored.add(str(back))
-        log.warning("rolled back draft %s to %s: %s, after a reload", version, back, reason)
-        return "rolled_back"
+        reason = (f"its first {self._ref.num_drafts} drafts' τ {self._ref.acceptance_length:.3f} is clearly below "
+                  f"v{prev}'s latest {last.acceptance_length:.3f} (earlier traffic)")
+        return self._start_trial(version, reason)
+
+    def _start_trial(self, version: str, reason: str) -> str | None:
+        prev = self._previous.get(version)
+        if (self.rollback is None or prev is None or self._dirs.get(prev) is None or version in self._kept
+                or version in self._restored):
+            return None
+        arms = [a for j in range(self.trial_pairs) for a in ((prev, version) if j % 2 == 0 else (version, prev))]
+        if self.hold is not None:
+            self.hold.set(version, by=f"the live guard's switchback trial of draft {version}")
+        self._trial = _Trial(version, prev, arms, reason)
+        log.warning("draft %s: %s: switchback trial against v%s on the same traffic "
+                    "(%d windows of %d drafts)", version, reason, prev, len(arms), self.min_drafts)
+        self._install(prev)
+        return "trial"
+
+    def _install(self, version: str) -> None:
+        if self.dep.served.version != version:
+            self.dep.install(self._dirs[version], version)
+        self._start = scrape_served(self.dep)[1]
+
+    def _trial_step(self, served: ServedDraft, now: SpecDecodeCounters) -> str | None:
+        t = self._trial
+        if self._start is None or now.num_drafts < self._start.num_drafts:
+            self._start = now
+            return None
+        window = now - self._start
+        if window.num_drafts < self.min_drafts:
+            return None
+        if served.version != t.arms[len(t.windows)]:  # something else installed a draft: no verdict
+            log.warning("switchback trial of draft %s stopped: %s serves now", t.current, served.version)
+            self._end_trial(served.version)
+            self._serving(self.dep.served, now)
+            return None
+        t.windows.append(window)
+        if len(t.windows) < len(t.arms):
+            self._install(t.arms[len(t.windows)])
+            return None
+        return self._conclude(t)
+
+    def _conclude(self, t: _Trial) -> str:
+        diffs, variances = [], []
+        for j in range(0, len(t.windows), 2):
+            a, b = t.windows[j], t.windows[j + 1]
+            p, c = (a, b) if t.arms[j] == t.previous else (b, a)
+            diffs.append(p.acceptance_length - c.acceptance_length)
+            variances.append(p.acceptance_length_se ** 2 + c.acceptance_length_se ** 2)
+        cmp = paired_comparison(diffs, variances, self.z)
+        line = cmp.line(t.current, t.previous, "window pairs (τ)")
+        if cmp.previous_better:
+            self._install(t.previous)
+            self._end_trial(t.previous)
+            back = self.rollback(t.current, f"{t.reason}; switchback on the same traffic: {line}")
+            self._restored.add(str(back or t.previous))
+            log.warning("rolled back draft %s to %s: %s", t.current, back, line)
+            self._serving(self.dep.served, scrape_served(self.dep)[1] or self._start)
+            return "rolled_back"
+        self._install(t.current)
+        self._end_trial(t.current)
+        self._kept.add(t.current)
+        log.warning("draft %s kept: not worse than v%s on the same traffic (%s); its reference is re-measured",
+                    t.current, t.previous, line)
+        self._serving(self.dep.served, self._start, rebaseline=True)
+        return "kept"
+
+    def _end_trial(self, version: str | None) -> None:
+        self._trial = None
+        if self.hold is not None:
+            self.hold.set(None)
+
+
+@dataclass
+class _Trial:
+    """A switchback trial in progress: the arms' versions in order, the windows measured so far."""
+    current: str
+    previous: str
+    arms: list[str]
+    reason: str
+    windows: list[SpecDecodeCounters] = field(default_factory=list)
+
+
+def below_reference(window: SpecDecodeCounters, reference: SpecDecodeCounters, z: float = Z) -> bool:
+    """Is the window's τ clearly below the reference's (the same version's earlier windows)? τ_ref −
+    τ_window > z · sqrt(SE_ref² + SE_window²): both sides' uncertainty (drafts independent)."""
+    a, b = window.acceptance_length_se, reference.acceptance_length_se
+    if a is None or b is None:
+        return False
+    return reference.acceptance_length - window.acceptance_length > z * (a * a + b * b) ** 0.5
 
 
 class LiveReporter:
