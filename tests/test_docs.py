@@ -13,7 +13,9 @@
     (the one CI runs);
 (f) every documented `tidespec serve` line passes the command's own checks as typed
     (`cli.serve_preflight`), against the shipped params.yaml, in the repository root, with only the
-    environment the line itself sets: a shipped default must never make a documented command fail.
+    environment the line itself sets: a shipped default must never make a documented command fail;
+(g) CHANGELOG.md, docs/ and bench/results/ speak of the product (dates, versions, hardware), never of
+    how its development was organised (work sessions, borrowed machines, their time limits).
 """
 from __future__ import annotations
 
@@ -349,3 +351,16 @@ def test_the_documented_serve_commands_are_found():
     assert len(lines) >= 3 and any("--backend vllm" in x for x in lines) and any("--backend sglang" in x for x in lines)
     assert split_env("TIDESPEC_ADMIN_TOKEN=change-me tidespec serve --port 8000") == (
         {"TIDESPEC_ADMIN_TOKEN": "change-me"}, "tidespec serve --port 8000")
+
+
+ORGANISATION = re.compile(r"\bstops? \d+\b|\(stop\b|\b(lent|lends)\b|device time|this session|the machine's 15 minutes",
+                          re.I)
+
+
+def test_the_product_docs_speak_of_the_product():
+    pages = [ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted((ROOT / "bench" / "results").rglob("*.md"))]
+    hits = [f"{p.relative_to(ROOT)}:{i}: {m.group(0)}" for p in pages
+            for i, line in enumerate(p.read_text().splitlines(), 1) if (m := ORGANISATION.search(line))]
+    assert not hits, hits
+    assert ORGANISATION.search("## 2026-12-05 (stop 53)") and ORGANISATION.search("one GPU was lent")
