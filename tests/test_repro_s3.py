@@ -1,8 +1,11 @@
 """`dvc repro` on a fresh clone of an older cycle reproduces its metrics, its inputs pulled from a DVC
-S3 remote (moto server on 127.0.0.1). Its own file: the longest test of the suite, scheduled beside
-the others by the parallel run (`make test`: one file per worker at a time)."""
+S3 remote (moto server on 127.0.0.1); `make repro`'s flags run with snapshots retention left on the
+remote only (the curate stage pulls those its window needs). Its own file: one of the longest tests
+of the suite, scheduled beside the others by the parallel run (`make test`: one file per worker at a
+time)."""
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -12,6 +15,7 @@ import pytest
 
 from conftest import make_tiny_workspace
 from tidespec.adapters import versioning
+from tidespec.adapters.publish import apply_retention
 from tidespec.capture.snapshots import list_snapshots
 
 pytestmark = pytest.mark.services
@@ -70,6 +74,23 @@ def test_fresh_clone_reproduces_older_cycle_metrics(tmp_path, aws_env, tiny_targ
     versioning.push(repo)
     versioning.git(repo, "add", "-A")
     versioning.git(repo, "commit", "-q", "-m", "cycle 2")
+    # `make repro` after ordinary serving: a third seal, and retention (capture.keep_local_snapshots: 2)
+    # left s1 on the remote only; a cleaned disk lost s3's local copy too (its pointer stays)
+    recipe = re.search(r"^repro:.*\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert f"/bin/dvc {' '.join(versioning.REPRO_ARGS)} &&" in recipe  # what make repro runs is what runs here
+    make_tiny_workspace(repo, tiny_target_dir, n_requests=16, champion=False, seed=8)
+    s3 = list_snapshots(ws.snapshots, target.target_id)[-1]
+    versioning.track(repo, s3)
+    versioning.push(repo)
+    assert apply_retention(repo, ws.snapshots, target.target_id, params.capture.keep_local_snapshots) == [s1.name]
+    versioning.drop_local(repo, s3, keep=[s2])
+    assert not s1.exists() and not s3.exists() and s3.with_name(s3.name + ".dvc").exists()
+    with pytest.raises(versioning.VersioningError, match="missing data 'source'"):
+        versioning.dvc(repo, "repro")  # plain dvc repro stops at once on a snapshot left on the remote
+    out = versioning.repro(repo)  # make repro's: skips s1 (outside the window), curate pulls s3 (inside)
+    assert "Running stage 'curate'" in out and (s3 / "snapshot.json").exists() and not s1.exists(), out
+    window = [Path(x).name for x in json.loads(ws.curated.read_text())["snapshots"]]
+    assert window == [s2.name, s3.name], window
     # fresh clone of the older cycle: pull its inputs from S3, rerun every stage
     clone = tmp_path / "clone"
     versioning.git(tmp_path, "clone", "-q", str(repo), str(clone))

@@ -205,9 +205,16 @@ def drop_local(repo: Path, path: Path, keep: list[Path] = ()) -> int:
     return freed
 
 
+# `make repro`'s flags: a snapshot that retention left on the remote only (its `.dvc` pointer, no
+# local copy) is a data-source stage with missing data, which plain `dvc repro` refuses ("missing
+# data 'source'"); the curate stage pulls the ones its window needs (`steps.cycle.pull_window`)
+REPRO_ARGS = ("repro", "--allow-missing")
+
+
 def repro(repo: Path, stage: str | None = None) -> str:
-    """``dvc repro [stage]`` (dvc.yaml stages); returns dvc's stdout. Raises VersioningError."""
-    return dvc(repo, "repro", *([stage] if stage else []))
+    """``dvc repro --allow-missing [stage]`` (dvc.yaml stages; `REPRO_ARGS`, what `make repro` runs);
+    returns dvc's stdout. Raises VersioningError."""
+    return dvc(repo, *REPRO_ARGS, *([stage] if stage else []))
 
 
 def _is_dvc_meta(p: str) -> bool:

@@ -88,8 +88,27 @@ def mark_done(ws: Workspace, curated: Path) -> None:
     os.replace(tmp, ws.last_cycle)
 
 
+def pull_window(ws: Workspace, params: Params, target_id: str) -> list[str]:
+    """Pull from the DVC remote the snapshots of the curate window (the newest `curate.window` of
+    the target, local or DVC-tracked, by snapshot id: ids are UTC seal times) that retention left on
+    the remote only (a `<id>.dvc` pointer, no local copy); older remote-only snapshots stay there.
+    Returns the ids pulled ([] outside a DVC repo). Raises VersioningError when the pull fails."""
+    d = ws.snapshots / target_id
+    if not (ws.root / ".dvc").is_dir() or not d.is_dir():
+        return []
+    ids = {p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    ids |= {p.name[: -len(".dvc")] for p in d.glob("*.dvc")}
+    missing = [s for s in sorted(ids)[-params.curate.window:] if not (d / s / "snapshot.json").exists()]
+    if missing:
+        log.info("pulling %d snapshot(s) of the curate window from the DVC remote: %s", len(missing), missing)
+        versioning.pull(ws.root, [d / f"{s}.dvc" for s in missing])
+    return missing
+
+
 def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
-    """Curate the newest snapshots into `ws.curated`; previous index (if any) gives the drift."""
+    """Curate the newest snapshots into `ws.curated` (those of the window that retention left on the
+    DVC remote only are pulled first: `pull_window`); previous index (if any) gives the drift."""
+    pulled = pull_window(ws, params, target_id)
     prev = ws.curated.with_name("curated.prev.json")
     if ws.curated.exists():
         os.replace(ws.curated, prev)
@@ -97,7 +116,7 @@ def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
     return {"curated": str(r.path), "num_train": r.num_train, "num_val": r.num_val,
             "num_holdout": r.num_holdout, "holdout": str(r.holdout), "num_tokens": r.num_tokens,
             "dropped": r.dropped, "drift_jsd": r.drift_jsd, "num_replay": r.num_replay,
-            "holdout_split": params.curate.holdout_split}
+            "holdout_split": params.curate.holdout_split, "pulled": pulled}
 
 
 # -- train ------------------------------------------------------------------------------------
