@@ -433,6 +433,8 @@ SCRIPTS = {
     "grammar-libs": ("grammar_libs", "xgrammar vs llguidance: compile, mask and consume costs on the target's "
                                      "tokenizer."),
     "pretrain-code": ("pretrain_code", "A draft pretrained on teacher-forced generic code (the standard library)."),
+    "static-general": ("static_general", "A well-trained general static draft (≥ 1M ShareGPT tokens, resumable), "
+                                         "its curve per epoch on a general holdout."),
 }
 
 
