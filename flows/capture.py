@@ -11,7 +11,7 @@ from prefect import flow, get_run_logger
 
 from tidespec.adapters.publish import Publisher
 from tidespec.adapters.s3_capture import S3Objects, default_sources
-from tidespec.adapters.vllm import rehydrator_for
+from tidespec.backends.vllm import rehydrator_for
 from tidespec.capture.ingest import ingest_source
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import load_params

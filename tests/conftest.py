@@ -191,7 +191,7 @@ def vllm_python_or_skip() -> str:
     where vLLM cannot run here."""
     import pytest
 
-    from tidespec.adapters import vllm
+    from tidespec.backends import vllm
     py = os.environ.get("TIDESPEC_VLLM_PYTHON", str(Path(__file__).resolve().parents[1] / vllm.VENV / "bin" / "python"))
     reason = vllm.unavailable_reason(py)
     if reason:

@@ -27,7 +27,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "capture.curate", "capture.replay_buffer", "capture.recent",
                     "train", "train.*")),
     ("serve", ("serve", "serve.*")),
-    ("adapters", ("adapters", "adapters.*")),  # adapters.vllm_plugin.* runs inside the vLLM server, imports vllm only
+    # one folder per external system (adapters/) and per serving engine (backends/: launch, supervisor,
+    # swap, counters); backends.*.plugin.* run inside the engine's server and import only the engine
+    ("adapters", ("adapters", "adapters.*", "backends", "backends.*")),
     ("steps", ("steps", "steps.*")),
     ("entry points", ("demos", "demos.*", "bench", "bench.*", "cli", "cli.*")),
 ]
@@ -45,6 +47,7 @@ FOLDERS: dict[str, tuple[str, dict[str, str]]] = {
     "train": ("data+train", {}),
     "serve": ("serve", {}),
     "adapters": ("adapters", {}),
+    "backends": ("adapters", {}),
     "steps": ("steps", {}),
     "demos": ("entry points", {}),
     "bench": ("entry points", {}),

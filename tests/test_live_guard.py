@@ -1,4 +1,4 @@
-"""The live guard behind an engine server (`steps.deploy.live.LiveGuard`) on simulated counters: a
+"""The live guard behind an engine server (`backends.live.LiveGuard`) on simulated counters: a
 version judged against its own earlier windows, a reload for a corrupted draft, and a rollback only
 when a switchback trial on the same traffic finds the previous version clearly better
 (`engine.health.paired_comparison`). The same guard against a real vLLM runs in test_vllm_real.
@@ -12,10 +12,11 @@ import random
 
 import pytest
 
-from tidespec.adapters.spec_counters import SpecDecodeCounters
+from tidespec.backends.base import ServedDraft
+from tidespec.backends.live import LiveGuard, below_reference
+from tidespec.backends.spec_counters import SpecDecodeCounters
 from tidespec.engine.health import paired_comparison
 from tidespec.serve.admin import DraftPin
-from tidespec.steps.deploy.live import LiveGuard, ServedDraft, below_reference
 
 K = 3
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tidespec.adapters.spec_counters import SpecDecodeCounters
-from tidespec.steps.deploy import vllm as deploy_vllm
-from tidespec.steps.deploy.live import ServedDraft, scrape_served
+from tidespec.backends.base import ServedDraft, scrape_served
+from tidespec.backends.spec_counters import SpecDecodeCounters
+from tidespec.backends.vllm import deployment as deploy_vllm
 from tidespec.workspace import write_version
 
 URL = "http://127.0.0.1:9"

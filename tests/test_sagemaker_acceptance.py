@@ -193,7 +193,9 @@ def test_published_acceptance_lands_on_the_alarms_metric_on_moto(aws_env, tiny_t
     srv.c = {"verify": 40, "generated": 110, "requests": 10}
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        pub = acceptance.Publisher(f"http://127.0.0.1:{srv.server_port}", "sglang", 4, ep, "7", cloudwatch=cw)
+        from tidespec.backends.acceptance import engine_scrape
+        pub = acceptance.Publisher(engine_scrape(f"http://127.0.0.1:{srv.server_port}", "sglang", 4), ep, "7",
+                                   cloudwatch=cw)
         assert pub.publish_once() is None  # the first read opens the window
         srv.c = {"verify": 120, "generated": 250, "requests": 20}
         assert pub.publish_once() is None  # 80 drafts: too few for a datapoint
@@ -223,7 +225,7 @@ def test_published_acceptance_lands_on_the_alarms_metric_on_moto(aws_env, tiny_t
 
 
 def test_the_images_start_the_publisher_only_when_asked(tmp_path):
-    """Both serving images' entrypoints start `python3 -m tidespec.adapters.sagemaker_deploy.acceptance`
+    """Both serving images' entrypoints start `python3 -m tidespec.backends.acceptance`
     beside the engine when TIDESPEC_ACCEPTANCE=1, and not otherwise; the SGLang wrapper then runs
     the DLC's own entrypoint with SageMaker's arguments."""
     bin_ = tmp_path / "bin"
@@ -249,7 +251,7 @@ def test_the_images_start_the_publisher_only_when_asked(tmp_path):
                 break
             threading.Event().wait(0.1)
             started = calls.read_text().splitlines() if calls.exists() else []
-        assert started == ([] if flag == "0" else ["-m tidespec.adapters.sagemaker_deploy.acceptance"] * 2)
+        assert started == ([] if flag == "0" else ["-m tidespec.backends.acceptance"] * 2)
     r = subprocess.run(["bash", str(ROOT / "infra/containers/sglang/with-acceptance.sh"), "serve"],
                        capture_output=True, text=True, env={"PATH": path})
     assert r.returncode == 2 and "BASE_ENTRYPOINT" in r.stderr

@@ -140,8 +140,8 @@ def test_preflight_runs_the_command_checks_on_its_own_arguments(tmp_path, capsys
 def test_an_engine_server_that_cannot_run_here_is_refused_before_any_note(tmp_path, capsys):
     """`tidespec serve --backend sglang|vllm` with an environment that is not there: refused by the
     adapter's probe, naming the fix, before any note or "starting" line is printed."""
-    from tidespec.adapters.sglang import SGLangUnavailable
-    from tidespec.adapters.vllm import VLLMUnavailable
+    from tidespec.backends.sglang import SGLangUnavailable
+    from tidespec.backends.vllm import VLLMUnavailable
     from tidespec.cli.serve import serve_preflight
     (tmp_path / ".dvc").mkdir()
     missing = str(tmp_path / "no-env" / "bin" / "python")
@@ -252,9 +252,9 @@ def test_the_engine_servers_tidespec_starts_run_target_dtype(tmp_path, monkeypat
     """`tidespec serve --backend vllm / sglang` start their server at target.dtype (it was vLLM's
     float32 and SGLang's auto whatever the params said); SGLang at float32 gets its triton attention
     backend (fa3, Hopper's default, refuses fp32), and a note says so."""
+    from tidespec.backends.sglang import deployment as dep_sglang
+    from tidespec.backends.vllm import deployment as dep_vllm
     from tidespec.cli import serve as cli_serve
-    from tidespec.steps.deploy import sglang as dep_sglang
-    from tidespec.steps.deploy import vllm as dep_vllm
     from tidespec.workspace import Workspace
     got = {}
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidespec.adapters import sglang as sg
+from tidespec.backends import sglang as sg
 from tidespec.config import CaptureParams, EngineParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -344,8 +344,8 @@ def test_in_place_swap_on_sglang_under_load(fake_python, tiny_target, tmp_path, 
     vocabulary map. A draft with another config or vocabulary map is refused before any call, naming
     why; an update SGLang fails loads the served draft's files again. Live counters are differenced at the swap."""
     from tidespec.adapters.process import free_port
+    from tidespec.backends.sglang.deployment import SGLangDeployment
     from tidespec.serve.frontdoor import build_frontdoor
-    from tidespec.steps.deploy.sglang import SGLangDeployment
     record = tmp_path / "calls.jsonl"
     monkeypatch.setenv("SGLANG_RECORD", str(record))
     fails = tmp_path / "fail"  # the recorded server fails the next update once this file exists
@@ -444,8 +444,8 @@ def test_swap_reads_the_server_and_refuses_before_any_change(fake_python, tiny_t
     --base-gpu-id 1 --gpu-id-step 2, tp 2 → cuda:1, cuda:3); the served draft keeps serving."""
     from conftest import random_draft
     from tidespec.adapters.process import free_port
+    from tidespec.backends.sglang.deployment import SGLangDeployment
     from tidespec.models.eagle3 import save_checkpoint
-    from tidespec.steps.deploy.sglang import SGLangDeployment
     record = tmp_path / "calls.jsonl"
     monkeypatch.setenv("SGLANG_RECORD", str(record))
     b = _bundles(tiny_target, tmp_path)
@@ -535,7 +535,7 @@ def test_serve_backend_sglang_starts_it_and_loads_each_champion_in_place(fake_py
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{flags['--port']}/health", timeout=2)  # SGLang stopped with it
     out = (tmp_path / "serve.log").read_text()  # the swap is logged with the version now served
-    assert "INFO tidespec.steps.deploy.sglang: SGLang now serves draft 2, loaded in place" in out, out[-2000:]
+    assert "INFO tidespec.backends.sglang.deployment: SGLang now serves draft 2, loaded in place" in out, out[-2000:]
 
 
 def _under_load(app, swap):
@@ -589,7 +589,7 @@ def test_sglang_counters_and_their_standard_error():
     assert c.acceptance_length == 2.5 and c.acceptance_length_se == pytest.approx(0.0474342, rel=1e-5)
     assert sg.parse_metrics(text(2760, 260), 3) == c  # 60 one-token requests: no drafts, nothing accepted
     assert sg.parse_metrics("# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total 5.0\n", 3) is None
-    from tidespec.adapters.spec_counters import live_below_replay
+    from tidespec.backends.spec_counters import live_below_replay
     assert live_below_replay(c, 2.65) and not live_below_replay(c, 2.64)  # 2.5 + 3 × 0.0474 = 2.642
 
 
@@ -736,9 +736,9 @@ def test_real_sglang_swaps_the_draft_in_place(tmp_path, real_target):
 
     from conftest import random_draft
     from tidespec.adapters.process import free_port
+    from tidespec.backends.sglang.deployment import SGLangDeployment
     from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.load import target_dir
-    from tidespec.steps.deploy.sglang import SGLangDeployment
     from tidespec.workspace import make_bundle, write_version
     target, tok = real_target
     hf = str(target_dir("smollm2"))

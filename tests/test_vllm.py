@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tidespec.adapters import vllm
+from tidespec.backends import vllm
 
 
 def test_launch_line_names_the_draft_and_k(tmp_path):
@@ -39,7 +39,7 @@ def test_launch_line_names_the_draft_and_k(tmp_path):
     with pytest.raises(ValueError, match="1 <= min <= max"):
         vllm.VLLMLaunch("/m", ngram=(4, 2))
     # hidden-state extraction (ingest.rehydrate_backend: vllm): the layers as the pseudo-draft's aux ids,
-    # the CPU connector from vllm_plugin/ (on the server's PYTHONPATH), no prefix cache
+    # the CPU connector from backends/vllm/plugin/ (on the server's PYTHONPATH), no prefix cache
     ex = vllm.VLLMLaunch("/m", extract_layers=(2, 15, 27, 30), extract_dir="/x")
     a = vllm.launch_args(ex)
     assert json.loads(a[a.index("--speculative-config") + 1]) == {

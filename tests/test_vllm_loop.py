@@ -33,7 +33,7 @@ pytestmark = pytest.mark.services
 
 
 def _counters(url: str):
-    from tidespec.adapters.vllm import parse_metrics
+    from tidespec.backends.vllm import parse_metrics
     return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
 
 

@@ -3,7 +3,7 @@
 Target: the tiny Llama as vLLM runs it (`conftest.make_vllm_tiny_target`); draft: trained here on
 the target's own greedy outputs (so acceptance is well above 0 and the counters discriminate). Skipped, with the
 reason printed, only where vLLM cannot run
-(`adapters.vllm.unavailable_reason`: no .venv-vllm, or a CPU without AVX2).
+(`backends.vllm.unavailable_reason`: no .venv-vllm, or a CPU without AVX2).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import make_vllm_tiny_target, vllm_python_or_skip
-from tidespec.adapters import vllm
 from tidespec.adapters.process import free_port
+from tidespec.backends import vllm
 from tidespec.config import EngineParams
 
 K, MAX_TOKENS = 3, 24
@@ -113,14 +113,14 @@ def test_in_place_swap_live_guard_blue_green_and_agreement(tiny_vllm_setup, weak
     k: the same tokens and the same drafts, draft tokens, accepted and per-position counts (a draft
     vLLM reads differently — aux layer ids, d2t, fc layout — changes them; "accepted > 0" would not
     notice; vLLM also counts accepted drafts a cut drops, which `as_vllm()` adds back)."""
+    from tidespec.backends.live import LiveGuard
+    from tidespec.backends.vllm.deployment import VLLMDeployment
     from tidespec.engine.sampling import SamplingParams
     from tidespec.engine.speculative import Engine
     from tidespec.engine.stats import SpecDecodingStats
     from tidespec.models.eagle3 import load_checkpoint
     from tidespec.models.runner import DraftRunner
     from tidespec.serve.frontdoor import build_frontdoor
-    from tidespec.steps.deploy.live import LiveGuard
-    from tidespec.steps.deploy.vllm import VLLMDeployment
     from tidespec.workspace import copy_engine_files, make_bundle, write_version
     _, target, strong, prompts = tiny_vllm_setup
     bundles = {}
@@ -286,13 +286,13 @@ def _exchanges(target, prompts, n=MAX_TOKENS):
 
 def test_vllm_rehydration_equals_the_embedded_prefill(tiny_vllm_setup, vllm_python, tmp_path):
     """`ingest.rehydrate_backend: vllm`: vLLM's hidden-state extraction (the CPU connector in
-    adapters/vllm_plugin) rebuilds each exchange's record — same input ids and loss mask, aux
+    backends/vllm/plugin) rebuilds each exchange's record — same input ids and loss mask, aux
     `[T, 3H]` and final post-norm hidden `[T, H]` equal to the embedded prefill within fp32 noise —
     and an exchange the embedded check refuses comes back as its ValueError."""
     import yaml
 
     from conftest import tiny_params_yaml
-    from tidespec.adapters.vllm import rehydration_layers, rehydrator_for
+    from tidespec.backends.vllm import rehydration_layers, rehydrator_for
     from tidespec.capture.ingest import EmbeddedRehydrator
     from tidespec.config import Params
     d, target, _, prompts = tiny_vllm_setup

@@ -8,7 +8,7 @@ if [[ -z ${TIDESPEC_BASE_ENTRYPOINT:-} ]]; then
   exit 2
 fi
 if [[ ${TIDESPEC_ACCEPTANCE:-0} == 1 ]]; then
-  python3 -m tidespec.adapters.sagemaker_deploy.acceptance &
+  python3 -m tidespec.backends.acceptance &
 fi
 read -r -a base <<< "$TIDESPEC_BASE_ENTRYPOINT"
 exec "${base[@]}" "$@"

@@ -25,7 +25,7 @@ done < <(env -0 | sort -z)
 # TIDESPEC_ACCEPTANCE=1 (set by `tidespec deploy sagemaker` with canary.alarm_acceptance): publish the
 # engine's live acceptance length to CloudWatch beside it, for the auto-rollback alarm
 if [[ ${TIDESPEC_ACCEPTANCE:-0} == 1 ]]; then
-  python3 -m tidespec.adapters.sagemaker_deploy.acceptance &
+  python3 -m tidespec.backends.acceptance &
 fi
 read -r -a cmd <<< "${VLLM_CMD:-vllm serve}"
 exec "${cmd[@]}" "${args[@]}"

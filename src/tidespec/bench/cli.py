@@ -322,7 +322,7 @@ def _vllm_rows(python: str | None) -> tuple[str | None, str | None]:
     """(vLLM's interpreter or None, why there are no vLLM rows or None). Default: `make vllm`'s venv
     when it runs here, else no rows and the reason (printed and kept in the report); a --vllm-python
     given explicitly must work."""
-    from ..adapters import vllm
+    from ..backends import vllm
     if python == "none":
         return None, "--vllm-python none"
     reason = vllm.unavailable_reason(python or vllm.default_python())

@@ -248,7 +248,7 @@ class TidespecMethod:
 
 
 class VLLMMethod:
-    """A vLLM OpenAI server (`adapters.vllm`) on the same target dir, started by this worker: no
+    """A vLLM OpenAI server (`backends.vllm`) on the same target dir, started by this worker: no
     speculation, vLLM's n-gram proposer (prompt_lookup_max = `spec.prompt_lookup`, prompt_lookup_min
     = min(2, that)) or the EAGLE3 draft `spec.draft` at k = `spec.k` (vLLM's k is fixed per server).
     Prefix caching is off (a later pass must not find its prompts cached: tidespec's engine has no
@@ -260,22 +260,18 @@ class VLLMMethod:
     def __init__(self, spec: MethodSpec, params, threads: int):
         import tempfile
 
-        from ..adapters import vllm
-        from ..adapters.process import free_port
+        from ..backends import vllm
         from ..workspace import engine_dir
 
         self.spec, self.k = spec, spec.k or params.engine.num_draft_tokens
         pl = spec.prompt_lookup
-        cfg = vllm.VLLMLaunch(
-            str(target_dir(params.target.source)),
-            python=spec.python or vllm.default_python(),
+        cfg = vllm.VLLMLaunch.from_params(
+            params,
+            python=spec.python,
             draft_path=str(engine_dir(Path(spec.draft))) if spec.draft else None,
             ngram=(min(2, pl), pl) if pl else None,
             num_speculative_tokens=self.k,
-            port=free_port(),
             served_model_name="bench",
-            dtype=params.target.dtype,
-            max_model_len=params.engine.max_seq_len,
             max_num_seqs=spec.max_batch or params.engine.max_batch,
             threads=threads,
             extra_args=("--no-enable-prefix-caching",),
@@ -344,7 +340,7 @@ class VLLMMethod:
         processes' own peaks (VmHWM: API server, engine core, worker), what the row's memory is."""
         import psutil
 
-        from ..adapters.vllm import VLLM_VERSION, launch_args
+        from ..backends.vllm import VLLM_VERSION, launch_args
         procs = [psutil.Process(self.server.server.proc.pid)]
         procs += procs[0].children(recursive=True)
         return {"vllm": VLLM_VERSION, "start_s": self.start_s, "args": launch_args(self.server.cfg)[1:],

@@ -16,16 +16,15 @@ from pathlib import Path
 
 import httpx
 
-from tidespec.adapters import vllm
-from tidespec.adapters.process import free_port
 from tidespec.assets.prompts import humaneval
+from tidespec.backends import vllm
 from tidespec.config import EngineParams, Params
 from tidespec.engine.build import make_engine
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.stats import SpecDecodingStats
 from tidespec.models.chat import prompt_ids
 from tidespec.models.eagle3 import load_checkpoint
-from tidespec.models.load import get_target, target_dir
+from tidespec.models.load import get_target
 from tidespec.models.runner import DraftRunner
 from tidespec.workspace import engine_dir
 
@@ -54,9 +53,9 @@ def main(argv: list[str] | None = None) -> None:
         ours.append(g.tokens)
         total = total.merge(g.stats)
     want = vllm.SpecDecodeCounters(*total.as_vllm())
-    cfg = vllm.VLLMLaunch(str(target_dir("smollm2")), python=a.python, draft_path=str(engine_dir(a.draft)),
-                          num_speculative_tokens=a.k, port=free_port(), served_model_name="smollm2",
-                          max_model_len=1024)
+    cfg = vllm.VLLMLaunch.from_params(Params(), python=a.python, draft_path=str(engine_dir(a.draft)),
+                                      num_speculative_tokens=a.k, served_model_name="smollm2", max_model_len=1024,
+                                      max_num_seqs=8)  # the shipped target (SmolLM2), fp32
     t0 = time.monotonic()
     with vllm.VLLMServer(cfg, Path(".tidespec") / "vllm-agreement.log") as srv:
         start_s = time.monotonic() - t0

@@ -23,10 +23,9 @@ from pathlib import Path
 
 import psutil
 
-from tidespec.adapters import vllm
-from tidespec.adapters.process import free_port
-from tidespec.models.load import target_dir
-from tidespec.steps.deploy.vllm import VLLMDeployment
+from tidespec.backends import vllm
+from tidespec.backends.vllm.deployment import VLLMDeployment
+from tidespec.config import Params
 from tidespec.workspace import make_bundle, write_version
 
 
@@ -74,9 +73,9 @@ class _Peak:
 
 def one(mode: str, a: Path, b: Path, args, work: Path) -> dict:
     """One deployment serving `a`, then `b` installed by `mode`: seconds and memory."""
-    launch = vllm.VLLMLaunch(str(target_dir("smollm2")), python=args.python, num_speculative_tokens=args.k,
-                             port=free_port(), served_model_name="smollm2", max_model_len=1024,
-                             kv_cache_gib=args.kv_cache_gib)
+    launch = vllm.VLLMLaunch.from_params(Params(), python=args.python, num_speculative_tokens=args.k,
+                                         served_model_name="smollm2", max_model_len=1024, max_num_seqs=8,
+                                         kv_cache_gib=args.kv_cache_gib)  # the shipped target (SmolLM2), fp32
     dep = VLLMDeployment(launch, work / mode, in_place=mode == "in_place").start(a)
     try:
         before = _Peak.now()

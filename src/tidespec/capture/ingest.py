@@ -130,7 +130,7 @@ def crash_point(name: str) -> None:
 
 class Rehydrator(Protocol):
     """Turns exchanges (prompt ids, generated ids) into capture records, a batch at a time: the
-    embedded target (`EmbeddedRehydrator`) or an engine elsewhere (`adapters.vllm.VLLMRehydrator`:
+    embedded target (`EmbeddedRehydrator`) or an engine elsewhere (`backends.vllm.VLLMRehydrator`:
     vLLM's hidden-state extraction). Returns per exchange its record or the ValueError that skips it."""
 
     batch_size: int

@@ -145,10 +145,10 @@ def _engine_runs_here(launch) -> None:
     `unavailable_reason`: no environment, no CUDA for SGLang, no AVX2 for vLLM's CPU build).
     Raises VLLMUnavailable / SGLangUnavailable naming the fix."""
     if launch.backend == "vllm":
-        from ..adapters import vllm as engine
+        from ..backends import vllm as engine
         python, refused = launch.vllm_python or engine.default_python(), engine.VLLMUnavailable
     else:
-        from ..adapters import sglang as engine
+        from ..backends import sglang as engine
         python, refused = launch.sglang_python or engine.default_python(), engine.SGLangUnavailable
     reason = engine.unavailable_reason(python)
     if reason:
@@ -197,9 +197,9 @@ def _serve_publisher(p, ws, env=None):
 def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     """`tidespec serve --backend sglang|vllm`: the OpenAI front door (`frontdoor.py`) before an engine
     server: one this command starts (vLLM; SGLang without --sglang-url), with each champion the
-    cycle deploys loaded into it (`deploy.vllm`, `deploy.sglang`) and its live acceptance logged
-    and acted on (`deploy.live`); or the user's SGLang at `launch.sglang_url`, as it is. Capture
-    there is text (a front door sees no hidden states)."""
+    cycle deploys loaded into it (`backends.vllm.deployment`, `backends.sglang.deployment`) and its
+    live acceptance logged and acted on (`backends.live`); or the user's SGLang at `launch.sglang_url`,
+    as it is. Capture there is text (a front door sees no hidden states)."""
     import uvicorn
 
     from ..capture.text import TextCapture
@@ -227,8 +227,10 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     every, hold = p.serve.watch_champion_s, DraftPin()
     watcher = ChampionWatcher(ws.champion, every, dep, dep.install, hold) if every > 0 else None
     uri = os.environ.get("MLFLOW_TRACKING_URI")
-    from ..steps.deploy.live import LiveGuard, LiveReporter
-    live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s, p.deploy.sagemaker,
+    from ..backends.live import LiveGuard, LiveReporter
+    from ..steps.tuning import live_windows
+    live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s,
+                         lambda per_pos, n: live_windows(p.deploy.sagemaker, per_pos, n),
                          LiveGuard(dep, _registry_rollback(p, target_id(p), ws), hold))
             if uri and p.serve.live_stats_s > 0 else None)
     try:
@@ -288,18 +290,12 @@ def _start_vllm(p, ws, python: str | None, host: str):
     k = engine.num_draft_tokens, max_model_len = engine.max_seq_len (None: the model's), max_num_seqs =
     engine.max_batch, --dtype = target.dtype (the engine knobs vLLM has no equivalent for were refused
     by `serve_preflight`)."""
-    from ..adapters.process import free_port, loopback
-    from ..adapters.vllm import VLLMLaunch, default_python
-    from ..models.load import target_dir
-    from ..steps.deploy.vllm import VLLMDeployment
-    e = p.engine
-    python = python or default_python()
-    host = loopback(host)  # only the front door talks to vLLM (and its swap route)
-    sv = p.serve_resolved()
-    launch = VLLMLaunch(str(target_dir(p.target.source)), python=python, num_speculative_tokens=e.num_draft_tokens,
-                        host=host, port=free_port(host), served_model_name=sv.served_model_name,
-                        max_model_len=e.max_seq_len, max_num_seqs=e.max_batch, dtype=p.target.dtype)
-    console.print(f"serve: starting vLLM ({python}; log under {ws.state / 'vllm' / 'logs'}; ~30-60 s on CPU)",
+    from ..adapters.process import loopback
+    from ..backends.vllm import VLLMLaunch
+    from ..backends.vllm.deployment import VLLMDeployment
+    launch = VLLMLaunch.from_params(p, python=python, host=loopback(host),  # only the front door talks to vLLM
+                                    served_model_name=p.serve_resolved().served_model_name)
+    console.print(f"serve: starting vLLM ({launch.python}; log under {ws.state / 'vllm' / 'logs'}; ~30-60 s on CPU)",
                   markup=False)
     return VLLMDeployment(launch, ws.state / "vllm").start(ws.champion if ws.champion.exists() else None)
 
@@ -311,10 +307,10 @@ def _start_sglang(p, ws, python: str | None, host: str):
     with SGLang's triton attention backend: `SGLANG_FLOAT32_ARGS`). Raises SGLangUnavailable naming
     the fix (no CUDA, no SGLang environment)."""
     from ..adapters.process import free_port, loopback
-    from ..adapters.sglang import SGLANG_FLOAT32_ARGS, SGLangLaunch, default_python
+    from ..backends.sglang import SGLANG_FLOAT32_ARGS, SGLangLaunch, default_python
+    from ..backends.sglang.deployment import SGLangDeployment
     from ..config import tree_num_draft_tokens
     from ..models.load import target_dir
-    from ..steps.deploy.sglang import SGLangDeployment
     e, sv = p.engine, p.serve_resolved()
     topk = e.tree.eagle_topk
     host = loopback(host)  # only the front door and the swap script talk to it
@@ -329,7 +325,7 @@ def _start_sglang(p, ws, python: str | None, host: str):
     return SGLangDeployment(launch, ws.state / "sglang").start(ws.champion if ws.champion.exists() else None)
 
 def _registry_rollback(p, target_id: str, ws):
-    """The draft-health guards' rollback (`serve.guard`, `deploy.live.LiveGuard`): when the registry's
+    """The draft-health guards' rollback (`serve.guard`, `backends.live.LiveGuard`): when the registry's
     champion is still the version the guard found worse, `registry.rollback` (an audited decision)
     and the restored champion deployed into data/drafts/champion, where the champion watcher
     installs it; returns the restored version (None: nothing rolled back). None without

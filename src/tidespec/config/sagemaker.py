@@ -232,7 +232,7 @@ class CanaryParams(_Strict):
     one instance, baking) period watched by the alarms; alarm_5xx: Invocation5XXErrors per minute that
     trips the rollback; alarm_p99_latency_ms: ModelLatency p99 that does (None: no latency alarm);
     alarm_acceptance: a third alarm on the new draft's live acceptance length, which the serving
-    image publishes to CloudWatch (`sagemaker_deploy.acceptance`; the images in infra/containers run
+    image publishes to CloudWatch (`backends.acceptance`; the images in infra/containers run
     it): two minutes below the τ its evaluation replayed at the served window, by more than 3
     standard errors over 100 drafts, trip the rollback."""
 

@@ -24,9 +24,10 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import assets
-from ..adapters import orchestrate, registry, services, versioning, vllm
+from ..adapters import orchestrate, registry, services, versioning
 from ..adapters.process import free_port, poll_until
 from ..assets import prompts
+from ..backends import vllm
 from ..config import load_params
 from ..models.chat import prompt_ids
 from ..models.load import get_target

@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -96,6 +96,15 @@ class DraftInstaller:
         log.info("class %r's draft %s removed by %s: the generalist serves it", workload, old, by)
 
 
+class ServesDraft(Protocol):
+    """What the champion watcher watches: the embedded `Engine`, or any serving backend
+    (`backends.base.Backend`: vLLM, SGLang). `draft_version`: the registry version served (None:
+    none, or not from the registry)."""
+
+    @property
+    def draft_version(self) -> str | None: ...
+
+
 class ChampionWatcher(Poller):
     """Polls `directory/version.json` every `every_s` s on a daemon thread and calls
     `install(directory, version)` when it names another version than the engine serves: how a
@@ -106,7 +115,7 @@ class ChampionWatcher(Poller):
 
     what = "champion poll"
 
-    def __init__(self, directory: Path, every_s: float, engine: Engine, install: Callable[[Path, str], dict],
+    def __init__(self, directory: Path, every_s: float, engine: ServesDraft, install: Callable[[Path, str], dict],
                  pin: DraftPin | None = None):
         self.directory, self.every_s, self.engine, self.install = Path(directory), every_s, engine, install
         self.pin = pin

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..adapters.versioning import RemoteShards
-from ..adapters.vllm import rehydrator_for
+from ..backends.vllm import rehydrator_for
 from ..config import Params
 from ..workspace import Workspace
 

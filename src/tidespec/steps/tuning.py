@@ -1,7 +1,7 @@
 """The speculative window each deploy profile gets: pure maths over per-position acceptance and the
 profile's step costs (no AWS, no I/O). The register step tunes it from the evaluate step's holdout
 replay (`tuned_k.<profile>` on the model version); once an engine serving the version has measured
-its own per-position acceptance on live traffic (`deploy.live.report_live`: vLLM's counters), it is
+its own per-position acceptance on live traffic (`backends.live.report_live`: vLLM's counters), it is
 tuned again from that (`live_tuned_k.<profile>`, which then wins: `adapters.registry.tuned_k`). The
 local deploy writes it to version.json, and `adapters.sagemaker_deploy` applies it to the endpoint's
 SGLang / vLLM settings.

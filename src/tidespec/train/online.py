@@ -3,7 +3,7 @@ trains without its hidden states ever reaching the disk.
 
 `OnlineRecords` wraps a curated set's records: a tokens-only record gets its hidden states from
 the target when the trainer reads it (`capture.ingest.Rehydrator`: one prefill in this process,
-`EmbeddedRehydrator`, or a vLLM hidden-state extraction server, `adapters.vllm.VLLMRehydrator`,
+`EmbeddedRehydrator`, or a vLLM hidden-state extraction server, `backends.vllm.VLLMRehydrator`,
 `rehydrate_batch` records at a time), cast to bf16 as the capture writer stores them, so a record
 rehydrated here equals the one `ingest.mode: hidden` writes to disk (with the embedded target:
 bit for bit, and so do the trained weights: tests/test_online.py). The trainer reads records

@@ -2,11 +2,11 @@
 on it (`deploy.sagemaker.canary.alarm_acceptance`).
 
 Neither SGLang nor vLLM publishes acceptance to CloudWatch, and their log lines ("accept len: 2.31,")
-carry no value a metric filter can read. So the serving image runs this module beside the engine
-(`python -m tidespec.adapters.sagemaker_deploy.acceptance`, started by the entrypoints in
-infra/containers when `TIDESPEC_ACCEPTANCE=1`): every `TIDESPEC_ACCEPTANCE_EVERY_S` (60) s it reads
-the engine's spec-decode counters from its `/metrics` (`adapters.sglang.metrics`,
-`adapters.vllm.metrics`), and once the window since its last datapoint holds ≥ 100 drafts it puts
+carry no value a metric filter can read. So the serving image runs a publisher beside the engine
+(`python -m tidespec.backends.acceptance`, started by the entrypoints in infra/containers when
+`TIDESPEC_ACCEPTANCE=1`): every `TIDESPEC_ACCEPTANCE_EVERY_S` (60) s it reads the engine's
+spec-decode counters from its `/metrics` (the `scrape` it is given: `backends.sglang.metrics`,
+`backends.vllm.metrics`), and once the window since its last datapoint holds ≥ 100 drafts it puts
 `AcceptanceLength` (τ of that window) and `Drafts` into namespace `tidespec/SpeculativeDecoding`,
 dimensions EndpointName, VariantName, DraftVersion. The version dimension keeps the new fleet's
 figure apart from the old one's while both serve a canary.
@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ...workspace import valid_tau_k
-from ..spec_counters import SpecDecodeCounters
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +34,6 @@ NAMESPACE = "tidespec/SpeculativeDecoding"
 METRIC = "AcceptanceLength"
 MIN_DRAFTS = 100
 Z = 3.0
-ENGINES = ("sglang", "vllm")
 
 
 def dimensions(endpoint: str, version: str | None, variant: str = "AllTraffic") -> list[dict]:
@@ -69,30 +66,19 @@ def alarm_request(name: str, endpoint: str, version: str | None, tau_k: Sequence
 
 
 class Publisher:
-    """Puts the engine's live acceptance into CloudWatch (module docstring). `url`: the engine's base
-    URL; `engine`: sglang | vllm; `k`: draft tokens per draft (SGLang's counters need it);
-    `cloudwatch`: a boto3 CloudWatch client (default: a new one)."""
+    """Puts the engine's live acceptance into CloudWatch (module docstring). `scrape()`: the engine's
+    cumulative `backends.spec_counters.SpecDecodeCounters` (None: it exports none; raises when the
+    engine does not answer); `cloudwatch`: a boto3 CloudWatch client (default: a new one)."""
 
-    def __init__(self, url: str, engine: str, k: int, endpoint: str, version: str | None,
+    def __init__(self, scrape: Callable[[], object], endpoint: str, version: str | None,
                  cloudwatch=None, min_drafts: int = MIN_DRAFTS):
-        if engine not in ENGINES:
-            raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
-        self.url, self.engine, self.k, self.min_drafts = url, engine, k, min_drafts
+        self.scrape, self.min_drafts = scrape, min_drafts
         self.dims = dimensions(endpoint, version)
         if cloudwatch is None:
             import boto3
             cloudwatch = boto3.client("cloudwatch")
         self.cw = cloudwatch
-        self._start: SpecDecodeCounters | None = None
-
-    def scrape(self) -> SpecDecodeCounters | None:
-        """The engine's cumulative counters (None: it exports none). Raises SGLangError /
-        VLLMError when it does not answer."""
-        if self.engine == "sglang":
-            from ..sglang.metrics import scrape
-            return scrape(self.url, self.k)
-        from ..vllm.metrics import scrape
-        return scrape(self.url)
+        self._start = None  # the counters at the window's start
 
     def publish_once(self) -> float | None:
         """Read the counters; when the window since the last datapoint holds ≥ min_drafts drafts,
@@ -122,20 +108,3 @@ class Publisher:
                 self.publish_once()
             except Exception:
                 log.exception("acceptance not published this time")
-
-
-def main() -> None:
-    """The container entry: settings from the environment the deploy wrote into the Model
-    (`plan.container_env`): TIDESPEC_ENDPOINT_NAME, TIDESPEC_DRAFT_VERSION, TIDESPEC_ENGINE,
-    TIDESPEC_NUM_STEPS; TIDESPEC_METRICS_URL (default http://127.0.0.1:8080, where SageMaker
-    reaches the engine), TIDESPEC_ACCEPTANCE_EVERY_S (60)."""
-    logging.basicConfig(level=logging.INFO)
-    env = os.environ
-    pub = Publisher(env.get("TIDESPEC_METRICS_URL", "http://127.0.0.1:8080"), env["TIDESPEC_ENGINE"],
-                    int(env["TIDESPEC_NUM_STEPS"]), env["TIDESPEC_ENDPOINT_NAME"],
-                    env.get("TIDESPEC_DRAFT_VERSION") or None)
-    pub.run(float(env.get("TIDESPEC_ACCEPTANCE_EVERY_S", "60")), threading.Event())
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """A vLLM worker extension that loads new EAGLE3 draft weights into a running server, in place.
 
 Loaded by the vLLM server's own interpreter (never by tidespec): `--worker-extension-cls
-tidespec_draft_swap.TidespecDraftSwap` with this directory on PYTHONPATH (`adapters.vllm.launch_args`
+tidespec_draft_swap.TidespecDraftSwap` with this directory on PYTHONPATH (`backends.vllm.launch_args`
 / `launch_env` when `VLLMLaunch.draft_swap_root` is set). vLLM mixes the class into its worker
 (`ParallelConfig.worker_extension_cls`), so `POST /collective_rpc {"method": "tidespec_load_draft",
 "args": [DIR]}` (a development route, served with VLLM_SERVER_DEV_MODE=1 on a loopback port) runs

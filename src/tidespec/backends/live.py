@@ -1,11 +1,7 @@
-"""Live acceptance behind a serving engine this process deployed (vLLM: `deploy.vllm`, SGLang:
-`deploy.sglang`): the served version's live figures logged to the registry (`report_live`), and
-acted on (`LiveGuard`: reload in place, then roll back), on a reporter thread (`LiveReporter`).
-
-A deployment here is what both deploy modules build: `served` (a `ServedDraft`, replaced whole at
-each swap, never changed in place, so a reader on another thread sees one consistent state; its
-`url` is None while weights are being loaded in place), `scrape(url)` (the cumulative
-`SpecDecodeCounters` of the server at `url`, None when it exports none) and `reload()`.
+"""Live acceptance behind a serving engine (vLLM: `backends.vllm`, SGLang: `backends.sglang`): the
+served version's live figures logged to the registry (`report_live`), and acted on (`LiveGuard`:
+reload in place, a switchback trial, then roll back), on a reporter thread (`LiveReporter`). The
+deployments are `backends.base.Backend`s.
 """
 from __future__ import annotations
 
@@ -13,98 +9,28 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...adapters import registry
-from ...adapters.spec_counters import SpecDecodeCounters, live_below_replay
-from ...engine.health import Z, paired_comparison
-from ...errors import TidespecError
-from ..tuning import live_windows
+from ..adapters import registry
+from ..engine.health import Z, paired_comparison
+from ..errors import TidespecError
+from .base import ServedDraft, scrape_served
+from .spec_counters import SpecDecodeCounters, live_below_replay
+
+# tune(per-position acceptance, drafts) → {profile: {"k", "predicted_speedup", ...}}: `steps.tuning.live_windows`
+Tune = Callable[[list[float], int], dict]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ServedDraft:
-    """What an engine server serves now, as one value: `version` (the registry version; None: no
-    draft, or not from the registry), `url` (the server's base URL; None: not started), `draft_dir`
-    (the private copy of the draft's engine files loaded; None: the target alone) and
-    `counters_base` (the server's cumulative counters when this version was loaded in place; None: a
-    fresh server, whose counters are the version's alone)."""
-    version: str | None = None
-    url: str | None = None
-    draft_dir: Path | None = None
-    counters_base: SpecDecodeCounters | None = None
-
-    def own(self, now: SpecDecodeCounters | None) -> SpecDecodeCounters | None:
-        """`now` (the server's cumulative counters) less `counters_base`: this version's own drafts."""
-        return now - self.counters_base if now is not None and self.counters_base is not None else now
-
-
-class ServedDeployment:
-    """What the deployments of an engine server (`deploy.vllm`, `deploy.sglang`) share: `served` (a
-    `ServedDraft`) and its fields as the properties `serve.admin.ChampionWatcher` and the tests read,
-    hiding it before an in-place load (`_hide`) and reading the counters at a swap (`_counters`).
-    Subclasses set `served` and `engine` (its name, for logs) and define `scrape(url)`."""
-
-    engine = "engine"
-    served: ServedDraft
-
-    def scrape(self, url: str | None = None) -> SpecDecodeCounters | None:
-        raise NotImplementedError
-
-    @property
-    def draft_version(self) -> str | None:
-        """The registry version served (None: no draft, or not from the registry)."""
-        return self.served.version
-
-    @property
-    def draft_dir(self) -> Path | None:
-        """The engine dir of the draft served now (None: the target alone)."""
-        return self.served.draft_dir
-
-    @property
-    def counters_base(self) -> SpecDecodeCounters | None:
-        """The server's counters when the served version was loaded in place (None: a fresh server)."""
-        return self.served.counters_base
-
-    def _hide(self) -> tuple[ServedDraft, SpecDecodeCounters | None]:
-        """Before an in-place load: the served state and the server's counters now, the state
-        published with url None meanwhile (no live figures while the weights change)."""
-        served = self.served
-        self.served = replace(served, url=None)
-        return served, self._counters()
-
-    def _counters(self) -> SpecDecodeCounters | None:
-        """`scrape()`, None when the server does not answer: a metrics hiccup must not fail a swap
-        (the counters read before the load stand in)."""
-        try:
-            return self.scrape()
-        except TidespecError as e:
-            log.warning("%s's counters unreadable at a swap: %s", self.engine, e)
-            return None
-
-
-def scrape_served(dep) -> tuple[ServedDraft, SpecDecodeCounters | None]:
-    """`dep.served` and the counters of the server it names, read while it served that state
-    (`dep.scrape(served.url)`): None while an in-place load runs (url None) or when a swap landed
-    during the scrape (the state changed), never one version's drafts credited to another. Raises
-    what `dep.scrape` raises (a blue server stopped by a blue/green swap)."""
-    served = dep.served
-    if served.url is None:
-        return served, None
-    now = dep.scrape(served.url)
-    return served, (now if dep.served is served else None)
-
-
-def report_live(dep, tracking_uri: str, target_id: str, sagemaker=None) -> dict | None:
+def report_live(dep, tracking_uri: str, target_id: str, tune: Tune | None = None) -> dict | None:
     """Scrape the serving engine's counters (`dep.scrape()`) and log them as the served version's live figures (MLflow
     run metrics `live/*`, step = drafts so far). A version whose live τ is clearly below the τ its
     evaluation replayed (`spec_counters.live_below_replay`) gets tag `live_tau_below_replay` = both
-    figures and a warning naming them. With `sagemaker` (`deploy.sagemaker`), each endpoint
-    profile's window is tuned again from the measured per-position acceptance (`tuning.live_windows`,
-    ≥ 100 drafts): tag `live_tuned_k.<profile>` (what `tidespec deploy sagemaker` then applies) and
+    figures and a warning naming them. With `tune` (the cycle's `steps.tuning.live_windows` over
+    `deploy.sagemaker`: per endpoint profile, the window tuned again from the measured per-position
+    acceptance, ≥ 100 drafts): tag `live_tuned_k.<profile>` (what `tidespec deploy sagemaker` then applies) and
     metric `live/predicted_speedup/<profile>`. Returns the logged metrics, or None when there is
     nothing to log: no registry version served, or no counters exported (live τ unknown, never 0)."""
     served, now = scrape_served(dep)
@@ -115,7 +41,7 @@ def report_live(dep, tracking_uri: str, target_id: str, sagemaker=None) -> dict 
          "num_drafts": live.num_drafts, "num_draft_tokens": live.num_draft_tokens,
          "num_accepted_tokens": live.num_accepted_tokens}
     m |= {f"accepted_per_pos/{i}": r for i, r in enumerate(live.per_position_rate)}
-    windows = live_windows(sagemaker, live.per_position_rate, live.num_drafts)
+    windows = tune(list(live.per_position_rate), live.num_drafts) if tune else {}
     m |= {f"predicted_speedup/{p}": w["predicted_speedup"] for p, w in windows.items()}
     tags = {f"live_tuned_k.{p}": str(w["k"]) for p, w in windows.items()}
     replay_tau = registry.version_tags(tracking_uri, target_id, version).get("acceptance_length")
@@ -327,8 +253,8 @@ class LiveReporter:
     on a daemon thread; errors are logged, never raised."""
 
     def __init__(self, dep, tracking_uri: str, target_id: str, every_s: float = 60.0,
-                 sagemaker=None, guard: LiveGuard | None = None):
-        self.args, self.every_s, self.guard = (dep, tracking_uri, target_id, sagemaker), every_s, guard
+                 tune: Tune | None = None, guard: LiveGuard | None = None):
+        self.args, self.every_s, self.guard = (dep, tracking_uri, target_id, tune), every_s, guard
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tidespec-live-acceptance", daemon=True)
         self._thread.start()

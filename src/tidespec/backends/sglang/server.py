@@ -19,8 +19,8 @@ from typing import Literal
 
 import torch
 
+from ...adapters import process
 from ...errors import TidespecError, Unavailable
-from .. import process
 
 SGLANG_VERSION = "0.5.23"
 VENV = ".venv-sglang"  # SGLang's own environment (its torch and CUDA kernels), on a GPU machine

@@ -1,6 +1,6 @@
 """The SGLang adapter (CUDA only): its server's launch line, process and /generate client with
 hidden-state capture (`server`), its spec-decode counters (`metrics`), and in-place draft swaps
-(`swap`, through `sglang_plugin/`, which runs in SGLang's own environment)."""
+(`swap`, through `plugin/`, which runs in SGLang's own environment)."""
 
 from .metrics import parse_metrics, scrape
 from .server import (

@@ -6,8 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from .. import process
-from .server import VLLMError, VLLMLaunch, VLLMServer, default_python
+from .server import VLLMError, VLLMLaunch, VLLMServer
 
 
 def rehydration_layers(aux_layers, num_layers: int) -> tuple[int, ...]:
@@ -107,13 +106,10 @@ def rehydrator_for(params, target, state_dir: Path, python: str | None = None, s
     if ing.rehydrate_url:
         yield VLLMRehydrator(ing.rehydrate_url, target, batch_size=ing.rehydrate_batch)
         return
-    from ...models.load import target_dir
     out = Path(state_dir) / "vllm-extract"
     out.mkdir(parents=True, exist_ok=True)
-    cfg = VLLMLaunch(str(target_dir(params.target.source)),
-                     python=python or default_python(),
-                     extract_layers=rehydration_layers(target.aux_layers, target.cfg.num_layers), extract_dir=str(out),
-                     port=process.free_port(), dtype=params.target.dtype, max_model_len=target.cfg.max_position,
-                     max_num_seqs=ing.rehydrate_batch)
+    cfg = VLLMLaunch.from_params(params, python=python, extract_dir=str(out),
+                                 extract_layers=rehydration_layers(target.aux_layers, target.cfg.num_layers),
+                                 max_model_len=target.cfg.max_position, max_num_seqs=ing.rehydrate_batch)
     with VLLMServer(cfg, Path(state_dir) / "vllm-extract.log") as srv:
         yield VLLMRehydrator(srv.url, target, batch_size=ing.rehydrate_batch)

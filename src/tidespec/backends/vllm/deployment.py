@@ -1,7 +1,7 @@
 """Deploy the champion into vLLM: loaded in place into the running server, or blue/green.
 
 **In place** (the default): the server runs vLLM's in-place reload of the draft's weights through a
-worker extension (`adapters/vllm_plugin/tidespec_draft_swap.py`, `adapters.vllm.load_draft_in_place`),
+worker extension (`backends/vllm/plugin/tidespec_draft_swap.py`, `backends.vllm.load_draft_in_place`),
 between two engine steps, then resets its prefix cache; requests in flight continue, nothing is
 started beside the server, and the memory is the new weights' once (what a GPU node running the
 target at `gpu_memory_utilization` 0.9 can afford). It is refused, with the reason logged and
@@ -16,7 +16,7 @@ duration of a swap (~4 GB for SmolLM2 on CPU).
 
 Live figures per version: the server's cumulative spec-decode counters (`scrape`), less those it
 had when the version was loaded (`VLLMDeployment.counters_base`; zero for a fresh server), which
-`deploy.live` logs and acts on. What serves is one `deploy.live.ServedDraft`, replaced whole at a
+`backends.live` logs and acts on. What serves is one `backends.base.ServedDraft`, replaced whole at a
 swap (after the new counters base is read), so the reporter thread never sees a new version with
 the old base.
 """
@@ -34,16 +34,9 @@ import httpx
 
 from ...adapters import process
 from ...adapters.process import LOOPBACK
-from ...adapters.vllm import (
-    SpecDecodeCounters,
-    VLLMError,
-    VLLMLaunch,
-    VLLMServer,
-    load_draft_in_place,
-    scrape,
-)
 from ...workspace import copy_engine_files, private_dir, served_version
-from .live import ServedDeployment, ServedDraft
+from ..base import ServedDeployment, ServedDraft
+from . import SpecDecodeCounters, VLLMError, VLLMLaunch, VLLMServer, load_draft_in_place, scrape
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +44,7 @@ log = logging.getLogger(__name__)
 class VLLMDeployment(ServedDeployment):
     """The vLLM server(s) serving `launch.model_path` behind `proxy` (a `frontdoor.Proxy`; None: no
     front door yet, `url` says where vLLM is). `state_dir`: private copies of deployed drafts and the
-    servers' logs. `served`: what serves now (`deploy.live.ServedDraft`); `draft_version`: its
+    servers' logs. `served`: what serves now (`backends.base.ServedDraft`); `draft_version`: its
     registry version, as `serve.admin.ChampionWatcher` expects of an engine."""
 
     def __init__(self, launch: VLLMLaunch, state_dir: Path, proxy=None, ready_timeout_s: float = 600.0,

@@ -2,7 +2,7 @@
 
 SGLang runs the target on a GPU node at `mem_fraction_static`, where a second server with its own
 copy of the target does not fit, so a new champion is loaded into the running server's draft
-(`adapters.sglang.load_draft_in_place`: SGLang's draft-only weight update inside a pause of its
+(`backends.sglang.load_draft_in_place`: SGLang's draft-only weight update inside a pause of its
 scheduler; running requests are retracted and resume, none fails). Refused, with the reason, when
 the new draft's config differs from the served one's (shapes, vocabulary size, aux layers: SGLang
 sized its buffers for the first) or its draft→target vocabulary map does (SGLang's EAGLE worker
@@ -12,9 +12,9 @@ touching the server, tensors whose names or shapes differ from the served draft'
 0.5.23 does not catch a loader error in its tensor update: its scheduler, and the server, would
 die). A load that fails part-way loads the served draft's files again.
 
-Live figures per version: SGLang's counters (`adapters.sglang.metrics`) less those at the load
-(`counters_base`), which `deploy.live` logs and acts on, as behind vLLM; what serves is one
-`deploy.live.ServedDraft`, replaced whole at a swap.
+Live figures per version: SGLang's counters (`backends.sglang.metrics`) less those at the load
+(`counters_base`), which `backends.live` logs and acts on, as behind vLLM; what serves is one
+`backends.base.ServedDraft`, replaced whole at a swap.
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ...adapters import sglang
-from ...adapters.spec_counters import SpecDecodeCounters
 from ...workspace import copy_engine_files, private_dir, served_version
-from .live import ServedDeployment, ServedDraft
-from .vllm import config_change
+from .. import sglang
+from ..base import ServedDeployment, ServedDraft
+from ..spec_counters import SpecDecodeCounters
+from ..vllm.deployment import config_change
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class SGLangDeployment(ServedDeployment):
     """The SGLang server serving `launch.model_path` with the champion as its EAGLE3 draft.
     `state_dir`: private copies of deployed drafts and the server's log. `served`: what serves now
-    (`deploy.live.ServedDraft`); `draft_version`: its registry version, as
+    (`backends.base.ServedDraft`); `draft_version`: its registry version, as
     `serve.admin.ChampionWatcher` expects of an engine."""
 
     def __init__(self, launch: sglang.SGLangLaunch, state_dir: Path, ready_timeout_s: float = 900.0):

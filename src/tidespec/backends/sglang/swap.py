@@ -1,4 +1,4 @@
-"""Draft swaps on a running SGLang server: in place, through `sglang_plugin/tidespec_sglang_swap.py`
+"""Draft swaps on a running SGLang server: in place, through `plugin/tidespec_sglang_swap.py`
 run by SGLang's own interpreter (the draft-only weight update of SGLang 0.5.23; that script's
 docstring gives the calls), and the checks that decide whether a new draft can go in place."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .server import SGLangError
 
-SWAP_SCRIPT = Path(__file__).resolve().parents[1] / "sglang_plugin" / "tidespec_sglang_swap.py"
+SWAP_SCRIPT = Path(__file__).resolve().parent / "plugin" / "tidespec_sglang_swap.py"
 VOCAB_MAP = ("d2t", "t2d")
 REFUSED = 2  # the swap script's exit status when it stopped before pausing the server
 

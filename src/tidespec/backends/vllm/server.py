@@ -17,13 +17,13 @@ from pathlib import Path
 
 import httpx
 
+from ...adapters import process
+from ...adapters.process import LOOPBACK
 from ...errors import TidespecError, Unavailable
 from ...workspace import DRAFT_FILES
-from .. import process
-from ..process import LOOPBACK
 
 VLLM_VERSION = "0.32.0"
-PLUGIN_DIR = Path(__file__).resolve().parents[1] / "vllm_plugin"  # loaded by the vLLM server, never by tidespec
+PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"  # loaded by the vLLM server, never by tidespec
 CONNECTOR, CONNECTOR_MODULE = "TidespecCPUHiddenStatesConnector", "tidespec_hidden_states"
 SWAP_EXTENSION, SWAP_METHOD = "tidespec_draft_swap.TidespecDraftSwap", "tidespec_load_draft"
 VENV = ".venv-vllm"  # `make vllm`
@@ -64,7 +64,7 @@ class VLLMLaunch:
     (VLLM_CPU_KVCACHE_SPACE, GiB); threads: OMP threads (None: all cores); bind_threads: pin them
     to cores 0..threads-1 (`launch_env`). draft_swap_root: drafts under this directory can be loaded
     into the running server in place (`load_draft_in_place`; the worker extension in
-    vllm_plugin/tidespec_draft_swap.py and vLLM's development routes, so a loopback host only);
+    plugin/tidespec_draft_swap.py and vLLM's development routes, so a loopback host only);
     None: the draft is fixed for the server's life."""
 
     model_path: str
@@ -112,6 +112,25 @@ class VLLMLaunch:
         if (self.max_model_len is not None and self.max_model_len < 16) or self.max_num_seqs < 1 \
                 or self.kv_cache_gib < 1:
             raise ValueError("max_model_len >= 16, max_num_seqs >= 1, kv_cache_gib >= 1")
+
+    @classmethod
+    def from_params(cls, params, **overrides) -> VLLMLaunch:
+        """The server params.yaml describes (`config.Params`): the target's HF dir (`target.source`,
+        converted once), k = `engine.num_draft_tokens`, `--dtype` = `target.dtype`, max_model_len =
+        `engine.max_seq_len` (None: the model's), max_num_seqs = `engine.max_batch`, a free port on
+        `host` (127.0.0.1 unless overridden); `overrides`: any other field, or one of those (a
+        benchmark's served name, an extraction server's layers). The one place a `VLLMLaunch` is
+        built from settings. Raises ValueError as the constructor."""
+        from ...models.load import target_dir
+        e = params.engine
+        fields = {"model_path": str(target_dir(params.target.source)), "num_speculative_tokens": e.num_draft_tokens,
+                  "dtype": params.target.dtype, "max_model_len": e.max_seq_len, "max_num_seqs": e.max_batch}
+        fields |= overrides
+        if fields.get("python") is None:
+            fields["python"] = default_python()
+        if "port" not in fields:
+            fields["port"] = process.free_port(fields.get("host", "127.0.0.1"))
+        return cls(**fields)
 
     @property
     def url(self) -> str:
@@ -172,7 +191,7 @@ def launch_args(cfg: VLLMLaunch) -> list[str]:
     spec = speculative_config(cfg)
     if spec:
         a += ["--speculative-config", json.dumps(spec)]
-    if cfg.extract_layers:  # the CPU connector (vllm_plugin/) writes them; no prefix cache: every row computed
+    if cfg.extract_layers:  # the CPU connector (plugin/) writes them; no prefix cache: every row computed
         a += ["--kv-transfer-config", json.dumps({
             "kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": str(cfg.extract_dir)}}), "--no-enable-prefix-caching"]
