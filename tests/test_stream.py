@@ -64,11 +64,12 @@ def test_peak_rss_does_not_grow_with_the_snapshot(tmp_path):
 def _stream(tiny_target, recs, buffer_mb, rank=0, world=1):
     from collections import Counter
 
+    from tidespec.config import TrainParams
     from tidespec.train.source import InMemory
     from tidespec.train.stream import ExampleStream
     t2d = torch.ones(tiny_target.cfg.vocab_size, dtype=torch.bool)
-    return ExampleStream(InMemory(recs), tiny_target, t2d, 64, False, buffer_mb, 96, 0, Counter(), rank, world,
-                         collective=False)
+    tp = TrainParams(max_seq_len=64, buffer_mb=buffer_mb, batch_tokens=96, seed=0, prefetch_mb=0)
+    return ExampleStream(InMemory(recs), tiny_target, t2d, tp, Counter(), rank, world, collective=False)
 
 
 def test_plan_covers_every_example_once_within_the_buffer(tiny_target):

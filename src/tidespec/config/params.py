@@ -220,7 +220,14 @@ class CurateParams(_Strict):
     seed: int = 0
 
 
+PLACEMENT = {"placement": True}  # a train field that decides where or how fast training runs, not what it learns
+
+
 class TrainParams(_Strict):
+    """The train step. Fields marked `PLACEMENT` (where and how fast: the route, devices, ranks,
+    threads, read-ahead) leave the trained weights unchanged, so a run resumes across them
+    (`learning_dump`, the resume fingerprint's view); every other field is part of what is learnt."""
+
     ttt_steps: int = Field(4, ge=1, le=16)  # SpecForge default 7; k steps suffice for chain k
     epochs: int = Field(6, ge=1)
     lr: float = Field(1e-3, gt=0)
@@ -232,16 +239,24 @@ class TrainParams(_Strict):
     warm_start: bool = True
     backend: Literal["embedded", "specforge"] = "embedded"  # specforge: its CLI in its own env, CUDA only
     specforge_bin: str = "specforge"  # the `specforge` executable of that environment
-    work_pool: str | None = None  # train as deployment tide-train on this Prefect pool (prefect.yaml: tidespec-train)
-    sagemaker: SageMakerTrainParams | None = None  # train as a SageMaker training job (GPU / trn1 instances)
+    # train as deployment tide-train on this Prefect pool (prefect.yaml: tidespec-train)
+    work_pool: str | None = Field(None, json_schema_extra=PLACEMENT)
+    # train as a SageMaker training job (GPU / trn1 instances)
+    sagemaker: SageMakerTrainParams | None = Field(None, json_schema_extra=PLACEMENT)
     checkpoint_every: int = Field(50, ge=0)  # optimizer steps between resumable state saves (0: epoch ends only)
     buffer_mb: float = Field(1024.0, gt=0, allow_inf_nan=False)  # prepared examples held at once (train.stream)
-    prefetch_mb: float = Field(64.0, ge=0, allow_inf_nan=False)  # records a producer thread reads ahead (0: in line)
-    shard_cache_mb: float = Field(4096.0, gt=0, allow_inf_nan=False)  # shards fetched from the DVC remote, kept at once
-    nproc_per_node: int = Field(1, ge=1)  # ranks on this machine (torchrun --nproc-per-node; 1: no torchrun)
-    nnodes: int = Field(1, ge=1)  # machines (torchrun --nnodes; > 1 needs rdzv_endpoint, every node runs the step)
-    rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d+$")  # host:port of the c10d rendezvous
-    max_restarts: int = Field(0, ge=0)  # torchrun --max-restarts: ranks restart from the last training state
+    # records a producer thread reads ahead (0: in line)
+    prefetch_mb: float = Field(64.0, ge=0, allow_inf_nan=False, json_schema_extra=PLACEMENT)
+    # shards fetched from the DVC remote, kept at once
+    shard_cache_mb: float = Field(4096.0, gt=0, allow_inf_nan=False, json_schema_extra=PLACEMENT)
+    # ranks on this machine (torchrun --nproc-per-node; 1: no torchrun)
+    nproc_per_node: int = Field(1, ge=1, json_schema_extra=PLACEMENT)
+    # machines (torchrun --nnodes; > 1 needs rdzv_endpoint, every node runs the step)
+    nnodes: int = Field(1, ge=1, json_schema_extra=PLACEMENT)
+    # host:port of the c10d rendezvous
+    rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d+$", json_schema_extra=PLACEMENT)
+    # torchrun --max-restarts: ranks restart from the last training state
+    max_restarts: int = Field(0, ge=0, json_schema_extra=PLACEMENT)
     # workload classes that get a draft of their own each cycle (alias champion-<class>); [] = the generalist only
     class_drafts: list[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]] = []
 
@@ -273,10 +288,16 @@ class TrainParams(_Strict):
     def world_size(self) -> int:
         """Ranks in all: nproc_per_node × nnodes."""
         return self.nproc_per_node * self.nnodes
+
+    def learning_dump(self) -> dict:
+        """The fields that shape the trained weights (every field not marked `PLACEMENT`), as a dict."""
+        return self.model_dump(exclude={n for n, f in type(self).model_fields.items()
+                                        if (f.json_schema_extra or {}).get("placement")})
     min_train_tokens: int = Field(512, ge=1)  # fewer curated tokens: the cycle is skipped, champion untouched
     seed: int = 0
-    threads: int | None = Field(None, ge=1)
-    device: str = Field("auto", pattern=DEVICE)  # where the draft trains (auto: cuda when present, else cpu)
+    threads: int | None = Field(None, ge=1, json_schema_extra=PLACEMENT)
+    # where the draft trains (auto: cuda when present, else cpu)
+    device: str = Field("auto", pattern=DEVICE, json_schema_extra=PLACEMENT)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: autocast (weights fp32); auto: bf16 on cuda
 
 

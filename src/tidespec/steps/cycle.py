@@ -14,6 +14,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Literal
 
 from ..adapters import sagemaker_deploy as smd
 from ..adapters import torchrun, versioning
@@ -21,7 +22,7 @@ from ..adapters.orchestrate import train_on_pool
 from ..adapters.sagemaker_train import preview_request, train_on_sagemaker
 from ..capture import curate as curate_mod
 from ..capture.snapshots import list_snapshots
-from ..config import Params, load_params
+from ..config import Params, TrainParams, load_params
 from ..engine.suffix import CORPUS_FILE, newest_within, save_corpus
 from ..models.load import get_target, target_dir
 from ..models.load import target_id as target_id_of
@@ -120,16 +121,52 @@ def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
 
 
 # -- train ------------------------------------------------------------------------------------
+TrainRoute = Literal["sagemaker", "work_pool", "torchrun", "here"]
+
+
+def train_route(train: TrainParams, inside: bool = False) -> TrainRoute:
+    """Where a train step runs, decided here and only here (`train_candidate`, the pool's flow and
+    `tidespec stage train --dry-run` all ask it): a SageMaker training job (`train.sagemaker`), the
+    `tide-train` deployment on a Prefect work pool (`train.work_pool`), `train.world_size` ranks
+    under torchrun (embedded backend, more than one rank, not already a rank), else here.
+    `inside`: this process is already a remote route's run (the pool's flow run): it does not leave."""
+    if not inside and train.sagemaker:
+        return "sagemaker"
+    if not inside and train.work_pool:
+        return "work_pool"
+    if train.world_size > 1 and train.backend == "embedded" and "WORLD_SIZE" not in os.environ:
+        return "torchrun"
+    return "here"
+
+
 def train_candidate(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path, *,
                     params_path: Path | None = None, here: bool = False, progress=None) -> dict:
-    """Train the candidate draft (`_train_draft`: every route), then write the global suffix tree's
-    corpus beside it (`write_suffix_corpus`), so registering, promoting, rolling back and deploying
-    the draft move both. Returns the trainer's metrics plus `suffix_corpus/*`, or {"skipped": reason}."""
-    m = _train_draft(ws, params, curated, init, out, params_path=params_path, here=here, progress=progress)
-    if "skipped" not in m and (Path(out) / "model.safetensors").exists():
-        shards = remote_shards(params, ws.root)
-        m |= write_suffix_corpus(Path(curated), Path(out), params.engine.suffix.max_tokens,
-                                 shards.locate if shards else None)
+    """The one train entry (the flow, `tidespec stage train` / `dvc repro`, and the `tide-train`
+    deployment all call it): train a candidate from the curated index into `out`, warm-started from
+    `init`, on the route `train_route` picks (`here=True`: the pool's own run, which trains in this
+    process; `params_path`: the file a pool's run loads, needed for `train.work_pool`); then write
+    the global suffix tree's corpus beside it (`write_suffix_corpus`), so registering, promoting,
+    rolling back and deploying the draft move both. Returns the trainer's metrics plus
+    `suffix_corpus/*`, or {"skipped": reason} (too few new tokens: the champion keeps serving).
+    Raises SpecForgeUnavailable before loading anything when the backend cannot run here,
+    FileNotFoundError for a missing curated index, ValueError for another target's set,
+    OrchestrationError / SageMakerTrainingFailed from the remote routes."""
+    curated, out, init = Path(curated), Path(out), Path(init) if init else None
+    route = train_route(params.train, inside=here)
+    shards = remote_shards(params, ws.root)
+    if route == "sagemaker":  # a SageMaker training job: data and draft travel through S3
+        _same_target(params, curated)
+        m = train_on_sagemaker(params, curated, init, out)
+    elif route == "work_pool":  # its own deployment on that pool (paths on a shared file system)
+        m = _train_on_pool(ws, params, curated, init, out, params_path)
+    elif route == "torchrun":
+        preflight(params)
+        m = _train_ranks(ws, params, curated, init, out)
+    else:
+        preflight(params)  # the backend runs here: fail before loading anything (the job or pool has the GPU)
+        m = _train_here(ws, params, curated, init, out, shards, progress)
+    if "skipped" not in m and (out / "model.safetensors").exists():
+        m |= write_suffix_corpus(curated, out, params.engine.suffix.max_tokens, shards.locate if shards else None)
     return m
 
 
@@ -143,65 +180,56 @@ def write_suffix_corpus(curated: Path, out: Path, max_tokens: int, locate=None) 
     return {"suffix_corpus/sequences": info["sequences"], "suffix_corpus/tokens": info["tokens"]}
 
 
-def _train_draft(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path, *,
-                 params_path: Path | None = None, here: bool = False, progress=None) -> dict:
-    """The one train entry (the flow, `tidespec stage train` / `dvc repro`, and the `tide-train`
-    deployment all call it): train a candidate from the curated index into `out`, warm-started
-    from `init`, wherever params.yaml says: a SageMaker training job (`train.sagemaker`), the
-    `tide-train` deployment on a Prefect pool (`train.work_pool`; needs `params_path`, the file the
-    pool's run loads), else here (`train.backend`: embedded or SpecForge). `here=True` is the pool's
-    own run: train in this process. Returns the trainer's metrics or {"skipped": reason} (too few
-    new tokens: the champion keeps serving). Raises SpecForgeUnavailable before loading anything
-    when the backend cannot run, FileNotFoundError for a missing curated index, ValueError for
-    another target's set, OrchestrationError / SageMakerTrainingFailed from the remote routes."""
-    if not here and (params.train.sagemaker or params.train.work_pool):  # nothing leaves for another target
-        if not Path(curated).exists():
-            raise FileNotFoundError(f"curated index {curated} missing: run `tidespec stage curate` (or the flow) first")
-        got, want = json.loads(Path(curated).read_text())["target_id"], target_id_of(params)
-        if got != want:
-            raise ValueError(f"curated set is for target {got[:12]}, params.yaml's target is {want[:12]}; "
-                             "curate snapshots of this target")
-    else:
-        preflight(params)  # the backend runs here: fail before loading anything (the job or pool has the GPU)
-    if not here and params.train.sagemaker:  # a SageMaker training job: data and draft travel through S3
-        return train_on_sagemaker(params, Path(curated), Path(init) if init else None, Path(out))
-    if not here and params.train.work_pool:  # its own deployment on that pool (paths on a shared file system)
-        if params_path is None:
-            raise ValueError("train.work_pool is set: pass params_path (the pool's run loads params from it)")
-        if reason := skip_reason(params, Path(curated)):
-            return {"skipped": reason}
-        return train_on_pool(params.train.work_pool, {
-            "root": str(ws.root), "params_path": str(Path(params_path).resolve()), "curated": str(curated),
-            "init": str(init) if init else None, "out": str(out)}, Path(out))
-    if params.train.world_size > 1 and params.train.backend == "embedded" and "WORLD_SIZE" not in os.environ:
-        return _train_ranks(ws, params, Path(curated), Path(init) if init else None, Path(out))
+def _same_target(params: Params, curated: Path) -> None:
+    """Nothing leaves for another target's set. Raises FileNotFoundError / ValueError."""
+    if not curated.exists():
+        raise FileNotFoundError(f"curated index {curated} missing: run `tidespec stage curate` (or the flow) first")
+    got, want = json.loads(curated.read_text())["target_id"], target_id_of(params)
+    if got != want:
+        raise ValueError(f"curated set is for target {got[:12]}, params.yaml's target is {want[:12]}; "
+                         "curate snapshots of this target")
+
+
+def _train_on_pool(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path,
+                   params_path: Path | None) -> dict:
+    _same_target(params, curated)
+    if params_path is None:
+        raise ValueError("train.work_pool is set: pass params_path (the pool's run loads params from it)")
+    if reason := skip_reason(params, curated):
+        return {"skipped": reason}
+    return train_on_pool(params.train.work_pool, {
+        "root": str(ws.root), "params_path": str(Path(params_path).resolve()), "curated": str(curated),
+        "init": str(init) if init else None, "out": str(out)}, out)
+
+
+def _train_here(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path, shards,
+                progress) -> dict:
     target, _ = get_target(params)
-    with train_rehydrator(params, target, Path(curated), ws.state) as rehydrator:
-        return train_here(params, target, target_dir(params.target.source), Path(curated),
-                          Path(init) if init else None, Path(out), progress=progress, rehydrator=rehydrator,
-                          shards=remote_shards(params, ws.root))
+    with train_rehydrator(params, target, curated, ws.state) as rehydrator:
+        return train_here(params, target, target_dir(params.target.source), curated, init, out,
+                          progress=progress, rehydrator=rehydrator, shards=shards)
 
 
 def train_plan(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path) -> dict:
-    """Where and how `_train_draft` would train, computed without training or calling a service
-    (`tidespec stage train --dry-run`): {"route": "sagemaker", "request": the CreateTrainingJob
-    request}, {"route": "work_pool", ...}, {"route": "torchrun", "command": [...]} or {"route":
-    "here", ...}. Raises as `sagemaker_train.preview_request`."""
+    """Where and how `train_candidate` would train (`train_route`), computed without training or
+    calling a service (`tidespec stage train --dry-run`): {"route": "sagemaker", "request": the
+    CreateTrainingJob request}, {"route": "work_pool", ...}, {"route": "torchrun", "command": [...]}
+    or {"route": "here", ...}. Raises as `sagemaker_train.preview_request`."""
     t = params.train
-    if t.sagemaker:
-        return {"route": "sagemaker", "request": preview_request(params, Path(curated), Path(init) if init else None)}
-    if t.work_pool:
-        return {"route": "work_pool", "work_pool": t.work_pool, "deployment": "tide_train/tide-train",
+    route = train_route(t)
+    if route == "sagemaker":
+        return {"route": route, "request": preview_request(params, Path(curated), Path(init) if init else None)}
+    if route == "work_pool":
+        return {"route": route, "work_pool": t.work_pool, "deployment": "tide_train/tide-train",
                 "world_size": t.world_size}
     where = {"backend": t.backend, "device": t.device, "precision": t.precision, "world_size": t.world_size}
     if reason := skip_reason(params, Path(curated)):
         where["skipped"] = reason  # too few new tokens: the real run would stop here
-    if t.world_size > 1 and t.backend == "embedded" and "WORLD_SIZE" not in os.environ:
+    if route == "torchrun":
         out = Path(out).resolve()
         run_id = hashlib.sha256(str(out).encode()).hexdigest()[:12]
-        return {"route": "torchrun", **where,
-                "command": torchrun.argv(t, out.with_name(out.name + ".ranks.json"), run_id)}
-    return {"route": "here", **where}
+        return {"route": route, **where, "command": torchrun.argv(t, out.with_name(out.name + ".ranks.json"), run_id)}
+    return {"route": route, **where}
 
 
 def _train_ranks(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path) -> dict:

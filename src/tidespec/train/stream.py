@@ -33,6 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..config import TrainParams
 from ..models.target import Target
 from . import ranks
 from .examples import Example, collate, group_by_length, prepare
@@ -65,19 +66,22 @@ def example_bytes_per_token(hidden: int, draft_vocab: int) -> int:
 
 
 class ExampleStream:
-    """Examples of `source` for one rank (`rank` of `world`), planned in buffers of at most
-    `buffer_mb` MiB of prepared examples, records read `prefetch_mb` MiB ahead by a producer
-    thread (0: in line). `dropped` counts the records `prepare` drops (every rank's, gathered).
+    """Examples of `source` for one rank (`rank` of `world`), as `tparams` (`train` params) says:
+    cut at `max_seq_len`, batched by `batch_tokens`, planned in buffers of at most `buffer_mb` MiB of
+    prepared examples, records read `prefetch_mb` MiB ahead by a producer thread (0: in line),
+    shuffled by `seed`; `loss_on_prompt` (never for a `validation` stream: it scores generated
+    positions). `dropped` counts the records `prepare` drops (every rank's, gathered).
     Raises as `RecordSource.read` (a missing or corrupt shard, a record the target cannot
     rehydrate)."""
 
-    def __init__(self, source: RecordSource, target: Target, t2d: torch.Tensor, max_len: int,
-                 loss_on_prompt: bool, buffer_mb: float, batch_tokens: int, seed: int,
-                 dropped: Counter, rank: int = 0, world: int = 1, collective: bool = True,
-                 prefetch_mb: float = 0.0):
+    def __init__(self, source: RecordSource, target: Target, t2d: torch.Tensor, tparams: TrainParams,
+                 dropped: Counter, rank: int = 0, world: int = 1, *, validation: bool = False,
+                 collective: bool = True):
         self.source, self.target, self.t2d = source, target, t2d
-        self.prefetch_bytes = int(prefetch_mb * 2**20)
-        self.max_len, self.loss_on_prompt, self.batch_tokens, self.seed = max_len, loss_on_prompt, batch_tokens, seed
+        self.prefetch_bytes = int(tparams.prefetch_mb * 2**20)
+        self.max_len, self.batch_tokens, self.seed = tparams.max_seq_len, tparams.batch_tokens, tparams.seed
+        self.loss_on_prompt = tparams.loss_on_prompt and not validation  # validation scores generated positions
+        buffer_mb, batch_tokens = tparams.buffer_mb, tparams.batch_tokens
         self.rank, self.world = rank, world
         per_token = example_bytes_per_token(target.cfg.hidden_size, int(t2d.sum()))
         self.capacity = max(1, int(buffer_mb * 2**20 // per_token))  # tokens of prepared examples per buffer

@@ -139,12 +139,10 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     draft = init_draft(target, dparams, token_counts(src, rank, world), init).place(dev)
     draft.train()
     dropped, val_dropped = Counter(), Counter()
-    opts = (tparams.max_seq_len, tparams.loss_on_prompt, tparams.buffer_mb, tparams.batch_tokens, tparams.seed)
-    stream = ExampleStream(src, target, draft.t2d, *opts, dropped, rank, world, prefetch_mb=tparams.prefetch_mb)
+    stream = ExampleStream(src, target, draft.t2d, tparams, dropped, rank, world)
     val = None
     if rank == 0:
-        val = ExampleStream(val_src, target, draft.t2d, tparams.max_seq_len, False, *opts[2:], val_dropped,
-                            collective=False, prefetch_mb=tparams.prefetch_mb)
+        val = ExampleStream(val_src, target, draft.t2d, tparams, val_dropped, validation=True, collective=False)
     if not len(stream):
         raise ValueError(f"every training record was dropped ({dict(dropped)}); capture more traffic")
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -152,9 +150,7 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     rng = random.Random(tparams.seed)
     torch.manual_seed(tparams.seed)
     sdir = state_dir(out)
-    where = {"threads", "device", "nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts", "sagemaker", "work_pool",
-             "prefetch_mb", "shard_cache_mb"}
-    fp = fingerprint(tparams.model_dump(exclude=where), dparams.model_dump(), weights_digest(init),
+    fp = fingerprint(tparams.learning_dump(), dparams.model_dump(), weights_digest(init),
                      target.target_id, str(target.dtype) if target.quantization == "none" else target.precision,
                      list(target.aux_layers), src.fingerprint(),
                      str(amp))  # the resolved precision: `auto` is bf16 on CUDA, fp32 on CPU
