@@ -65,7 +65,7 @@ def test_measure_is_lossless_at_every_concurrency(arms):
 def arms_hybrid(arms, tiny_target):
     from tidespec.engine.calibration import Calibration
     from tidespec.engine.policy import GoodputPolicy
-    from tidespec.engine.suffix import SuffixCache
+    from tidespec.engine.suffix_tree import SuffixCache
     from tidespec.models.runner import DraftRunner
     pol = GoodputPolicy(Calibration((10.0, 10.5, 11.0, 11.5), 0.5, "test", 128))
     hy = Engine(
@@ -79,7 +79,7 @@ def arms_hybrid(arms, tiny_target):
 
 
 def test_hybrid_arm_serves_the_champions_corpus(tiny_target, tmp_path):
-    from tidespec.engine.suffix import CORPUS_FILE, save_corpus
+    from tidespec.engine.suffix_tree import CORPUS_FILE, save_corpus
     from tidespec.models.eagle3 import save_checkpoint
     save_checkpoint(random_draft(tiny_target, seed=4), tmp_path / "champion")
     save_corpus(tmp_path / "champion" / CORPUS_FILE, [[5, 6, 7, 8, 9]])

@@ -12,7 +12,7 @@ from tidespec.engine.calibration import Calibration, calibrate
 from tidespec.engine.policy import GoodputPolicy, StepCost, goodput, plan, predicted_step
 from tidespec.engine.policy.margin import REALIZED_PRIOR
 from tidespec.engine.speculative import Engine, Request
-from tidespec.engine.suffix import SuffixCache
+from tidespec.engine.suffix_tree import SuffixCache
 from tidespec.models.runner import DraftRunner
 
 # A CPU-like machine: alone, a forward of 1..5 rows costs about the same (weight-bound); at batch 8

@@ -14,14 +14,14 @@ from scipy.stats import chisquare
 
 from conftest import random_draft
 from tidespec.config import EngineParams
-from tidespec.engine import grammar as grammar_mod
+from tidespec.engine import grammar_state as grammar_mod
 from tidespec.engine.calibration import Calibration
-from tidespec.engine.grammar import GrammarCompiler, GrammarError
+from tidespec.engine.grammar_state import GrammarCompiler, GrammarError
 from tidespec.engine.policy import GoodputPolicy
 from tidespec.engine.sampling import SamplingParams, warp
 from tidespec.engine.speculative import Engine, Request
 from tidespec.engine.stats import SpecDecodingStats
-from tidespec.engine.suffix import SuffixCache
+from tidespec.engine.suffix_tree import SuffixCache
 from tidespec.models.runner import DraftRunner
 
 SCHEMA = {"type": "object", "properties": {

@@ -85,7 +85,7 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     cycle.step_deploy(ws, mlflow_server, tid)
     # the global suffix tree's corpus (the curated window's outputs) is registered and deployed with the draft
     from tidespec.assets import sha256_file
-    from tidespec.engine.suffix import CORPUS_FILE, load_corpus
+    from tidespec.engine.suffix_tree import CORPUS_FILE, load_corpus
     corpus1 = sha256_file(ws.champion / CORPUS_FILE)
     assert tm["suffix_corpus/tokens"] == sum(len(x) for x in load_corpus(ws.champion / CORPUS_FILE)) > 0
     v1 = registry.champion(mlflow_server, tid)

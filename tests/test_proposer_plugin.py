@@ -165,7 +165,7 @@ class Failing(PromptLookup):
 
 
 def test_a_failing_proposer_fails_its_step_and_frees_every_requests_state(tiny_target):
-    from tidespec.engine.suffix import SuffixCache
+    from tidespec.engine.suffix_tree import SuffixCache
     register(Failing, rung=7, estimator=LookupAcceptance, build=lambda b: Failing(b.vocab_size))
     try:
         eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=6, max_seq_len=256), suffix=SuffixCache())

@@ -18,7 +18,7 @@ from tidespec.bench.serve import serve_in_thread
 from tidespec.config import CaptureParams, EngineParams, ServeParams
 from tidespec.engine.constraint import ToolCallStream, parse_tool_calls
 from tidespec.engine.speculative import Engine
-from tidespec.engine.suffix import SuffixCache
+from tidespec.engine.suffix_tree import SuffixCache
 from tidespec.models.runner import DraftRunner
 from tidespec.models.target import load_target
 from tidespec.serve.server import build_app
@@ -282,7 +282,7 @@ def test_logprobs_of_constrained_requests_are_finite_json(servers):
 def test_wide_optional_schemas_and_recompiled_failures(tmp_path):
     """An object of 300 optional properties compiles and generates (rows of ~1200 Earley items); a
     grammar whose matcher failed is compiled afresh for the next request."""
-    from tidespec.engine.grammar import GrammarCompiler
+    from tidespec.engine.grammar_state import GrammarCompiler
     target, tok = load_target(add_tiny_tokenizer(make_tiny_target(tmp_path / "t")))
     gc = GrammarCompiler.for_target(target, tok)
     wide = {"type": "object", "properties": {f"k{i}": {"type": "boolean"} for i in range(300)},

@@ -2,7 +2,7 @@
 frequency scores, eviction that leaves no trace."""
 import pytest
 
-from tidespec.engine.suffix import SuffixCache, SuffixTrie
+from tidespec.engine.suffix_tree import SuffixCache, SuffixTrie
 
 
 def brute_count(seqs, s):
@@ -126,7 +126,7 @@ def test_request_tree_is_built_on_first_proposal_and_equals_the_incremental_one(
     first ones scan); built late, it must propose exactly what a tree extended token by token proposes."""
     import random
 
-    from tidespec.engine.suffix import OWN_TREE_AFTER
+    from tidespec.engine.suffix_tree import OWN_TREE_AFTER
     rng = random.Random(2)
     for case in range(40):
         c = SuffixCache(max_depth=6, max_tokens=0, alpha=2.0, min_score=0.0)  # no global tree: own proposals only
@@ -208,7 +208,7 @@ def test_a_scan_proposes_what_the_requests_own_tree_proposes():
 
     import numpy as np
 
-    from tidespec.engine.suffix import scan_propose
+    from tidespec.engine.suffix_tree import scan_propose
     rng = random.Random(0)
     for _ in range(2000):
         ctx = [rng.randrange(rng.choice([2, 3, 5, 20])) for _ in range(rng.randrange(1, 80))]
@@ -225,7 +225,7 @@ def test_a_scan_proposes_what_the_requests_own_tree_proposes():
 def test_the_own_tree_is_built_only_for_a_request_that_keeps_proposing():
     """A request's first OWN_TREE_AFTER − 1 proposals scan (no tree: a probe costs no build); the
     next builds the tree, which then follows every emitted token; the proposals never change."""
-    from tidespec.engine.suffix import OWN_TREE_AFTER
+    from tidespec.engine.suffix_tree import OWN_TREE_AFTER
     cache = SuffixCache(max_depth=6, max_spec=4, alpha=4.0, min_score=0.0)
     ctx = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
     cache.start("r", ctx)

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from conftest import make_tiny_workspace, random_draft
 from tidespec.config import EngineParams
 from tidespec.engine.speculative import Engine
-from tidespec.engine.suffix import CORPUS_FILE, SuffixCache, corpus_info, load_corpus, save_corpus
+from tidespec.engine.suffix_tree import CORPUS_FILE, SuffixCache, corpus_info, load_corpus, save_corpus
 
 
 def test_corpus_roundtrip_budget_and_malformed_files(tmp_path):

@@ -10,7 +10,7 @@ from numerics import fp32_logprob_tol, logit_scale
 from tidespec.config import EngineParams
 from tidespec.engine.sampling import SamplingParams, warp
 from tidespec.engine.speculative import Engine, Request
-from tidespec.engine.suffix import SuffixCache
+from tidespec.engine.suffix_tree import SuffixCache
 from tidespec.models.runner import DraftRunner
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12], [42], [9, 30, 31, 9, 30]]

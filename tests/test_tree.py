@@ -9,11 +9,11 @@ import torch
 from conftest import ladder, random_draft
 from tidespec.config import EngineParams, tree_num_draft_tokens
 from tidespec.engine.calibration import Calibration
+from tidespec.engine.draft_tree import DraftTree, TreeJob, accept_greedy, expand, layout, max_nodes, select, widen
 from tidespec.engine.policy import GoodputPolicy, StepCost, draft_batches, goodput
 from tidespec.engine.policy.search import _Step, best_alone, step_draft_batches
 from tidespec.engine.sampling import SamplingParams
 from tidespec.engine.speculative import Engine, Request
-from tidespec.engine.tree import DraftTree, TreeJob, accept_greedy, expand, layout, max_nodes, select, widen
 from tidespec.models.runner import DraftRunner
 from tidespec.models.target import Segment
 

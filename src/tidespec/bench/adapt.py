@@ -20,7 +20,7 @@ from pathlib import Path
 from ..adapters import orchestrate
 from ..capture.writer import CaptureWriter
 from ..config import Params
-from ..engine.grammar import GrammarCompiler
+from ..engine.grammar_state import GrammarCompiler
 from ..engine.stats import per_position, tau_standard_error
 from ..models.load import runner_for
 from ..workspace import Workspace, served_version

@@ -174,7 +174,7 @@ class TidespecMethod:
             return None
         if constraint not in self._grammars:
             from ..engine.constraint import grammar_for
-            from ..engine.grammar import GrammarCompiler
+            from ..engine.grammar_state import GrammarCompiler
             if self._compiler is None:
                 self._compiler = GrammarCompiler.for_target(self.engine.target, get_target(self.params)[1])
             self._grammars[constraint] = grammar_for(json.loads(constraint), self._compiler)

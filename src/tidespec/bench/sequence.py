@@ -32,7 +32,7 @@ from ..assets import cache_dir
 from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.build import install_class_drafts, load_suffix_corpus, make_engine
-from ..engine.grammar import GrammarCompiler
+from ..engine.grammar_state import GrammarCompiler
 from ..engine.replay import replay
 from ..models.load import runner_for
 from ..steps.bootstrap import bootstrap_static

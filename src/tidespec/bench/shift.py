@@ -27,7 +27,7 @@ from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.build import install_class_drafts, load_suffix_corpus, make_engine
 from ..engine.constraint import grammar_for, render
-from ..engine.grammar import GrammarCompiler
+from ..engine.grammar_state import GrammarCompiler
 from ..engine.replay import replay
 from ..engine.speculative import Request
 from ..models.chat import chat_ids, prompt_ids

@@ -25,7 +25,7 @@ from ..config import Params
 from ..config.sagemaker import parse_s3_uri
 from ..engine.build import make_engine
 from ..engine.constraint import grammar_for, spec_of_request
-from ..engine.grammar import GrammarCompiler, GrammarError
+from ..engine.grammar_state import GrammarCompiler, GrammarError
 from ..engine.speculative import Engine
 from ..workspace import Workspace
 from .exchange import parse_object

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.constraint import render
-from ..engine.grammar import Grammar
+from ..engine.grammar_state import Grammar
 from ..engine.sampling import GREEDY, SamplingParams
 from ..engine.speculative import Engine, Request
 from ..models.chat import chat_ids

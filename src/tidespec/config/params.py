@@ -37,7 +37,7 @@ class TargetParams(_Strict):
 
 
 class SuffixParams(_Strict):
-    """The suffix proposer (`engine/suffix.py`, SuffixDecoding): enabled (default): consult it every step
+    """The suffix proposer (`engine/suffix_tree.py`, SuffixDecoding): enabled (default): consult it every step
     (alone when there is no EAGLE3 draft, else the hybrid: the policy chooses per request and step); max_depth:
     suffix-trie depth (tokens);
     max_tokens: tokens of recent outputs the global tree keeps; max_spec: most tokens per proposal;

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from .draft_tree import accept_greedy
 from .health import DraftHealth
 from .proposers.base import Slot
 from .request import Seq
 from .sampling import rejection_verify, warp
 from .stats import SpecDecodingStats
-from .suffix import SuffixCache
-from .tree import accept_greedy
+from .suffix_tree import SuffixCache
 
 
 def after_prefill(s: Seq, out, ttft_s: float, suffix: SuffixCache | None) -> None:

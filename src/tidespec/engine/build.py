@@ -15,7 +15,7 @@ from .calibration import load_or_calibrate
 from .generation import CaptureSink
 from .policy import GoodputPolicy, PolicyConfig
 from .speculative import Engine
-from .suffix import CORPUS_FILE, SuffixCache, load_corpus
+from .suffix_tree import CORPUS_FILE, SuffixCache, load_corpus
 
 log = logging.getLogger(__name__)
 

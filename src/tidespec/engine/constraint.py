@@ -14,7 +14,7 @@ import re
 import uuid
 from dataclasses import dataclass, replace
 
-from .grammar import JSON_OPTIONS, Grammar, GrammarCompiler, annotation_formats_dropped
+from .grammar_state import JSON_OPTIONS, Grammar, GrammarCompiler, annotation_formats_dropped
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 ANY_OBJECT = {"type": "object"}

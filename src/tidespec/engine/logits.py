@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .grammar import GrammarState
+from .grammar_state import GrammarState
 from .invalid import InvalidRequest
 from .sampling import SamplingParams
 

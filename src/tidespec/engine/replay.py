@@ -18,7 +18,7 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
     engine batch), interleaved wave by wave (so machine load drifts hit all configurations alike).
     configs: name → (engine, speculative); an engine batches up to its max_batch. A prompt is a dict
     {"id", "input_ids", "workload"?, "compiled_grammar"?}: a constrained prompt's compiled grammar
-    (`engine.grammar.Grammar`) constrains it in every configuration.
+    (`engine.grammar_state.Grammar`) constrains it in every configuration.
 
     Returns name → {"metrics", "outputs", "mismatched_ids"}; with `reference` (a config name, run
     first per wave) mismatches count outputs that differ from that config's. Metrics:

@@ -13,7 +13,7 @@ import torch
 
 from ..config import EngineParams
 from ..models.target import Target
-from .grammar import Grammar
+from .grammar_state import Grammar
 from .invalid import InvalidRequest
 from .logits import RequestLogits, check_token_ids
 from .sampling import GREEDY, SamplingParams, TokenLogprob, logprobs_of, sample, token_logprobs, warp
@@ -35,7 +35,7 @@ class Request:
     stop: stop-string check, called on the engine thread with each step's new tokens (already cut
     at EOS / stop ids / max_new_tokens), in order; returns None, or (tokens of these to keep, the
     stop string) to finish the request there (`detok.TextOutput` is one). Must not block.
-    grammar: a compiled constraint (`engine.grammar.Grammar`: structured output, tool calls); every
+    grammar: a compiled constraint (`engine.grammar_state.Grammar`: structured output, tool calls); every
     generated token is one the grammar allows, and the output equals constrained target-only decoding.
     """
 
@@ -142,7 +142,7 @@ class Seq:
     """A running request's state between steps.
 
     draft: the `DraftRunner` it started with (None: no EAGLE3 drafts), kept across a hot-swap;
-    tree: it drafts EAGLE-2 trees with that draft (`engine.tree`); draft_extra: draft cache rows
+    tree: it drafts EAGLE-2 trees with that draft (`engine.draft_tree`); draft_extra: draft cache rows
     beyond the engine's max_seq_len for tree expansion. cache / draft_cache: its KV caches, allocated
     at admission (`alloc`). gen: output tokens so far (cut at the stop); next_token: the last
     emitted token, the next step's first verify row. backlog: (aux `[n, 3H]`, next tokens `[n]`

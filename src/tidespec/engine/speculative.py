@@ -39,7 +39,7 @@ from .proposers.eagle3_estimate import first_token_priors
 from .request import Request, Seq, check_request, max_draft, with_context
 from .sampling import GREEDY, SamplingParams
 from .stats import SpecDecodingStats
-from .suffix import SuffixCache
+from .suffix_tree import SuffixCache
 
 log = logging.getLogger(__name__)
 

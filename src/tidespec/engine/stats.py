@@ -157,7 +157,7 @@ def simulated_acceptance_length(acc: list[float]) -> float:
     per-position rates, as EAGLE-3's training-time test evaluates drafts step by step (arXiv
     2503.01840 §3). Feeding unconditional per-step accuracies (step j right regardless of steps
     < j, e.g. the trainer's `val/acc_{j}`) gives a different, wrong number: drafts' errors at
-    consecutive steps are correlated. Producers of conditional a_j: `train.trainer.evaluate_holdout`
+    consecutive steps are correlated. Producers of conditional a_j: `train.holdout.evaluate_holdout`
     (teacher-forced) and `proposers.eagle3_estimate.Eagle3Estimator` (from verify steps). Returns 1.0 for [].
     """
     tau, run = 1.0, 1.0

@@ -24,7 +24,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from ..config import ServeParams
-from ..engine.grammar import GrammarCompiler
+from ..engine.grammar_state import GrammarCompiler
 from ..engine.invalid import InvalidRequest
 from ..engine.speculative import Engine, Generation
 from ..engine.speculative import Request as EngineRequest

@@ -24,7 +24,7 @@ from ..engine.constraint import (
     render,
     spec_of_request,
 )
-from ..engine.grammar import Grammar, GrammarCompiler, GrammarError, schema_key
+from ..engine.grammar_state import Grammar, GrammarCompiler, GrammarError, schema_key
 from .errors import OpenAIError
 
 __all__ = ["Constraint", "ToolCallStream", "build", "check_schema", "parse_tool_calls", "render"]

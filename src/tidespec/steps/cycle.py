@@ -23,7 +23,7 @@ from ..adapters.sagemaker_train import preview_request, train_on_sagemaker
 from ..capture import curate as curate_mod
 from ..capture.snapshots import list_snapshots
 from ..config import Params, TrainParams, load_params
-from ..engine.suffix import CORPUS_FILE, newest_within, save_corpus
+from ..engine.suffix_tree import CORPUS_FILE, newest_within, save_corpus
 from ..models.load import get_target, target_dir
 from ..models.load import target_id as target_id_of
 from ..train.entry import preflight, skip_reason, train_here

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..config import Params
 from ..engine.build import make_engine
 from ..engine.constraint import grammar_for
-from ..engine.grammar import GrammarCompiler, GrammarError
+from ..engine.grammar_state import GrammarCompiler, GrammarError
 from ..engine.replay import replay
 from ..models.eagle3 import load_checkpoint
 from ..models.load import get_target, runner_for

@@ -1,5 +1,5 @@
 """The cycle's register step: the candidate into the MLflow registry with its evaluation, lineage
-and per-profile windows, the promotion gate applied (`adapters.registry.decide`)."""
+and per-profile windows, the promotion gate applied (`adapters.registry.promote_if_better`)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from ..adapters import registry
 from ..assets import sha256_file
 from ..config import Params
 from ..engine.stats import per_position, tau_by_k
-from ..engine.suffix import CORPUS_FILE, corpus_info
+from ..engine.suffix_tree import CORPUS_FILE, corpus_info
 from . import plots
 from .tuning import tune_windows
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
+from ..draft_tree import Layout
 from ..request import Seq
-from ..tree import Layout
 
 if TYPE_CHECKING:
     from ...config import EngineParams
-    from ..suffix import SuffixCache
+    from ..suffix_tree import SuffixCache
 
 
 @dataclass(frozen=True)

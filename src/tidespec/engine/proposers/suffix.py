@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-from ..suffix import Proposal, SuffixCache
+from ..suffix_tree import Proposal, SuffixCache
 from .base import Build, Rung, Slot, one_hot
 from .registry import register
 

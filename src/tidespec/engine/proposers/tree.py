@@ -2,7 +2,7 @@
 
 Source: EAGLE-2 (Li et al., arXiv 2406.16858) §3.1 expansion, §3.2 reranking, §4 (the draft's
 confidence approximates acceptance: under the goodput policy the tree grows by value, `tree.widen`);
-the tree maths are `engine.tree`. The verify forward gives each node the cache and its ancestors
+the tree maths are `engine.draft_tree`. The verify forward gives each node the cache and its ancestors
 (SpecInfer, arXiv 2305.09781 §4.2); acceptance is `tree.accept_greedy` (in the engine's step).
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 
 from ...config import tree_num_draft_tokens
+from ..draft_tree import TreeJob, expand, layout, max_nodes, select, widen
 from ..request import max_draft
-from ..tree import TreeJob, expand, layout, max_nodes, select, widen
 from .base import Build, Rung, Slot, by_draft
 from .eagle3 import FIXED_RANK
 from .eagle3_estimate import Eagle3Estimator
