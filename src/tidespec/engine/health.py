@@ -144,7 +144,7 @@ class DraftHealth:
 @dataclass(frozen=True)
 class PairedComparison:
     """The previous version against the current one on the same traffic: `diff` = mean over `n`
-    pairs of (previous − current) in the unit compared (τ per window, simulated τ per record), `se` its
+    pairs of (previous − current) in the unit compared (τ per window, teacher-forced τ per record), `se` its
     standard error (both sides' uncertainty), `z` the one-sided threshold. `previous_better`: clearly,
     diff > z·se with at least 2 pairs: the only evidence a guard rolls back on."""
 
