@@ -154,3 +154,46 @@ def test_a_draft_worse_from_its_first_window_is_trialled_and_rolled_back():
             actions.append(guard.check())
         assert "reloaded" not in actions and actions.count("trial") == 1 and actions.count(outcome) == 1, actions
         assert rolled == (["2"] if outcome == "rolled_back" else [])
+
+
+def test_a_failed_install_or_rollback_releases_the_watcher_and_is_not_retried():
+    """The previous version cannot be installed (a blue/green swap without the memory): no trial, the
+    pin released, the current version keeps serving. A rollback whose registry call fails: the pin is
+    released all the same, and the version is not trialled again (no endless alternation)."""
+    class NoPrevious(SimulatedServer):
+        def install(self, bundle, version=None):
+            if version == "1" and self.installs:
+                raise RuntimeError("no memory for a second server")
+            return super().install(bundle, version)
+
+    worse = SHIFT | {("2", "new"): 0.02}
+    dep, hold = NoPrevious(worse, seed=4), DraftPin()
+    guard = LiveGuard(dep, lambda v, why: "1", hold)
+    for i in range(30):
+        if i == 4:
+            dep.install("/drafts/2", "2")
+        if i == 9:
+            dep.traffic = "new"
+        dep.round()
+        assert guard.check() in (None, "reloaded") and hold.version is None
+    assert dep.served.version == "2" and dep.installs == ["2"]
+
+    def failing(version, reason):
+        raise RuntimeError("registry down")
+    dep, hold = SimulatedServer(worse, seed=5), DraftPin()
+    guard = LiveGuard(dep, failing, hold)
+    actions = []
+    for i in range(40):
+        if i == 4:
+            dep.install("/drafts/2", "2")
+        if i == 9:
+            dep.traffic = "new"
+        dep.round()
+        try:
+            actions.append(guard.check())
+        except RuntimeError:
+            actions.append("failed")
+        assert guard._trial is None or hold.version == "2"
+    assert actions.count("trial") == 1 and actions.count("failed") == 1 and hold.version is None
+    with pytest.raises(ValueError, match="trial_pairs >= 2"):
+        LiveGuard(dep, failing, trial_pairs=1)

@@ -71,8 +71,9 @@ class LiveGuard:
     2. still below after the reload — or, for a version just installed, its reference clearly below
        its predecessor's latest window (earlier traffic: a hint) —, with `rollback` wired and a
        previous version known: a **switchback trial** on the same traffic — the previous version and
-       the current one served in turn, one window each, `trial_pairs` pairs in ABBA order (P C, C P,
-       P C: a linear drift of the traffic cancels), the champion watcher held meanwhile (`hold`, a
+       the current one served in turn, one window each, `trial_pairs` pairs in alternating order (P C,
+       C P, P C: a linear drift of the traffic cancels over an even number of pairs, and shrinks to a
+       third of one pair's over three), the champion watcher held meanwhile (`hold`, a
        `serve.admin.DraftPin`).
        Previous − current τ per pair, with both windows' SE (`engine.health.paired_comparison`):
        when the previous version is clearly better it is installed and `rollback(version, reason)`
@@ -86,6 +87,9 @@ class LiveGuard:
                  z: float = Z):
         self.dep, self.rollback, self.hold = dep, rollback, hold
         self.min_drafts, self.confirm, self.reference_windows = min_drafts, confirm, reference_windows
+        if trial_pairs < 2 or reference_windows < 1 or min_drafts < 1:
+            raise ValueError("trial_pairs >= 2 (a verdict needs two pairs), reference_windows >= 1, min_drafts >= 1; "
+                             f"got {trial_pairs}, {reference_windows}, {min_drafts}")
         self.trial_pairs, self.z = trial_pairs, z
         self._version: str | None = None
         self._start: SpecDecodeCounters | None = None
@@ -97,6 +101,7 @@ class LiveGuard:
         self._reloaded: set[str] = set()
         self._kept: set[str] = set()
         self._restored: set[str] = set()
+        self._tried: set[str] = set()
         self._last: dict[str, SpecDecodeCounters] = {}  # version → its latest `reference_windows` windows
         self._marks: deque[SpecDecodeCounters] = deque(maxlen=reference_windows + 1)  # window boundaries
         self._trial: _Trial | None = None
@@ -162,19 +167,26 @@ class LiveGuard:
 
     def _start_trial(self, version: str, reason: str) -> str | None:
         prev = self._previous.get(version)
-        if (self.rollback is None or prev is None or self._dirs.get(prev) is None or version in self._kept
-                or version in self._restored):
+        if (self.rollback is None or prev is None or self._dirs.get(prev) is None
+                or version in self._kept | self._restored | self._tried):
             return None
+        self._tried.add(version)  # one trial per version, whatever its outcome (no endless alternation)
         arms = [a for j in range(self.trial_pairs) for a in ((prev, version) if j % 2 == 0 else (version, prev))]
         if self.hold is not None:
             self.hold.set(version, by=f"the live guard's switchback trial of draft {version}")
         self._trial = _Trial(version, prev, arms, reason)
         log.warning("draft %s: %s: switchback trial against v%s on the same traffic "
                     "(%d windows of %d drafts)", version, reason, prev, len(arms), self.min_drafts)
-        self._install(prev)
+        try:
+            self._install(prev)
+        except Exception:  # the previous version cannot be served here: no trial, the current one serves on
+            self._end_trial()
+            log.exception("switchback trial of draft %s not started: v%s could not be installed", version, prev)
+            return None
         return "trial"
 
     def _install(self, version: str) -> None:
+        self._start = None  # no window spans a swap, even when the scrape after it fails
         if self.dep.served.version != version:
             self.dep.install(self._dirs[version], version)
         self._start = scrape_served(self.dep)[1]
@@ -187,6 +199,8 @@ class LiveGuard:
         window = now - self._start
         if window.num_drafts < self.min_drafts:
             return None
+        if len(t.windows) >= len(t.arms):  # every window measured, the conclusion failed part-way: again
+            return self._conclude(t)
         if served.version != t.arms[len(t.windows)]:  # something else installed a draft: no verdict
             log.warning("switchback trial of draft %s stopped: %s serves now", t.current, served.version)
             self._end_trial(served.version)
@@ -208,22 +222,26 @@ class LiveGuard:
         cmp = paired_comparison(diffs, variances, self.z)
         line = cmp.line(t.current, t.previous, "window pairs (τ)")
         if cmp.previous_better:
-            self._install(t.previous)
-            self._end_trial(t.previous)
-            back = self.rollback(t.current, f"{t.reason}; switchback on the same traffic: {line}")
+            try:  # the pin is released once the registry moved, whatever fails (the watcher follows it then)
+                self._install(t.previous)
+                back = self.rollback(t.current, f"{t.reason}; switchback on the same traffic: {line}")
+            finally:
+                self._end_trial()
             self._restored.add(str(back or t.previous))
             log.warning("rolled back draft %s to %s: %s", t.current, back, line)
             self._serving(self.dep.served, scrape_served(self.dep)[1] or self._start)
             return "rolled_back"
-        self._install(t.current)
-        self._end_trial(t.current)
+        try:
+            self._install(t.current)
+        finally:
+            self._end_trial()
         self._kept.add(t.current)
         log.warning("draft %s kept: not worse than v%s on the same traffic (%s); its reference is re-measured",
                     t.current, t.previous, line)
         self._serving(self.dep.served, self._start, rebaseline=True)
         return "kept"
 
-    def _end_trial(self, version: str | None) -> None:
+    def _end_trial(self, version: str | None = None) -> None:
         self._trial = None
         if self.hold is not None:
             self.hold.set(None)

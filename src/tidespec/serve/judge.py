@@ -30,12 +30,15 @@ class PairedJudge:
 
     engine: the serving `Engine` (its target and k); records(workload): the recent records of a class
     (`RecentRecords.records`); load_version(v): a registry version → its checkpoint dir (raises
-    LookupError / OSError); tparams: `train` params (max_seq_len, batch_tokens of the scoring)."""
+    LookupError / OSError); tparams: `train` params (max_seq_len, batch_tokens of the scoring;
+    default: records up to the engine's max_seq_len). Fewer than `min_records` usable pairs: None."""
 
     def __init__(self, engine, records: Callable[[str], list[dict]], load_version: Callable[[str], Path],
                  tparams: TrainParams | None = None, min_records: int = 8):
         self.engine, self.records, self.load_version = engine, records, load_version
-        self.tparams, self.min_records = tparams or TrainParams(), min_records
+        # records are scored whole: up to the engine's context, not the trainer's cut
+        self.tparams = tparams or TrainParams(max_seq_len=engine.cfg.max_seq_len)
+        self.min_records = min_records
 
     def __call__(self, version: str, previous: str, workload: str) -> PairedComparison | None:
         recs = self.records(workload)
@@ -43,11 +46,12 @@ class PairedJudge:
             return None
         target, k = self.engine.target, self.engine.cfg.num_draft_tokens
         try:
-            drafts = [load_checkpoint(self.load_version(v), target.embed, target.target_id).eval()
+            drafts = [load_checkpoint(self.load_version(v), target.embed, target.target_id).place(target.device).eval()
                       for v in (version, previous)]
-        except (LookupError, OSError, ValueError) as e:
+            cur, prev = (record_taus(d, target, recs, self.tparams, k) for d in drafts)
+        except (LookupError, OSError, ValueError, RuntimeError) as e:  # no verdict: asked again at the next check
             log.error("cannot score drafts %s and %s on recent traffic: %s", version, previous, e)
             return None
-        cur, prev = (record_taus(d, target, recs, self.tparams, k) for d in drafts)
-        diffs = [p - c for c, p in zip(cur, prev) if c is not None and p is not None]
-        return paired_comparison(diffs)
+        # a record one draft cannot score (no position left in its vocabulary) counts as τ 1 for it
+        diffs = [(p or 1.0) - (c or 1.0) for c, p in zip(cur, prev) if c is not None or p is not None]
+        return paired_comparison(diffs) if len(diffs) >= self.min_records else None

@@ -97,8 +97,8 @@ def pull_window(ws: Workspace, params: Params, target_id: str) -> list[str]:
     d = ws.snapshots / target_id
     if not (ws.root / ".dvc").is_dir() or not d.is_dir():
         return []
-    ids = {p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")}
-    ids |= {p.name[: -len(".dvc")] for p in d.glob("*.dvc")}
+    ids = {p.name for p in d.iterdir() if (p / "snapshot.json").exists()}  # sealed here
+    ids |= {p.name[: -len(".dvc")] for p in d.glob("*.dvc")}  # tracked, local or not
     missing = [s for s in sorted(ids)[-params.curate.window:] if not (d / s / "snapshot.json").exists()]
     if missing:
         log.info("pulling %d snapshot(s) of the curate window from the DVC remote: %s", len(missing), missing)
