@@ -166,34 +166,32 @@ def test_a_failed_install_or_rollback_releases_the_watcher_and_is_not_retried():
                 raise RuntimeError("no memory for a second server")
             return super().install(bundle, version)
 
+    def rounds(dep, guard, hold, n):
+        """The scenario's rounds (v2 at round 4, the shift at 9); each check's action ("failed": raised)."""
+        out = []
+        for i in range(n):
+            if i == 4:
+                dep.install("/drafts/2", "2")
+            if i == 9:
+                dep.traffic = "new"
+            dep.round()
+            try:
+                out.append(guard.check())
+            except RuntimeError:
+                out.append("failed")
+            assert guard._trial is None or hold.version == "2"  # held only while a trial runs
+        return out
+
     worse = SHIFT | {("2", "new"): 0.02}
     dep, hold = NoPrevious(worse, seed=4), DraftPin()
-    guard = LiveGuard(dep, lambda v, why: "1", hold)
-    for i in range(30):
-        if i == 4:
-            dep.install("/drafts/2", "2")
-        if i == 9:
-            dep.traffic = "new"
-        dep.round()
-        assert guard.check() in (None, "reloaded") and hold.version is None
+    actions = rounds(dep, LiveGuard(dep, lambda v, why: "1", hold), hold, 30)
+    assert set(actions) <= {None, "reloaded"} and hold.version is None
     assert dep.served.version == "2" and dep.installs == ["2"]
 
     def failing(version, reason):
         raise RuntimeError("registry down")
     dep, hold = SimulatedServer(worse, seed=5), DraftPin()
-    guard = LiveGuard(dep, failing, hold)
-    actions = []
-    for i in range(40):
-        if i == 4:
-            dep.install("/drafts/2", "2")
-        if i == 9:
-            dep.traffic = "new"
-        dep.round()
-        try:
-            actions.append(guard.check())
-        except RuntimeError:
-            actions.append("failed")
-        assert guard._trial is None or hold.version == "2"
+    actions = rounds(dep, LiveGuard(dep, failing, hold), hold, 40)
     assert actions.count("trial") == 1 and actions.count("failed") == 1 and hold.version is None
     with pytest.raises(ValueError, match="trial_pairs >= 2"):
         LiveGuard(dep, failing, trial_pairs=1)
