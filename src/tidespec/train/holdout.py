@@ -100,7 +100,7 @@ class HoldoutEval:
         """1 + the mean leading run of right drafts (≤ k) with a chain started at *every* position
         where one can start: the same positions whatever the draft, so two drafts compared on one
         record are paired position by position (`simulated_tau` weighs the chains each draft's own
-        acceptance visits). None when nothing was evaluated."""
+        acceptance visits). Tokens per verify step, in [1, 1 + k]; None when nothing was evaluated."""
         k = self.steps if k is None else min(k, self.steps)
         if not self.positions:
             return None
