@@ -85,25 +85,37 @@ def test_the_policy_prior_of_a_class_comes_from_the_draft_serving_it():
 
 
 def test_the_guard_rolls_back_a_class_draft_clearly_below_the_generalist_on_its_class(tiny_target):
-    from tidespec.serve.guard import HealthGuard
+    """The generalist v1 drafts code and chat (τ 1.5 there: one of k = 3 accepted every other chain);
+    code's own draft v7 is never accepted: its first windows, clearly below v1's latest on code, make
+    the guard ask the same-traffic evidence (here a judge saying v1 is clearly better on code's recent
+    records) and roll v7 back on its class; the report flags it against its predecessor."""
+    from tidespec.engine.health import PairedComparison
+    from tidespec.serve.draft_health import EngineSource, HealthReport
+    from tidespec.serve.guard import LiveGuard
+    from tidespec.serve.judge import TeacherForced
     from tidespec.serve.metrics import ServeMetrics
     gen, code = (DraftRunner(random_draft(tiny_target, 64, seed=s)) for s in (0, 1))
     eng = Engine(tiny_target, gen, CFG, draft_version="1")
-    eng.health._live[("1", "code")] = [250.0, 500.0]  # the generalist on code traffic: half its chains
-    eng.health._live[("1", "chat")] = [250.0, 500.0]
-    eng.health._classes["1"] = {"code", "chat"}
+    calls, judged, metrics = [], [], ServeMetrics(3)
+    guard = LiveGuard(EngineSource(eng), TeacherForced(
+        lambda v, prev, w: judged.append((v, prev, w)) or PairedComparison(0.4, 0.1, 16)), lambda *a: calls.append(a))
+    report = HealthReport(eng, metrics, every_s=0)
+
+    def rounds(version: str, classes: tuple[str, ...], accepted, n: int = 3) -> list[str]:
+        actions = guard.check()
+        for _ in range(n):
+            for w in classes:
+                for i in range(120):
+                    eng.health.observe(version, w, accepted(i), 3)
+            actions += guard.check()
+        return actions
+
+    assert rounds("1", ("code", "chat"), lambda i: i % 2) == []  # healthy: its own reference, nothing to do
     eng.set_draft(code, "7", workload="code")
-    eng.health._live[("7", "code")] = [0.0, 500.0]  # code's own draft: never accepted
-    eng.health._live[("7", "chat")] = [0.0, 500.0]  # (not its class: never judged there)
-    eng.health._classes["7"] = {"code", "chat"}
-    calls, metrics = [], ServeMetrics(3)
-    from tidespec.engine.health import PairedComparison
-    judged = []  # the same-traffic scoring says the generalist is clearly better on code's recent records
-    guard = HealthGuard(eng, metrics, every_s=0, rollback=lambda *a: calls.append(a),
-                        judge=lambda v, prev, w: judged.append((v, prev, w)) or PairedComparison(0.4, 0.1, 16))
-    below = guard.check()
-    assert [(v.version, v.workload) for v in below] == [("7", "code")]
-    assert len(calls) == 1 and calls[0][0] == "7" and calls[0][2] == "code" and "below v1's 0.500" in calls[0][1]
+    assert rounds("7", ("code",), lambda i: 0) == ["trial", "rolled_back"]
+    assert len(calls) == 1 and calls[0][0] == "7" and calls[0][2] == "code" and "below v1's latest 1.500" in calls[0][1]
     assert judged == [("7", "1", "code")]  # scored against the generalist on code's traffic
+    assert "teacher-forced on the same recent traffic: v1 − v7 = +0.400" in calls[0][1]
+    assert [(v.version, v.workload) for v in report.check()] == [("7", "code")]
     assert metrics.registry.get_sample_value("tidespec:draft_regressed",
                                              {"against": "previous", "version": "7", "workload": "code"}) == 1.0

@@ -1,8 +1,9 @@
-"""Draft health (`engine.health`, `serve.guard`): live first-token acceptance per (version, class)
-against the replay and the previous version — the z-test's false-alarm rate and power, decayed
-counts that show a recovery, the engine feeding it, and the guard's metrics, log line and one
-rollback per version, decided on the same recent traffic (a shift rolls nothing back). The rollback
-through the registry runs in test_promotion."""
+"""Draft health (`engine.health`, `serve.draft_health`) and the live guard on the embedded engine
+(`serve.guard.LiveGuard` over `serve.draft_health.EngineSource`): live first-token acceptance per
+(version, class) against the replay and the previous version — the z-test's false-alarm rate and
+power, decayed counts that show a recovery, the engine feeding it and its counters, the report's
+metrics and log line, and one rollback per version, decided on the same recent traffic (a shift
+rolls nothing back). The rollback through the registry runs in test_promotion."""
 import logging
 import random
 
@@ -13,7 +14,9 @@ from tidespec.config import EngineParams
 from tidespec.engine.health import MIN_CHAINS, DraftHealth, PairedComparison, clearly_below
 from tidespec.engine.speculative import Engine, Request
 from tidespec.models.runner import DraftRunner
-from tidespec.serve.guard import HealthGuard
+from tidespec.serve.draft_health import EngineSource, HealthReport
+from tidespec.serve.guard import LiveGuard
+from tidespec.serve.judge import TeacherForced
 from tidespec.serve.metrics import ServeMetrics
 
 
@@ -84,35 +87,43 @@ def test_engine_feeds_health_and_the_guard_reports_and_rolls_back_once(tiny_targ
     w = eng.health.window  # decayed sums: n = Σ_{i<chains} (1 − 1/w)^i
     assert n == pytest.approx(w * (1 - (1 - 1 / w) ** chains)) and live == pytest.approx(first / chains, abs=0.02)
     assert n >= MIN_CHAINS and live < 0.5
+    c = eng.health.counters("7", "chat")  # the live guard's counters: every chain, as vLLM counts drafts
+    drafted = sum(g.stats_by_proposer["eagle3"].num_draft_tokens for g in gens)
+    assert (c.num_drafts, c.accepted_per_pos[0], c.num_draft_tokens) == (chains, first, drafted)
+    assert c.num_accepted_tokens == sum(c.accepted_per_pos) and len(c.accepted_per_pos) == 3
     metrics, calls = ServeMetrics(3), []
 
-    def rollback(v, why):
+    def rollback(v, why, slot):
         calls.append((v, why))
         if len(calls) == 1:
             raise RuntimeError("registry down")  # the first attempt fails: retried at the next check
 
-    assert HealthGuard(eng, ServeMetrics(3), every_s=0, rollback=rollback).judge is None  # no judge: reports only
     worse_here = PairedComparison(0.5, 0.1, 20)  # the same-traffic scoring (test below): v7 clearly better
-    guard = HealthGuard(eng, metrics, every_s=0, rollback=rollback, judge=lambda v, prev, w: worse_here)
-    with caplog.at_level(logging.WARNING, logger="tidespec.serve.guard"):
-        below = guard.check()
-        guard.check()
+    guard = LiveGuard(EngineSource(eng), TeacherForced(lambda v, prev, w: worse_here), rollback)
+    report = HealthReport(eng, metrics, every_s=0, guard=guard)
+    with caplog.at_level(logging.WARNING, logger="tidespec.serve.draft_health"):
+        below = report.check()
+        report.check()
     assert [(v.workload, v.reference) for v in below] == [("chat", 0.9)]
     assert sum("clearly below its replayed acceptance 0.900" in r.message for r in caplog.records) == 1  # once
     sample = metrics.registry.get_sample_value
     assert sample("tidespec:draft_regressed", {"against": "replay", "version": "7", "workload": "chat"}) == 1.0
-    assert calls == []  # against its replay only: no predecessor, no rollback
+    assert calls == []  # below its replay only: no predecessor, no rollback
+
+    def rounds(version: str, accepted, n: int) -> None:
+        for _ in range(n):
+            for i in range(120):
+                eng.health.observe(version, "chat", accepted(i), 3)
+            report.check()
+
+    rounds("7", lambda i: i % 2, 3)  # v7's latest windows: τ 1.5
     eng.set_draft(DraftRunner(random_draft(tiny_target, 64, seed=1)), "8")  # a new version, same traffic
-    eng.health._live[("8", "chat")] = [0.0, 500.0]  # the new version: never accepted (as counted)
-    eng.health._classes["8"] = {"chat"}
-    eng.health._live[("7", "chat")] = [250.0, 500.0]  # the old one: half its chains
-    for _ in range(3):
-        assert guard.check()
-    assert [v for v, _ in calls] == ["8", "8"] and "clearly below v7's 0.500" in calls[0][1]  # retried once, then done
+    rounds("8", lambda i: 0, 6)  # never accepted: reference, trial, verdict, a failed rollback, then done
+    assert [v for v, _ in calls] == ["8", "8"] and "clearly below v7's latest 1.500" in calls[0][1]
     assert sample("tidespec:draft_rollbacks_total") == 1.0
     eng.set_draft(None)
-    assert guard.check() == [] and sample("tidespec:draft_regressed", {"against": "previous", "version": "8",
-                                                                       "workload": "chat"}) is None  # no stale gauge
+    assert report.check() == [] and sample("tidespec:draft_regressed", {"against": "previous", "version": "8",
+                                                                        "workload": "chat"}) is None  # no stale gauge
 
 
 def test_guard_labels_stay_bounded_and_server_classes_keep_theirs(tiny_target):
@@ -169,25 +180,28 @@ def test_a_shift_of_traffic_rolls_nothing_back_and_a_worse_draft_is_rolled_back_
     dirs = {"1": tmp_path / "v1", "2": tmp_path / "v1", "3": tmp_path / "v3"}
     recent = RecentRecords(32)
     eng = Engine(target, None, EngineParams(num_draft_tokens=3, max_seq_len=128, max_batch=16), capture=recent)
-    calls, metrics = [], ServeMetrics(3)
-    guard = HealthGuard(eng, metrics, every_s=0, rollback=lambda v, why: calls.append((v, why)),
-                        judge=PairedJudge(eng, recent.records, dirs.__getitem__))
+    calls, judged, judge = [], [], PairedJudge(eng, recent.records, dirs.__getitem__)
+    guard = LiveGuard(EngineSource(eng), TeacherForced(lambda *a: judged.append(judge(*a)) or judged[-1]),
+                      lambda v, why, slot: calls.append((v, why)))
     g = torch.Generator().manual_seed(1)
 
-    def serve(version: str, prompts: list[list[int]]) -> None:
+    def serve(version: str, prompts: list[list[int]], chunks: int = 3) -> list[str]:
+        """The version serves the prompts in `chunks` rounds of traffic, the guard checking after each."""
         eng.set_draft(DraftRunner(load_checkpoint(dirs[version], target.embed, target.target_id)), version)
-        eng.generate_batch([Request(p, 40, workload="code") for p in prompts])
+        actions = guard.check()
+        for j in range(chunks):
+            eng.generate_batch([Request(p, 40, workload="code") for p in prompts[j::chunks]])
+            actions += guard.check()
+        return actions
 
     shifted = [torch.randint(200, 320, (6,), generator=g).tolist() for _ in range(48)]
-    serve("1", trained_prompts)
-    serve("2", shifted)
+    assert serve("1", trained_prompts) == []
+    actions = serve("2", shifted, 4)
     a1, a2 = eng.health.live("1", "code")[0], eng.health.live("2", "code")[0]
-    v = eng.health.against_previous("2", "code")
-    assert v.below and a2 < 0.75 * a1, (a1, a2)  # the hint fires: another traffic, not another draft
-    assert [x.version for x in guard.check() if x.reference == a1] == ["2"]
-    assert calls == [] and guard._judged[("2", "code")].diff == 0.0  # same weights, same records: equal
-    serve("3", shifted)
-    guard.check()
-    cmp = guard._judged[("3", "code")]
+    assert eng.health.against_previous("2", "code").below and a2 < 0.75 * a1, (a1, a2)  # the hint's premise
+    assert actions == ["trial", "kept"] and calls == []  # the hint fired; on the same records: equal
+    assert judged[0].diff == 0.0 and judged[0].n >= 8  # same weights, same records
+    serve("3", shifted, 4)
+    cmp = judged[-1]
     assert cmp.previous_better and cmp.n >= 30 and len(calls) == 1 and calls[0][0] == "3"
-    assert "on the same recent traffic, teacher-forced, v2 is clearly better: v2 − v3 = +" in calls[0][1]
+    assert "teacher-forced on the same recent traffic: v2 − v3 = +" in calls[0][1]

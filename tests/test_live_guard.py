@@ -1,4 +1,5 @@
-"""The live guard behind an engine server (`backends.live.LiveGuard`) on simulated counters: a
+"""The live guard behind an engine server (`backends.live.server_guard`: `serve.guard.LiveGuard` with
+a `serve.switchback.Switchback`) on simulated counters: a
 version judged against its own earlier windows, a reload for a corrupted draft, and a rollback only
 when a switchback trial on the same traffic finds the previous version clearly better
 (`engine.health.paired_comparison`). The same guard against a real vLLM runs in test_vllm_real.
@@ -13,10 +14,11 @@ import random
 import pytest
 
 from tidespec.backends.base import ServedDraft
-from tidespec.backends.live import LiveGuard, below_reference
-from tidespec.backends.spec_counters import SpecDecodeCounters
+from tidespec.backends.live import server_guard
 from tidespec.engine.health import paired_comparison
+from tidespec.engine.spec_counters import SpecDecodeCounters
 from tidespec.serve.admin import DraftPin
+from tidespec.serve.guard import below_reference
 
 K = 3
 
@@ -64,10 +66,10 @@ def run_scenario(rates: dict, seed: int, rounds: int = 40, corrupt_at: int | Non
     dep = SimulatedServer(rates, seed)
     rolled, hold = [], DraftPin()
 
-    def rollback(version, reason):
+    def rollback(version, reason, slot):
         rolled.append((version, reason))
         return "1"
-    guard = LiveGuard(dep, rollback, hold)
+    guard = server_guard(dep, rollback, hold)
     actions = []
     for i in range(rounds):
         if i == 4:
@@ -77,8 +79,8 @@ def run_scenario(rates: dict, seed: int, rounds: int = 40, corrupt_at: int | Non
         if corrupt_at is not None and i == corrupt_at:
             dep.corrupt = True
         dep.round()
-        actions.append(guard.check())
-        if guard._trial is None:
+        actions += guard.check() or [None]
+        if not guard.trying:
             assert hold.version is None  # the watcher is held only while a trial runs
         else:
             assert hold.version == "2" and "switchback" in hold.by
@@ -144,22 +146,23 @@ def test_a_draft_worse_from_its_first_window_is_trialled_and_rolled_back():
     for p2, outcome in ((0.02, "rolled_back"), (0.195, "kept")):
         rates = {("1", "old"): 0.45, ("1", "new"): 0.195, ("2", "new"): p2}
         dep, rolled = SimulatedServer(rates, seed=3), []
-        guard = LiveGuard(dep, lambda v, why, out=rolled: out.append(v) or "1", DraftPin())
+        guard = server_guard(dep, lambda v, why, slot, out=rolled: out.append(v) or "1", DraftPin())
         actions = []
         for i in range(30):
             if i == 4:
                 dep.traffic = "new"
                 dep.install("/drafts/2", "2")
             dep.round()
-            actions.append(guard.check())
+            actions += guard.check() or [None]
         assert "reloaded" not in actions and actions.count("trial") == 1 and actions.count(outcome) == 1, actions
         assert rolled == (["2"] if outcome == "rolled_back" else [])
 
 
-def test_a_failed_install_or_rollback_releases_the_watcher_and_is_not_retried():
+def test_a_failed_install_releases_the_watcher_and_a_failed_rollback_is_retried():
     """The previous version cannot be installed (a blue/green swap without the memory): no trial, the
     pin released, the current version keeps serving. A rollback whose registry call fails: the pin is
-    released all the same, and the version is not trialled again (no endless alternation)."""
+    released all the same, the version is not trialled again (no endless alternation) and the
+    rollback is retried at the next checks."""
     class NoPrevious(SimulatedServer):
         def install(self, bundle, version=None):
             if version == "1" and self.installs:
@@ -175,23 +178,27 @@ def test_a_failed_install_or_rollback_releases_the_watcher_and_is_not_retried():
             if i == 9:
                 dep.traffic = "new"
             dep.round()
-            try:
-                out.append(guard.check())
-            except RuntimeError:
-                out.append("failed")
-            assert guard._trial is None or hold.version == "2"  # held only while a trial runs
+            out += guard.check() or [None]
+            assert not guard.trying or hold.version == "2"  # held only while a trial runs
         return out
 
     worse = SHIFT | {("2", "new"): 0.02}
     dep, hold = NoPrevious(worse, seed=4), DraftPin()
-    actions = rounds(dep, LiveGuard(dep, lambda v, why: "1", hold), hold, 30)
+    actions = rounds(dep, server_guard(dep, lambda v, why, slot: "1", hold), hold, 30)
     assert set(actions) <= {None, "reloaded"} and hold.version is None
     assert dep.served.version == "2" and dep.installs == ["2"]
 
-    def failing(version, reason):
-        raise RuntimeError("registry down")
+    calls = []
+
+    def failing(version, reason, slot):
+        calls.append(version)
+        if len(calls) < 3:
+            raise RuntimeError("registry down")
+        return "1"
     dep, hold = SimulatedServer(worse, seed=5), DraftPin()
-    actions = rounds(dep, LiveGuard(dep, failing, hold), hold, 40)
-    assert actions.count("trial") == 1 and actions.count("failed") == 1 and hold.version is None
+    actions = rounds(dep, server_guard(dep, failing, hold), hold, 40)
+    # the trial's verdict stands: the rollback is retried at the next checks until the registry answers
+    assert actions.count("trial") == 1 and calls == ["2", "2", "2"] and actions.count("rolled_back") == 1
+    assert hold.version is None
     with pytest.raises(ValueError, match="trial_pairs >= 2"):
-        LiveGuard(dep, failing, trial_pairs=1)
+        server_guard(dep, failing, trial_pairs=1)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from tidespec.backends.base import ServedDraft, scrape_served
-from tidespec.backends.spec_counters import SpecDecodeCounters
 from tidespec.backends.vllm import deployment as deploy_vllm
+from tidespec.engine.spec_counters import SpecDecodeCounters
 from tidespec.workspace import write_version
 
 URL = "http://127.0.0.1:9"

@@ -137,32 +137,35 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     from tidespec.cli.serve import _registry_rollback
     from tidespec.engine.build import install_draft, make_engine
     from tidespec.engine.speculative import Request
-    from tidespec.serve.guard import HealthGuard
+    from tidespec.serve.draft_health import EngineSource, HealthReport
+    from tidespec.serve.guard import LiveGuard
     from tidespec.serve.metrics import ServeMetrics
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     hold = [json.loads(x) for x in ws.eval_prompts.read_text().splitlines()]
     from tidespec.capture.recent import RecentRecords
-    from tidespec.serve.judge import PairedJudge
+    from tidespec.serve.judge import PairedJudge, TeacherForced
     recent = RecentRecords(len(hold))  # both versions scored on the newest served requests
     eng = make_engine(params.engine.fixed(), target, capture=recent)  # the EAGLE3 draft's own a₁
-    guard = HealthGuard(eng, ServeMetrics(eng.cfg.num_draft_tokens), 0, _registry_rollback(params, tid, ws),
-                        PairedJudge(eng, recent.records,
-                                    lambda v: registry.download_version(mlflow_server, tid, v, tmp_path / "judge")))
+    fetch = lambda v: registry.download_version(mlflow_server, tid, v, tmp_path / "judge")  # noqa: E731
+    guard = HealthReport(eng, ServeMetrics(eng.cfg.num_draft_tokens), 0, LiveGuard(
+        EngineSource(eng, fetch), TeacherForced(PairedJudge(eng, recent.records, fetch)),
+        _registry_rollback(params, tid, ws)))
     for draft in (registry.download_version(mlflow_server, tid, d1["version"], tmp_path / "served"), ws.champion):
         install_draft(eng, draft)
-        for _ in range(4):
+        for _ in range(4):  # a round of traffic, then the server's check
             eng.generate_batch([Request(h["input_ids"], 64, workload="code") for h in hold])
+            guard.check()
     assert eng.health.against_replay(d1["version"], "code").reference == pytest.approx(
         rep["candidate"]["accepted_per_pos/0"])  # v1's replayed a₁ came with its bundle (tag → version.json)
-    below = guard.check()
+    below = guard.check()  # the trial's verdict: rolled back
     v1_live = eng.health.live(d1["version"], "code")[0]
     assert any(v.version == d2["version"] and v.reference == v1_live and v.live < v1_live for v in below)
     assert (
         registry.champion(mlflow_server, tid).version == d1["version"] and served_version(ws.champion) == d1["version"]
     )
     decision = registry.decisions(mlflow_server, tid, d2["version"])[-1]
-    assert "automatic (draft health): live first-token acceptance" in decision
-    assert f"teacher-forced, v{d1['version']} is clearly better" in decision
+    assert "automatic (draft health): its first" in decision and "clearly below v" in decision
+    assert f"teacher-forced on the same recent traffic: v{d1['version']} − v{d2['version']} = +" in decision
     r = runner.invoke(app, ["promote", d2["version"], "--reason", "canary by hand, again", *common], env=env)
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["rollback", "--reason", "canary p99 regressed", *common], env=env)

@@ -2,7 +2,7 @@
 under src/ or in docs/ — resolves: a code move that leaves a stale name behind fails here.
 
 A span counts as a reference when it names a package folder or root module of `tidespec` and at
-least one module below it (`engine.health`, `backends.live.LiveGuard`, `steps/deploy/local.py`); a
+least one module below it (`engine.health`, `backends.live.server_guard`, `steps/deploy/local.py`); a
 span whose second name is no module (`engine.num_draft_tokens`, `serve.auto_rollback`) is a
 params.yaml key, not a reference. The rest of a dotted reference must resolve as modules, then
 attributes (classes, functions, constants, methods)."""
@@ -74,5 +74,5 @@ def test_docstring_and_docs_references_resolve():
 def test_the_reference_check_catches_a_moved_name():
     assert unresolved("steps.deploy.live.LiveGuard") and unresolved("adapters.vllm.VLLMLaunch")
     assert unresolved("steps/deploy/vllm.py") and unresolved("backends.live.NoSuchGuard")
-    assert unresolved("backends.live.LiveGuard") is None and unresolved("engine.health.paired_comparison") is None
+    assert unresolved("backends.live.server_guard") is None and unresolved("engine.health.paired_comparison") is None
     assert unresolved("engine.num_draft_tokens") is None and unresolved("serve.auto_rollback") is None

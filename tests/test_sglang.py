@@ -589,7 +589,7 @@ def test_sglang_counters_and_their_standard_error():
     assert c.acceptance_length == 2.5 and c.acceptance_length_se == pytest.approx(0.0474342, rel=1e-5)
     assert sg.parse_metrics(text(2760, 260), 3) == c  # 60 one-token requests: no drafts, nothing accepted
     assert sg.parse_metrics("# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total 5.0\n", 3) is None
-    from tidespec.backends.spec_counters import live_below_replay
+    from tidespec.engine.spec_counters import live_below_replay
     assert live_below_replay(c, 2.65) and not live_below_replay(c, 2.64)  # 2.5 + 3 × 0.0474 = 2.642
 
 

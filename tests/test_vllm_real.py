@@ -113,7 +113,7 @@ def test_in_place_swap_live_guard_blue_green_and_agreement(tiny_vllm_setup, weak
     k: the same tokens and the same drafts, draft tokens, accepted and per-position counts (a draft
     vLLM reads differently — aux layer ids, d2t, fc layout — changes them; "accepted > 0" would not
     notice; vLLM also counts accepted drafts a cut drops, which `as_vllm()` adds back)."""
-    from tidespec.backends.live import LiveGuard
+    from tidespec.backends.live import server_guard
     from tidespec.backends.vllm.deployment import VLLMDeployment
     from tidespec.engine.sampling import SamplingParams
     from tidespec.engine.speculative import Engine
@@ -145,19 +145,19 @@ def test_in_place_swap_live_guard_blue_green_and_agreement(tiny_vllm_setup, weak
 
         rolled = []
 
-        def rollback(version, reason):
+        def rollback(version, reason, slot):
             rolled.append((version, reason))
             dep.install(bundles["2"])
             return "2"
 
-        def rounds(n):
+        def rounds(n, traffic=prompts):
             out = []
             for _ in range(n):
-                for p in prompts:
+                for p in traffic:
                     _complete(dep.url, p)
-                out.append(guard.check())
+                out.append((guard.check() or [None])[0])
             return out
-        guard = LiveGuard(dep, rollback, min_drafts=30, confirm=2)
+        guard = server_guard(dep, rollback, min_drafts=30, confirm=2)
         assert rounds(3) == [None, None, None]  # the first check opens the window, two measure v2's own τ
         corrupt = copy_engine_files(weak_draft, Path(dep.draft_dir).parent / "corrupt")
         vllm.load_draft_in_place(dep.url, corrupt)  # v2's name, the weak draft's weights: decay
@@ -168,6 +168,17 @@ def test_in_place_swap_live_guard_blue_green_and_agreement(tiny_vllm_setup, weak
         assert acts[:3] == [None, None, "trial"] and acts[8] == "rolled_back", acts
         assert dep.draft_version == "2" and rolled[0][0] == "5" and "switchback on the same traffic" in rolled[0][1]
         assert acts[9:] + rounds(3) == [None] * 4
+        # a shift of traffic: v6 (v2's weights, a retrained twin) is installed as the prompts change to
+        # ones no draft was trained on; its first windows fall clearly below v2's latest (the old
+        # prompts): a switchback trial against v2 on the same new prompts finds them equal → kept
+        g = torch.Generator().manual_seed(7)
+        shifted = [torch.randint(6, 320, (8,), generator=g).tolist() for _ in range(4)]
+        bundles["6"] = make_bundle(strong, tmp_path / "b6")
+        write_version(bundles["6"], "6", "run")
+        assert dep.install(bundles["6"])["mode"] == "in_place"
+        acts = rounds(10, shifted)
+        assert acts.count("trial") == 1 and acts.count("kept") == 1 and len(rolled) == 1, acts
+        assert dep.draft_version == "6"
 
         dep.in_place = False
         blue = dep.server

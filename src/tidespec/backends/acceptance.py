@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 
 from ..adapters.sagemaker_deploy.acceptance import Publisher
-from .spec_counters import SpecDecodeCounters
+from ..engine.spec_counters import SpecDecodeCounters
 
 ENGINES = ("sglang", "vllm")
 

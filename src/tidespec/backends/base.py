@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from ..engine.spec_counters import SpecDecodeCounters
 from ..errors import TidespecError
-from .spec_counters import SpecDecodeCounters
 
 log = logging.getLogger(__name__)
 

@@ -227,11 +227,11 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     every, hold = p.serve.watch_champion_s, DraftPin()
     watcher = ChampionWatcher(ws.champion, every, dep, dep.install, hold) if every > 0 else None
     uri = os.environ.get("MLFLOW_TRACKING_URI")
-    from ..backends.live import LiveGuard, LiveReporter
+    from ..backends.live import LiveReporter, server_guard
     from ..steps.tuning import live_windows
     live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s,
                          lambda per_pos, n: live_windows(p.deploy.sagemaker, per_pos, n),
-                         LiveGuard(dep, _registry_rollback(p, target_id(p), ws), hold))
+                         server_guard(dep, _registry_rollback(p, target_id(p), ws), hold))
             if uri and p.serve.live_stats_s > 0 else None)
     try:
         uvicorn.run(app, host=host, port=port)
@@ -325,7 +325,7 @@ def _start_sglang(p, ws, python: str | None, host: str):
     return SGLangDeployment(launch, ws.state / "sglang").start(ws.champion if ws.champion.exists() else None)
 
 def _registry_rollback(p, target_id: str, ws):
-    """The draft-health guards' rollback (`serve.guard`, `backends.live.LiveGuard`): when the registry's
+    """The draft-health guards' rollback (`serve.guard.LiveGuard`): when the registry's
     champion is still the version the guard found worse, `registry.rollback` (an audited decision)
     and the restored champion deployed into data/drafts/champion, where the champion watcher
     installs it; returns the restored version (None: nothing rolled back). None without

@@ -59,7 +59,7 @@ def after_verify(sl: Slot, out, dt: float, suffix: SuffixCache | None, health: D
         if feed:
             s.feed(aux, torch.tensor(new))
     if sl.k and sl.layout is None and sl.proposer.uses_draft:  # the draft's health: a₁ of its chains
-        health.observe(s.version, s.req.workload, n > 0)
+        health.observe(s.version, s.req.workload, n, sl.k)
     if sl.k or sl.layout is not None:
         depth = sl.layout.max_depth if sl.layout is not None else None
         s.stats.observe(sl.k, min(n, kept), positions=depth, num_verified=n)

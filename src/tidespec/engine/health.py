@@ -14,7 +14,8 @@ import math
 import threading
 from dataclasses import dataclass
 
-Z = 3.0  # one-sided z of "clearly below"
+from .spec_counters import SpecDecodeCounters, Z
+
 MIN_CHAINS = 100  # chains (decayed count) before a verdict
 TOLERANCE = 0.25  # "clearly below" also means at least 25 % below (relative)
 ALL = ""  # the replay's figure over every class
@@ -65,6 +66,7 @@ class DraftHealth:
             raise ValueError(f"window must be >= 1 chain, got {window}")
         self.window = window
         self._live: dict[tuple[str, str], list[float]] = {}  # (version, class) → [accepted first, chains]
+        self._counts: dict[tuple[str, str], list[int]] = {}  # (version, class) → [chains, drafted, accepted, *per pos]
         self._classes: dict[str, set[str]] = {}  # version → its classes kept apart
         self._replayed: dict[str, dict[str, tuple[float, float]]] = {}  # version → class ("" all) → (a₁, chains)
         self._previous: dict[str, str] = {}  # version → the version served before it
@@ -90,19 +92,34 @@ class DraftHealth:
             if replayed:
                 self._replayed[version] = {k: (float(a), float(n)) for k, (a, n) in replayed.items()}
 
-    def observe(self, version: str | None, workload: str, first_accepted: bool) -> None:
-        """One EAGLE3 chain verified: was its first drafted token accepted?"""
+    def observe(self, version: str | None, workload: str, accepted: int, k: int = 1) -> None:
+        """One EAGLE3 chain of `k` drafted tokens verified, `accepted` of them accepted (a bool: the
+        first one or none, k = 1): its first-token acceptance enters the decayed a₁, and the chain the
+        cumulative counters (`counters`)."""
         if version is None:
             return
-        d = 1.0 - 1.0 / self.window
+        d, accepted = 1.0 - 1.0 / self.window, int(accepted)
         with self._lock:
             kept = self._classes.setdefault(version, set())
             if workload not in kept:
                 workload = workload if len(kept) < MAX_CLASSES else OTHER
                 kept.add(workload)
             st = self._live.setdefault((version, workload), [0.0, 0.0])
-            st[0] = st[0] * d + float(first_accepted)
+            st[0] = st[0] * d + float(accepted > 0)
             st[1] = st[1] * d + 1.0
+            c = self._counts.setdefault((version, workload), [0, 0, 0])
+            c[0], c[1], c[2] = c[0] + 1, c[1] + k, c[2] + accepted
+            c.extend([0] * (3 + max(k, accepted) - len(c)))
+            for i in range(accepted):
+                c[3 + i] += 1
+
+    def counters(self, version: str, workload: str) -> SpecDecodeCounters | None:
+        """A version's cumulative chain counters on a class since it first served (drafts = chains,
+        per-position acceptance as vLLM counts it); None before any chain. The live guard differences
+        them into windows (`serve.guard.LiveGuard`)."""
+        with self._lock:
+            c = self._counts.get((version, workload))
+            return None if c is None else SpecDecodeCounters(c[0], c[1], c[2], tuple(c[3:]))
 
     def live(self, version: str, workload: str) -> tuple[float | None, float]:
         """(a₁, decayed chain count) of a version on a class; a₁ None before any chain."""

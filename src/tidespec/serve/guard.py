@@ -1,137 +1,255 @@
-"""The draft-health guard of `tidespec serve`: reports a draft that is no longer accepted as its
-evaluation said, and rolls back a promotion that made live acceptance clearly worse.
+"""The live guard: one rule for every backend that counts its drafts (the embedded engine, vLLM,
+SGLang) — reload a draft that fell below its own live acceptance, roll back a version only when the
+one it restores is measured better on the same traffic (`LiveGuard`).
 
-Every `every_s` s, for each served draft — the generalist on each workload class it has drafted for,
-a class's own draft on its class (`engine.health`):
-its live first-token acceptance against its replayed one, and against the version served before it
-on the same class — measured on the traffic each served, so a hint, not evidence. /metrics:
-`tidespec:draft_first_token_acceptance{version,workload,source}`
-(source live | replayed | previous) and `tidespec:draft_regressed{version,workload,against}` (1 while
-clearly below; against replay | previous); a warning log line when a verdict turns. A version clearly
-below its predecessor is then scored against it on the same recent traffic (`judge`, a
-`serve.judge.PairedJudge`: both drafts teacher-forced on the class's newest captured records); only
-when the predecessor is clearly better there does it call `rollback(version, reason)` (a class's own
-draft: `rollback(version, reason, workload)`), once (the server wires it to the registry:
-an audited `rolled_back` decision and the restored champion deployed where the champion watcher
-picks it up; `tidespec:draft_rollbacks_total` counts them). Classes are labelled as the request
-counters label them (`ServeMetrics.label`: bounded). EAGLE-2 trees are not counted (`engine.health`):
-with `engine.tree.eagle_topk > 1` greedy requests draft trees, which the guard says once at start.
-The off-switch for a draft that is not accepted is the goodput policy's (it predicts no gain and
-stops drafting for the class).
+A draft is never judged against its replay (a holdout of other prompts: a shift of traffic would
+read as a broken draft). What the guard watches comes from a `GuardSource`: per track (a slot — ""
+the generalist, or a workload class with its own draft — and the workload class judged), the
+version served there and its cumulative spec-decode counters (`engine.spec_counters`); an engine
+server has one track, the embedded engine one per (slot, class) (`serve.draft_health.EngineSource`,
+`backends.live.ServerSource`). The evidence for a rollback is an `Evidence`: both versions served
+in turn on the same windows (`serve.switchback.Switchback`, engine servers) or scored
+teacher-forced on the same recent captured records (`serve.judge.TeacherForced`, the embedded
+engine). The rule and its numbers: docs/serving.md ("Draft health and automatic rollback").
 """
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from prometheus_client import Counter, Gauge
-
-from ..engine.health import PairedComparison, Verdict
-from ..engine.speculative import Engine
-from .metrics import PREFIX, ServeMetrics
-from .poller import Poller
+from ..engine.health import PairedComparison
+from ..engine.spec_counters import WINDOW_DRAFTS, SpecDecodeCounters, Z
 
 log = logging.getLogger(__name__)
 
+Key = tuple[str, str]  # (slot: "" the generalist or a class's own draft, workload class judged)
+NONE_YET = SpecDecodeCounters(0, 0, 0, ())
+STOPPED = "stopped"  # an `Evidence.step` that ended without a verdict (another version was installed)
+# rollback(version, reason, slot) → the restored version (None: nothing rolled back); raises on failure
+Rollback = Callable[[str, str, str], "str | None"]
 
-class HealthGuard(Poller):
-    """See the module docstring. `rollback(version, reason)`: None = report only. `check()` runs one
-    round (the thread calls it; tests call it directly); `every_s` ≤ 0 starts no thread."""
 
-    what = "draft health check"
+@dataclass(frozen=True)
+class Track:
+    """What a source serves on one track: `version` (None: no registry draft), its cumulative
+    `counters` since it was installed (None: none exported yet), and `previous` (the version served
+    there before it, the first time it was; None: unknown, or the first)."""
+    version: str | None
+    counters: SpecDecodeCounters | None
+    previous: str | None = None
 
-    def __init__(self, engine: Engine, metrics: ServeMetrics, every_s: float,
-                 rollback: Callable[[str, str], None] | None = None,
-                 judge: Callable[[str, str, str], PairedComparison | None] | None = None):
-        self.engine, self.rollback, self.judge, self.label = engine, rollback, judge, metrics.label
-        if engine.cfg.tree.eagle_topk > 1:
-            log.info("draft health counts EAGLE3 chains: with engine.tree.eagle_topk %d greedy requests draft "
-                     "trees, which it does not count", engine.cfg.tree.eagle_topk)
-        r = metrics.registry
-        self.acceptance = Gauge(f"{PREFIX}draft_first_token_acceptance", "First-token acceptance of the served "
-                                "draft's EAGLE3 chains: live, replayed by its evaluation, or the previous version's "
-                                "live.", ["version", "workload", "source"], registry=r)
-        self.regressed = Gauge(f"{PREFIX}draft_regressed", "1 while the served draft's live first-token acceptance "
-                               "is clearly below its replay or its predecessor's.", ["version", "workload", "against"],
-                               registry=r)
-        self.rollbacks = Counter(f"{PREFIX}draft_rollbacks", "Automatic rollbacks of a promoted draft.", registry=r)
-        self._flagged: set[tuple[str, str, str]] = set()
-        self._rolled: set[str] = set()
-        self._judged: dict[tuple[str, str], PairedComparison | None] = {}  # (version, class) → its verdict
-        self._start(every_s, "tidespec-draft-health")
 
-    def check(self) -> list[Verdict]:
-        """One round over every served draft (the generalist on the classes it drafted for, each class's
-        own draft on its class); returns the verdicts that are clearly below."""
-        h = self.engine.health
-        self.acceptance.clear()
-        self.regressed.clear()
-        below, acc, reg = [], {}, {}
-        for slot, version in sorted(self.engine.draft_versions.items()):
-            if version is None:
-                continue
-            for w in h.classes(version) if not slot else [slot]:
-                for against, v in (("replay", h.against_replay(version, w)),
-                                   ("previous", h.against_previous(version, w))):
-                    lw = self.label(v.workload)  # classes past the label bound share "other": its worst verdict
-                    if v.live is not None:
-                        acc[(version, lw, "live")] = v.live
-                    if v.reference is not None:
-                        acc[(version, lw, "replayed" if against == "replay" else "previous")] = v.reference
-                    reg[(version, lw, against)] = max(reg.get((version, lw, against), 0.0), float(v.below))
-                    self._report(v, against)
-                    if v.below:
-                        below.append(v)
-                        if against == "previous":
-                            self._roll_back(v, slot)
-        for labels, x in acc.items():
-            self.acceptance.labels(*labels).set(x)
-        for labels, x in reg.items():
-            self.regressed.labels(*labels).set(x)
-        return below
+class GuardSource(Protocol):
+    """What the guard reads and drives: `tracks()` → {(slot, class): Track}; `reload(key, version)`
+    the served draft's own files again (False: it cannot here); `install(key, version)` a version on
+    a track (a switchback's arms; raises TidespecError, ValueError or OSError, the old one serving)."""
 
-    def _report(self, v: Verdict, against: str) -> None:
-        key = (v.version, v.workload, against)
-        if v.below and key not in self._flagged:
-            self._flagged.add(key)
-            log.warning(v.line("its replayed acceptance" if against == "replay" else
-                               f"v{self.engine.health.previous(v.version)}'s live acceptance"))
-        elif not v.below and key in self._flagged:
-            self._flagged.discard(key)
-            log.info("draft v%s, class %r: first-token acceptance %.3f is no longer clearly below %s", v.version,
-                     v.workload, v.live, against)
+    def tracks(self) -> dict[Key, Track]: ...
 
-    def _roll_back(self, v: Verdict, slot: str = "") -> None:
-        if self.rollback is None or v.version in self._rolled:
-            return
-        prev = self.engine.health.previous(v.version)
-        cmp = self._compare(v.version, prev, v.workload)
-        if cmp is None or not cmp.previous_better:
-            return
-        reason = (f"live first-token acceptance of v{v.version} on {v.workload!r} traffic {v.live:.3f} "
-                  f"(~{v.chains:.0f} chains) clearly below v{prev}'s {v.reference:.3f}, and on the same recent "
-                  f"traffic, teacher-forced, v{prev} is clearly better: "
-                  f"{cmp.line(v.version, prev, 'records (τ, teacher-forced)')}")
+    def reload(self, key: Key, version: str) -> bool: ...
+
+    def install(self, key: Key, version: str) -> None: ...
+
+
+class Evidence(Protocol):
+    """A same-traffic comparison of two versions on a track: `begin` (False: cannot start), `step()`
+    once per round until it returns a `PairedComparison` (previous − current τ; None: not yet;
+    `STOPPED`: ended without one), then `finish(key, previous_better)` (the winner left serving).
+    `what` names the comparison in the audit reason, `unit` what it pairs."""
+
+    what: str
+    unit: str
+
+    def begin(self, key: Key, version: str, previous: str, reason: str) -> bool: ...
+
+    def step(self, key: Key) -> PairedComparison | str | None: ...
+
+    def finish(self, key: Key, previous_better: bool) -> None: ...
+
+
+def below_reference(window: SpecDecodeCounters, reference: SpecDecodeCounters, z: float = Z) -> bool:
+    """Is the window's τ clearly below the reference's (the same version's earlier windows)? τ_ref −
+    τ_window > z · sqrt(SE_ref² + SE_window²): both sides' uncertainty (drafts independent)."""
+    a, b = window.acceptance_length_se, reference.acceptance_length_se
+    if a is None or b is None:
+        return False
+    return reference.acceptance_length - window.acceptance_length > z * (a * a + b * b) ** 0.5
+
+
+@dataclass
+class _State:
+    """One track's version as the guard measures it: the current window's start, its own reference
+    (its first windows), the windows in a row below it, the evidence under way (version, previous,
+    reason)."""
+    version: str | None
+    start: SpecDecodeCounters | None
+    ref_start: SpecDecodeCounters | None
+    ref: SpecDecodeCounters | None = None
+    ref_n: int = 0
+    below: int = 0
+    marks: deque = field(default_factory=deque)
+    trial: tuple[str, str, str] | None = None
+
+
+class LiveGuard:
+    """Acts on live acceptance, one `check()` per round (the server's health poller, or
+    `backends.live.LiveReporter`), per track of `source`.
+
+    Windows: a track's counters since the last judged window, once they hold `min_drafts` drafts.
+    A version's first `reference_windows` windows are its **own reference** τ; later windows are
+    compared with it (`below_reference`, z = 3 with both sides' SE); `confirm` windows in a row
+    below trigger an action, any window not below resets the count:
+    1. **reload** the version's own files in place, once per version (what restores a draft that
+       decayed or was corrupted while serving: vLLM #41838, SGLang PR #31674);
+    2. still below after it — or a new version whose reference is clearly below its predecessor's
+       latest windows on the class (earlier traffic: a hint) —, with `rollback` and `evidence` wired
+       and a predecessor known: **evidence on the same traffic** (`Evidence`); when the previous
+       version is clearly better (`PairedComparison.previous_better`), `rollback(version, reason,
+       slot)` moves the registry (an audited decision; retried at the next check if it raises), else
+       the version is kept (never tried again) and its reference re-measured on today's traffic.
+    A version restored by a rollback is never tried (no cascade). `check()` returns the actions
+    taken this round ("reloaded", "trial", "rolled_back", "kept"). Raises ValueError for
+    reference_windows < 1 or min_drafts < 1."""
+
+    def __init__(self, source: GuardSource, evidence: Evidence | None = None, rollback: Rollback | None = None,
+                 min_drafts: int = WINDOW_DRAFTS, confirm: int = 2, reference_windows: int = 2, z: float = Z):
+        if reference_windows < 1 or min_drafts < 1:
+            raise ValueError(f"reference_windows >= 1 and min_drafts >= 1; got {reference_windows}, {min_drafts}")
+        self.source, self.evidence, self.rollback = source, evidence, rollback
+        self.min_drafts, self.confirm, self.reference_windows, self.z = min_drafts, confirm, reference_windows, z
+        self._states: dict[Key, _State] = {}
+        self._last: dict[tuple[str, str], SpecDecodeCounters] = {}  # (version, class) → its latest windows
+        self._previous: dict[str, str] = {}  # version → the version served before it (its first time)
+        self._reloaded: set[str] = set()
+        self._tried: set[str] = set()
+        self._kept: set[str] = set()
+        self._restored: set[str] = set()
+        self._pending: dict[str, tuple[str, str, str]] = {}  # version → (previous, reason, slot): to roll back
+
+    @property
+    def trying(self) -> bool:
+        """Is evidence under way on any track?"""
+        return any(st.trial is not None for st in self._states.values())
+
+    def check(self) -> list[str]:
+        """One round over every track; returns the actions taken."""
+        actions = [a for a in (self._roll_back(v, *p) for v, p in list(self._pending.items())) if a]
+        for key, track in sorted(self.source.tracks().items()):
+            a = self._step(key, track)
+            if a:
+                actions.append(a)
+        return actions
+
+    def _step(self, key: Key, track: Track) -> str | None:
+        st = self._states.get(key)
+        if st is not None and st.trial is not None:
+            return self._trial_step(key, st)
+        if st is None or track.version != st.version:
+            self._serving(key, track)
+            return None
+        now = track.counters
+        if now is None:
+            return None
+        if st.start is None:  # no counters when it was first seen: every draft counted since is its own
+            st.start = st.ref_start = NONE_YET
+            st.marks.append(NONE_YET)
+        elif now.num_drafts < st.start.num_drafts:  # counted afresh (a restart, a reload in place): from here
+            st.start = st.ref_start = now
+            st.marks.clear()
+            st.marks.append(now)
+            return None
+        window = now - st.start
+        if st.version is None or window.num_drafts < self.min_drafts:
+            return None
+        st.marks.append(now)
+        self._last[(st.version, key[1])] = now - st.marks[0]  # its latest windows, pooled
+        st.start = now
+        if st.ref_n < self.reference_windows:
+            st.ref_n += 1
+            st.ref = now - st.ref_start
+            return self._hint(key, st) if st.ref_n == self.reference_windows else None
+        if not below_reference(window, st.ref, self.z):
+            st.below = 0
+            return None
+        st.below += 1
+        if st.below < self.confirm:
+            return None
+        st.below = 0
+        reason = (f"live τ {window.acceptance_length:.3f} ± {window.acceptance_length_se:.3f} over the last "
+                  f"{window.num_drafts} drafts on {key[1] or 'all'!r} traffic, {self.confirm} windows in a row, "
+                  f"clearly below its own τ {st.ref.acceptance_length:.3f} ± {st.ref.acceptance_length_se:.3f} "
+                  f"({st.ref.num_drafts} drafts)")
+        if st.version not in self._reloaded and self.source.reload(key, st.version):
+            self._reloaded.add(st.version)
+            log.warning("reloaded draft %s in place: %s", st.version, reason)
+            return "reloaded"
+        self._reloaded.add(st.version)
+        return self._try(key, st, f"{reason}, after a reload")
+
+    def _serving(self, key: Key, track: Track, rebaseline: bool = False) -> None:
+        """`track`'s version is judged from its counters now on: a new reference over its next windows."""
+        if track.version is not None and track.previous is not None and not rebaseline:
+            self._previous.setdefault(track.version, track.previous)
+        st = self._states[key] = _State(track.version, track.counters, track.counters)
+        st.marks = deque([track.counters] if track.counters is not None else [], maxlen=self.reference_windows + 1)
+
+    def _hint(self, key: Key, st: _State) -> str | None:
+        """A new version's reference clearly below its predecessor's latest windows on the class
+        (earlier traffic: a hint, not evidence) → evidence on the same traffic; None otherwise."""
+        prev = self._previous.get(st.version)
+        last = self._last.get((prev, key[1])) if prev is not None else None
+        if last is None or not below_reference(st.ref, last, self.z):
+            return None
+        return self._try(key, st, f"its first {st.ref.num_drafts} drafts' τ {st.ref.acceptance_length:.3f} on "
+                                  f"{key[1] or 'all'!r} traffic is clearly below v{prev}'s latest "
+                                  f"{last.acceptance_length:.3f} (earlier traffic)")
+
+    def _try(self, key: Key, st: _State, reason: str) -> str | None:
+        prev, v = self._previous.get(st.version), st.version
+        if (self.rollback is None or self.evidence is None or prev is None
+                or v in self._kept | self._restored | self._tried | set(self._pending)):
+            return None
+        self._tried.add(v)  # once per version, whatever the outcome (no endless alternation)
+        if not self.evidence.begin(key, v, prev, reason):
+            return None
+        st.trial = (v, prev, reason)
+        log.warning("draft %s: %s: compared with v%s on the same traffic", v, reason, prev)
+        return "trial"
+
+    def _trial_step(self, key: Key, st: _State) -> str | None:
+        v, prev, reason = st.trial
+        cmp = self.evidence.step(key)
+        if cmp is None:
+            return None
+        if not isinstance(cmp, PairedComparison):  # STOPPED: whatever serves now is measured afresh
+            del self._states[key]
+            return None
+        line = cmp.line(v, prev, self.evidence.unit)
+        try:  # the winner serves on; a source that cannot install it leaves the registry to decide
+            self.evidence.finish(key, cmp.previous_better)
+        finally:
+            st.trial = None
+        if cmp.previous_better:
+            self._pending[v] = (prev, f"{reason}; {self.evidence.what}: {line}", key[0])
+            return self._roll_back(v, *self._pending[v])
+        self._kept.add(v)
+        log.warning("draft %s kept: not worse than v%s on the same traffic (%s); its reference is re-measured",
+                    v, prev, line)
+        tr = self.source.tracks().get(key)
+        self._serving(key, tr or Track(v, None), rebaseline=True)
+        return "kept"
+
+    def _roll_back(self, version: str, previous: str, reason: str, slot: str) -> str | None:
         try:
-            self.rollback(v.version, reason, slot) if slot else self.rollback(v.version, reason)
+            back = self.rollback(version, reason, slot)
         except Exception as e:  # noqa: BLE001 - a registry hiccup must not stop serving
-            log.error("rollback of v%s failed (it keeps serving; retried at the next check): %s", v.version, e)
-            return
-        self._rolled.add(v.version)
-        self.rollbacks.inc()
-        log.warning("rolled back v%s%s: %s", v.version, f" (class {slot!r}'s draft)" if slot else "", reason)
-
-    def _compare(self, version: str, prev: str, workload: str) -> PairedComparison | None:
-        """The paired verdict of (version, class), scored once (`judge`; None: no evidence yet, asked
-        again at the next check). A version kept is logged once with its figures."""
-        key = (version, workload)
-        if self._judged.get(key) is None:
-            cmp = self.judge(version, prev, workload) if self.judge is not None else None
-            if cmp is None:
-                return None
-            self._judged[key] = cmp
-            if not cmp.previous_better:
-                log.warning("draft v%s on %r: below v%s's earlier live acceptance, but not worse on the same "
-                            "recent traffic (%s): kept", version, workload, prev,
-                            cmp.line(version, prev, "records (τ, teacher-forced)"))
-        return self._judged[key]
+            log.error("rollback of v%s failed (retried at the next check): %s", version, e)
+            return None
+        del self._pending[version]
+        self._restored.add(str(back or previous))
+        log.warning("rolled back draft %s%s to v%s: %s", version, f" (class {slot!r}'s draft)" if slot else "",
+                    back or previous, reason)
+        return "rolled_back"

@@ -1,5 +1,5 @@
-"""The draft-health guard's evidence for a rollback: two draft versions scored teacher-forced on the
-same recent captured records (`PairedJudge`).
+"""The live guard's evidence on the embedded engine: two draft versions scored teacher-forced on the
+same recent captured records (`PairedJudge`, as `serve.guard.Evidence`: `TeacherForced`).
 
 The guard's hint that a version is worse compares its live acceptance with its predecessor's, which
 was measured on earlier traffic; a change of traffic moves that comparison by itself. Before any
@@ -55,3 +55,27 @@ class PairedJudge:
         # a record one draft cannot score (no position left in its vocabulary) counts as τ 1 for it
         diffs = [(p or 1.0) - (c or 1.0) for c, p in zip(cur, prev) if c is not None or p is not None]
         return paired_comparison(diffs) if len(diffs) >= self.min_records else None
+
+
+class TeacherForced:
+    """`serve.guard.Evidence` from a `PairedJudge`: both versions scored on the track's class's
+    recent records; `step` asks the judge each round until it has a verdict (None: too few records
+    yet, or a version not fetched). Nothing is installed: a rollback moves the registry and the
+    champion watcher installs the restored version."""
+
+    what, unit = "teacher-forced on the same recent traffic", "records (τ, teacher-forced)"
+
+    def __init__(self, judge: Callable[[str, str, str], PairedComparison | None]):
+        self.judge = judge
+        self._asked: dict[tuple[str, str], tuple[str, str]] = {}  # track → (version, previous)
+
+    def begin(self, key: tuple[str, str], version: str, previous: str, reason: str) -> bool:
+        self._asked[key] = (version, previous)
+        return True
+
+    def step(self, key: tuple[str, str]) -> PairedComparison | None:
+        version, previous = self._asked[key]
+        return self.judge(version, previous, key[1])
+
+    def finish(self, key: tuple[str, str], previous_better: bool) -> None:
+        self._asked.pop(key, None)

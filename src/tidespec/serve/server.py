@@ -20,10 +20,11 @@ from ..capture.recent import RecentRecords
 from ..config import ServeParams
 from ..engine.speculative import Engine
 from .admin import ADMIN_TOKEN_ENV, ChampionWatcher, ClassChampionWatcher, DraftInstaller, DraftPin, admin_router
+from .draft_health import EngineSource, HealthReport
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
-from .guard import HealthGuard
-from .judge import PairedJudge
+from .guard import LiveGuard
+from .judge import PairedJudge, TeacherForced
 from .lifespan import closing
 from .metrics import ServeMetrics, metrics_response
 from .openai import openai_router
@@ -52,9 +53,10 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     `watch_dir` (the local champion dir, data/drafts/champion): every `watch_s` s the server
     installs the version the cycle's deploy step put there (`ChampionWatcher`), and the workload
     classes' own champions under `watch_classes_dir` (data/drafts/classes: `ClassChampionWatcher`);
-    the draft-health guard (`serve.guard`) runs every `serve.health_check_s` s and calls
-    `rollback(version, reason, workload)` for a version clearly worse than its predecessor on the
-    class it serves ("" the generalist; None: report only). At shutdown: the watcher
+    every `serve.health_check_s` s the draft-health report (`serve.draft_health`) and the live guard
+    (`serve.guard.LiveGuard`) run; the guard reloads a draft below its own live acceptance (with
+    `load_version`) and calls `rollback(version, reason, workload)` for a version clearly worse
+    than its predecessor on the same recent traffic ("" the generalist; None: no rollback). At shutdown: the watcher
     stops, requests in flight finish, the engine's capture sink (if any) is flushed (its counters
     are served on /metrics), text capture is closed. Every error is answered in OpenAI's envelope
     (`serve.errors`). Raises ValueError for unresolved max_tokens, or max_tokens ≥ the engine's
@@ -76,8 +78,8 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                else None)
     classes = (ClassChampionWatcher(watch_classes_dir, watch_s, engine, install)
                if watch_classes_dir is not None and watch_s > 0 else None)
-    guard = HealthGuard(engine, metrics, cfg.health_check_s, rollback if cfg.auto_rollback else None,
-                        _judge(engine, load_version, rollback if cfg.auto_rollback else None))
+    guard = HealthReport(engine, metrics, cfg.health_check_s,
+                         _guard(engine, install, load_version, rollback if cfg.auto_rollback else None))
     app = FastAPI(title="tidespec", version="0.1", lifespan=closing(
         watcher and watcher.close, classes and classes.close, guard.close, loop.close, getattr(writer, "flush", None),
         textlog.close))
@@ -89,15 +91,19 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     return app
 
 
-def _judge(engine, load_version, rollback) -> PairedJudge | None:
-    """The guard's same-traffic scoring (`serve.judge`) over the capture sink's recent records, with
-    drafts from the registry; None (said once) when a rollback could not be judged: no hidden-state
-    capture, or no registry."""
+def _guard(engine, install, load_version, rollback) -> LiveGuard | None:
+    """The live guard over the engine (`serve.guard.LiveGuard`, `serve.draft_health.EngineSource`),
+    its evidence the same-traffic scoring (`serve.judge`) over the capture sink's recent records,
+    with drafts from the registry; reload only (said once) when a rollback could not be judged: no
+    hidden-state capture, or no registry; None without a registry (nothing to reload from)."""
     sink = engine.capture
     recent = sink if isinstance(sink, RecentRecords) else getattr(sink, "recent", None)
-    if recent is None or load_version is None:
-        if rollback is not None:
-            log.info("draft health: automatic rollback needs hidden-state capture and a registry to score both "
-                     "versions on the same traffic; without them the guard reports only")
+    if load_version is None:
         return None
-    return PairedJudge(engine, recent.records, load_version)
+    if recent is None and rollback is not None:
+        log.info("draft health: automatic rollback needs hidden-state capture to score both versions on the "
+                 "same traffic; without it the guard reloads a decayed draft but rolls nothing back")
+    source = EngineSource(engine, load_version,
+                          lambda path, v, workload: install(path, v, "the live guard", workload))
+    evidence = TeacherForced(PairedJudge(engine, recent.records, load_version)) if recent is not None else None
+    return LiveGuard(source, evidence, rollback)

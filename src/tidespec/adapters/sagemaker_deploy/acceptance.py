@@ -17,7 +17,7 @@ alarms; no data (too little traffic, the publisher not running) is not breaching
 − 3·SE, τ(k) the acceptance length the version's evaluation replayed at the served window k (the
 register step's tag `tau_k`), SE = sqrt(μ(k−μ)/100) with μ = τ(k) − 1: the Bhatia–Davis bound on
 the variance of accepted tokens per draft (X in [0, k], mean μ) for a 100-draft window, the bound
-the embedded engine's and vLLM's live checks lean on too (`spec_counters`).
+the embedded engine's and vLLM's live checks lean on too (`engine.spec_counters`).
 """
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 
+from ...engine.spec_counters import WINDOW_DRAFTS, Z
 from ...workspace import valid_tau_k
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "tidespec/SpeculativeDecoding"
 METRIC = "AcceptanceLength"
-MIN_DRAFTS = 100
-Z = 3.0
+MIN_DRAFTS = WINDOW_DRAFTS  # the live guard's window rule (`serve.guard.LiveGuard`), and its z
 
 
 def dimensions(endpoint: str, version: str | None, variant: str = "AllTraffic") -> list[dict]:
@@ -67,7 +67,7 @@ def alarm_request(name: str, endpoint: str, version: str | None, tau_k: Sequence
 
 class Publisher:
     """Puts the engine's live acceptance into CloudWatch (module docstring). `scrape()`: the engine's
-    cumulative `backends.spec_counters.SpecDecodeCounters` (None: it exports none; raises when the
+    cumulative `engine.spec_counters.SpecDecodeCounters` (None: it exports none; raises when the
     engine does not answer); `cloudwatch`: a boto3 CloudWatch client (default: a new one)."""
 
     def __init__(self, scrape: Callable[[], object], endpoint: str, version: str | None,

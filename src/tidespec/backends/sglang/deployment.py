@@ -25,10 +25,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ...engine.spec_counters import SpecDecodeCounters
 from ...workspace import copy_engine_files, private_dir, served_version
 from .. import sglang
 from ..base import ServedDeployment, ServedDraft
-from ..spec_counters import SpecDecodeCounters
 from ..vllm.deployment import config_change
 
 log = logging.getLogger(__name__)

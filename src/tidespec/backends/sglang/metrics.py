@@ -1,5 +1,5 @@
 """SGLang's spec-decode counters, read from its Prometheus `/metrics` (`--enable-metrics`), as
-`spec_counters.SpecDecodeCounters`.
+`engine.spec_counters.SpecDecodeCounters`.
 
 SGLang 0.5.23 counts, per finished request (`srt/observability/metrics_collector.py`),
 `sglang:spec_verify_calls_total` (verify forwards), `sglang:generation_tokens_total` (output
@@ -17,7 +17,7 @@ whole, under the new version.
 """
 from __future__ import annotations
 
-from ..spec_counters import SpecDecodeCounters
+from ...engine.spec_counters import SpecDecodeCounters
 from .server import SGLangError
 
 VERIFY = "sglang:spec_verify_calls"

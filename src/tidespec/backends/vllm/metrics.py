@@ -1,10 +1,10 @@
 """vLLM's spec-decode counters (`vllm:spec_decode_*` on its /metrics, as `v1/spec_decode/metrics.py` names them),
-parsed and scraped into `spec_counters.SpecDecodeCounters` (which differences them and judges live τ against
+parsed and scraped into `engine.spec_counters.SpecDecodeCounters` (which differences them and judges live τ against
 a draft's replay)."""
 
 from __future__ import annotations
 
-from ..spec_counters import SpecDecodeCounters, live_below_replay
+from ...engine.spec_counters import SpecDecodeCounters, live_below_replay
 from .server import VLLMError
 
 METRIC_PREFIX = "vllm:spec_decode_"

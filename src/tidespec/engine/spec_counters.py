@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+Z = 3.0  # one-sided z of "clearly below" (one false alarm in ~740 healthy checks, normal approximation)
+WINDOW_DRAFTS = 100  # drafts in a window before live τ is judged (the live guard, the SageMaker alarm)
+
 
 @dataclass(frozen=True)
 class SpecDecodeCounters:
@@ -58,7 +61,8 @@ class SpecDecodeCounters:
                                   tuple(a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))))
 
 
-def live_below_replay(live: SpecDecodeCounters, replay_tau: float, z: float = 3.0, min_drafts: int = 100) -> bool:
+def live_below_replay(live: SpecDecodeCounters, replay_tau: float, z: float = Z,
+                      min_drafts: int = WINDOW_DRAFTS) -> bool:
     """True when the live τ is clearly below the replayed one: live τ + z·SE < replay τ with at
     least `min_drafts` drafts (z = 3: one false alarm in ~740 healthy checks under the normal
     approximation). vLLM counts accepted drafts a cut drops, tidespec's replay does not: the
