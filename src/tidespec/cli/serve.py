@@ -123,7 +123,7 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
     launch, publisher or None).
     Raises ValueError / typer.BadParameter naming the fix. `env`: the environment (default os.environ)."""
     from ..config import load_params
-    from ..config.serve import ServeLaunch
+    from ..config.serve_launch import ServeLaunch
     p, ws = load_params(params), ws_of(root)
     launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, sglang_python=sglang_python,
                                vllm_python=vllm_python, capture=capture, publish=publish, max_queue=max_queue,
