@@ -354,9 +354,9 @@ def _registry_rollback(p, target_id: str, ws):
 def _install_class_drafts(engine, ws) -> None:
     """The workload classes' own champions into the engine at start (`engine.build.install_class_drafts`)."""
     from ..engine.build import install_class_drafts
-    for cls, v in install_class_drafts(engine, ws.class_champions).items():
+    for workload, v in install_class_drafts(engine, ws.class_champions).items():
         if v is not None:
-            log.info("class %r served by its own draft %s", cls, v)
+            log.info("class %r served by its own draft %s", workload, v)
 
 
 def _registry_loader(target_id: str, ws):

@@ -358,9 +358,9 @@ class ServeParams(_Strict):
     @field_validator("workload_by_model")
     @classmethod
     def _aliases(cls, v: dict[str, str]) -> dict[str, str]:
-        for alias, wl in v.items():
-            if not alias or not wl or len(wl) > 64:
-                raise ValueError(f"serve.workload_by_model: {alias!r}: {wl!r} — model ids and classes must be "
+        for alias, workload in v.items():
+            if not alias or not workload or len(workload) > 64:
+                raise ValueError(f"serve.workload_by_model: {alias!r}: {workload!r} — model ids and classes must be "
                                  "non-empty, classes at most 64 characters")
         return v
 
