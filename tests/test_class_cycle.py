@@ -30,8 +30,9 @@ def test_a_class_draft_is_trained_gated_against_the_generalist_registered_and_se
     cycle.step_deploy(ws, uri, tid)
 
     real = classes.class_cycle
-    monkeypatch.setattr(classes, "class_cycle", lambda ws_, p, t, cls, *a, **k: (
-        (_ for _ in ()).throw(RuntimeError("chat trainer died")) if cls == "chat" else real(ws_, p, t, cls, *a, **k)))
+    monkeypatch.setattr(classes, "class_cycle", lambda ws_, p, t, workload, *a, **k: (
+        (_ for _ in ()).throw(RuntimeError("chat trainer died")) if workload == "chat"
+        else real(ws_, p, t, workload, *a, **k)))
     res = classes.class_cycles(ws, params, tid, uri)
     assert res["chat"] == {"error": "RuntimeError: chat trainer died"}  # reported; code went on
     assert res["math"]["skipped"].startswith("no holdout request of class 'math'")

@@ -1,5 +1,5 @@
 """Devices and precision: `target.device` places the target (and the engine's caches and draft
-runner), `train.device` / `train.precision` the trainer. CPU fp32 is the default and the tested
+runner), `train.device` / `train.precision` the trainer. CPU float32 is the default and the tested
 path; the `gpu` tests run the CUDA paths wherever torch sees a GPU."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import random_draft, tiny_records
-from tidespec.config import DraftParams, EngineParams, Params, TrainParams
+from tidespec.config import DraftParams, EngineParams, Params, TrainParams, load_params
 from tidespec.models.device import autocast_dtype, resolve_device
 from tidespec.models.eagle3 import load_checkpoint
 from tidespec.train.trainer import train_draft
@@ -26,24 +26,38 @@ def test_device_settings_resolve_or_are_refused_naming_the_setting():
         Params.model_validate({"target": {"device": "gpu"}})
     assert autocast_dtype("auto", torch.device("cpu")) is None  # CPU trains in fp32 by default
     assert autocast_dtype("auto", torch.device("cuda")) is torch.bfloat16
-    assert autocast_dtype("bf16", torch.device("cpu")) is torch.bfloat16
-    assert autocast_dtype("fp32", torch.device("cuda")) is None
+    assert autocast_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    assert autocast_dtype("float32", torch.device("cuda")) is None
+
+
+def test_train_precision_takes_torch_names_and_refuses_the_old_spellings(tmp_path):
+    """train.precision is spelled as target.dtype (float32, bfloat16; or auto); the old fp32 / bf16
+    are refused naming the new spelling, never read as something else."""
+    assert TrainParams(precision="bfloat16").precision == "bfloat16"
+    for old, new in (("fp32", "float32"), ("bf16", "bfloat16")):
+        f = tmp_path / f"{old}.yaml"
+        f.write_text(f"train:\n  precision: {old}\n")
+        with pytest.raises(ValueError, match=rf"train\.precision: '{old}' is spelled '{new}' now: "
+                                             rf"write train\.precision: {new}$"):
+            load_params(f)
+    with pytest.raises(ValueError, match="Input should be 'auto', 'float32' or 'bfloat16'"):
+        TrainParams(precision="fp16")
 
 
 def test_bf16_autocast_trains_and_is_not_the_fp32_run(tiny_target, tmp_path):
-    """train.precision: bf16 runs the forward and loss under autocast (weights and AdamW stay fp32):
-    it learns (the loss falls over 4 epochs) and gives other weights than fp32 — a precision
+    """train.precision: bfloat16 runs the forward and loss under autocast (weights and AdamW stay
+    float32): it learns (the loss falls over 4 epochs) and gives other weights than float32 — a precision
     setting that changed nothing would give identical weights. Both drafts are saved in fp32."""
     recs = tiny_records(tiny_target, n=8)
     dp = DraftParams(draft_vocab_size=64)
     runs = {}
-    for prec in ("fp32", "bf16"):
+    for prec in ("float32", "bfloat16"):
         tp = TrainParams(epochs=4, ttt_steps=2, batch_tokens=80, lr=3e-3, device="cpu", precision=prec)
         m = train_draft(recs[:6], recs[6:], tiny_target, dp, tp, tmp_path / prec)
         assert (m["train_device"], m["train_precision"]) == ("cpu", prec)
         assert m["train/loss"][-1] < m["train/loss"][0], m["train/loss"]
         runs[prec] = load_checkpoint(tmp_path / prec, tiny_target.embed, tiny_target.target_id)
-    w32, w16 = runs["fp32"].fc.weight, runs["bf16"].fc.weight
+    w32, w16 = runs["float32"].fc.weight, runs["bfloat16"].fc.weight
     assert w16.dtype == torch.float32 and not torch.equal(w32, w16)
 
 
@@ -55,7 +69,7 @@ def test_cuda_train_step_and_checkpoint_loaded_back(tiny_target, tmp_path):
     recs = tiny_records(tiny_target, n=8)
     tp = TrainParams(epochs=2, ttt_steps=2, batch_tokens=80, lr=3e-3, device="cuda")
     m = train_draft(recs[:6], recs[6:], tiny_target, DraftParams(draft_vocab_size=64), tp, tmp_path / "d")
-    assert (m["train_device"], m["train_precision"]) == ("cuda", "bf16")
+    assert (m["train_device"], m["train_precision"]) == ("cuda", "bfloat16")
     assert m["train/loss"][-1] < m["train/loss"][0]
     d = load_checkpoint(tmp_path / "d", tiny_target.embed, tiny_target.target_id)
     assert all(torch.isfinite(p).all() and p.device.type == "cpu" for p in d.parameters())

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tidespec.config import Params, ServeParams, load_params
-from tidespec.config.serve import ServeLaunch
+from tidespec.config.serve_launch import ServeLaunch
 
 SHIPPED = Path(__file__).resolve().parents[1] / "params.yaml"
 NO_MLFLOW: dict[str, str] = {}

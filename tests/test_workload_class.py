@@ -59,9 +59,9 @@ def test_content_rules_separate_the_shipped_sets():
     counted) drops a class far below these floors."""
     from tidespec.bench.classes import labelled
     hits, total = Counter(), Counter()
-    for cls, text in labelled():
-        total[cls] += 1
-        hits[cls] += content_class(text) == cls
+    for workload, text in labelled():
+        total[workload] += 1
+        hits[workload] += content_class(text) == workload
     assert total == {"code": 184, "math": 320, "chat": 120}
     assert hits["code"] / total["code"] >= 0.95
     assert hits["math"] / total["math"] >= 0.90

@@ -91,8 +91,8 @@ def mtbench(cache: Path | None = None, turns: Iterable[int] = (0,)) -> list[Prom
             continue
         q = json.loads(line)
         cat = q["category"]
-        wl = "structured" if cat in MTBENCH_STRUCTURED else "chat"
-        out += [Prompt(f"mtbench/{q['question_id']}/t{t}", q["turns"][t], wl, cat) for t in turns]
+        workload = "structured" if cat in MTBENCH_STRUCTURED else "chat"
+        out += [Prompt(f"mtbench/{q['question_id']}/t{t}", q["turns"][t], workload, cat) for t in turns]
     return out
 
 

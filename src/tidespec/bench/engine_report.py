@@ -104,23 +104,25 @@ def markdown(res: dict, prof: str | None = None) -> str:
     if ad:
         lines += ["## Adaptive k (chosen per workload class at the end of the run)", ""]
         for n, rep in ad.items():
-            for cls, v in rep.items():
-                if cls in ("warmup", "profile"):
+            for workload, v in rep.items():
+                if workload in ("warmup", "profile"):
                     continue
                 if "accepted_by_tree_size" in v:  # EAGLE-2 trees (engine.tree)
-                    lines.append(f"- {n} / {cls} (trees): accepted tokens by tree size {v['accepted_by_tree_size']}, "
+                    lines.append(f"- {n} / {workload} (trees): accepted tokens by tree size "
+                                 f"{v['accepted_by_tree_size']}, "
                                  f"conditional acceptance by depth {v['conditional_acceptance_by_depth']}")
-                lines.append(f"- {n} / {cls}: k = {v['k']} alone (speculation {'on' if v['speculation'] else 'off'}), "
+                lines.append(f"- {n} / {workload}: k = {v['k']} alone "
+                             f"(speculation {'on' if v['speculation'] else 'off'}), "
                              f"by batch size {v.get('k_by_batch', {})}, predicted speed-up alone "
                              f"{v['predicted_speedup']:.2f}×, conditional acceptance {v['conditional_acceptance']}, "
                              f"suffix correction {v.get('suffix_correction', 1.0)}, suffix proposals off "
                              f"at batch sizes {v.get('suffix_off_at_batch', [])}")
         for n, i in res["info"].items():
             if i.get("realized"):
-                lines += [f"- {n} / {cls}: realized ÷ predicted tokens/ms (plain, speculative) and the margin a "
+                lines += [f"- {n} / {workload}: realized ÷ predicted tokens/ms (plain, speculative) and the margin a "
                           "plan must clear, by batch size: " + ", ".join(
                               f"{b}: {_ratio(v['plain'])}, {_ratio(v['speculative'])} → {100 * v['margin']:.0f} %"
-                              for b, v in by_b.items()) for cls, by_b in i["realized"].items()]
+                              for b, v in by_b.items()) for workload, by_b in i["realized"].items()]
         cal = max((i["calibration_ms"] for i in res["info"].values() if i.get("calibration_ms")),
                   key=lambda c: c["draft_step"])  # one with a draft, when any method has one
         lines += ["", f"Calibration (ms): target forward of 1..k+1 tokens {[round(x, 1) for x in cal['target']]}, "

@@ -187,7 +187,7 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
         exchanges, reasons = parse_object(store.read_object(source, obj["key"]), model=params.ingest.served_model)
         rep["skipped"].update({k: v for k, v in reasons.items() if k != "missing_response"})
         items = _exchange_ids(exchanges, seen, params, target, tok, engine, rep["skipped"])
-        wl, n_obj, dropped0 = _workload(params, source), 0, writer.stats().dropped_total
+        workload, n_obj, dropped0 = _workload(params, source), 0, writer.stats().dropped_total
         for i in range(0, len(items), rehydrator.batch_size):
             batch = items[i:i + rehydrator.batch_size]
             for (ex, _prompt, gen, origin), rec in zip(batch, rehydrator([(p, g) for _, p, g, _ in batch])):
@@ -197,7 +197,7 @@ def ingest_source(source: str, store: ObjectStore | None, ws: Workspace, params:
                 text = {"prompt": json.dumps(ex.request.get("messages", ex.request.get("prompt"))),
                         "completion": ex.response_text or tok.decode(gen, skip_special_tokens=True)}
                 # acceptance_length 0.0: no serving-time τ for endpoint traffic (acceptance_rate None: not filtered)
-                if not writer.submit(rec, request_id=ex.event_id, workload=wl, acceptance_length=0.0,
+                if not writer.submit(rec, request_id=ex.event_id, workload=workload, acceptance_length=0.0,
                                      prompt_id=ex.event_id, text=text, origin=origin, constraint=_spec(ex)):
                     # the writer refused it (disk quota/full, closed; counted there): stop here without a ledger
                     # line, so the next run reads this object again (what was written is deduplicated by event id)

@@ -71,12 +71,13 @@ class ReplayBuffer:
         for e in entries:
             e = {k: v for k, v in e.items() if k not in ("prompt_ids", "constraint", "replay")}
             e["snapshot"] = os.path.relpath(Path(e["snapshot"]).resolve(), self.path.parent.resolve())
-            cls = self.classes.setdefault(e.get("workload") or "", [])
-            cls[:] = [x for x in cls if _key(x) != _key(e)]
-            cls.append(e)
-            touched.add(e.get("workload") or "")
-        for c in touched:
-            self.classes[c] = self._within(self.classes[c], budget_tokens)
+            workload = e.get("workload") or ""
+            kept = self.classes.setdefault(workload, [])
+            kept[:] = [x for x in kept if _key(x) != _key(e)]
+            kept.append(e)
+            touched.add(workload)
+        for workload in touched:
+            self.classes[workload] = self._within(self.classes[workload], budget_tokens)
         return len(entries)
 
     def _within(self, entries: list[dict], budget: int) -> list[dict]:
@@ -93,7 +94,7 @@ class ReplayBuffer:
         bottom-k order, while the total stays nearest `want_tokens`; an entry whose prompt is in
         `exclude` (the window's prompts: no prompt in two splits) is skipped. Entries come tagged
         `"replay": true`, their paths relative to `base` (the curated index's directory)."""
-        queues = {c: [e for e in es if _key(e) not in exclude] for c, es in sorted(self.classes.items())}
+        queues = {workload: [e for e in es if _key(e) not in exclude] for workload, es in sorted(self.classes.items())}
         out, total = [], 0
         while any(queues.values()):
             for q in queues.values():
@@ -109,8 +110,8 @@ class ReplayBuffer:
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{class: {"records", "tokens"}} held now."""
-        return {c: {"records": len(es), "tokens": sum(e["num_tokens"] for e in es)}
-                for c, es in sorted(self.classes.items())}
+        return {workload: {"records": len(es), "tokens": sum(e["num_tokens"] for e in es)}
+                for workload, es in sorted(self.classes.items())}
 
     def save(self) -> None:
         """Write the buffer to `path` atomically (a temporary file, 0600, then rename). Raises OSError."""

@@ -123,7 +123,7 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
     launch, publisher or None).
     Raises ValueError / typer.BadParameter naming the fix. `env`: the environment (default os.environ)."""
     from ..config import load_params
-    from ..config.serve import ServeLaunch
+    from ..config.serve_launch import ServeLaunch
     p, ws = load_params(params), ws_of(root)
     launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, sglang_python=sglang_python,
                                vllm_python=vllm_python, capture=capture, publish=publish, max_queue=max_queue,
@@ -354,9 +354,9 @@ def _registry_rollback(p, target_id: str, ws):
 def _install_class_drafts(engine, ws) -> None:
     """The workload classes' own champions into the engine at start (`engine.build.install_class_drafts`)."""
     from ..engine.build import install_class_drafts
-    for cls, v in install_class_drafts(engine, ws.class_champions).items():
+    for workload, v in install_class_drafts(engine, ws.class_champions).items():
         if v is not None:
-            log.info("class %r served by its own draft %s", cls, v)
+            log.info("class %r served by its own draft %s", workload, v)
 
 
 def _registry_loader(target_id: str, ws):

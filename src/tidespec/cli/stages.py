@@ -91,8 +91,8 @@ def stage_classes(root: Path = ROOT, params: Path = PARAMS):
     res = class_cycles(ws, p, target_id(p), tracking_uri() if p.train.class_drafts else "", trigger="dvc-repro",
                        params_path=params) if p.train.class_drafts else {}
     (ws.work / "classes.json").write_text(json.dumps(res, indent=2, default=str))
-    for cls, r in res.items():
+    for workload, r in res.items():
         what = r.get("error") or r.get("skipped") or r["register"]["reason"]
-        console.print(f"class {cls}: {what}", highlight=False)
+        console.print(f"class {workload}: {what}", highlight=False)
     if not res:
         console.print("train.class_drafts is empty: the generalist serves every class")

@@ -1,6 +1,6 @@
 """Configuration, the bottom layer: `params.yaml` as strict pydantic models (`params`: an unknown
 key is an error naming it), the SageMaker sections (`sagemaker`), `tidespec serve`'s launch checks
-(`serve`), and the strict base model (`strict`)."""
+(`serve_launch`), and the strict base model (`strict`)."""
 from .params import (
     BootstrapParams,
     CaptureParams,

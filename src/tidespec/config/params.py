@@ -14,7 +14,7 @@ from pydantic import Field, StringConstraints, ValidationError, field_validator,
 
 from .sagemaker import SageMakerDeployParams, SageMakerTrainParams
 from .strict import Strict as _Strict
-from .strict import one_line
+from .strict import one_line, renamed
 
 DEVICE = r"^(auto|cpu|cuda(:\d+)?)$"  # auto: cuda when torch sees a GPU, else cpu (`models.device`)
 
@@ -298,7 +298,8 @@ class TrainParams(_Strict):
     threads: int | None = Field(None, ge=1, json_schema_extra=PLACEMENT)
     # where the draft trains (auto: cuda when present, else cpu)
     device: str = Field("auto", pattern=DEVICE, json_schema_extra=PLACEMENT)
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: autocast (weights fp32); auto: bf16 on cuda
+    precision: Annotated[Literal["auto", "float32", "bfloat16"],  # torch's names (target.dtype); auto: bfloat16 on cuda
+                         renamed("train.precision", {"fp32": "float32", "bf16": "bfloat16"})] = "auto"
 
 
 class EvaluateParams(_Strict):
@@ -358,9 +359,9 @@ class ServeParams(_Strict):
     @field_validator("workload_by_model")
     @classmethod
     def _aliases(cls, v: dict[str, str]) -> dict[str, str]:
-        for alias, wl in v.items():
-            if not alias or not wl or len(wl) > 64:
-                raise ValueError(f"serve.workload_by_model: {alias!r}: {wl!r} — model ids and classes must be "
+        for alias, workload in v.items():
+            if not alias or not workload or len(workload) > 64:
+                raise ValueError(f"serve.workload_by_model: {alias!r}: {workload!r} — model ids and classes must be "
                                  "non-empty, classes at most 64 characters")
         return v
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from difflib import get_close_matches
 from typing import ClassVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 
 def one_line(e: ValidationError, labels: Mapping[str, str] | None = None, model: type[BaseModel] | None = None) -> str:
@@ -79,3 +79,14 @@ class Strict(BaseModel):
 def pairs(v):
     """A YAML mapping as (key, value) pairs, so a frozen model stays hashable; other values unchanged."""
     return tuple(v.items()) if isinstance(v, Mapping) else v
+
+
+def renamed(key: str, renames: Mapping[str, str]) -> BeforeValidator:
+    """A field's validator (`Annotated[type, renamed(...)]`) refusing the old spellings of its values:
+    `renames` maps each old value to its new one, and an old one raises ValueError naming `key` (as the
+    user writes it, e.g. "train.precision") and the new spelling; any other value passes on unchanged."""
+    def check(v):
+        if isinstance(v, str) and v in renames:
+            raise ValueError(f"{v!r} is spelled {renames[v]!r} now: write {key}: {renames[v]}")
+        return v
+    return BeforeValidator(check)

@@ -91,10 +91,10 @@ def install_class_drafts(engine: Engine, root: Path) -> dict[str, str | None]:
     does at start and the benchmarks do to serve as it does. A draft the engine refuses is logged and
     its class keeps the generalist. Returns {class: version installed, None for one refused}."""
     out: dict[str, str | None] = {}
-    for cls, d in class_dirs(root).items():
+    for workload, d in class_dirs(root).items():
         try:
-            out[cls] = install_draft(engine, d, workload=cls)["draft_version"]
+            out[workload] = install_draft(engine, d, workload=workload)["draft_version"]
         except (ValueError, OSError) as e:
-            log.error("class %r's champion at %s not loaded, the generalist serves it: %s", cls, d, e)
-            out[cls] = None
+            log.error("class %r's champion at %s not loaded, the generalist serves it: %s", workload, d, e)
+            out[workload] = None
     return out

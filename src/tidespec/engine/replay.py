@@ -52,10 +52,9 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
             for p, g in zip(wave, gens):
                 a["outs"][p["id"]] = g.tokens
                 a["stats"] = a["stats"].merge(g.stats)
-                wl = p.get("workload", "default")
-                a["by_workload"][wl] = (
-                    a["by_workload"].get(wl, SpecDecodingStats(eng.cfg.num_draft_tokens if spec else 0)).merge(g.stats)
-                )
+                workload = p.get("workload", "default")
+                so_far = a["by_workload"].get(workload, SpecDecodingStats(eng.cfg.num_draft_tokens if spec else 0))
+                a["by_workload"][workload] = so_far.merge(g.stats)
                 a["itl"] += g.timing.itl_ms()
                 a["toks"] += len(g.tokens)
             if progress:
@@ -67,11 +66,11 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
         mism = [i for i, t in a["outs"].items() if ref is not None and ref.get(i) != t]
         m = a["stats"].metrics() if spec else {"acceptance_length": 1.0}
         if spec:  # τ and first-token acceptance per workload class (the holdout's workload tags)
-            for wl, st in sorted(a["by_workload"].items()):
-                m[f"acceptance_length/{wl}"] = st.metrics()["acceptance_length"]
+            for workload, st in sorted(a["by_workload"].items()):
+                m[f"acceptance_length/{workload}"] = st.metrics()["acceptance_length"]
                 if st.num_drafts:
-                    m[f"first_token_acceptance/{wl}"] = st.num_accepted_tokens_per_pos[0] / st.num_drafts
-                    m[f"num_drafts/{wl}"] = st.num_drafts
+                    m[f"first_token_acceptance/{workload}"] = st.num_accepted_tokens_per_pos[0] / st.num_drafts
+                    m[f"num_drafts/{workload}"] = st.num_drafts
         m.update(itl_percentiles(a["itl"]))
         m.update({"tokens_per_s": a["toks"] / a["secs"] if a["secs"] else 0.0, "new_tokens": a["toks"],
                   "seconds": a["secs"], "mismatches": len(mism)})

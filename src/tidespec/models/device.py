@@ -22,8 +22,8 @@ def resolve_device(spec: str, setting: str) -> torch.device:
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of `train.precision` on `device`: bf16 → torch.bfloat16; fp32 → None (no
-    autocast); auto → bf16 on CUDA, None on CPU (the tested fp32 path)."""
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+    """The autocast dtype of `train.precision` on `device`: bfloat16 → torch.bfloat16; float32 → None
+    (no autocast); auto → torch.bfloat16 on CUDA, None on CPU (the tested float32 path)."""
+    if precision == "bfloat16" or (precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None

@@ -174,23 +174,23 @@ class ClassChampionWatcher(Poller):
         out: dict[str, str | None] = {}
         dirs = class_dirs(self.root)
         served = self.engine.draft_versions
-        for cls, d in dirs.items():
+        for workload, d in dirs.items():
             try:
                 v = served_version(d)
             except (ValueError, OSError) as e:
-                log.error("class %r champion at %s unreadable: %s", cls, d, e)
+                log.error("class %r champion at %s unreadable: %s", workload, d, e)
                 continue
-            if v is None or v == served.get(cls) or self._refused.get(cls) == v:
+            if v is None or v == served.get(workload) or self._refused.get(workload) == v:
                 continue
             try:
-                out[cls] = self.install(d, v, workload=cls)["draft_version"]
+                out[workload] = self.install(d, v, workload=workload)["draft_version"]
             except (ValueError, OSError, TidespecError) as e:
-                self._refused[cls] = v
-                log.error("class %r champion %s at %s refused, %s keeps serving it: %s", cls, v, d, cls,
-                          served.get(cls) or "the generalist", e)
-        for cls in set(served) - set(dirs) - {""}:
-            self.install.remove(cls)
-            out[cls] = None
+                self._refused[workload] = v
+                log.error("class %r champion %s at %s refused, %s keeps serving it: %s", workload, v, d, workload,
+                          served.get(workload) or "the generalist", e)
+        for workload in set(served) - set(dirs) - {""}:
+            self.install.remove(workload)
+            out[workload] = None
         return out
 
 

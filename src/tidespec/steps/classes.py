@@ -29,27 +29,28 @@ def class_cycles(ws: Workspace, params: Params, target_id: str, tracking_uri: st
     """`class_cycle` for each class of `train.class_drafts`, in order. Returns {class: its result},
     {"error": message} for a class that failed (logged with its traceback; the others go on)."""
     out = {}
-    for cls in params.train.class_drafts:
+    for workload in params.train.class_drafts:
         try:
-            out[cls] = class_cycle(ws, params, target_id, cls, tracking_uri, snapshot_rev=snapshot_rev,
+            out[workload] = class_cycle(ws, params, target_id, workload, tracking_uri, snapshot_rev=snapshot_rev,
                                    trigger=trigger, params_path=params_path)
         except Exception as e:
-            log.exception("class %r: cycle failed, its champion keeps serving", cls)
-            out[cls] = {"error": f"{type(e).__name__}: {e}"}
+            log.exception("class %r: cycle failed, its champion keeps serving", workload)
+            out[workload] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 
-def class_cycle(ws: Workspace, params: Params, target_id: str, cls: str, tracking_uri: str, *,
+def class_cycle(ws: Workspace, params: Params, target_id: str, workload: str, tracking_uri: str, *,
                 snapshot_rev: str = "", trigger: str = "manual", params_path: Path | None = None) -> dict:
-    """One class's curate (`curate.class_subset` of the cycle's curated set, into data/work/classes/<cls>/)
+    """One class's curate (`curate.class_subset` of the cycle's curated set, into data/work/classes/<class>/)
     → train → evaluate → register. Returns {"curate", "train", "evaluate", "register"}, or
     {"skipped": reason} (too few new tokens of the class, or no holdout request of it: nothing
     registered, its champion keeps serving). Raises what the steps raise."""
-    d = ws.work / "classes" / cls
-    cur = class_subset(ws.curated, cls, params.curate.class_replay_fraction, params.curate.seed, d / "curated.json")
+    d = ws.work / "classes" / workload
+    cur = class_subset(ws.curated, workload, params.curate.class_replay_fraction, params.curate.seed,
+                       d / "curated.json")
     if cur.num_holdout == 0:
-        return {"skipped": f"no holdout request of class {cls!r} in this cycle's curated set: nothing to gate on"}
-    init = (registry.download_champion(tracking_uri, target_id, d / "champion", cls)
+        return {"skipped": f"no holdout request of class {workload!r} in this cycle's curated set: nothing to gate on"}
+    init = (registry.download_champion(tracking_uri, target_id, d / "champion", workload)
             or registry.download_champion(tracking_uri, target_id, d / "generalist"))
     tm = train_candidate(ws, params, cur.path, init, d / "candidate", params_path=params_path)
     if tm.get("skipped"):
@@ -57,7 +58,7 @@ def class_cycle(ws: Workspace, params: Params, target_id: str, cls: str, trackin
     rep = step_evaluate(ws, params, d / "candidate", init, cur.holdout, d / "eval.json", curated=cur.path)
     mix = json.loads(cur.path.read_text()).get("workload_mix", {})
     dec = step_register(params, target_id, d / "candidate", rep, tm, tracking_uri, lineage(cur.path, snapshot_rev),
-                        mix, None, trigger, workload=cls)
-    log.info("class %r: version %s promoted=%s (%s)", cls, dec["version"], dec["promoted"], dec["reason"])
+                        mix, None, trigger, workload=workload)
+    log.info("class %r: version %s promoted=%s (%s)", workload, dec["version"], dec["promoted"], dec["reason"])
     return {"curate": {"num_train": cur.num_train, "num_holdout": cur.num_holdout, "num_replay": cur.num_replay},
             "train": {k: v for k, v in tm.items() if not isinstance(v, list)}, "evaluate": rep, "register": dec}

@@ -6,7 +6,7 @@ to the draft vocabulary, from the captured final hidden state through its lm_hea
 target argmax is outside the draft vocabulary are dropped. Warm start from a draft (its vocabulary
 remapped), resumable state every `checkpoint_every` steps, the holdout evaluated per epoch
 (`train.holdout`). Device: `train.device` (the draft, its optimizer and each batch); precision:
-`train.precision` (bf16 autocast over fp32 weights, the default on CUDA; CPU trains in fp32).
+`train.precision` (bfloat16 autocast over float32 weights, the default on CUDA; CPU trains in float32).
 More: docs/design/train.md.
 """
 from __future__ import annotations
@@ -153,7 +153,7 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     fp = fingerprint(tparams.learning_dump(), dparams.model_dump(), weights_digest(init),
                      target.target_id, str(target.dtype) if target.quantization == "none" else target.precision,
                      list(target.aux_layers), src.fingerprint(),
-                     str(amp))  # the resolved precision: `auto` is bf16 on CUDA, fp32 on CPU
+                     str(amp))  # the resolved precision: `auto` is bfloat16 on CUDA, float32 on CPU
     run, resumed_from = _resume(sdir, fp, draft, opt, sched, tparams.ttt_steps, rng)
 
     def checkpoint():
@@ -173,7 +173,8 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
         ranks.barrier()  # rank 0 saves; every rank returns once the checkpoint is there
         return {"rank": rank}
     metrics = _metrics(draft, stream, val, run, tparams, resumed_from, dropped, val_dropped)
-    metrics |= {"train_device": str(dev), "train_precision": "bf16" if amp else "fp32", "train_world_size": world}
+    metrics |= {"train_device": str(dev), "train_precision": "bfloat16" if amp else "float32",
+                "train_world_size": world}
     save_checkpoint(draft.place(torch.device("cpu")), out, extra={"warm_start": str(init) if init else None})
     (Path(out) / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
     clear_state(sdir)

@@ -53,9 +53,9 @@ def deploy_class_champions(tracking_uri: str, target_id: str, root: Path) -> dic
     want = registry.class_champions(tracking_uri, target_id)
     root = Path(root)
     out: dict[str, str | None] = {}
-    for cls, version in sorted(want.items()):
-        if served_version(root / cls) != version:
-            out[cls] = deploy_champion(tracking_uri, target_id, root / cls, cls)["version"]
+    for workload, version in sorted(want.items()):
+        if served_version(root / workload) != version:
+            out[workload] = deploy_champion(tracking_uri, target_id, root / workload, workload)["version"]
     for d in sorted(root.glob("*")) if root.exists() else []:
         if d.is_dir() and not d.name.startswith(".") and d.name not in want:
             shutil.rmtree(d)
