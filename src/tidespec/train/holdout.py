@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..config import TrainParams
 from ..engine.stats import simulated_acceptance_length
-from ..models.eagle3 import Eagle3Draft
+from ..models.eagle3 import Eagle3Draft, load_checkpoint
 from ..models.target import Target
 from .examples import Example, _groups, _pad, prepare, stack_aux
 
@@ -115,6 +116,15 @@ class HoldoutEval:
         of a sequence count as rejected (the holdout cannot score them)."""
         return simulated_acceptance_length(self.conditional(k)) if self.positions else None
 
+    def val_metrics(self) -> dict:
+        """The validation figures a training run reports (k = the TTT steps), none without a
+        usable record: `val/acc_{j}` (`acc`), `val/cond_acc_{j}` (`conditional()`), `val_positions`."""
+        if not self.positions:
+            return {}
+        return ({f"val/acc_{j}": a for j, a in enumerate(self.acc)}
+                | {f"val/cond_acc_{j}": a for j, a in enumerate(self.conditional())}
+                | {"val_positions": self.positions})
+
 
 def evaluate_holdout(draft: Eagle3Draft, examples: list[Example], steps: int, batch_tokens: int) -> HoldoutEval:
     """Teacher-forced `HoldoutEval` of `draft` over prepared `examples` (`steps` TTT steps,
@@ -180,6 +190,14 @@ def holdout_accuracy(draft: Eagle3Draft, target: Target, records: list[dict], tp
         if ex
         else HoldoutEval([], tparams.ttt_steps)
     )
+
+
+def checkpoint_accuracy(path: Path, target: Target, records: list[dict], tparams: TrainParams) -> HoldoutEval:
+    """`holdout_accuracy` of the draft saved in `path` (config.json + model.safetensors), loaded
+    on the CPU in fp32 with the target's embedding, in eval mode. Raises as
+    `models.eagle3.load_checkpoint` (ValueError for another target's draft)."""
+    draft = load_checkpoint(path, target.embed.float().cpu(), target.target_id).eval()
+    return holdout_accuracy(draft, target, records, tparams)
 
 
 def record_taus(draft: Eagle3Draft, target: Target, records: list[dict], tparams: TrainParams,

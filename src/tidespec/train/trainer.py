@@ -303,8 +303,4 @@ def _metrics(draft, stream: ExampleStream, val: ExampleStream | None, run: dict,
     metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
     metrics.update({f"val_dropped/{k}": v for k, v in val_dropped.items()})
     metrics.update({f"train/acc_{j}": a for j, a in enumerate(train_acc)})
-    if ev.positions:
-        metrics.update({f"val/acc_{j}": a for j, a in enumerate(ev.acc)})
-        metrics.update({f"val/cond_acc_{j}": a for j, a in enumerate(ev.conditional())})
-        metrics["val_positions"] = ev.positions
-    return metrics
+    return metrics | ev.val_metrics()
