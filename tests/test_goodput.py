@@ -156,7 +156,7 @@ def test_engine_with_goodput_policy_is_lossless_and_feeds_back_step_costs(tiny_t
     want = [ref.generate(p, 24).tokens for p in ps]
     gens = eng.generate_batch([Request(p, 24, workload="code") for p in ps])
     assert [g.tokens for g in gens] == want
-    via = {k for g in gens for k in g.stats_by_proposer}
+    via = {k for g in gens for k in g.by_proposer}
     assert "suffix" in via  # the tiny target repeats itself: suffix proposals win steps
     assert pol.steps and all(rows >= b for b, rows, _ in pol.steps)
     for b, _rows, drafts in pol.steps:  # draft positions never exceed the batch, one entry per chain position

@@ -118,7 +118,7 @@ def test_a_registered_proposer_is_chosen_by_the_policy_and_stays_lossless(tiny_t
     ]  # no suffix cache
     gens = eng.generate_batch([Request(p, 24, workload="loop") for p in PROMPTS])
     assert [g.tokens for g in gens] == want
-    lk = [g.stats_by_proposer.get("prompt_lookup") for g in gens]
+    lk = [g.by_proposer.get("prompt_lookup") for g in gens]
     assert all(s is not None and s.num_drafts > 0 for s in lk), lk  # chosen for every request
     assert sum(s.num_accepted_tokens for s in lk) > sum(s.num_drafts for s in lk)  # more than one per verify
     rep = eng.policy.report()["loop"]
@@ -128,10 +128,10 @@ def test_a_registered_proposer_is_chosen_by_the_policy_and_stays_lossless(tiny_t
 def test_outside_the_policy_its_rank_decides_and_without_it_nothing_changes(tiny_target, registered):
     eng = Engine(tiny_target, None, EngineParams(num_draft_tokens=6, max_seq_len=256))  # no draft, no policy
     g = eng.generate(PROMPTS[0], 16)
-    assert g.stats_by_proposer["prompt_lookup"].num_drafts > 0
+    assert g.by_proposer["prompt_lookup"].num_drafts > 0
     unregister(PromptLookup)
     plain = Engine(tiny_target, None, EngineParams(num_draft_tokens=6, max_seq_len=256)).generate(PROMPTS[0], 16)
-    assert plain.tokens == g.tokens and plain.stats_by_proposer == {}
+    assert plain.tokens == g.tokens and plain.by_proposer == {}
 
 
 def test_a_rung_or_kind_clash_is_refused(registered):

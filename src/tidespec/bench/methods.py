@@ -216,7 +216,7 @@ class TidespecMethod:
                            "num_accepted_tokens_per_pos": s.num_accepted_tokens_per_pos},
                 "by_proposer": {k: {"num_drafts": v.num_drafts, "num_draft_tokens": v.num_draft_tokens,
                                     "num_accepted_tokens": v.num_accepted_tokens}
-                                for k, v in g.stats_by_proposer.items()}}
+                                for k, v in g.by_proposer.items()}}
 
     def reset(self) -> dict:
         """Forget what the suffix proposer's global tree learned (a new benchmark pass must not see
