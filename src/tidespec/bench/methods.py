@@ -27,6 +27,7 @@ from ..engine.build import make_engine
 from ..engine.speculative import Request
 from ..models.load import get_target, runner_for, target_dir
 from ..workspace import served
+from .policy_report import report
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ class TidespecMethod:
 
     def info(self) -> dict:
         a = self.engine.policy
-        d = {"adaptive": a.report() if a else None, "realized": a.margins.report() if a else None,
+        d = {"adaptive": report(a) if a else None, "realized": a.margins.report() if a else None,
              "calibration_ms": {"target": list(a.cal.target_ms), "draft_step": a.cal.draft_ms,
                                 "batch_sizes": list(a.cal.batch_sizes), "rows": list(a.cal.rows),
                                 "grid": [list(r) for r in a.cal.grid_ms],
