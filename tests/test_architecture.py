@@ -299,16 +299,28 @@ def test_no_class_or_module_outgrows_a_reader():
     assert big == [], big
 
 
+# Outside engine/: the modules that read an engine's counters (what a proposer is to them comes from
+# its attributes: `Proposer.uses_draft`, `Generation.draft_stats`, the kind as a label)
+PROPOSER_FREE = ("serve/metrics.py", "capture/writer.py")
+PROPOSER_SHARED = {"engine.proposers", "engine.proposers.base", "engine.proposers.registry"}
+
+
+def _proposer_free_files():
+    yield from (p for p in (PKG / "engine").rglob("*.py") if "proposers" not in p.parts)
+    yield from (PKG / f for f in PROPOSER_FREE)
+
+
 def test_no_proposer_is_named_in_the_engine_outside_its_own_module():
-    """Proposers are plugins: engine/ code outside proposers/ never names one (a string equal to a
-    registered proposer's kind), so a new proposer is its own module and one registration. Field
-    names in `InvalidRequest(...)` name request fields (`Request.grammar`), not proposers."""
-    from tidespec.engine.proposers import entries
-    kinds = {e.cls.name for e in entries()}
+    """Proposers are plugins: engine/ code outside proposers/ (and the serve metrics and capture writer,
+    `PROPOSER_FREE`) never names one — no string equal to a proposer's kind, no import of a
+    proposer's own module (only `proposers`, `proposers.base`, `proposers.registry`) — so a new
+    proposer is its own module and one spec. Field names in `InvalidRequest(...)` name request fields
+    (`Request.grammar`), not proposers."""
+    from tidespec.engine.proposers import default_proposers
+    kinds = set(default_proposers().kinds)
+    mods = _modules(PKG)
     found = []
-    for path in (PKG / "engine").rglob("*.py"):
-        if "proposers" in path.parts:
-            continue
+    for path in _proposer_free_files():
         tree = _parse(path)
         fields = {id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args
                   and getattr(n.func, "id", None) == "InvalidRequest"}
@@ -319,7 +331,20 @@ def test_no_proposer_is_named_in_the_engine_outside_its_own_module():
         }
         found += [f"{path.relative_to(PKG)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
                   if isinstance(n, ast.Constant) and n.value in kinds and id(n) not in fields | docs]
+        mod = ".".join(path.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+        found += [f"{path.relative_to(PKG)} imports {m}" for m in sorted(_imports(mod, path, mods))
+                  if m.startswith("engine.proposers") and m not in PROPOSER_SHARED]
     assert kinds >= {"eagle3", "suffix", "grammar"} and found == [], found
+
+
+def test_a_proposer_named_in_the_serve_metrics_is_caught(tmp_path, monkeypatch):
+    root = tmp_path / "tidespec"
+    shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
+    with (root / "serve" / "metrics.py").open("a") as f:
+        f.write('\nfrom ..engine.proposers.eagle3 import Eagle3Chain\nDRAFT = "eagle3"\n')
+    monkeypatch.setattr(sys.modules[__name__], "PKG", root)
+    with pytest.raises(AssertionError, match=r"serve/metrics.py:\d+ 'eagle3'.*imports engine.proposers.eagle3"):
+        test_no_proposer_is_named_in_the_engine_outside_its_own_module()
 
 
 def test_a_new_module_must_be_placed(tmp_path):

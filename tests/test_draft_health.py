@@ -81,14 +81,14 @@ def test_engine_feeds_health_and_the_guard_reports_and_rolls_back_once(tiny_targ
     eng.set_draft(off, "7", replayed={"": (0.9, 300)})  # its evaluation claimed 0.9 over 300 chains: far below
     reqs = [Request([5 + i, 6, 7], 60, workload="chat") for i in range(8)]
     gens = eng.generate_batch(reqs)
-    chains = sum(g.stats_by_proposer["eagle3"].num_drafts for g in gens)
-    first = sum(g.stats_by_proposer["eagle3"].num_accepted_tokens_per_pos[0] for g in gens)
+    chains = sum(g.by_proposer["eagle3"].num_drafts for g in gens)
+    first = sum(g.by_proposer["eagle3"].num_accepted_tokens_per_pos[0] for g in gens)
     live, n = eng.health.live("7", "chat")
     w = eng.health.window  # decayed sums: n = Σ_{i<chains} (1 − 1/w)^i
     assert n == pytest.approx(w * (1 - (1 - 1 / w) ** chains)) and live == pytest.approx(first / chains, abs=0.02)
     assert n >= MIN_CHAINS and live < 0.5
     c = eng.health.counters("7", "chat")  # the live guard's counters: every chain, as vLLM counts drafts
-    drafted = sum(g.stats_by_proposer["eagle3"].num_draft_tokens for g in gens)
+    drafted = sum(g.by_proposer["eagle3"].num_draft_tokens for g in gens)
     assert (c.num_drafts, c.accepted_per_pos[0], c.num_draft_tokens) == (chains, first, drafted)
     assert c.num_accepted_tokens == sum(c.accepted_per_pos) and len(c.accepted_per_pos) == 3
     metrics, calls = ServeMetrics(3), []

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from conftest import ladder, random_draft
+from tidespec.bench import policy_report
 from tidespec.config import EngineParams
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.policy import GoodputPolicy
@@ -239,47 +240,47 @@ def test_adaptive_k_cost_model_and_off_switch():
     cal = _cal([100, 110, 120, 130, 140], 5)  # T_target(n) for n = 1..5, T_draft 5 ms
     pol = GoodputPolicy(cal, prior=0.9, alpha=1.0, probe_every=4)
     assert predicted_tau([0.9, 0.9], 2) == pytest.approx(1 + 0.9 + 0.81)
-    tps = pol.predicted_tokens_per_s("code")
+    tps = policy_report.predicted_tokens_per_s(pol, "code")
     assert tps[0] == pytest.approx(10.0)
     assert tps[4] == pytest.approx(1000 * predicted_tau([0.9] * 4, 4) / (140 + 20))
     assert _alone(pol, "code") == 4
     pol.estimator("eagle3").observe_chain("code", 4, 1)  # alpha 1: a = [1, 0, prior, prior]
     assert pol.estimator("eagle3").acceptance("code") == pytest.approx([1.0, 0.0, 0.9, 0.9])
-    assert pol.best_k("code") == 1  # τ(1) = 2 for 115 ms beats everything else
+    assert policy_report.best_k(pol, "code") == 1  # τ(1) = 2 for 115 ms beats everything else
     pol.estimator("eagle3").observe_chain("chat", 2, 0)  # a1 = 0: nothing beats plain decoding
     ks = [_alone(pol, "chat") for _ in range(12)]
     assert ks == [0, 0, 0, 1] + [0] * 7 + [1]  # off, with probes (best k >= 1) after 4, then 8 idle steps
-    assert pol.report()["chat"]["speculation"] is False and pol.report()["code"]["k"] == 1
+    assert policy_report.report(pol)["chat"]["speculation"] is False and policy_report.report(pol)["code"]["k"] == 1
     pol.reset()
     assert pol.estimator("eagle3").acceptance("code") == [0.9] * 4
     slow = GoodputPolicy(cal, prior=0.9, alpha=0.05)
     for n in (1, 0, 0, 0):  # the first 1/alpha observations are averaged with the prior's 4 (PRIOR_CHAINS)
         slow.estimator("eagle3").observe_chain("x", 1, n)
     assert slow.estimator("eagle3").acceptance("x")[0] == pytest.approx((4 * 0.9 + 1) / 8)
-    pol.observe_time(0, 1e6)  # a load spike at most doubles the estimate
-    assert pol.step_ms()[0] <= 2 * 100 * 1.0001
+    policy_report.observe_time(pol, 0, 1e6)  # a load spike at most doubles the estimate
+    assert policy_report.step_ms(pol)[0] <= 2 * 100 * 1.0001
     for bad in ([100], [100, 0], [100, float("nan")]):  # k_max 0, zero or non-finite costs
         with pytest.raises(ValueError, match="calibration"):
             _cal(bad, 5)
-    pol.observe_time(1, float("inf"))  # ignored
-    assert all(x == x and x < 1e9 for x in pol.step_ms())
+    policy_report.observe_time(pol, 1, float("inf"))  # ignored
+    assert all(x == x and x < 1e9 for x in policy_report.step_ms(pol))
     # measured step times replace the calibration; unmeasured k scale by the observed load
-    pol.observe_time(0, 200.0, alpha=1.0)  # plain decoding measured 2x slower than calibrated
-    assert pol.step_ms() == pytest.approx([200, 230, 260, 290, 320])
-    pol.observe_time(2, 130.0, alpha=1.0)  # k = 2 measured at 130 ms: load = 130 / 130 = 1
+    policy_report.observe_time(pol, 0, 200.0, alpha=1.0)  # plain decoding measured 2x slower than calibrated
+    assert policy_report.step_ms(pol) == pytest.approx([200, 230, 260, 290, 320])
+    policy_report.observe_time(pol, 2, 130.0, alpha=1.0)  # k = 2 measured at 130 ms: load = 130 / 130 = 1
     # per-k estimates 200, 115, 130, 145, 160 — but a step with k drafts costs at least T(0) × the
     # calibrated T(k)/T(0): k = 0 measured slow means every k is at least as slow
-    assert pol.step_ms() == pytest.approx([200, 230, 260, 290, 320])
-    pol.observe_time(0, 100.0, alpha=1.0)
-    assert pol.step_ms() == pytest.approx([100, 115, 130, 145, 160])
+    assert policy_report.step_ms(pol) == pytest.approx([200, 230, 260, 290, 320])
+    policy_report.observe_time(pol, 0, 100.0, alpha=1.0)
+    assert policy_report.step_ms(pol) == pytest.approx([100, 115, 130, 145, 160])
 
 
 def test_adaptive_k_margin_keeps_break_even_classes_off():
     cal = _cal([100, 100], 0)  # k = 1 costs what plain decoding costs: τ(1) = 1 + a1 is the gain
     for margin, a1, k in ((0.05, 0.03, 0), (0.0, 0.03, 1), (0.05, 0.06, 1)):
         pol = GoodputPolicy(cal, prior=a1, alpha=1.0, margin=margin)
-        assert pol.best_k("chat") == k, (margin, a1)
-        assert pol.report() == {} and _alone(pol, "chat") == k
+        assert policy_report.best_k(pol, "chat") == k, (margin, a1)
+        assert policy_report.report(pol) == {} and _alone(pol, "chat") == k
     with pytest.raises(ValueError, match="margin"):
         GoodputPolicy(cal, margin=1.0)
 
@@ -298,7 +299,7 @@ def test_adaptive_engine_is_lossless_and_learns(tiny_target):
     gens = eng.generate_batch([Request(p, 40, workload="code") for p in ps])
     assert [g.tokens for g in gens] == ref
     # a random draft is almost never accepted: the policy learns to switch speculation off, but probes
-    rep = pol.report()["code"]
+    rep = policy_report.report(pol)["code"]
     assert rep["k"] == 0 and rep["predicted_speedup"] == 1.0
     assert pol.estimator("eagle3").acceptance("code")[0] < 0.3
     assert 0 < sum(g.stats.num_drafts for g in gens) < sum(len(g.tokens) for g in gens) / 2
@@ -404,15 +405,16 @@ def test_adaptive_cost_model_survives_step_time_spikes():
     pol = GoodputPolicy(cal, prior=0.05, probe_every=4)  # a weak draft: τ(4) ≈ 1.05
     rng = random.Random(0)
     for _ in range(300):
-        pol.observe_time(0, 50 * (8.0 if rng.random() < 0.5 else 1.0))  # half the k = 0 steps hit a spike
-        pol.observe_time(4, 60.0)  # draft steps measured on a quiet machine
-    tps = pol.predicted_tokens_per_s("static")
+        spike = 8.0 if rng.random() < 0.5 else 1.0  # half the k = 0 steps hit a spike
+        policy_report.observe_time(pol, 0, 50 * spike)
+        policy_report.observe_time(pol, 4, 60.0)  # draft steps measured on a quiet machine
+    tps = policy_report.predicted_tokens_per_s(pol, "static")
     tau4 = predicted_tau([0.05] * 4, 4)
     bound = [predicted_tau([0.05] * k, k) * cal.step_ms(0) / cal.step_ms(k) for k in range(5)]
     assert all(tps[k] / tps[0] <= bound[k] + 1e-9 for k in range(1, 5))  # ≤ τ(k)·T(0)/T(k): never 3.9×
     assert max(tps[k] / tps[0] for k in range(1, 5)) < tau4 < 1.06
-    assert pol.best_k("static") == 0  # and below the margin: speculation stays off
-    ms = pol.step_ms()
+    assert policy_report.best_k(pol, "static") == 0  # and below the margin: speculation stays off
+    ms = policy_report.step_ms(pol)
     assert all(a <= b for a, b in zip(ms, ms[1:]))
 
 

@@ -4,6 +4,7 @@ long test beside the rest instead of behind test_engine.py's."""
 import pytest
 
 from test_engine import PROMPTS, _random_runner
+from tidespec.bench import policy_report
 from tidespec.config import EngineParams
 from tidespec.engine.calibration import Calibration
 from tidespec.engine.policy import GoodputPolicy
@@ -62,4 +63,4 @@ def test_lossless_on_real_target(real_target, tmp_path):
     gens = eng.generate_batch([Request(prompt_ids(tok, p), 64, workload="code" if "def" in p else "chat")
                                for p in PROMPTS])
     assert [g.tokens for g in gens] == [ref[p] for p in PROMPTS]
-    assert sum(g.stats.num_drafts for g in gens) > 0 and set(pol.report()) == {"code", "chat"}
+    assert sum(g.stats.num_drafts for g in gens) > 0 and set(policy_report.report(pol)) == {"code", "chat"}

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from conftest import ladder, random_draft
+from tidespec.bench import policy_report
 from tidespec.config import EngineParams
 from tidespec.engine.calibration import Calibration, calibrate
 from tidespec.engine.policy import GoodputPolicy, StepCost, goodput, plan, predicted_step
@@ -91,7 +92,7 @@ def test_step_cost_refit_cannot_predict_speedups_from_spikes():
 def test_policy_reports_k_by_batch_and_learns_suffix_correction():
     sure = GoodputPolicy(_cal(), prior=0.6, alpha=1.0)  # alpha 1: the last observation is the estimate
     sure.estimator("eagle3").observe_chain("code", 4, 1)  # a = [1, 0, .6, .6]: one sure token per step
-    assert sure.report()["code"]["k_by_batch"] == {
+    assert policy_report.report(sure)["code"]["k_by_batch"] == {
         1: 1,
         8: 0,
     }  # at 8: 16 tokens / 384 ms is within the margin of 8 / 200
@@ -156,7 +157,7 @@ def test_engine_with_goodput_policy_is_lossless_and_feeds_back_step_costs(tiny_t
     want = [ref.generate(p, 24).tokens for p in ps]
     gens = eng.generate_batch([Request(p, 24, workload="code") for p in ps])
     assert [g.tokens for g in gens] == want
-    via = {k for g in gens for k in g.stats_by_proposer}
+    via = {k for g in gens for k in g.by_proposer}
     assert "suffix" in via  # the tiny target repeats itself: suffix proposals win steps
     assert pol.steps and all(rows >= b for b, rows, _ in pol.steps)
     for b, _rows, drafts in pol.steps:  # draft positions never exceed the batch, one entry per chain position
@@ -188,7 +189,8 @@ def test_engine_under_load_switches_speculation_off(tiny_target):
     gens = eng.generate_batch([Request([5 + i, 6, 7], 24, workload="chat") for i in range(8)])
     drafts = sum(g.stats.num_drafts for g in gens)
     assert 0 < drafts <= 8 * 24 // 8 + 8  # one probe per class every 8th request-step
-    assert pol.k_by_batch("fresh") == {1: 3, 8: 0}  # a new class: the prior says speculate alone, not at 8
+    # a new class: the prior says speculate alone, not at 8
+    assert policy_report.k_by_batch(pol, "fresh") == {1: 3, 8: 0}
 
 
 def test_early_stop_threshold_and_learned_confidence():
@@ -396,7 +398,7 @@ def test_suffix_proposals_left_unchosen_stop_being_computed_and_are_probed():
     assert [s for s, d in enumerate(due, 1) if d] == [1, 2, 4, 8, 16]  # 2 misses, then probes after 2, 4, 8 idle steps
     assert pol.offer_due("suffix", "code", 1) and pol.offer_due("suffix", "chat", 8)
     assert not pol.offer_due("suffix", "code", 7)  # 7 requests: the calibrated batch size 8's cell
-    assert pol.report()["code"]["suffix_off_at_batch"] == [8]
+    assert policy_report.report(pol)["code"]["suffix_off_at_batch"] == [8]
     while not pol.offer_due("suffix", "code", 8):
         pass
     pol.offered("suffix", "code", 8, chosen=True)  # a probe that paid: on every step again
@@ -442,7 +444,7 @@ def test_engine_under_load_stops_computing_suffix_proposals_it_never_chooses(tin
     assert sum(g.stats.num_drafts for g in gens) == 0
     # 39 decode steps of 8 requests: proposals in the first 4, then probes after 4, 8 and 16 idle steps
     assert sfx.asked == 8 * (4 + 3)
-    assert pol.report()["code"]["suffix_off_at_batch"] == [8]
+    assert policy_report.report(pol)["code"]["suffix_off_at_batch"] == [8]
 
 
 def test_acceptance_starts_from_the_replayed_first_token_acceptance_worth_a_few_chains(tiny_target):
@@ -510,20 +512,14 @@ def test_served_reads_version_and_replay_from_the_draft_dir(tmp_path):
 def test_a_step_whose_tries_matched_nothing_is_not_a_miss_of_the_suffix_gate():
     """Repetition comes in bursts: steps where no request of a class had a suffix proposal (empty
     ladders) do not count towards turning its proposals off; computed, offered and unchosen ones do."""
-    from types import SimpleNamespace as NS
-
-    from tidespec.engine.plan import Planner
-    from tidespec.engine.proposers.suffix import SuffixProposer
     pol = GoodputPolicy(_cal(), prior=0.6, probe_every=2)
-    pl = Planner(EngineParams(num_draft_tokens=3, max_seq_len=256), [SuffixProposer(SuffixCache(max_depth=8), 320)],
-                 pol)
-    slots = [NS(workload="code", learn=True) for _ in range(8)]
+    workloads = ["code"] * 8
     empty, offered = [ladder(eagle=(0.5,))] * 8, [ladder(eagle=(0.5,), suffix=(0.1, 0.15))] * 8
     for _ in range(10):
-        pl._observe_offers(slots, empty, [("", 0)] * 8, set())
+        pol.observe_offers(workloads, empty, [("", 0)] * 8)
     assert pol.offer_due("suffix", "code", 8) and pol.probes.gated_at("suffix", "code") == []
     for _ in range(2):
-        pl._observe_offers(slots, offered, [("", 0)] * 8, set())
+        pol.observe_offers(workloads, offered, [("", 0)] * 8)
     assert pol.probes.gated_at("suffix", "code") == [8]
 
 

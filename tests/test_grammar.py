@@ -82,7 +82,7 @@ def test_constrained_output_is_valid_and_speculation_is_exact(tok_target, compil
         gens = eng.generate_batch([Request(p, 80, grammar=g, workload="json") for p in prompts])
         assert [x.tokens for x in gens] == [b.tokens for b in base], name
         for x in gens:
-            for proposer, st in x.stats_by_proposer.items():
+            for proposer, st in x.by_proposer.items():
                 via[(name, proposer)] = via.get((name, proposer), 0) + st.num_accepted_tokens
     # forced keys and punctuation are proposed and accepted, by the grammar proposer alone and in the hybrids
     assert via[("grammar only", "grammar")] >= 20
@@ -152,7 +152,7 @@ def test_sampled_constrained_marginal_is_exact(tok_target, compiler):
             gen = eng.generate_batch([Request(prompt, 2, sampling=SamplingParams(1.5, seed=block * N + i),
                                               grammar=g)])[0]
             counts[gen.tokens[1]] += 1
-            drafted += gen.stats_by_proposer.get("eagle3", SpecDecodingStats(0)).num_draft_tokens
+            drafted += gen.by_proposer.get("eagle3", SpecDecodingStats(0)).num_draft_tokens
         assert counts[marg == 0].sum() == 0  # never a token the grammar forbids
         keep = marg * N >= 5
         obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])

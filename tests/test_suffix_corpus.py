@@ -42,7 +42,7 @@ def test_engine_installs_a_corpus_and_proposes_from_it(tiny_target):
     ref = Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).generate([77, 78], 16).tokens
     assert eng.set_suffix_corpus([[1, 2, 3], [77, 78] + ref]) == 3 + 2 + len(ref)
     g = eng.generate([77, 78], 16)
-    assert g.tokens == ref and g.stats_by_proposer["suffix"].num_accepted_tokens >= 12  # it knew the answer
+    assert g.tokens == ref and g.by_proposer["suffix"].num_accepted_tokens >= 12  # it knew the answer
     with pytest.raises(ValueError, match="engine.suffix.enabled"):
         Engine(tiny_target, None, EngineParams(num_draft_tokens=3, max_seq_len=256)).set_suffix_corpus([[1, 2]])
 

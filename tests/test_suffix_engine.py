@@ -32,7 +32,7 @@ def test_greedy_suffix_and_hybrid_equal_target_only(tiny_target, hybrid, sp):
         if sp.logprobs is not None:
             bound = fp32_logprob_tol(tiny_target.cfg, logit_scale(tiny_target, p + g.tokens))
             assert max(abs(a.logprob - b.logprob) for a, b in zip(g.logprobs, want.logprobs)) <= bound
-        by = g.stats_by_proposer
+        by = g.by_proposer
         assert sum(v.num_drafts for v in by.values()) == g.stats.num_drafts
         assert sum(v.num_accepted_tokens for v in by.values()) == g.stats.num_accepted_tokens
         assert 1 + len(g.timing.steps) + g.stats.num_accepted_tokens - len(g.tokens) in (0, 1)  # steps w/o drafts too

@@ -28,10 +28,11 @@ from tidespec.assets import prompts
 from tidespec.bench.engine import workload_prompts
 from tidespec.bench.engine_report import WORKLOADS
 from tidespec.bench.methods import MethodSpec, TidespecMethod
+from tidespec.bench.policy_report import report
 from tidespec.config import load_params
 from tidespec.engine.plan import Planner
 from tidespec.engine.policy import draft_batches
-from tidespec.engine.proposers import entries
+from tidespec.engine.proposers import default_proposers
 from tidespec.models.chat import prompt_ids
 from tidespec.models.load import get_target
 
@@ -72,7 +73,7 @@ def _instrument() -> None:
     speculative.Engine._observe_cost = _costed(speculative.Engine._observe_cost)
     speculative.catch_up = _timed("catch-up", speculative.catch_up)
     Planner.plan = _timed("plan", Planner.plan)
-    for e in entries():  # the proposers that run the draft model: their forwards are "draft" time
+    for e in default_proposers().specs:  # the proposers that run the draft model: their forwards are "draft" time
         if e.cls.uses_draft:
             e.cls.propose = _timed("draft", e.cls.propose)
 
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
                        + f"--passes {a.passes} --max-new-tokens {a.max_new_tokens} --out {a.out}"
                        + (f" --prompts-per-client {a.prompts_per_client}" if a.prompts_per_client > 1 else "")
                        + (" --breakdown" if a.breakdown else "")),
-           "policy": spec.engine.policy.report() if spec.engine.policy else None,
+           "policy": report(spec.engine.policy) if spec.engine.policy else None,
            "realized": spec.engine.policy.margins.report() if spec.engine.policy else None, "cells": []}
     for w, c in cells:
         r = runs[(w, c)]

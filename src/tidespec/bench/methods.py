@@ -27,6 +27,7 @@ from ..engine.build import make_engine
 from ..engine.speculative import Request
 from ..models.load import get_target, runner_for, target_dir
 from ..workspace import served
+from .policy_report import report
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ class TidespecMethod:
                            "num_accepted_tokens_per_pos": s.num_accepted_tokens_per_pos},
                 "by_proposer": {k: {"num_drafts": v.num_drafts, "num_draft_tokens": v.num_draft_tokens,
                                     "num_accepted_tokens": v.num_accepted_tokens}
-                                for k, v in g.stats_by_proposer.items()}}
+                                for k, v in g.by_proposer.items()}}
 
     def reset(self) -> dict:
         """Forget what the suffix proposer's global tree learned (a new benchmark pass must not see
@@ -227,7 +228,7 @@ class TidespecMethod:
 
     def info(self) -> dict:
         a = self.engine.policy
-        d = {"adaptive": a.report() if a else None, "realized": a.margins.report() if a else None,
+        d = {"adaptive": report(a) if a else None, "realized": a.margins.report() if a else None,
              "calibration_ms": {"target": list(a.cal.target_ms), "draft_step": a.cal.draft_ms,
                                 "batch_sizes": list(a.cal.batch_sizes), "rows": list(a.cal.rows),
                                 "grid": [list(r) for r in a.cal.grid_ms],

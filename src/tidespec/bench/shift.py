@@ -35,6 +35,7 @@ from ..models.load import get_target, runner_for
 from ..steps.bootstrap import bootstrap_static
 from ..steps.cycle import step_deploy
 from ..workspace import Workspace, served, served_version
+from . import policy_report
 from .shift_report import summarize, write_report
 
 
@@ -354,14 +355,14 @@ def _contrast(params, target, tok, ws, cfg, progress, code_hold) -> dict:
     for g, ps in groups.items():
         runs = replay({"none": (none, False), "adaptive": (spec, True)}, ps, cfg.max_new_tokens, reference="none")
         a, n = runs["adaptive"]["metrics"], runs["none"]["metrics"]
-        pol = spec.policy.report().get(g, {})
+        pol = policy_report.report(spec.policy).get(g, {})
         out[g] = {
             "structured": g != "open-ended",
             "num_prompts": len(ps),
-            "k_chosen": spec.policy.best_k(g),
+            "k_chosen": policy_report.best_k(spec.policy, g),
             "predicted_speedup": pol.get("predicted_speedup"),
             "policy_step_ms": pol.get("step_ms"),
-            "acceptance": spec.policy.estimator(spec.policy.chain_kind).acceptance(g),
+            "acceptance": spec.policy.estimator(policy_report.chain_kind(spec.policy)).acceptance(g),
             "itl_ms_p50_none": n["itl_ms_p50"],
             "itl_ms_p50_spec": a["itl_ms_p50"],
             "tokens_per_s_none": n["tokens_per_s"],

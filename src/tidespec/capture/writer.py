@@ -399,8 +399,9 @@ def command(q: queue.Queue, thread: threading.Thread, name: str, timeout_s: floa
 
 
 def draft_acceptance_rate(gen) -> float | None:
-    """The EAGLE3 draft's acceptance rate on a Generation (None when it drafted nothing for it)."""
-    draft = gen.stats_by_proposer.get("eagle3")
+    """The draft model's acceptance rate on a Generation (`Generation.draft_stats`: the proposers that
+    ran it; None when it drafted nothing for it)."""
+    draft = gen.draft_stats
     return draft.acceptance_rate if draft is not None and draft.num_draft_tokens else None
 
 

@@ -63,8 +63,10 @@ def after_verify(sl: Slot, out, dt: float, suffix: SuffixCache | None, health: D
     if sl.k or sl.layout is not None:
         depth = sl.layout.max_depth if sl.layout is not None else None
         s.stats.observe(sl.k, min(n, kept), positions=depth, num_verified=n)
-        s.by_via.setdefault(sl.proposer.name, SpecDecodingStats(0)).observe(sl.k, min(n, kept), positions=depth,
-                                                                            num_verified=n)
+        s.by_proposer.setdefault(sl.proposer.name, SpecDecodingStats(0)).observe(sl.k, min(n, kept),
+                                                                                 positions=depth, num_verified=n)
+        if sl.proposer.uses_draft:
+            s.draft_kinds.add(sl.proposer.name)
     s.timing.steps.append((dt, kept))
 
 

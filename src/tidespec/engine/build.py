@@ -14,6 +14,7 @@ from ..workspace import class_dirs, served
 from .calibration import load_or_calibrate
 from .generation import CaptureSink
 from .policy import GoodputPolicy, PolicyConfig
+from .proposers import default_proposers
 from .speculative import Engine
 from .suffix_tree import CORPUS_FILE, SuffixCache, load_corpus
 
@@ -30,19 +31,20 @@ def make_engine(cfg: EngineParams, target: Target, runner: DraftRunner | None = 
     `cfg.suffix.enabled`. A plain engine (evaluation, demos, fixed-k benchmarks) passes
     `cfg.fixed()`. `capture`: the sink asked at admission and handed each captured record;
     `version`, `replayed`: the draft's version and replayed first-token acceptance (version.json's,
-    `workspace.served`), as a hot-swap gives them; `forced_tokens`: see `Engine`."""
-    pol = None
+    `workspace.served`), as a hot-swap gives them; `forced_tokens`: see `Engine`. The engine and its
+    policy run tidespec's proposers (`default_proposers`, one registry value for both)."""
+    proposers, pol = default_proposers(), None
     if cfg.adaptive and (runner is not None or cfg.suffix.enabled):
         rows = max(cfg.suffix.max_spec + 1 if cfg.suffix.enabled else 0,
                    tree_num_draft_tokens(cfg.num_draft_tokens, cfg.tree.eagle_topk, cfg.tree.num_draft_tokens)
                    if cfg.tree.eagle_topk > 1 and runner is not None else 0)
         cal = load_or_calibrate(target, runner, cfg.num_draft_tokens, cache_dir(), max_batch=cfg.max_batch,
                                 max_rows=rows, progress=progress)
-        pol = GoodputPolicy(cal, PolicyConfig.from_params(cfg))
+        pol = GoodputPolicy(cal, PolicyConfig.from_params(cfg), proposers=proposers)
     sx = cfg.suffix
     suffix = SuffixCache(sx.max_depth, sx.max_tokens, sx.max_spec, sx.alpha, sx.min_score) if sx.enabled else None
     return Engine(target, runner, cfg, policy=pol, suffix=suffix, capture=capture, draft_version=version,
-                  replayed=replayed if runner is not None else None, forced_tokens=forced_tokens)
+                  replayed=replayed if runner is not None else None, forced_tokens=forced_tokens, registry=proposers)
 
 
 def load_suffix_corpus(engine: Engine, draft_dir: Path | None) -> int | None:

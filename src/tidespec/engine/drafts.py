@@ -11,7 +11,9 @@ AWS Trainium2/vLLM speculative-decoding case study; TIDE, arXiv 2602.05145 §4, 
 """
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Mapping
 
 from ..models.runner import DraftRunner
 from ..models.target import Target
@@ -32,6 +34,21 @@ def check_fits(draft: DraftRunner, target: Target) -> None:
         raise ValueError(f"draft aux layers {c.aux_layer_ids} != target capture layers {target.aux_layers}")
     if c.target_id and target.target_id != "unknown" and c.target_id != target.target_id:
         raise ValueError(f"draft trained for target {c.target_id[:12]}, serving {target.target_id[:12]}")
+
+
+def check_replayed(replayed: Mapping[str, tuple[float, float]] | None) -> dict[str, tuple[float, float]]:
+    """A draft's replayed first-token acceptance {class: (a₁, chains)} ("" = over all classes; None:
+    none), as floats. Raises ValueError for an entry that is not (a₁ in [0, 1], chains >= 0)."""
+    out = {}
+    for w, v in (replayed or {}).items():
+        try:
+            a, n = (float(x) for x in v)
+        except (TypeError, ValueError):
+            raise ValueError(f"replayed[{w!r}] = {v!r}: expected (first-token acceptance, chains)") from None
+        if not (0.0 <= a <= 1.0 and 0.0 <= n < math.inf):
+            raise ValueError(f"replayed[{w!r}] = ({a}, {n}): first-token acceptance must be in [0, 1] and chains >= 0")
+        out[w] = (a, n)
+    return out
 
 
 class ServedDrafts:

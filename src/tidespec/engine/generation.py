@@ -1,6 +1,7 @@
 """What an engine returns for a request (`Generation`) and where it hands captured ones (`CaptureSink`)."""
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,10 +24,12 @@ class Generation:
     "length" (max_new_tokens) or "abort" (`Engine.abort`); stop_reason: vLLM's — None for EOS or
     length, the stop token id, or the stop string; logprobs: one `TokenLogprob` per token when the
     request asked (`SamplingParams.logprobs`); grammar_error: why the request's grammar could not go on
-    (finish_reason "length"; None otherwise); record: capture tensors (when the request was captured):
-    input_ids `[T]` int32, loss_mask `[T]` uint8, aux_hidden_states `[T, 3H]`, hidden_states `[T, H]`
-    where T = tokens the target processed (prompt + generated minus the last, whose hidden state
-    is never computed).
+    (finish_reason "length"; None otherwise); by_proposer: the spec-decode counters per proposer
+    kind (`Proposer.name`), draft_kinds the kinds among them that ran the draft model
+    (`Proposer.uses_draft`; their counters together: `draft_stats`); record: capture tensors (when
+    the request was captured): input_ids `[T]` int32, loss_mask `[T]` uint8, aux_hidden_states
+    `[T, 3H]`, hidden_states `[T, H]` where T = tokens the target processed (prompt + generated
+    minus the last, whose hidden state is never computed).
     """
 
     request_id: str
@@ -39,10 +42,20 @@ class Generation:
     finish_reason: str = "length"
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
-    stats_by_proposer: dict[str, SpecDecodingStats] = field(default_factory=dict)  # by proposer kind
+    by_proposer: dict[str, SpecDecodingStats] = field(default_factory=dict)
     grammar_error: str | None = None
     constraint: dict | None = None  # the constraint spec of a constrained request (`engine.constraint`)
     workload: str = "default"  # the request's workload class (the policy's and the capture's key)
+    draft_kinds: frozenset[str] = frozenset()
+
+    @property
+    def draft_stats(self) -> SpecDecodingStats | None:
+        """The draft model's counters: those of the proposer kinds that ran it (`draft_kinds`), merged;
+        None when no such proposer verified a draft for the request."""
+        stats = [self.by_proposer[k] for k in sorted(self.draft_kinds) if k in self.by_proposer]
+        if not stats:
+            return None
+        return stats[0] if len(stats) == 1 else functools.reduce(SpecDecodingStats.merge, stats)
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,8 +94,9 @@ def generation_of(s) -> Generation:
     gen = s.gen  # already cut at the stop (`Seq.emit`)
     res = Generation(s.rid, len(s.req.prompt_ids), gen, s.stats, s.timing, s.version,
                      finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason, logprobs=s.logprobs,
-                     stats_by_proposer=dict(s.by_via), grammar_error=s.grammar_error,
-                     constraint=s.req.grammar.spec if s.req.grammar is not None else None, workload=s.req.workload)
+                     by_proposer=dict(s.by_proposer), grammar_error=s.grammar_error,
+                     constraint=s.req.grammar.spec if s.req.grammar is not None else None, workload=s.req.workload,
+                     draft_kinds=frozenset(s.draft_kinds))
     if s.capture and not s.aborted:
         p = list(s.req.prompt_ids)
         T = len(p) + len(gen) - 1

@@ -146,8 +146,9 @@ class Seq:
     beyond the engine's max_seq_len for tree expansion. cache / draft_cache: its KV caches, allocated
     at admission (`alloc`). gen: output tokens so far (cut at the stop); next_token: the last
     emitted token, the next step's first verify row. backlog: (aux `[n, 3H]`, next tokens `[n]`
-    int64) of verified rows the draft has not read yet. stats / by_via: spec-decode counters (all,
-    and per proposer name); rows: capture rows (`capture`).
+    int64) of verified rows the draft has not read yet. stats / by_proposer: spec-decode counters
+    (all, and per proposer kind); draft_kinds: the kinds in by_proposer that ran the draft model
+    (`Proposer.uses_draft`); rows: capture rows (`capture`).
     """
 
     def __init__(self, req: Request, rid: str, draft, version: str | None, vocab_size: int, capture: bool,
@@ -167,7 +168,8 @@ class Seq:
         self.backlog_rows = 0  # rows in the backlog (what the draft's next catch-up reads)
         self.prompt_read = False  # has the draft caught up over the prompt
         self.stats = SpecDecodingStats(0)
-        self.by_via: dict[str, SpecDecodingStats] = {}
+        self.by_proposer: dict[str, SpecDecodingStats] = {}
+        self.draft_kinds: set[str] = set()
         self.timing = RequestTiming()
         self.rows = CaptureRows()
         self.t_submit = time.perf_counter()

@@ -3,7 +3,7 @@
 One step, top to bottom (`Engine.step`, after vLLM v1's engine step and gpt-fast's one-page
 `speculative_decode`): admit waiting requests (their prefill rides in the step's forward) → plan
 (`plan.Planner`: each running request's proposer and option, fixed or chosen for the whole batch by
-the goodput policy `policy.GoodputPolicy`) → propose (each registered proposer, batched over its
+the goodput policy, `plan.StepPolicy`) → propose (each of the engine's proposers, batched over its
 requests) → verify (one ragged target forward over every request's new rows: prefills, and [last
 token, d_1..d_k] or a tree per running request, no padding: `Target.forward_batch`) → accept / emit
 (`accept`) → observe (each proposer rolls back what was rejected, its estimator learns) → finish.
@@ -28,14 +28,13 @@ from ..config import EngineParams
 from ..models.runner import DraftRunner
 from ..models.target import Segment, Target
 from .accept import after_prefill, after_verify, cut_to_grammar, guard
-from .drafts import GENERALIST, ServedDrafts, check_fits
+from .drafts import GENERALIST, ServedDrafts, check_fits, check_replayed
 from .generation import CaptureSink, Generation, generation_of, wanted
 from .health import DraftHealth
 from .invalid import InvalidRequest
-from .plan import Planner, StepPlan
-from .policy import GoodputPolicy, draft_batches
-from .proposers import Build, catch_up, registry
-from .proposers.eagle3_estimate import first_token_priors
+from .plan import Planner, StepPlan, StepPolicy
+from .policy import draft_batches
+from .proposers import Build, ProposerRegistry, catch_up, default_proposers
 from .request import Request, Seq, check_request, max_draft, with_context
 from .sampling import GREEDY, SamplingParams
 from .stats import SpecDecodingStats
@@ -51,27 +50,28 @@ class Engine:
 
     cfg (`EngineParams`, whole): num_draft_tokens (k, or the policy's longest), max_seq_len (tokens
     per request, None: the target's context; `self.cfg` holds the resolved value), max_batch
-    (running requests per step), draft_early_stop, tree (EAGLE-2 trees: eagle_topk > 1 makes
-    greedy requests without logits transforms verify trees),
-    suffix.min_expected; default `EngineParams()`. policy: the goodput policy (None: every request
-    takes its fixed option); suffix: the suffix proposer's cache (None: no suffix proposer); capture:
-    asked at admission whether it wants each request, handed each captured one's record when it
-    finishes; draft_version, replayed: the draft's version and its replayed first-token acceptance
-    (class → (a₁, chains), as `set_draft`'s); forced_tokens: constrained requests propose their
-    grammar's forced tokens (evaluation turns it off so τ measures the draft alone). The proposers
-    are every registered one (`proposers.registry`) that runs with these settings.
+    (running requests per step), draft_early_stop, tree (EAGLE-2 trees: eagle_topk > 1 makes greedy
+    requests without logits transforms verify trees), suffix.min_expected; default `EngineParams()`.
+    policy: the goodput policy (None: every request takes its fixed option); suffix: the suffix
+    proposer's cache (None: no suffix proposer); registry: the proposers it may run (`ProposerRegistry`,
+    default `default_proposers()`; the policy's must be the same), those that run with these settings
+    in `self.proposers`; capture: asked at admission whether it wants each request, handed each
+    captured one's record when it finishes; draft_version, replayed: the draft's version and its
+    replayed first-token acceptance (class → (a₁, chains), as `set_draft`'s); forced_tokens:
+    constrained requests propose their grammar's forced tokens (off in evaluation: τ of the draft alone).
 
     `generate` runs one request; `generate_batch` / `submit` run many together, up to max_batch per
     step. Any thread may drive the engine: `step()` is serialised. `set_draft` swaps the draft
     atomically; a request keeps the draft it started with. Raises ValueError for max_seq_len beyond
     the target's context, a draft of another target (vocab, hidden size, aux layers, id), or a
-    proposer registered after the policy was built (it has no estimator there).
+    policy without an estimator for one of its proposers (built over another registry).
     """
 
     def __init__(self, target: Target, draft: DraftRunner | None = None, cfg: EngineParams | None = None, *,
-                 policy: GoodputPolicy | None = None, suffix: SuffixCache | None = None,
-                 capture: CaptureSink | None = None, draft_version: str | None = None,
-                 replayed: Mapping[str, tuple[float, float]] | None = None, forced_tokens: bool = True):
+                 policy: StepPolicy | None = None, suffix: SuffixCache | None = None,
+                 registry: ProposerRegistry | None = None, capture: CaptureSink | None = None,
+                 draft_version: str | None = None, replayed: Mapping[str, tuple[float, float]] | None = None,
+                 forced_tokens: bool = True):
         cfg = with_context(cfg or EngineParams(), target.cfg.max_position)
         self.target, self.cfg, self.policy, self.capture, self.suffix = target, cfg, policy, capture, suffix
         self._lock = threading.Lock()  # draft swap + queues
@@ -80,12 +80,13 @@ class Engine:
         self._waiting: list[Seq] = []
         self._seqs: dict[str, Seq] = {}  # request id → state, waiting or running (abort)
         self._running: list[Seq] = []
-        self.proposers = registry.build(Build(cfg, target.cfg.vocab_size, suffix, forced_tokens))
+        self.registry = registry if registry is not None else default_proposers()
+        self.proposers = self.registry.build(Build(cfg, target.cfg.vocab_size, suffix, forced_tokens))
         self._planner = Planner(cfg, self.proposers, policy)
         self.health = DraftHealth()  # live first-token acceptance per (draft version, class)
         if draft is not None:  # as set_draft: health's reference and the policy's a₁ from the replay
             check_fits(draft, self.target)
-            first_token_priors(replayed or {}, 0.0)
+            check_replayed(replayed)
             self._drafts.check_memory(GENERALIST, draft)
             self._drafts.put(GENERALIST, draft, draft_version, replayed)
             self.health.serve(draft_version, replayed)
@@ -100,10 +101,10 @@ class Engine:
         malformed `replayed` — class → (a₁, chains), "" overall, what `health` compares live
         acceptance with —, over `engine.draft_memory_mb`). Running requests keep their draft. The
         policy forgets what it learned (a₁ restarts from each class's draft's replay) and times an
-        untimed draft shape first (`GoodputPolicy.ensure_draft_costs`, ~0.5 s)."""
+        untimed draft shape first (`StepPolicy.ensure_draft_costs`, ~0.5 s)."""
         if draft is not None:
             check_fits(draft, self.target)
-            first_token_priors(replayed or {}, 0.0)
+            check_replayed(replayed)
             self._drafts.check_memory(workload, draft)
             if self.policy is not None:
                 self.policy.ensure_draft_costs(self.target, draft)
@@ -283,10 +284,9 @@ class Engine:
         return self.target.forward_batch(segs, need_hidden=need_hidden)
 
     def _observe_cost(self, plan: StepPlan, prefill: bool, ms: float, step_ms: float) -> None:
-        """The policy learns from decode-only steps (no prefill) in which no request failed: its cost
-        model the measured drafting + verify time `ms`; its realized margin the tokens the step
-        verified in `step_ms` (the whole step but the draft's catch-up) against the plan's
-        prediction, where the policy chose every option (`GoodputPolicy.observe_realized`)."""
+        """The policy learns from decode-only steps (no prefill) in which no request failed: its cost model
+        the measured drafting + verify time `ms`; its realized margin the tokens the step verified in `step_ms`
+        (all but the catch-up) against the plan's prediction, where the policy chose every option."""
         slots = plan.slots
         if self.policy is None or not slots or prefill or any(sl.seq.error is not None for sl in slots):
             return

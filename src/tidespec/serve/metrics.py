@@ -32,7 +32,7 @@ DRAFT_COUNTERS = (("num_drafts", "EAGLE3 draft-verify steps by draft version and
                    "request is scored by the draft that served it, before any cycle trains on it)."),
                   ("num_draft_tokens", "EAGLE3 draft tokens proposed by draft version and workload class."),
                   ("num_accepted_tokens", "EAGLE3 draft tokens accepted by draft version and workload class."))
-PROPOSER_COUNTERS = (("num_drafts", "Draft-verify steps by proposer (eagle3, suffix)."),
+PROPOSER_COUNTERS = (("num_drafts", "Draft-verify steps by proposer kind."),
                      ("num_draft_tokens", "Draft tokens proposed by proposer."),
                      ("num_accepted_tokens", "Draft tokens accepted by proposer."))
 
@@ -41,8 +41,9 @@ PROPOSER_COUNTERS = (("num_drafts", "Draft-verify steps by proposer (eagle3, suf
 class FinishedRequestStats:
     """One finished request's contribution. Counts are tokens; `acceptance_length` τ = 1 + accepted
     / drafts, in tokens per draft-verify step (None when the request never drafted); `accepted_per_pos[i]`:
-    drafts whose position i was accepted; `by_proposer`: proposer name → its (num_drafts,
-    num_draft_tokens, num_accepted_tokens); `itl_s`: inter-token latencies, s."""
+    drafts whose position i was accepted; `by_proposer`: proposer kind → its (num_drafts,
+    num_draft_tokens, num_accepted_tokens), `by_draft_model` the same summed over the kinds that ran
+    the draft model (`Generation.draft_stats`; None when none did); `itl_s`: inter-token latencies, s."""
 
     prompt_tokens: int
     generation_tokens: int
@@ -56,20 +57,25 @@ class FinishedRequestStats:
     itl_s: tuple[float, ...]
     workload: str = "default"
     draft_version: str | None = None  # the EAGLE3 draft that served it (None: none)
+    by_draft_model: tuple[int, int, int] | None = None
 
     @classmethod
     def of(cls, g: Generation) -> FinishedRequestStats:
         """The stats of a finished (or aborted) request's Generation."""
-        st = g.stats
+        st, draft = g.stats, g.draft_stats
         return cls(prompt_tokens=g.prompt_len, generation_tokens=len(g.tokens), finished_reason=g.finish_reason,
                    num_drafts=st.num_drafts, num_draft_tokens=st.num_draft_tokens,
                    num_accepted_tokens=st.num_accepted_tokens,
                    accepted_per_pos=tuple(st.num_accepted_tokens_per_pos),
                    acceptance_length=st.acceptance_length if st.num_drafts else None,
-                   by_proposer={name: tuple(getattr(ps, n) for n, _ in PROPOSER_COUNTERS)
-                                for name, ps in g.stats_by_proposer.items()},
+                   by_proposer={name: _counts(ps) for name, ps in g.by_proposer.items()},
                    itl_s=tuple(ms / 1000 for ms in g.timing.itl_ms()), workload=g.workload,
-                   draft_version=g.draft_version)
+                   draft_version=g.draft_version, by_draft_model=_counts(draft) if draft is not None else None)
+
+
+def _counts(ps) -> tuple[int, int, int]:
+    """(num_drafts, num_draft_tokens, num_accepted_tokens) of a `SpecDecodingStats`."""
+    return tuple(getattr(ps, n) for n, _ in PROPOSER_COUNTERS)
 
 
 def usage_tokens(usage: dict | None) -> tuple[int, int]:
@@ -155,8 +161,8 @@ class ServeMetrics:
         self.requests_by_workload.labels(workload=w).inc()
         for counter, n in zip(self.by_workload, (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)):
             counter.labels(workload=w).inc(n)
-        if st.draft_version is not None and "eagle3" in st.by_proposer:
-            for counter, n in zip(self.by_draft, st.by_proposer["eagle3"]):
+        if st.draft_version is not None and st.by_draft_model is not None:
+            for counter, n in zip(self.by_draft, st.by_draft_model):
                 counter.labels(version=st.draft_version, workload=w).inc(n)
         for s in st.itl_s:
             self.itl.observe(s)

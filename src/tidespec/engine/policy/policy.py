@@ -1,12 +1,14 @@
 """The goodput policy: each running request's proposer and draft length per step, for the whole
-batch, over whatever proposers are registered (`proposers.registry`).
+batch, over the proposers of an engine (`proposers.registry.ProposerRegistry`).
 
 Each proposer's estimator predicts, per workload class, what its options would have accepted; the
 cost model (`StepCost`) predicts the step's wall time; the search (`search.plan`) picks the options
 of highest predicted tokens per ms, kept only where they beat plain decoding by the margin
 (`MarginController`); a class whose draft was left off is probed now and then (`ProbeSchedule`).
 The same objective as vLLM's goodput-driven speculation length (RFC #48627) and SGLang's adaptive
-speculative steps. Figures behind the defaults: docs/design/policy.md.
+speculative steps. What the engine asks of it is `engine.plan.StepPolicy` (what a proposer asks,
+`proposers.base.ProposerPolicy`); its reports for the benchmarks are `bench.policy_report`.
+Figures behind the defaults: docs/design/policy.md.
 """
 from __future__ import annotations
 
@@ -15,12 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..calibration import Calibration, draft_shape, measure_draft
-from ..proposers import registry
-from ..proposers.base import Estimator, Rung
+from ..proposers.base import Estimator
+from ..proposers.registry import ProposerRegistry, default_proposers
 from .cost import StepCost
 from .margin import MarginController
 from .probes import ProbeSchedule
-from .search import NONE, Ladder, best_alone, goodput, plan, step_draft_batches
+from .search import NONE, Ladder, best_alone, goodput, plan, predicted_step, step_draft_batches
 
 
 @dataclass(frozen=True)
@@ -49,20 +51,37 @@ class PolicyConfig:
                    margin_off=e.adaptive_margin_off)
 
 
-class GoodputPolicy:
-    """The policy (module docstring) on a machine's `Calibration`. Raises ValueError for settings out
-    of range. Thread-safe: the engine's step plans while a hot-swap resets."""
+@dataclass(frozen=True)
+class StepChoice:
+    """A step's plan as the policy chose it (`GoodputPolicy.choose`): options[i], request i's (kind,
+    drafted tokens) (`search.NONE`: no drafts); stop_below, the early-stop threshold (0: off);
+    predicted, (expected tokens, predicted ms) of the plan (`search.predicted_step`), None when the
+    policy did not choose every request's option (a request outside it, a probe)."""
 
-    def __init__(self, calibration: Calibration, config: PolicyConfig | None = None, **settings):
+    options: list[tuple[str, int]]
+    stop_below: float = 0.0
+    predicted: tuple[float, float] | None = None
+
+
+class GoodputPolicy:
+    """The policy (module docstring) on a machine's `Calibration`, over the kinds of `proposers` (the
+    engine's `ProposerRegistry`; default `default_proposers()`): one estimator per kind. Raises
+    ValueError for settings out of range. Thread-safe: the engine's step plans while a hot-swap
+    resets. Implements `engine.plan.StepPolicy`."""
+
+    def __init__(self, calibration: Calibration, config: PolicyConfig | None = None, *,
+                 proposers: ProposerRegistry | None = None, **settings):
         config = config or PolicyConfig(**settings)
         self.config = PolicyConfig(**{**config.__dict__, "k_max": calibration.k_max})
         self.cost = StepCost(calibration)
         self.k_max = calibration.k_max
         self.margins = MarginController(self.cost, config.margin, config.margin_off, config.alpha)
         self.probes = ProbeSchedule(config.probe_every)
-        self.estimators: dict[str, Estimator] = registry.estimators(self.config)
-        self.drafting = {e.cls.name for e in registry.entries() if e.cls.uses_draft}
-        self.gated = {e.cls.name for e in registry.entries() if e.cls.gated}
+        self.proposers = proposers if proposers is not None else default_proposers()
+        self.estimators: dict[str, Estimator] = self.proposers.estimators(self.config)
+        self.kinds = frozenset(self.estimators)
+        self.drafting = self.proposers.kinds_where("uses_draft")
+        self.gated = self.proposers.kinds_where("gated")
         self._lock = threading.Lock()
 
     @property
@@ -70,6 +89,7 @@ class GoodputPolicy:
         return self.cost.cal
 
     def estimator(self, kind: str) -> Estimator:
+        """The estimator of proposer kind `kind` (KeyError for a kind of another registry)."""
         return self.estimators[kind]
 
     def catch_up_ms(self, s) -> float:
@@ -98,6 +118,32 @@ class GoodputPolicy:
         self.margins.reset()
 
     # -- a step -------------------------------------------------------------------------------------
+    def choose(self, workloads: list[str], ladders: list[Ladder], prompt_backlogs: list[int] | None = None,
+               early_stop: bool = False) -> StepChoice:
+        """The step's plan (`plan_step`, probes included), the gated kinds' offers told whether they
+        were chosen (`observe_offers`), its early-stop threshold when `early_stop` (`stop_below`)
+        and, when the policy chose every request's option, its prediction."""
+        probes: list[int] = []
+        choice = self.plan_step(workloads, ladders, probes, prompt_backlogs)
+        self.observe_offers(workloads, ladders, choice)
+        stop = self.stop_below(ladders, choice) if early_stop else 0.0
+        mine = not probes and all(lad.fixed is None for lad in ladders)
+        return StepChoice(choice, stop, predicted_step(ladders, choice, self.cost) if mine else None)
+
+    def observe_offers(self, workloads: list[str], ladders: list[Ladder], choice: list[tuple[str, int]]) -> None:
+        """Per gated kind and class whose offers were computed and gave the plan an option (a step
+        where none matched says nothing about whether a match would pay), whether one was chosen
+        (`offered`). Requests outside the policy (`Ladder.fixed`) count for nothing."""
+        chosen: dict[tuple[str, str], bool] = {}
+        for w, lad, (kind, _) in zip(workloads, ladders, choice):
+            if lad.fixed is not None:
+                continue
+            for r in lad.rungs:
+                if r.kind in self.gated and r.gains:
+                    chosen[(r.kind, w)] = chosen.get((r.kind, w), False) or kind == r.kind
+        for (kind, w), yes in chosen.items():
+            self.offered(kind, w, len(ladders), yes)
+
     def offer_due(self, kind: str, workload: str, b: int) -> bool:
         """Compute a gated kind's offers for the class in a batch of b (`ProbeSchedule.offer_due`)?"""
         return self.probes.offer_due(kind, workload, self.cost.bucket(b))
@@ -162,58 +208,3 @@ class GoodputPolicy:
                          tokens: int, ms: float) -> None:
         """The step as it ran against its plan's prediction (`MarginController.observe`)."""
         self.margins.observe(workloads, speculated, predicted, tokens, ms)
-
-    # -- one request alone, and reporting ---------------------------------------------------------------
-    def step_ms(self) -> list[float]:
-        """Predicted ms of one request's step alone with k = 0..k_max chain drafts; the factor applied
-        to k drafts is the largest over 0..k (`StepCost.factor`), so a load spike during plain steps
-        never makes the predicted speed-up exceed τ(k) · T_cal(0)/T_cal(k)."""
-        return [self.cost.predict(1, k + 1, [1] * k) for k in range(self.k_max + 1)]
-
-    def observe_time(self, k: int, ms: float, alpha: float = 0.1) -> None:
-        """A measured single-request step with k chain drafts took `ms`."""
-        if 0 <= k <= self.k_max:
-            self.cost.observe(1, k + 1, [1] * k, ms, alpha)
-
-    def predicted_tokens_per_s(self, workload: str, kind: str | None = None) -> list[float]:
-        """Predicted tokens/s of one request alone with k = 0..k_max drafts of a chain proposer (the
-        first registered drafting kind by default)."""
-        gains = (0.0, *self.estimator(kind or self.chain_kind).gains(workload))
-        ms = self.step_ms()
-        return [1000 * (1 + gains[k]) / ms[k] for k in range(self.k_max + 1)]
-
-    @property
-    def chain_kind(self) -> str:
-        return next(e.cls.name for e in registry.entries() if e.cls.uses_draft)
-
-    def best_k(self, workload: str) -> int:
-        """The k ≥ 1 with the highest predicted tokens/s of a request alone if it beats plain decoding
-        by the margin, else 0 (speculation off); no probing."""
-        tps = self.predicted_tokens_per_s(workload)
-        k = max(range(1, len(tps)), key=tps.__getitem__)
-        return k if tps[k] > (1 + self.config.margin) * tps[0] else 0
-
-    def k_by_batch(self, workload: str) -> dict[int, int]:
-        """The chain k the policy would give every request of a batch of b requests of this class (no
-        other proposers), for each calibrated batch size b."""
-        ladder = Ladder((Rung(self.chain_kind, None, self.estimator(self.chain_kind).gains(workload), drafts=True),))
-        out = {}
-        for b in self.cal.batch_sizes:
-            ch = plan([ladder] * b, self.cost, self.margins.margin_at([workload], b, self.config.margin))
-            out[b] = max(n for _, n in ch)
-        return out
-
-    def report(self) -> dict[str, dict]:
-        """Per class seen: the chain k alone and by batch size, the predicted speed-up alone, each
-        estimator's figures, and the batch sizes at which each gated kind's offers are off."""
-        classes = set(self.probes.classes()).union(*(e.classes() for e in self.estimators.values()))
-        out = {}
-        for w in sorted(classes):
-            tps = self.predicted_tokens_per_s(w)
-            k = self.best_k(w)
-            out[w] = {"k": k, "speculation": k > 0, "predicted_speedup": tps[k] / tps[0],
-                      "k_by_batch": self.k_by_batch(w), "step_ms": [round(x, 2) for x in self.step_ms()]}
-            for est in self.estimators.values():
-                out[w] |= est.report(w)
-            out[w] |= {f"{kind}_off_at_batch": self.probes.gated_at(kind, w) for kind in sorted(self.gated)}
-        return out

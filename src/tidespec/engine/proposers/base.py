@@ -3,13 +3,14 @@
 A proposer (`Proposer`) offers each request a rung of options (`Rung`: n = 1..N drafted tokens and
 their expected accepted tokens), drafts for the requests the plan gives it (`propose`), and rolls
 back what verification rejected (`observe`). Its estimator (`Estimator`) learns, per workload
-class, how much of what it proposes is accepted. A proposer joins the engine by one `register`
-call in its own module (`proposers.registry`); the goodput policy searches over whatever is
-registered. The step that drives them is `engine.speculative.Engine.step`.
+class, how much of what it proposes is accepted. A proposer joins an engine by the spec its own
+module declares (`ProposerSpec`), listed in the engine's `registry.ProposerRegistry`; the goodput
+policy searches over the proposers of that registry. What a proposer may ask the policy is
+`ProposerPolicy`, nothing more. The step that drives them is `engine.speculative.Engine.step`.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -65,14 +66,14 @@ class Slot:
     tree-widening threshold on the estimated probability that a further token is reached and
     accepted, 0 = off), learn (the request is under the goodput policy), estimator (its proposer's
     estimator when it is: what verification teaches). Set by `Proposer.offer`: offers (what each
-    proposer computed for the request, by kind: a suffix proposal, the grammar's forced tokens). Set by the EAGLE3
-    catch-up: hidden `[1, H]`
-    and logits `[Vd]` fp32, the draft's chain start. Set by `Proposer.propose`: drafts (target
-    ids), draft_probs (one proposal distribution `[V]` fp32 per draft, sampled requests only),
-    layout (a verified tree's rows; None: a chain), base (the draft cache length before drafting,
-    the rollback point), stopped / reach / confs (chain early stop: cut, the estimated probability
-    that the last draft is reached and accepted, the draft's probability of each draft),
-    draft_forwards / draft_rows (the batched draft forwards it joined and the rows it fed to each:
+    proposer computed for the request, by kind: a suffix proposal, the grammar's forced tokens).
+    Set by the draft's catch-up (`catch_up`): hidden `[1, H]` and logits `[Vd]` fp32, the draft's
+    chain start. Set by `Proposer.propose`: drafts (target ids), draft_probs (one proposal
+    distribution `[V]` fp32 per draft, sampled requests only), layout (a verified tree's rows;
+    None: a chain), base (the draft cache length before drafting, the rollback point), stopped /
+    reach / confs (chain early stop: cut, the estimated probability that the last draft is reached
+    and accepted, the draft's probability of each draft), draft_forwards / draft_rows (the batched
+    draft forwards it joined and the rows it fed to each:
     what the cost model charges). Set by acceptance: accepted (drafts accepted).
     """
 
@@ -111,7 +112,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class Build:
-    """What a proposer is built from (`registry.build`): the engine's config (`EngineParams`, whole),
+    """What a proposer is built from (`ProposerSpec.make`): the engine's config (`EngineParams`, whole),
     the target's vocabulary size V, the engine's suffix cache (None: no suffix proposer) and
     whether constrained requests propose their grammar's forced tokens."""
 
@@ -142,18 +143,35 @@ class Estimator(Protocol):
         ...
 
 
+class ProposerPolicy(Protocol):
+    """What a proposer may ask the goodput policy (`policy.GoodputPolicy` implements it) when it
+    offers a request its options: k_max, the longest chain (or tree depth) the policy times; the
+    estimator of a kind (`Estimator`; KeyError for a kind the policy was not built with); the
+    draft's amortised catch-up (ms) a request's backlog would cost now (`StepCost.catch_up_ms`)."""
+
+    k_max: int
+
+    def estimator(self, kind: str) -> Estimator:
+        ...
+
+    def catch_up_ms(self, s: Seq) -> float:
+        ...
+
+
 class Proposer(Protocol):
     """A source of draft tokens. name: its kind (the option's key, its estimator's and its counters'
-    `Generation.stats_by_proposer`); uses_draft: it runs the request's draft model (the plan then
-    charges the draft's catch-up, probes the class while it is off, and keeps it on with
-    hysteresis; the draft's health counts its first-token acceptance); gated: computing its offer
-    costs, so the policy stops computing it for a class where the plan leaves it unchosen."""
+    `Generation.by_proposer`, the `proposer` label on /metrics); uses_draft: it runs the request's
+    draft model (the engine catches the draft up first, `catch_up`; the plan charges that
+    catch-up, probes the class while it is off, and keeps it on with hysteresis; its counters are
+    the draft model's, `Generation.draft_stats`; a chain of it teaches the draft's health its
+    first-token acceptance); gated: computing its offer costs, so the policy stops computing it for
+    a class where the plan leaves it unchosen."""
 
     name: ClassVar[str]
     uses_draft: ClassVar[bool]
     gated: ClassVar[bool]
 
-    def offer(self, slot: Slot, room: int, policy) -> Rung | None:
+    def offer(self, slot: Slot, room: int, policy: ProposerPolicy | None) -> Rung | None:
         """This request's options this step, at most `room` tokens (its output and KV room, the bonus
         token excluded); None when it has nothing to propose. `policy`: the goodput policy (None:
         the engine has none), whose estimator for this kind gives the gains when `slot.learn`. Keeps
@@ -173,6 +191,25 @@ class Proposer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ProposerSpec:
+    """How a proposer joins an engine, declared by its own module (`SPEC`) and listed in a
+    `registry.ProposerRegistry`. cls: its class (with `name`, `uses_draft`, `gated`, `offer`,
+    `propose`, `observe`); rung: its place in every request's ladder and in a step's drafting order
+    (lower first); estimator: the estimator of its kind, built from the policy's settings
+    (`policy.PolicyConfig`; proposers of one kind share one); build: the proposer for an engine
+    (None: it does not run there, e.g. the suffix proposer without a suffix cache; default `cls()`)."""
+
+    cls: type
+    rung: int
+    estimator: Callable[[object], Estimator]
+    build: Callable[[Build], Proposer | None] | None = None
+
+    def make(self, b: Build) -> Proposer | None:
+        """The proposer for an engine built from `b` (None: it does not run there)."""
+        return self.build(b) if self.build is not None else self.cls()
+
+
 def one_hot(vocab_size: int, tokens: list[int]) -> list[torch.Tensor]:
     """The proposal distribution q `[V]` fp32 of each token of a deterministic proposal (one-hot):
     what rejection sampling needs from a suffix or grammar proposal for a sampled request."""
@@ -185,3 +222,16 @@ def by_draft(slots: list[Slot]):
     drafts = {id(sl.seq.draft): sl.seq.draft for sl in slots}
     for draft in drafts.values():
         yield draft, [sl for sl in slots if sl.seq.draft is draft]
+
+
+def catch_up(slots: list[Slot]) -> None:
+    """Feed each request's backlog — verified rows the draft has not read: aux `[n, 3H]`, next tokens
+    `[n]` — to its draft, one batched forward per draft (every proposer that uses the draft model
+    together), and set the chain start `slot.hidden` `[1, H]` / `slot.logits` `[Vd]` fp32. Slots
+    without a backlog are left."""
+    for draft, group in by_draft([sl for sl in slots if sl.seq.backlog]):
+        backlogs = [sl.seq.drain() for sl in group]
+        items = [(torch.cat([a for a, _ in b]), torch.cat([t for _, t in b]), sl.seq.draft_cache)
+                 for sl, b in zip(group, backlogs)]
+        for sl, (h, dl) in zip(group, draft.extend_batch(items)):
+            sl.hidden, sl.logits = h, dl

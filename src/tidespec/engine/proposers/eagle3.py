@@ -2,8 +2,8 @@
 estimate of its acceptance (`Eagle3Estimator`, shared with EAGLE-2 trees: `proposers.tree`).
 
 Source: EAGLE-3 (Li et al., arXiv 2503.01840 §3): the draft reads the target's low/mid/high aux
-hidden states `[n, 3*H]` of the verified rows (`catch_up`), then drafts autoregressively, feeding its
-own hidden state `[1, H]` forward. Early stop (requests under the goodput policy with
+hidden states `[n, 3*H]` of the verified rows (`base.catch_up`), then drafts autoregressively,
+feeding its own hidden state `[1, H]` forward. Early stop (requests under the goodput policy with
 `draft_early_stop`): SpecDec++ (arXiv 2405.19715 §3) stops at a threshold on the predicted rejection
 probability; here the threshold is the step's break-even (`GoodputPolicy.stop_below`) and the
 acceptance of a token is estimated from the draft's confidence in it (EAGLE-2, arXiv 2406.16858 §4).
@@ -13,23 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..sampling import warp
-from .base import Build, Rung, Slot, by_draft
+from .base import Build, ProposerPolicy, ProposerSpec, Rung, Slot, by_draft
 from .eagle3_estimate import Eagle3Estimator
-from .registry import register
 
 FIXED_RANK = 2  # outside the policy: after a grammar's ≥ 2 forced tokens and a confident suffix proposal
-
-
-def catch_up(slots: list[Slot]) -> None:
-    """Feed each request's backlog — verified rows the draft has not read: aux `[n, 3H]`, next tokens
-    `[n]` — to its draft, one batched forward per draft (chains and trees together), and set the
-    chain start `slot.hidden` `[1, H]` / `slot.logits` `[Vd]` fp32. Slots without a backlog are left."""
-    for draft, group in by_draft([sl for sl in slots if sl.seq.backlog]):
-        backlogs = [sl.seq.drain() for sl in group]
-        items = [(torch.cat([a for a, _ in b]), torch.cat([t for _, t in b]), sl.seq.draft_cache)
-                 for sl, b in zip(group, backlogs)]
-        for sl, (h, dl) in zip(group, draft.extend_batch(items)):
-            sl.hidden, sl.logits = h, dl
 
 
 def draft_token(sl: Slot, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -67,7 +54,7 @@ class Eagle3Chain:
     def __init__(self, k: int = 4):
         self.k = k
 
-    def offer(self, sl: Slot, room: int, policy) -> Rung | None:
+    def offer(self, sl: Slot, room: int, policy: ProposerPolicy | None) -> Rung | None:
         s = sl.seq
         if s.draft is None or s.tree:
             return None
@@ -129,4 +116,4 @@ def _build(b: Build) -> Eagle3Chain:
     return Eagle3Chain(b.cfg.num_draft_tokens)
 
 
-register(Eagle3Chain, rung=0, estimator=Eagle3Estimator, build=_build)
+SPEC = ProposerSpec(Eagle3Chain, rung=0, estimator=Eagle3Estimator, build=_build)

@@ -11,10 +11,10 @@ early stop and tree widening (EAGLE-2 §4: a draft's confidence approximates its
 """
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Mapping
 
+from ..drafts import check_replayed
 from .base import Slot
 
 CONF_BINS = 10  # draft-confidence bins for the early stop's acceptance estimate
@@ -25,19 +25,16 @@ def first_token_priors(replayed: Mapping[str, tuple[float, float]], prior: float
     """a₁'s starting value per class from a draft's replayed first-token acceptance {class: (a₁,
     chains)} ("" = over all classes): the overall a₁ shrunk towards `prior`, a class's towards the
     overall one, each by PRIOR_CHAINS pseudo-chains — (n·a + PRIOR_CHAINS·fallback) / (n + PRIOR_CHAINS).
-    Raises ValueError for an entry that is not (a₁ in [0, 1], chains >= 0)."""
+    Raises ValueError for an entry that is not (a₁ in [0, 1], chains >= 0) (`drafts.check_replayed`)."""
+    rep = check_replayed(replayed)
+
     def shrunk(w: str, fallback: float) -> float:
-        try:
-            a, n = (float(x) for x in replayed[w])
-        except (TypeError, ValueError):
-            raise ValueError(f"replayed[{w!r}] = {replayed[w]!r}: expected (first-token acceptance, chains)") from None
-        if not (0.0 <= a <= 1.0 and 0.0 <= n < math.inf):
-            raise ValueError(f"replayed[{w!r}] = ({a}, {n}): first-token acceptance must be in [0, 1] and chains >= 0")
+        a, n = rep[w]
         return (n * a + PRIOR_CHAINS * fallback) / (n + PRIOR_CHAINS)
 
-    overall = shrunk("", prior) if "" in replayed else prior
-    out = {w: shrunk(w, overall) for w in replayed if w}
-    return out | ({"": overall} if "" in replayed else {})
+    overall = shrunk("", prior) if "" in rep else prior
+    out = {w: shrunk(w, overall) for w in rep if w}
+    return out | ({"": overall} if "" in rep else {})
 
 
 def _mean(st: list, x: float, alpha: float) -> None:

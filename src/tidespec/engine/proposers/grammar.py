@@ -14,8 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-from .base import Build, Rung, Slot, one_hot
-from .registry import register
+from .base import Build, ProposerPolicy, ProposerSpec, Rung, Slot, one_hot
 
 PRIOR = 0.95  # acceptance of a forced token before 8 were measured (forced bytes are certain)
 RANK_MANY, RANK_ONE = 0, 4  # outside the policy: ≥ 2 forced tokens first; a single one only when nothing else offers
@@ -33,7 +32,7 @@ class GrammarProposer:
     def __init__(self, vocab_size: int, k: int = 4):
         self.vocab_size, self.k = vocab_size, k
 
-    def offer(self, sl: Slot, room: int, policy) -> Rung | None:
+    def offer(self, sl: Slot, room: int, policy: ProposerPolicy | None) -> Rung | None:
         s = sl.seq
         if s.lp.grammar is None or not s.req.speculative or room <= 0:
             return None
@@ -106,4 +105,4 @@ def _build(b: Build) -> GrammarProposer | None:
     return GrammarProposer(b.vocab_size, b.cfg.num_draft_tokens) if b.forced_tokens else None
 
 
-register(GrammarProposer, rung=3, estimator=GrammarEstimator, build=_build)
+SPEC = ProposerSpec(GrammarProposer, rung=3, estimator=GrammarEstimator, build=_build)

@@ -14,8 +14,7 @@ import threading
 from collections.abc import Mapping
 
 from ..suffix_tree import Proposal, SuffixCache
-from .base import Build, Rung, Slot, one_hot
-from .registry import register
+from .base import Build, ProposerPolicy, ProposerSpec, Rung, Slot, one_hot
 
 PRIOR = 1.0  # pseudo-proposals at correction 1.0 that a class's measured correction is shrunk towards
 CONFIDENT_RANK, WEAK_RANK = 1, 3  # outside the policy: before the draft when confident, else only without one
@@ -35,7 +34,7 @@ class SuffixProposer:
     def __init__(self, cache: SuffixCache, vocab_size: int, min_expected: float = 1.0):
         self.cache, self.vocab_size, self.min_expected = cache, vocab_size, min_expected
 
-    def offer(self, sl: Slot, room: int, policy) -> Rung | None:
+    def offer(self, sl: Slot, room: int, policy: ProposerPolicy | None) -> Rung | None:
         s = sl.seq
         if not s.req.speculative or room <= 0 or s.req.seeded:
             return None
@@ -117,4 +116,4 @@ def _build(b: Build) -> SuffixProposer | None:
     return None if b.suffix is None else SuffixProposer(b.suffix, b.vocab_size, b.cfg.suffix.min_expected)
 
 
-register(SuffixProposer, rung=2, estimator=SuffixEstimator, build=_build)
+SPEC = ProposerSpec(SuffixProposer, rung=2, estimator=SuffixEstimator, build=_build)

@@ -12,10 +12,9 @@ import functools
 from ...config import tree_num_draft_tokens
 from ..draft_tree import TreeJob, expand, layout, max_nodes, select, widen
 from ..request import max_draft
-from .base import Build, Rung, Slot, by_draft
+from .base import Build, ProposerPolicy, ProposerSpec, Rung, Slot, by_draft
 from .eagle3 import FIXED_RANK
 from .eagle3_estimate import Eagle3Estimator
-from .registry import register
 
 
 class Eagle3Tree:
@@ -32,7 +31,7 @@ class Eagle3Tree:
     def __init__(self, topk: int, nodes: int, k: int, max_seq_len: int):
         self.topk, self.nodes, self.k, self.max_seq_len = topk, nodes, k, max_seq_len
 
-    def offer(self, sl: Slot, room: int, policy) -> Rung | None:
+    def offer(self, sl: Slot, room: int, policy: ProposerPolicy | None) -> Rung | None:
         """n = 1..N−1 verified nodes (N = tree num_draft_tokens, capped by the KV and output room),
         depth min(depth, n, output room): under the policy its gains and width are the plan's; else
         the fixed tree of SGLang's knobs. Sets `sl.cap`."""
@@ -85,4 +84,4 @@ def _build(b: Build) -> Eagle3Tree | None:
     return Eagle3Tree(c.tree.eagle_topk, n - 1, c.num_draft_tokens, c.max_seq_len)
 
 
-register(Eagle3Tree, rung=1, estimator=Eagle3Estimator, build=_build)
+SPEC = ProposerSpec(Eagle3Tree, rung=1, estimator=Eagle3Estimator, build=_build)
