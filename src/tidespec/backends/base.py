@@ -10,6 +10,7 @@ loaded in place); `scrape(url)` gives the cumulative `SpecDecodeCounters` of the
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -61,11 +62,15 @@ class ServedDeployment:
     """What the deployments of an engine server (`backends.vllm.deployment`,
     `backends.sglang.deployment`) share: `served` (a
     `ServedDraft`) and its fields as the properties `serve.admin.ChampionWatcher` and the tests read,
-    hiding it before an in-place load (`_hide`) and reading the counters at a swap (`_counters`).
-    Subclasses set `served` and `engine` (its name, for logs) and define `scrape(url)`."""
+    hiding it before an in-place load (`_hide`) and reading the counters at a swap (`_counters`),
+    one swap at a time (`_swap`, a lock; `_n` numbers the private copies). Subclasses call
+    `super().__init__(engine)` (its name, for logs) and define `scrape(url)`."""
 
-    engine = "engine"
-    served: ServedDraft
+    def __init__(self, engine: str):
+        self.engine = engine
+        self.served = ServedDraft()
+        self._swap = threading.Lock()
+        self._n = 0
 
     def scrape(self, url: str | None = None) -> SpecDecodeCounters | None:
         raise NotImplementedError

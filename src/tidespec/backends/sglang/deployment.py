@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -43,10 +42,7 @@ class SGLangDeployment(ServedDeployment):
     def __init__(self, launch: sglang.SGLangLaunch, state_dir: Path, ready_timeout_s: float = 900.0):
         self.launch, self.state_dir, self.ready_timeout_s = launch, Path(state_dir), ready_timeout_s
         self.server: sglang.SGLangServer | None = None
-        self.engine = "SGLang"
-        self.served = ServedDraft()
-        self._swap = threading.Lock()
-        self._n = 0
+        super().__init__("SGLang")
 
     @property
     def url(self) -> str | None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -52,10 +51,7 @@ class VLLMDeployment(ServedDeployment):
         self.launch, self.state_dir, self.proxy = launch, Path(state_dir), proxy
         self.ready_timeout_s, self.drain_timeout_s, self.in_place = ready_timeout_s, drain_timeout_s, in_place
         self.server: VLLMServer | None = None
-        self.engine = "vLLM"
-        self.served = ServedDraft()
-        self._swap = threading.Lock()
-        self._n = 0
+        super().__init__("vLLM")
 
     @property
     def url(self) -> str | None:
