@@ -98,7 +98,8 @@ def test_the_guard_rolls_back_a_class_draft_clearly_below_the_generalist_on_its_
     eng = Engine(tiny_target, gen, CFG, draft_version="1")
     calls, judged, metrics = [], [], ServeMetrics(3)
     guard = LiveGuard(EngineSource(eng), TeacherForced(
-        lambda v, prev, w: judged.append((v, prev, w)) or PairedComparison(0.4, 0.1, 16)), lambda *a: calls.append(a))
+        lambda v, prev, w: judged.append((v, prev, w)) or PairedComparison(0.4, 0.1, 16)),
+        lambda *a: calls.append(a) or "1")
     report = HealthReport(eng, metrics, every_s=0)
 
     def rounds(version: str, classes: tuple[str, ...], accepted, n: int = 3) -> list[str]:

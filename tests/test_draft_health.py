@@ -97,6 +97,7 @@ def test_engine_feeds_health_and_the_guard_reports_and_rolls_back_once(tiny_targ
         calls.append((v, why))
         if len(calls) == 1:
             raise RuntimeError("registry down")  # the first attempt fails: retried at the next check
+        return "7"  # the restored version
 
     worse_here = PairedComparison(0.5, 0.1, 20)  # the same-traffic scoring (test below): v7 clearly better
     guard = LiveGuard(EngineSource(eng), TeacherForced(lambda v, prev, w: worse_here), rollback)

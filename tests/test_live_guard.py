@@ -15,10 +15,10 @@ import pytest
 
 from tidespec.backends.base import ServedDraft
 from tidespec.backends.live import server_guard
-from tidespec.engine.health import paired_comparison
+from tidespec.engine.health import PairedComparison, paired_comparison
 from tidespec.engine.spec_counters import SpecDecodeCounters
 from tidespec.serve.admin import DraftPin
-from tidespec.serve.guard import below_reference
+from tidespec.serve.guard import LiveGuard, Track, below_reference
 
 K = 3
 
@@ -202,3 +202,173 @@ def test_a_failed_install_releases_the_watcher_and_a_failed_rollback_is_retried(
     assert hold.version is None
     with pytest.raises(ValueError, match="trial_pairs >= 2"):
         server_guard(dep, failing, trial_pairs=1)
+
+
+# --- the ladder on a scripted source: one track, windows of 100 drafts at given per-position rates ---
+
+TRACK = ("", "chat")
+HIGH, MID, LOW = (0.7, 0.4, 0.1), (0.4, 0.15, 0.05), (0.1, 0.0, 0.0)  # τ 2.2, 1.6, 1.1
+BETTER = PairedComparison(0.5, 0.05, 10)  # the previous version clearly better
+EQUAL = PairedComparison(0.0, 0.05, 10)
+
+
+class ScriptedSource:
+    """A `GuardSource` whose track the test sets; reloads and installs are recorded (or raise)."""
+
+    def __init__(self, reload_error: Exception | None = None):
+        self.track, self.reloads, self.installs, self.reload_error = None, [], [], reload_error
+
+    def tracks(self):
+        return {TRACK: self.track} if self.track else {}
+
+    def reload(self, key, version):
+        self.reloads.append(version)
+        if self.reload_error:
+            raise self.reload_error
+        return True
+
+    def install(self, key, version):
+        self.installs.append(version)
+
+
+class ScriptedEvidence:
+    """An `Evidence` that answers the verdicts given, in order (None: not yet); `finish` may raise."""
+
+    what, unit = "scripted", "pairs"
+
+    def __init__(self, verdicts=(), finish_error: Exception | None = None):
+        self.verdicts, self.finish_error = list(verdicts), finish_error
+        self.begun, self.finished, self.aborted = [], [], []
+
+    def begin(self, key, version, previous, reason):
+        self.begun.append(version)
+        return True
+
+    def step(self, key):
+        return self.verdicts.pop(0) if self.verdicts else None
+
+    def finish(self, key, previous_better):
+        self.finished.append(previous_better)
+        if self.finish_error:
+            raise self.finish_error
+
+    def abort(self, key):
+        self.aborted.append(key)
+
+
+def serve(guard, src, version, windows, previous=None, start=None, size=100):
+    """`version` serves `windows` (per-position rates, one window of `size` drafts per check) from
+    counters `start` (its own since installed: zero); returns the actions and the counters."""
+    c = start or SpecDecodeCounters(0, 0, 0, (0, 0, 0))
+    src.track = Track(version, c, previous)
+    actions = guard.check()
+    for rates in windows:
+        per = tuple(a + int(size * r) for a, r in zip(c.accepted_per_pos, rates))
+        c = SpecDecodeCounters(c.num_drafts + size, c.num_draft_tokens + 3 * size,
+                               c.num_accepted_tokens + sum(int(size * r) for r in rates), per)
+        src.track = Track(version, c, previous)
+        actions += guard.check()
+    return actions, c
+
+
+def test_the_window_rule_needs_confirmation_a_pooled_reference_and_z():
+    src = ScriptedSource()
+    assert serve(LiveGuard(src, ScriptedEvidence(), lambda *a: "0"), src, "1", [HIGH, HIGH, LOW])[0] == []  # one below
+    assert serve(LiveGuard(src, ScriptedEvidence(), lambda *a: "0"), src, "1",
+                 [HIGH, HIGH, LOW, HIGH, LOW, HIGH, LOW])[0] == []  # a window not below resets the count
+    # the reference pools its first windows: τ (2.2 + 1.6) / 2 = 1.9, which MID windows are clearly below
+    assert serve(LiveGuard(src, ScriptedEvidence(), lambda *a: "0"), src, "1", [HIGH, MID, MID, MID],
+                 size=1000)[0] == ["reloaded"]
+    ref = SpecDecodeCounters(400, 1200, 400, (200, 120, 80))
+    w = SpecDecodeCounters(100, 300, 85, (45, 25, 15))  # τ 1.85: 0.15 below, between 1 and 3 SE of the difference
+    se = (ref.acceptance_length_se ** 2 + w.acceptance_length_se ** 2) ** 0.5
+    assert se < 0.15 < 3 * se and not below_reference(w, ref) and below_reference(w, ref, z=1)
+
+
+def test_counters_counted_afresh_restart_the_windows():
+    """A reload in place (or a restart) starts the version's own counters at 0 again: windows restart
+    from there, never a negative window."""
+    src = ScriptedSource()
+    guard = LiveGuard(src, ScriptedEvidence(), lambda *a: "0")
+    _, c = serve(guard, src, "1", [HIGH] * 5)
+    assert serve(guard, src, "1", [LOW, LOW], start=c)[0][-1:] == ["reloaded"]
+    actions, _ = serve(guard, src, "1", [LOW, LOW, LOW])  # counted from 0 again: the first check re-bases
+    # two windows below again (reloaded once per version already; no predecessor to compare with), a third
+    assert actions == [] and guard._states[TRACK].below == 1 and src.reloads == ["1"]
+
+
+def test_a_version_is_compared_once_and_a_restored_one_never():
+    src, ev = ScriptedSource(), ScriptedEvidence([BETTER])
+    guard = LiveGuard(src, ev, lambda v, why, slot: "1")
+    serve(guard, src, "1", [HIGH] * 3)
+    assert serve(guard, src, "2", [LOW] * 4, previous="1")[0] == ["trial", "rolled_back"]
+    serve(guard, src, "1", [HIGH, HIGH] + [LOW] * 8)  # restored, then worse than its own reference
+    assert ev.begun == ["2"] and src.reloads == ["1"]  # reloaded, never compared again (no cascade)
+
+
+def test_a_reload_that_fails_goes_on_to_the_comparison():
+    src, ev = ScriptedSource(RuntimeError("vLLM refused the load")), ScriptedEvidence([BETTER])
+    guard = LiveGuard(src, ev, lambda v, why, slot: "1")
+    serve(guard, src, "1", [HIGH] * 3)
+    actions, _ = serve(guard, src, "2", [HIGH, HIGH] + [LOW] * 6, previous="1")
+    assert src.reloads == ["2"] and actions == ["trial", "rolled_back"]
+
+
+def test_a_previous_version_that_cannot_be_installed_is_still_restored_through_the_registry():
+    src, ev, rolled = ScriptedSource(), ScriptedEvidence([BETTER], RuntimeError("no memory")), []
+    guard = LiveGuard(src, ev, lambda v, why, slot: rolled.append(v) or "1")
+    serve(guard, src, "1", [HIGH] * 3)
+    assert serve(guard, src, "2", [LOW] * 4, previous="1")[0] == ["trial", "rolled_back"]
+    assert ev.finished == [True] and rolled == ["2"]
+
+
+def test_a_registry_that_moved_on_is_not_a_rollback():
+    src = ScriptedSource()
+    guard = LiveGuard(src, ScriptedEvidence([BETTER]), lambda v, why, slot: None)  # champion is v3 now
+    serve(guard, src, "1", [HIGH] * 3)
+    assert serve(guard, src, "2", [LOW] * 4, previous="1")[0] == ["trial"] and not guard._pending
+    assert guard._restored == set()
+
+
+def test_another_install_during_a_comparison_stops_it_and_the_new_version_is_judged_on_its_own():
+    """v2's comparison waits for evidence; v3 is installed: the comparison is aborted (no verdict on v3's
+    track), v3's predecessor is v2, and a v3 clearly worse than v2's latest is compared in turn."""
+    src, ev = ScriptedSource(), ScriptedEvidence([None, None, BETTER])
+    guard = LiveGuard(src, ev, lambda v, why, slot: "2")
+    serve(guard, src, "1", [HIGH] * 3)
+    assert serve(guard, src, "2", [MID] * 3, previous="1")[0] == ["trial"]
+    actions, _ = serve(guard, src, "3", [LOW] * 4, previous="2")
+    assert ev.aborted == [TRACK] and ev.begun == ["2", "3"] and actions == ["trial", "rolled_back"]
+
+
+def test_a_switchback_trial_stops_when_another_version_is_installed():
+    rates = SHIFT | {("2", "new"): 0.02, ("3", "new"): 0.02, ("3", "old"): 0.02}
+    dep, hold, rolled = SimulatedServer(rates, seed=2), DraftPin(), []
+    guard = server_guard(dep, lambda v, why, slot: rolled.append(v) or "1", hold)
+    for i in range(40):
+        if i == 4:
+            dep.install("/drafts/2", "2")
+        if i == 9:
+            dep.traffic = "new"
+        dep.round()
+        if guard.trying and "3" not in dep.installs:
+            dep.install("/drafts/3", "3")  # the watcher installs a new champion mid-trial
+        guard.check()
+    assert "2" not in rolled and hold.version is None  # v2's trial ended without a verdict, the pin released
+
+
+def test_the_reporter_runs_the_guard_when_the_registry_is_down(monkeypatch):
+    import time
+
+    from tidespec.backends import live
+
+    class Guard:
+        rounds = 0
+
+        def check(self):
+            Guard.rounds += 1
+    monkeypatch.setattr(live, "report_live", lambda *a: (_ for _ in ()).throw(OSError("MLflow down")))
+    reporter = live.LiveReporter(SimulatedServer(SHIFT, 0), "http://mlflow", "t", every_s=0.01, guard=Guard())
+    time.sleep(0.3)
+    reporter.close()
+    assert Guard.rounds >= 2

@@ -110,14 +110,15 @@ class LiveReporter:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            try:
-                report_live(*self.args)
-                if self.guard:
-                    self.guard.check()
-            except TidespecError as e:  # a server stopping (a swap, shutdown) between reading its URL and scraping it
-                log.warning("live spec-decode figures not logged this time: %s", e)
-            except Exception:  # a registry hiccup must not stop serving
-                log.exception("live spec-decode figures not logged this time")
+            for what, step in (("live spec-decode figures not logged", lambda: report_live(*self.args)),
+                               ("live guard round skipped", self.guard.check if self.guard else None)):
+                try:  # each on its own: a registry outage must not stop the guard's reloads and trials
+                    if step is not None:
+                        step()
+                except TidespecError as e:  # a server stopping (a swap, shutdown) between reading its URL and scraping
+                    log.warning("%s this time: %s", what, e)
+                except Exception:  # a registry hiccup must not stop serving
+                    log.exception("%s this time", what)
 
     def close(self) -> None:
         """Stop reporting (waits at most 5 s for a report in progress)."""

@@ -328,7 +328,9 @@ def _registry_rollback(p, target_id: str, ws):
     """The draft-health guards' rollback (`serve.guard.LiveGuard`): when the registry's
     champion is still the version the guard found worse, `registry.rollback` (an audited decision)
     and the restored champion deployed into data/drafts/champion, where the champion watcher
-    installs it; returns the restored version (None: nothing rolled back). None without
+    installs it (the champion is deployed there even when the registry had moved on: a deploy that
+    failed after the registry moved is repaired at the guard's retry); returns the restored version
+    (None: nothing rolled back). None without
     MLFLOW_TRACKING_URI or with `serve.auto_rollback` off (the guard then reports only)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri or not p.serve.auto_rollback:
@@ -337,17 +339,18 @@ def _registry_rollback(p, target_id: str, ws):
     from ..steps.deploy.local import deploy_champion, deploy_class_champions
 
     def roll_back(version: str, reason: str, workload: str = "") -> str | None:
-        champ = registry.champion(uri, target_id, workload)
-        if champ is None or champ.version != version:
+        champ, back = registry.champion(uri, target_id, workload), None
+        if champ is not None and champ.version == version:
+            back = registry.rollback(uri, target_id, f"automatic (draft health): {reason}", workload=workload).version
+        else:
             log.warning("not rolling back v%s: the registry's %s is %s now", version,
                         registry.champion_alias(workload), champ.version if champ else None)
-            return None
-        d = registry.rollback(uri, target_id, f"automatic (draft health): {reason}", workload=workload)
-        if workload:
+        # the served dir follows the registry (also repairs a deploy that failed after the registry moved)
+        if champ is not None and workload:
             deploy_class_champions(uri, target_id, ws.class_champions)
-        else:
+        elif champ is not None:
             deploy_champion(uri, target_id, ws.champion)
-        return d.version
+        return back
     return roll_back
 
 

@@ -57,7 +57,8 @@ class GuardSource(Protocol):
 class Evidence(Protocol):
     """A same-traffic comparison of two versions on a track: `begin` (False: cannot start), `step()`
     once per round until it returns a `PairedComparison` (previous − current τ; None: not yet;
-    `STOPPED`: ended without one), then `finish(key, previous_better)` (the winner left serving).
+    `STOPPED`: ended without one), then `finish(key, previous_better)` (the winner left serving;
+    raises when it cannot be installed); `abort(key)`: ended by another install, nothing installed.
     `what` names the comparison in the audit reason, `unit` what it pairs."""
 
     what: str
@@ -68,6 +69,8 @@ class Evidence(Protocol):
     def step(self, key: Key) -> PairedComparison | str | None: ...
 
     def finish(self, key: Key, previous_better: bool) -> None: ...
+
+    def abort(self, key: Key) -> None: ...
 
 
 def below_reference(window: SpecDecodeCounters, reference: SpecDecodeCounters, z: float = Z) -> bool:
@@ -108,7 +111,8 @@ class LiveGuard:
        latest windows on the class (earlier traffic: a hint) —, with `rollback` and `evidence` wired
        and a predecessor known: **evidence on the same traffic** (`Evidence`); when the previous
        version is clearly better (`PairedComparison.previous_better`), `rollback(version, reason,
-       slot)` moves the registry (an audited decision; retried at the next check if it raises), else
+       slot)` moves the registry (an audited decision; retried at the next check if it raises; None:
+       the registry's champion moved on, nothing rolled back), else
        the version is kept (never tried again) and its reference re-measured on today's traffic.
     A version restored by a rollback is never tried (no cascade). `check()` returns the actions
     taken this round ("reloaded", "trial", "rolled_back", "kept"). Raises ValueError for
@@ -182,16 +186,27 @@ class LiveGuard:
                   f"{window.num_drafts} drafts on {key[1] or 'all'!r} traffic, {self.confirm} windows in a row, "
                   f"clearly below its own τ {st.ref.acceptance_length:.3f} ± {st.ref.acceptance_length_se:.3f} "
                   f"({st.ref.num_drafts} drafts)")
-        if st.version not in self._reloaded and self.source.reload(key, st.version):
-            self._reloaded.add(st.version)
-            log.warning("reloaded draft %s in place: %s", st.version, reason)
-            return "reloaded"
-        self._reloaded.add(st.version)
+        if st.version not in self._reloaded:
+            self._reloaded.add(st.version)  # once per version, whether or not it could be reloaded
+            if self._reload(key, st.version, reason):
+                return "reloaded"
         return self._try(key, st, f"{reason}, after a reload")
 
-    def _serving(self, key: Key, track: Track, rebaseline: bool = False) -> None:
-        """`track`'s version is judged from its counters now on: a new reference over its next windows."""
-        if track.version is not None and track.previous is not None and not rebaseline:
+    def _reload(self, key: Key, version: str, reason: str) -> bool:
+        try:
+            if not self.source.reload(key, version):
+                return False
+        except Exception:
+            log.exception("reload of draft %s failed (%s); it is compared on the same traffic instead", version,
+                          reason)
+            return False
+        log.warning("reloaded draft %s in place: %s", version, reason)
+        return True
+
+    def _serving(self, key: Key, track: Track) -> None:
+        """`track`'s version is judged from its counters now on: a new reference over its next windows
+        (its predecessor is the one it had the first time it served)."""
+        if track.version is not None and track.previous is not None:
             self._previous.setdefault(track.version, track.previous)
         st = self._states[key] = _State(track.version, track.counters, track.counters)
         st.marks = deque([track.counters] if track.counters is not None else [], maxlen=self.reference_windows + 1)
@@ -221,26 +236,40 @@ class LiveGuard:
 
     def _trial_step(self, key: Key, st: _State) -> str | None:
         v, prev, reason = st.trial
-        cmp = self.evidence.step(key)
+        track = self.source.tracks().get(key)
+        if track is None or track.version not in (v, prev):  # another version installed: no verdict
+            self.evidence.abort(key)
+            cmp = STOPPED
+        else:
+            cmp = self.evidence.step(key)
         if cmp is None:
             return None
         if not isinstance(cmp, PairedComparison):  # STOPPED: whatever serves now is measured afresh
-            del self._states[key]
+            log.warning("comparison of draft %s with v%s stopped: %s serves now", v, prev,
+                        track.version if track else None)
+            if track is None:
+                del self._states[key]
+            else:
+                self._serving(key, track)
             return None
-        line = cmp.line(v, prev, self.evidence.unit)
-        try:  # the winner serves on; a source that cannot install it leaves the registry to decide
-            self.evidence.finish(key, cmp.previous_better)
-        finally:
-            st.trial = None
-        if cmp.previous_better:
+        line, st.trial = cmp.line(v, prev, self.evidence.unit), None
+        if cmp.previous_better:  # the registry decides even when the previous cannot be installed here
             self._pending[v] = (prev, f"{reason}; {self.evidence.what}: {line}", key[0])
+        self._finish(key, v, cmp.previous_better)
+        if cmp.previous_better:
             return self._roll_back(v, *self._pending[v])
         self._kept.add(v)
         log.warning("draft %s kept: not worse than v%s on the same traffic (%s); its reference is re-measured",
                     v, prev, line)
-        tr = self.source.tracks().get(key)
-        self._serving(key, tr or Track(v, None), rebaseline=True)
+        self._serving(key, self.source.tracks().get(key) or Track(v, None))
         return "kept"
+
+    def _finish(self, key: Key, version: str, previous_better: bool) -> None:
+        try:  # the winner left serving
+            self.evidence.finish(key, previous_better)
+        except Exception:
+            log.exception("after comparing draft %s, %s could not be left serving", version,
+                          "the previous version" if previous_better else "it")
 
     def _roll_back(self, version: str, previous: str, reason: str, slot: str) -> str | None:
         try:
@@ -249,7 +278,10 @@ class LiveGuard:
             log.error("rollback of v%s failed (retried at the next check): %s", version, e)
             return None
         del self._pending[version]
-        self._restored.add(str(back or previous))
+        if back is None:  # the registry's champion is another version now: nothing to roll back
+            log.warning("draft %s not rolled back: the registry serves another champion now", version)
+            return None
+        self._restored.add(str(back))
         log.warning("rolled back draft %s%s to v%s: %s", version, f" (class {slot!r}'s draft)" if slot else "",
-                    back or previous, reason)
+                    back, reason)
         return "rolled_back"

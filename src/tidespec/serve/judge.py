@@ -79,3 +79,6 @@ class TeacherForced:
 
     def finish(self, key: tuple[str, str], previous_better: bool) -> None:
         self._asked.pop(key, None)
+
+    def abort(self, key: tuple[str, str]) -> None:
+        self._asked.pop(key, None)

@@ -95,6 +95,10 @@ class Switchback:
         finally:
             self._end(key)
 
+    def abort(self, key: Key) -> None:
+        """Another version was installed: the trial ends, nothing installed, the watcher released."""
+        self._end(key)
+
     def _install(self, key: Key, t: _Trial, version: str) -> None:
         t.start = None  # no window spans a swap, even when the scrape after it fails
         track = self.source.tracks().get(key)
