@@ -61,7 +61,7 @@ def test_cycle_corpus_is_the_curated_windows_outputs(tmp_path, tiny_target_dir):
     assert holdout  # evaluation prompts exist, and their outputs are not in the corpus
     out = tmp_path / "cand"
     out.mkdir()
-    m = cycle.write_suffix_corpus(ws.curated, out, max_tokens=50)
+    m = curate.write_suffix_corpus(ws.curated, out, max_tokens=50)
     assert m == {"suffix_corpus/sequences": 2, "suffix_corpus/tokens": 46}  # the newest two fit 50 tokens
     assert load_corpus(out / CORPUS_FILE) == seqs[-2:]
 

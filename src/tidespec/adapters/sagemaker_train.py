@@ -23,8 +23,6 @@ from typing import Any
 from ..config import Params
 from ..config.sagemaker import SageMakerTrainParams
 from ..errors import TidespecError
-from ..models.load import target_id
-from ..train.entry import skip_reason
 from ..train.sagemaker import CHECKPOINT_LOCAL
 from ..workspace import engine_dir
 from . import aws
@@ -297,18 +295,15 @@ def train_on_sagemaker(params: Params, curated_json: Path, init: Path | None, ou
                        on_launched: Callable[[TrainingJob], None] | None = None) -> dict:
     """Train a candidate on SageMaker: stage + upload the curated set (and the warm-start draft when
     `init` exists and train.warm_start, and the target dir when target.source is a local dir),
-    create the job, wait, unpack the checkpoint into `out`. Returns the trainer's metrics
-    (out/train_metrics.json), or {"skipped": reason} without launching when the set is too small.
-    `sm_params` None → params.train.sagemaker. `on_launched(job)` runs right after CreateTrainingJob
-    (progress reporting; tests emulate the container there). Raises ValueError when SageMaker is not
-    configured or the curated set is another target's, FileNotFoundError for a missing curated
-    index (`train.entry.skip_reason`), and as `launch` / `wait` / `download_model`."""
+    create the job, wait, unpack the checkpoint into `out`. The caller has checked the set first
+    (`train.entry.check`: nothing leaves for a set too small or another target's). Returns the
+    trainer's metrics (out/train_metrics.json). `sm_params` None → params.train.sagemaker.
+    `on_launched(job)` runs right after CreateTrainingJob (progress reporting; tests emulate the
+    container there). Raises ValueError when SageMaker is not configured, FileNotFoundError for a
+    missing snapshot (`stage_curated`), and as `launch` / `wait` / `download_model`."""
     sm_params = sm_params or getattr(params.train, "sagemaker", None)
     if sm_params is None:
         raise ValueError("train.sagemaker is not configured in params.yaml (role_arn, image_uri, s3_prefix)")
-    reason = skip_reason(params.train, curated_json, target_id(params))  # nothing leaves for another target's set
-    if reason:
-        return {"skipped": reason}
     sm, s3 = _clients(sm_params, sm, s3)
     with tempfile.TemporaryDirectory(prefix="tidespec-sm-") as tmp:
         inputs, hps = _job_inputs(params, Path(curated_json), init, Path(tmp) / "curated")

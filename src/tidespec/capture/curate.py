@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..config import CurateParams
+from ..engine.suffix_tree import CORPUS_FILE, newest_within, save_corpus
 from ..hashing import unit_hash
 from .replay_buffer import ReplayBuffer
 from .snapshots import list_snapshots
@@ -332,3 +333,13 @@ def output_sequences(index: Path, locate: Callable[[Path], Path] | None = None) 
         if s := r["input_ids"][r["loss_mask"].bool()].tolist():
             out.append(s)
     return out
+
+
+def write_suffix_corpus(index: Path, out: Path, max_tokens: int, locate: Callable[[Path], Path] | None = None) -> dict:
+    """`<out>/suffix_corpus.safetensors`, the corpus the global suffix tree deploys with a draft: the
+    served outputs of the curated index (`output_sequences`; `locate` as there), newest kept within
+    `max_tokens` (engine.suffix.max_tokens, the global tree's budget). Returns
+    {"suffix_corpus/sequences", "suffix_corpus/tokens"}."""
+    seqs = output_sequences(index, locate)
+    info = save_corpus(Path(out) / CORPUS_FILE, newest_within(seqs, max_tokens))
+    return {"suffix_corpus/sequences": info["sequences"], "suffix_corpus/tokens": info["tokens"]}

@@ -1,5 +1,6 @@
 """Where tensors live: `resolve_device` turns a `target.device` / `train.device` setting into a
-`torch.device`, and `autocast_dtype` a `train.precision` into the autocast dtype. Every model,
+`torch.device`, and `autocast_dtype` a `train.precision` into the autocast dtype (`resolve_training`:
+both, for the trainer). Every model,
 optimizer and tensor is placed through these; nothing moves implicitly."""
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if precision == "bfloat16" or (precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
+
+
+def resolve_training(device: str, precision: str) -> tuple[torch.device, torch.dtype | None]:
+    """(device, autocast dtype) of the trainer's `train.device` and `train.precision` settings, as
+    `resolve_device` and `autocast_dtype` give them (precision `auto` depends on the device).
+    Raises as `resolve_device`."""
+    dev = resolve_device(device, "train.device")
+    return dev, autocast_dtype(precision, dev)

@@ -36,7 +36,8 @@ def _target(source: str, dtype: str, aux: tuple | None, device: str, quantizatio
 
 def target_id(params: Params) -> str:
     """The target's id (sha256 of its weights, `models.target.target_id_for`) without loading it."""
-    return target_id_for(target_dir(params.target.source), None)
+    path = target_dir(params.target.source)
+    return target_id_for(path, None)
 
 
 def get_target(params: Params) -> tuple[Target, object]:

@@ -21,12 +21,11 @@ from ..adapters import torchrun, versioning
 from ..adapters.orchestrate import train_on_pool
 from ..adapters.sagemaker_train import preview_request, train_on_sagemaker
 from ..capture import curate as curate_mod
+from ..capture.curate import write_suffix_corpus
 from ..capture.snapshots import list_snapshots
 from ..config import Params, TrainParams, load_params
-from ..engine.suffix_tree import CORPUS_FILE, newest_within, save_corpus
-from ..models.load import get_target, target_dir
-from ..models.load import target_id as target_id_of
-from ..train.entry import preflight, skip_reason, train_here
+from ..models.load import get_target
+from ..train.entry import check, skip_reason, train_here
 from ..workspace import Workspace
 from .deploy.local import deploy_champion, deploy_class_champions, notify_server
 from .train_data import remote_shards, train_rehydrator
@@ -144,57 +143,41 @@ def train_candidate(ws: Workspace, params: Params, curated: Path, init: Path | N
     """The one train entry (the flow, `tidespec stage train` / `dvc repro`, and the `tide-train`
     deployment all call it): train a candidate from the curated index into `out`, warm-started from
     `init`, on the route `train_route` picks (`here=True`: the pool's own run, which trains in this
-    process; `params_path`: the file a pool's run loads, needed for `train.work_pool`); then write
-    the global suffix tree's corpus beside it (`write_suffix_corpus`), so registering, promoting,
-    rolling back and deploying the draft move both. Returns the trainer's metrics plus
-    `suffix_corpus/*`, or {"skipped": reason} (too few new tokens: the champion keeps serving).
-    Raises SpecForgeUnavailable before loading anything when the backend cannot run here,
+    process; `params_path`: the file a pool's run loads, needed for `train.work_pool`), once the
+    checks of `train.entry.check` pass; each route is one call into the layer that runs it. Then
+    the global suffix tree's corpus is written beside the draft (`capture.curate.write_suffix_corpus`),
+    so registering, promoting, rolling back and deploying the draft move both. Returns the trainer's
+    metrics plus `suffix_corpus/*`, or {"skipped": reason} (too few new tokens: the champion keeps
+    serving). Raises SpecForgeUnavailable before loading anything when the backend cannot run here,
     FileNotFoundError for a missing curated index, ValueError for another target's set,
-    OrchestrationError / SageMakerTrainingFailed from the remote routes."""
+    OrchestrationError / SageMakerTrainingFailed / RanksFailed from the other routes."""
     curated, out, init = Path(curated), Path(out), Path(init) if init else None
     route = train_route(params.train, inside=here)
+    if route == "work_pool" and params_path is None:
+        raise ValueError("train.work_pool is set: pass params_path (the pool's run loads params from it)")
     shards = remote_shards(params.train, ws.root)
+    if reason := check(params, curated, route):
+        return {"skipped": reason}
     if route == "sagemaker":  # a SageMaker training job: data and draft travel through S3
         m = train_on_sagemaker(params, curated, init, out)
     elif route == "work_pool":  # its own deployment on that pool (paths on a shared file system)
-        m = _train_on_pool(ws, params, curated, init, out, params_path)
+        m = train_on_pool(params.train.work_pool, _pool_run(ws, curated, init, out, params_path), out)
     elif route == "torchrun":
-        m = _train_ranks(ws, params, curated, init, out)
-    else:
-        m = _train_here(ws, params, curated, init, out, shards, progress)
+        m = torchrun.train_ranks(params, ws.root, curated, init, out)
+    else:  # the target `check` loaded (once per process)
+        target, _ = get_target(params)
+        with train_rehydrator(params, target, curated, ws.state) as rehydrator:
+            m = train_here(params, target, curated, init, out, progress=progress, rehydrator=rehydrator,
+                           shards=shards)
     if "skipped" not in m and (out / "model.safetensors").exists():
         m |= write_suffix_corpus(curated, out, params.engine.suffix.max_tokens, shards.locate if shards else None)
     return m
 
 
-def write_suffix_corpus(curated: Path, out: Path, max_tokens: int, locate=None) -> dict:
-    """`<out>/suffix_corpus.safetensors`: the served outputs of the curated window
-    (`curate.output_sequences`; `locate` as there), newest kept within `max_tokens`
-    (engine.suffix.max_tokens, the global tree's budget). Returns {"suffix_corpus/sequences",
-    "suffix_corpus/tokens"}."""
-    seqs = curate_mod.output_sequences(curated, locate)
-    info = save_corpus(out / CORPUS_FILE, newest_within(seqs, max_tokens))
-    return {"suffix_corpus/sequences": info["sequences"], "suffix_corpus/tokens": info["tokens"]}
-
-
-def _train_on_pool(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path,
-                   params_path: Path | None) -> dict:
-    if params_path is None:
-        raise ValueError("train.work_pool is set: pass params_path (the pool's run loads params from it)")
-    if reason := skip_reason(params.train, curated, target_id_of(params)):  # nothing leaves for another target's set
-        return {"skipped": reason}
-    return train_on_pool(params.train.work_pool, {
-        "root": str(ws.root), "params_path": str(Path(params_path).resolve()), "curated": str(curated),
-        "init": str(init) if init else None, "out": str(out)}, out)
-
-
-def _train_here(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path, shards,
-                progress) -> dict:
-    preflight(params.train)  # the backend runs here: fail before loading anything (the job or pool has the GPU)
-    target, _ = get_target(params)
-    with train_rehydrator(params, target, curated, ws.state) as rehydrator:
-        return train_here(params, target, target_dir(params.target.source), curated, init, out,
-                          progress=progress, rehydrator=rehydrator, shards=shards)
+def _pool_run(ws: Workspace, curated: Path, init: Path | None, out: Path, params_path: Path) -> dict:
+    """The `tide-train` flow run's parameters: paths on a file system both pools see."""
+    return {"root": str(ws.root), "params_path": str(Path(params_path).resolve()), "curated": str(curated),
+            "init": str(init) if init else None, "out": str(out)}
 
 
 def train_plan(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path) -> dict:
@@ -213,29 +196,9 @@ def train_plan(ws: Workspace, params: Params, curated: Path, init: Path | None, 
     if reason := skip_reason(params.train, Path(curated)):
         where["skipped"] = reason  # too few new tokens: the real run would stop here
     if route == "torchrun":
-        out = Path(out).resolve()
-        run_id = hashlib.sha256(str(out).encode()).hexdigest()[:12]
-        return {"route": route, **where, "command": torchrun.argv(t, out.with_name(out.name + ".ranks.json"), run_id)}
+        spec, _, run_id = torchrun.rank_files(out)
+        return {"route": route, **where, "command": torchrun.argv(t, spec, run_id)}
     return {"route": route, **where}
-
-
-def _train_ranks(ws: Workspace, params: Params, curated: Path, init: Path | None, out: Path) -> dict:
-    """Train here as `train.world_size` ranks under torchrun (`adapters.torchrun`; every rank runs
-    `steps.rank` on a spec file beside `out`, their output goes to `<out>.ranks.log`). Returns
-    rank 0's metrics, or {"skipped": reason}. Raises RanksFailed when the ranks fail (after
-    `train.max_restarts` restarts; a rerun resumes from the last training state). Raises
-    SpecForgeUnavailable first when the backend cannot run here."""
-    preflight(params.train)
-    if reason := skip_reason(params.train, curated):
-        return {"skipped": reason}
-    out = out.resolve()
-    spec = out.with_name(out.name + ".ranks.json")
-    spec.write_text(json.dumps({"params": params.model_dump(mode="json"), "root": str(ws.root.resolve()),
-                                "curated": str(curated.resolve()),
-                                "init": str(init.resolve()) if init else None, "out": str(out)}))
-    run_id = hashlib.sha256(str(out).encode()).hexdigest()[:12]
-    torchrun.run(torchrun.argv(params.train, spec, run_id), out.with_name(out.name + ".ranks.log"))
-    return json.loads((out / "train_metrics.json").read_text())
 
 
 # -- evaluate ---------------------------------------------------------------------------------

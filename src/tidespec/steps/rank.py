@@ -1,7 +1,7 @@
 """One rank of the train step under torchrun (`adapters.torchrun` starts `python -m
 tidespec.steps.rank SPEC` on every rank). SPEC: a JSON file {"params": the cycle's params,
-"root": the workspace, "curated", "init", "out"} written by `cycle._train_ranks`. Each rank loads the target and runs
-`train.entry.train_here`; rank 0 writes the candidate and its train_metrics.json."""
+"root": the workspace, "curated", "init", "out"} written by `adapters.torchrun.train_ranks`. Each rank runs
+`train.entry.train_here` with the target; rank 0 writes the candidate and its train_metrics.json."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..config import Params
-from ..models.load import get_target, target_dir
+from ..models.load import get_target
 from ..train import ranks
 from ..train.entry import train_here
 from .train_data import remote_shards, train_rehydrator
@@ -25,9 +25,8 @@ def main(spec_path: str) -> None:
     curated = Path(spec["curated"])
     try:
         with train_rehydrator(params, target, curated, Path(spec["out"]).parent) as rehydrator:
-            train_here(params, target, target_dir(params.target.source), curated,
-                       Path(spec["init"]) if spec["init"] else None, Path(spec["out"]), rehydrator=rehydrator,
-                       shards=remote_shards(params.train, Path(spec["root"])))
+            train_here(params, target, curated, Path(spec["init"]) if spec["init"] else None, Path(spec["out"]),
+                       rehydrator=rehydrator, shards=remote_shards(params.train, Path(spec["root"])))
     finally:
         ranks.close()
 

@@ -1,9 +1,9 @@
 """Train a candidate draft here, in this process: the embedded trainer or the SpecForge CLI.
 
 `cycle.train_candidate` (the one train entry of the flow, `tidespec stage train` / `dvc repro`
-and the `tide-train` deployment) decides *where* training runs (here, a Prefect work pool, a
-SageMaker training job); whichever it picks ends in `train_here`, inside the pool's run or the
-SageMaker container too.
+and the `tide-train` deployment) decides *where* training runs (here, torchrun's ranks, a Prefect
+work pool, a SageMaker training job) and asks `check` first, once, whatever the route; whichever it
+picks ends in `train_here`, inside the ranks, the pool's run or the SageMaker container too.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from ..capture.curate import load_records
 from ..capture.ingest import Rehydrator
 from ..config import Params, TrainParams
+from ..models.load import get_target, target_dir, target_id
 from ..models.target import Target
 from .holdout import checkpoint_accuracy
 from .online import online
@@ -52,18 +53,36 @@ def skip_reason(train: TrainParams, curated: Path, target_id: str | None = None)
     return None
 
 
-def train_here(params: Params, target: Target, target_dir: Path, curated: Path, init: Path | None, out: Path,
-               progress=None, rehydrator: Rehydrator | None = None, shards: ShardLocator | None = None) -> dict:
-    """Train a candidate from the curated index into `out`, warm-started from `init` when given and
-    `train.warm_start`. Tokens-only records (`ingest.mode: online`) get their hidden states from
-    `rehydrator` as they are read (`train.online`; None: the target in this process); shards the
-    workspace lacks come from `shards` (the DVC remote through a bounded cache). Returns the
-    trainer's metrics, or {"skipped": reason} when the set is too
-    small (`skip_reason`; nothing is written, the champion keeps serving). A killed run resumes
-    from its last training-state checkpoint. Raises ValueError for another target's set, for
-    tokens-only records with the SpecForge backend or with `ingest.rehydrate_backend: vllm` and no
-    rehydrator, FileNotFoundError for a missing index, SpecForgeUnavailable for the SpecForge
-    backend off-GPU."""
+def check(params: Params, curated: Path, route: str) -> str | None:
+    """The checks before a train route starts (`route`, as `steps.cycle.train_route` names it), in
+    one place: a trainer that runs on this machine (`torchrun`'s ranks, `here`) must be able to
+    (`preflight`); then `skip_reason`, holding the set to the target: its hash for a route that
+    leaves (`sagemaker`, `work_pool`: nothing leaves for another target's set), the loaded target's
+    id `here` (loaded for training anyway), none for `torchrun` (each rank checks it). Returns the
+    reason to skip, or None. Raises SpecForgeUnavailable, FileNotFoundError / ValueError as
+    `skip_reason`, and as `models.load.get_target` (`here`)."""
+    if route in ("torchrun", "here"):
+        preflight(params.train)
+    tid = None
+    if route == "here":
+        tid = get_target(params)[0].target_id
+    elif route != "torchrun":
+        tid = target_id(params)
+    return skip_reason(params.train, curated, tid)
+
+
+def train_here(params: Params, target: Target, curated: Path, init: Path | None, out: Path, progress=None,
+               rehydrator: Rehydrator | None = None, shards: ShardLocator | None = None) -> dict:
+    """Train a candidate from the curated index into `out` with `target` (params.target's, loaded:
+    `models.load.get_target`), warm-started from `init` when given and `train.warm_start`.
+    Tokens-only records (`ingest.mode: online`) get their hidden states from `rehydrator` as they
+    are read (`train.online`; None: the target in this process); shards the workspace lacks come
+    from `shards` (the DVC remote through a bounded cache). Returns the trainer's metrics, or
+    {"skipped": reason} when the set is too small (`skip_reason`; nothing is written, the champion
+    keeps serving). A killed run resumes from its last training-state checkpoint. Raises ValueError
+    for another target's set, for tokens-only records with the SpecForge backend or with
+    `ingest.rehydrate_backend: vllm` and no rehydrator, FileNotFoundError for a missing index,
+    SpecForgeUnavailable for the SpecForge backend off-GPU."""
     if reason := skip_reason(params.train, curated, target.target_id):
         return {"skipped": reason}
     idx = json.loads(Path(curated).read_text())
@@ -74,23 +93,23 @@ def train_here(params: Params, target: Target, target_dir: Path, curated: Path, 
                          "specforge reads hidden states from disk: use train.backend embedded, or ingest.mode hidden")
     if online_set and rehydrator is None and params.ingest.rehydrate_backend != "embedded":
         raise ValueError("ingest.rehydrate_backend vllm: the train step's producer is a vLLM extraction server "
-                         "(`steps.online.train_rehydrator` starts or reaches it); set rehydrate_backend embedded "
+                         "(`steps.train_data.train_rehydrator` starts or reaches it); set rehydrate_backend embedded "
                          "to rehydrate with the target here")
     if params.train.backend == "specforge":
         train, val = load_records(idx["train"], base), load_records(idx["val"], base)
-        return _train_specforge(params, target, target_dir, train, val, out)
+        return _train_specforge(params, target, train, val, out)
     init = init if (init is not None and params.train.warm_start and Path(init).exists()) else None
     name = params.ingest.rehydrate_url or params.ingest.rehydrate_backend
     train, val = (online(IndexRecords(idx[k], base, shards), rehydrator, target, name) for k in ("train", "val"))
     return train_draft(train, val, target, params.draft, params.train, out, init=init, progress=progress)
 
 
-def _train_specforge(params: Params, target: Target, target_dir: Path, train: list[dict], val: list[dict],
-                     out: Path) -> dict:
+def _train_specforge(params: Params, target: Target, train: list[dict], val: list[dict], out: Path) -> dict:
     """SpecForge CLI backend (CUDA only; raises SpecForgeUnavailable elsewhere). It starts from
     scratch (no warm start: SpecForge loads its own checkpoints); validation accuracy is measured
     with the embedded trainer's code so both backends report the same metrics."""
-    m = train_specforge(train, target, target_dir, params.draft, params.train, out, params.train.specforge_bin)
+    m = train_specforge(train, target, target_dir(params.target.source), params.draft, params.train, out,
+                        params.train.specforge_bin)
     ev = checkpoint_accuracy(out, target, val, params.train)
     m |= ev.val_metrics()
     m["simulated_acceptance_length"] = ev.simulated_tau()

@@ -71,6 +71,13 @@ def rank_device(device: torch.device) -> torch.device:
     return device
 
 
+def place(device: torch.device) -> tuple[torch.device, int, int]:
+    """(this rank's device, rank, world size) on the resolved train `device`
+    (`models.device.resolve_training`): `rank_device`, after joining the process group (`init`)."""
+    dev = rank_device(device)
+    return (dev, *init(dev))
+
+
 def sum_(t: torch.Tensor) -> torch.Tensor:
     """All-reduce (sum) `t` in place across ranks; returns it (as is for one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..config import Params
-from ..models.load import get_target, target_dir
+from ..models.load import get_target
 from . import ranks
 from .entry import train_here
 
@@ -82,8 +82,7 @@ def _train_in_container(env: Mapping[str, str]) -> dict:
         done = model_dir / "train_metrics.json"  # global rank 0 (on the first host) wrote it
         return json.loads(done.read_text()) if done.exists() else {"ranks_finished": True}
     target_model, _ = get_target(params)
-    metrics = train_here(params, target_model, target_dir(params.target.source), curated_json,
-                         init if init.is_dir() else None, out)
+    metrics = train_here(params, target_model, curated_json, init if init.is_dir() else None, out)
     if ranks.world()[0] != 0:
         return metrics  # global rank 0 hands the model back
     model_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import DraftParams, TrainParams
-from ..models.device import autocast_dtype, resolve_device
+from ..models.device import resolve_training
 from ..models.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
@@ -133,9 +133,8 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
         raise ValueError("no training records after curation; capture more traffic")
     if tparams.threads:
         torch.set_num_threads(tparams.threads)
-    dev = ranks.rank_device(resolve_device(tparams.device, "train.device"))
-    rank, world = ranks.init(dev)
-    amp = autocast_dtype(tparams.precision, dev)
+    dev, amp = resolve_training(tparams.device, tparams.precision)
+    dev, rank, world = ranks.place(dev)
     draft = init_draft(target, dparams, token_counts(src, rank, world), init).place(dev)
     draft.train()
     dropped, val_dropped = Counter(), Counter()
