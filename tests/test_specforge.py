@@ -97,13 +97,50 @@ def test_unavailable_without_cuda_says_why(tmp_path, tiny_target_dir, monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(sf.unavailable_reason("specforge") is not None, reason="needs CUDA + a SpecForge env")
-def test_specforge_trains_a_loadable_draft(tiny_target, tiny_target_dir, tmp_path):
+def test_specforge_trains_a_loadable_draft(tiny_target, tmp_path):
     recs = _recs(tiny_target, n=8, T=40)
-    sf.train_specforge(recs, tiny_target, tiny_target_dir, DraftParams(draft_vocab_size=64),
+    sf.train_specforge(recs, recs[:2], tiny_target, DraftParams(draft_vocab_size=64),
                        TrainParams(epochs=1, ttt_steps=2), tmp_path / "d")
     from tidespec.models.eagle3 import load_checkpoint
     d = load_checkpoint(tmp_path / "d", tiny_target.embed, tiny_target.target_id)
     assert d.config.draft_vocab_size == 64 and Counter((torch.arange(64) + d.d2t).tolist()).most_common(1)[0][1] == 1
+
+
+def test_specforge_run_validates_the_saved_draft(tiny_target, tmp_path, monkeypatch):
+    """The SpecForge CLI stubbed (its export: a fresh draft of the run's config and vocabulary): the
+    export is saved at `out` with train_metrics.json, and its validation figures are those of the
+    saved draft loaded back (`holdout.checkpoint_accuracy`), number for number."""
+    import json
+    import subprocess
+
+    from tidespec.models.eagle3 import Eagle3Config, Eagle3Draft, save_checkpoint
+    from tidespec.train.holdout import checkpoint_accuracy
+
+    def fake_run(argv, **kw):
+        if argv[1] == "export":
+            out_dir = argv[argv.index("--output-dir") + 1]
+            cfg = Eagle3Config.from_hf(json.loads(open(argv[argv.index("--draft-config") + 1]).read()))
+            torch.manual_seed(1)
+            d = Eagle3Draft(cfg)
+            vocab = torch.load(argv[argv.index("--vocab-mapping") + 1])
+            d.set_vocab(vocab["d2t"], vocab["t2d"])
+            save_checkpoint(d, out_dir)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(sf, "unavailable_reason", lambda bin_path: None)
+    monkeypatch.setattr(sf.subprocess, "run", fake_run)
+    recs = _recs(tiny_target, n=6, T=30)
+    tp = TrainParams(epochs=1, ttt_steps=2)
+    m = sf.train_specforge(recs[:4], recs[4:], tiny_target, DraftParams(draft_vocab_size=64), tp, tmp_path / "d",
+                           log=lambda s: None)
+    ev = checkpoint_accuracy(tmp_path / "d", tiny_target, recs[4:], tp)
+    assert m["val_positions"] > 0 and m == {"backend": "specforge", "num_samples": 4, "dropped": 0,
+                                            **ev.val_metrics(), "simulated_acceptance_length": ev.simulated_tau()}
+    assert json.loads((tmp_path / "d" / "train_metrics.json").read_text()) == m
+    assert not (tmp_path / "d.specforge").exists()
+    unloaded = type(tiny_target).__new__(type(tiny_target))  # no files to read: SpecForge cannot load it
+    with pytest.raises(ValueError, match="load_target"):
+        sf.train_specforge(recs, recs, unloaded, DraftParams(draft_vocab_size=64), tp, tmp_path / "e")
 
 
 def test_stale_work_dir_and_user_index_are_never_reused(tiny_target, tiny_target_dir, tmp_path):

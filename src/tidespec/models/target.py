@@ -150,7 +150,11 @@ class Target:
     row-consistent); its outputs differ from fp32's where a near-tie flips (`tidespec bench engine`
     reports how often). The embedding stays fp32: it is looked up, not read whole, and the EAGLE3
     draft shares it as trained. Raises ValueError for int8/int4 off CPU.
+    source_dir: the HF directory `load_target` read the weights from (None for a Target built from
+    an in-memory model): what a trainer outside this process (SpecForge) loads the target from.
     """
+
+    source_dir: Path | None = None
 
     def __init__(self, cfg: TargetConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
                  aux_layers: tuple[int, ...] | None = None, target_id: str = "unknown",
@@ -433,18 +437,11 @@ def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.floa
     """Load a target onto `device`: returns `(Target, tokenizer)`. See `load_hf` and `Target` for errors."""
     model, tok = load_hf(path, gguf_file)
     tid = target_id_for(Path(path), gguf_file)
-    return Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid, device=device,
-                          quantization=quantization), tok
+    target = Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid, device=device,
+                            quantization=quantization)
+    target.source_dir = Path(path)
+    return target, tok
 
 
-__all__ = [
-    "TargetConfig",
-    "TargetOutput",
-    "Target",
-    "KVCache",
-    "load_target",
-    "load_hf",
-    "target_id_for",
-    "Segment",
-    "convert_gguf",
-]
+__all__ = ["TargetConfig", "TargetOutput", "Target", "KVCache", "load_target", "load_hf", "target_id_for", "Segment",
+           "convert_gguf"]

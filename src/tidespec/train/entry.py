@@ -13,9 +13,8 @@ from pathlib import Path
 from ..capture.curate import load_records
 from ..capture.ingest import Rehydrator
 from ..config import Params, TrainParams
-from ..models.load import get_target, target_dir, target_id
+from ..models.load import get_target, target_id
 from ..models.target import Target
-from .holdout import checkpoint_accuracy
 from .online import online
 from .source import IndexRecords, ShardLocator
 from .specforge import SpecForgeUnavailable, train_specforge, unavailable_reason
@@ -97,21 +96,9 @@ def train_here(params: Params, target: Target, curated: Path, init: Path | None,
                          "to rehydrate with the target here")
     if params.train.backend == "specforge":
         train, val = load_records(idx["train"], base), load_records(idx["val"], base)
-        return _train_specforge(params, target, train, val, out)
+        return train_specforge(train, val, target, params.draft, params.train, out, params.train.specforge_bin)
     init = init if (init is not None and params.train.warm_start and Path(init).exists()) else None
     name = params.ingest.rehydrate_url or params.ingest.rehydrate_backend
     train, val = (online(IndexRecords(idx[k], base, shards), rehydrator, target, name) for k in ("train", "val"))
     return train_draft(train, val, target, params.draft, params.train, out, init=init, progress=progress)
 
-
-def _train_specforge(params: Params, target: Target, train: list[dict], val: list[dict], out: Path) -> dict:
-    """SpecForge CLI backend (CUDA only; raises SpecForgeUnavailable elsewhere). It starts from
-    scratch (no warm start: SpecForge loads its own checkpoints); validation accuracy is measured
-    with the embedded trainer's code so both backends report the same metrics."""
-    m = train_specforge(train, target, target_dir(params.target.source), params.draft, params.train, out,
-                        params.train.specforge_bin)
-    ev = checkpoint_accuracy(out, target, val, params.train)
-    m |= ev.val_metrics()
-    m["simulated_acceptance_length"] = ev.simulated_tau()
-    (Path(out) / "train_metrics.json").write_text(json.dumps(m, indent=2))
-    return m

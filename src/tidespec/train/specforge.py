@@ -23,6 +23,7 @@ from ..config import DraftParams, TrainParams
 from ..errors import Unavailable
 from ..models.eagle3 import Eagle3Config, build_vocab, count_tokens, load_checkpoint, save_checkpoint
 from ..models.target import Target
+from .holdout import holdout_accuracy
 from .resume import fingerprint, records_fingerprint
 
 
@@ -144,17 +145,26 @@ def prepare_run(train_records: list[dict], target: Target, target_dir: Path, dpa
             "data": data, "num_samples": n, "checkpoint": runs, "export": work / "export", "eagle3": cfg}
 
 
-def train_specforge(train_records: list[dict], target: Target, target_dir: Path, dparams: DraftParams,
+def train_specforge(train_records: list[dict], val_records: list[dict], target: Target, dparams: DraftParams,
                     tparams: TrainParams, out: Path, bin_path: str = "specforge", log=print) -> dict:
     """Train with SpecForge and write a tidespec checkpoint at `out` (same layout as the embedded
-    trainer, tidespec fields added to config.json). Raises SpecForgeUnavailable when it cannot run
-    here and RuntimeError (with the log tail) when SpecForge fails. A rerun resumes from
-    SpecForge's `-latest` checkpoint of the same run (same data, params, target)."""
+    trainer, tidespec fields added to config.json, plus train_metrics.json), as `trainer.train_draft`
+    does. SpecForge reads the target from its files (`Target.source_dir`, set by
+    `models.target.load_target`) and starts from scratch (no warm start: it loads its own
+    checkpoints). The exported draft is validated on `val_records` with the embedded trainer's code
+    (`holdout.holdout_accuracy`, fp32 on the CPU with the target's embedding, as saved), so both
+    backends report the same `val/*` and `simulated_acceptance_length`. Returns those and
+    `backend`, `num_samples`, `dropped`. Raises SpecForgeUnavailable when it cannot run here,
+    ValueError for a target without `source_dir`, RuntimeError (with the log tail) when SpecForge
+    fails. A rerun resumes from SpecForge's `-latest` checkpoint of the same run (same data,
+    params, target)."""
     reason = unavailable_reason(bin_path)
     if reason:
         raise SpecForgeUnavailable(reason)
+    if target.source_dir is None:
+        raise ValueError("SpecForge loads the target from its files: load it with models.target.load_target")
     work = Path(out).with_name(Path(out).name + ".specforge")
-    run = prepare_run(train_records, target, target_dir, dparams, tparams, work)
+    run = prepare_run(train_records, target, target.source_dir, dparams, tparams, work)
     train_argv, export_argv = commands(bin_path, run["config"], run["checkpoint"], run["draft_config"],
                                        run["vocab_mapping"], run["export"])
     for argv in (train_argv, export_argv):
@@ -168,5 +178,8 @@ def train_specforge(train_records: list[dict], target: Target, target_dir: Path,
     object.__setattr__(draft.config, "target_id", target.target_id)  # frozen; the export has no tidespec fields
     save_checkpoint(draft, out, extra={"trainer": "specforge"})
     shutil.rmtree(work, ignore_errors=True)  # done: the next cycle must not resume this run
-    return {"backend": "specforge", "num_samples": run["num_samples"],
-            "dropped": len(train_records) - run["num_samples"]}
+    ev = holdout_accuracy(draft.eval(), target, val_records, tparams)  # the draft just saved, as loaded back
+    m = {"backend": "specforge", "num_samples": run["num_samples"], "dropped": len(train_records) - run["num_samples"],
+         **ev.val_metrics(), "simulated_acceptance_length": ev.simulated_tau()}
+    (Path(out) / "train_metrics.json").write_text(json.dumps(m, indent=2))
+    return m
