@@ -9,6 +9,7 @@ joining its own. The layout (under `root`):
     data/work/                        the cycle's scratch: curated.json, holdout.jsonl, candidate/, eval.json
     data/drafts/champion/             the served draft bundle: draft/ (what engines load) + sidecars
     .tidespec/                        services' state, DVC remote, locks
+    .tidespec/registry/               a replica's copies of the registry's champions (serve.champion_source)
 """
 from __future__ import annotations
 
@@ -93,6 +94,18 @@ class Workspace:
         """One champion bundle per workload class that has its own (`<class>/`, registry alias
         `champion-<class>`)."""
         return self.drafts / "classes"
+
+    def served_champions(self, source: str = "directory") -> tuple[Path, Path]:
+        """(the generalist's champion bundle, the root of the class champions) a server serves from,
+        by `serve.champion_source`: `directory` — `champion` and `class_champions`, which the cycle's
+        deploy step writes; `registry` — a replica's own copies of the registry's champions,
+        `.tidespec/registry/champion` and `.tidespec/registry/classes` (the registry follower writes
+        them). Raises ValueError for another source."""
+        if source == "directory":
+            return self.champion, self.class_champions
+        if source == "registry":
+            return self.state / "registry" / "champion", self.state / "registry" / "classes"
+        raise ValueError(f"champion source {source!r}: expected directory or registry")
 
     @property
     def eval_prompts(self) -> Path:

@@ -1,5 +1,6 @@
 """The MLflow adapter: experiments, runs and the model registry for drafts (`client`: runs, versions, aliases, tags),
-their bundles and figures (`artifacts`), and the promotion decisions (`decisions`). Names follow the registry
+their bundles and figures (`artifacts`), the promotion decisions (`decisions`), and champions materialized in
+local directories, once or followed by a poller (`follow`). Names follow the registry
 contract: experiment `tidespec/<target_id>`, model `tidespec-draft-<short id>`, aliases `champion` / `challenger`,
 `champion-<class>` for a workload class's own champion."""
 from .artifacts import (
@@ -46,6 +47,7 @@ from .decisions import (
     promote_if_better,
     rollback,
 )
+from .follow import RegistryFollower, materialize_champion, materialize_class_champions
 
 __all__ = [
     "ARTIFACT_DIR",
@@ -58,6 +60,7 @@ __all__ = [
     "HISTORY_TAG",
     "ModelVersionInfo",
     "RegistryError",
+    "RegistryFollower",
     "SIDECAR_DIR",
     "VERSION_TAG_KEYS",
     "challenger",
@@ -76,6 +79,8 @@ __all__ = [
     "log_candidate",
     "log_figures",
     "log_live",
+    "materialize_champion",
+    "materialize_class_champions",
     "model_name",
     "promote",
     "promote_if_better",

@@ -2,15 +2,14 @@
 
 The serving directory is a draft bundle (`workspace.make_bundle`): `draft/` holds exactly what
 vLLM and SGLang load (config.json + model.safetensors), the suffix corpus and a `version.json`
-(which registry version it is) sit beside it. It is replaced by rename (never half-written). A
+(which registry version it is) sit beside it. It is replaced by rename (never half-written:
+`adapters.registry.follow`, which a replica following the registry uses too). A
 running engine picks it up with `reload_if_changed`, between requests, so requests in flight finish on the old draft.
 """
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -24,43 +23,18 @@ log = logging.getLogger(__name__)
 
 def deploy_champion(tracking_uri: str, target_id: str, dest: Path, workload: str = "") -> dict:
     """Download the champion's bundle (``workload``: that class's own) into `dest`, replacing it
-    atomically. Returns {"version", "path"}; {"version": None} when the registry has no such champion."""
-    info = registry.champion(tracking_uri, target_id, workload)
-    if info is None:
-        return {"version": None, "path": None}
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".deploy-", dir=dest.parent))
-    got = registry.download_champion(tracking_uri, target_id, tmp / "dl", workload)
-    stage = dest.with_name(dest.name + ".new")
-    shutil.rmtree(stage, ignore_errors=True)
-    os.replace(got, stage)  # a bundle with version.json: draft/ (what engines load) + sidecars
-    old = dest.with_name(dest.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(stage, dest)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return {"version": info.version, "path": str(dest)}
+    atomically (`registry.materialize_champion`). Returns {"version", "path"}; {"version": None,
+    "path": None} when the registry has no such champion."""
+    version = registry.materialize_champion(tracking_uri, target_id, Path(dest), workload)
+    return {"version": version, "path": str(dest) if version is not None else None}
 
 
 def deploy_class_champions(tracking_uri: str, target_id: str, root: Path) -> dict[str, str | None]:
-    """Each workload class's own champion (registry alias `champion-<class>`) into `root/<class>`
-    (`deploy_champion`, skipped when it already holds that version); a class directory whose alias is
-    gone (rolled back to the generalist) is removed, so the server falls back to the generalist.
-    Returns {class: version deployed, None for a class removed}."""
-    want = registry.class_champions(tracking_uri, target_id)
-    root = Path(root)
-    out: dict[str, str | None] = {}
-    for workload, version in sorted(want.items()):
-        if served_version(root / workload) != version:
-            out[workload] = deploy_champion(tracking_uri, target_id, root / workload, workload)["version"]
-    for d in sorted(root.glob("*")) if root.exists() else []:
-        if d.is_dir() and not d.name.startswith(".") and d.name not in want:
-            shutil.rmtree(d)
-            out[d.name] = None
-    return out
+    """Each workload class's own champion (registry alias `champion-<class>`) into `root/<class>`,
+    skipped when it already holds that version; a class directory whose alias is gone (rolled back
+    to the generalist) is removed, so the server falls back to the generalist
+    (`registry.materialize_class_champions`). Returns {class: version deployed, None for a class removed}."""
+    return registry.materialize_class_champions(tracking_uri, target_id, Path(root))
 
 
 def reload_if_changed(engine, dest: Path) -> bool:
