@@ -137,6 +137,32 @@ def test_preflight_runs_the_command_checks_on_its_own_arguments(tmp_path, capsys
     assert "capture is on" not in capsys.readouterr().out
 
 
+def test_the_registry_as_champion_source_needs_mlflow(tmp_path):
+    """`serve.champion_source: registry` (a replica following the registry's champion) is refused
+    without MLFLOW_TRACKING_URI, by every server tidespec starts and at `tidespec serve`'s preflight,
+    naming the setting and both fixes; before your own SGLang (tidespec swaps nothing there) it is
+    a key of a server tidespec starts. `directory`, the default, needs nothing."""
+    from tidespec.cli.serve import serve_preflight
+    registry = shipped(serve={"champion_source": "registry"})
+    refusal = (r"serve.champion_source: registry follows the MLflow registry's champion and MLFLOW_TRACKING_URI is "
+               r"unset: set it to the registry's URL .* or set serve.champion_source: directory")
+    for launch in (dict(backend="embedded"), dict(backend="vllm"), dict(backend="sglang")):
+        with pytest.raises(ValueError, match=refusal):
+            ServeLaunch.build(**launch, capture=False).check(registry, NO_MLFLOW)
+        ServeLaunch.build(**launch, capture=False).check(registry, {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"})
+    with pytest.raises(ValueError, match="serve.champion_source: --backend sglang at --sglang-url"):
+        ServeLaunch.build(backend="sglang", sglang_url="http://127.0.0.1:30000", capture=False).check(
+            registry, {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"})
+    with pytest.raises(ValueError, match=refusal):
+        serve_preflight(tmp_path, shipped_file(tmp_path, serve={"champion_source": "registry"}), capture=False,
+                        env=NO_MLFLOW)
+    assert shipped().serve.champion_source == "directory"
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({"serve": {"champion_source": "mlflow"}}))
+    with pytest.raises(ValueError, match="serve.champion_source: Input should be 'directory' or 'registry'"):
+        load_params(typo)
+
+
 def test_an_engine_server_that_cannot_run_here_is_refused_before_any_note(tmp_path, capsys):
     """`tidespec serve --backend sglang|vllm` with an environment that is not there: refused by the
     adapter's probe, naming the fix, before any note or "starting" line is printed."""

@@ -1,6 +1,6 @@
 """Configuration, the bottom layer: `params.yaml` as strict pydantic models (`params`: an unknown
-key is an error naming it), the SageMaker sections (`sagemaker`), `tidespec serve`'s launch checks
-(`serve_launch`), and the strict base model (`strict`)."""
+key is an error naming it), the SageMaker sections (`sagemaker`), `tidespec serve`'s settings
+(`serve_params`) and launch checks (`serve_launch`), and the strict base model (`strict`)."""
 from .params import (
     BootstrapParams,
     CaptureParams,
@@ -11,7 +11,6 @@ from .params import (
     EvaluateParams,
     IngestParams,
     Params,
-    ServeParams,
     SuffixParams,
     TargetParams,
     TrainParams,
@@ -20,6 +19,7 @@ from .params import (
     load_params,
     tree_num_draft_tokens,
 )
+from .serve_params import ServeParams
 
 __all__ = [
     "BootstrapParams",

@@ -21,7 +21,7 @@ EMBEDDED_ONLY = ("health_check_s", "classify_workload", "workload_by_model")
 # serve.* keys a front door forwards past: the backend's own limits and defaults apply (set them there)
 FRONTDOOR_UNUSED = ("max_queue", "max_tokens", "default_temperature")
 # keys of a server tidespec starts and swaps; an SGLang server at --sglang-url is the user's own
-ATTACHED_UNUSED = ("served_model_name", "watch_champion_s", "auto_rollback", "live_stats_s")
+ATTACHED_UNUSED = ("served_model_name", "watch_champion_s", "auto_rollback", "live_stats_s", "champion_source")
 
 
 class ServeLaunch(Strict):
@@ -79,8 +79,14 @@ class ServeLaunch(Strict):
         """Check the params against this launch: raises ValueError naming the key and the fix for a
         setting the backend cannot honour; returns notes (one line each) on defaults it runs
         without. `env`: the process environment (MLFLOW_TRACKING_URI decides whether a rollback can
-        reach the registry)."""
+        reach the registry; `serve.champion_source: registry` is refused without it)."""
         s, notes = p.serve, []
+        follows = self.backend == "embedded" or self.launches  # a server at --sglang-url is refused below
+        if s.champion_source == "registry" and follows and not env.get(MLFLOW_ENV):
+            raise ValueError(f"serve.champion_source: registry follows the MLflow registry's champion and "
+                             f"{MLFLOW_ENV} is unset: set it to the registry's URL (`tidespec services up` on the "
+                             "loop's machine prints it), or set serve.champion_source: directory (the champion the "
+                             "cycle deploys to data/drafts on this machine)")
         if self.backend == "embedded" and s.changed("live_stats_s") and s.live_stats_s > 0:
             raise ValueError("serve.live_stats_s logs the live counters of a server tidespec starts (--backend vllm "
                              "or sglang); the embedded engine's are on its /metrics: remove it or set it to 0")

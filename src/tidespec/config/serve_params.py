@@ -1,0 +1,54 @@
+"""`tidespec serve`'s settings (the `serve:` section of params.yaml), strict as every section."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .strict import Strict
+
+
+class ServeParams(Strict):
+    """`tidespec serve` settings, the one serve config (CLI flags override). max_tokens: cap (and
+    default) of a request's max_tokens (None: engine.max_new_tokens, see `Params.serve_resolved`);
+    request_timeout_s: a request still unfinished after it gets 504; max_queue: requests waiting +
+    running before 429 (Retry-After); served_model_name: the `model` id responses carry (None:
+    target.source, as vLLM's --served-model-name defaults to the model path); default_temperature:
+    the temperature of a request that sends none (0 = greedy, the output speculation must equal;
+    OpenAI's own default is 1.0 and vLLM takes the model's generation_config — set 1.0 for OpenAI's);
+    watch_champion_s: how often (s) `tidespec serve` checks data/drafts/champion for a version a
+    cycle deployed and swaps to it (0: never; POST /admin/draft still swaps); live_stats_s: with
+    `--backend vllm` and MLFLOW_TRACKING_URI, how often (s) the served version's live spec-decode
+    figures (vLLM's own counters) are logged to its MLflow run (0: never; refused elsewhere);
+    classify_workload: a request without a `workload` field or a model alias gets its class from the
+    request itself (`serve.workload`: response_format / tools, content) — false: class "default";
+    workload_by_model: extra model ids this server answers to, each naming the class of its
+    requests (e.g. {"smollm2-code": "code"}: a client picks a class by the model it asks for);
+    champion_source: where the champion served comes from — `directory` (data/drafts/champion and
+    data/drafts/classes/<class>, which the cycle's deploy step writes on this machine) or `registry`
+    (a replica on another machine: the MLflow registry's champion aliases of the served target,
+    downloaded every watch_champion_s s into the server's own .tidespec/registry/ by
+    `adapters.registry.follow.RegistryFollower`; needs MLFLOW_TRACKING_URI, refused at start
+    without it by `config.serve_launch.ServeLaunch`)."""
+
+    max_queue: int = Field(64, ge=1)
+    request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
+    max_tokens: int | None = Field(None, ge=1)
+    served_model_name: str | None = Field(None, min_length=1)
+    default_temperature: float = Field(0.0, ge=0, le=2, allow_inf_nan=False)
+    watch_champion_s: float = Field(5.0, ge=0, allow_inf_nan=False)
+    live_stats_s: float = Field(60.0, ge=0, allow_inf_nan=False)
+    classify_workload: bool = True
+    workload_by_model: dict[str, str] = {}
+    health_check_s: float = Field(30.0, ge=0, allow_inf_nan=False)
+    auto_rollback: bool = True
+    champion_source: Literal["directory", "registry"] = "directory"
+
+    @field_validator("workload_by_model")
+    @classmethod
+    def _aliases(cls, v: dict[str, str]) -> dict[str, str]:
+        for alias, workload in v.items():
+            if not alias or not workload or len(workload) > 64:
+                raise ValueError(f"serve.workload_by_model: {alias!r}: {workload!r} — model ids and classes must be "
+                                 "non-empty, classes at most 64 characters")
+        return v
