@@ -56,7 +56,7 @@ def test_a_class_draft_is_trained_gated_against_the_generalist_registered_and_se
     assert cycle.step_deploy(ws, uri, tid)["classes"] == {"code": dec["version"]}
     eng = Engine(target, runner_for(ws.champion, target), EngineParams(num_draft_tokens=3, max_seq_len=256),
                  draft_version=gen["version"])
-    _install_class_drafts(eng, ws)  # what `tidespec serve` does at start
+    _install_class_drafts(eng, ws.class_champions)  # what `tidespec serve` does at start
     assert eng.draft_versions == {"": gen["version"], "code": dec["version"]}
     # the generalist's very weights registered for a class (a class with all the traffic trains the same
     # draft): a version of its own, gated per class, never the generalist's registration found again

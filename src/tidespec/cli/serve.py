@@ -45,7 +45,8 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     """OpenAI-compatible server (/v1/completions, /v1/chat/completions, /health, /metrics,
     /admin/draft with $TIDESPEC_ADMIN_TOKEN) on the target + the served champion draft. With capture,
     each sealed snapshot is published (DVC + the Prefect event that starts a cycle, $PREFECT_API_URL)
-    and the champion a cycle deploys is served within serve.watch_champion_s."""
+    and the champion a cycle deploys is served within serve.watch_champion_s (with
+    serve.champion_source: registry, the registry's champion, followed into .tidespec/registry)."""
     import uvicorn
 
     from ..capture.text import TextCapture
@@ -64,6 +65,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
         return
     hidden, text = capture and p.capture.mode == "hidden", capture and p.capture.mode == "text"
     target, tok = get_target(p)
+    champ, classes, follower = _champion_source(p, ws, target.target_id)
     writer = (
         CaptureWriter(
             ws.capture_dir(target.target_id),
@@ -78,25 +80,25 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     )
     text_capture = _text_log(TextCapture(ws.text_capture_dir(target.target_id), p.capture),
                              target.target_id, p.capture.seal_min_tokens) if text else None
-    runner = runner_for(ws.champion, target)
-    engine = make_engine(p.engine, target, runner, capture=writer, **(served(ws.champion) if runner else {}),
+    runner = runner_for(champ, target)
+    engine = make_engine(p.engine, target, runner, capture=writer, **(served(champ) if runner else {}),
                          progress=lambda m: console.print(f"serve: {m}", markup=False, highlight=False))
     if runner is not None:  # the global suffix tree deployed with the champion (never refuses to start)
-        install_suffix_corpus(engine, ws.champion)
-    _install_class_drafts(engine, ws)
+        install_suffix_corpus(engine, champ)
+    _install_class_drafts(engine, classes)
     sv = p.serve_resolved()
     console.print(serving_line(engine, sv.served_model_name), markup=False, highlight=False, soft_wrap=True)
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
                               admin_token=os.environ.get(ADMIN_TOKEN_ENV),
                               load_version=_registry_loader(target.target_id, ws), text_capture=text_capture,
-                              watch_dir=ws.champion, watch_s=sv.watch_champion_s,
-                              watch_classes_dir=ws.class_champions,
-                              rollback=_registry_rollback(p, target.target_id, ws)),
+                              watch_dir=champ, watch_s=sv.watch_champion_s, watch_classes_dir=classes,
+                              rollback=_registry_rollback(p, target.target_id, ws, follower)),
                     host=host, port=port)
     finally:
-        if writer is not None:
-            writer.close()
+        for c in (writer, follower):
+            if c is not None:
+                c.close()
 
 def serving_line(engine, model: str) -> str:
     """The line `tidespec serve` prints before it listens: the model name clients send, the target
@@ -199,7 +201,8 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     server: one this command starts (vLLM; SGLang without --sglang-url), with each champion the
     cycle deploys loaded into it (`backends.vllm.deployment`, `backends.sglang.deployment`) and its
     live acceptance logged and acted on (`backends.live`); or the user's SGLang at `launch.sglang_url`,
-    as it is. Capture there is text (a front door sees no hidden states)."""
+    as it is. The champion comes from `_champion_source` (data/drafts, or the registry followed).
+    Capture there is text (a front door sees no hidden states)."""
     import uvicorn
 
     from ..capture.text import TextCapture
@@ -217,26 +220,27 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
         _note_unanswered(launch.sglang_url)
         uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog), host=host, port=port)
         return
+    champ, _, follower = _champion_source(p, ws, target_id(p), classes=False)  # one draft: the generalist
     with _sigterm_raises():  # a SIGTERM while the engine server starts stops it too (its own process group)
-        dep = (_start_vllm(p, ws, launch.vllm_python, host) if launch.backend == "vllm"
-               else _start_sglang(p, ws, launch.sglang_python, host))
+        dep = (_start_vllm(p, ws, launch.vllm_python, host, champ) if launch.backend == "vllm"
+               else _start_sglang(p, ws, launch.sglang_python, host, champ))
     app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
                           info=lambda: {"draft_version": dep.draft_version, "engine": launch.backend})
     dep.proxy = app.state.proxy
     from ..serve.admin import ChampionWatcher, DraftPin
     every, hold = p.serve.watch_champion_s, DraftPin()
-    watcher = ChampionWatcher(ws.champion, every, dep, dep.install, hold) if every > 0 else None
+    watcher = ChampionWatcher(champ, every, dep, dep.install, hold) if every > 0 else None
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     from ..backends.live import LiveReporter, server_guard
     from ..steps.tuning import live_windows
     live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s,
                          lambda per_pos, n: live_windows(p.deploy.sagemaker, per_pos, n),
-                         server_guard(dep, _registry_rollback(p, target_id(p), ws), hold))
+                         server_guard(dep, _registry_rollback(p, target_id(p), ws, follower), hold))
             if uri and p.serve.live_stats_s > 0 else None)
     try:
         uvicorn.run(app, host=host, port=port)
     finally:
-        for c in (watcher, live):
+        for c in (watcher, live, follower):
             if c:
                 c.close()
         dep.close()
@@ -284,12 +288,12 @@ def _text_log(text, tid: str, threshold: int):
     from ..adapters.orchestrate import text_captured
     return TextLog(text, threshold, lambda n: text_captured(tid, n, str(text.dir)))
 
-def _start_vllm(p, ws, python: str | None, host: str):
+def _start_vllm(p, ws, python: str | None, host: str, champion: Path | None = None):
     """Start vLLM on a loopback port (the front door is its only client) on the target (converted HF
     dir) with the served champion (if any) as its EAGLE3 draft, loaded in place at later deploys:
     k = engine.num_draft_tokens, max_model_len = engine.max_seq_len (None: the model's), max_num_seqs =
     engine.max_batch, --dtype = target.dtype (the engine knobs vLLM has no equivalent for were refused
-    by `serve_preflight`)."""
+    by `serve_preflight`). `champion`: the champion bundle it starts with (default data/drafts/champion)."""
     from ..adapters.process import loopback
     from ..backends.vllm import VLLMLaunch
     from ..backends.vllm.deployment import VLLMDeployment
@@ -297,15 +301,15 @@ def _start_vllm(p, ws, python: str | None, host: str):
                                     served_model_name=p.serve_resolved().served_model_name)
     console.print(f"serve: starting vLLM ({launch.python}; log under {ws.state / 'vllm' / 'logs'}; ~30-60 s on CPU)",
                   markup=False)
-    return VLLMDeployment(launch, ws.state / "vllm").start(ws.champion if ws.champion.exists() else None)
+    return VLLMDeployment(launch, ws.state / "vllm").start(_existing(champion or ws.champion))
 
-def _start_sglang(p, ws, python: str | None, host: str):
+def _start_sglang(p, ws, python: str | None, host: str, champion: Path | None = None):
     """Start SGLang (its own environment's `python`) on a loopback port with the target (converted HF
     dir) and the served champion (if any) as its EAGLE3 draft, loaded in place at later deploys:
     engine.num_draft_tokens steps, engine.tree's topk and size, context length = engine.max_seq_len
     (None: the model's), max running requests = engine.max_batch, --dtype = target.dtype (float32
-    with SGLang's triton attention backend: `SGLANG_FLOAT32_ARGS`). Raises SGLangUnavailable naming
-    the fix (no CUDA, no SGLang environment)."""
+    with SGLang's triton attention backend: `SGLANG_FLOAT32_ARGS`). `champion`: as `_start_vllm`'s.
+    Raises SGLangUnavailable naming the fix (no CUDA, no SGLang environment)."""
     from ..adapters.process import free_port, loopback
     from ..backends.sglang import SGLANG_FLOAT32_ARGS, SGLangLaunch, default_python
     from ..backends.sglang.deployment import SGLangDeployment
@@ -322,21 +326,20 @@ def _start_sglang(p, ws, python: str | None, host: str):
                           max_running_requests=e.max_batch, dtype=p.target.dtype,
                           extra_args=SGLANG_FLOAT32_ARGS if p.target.dtype == "float32" else ())
     console.print(f"serve: starting SGLang ({launch.python}; log under {ws.state / 'sglang' / 'logs'})", markup=False)
-    return SGLangDeployment(launch, ws.state / "sglang").start(ws.champion if ws.champion.exists() else None)
+    return SGLangDeployment(launch, ws.state / "sglang").start(_existing(champion or ws.champion))
 
-def _registry_rollback(p, target_id: str, ws):
+def _registry_rollback(p, target_id: str, ws, follower=None):
     """The draft-health guards' rollback (`serve.guard.LiveGuard`): when the registry's
-    champion is still the version the guard found worse, `registry.rollback` (an audited decision)
-    and the restored champion deployed into data/drafts/champion, where the champion watcher
-    installs it (the champion is deployed there even when the registry had moved on: a deploy that
-    failed after the registry moved is repaired at the guard's retry); returns the restored version
-    (None: nothing rolled back). None without
-    MLFLOW_TRACKING_URI or with `serve.auto_rollback` off (the guard then reports only)."""
+    champion is still the version the guard found worse, `registry.rollback` (an audited decision),
+    then the served directory follows the registry (`_follow_registry`: the restored champion
+    deployed where the champion watcher installs it, even when the registry had moved on: a deploy
+    that failed after the registry moved is repaired at the guard's retry); returns the restored
+    version (None: nothing rolled back). None without MLFLOW_TRACKING_URI or with
+    `serve.auto_rollback` off (the guard then reports only)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri or not p.serve.auto_rollback:
         return None
     from ..adapters import registry
-    from ..steps.deploy.local import deploy_champion, deploy_class_champions
 
     def roll_back(version: str, reason: str, workload: str = "") -> str | None:
         champ, back = registry.champion(uri, target_id, workload), None
@@ -345,19 +348,65 @@ def _registry_rollback(p, target_id: str, ws):
         else:
             log.warning("not rolling back v%s: the registry's %s is %s now", version,
                         registry.champion_alias(workload), champ.version if champ else None)
-        # the served dir follows the registry (also repairs a deploy that failed after the registry moved)
-        if champ is not None and workload:
-            deploy_class_champions(uri, target_id, ws.class_champions)
-        elif champ is not None:
-            deploy_champion(uri, target_id, ws.champion)
+        if champ is not None:
+            _follow_registry(uri, target_id, ws, follower, workload)
         return back
     return roll_back
 
 
-def _install_class_drafts(engine, ws) -> None:
-    """The workload classes' own champions into the engine at start (`engine.build.install_class_drafts`)."""
+def _follow_registry(uri: str, target_id: str, ws, follower, workload: str) -> None:
+    """The served directory of `workload` ("" the generalist) brought to the registry's champion:
+    with `serve.champion_source: registry`, a round of the registry `follower` (its directories,
+    nothing under data/drafts); else the local deploy into data/drafts/champion or
+    data/drafts/classes (`steps.deploy.local`; raises as it does)."""
+    if follower is not None:
+        follower.check()
+        return
+    from ..steps.deploy.local import deploy_champion, deploy_class_champions
+    if workload:
+        deploy_class_champions(uri, target_id, ws.class_champions)
+    else:
+        deploy_champion(uri, target_id, ws.champion)
+
+
+FIRST_FOLLOW_S = 30.0  # a start waits at most this long (s) for the registry follower's first round
+
+
+def _champion_source(p, ws, target_id: str, classes: bool = True):
+    """(the champion bundle, the class champions' root, the registry follower or None) a server serves from
+    (`classes` False: a server with one draft, whose follower leaves the classes' alone), by
+    `serve.champion_source` (`workspace.Workspace.served_champions`): `directory` — data/drafts, which
+    the cycle's deploy step writes; `registry` — this server's own copies under .tidespec/registry, kept
+    by a `registry.RegistryFollower` every `serve.watch_champion_s` s, after its first round (waited for
+    at most FIRST_FOLLOW_S s; a registry that has not answered by then is said, the server starts on
+    what the copies hold and the follower keeps trying)."""
+    champ, classes_dir = ws.served_champions(p.serve.champion_source)
+    if p.serve.champion_source != "registry":
+        return champ, classes_dir, None
+    from ..adapters import registry
+    from ..workspace import served_version
+    uri = os.environ["MLFLOW_TRACKING_URI"]  # `serve_preflight` refused the registry source without it
+    follower = registry.RegistryFollower(uri, target_id, champ, classes_dir if classes else None,
+                                         p.serve.watch_champion_s)
+    done = follower.first_round(FIRST_FOLLOW_S)
+    if done and follower.error is None:
+        said = f"champion {served_version(champ) or 'none yet'} in {champ.parent}"
+    else:
+        said = (f"not answering after {FIRST_FOLLOW_S:g} s" if not done else f"failed ({follower.error})") + \
+            f", serving what {champ.parent} holds (retried every serve.watch_champion_s)"
+    console.print(f"serve: following the registry at {uri}: {said}", markup=False, highlight=False, soft_wrap=True)
+    return champ, classes_dir, follower
+
+
+def _existing(path: Path) -> Path | None:
+    return path if path.exists() else None
+
+
+def _install_class_drafts(engine, root: Path) -> None:
+    """The workload classes' own champions under `root` into the engine at start
+    (`engine.build.install_class_drafts`)."""
     from ..engine.build import install_class_drafts
-    for workload, v in install_class_drafts(engine, ws.class_champions).items():
+    for workload, v in install_class_drafts(engine, root).items():
         if v is not None:
             log.info("class %r served by its own draft %s", workload, v)
 

@@ -109,7 +109,8 @@ class ChampionWatcher(Poller):
     """Polls `directory/version.json` every `every_s` s on a daemon thread and calls
     `install(directory, version)` when it names another version than the engine serves: how a
     running `tidespec serve` picks up the draft a `tide_cycle` run deployed (deploy.local writes the
-    directory by rename, so a poll never sees half a draft). A version the engine refuses is
+    directory by rename, so a poll never sees half a draft; so does a replica's registry follower,
+    `adapters.registry.follow`). A version the engine refuses is
     logged once and not retried until the directory changes again; an unreadable version.json is
     logged once and polling goes on (the next deploy's rename replaces it)."""
 
@@ -157,10 +158,11 @@ class ChampionWatcher(Poller):
 
 class ClassChampionWatcher(Poller):
     """Polls `root` (data/drafts/classes: one champion bundle per workload class, written by
-    `deploy.local.deploy_class_champions`) every `every_s` s on a daemon thread: installs a class's
-    draft when its directory names another version than the engine serves for it, and drops the
-    draft of a class whose directory is gone (rolled back to the generalist). A version the engine
-    refuses (wrong target, over `engine.draft_memory_mb`) is logged once per version and not retried."""
+    `deploy.local.deploy_class_champions`, or a replica's copies the registry follower writes) every
+    `every_s` s on a daemon thread: installs a class's draft when its directory names another
+    version than the engine serves for it, and drops the draft of a class whose directory is gone
+    (rolled back to the generalist). A version the engine refuses (wrong target, over
+    `engine.draft_memory_mb`) is logged once per version and not retried."""
 
     what = "class champion poll"
 

@@ -50,7 +50,8 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     checkpoint dir (raises LookupError for an unknown one); `text_capture`
     (`capture.text.TextCapture`, or a `serve.textlog.TextLog` over one, `capture.mode: text`): each
     finished request's request and response bodies are logged in the Data Capture format;
-    `watch_dir` (the local champion dir, data/drafts/champion): every `watch_s` s the server
+    `watch_dir` (the champion dir: data/drafts/champion, or a replica's copy of the registry's,
+    `adapters.registry.follow`): every `watch_s` s the server
     installs the version the cycle's deploy step put there (`ChampionWatcher`), and the workload
     classes' own champions under `watch_classes_dir` (data/drafts/classes: `ClassChampionWatcher`);
     every `serve.health_check_s` s the draft-health report (`serve.draft_health`) and the live guard
