@@ -83,7 +83,7 @@ def test_a_replica_with_no_local_champion_serves_the_registrys_and_follows_it(tm
     from tidespec.workspace import Workspace
     root = tmp_path / "replica"
     root.mkdir()
-    raw = yaml.safe_load(tiny_params_yaml(make_tiny_target(tmp_path / "target", seed=7)))  # a target of its own
+    raw = yaml.safe_load(tiny_params_yaml(make_tiny_target(tmp_path / "target", seed=56)))  # its own model
     raw["serve"] = {"watch_champion_s": 0.5, "champion_source": "registry"}
     raw["engine"]["adaptive"] = False  # fixed k: no calibration at start
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
