@@ -6,6 +6,7 @@ finish on the draft they started with. A draft an operator installs is pinned (`
 watcher leaves it serving, and says so once, until `DELETE /admin/draft/pin`."""
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -49,6 +50,7 @@ class DraftPin:
 
     def __init__(self):
         self._lock, self._version, self._by = threading.Lock(), None, "POST /admin/draft"
+        self.swap = threading.Lock()  # held across "check the pin, install": an operator's swap and the watcher's
 
     @property
     def version(self) -> str | None:
@@ -138,6 +140,10 @@ class ChampionWatcher(Poller):
         self._unreadable = None
         if v is None or v == self.engine.draft_version or v == self._refused:
             return None
+        with self.pin.swap if self.pin else contextlib.nullcontext():  # no operator's swap in between
+            return self._install(v)
+
+    def _install(self, v: str) -> str | None:
         pinned = self.pin.version if self.pin else None
         if pinned is not None:
             if self._held != (v, pinned):  # logged once per champion and pin
@@ -219,12 +225,13 @@ def admin_router(engine: Engine, install: DraftInstaller, drafts_dir: Path | Non
             path, version = inside(body.path, drafts_dir), Path(body.path).name
         else:
             path, version = _download(body.version, load_version), body.version
-        try:
-            out = install(path, version, by="POST /admin/draft")
-        except (ValueError, OSError) as e:
-            raise OpenAIError(f"draft refused, the old one keeps serving: {e}", status=409,
-                              code="draft_refused") from None
-        pin.set(out["draft_version"])
+        with pin.swap:  # installed and pinned before the champion watcher looks again
+            try:
+                out = install(path, version, by="POST /admin/draft")
+            except (ValueError, OSError) as e:
+                raise OpenAIError(f"draft refused, the old one keeps serving: {e}", status=409,
+                                  code="draft_refused") from None
+            pin.set(out["draft_version"])
         if engine.suffix is None:  # tokens of the global suffix tree installed: only with the suffix proposer
             out.pop("suffix_corpus_tokens")
         return out | {"pinned": True}
