@@ -244,7 +244,7 @@ class ScriptedEvidence:
         self.begun.append(version)
         return True
 
-    def step(self, key):
+    def step(self, key, track):
         return self.verdicts.pop(0) if self.verdicts else None
 
     def finish(self, key, previous_better):

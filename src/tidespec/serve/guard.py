@@ -57,7 +57,8 @@ class GuardSource(Protocol):
 class Evidence(Protocol):
     """A same-traffic comparison of two versions on a track: `begin` (False: cannot start), `step()`
     once per round until it returns a `PairedComparison` (previous − current τ; None: not yet;
-    `STOPPED`: ended without one), then `finish(key, previous_better)` (the winner left serving;
+    `STOPPED`: ended without one; `track`: the round's reading of the key), then
+    `finish(key, previous_better)` (the winner left serving;
     raises when it cannot be installed); `abort(key)`: ended by another install, nothing installed.
     `what` names the comparison in the audit reason, `unit` what it pairs."""
 
@@ -66,7 +67,7 @@ class Evidence(Protocol):
 
     def begin(self, key: Key, version: str, previous: str, reason: str) -> bool: ...
 
-    def step(self, key: Key) -> PairedComparison | str | None: ...
+    def step(self, key: Key, track: Track) -> PairedComparison | str | None: ...
 
     def finish(self, key: Key, previous_better: bool) -> None: ...
 
@@ -141,7 +142,11 @@ class LiveGuard:
     def check(self) -> list[str]:
         """One round over every track; returns the actions taken."""
         actions = [a for a in (self._roll_back(v, *p) for v, p in list(self._pending.items())) if a]
-        for key, track in sorted(self.source.tracks().items()):
+        tracks = self.source.tracks()
+        for key in [k for k, st in self._states.items() if k not in tracks]:  # a slot gone (a class draft removed)
+            if self._states.pop(key).trial is not None:
+                self.evidence.abort(key)
+        for key, track in sorted(tracks.items()):
             a = self._step(key, track)
             if a:
                 actions.append(a)
@@ -150,7 +155,7 @@ class LiveGuard:
     def _step(self, key: Key, track: Track) -> str | None:
         st = self._states.get(key)
         if st is not None and st.trial is not None:
-            return self._trial_step(key, st)
+            return self._trial_step(key, st, track)
         if st is None or track.version != st.version:
             self._serving(key, track)
             return None
@@ -234,23 +239,19 @@ class LiveGuard:
         log.warning("draft %s: %s: compared with v%s on the same traffic", v, reason, prev)
         return "trial"
 
-    def _trial_step(self, key: Key, st: _State) -> str | None:
+    def _trial_step(self, key: Key, st: _State, track: Track) -> str | None:
         v, prev, reason = st.trial
-        track = self.source.tracks().get(key)
-        if track is None or track.version not in (v, prev):  # another version installed: no verdict
+        if track.version not in (v, prev):  # another version installed: no verdict
             self.evidence.abort(key)
             cmp = STOPPED
         else:
-            cmp = self.evidence.step(key)
+            cmp = self.evidence.step(key, track)
         if cmp is None:
             return None
         if not isinstance(cmp, PairedComparison):  # STOPPED: whatever serves now is measured afresh
             log.warning("comparison of draft %s with v%s stopped: %s serves now", v, prev,
-                        track.version if track else None)
-            if track is None:
-                del self._states[key]
-            else:
-                self._serving(key, track)
+                        track.version)
+            self._serving(key, track)
             return None
         line, st.trial = cmp.line(v, prev, self.evidence.unit), None
         if cmp.previous_better:  # the registry decides even when the previous cannot be installed here

@@ -73,7 +73,7 @@ class TeacherForced:
         self._asked[key] = (version, previous)
         return True
 
-    def step(self, key: tuple[str, str]) -> PairedComparison | None:
+    def step(self, key: tuple[str, str], track=None) -> PairedComparison | None:
         version, previous = self._asked[key]
         return self.judge(version, previous, key[1])
 

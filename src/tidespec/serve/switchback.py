@@ -60,11 +60,10 @@ class Switchback:
             return False
         return True
 
-    def step(self, key: Key) -> PairedComparison | str | None:
+    def step(self, key: Key, track) -> PairedComparison | str | None:
         """One round: close the arm's window once it holds `min_drafts` drafts and install the next arm;
         the comparison after the last one; `STOPPED` when something else installed a draft."""
-        t, track = self._trials[key], self.source.tracks().get(key)
-        now = track.counters if track is not None else None
+        t, now = self._trials[key], track.counters
         if now is None or t.start is None or now.num_drafts < t.start.num_drafts:
             t.start = now
             return None
