@@ -322,3 +322,13 @@ def test_serve_logs_tidespecs_records_at_the_level_asked(monkeypatch):
         log_to_stderr()
     log.setLevel(logging.NOTSET)
     log.propagate = True
+
+
+def test_a_replica_is_named_by_its_id_else_by_host_and_port(monkeypatch):
+    import socket
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node 7.cluster.local")
+    assert ServeParams().replica(8001) == "gpu-node-7-8001"  # the host's first label, made a valid id
+    assert ServeParams(replica_id="eu-1.a_b").replica(8001) == "eu-1.a_b"
+    for bad in ("", "-lead", "a/b", "x" * 64, "tab\tid"):
+        with pytest.raises(ValueError, match="replica_id"):
+            ServeParams(replica_id=bad)

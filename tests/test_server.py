@@ -27,7 +27,8 @@ def served(tiny_target, tmp_path):
         EngineParams(num_draft_tokens=3, max_seq_len=256),
         draft_version="v1",
     )
-    with TestClient(build_app(eng, None, ServeParams(max_tokens=16), drafts_dir=drafts, admin_token="s3cret")) as c:
+    cfg = ServeParams(max_tokens=16, replica_id="replica-a")
+    with TestClient(build_app(eng, None, cfg, drafts_dir=drafts, admin_token="s3cret")) as c:
         yield c, eng, drafts
 
 
@@ -60,6 +61,7 @@ def test_completions_lossless_usage_and_metrics(served, tiny_target):
     assert _prom(c, 'tidespec:draft_info{version="v1"}') == 1
     assert c.get("/health").json()["draft_version"] == "v1"
     assert c.get("/health").json()["target_precision"] == "fp32"  # which weights answer (target.quantization)
+    assert c.get("/health").json()["replica_id"] == "replica-a"  # its name in a fleet (serve.replica_id)
 
 
 def test_bad_requests_get_clear_4xx(served, tiny_target):

@@ -60,6 +60,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
                                          sglang_python=sglang_python, vllm_python=vllm_python, capture=capture,
                                          publish=publish, max_queue=max_queue, timeout_s=timeout_s,
                                          max_tokens=max_tokens)
+    p = p.model_copy(update={"serve": p.serve.model_copy(update={"replica_id": p.serve.replica(port)})})
     if launch.backend != "embedded":
         _serve_frontdoor(p, ws, launch, host, port)
         return
@@ -225,7 +226,8 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
         dep = (_start_vllm(p, ws, launch.vllm_python, host, champ) if launch.backend == "vllm"
                else _start_sglang(p, ws, launch.sglang_python, host, champ))
     app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
-                          info=lambda: {"draft_version": dep.draft_version, "engine": launch.backend})
+                          info=lambda: {"draft_version": dep.draft_version, "engine": launch.backend,
+                                        "replica_id": p.serve.replica_id})
     dep.proxy = app.state.proxy
     from ..serve.admin import ChampionWatcher, DraftPin
     every, hold = p.serve.watch_champion_s, DraftPin()

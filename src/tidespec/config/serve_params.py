@@ -1,11 +1,15 @@
 """`tidespec serve`'s settings (the `serve:` section of params.yaml), strict as every section."""
 from __future__ import annotations
 
+import re
+import socket
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from .strict import Strict
+
+REPLICA_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 
 class ServeParams(Strict):
@@ -29,7 +33,9 @@ class ServeParams(Strict):
     (a replica on another machine: the MLflow registry's champion aliases of the served target,
     downloaded every watch_champion_s s into the server's own .tidespec/registry/ by
     `adapters.registry.follow.RegistryFollower`; needs MLFLOW_TRACKING_URI, refused at start
-    without it by `config.serve_launch.ServeLaunch`)."""
+    without it by `config.serve_launch.ServeLaunch`); replica_id: this server's name in a fleet (letters,
+    digits, `.`, `_`, `-`; at most 63 characters, so it fits a file name, an MLflow key and a Prometheus
+    label; None: `<host name>-<port>`, `ServeParams.replica`), on /health."""
 
     max_queue: int = Field(64, ge=1)
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
@@ -43,6 +49,15 @@ class ServeParams(Strict):
     health_check_s: float = Field(30.0, ge=0, allow_inf_nan=False)
     auto_rollback: bool = True
     champion_source: Literal["directory", "registry"] = "directory"
+    replica_id: str | None = Field(None, pattern=REPLICA_ID)
+
+    def replica(self, port: int) -> str:
+        """This server's replica id: `replica_id`, else `<host name>-<port>` (the host name's first
+        label, characters outside the id's alphabet replaced by `-`)."""
+        if self.replica_id:
+            return self.replica_id
+        host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0]).strip("-._") or "host"
+        return f"{host[:56]}-{port}"
 
     @field_validator("workload_by_model")
     @classmethod

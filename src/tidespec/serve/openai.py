@@ -62,7 +62,8 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
     @router.get("/health")
     def health():
         versions = serving.engine.draft_versions
-        return {"status": "ok", "draft_version": serving.engine.draft_version,
+        return {"status": "ok", "replica_id": serving.cfg.replica_id,
+                "draft_version": serving.engine.draft_version,
                 "class_drafts": {w: v for w, v in sorted(versions.items()) if w},
                 "requests": serving.engine.num_unfinished,
                 "target_precision": serving.engine.target.precision}  # target.dtype × target.quantization
