@@ -29,7 +29,10 @@ class ServeParams(Strict):
     (a replica on another machine: the MLflow registry's champion aliases of the served target,
     downloaded every watch_champion_s s into the server's own .tidespec/registry/ by
     `adapters.registry.follow.RegistryFollower`; needs MLFLOW_TRACKING_URI, refused at start
-    without it by `config.serve_launch.ServeLaunch`)."""
+    without it by `config.serve_launch.ServeLaunch`); auth_health_metrics: with an API key
+    (`tidespec serve --api-key`, $TIDESPEC_API_KEY), /health and /metrics take it too (false: they
+    stay open for load balancers and Prometheus; true without a key is refused at start). The key
+    itself is never a params value: it is a secret, params.yaml is versioned."""
 
     max_queue: int = Field(64, ge=1)
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
@@ -43,6 +46,7 @@ class ServeParams(Strict):
     health_check_s: float = Field(30.0, ge=0, allow_inf_nan=False)
     auto_rollback: bool = True
     champion_source: Literal["directory", "registry"] = "directory"
+    auth_health_metrics: bool = False
 
     @field_validator("workload_by_model")
     @classmethod
