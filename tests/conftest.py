@@ -18,6 +18,8 @@ import pytest
 from tidespec.config import CaptureParams, EngineParams
 
 REPO = Path(__file__).resolve().parents[1]
+for _key in ("TIDESPEC_API_KEY", "VLLM_API_KEY"):  # the suite's servers are its own: keyless unless a test sets one
+    os.environ.pop(_key, None)
 
 
 # `make test` runs two xdist workers, a file at a time each (--dist loadfile --no-loadscope-reorder),

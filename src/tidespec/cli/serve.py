@@ -41,9 +41,15 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
           publish: bool = typer.Option(True, help="publish each sealed snapshot: dvc add + push, retention, "
                                                   "drift, the tidespec.capture.threshold event that starts "
                                                   "tide-cycle (needs --root to be a DVC repo, as `make demo` "
-                                                  "sets up)")):
+                                                  "sets up)"),
+          api_key: str = typer.Option(None, help="the key of the OpenAI routes, as vLLM's --api-key: a request "
+                                                 "without `Authorization: Bearer KEY` gets 401 (/health, /metrics "
+                                                 "open unless serve.auth_health_metrics; /admin keeps "
+                                                 "$TIDESPEC_ADMIN_TOKEN). Default $TIDESPEC_API_KEY (prefer it: a "
+                                                 "flag shows in the process list); neither: no key")):
     """OpenAI-compatible server (/v1/completions, /v1/chat/completions, /health, /metrics,
-    /admin/draft with $TIDESPEC_ADMIN_TOKEN) on the target + the served champion draft. With capture,
+    /admin/draft with $TIDESPEC_ADMIN_TOKEN; the OpenAI routes with $TIDESPEC_API_KEY or --api-key
+    when set) on the target + the served champion draft. With capture,
     each sealed snapshot is published (DVC + the Prefect event that starts a cycle, $PREFECT_API_URL)
     and the champion a cycle deploys is served within serve.watch_champion_s (with
     serve.champion_source: registry, the registry's champion, followed into .tidespec/registry)."""
@@ -59,10 +65,11 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     p, ws, launch, pub = serve_preflight(root, params, backend=backend, sglang_url=sglang_url,
                                          sglang_python=sglang_python, vllm_python=vllm_python, capture=capture,
                                          publish=publish, max_queue=max_queue, timeout_s=timeout_s,
-                                         max_tokens=max_tokens)
+                                         max_tokens=max_tokens, api_key=api_key)
     p = p.model_copy(update={"serve": p.serve.model_copy(update={"replica_id": p.serve.replica(port)})})
+    key = launch.api_key_in(os.environ)
     if launch.backend != "embedded":
-        _serve_frontdoor(p, ws, launch, host, port)
+        _serve_frontdoor(p, ws, launch, host, port, key)
         return
     hidden, text = capture and p.capture.mode == "hidden", capture and p.capture.mode == "text"
     target, tok = get_target(p)
@@ -91,7 +98,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     console.print(serving_line(engine, sv.served_model_name), markup=False, highlight=False, soft_wrap=True)
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
-                              admin_token=os.environ.get(ADMIN_TOKEN_ENV),
+                              admin_token=os.environ.get(ADMIN_TOKEN_ENV), api_key=key,
                               load_version=_registry_loader(target.target_id, ws), text_capture=text_capture,
                               watch_dir=champ, watch_s=sv.watch_champion_s, watch_classes_dir=classes,
                               rollback=_registry_rollback(p, target.target_id, ws, follower)),
@@ -118,7 +125,7 @@ def serving_line(engine, model: str) -> str:
 def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sglang_url: str | None = None,
                     sglang_python: str | None = None, vllm_python: str | None = None, capture: bool = True,
                     publish: bool = True, max_queue: int | None = None, timeout_s: float | None = None,
-                    max_tokens: int | None = None, env=None):
+                    max_tokens: int | None = None, api_key: str | None = None, env=None):
     """Everything `tidespec serve` checks before it loads a model or starts a server, with the
     command's own arguments: the params file, the flags against the backend and the params
     (`serve_launch.ServeLaunch`), and, for hidden-state capture with publishing, the publisher
@@ -130,7 +137,7 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
     p, ws = load_params(params), ws_of(root)
     launch = ServeLaunch.build(backend=backend, sglang_url=sglang_url, sglang_python=sglang_python,
                                vllm_python=vllm_python, capture=capture, publish=publish, max_queue=max_queue,
-                               request_timeout_s=timeout_s, max_tokens=max_tokens)
+                               request_timeout_s=timeout_s, max_tokens=max_tokens, api_key=api_key)
     p = _with_flags(p, launch)
     if launch.launches:
         _engine_runs_here(launch)
@@ -197,13 +204,14 @@ def _serve_publisher(p, ws, env=None):
                       markup=False)
     return Publisher.for_workspace(ws, p)
 
-def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
+def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = None) -> None:
     """`tidespec serve --backend sglang|vllm`: the OpenAI front door (`frontdoor.py`) before an engine
     server: one this command starts (vLLM; SGLang without --sglang-url), with each champion the
     cycle deploys loaded into it (`backends.vllm.deployment`, `backends.sglang.deployment`) and its
     live acceptance logged and acted on (`backends.live`); or the user's SGLang at `launch.sglang_url`,
     as it is. The champion comes from `_champion_source` (data/drafts, or the registry followed).
-    Capture there is text (a front door sees no hidden states)."""
+    Capture there is text (a front door sees no hidden states). `api_key`: the key the front door
+    checks (None: open); the engine server it starts listens on loopback without one."""
     import uvicorn
 
     from ..capture.text import TextCapture
@@ -217,15 +225,16 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int) -> None:
     text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture) if capture else None
     textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
     timeout = launch.request_timeout_s or p.serve.request_timeout_s
+    auth = {"api_key": api_key, "auth_health_metrics": p.serve.auth_health_metrics}
     if not launch.launches:
         _note_unanswered(launch.sglang_url)
-        uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog), host=host, port=port)
+        uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog, **auth), host=host, port=port)
         return
     champ, _, follower = _champion_source(p, ws, target_id(p), classes=False)  # one draft: the generalist
     with _sigterm_raises():  # a SIGTERM while the engine server starts stops it too (its own process group)
         dep = (_start_vllm(p, ws, launch.vllm_python, host, champ) if launch.backend == "vllm"
                else _start_sglang(p, ws, launch.sglang_python, host, champ))
-    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog,
+    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog, **auth,
                           info=lambda: {"draft_version": dep.draft_version, "engine": launch.backend,
                                         "replica_id": p.serve.replica_id})
     dep.proxy = app.state.proxy

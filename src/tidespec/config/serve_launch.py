@@ -7,16 +7,21 @@ fail.
 """
 from __future__ import annotations
 
+import hmac
 from collections.abc import Mapping
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from .params import Params
 from .strict import Strict
 
 MLFLOW_ENV = "MLFLOW_TRACKING_URI"
+API_KEY_ENV = "TIDESPEC_API_KEY"  # the key of the OpenAI routes (`--api-key` overrides it)
+ADMIN_TOKEN_ENV = "TIDESPEC_ADMIN_TOKEN"  # the bearer token of /admin (`serve.admin`)
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own; the vLLM tidespec starts runs on loopback without a key
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EMBEDDED_ONLY = ("health_check_s", "classify_workload", "workload_by_model")
 # serve.* keys a front door forwards past: the backend's own limits and defaults apply (set them there)
 FRONTDOOR_UNUSED = ("max_queue", "max_tokens", "default_temperature")
@@ -30,11 +35,13 @@ class ServeLaunch(Strict):
     SGLang server this command starts with `sglang_python`, or, with `sglang_url`, the user's own
     server, which tidespec neither swaps nor watches); vllm_python: vLLM's interpreter;
     capture / publish: capture finished requests, publish sealed snapshots; max_queue,
-    request_timeout_s (s), max_tokens: the embedded engine's admission limits. Raises ValueError
-    in one line naming the flag (`labels`) for a bad value or a flag of another backend."""
+    request_timeout_s (s), max_tokens: the embedded engine's admission limits; api_key: the key of
+    the OpenAI routes (None: `$TIDESPEC_API_KEY`, see `api_key_in`). Raises ValueError in one line
+    naming the flag (`labels`) for a bad value (an empty key among them) or a flag of another
+    backend."""
 
     labels = {"sglang_url": "--sglang-url", "sglang_python": "--sglang-python", "vllm_python": "--vllm-python",
-              "max_queue": "--max-queue",
+              "max_queue": "--max-queue", "api_key": "--api-key",
               "request_timeout_s": "--timeout-s", "max_tokens": "--max-tokens", "backend": "--backend"}
 
     backend: Literal["embedded", "vllm", "sglang"] = "embedded"
@@ -46,6 +53,29 @@ class ServeLaunch(Strict):
     max_queue: int | None = Field(None, ge=1)
     request_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     max_tokens: int | None = Field(None, ge=1)
+    api_key: SecretStr | None = None
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _a_key(cls, v):
+        wrong = None if v is None else _key_problem(v.get_secret_value() if isinstance(v, SecretStr) else str(v))
+        if wrong:
+            raise ValueError(f"the key {wrong}: pass the key clients send as `Authorization: Bearer <key>` (or set "
+                             f"{API_KEY_ENV}, which a process list does not show), or leave it out")
+        return v
+
+    def api_key_in(self, env: Mapping[str, str]) -> str | None:
+        """The key of the OpenAI routes: --api-key, else `$TIDESPEC_API_KEY` in `env`, else None (the
+        routes are open, as before). Raises ValueError for a `$TIDESPEC_API_KEY` set but empty (a key
+        meant but lost is never served open) or with spaces around it (no client could send it)."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        key = env.get(API_KEY_ENV)
+        wrong = None if key is None else _key_problem(key)
+        if wrong:
+            raise ValueError(f"{API_KEY_ENV} {wrong}: set it to the key clients send as `Authorization: Bearer "
+                             "<key>`, or unset it to serve the OpenAI routes without a key")
+        return key
 
     @field_validator("sglang_url")
     @classmethod
@@ -79,8 +109,9 @@ class ServeLaunch(Strict):
         """Check the params against this launch: raises ValueError naming the key and the fix for a
         setting the backend cannot honour; returns notes (one line each) on defaults it runs
         without. `env`: the process environment (MLFLOW_TRACKING_URI decides whether a rollback can
-        reach the registry; `serve.champion_source: registry` is refused without it)."""
-        s, notes = p.serve, []
+        reach the registry; `serve.champion_source: registry` is refused without it; the API key
+        and the admin token are checked by `_keys`)."""
+        s, notes = p.serve, self._keys(p, env)
         follows = self.backend == "embedded" or self.launches  # a server at --sglang-url is refused below
         if s.champion_source == "registry" and follows and not env.get(MLFLOW_ENV):
             raise ValueError(f"serve.champion_source: registry follows the MLflow registry's champion and "
@@ -115,6 +146,29 @@ class ServeLaunch(Strict):
                              "logged nowhere and live τ rolls nothing back (set it to use the registry)")
             notes += self._started_engine(p)
         return notes
+
+    def _keys(self, p: Params, env: Mapping[str, str]) -> list[str]:
+        """The API key against the params and the environment: `serve.auth_health_metrics` without a
+        key, the admin token's value as the key (a client of the OpenAI routes could swap drafts)
+        and `$VLLM_API_KEY` before the vLLM tidespec starts (the front door checks the key, vLLM stays
+        on loopback without one) are refused; a key before your own SGLang not on loopback is
+        noted. Returns the notes."""
+        key = self.api_key_in(env)
+        if p.serve.auth_health_metrics and key is None:
+            raise ValueError(f"serve.auth_health_metrics guards /health and /metrics with the API key, and no key is "
+                             f"set: set {API_KEY_ENV} (or --api-key), or set serve.auth_health_metrics: false")
+        admin = env.get(ADMIN_TOKEN_ENV)
+        if key is not None and admin and hmac.compare_digest(key.encode(), admin.encode()):
+            raise ValueError(f"the API key equals {ADMIN_TOKEN_ENV}: a client of the OpenAI routes could then swap "
+                             "drafts; use two different secrets")
+        if self.backend == "vllm" and env.get(VLLM_API_KEY_ENV):
+            raise ValueError(f"{VLLM_API_KEY_ENV} is set: the vLLM server tidespec starts listens on 127.0.0.1 behind "
+                             f"the front door, which checks the key itself; unset {VLLM_API_KEY_ENV} and set "
+                             f"{API_KEY_ENV} (or --api-key) to the key instead")
+        if key is not None and self.sglang_url is not None and urlsplit(self.sglang_url).hostname not in LOOPBACK:
+            return [f"--sglang-url {self.sglang_url}: the front door checks the API key and forwards to your SGLang "
+                    "without it; keep that server on loopback or a private network (docs/fleet.md)"]
+        return []
 
     @property
     def launches(self) -> bool:
@@ -162,3 +216,11 @@ class ServeLaunch(Strict):
             notes.append(f"{name} drafts a fixed k = engine.num_draft_tokens = {e.num_draft_tokens} (engine.adaptive, "
                          "the goodput policy, is the embedded engine's)")
         return notes
+
+
+def _key_problem(key: str) -> str | None:
+    """What makes `key` unusable as an API key (empty; spaces around it, which a bearer header
+    cannot carry), or None."""
+    if not key.strip():
+        return "is empty"
+    return "has spaces around it" if key != key.strip() else None

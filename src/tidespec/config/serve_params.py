@@ -35,7 +35,10 @@ class ServeParams(Strict):
     `adapters.registry.follow.RegistryFollower`; needs MLFLOW_TRACKING_URI, refused at start
     without it by `config.serve_launch.ServeLaunch`); replica_id: this server's name in a fleet (letters,
     digits, `.`, `_`, `-`; at most 63 characters, so it fits a file name, an MLflow key and a Prometheus
-    label; None: `<host name>-<port>`, `ServeParams.replica`), on /health."""
+    label; None: `<host name>-<port>`, `ServeParams.replica`), on /health; auth_health_metrics: with an API key
+    (`tidespec serve --api-key`, $TIDESPEC_API_KEY), /health and /metrics take it too (false: they
+    stay open for load balancers and Prometheus; true without a key is refused at start). The key
+    itself is never a params value: it is a secret, params.yaml is versioned."""
 
     max_queue: int = Field(64, ge=1)
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
@@ -50,6 +53,7 @@ class ServeParams(Strict):
     auto_rollback: bool = True
     champion_source: Literal["directory", "registry"] = "directory"
     replica_id: str | None = Field(None, pattern=REPLICA_ID)
+    auth_health_metrics: bool = False
 
     def replica(self, port: int) -> str:
         """This server's replica id: `replica_id`, else `<host name>-<port>` (the host name's first

@@ -29,6 +29,7 @@ from ..adapters.process import free_port, poll_until
 from ..assets import prompts
 from ..backends import vllm
 from ..config import load_params
+from ..config.serve_launch import API_KEY_ENV, VLLM_API_KEY_ENV
 from ..models.chat import prompt_ids
 from ..models.load import get_target
 from ..steps.bootstrap import bootstrap_static
@@ -111,8 +112,9 @@ def _loop(root: Path, ws: Workspace, env: dict, base, python: str) -> dict:
     cmd = [sys.executable, "-m", "tidespec.cli", "serve", "--backend", "vllm", "--vllm-python", python,
            "--root", str(ws.root), "--params", str(ws.root / "params.yaml"), "--port", str(port)]
     console.print(f"$ tidespec serve --backend vllm --root {ws.root} --port {port}   (log: {log})", markup=False)
-    with open(log, "w") as lf:
-        proc = subprocess.Popen(cmd, cwd=ws.root, env=os.environ | env, stdout=lf, stderr=subprocess.STDOUT)
+    keyless = {k: v for k, v in (os.environ | env).items() if k not in (API_KEY_ENV, VLLM_API_KEY_ENV)}
+    with open(log, "w") as lf:  # its server on 127.0.0.1 is the demo's own: no API key, whatever the shell exports
+        proc = subprocess.Popen(cmd, cwd=ws.root, env=keyless, stdout=lf, stderr=subprocess.STDOUT)
     try:
         return _traffic_and_cycle(ws, params, tid, uri, api, url, proc, log, train, hold, tok, v1)
     finally:

@@ -9,6 +9,7 @@
   the exception handlers (both servers);
 - `metrics`: what is counted (`FinishedRequestStats`) apart from the Prometheus exporters (both servers);
 - `admin`: `POST /admin/draft` (bearer token) and the `ChampionWatcher`;
+- `auth`: the API key of the OpenAI routes (`--api-key`, both servers), apart from the admin token;
 - `engine_loop`: the thread that steps the engine;
 - `textlog`: text capture of exchanges, `lifespan`: what closes at shutdown (both servers).
 """

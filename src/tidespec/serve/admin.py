@@ -18,6 +18,7 @@ from typing import Annotated, Protocol
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..config.serve_launch import ADMIN_TOKEN_ENV
 from ..engine.build import install_draft
 from ..engine.speculative import Engine
 from ..errors import TidespecError
@@ -26,7 +27,6 @@ from .errors import OpenAIError
 from .poller import Poller
 
 log = logging.getLogger(__name__)
-ADMIN_TOKEN_ENV = "TIDESPEC_ADMIN_TOKEN"
 
 
 class DraftSwap(BaseModel):

@@ -6,7 +6,8 @@ responses and SSE streams byte for byte, the backend's status codes and errors) 
 loop needs: text capture of each successful exchange (Data Capture format) and Prometheus metrics.
 An unreachable backend is 502 (503 on /health), a slow one 504, in OpenAI's envelope. The backend
 can be switched while serving (`Proxy.switch`: blue/green); a request goes wholly to the backend
-that was current when it arrived. More: docs/design/serve.md.
+that was current when it arrived. With an API key the front door checks it itself (`serve.auth`) and
+talks to its engine server, on loopback, without one. More: docs/design/serve.md.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .auth import api_key_middleware
 from .errors import OpenAIError, install_error_handlers
 from .lifespan import closing
 from .metrics import FrontdoorMetrics, metrics_response
@@ -31,7 +33,8 @@ JSON = {"content-type": "application/json"}
 
 
 def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0, on_close=None,
-                    info=None, textlog: TextLog | None = None) -> FastAPI:
+                    info=None, textlog: TextLog | None = None, api_key: str | None = None,
+                    auth_health_metrics: bool = False) -> FastAPI:
     """The FastAPI app in front of `backend_url` (e.g. http://127.0.0.1:30000). `text_capture`: a
     `capture.text.TextCapture` (None: no capture); `timeout_s`: per backend request, s (504 after).
     At shutdown the backend client and the text capture are closed, then `on_close()` runs (e.g.
@@ -39,10 +42,14 @@ def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.
     `textlog`: the text log to use (e.g. with a token threshold), instead of one over `text_capture`.
     The `Proxy` is `app.state.proxy` (to switch backends). `/metrics` is the front door's own
     metrics followed by the backend's `/metrics` (vLLM's `vllm:*`, SGLang's `sglang:*`: the engine's
-    own spec-decode counters), so one scrape sees both."""
+    own spec-decode counters), so one scrape sees both. `api_key`: the key every route takes as a
+    bearer token, 401 otherwise (None: open; /health and /metrics stay open unless
+    `auth_health_metrics`: `serve.auth`); the backend is called without it. Raises ValueError for an
+    empty `api_key`, or `auth_health_metrics` without one."""
+    auth = api_key_middleware(api_key, auth_health_metrics)
     proxy = Proxy(backend_url, httpx.AsyncClient(timeout=timeout_s), timeout_s, FrontdoorMetrics(),
                   textlog or TextLog(text_capture), info)
-    app = FastAPI(title="tidespec front door", version="0.1",
+    app = FastAPI(title="tidespec front door", version="0.1", middleware=auth,
                   lifespan=closing(proxy.client.aclose, proxy.textlog.close, on_close))
     app.state.proxy = proxy
     for route in ROUTES:

@@ -4,9 +4,9 @@
 `POST /v1/completions`, `POST /v1/chat/completions` (streamed as SSE; every field honoured or
 refused with a 400 naming it), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus, names
 after vLLM's spec-decode metrics, prefix `tidespec:`), `POST /admin/draft` (bearer token: the draft
-swapped between engine steps). One thread steps the engine; beyond `serve.max_queue` requests get
-429; a request the engine fails gets 500 with its request id. Composes the rooms of `tidespec.serve`.
-More: docs/design/serve.md.
+swapped between engine steps). With an API key the OpenAI routes take it (`serve.auth`). One
+thread steps the engine; beyond `serve.max_queue` requests get 429; a request the engine fails gets
+500 with its request id. Composes the rooms of `tidespec.serve`. More: docs/design/serve.md.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ..capture.recent import RecentRecords
 from ..config import ServeParams
 from ..engine.speculative import Engine
 from .admin import ADMIN_TOKEN_ENV, ChampionWatcher, ClassChampionWatcher, DraftInstaller, DraftPin, admin_router
+from .auth import api_key_middleware
 from .draft_health import EngineSource, HealthReport
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
@@ -37,7 +38,7 @@ __all__ = ["ADMIN_TOKEN_ENV", "build_app"]
 
 
 def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, *, model: str = "tidespec",
-              drafts_dir: Path | None = None, admin_token: str | None = None,
+              drafts_dir: Path | None = None, admin_token: str | None = None, api_key: str | None = None,
               load_version: Callable[[str], Path] | None = None, text_capture=None,
               watch_dir: Path | None = None, watch_s: float = 5.0, watch_classes_dir: Path | None = None,
               rollback: Callable[..., None] | None = None) -> FastAPI:
@@ -46,7 +47,9 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     cap of a request's max_tokens, which must be resolved: `Params.serve_resolved()`;
     default_temperature); `model`: the served model id (a request naming another gets 404, as in
     vLLM); `drafts_dir`: `/admin/draft` paths must lie inside it; `admin_token`: bearer token for
-    /admin (None: admin disabled, 403); `load_version(v)`: registry version or alias → local
+    /admin (None: admin disabled, 403); `api_key`: the key every other route takes as a bearer
+    token, 401 otherwise (None: open; /health and /metrics stay open unless
+    `serve.auth_health_metrics`: `serve.auth`); `load_version(v)`: registry version or alias → local
     checkpoint dir (raises LookupError for an unknown one); `text_capture`
     (`capture.text.TextCapture`, or a `serve.textlog.TextLog` over one, `capture.mode: text`): each
     finished request's request and response bodies are logged in the Data Capture format;
@@ -60,9 +63,10 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     than its predecessor on the same recent traffic ("" the generalist; None: no rollback). At shutdown: the watcher
     stops, requests in flight finish, the engine's capture sink (if any) is flushed (its counters
     are served on /metrics), text capture is closed. Every error is answered in OpenAI's envelope
-    (`serve.errors`). Raises ValueError for unresolved max_tokens, or max_tokens ≥ the engine's
-    max_seq_len."""
+    (`serve.errors`). Raises ValueError for unresolved max_tokens, max_tokens ≥ the engine's
+    max_seq_len, an empty `api_key`, or `serve.auth_health_metrics` without one."""
     cfg = serve or ServeParams()
+    auth = api_key_middleware(api_key, cfg.auth_health_metrics)
     if cfg.max_tokens is None:
         raise ValueError("serve.max_tokens is unresolved: pass Params.serve_resolved() (engine.max_new_tokens)")
     if cfg.max_tokens >= engine.cfg.max_seq_len:
@@ -81,7 +85,7 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                if watch_classes_dir is not None and watch_s > 0 else None)
     guard = HealthReport(engine, metrics, cfg.health_check_s,
                          _guard(engine, install, load_version, rollback if cfg.auto_rollback else None))
-    app = FastAPI(title="tidespec", version="0.1", lifespan=closing(
+    app = FastAPI(title="tidespec", version="0.1", middleware=auth, lifespan=closing(
         watcher and watcher.close, classes and classes.close, guard.close, loop.close, getattr(writer, "flush", None),
         textlog.close))
     app.state.loop, app.state.metrics, app.state.guard = loop, metrics, guard
