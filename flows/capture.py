@@ -39,9 +39,8 @@ def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: boo
         if not (ws.root / ".dvc").is_dir():
             raise ValueError(f"{ws.root} is not a DVC repo: `dvc init` and add a remote, or run with publish=False")
         pub = Publisher.for_workspace(ws, params)
-    writer = CaptureWriter(
-        ws.ingest_dir(target.target_id), target.target_id, params.capture, snapshots_root=ws.snapshots, on_seal=pub
-    )
+    writer = CaptureWriter(ws.ingest_dir(target.target_id), target.target_id, params.capture,
+                           snapshots_root=ws.snapshots, on_seal=pub, replica_id=params.serve.replica())
     store = S3Objects()  # the S3 client is built on first use: a local-directory source needs no AWS
     try:  # ingest.rehydrate_backend: the prefill in this process, or vLLM's hidden-state extraction
         with rehydrator_for(params, target, ws.state) as rehydrator:

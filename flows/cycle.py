@@ -82,7 +82,8 @@ def deploy(root: str, tracking_uri: str, target_id: str, params_path: str = "par
 def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str = "",
                snapshot_rev: str = "", tracking_uri: str | None = None, trigger: str = "manual",
                force: bool = False) -> dict:
-    """One adaptation cycle over the snapshots under `root`/data/snapshots/<target_id>.
+    """One adaptation cycle over the snapshots under `root`/data/snapshots/<target_id> (with
+    `curate.fleet`, over every replica's, listed from the DVC remote: docs/fleet.md).
 
     trigger: why it runs (manual, schedule, tokens, drift: from the event). A cycle with no sealed
     snapshot newer than the last completed cycle's is skipped unless `force`. `params_path` is read
@@ -98,7 +99,7 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     log.info("params %s (sha %s) frozen as %s", params_path, params.sha(), frozen)
     if not target_id:
         target_id = target_id_of(params)
-    if not force and (why := cycle.nothing_new(ws, target_id)):
+    if not force and (why := cycle.nothing_new(ws, target_id, params)):
         log.info("cycle skipped, champion untouched: %s", why)
         return {"skipped": why}
     cur = curate(root, frozen, target_id)
@@ -118,6 +119,6 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     classes = (class_drafts(root, frozen, target_id, tracking_uri, snapshot_rev, trigger)
                if params.train.class_drafts else {})
     dep = deploy(root, tracking_uri, target_id, frozen)
-    cycle.mark_done(ws, Path(cur["curated"]))
+    cycle.mark_done(ws, Path(cur["curated"]), params)  # curate.fleet: the fleet threshold counts from here
     return {"curate": cur, "train": {k: v for k, v in tm.items() if not isinstance(v, list)}, "evaluate": rep,
             "register": dec, "classes": classes, "deploy": dep}

@@ -519,7 +519,7 @@ def test_snapshot_ids_never_collide(tmp_path, monkeypatch):
     import tidespec.capture.snapshots as store
     real = store.new_snapshot_id
     ids = iter(["s1-aaaa", "s1-aaaa", "s1-aaaa", "s2-bbbb"])
-    monkeypatch.setattr(store, "new_snapshot_id", lambda: next(ids, None) or real())
+    monkeypatch.setattr(store, "new_snapshot_id", lambda *a: next(ids, None) or real(*a))
     for name in ("a", "b"):
         w = CaptureWriter(tmp_path / name, "tid")
         w.submit(_rec(6, seed=ord(name)), request_id=name, workload="x", acceptance_length=1.0)

@@ -1,6 +1,7 @@
 """The seal publisher: what happens after a seal (on the writer's publisher thread, never the serving
-path): `dvc add` + `dvc push` the snapshot (+ git commit of its `.dvc` file: `versioning`),
-retention, drift (`curate.snapshot_drift`), the Prefect event (`orchestrate.capture_threshold`).
+path): `dvc add` + `dvc push` the snapshot (+ git commit of its `.dvc` file: `versioning`), its
+manifest on the DVC remote beside the data (`remote_snapshots`: where every machine of a fleet lists
+it), retention, drift (`curate.snapshot_drift`), the Prefect event (`orchestrate.capture_threshold`).
 
 A snapshot whose publish failed (remote down...) stays local; the next publish tracks and
 pushes it too, and retention drops a snapshot only after pushing it.
@@ -10,8 +11,10 @@ ones are pushed (idempotent) then dropped locally with their cache objects (`dvc
 <sid>.dvc` restores one). A snapshot that is not on the remote is never dropped.
 
 Trigger: `tidespec.capture.threshold` is emitted when the snapshot was sealed on the token
-threshold, or its token distribution drifted from the last curated set by more than
-`curate.drift_threshold` bits (JSD).
+threshold (in a fleet, `capture.fleet_min_tokens`: when the tokens every replica sealed since the
+last cycle reach it, counted from the remote's manifests: `remote_snapshots.tokens_since_cycle`), or
+its token distribution drifted from the last curated set by more than `curate.drift_threshold` bits
+(JSD). The event carries the snapshot's manifest.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from ..capture.curate import snapshot_drift
 from ..capture.snapshots import SnapshotInfo, list_snapshots
-from . import orchestrate, versioning
+from . import orchestrate, remote_snapshots, versioning
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ def apply_retention(repo: Path, snapshots_root: Path, target_id: str, keep: int)
 class Publisher:
     """`on_seal` callback of a CaptureWriter. `repo`: the git+DVC repo holding the snapshots (set
     up with versioning.ensure_repo); `curated`: the last curated index (drift reference);
-    `commit`: git-commit the `.dvc` files (off in a user's checkout: the demo). Each call's
+    `commit`: git-commit the `.dvc` files (off in a user's checkout: the demo); `fleet_min_tokens`:
+    the fleet threshold (`capture.fleet_min_tokens`; None: the seal's own reason). Each call's
     result is appended to `published`."""
 
     repo: Path
@@ -60,6 +64,7 @@ class Publisher:
     drift_threshold: float = 0.3
     commit: bool = True
     emit: bool = True
+    fleet_min_tokens: int | None = None
     published: list = field(default_factory=list)
 
     @classmethod
@@ -68,13 +73,15 @@ class Publisher:
         curate.drift_threshold against the last curated set): what serve, ingest and `snapshots
         seal` use. `ws`: a `workspace.Workspace` whose root is the git+DVC repo."""
         return cls(ws.root, ws.snapshots, params.capture.keep_local_snapshots, ws.curated,
-                   params.curate.drift_threshold, commit=commit)
+                   params.curate.drift_threshold, commit=commit, fleet_min_tokens=params.capture.fleet_min_tokens)
 
     def __call__(self, info: SnapshotInfo) -> dict:
         """Publish one sealed snapshot. Returns {snapshot_id, snapshot_rev, git_commit,
-        dropped_local, also_published, drift_jsd (bits | None), trigger ("tokens" | "drift" | None),
-        event_id}. Raises VersioningError (dvc/git failed: the snapshot stays local, the next call
-        retries it)."""
+        dropped_local, also_published, manifest (its object on the remote), fleet_tokens (tokens
+        sealed across the fleet since the last cycle | None without a fleet threshold), drift_jsd
+        (bits | None), trigger ("tokens" | "drift" | None), event_id}. Raises VersioningError
+        (dvc/git failed: the snapshot stays local, the next call retries it), the remote's own
+        errors while writing the manifest (retried the same way)."""
         # this snapshot, and any earlier one whose publish failed (still untracked)
         todo = [s for s in list_snapshots(self.snapshots_root, info.target_id)  # older only: newer ones have
                 if s.name < info.path.name and not s.with_name(s.name + ".dvc").exists()] + [info.path]  # their own
@@ -83,20 +90,26 @@ class Publisher:
         # push every local tracked snapshot: one whose earlier push failed goes now (a no-op for the rest)
         versioning.push(self.repo, [s.with_name(s.name + ".dvc") for s in list_snapshots(self.snapshots_root,
                                     info.target_id) if s.with_name(s.name + ".dvc").exists()])
+        index = remote_snapshots.RemoteIndex(self.repo)  # after the push: a manifest names data the remote holds
+        manifest = remote_snapshots.publish_manifests(index, self.snapshots_root, info.target_id).get(
+            info.snapshot_id) or remote_snapshots.manifest_of(info.path)
         sha = versioning.commit_git(self.repo, f"snapshot {info.snapshot_id}: {info.num_records} records, "
                                                f"{info.num_tokens} tokens ({info.reason})") if self.commit else None
         dropped = apply_retention(self.repo, self.snapshots_root, info.target_id, self.keep_local)
         drift = snapshot_drift(info.path, self.curated) if self.curated else None
-        trigger = "tokens" if info.reason == "tokens" else (
+        fleet = remote_snapshots.tokens_since_cycle(index, info.target_id)[0] if self.fleet_min_tokens else None
+        sealed_enough = fleet >= self.fleet_min_tokens if fleet is not None else info.reason == "tokens"
+        trigger = "tokens" if sealed_enough else (
             "drift" if drift is not None and drift >= self.drift_threshold else None)
         out = {"snapshot_id": info.snapshot_id, "snapshot_rev": rev, "git_commit": sha, "dropped_local": dropped,
-               "also_published": [s.name for s in todo[:-1]],
+               "also_published": [s.name for s in todo[:-1]], "manifest": manifest, "fleet_tokens": fleet,
                "drift_jsd": drift, "trigger": trigger, "event_id": None}
         if trigger and self.emit:
             out["event_id"] = orchestrate.capture_threshold(info.snapshot_id, info.target_id, {
                 "trigger": trigger, "snapshot_rev": rev, "num_records": info.num_records,
                 "num_tokens": info.num_tokens, "bytes_per_token": round(info.bytes_per_token, 1),
-                "drift_jsd": drift, "workloads": info.workloads})
+                "drift_jsd": drift, "workloads": info.workloads, "replica_id": info.replica_id,
+                "fleet_tokens": fleet, "manifest": manifest})
         log.info("published %s", json.dumps(out))
         self.published.append(out)
         return out

@@ -45,15 +45,19 @@ class SnapshotInfo:
     num_bytes: int = 0
     reason: str = "manual"  # why it was sealed: manual | tokens | age
     extra: dict = field(default_factory=dict)
+    replica_id: str | None = None  # the replica that sealed it (`serve.replica_id`; None: sealed before fleets)
 
     @property
     def bytes_per_token(self) -> float:
         return self.num_bytes / self.num_tokens if self.num_tokens else 0.0
 
 
-def new_snapshot_id() -> str:
-    """`s<UTC time, µs>-<4 random hex>`: sorts by time; replicas sealing at once do not collide."""
-    return "s" + datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ") + "-" + os.urandom(2).hex()
+def new_snapshot_id(replica_id: str | None = None) -> str:
+    """`s<UTC time, µs>-<replica_id>-<4 random hex>` (without a replica id: `s<UTC time, µs>-<4 random
+    hex>`, the ids of snapshots sealed before fleets): sorts by seal time, old and new ids together;
+    unique across a fleet (each replica's own id, and the time and random part within one)."""
+    when = "s" + datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    return f"{when}-{replica_id}-{os.urandom(2).hex()}" if replica_id else f"{when}-{os.urandom(2).hex()}"
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -69,7 +73,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _finish_seal(capture_dir: Path, snapshots_root: Path, target_id: str, sid: str,
-                 reason: str) -> SnapshotInfo | None:
+                 reason: str, replica_id: str | None = None) -> SnapshotInfo | None:
     """Build snapshot `sid` from `capture_dir/sealing-<sid>.jsonl`, then drop the capture's copies.
     Idempotent: rerun after a crash at any point gives the same snapshot."""
     sealing = capture_dir / f"sealing-{sid}.jsonl"
@@ -94,6 +98,8 @@ def _finish_seal(capture_dir: Path, snapshots_root: Path, target_id: str, sid: s
                 "bytes_per_token": nbytes / ntok if ntok else 0.0, "workloads": workloads,
                 "first_ts": min(r.ts for r in rows), "last_ts": max(r.ts for r in rows),
                 "codecs": sorted({"zstd" if s.endswith(".zst") else "none" for s in shards})}
+        if replica_id:
+            info["replica_id"] = replica_id
         write_private(tmp / "snapshot.json", json.dumps(info, indent=2).encode())
         _fsync_dir(tmp)
         os.replace(tmp, dest)
@@ -112,13 +118,16 @@ def load_snapshot(path: Path) -> SnapshotInfo:
     info = json.loads((path / "snapshot.json").read_text())
     return SnapshotInfo(info["snapshot_id"], path, info["target_id"], info["num_records"], info["num_tokens"],
                         info.get("workloads", {}), info.get("num_bytes", 0), info.get("reason", "manual"),
-                        {k: info[k] for k in ("first_ts", "last_ts", "codecs") if k in info})
+                        {k: info[k] for k in ("first_ts", "last_ts", "codecs") if k in info},
+                        info.get("replica_id"))
 
 
-def recover(capture_dir: Path, snapshots_root: Path | None = None, target_id: str | None = None) -> list[SnapshotInfo]:
+def recover(capture_dir: Path, snapshots_root: Path | None = None, target_id: str | None = None,
+            replica_id: str | None = None) -> list[SnapshotInfo]:
     """After a crash: remove temp files and shards no manifest lists (never acknowledged), cut a
     torn manifest tail, and finish interrupted seals (when `snapshots_root` is given; else they are
-    left, logged). Call it only while holding the capture dir's lock. Returns the snapshots it finished."""
+    left, logged; `replica_id` as in `seal`). Call it only while holding the capture dir's lock.
+    Returns the snapshots it finished."""
     capture_dir = Path(capture_dir)
     if not capture_dir.exists():
         return []
@@ -140,7 +149,7 @@ def recover(capture_dir: Path, snapshots_root: Path | None = None, target_id: st
         if snapshots_root is None:  # left for whoever seals (`tidespec snapshots seal`)
             log.warning("%s is an interrupted seal; `tidespec snapshots seal` finishes it", sealing)
             continue
-        info = _finish_seal(capture_dir, snapshots_root, tid, sid, "recovered")
+        info = _finish_seal(capture_dir, snapshots_root, tid, sid, "recovered", replica_id)
         if info:
             done.append(info)
     if snapshots_root is not None and target_id:
@@ -174,11 +183,12 @@ def unlock(lock: FileLock) -> None:
 
 
 def seal(capture_dir: Path, snapshots_root: Path, target_id: str, reason: str = "manual",
-         lock: bool = True) -> SnapshotInfo | None:
+         lock: bool = True, replica_id: str | None = None) -> SnapshotInfo | None:
     """Move every record listed in the capture manifest into a new immutable snapshot.
 
     Layout: `snapshots_root/<target_id>/<snapshot_id>/{shards, manifest.jsonl, snapshot.json}`
-    (snapshot.json: counts, bytes, bytes_per_token, workloads, first/last ts, reason). Unlisted
+    (snapshot.json: counts, bytes, bytes_per_token, workloads, first/last ts, reason, `created`: the
+    seal time, and `replica_id`: the replica sealing it, which its id carries: `new_snapshot_id`). Unlisted
     files (temp or torn shards) stay behind. Returns None when nothing was captured. Takes the
     capture dir's lock (`lock=False` only for its holder: the writer thread). Raises CaptureDirBusy
     while a writer runs there (seal through it: `CaptureWriter.seal_now()`), ValueError when the
@@ -188,24 +198,24 @@ def seal(capture_dir: Path, snapshots_root: Path, target_id: str, reason: str = 
     if lock:
         held = lock_capture_dir(capture_dir)
         try:
-            return seal(capture_dir, snapshots_root, target_id, reason, lock=False)
+            return seal(capture_dir, snapshots_root, target_id, reason, lock=False, replica_id=replica_id)
         finally:
             unlock(held)
-    recover(capture_dir, snapshots_root, target_id)
+    recover(capture_dir, snapshots_root, target_id, replica_id)
     rows = read_manifest(capture_dir)
     if not rows:
         return None
     others = {r.target_id for r in rows} - {target_id}
     if others:
         raise ValueError(f"capture {capture_dir} holds records of other targets {sorted(others)}; seal them separately")
-    sid = new_snapshot_id()
+    sid = new_snapshot_id(replica_id)
     while (Path(snapshots_root) / target_id / sid).exists() or (
         Path(snapshots_root) / target_id / f".{sid}.tmp"
     ).exists():
-        sid = new_snapshot_id()
+        sid = new_snapshot_id(replica_id)
     os.replace(capture_dir / MANIFEST, capture_dir / f"sealing-{sid}.jsonl")
     _fsync_dir(capture_dir)
-    return _finish_seal(capture_dir, snapshots_root, target_id, sid, reason)
+    return _finish_seal(capture_dir, snapshots_root, target_id, sid, reason, replica_id)
 
 
 def list_snapshots(snapshots_root: Path, target_id: str) -> list[Path]:

@@ -89,13 +89,14 @@ class CaptureWriter:
     `cfg.seal_min_tokens` unsealed tokens or `cfg.seal_max_age_s` (the oldest unsealed record's age),
     and publishes each seal with `on_seal(SnapshotInfo)` (`snapshots.SealPublisher`: its own thread,
     retried `publish_attempts` times from `publish_retry_s` s). On start it removes temp files and
-    finishes (and publishes) seals a crash interrupted. Holds an exclusive lock on `directory` until
-    `close()`: a second writer or an offline `seal` there raises CaptureDirBusy."""
+    finishes (and publishes) seals a crash interrupted; snapshot ids carry `replica_id` (`serve.replica_id`).
+    Holds an exclusive lock on `directory` until `close()`: another writer or an offline `seal` gets CaptureDirBusy."""
 
     def __init__(self, directory: Path, target_id: str, cfg: CaptureParams | None = None, *,
                  snapshots_root: Path | None = None, on_seal: Callable[[SnapshotInfo], object] | None = None,
                  idle_flush_s: float = 2.0, seed: int = 0, detokenize: Callable[[list[int]], str] | None = None,
-                 publish_retry_s: float = PUBLISH_RETRY_S, publish_attempts: int = PUBLISH_ATTEMPTS):
+                 publish_retry_s: float = PUBLISH_RETRY_S, publish_attempts: int = PUBLISH_ATTEMPTS,
+                 replica_id: str | None = None):
         self.cfg = cfg = cfg or CaptureParams()
         self.dir = private_dir(Path(directory))
         self._dir_lock = lock_capture_dir(self.dir)  # one writer per directory; raises CaptureDirBusy
@@ -103,7 +104,7 @@ class CaptureWriter:
         self.quota = cfg.disk_quota_mb * MB if cfg.disk_quota_mb else None
         self.min_free = cfg.min_free_disk_mb * MB
         self.seed, self.detokenize, self.on_seal, self.idle_flush_s = seed, detokenize, on_seal, idle_flush_s
-        self.snapshots_root = Path(snapshots_root) if snapshots_root else None
+        self.snapshots_root, self.replica_id = Path(snapshots_root) if snapshots_root else None, replica_id
         self.manifest = self.dir / "manifest.jsonl"
         self.q: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
         self._lock = threading.Lock()  # counters
@@ -119,7 +120,7 @@ class CaptureWriter:
         self._pending: list[tuple[dict, dict]] = []
         self.recent = RecentRecords()  # the newest records, for the draft-health guard's paired scoring
         self._publisher = SealPublisher(on_seal, publish_retry_s, publish_attempts) if on_seal else None
-        for info in recover(self.dir, self.snapshots_root, target_id):
+        for info in recover(self.dir, self.snapshots_root, target_id, replica_id):
             if self._publisher:
                 self._publisher.publish(info)
         self._rescan()
@@ -370,7 +371,7 @@ class CaptureWriter:
     def _seal(self, reason: str) -> SnapshotInfo | None:
         if self.snapshots_root is None:
             raise ValueError("no snapshots_root")
-        info = seal(self.dir, self.snapshots_root, self.target_id, reason, lock=False)
+        info = seal(self.dir, self.snapshots_root, self.target_id, reason, lock=False, replica_id=self.replica_id)
         self._rescan()
         self._full = None if self._disk_reason(0) is None else self._full
         if info:

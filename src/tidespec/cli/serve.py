@@ -82,6 +82,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
             snapshots_root=ws.snapshots,
             on_seal=pub,
             detokenize=tok.decode if tok is not None else None,
+            replica_id=p.serve.replica_id,  # snapshot ids carry it: unique across the fleet
         )
         if hidden
         else None

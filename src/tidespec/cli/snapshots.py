@@ -56,8 +56,8 @@ def snapshots_seal(root: Path = ROOT, params: Path = PARAMS,
         tid = rows[0].target_id
         held = lock_capture_dir(cap)  # CaptureDirBusy while a server's writer runs there
         try:
-            infos = recover(cap, ws.snapshots, tid)
-            info = seal(cap, ws.snapshots, tid, lock=False)
+            infos = recover(cap, ws.snapshots, tid, p.serve.replica())
+            info = seal(cap, ws.snapshots, tid, lock=False, replica_id=p.serve.replica())
         finally:
             unlock(held)
         for i in infos + ([info] if info else []):

@@ -150,6 +150,9 @@ class CaptureParams(_Strict):
     seal_min_tokens: int = Field(16384, ge=1)  # seal a snapshot once this many tokens are unsealed
     seal_max_age_s: float | None = Field(3600, gt=0)  # ... or once the oldest unsealed record is this old
     keep_local_snapshots: int = Field(8, ge=1)  # retention: older sealed snapshots live only on the DVC remote
+    # a fleet: the threshold event fires once every replica's seals since the last cycle hold this many
+    # tokens (the DVC remote's manifests; needs curate.fleet); None: a seal on seal_min_tokens fires it
+    fleet_min_tokens: int | None = Field(None, ge=1)
     store_text: bool = False  # raw prompt/completion text in the manifest (off: token ids + hidden states only)
 
 
@@ -219,6 +222,7 @@ class CurateParams(_Strict):
     replay_tokens: int = Field(65536, ge=0)  # replay buffer: tokens kept per workload class (0: no buffer)
     class_replay_fraction: float = Field(0.1, ge=0, lt=1)  # a class draft's set: this share from the other classes
     seed: int = 0
+    fleet: bool = False  # the window from every replica's snapshots on the DVC remote (false: this checkout's)
 
 
 PLACEMENT = {"placement": True}  # a train field that decides where or how fast training runs, not what it learns
@@ -365,6 +369,9 @@ class Params(_Strict):
             raise ValueError(f"ingest.rehydrate_backend vllm rebuilds hidden states with vLLM's own (unquantized) "
                              f"target, but the embedded engine runs target.quantization {self.target.quantization}: "
                              "set ingest.rehydrate_backend: embedded, or target.quantization: none")
+        if self.capture.fleet_min_tokens is not None and not self.curate.fleet:
+            raise ValueError("capture.fleet_min_tokens counts the fleet's tokens since the last fleet cycle: set "
+                             "curate.fleet: true too (cycles then curate every replica's snapshots), or remove it")
         if self.capture.keep_local_snapshots < self.curate.window:
             raise ValueError(f"capture.keep_local_snapshots ({self.capture.keep_local_snapshots}) must be >= "
                              f"curate.window ({self.curate.window}): curate reads the window's snapshots locally")

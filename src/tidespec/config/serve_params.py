@@ -55,13 +55,14 @@ class ServeParams(Strict):
     replica_id: str | None = Field(None, pattern=REPLICA_ID)
     auth_health_metrics: bool = False
 
-    def replica(self, port: int) -> str:
+    def replica(self, port: int | None = None) -> str:
         """This server's replica id: `replica_id`, else `<host name>-<port>` (the host name's first
-        label, characters outside the id's alphabet replaced by `-`)."""
+        label, characters outside the id's alphabet replaced by `-`); without a `port` (a machine's
+        ingest or offline seal, not a server), the host name alone."""
         if self.replica_id:
             return self.replica_id
         host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0]).strip("-._") or "host"
-        return f"{host[:56]}-{port}"
+        return f"{host[:56]}-{port}" if port is not None else host[:63]
 
     @field_validator("workload_by_model")
     @classmethod

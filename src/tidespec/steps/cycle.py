@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from ..adapters import remote_snapshots, torchrun, versioning
 from ..adapters import sagemaker_deploy as smd
-from ..adapters import torchrun, versioning
 from ..adapters.orchestrate import train_on_pool
 from ..adapters.sagemaker_train import preview_request, train_on_sagemaker
 from ..capture import curate as curate_mod
@@ -65,11 +65,14 @@ def freeze_params(ws: Workspace, params_path: str | Path) -> tuple[Params, Path]
 
 
 # -- curate -----------------------------------------------------------------------------------
-def nothing_new(ws: Workspace, target_id: str) -> str | None:
+def nothing_new(ws: Workspace, target_id: str, params: Params | None = None) -> str | None:
     """Why a cycle has nothing to do (None: go ahead): no sealed snapshot of `target_id` that the
-    last completed cycle did not already curate. A scheduled run then skips instead of retraining
-    on the same data."""
+    last completed cycle did not already curate (with `params.curate.fleet`, those of every replica
+    on the DVC remote count too: `fleet_snapshots`). A scheduled run then skips instead of
+    retraining on the same data. Raises as `remote_snapshots.RemoteIndex` (fleet only)."""
     snaps = {s.name for s in list_snapshots(ws.snapshots, target_id)}
+    if params is not None and params.curate.fleet:
+        snaps |= set(fleet_snapshots(ws, target_id))
     if not snaps:
         return f"no sealed snapshots for target {target_id[:12]} under {ws.snapshots} (capture traffic first)"
     done = set(json.loads(ws.last_cycle.read_text())["snapshots"]) if ws.last_cycle.exists() else set()
@@ -78,9 +81,13 @@ def nothing_new(ws: Workspace, target_id: str) -> str | None:
     return None
 
 
-def mark_done(ws: Workspace, curated: Path) -> None:
-    """Record the snapshots of a completed cycle's curated set (read by `nothing_new`)."""
+def mark_done(ws: Workspace, curated: Path, params: Params | None = None) -> None:
+    """Record the snapshots of a completed cycle's curated set (read by `nothing_new`); with
+    `params.curate.fleet`, also on the DVC remote for the fleet threshold (the newest window snapshot:
+    `remote_snapshots.RemoteIndex.mark_cycle`)."""
     idx = json.loads(Path(curated).read_text())
+    if params is not None and params.curate.fleet and idx["snapshots"]:
+        remote_snapshots.RemoteIndex(ws.root).mark_cycle(idx["target_id"], Path(idx["snapshots"][-1]).name)
     names = sorted({Path(s).name for s in idx["snapshots"] + idx.get("replay_snapshots", [])})
     prev = json.loads(ws.last_cycle.read_text())["snapshots"] if ws.last_cycle.exists() else []
     tmp = ws.last_cycle.with_suffix(".tmp")
@@ -88,17 +95,32 @@ def mark_done(ws: Workspace, curated: Path) -> None:
     os.replace(tmp, ws.last_cycle)
 
 
+def fleet_snapshots(ws: Workspace, target_id: str) -> dict[str, dict]:
+    """{snapshot id: manifest} of every replica's snapshots of `target_id` listed on the DVC remote of
+    `ws.root` (`remote_snapshots.list_remote_snapshots`), oldest first. Raises as `RemoteIndex`."""
+    return {m["snapshot_id"]: m for m in remote_snapshots.list_remote_snapshots(ws.root, target_id)}
+
+
 def pull_window(ws: Workspace, params: Params, target_id: str) -> list[str]:
     """Pull from the DVC remote the snapshots of the curate window (the newest `curate.window` of
     the target, local or DVC-tracked, by snapshot id: ids are UTC seal times) that retention left on
     the remote only (a `<id>.dvc` pointer, no local copy); older remote-only snapshots stay there.
-    Returns the ids pulled ([] outside a DVC repo). Raises VersioningError when the pull fails."""
+    With `curate.fleet`, the window is taken across every replica's snapshots on the remote
+    (`fleet_snapshots`), and the pointers of the ones it needs are rebuilt here from their manifests
+    first (`remote_snapshots.restore_pointer`: `dvc repro` and the lineage then read them as if
+    sealed here). Returns the ids pulled ([] outside a DVC repo). Raises VersioningError when the
+    pull fails."""
     d = ws.snapshots / target_id
-    if not (ws.root / ".dvc").is_dir() or not d.is_dir():
+    if not (ws.root / ".dvc").is_dir() or not (d.is_dir() or params.curate.fleet):
         return []
-    ids = {p.name for p in d.iterdir() if (p / "snapshot.json").exists()}  # sealed here
+    fleet = fleet_snapshots(ws, target_id) if params.curate.fleet else {}
+    ids = set(fleet) | {p.name for p in d.glob("*") if (p / "snapshot.json").exists()}  # sealed here
     ids |= {p.name[: -len(".dvc")] for p in d.glob("*.dvc")}  # tracked, local or not
-    missing = [s for s in sorted(ids)[-params.curate.window:] if not (d / s / "snapshot.json").exists()]
+    window = sorted(ids)[-params.curate.window:]
+    for s in window:
+        if s in fleet and not (d / f"{s}.dvc").exists() and not (d / s / "snapshot.json").exists():
+            remote_snapshots.restore_pointer(fleet[s], ws.snapshots)
+    missing = [s for s in window if not (d / s / "snapshot.json").exists()]
     if missing:
         log.info("pulling %d snapshot(s) of the curate window from the DVC remote: %s", len(missing), missing)
         versioning.pull(ws.root, [d / f"{s}.dvc" for s in missing])
@@ -107,7 +129,8 @@ def pull_window(ws: Workspace, params: Params, target_id: str) -> list[str]:
 
 def step_curate(ws: Workspace, params: Params, target_id: str) -> dict:
     """Curate the newest snapshots into `ws.curated` (those of the window that retention left on the
-    DVC remote only are pulled first: `pull_window`); previous index (if any) gives the drift."""
+    DVC remote only, or with `curate.fleet` that other replicas sealed, are pulled first:
+    `pull_window`); previous index (if any) gives the drift."""
     pulled = pull_window(ws, params, target_id)
     prev = ws.curated.with_name("curated.prev.json")
     if ws.curated.exists():

@@ -1,0 +1,114 @@
+"""Capture from every replica of a fleet (docs/fleet.md, Capture across replicas): two replicas
+(separate roots and git repos, one DVC remote) seal and publish; a third root, the worker, lists
+their snapshots from the remote's manifests and curates the newest across replicas without their
+repos; the threshold fires on the fleet's tokens since the last cycle. Real DVC, a local remote and
+a moto S3 remote."""
+import json
+import time
+
+import boto3
+import pytest
+import torch
+
+from tidespec.adapters import versioning
+from tidespec.adapters.publish import Publisher
+from tidespec.adapters.remote_snapshots import RemoteIndex, list_remote_snapshots
+from tidespec.capture.snapshots import new_snapshot_id, seal
+from tidespec.capture.writer import CaptureWriter
+from tidespec.config import CaptureParams, CurateParams, Params
+from tidespec.steps import cycle
+from tidespec.workspace import Workspace
+
+TID = "tid"
+T = 12  # tokens per record
+
+
+def _rec(i):
+    g = torch.Generator().manual_seed(i)
+    m = torch.zeros(T, dtype=torch.uint8)
+    m[4:] = 1
+    return {"input_ids": torch.randint(0, 100, (T,), generator=g, dtype=torch.int32), "loss_mask": m,
+            "aux_hidden_states": torch.randn(T, 24, generator=g), "hidden_states": torch.randn(T, 8, generator=g)}
+
+
+def _seal(root, replica_id, first, n=3):
+    """Capture records first..first+n-1 in `root` and seal them as replica `replica_id`."""
+    w = CaptureWriter(root / "data" / "capture", TID, CaptureParams(shard_max_records=4))
+    for i in range(first, first + n):
+        w.submit(_rec(i), request_id=f"{replica_id}-{i}", workload="code", acceptance_length=1.0)
+    w.close()
+    return seal(root / "data" / "capture", root / "data" / "snapshots", TID, replica_id=replica_id)
+
+
+def _params(fleet: bool, **curate) -> Params:
+    return Params(curate=CurateParams(fleet=fleet, holdout_fraction=0.0, val_fraction=0.0, **curate),
+                  capture=CaptureParams(fleet_min_tokens=60 if fleet else None))
+
+
+def test_snapshot_ids_carry_the_replica_and_sort_by_seal_time():
+    old = new_snapshot_id()
+    time.sleep(0.001)
+    new = [new_snapshot_id("eu-1.a_b"), new_snapshot_id("us-2")]
+    assert "-eu-1.a_b-" in new[0] and "-us-2-" in new[1] and old.count("-") == 1
+    assert sorted([new[1], old, new[0]]) == [old, *new]  # old ids first: they are older
+    with pytest.raises(ValueError, match="curate.fleet"):
+        Params(capture=CaptureParams(fleet_min_tokens=10))
+
+
+def test_two_replicas_one_worker_local_remote(tmp_path):
+    remote = str(tmp_path / "remote")
+    roots = {r: tmp_path / r for r in ("a", "b", "worker")}
+    for root in roots.values():  # separate git + DVC repos sharing nothing but the remote
+        versioning.ensure_repo(root, remote)
+    pubs = {r: Publisher(roots[r], roots[r] / "data" / "snapshots", emit=False, fleet_min_tokens=60)
+            for r in ("a", "b")}
+    out = [pubs["a"](_seal(roots["a"], "a", 0)), pubs["b"](_seal(roots["b"], "b", 10)),
+           pubs["a"](_seal(roots["a"], "a", 20))]
+    ids = [o["snapshot_id"] for o in out]
+    assert [i.split("-")[1] for i in ids] == ["a", "b", "a"] and ids == sorted(ids) and len(set(ids)) == 3
+    # the threshold counts the fleet: 36 tokens alone are below 60; with the other replica's 36, above
+    assert [(o["fleet_tokens"], o["trigger"]) for o in out] == [(36, None), (72, "tokens"), (108, "tokens")]
+    assert all(o["git_commit"] for o in out)  # each replica's own repo
+
+    # the worker lists every replica's snapshots from the remote, with no replica's repo
+    listed = list_remote_snapshots(roots["worker"], TID)
+    assert [m["snapshot_id"] for m in listed] == ids and [m["replica_id"] for m in listed] == ["a", "b", "a"]
+    assert [m["sealed"] for m in listed] == sorted(m["sealed"] for m in listed)
+    assert [m["num_tokens"] for m in listed] == [36] * 3 and listed[1] == out[1]["manifest"]
+    ws = Workspace(roots["worker"])
+
+    # a single checkout (curate.fleet false) never looks at the remote: nothing here, as before
+    single = _params(False, window=2)
+    assert "no sealed snapshots" in cycle.nothing_new(ws, TID, single)
+    assert cycle.pull_window(ws, single, TID) == [] and not ws.snapshots.exists()
+
+    fleet = _params(True, window=2)
+    assert cycle.nothing_new(ws, TID, fleet) is None
+    cur = cycle.step_curate(ws, fleet, TID)  # the window: the newest 2 across replicas, by seal time
+    assert cur["pulled"] == ids[1:] and cur["num_train"] == 6
+    idx = json.loads(ws.curated.read_text())
+    assert sorted(e["request_id"] for e in idx["train"]) == ["a-20", "a-21", "a-22", "b-10", "b-11", "b-12"]
+    revs = json.loads(cycle.lineage(ws.curated)["snapshot_revs"])  # the rebuilt pointers give the lineage
+    assert revs == {o["snapshot_id"]: o["snapshot_rev"] for o in out[1:]}
+
+    cycle.mark_done(ws, ws.curated, fleet)  # the fleet's count starts again after the newest curated
+    assert RemoteIndex(roots["worker"]).cycle_mark(TID)["through"] == ids[2]
+    nxt = pubs["b"](_seal(roots["b"], "b", 30))
+    assert (nxt["fleet_tokens"], nxt["trigger"]) == (36, None)
+
+
+@pytest.mark.services
+def test_a_replica_and_a_worker_on_s3(tmp_path, aws_env):
+    boto3.client("s3", endpoint_url=aws_env).create_bucket(Bucket="fleet")
+    roots = {r: tmp_path / r for r in ("replica", "worker")}
+    for root in roots.values():
+        versioning.ensure_repo(root, "s3://fleet/dvc", remote_name="s3", endpoint_url=aws_env)
+    pub = Publisher(roots["replica"], roots["replica"] / "data" / "snapshots", emit=False, commit=False)
+    sid = pub(_seal(roots["replica"], "gpu-7-8000", 0))["snapshot_id"]
+    s3 = boto3.client("s3", endpoint_url=aws_env)
+    key = f"dvc/tidespec/snapshots/{TID}/{sid}.json"
+    assert s3.head_object(Bucket="fleet", Key=key)["ServerSideEncryption"] == "AES256"  # as the data
+    ws = Workspace(roots["worker"])
+    assert [m["snapshot_id"] for m in list_remote_snapshots(ws.root, TID)] == [sid]
+    cur = cycle.step_curate(ws, _params(True, window=1), TID)
+    assert cur["pulled"] == [sid] and cur["num_train"] == 3
