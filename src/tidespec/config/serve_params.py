@@ -5,7 +5,7 @@ import re
 import socket
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .strict import Strict
 
@@ -35,7 +35,10 @@ class ServeParams(Strict):
     `adapters.registry.follow.RegistryFollower`; needs MLFLOW_TRACKING_URI, refused at start
     without it by `config.serve_launch.ServeLaunch`); replica_id: this server's name in a fleet (letters,
     digits, `.`, `_`, `-`; at most 63 characters, so it fits a file name, an MLflow key and a Prometheus
-    label; None: `<host name>-<port>`, `ServeParams.replica`), on /health."""
+    label; None: `<host name>-<port>`, `ServeParams.replica`), on /health; canary: this replica is a
+    canary of the rollout (`deploy.rollout: canary`): its follower serves the registry's `canary` alias
+    while one exists, else the champion (needs champion_source: registry and live_stats_s > 0: the
+    rollout decision, `adapters.registry.rollout`, reads the counters every replica logs)."""
 
     max_queue: int = Field(64, ge=1)
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
@@ -50,6 +53,19 @@ class ServeParams(Strict):
     auto_rollback: bool = True
     champion_source: Literal["directory", "registry"] = "directory"
     replica_id: str | None = Field(None, pattern=REPLICA_ID)
+    canary: bool = False
+
+    @model_validator(mode="after")
+    def _a_canary_follows_the_registry(self):
+        if self.canary and self.champion_source != "registry":
+            raise ValueError("serve.canary: true serves the registry's `canary` alias, which only a replica following "
+                             "the registry sees: set serve.champion_source: registry (and MLFLOW_TRACKING_URI), or "
+                             "remove serve.canary")
+        if self.canary and self.live_stats_s <= 0:
+            raise ValueError("serve.canary: true: the rollout decision compares the live counters each replica logs "
+                             "every serve.live_stats_s s, and serve.live_stats_s is 0 (never): set it > 0 (e.g. 60), "
+                             "or remove serve.canary")
+        return self
 
     def replica(self, port: int) -> str:
         """This server's replica id: `replica_id`, else `<host name>-<port>` (the host name's first
