@@ -22,8 +22,10 @@ class ServeParams(Strict):
     OpenAI's own default is 1.0 and vLLM takes the model's generation_config — set 1.0 for OpenAI's);
     watch_champion_s: how often (s) `tidespec serve` checks data/drafts/champion for a version a
     cycle deployed and swaps to it (0: never; POST /admin/draft still swaps); live_stats_s: with
-    `--backend vllm` and MLFLOW_TRACKING_URI, how often (s) the served version's live spec-decode
-    figures (vLLM's own counters) are logged to its MLflow run (0: never; refused elsewhere);
+    MLFLOW_TRACKING_URI, how often (s) this replica's cumulative spec-decode counters of each version
+    it serves are logged to that version's MLflow run under its replica id (every backend:
+    `backends.live.report_replica`), and, behind vLLM and SGLang, the served version's live figures
+    (`live/*`) and the live guard's round (0: never; refused before your own SGLang at --sglang-url);
     classify_workload: a request without a `workload` field or a model alias gets its class from the
     request itself (`serve.workload`: response_format / tools, content) — false: class "default";
     workload_by_model: extra model ids this server answers to, each naming the class of its
