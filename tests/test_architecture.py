@@ -248,7 +248,9 @@ def test_flows_live_in_the_project_not_the_package():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             assert not [n for n in names if n == "flows" or n.startswith("flows.")], f"{mod} imports {names}"
     repo = PKG.parents[1]
-    for name in ("tide_cycle", "tide_train", "tide_capture"):
+    from tidespec.adapters.orchestrate import FLOW_NAMES
+    assert FLOW_NAMES == ("tide_cycle", "tide_train", "tide_capture", "tide_rollout")
+    for name in FLOW_NAMES:
         ep = entrypoint(name, repo)
         assert ep == f"flows/{name.removeprefix('tide_')}.py:{name}"
         f = load_flow(name, repo)

@@ -83,9 +83,11 @@ def test_keys_of_a_server_tidespec_starts_are_refused_for_your_own_sglang():
 
 
 def test_backend_specific_refusals_name_the_key_or_flag():
-    with pytest.raises(ValueError, match="serve.live_stats_s logs the live counters of a server tidespec starts"):
-        ServeLaunch().check(shipped(serve={"live_stats_s": 10.0}), NO_MLFLOW)
-    ServeLaunch().check(shipped(serve={"live_stats_s": 0.0}), NO_MLFLOW)  # 0 = never: nothing to refuse
+    notes = ServeLaunch().check(shipped(serve={"live_stats_s": 10.0}), NO_MLFLOW)  # the embedded replica's counters
+    assert any("serve.live_stats_s: MLFLOW_TRACKING_URI is unset, so this replica's live counters are logged "
+               "nowhere" in n for n in notes), notes
+    assert not [n for n in ServeLaunch().check(shipped(serve={"live_stats_s": 10.0}), {"MLFLOW_TRACKING_URI": "u"})
+                if "live_stats_s" in n]
     notes = ServeLaunch.build(backend="vllm").check(load_params(SHIPPED), NO_MLFLOW)  # capture.mode: its default
     assert any("captures request/response text (capture.mode: text)" in n for n in notes), notes
     with pytest.raises(ValueError, match="engine.tree.eagle_topk > 1 applies to the embedded engine"):
@@ -332,3 +334,26 @@ def test_a_replica_is_named_by_its_id_else_by_host_and_port(monkeypatch):
     for bad in ("", "-lead", "a/b", "x" * 64, "tab\tid"):
         with pytest.raises(ValueError, match="replica_id"):
             ServeParams(replica_id=bad)
+
+
+def test_a_canary_replica_follows_the_registry_and_logs_its_counters(tmp_path):
+    """serve.canary needs serve.champion_source: registry and serve.live_stats_s > 0, refused naming the
+    key and the fix; deploy.canary_windows goes with deploy.rollout: canary; a canary at --sglang-url is
+    refused as the other keys of a server tidespec starts."""
+    with pytest.raises(ValueError, match="serve.canary: true .* set serve.champion_source: registry"):
+        ServeParams(canary=True)
+    with pytest.raises(ValueError, match="serve.live_stats_s is 0 .* set it > 0"):
+        ServeParams(canary=True, champion_source="registry", live_stats_s=0)
+    with pytest.raises(ValueError, match="serve.canary: true .* set serve.champion_source: registry"):
+        load_params(shipped_file(tmp_path, serve={"canary": True}))
+    canary = shipped(serve={"canary": True, "champion_source": "registry"})
+    assert canary.serve.canary and not Params().serve.canary and Params().deploy.rollout == "direct"
+    with pytest.raises(ValueError, match="serve.canary: --backend sglang at --sglang-url"):
+        ServeLaunch.build(backend="sglang", sglang_url="http://127.0.0.1:30000", capture=False).check(
+            shipped(serve={"canary": True, "champion_source": "registry"}), {"MLFLOW_TRACKING_URI": "u"})
+    assert shipped(deploy={"rollout": "canary", "canary_windows": 5}).deploy.canary_windows == 5
+    with pytest.raises(ValueError, match="deploy.canary_windows counts the windows of a canary rollout: set "
+                                         "deploy.rollout: canary"):
+        shipped(deploy={"canary_windows": 5})
+    with pytest.raises(ValueError, match="rollout"):
+        shipped(deploy={"rollout": "blue-green"})

@@ -1,4 +1,4 @@
-"""The Prefect adapter: deployments (prefect.yaml: tide-cycle, tide-train, tide-capture), the flows
+"""The Prefect adapter: deployments (prefect.yaml: tide-cycle, tide-train, tide-capture, tide-rollout), the flows
 they run (loaded from the project's flows/ as a worker loads them: `load_flow`), events
 (`tidespec.capture.threshold`, `tidespec.capture.text`, emitted only to the server in
 PREFECT_API_URL), transient-failure retries, and training on another work pool. Flow runs pass
@@ -24,10 +24,11 @@ log = logging.getLogger(__name__)
 CYCLE_DEPLOYMENT = "tide_cycle/tide-cycle"
 TRAIN_DEPLOYMENT = "tide_train/tide-train"
 CAPTURE_DEPLOYMENT = "tide_capture/tide-capture"
+ROLLOUT_DEPLOYMENT = "tide_rollout/tide-rollout"
 TRANSIENT_MLFLOW_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}
 CAPTURE_THRESHOLD = "tidespec.capture.threshold"
 TEXT_CAPTURED = "tidespec.capture.text"  # text capture passed capture.seal_min_tokens: tide-capture runs
-FLOW_NAMES = ("tide_cycle", "tide_train", "tide_capture")
+FLOW_NAMES = ("tide_cycle", "tide_train", "tide_capture", "tide_rollout")
 CHECKOUT = Path(__file__).resolve().parents[3]  # the repository root when the package runs from a checkout
 
 
@@ -110,7 +111,7 @@ def entrypoint(name: str, project: Path) -> str:
 
 
 def load_flow(name: str, project: Path | None = None):
-    """Flow `name` (tide_cycle, tide_train, tide_capture), loaded the way a Prefect worker loads a
+    """Flow `name` (tide_cycle, tide_train, tide_capture, tide_rollout), loaded the way a Prefect worker loads a
     deployment's flow: `prefect.flows.load_flow_from_entrypoint` on the entrypoint prefect.yaml
     gives it, in `project_root(project)`. Each call runs the flow file anew (as each worker run
     does). Raises OrchestrationError (no project, no such deployment), prefect's ScriptError (the

@@ -1,7 +1,9 @@
 """Live acceptance behind a serving engine (vLLM: `backends.vllm`, SGLang: `backends.sglang`): the
 served version's live figures logged to the registry (`report_live`), and acted on by the live guard
 (`server_guard`: `serve.guard.LiveGuard` over the server's counters, `ServerSource`, with a
-switchback trial as its evidence), on a reporter thread (`LiveReporter`). The deployments are
+switchback trial as its evidence), on a reporter thread (`LiveReporter`). Every replica, the embedded
+engine's too, logs its cumulative counters per served version under its replica id from the guard's
+tracks (`report_replica`: what a canary rollout is decided on). The deployments are
 `backends.base.Backend`s.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from ..adapters import registry
 from ..engine.spec_counters import live_below_replay
 from ..errors import TidespecError
-from ..serve.guard import LiveGuard, Rollback, Track
+from ..serve.guard import CONFIRM, REFERENCE_WINDOWS, GuardSource, LiveGuard, Rollback, Track
 from ..serve.switchback import Switchback
 from .base import scrape_served
 
@@ -87,8 +89,8 @@ class ServerSource:
         self.dep.install(self._dirs[version], version)
 
 
-def server_guard(dep, rollback: Rollback | None = None, hold=None, min_drafts: int = 100, confirm: int = 2,
-                 reference_windows: int = 2, trial_pairs: int = 3) -> LiveGuard:
+def server_guard(dep, rollback: Rollback | None = None, hold=None, min_drafts: int = 100, confirm: int = CONFIRM,
+                 reference_windows: int = REFERENCE_WINDOWS, trial_pairs: int = 3) -> LiveGuard:
     """The live guard behind an engine server (`serve.guard.LiveGuard` over `ServerSource`), its
     evidence a switchback trial (`serve.switchback.Switchback`, the watcher held by `hold`, a
     `serve.admin.DraftPin`). Raises ValueError as both do."""
@@ -97,24 +99,46 @@ def server_guard(dep, rollback: Rollback | None = None, hold=None, min_drafts: i
                      reference_windows)
 
 
+def report_replica(source: GuardSource, tracking_uri: str, target_id: str, replica_id: str) -> dict:
+    """Log this replica's cumulative counters of each registry version it serves (`source`'s tracks —
+    the guard's view of an engine server or of the embedded engine — summed over a version's tracks)
+    to that version's run under `replica_id` (`registry.log_replica_counters`). Returns {version:
+    counters logged}. Raises MlflowException on server errors."""
+    per: dict = {}
+    for track in source.tracks().values():
+        if track.version is not None and track.counters is not None:
+            per[track.version] = per[track.version] + track.counters if track.version in per else track.counters
+    for version, counters in per.items():
+        registry.log_replica_counters(tracking_uri, target_id, version, replica_id, counters)
+    return per
+
+
 class LiveReporter:
-    """Calls `report_live` and then `guard.check()` (a `LiveGuard`, or None) every `every_s` seconds
-    on a daemon thread; errors are logged, never raised."""
+    """Every `every_s` seconds on a daemon thread: `report_live` (`dep`: an engine server's deployment;
+    None: none), this replica's counters (`report_replica` over `source` as `replica_id`; None: none),
+    then `guard.check()` (a `LiveGuard`, or None); errors are logged, never raised."""
 
     def __init__(self, dep, tracking_uri: str, target_id: str, every_s: float = 60.0,
-                 tune: Tune | None = None, guard: LiveGuard | None = None):
-        self.args, self.every_s, self.guard = (dep, tracking_uri, target_id, tune), every_s, guard
+                 tune: Tune | None = None, guard: LiveGuard | None = None, source: GuardSource | None = None,
+                 replica_id: str | None = None):
+        self.every_s, self.guard, self.steps = every_s, guard, []
+        if dep is not None:
+            self.steps.append(("live spec-decode figures not logged",
+                               lambda: report_live(dep, tracking_uri, target_id, tune)))
+        if source is not None and replica_id:
+            self.steps.append(("replica counters not logged",
+                               lambda: report_replica(source, tracking_uri, target_id, replica_id)))
+        if guard is not None:
+            self.steps.append(("live guard round skipped", guard.check))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tidespec-live-acceptance", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            for what, step in (("live spec-decode figures not logged", lambda: report_live(*self.args)),
-                               ("live guard round skipped", self.guard.check if self.guard else None)):
+            for what, step in self.steps:
                 try:  # each on its own: a registry outage must not stop the guard's reloads and trials
-                    if step is not None:
-                        step()
+                    step()
                 except TidespecError as e:  # a server stopping (a swap, shutdown) between reading its URL and scraping
                     log.warning("%s this time: %s", what, e)
                 except Exception:  # a registry hiccup must not stop serving

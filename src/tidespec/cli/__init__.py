@@ -18,6 +18,7 @@ from . import (  # noqa: F401 - each registers its commands
     demo,
     deploy,
     loop,
+    rollout,
     serve,
     services,
     snapshots,

@@ -97,6 +97,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     _install_class_drafts(engine, classes)
     sv = p.serve_resolved()
     console.print(serving_line(engine, sv.served_model_name), markup=False, highlight=False, soft_wrap=True)
+    live = _replica_reporter(p, engine, target.target_id)
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
                               admin_token=os.environ.get(ADMIN_TOKEN_ENV), api_key=key,
@@ -105,9 +106,22 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
                               rollback=_registry_rollback(p, target.target_id, ws, follower)),
                     host=host, port=port)
     finally:
-        for c in (writer, follower):
+        for c in (writer, follower, live):
             if c is not None:
                 c.close()
+
+
+def _replica_reporter(p, engine, target_id: str):
+    """With MLFLOW_TRACKING_URI and serve.live_stats_s > 0, the embedded engine's counters per served
+    version logged under this replica's id every serve.live_stats_s s (`backends.live.LiveReporter`
+    over the guard's `serve.draft_health.EngineSource`: what a canary rollout is decided on); else None."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri or p.serve.live_stats_s <= 0:
+        return None
+    from ..backends.live import LiveReporter
+    from ..serve.draft_health import EngineSource
+    return LiveReporter(None, uri, target_id, p.serve.live_stats_s, source=EngineSource(engine),
+                        replica_id=p.serve.replica_id)
 
 def serving_line(engine, model: str) -> str:
     """The line `tidespec serve` prints before it listens: the model name clients send, the target
@@ -237,7 +251,7 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = 
                else _start_sglang(p, ws, launch.sglang_python, host, champ))
     app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog, **auth,
                           info=lambda: {"draft_version": dep.draft_version, "engine": launch.backend,
-                                        "replica_id": p.serve.replica_id})
+                                        "replica_id": p.serve.replica_id, "canary": p.serve.canary})
     dep.proxy = app.state.proxy
     from ..serve.admin import ChampionWatcher, DraftPin
     every, hold = p.serve.watch_champion_s, DraftPin()
@@ -245,9 +259,10 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = 
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     from ..backends.live import LiveReporter, server_guard
     from ..steps.tuning import live_windows
+    guard = server_guard(dep, _registry_rollback(p, target_id(p), ws, follower), hold)
     live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s,
-                         lambda per_pos, n: live_windows(p.deploy.sagemaker, per_pos, n),
-                         server_guard(dep, _registry_rollback(p, target_id(p), ws, follower), hold))
+                         lambda per_pos, n: live_windows(p.deploy.sagemaker, per_pos, n), guard,
+                         guard.source, p.serve.replica_id)
             if uri and p.serve.live_stats_s > 0 else None)
     try:
         uvicorn.run(app, host=host, port=port)
@@ -389,7 +404,8 @@ def _champion_source(p, ws, target_id: str, classes: bool = True):
     (`classes` False: a server with one draft, whose follower leaves the classes' alone), by
     `serve.champion_source` (`workspace.Workspace.served_champions`): `directory` — data/drafts, which
     the cycle's deploy step writes; `registry` — this server's own copies under .tidespec/registry, kept
-    by a `registry.RegistryFollower` every `serve.watch_champion_s` s, after its first round (waited for
+    by a `registry.RegistryFollower` every `serve.watch_champion_s` s (a `serve.canary` replica's: the `canary`
+    alias while one exists, else the champion), after its first round (waited for
     at most FIRST_FOLLOW_S s; a registry that has not answered by then is said, the server starts on
     what the copies hold and the follower keeps trying)."""
     champ, classes_dir = ws.served_champions(p.serve.champion_source)
@@ -399,10 +415,11 @@ def _champion_source(p, ws, target_id: str, classes: bool = True):
     from ..workspace import served_version
     uri = os.environ["MLFLOW_TRACKING_URI"]  # `serve_preflight` refused the registry source without it
     follower = registry.RegistryFollower(uri, target_id, champ, classes_dir if classes else None,
-                                         p.serve.watch_champion_s)
+                                         p.serve.watch_champion_s, canary=p.serve.canary)
     done = follower.first_round(FIRST_FOLLOW_S)
     if done and follower.error is None:
-        said = f"champion {served_version(champ) or 'none yet'} in {champ.parent}"
+        said = (f"{'canary (else champion)' if p.serve.canary else 'champion'} {served_version(champ) or 'none yet'} "
+                f"in {champ.parent}")
     else:
         said = (f"not answering after {FIRST_FOLLOW_S:g} s" if not done else f"failed ({follower.error})") + \
             f", serving what {champ.parent} holds (retried every serve.watch_champion_s)"

@@ -333,7 +333,24 @@ class EvaluateParams(_Strict):
 
 
 class DeployParams(_Strict):
-    sagemaker: SageMakerDeployParams | None = None  # `tidespec deploy sagemaker --profile gpu|trn2`
+    """Where champions go. sagemaker: `tidespec deploy sagemaker --profile gpu|trn2`; rollout: how a
+    candidate that passes the gate reaches the fleet — `direct` (the `champion` alias moves, every
+    replica follows) or `canary` (the `canary` alias: the `serve.canary` replicas serve it first, and
+    `tidespec rollout decide` / the `tide-rollout` deployment move `champion` once its live τ is not
+    worse than the stable replicas' on the same windows, or roll it back: `adapters.registry.rollout`);
+    canary_windows: windows (each at least `engine.spec_counters.WINDOW_DRAFTS` drafts per side) the
+    canary must be not worse over before it is promoted."""
+
+    sagemaker: SageMakerDeployParams | None = None
+    rollout: Literal["direct", "canary"] = "direct"
+    canary_windows: int = Field(3, ge=1)
+
+    @model_validator(mode="after")
+    def _windows_of_a_canary(self):
+        if self.rollout != "canary" and self.changed("canary_windows"):
+            raise ValueError("deploy.canary_windows counts the windows of a canary rollout: set deploy.rollout: "
+                             "canary, or remove deploy.canary_windows")
+        return self
 
 
 class Params(_Strict):

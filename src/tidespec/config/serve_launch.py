@@ -26,7 +26,8 @@ EMBEDDED_ONLY = ("health_check_s", "classify_workload", "workload_by_model")
 # serve.* keys a front door forwards past: the backend's own limits and defaults apply (set them there)
 FRONTDOOR_UNUSED = ("max_queue", "max_tokens", "default_temperature")
 # keys of a server tidespec starts and swaps; an SGLang server at --sglang-url is the user's own
-ATTACHED_UNUSED = ("served_model_name", "watch_champion_s", "auto_rollback", "live_stats_s", "champion_source")
+ATTACHED_UNUSED = ("served_model_name", "watch_champion_s", "auto_rollback", "live_stats_s", "champion_source",
+                   "canary")
 
 
 class ServeLaunch(Strict):
@@ -118,9 +119,6 @@ class ServeLaunch(Strict):
                              f"{MLFLOW_ENV} is unset: set it to the registry's URL (`tidespec services up` on the "
                              "loop's machine prints it), or set serve.champion_source: directory (the champion the "
                              "cycle deploys to data/drafts on this machine)")
-        if self.backend == "embedded" and s.changed("live_stats_s") and s.live_stats_s > 0:
-            raise ValueError("serve.live_stats_s logs the live counters of a server tidespec starts (--backend vllm "
-                             "or sglang); the embedded engine's are on its /metrics: remove it or set it to 0")
         if self.capture and p.capture.max_acceptance_rate is not None and (
                 self.backend != "embedded" or p.capture.mode == "text"):
             raise ValueError("capture.max_acceptance_rate filters hidden-state capture (the embedded engine, "
@@ -129,6 +127,9 @@ class ServeLaunch(Strict):
             if s.auto_rollback and not env.get(MLFLOW_ENV):
                 notes.append(f"serve.auto_rollback: {MLFLOW_ENV} is unset, so the draft-health guard reports a "
                              "worse draft without rolling it back (set it to roll back through the registry)")
+            if s.changed("live_stats_s") and s.live_stats_s > 0 and not env.get(MLFLOW_ENV):
+                notes.append(f"serve.live_stats_s: {MLFLOW_ENV} is unset, so this replica's live counters are "
+                             "logged nowhere (set it to log them to the served version's run)")
             return notes
         if p.target.quantization != "none":
             raise ValueError(f"target.quantization {p.target.quantization} is the embedded engine's CPU kernels; "

@@ -5,7 +5,7 @@ import re
 import socket
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .strict import Strict
 
@@ -22,8 +22,10 @@ class ServeParams(Strict):
     OpenAI's own default is 1.0 and vLLM takes the model's generation_config — set 1.0 for OpenAI's);
     watch_champion_s: how often (s) `tidespec serve` checks data/drafts/champion for a version a
     cycle deployed and swaps to it (0: never; POST /admin/draft still swaps); live_stats_s: with
-    `--backend vllm` and MLFLOW_TRACKING_URI, how often (s) the served version's live spec-decode
-    figures (vLLM's own counters) are logged to its MLflow run (0: never; refused elsewhere);
+    MLFLOW_TRACKING_URI, how often (s) this replica's cumulative spec-decode counters of each version
+    it serves are logged to that version's MLflow run under its replica id (every backend:
+    `backends.live.report_replica`), and, behind vLLM and SGLang, the served version's live figures
+    (`live/*`) and the live guard's round (0: never; refused before your own SGLang at --sglang-url);
     classify_workload: a request without a `workload` field or a model alias gets its class from the
     request itself (`serve.workload`: response_format / tools, content) — false: class "default";
     workload_by_model: extra model ids this server answers to, each naming the class of its
@@ -38,7 +40,10 @@ class ServeParams(Strict):
     label; None: `<host name>-<port>`, `ServeParams.replica`), on /health; auth_health_metrics: with an API key
     (`tidespec serve --api-key`, $TIDESPEC_API_KEY), /health and /metrics take it too (false: they
     stay open for load balancers and Prometheus; true without a key is refused at start). The key
-    itself is never a params value: it is a secret, params.yaml is versioned."""
+    itself is never a params value: it is a secret, params.yaml is versioned; canary: this replica is a
+    canary of the rollout (`deploy.rollout: canary`): its follower serves the registry's `canary` alias
+    while one exists, else the champion (needs champion_source: registry and live_stats_s > 0: the
+    rollout decision, `adapters.registry.rollout`, reads the counters every replica logs)."""
 
     max_queue: int = Field(64, ge=1)
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
@@ -54,6 +59,19 @@ class ServeParams(Strict):
     champion_source: Literal["directory", "registry"] = "directory"
     replica_id: str | None = Field(None, pattern=REPLICA_ID)
     auth_health_metrics: bool = False
+    canary: bool = False
+
+    @model_validator(mode="after")
+    def _a_canary_follows_the_registry(self):
+        if self.canary and self.champion_source != "registry":
+            raise ValueError("serve.canary: true serves the registry's `canary` alias, which only a replica following "
+                             "the registry sees: set serve.champion_source: registry (and MLFLOW_TRACKING_URI), or "
+                             "remove serve.canary")
+        if self.canary and self.live_stats_s <= 0:
+            raise ValueError("serve.canary: true: the rollout decision compares the live counters each replica logs "
+                             "every serve.live_stats_s s, and serve.live_stats_s is 0 (never): set it > 0 (e.g. 60), "
+                             "or remove serve.canary")
+        return self
 
     def replica(self, port: int | None = None) -> str:
         """This server's replica id: `replica_id`, else `<host name>-<port>` (the host name's first

@@ -54,11 +54,20 @@ class SpecDecodeCounters:
         return tuple(a / self.num_drafts for a in self.accepted_per_pos) if self.num_drafts else ()
 
     def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        return self._combine(other, -1)
+
+    def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        """Both sides' counts pooled (two classes, two replicas, two windows of one version)."""
+        return self._combine(other, 1)
+
+    def _combine(self, other: SpecDecodeCounters, sign: int) -> SpecDecodeCounters:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         pad = lambda t: tuple(t) + (0,) * (n - len(t))  # noqa: E731
-        return SpecDecodeCounters(self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
-                                  self.num_accepted_tokens - other.num_accepted_tokens,
-                                  tuple(a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))))
+        return SpecDecodeCounters(self.num_drafts + sign * other.num_drafts,
+                                  self.num_draft_tokens + sign * other.num_draft_tokens,
+                                  self.num_accepted_tokens + sign * other.num_accepted_tokens,
+                                  tuple(a + sign * b for a, b in zip(pad(self.accepted_per_pos),
+                                                                     pad(other.accepted_per_pos))))
 
 
 def live_below_replay(live: SpecDecodeCounters, replay_tau: float, z: float = Z,

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (slot: "" the generalist or a class's own draft, workload class judged)
 NONE_YET = SpecDecodeCounters(0, 0, 0, ())
 STOPPED = "stopped"  # an `Evidence.step` that ended without a verdict (another version was installed)
+CONFIRM = 2  # windows in a row clearly below before the guard (and a canary's rollout) acts
+REFERENCE_WINDOWS = 2  # a version's first windows: its own reference τ
 # rollback(version, reason, slot) → the restored version (None: nothing rolled back); raises on failure
 Rollback = Callable[[str, str, str], "str | None"]
 
@@ -120,7 +122,8 @@ class LiveGuard:
     reference_windows < 1 or min_drafts < 1."""
 
     def __init__(self, source: GuardSource, evidence: Evidence | None = None, rollback: Rollback | None = None,
-                 min_drafts: int = WINDOW_DRAFTS, confirm: int = 2, reference_windows: int = 2, z: float = Z):
+                 min_drafts: int = WINDOW_DRAFTS, confirm: int = CONFIRM, reference_windows: int = REFERENCE_WINDOWS,
+                 z: float = Z):
         if reference_windows < 1 or min_drafts < 1:
             raise ValueError(f"reference_windows >= 1 and min_drafts >= 1; got {reference_windows}, {min_drafts}")
         self.source, self.evidence, self.rollback = source, evidence, rollback

@@ -62,7 +62,7 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
     @router.get("/health")
     def health():
         versions = serving.engine.draft_versions
-        return {"status": "ok", "replica_id": serving.cfg.replica_id,
+        return {"status": "ok", "replica_id": serving.cfg.replica_id, "canary": serving.cfg.canary,
                 "draft_version": serving.engine.draft_version,
                 "class_drafts": {w: v for w, v in sorted(versions.items()) if w},
                 "requests": serving.engine.num_unfinished,

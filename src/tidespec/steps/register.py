@@ -40,6 +40,8 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     `trigger`: what started the cycle (tag); `workload`: a class draft's (tag `workload`; the gate of
     that class's champion, `champion-<class>`, against what serves the class now: its champion, with
     `evaluate.min_relative_gain`, or for its first the generalist, with `evaluate.class_first_gain`).
+    With `deploy.rollout: canary` a generalist that passes the gate goes to the `canary` alias (result
+    `canary` True, `promoted` False) unless it is the first champion; a class draft is promoted directly.
     Every version carries the τ(k) its replay measured (tag `tau_k`, JSON [τ(0..K)]: the reference of
     the live-acceptance checks, SageMaker's alarm among them). With deploy.sagemaker, each profile's
     tuned window goes on the version (tags `tuned_k.<profile>`, metrics `tau_k/<k>`,
@@ -52,6 +54,7 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     prior = registry.find_version(tracking_uri, target_id, key, workload)
     if prior is not None and prior.tags.get("decision"):
         return {"run_id": prior.run_id, "version": prior.version, "promoted": prior.tags["decision"] == "promoted",
+                "canary": prior.tags["decision"] == "canary",
                 "reason": prior.tags.get("decision_reason", ""), "previous_champion": None,
                 "tuned_k": registry.tuned_k(prior.tags)}
     if prior is not None:
@@ -92,13 +95,13 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     d = registry.promote_if_better(tracking_uri, target_id, version, cand["acceptance_length"], champ_tau,
                                    gain, bool(report["lossless"]),
                                    evaluated_champion=report.get("champion_version") if champ else None,
-                                   workload=workload)
+                                   workload=workload, canary=params.deploy.rollout == "canary" and not workload)
     try:  # plots are a view: failing to draw or upload them does not undo or block the decision
         losses = list(train_metrics.get("train/loss", []))
         registry.log_figures(tracking_uri, run_id, _figures(tracking_uri, target_id, report, losses))
     except Exception as e:  # noqa: BLE001 - figures are best effort: the version stands without them
         log.warning("plots not logged for run %s: %s", run_id, e)
-    return {"run_id": run_id, "version": version, "promoted": d.promoted, "reason": d.reason,
+    return {"run_id": run_id, "version": version, "promoted": d.promoted, "canary": d.canary, "reason": d.reason,
             "previous_champion": d.previous_champion,
             "tuned_k": {p: w["k"] for p, w in tune_windows(params, cand).items()}}
 

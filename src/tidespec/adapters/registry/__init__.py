@@ -1,17 +1,20 @@
-"""The MLflow adapter: experiments, runs and the model registry for drafts (`client`: runs, versions, aliases, tags),
-their bundles and figures (`artifacts`), the promotion decisions (`decisions`), and champions materialized in
-local directories, once or followed by a poller (`follow`). Names follow the registry
-contract: experiment `tidespec/<target_id>`, model `tidespec-draft-<short id>`, aliases `champion` / `challenger`,
-`champion-<class>` for a workload class's own champion."""
+"""The MLflow adapter: experiments, runs and the model registry for drafts (`client`: runs, versions, aliases, tags,
+each replica's live counters), their bundles and figures (`artifacts`), the promotion decisions (`decisions`), a
+canary rollout judged on the same traffic (`rollout`), and champions materialized in local directories, once or
+followed by a poller (`follow`). Names follow the registry contract: experiment `tidespec/<target_id>`, model
+`tidespec-draft-<short id>`, aliases `champion` / `challenger` / `canary`, `champion-<class>` for a workload class's
+own champion."""
 from .artifacts import (
     cycle_history,
     download_champion,
     download_version,
     find_version,
     log_figures,
+    served_by,
 )
 from .client import (
     ARTIFACT_DIR,
+    CANARY,
     CHALLENGER,
     CHAMPION,
     CLASS_NAME,
@@ -22,6 +25,7 @@ from .client import (
     VERSION_TAG_KEYS,
     ModelVersionInfo,
     RegistryError,
+    canary,
     challenger,
     champion,
     champion_alias,
@@ -31,6 +35,7 @@ from .client import (
     experiment_name,
     log_candidate,
     log_live,
+    log_replica_counters,
     model_name,
     replayed,
     tau_k,
@@ -42,15 +47,18 @@ from .client import (
 from .decisions import (
     Decision,
     decisions,
+    end_canary,
     evaluation_problem,
     promote,
     promote_if_better,
     rollback,
+    start_canary,
 )
 from .follow import RegistryFollower, materialize_champion, materialize_class_champions
 
 __all__ = [
     "ARTIFACT_DIR",
+    "CANARY",
     "CHALLENGER",
     "CHAMPION",
     "CLASS_NAME",
@@ -63,6 +71,7 @@ __all__ = [
     "RegistryFollower",
     "SIDECAR_DIR",
     "VERSION_TAG_KEYS",
+    "canary",
     "challenger",
     "champion",
     "champion_alias",
@@ -71,6 +80,7 @@ __all__ = [
     "decisions",
     "download_champion",
     "download_version",
+    "end_canary",
     "ensure_experiment",
     "ensure_registered_model",
     "evaluation_problem",
@@ -79,6 +89,7 @@ __all__ = [
     "log_candidate",
     "log_figures",
     "log_live",
+    "log_replica_counters",
     "materialize_champion",
     "materialize_class_champions",
     "model_name",
@@ -86,6 +97,8 @@ __all__ = [
     "promote_if_better",
     "replayed",
     "rollback",
+    "served_by",
+    "start_canary",
     "tau_k",
     "tuned_k",
     "version_info",

@@ -24,6 +24,7 @@ from .client import (
     tuned_k,
     version_tau_k,
 )
+from .client import canary as canary_version
 
 
 def _download_bundle(tracking_uri: str, source: str, run_id: str | None, dest: Path) -> Path:
@@ -51,11 +52,20 @@ def _download_bundle(tracking_uri: str, source: str, run_id: str | None, dest: P
     return dest
 
 
-def download_champion(tracking_uri: str, target_id: str, dest: Path, workload: str = "") -> Path | None:
-    """Download the champion (``workload``: that class's own) into ``dest/draft``: a draft bundle
+def served_by(tracking_uri: str, target_id: str, workload: str = "", canary: bool = False) -> ModelVersionInfo | None:
+    """The version a replica serves: the champion (``workload``: that class's own); for a canary
+    replica (``canary``, the generalist) the ``canary`` alias while one exists. None: none."""
+    return (canary_version(tracking_uri, target_id) if canary and not workload else None) or \
+        champion(tracking_uri, target_id, workload)
+
+
+def download_champion(tracking_uri: str, target_id: str, dest: Path, workload: str = "",
+                      canary: bool = False) -> Path | None:
+    """Download the champion (``workload``: that class's own; ``canary``: what a canary replica serves,
+    `served_by`) into ``dest/draft``: a draft bundle
     (``draft/`` for the engines, sidecars and ``version.json`` = {version, run_id, tuned_k}: what was
     evaluated, beside it). Returns that bundle dir, or None when there is no such champion."""
-    info = champion(tracking_uri, target_id, workload)
+    info = served_by(tracking_uri, target_id, workload, canary)
     if info is None:
         return None
     local = _download_bundle(tracking_uri, info.source, info.run_id, Path(dest) / ARTIFACT_DIR)

@@ -1,6 +1,7 @@
 """MLflow runs and registry versions of EAGLE3 drafts: names (experiment `tidespec/<target_id[:12]>`,
 model `tidespec-draft-<target_id[:12]>`), candidates logged with their lineage tags, aliases
-(`champion` serving, `challenger` the last candidate), version tags (the tuned windows, the replayed
+(`champion` serving, `challenger` the last candidate, `canary` a candidate the canary replicas serve
+first), each replica's live counters on the version it serves, version tags (the tuned windows, the replayed
 first-token acceptance). A version's `source` is the run's `draft/` artifact directory: exactly
 config.json + model.safetensors, what vLLM and SGLang load; the rest of the checkpoint is the run's
 `sidecars/`. Every function takes the tracking URI and its own MlflowClient; no global MLflow state.
@@ -20,12 +21,15 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
+from ...engine.spec_counters import SpecDecodeCounters
 from ...engine.stats import per_position, tau_by_k
 from ...errors import TidespecError
 from ...workspace import CLASS_NAME, bundle_files, valid_tau_k
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
+CANARY = "canary"
+REPLICA_METRICS = "live/replica/"  # + <replica id>/<counter>: a replica's cumulative counters, `log_replica_counters`
 HISTORY_TAG = "champion_history"
 HISTORY_MAX = 500  # champions kept in the history tag (MLflow tag values ≤ 5000 chars)
 ARTIFACT_DIR = "draft"
@@ -232,6 +236,26 @@ def log_live(tracking_uri: str, target_id: str, version: str, metrics: dict[str,
         c.set_model_version_tag(model_name(target_id), str(version), k, v)
 
 
+def log_replica_counters(tracking_uri: str, target_id: str, version: str, replica_id: str,
+                         counters: SpecDecodeCounters, at_ms: int | None = None) -> None:
+    """Log one replica's cumulative spec-decode counters of the version it serves to that version's run:
+    metrics ``live/replica/<replica_id>/num_drafts``, ``.../num_draft_tokens``, ``.../num_accepted_tokens``
+    and ``.../accepted/<i>`` (tokens accepted at draft position i, when counted), all at timestamp
+    ``at_ms`` (ms since the epoch; default now) and step = drafts so far: one sample, which
+    `adapters.registry.rollout.replica_samples` reads back. Raises RegistryError for a version without
+    a run, MlflowException on server errors."""
+    c = _client(tracking_uri)
+    mv = c.get_model_version(model_name(target_id), str(version))
+    if not mv.run_id:
+        raise RegistryError(f"{model_name(target_id)} v{version} has no run to log live counters to")
+    at = int(time.time() * 1000) if at_ms is None else int(at_ms)
+    pre = f"{REPLICA_METRICS}{replica_id}/"
+    values = {"num_drafts": counters.num_drafts, "num_draft_tokens": counters.num_draft_tokens,
+              "num_accepted_tokens": counters.num_accepted_tokens}
+    values |= {f"accepted/{i}": a for i, a in enumerate(counters.accepted_per_pos)}
+    _log_batched(c, mv.run_id, metrics=[Metric(pre + k, float(v), at, counters.num_drafts) for k, v in values.items()])
+
+
 def champion_alias(workload: str = "") -> str:
     """The alias of the generalist's champion (``champion``, `workload` "") or of one workload
     class's (``champion-<class>``). Raises RegistryError for a class name outside ``[a-z0-9_-]``
@@ -265,6 +289,12 @@ def class_champions(tracking_uri: str, target_id: str) -> dict[str, str]:
         raise
     pre = CHAMPION + "-"
     return {a[len(pre):]: str(v) for a, v in aliases.items() if a.startswith(pre) and CLASS_NAME.match(a[len(pre):])}
+
+
+def canary(tracking_uri: str, target_id: str) -> ModelVersionInfo | None:
+    """The version under alias ``canary`` (a candidate that passed the gate under ``deploy.rollout:
+    canary``, served by the canary replicas until `adapters.registry.rollout` decides), or None."""
+    return _by_alias(tracking_uri, target_id, CANARY)
 
 
 def challenger(tracking_uri: str, target_id: str) -> ModelVersionInfo | None:

@@ -1,6 +1,7 @@
-"""Promotion decisions in the MLflow registry: the gate (challenger → champion iff lossless and τ gains),
-promotion and rollback by hand, each an audited decision on the version and its run, and the champion history
-behind rollback."""
+"""Promotion decisions in the MLflow registry: the gate (challenger → champion iff lossless and τ gains,
+or → the `canary` alias under a canary rollout), promotion and rollback by hand, a canary's promotion or
+rollback (`adapters.registry.rollout` decides which), each an audited decision on the version and its run,
+and the champion history behind rollback."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from mlflow.entities import RunTag
 
 from .artifacts import _float
 from .client import (
+    CANARY,
     CHAMPION,
     HISTORY_MAX,
     RegistryError,
@@ -28,12 +30,14 @@ from .client import (
 
 @dataclass(frozen=True)
 class Decision:
-    """Outcome of a promotion/rollback: ``version`` is the one decided about."""
+    """Outcome of a promotion/rollback: ``version`` is the one decided about; ``canary``: it passed the
+    gate and went to the ``canary`` alias (not promoted yet)."""
 
     promoted: bool
     reason: str
     version: str
     previous_champion: str | None
+    canary: bool = False
 
 
 def _history(c: MlflowClient, name: str, workload: str = "") -> list[str]:
@@ -50,19 +54,21 @@ def _of(workload: str) -> str:
     return f"class {workload!r}: " if workload else ""
 
 
-def _record(c: MlflowClient, name: str, version: str, decision: str, reason: str) -> None:
+def _record(c: MlflowClient, name: str, version: str, decision: str, reason: str, latest: bool = True) -> None:
     """Write ``decision``/``decision_reason`` (the latest) on the version and on its run, and append
     the decision to the audit trail: tag ``decision.<n>`` = ``<UTC time> <decision>: <reason>``
-    (n = 0, 1, ...; never overwritten)."""
+    (n = 0, 1, ...; never overwritten). ``latest`` False: the audit trail only (a decision about
+    another version that concerns this one, e.g. the champion a canary was compared with)."""
     mv = c.get_model_version(name, version)
     n = sum(k.startswith("decision.") for k in mv.tags)
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     entry = f"{at} {decision}: {reason}"[:5000]
-    for k, v in (("decision", decision), ("decision_reason", reason[:5000]), (f"decision.{n}", entry)):
+    tags = (("decision", decision), ("decision_reason", reason[:5000])) if latest else ()
+    tags += ((f"decision.{n}", entry),)
+    for k, v in tags:
         c.set_model_version_tag(name, version, k, v)
     if mv.run_id:
-        c.log_batch(mv.run_id, tags=[RunTag("decision", decision), RunTag("decision_reason", reason[:5000]),
-                                     RunTag(f"decision.{n}", entry)])
+        c.log_batch(mv.run_id, tags=[RunTag(k, v) for k, v in tags])
 
 
 def decisions(tracking_uri: str, target_id: str, version: str) -> list[str]:
@@ -86,7 +92,7 @@ def _make_champion(c: MlflowClient, name: str, version: str, workload: str = "")
 
 def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate_tau: float,
                       champion_tau: float | None, min_relative_gain: float, lossless: bool,
-                      evaluated_champion: str | None = None, workload: str = "") -> Decision:
+                      evaluated_champion: str | None = None, workload: str = "", canary: bool = False) -> Decision:
     """Promote ``version`` to ``champion`` iff ``lossless`` and (no champion yet or
     ``candidate_tau >= champion_tau * (1 + min_relative_gain)``); τ in tokens per target forward,
     both measured on the same holdout. ``evaluated_champion``: the champion version ``champion_tau``
@@ -96,6 +102,9 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
     instant can both pass; the tide-cycle deployment runs one cycle at a time. ``workload``: the
     gate of one class's champion (alias ``champion-<class>``, τ on that class's holdout); while the
     class has none, its reference is the generalist that serves it (``champion_tau`` measured on it).
+    ``canary`` (``deploy.rollout: canary``; the generalist only): a candidate that passes goes to the
+    ``canary`` alias instead (`start_canary`; Decision with canary=True, promoted=False), unless it is
+    the first champion (no stable version to compare it with: promoted).
     Raises RegistryError if a champion exists but ``champion_tau`` is None (evaluate it first).
     """
     c = _client(tracking_uri)
@@ -124,6 +133,8 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
         reason = (f"τ {candidate_tau:.4f} {cmp} {bar:.4f} = champion v{current} τ {champion_tau:.4f} "
                   f"× (1 + {min_relative_gain:g})")
     reason = _of(workload) + reason
+    if ok and canary and current is not None and not workload:
+        return _start_canary(c, name, version, f"passed the gate: {reason}", current)
     if ok:
         _make_champion(c, name, version, workload)
     d = Decision(promoted=ok, reason=reason, version=version, previous_champion=own)
@@ -213,3 +224,64 @@ def rollback(tracking_uri: str, target_id: str, reason: str = "", workload: str 
     _record(c, name, current, "rolled_back", f"{_of(workload)}rolled back to v{target}{why}")
     _record(c, name, target, "restored", reason)
     return Decision(promoted=True, reason=reason, version=target, previous_champion=current)
+
+
+# ---------------------------------------------------------------- canary rollout
+
+CANARY_SINCE_TAG = "canary_since"  # ms since the epoch the version got the canary alias: where its windows start
+
+
+def _start_canary(c: MlflowClient, name: str, version: str, reason: str, champion: str) -> Decision:
+    """``version`` under the ``canary`` alias from now (tag ``canary_since``), recorded ``canary``; a
+    canary it replaces before a decision is recorded ``canary_replaced``."""
+    prev = _alias_version(c, name, CANARY)
+    c.set_registered_model_alias(name, CANARY, version)
+    c.set_model_version_tag(name, version, CANARY_SINCE_TAG, str(int(time.time() * 1000)))
+    if prev is not None and prev != version:
+        _record(c, name, prev, "canary_replaced", f"canary replaced by v{version} before a decision")
+    _record(c, name, version, "canary", f"{reason}; served by the canary replicas beside champion v{champion} "
+                                        "until its live τ is judged on the same traffic")
+    return Decision(promoted=False, reason=f"canary: {reason}", version=version, previous_champion=champion,
+                    canary=True)
+
+
+def start_canary(tracking_uri: str, target_id: str, version: str, reason: str) -> Decision:
+    """Put an evaluated ``version`` under the ``canary`` alias by hand (what the gate does under
+    ``deploy.rollout: canary``), recording ``reason``. Raises RegistryError when it does not exist,
+    was never evaluated (`evaluation_problem`), is the champion, or there is no champion to compare
+    it with (promote the first one instead)."""
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    version = _version(c, name, version)
+    champ = _alias_version(c, name, CHAMPION)
+    problem = evaluation_problem(dict(c.get_model_version(name, version).tags))
+    if problem:
+        raise RegistryError(f"{name} v{version} {problem}; a canary must be an evaluated version")
+    if champ is None or champ == version:
+        raise RegistryError(f"{name}: v{version} cannot be a canary: " + (
+            "there is no champion to compare it with (promote the first one)" if champ is None else
+            "it is the champion"))
+    return _start_canary(c, name, version, f"manual: {reason}", champ)
+
+
+def end_canary(tracking_uri: str, target_id: str, version: str, reason: str, promote: bool) -> Decision:
+    """End the canary ``version``'s rollout, recording ``reason``: ``promote`` — it becomes champion
+    (history appended, as any promotion), ``promoted`` on it and ``replaced`` on the champion it
+    replaces —, else rolled back — the champion untouched, ``rolled_back`` on it and ``kept`` on the
+    champion —; the ``canary`` alias removed either way (the canary replicas serve the champion), the
+    champion's entry in its audit trail only (its own latest decision stands). Raises RegistryError
+    when ``version`` is not the canary any more (nothing changed)."""
+    c = _client(tracking_uri)
+    name = model_name(target_id)
+    now = _alias_version(c, name, CANARY)
+    if now != str(version):
+        raise RegistryError(f"{name}: v{version} is not the canary (the canary is "
+                            f"{'v' + now if now else 'none'}): nothing decided; run the decision again")
+    champ = _make_champion(c, name, version) if promote else _alias_version(c, name, CHAMPION)
+    c.delete_registered_model_alias(name, CANARY)
+    done, other = ("promoted", "replaced") if promote else ("rolled_back", "kept")
+    _record(c, name, version, done, f"canary: {reason}")
+    if champ is not None and champ != version:
+        _record(c, name, champ, other, f"canary v{version} {done.replace('_', ' ')}: {reason}", latest=False)
+    return Decision(promoted=promote, reason=f"canary {done.replace('_', ' ')}: {reason}", version=version,
+                    previous_champion=champ)

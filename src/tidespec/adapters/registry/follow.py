@@ -15,23 +15,25 @@ from pathlib import Path
 
 from ...serve.poller import Poller
 from ...workspace import served_version
-from .artifacts import download_champion
-from .client import champion, class_champions
+from .artifacts import download_champion, served_by
+from .client import class_champions
 
 log = logging.getLogger(__name__)
 
 
-def materialize_champion(tracking_uri: str, target_id: str, dest: Path, workload: str = "") -> str | None:
-    """Download the champion's bundle (``workload``: that class's own, alias ``champion-<class>``)
-    into ``dest``, replacing what is there by rename; scratch lives in a hidden directory beside it
-    and is removed whatever happens (a failed download leaves ``dest`` as it was). Returns the
-    version now at ``dest``; None when the registry has no such champion (``dest`` untouched).
+def materialize_champion(tracking_uri: str, target_id: str, dest: Path, workload: str = "",
+                         canary: bool = False) -> str | None:
+    """Download the champion's bundle (``workload``: that class's own, alias ``champion-<class>``;
+    ``canary``: the ``canary`` alias while one exists, what a canary replica serves) into ``dest``,
+    replacing what is there by rename; scratch lives in a hidden directory beside it and is removed
+    whatever happens (a failed download leaves ``dest`` as it was). Returns the version now at
+    ``dest``; None when the registry has no such champion (``dest`` untouched).
     Raises MlflowException / OSError as the download does."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".deploy-", dir=dest.parent))
     try:
-        got = download_champion(tracking_uri, target_id, tmp / "dl", workload)
+        got = download_champion(tracking_uri, target_id, tmp / "dl", workload, canary)
         if got is None:
             return None
         version = served_version(got)  # a bundle with version.json: draft/ (what engines load) + sidecars
@@ -83,13 +85,15 @@ class RegistryFollower(Poller):
     fails, is logged (once per error) and retried at the next round: the directories are never
     half-written and what they held keeps serving. Rounds run one at a time (a rollback may call `check`
     beside the poll); `error` is the last round's failure (None after a round that reached the
-    registry)."""
+    registry). `canary` (`serve.canary`): `champion_dir` holds the registry's `canary` alias while one
+    exists, else the champion (`artifacts.served_by`): a canary rolled back or promoted is followed
+    like any champion move."""
 
     what = "registry follow"
 
     def __init__(self, tracking_uri: str, target_id: str, champion_dir: Path, classes_dir: Path | None,
-                 every_s: float):
-        self.tracking_uri, self.target_id = tracking_uri, target_id
+                 every_s: float, canary: bool = False):
+        self.tracking_uri, self.target_id, self.canary = tracking_uri, target_id, canary
         self.champion_dir = Path(champion_dir)
         self.classes_dir = Path(classes_dir) if classes_dir is not None else None
         self.error: str | None = None
@@ -118,7 +122,7 @@ class RegistryFollower(Poller):
                          workload, d)
             else:
                 log.info("registry: %s v%s downloaded into %s", f"class {workload!r}'s champion" if workload
-                         else "champion", v, d)
+                         else "canary or champion" if self.canary else "champion", v, d)
         return out
 
     def first_round(self, timeout_s: float) -> bool:
@@ -131,9 +135,9 @@ class RegistryFollower(Poller):
         return not t.is_alive()
 
     def _round(self, out: dict[str, str | None]) -> None:
-        info = champion(self.tracking_uri, self.target_id)
+        info = served_by(self.tracking_uri, self.target_id, canary=self.canary)
         if info is not None and _held(self.champion_dir) != info.version:
-            v = materialize_champion(self.tracking_uri, self.target_id, self.champion_dir)
+            v = materialize_champion(self.tracking_uri, self.target_id, self.champion_dir, canary=self.canary)
             if v is not None:  # None: the alias went away meanwhile
                 out[""] = v
         if self.classes_dir is not None:
