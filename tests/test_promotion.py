@@ -134,7 +134,7 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     # `tidespec serve`'s engine and draft-health guard: v1 serves the holdout traffic, then v2 (the champion
     # now) the same traffic; its live first-token acceptance is clearly below v1's, so the guard rolls it back
     # through the registry (an audited decision) and deploys v1 where the champion watcher picks it up
-    from tidespec.cli.serve import _registry_rollback
+    from tidespec.cli.serve_registry import registry_rollback
     from tidespec.engine.build import install_draft, make_engine
     from tidespec.engine.speculative import Request
     from tidespec.serve.draft_health import EngineSource, HealthReport
@@ -149,7 +149,7 @@ def test_gate_worse_rejected_lossy_never_promoted_rollback(tmp_path, mlflow_serv
     fetch = lambda v: registry.download_version(mlflow_server, tid, v, tmp_path / "judge")  # noqa: E731
     guard = HealthReport(eng, ServeMetrics(eng.cfg.num_draft_tokens), 0, LiveGuard(
         EngineSource(eng, fetch), TeacherForced(PairedJudge(eng, recent.records, fetch)),
-        _registry_rollback(params, tid, ws)))
+        registry_rollback(params, tid, ws)))
     for draft in (registry.download_version(mlflow_server, tid, d1["version"], tmp_path / "served"), ws.champion):
         install_draft(eng, draft)
         for _ in range(4):  # a round of traffic, then the server's check

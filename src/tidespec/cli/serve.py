@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from .common import PARAMS, ROOT, app, console, log_to_stderr, ws_of
+from .serve_registry import champion_source, registry_loader, registry_rollback, replica_reporter
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
         return
     hidden, text = capture and p.capture.mode == "hidden", capture and p.capture.mode == "text"
     target, tok = get_target(p)
-    champ, classes, follower = _champion_source(p, ws, target.target_id)
+    champ, classes, follower = champion_source(p, ws, target.target_id)
     writer = (
         CaptureWriter(
             ws.capture_dir(target.target_id),
@@ -97,31 +98,19 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     _install_class_drafts(engine, classes)
     sv = p.serve_resolved()
     console.print(serving_line(engine, sv.served_model_name), markup=False, highlight=False, soft_wrap=True)
-    live = _replica_reporter(p, engine, target.target_id)
+    live = replica_reporter(p, engine, target.target_id)
     try:
         uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
                               admin_token=os.environ.get(ADMIN_TOKEN_ENV), api_key=key,
-                              load_version=_registry_loader(target.target_id, ws), text_capture=text_capture,
+                              load_version=registry_loader(target.target_id, ws), text_capture=text_capture,
                               watch_dir=champ, watch_s=sv.watch_champion_s, watch_classes_dir=classes,
-                              rollback=_registry_rollback(p, target.target_id, ws, follower)),
+                              rollback=registry_rollback(p, target.target_id, ws, follower)),
                     host=host, port=port)
     finally:
         for c in (writer, follower, live):
             if c is not None:
                 c.close()
 
-
-def _replica_reporter(p, engine, target_id: str):
-    """With MLFLOW_TRACKING_URI and serve.live_stats_s > 0, the embedded engine's counters per served
-    version logged under this replica's id every serve.live_stats_s s (`backends.live.LiveReporter`
-    over the guard's `serve.draft_health.EngineSource`: what a canary rollout is decided on); else None."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri or p.serve.live_stats_s <= 0:
-        return None
-    from ..backends.live import LiveReporter
-    from ..serve.draft_health import EngineSource
-    return LiveReporter(None, uri, target_id, p.serve.live_stats_s, source=EngineSource(engine),
-                        replica_id=p.serve.replica_id)
 
 def serving_line(engine, model: str) -> str:
     """The line `tidespec serve` prints before it listens: the model name clients send, the target
@@ -224,7 +213,7 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = 
     server: one this command starts (vLLM; SGLang without --sglang-url), with each champion the
     cycle deploys loaded into it (`backends.vllm.deployment`, `backends.sglang.deployment`) and its
     live acceptance logged and acted on (`backends.live`); or the user's SGLang at `launch.sglang_url`,
-    as it is. The champion comes from `_champion_source` (data/drafts, or the registry followed).
+    as it is. The champion comes from `champion_source` (data/drafts, or the registry followed).
     Capture there is text (a front door sees no hidden states). `api_key`: the key the front door
     checks (None: open); the engine server it starts listens on loopback without one."""
     import uvicorn
@@ -245,7 +234,7 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = 
         _note_unanswered(launch.sglang_url)
         uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog, **auth), host=host, port=port)
         return
-    champ, _, follower = _champion_source(p, ws, target_id(p), classes=False)  # one draft: the generalist
+    champ, _, follower = champion_source(p, ws, target_id(p), classes=False)  # one draft: the generalist
     with _sigterm_raises():  # a SIGTERM while the engine server starts stops it too (its own process group)
         dep = (_start_vllm(p, ws, launch.vllm_python, host, champ) if launch.backend == "vllm"
                else _start_sglang(p, ws, launch.sglang_python, host, champ))
@@ -259,7 +248,7 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = 
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     from ..backends.live import LiveReporter, server_guard
     from ..steps.tuning import live_windows
-    guard = server_guard(dep, _registry_rollback(p, target_id(p), ws, follower), hold)
+    guard = server_guard(dep, registry_rollback(p, target_id(p), ws, follower), hold)
     live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s,
                          lambda per_pos, n: live_windows(p.deploy.sagemaker, per_pos, n), guard,
                          guard.source, p.serve.replica_id)
@@ -355,78 +344,6 @@ def _start_sglang(p, ws, python: str | None, host: str, champion: Path | None = 
     console.print(f"serve: starting SGLang ({launch.python}; log under {ws.state / 'sglang' / 'logs'})", markup=False)
     return SGLangDeployment(launch, ws.state / "sglang").start(_existing(champion or ws.champion))
 
-def _registry_rollback(p, target_id: str, ws, follower=None):
-    """The draft-health guards' rollback (`serve.guard.LiveGuard`): when the registry's
-    champion is still the version the guard found worse, `registry.rollback` (an audited decision),
-    then the served directory follows the registry (`_follow_registry`: the restored champion
-    deployed where the champion watcher installs it, even when the registry had moved on: a deploy
-    that failed after the registry moved is repaired at the guard's retry); returns the restored
-    version (None: nothing rolled back). None without MLFLOW_TRACKING_URI or with
-    `serve.auto_rollback` off (the guard then reports only)."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri or not p.serve.auto_rollback:
-        return None
-    from ..adapters import registry
-
-    def roll_back(version: str, reason: str, workload: str = "") -> str | None:
-        champ, back = registry.champion(uri, target_id, workload), None
-        if champ is not None and champ.version == version:
-            back = registry.rollback(uri, target_id, f"automatic (draft health): {reason}", workload=workload).version
-        else:
-            log.warning("not rolling back v%s: the registry's %s is %s now", version,
-                        registry.champion_alias(workload), champ.version if champ else None)
-        if champ is not None:
-            _follow_registry(uri, target_id, ws, follower, workload)
-        return back
-    return roll_back
-
-
-def _follow_registry(uri: str, target_id: str, ws, follower, workload: str) -> None:
-    """The served directory of `workload` ("" the generalist) brought to the registry's champion:
-    with `serve.champion_source: registry`, a round of the registry `follower` (its directories,
-    nothing under data/drafts); else the local deploy into data/drafts/champion or
-    data/drafts/classes (`steps.deploy.local`; raises as it does)."""
-    if follower is not None:
-        follower.check()
-        return
-    from ..steps.deploy.local import deploy_champion, deploy_class_champions
-    if workload:
-        deploy_class_champions(uri, target_id, ws.class_champions)
-    else:
-        deploy_champion(uri, target_id, ws.champion)
-
-
-FIRST_FOLLOW_S = 30.0  # a start waits at most this long (s) for the registry follower's first round
-
-
-def _champion_source(p, ws, target_id: str, classes: bool = True):
-    """(the champion bundle, the class champions' root, the registry follower or None) a server serves from
-    (`classes` False: a server with one draft, whose follower leaves the classes' alone), by
-    `serve.champion_source` (`workspace.Workspace.served_champions`): `directory` — data/drafts, which
-    the cycle's deploy step writes; `registry` — this server's own copies under .tidespec/registry, kept
-    by a `registry.RegistryFollower` every `serve.watch_champion_s` s (a `serve.canary` replica's: the `canary`
-    alias while one exists, else the champion), after its first round (waited for
-    at most FIRST_FOLLOW_S s; a registry that has not answered by then is said, the server starts on
-    what the copies hold and the follower keeps trying)."""
-    champ, classes_dir = ws.served_champions(p.serve.champion_source)
-    if p.serve.champion_source != "registry":
-        return champ, classes_dir, None
-    from ..adapters import registry
-    from ..workspace import served_version
-    uri = os.environ["MLFLOW_TRACKING_URI"]  # `serve_preflight` refused the registry source without it
-    follower = registry.RegistryFollower(uri, target_id, champ, classes_dir if classes else None,
-                                         p.serve.watch_champion_s, canary=p.serve.canary)
-    done = follower.first_round(FIRST_FOLLOW_S)
-    if done and follower.error is None:
-        said = (f"{'canary (else champion)' if p.serve.canary else 'champion'} {served_version(champ) or 'none yet'} "
-                f"in {champ.parent}")
-    else:
-        said = (f"not answering after {FIRST_FOLLOW_S:g} s" if not done else f"failed ({follower.error})") + \
-            f", serving what {champ.parent} holds (retried every serve.watch_champion_s)"
-    console.print(f"serve: following the registry at {uri}: {said}", markup=False, highlight=False, soft_wrap=True)
-    return champ, classes_dir, follower
-
-
 def _existing(path: Path) -> Path | None:
     return path if path.exists() else None
 
@@ -438,16 +355,3 @@ def _install_class_drafts(engine, root: Path) -> None:
     for workload, v in install_class_drafts(engine, root).items():
         if v is not None:
             log.info("class %r served by its own draft %s", workload, v)
-
-
-def _registry_loader(target_id: str, ws):
-    """`/admin/draft {"version"}` → the registry (needs MLFLOW_TRACKING_URI and the [mlops] extra);
-    None without a tracking URI: the server then swaps by path only."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        return None
-    from ..adapters import registry  # mlflow: only for a server that has a registry
-
-    def load(ref):
-        return registry.download_version(uri, target_id, ref, ws.work / "served")
-    return load
