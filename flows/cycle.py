@@ -2,8 +2,10 @@
 `tidespec.steps.cycle` and `tidespec.steps.classes`).
 
 Deployed by prefect.yaml (`tide-cycle`, entrypoint `flows/cycle.py:tide_cycle`: interval schedule +
-trigger on `tidespec.capture.threshold`); run in-process by `tidespec cycle`, the demos and `bench
-shift` through `tidespec.adapters.orchestrate.load_flow` (the same entrypoint).
+trigger on `tidespec.capture.threshold`), and by `tidespec fleet deploy` for a worker on another
+machine (the same entry, run from the worker's own workspace: `tidespec.adapters.fleet_deploy`);
+run in-process by `tidespec cycle`, the demos and `bench shift` through
+`tidespec.adapters.orchestrate.load_flow` (the same entrypoint).
 Params are read once per run: the flow freezes them (`cycle.freeze_params`, data/work/params-<sha>.yaml)
 and every task loads that file, so an edit of params.yaml during the run changes nothing in it.
 Tasks pass paths/URIs only. Retries only for transient failures (a service unreachable:

@@ -9,7 +9,8 @@ pull`s the data: `restore_pointer`); and one per target, `<remote>/tidespec/cycl
 `{"through": <the newest snapshot id the last completed cycle curated>, "at": <UTC time>}`
 (`mark_cycle`), from which a replica counts the fleet's tokens since the last cycle
 (`tokens_since_cycle`). Snapshot ids sort by seal time (`capture.snapshots.new_snapshot_id`), so
-"newer" is "sorts after".
+"newer" is "sorts after". Other objects of tidespec's own go under the same folder through
+`RemoteIndex.write_doc` / `read_doc` (the deployments a fleet worker pulls: `adapters.fleet_deploy`).
 
 The objects go through DVC's own filesystem for the repo's default remote (`dvc.repo.Repo(repo)
 .cloud.get_remote()`): a local directory or S3 (endpoint, credentials and server-side encryption
@@ -33,8 +34,8 @@ PREFIX = "tidespec"  # the remote's folder for tidespec's own objects, beside DV
 class RemoteIndex:
     """Reads, writes and lists the snapshot manifests and cycle marks on `repo`'s default DVC
     remote (`repo`: a git + DVC repo, `versioning.ensure_repo`; any machine of the fleet with the
-    same remote). Raises VersioningError when the repo names no remote; the remote's own errors
-    (unreachable, denied) propagate from DVC's filesystem."""
+    same remote), or on a remote named by its URL (`at`). Raises VersioningError when the repo names
+    no remote; the remote's own errors (unreachable, denied) propagate from DVC's filesystem."""
 
     def __init__(self, repo: Path):
         from dvc.exceptions import DvcException
@@ -47,24 +48,42 @@ class RemoteIndex:
                                   "configure a default remote: versioning.ensure_repo(repo, remote_url)") from e
         self.fs, self.root = remote.fs, remote.path
 
+    @classmethod
+    def at(cls, url: str, endpoint_url: str | None = None, sse: str | None = "AES256") -> RemoteIndex:
+        """The index on the remote `url` itself, with no repo (the machine that deploys a fleet's
+        worker): an absolute local directory, or `s3://bucket/prefix` with `endpoint_url` (a moto
+        server, MinIO...) and server-side encryption `sse`, as `versioning.ensure_repo` configures a
+        repo's remote. Raises ValueError for a relative local path (each machine would read it
+        against its own directory)."""
+        from dvc.fs import get_cloud_fs
+        if "://" not in url and not Path(url).is_absolute():
+            raise ValueError(f"remote {url!r}: give an s3:// URL or an absolute path every machine reaches")
+        opts = {"endpointurl": endpoint_url, "sse": sse} if url.startswith("s3://") else {}
+        fs_cls, conf, root = get_cloud_fs({}, url=url, **{k: v for k, v in opts.items() if v})
+        index = cls.__new__(cls)
+        index.fs, index.root = fs_cls(**conf), root
+        return index
+
     def _path(self, *parts: str) -> str:
         return self.fs.join(self.root, PREFIX, *parts)
 
-    def _write(self, path: str, doc: dict) -> None:
+    def write_doc(self, doc: dict, *parts: str) -> str:
+        """Store `doc` as JSON at `<remote>/tidespec/<parts...>` (replacing it); returns its path."""
+        path = self._path(*parts)
         self.fs.makedirs(self.fs.parent(path), exist_ok=True)  # a local remote's folders; S3 has none
         self.fs.pipe_file(path, json.dumps(doc, indent=1).encode())
+        return path
 
-    def _read(self, path: str) -> dict | None:
+    def read_doc(self, *parts: str) -> dict | None:
+        """The JSON object at `<remote>/tidespec/<parts...>` (None: not there)."""
         try:
-            return json.loads(self.fs.cat_file(path))
+            return json.loads(self.fs.cat_file(self._path(*parts)))
         except FileNotFoundError:
             return None
 
     def write(self, manifest: dict) -> str:
         """Store a snapshot's manifest (`manifest_of`); returns its path on the remote."""
-        path = self._path("snapshots", manifest["target_id"], f"{manifest['snapshot_id']}.json")
-        self._write(path, manifest)
-        return path
+        return self.write_doc(manifest, "snapshots", manifest["target_id"], f"{manifest['snapshot_id']}.json")
 
     def ids(self, target_id: str) -> list[str]:
         """The snapshot ids of `target_id` with a manifest on the remote, oldest first (one listing)."""
@@ -76,7 +95,7 @@ class RemoteIndex:
 
     def read(self, target_id: str, snapshot_id: str) -> dict | None:
         """A snapshot's manifest (None: not on the remote)."""
-        return self._read(self._path("snapshots", target_id, f"{snapshot_id}.json"))
+        return self.read_doc("snapshots", target_id, f"{snapshot_id}.json")
 
     def manifests(self, target_id: str, after: str = "") -> list[dict]:
         """The manifests of `target_id` whose ids sort after `after` ("": all), oldest first (by seal
@@ -85,12 +104,12 @@ class RemoteIndex:
 
     def cycle_mark(self, target_id: str) -> dict | None:
         """The last completed cycle's mark for `target_id` (`mark_cycle`), None before the first."""
-        return self._read(self._path("cycles", f"{target_id}.json"))
+        return self.read_doc("cycles", f"{target_id}.json")
 
     def mark_cycle(self, target_id: str, through: str) -> dict:
         """Record that a cycle curated the fleet's snapshots up to `through` (a snapshot id)."""
         mark = {"target_id": target_id, "through": through, "at": utc_now()}
-        self._write(self._path("cycles", f"{target_id}.json"), mark)
+        self.write_doc(mark, "cycles", f"{target_id}.json")
         return mark
 
 
