@@ -17,6 +17,7 @@ from ..errors import TidespecError
 from . import (  # noqa: F401 - each registers its commands
     demo,
     deploy,
+    fleet,
     loop,
     rollout,
     serve,
