@@ -218,6 +218,12 @@ def test_a_canary_replica_serves_the_canary_first_and_the_stable_one_follows_the
             d = rollout.decide(uri, tid, windows=1, min_drafts=1, act=False)
             return d if d.verdict != rollout.WAIT else None
         assert wait_until(judged, 30, "a window of both replicas' counters").verdict == rollout.PROMOTE
+
+        def requests_logged(replica, run_id):  # each round's requests served beside the counters (`tidespec fleet status`)
+            rows = registry.replica_rows(uri, run_id).get(replica, {})
+            return max((v.get("requests", 0) for v in rows.values()), default=0) >= 2
+        wait_until(lambda: requests_logged("canary-1", registry.version_info(uri, tid, v2).run_id), 30,
+                   "the canary's requests logged")
         assert health(urls["stable"])["draft_version"] == v1  # the stable replica waits for the decision
         d = rollout.decide(uri, tid, windows=1, min_drafts=1)
         assert d.verdict == rollout.PROMOTE and d.acted, d

@@ -81,9 +81,9 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
         assert h["draft_version"] == champ.version
         r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
         assert r.json()["tidespec"]["draft_version"] == champ.version
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        assert f'tidespec:draft_info{{version="{champ.version}"}} 1.0' in metrics
-        assert "tidespec:capture_publish_errors_total 0.0" in metrics
+        metrics, rid = httpx.get(f"{url}/metrics", timeout=10).text, h["replica_id"]  # on every series
+        assert f'tidespec:draft_info{{replica_id="{rid}",version="{champ.version}"}} 1.0' in metrics
+        assert f'tidespec:capture_publish_errors_total{{replica_id="{rid}"}} 0.0' in metrics
     finally:
         proc.terminate()
         proc.wait(60)

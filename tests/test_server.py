@@ -58,7 +58,7 @@ def test_completions_lossless_usage_and_metrics(served, tiny_target):
         total += len(want)
     assert _prom(c, "tidespec:generation_tokens_total") == total
     assert _prom(c, "tidespec:spec_decode_num_drafts_total") > 0
-    assert _prom(c, 'tidespec:draft_info{version="v1"}') == 1
+    assert _prom(c, 'tidespec:draft_info{replica_id="replica-a",version="v1"}') == 1
     assert c.get("/health").json()["draft_version"] == "v1"
     assert c.get("/health").json()["target_precision"] == "fp32"  # which weights answer (target.quantization)
     assert c.get("/health").json()["replica_id"] == "replica-a"  # its name in a fleet (serve.replica_id)
@@ -113,7 +113,7 @@ def test_admin_swap_auth_traversal_wrong_target(served, tmp_path):
     assert c.get("/health").json()["draft_version"] == "v2"
     out = c.post("/v1/completions", json={"prompt": [5, 17, 33], "max_tokens": 8}).json()
     assert out["tidespec"]["draft_version"] == "v2"
-    assert _prom(c, 'tidespec:draft_info{version="v2"}') == 1
+    assert _prom(c, 'tidespec:draft_info{replica_id="replica-a",version="v2"}') == 1
 
 
 def test_streaming_pieces_concatenate_to_the_output(served, tiny_target):

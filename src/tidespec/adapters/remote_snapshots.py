@@ -23,7 +23,7 @@ import logging
 from pathlib import Path
 
 from ..capture.snapshots import list_snapshots
-from ..capture.store import utc_now
+from ..capture.store import parse_ts, utc_now
 from ..workspace import private_dir
 from .versioning import VersioningError
 
@@ -144,6 +144,17 @@ def list_remote_snapshots(repo: Path, target_id: str, after: str = "") -> list[d
     after `after` ("": all), oldest first (by seal time; `RemoteIndex.manifests`). Raises as
     `RemoteIndex`."""
     return RemoteIndex(repo).manifests(target_id, after)
+
+
+def last_seals(repo: Path, target_id: str) -> dict[str, float]:
+    """{replica id: when it sealed its newest snapshot of `target_id`, s since the epoch} from the
+    manifests on `repo`'s DVC remote (`tidespec fleet status`); snapshots sealed before replica ids are left
+    out. Raises as `RemoteIndex`."""
+    out: dict[str, float] = {}
+    for m in list_remote_snapshots(repo, target_id):
+        if m.get("replica_id") and m.get("sealed"):
+            out[m["replica_id"]] = max(out.get(m["replica_id"], 0.0), parse_ts(m["sealed"]))
+    return out
 
 
 def tokens_since_cycle(index: RemoteIndex, target_id: str) -> tuple[int, int]:

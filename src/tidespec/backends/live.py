@@ -3,7 +3,8 @@ served version's live figures logged to the registry (`report_live`), and acted 
 (`server_guard`: `serve.guard.LiveGuard` over the server's counters, `ServerSource`, with a
 switchback trial as its evidence), on a reporter thread (`LiveReporter`). Every replica, the embedded
 engine's too, logs its cumulative counters per served version under its replica id from the guard's
-tracks (`report_replica`: what a canary rollout is decided on). The deployments are
+tracks, with its requests and capture backlog (`report_replica`, `replica_state`: what a canary rollout
+is decided on and `tidespec fleet status` shows). The deployments are
 `backends.base.Backend`s.
 """
 from __future__ import annotations
@@ -99,35 +100,55 @@ def server_guard(dep, rollback: Rollback | None = None, hold=None, min_drafts: i
                      reference_windows)
 
 
-def report_replica(source: GuardSource, tracking_uri: str, target_id: str, replica_id: str) -> dict:
+ReplicaState = Callable[[], dict[str, float]]  # this round's `registry.REPLICA_STATE` values of a replica
+
+
+def replica_state(requests: Callable[[], float], backlog: Callable[[], int | None] | None = None,
+                  last_seal: Callable[[], float | None] | None = None) -> ReplicaState:
+    """What a replica logs beside its counters each round (`registry.REPLICA_STATE`): `requests`, the
+    server's requests served so far (`requests()`); `capture_backlog`, tokens captured not yet sealed
+    (`backlog()`: a capture writer's unsealed tokens, a text log's `serve.textlog.TextLog.backlog_tokens`);
+    `last_seal`, its newest seal, s since the epoch (`last_seal()`: `capture.snapshots.last_sealed`).
+    Each of the last two only when given and known (not None)."""
+    def state() -> dict[str, float]:
+        out = {"requests": requests(), "capture_backlog": backlog() if backlog else None,
+               "last_seal": last_seal() if last_seal else None}
+        return {k: float(v) for k, v in out.items() if v is not None}
+    return state
+
+
+def report_replica(source: GuardSource, tracking_uri: str, target_id: str, replica_id: str,
+                   state: ReplicaState | None = None) -> dict:
     """Log this replica's cumulative counters of each registry version it serves (`source`'s tracks —
     the guard's view of an engine server or of the embedded engine — summed over a version's tracks)
-    to that version's run under `replica_id` (`registry.log_replica_counters`). Returns {version:
-    counters logged}. Raises MlflowException on server errors."""
+    to that version's run under `replica_id`, with its `state()` this round (`replica_state`; None:
+    counters only) in the same batch (`registry.log_replica_counters`). Returns {version: counters
+    logged}. Raises MlflowException on server errors."""
     per: dict = {}
     for track in source.tracks().values():
         if track.version is not None and track.counters is not None:
             per[track.version] = per[track.version] + track.counters if track.version in per else track.counters
+    now = state() if state is not None and per else None
     for version, counters in per.items():
-        registry.log_replica_counters(tracking_uri, target_id, version, replica_id, counters)
+        registry.log_replica_counters(tracking_uri, target_id, version, replica_id, counters, state=now)
     return per
 
 
 class LiveReporter:
     """Every `every_s` seconds on a daemon thread: `report_live` (`dep`: an engine server's deployment;
-    None: none), this replica's counters (`report_replica` over `source` as `replica_id`; None: none),
-    then `guard.check()` (a `LiveGuard`, or None); errors are logged, never raised."""
+    None: none), this replica's counters and `state` (`report_replica` over `source` as `replica_id`;
+    None: none), then `guard.check()` (a `LiveGuard`, or None); errors are logged, never raised."""
 
     def __init__(self, dep, tracking_uri: str, target_id: str, every_s: float = 60.0,
                  tune: Tune | None = None, guard: LiveGuard | None = None, source: GuardSource | None = None,
-                 replica_id: str | None = None):
+                 replica_id: str | None = None, state: ReplicaState | None = None):
         self.every_s, self.guard, self.steps = every_s, guard, []
         if dep is not None:
             self.steps.append(("live spec-decode figures not logged",
                                lambda: report_live(dep, tracking_uri, target_id, tune)))
         if source is not None and replica_id:
             self.steps.append(("replica counters not logged",
-                               lambda: report_replica(source, tracking_uri, target_id, replica_id)))
+                               lambda: report_replica(source, tracking_uri, target_id, replica_id, state)))
         if guard is not None:
             self.steps.append(("live guard round skipped", guard.check))
         self._stop = threading.Event()

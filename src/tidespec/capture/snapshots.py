@@ -227,6 +227,15 @@ def list_snapshots(snapshots_root: Path, target_id: str) -> list[Path]:
                   and (p / "snapshot.json").exists())
 
 
+def last_sealed(snapshots_root: Path, target_id: str, replica_id: str) -> float | None:
+    """When `replica_id` sealed its newest snapshot of `target_id` still on local disk (s since the
+    epoch, read off its id: `new_snapshot_id`); None: none there."""
+    mine = [p.name for p in list_snapshots(snapshots_root, target_id) if p.name[24:-5] == replica_id]
+    if not mine:
+        return None
+    return datetime.strptime(mine[-1][1:23], "%Y%m%dT%H%M%S%fZ").replace(tzinfo=UTC).timestamp()
+
+
 class SealPublisher:
     """Publishes sealed snapshots (`on_seal(SnapshotInfo)`: DVC add + push, the Prefect event) on its own
     thread, so serving and capture never wait for it. A failed publish (remote or Prefect down) is

@@ -98,18 +98,30 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
     _install_class_drafts(engine, classes)
     sv = p.serve_resolved()
     console.print(serving_line(engine, sv.served_model_name), markup=False, highlight=False, soft_wrap=True)
-    live = replica_reporter(p, engine, target.target_id)
+    live = None
     try:
-        uvicorn.run(build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
-                              admin_token=os.environ.get(ADMIN_TOKEN_ENV), api_key=key,
-                              load_version=registry_loader(target.target_id, ws), text_capture=text_capture,
-                              watch_dir=champ, watch_s=sv.watch_champion_s, watch_classes_dir=classes,
-                              rollback=registry_rollback(p, target.target_id, ws, follower)),
-                    host=host, port=port)
+        app = build_app(engine, tok, sv, model=sv.served_model_name, drafts_dir=ws.drafts,
+                        admin_token=os.environ.get(ADMIN_TOKEN_ENV), api_key=key,
+                        load_version=registry_loader(target.target_id, ws), text_capture=text_capture,
+                        watch_dir=champ, watch_s=sv.watch_champion_s, watch_classes_dir=classes,
+                        rollback=registry_rollback(p, target.target_id, ws, follower))
+        live = replica_reporter(p, engine, target.target_id, app.state.metrics, *_capture_state(
+            writer, text_capture, ws.snapshots, target.target_id, p.serve.replica_id))
+        uvicorn.run(app, host=host, port=port)
     finally:
         for c in (writer, follower, live):
             if c is not None:
                 c.close()
+
+
+def _capture_state(writer, text, snapshots: Path, tid: str, replica_id: str):
+    """(backlog(), last_seal()) of the embedded server's capture (`backends.live.replica_state`): a
+    hidden-state writer's unsealed tokens and this replica's newest local seal; a text log's tokens
+    not yet handed to an ingest; (None, None) without capture."""
+    from ..capture.snapshots import last_sealed
+    if writer is not None:
+        return (lambda: writer.stats().unsealed_tokens), (lambda: last_sealed(snapshots, tid, replica_id))
+    return (text.backlog_tokens if text is not None else None), None
 
 
 def serving_line(engine, model: str) -> str:
@@ -229,7 +241,8 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = 
     text = TextCapture(ws.text_capture_dir(target_id(p)), p.capture) if capture else None
     textlog = _text_log(text, target_id(p), p.capture.seal_min_tokens)
     timeout = launch.request_timeout_s or p.serve.request_timeout_s
-    auth = {"api_key": api_key, "auth_health_metrics": p.serve.auth_health_metrics}
+    auth = {"api_key": api_key, "auth_health_metrics": p.serve.auth_health_metrics,
+            "replica_id": p.serve.replica_id}  # the label on the front door's own /metrics series
     if not launch.launches:
         _note_unanswered(launch.sglang_url)
         uvicorn.run(build_frontdoor(launch.sglang_url, text, timeout, textlog=textlog, **auth), host=host, port=port)
@@ -246,12 +259,13 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = 
     every, hold = p.serve.watch_champion_s, DraftPin()
     watcher = ChampionWatcher(champ, every, dep, dep.install, hold) if every > 0 else None
     uri = os.environ.get("MLFLOW_TRACKING_URI")
-    from ..backends.live import LiveReporter, server_guard
+    from ..backends.live import LiveReporter, replica_state, server_guard
     from ..steps.tuning import live_windows
     guard = server_guard(dep, registry_rollback(p, target_id(p), ws, follower), hold)
     live = (LiveReporter(dep, uri, target_id(p), p.serve.live_stats_s,
                          lambda per_pos, n: live_windows(p.deploy.sagemaker, per_pos, n), guard,
-                         guard.source, p.serve.replica_id)
+                         guard.source, p.serve.replica_id,
+                         replica_state(dep.proxy.metrics.requests_served, textlog.backlog_tokens))
             if uri and p.serve.live_stats_s > 0 else None)
     try:
         uvicorn.run(app, host=host, port=port)

@@ -13,17 +13,20 @@ from .common import console
 log = logging.getLogger("tidespec.cli.serve")
 
 
-def replica_reporter(p, engine, target_id: str):
+def replica_reporter(p, engine, target_id: str, metrics=None, backlog=None, last_seal=None):
     """With MLFLOW_TRACKING_URI and serve.live_stats_s > 0, the embedded engine's counters per served
     version logged under this replica's id every serve.live_stats_s s (`backends.live.LiveReporter`
-    over the guard's `serve.draft_health.EngineSource`: what a canary rollout is decided on); else None."""
+    over the guard's `serve.draft_health.EngineSource`: what a canary rollout is decided on), with its
+    requests served (`metrics`: the server's `serve.metrics.ServeMetrics`), capture backlog and last
+    seal (`backlog()`, `last_seal()`: `backends.live.replica_state`); else None."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri or p.serve.live_stats_s <= 0:
         return None
-    from ..backends.live import LiveReporter
+    from ..backends.live import LiveReporter, replica_state
     from ..serve.draft_health import EngineSource
+    state = replica_state(metrics.requests_served, backlog, last_seal) if metrics is not None else None
     return LiveReporter(None, uri, target_id, p.serve.live_stats_s, source=EngineSource(engine),
-                        replica_id=p.serve.replica_id)
+                        replica_id=p.serve.replica_id, state=state)
 
 
 def registry_rollback(p, target_id: str, ws, follower=None):

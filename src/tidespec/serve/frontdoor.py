@@ -34,7 +34,7 @@ JSON = {"content-type": "application/json"}
 
 def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0, on_close=None,
                     info=None, textlog: TextLog | None = None, api_key: str | None = None,
-                    auth_health_metrics: bool = False) -> FastAPI:
+                    auth_health_metrics: bool = False, replica_id: str | None = None) -> FastAPI:
     """The FastAPI app in front of `backend_url` (e.g. http://127.0.0.1:30000). `text_capture`: a
     `capture.text.TextCapture` (None: no capture); `timeout_s`: per backend request, s (504 after).
     At shutdown the backend client and the text capture are closed, then `on_close()` runs (e.g.
@@ -42,12 +42,14 @@ def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.
     `textlog`: the text log to use (e.g. with a token threshold), instead of one over `text_capture`.
     The `Proxy` is `app.state.proxy` (to switch backends). `/metrics` is the front door's own
     metrics followed by the backend's `/metrics` (vLLM's `vllm:*`, SGLang's `sglang:*`: the engine's
-    own spec-decode counters), so one scrape sees both. `api_key`: the key every route takes as a
+    own spec-decode counters), so one scrape sees both; the front door's own series carry
+    `replica_id` as a label (None: none), the backend's are as it writes them (Prometheus' target
+    labels tell the scrape apart). `api_key`: the key every route takes as a
     bearer token, 401 otherwise (None: open; /health and /metrics stay open unless
     `auth_health_metrics`: `serve.auth`); the backend is called without it. Raises ValueError for an
     empty `api_key`, or `auth_health_metrics` without one."""
     auth = api_key_middleware(api_key, auth_health_metrics)
-    proxy = Proxy(backend_url, httpx.AsyncClient(timeout=timeout_s), timeout_s, FrontdoorMetrics(),
+    proxy = Proxy(backend_url, httpx.AsyncClient(timeout=timeout_s), timeout_s, FrontdoorMetrics(replica_id),
                   textlog or TextLog(text_capture), info)
     app = FastAPI(title="tidespec front door", version="0.1", middleware=auth,
                   lifespan=closing(proxy.client.aclose, proxy.textlog.close, on_close))
@@ -187,7 +189,7 @@ class Proxy:
     async def all_metrics(self) -> Response:
         """GET /metrics: the front door's registry, then the backend's /metrics text when it answers
         (a comment line says when it did not)."""
-        own = metrics_response(self.metrics.registry)
+        own = metrics_response(self.metrics.registry, self.metrics.labels)
         r, err = await self._get("/metrics", 502)
         tail = r.content if r is not None and r.status_code == 200 else \
             f"# backend {self.base} /metrics unavailable\n".encode()

@@ -6,7 +6,9 @@ Stats: `FinishedRequestStats` is what one finished (or aborted) request adds, re
 (the front door) own a `CollectorRegistry` each (several servers per process in tests) and turn stats
 into series named after vLLM's (`vllm/v1/metrics/loggers.py`) with the prefix `tidespec:`. Both
 servers count tokens under the same names (`TokenCounters`: `tidespec:prompt_tokens_total`,
-`tidespec:generation_tokens_total`) and serve them with `metrics_response`.
+`tidespec:generation_tokens_total`) and serve them with `metrics_response`, every series labelled
+with the server's `replica_id` (`Labelled`: as vLLM labels every series with `model_name` and
+`engine`, one label added at exposition, so the counters keep their own labels).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from ..engine.speculative import Generation
 from .workload import CLASSES
@@ -98,21 +102,47 @@ class TokenCounters:
         self.generation.inc(generation_tokens)
 
 
-def metrics_response(registry: CollectorRegistry) -> Response:
-    """`GET /metrics`: the registry in Prometheus' text format."""
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+class Labelled(Collector):
+    """`registry`'s series, each sample with `labels` added to its own: the replica id on every
+    series of a server, as Prometheus' constant labels, without a label name on each counter."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+        self.registry, self.labels = registry, labels
+
+    def collect(self):
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels=s.labels | self.labels) for s in family.samples]
+            yield out
+
+
+def replica_labels(replica_id: str | None) -> dict[str, str]:
+    """The labels a server adds to every series of its own: {"replica_id": id} ({} without one)."""
+    return {"replica_id": replica_id} if replica_id else {}
+
+
+def metrics_response(registry: CollectorRegistry, labels: dict[str, str] | None = None) -> Response:
+    """`GET /metrics`: the registry in Prometheus' text format, `labels` on every sample (`Labelled`)."""
+    return Response(generate_latest(Labelled(registry, labels) if labels else registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def counted(counter: Counter, keep=lambda labels: True) -> float:
+    """The sum of `counter`'s values over its label sets whose labels pass `keep` ({name: value} → bool)."""
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total") and keep(s.labels))
 
 
 class ServeMetrics:
     """Prometheus exporter of `tidespec serve`: spec-decode counters (overall, per draft position
     0..k-1, per proposer, per workload class: τ of a class = 1 + accepted / drafts), tokens,
     finished and refused requests, inter-token latency (s), τ per request, requests in the engine,
-    the served draft. `k`: draft positions labelled up front. The server's own classes
+    the served draft. `k`: draft positions labelled up front; `replica_id`: the label on every series
+    at exposition (`labels`; None: none). The server's own classes
     (`serve.workload.CLASSES`) always get their label; at most MAX_WORKLOAD_LABELS client-named classes
     get theirs, later ones count as "other" (clients name classes: the series must stay bounded)."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, replica_id: str | None = None):
         r = self.registry = CollectorRegistry()
+        self.labels = replica_labels(replica_id)
         p = PREFIX
         self.num_drafts = Counter(f"{p}spec_decode_num_drafts", "Draft-verify steps.", registry=r)
         self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
@@ -176,6 +206,10 @@ class ServeMetrics:
             self._workloads.add(workload)
         return workload if workload in self._workloads else OVERFLOW_LABEL
 
+    def requests_served(self) -> float:
+        """Requests finished so far, whatever their finish reason (`tidespec:request_success_total`)."""
+        return counted(self.success)
+
     def set_running(self, n: int) -> None:
         """Requests waiting or running in the engine now."""
         self.running.set(n)
@@ -194,10 +228,12 @@ class ServeMetrics:
 
 class FrontdoorMetrics:
     """Prometheus exporter of the front door: requests by route and backend status, backend time
-    per request (s, to the last byte), tokens from the backend's `usage`."""
+    per request (s, to the last byte), tokens from the backend's `usage`; `replica_id`: the label on
+    every series at exposition (`labels`; None: none)."""
 
-    def __init__(self):
+    def __init__(self, replica_id: str | None = None):
         r = self.registry = CollectorRegistry()
+        self.labels = replica_labels(replica_id)
         self.requests = Counter(f"{PREFIX}frontdoor_requests", "Requests forwarded, by route and backend status.",
                                 ["route", "status"], registry=r)
         self.latency = Histogram(f"{PREFIX}frontdoor_latency_seconds", "Backend time per request (to the last byte).",
@@ -209,6 +245,10 @@ class FrontdoorMetrics:
         self.count(route, status)
         self.latency.labels(route=route).observe(latency_s)
         self.tokens.add(*usage_tokens(usage))
+
+    def requests_served(self) -> float:
+        """Requests the backend answered with a 2xx status so far (`tidespec:frontdoor_requests_total`)."""
+        return counted(self.requests, lambda labels: labels["status"].startswith("2"))
 
     def count(self, route: str, status: int) -> None:
         """One request by status only (the backend did not answer: 502, 504)."""

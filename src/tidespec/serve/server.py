@@ -42,14 +42,13 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
               load_version: Callable[[str], Path] | None = None, text_capture=None,
               watch_dir: Path | None = None, watch_s: float = 5.0, watch_classes_dir: Path | None = None,
               rollback: Callable[..., None] | None = None) -> FastAPI:
-    """The FastAPI app. `tokenizer`: HF fast tokenizer (None: token-id prompts only, no chat, no
-    stop strings); `serve`: the limits (max_queue, request_timeout_s in s, max_tokens: default and
-    cap of a request's max_tokens, which must be resolved: `Params.serve_resolved()`;
-    default_temperature); `model`: the served model id (a request naming another gets 404, as in
-    vLLM); `drafts_dir`: `/admin/draft` paths must lie inside it; `admin_token`: bearer token for
-    /admin (None: admin disabled, 403); `api_key`: the key every other route takes as a bearer
-    token, 401 otherwise (None: open; /health and /metrics stay open unless
-    `serve.auth_health_metrics`: `serve.auth`); `load_version(v)`: registry version or alias → local
+    """The FastAPI app. `tokenizer`: HF fast tokenizer (None: token-id prompts only, no chat, no stop strings); `serve`:
+    the limits (max_queue, request_timeout_s in s, max_tokens: default and cap of a request's max_tokens, which must be
+    resolved: `Params.serve_resolved()`; default_temperature; replica_id, the label on every series of /metrics:
+    `serve.metrics.Labelled`); `model`: the served model id (a request naming another gets 404, as in vLLM);
+    `drafts_dir`: `/admin/draft` paths must lie inside it; `admin_token`: bearer token for /admin (None: admin disabled,
+    403); `api_key`: the key every other route takes as a bearer token, 401 otherwise (None: open; /health and /metrics
+    stay open unless `serve.auth_health_metrics`: `serve.auth`); `load_version(v)`: registry version or alias → local
     checkpoint dir (raises LookupError for an unknown one); `text_capture`
     (`capture.text.TextCapture`, or a `serve.textlog.TextLog` over one, `capture.mode: text`): each
     finished request's request and response bodies are logged in the Data Capture format;
@@ -74,7 +73,7 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
                          f"({engine.cfg.max_seq_len}): prompt and completion share the sequence")
     writer = engine.capture
     textlog = text_capture if isinstance(text_capture, TextLog) else TextLog(text_capture)
-    loop, metrics = EngineLoop(engine), ServeMetrics(engine.cfg.num_draft_tokens)
+    loop, metrics = EngineLoop(engine), ServeMetrics(engine.cfg.num_draft_tokens, cfg.replica_id)
     metrics.set_drafts(engine.draft_versions)
     if writer is not None and hasattr(writer, "collector"):
         metrics.registry.register(writer.collector())
@@ -91,7 +90,7 @@ def build_app(engine: Engine, tokenizer=None, serve: ServeParams | None = None, 
     app.state.loop, app.state.metrics, app.state.guard = loop, metrics, guard
     app.include_router(openai_router(OpenAIServing(engine, loop, metrics, tokenizer, cfg, model, textlog)))
     app.include_router(admin_router(engine, install, drafts_dir, admin_token, load_version, pin))
-    app.add_api_route("/metrics", lambda: metrics_response(metrics.registry), methods=["GET"])
+    app.add_api_route("/metrics", lambda: metrics_response(metrics.registry, metrics.labels), methods=["GET"])
     install_error_handlers(app)
     return app
 

@@ -56,6 +56,15 @@ class TextLog:
         except Exception:  # a missed notification is retried by the next threshold
             log.exception("text capture threshold notification (%d tokens) failed", tokens)
 
+    def backlog_tokens(self) -> int | None:
+        """Tokens logged since the last `on_threshold` call: captured, not yet handed to an ingest (None
+        without a threshold: the hourly ingest's backlog is not known here). What the replica logs each
+        round (`backends.live.replica_state`)."""
+        if self.capture is None or self.on_threshold is None or not self.threshold_tokens:
+            return None
+        with self._lock:
+            return self._pending
+
     def close(self) -> None:
         """Flush and close the capture file (at shutdown)."""
         if self.capture is not None:

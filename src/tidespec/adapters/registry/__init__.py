@@ -1,9 +1,9 @@
 """The MLflow adapter: experiments, runs and the model registry for drafts (`client`: runs, versions, aliases, tags,
 each replica's live counters), their bundles and figures (`artifacts`), the promotion decisions (`decisions`), a
-canary rollout judged on the same traffic (`rollout`), and champions materialized in local directories, once or
-followed by a poller (`follow`). Names follow the registry contract: experiment `tidespec/<target_id>`, model
-`tidespec-draft-<short id>`, aliases `champion` / `challenger` / `canary`, `champion-<class>` for a workload class's
-own champion."""
+canary rollout judged on the same traffic (`rollout`), one view of the fleet (`fleet`), and champions
+materialized in local directories, once or followed by a poller (`follow`). Names follow the registry contract:
+experiment `tidespec/<target_id>`, model `tidespec-draft-<short id>`, aliases `champion` / `challenger` / `canary`,
+`champion-<class>` for a workload class's own champion."""
 from .artifacts import (
     cycle_history,
     download_champion,
@@ -21,6 +21,7 @@ from .client import (
     FIRST_TOKEN_TAG,
     HISTORY_MAX,
     HISTORY_TAG,
+    REPLICA_STATE,
     SIDECAR_DIR,
     VERSION_TAG_KEYS,
     ModelVersionInfo,
@@ -38,6 +39,8 @@ from .client import (
     log_replica_counters,
     model_name,
     replayed,
+    replica_counters,
+    replica_rows,
     tau_k,
     tuned_k,
     version_info,
@@ -66,6 +69,7 @@ __all__ = [
     "FIRST_TOKEN_TAG",
     "HISTORY_MAX",
     "HISTORY_TAG",
+    "REPLICA_STATE",
     "ModelVersionInfo",
     "RegistryError",
     "RegistryFollower",
@@ -96,6 +100,8 @@ __all__ = [
     "promote",
     "promote_if_better",
     "replayed",
+    "replica_counters",
+    "replica_rows",
     "rollback",
     "served_by",
     "start_canary",

@@ -30,6 +30,7 @@ CHAMPION = "champion"
 CHALLENGER = "challenger"
 CANARY = "canary"
 REPLICA_METRICS = "live/replica/"  # + <replica id>/<counter>: a replica's cumulative counters, `log_replica_counters`
+REPLICA_STATE = ("requests", "capture_backlog", "last_seal")  # what a replica logs beside its counters each round
 HISTORY_TAG = "champion_history"
 HISTORY_MAX = 500  # champions kept in the history tag (MLflow tag values ≤ 5000 chars)
 ARTIFACT_DIR = "draft"
@@ -237,13 +238,20 @@ def log_live(tracking_uri: str, target_id: str, version: str, metrics: dict[str,
 
 
 def log_replica_counters(tracking_uri: str, target_id: str, version: str, replica_id: str,
-                         counters: SpecDecodeCounters, at_ms: int | None = None) -> None:
+                         counters: SpecDecodeCounters, at_ms: int | None = None,
+                         state: dict[str, float] | None = None) -> None:
     """Log one replica's cumulative spec-decode counters of the version it serves to that version's run:
     metrics ``live/replica/<replica_id>/num_drafts``, ``.../num_draft_tokens``, ``.../num_accepted_tokens``
-    and ``.../accepted/<i>`` (tokens accepted at draft position i, when counted), all at timestamp
-    ``at_ms`` (ms since the epoch; default now) and step = drafts so far: one sample, which
-    `adapters.registry.rollout.replica_samples` reads back. Raises RegistryError for a version without
-    a run, MlflowException on server errors."""
+    and ``.../accepted/<i>`` (tokens accepted at draft position i, when counted), plus the replica's
+    `state` this round under the same prefix (`REPLICA_STATE`: ``requests`` served since it started,
+    ``capture_backlog`` tokens captured not yet sealed, ``last_seal`` its last seal, s since the epoch;
+    each only when known), all at timestamp ``at_ms`` (ms since the epoch; default now) and step =
+    drafts so far: one sample, which `replica_rows` reads back. Raises RegistryError for a version
+    without a run, ValueError for a `state` key outside `REPLICA_STATE`, MlflowException on server
+    errors."""
+    unknown = sorted(set(state or {}) - set(REPLICA_STATE))
+    if unknown:
+        raise ValueError(f"replica state {unknown}: one of {', '.join(REPLICA_STATE)}")
     c = _client(tracking_uri)
     mv = c.get_model_version(model_name(target_id), str(version))
     if not mv.run_id:
@@ -252,8 +260,32 @@ def log_replica_counters(tracking_uri: str, target_id: str, version: str, replic
     pre = f"{REPLICA_METRICS}{replica_id}/"
     values = {"num_drafts": counters.num_drafts, "num_draft_tokens": counters.num_draft_tokens,
               "num_accepted_tokens": counters.num_accepted_tokens}
-    values |= {f"accepted/{i}": a for i, a in enumerate(counters.accepted_per_pos)}
+    values |= {f"accepted/{i}": a for i, a in enumerate(counters.accepted_per_pos)} | (state or {})
     _log_batched(c, mv.run_id, metrics=[Metric(pre + k, float(v), at, counters.num_drafts) for k, v in values.items()])
+
+
+def replica_rows(tracking_uri: str, run_id: str, since_ms: int = 0) -> dict[str, dict[int, dict[str, float]]]:
+    """{replica id: {sample time (ms since the epoch): {name: value}}} of every sample logged to `run_id`
+    at or after `since_ms` (`log_replica_counters`: counters and state under their names, e.g.
+    ``num_drafts``, ``accepted/0``, ``requests``). Raises MlflowException on server errors."""
+    c = _client(tracking_uri)
+    rows: dict[str, dict[int, dict[str, float]]] = {}
+    for key in c.get_run(run_id).data.metrics:
+        if key.startswith(REPLICA_METRICS):
+            replica, _, name = key[len(REPLICA_METRICS):].partition("/")
+            for m in c.get_metric_history(run_id, key):
+                if m.timestamp >= since_ms:
+                    rows.setdefault(replica, {}).setdefault(m.timestamp, {})[name] = m.value
+    return rows
+
+
+def replica_counters(values: dict[str, float]) -> SpecDecodeCounters:
+    """The cumulative counters of one sample's values (`replica_rows`; needs ``num_drafts``); the
+    per-position counts only when positions 0..n-1 are all there."""
+    pos = sorted(int(k.split("/")[1]) for k in values if k.startswith("accepted/"))
+    per = tuple(int(values[f"accepted/{i}"]) for i in range(len(pos))) if pos == list(range(len(pos))) else ()
+    return SpecDecodeCounters(int(values["num_drafts"]), int(values.get("num_draft_tokens", 0)),
+                              int(values.get("num_accepted_tokens", 0)), per)
 
 
 def champion_alias(workload: str = "") -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ...engine.spec_counters import WINDOW_DRAFTS, SpecDecodeCounters, Z
 from ...serve.guard import CONFIRM, NONE_YET, below_reference
-from .client import REPLICA_METRICS, ModelVersionInfo, _client, canary, champion, model_name
+from .client import ModelVersionInfo, _client, canary, champion, model_name, replica_counters, replica_rows
 from .decisions import CANARY_SINCE_TAG, end_canary
 
 PROMOTE, ROLL_BACK, WAIT, NO_CANARY = "promote", "roll_back", "wait", "none"
@@ -76,23 +76,10 @@ def _utc(ms: int) -> str:
 
 def replica_samples(tracking_uri: str, run_id: str, since_ms: int = 0) -> dict[str, list[Sample]]:
     """{replica id: its samples logged to `run_id` at or after `since_ms`, oldest first}
-    (`client.log_replica_counters`). Raises MlflowException on server errors."""
-    c = _client(tracking_uri)
-    rows: dict[str, dict[int, dict[str, float]]] = {}
-    for key in c.get_run(run_id).data.metrics:
-        if key.startswith(REPLICA_METRICS):
-            replica, _, counter = key[len(REPLICA_METRICS):].partition("/")
-            for m in c.get_metric_history(run_id, key):
-                if m.timestamp >= since_ms:
-                    rows.setdefault(replica, {}).setdefault(m.timestamp, {})[counter] = m.value
-    return {r: [(t, _counters(v)) for t, v in sorted(at.items()) if "num_drafts" in v] for r, at in rows.items()}
-
-
-def _counters(v: dict[str, float]) -> SpecDecodeCounters:
-    pos = sorted(int(k.split("/")[1]) for k in v if k.startswith("accepted/"))
-    per = tuple(int(v[f"accepted/{i}"]) for i in range(len(pos))) if pos == list(range(len(pos))) else ()
-    return SpecDecodeCounters(int(v["num_drafts"]), int(v.get("num_draft_tokens", 0)),
-                              int(v.get("num_accepted_tokens", 0)), per)
+    (`client.log_replica_counters`, read back by `client.replica_rows`). Raises MlflowException on
+    server errors."""
+    return {r: [(t, replica_counters(v)) for t, v in sorted(at.items()) if "num_drafts" in v]
+            for r, at in replica_rows(tracking_uri, run_id, since_ms).items()}
 
 
 def increments(samples: list[Sample]) -> list[Sample]:
