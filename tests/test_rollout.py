@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import httpx
@@ -206,20 +207,30 @@ def test_a_canary_replica_serves_the_canary_first_and_the_stable_one_follows_the
                 stdout=open(tmp_path / f"{k}.log", "w"), stderr=subprocess.STDOUT)
         for k in roots:
             assert wait_until(lambda k=k: health(urls[k]), 120, f"{k} /health", procs[k])["draft_version"] == v1
+        since_ms = int(time.time() * 1000)
         registry.start_canary(uri, tid, v2, "test")
         wait_until(lambda: health(urls["canary"])["draft_version"] == v2, 30, "the canary to serve v2", procs["canary"])
         assert health(urls["canary"])["canary"] is True and health(urls["stable"])["canary"] is False
-        for k in roots:  # the same traffic on both
-            for p in ([5, 17, 33, 8], [9, 2, 41, 7, 3]):
-                r = httpx.post(f"{urls[k]}/v1/completions", json={"prompt": p, "max_tokens": 12}, timeout=60)
-                assert r.status_code == 200, r.text
+
+        def traffic():  # the same requests on both
+            for k in roots:
+                for p in ([5, 17, 33, 8], [9, 2, 41, 7, 3]):
+                    r = httpx.post(f"{urls[k]}/v1/completions", json={"prompt": p, "max_tokens": 12}, timeout=60)
+                    assert r.status_code == 200, r.text
+
+        def sampled(replica, version):  # a replica logs a version's counters once it has drafted with it
+            run_id = registry.version_info(uri, tid, version).run_id
+            return rollout.replica_samples(uri, run_id, since_ms).get(replica)
+        traffic()
+        wait_until(lambda: sampled("canary-1", v2) and sampled("stable-1", v1), 30, "each replica's first sample")
+        traffic()  # a window: the counters' increments after each replica's first sample
 
         def judged():
             d = rollout.decide(uri, tid, windows=1, min_drafts=1, act=False)
             return d if d.verdict != rollout.WAIT else None
         assert wait_until(judged, 30, "a window of both replicas' counters").verdict == rollout.PROMOTE
 
-        def requests_logged(replica, run_id):  # each round's requests served beside the counters (`tidespec fleet status`)
+        def requests_logged(replica, run_id):  # requests served, logged beside the counters
             rows = registry.replica_rows(uri, run_id).get(replica, {})
             return max((v.get("requests", 0) for v in rows.values()), default=0) >= 2
         wait_until(lambda: requests_logged("canary-1", registry.version_info(uri, tid, v2).run_id), 30,
