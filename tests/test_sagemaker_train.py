@@ -122,6 +122,23 @@ def test_request_trn1_spot():
     assert spot["StoppingCondition"] == {"MaxRuntimeInSeconds": 600, "MaxWaitTimeInSeconds": 600}
 
 
+def test_the_shipped_params_fit_one_hyperparameter_and_come_back_for_training():
+    """params.yaml as shipped travels as the `params` hyperparameter (≤ 2,500 characters a value):
+    the sections a training job never reads (serve, deploy) stay behind, the rest comes back equal."""
+    from tidespec.adapters.sagemaker_train import UNUSED_IN_TRAINING, params_json
+    from tidespec.config import load_params
+    from tidespec.train.sagemaker import container_params
+    shipped = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    sent = params_json(shipped)
+    assert len(sent) <= 2500 and not set(UNUSED_IN_TRAINING) & set(json.loads(sent)), len(sent)
+    back = container_params({"params": sent}, None).model_dump(mode="json")
+    want = shipped.model_dump(mode="json")
+    for section in set(want) - set(UNUSED_IN_TRAINING) - {"train"}:
+        assert back[section] == want[section], section
+    assert {k: v for k, v in back["train"].items() if k != "sagemaker"} == \
+        {k: v for k, v in want["train"].items() if k != "sagemaker"}
+
+
 def test_hyperparameter_limits():
     p, ins, ck = _params(), {"curated": "s3://tide-bucket/a/"}, "s3://tide-bucket/c/"
     ok = training_job_request("j", p, ins, {"k" * 256: "v" * 2500}, ck)

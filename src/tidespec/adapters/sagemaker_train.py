@@ -254,11 +254,18 @@ def stage_curated(curated_json: Path, dest: Path) -> str:
     return PurePosixPath(*Path(rel_index).parts).as_posix()
 
 
+UNUSED_IN_TRAINING = ("serve", "deploy")  # params sections a training job never reads
+
+
 def params_json(params: Params) -> str:
     """Params as the `params` hyperparameter: compact JSON without `train.sagemaker` (the container
-    trains in-process; this also keeps the role ARN out of the job's hyperparameters)."""
+    trains in-process; this also keeps the role ARN out of the job's hyperparameters) and without the
+    sections a training job never reads (`UNUSED_IN_TRAINING`: serving and deployment settings),
+    which keeps it under SageMaker's 2,500 characters a value (`hyperparameters` refuses more)."""
     d = params.model_dump(mode="json")
     d.get("train", {}).pop("sagemaker", None)
+    for section in UNUSED_IN_TRAINING:
+        d.pop(section, None)
     return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
 
