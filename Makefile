@@ -49,14 +49,16 @@ demo-vllm: assets vllm     ## the loop around a real vLLM: serve --backend vllm 
 demo-sagemaker: assets     ## the production loop on moto: endpoint with data capture → tide_capture → tide_cycle → tuned k (≤ 10 min)
 	$(VENV)/bin/tidespec demo --sagemaker
 
-# two workers, one test file each at a time (module fixtures stay in one process), one thread each
-# (two workers × 2 threads on 2 cores oversubscribe), files handed out in collection order, which
+# three workers on 2 cores: the suite waits on servers starting and polls for much of its time, and a
+# third worker fills it (1,078 s against 1,326 s for two on 2026-12-06, 2 cores, one run each); one test
+# file each at a time (module fixtures stay in one process), one thread each (more threads per
+# worker oversubscribe the cores), files handed out in collection order, which
 # tests/conftest.py starts with the longest (xdist's default reorder, by test count, left the
 # few-test vLLM files for last); the vLLM tests need `make vllm`'s venv (a machine where it cannot
 # be built, e.g. without AVX2, still runs the rest: those tests skip, saying why)
 test: assets               ## full suite (incl. the real vLLM lane); starts Prefect/MLflow/moto/vLLM servers on 127.0.0.1 itself
 	@$(MAKE) --no-print-directory vllm || echo "make vllm failed: the vLLM tests will skip, each naming why"
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -rs \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder -rs \
 		--durations=25
 
 # --allow-missing: snapshots retention left on the DVC remote only are skipped; curate pulls those its window needs
