@@ -57,6 +57,13 @@ def test_the_fleet_deployment_is_prefect_yaml_s_cycle_with_a_pull_step():
         assert dep[key] == base[key]
     assert doc["name"] == mine["name"] and "pull" not in base  # the one-checkout deployment keeps no pull step
     assert fleet_deploy.PULL_STEP == "tidespec.adapters.fleet_deploy.prepare_worker"
+    # deploy.rollout: canary — the canary's decision is deployed beside the cycle, same pull step and pool
+    both = fleet_deploy.fleet_deployment(REPO, "tide-cycle", "gpu-workers", step,
+                                         (fleet_deploy.CYCLE_FLOW, fleet_deploy.ROLLOUT_FLOW))["deployments"]
+    rollout = next(d for d in mine["deployments"] if d["name"] == "tide-rollout")
+    assert [d["entrypoint"] for d in both] == ["flows/cycle.py:tide_cycle", rollout["entrypoint"]]
+    assert both[1]["pull"] == [step] and both[1]["work_pool"]["name"] == "gpu-workers"
+    assert both[1]["name"] == "tide-cycle" and both[1]["schedules"] == rollout["schedules"]
 
 
 @pytest.mark.services

@@ -40,6 +40,7 @@ DEFAULT_POOL = "tidespec-fleet"  # not `tidespec`: the loop machine's own worker
 PULL_STEP = f"{__name__}.prepare_worker"
 HOME_ENV = "TIDESPEC_WORKER_HOME"  # where a worker keeps its workspaces (default ~/.tidespec/worker)
 CYCLE_FLOW = "tide_cycle"
+ROLLOUT_FLOW = "tide_rollout"  # deployed beside the cycle when deploy.rollout is canary: the canary's decision
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a deployment name that is also a path component
 BUNDLE_FILE = re.compile(r"^(params\.yaml|flows/[A-Za-z0-9_]+\.py)$")  # what a bundle may write on a worker
 
@@ -119,19 +120,23 @@ def _write_if_changed(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def fleet_deployment(project: Path, name: str, pool: str, pull_step: dict) -> dict:
-    """A prefect.yaml document with one deployment: `project`/prefect.yaml's `tide_cycle` entry
-    (schedule, trigger, concurrency limit, tags) named `name`, on work pool `pool`, with `pull_step`
-    as its pull section and the bundle's files as its parameters (`root: "."`, `params_path:
-    params.yaml`). Raises OrchestrationError when prefect.yaml deploys no tide_cycle."""
+def fleet_deployment(project: Path, name: str, pool: str, pull_step: dict, flows: tuple[str, ...] = (CYCLE_FLOW,)
+                     ) -> dict:
+    """A prefect.yaml document with one deployment per flow of `flows`: `project`/prefect.yaml's entry
+    of that flow (schedule, trigger, concurrency limit, tags) named `name`, on work pool `pool`, with
+    `pull_step` as its pull section and the bundle's files as its parameters (`root: "."`,
+    `params_path: params.yaml`). Raises OrchestrationError when prefect.yaml deploys no such flow."""
     doc = yaml.safe_load((Path(project) / "prefect.yaml").read_text()) or {}
-    base = [d for d in doc.get("deployments") or [] if str(d.get("entrypoint", "")).endswith(f":{CYCLE_FLOW}")]
-    if not base:
-        raise orchestrate.OrchestrationError(f"{Path(project) / 'prefect.yaml'} deploys no {CYCLE_FLOW} flow")
-    dep = copy.deepcopy(base[0]) | {"name": name, "pull": [pull_step]}
-    dep["work_pool"] = (dep.get("work_pool") or {}) | {"name": pool}
-    dep["parameters"] = (dep.get("parameters") or {}) | {"root": ".", "params_path": "params.yaml"}
-    return {k: v for k, v in doc.items() if k != "deployments"} | {"deployments": [dep]}
+    deps = []
+    for flow in flows:
+        base = [d for d in doc.get("deployments") or [] if str(d.get("entrypoint", "")).endswith(f":{flow}")]
+        if not base:
+            raise orchestrate.OrchestrationError(f"{Path(project) / 'prefect.yaml'} deploys no {flow} flow")
+        dep = copy.deepcopy(base[0]) | {"name": name, "pull": [pull_step]}
+        dep["work_pool"] = (dep.get("work_pool") or {}) | {"name": pool}
+        dep["parameters"] = (dep.get("parameters") or {}) | {"root": ".", "params_path": "params.yaml"}
+        deps.append(dep)
+    return {k: v for k, v in doc.items() if k != "deployments"} | {"deployments": deps}
 
 
 def deploy_fleet(project: Path, api_url: str, remote: str, params_path: Path, name: str = DEFAULT_NAME,
@@ -140,7 +145,9 @@ def deploy_fleet(project: Path, api_url: str, remote: str, params_path: Path, na
     flows/) to the DVC remote `remote` (an s3:// URL, or an absolute path every machine reaches),
     then `prefect deploy` (against the server at `api_url`) prefect.yaml's tide_cycle entry as
     deployment `tide_cycle/<name>` on `pool`, with `prepare_worker` as its pull step (`home`: the
-    workers' workspace root, default theirs: `worker_root`). Returns {"deployment", "pool",
+    workers' workspace root, default theirs: `worker_root`), and with `deploy.rollout: canary` its
+    tide_rollout entry as `tide_rollout/<name>` beside it (the canary's decision, run by the same
+    workers in the same workspace). Returns {"deployment", "rollout" (None without a canary), "pool",
     "bundle", "pull", "files"}. Raises ValueError for params a fleet worker cannot run
     (`fleet_refusal`), a bad name or remote; OrchestrationError when `prefect deploy` fails."""
     if not NAME.match(name):
@@ -155,8 +162,10 @@ def deploy_fleet(project: Path, api_url: str, remote: str, params_path: Path, na
     step = {PULL_STEP: args}
     with tempfile.TemporaryDirectory(prefix="tidespec-fleet-") as d:  # prefect deploy reads the flow file there
         shutil.copytree(Path(project) / "flows", Path(d) / "flows", ignore=shutil.ignore_patterns("__pycache__"))
-        (Path(d) / "prefect.yaml").write_text(yaml.safe_dump(fleet_deployment(project, name, pool, step),
+        flows = (CYCLE_FLOW, ROLLOUT_FLOW) if params.deploy.rollout == "canary" else (CYCLE_FLOW,)
+        (Path(d) / "prefect.yaml").write_text(yaml.safe_dump(fleet_deployment(project, name, pool, step, flows),
                                                              sort_keys=False))
-        orchestrate.deploy(Path(d), api_url, names=(name,))
-    return {"deployment": f"{CYCLE_FLOW}/{name}", "pool": pool, "bundle": bundle, "pull": [step],
+        orchestrate.deploy(Path(d), api_url)  # every deployment of that file: the cycle (and the rollout)
+    return {"deployment": f"{CYCLE_FLOW}/{name}", "rollout": f"{ROLLOUT_FLOW}/{name}" if len(flows) > 1 else None,
+            "pool": pool, "bundle": bundle, "pull": [step],
             "files": sorted(files)}
