@@ -66,6 +66,11 @@ def model_name(target_id: str) -> str:
     return f"tidespec-draft-{target_id[:12]}"
 
 
+def utc(ms: float) -> str:
+    """`ms` since the epoch as UTC ISO 8601, to the second (what the fleet's samples and windows show)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
+
+
 def _client(tracking_uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 

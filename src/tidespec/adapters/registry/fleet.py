@@ -18,7 +18,17 @@ from dataclasses import asdict, dataclass
 
 from mlflow.exceptions import MlflowException
 
-from .client import _client, _not_found, canary, champion, class_champions, model_name, replica_counters, replica_rows
+from .client import (
+    _client,
+    _not_found,
+    canary,
+    champion,
+    class_champions,
+    model_name,
+    replica_counters,
+    replica_rows,
+    utc,
+)
 
 RECENT_VERSIONS = 5  # the newest versions whose runs are read beside the champions' and the canary's
 STALE_ROUNDS = 3  # a replica silent for more than this many serve.live_stats_s intervals is stale
@@ -47,11 +57,6 @@ class ReplicaRow:
     def as_dict(self) -> dict:
         """The row as JSON-able values (`tidespec fleet status --json`)."""
         return asdict(self)
-
-
-def utc(ms: float) -> str:
-    """`ms` since the epoch as UTC ISO 8601, to the second."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
 
 
 def versions_read(tracking_uri: str, target_id: str, recent: int = RECENT_VERSIONS) -> dict[str, str]:

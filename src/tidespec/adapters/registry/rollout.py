@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ...engine.spec_counters import WINDOW_DRAFTS, SpecDecodeCounters, Z
 from ...serve.guard import CONFIRM, NONE_YET, below_reference
-from .client import ModelVersionInfo, _client, canary, champion, model_name, replica_counters, replica_rows
+from .client import ModelVersionInfo, _client, canary, champion, model_name, replica_counters, replica_rows, utc
 from .decisions import CANARY_SINCE_TAG, end_canary
 
 PROMOTE, ROLL_BACK, WAIT, NO_CANARY = "promote", "roll_back", "wait", "none"
@@ -65,13 +65,9 @@ class Rollout:
         def side(x: SpecDecodeCounters) -> dict:
             return {"tau": x.acceptance_length, "se": x.acceptance_length_se, "drafts": x.num_drafts}
         return {"verdict": self.verdict, "reason": self.reason, "canary": self.canary, "champion": self.champion,
-                "since": _utc(self.since_ms) if self.since_ms else None, "acted": self.acted,
-                "windows": [{"end": _utc(w.end_ms), "canary": side(w.canary), "stable": side(w.stable),
+                "since": utc(self.since_ms) if self.since_ms else None, "acted": self.acted,
+                "windows": [{"end": utc(w.end_ms), "canary": side(w.canary), "stable": side(w.stable),
                              "worse": w.worse} for w in self.windows]}
-
-
-def _utc(ms: int) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
 
 
 def replica_samples(tracking_uri: str, run_id: str, since_ms: int = 0) -> dict[str, list[Sample]]:
