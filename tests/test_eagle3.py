@@ -11,8 +11,9 @@ from conftest import make_tiny_target, random_draft, tiny_records
 from tidespec.config import DraftParams, TrainParams
 from tidespec.models.eagle3 import build_vocab, load_checkpoint, save_checkpoint
 from tidespec.models.runner import DraftRunner
-from tidespec.train.examples import batches, prepare
-from tidespec.train.trainer import init_draft, train_draft, ttt_loss
+from tidespec.models.ttt import batches, ttt_loss
+from tidespec.train.examples import prepare
+from tidespec.train.trainer import init_draft, train_draft
 
 
 def _draft(tiny_target, vd=64, seed=0):

@@ -21,7 +21,7 @@ import torch
 
 from conftest import make_tiny_target
 from tidespec.bench.train_scaling import stage_train_peak, synthetic_workspace
-from tidespec.train.examples import group_by_length
+from tidespec.models.ttt import group_by_length
 
 H, V, T = 128, 256, 256
 BUFFER_MB, DATA_BUDGET_MB = 4, 24

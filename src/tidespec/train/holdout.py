@@ -4,18 +4,17 @@ arXiv 2503.01840 §3; SpecForge's eval)."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..config import TrainParams
 from ..engine.stats import simulated_acceptance_length
 from ..models.eagle3 import Eagle3Draft, load_checkpoint
 from ..models.target import Target
-from .examples import Example, _groups, _pad, prepare, stack_aux
+from ..models.ttt import Example, ttt_outcomes
+from .examples import prepare
 
 
 def conditional_acceptance(correct: torch.Tensor) -> list[float]:
@@ -141,41 +140,10 @@ def evaluate_holdout(draft: Eagle3Draft, examples: list[Example], steps: int, ba
 
 def evaluate_chunks(draft: Eagle3Draft, chunks: Iterable[list[Example]], steps: int, batch_tokens: int) -> HoldoutEval:
     """`evaluate_holdout` over examples that arrive in chunks (`stream.ExampleStream.chunks`: one
-    buffer in memory at a time); the outcomes are per row, so chunking does not change them."""
-    corr, cnt = [0] * steps, [0] * steps
-    seqs: list[tuple[list[int], torch.Tensor]] = []
-    with torch.no_grad():
-        for examples, g in ((ex, g) for ex in chunks for g in _groups(ex, batch_tokens, False, random.Random(0))):
-            ex = [examples[i] for i in g]
-            T = max(e.ids.shape[0] for e in ex)
-            ids = torch.stack([_pad(e.ids, T) for e in ex])
-            tl = torch.stack([_pad(e.tlogits, T) for e in ex])
-            valid = torch.stack([_pad(e.valid, T, False) for e in ex])
-            keep = torch.stack([_pad(e.valid if e.keep is None else e.keep, T, False) for e in ex])
-            kv = torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex])
-            dev = draft.fc.weight.device
-            aux = stack_aux(ex, T, dev)
-            ids, tl, valid, keep, kv = (t.to(dev) for t in (ids, tl, valid, keep, kv))
-            hs = draft.ttt_forward(aux, ids, steps, kv)
-            right = []
-            for j, h in enumerate(hs):
-                m = F.pad(valid[:, 1 + j:], (0, 1 + j), value=False)  # step j's target position is learnable
-                tgt = F.pad(tl[:, 1 + j:], (0, 0, 0, 1 + j))
-                r = torch.zeros_like(m)
-                if m.any():
-                    r[m] = draft.logits(h[m]).argmax(-1) == tgt[m].float().argmax(-1)
-                corr[j] += int(r.sum())
-                cnt[j] += int(m.sum())
-                right.append(r)
-            right_ = torch.stack(right, -1)  # [B, T, steps]
-            start = F.pad(keep[:, 1:], (0, 1), value=False)  # rows whose next token was generated
-            for b in range(len(ex)):
-                pos = start[b].nonzero().squeeze(-1)
-                if pos.numel():
-                    seqs.append((pos.tolist(), right_[b, pos].cpu()))
-    if not seqs:
-        return HoldoutEval([], steps)
-    return HoldoutEval([a / n if n else 0.0 for a, n in zip(corr, cnt)], steps, seqs)
+    buffer in memory at a time); the outcomes are per row (`models.ttt.ttt_outcomes`), so chunking
+    does not change them."""
+    outcomes = ttt_outcomes(draft, chunks, steps, batch_tokens)
+    return HoldoutEval(*outcomes)
 
 
 def holdout_accuracy(draft: Eagle3Draft, target: Target, records: list[dict], tparams: TrainParams) -> HoldoutEval:
@@ -184,12 +152,9 @@ def holdout_accuracy(draft: Eagle3Draft, target: Target, records: list[dict], tp
     `val/acc_{j}`); `.conditional(k)`: conditional acceptance (`val/cond_acc_{j}`);
     `.simulated_tau(k)`: the simulated τ at k drafts, None when no record is usable (then `.acc`
     and `.conditional()` are empty)."""
-    ex = prepare(records, target, draft.t2d, tparams.max_seq_len)
-    return (
-        evaluate_holdout(draft, ex, tparams.ttt_steps, tparams.batch_tokens)
-        if ex
-        else HoldoutEval([], tparams.ttt_steps)
-    )
+    examples = prepare(records, target, draft.t2d, tparams.max_seq_len)
+    outcomes = ttt_outcomes(draft, [examples], tparams.ttt_steps, tparams.batch_tokens)
+    return HoldoutEval(*outcomes)
 
 
 def checkpoint_accuracy(path: Path, target: Target, records: list[dict], tparams: TrainParams) -> HoldoutEval:

@@ -35,8 +35,9 @@ import torch
 
 from ..config import TrainParams
 from ..models.target import Target
+from ..models.ttt import Example, collate, group_by_length
 from . import ranks
-from .examples import Example, collate, group_by_length, prepare
+from .examples import prepare
 from .prefetch import read_ahead
 from .source import RecordSource
 

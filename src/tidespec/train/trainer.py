@@ -1,9 +1,9 @@
 """The embedded EAGLE3 trainer: training-time test (TTT) over captured hidden states (`train_draft`).
 
-Loss (SpecForge `specforge/core/loss.py::_compute_loss`): L = Σ_j decay^j · L_j, L_j the mean over
-valid positions of −Σ_v p_target(v) · log q_draft(v), p_target the target's distribution restricted
-to the draft vocabulary, from the captured final hidden state through its lm_head; positions whose
-target argmax is outside the draft vocabulary are dropped. Warm start from a draft (its vocabulary
+Loss (`models.ttt.ttt_loss`, as SpecForge `specforge/core/loss.py::_compute_loss`): L = Σ_j decay^j · L_j,
+L_j the mean over valid positions of −Σ_v p_target(v) · log q_draft(v), p_target the target's distribution
+restricted to the draft vocabulary, from the captured final hidden state through its lm_head; positions
+whose target argmax is outside the draft vocabulary are dropped. Warm start from a draft (its vocabulary
 remapped), resumable state every `checkpoint_every` steps, the holdout evaluated per epoch
 (`train.holdout`). Device: `train.device` (the draft, its optimizer and each batch); precision:
 `train.precision` (bfloat16 autocast over float32 weights, the default on CUDA; CPU trains in float32).
@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..config import DraftParams, TrainParams
 from ..models.device import resolve_training
@@ -33,42 +32,12 @@ from ..models.eagle3 import (
     save_checkpoint,
 )
 from ..models.target import Target
+from ..models.ttt import ttt_loss
 from . import ranks
 from .holdout import HoldoutEval, evaluate_chunks
 from .resume import clear_state, fingerprint, load_state, save_state, state_dir, weights_digest
 from .source import RecordSource, as_source
 from .stream import ExampleStream, token_counts
-
-
-def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int, decay: float,
-             denom: int | None = None):
-    """Returns (loss, [correct_j], [count_j]) for one padded batch.
-
-    aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid/key_valid `[B,T]` bool.
-    Step j row t is trained on the target distribution at position t+1+j. As SpecForge
-    (`core/loss.py`), L_j sums the cross-entropy over step j's valid rows and divides by all
-    (non-padding) positions, so later steps, with fewer valid rows, weigh less. `denom`: that
-    position count when this batch is one rank's share of a global batch (the global batch's).
-    """
-    hs = draft.ttt_forward(aux, ids, steps, key_valid)
-    loss = torch.zeros((), device=aux.device)
-    denom = max(int(key_valid.sum()) if denom is None else denom, 1)
-    correct, count = [], []
-    for j, h in enumerate(hs):
-        tl = F.pad(tlogits[:, 1 + j:], (0, 0, 0, 1 + j))
-        m = F.pad(valid[:, 1 + j:], (0, 1 + j), value=False)
-        n = int(m.sum())
-        if n == 0:
-            correct.append(0)
-            count.append(0)
-            continue
-        logits = draft.logits(h[m])  # only valid rows pay for the lm_head
-        tp = torch.softmax(tl[m].float(), -1)
-        lj = -(tp * torch.log_softmax(logits, -1)).sum() / denom
-        loss = loss + decay ** j * lj
-        correct.append(int((logits.argmax(-1) == tp.argmax(-1)).sum()))
-        count.append(n)
-    return loss, correct, count
 
 
 def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) -> Eagle3Draft:
