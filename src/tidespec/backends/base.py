@@ -6,7 +6,7 @@ A deployment's `served` is one `ServedDraft`, replaced whole at each swap, never
 a reader on another thread sees one consistent state (its `url` is None while weights are being
 loaded in place); `scrape(url)` gives the cumulative `SpecDecodeCounters` of the server at `url`
 (None when it exports none): its `/metrics` text (`metrics_text`), parsed by the engine's own
-`parse_metrics` (vLLM's after the pattern `parse_spec_decode` reads).
+`parse_metrics` (vLLM's and llama.cpp's after one pattern: `parse_spec_decode`).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class ServedDraft:
 
 
 class EngineServer:
-    """What a running engine server (`backends.vllm.VLLMServer`)
+    """What a running engine server (`backends.vllm.VLLMServer`, `backends.llama_cpp.LlamaCppServer`)
     offers beside its own `start()`: its `url`, whether it is `running`, `stop()`, and use as a
     context manager (started on entry unless started already, stopped on exit). `cfg` (its launch,
     with a `url`) and `server` (its `adapters.process.ServerProcess`) are set by the subclass."""
@@ -104,7 +104,7 @@ class ServedDeployment:
     `super().__init__(engine)` (its name, for logs) and define `scrape(url)`."""
 
     server: EngineServer | None = None
-    error: type[Exception] = TidespecError  # the engine's own (VLLMError)
+    error: type[Exception] = TidespecError  # the engine's own (VLLMError, LlamaCppError)
 
     def __init__(self, engine: str):
         self.engine = engine
@@ -206,7 +206,7 @@ def parse_spec_decode(text: str, prefix: str) -> SpecDecodeCounters | None:
     """The spec-decode counters of a `/metrics` exposition named after vLLM's (`v1/spec_decode/metrics.py`):
     `<prefix>num_drafts_total`, `..num_draft_tokens_total`, `..num_accepted_tokens_total` and
     `..num_accepted_tokens_per_pos_total{position}`, summed over their other label sets (several
-    engines). vLLM's prefix is `vllm:spec_decode_`. None when
+    engines). vLLM's prefix is `vllm:spec_decode_`, llama.cpp's `llamacpp:spec_decode_`. None when
     the server exports no `num_drafts` (no speculation, or an older server): live τ is then unknown,
     never 0."""
     from prometheus_client.parser import text_string_to_metric_families
