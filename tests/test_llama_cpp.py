@@ -4,6 +4,8 @@ The build: tests/test_llama_cpp_build.py; the real server: tests/test_llama_cpp_
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,3 +71,76 @@ def test_the_converted_draft_is_keyed_by_its_content(tmp_path):
     (target / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         llama_cpp.draft_key(draft, target)
+
+
+def test_the_front_door_refuses_what_llama_cpp_would_fail_or_ignore():
+    from fastapi.testclient import TestClient
+
+    from tidespec.serve.frontdoor import build_frontdoor
+    refuse = llama_cpp.request_refusal
+    assert refuse({"prompt": "x", "n": 1}) is None and refuse({"prompt": "x"}) is None
+    assert refuse({"n": 3})[0] == "n" and "send 3 requests with n = 1" in refuse({"n": 3})[1]
+    assert refuse({"n_cmpl": 2})[0] == "n_cmpl"
+    assert refuse({"speculative.n_max": 8})[0] == "speculative.n_max"
+    with TestClient(build_frontdoor("http://127.0.0.1:9", refuse=refuse)) as c:  # nothing listens there
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 502  # forwarded
+
+
+def test_a_new_champion_goes_in_blue_green_and_a_failed_green_leaves_blue_serving(tmp_path, monkeypatch):
+    """`LlamaCppDeployment.install` without a real server (tests/test_llama_cpp_real.py runs one): green
+    starts with the new draft converted, the front door switches, blue drains and stops; a green that
+    fails (here its canary) is stopped and the served version stays."""
+    from tidespec.backends.llama_cpp import deployment
+    from tidespec.workspace import write_version
+    started, stopped, failing = [], [], set()
+
+    class Server:
+        def __init__(self, cfg, log_path, ready_timeout_s):
+            self.cfg, self.url, self.server = cfg, cfg.url, SimpleNamespace(proc=None)  # no process: 0 MiB
+
+        def start(self):
+            started.append(self.cfg)
+            return self
+
+        def stop(self):
+            stopped.append(self.url)
+
+    class Proxy:
+        base = None
+
+        def switch(self, url):
+            old, self.base = self.base, url
+            return old
+
+        def inflight(self, url):
+            return 0
+
+    def canary(url, model, error):
+        if url in failing:
+            raise error(f"canary to {url} answered 500")
+    monkeypatch.setattr(deployment, "LlamaCppServer", Server)
+    monkeypatch.setattr(deployment, "draft_gguf", lambda draft, hf, cache: tmp_path / f"{draft.name}.gguf")
+    monkeypatch.setattr(deployment, "canary", canary)
+
+    def bundle(version: str) -> Path:
+        b = tmp_path / f"b{version}"
+        (b / "draft").mkdir(parents=True)
+        (b / "draft" / "config.json").write_text("{}")
+        (b / "draft" / "model.safetensors").write_bytes(b"w")
+        write_version(b, version, f"run-{version}")
+        return b
+    launch = llama_cpp.LlamaCppLaunch("/t.gguf", port=9001, home=str(tmp_path))
+    dep = deployment.LlamaCppDeployment(launch, tmp_path / "state", tmp_path / "hf", proxy=Proxy()).start(bundle("1"))
+    dep.proxy.base = dep.url
+    assert dep.draft_version == "1" and started[0].draft_path == str(tmp_path / "1-v1.gguf")
+    res = dep.install(bundle("2"))
+    assert res["mode"] == "blue_green" and res["draft_version"] == "2" and res["drained"]
+    assert dep.draft_version == "2" and dep.proxy.base == dep.url != "http://127.0.0.1:9001"
+    assert stopped == ["http://127.0.0.1:9001"] and started[1].draft_path == str(tmp_path / "2-v2.gguf")
+    monkeypatch.setattr(deployment.process, "free_port", lambda host: 9003)
+    failing.add("http://127.0.0.1:9003")
+    with pytest.raises(llama_cpp.LlamaCppError, match="canary"):
+        dep.install(bundle("3"))
+    assert dep.draft_version == "2" and dep.proxy.base == dep.url and stopped[-1] == "http://127.0.0.1:9003"

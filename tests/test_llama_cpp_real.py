@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -91,3 +92,86 @@ def test_eagle3_draft_is_lossless_and_a_wrong_conversion_collapses_acceptance(tr
     bad, worse = _serve(draft_gguf(swapped, hf, cache=cache), tmp_path, "swapped")
     assert bad == plain
     assert worse.acceptance_length - 1 < 0.5 * (tau - 1), (worse, counters)
+
+
+def test_tidespec_serve_backend_llama_cpp_as_a_user_and_a_champion_swapped_blue_green(trained, tmp_path):
+    """`tidespec serve --backend llama-cpp` in its own process: the champion served as llama.cpp's EAGLE-3
+    draft behind the front door (text capture, `store: false` kept out of it, `n > 1` refused), llama.cpp's
+    counters on the front door's /metrics, and the next champion the cycle deploys swapped in blue/green
+    while requests keep coming, none failing."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    import yaml
+
+    from conftest import health, wait_until
+    from tidespec.adapters.process import free_port
+    from tidespec.assets import cache_dir
+    from tidespec.workspace import write_version
+    draft, cache = trained
+    proj = tmp_path / "proj"
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    raw["engine"] |= {"max_batch": 2, "max_seq_len": 512}
+    raw["serve"] |= {"watch_champion_s": 0.5, "served_model_name": "smol"}
+    proj.mkdir()
+    (proj / "params.yaml").write_text(yaml.safe_dump(raw))
+    champion = proj / "data" / "drafts" / "champion"
+    shutil.copytree(draft, champion / "draft")
+    write_version(champion, "1", "run-1")
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    env |= {"TIDESPEC_CACHE": str(cache_dir()), "OMP_NUM_THREADS": "1"}  # the project's downloads, from --root
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", "--backend", "llama-cpp", "--root",
+                             str(proj), "--params", str(proj / "params.yaml"), "--port", url.rsplit(":", 1)[1]],
+                            cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        h = wait_until(lambda: health(url), 300, "/health", proc)
+        assert h["engine"] == "llama-cpp" and h["draft_version"] == "1"
+        for i, p in enumerate(PROMPTS[:3]):
+            r = httpx.post(f"{url}/v1/completions", json={"model": "smol", "prompt": p, "max_tokens": 16,
+                                                          "temperature": 0, "store": i != 1}, timeout=300)
+            assert r.status_code == 200, r.text
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "n": 2}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert "tidespec:frontdoor_requests_total" in metrics
+        counters = llama_cpp.parse_metrics(metrics)
+        assert counters.num_drafts > 0 and counters.acceptance_length > 1.2, counters
+
+        statuses, stop = [], threading.Event()
+
+        def traffic():
+            while not stop.is_set():
+                statuses.append(httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 8,
+                                                                         "temperature": 0, "store": False},
+                                           timeout=300).status_code)
+        t = threading.Thread(target=traffic)
+        t.start()
+        new = tmp_path / "champion-2"  # deploy.local's way: a whole directory renamed into place
+        shutil.copytree(draft, new / "draft")
+        cfg = json.loads((new / "draft" / "config.json").read_text())
+        cfg["tidespec"]["warm_start"] = "v1"  # another draft's content: converted anew during the swap
+        (new / "draft" / "config.json").write_text(json.dumps(cfg))
+        write_version(new, "2", "run-2")
+        os.rename(champion, tmp_path / "champion-1")
+        os.rename(new, champion)
+        wait_until(lambda: (health(url) or {}).get("draft_version") == "2", 300, "the new champion served", proc)
+        time.sleep(2)
+        stop.set()
+        t.join(300)
+        assert statuses and set(statuses) == {200}, statuses
+        assert health(url)["backend"] != h["backend"]  # blue/green: another llama-server
+    finally:
+        proc.terminate()
+        log.close()
+        proc.wait(120)
+    out = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in out, out
+    swap = [line for line in out.splitlines() if "llama.cpp now serves draft 2" in line]
+    assert swap, out
+    print(swap[0])
+    captured = "".join(f.read_text() for f in (proj / "data" / "capture").rglob("*") if f.is_file())
+    assert "def fibonacci" in captured and "import json" in captured and "primary colours" not in captured

