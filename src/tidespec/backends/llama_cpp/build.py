@@ -164,9 +164,5 @@ def _assemble(src: Path, build: Path, out: Path) -> None:
 
 
 def main() -> None:
-    """`python -m tidespec.backends.llama_cpp.build [JOBS]` (what `make llama-server` runs)."""
+    """`python -m tidespec.backends.llama_cpp [JOBS]` (what `make llama-server` runs)."""
     build_llama_server(jobs=int(sys.argv[1]) if len(sys.argv) > 1 else None)
-
-
-if __name__ == "__main__":
-    main()
