@@ -121,7 +121,8 @@ def test_tidespec_serve_backend_llama_cpp_as_a_user_and_a_champion_swapped_blue_
     shutil.copytree(draft, champion / "draft")
     write_version(champion, "1", "run-1")
     url = f"http://127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    env = {k: v for k, v in os.environ.items()  # no registry, no Prefect, none of llama-server's own settings
+           if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL") and not k.startswith("LLAMA_")}
     env |= {"TIDESPEC_CACHE": str(cache_dir()), "OMP_NUM_THREADS": "1"}  # the project's downloads, from --root
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", "--backend", "llama-cpp", "--root",
