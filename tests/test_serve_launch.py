@@ -39,8 +39,9 @@ def test_changed_means_differs_from_the_default_not_written_out():
 
 
 @pytest.mark.parametrize("launch", [dict(backend="embedded"), dict(backend="vllm"), dict(backend="sglang"),
-                                    dict(backend="sglang", sglang_url="http://127.0.0.1:30000")],
-                         ids=["embedded", "vllm", "sglang", "sglang-url"])
+                                    dict(backend="sglang", sglang_url="http://127.0.0.1:30000"),
+                                    dict(backend="llama-cpp")],
+                         ids=["embedded", "vllm", "sglang", "sglang-url", "llama-cpp"])
 def test_the_shipped_params_are_accepted_by_every_backend(launch):
     p = load_params(SHIPPED)
     assert p.serve.model_fields_set >= {"auto_rollback", "health_check_s", "classify_workload"}  # it spells them out
@@ -60,7 +61,7 @@ def test_auto_rollback_without_mlflow_is_a_note_not_a_refusal():
 
 @pytest.mark.parametrize("key,value", [("health_check_s", 5.0), ("classify_workload", False),
                                        ("workload_by_model", {"m": "code"})])
-@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+@pytest.mark.parametrize("backend", ["vllm", "sglang", "llama-cpp"])
 def test_an_embedded_only_setting_changed_is_refused_on_a_front_door(backend, key, value):
     url = "http://127.0.0.1:30000" if backend == "sglang" else None
     with pytest.raises(ValueError, match=f"serve.{key}: the embedded engine's.*--backend {backend} does not use"):
@@ -102,6 +103,30 @@ def test_backend_specific_refusals_name_the_key_or_flag():
             ServeLaunch.build(backend=backend, capture=False).check(int4, NO_MLFLOW)
 
 
+def test_llama_cpp_refuses_what_it_cannot_honour_naming_the_key():
+    """--backend llama-cpp serves the shipped target GGUF with EAGLE-3 chains on the CPU: a tree, another
+    target or precision, and llama-server's own environment settings are refused naming the key and
+    the fix; the goodput policy and the suffix proposer, on by default, are noted (a default never
+    fails a documented command), as are the fixed k and the n > 1 the front door refuses."""
+    launch = ServeLaunch.build(backend="llama-cpp", capture=False)
+    with pytest.raises(ValueError, match="--backend llama-cpp runs EAGLE3 chains: engine.tree.eagle_topk > 1"):
+        launch.check(shipped(engine={"tree": {"eagle_topk": 2}}), NO_MLFLOW)
+    for target, key in (({"quantization": "int4"}, "target.quantization int4"), ({"dtype": "bfloat16"},
+                        "target.dtype bfloat16"), ({"device": "cuda"}, "target.device cuda")):
+        with pytest.raises(ValueError, match=f"{key}: --backend llama-cpp runs the target GGUF as shipped"):
+            launch.check(shipped(target=target), NO_MLFLOW)
+    with pytest.raises(ValueError, match="target.source '/m': --backend llama-cpp serves the shipped target GGUF"):
+        launch.check(shipped(target={"source": "/m"}), NO_MLFLOW)
+    for env in ({"LLAMA_API_KEY": "k"}, {"LLAMA_ARG_SPEC_TYPE": "none"}):
+        with pytest.raises(ValueError, match=f"{next(iter(env))} set: the llama-server tidespec starts would read it"):
+            launch.check(load_params(SHIPPED), env)
+    notes = launch.check(load_params(SHIPPED), NO_MLFLOW)
+    for said in ("fixed k = engine.num_draft_tokens = 4 (engine.adaptive, the goodput policy",
+                 "engine.suffix, the suffix proposer", "decodes engine.max_batch = 8 requests at once, each up to 4096",
+                 "answers n > 1 with EAGLE-3 by failing: the front door refuses both with 400"):
+        assert any(said in n for n in notes), (said, notes)
+
+
 @pytest.mark.parametrize("flags,message", [
     (dict(backend="vllm", sglang_url="http://x:1"), "--sglang-url goes with --backend sglang"),
     (dict(backend="sglang", sglang_url="http://x:1", sglang_python="/p"),
@@ -109,7 +134,9 @@ def test_backend_specific_refusals_name_the_key_or_flag():
     (dict(backend="vllm", sglang_python="/p"), "--sglang-python goes with --backend sglang"),
     (dict(vllm_python="/usr/bin/python3"), "--vllm-python goes with --backend vllm"),
     (dict(backend="vllm", max_queue=4), "--max-queue applies to the embedded engine"),
-    (dict(backend="nope"), "--backend: Input should be 'embedded', 'vllm' or 'sglang'"),
+    (dict(backend="nope"), "--backend: Input should be 'embedded', 'vllm', 'sglang' or 'llama-cpp'"),
+    (dict(backend="llama-cpp", vllm_python="/p"), "--vllm-python goes with --backend vllm"),
+    (dict(backend="llama-cpp", max_tokens=4), "--max-tokens applies to the embedded engine"),
     (dict(request_timeout_s=float("inf")), "--timeout-s: Input should be a finite number"),
 ])
 def test_flags_of_another_backend_are_refused_in_one_line(flags, message):

@@ -43,6 +43,11 @@ def probed(engine: str, python: str, probe: Callable[[str], str | None]) -> str 
     return reason
 
 
+def base_url(host: str, port: int) -> str:
+    """http://host:port of a server (an IPv6 host in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def loopback(host: str) -> str:
     """`host` when it is a loopback address, else 127.0.0.1: where an engine server whose only
     client is this machine's front door (and its swap route) listens."""

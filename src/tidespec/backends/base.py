@@ -5,18 +5,22 @@
 A deployment's `served` is one `ServedDraft`, replaced whole at each swap, never changed in place, so
 a reader on another thread sees one consistent state (its `url` is None while weights are being
 loaded in place); `scrape(url)` gives the cumulative `SpecDecodeCounters` of the server at `url`
-(None when it exports none).
+(None when it exports none): its `/metrics` text (`metrics_text`), parsed by the engine's own
+`parse_metrics` (vLLM's and llama.cpp's after one pattern: `parse_spec_decode`).
 """
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 from ..engine.spec_counters import SpecDecodeCounters
 from ..errors import TidespecError
+from ..workspace import copy_engine_files, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +62,49 @@ class ServedDraft:
         return now - self.counters_base if now is not None and self.counters_base is not None else now
 
 
+class EngineServer:
+    """What a running engine server (`backends.vllm.VLLMServer`, `backends.llama_cpp.LlamaCppServer`)
+    offers beside its own `start()`: its `url`, whether it is `running`, `stop()`, and use as a
+    context manager (started on entry unless started already, stopped on exit). `cfg` (its launch,
+    with a `url`) and `server` (its `adapters.process.ServerProcess`) are set by the subclass."""
+
+    cfg = server = None
+
+    def start(self):
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        """The server's base URL (http://host:port)."""
+        return self.cfg.url
+
+    @property
+    def running(self) -> bool:
+        """True while the server process runs."""
+        return self.server.running
+
+    def stop(self) -> None:
+        """Stop the server's whole process group (SIGTERM, SIGKILL after the grace period). Idempotent."""
+        self.server.stop()
+
+    def __enter__(self):
+        return self.start() if self.server.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 class ServedDeployment:
     """What the deployments of an engine server (`backends.vllm.deployment`,
     `backends.sglang.deployment`) share: `served` (a
     `ServedDraft`) and its fields as the properties `serve.admin.ChampionWatcher` and the tests read,
     hiding it before an in-place load (`_hide`) and reading the counters at a swap (`_counters`),
-    one swap at a time (`_swap`, a lock; `_n` numbers the private copies). Subclasses call
+    one swap at a time (`_swap`, a lock; `_n` numbers the private copies), the `server`
+    (an `EngineServer`) serving now, its `url` and `close()`. Subclasses call
     `super().__init__(engine)` (its name, for logs) and define `scrape(url)`."""
+
+    server: EngineServer | None = None
+    error: type[Exception] = TidespecError  # the engine's own (VLLMError, LlamaCppError)
 
     def __init__(self, engine: str):
         self.engine = engine
@@ -74,6 +114,24 @@ class ServedDeployment:
 
     def scrape(self, url: str | None = None) -> SpecDecodeCounters | None:
         raise NotImplementedError
+
+    def start(self, bundle: Path | None):
+        """Start serving the draft in `bundle` (a draft bundle or flat checkpoint; None or missing:
+        the target alone) on the launch's port (the subclass's `_launch` and `_serving`); returns
+        self. Raises the engine's errors (e.g. VLLMError / VLLMUnavailable); nothing is left running
+        then."""
+        self._serving(*self._launch(bundle, self.launch.port))
+        return self
+
+    @property
+    def url(self) -> str | None:
+        """Base URL of the engine server serving now (None before `start`)."""
+        return self.server.url if self.server else None
+
+    def close(self) -> None:
+        """Stop the serving engine server (its whole process group)."""
+        if self.server:
+            self.server.stop()
 
     @property
     def draft_version(self) -> str | None:
@@ -89,6 +147,16 @@ class ServedDeployment:
     def counters_base(self) -> SpecDecodeCounters | None:
         """The server's counters when the served version was loaded in place (None: a fresh server)."""
         return self.served.counters_base
+
+    def _private_copy(self, bundle: Path, name: str) -> Path:
+        """The draft's engine files copied into `<state_dir>/drafts/<name>` (private: 0700); raises
+        the engine's `error` naming a bundle without them."""
+        dest = private_dir(self.state_dir / "drafts") / name
+        shutil.rmtree(dest, ignore_errors=True)
+        try:
+            return copy_engine_files(bundle, dest)
+        except FileNotFoundError as e:
+            raise self.error(f"{e}; deploy a registry version there") from None
 
     def _hide(self) -> tuple[ServedDraft, SpecDecodeCounters | None]:
         """Before an in-place load: the served state and the server's counters now, the state
@@ -119,3 +187,72 @@ def scrape_served(dep) -> tuple[ServedDraft, SpecDecodeCounters | None]:
     return served, (now if dep.served is served else None)
 
 
+
+
+def metrics_text(url: str, engine: str, error: type[Exception], timeout_s: float = 10.0, client=None) -> str:
+    """GET `<url>/metrics` of the `engine` server (its name, for the message) with `client` (default
+    httpx); its text. Raises `error` when the server does not answer, or answers other than 200."""
+    import httpx
+    try:
+        r = (client or httpx).get(f"{url.rstrip('/')}/metrics", timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise error(f"{engine} at {url} did not answer /metrics: {e}") from None
+    if r.status_code != 200:
+        raise error(f"{engine} at {url} answered /metrics with {r.status_code}")
+    return r.text
+
+
+def parse_spec_decode(text: str, prefix: str) -> SpecDecodeCounters | None:
+    """The spec-decode counters of a `/metrics` exposition named after vLLM's (`v1/spec_decode/metrics.py`):
+    `<prefix>num_drafts_total`, `..num_draft_tokens_total`, `..num_accepted_tokens_total` and
+    `..num_accepted_tokens_per_pos_total{position}`, summed over their other label sets (several
+    engines). vLLM's prefix is `vllm:spec_decode_`, llama.cpp's `llamacpp:spec_decode_`. None when
+    the server exports no `num_drafts` (no speculation, or an older server): live τ is then unknown,
+    never 0."""
+    from prometheus_client.parser import text_string_to_metric_families
+    vals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.startswith(prefix):
+            continue
+        for s in fam.samples:
+            if not s.name.endswith("_total"):
+                continue
+            name = s.name.removeprefix(prefix).removesuffix("_total")
+            if name == "num_accepted_tokens_per_pos":
+                pos = int(s.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + s.value
+            else:
+                vals[name] = vals.get(name, 0.0) + s.value
+    if "num_drafts" not in vals:
+        return None
+    pos = tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos) + 1)) if per_pos else ()
+    return SpecDecodeCounters(int(vals["num_drafts"]), int(vals.get("num_draft_tokens", 0)),
+                              int(vals.get("num_accepted_tokens", 0)), pos)
+
+
+def drain(proxy, url: str, timeout_s: float, engine: str) -> bool:
+    """Wait until the front door `proxy` (a `serve.frontdoor.Proxy`) has no request left on `url`
+    (a blue server after the switch to green): True, or False after `timeout_s` s (logged; the
+    caller stops it anyway)."""
+    deadline = time.monotonic() + timeout_s
+    while proxy.inflight(url) > 0:
+        if time.monotonic() > deadline:
+            log.warning("%s: %d requests still on %s after %g s: stopping it anyway", engine, proxy.inflight(url),
+                        url, timeout_s)
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def canary(url: str, model: str, error: type[Exception], timeout_s: float = 120.0) -> None:
+    """A 1-token greedy completion on the engine server at `url` (a green server before the switch);
+    raises `error` unless it answers 200 with one choice."""
+    import httpx
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 1,
+                                                      "temperature": 0}, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise error(f"canary to {url} failed: {e}") from None
+    if r.status_code != 200 or len(r.json().get("choices", [])) != 1:
+        raise error(f"canary to {url} answered {r.status_code}: {r.text[:300]}")

@@ -30,7 +30,10 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
                                                        "`make vllm`'s venv with the champion as its EAGLE3 draft, "
                                                        "behind the front door; loads new champions in place; text "
                                                        "capture) | sglang (the same with SGLang, on a CUDA GPU; or a "
-                                                       "front door to your own server with --sglang-url)"),
+                                                       "front door to your own server with --sglang-url) | llama-cpp "
+                                                       "(llama.cpp's llama-server from `make llama-server` on the "
+                                                       "target GGUF, the champion converted to EAGLE-3; new champions "
+                                                       "blue/green)"),
           sglang_url: str = typer.Option(None, help="your own SGLang server for --backend sglang, e.g. "
                                                     "http://127.0.0.1:30000 (tidespec then neither starts nor "
                                                     "swaps it)"),
@@ -168,8 +171,15 @@ def serve_preflight(root: Path, params: Path, *, backend: str = "embedded", sgla
 
 def _engine_runs_here(launch) -> None:
     """Refuses, before any note, an engine server this command cannot start here (its adapter's
-    `unavailable_reason`: no environment, no CUDA for SGLang, no AVX2 for vLLM's CPU build).
-    Raises VLLMUnavailable / SGLangUnavailable naming the fix."""
+    `unavailable_reason`: no environment, no CUDA for SGLang, no AVX2 for vLLM's CPU build, no
+    `make llama-server` build). Raises VLLMUnavailable / SGLangUnavailable / LlamaCppUnavailable
+    naming the fix."""
+    if launch.backend == "llama-cpp":
+        from ..backends import llama_cpp
+        reason = llama_cpp.unavailable_reason()
+        if reason:
+            raise llama_cpp.LlamaCppUnavailable(reason)
+        return
     if launch.backend == "vllm":
         from ..backends import vllm as engine
         python, refused = launch.vllm_python or engine.default_python(), engine.VLLMUnavailable
@@ -221,9 +231,10 @@ def _serve_publisher(p, ws, env=None):
     return Publisher.for_workspace(ws, p)
 
 def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = None) -> None:
-    """`tidespec serve --backend sglang|vllm`: the OpenAI front door (`frontdoor.py`) before an engine
-    server: one this command starts (vLLM; SGLang without --sglang-url), with each champion the
-    cycle deploys loaded into it (`backends.vllm.deployment`, `backends.sglang.deployment`) and its
+    """`tidespec serve --backend sglang|vllm|llama-cpp`: the OpenAI front door (`frontdoor.py`) before an
+    engine server: one this command starts (vLLM, llama.cpp; SGLang without --sglang-url), with each
+    champion the cycle deploys loaded into it (`backends.vllm.deployment`, `backends.sglang.deployment`;
+    llama.cpp blue/green, `backends.llama_cpp.deployment`) and its
     live acceptance logged and acted on (`backends.live`); or the user's SGLang at `launch.sglang_url`,
     as it is. The champion comes from `champion_source` (data/drafts, or the registry followed).
     Capture there is text (a front door sees no hidden states). `api_key`: the key the front door
@@ -250,8 +261,11 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = 
     champ, _, follower = champion_source(p, ws, target_id(p), classes=False)  # one draft: the generalist
     with _sigterm_raises():  # a SIGTERM while the engine server starts stops it too (its own process group)
         dep = (_start_vllm(p, ws, launch.vllm_python, host, champ) if launch.backend == "vllm"
+               else _start_llama_cpp(p, ws, host, champ) if launch.backend == "llama-cpp"
                else _start_sglang(p, ws, launch.sglang_python, host, champ))
-    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog, **auth,
+    from ..backends.llama_cpp import request_refusal
+    refuse = request_refusal if launch.backend == "llama-cpp" else None  # what llama.cpp would fail or ignore
+    app = build_frontdoor(dep.url, text, timeout, on_close=dep.close, textlog=textlog, **auth, refuse=refuse,
                           info=lambda: {"draft_version": dep.draft_version, "engine": launch.backend,
                                         "replica_id": p.serve.replica_id, "canary": p.serve.canary})
     dep.proxy = app.state.proxy
@@ -332,6 +346,21 @@ def _start_vllm(p, ws, python: str | None, host: str, champion: Path | None = No
     console.print(f"serve: starting vLLM ({launch.python}; log under {ws.state / 'vllm' / 'logs'}; ~30-60 s on CPU)",
                   markup=False)
     return VLLMDeployment(launch, ws.state / "vllm").start(_existing(champion or ws.champion))
+
+def _start_llama_cpp(p, ws, host: str, champion: Path | None = None):
+    """Start llama.cpp's llama-server (`make llama-server`) on a loopback port with the target GGUF as
+    shipped and the served champion (if any) converted to an EAGLE-3 GGUF as its draft, swapped
+    blue/green at later deploys (`LlamaCppLaunch.from_params`: k = engine.num_draft_tokens, slots =
+    engine.max_batch). `champion`: as `_start_vllm`'s."""
+    from ..adapters.process import loopback
+    from ..backends.llama_cpp import LlamaCppLaunch
+    from ..backends.llama_cpp.deployment import LlamaCppDeployment
+    from ..models.load import target_dir
+    launch = LlamaCppLaunch.from_params(p, host=loopback(host), alias=p.serve_resolved().served_model_name)
+    console.print(f"serve: starting llama-server ({launch.home}; log under {ws.state / 'llama-cpp' / 'logs'})",
+                  markup=False)
+    return LlamaCppDeployment(launch, ws.state / "llama-cpp", target_dir(p.target.source)).start(
+        _existing(champion or ws.champion))
 
 def _start_sglang(p, ws, python: str | None, host: str, champion: Path | None = None):
     """Start SGLang (its own environment's `python`) on a loopback port with the target (converted HF

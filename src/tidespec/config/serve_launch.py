@@ -21,6 +21,8 @@ MLFLOW_ENV = "MLFLOW_TRACKING_URI"
 API_KEY_ENV = "TIDESPEC_API_KEY"  # the key of the OpenAI routes (`--api-key` overrides it)
 ADMIN_TOKEN_ENV = "TIDESPEC_ADMIN_TOKEN"  # the bearer token of /admin (`serve.admin`)
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own; the vLLM tidespec starts runs on loopback without a key
+LLAMA_ENV = ("LLAMA_API_KEY", "LLAMA_ARG_")  # llama-server reads its settings from these too (one key, a prefix)
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llama-cpp": "llama.cpp"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EMBEDDED_ONLY = ("health_check_s", "classify_workload", "workload_by_model")
 # serve.* keys a front door forwards past: the backend's own limits and defaults apply (set them there)
@@ -36,7 +38,9 @@ class ServeLaunch(Strict):
     SGLang server this command starts with `sglang_python`, or, with `sglang_url`, the user's own
     server, which tidespec neither swaps nor watches); vllm_python: vLLM's interpreter;
     capture / publish: capture finished requests, publish sealed snapshots; max_queue,
-    request_timeout_s (s), max_tokens: the embedded engine's admission limits; api_key: the key of
+    request_timeout_s (s), max_tokens: the embedded engine's admission limits; llama-cpp: a
+    llama.cpp `llama-server` (`make llama-server`) this command starts with the target GGUF and the
+    champion converted to an EAGLE-3 GGUF, behind the same front door; api_key: the key of
     the OpenAI routes (None: `$TIDESPEC_API_KEY`, see `api_key_in`). Raises ValueError in one line
     naming the flag (`labels`) for a bad value (an empty key among them) or a flag of another
     backend."""
@@ -45,7 +49,7 @@ class ServeLaunch(Strict):
               "max_queue": "--max-queue", "api_key": "--api-key",
               "request_timeout_s": "--timeout-s", "max_tokens": "--max-tokens", "backend": "--backend"}
 
-    backend: Literal["embedded", "vllm", "sglang"] = "embedded"
+    backend: Literal["embedded", "vllm", "sglang", "llama-cpp"] = "embedded"
     sglang_url: str | None = Field(None, pattern=r"^https?://")
     sglang_python: str | None = Field(None, min_length=1)
     vllm_python: str | None = Field(None, min_length=1)
@@ -131,7 +135,9 @@ class ServeLaunch(Strict):
                 notes.append(f"serve.live_stats_s: {MLFLOW_ENV} is unset, so this replica's live counters are "
                              "logged nowhere (set it to log them to the served version's run)")
             return notes
-        if p.target.quantization != "none":
+        if self.backend == "llama-cpp":
+            _gguf_as_shipped(p)
+        elif p.target.quantization != "none":
             raise ValueError(f"target.quantization {p.target.quantization} is the embedded engine's CPU kernels; "
                              f"--backend {self.backend} runs the target with its own: set target.quantization: none "
                              f"(and serve a quantized checkpoint with {self.backend}'s --quantization)")
@@ -162,6 +168,11 @@ class ServeLaunch(Strict):
         if key is not None and admin and hmac.compare_digest(key.encode(), admin.encode()):
             raise ValueError(f"the API key equals {ADMIN_TOKEN_ENV}: a client of the OpenAI routes could then swap "
                              "drafts; use two different secrets")
+        llama = sorted(k for k in env if k == LLAMA_ENV[0] or k.startswith(LLAMA_ENV[1]))
+        if self.backend == "llama-cpp" and llama:
+            raise ValueError(f"{', '.join(llama)} set: the llama-server tidespec starts would read it, yet it listens "
+                             "on 127.0.0.1 behind the front door (which checks the key) with its settings from "
+                             f"params.yaml; unset it (the key: set {API_KEY_ENV} or --api-key instead)")
         if self.backend == "vllm" and env.get(VLLM_API_KEY_ENV):
             raise ValueError(f"{VLLM_API_KEY_ENV} is set: the vLLM server tidespec starts listens on 127.0.0.1 behind "
                              f"the front door, which checks the key itself; unset {VLLM_API_KEY_ENV} and set "
@@ -173,8 +184,8 @@ class ServeLaunch(Strict):
 
     @property
     def launches(self) -> bool:
-        """True when this command starts the engine server (vLLM; SGLang without --sglang-url)."""
-        return self.backend == "vllm" or (self.backend == "sglang" and self.sglang_url is None)
+        """True when this command starts the engine server (vLLM, llama.cpp; SGLang without --sglang-url)."""
+        return self.backend in ("vllm", "llama-cpp") or (self.backend == "sglang" and self.sglang_url is None)
 
     def _unused(self, p: Params) -> None:
         """Refuses serve.* keys set (changed from their default) that this front door does not use."""
@@ -199,14 +210,16 @@ class ServeLaunch(Strict):
                              f"{default}")
 
     def _started_engine(self, p: Params) -> list[str]:
-        """What the engine server tidespec starts takes from engine.*: vLLM runs EAGLE3 chains (trees
-        refused), SGLang chains or trees (engine.tree, validated with the params), both at k =
-        engine.num_draft_tokens; the goodput policy and the suffix proposer are the embedded
-        engine's (noted)."""
-        e, notes, name = p.engine, [], {"vllm": "vLLM", "sglang": "SGLang"}[self.backend]
-        if self.backend == "vllm" and e.tree.eagle_topk > 1:
-            raise ValueError("--backend vllm runs EAGLE3 chains: engine.tree.eagle_topk > 1 applies to the embedded "
-                             "engine; set it to 1")
+        """What the engine server tidespec starts takes from engine.*: vLLM and llama.cpp run EAGLE3
+        chains (trees refused), SGLang chains or trees (engine.tree, validated with the params), all
+        at k = engine.num_draft_tokens; the goodput policy and the suffix proposer are the embedded
+        engine's (noted; llama.cpp's own n-gram proposers are not offered)."""
+        e, notes, name = p.engine, [], ENGINE_NAMES[self.backend]
+        if self.backend in ("vllm", "llama-cpp") and e.tree.eagle_topk > 1:
+            raise ValueError(f"--backend {self.backend} runs EAGLE3 chains: engine.tree.eagle_topk > 1 applies to the "
+                             "embedded engine; set it to 1")
+        if self.backend == "llama-cpp":
+            notes += _llama_cpp_notes(p)
         if self.backend == "sglang" and p.target.dtype == "float32":
             notes.append("SGLang runs target.dtype float32 with its triton attention backend (its default on Hopper, "
                          "fa3, takes fp16/bf16 only); GPU serving usually sets target.dtype: bfloat16")
@@ -217,6 +230,30 @@ class ServeLaunch(Strict):
             notes.append(f"{name} drafts a fixed k = engine.num_draft_tokens = {e.num_draft_tokens} (engine.adaptive, "
                          "the goodput policy, is the embedded engine's)")
         return notes
+
+
+def _gguf_as_shipped(p: Params) -> None:
+    """llama.cpp serves the target GGUF as shipped (SmolLM2-135M-Instruct Q4_1, its own kernels):
+    refuses another target.source, target.quantization or target.dtype, naming the key."""
+    t = p.target
+    if t.source != "smollm2":
+        raise ValueError(f"target.source {t.source!r}: --backend llama-cpp serves the shipped target GGUF (smollm2, "
+                         "SmolLM2-135M-Instruct Q4_1); set target.source: smollm2, or serve this target with "
+                         "--backend vllm")
+    for key, v in (("quantization", t.quantization), ("dtype", t.dtype), ("device", t.device)):
+        if t.changed(key):
+            raise ValueError(f"target.{key} {v}: --backend llama-cpp runs the target GGUF as shipped on the CPU (Q4_1 "
+                             f"weights, llama.cpp's kernels); remove target.{key} or set it to its default")
+
+
+def _llama_cpp_notes(p: Params) -> list[str]:
+    """What llama.cpp's server does with what `tidespec serve` gives it."""
+    e = p.engine
+    ctx = f"engine.max_seq_len = {e.max_seq_len}" if e.max_seq_len else \
+        "4096 (engine.max_seq_len is null; set it to change this)"
+    return [f"llama-server decodes engine.max_batch = {e.max_batch} requests at once, each up to {ctx} tokens",
+            "llama.cpp fixes k per server (its per-request speculative.* fields are compiled out) and answers n > 1 "
+            "with EAGLE-3 by failing: the front door refuses both with 400"]
 
 
 def _key_problem(key: str) -> str | None:

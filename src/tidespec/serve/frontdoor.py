@@ -1,5 +1,6 @@
-"""The OpenAI front door before an engine server: vLLM or SGLang, which `tidespec serve --backend
-vllm|sglang` starts and supervises, or your own SGLang (`--backend sglang --sglang-url URL`).
+"""The OpenAI front door before an engine server: vLLM, SGLang or llama.cpp, which `tidespec serve
+--backend vllm|sglang|llama-cpp` starts and supervises, or your own SGLang (`--backend sglang
+--sglang-url URL`).
 
 It forwards `/v1/completions`, `/v1/chat/completions` and `/v1/models` unchanged (bodies as sent,
 responses and SSE streams byte for byte, the backend's status codes and errors) and adds what the
@@ -16,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -30,11 +31,13 @@ from .textlog import TextLog
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 JSON = {"content-type": "application/json"}
+Refusal = Callable[[dict], "tuple[str, str] | None"]  # request body → (field, why it is refused) or None
 
 
 def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.0, on_close=None,
                     info=None, textlog: TextLog | None = None, api_key: str | None = None,
-                    auth_health_metrics: bool = False, replica_id: str | None = None) -> FastAPI:
+                    auth_health_metrics: bool = False, replica_id: str | None = None,
+                    refuse: Refusal | None = None) -> FastAPI:
     """The FastAPI app in front of `backend_url` (e.g. http://127.0.0.1:30000). `text_capture`: a
     `capture.text.TextCapture` (None: no capture); `timeout_s`: per backend request, s (504 after).
     At shutdown the backend client and the text capture are closed, then `on_close()` runs (e.g.
@@ -46,11 +49,13 @@ def build_frontdoor(backend_url: str, text_capture=None, timeout_s: float = 300.
     `replica_id` as a label (None: none), the backend's are as it writes them (Prometheus' target
     labels tell the scrape apart). `api_key`: the key every route takes as a
     bearer token, 401 otherwise (None: open; /health and /metrics stay open unless
-    `auth_health_metrics`: `serve.auth`); the backend is called without it. Raises ValueError for an
+    `auth_health_metrics`: `serve.auth`); the backend is called without it. `refuse(body)`: a
+    request the backend cannot honour as asked, as (the field, why), answered 400 before it is
+    forwarded (None: forwarded; e.g. `backends.llama_cpp.request_refusal`). Raises ValueError for an
     empty `api_key`, or `auth_health_metrics` without one."""
     auth = api_key_middleware(api_key, auth_health_metrics)
     proxy = Proxy(backend_url, httpx.AsyncClient(timeout=timeout_s), timeout_s, FrontdoorMetrics(replica_id),
-                  textlog or TextLog(text_capture), info)
+                  textlog or TextLog(text_capture), info, refuse)
     app = FastAPI(title="tidespec front door", version="0.1", middleware=auth,
                   lifespan=closing(proxy.client.aclose, proxy.textlog.close, on_close))
     app.state.proxy = proxy
@@ -67,9 +72,9 @@ class Proxy:
     """Forwards requests to the backend at `base` with `client`, counting and capturing them."""
 
     def __init__(self, base: str, client: httpx.AsyncClient, timeout_s: float, metrics: FrontdoorMetrics,
-                 textlog: TextLog, info=None):
+                 textlog: TextLog, info=None, refuse: Refusal | None = None):
         self.base, self.client, self.timeout_s = base.rstrip("/"), client, timeout_s
-        self.metrics, self.textlog, self.info = metrics, textlog, info
+        self.metrics, self.textlog, self.info, self.refuse = metrics, textlog, info, refuse
         self._lock, self._inflight = threading.Lock(), Counter()
 
     def switch(self, url: str) -> str:
@@ -101,13 +106,18 @@ class Proxy:
 
     async def forward(self, route: str, request: Request) -> Response:
         """POST the request's body to the backend's `route` as sent; its answer back unchanged (a
-        stream relayed chunk by chunk). A successful exchange is text-captured. Returns 502 (backend
-        unreachable) or 504 (no answer within timeout_s) in OpenAI's envelope."""
+        stream relayed chunk by chunk). A successful exchange is text-captured. Returns 400 (a
+        request `refuse` names), 502 (backend unreachable) or 504 (no answer within timeout_s) in
+        OpenAI's envelope."""
         raw = await request.body()
         try:
             body = json.loads(raw)
         except json.JSONDecodeError:
             body = None
+        refused = self.refuse(body) if self.refuse is not None and isinstance(body, dict) else None
+        if refused is not None:
+            self.metrics.count(route, 400)
+            return OpenAIError(refused[1], param=refused[0]).response()
         t0 = time.perf_counter()
         streaming = isinstance(body, dict) and bool(body.get("stream"))
         base = self._enter()

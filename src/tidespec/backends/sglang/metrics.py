@@ -18,6 +18,7 @@ whole, under the new version.
 from __future__ import annotations
 
 from ...engine.spec_counters import SpecDecodeCounters
+from ..base import metrics_text
 from .server import SGLangError
 
 VERIFY = "sglang:spec_verify_calls"
@@ -45,11 +46,4 @@ def parse_metrics(text: str, num_draft_tokens: int) -> SpecDecodeCounters | None
 
 def scrape(url: str, num_draft_tokens: int, timeout_s: float = 10.0) -> SpecDecodeCounters | None:
     """GET `<url>/metrics` and parse it (`parse_metrics`). Raises SGLangError when the server does not answer."""
-    import httpx
-    try:
-        r = httpx.get(f"{url.rstrip('/')}/metrics", timeout=timeout_s)
-    except httpx.HTTPError as e:
-        raise SGLangError(f"SGLang at {url} did not answer /metrics: {e}") from None
-    if r.status_code != 200:
-        raise SGLangError(f"SGLang at {url} answered /metrics with {r.status_code}")
-    return parse_metrics(r.text, num_draft_tokens)
+    return parse_metrics(metrics_text(url, "SGLang", SGLangError, timeout_s), num_draft_tokens)

@@ -93,8 +93,7 @@ class SGLangLaunch:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return process.base_url(self.host, self.port)
 
 
 def check_aux_ids(ids, num_layers: int, architecture: str = "LlamaForCausalLM") -> tuple[int, ...]:

@@ -24,17 +24,15 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
-
 from ...adapters import process
 from ...adapters.process import LOOPBACK
-from ...workspace import copy_engine_files, private_dir, served_version
-from ..base import ServedDeployment, ServedDraft
+from ...workspace import served_version
+from ..base import ServedDeployment, ServedDraft, drain
+from ..base import canary as base_canary
 from . import SpecDecodeCounters, VLLMError, VLLMLaunch, VLLMServer, load_draft_in_place, scrape
 
 log = logging.getLogger(__name__)
@@ -46,23 +44,14 @@ class VLLMDeployment(ServedDeployment):
     servers' logs. `served`: what serves now (`backends.base.ServedDraft`); `draft_version`: its
     registry version, as `serve.admin.ChampionWatcher` expects of an engine."""
 
+    error = VLLMError
+
     def __init__(self, launch: VLLMLaunch, state_dir: Path, proxy=None, ready_timeout_s: float = 600.0,
                  drain_timeout_s: float = 300.0, in_place: bool = True):
         self.launch, self.state_dir, self.proxy = launch, Path(state_dir), proxy
         self.ready_timeout_s, self.drain_timeout_s, self.in_place = ready_timeout_s, drain_timeout_s, in_place
         self.server: VLLMServer | None = None
         super().__init__("vLLM")
-
-    @property
-    def url(self) -> str | None:
-        """Base URL of the vLLM server serving now (None before `start`)."""
-        return self.server.url if self.server else None
-
-    def start(self, bundle: Path | None) -> VLLMDeployment:
-        """Start serving the draft in `bundle` (a draft bundle or flat checkpoint; None or missing:
-        the target alone). Raises VLLMError / VLLMUnavailable; nothing is left running then."""
-        self._serving(*self._launch(bundle, self.launch.port))
-        return self
 
     def install(self, bundle: Path, version: str | None = None) -> dict:
         """Serve the draft in `bundle`: in place, else blue/green (module docstring). Returns
@@ -138,7 +127,7 @@ class VLLMDeployment(ServedDeployment):
             raise
         blue, old = self.server, self.proxy.switch(green.url) if self.proxy else None
         self._serving(green, version)
-        drained = self._drain(old) if old else True
+        drained = drain(self.proxy, old, self.drain_timeout_s, self.engine) if old else True
         if blue:
             blue.stop()
         log.info(
@@ -164,34 +153,11 @@ class VLLMDeployment(ServedDeployment):
         self.server = srv
         self.served = ServedDraft(version, srv.url, Path(srv.cfg.draft_path) if srv.cfg.draft_path else None)
 
-    def _private_copy(self, bundle: Path, name: str) -> Path:
-        dest = private_dir(self.state_dir / "drafts") / name
-        shutil.rmtree(dest, ignore_errors=True)
-        try:
-            return copy_engine_files(bundle, dest)
-        except FileNotFoundError as e:
-            raise VLLMError(f"{e}; deploy a registry version there") from None
-
-    def _drain(self, url: str) -> bool:
-        deadline = time.monotonic() + self.drain_timeout_s
-        while self.proxy.inflight(url) > 0:
-            if time.monotonic() > deadline:
-                log.warning("%d requests still on %s after %g s: stopping it anyway", self.proxy.inflight(url), url,
-                            self.drain_timeout_s)
-                return False
-            time.sleep(0.1)
-        return True
-
     def scrape(self, url: str | None = None) -> SpecDecodeCounters | None:
         """The cumulative spec-decode counters of the server at `url` (default: the serving one;
         None: none exported, or no server). Raises VLLMError when it does not answer."""
         url = url or (self.server.url if self.server else None)
         return scrape(url) if url else None
-
-    def close(self) -> None:
-        """Stop the serving vLLM server (its whole process group)."""
-        if self.server:
-            self.server.stop()
 
 
 def config_change(served: Path, new: Path) -> str | None:
@@ -209,11 +175,5 @@ def config_change(served: Path, new: Path) -> str | None:
 
 def canary(url: str, model: str, timeout_s: float = 120.0) -> None:
     """A 1-token greedy completion on the vLLM server at `url`; raises VLLMError unless it answers
-    200 with one choice."""
-    try:
-        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 1,
-                                                      "temperature": 0}, timeout=timeout_s)
-    except httpx.HTTPError as e:
-        raise VLLMError(f"canary to {url} failed: {e}") from None
-    if r.status_code != 200 or len(r.json().get("choices", [])) != 1:
-        raise VLLMError(f"canary to {url} answered {r.status_code}: {r.text[:300]}")
+    200 with one choice (`backends.base.canary`)."""
+    base_canary(url, model, VLLMError, timeout_s)

@@ -21,6 +21,7 @@ from ...adapters import process
 from ...adapters.process import LOOPBACK
 from ...errors import TidespecError, Unavailable
 from ...workspace import DRAFT_FILES
+from ..base import EngineServer
 
 VLLM_VERSION = "0.32.0"
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"  # loaded by the vLLM server, never by tidespec
@@ -134,8 +135,7 @@ class VLLMLaunch:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return process.base_url(self.host, self.port)
 
 
 def check_draft_dir(path: Path) -> Path:
@@ -263,10 +263,11 @@ def load_draft_in_place(url: str, draft_dir: Path, timeout_s: float = 300.0) -> 
     return res | {"reset_prefix_cache": c.status_code == 200 and bool(c.json().get("success"))}
 
 
-class VLLMServer:
+class VLLMServer(EngineServer):
     """A running vLLM OpenAI server (context manager): `start()` checks the target and draft dirs and
     that vLLM imports, launches it through the supervisor (`process.ServerProcess`: its own process
-    group, log appended to `log_path`) and waits for `/health`; `stop()` stops the group."""
+    group, log appended to `log_path`) and waits for `/health`; `stop()` stops the group
+    (`backends.base.EngineServer`)."""
 
     def __init__(self, cfg: VLLMLaunch, log_path: Path, ready_timeout_s: float = 600.0, grace_s: float = 20.0):
         self.cfg, self.log_path = cfg, Path(log_path)
@@ -285,26 +286,6 @@ class VLLMServer:
             raise VLLMUnavailable(reason)
         self.server.start()
         return self
-
-    @property
-    def url(self) -> str:
-        """The server's base URL (http://host:port)."""
-        return self.cfg.url
-
-    @property
-    def running(self) -> bool:
-        """True while the server process runs."""
-        return self.server.running
-
-    def stop(self) -> None:
-        """Stop the server's whole process group (SIGTERM, SIGKILL after the grace period). Idempotent."""
-        self.server.stop()
-
-    def __enter__(self) -> VLLMServer:
-        return self.start() if self.server.proc is None else self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 # ---------------------------------------------------------------- rehydration by hidden-state extraction
