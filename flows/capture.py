@@ -20,11 +20,14 @@ from tidespec.workspace import Workspace
 
 
 @flow(name="tide_capture", log_prints=True)
-def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: bool = True) -> dict:
+def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: bool = True, seal: bool = False) -> dict:
     """Ingest every new capture object of the configured sources (`ingest.sources`, else the
     deploy profiles' data capture prefixes and `tidespec serve`'s text capture) into `root`'s
-    snapshots. `publish`: seal → DVC + event (needs `root` to be a DVC repo). Returns per-source
-    counts. A run with no new objects does nothing (the ledger)."""
+    snapshots. `publish`: seal → DVC + event (needs `root` to be a DVC repo). `seal`: seal what is
+    unsealed at the end even below `capture.seal_min_tokens` (the `tidespec.capture.text` trigger sets
+    it: the front door counted that many tokens of `usage.total_tokens`, and the rehydrated records
+    hold a few fewer, so a seal on the writer's own count could wait for the next burst). Returns
+    per-source counts. A run with no new objects does nothing (the ledger)."""
     log = get_run_logger()
     ws, params = Workspace(Path(root).resolve()), load_params(params_path)
     sources = default_sources(params, target_id(params), ws)
@@ -46,6 +49,8 @@ def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: boo
         with rehydrator_for(params, target, ws.state) as rehydrator:
             reports = [ingest_source(src, store, ws, params, target, tok, writer, progress=log.info,
                                      rehydrator=rehydrator) for src in sources]
+        if seal and writer.seal_now() is not None:
+            log.info("sealed what the text event announced (seal=True)")
     finally:
         writer.close()  # flushes; waits for the publisher (DVC + event) of what sealed
     for r in reports:

@@ -87,8 +87,8 @@ class RemoteIndex:
 
     def ids(self, target_id: str) -> list[str]:
         """The snapshot ids of `target_id` with a manifest on the remote, oldest first (one listing)."""
-        try:
-            names = self.fs.ls(self._path("snapshots", target_id), detail=False)
+        try:  # listed afresh each time: s3fs keeps a listing cache, and manifests come from other machines
+            names = self.fs.ls(self._path("snapshots", target_id), detail=False, refresh=True)
         except FileNotFoundError:
             return []
         return sorted(Path(n).name[: -len(".json")] for n in names if n.endswith(".json"))
