@@ -85,7 +85,7 @@ def test_cuda_engine_is_lossless(tiny_target_dir):
     from tidespec.models.target import load_target
     target = load_target(tiny_target_dir, device="cuda")[0]
     assert target.embed.device.type == "cuda" and target.new_cache(64).k.device.type == "cuda"
-    runner = DraftRunner(random_draft(target, 64).place(target.device))
+    runner = DraftRunner(random_draft(target, 64).to_device(target.device))
     cfg = EngineParams(num_draft_tokens=3, max_seq_len=256)
     prompts = [[5, 17, 33, 2 + i, 90, 41] for i in range(4)]
     spec = [Engine(target, runner, cfg).generate(p, 16).tokens for p in prompts]
@@ -103,9 +103,9 @@ def test_cuda_engine_with_the_goodput_policy_calibrates_and_swaps(tiny_target_di
     from tidespec.models.runner import DraftRunner
     from tidespec.models.target import load_target
     target = load_target(tiny_target_dir, device="cuda")[0]
-    runner = DraftRunner(random_draft(target, 64).place(target.device))
+    runner = DraftRunner(random_draft(target, 64).to_device(target.device))
     eng = make_engine(EngineParams(num_draft_tokens=3, max_seq_len=256), target, runner)
-    eng.set_draft(DraftRunner(random_draft(target, 64, seed=4).place(target.device)), "v2")
+    eng.set_draft(DraftRunner(random_draft(target, 64, seed=4).to_device(target.device)), "v2")
     plain = make_engine(EngineParams(num_draft_tokens=3, max_seq_len=256).fixed(), target)
     prompt = [5, 17, 33, 90, 41]
     assert eng.generate(prompt, 16).tokens == plain.generate(prompt, 16, speculative=False).tokens
@@ -120,7 +120,7 @@ def test_cuda_engine_serves_a_draft_per_class_losslessly(tiny_target_dir):
     from tidespec.models.runner import DraftRunner
     from tidespec.models.target import load_target
     target = load_target(tiny_target_dir, device="cuda")[0]
-    gen, code = (DraftRunner(random_draft(target, 64, seed=s).place(target.device)) for s in (0, 1))
+    gen, code = (DraftRunner(random_draft(target, 64, seed=s).to_device(target.device)) for s in (0, 1))
     own = sum(t.numel() * t.element_size() for t in code.draft.state_dict().values())
     assert own <= code.weight_bytes < 2 * own  # no prepacked copies on CUDA
     cfg = EngineParams(num_draft_tokens=3, max_seq_len=256, adaptive=False)

@@ -103,7 +103,7 @@ def replay_tau(target: Target, draft_dir: Path, holdout: list[dict], k: int, max
     to interleave configurations; here only τ matters): τ, acceptance rate, per-position acceptance
     (unconditional, vLLM's `accepted_per_pos`), mismatches vs the target-only reference outputs,
     seconds (wall), new_tokens."""
-    runner = DraftRunner(load_checkpoint(draft_dir, target.embed, target.target_id).place(target.device))
+    runner = DraftRunner(load_checkpoint(draft_dir, target.embed, target.target_id).to_device(target.device))
     L = max(len(h["input_ids"]) for h in holdout) + max_new_tokens + k + 2
     eng = make_engine(EngineParams().fixed(num_draft_tokens=k, max_seq_len=L, max_batch=max_batch), target, runner)
     t0 = time.perf_counter()

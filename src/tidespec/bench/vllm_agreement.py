@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     target, tok = get_target(Params())
     prompts = [prompt_ids(tok, p.text) for p in humaneval()[-a.prompts:]]
     eng = make_engine(EngineParams().fixed(num_draft_tokens=a.k, max_seq_len=1024), target,
-                      DraftRunner(load_checkpoint(a.draft, target.embed, target.target_id).place(target.device)))
+                      DraftRunner(load_checkpoint(a.draft, target.embed, target.target_id).to_device(target.device)))
     ours, total = [], SpecDecodingStats(a.k)
     for p in prompts:
         g = eng.generate(p, a.max_new_tokens, sampling=SamplingParams(ignore_eos=True))

@@ -172,7 +172,7 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"embedding {tuple(embed.shape)} does not fit draft (V={c.vocab_size}, H={c.hidden_size})")
         self.embed = embed.detach()
 
-    def place(self, device: torch.device) -> Eagle3Draft:
+    def to_device(self, device: torch.device) -> Eagle3Draft:
         """Move the draft to `device`, its attached target embedding too (`nn.Module.to` does not:
         the embedding is not a parameter). Returns self."""
         self.to(device)

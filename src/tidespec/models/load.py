@@ -57,4 +57,4 @@ def runner_for(path: Path | None, target: Target) -> DraftRunner | None:
     (ValueError for another target's draft or wrong shapes)."""
     if path is None or not Path(path).exists():
         return None
-    return DraftRunner(load_checkpoint(Path(path), target.embed, target.target_id).place(target.device))
+    return DraftRunner(load_checkpoint(Path(path), target.embed, target.target_id).to_device(target.device))

@@ -46,7 +46,7 @@ class PairedJudge:
             return None
         target, k = self.engine.target, self.engine.cfg.num_draft_tokens
         try:
-            drafts = [load_checkpoint(self.load_version(v), target.embed, target.target_id).place(target.device).eval()
+            drafts = [load_checkpoint(self.load_version(v), target.embed, target.target_id).to_device(target.device).eval()
                       for v in (version, previous)]
             cur, prev = (record_taus(d, target, recs, self.tparams, k) for d in drafts)
         except (LookupError, OSError, ValueError, RuntimeError) as e:  # no verdict: asked again at the next check

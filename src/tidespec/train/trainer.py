@@ -42,7 +42,7 @@ from .stream import ExampleStream, token_counts
 
 def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) -> Eagle3Draft:
     """New draft (lm_head rows from the target's) or warm start from `init`, remapped to the new
-    vocab; on CPU (the caller places it: `Eagle3Draft.place`)."""
+    vocab; on CPU (the caller places it: `Eagle3Draft.to_device`)."""
     cfg = Eagle3Config.for_target(target.cfg, target.aux_layers, dparams.draft_vocab_size,
                                   dparams.intermediate_size, target.target_id)
     d2t, t2d = build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size)
@@ -104,7 +104,7 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
         torch.set_num_threads(tparams.threads)
     dev, amp = resolve_training(tparams.device, tparams.precision)
     dev, rank, world = ranks.place(dev)
-    draft = init_draft(target, dparams, token_counts(src, rank, world), init).place(dev)
+    draft = init_draft(target, dparams, token_counts(src, rank, world), init).to_device(dev)
     draft.train()
     dropped, val_dropped = Counter(), Counter()
     stream = ExampleStream(src, target, draft.t2d, tparams, dropped, rank, world)
@@ -143,7 +143,7 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     metrics = _metrics(draft, stream, val, run, tparams, resumed_from, dropped, val_dropped)
     metrics |= {"train_device": str(dev), "train_precision": "bfloat16" if amp else "float32",
                 "train_world_size": world}
-    save_checkpoint(draft.place(torch.device("cpu")), out, extra={"warm_start": str(init) if init else None})
+    save_checkpoint(draft.to_device(torch.device("cpu")), out, extra={"warm_start": str(init) if init else None})
     (Path(out) / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
     clear_state(sdir)
     ranks.barrier()
