@@ -12,14 +12,20 @@ llama-server is not built (`backends.llama_cpp.unavailable_reason`)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import httpx
 import pytest
-import yaml
 
-from conftest import copy_prefect_project, health, published_rev, random_draft, shipped_params, wait_until
+from conftest import (
+    copy_prefect_project,
+    cycle_served,
+    first_champion,
+    health,
+    live_tau,
+    serving,
+    shipped_params,
+    wait_until,
+)
 
 pytestmark = pytest.mark.services
 
@@ -33,15 +39,6 @@ MAX_TOKENS = 24
 def _counters(url: str):
     from tidespec.backends.llama_cpp import parse_metrics
     return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
-
-
-def _live_tau(uri: str, tid: str, version: str) -> float | None:
-    from mlflow import MlflowClient
-
-    from tidespec.adapters import registry
-    c = MlflowClient(uri)
-    run_id = c.get_model_version(registry.model_name(tid), version).run_id
-    return c.get_run(run_id).data.metrics.get("live/acceptance_length")
 
 
 def _complete(url: str, store: bool | None, model: str | None = "smol") -> list[str]:
@@ -71,14 +68,11 @@ def test_serve_llama_cpp_traffic_trains_the_draft_then_llama_cpp_serves_it(tmp_p
     reason = llama_cpp.unavailable_reason()
     if reason:
         pytest.skip(f"llama.cpp cannot run here: {reason}")
-    from tidespec.adapters import orchestrate, registry, versioning
-    from tidespec.adapters.process import free_port
+    import yaml
+
     from tidespec.assets import cache_dir
     from tidespec.config import load_params
-    from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.load import get_target
-    from tidespec.steps.cycle import step_deploy
-    from tidespec.workspace import Workspace
 
     proj = copy_prefect_project(tmp_path / "proj")
     raw = shipped_params("smollm2")  # llama.cpp serves the shipped target GGUF; the shipped defaults otherwise
@@ -92,59 +86,32 @@ def test_serve_llama_cpp_traffic_trains_the_draft_then_llama_cpp_serves_it(tmp_p
     params = load_params(proj / "params.yaml")
     target = get_target(params)[0]
     tid = target.target_id
-    versioning.ensure_repo(proj, str(tmp_path / "dvc-remote"))
+    ws, v1 = first_champion(proj, params, target, mlflow_server, prefect_server, tmp_path, vd=1024)
     (proj / ".cache").symlink_to(cache_dir().resolve().parent)  # the worker's flows find the target's wheel there
     with open(proj / ".git" / "info" / "exclude", "a") as f:
         f.write(".cache\n")
-    _, v1 = registry.log_candidate(mlflow_server, tid, save_checkpoint(random_draft(target, 1024, seed=1),
-                                                                       tmp_path / "d1"),
-                                   params={}, metrics={}, tags={"role": "bootstrap"})
-    registry.promote(mlflow_server, tid, v1, "first draft", allow_unevaluated=True)
-    ws = Workspace(proj)
-    step_deploy(ws, mlflow_server, tid, params)
-    orchestrate.deploy(proj, prefect_server)
 
-    url = f"http://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_")}  # none of llama-server's own settings
     env |= {"PREFECT_API_URL": prefect_server, "MLFLOW_TRACKING_URI": mlflow_server, "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", "--backend", "llama-cpp", "--root",
-                             str(proj), "--params", str(proj / "params.yaml"), "--port", url.rsplit(":", 1)[1]],
-                            cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with serving(proj, tmp_path, env, "--backend", "llama-cpp") as (url, proc):
         h = wait_until(lambda: health(url), 300, "/health", proc)
         assert h["engine"] == "llama-cpp" and h["draft_version"] == v1
         served_v1 = _complete(url, store=None)  # captured
         before = _counters(url)  # llama.cpp's own, v1 (a random draft)
         assert before is not None and before.num_drafts > 0
-        wait_until(lambda: _live_tau(mlflow_server, tid, v1) == before.acceptance_length, 60, "v1's live τ in MLflow",
+        wait_until(lambda: live_tau(mlflow_server, tid, v1) == before.acceptance_length, 60, "v1's live τ in MLflow",
                    proc)
         # the front door's text log passed capture.seal_min_tokens → tidespec.capture.text → tide-capture
-        # ingests (rehydrates, seals, publishes: DVC + tidespec.capture.threshold) → tide-cycle
-        snaps = ws.snapshots / tid
-        (dvc,) = wait_until(lambda: sorted(snaps.glob("*.dvc")) if snaps.is_dir() else [], 600,
-                            "a published snapshot", proc)
-        rev = wait_until(lambda: published_rev(proj, snaps / dvc.stem), 60, "a complete .dvc file", proc)
-        cyc = orchestrate.wait_for_run(prefect_server, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, 900)
-        assert cyc.state.is_completed(), cyc.state
-        champ = registry.champion(mlflow_server, tid)
-        assert champ.version != v1 and champ.tags["snapshot_rev"] == rev
-        wait_until(lambda: (x := health(url)) and x["draft_version"] == champ.version, 300,
-                   f"llama.cpp to serve v{champ.version}", proc)
+        # ingests (rehydrates, seals, publishes: DVC + tidespec.capture.threshold) → tide-cycle → the swap
+        _, champ = cycle_served(proj, ws, tid, v1, prefect_server, mlflow_server, url, proc)
         assert health(url)["backend"] != h["backend"]  # blue/green: another llama-server, its counters from 0
         at_swap = _counters(url)  # green's canary among them
         served_v2 = _complete(url, store=False)
         served = _counters(url)  # the new server's since its start: v2's live figures
         after = served - at_swap
         assert after.num_drafts > 0 and after.acceptance_length > before.acceptance_length, (before, after)
-        wait_until(lambda: _live_tau(mlflow_server, tid, champ.version) == served.acceptance_length, 60,
+        wait_until(lambda: live_tau(mlflow_server, tid, champ.version) == served.acceptance_length, 60,
                    f"v{champ.version}'s live τ in MLflow", proc)
-    finally:
-        proc.terminate()
-        log.close()
-        proc.wait(120)
-    out = (tmp_path / "serve.log").read_text()
-    assert "Traceback" not in out, out
     plain = _plain(params, tmp_path)  # after serve stopped: the two cores to itself
     assert served_v1 == plain and served_v2 == plain
     print(f"llama.cpp's counters: v{v1} τ {before.acceptance_length:.3f} {before}; "
