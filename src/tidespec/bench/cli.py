@@ -429,6 +429,8 @@ SCRIPTS = {
     "static-baseline": ("static_baseline", "τ per workload of static and adapted drafts (fixed chain k; trees)."),
     "vllm-agreement": ("vllm_agreement", "vLLM and tidespec's engine on the same prompts and draft: equal tokens "
                                          "and spec-decode counters."),
+    "llama-cpp-agreement": ("llama_cpp_agreement", "llama.cpp and tidespec's engine at int4 on the same prompts "
+                                                   "and draft: acceptance per position, tokens."),
     "vllm-swap": ("vllm_swap", "A new draft into a serving vLLM: in place against blue/green (seconds, memory)."),
     "grammar-libs": ("grammar_libs", "xgrammar vs llguidance: compile, mask and consume costs on the target's "
                                      "tokenizer."),
