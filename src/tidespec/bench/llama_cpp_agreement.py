@@ -30,16 +30,13 @@ from tidespec.models.load import get_target, target_dir
 from tidespec.models.runner import DraftRunner
 from tidespec.workspace import engine_dir
 
+from .vllm_agreement import agreement_parser
+
 
 def parser() -> argparse.ArgumentParser:
     """The command line (`tidespec bench llama-cpp-agreement` ARGS)."""
-    ap = argparse.ArgumentParser(prog="tidespec bench llama-cpp-agreement", description=__doc__.splitlines()[0])
-    ap.add_argument("draft", type=Path, help="a draft bundle (data/drafts/champion) or engine dir")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4)
+    ap = agreement_parser("llama-cpp-agreement", __doc__, prompts=8, k=4)
     ap.add_argument("--threads", type=int, default=1, help="llama-server's CPU threads")
-    ap.add_argument("--out", type=Path)
     return ap
 
 
