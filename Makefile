@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install lint vllm llama-server llama-cpp assets demo demo-sagemaker demo-vllm test repro bench bench-train bench-shift bench-shift-quick bench-adapt bench-adapt-quick bench-capture services-up services-down clean
+.PHONY: install lint vllm llama-server llama-cpp assets demo demo-sagemaker demo-vllm demo-llama-cpp test repro bench bench-train bench-shift bench-shift-quick bench-adapt bench-adapt-quick bench-capture services-up services-down clean
 
 # torch first (the CPU build on disk; any other version pulls GBs), then the package with pinned deps
 VLLM_VENV  ?= .venv-vllm
@@ -50,6 +50,9 @@ demo: assets               ## services up, static draft, serve+capture, snapshot
 
 demo-vllm: assets vllm     ## the loop around a real vLLM: serve --backend vllm → capture → cycle → swap; τ before/after as vLLM counts it (≈ 20 min)
 	$(VENV)/bin/tidespec demo --vllm
+
+demo-llama-cpp: assets llama-server  ## the same loop around llama.cpp: serve --backend llama-cpp → capture → cycle → blue/green swap; τ as llama.cpp counts it
+	$(VENV)/bin/tidespec demo --llama-cpp
 
 demo-sagemaker: assets     ## the production loop on moto: endpoint with data capture → tide_capture → tide_cycle → tuned k (≤ 10 min)
 	$(VENV)/bin/tidespec demo --sagemaker

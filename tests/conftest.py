@@ -9,6 +9,7 @@ AWS_ENDPOINT_URL), ``prefect_worker`` (a process worker on pool ``tidespec``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -25,8 +26,9 @@ for _key in ("TIDESPEC_API_KEY", "VLLM_API_KEY"):  # the suite's servers are its
 # `make test` runs two xdist workers, a file at a time each (--dist loadfile --no-loadscope-reorder),
 # handing files out in collection order: the longest files (--durations of a full run) go first, so
 # neither worker is left running one of them alone at the end
-LONGEST_FIRST = ("test_vllm_real.py", "test_vllm_loop.py", "test_repro_s3.py", "test_engine_real.py",
-                 "test_install_extras.py", "test_orchestration.py", "test_capture_loop.py")
+LONGEST_FIRST = ("test_vllm_real.py", "test_vllm_loop.py", "test_llama_cpp_loop.py", "test_llama_cpp_real.py",
+                 "test_repro_s3.py", "test_engine_real.py", "test_install_extras.py", "test_orchestration.py",
+                 "test_capture_loop.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -169,6 +171,79 @@ def health(url: str) -> dict | None:
         return r.json() if r.status_code == 200 else None
     except httpx.HTTPError:
         return None
+
+
+def first_champion(proj, params, target, mlflow_uri: str, prefect_api: str, tmp_path, vd: int = 64):
+    """A loop test's start: `proj` made a DVC repo (its remote under `tmp_path`), a random draft for
+    `target` (`vd` draft ids) registered and promoted in MLflow as the first champion, deployed to
+    the workspace's data/drafts/champion, and the Prefect project's deployments made. Returns
+    (the Workspace, the champion's version)."""
+    from tidespec.adapters import orchestrate, registry, versioning
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.steps.cycle import step_deploy
+    from tidespec.workspace import Workspace
+    versioning.ensure_repo(proj, str(tmp_path / "dvc-remote"))
+    _, v1 = registry.log_candidate(mlflow_uri, target.target_id, save_checkpoint(random_draft(target, vd, seed=1),
+                                                                                 tmp_path / "d1"),
+                                   params={}, metrics={}, tags={"role": "bootstrap"})
+    registry.promote(mlflow_uri, target.target_id, v1, "first draft", allow_unevaluated=True)
+    ws = Workspace(proj)
+    step_deploy(ws, mlflow_uri, target.target_id, params)
+    orchestrate.deploy(proj, prefect_api)
+    return ws, v1
+
+
+def cycle_served(proj, ws, tid: str, v1: str, prefect_api: str, mlflow_uri: str, url: str, proc,
+                 serve_timeout_s: float = 300.0):
+    """A loop test's middle: waits for the snapshot the served traffic sealed to be published (its
+    .dvc file complete), for the `tide-cycle` run on it to complete and promote a champion other than
+    `v1`, then for the server at `url` (`proc`) to serve that champion. Returns (the snapshot's DVC
+    rev, the champion's registry entry); AssertionError naming the step that did not happen."""
+    from tidespec.adapters import orchestrate, registry
+    snaps = ws.snapshots / tid
+    (dvc,) = wait_until(lambda: sorted(snaps.glob("*.dvc")) if snaps.is_dir() else [], 600, "a published snapshot",
+                        proc)
+    rev = wait_until(lambda: published_rev(proj, snaps / dvc.stem), 60, "a complete .dvc file", proc)
+    cyc = orchestrate.wait_for_run(prefect_api, orchestrate.CYCLE_DEPLOYMENT, {"snapshot_rev": rev}, 900)
+    assert cyc.state.is_completed(), cyc.state
+    champ = registry.champion(mlflow_uri, tid)
+    assert champ.version != v1 and champ.tags["snapshot_rev"] == rev
+    wait_until(lambda: (h := health(url)) and h["draft_version"] == champ.version, serve_timeout_s,
+               f"the server to serve v{champ.version}", proc)
+    return rev, champ
+
+
+def live_tau(mlflow_uri: str, tid: str, version: str) -> float | None:
+    """The live τ (`live/acceptance_length`) the serving command logged to draft `version`'s MLflow run."""
+    from mlflow import MlflowClient
+
+    from tidespec.adapters import registry
+    c = MlflowClient(mlflow_uri)
+    run_id = c.get_model_version(registry.model_name(tid), version).run_id
+    return c.get_run(run_id).data.metrics.get("live/acceptance_length")
+
+
+@contextlib.contextmanager
+def serving(proj, tmp_path, env: dict, *flags: str):
+    """`tidespec serve --root proj --params proj/params.yaml` with `flags` on a free loopback port, in
+    its own process (`env`, cwd `proj`, output to `tmp_path`/serve.log); yields (its URL, its Popen).
+    Stopped after the block, which then asserts that its log holds no traceback."""
+    import subprocess
+    import sys
+
+    from tidespec.adapters.process import free_port
+    port = free_port()
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", *flags, "--root", str(proj),
+                                 "--params", str(proj / "params.yaml"), "--port", str(port)],
+                                cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield f"http://127.0.0.1:{port}", proc
+        finally:
+            proc.terminate()
+            proc.wait(120)
+    out = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in out, out
 
 
 def published_rev(proj, snapshot) -> str | None:

@@ -144,3 +144,24 @@ def test_a_new_champion_goes_in_blue_green_and_a_failed_green_leaves_blue_servin
     with pytest.raises(llama_cpp.LlamaCppError, match="canary"):
         dep.install(bundle("3"))
     assert dep.draft_version == "2" and dep.proxy.base == dep.url and stopped[-1] == "http://127.0.0.1:9003"
+
+
+def test_demo_llama_cpp_is_one_demo_its_engine_keeps_the_keys_llama_server_would_read(tmp_path, monkeypatch):
+    """`tidespec demo --llama-cpp` is refused beside another demo flag (naming both) and refused,
+    naming `make llama-server`, where the server is not built; its serve command gets neither the
+    front door's key nor llama-server's own settings."""
+    from typer.testing import CliRunner
+
+    from tidespec.cli import app
+    from tidespec.config.serve_launch import LLAMA_ENV
+    from tidespec.demos import llama_cpp as demo
+    from tidespec.demos.served import ServedEngine
+    r = CliRunner().invoke(app, ["demo", "--vllm", "--llama-cpp", "--root", str(tmp_path)])
+    assert r.exit_code == 2 and "--vllm and --llama-cpp" in r.output, r.output
+    monkeypatch.setenv(llama_cpp.ENV_HOME, str(tmp_path / "none"))
+    with pytest.raises(llama_cpp.LlamaCppUnavailable, match="make llama-server"):
+        demo.run_demo_llama_cpp(tmp_path, tmp_path / "params.yaml")
+    engine = ServedEngine("llama-cpp", "llama.cpp", (), llama_cpp.scrape, "blue/green", unset=LLAMA_ENV)
+    kept = [k for k in ("TIDESPEC_API_KEY", "LLAMA_API_KEY", "LLAMA_ARG_THREADS", "LLAMA_APIKEY", "PATH")
+            if engine.keeps(k)]
+    assert kept == ["LLAMA_APIKEY", "PATH"]

@@ -100,14 +100,11 @@ def test_tidespec_serve_backend_llama_cpp_as_a_user_and_a_champion_swapped_blue_
     counters on the front door's /metrics, and the next champion the cycle deploys swapped in blue/green
     while requests keep coming, none failing."""
     import os
-    import subprocess
-    import sys
     import threading
 
     import yaml
 
-    from conftest import health, wait_until
-    from tidespec.adapters.process import free_port
+    from conftest import health, serving, wait_until
     from tidespec.assets import cache_dir
     from tidespec.workspace import write_version
     draft, cache = trained
@@ -120,15 +117,10 @@ def test_tidespec_serve_backend_llama_cpp_as_a_user_and_a_champion_swapped_blue_
     champion = proj / "data" / "drafts" / "champion"
     shutil.copytree(draft, champion / "draft")
     write_version(champion, "1", "run-1")
-    url = f"http://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items()  # no registry, no Prefect, none of llama-server's own settings
            if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL") and not k.startswith("LLAMA_")}
     env |= {"TIDESPEC_CACHE": str(cache_dir()), "OMP_NUM_THREADS": "1"}  # the project's downloads, from --root
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", "--backend", "llama-cpp", "--root",
-                             str(proj), "--params", str(proj / "params.yaml"), "--port", url.rsplit(":", 1)[1]],
-                            cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with serving(proj, tmp_path, env, "--backend", "llama-cpp") as (url, proc):
         h = wait_until(lambda: health(url), 300, "/health", proc)
         assert h["engine"] == "llama-cpp" and h["draft_version"] == "1"
         for i, p in enumerate(PROMPTS[:3]):
@@ -165,12 +157,7 @@ def test_tidespec_serve_backend_llama_cpp_as_a_user_and_a_champion_swapped_blue_
         t.join(300)
         assert statuses and set(statuses) == {200}, statuses
         assert health(url)["backend"] != h["backend"]  # blue/green: another llama-server
-    finally:
-        proc.terminate()
-        log.close()
-        proc.wait(120)
     out = (tmp_path / "serve.log").read_text()
-    assert "Traceback" not in out, out
     swap = [line for line in out.splitlines() if "llama.cpp now serves draft 2" in line]
     assert swap, out
     print(swap[0])

@@ -8,27 +8,21 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import httpx
 import pytest
 import yaml
 
-from conftest import copy_prefect_project, health, published_rev, random_draft, tiny_params_yaml, wait_until
+from conftest import copy_prefect_project, first_champion, health, published_rev, serving, tiny_params_yaml, wait_until
 
 pytestmark = pytest.mark.services
 
 
 def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny_target_dir, prefect_server,
                                                                   prefect_worker, mlflow_server):
-    from tidespec.adapters import orchestrate, registry, versioning
-    from tidespec.adapters.services import free_port
+    from tidespec.adapters import orchestrate, registry
     from tidespec.config import load_params
-    from tidespec.models.eagle3 import save_checkpoint
     from tidespec.models.load import get_target
-    from tidespec.steps.cycle import step_deploy
-    from tidespec.workspace import Workspace
 
     proj = copy_prefect_project(tmp_path / "proj")  # prefect.yaml + the flows/ its entrypoints name
     raw = yaml.safe_load(tiny_params_yaml(tiny_target_dir))
@@ -39,24 +33,11 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
     params = load_params(proj / "params.yaml")
     target = get_target(params)[0]
     tid = target.target_id
-    versioning.ensure_repo(proj, str(tmp_path / "dvc-remote"))
-    _, v1 = registry.log_candidate(mlflow_server, tid, save_checkpoint(random_draft(target, 64, seed=1),
-                                                                       tmp_path / "d1"),
-                                   params={}, metrics={}, tags={"role": "bootstrap"})
-    registry.promote(mlflow_server, tid, v1, "first draft", allow_unevaluated=True)
-    ws = Workspace(proj)
-    step_deploy(ws, mlflow_server, tid, params)
-    orchestrate.deploy(proj, prefect_server)
+    ws, v1 = first_champion(proj, params, target, mlflow_server, prefect_server, tmp_path)
     assert orchestrate.missing_deployments(prefect_server, proj) == []  # `services up` says so, not "deploy"
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     env = os.environ | {"PREFECT_API_URL": prefect_server, "MLFLOW_TRACKING_URI": mlflow_server}
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", "--root", str(proj), "--params",
-                             str(proj / "params.yaml"), "--port", str(port)], cwd=proj, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    try:
+    with serving(proj, tmp_path, env) as (url, proc):
         assert wait_until(lambda: health(url), 180, "/health", proc)["draft_version"] == v1
         import torch
         g = torch.Generator().manual_seed(0)
@@ -84,12 +65,7 @@ def test_serve_capture_publishes_and_serves_the_promoted_champion(tmp_path, tiny
         metrics, rid = httpx.get(f"{url}/metrics", timeout=10).text, h["replica_id"]  # on every series
         assert f'tidespec:draft_info{{replica_id="{rid}",version="{champ.version}"}} 1.0' in metrics
         assert f'tidespec:capture_publish_errors_total{{replica_id="{rid}"}} 0.0' in metrics
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
     out = (tmp_path / "serve.log").read_text()
-    assert "Traceback" not in out, out
     k = params.engine.num_draft_tokens  # the start line: what is served, before the first request
     assert re.search(rf"serve: model '[^']+': target {tid[:12]} \(fp32 on cpu\), draft v{v1}; proposers "
                      rf"\S*eagle3\S*, k = {k}\n", out), out

@@ -427,8 +427,8 @@ SCRIPTS = {
     "inprocess-ab": ("inprocess_ab", "A speculation config vs no speculation, both engines in one process "
                                      "(the engine's own work per step, paired ratios)."),
     "static-baseline": ("static_baseline", "τ per workload of static and adapted drafts (fixed chain k; trees)."),
-    "vllm-agreement": ("vllm_agreement", "vLLM and tidespec's engine on the same prompts and draft: equal tokens "
-                                         "and spec-decode counters."),
+    "vllm-agreement": ("vllm_agreement", "vLLM and tidespec's engine, same prompts and draft: equal tokens, counters."),
+    "llama-cpp-agreement": ("llama_cpp_agreement", "llama.cpp against tidespec's int4 engine, same draft: acceptance."),
     "vllm-swap": ("vllm_swap", "A new draft into a serving vLLM: in place against blue/green (seconds, memory)."),
     "grammar-libs": ("grammar_libs", "xgrammar vs llguidance: compile, mask and consume costs on the target's "
                                      "tokenizer."),

@@ -29,15 +29,22 @@ from tidespec.models.runner import DraftRunner
 from tidespec.workspace import engine_dir
 
 
+def agreement_parser(name: str, doc: str, prompts: int, k: int) -> argparse.ArgumentParser:
+    """An agreement script's command line (`tidespec bench NAME` ARGS): the draft, --prompts, --max-new-tokens,
+    --k, --out; `doc`: its module docstring (the first line describes it)."""
+    ap = argparse.ArgumentParser(prog=f"tidespec bench {name}", description=doc.splitlines()[0])
+    ap.add_argument("draft", type=Path, help="a draft bundle (data/drafts/champion) or engine dir")
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=k)
+    ap.add_argument("--out", type=Path)
+    return ap
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line (`tidespec bench vllm-agreement` ARGS)."""
-    ap = argparse.ArgumentParser(prog="tidespec bench vllm-agreement", description=__doc__.splitlines()[0])
-    ap.add_argument("draft", type=Path, help="a draft bundle (data/drafts/champion) or engine dir")
-    ap.add_argument("--prompts", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=3)
+    ap = agreement_parser("vllm-agreement", __doc__, prompts=5, k=3)
     ap.add_argument("--python", default=f"{vllm.VENV}/bin/python")
-    ap.add_argument("--out", type=Path)
     return ap
 
 

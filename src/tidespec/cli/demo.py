@@ -1,4 +1,4 @@
-"""`tidespec fetch` and `tidespec demo` (`--sagemaker`, `--vllm`): the assets and the three demos."""
+"""`tidespec fetch` and `tidespec demo` (`--sagemaker`, `--vllm`, `--llama-cpp`): the assets and the four demos."""
 from __future__ import annotations
 
 import logging
@@ -26,15 +26,21 @@ def demo(root: Path = ROOT, params: Path = PARAMS,
                                    "--backend vllm → text capture → tide_capture → tide_cycle → swap; τ before/after "
                                    "as vLLM's counters report it"),
          vllm_python: str = typer.Option(None, help="vLLM's interpreter for --vllm (default: .venv-vllm/bin/python)"),
+         llama_cpp: bool = typer.Option(False, "--llama-cpp", help="the loop around llama.cpp's llama-server (`make "
+                                        "llama-server`): serve --backend llama-cpp → text capture → tide_capture → "
+                                        "tide_cycle → blue/green swap; τ before/after as llama.cpp's counters "
+                                        "report it"),
          results_dir: Path = typer.Option(None, help="where the result files go (default data/work/results, "
                                           "git-ignored; bench/results refreshes the committed reference)")):
     """Run one full TIDE cycle on CPU and print no-spec / static / adapted side by side."""
-    if sagemaker and vllm:
-        raise typer.BadParameter("--sagemaker and --vllm are two demos: choose one")
+    chosen = [flag for flag, on in (("--sagemaker", sagemaker), ("--vllm", vllm), ("--llama-cpp", llama_cpp)) if on]
+    if len(chosen) > 1:
+        raise typer.BadParameter(f"{' and '.join(chosen)} are {len(chosen)} demos: choose one")
     if vllm_python is not None and not vllm:
         raise typer.BadParameter("--vllm-python goes with --vllm")
     if sagemaker and results_dir is not None:
-        raise typer.BadParameter("--results-dir goes with the demo and --vllm (the SageMaker demo prints its result)")
+        raise typer.BadParameter("--results-dir goes with the demo, --vllm and --llama-cpp (the SageMaker demo prints "
+                                 "its result)")
     results = results_dir or root / "data" / "work" / "results"
     if not sagemaker:  # found now, not after the run
         try:
@@ -45,6 +51,10 @@ def demo(root: Path = ROOT, params: Path = PARAMS,
     if vllm:
         from ..demos.vllm import run_demo_vllm
         run_demo_vllm(root, params, vllm_python, results)
+        return
+    if llama_cpp:
+        from ..demos.llama_cpp import run_demo_llama_cpp
+        run_demo_llama_cpp(root, params, results)
         return
     if sagemaker:
         from ..demos.sagemaker import run_demo_sagemaker
