@@ -1,0 +1,246 @@
+"""The loop across machines, end to end on real servers (docs/fleet.md): two replicas that share no disk
+— `tidespec serve --backend vllm` (stable) and an embedded `tidespec serve` (`serve.canary: true`), each in
+its own root and repo — and a fleet worker in a third, all on one DVC remote on S3 (moto), one MLflow
+registry and one Prefect server.
+
+Both replicas capture (the vLLM front door text, rehydrated by its machine's `tide-capture` with vLLM's
+extraction; the embedded one hidden states) and publish their seals with manifests; neither reaches
+`capture.fleet_min_tokens` alone. The fleet's seals fire the threshold event; `tidespec fleet deploy`'s
+cycle runs on the worker from its own workspace, trains on both replicas' snapshots and, with
+`deploy.rollout: canary`, sets the `canary` alias: the canary replica serves the new version, vLLM keeps
+the champion. The same traffic on both; the `tide-rollout` deployment on the worker promotes it on the
+same windows; vLLM loads it in place (the same server) and its own counters give τ before and after. A
+worse version put under the canary alias is rolled back: it never reaches vLLM, the champion stays.
+No file copied by hand between the roots."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import httpx
+import pytest
+import yaml
+
+from conftest import (
+    copy_prefect_project,
+    health,
+    live_tau,
+    make_vllm_tiny_target,
+    random_draft,
+    shipped_params,
+    vllm_python_or_skip,
+    wait_until,
+)
+
+pytestmark = pytest.mark.services
+POOL = "tidespec-fleet-loop"
+SEAL = 1800  # tokens per seal on each replica (60 requests of 31 record tokens, 33 by usage)
+FLEET = 2600  # more than one replica's seal: the cycle needs both
+
+
+def _counters(url: str):
+    from tidespec.backends.vllm import parse_metrics
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def _traffic(url: str, seed: int, n: int) -> None:
+    """`n` requests of (8 + 1) prompt + 24 generated tokens: word-tokenizer text, a learnable workload."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        words = " ".join(f"t{i}" for i in torch.randint(6, 60, (8,), generator=g).tolist())
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": words, "max_tokens": 24,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+
+
+def _params(tdir: Path, replica: str, canary: bool) -> dict:
+    raw = shipped_params(tdir)  # the shipped defaults, as make demo-vllm's
+    raw["capture"] |= {"seal_min_tokens": SEAL, "fleet_min_tokens": FLEET}
+    raw["curate"] |= {"fleet": True}
+    raw["serve"] |= {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0,
+                     "champion_source": "registry", "replica_id": replica, "canary": canary}
+    raw["engine"]["adaptive"] = False  # k fixed, and the draft alone proposes (the suffix proposer, whose drafts
+    raw["engine"]["suffix"]["enabled"] = False  # a version's counters leave out, would take the repeated prompts)
+    raw["ingest"] |= {"rehydrate_backend": "vllm", "rehydrate_batch": 4}  # tide-capture's prefill: vLLM's extraction
+    raw["deploy"] = {"rollout": "canary", "canary_windows": 1,
+                     "sagemaker": {"role_arn": "arn:aws:iam::123456789012:role/r", "s3_prefix": "s3://bucket/tidespec",
+                                   "profiles": {"gpu": {"engine": "sglang", "instance_type": "ml.g6e.2xlarge"}}}}
+    return raw
+
+
+def _serve(root: Path, args: list[str], env: dict, log: Path) -> tuple[str, subprocess.Popen]:
+    from tidespec.adapters.services import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tidespec.cli", "serve", *args, "--root", str(root), "--params",
+                             str(root / "params.yaml"), "--port", str(port)], cwd=root, env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def _samples(uri: str, tid: str) -> str:
+    """Each side's replica samples since the canary started (what a window is cut from): for a failure's message."""
+    from tidespec.adapters import registry
+    from tidespec.adapters.registry import rollout
+    can, champ = registry.canary(uri, tid), registry.champion(uri, tid)
+    since = rollout._since(uri, tid, can) if can else 0
+    def side(v) -> dict:  # {replica: [(ms after the start, drafts so far)]}
+        return {r: [(t - since, c.num_drafts) for t, c in ss]
+                for r, ss in rollout.replica_samples(uri, v.run_id, since).items()}
+    return "; ".join(f"{name} v{v.version}: {side(v)}" for name, v in (("canary", can), ("champion", champ)) if v)
+
+
+def _decided(uri: str, tid: str) -> object:
+    """The rollout's verdict once a window is judged (the registry untouched); fails with both sides'
+    samples."""
+    from tidespec.adapters.registry import rollout
+
+    def judged():
+        d = rollout.decide(uri, tid, windows=1, act=False)
+        return d if d.verdict != rollout.WAIT else None
+    try:
+        return wait_until(judged, 120, "a window of both replicas' counters")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {_samples(uri, tid)}") from None
+
+
+def _run_rollout(api_url: str, name: str) -> None:
+    """A run of the worker's `tide-rollout` deployment now (as the Prefect UI's Run), to its end (its
+    scheduled run may have acted first: the registry tells)."""
+    from prefect.deployments import run_deployment
+
+    from tidespec.adapters import orchestrate
+    with orchestrate.using_api(api_url):
+        run = run_deployment(name, timeout=300)
+    assert run.state.is_completed(), run.state
+
+
+def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
+        tmp_path, prefect_server, prefect_worker, mlflow_server, moto_server, services_state_dir, monkeypatch):
+    python = vllm_python_or_skip()
+    from tidespec.adapters import fleet_deploy, orchestrate, registry, services, versioning
+    from tidespec.adapters.registry import rollout
+    from tidespec.adapters.remote_snapshots import RemoteIndex
+    from tidespec.config import load_params
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.models.load import get_target
+
+    for k, v in (services.MOTO_ENV | {"AWS_ENDPOINT_URL": moto_server}).items():
+        monkeypatch.setenv(k, v)  # every machine's S3 client: the fleet's remote
+    boto3.client("s3", endpoint_url=moto_server).create_bucket(Bucket="fleet")
+    remote = "s3://fleet/dvc"
+    tdir = make_vllm_tiny_target(tmp_path / "target")
+    roots = {"vllm": copy_prefect_project(tmp_path / "vllm"), "canary": tmp_path / "canary"}
+    roots["canary"].mkdir()
+    for name, root in roots.items():
+        (root / "params.yaml").write_text(yaml.safe_dump(_params(tdir, name, name == "canary")))
+        versioning.ensure_repo(root, remote, remote_name="fleet", endpoint_url=moto_server)
+    uri, api = mlflow_server, prefect_server
+    params = load_params(roots["vllm"] / "params.yaml")
+    target = get_target(params)[0]
+    tid = target.target_id
+    _, v1 = registry.log_candidate(uri, tid, save_checkpoint(random_draft(target, 64, seed=1), tmp_path / "d1"),
+                                   params={}, metrics={}, tags={"role": "bootstrap"})
+    registry.promote(uri, tid, v1, "first draft", allow_unevaluated=True)
+
+    # the vLLM machine's own worker ingests its text (pool tidespec: prefect.yaml's tide-capture, in its root);
+    # the fleet's cycle and rollout run on a worker in a workspace of its own (`tidespec fleet deploy`)
+    orchestrate.deploy(roots["vllm"], api, names=("tide-capture",))
+    home = tmp_path / "worker-home"
+    monkeypatch.setenv(fleet_deploy.HOME_ENV, str(home))
+    r = subprocess.run([sys.executable, "-m", "tidespec.cli", "fleet", "deploy", "--remote", remote, "--endpoint-url",
+                        moto_server, "--pool", POOL], cwd=roots["vllm"], env=os.environ | {"PREFECT_API_URL": api},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    services.up(services_state_dir, which=("prefect", "mlflow", "moto", "worker"), pools=(POOL,))
+    env = os.environ | {"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": uri}
+    procs = {}
+    try:
+        urls = {}
+        urls["vllm"], procs["vllm"] = _serve(roots["vllm"], ["--backend", "vllm", "--vllm-python", python], env,
+                                             tmp_path / "vllm.log")
+        urls["canary"], procs["canary"] = _serve(roots["canary"], [], env, tmp_path / "canary.log")
+        for k in urls:
+            h = wait_until(lambda k=k: health(urls[k]), 400, f"{k} /health", procs[k])
+            assert h["draft_version"] == v1 and h["replica_id"] == k
+        assert health(urls["canary"])["canary"] is True and health(urls["vllm"])["engine"] == "vllm"
+
+        # the same traffic on both: each seals ~1,800 tokens, the fleet's ~3,600 pass fleet_min_tokens → a cycle
+        for k in urls:
+            _traffic(urls[k], seed=0, n=60)
+        before = _counters(urls["vllm"])  # vLLM's own counters, v1 (random draft)
+        assert before is not None and before.num_drafts > 0
+        wait_until(lambda: live_tau(uri, tid, v1) == before.acceptance_length, 60, "v1's live τ in MLflow")
+        index = RemoteIndex.at(remote, endpoint_url=moto_server)
+
+        def sealed():  # each replica's seal on the remote: the embedded one's own, the front door's by tide-capture
+            seals = {m["snapshot_id"]: m["replica_id"] for m in index.manifests(tid)}
+            return seals if set(seals.values()) == {"canary", "vllm"} else None
+        seals = wait_until(sealed, 600, "a seal of each replica on the DVC remote")
+        assert len(seals) == 2, seals
+        can = wait_until(lambda: registry.canary(uri, tid), 600, "the fleet cycle's candidate under the canary alias")
+        from tidespec.workspace import Workspace
+        extract = Workspace(roots["vllm"]).state / "vllm-extract.log"  # vLLM rehydrated the front door's text
+        assert "Application startup complete" in extract.read_text()
+        assert set(json.loads(can.tags["snapshot_revs"])) == set(seals)  # the window: both replicas' seals
+        assert registry.champion(uri, tid).version == v1  # canary first: the champion has not moved
+        mark = wait_until(lambda: index.cycle_mark(tid), 120, "the cycle's mark on the remote (its last step)")
+        assert mark["through"] == max(seals)  # the fleet threshold counts from the newest snapshot it curated
+        wroot = home / "tide-cycle"  # the worker's own workspace, not a replica's
+        assert (wroot / "data" / "work" / "last_cycle.json").exists() and not (roots["vllm"] / "data" / "work").exists()
+
+        wait_until(lambda: health(urls["canary"])["draft_version"] == can.version, 60, "the canary to serve it",
+                   procs["canary"])
+        assert health(urls["vllm"])["draft_version"] == v1  # the stable replica waits for the decision
+
+        # the same traffic on both windows (≥ 100 drafts a side); the worker's tide-rollout decides on them. After
+        # their seals each replica has < seal_min_tokens left to take (vLLM ≤ 5 exchanges + 12 + 8 + 12, the canary
+        # ≤ 1 + 16 + 16): no further seal, so no second cycle moves the canary meanwhile
+        for k in urls:
+            _traffic(urls[k], seed=1, n=12 if k == "vllm" else 16)
+        assert _decided(uri, tid).verdict == rollout.PROMOTE
+        _run_rollout(api, "tide_rollout/tide-cycle")
+        assert registry.champion(uri, tid).version == can.version and registry.canary(uri, tid) is None
+        wait_until(lambda: health(urls["vllm"])["draft_version"] == can.version, 400, "vLLM to follow", procs["vllm"])
+        at_swap = _counters(urls["vllm"])  # loaded in place: the same server, its counters went on
+        assert at_swap.num_drafts >= before.num_drafts
+        _traffic(urls["vllm"], seed=0, n=8)  # the first burst's prompts again, now on the new draft
+        after = _counters(urls["vllm"]) - at_swap
+        assert after.num_drafts > 0 and after.acceptance_length > before.acceptance_length, (before, after)
+        wait_until(lambda: live_tau(uri, tid, can.version) == after.acceptance_length, 60,
+                   f"v{can.version}'s live τ in MLflow")
+        from tidespec.steps.tuning import live_windows  # the endpoint profiles' windows, tuned from vLLM's counts
+        want = {p: str(w["k"]) for p, w in live_windows(params.deploy.sagemaker, after.per_position_rate,
+                                                           after.num_drafts).items()}
+        assert set(want) == {"gpu", "trn2"}
+        wait_until(lambda: {p: registry.version_tags(uri, tid, can.version).get(f"live_tuned_k.{p}")
+                            for p in want} == want, 60, "the live-tuned windows on the version")
+
+        # a worse version under the canary alias: the canary serves it, the windows roll it back
+        _, bad = registry.log_candidate(uri, tid, save_checkpoint(random_draft(target, 64, seed=5), tmp_path / "d3"),
+                                        {}, {"acceptance_length": 1.0}, {"lossless": "True"})
+        registry.start_canary(uri, tid, bad, "a worse draft, by hand")
+        wait_until(lambda: health(urls["canary"])["draft_version"] == bad, 60, "the canary to serve it")
+        for k in urls:
+            _traffic(urls[k], seed=2, n=12 if k == "vllm" else 16)
+        assert _decided(uri, tid).verdict == rollout.ROLL_BACK
+        _run_rollout(api, "tide_rollout/tide-cycle")
+        assert registry.canary(uri, tid) is None
+        assert registry.champion(uri, tid).version == can.version
+        wait_until(lambda: health(urls["canary"])["draft_version"] == can.version, 60, "the canary back on it")
+        assert health(urls["vllm"])["draft_version"] == can.version  # vLLM never loaded the worse one
+        print(f"vLLM's counters: v{v1} τ {before.acceptance_length:.3f}; "
+              f"v{can.version} τ {after.acceptance_length:.3f}")
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(120)
+        services.down(services_state_dir, which=(f"worker-{POOL}",))
+    for k in roots:
+        log = (tmp_path / f"{k}.log").read_text()
+        assert "Traceback" not in log, log
