@@ -62,25 +62,17 @@ def test_fresh_clone_reproduces_older_cycle_metrics(tmp_path, aws_env, tiny_targ
     versioning.git(repo, "add", "-A")
     versioning.git(repo, "commit", "-q", "-m", "cycle 1")
     c1 = versioning.git(repo, "rev-parse", "HEAD").stdout.strip()
-    # cycle 2 on more traffic changes the metrics
-    make_tiny_workspace(repo, tiny_target_dir, n_requests=16, champion=False, seed=7)
-    s2 = list_snapshots(ws.snapshots, target.target_id)[-1]
-    assert s2 != s1
-    versioning.track(repo, s2)
-    versioning.repro(repo)
-    m2 = json.loads(ws.eval_report.read_text())
-    t2 = json.loads((ws.candidate / "train_metrics.json").read_text())
-    assert m2["num_prompts"] > m1["num_prompts"] and t2["train/loss"][-1] != t1["train/loss"][-1]
-    versioning.push(repo)
-    versioning.git(repo, "add", "-A")
-    versioning.git(repo, "commit", "-q", "-m", "cycle 2")
-    # `make repro` after ordinary serving: a third seal, and retention (capture.keep_local_snapshots: 2)
-    # left s1 on the remote only; a cleaned disk lost s3's local copy too (its pointer stays)
+    # cycle 2, `make repro` after ordinary serving: two more seals, and retention (capture.keep_local_snapshots:
+    # 2) left s1 on the remote only; a cleaned disk lost s3's local copy too (its pointer stays)
     recipe = re.search(r"^repro:.*\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert f"/bin/dvc {' '.join(versioning.REPRO_ARGS)} &&" in recipe  # what make repro runs is what runs here
+    make_tiny_workspace(repo, tiny_target_dir, n_requests=16, champion=False, seed=7)
+    s2 = list_snapshots(ws.snapshots, target.target_id)[-1]
     make_tiny_workspace(repo, tiny_target_dir, n_requests=16, champion=False, seed=8)
     s3 = list_snapshots(ws.snapshots, target.target_id)[-1]
-    versioning.track(repo, s3)
+    assert len({s1, s2, s3}) == 3
+    for s in (s2, s3):
+        versioning.track(repo, s)
     versioning.push(repo)
     assert apply_retention(repo, ws.snapshots, target.target_id, params.capture.keep_local_snapshots) == [s1.name]
     versioning.drop_local(repo, s3, keep=[s2])
@@ -91,6 +83,8 @@ def test_fresh_clone_reproduces_older_cycle_metrics(tmp_path, aws_env, tiny_targ
     assert "Running stage 'curate'" in out and (s3 / "snapshot.json").exists() and not s1.exists(), out
     window = [Path(x).name for x in json.loads(ws.curated.read_text())["snapshots"]]
     assert window == [s2.name, s3.name], window
+    t2 = json.loads((ws.candidate / "train_metrics.json").read_text())  # twice the traffic changed the cycle
+    assert t2["train_tokens"] > t1["train_tokens"] and t2["train/loss"][-1] != t1["train/loss"][-1]
     # fresh clone of the older cycle: pull its inputs from S3, rerun every stage
     clone = tmp_path / "clone"
     versioning.git(tmp_path, "clone", "-q", str(repo), str(clone))
