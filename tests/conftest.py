@@ -23,9 +23,9 @@ for _key in ("TIDESPEC_API_KEY", "VLLM_API_KEY"):  # the suite's servers are its
     os.environ.pop(_key, None)
 
 
-# `make test` runs two xdist workers, a file at a time each (--dist loadfile --no-loadscope-reorder),
+# `make test` runs three xdist workers, a file at a time each (--dist loadfile --no-loadscope-reorder),
 # handing files out in collection order: the longest files (--durations of a full run) go first, so
-# neither worker is left running one of them alone at the end
+# no worker is left running one of them alone at the end
 LONGEST_FIRST = ("test_vllm_real.py", "test_fleet_loop.py", "test_llama_cpp_loop.py", "test_llama_cpp_real.py",
                  "test_repro_s3.py", "test_engine_real.py", "test_install_extras.py", "test_orchestration.py",
                  "test_capture_loop.py")

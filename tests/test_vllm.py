@@ -11,7 +11,7 @@ import pytest
 from tidespec.backends import vllm
 
 
-def test_launch_line_names_the_draft_and_k(tmp_path):
+def test_launch_line_names_the_draft_and_k(tmp_path, monkeypatch):
     cfg = vllm.VLLMLaunch("/m", python="/py", draft_path="/d/draft", num_speculative_tokens=3, port=8123,
                           served_model_name="smollm2", max_model_len=512, max_num_seqs=4)
     a = vllm.launch_args(cfg)
@@ -29,6 +29,9 @@ def test_launch_line_names_the_draft_and_k(tmp_path):
         "3",
     )
     assert vllm.launch_env(vllm.VLLMLaunch("/m", threads=2, bind_threads=True))["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    for omp, want in (("1", "1"), ("3", "3"), ("", str(os.cpu_count())), ("x", str(os.cpu_count()))):
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)  # no threads named: the engine's rule, as llama.cpp's
+        assert vllm.launch_env(vllm.VLLMLaunch("/m"))["OMP_NUM_THREADS"] == want, omp
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         vllm.VLLMLaunch("/m", num_speculative_tokens=0)
     ng = vllm.launch_args(vllm.VLLMLaunch("/m", ngram=(2, 5), num_speculative_tokens=4))

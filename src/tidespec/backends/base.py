@@ -11,6 +11,7 @@ loaded in place); `scrape(url)` gives the cumulative `SpecDecodeCounters` of the
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -23,6 +24,15 @@ from ..errors import TidespecError
 from ..workspace import copy_engine_files, private_dir
 
 log = logging.getLogger(__name__)
+
+
+def default_threads() -> int:
+    """CPU threads an engine server gets when its launch names none: `$OMP_NUM_THREADS` (a positive
+    integer), as the embedded engine's torch takes it, else every core (`os.cpu_count()`)."""
+    try:
+        return max(int(os.environ.get("OMP_NUM_THREADS", "")), 1)
+    except ValueError:
+        return os.cpu_count() or 1
 
 
 class Backend(Protocol):

@@ -20,7 +20,7 @@ import httpx
 
 from ...adapters import process
 from ...errors import TidespecError, Unavailable
-from ..base import EngineServer
+from ..base import EngineServer, default_threads
 from .build import missing, server_binary, server_home
 
 SPEC_TYPE = "draft-eagle3"
@@ -87,20 +87,13 @@ def launch_args(cfg: LlamaCppLaunch) -> list[str]:
     """The server's command line."""
     a = [str(server_binary(Path(cfg.home))), "-m", str(cfg.model_path), "--host", cfg.host, "--port", str(cfg.port),
          "-np", str(cfg.parallel), "-c", str(cfg.parallel * cfg.ctx_per_slot), "--metrics",
-         "-t", str(cfg.threads or _omp_threads() or os.cpu_count() or 1)]
+         "-t", str(cfg.threads or default_threads())]
     if cfg.alias:
         a += ["--alias", cfg.alias]
     if cfg.draft_path is not None:
         a += ["-md", str(cfg.draft_path), "--spec-type", SPEC_TYPE, "--spec-draft-n-max",
               str(cfg.num_speculative_tokens)]
     return a + list(cfg.extra_args)
-
-
-def _omp_threads() -> int | None:
-    try:
-        return max(int(os.environ.get("OMP_NUM_THREADS", "")), 1)
-    except ValueError:
-        return None
 
 
 def unavailable_reason(home: Path | None = None) -> str | None:

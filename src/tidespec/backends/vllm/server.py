@@ -21,7 +21,7 @@ from ...adapters import process
 from ...adapters.process import LOOPBACK
 from ...errors import TidespecError, Unavailable
 from ...workspace import DRAFT_FILES
-from ..base import EngineServer
+from ..base import EngineServer, default_threads
 
 VLLM_VERSION = "0.32.0"
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"  # loaded by the vLLM server, never by tidespec
@@ -62,7 +62,8 @@ class VLLMLaunch:
     `extract_hidden_states` writes each request's hidden states at these vLLM layer ids to
     extract_dir (`rehydration_layers`, `VLLMRehydrator`); none of them: no speculation;
     num_speculative_tokens: k, drafted tokens per step. kv_cache_gib: CPU KV cache
-    (VLLM_CPU_KVCACHE_SPACE, GiB); threads: OMP threads (None: all cores); bind_threads: pin them
+    (VLLM_CPU_KVCACHE_SPACE, GiB); threads: OMP threads (None: `backends.base.default_threads`,
+    $OMP_NUM_THREADS else all cores); bind_threads: pin them
     to cores 0..threads-1 (`launch_env`). draft_swap_root: drafts under this directory can be loaded
     into the running server in place (`load_draft_in_place`; the worker extension in
     plugin/tidespec_draft_swap.py and vLLM's development routes, so a loopback host only);
@@ -205,7 +206,7 @@ def launch_env(cfg: VLLMLaunch) -> dict[str, str]:
     only with `bind_threads`: vLLM's pinning (KMP_AFFINITY explicit + 5 ms spin) suits a dedicated
     machine, but two pinned servers on the same cores (a blue/green swap under load) stalled the new
     one's start for minutes here; unpinned, with idle threads sleeping (KMP_BLOCKTIME 0), they share."""
-    n = cfg.threads or os.cpu_count() or 1
+    n = cfg.threads or default_threads()
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), "OMP_NUM_THREADS": str(n),
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if cfg.extract_layers or cfg.draft_swap_root is not None:  # plugin modules vLLM's process imports
