@@ -259,3 +259,30 @@ def test_load_dispatch(cache):
     assert prompts.load("gsm-ja", cache)[0].id == "gsm/ja/0"
     with pytest.raises(ValueError, match="humaneval, mtbench, sharegpt, gsm-en, gsm-ko, gsm-ja"):
         prompts.load("gsm-de", cache)
+
+
+def test_a_users_prompts_file_is_read_whole_or_refused_naming_the_line(tmp_path):
+    """`tidespec bench engine --prompts-file`: JSONL prompts, their workloads; every bad line refused
+    with its line number and the fix, nothing read partially."""
+    from tidespec.assets.prompts import from_file
+    from tidespec.bench.engine import file_workloads
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "def add(a, b):", "workload": "code"}\n\n'
+                 '{"prompt": "Hi there", "workload": "chat", "id": "c1"}\n')
+    want = [Prompt("mine/1", "def add(a, b):", "code"), Prompt("c1", "Hi there", "chat")]
+    assert from_file(f, ("code", "chat")) == want
+    assert file_workloads(f, ["code", "chat", "math"]) == ["code", "chat"]
+    with pytest.raises(ValueError, match=r"holds workloads \['chat', 'code'\], none of --workload's"):
+        file_workloads(f, ["math"])
+    for line, msg in (("not json", r"mine.jsonl:1: not JSON"),
+                      ('["a"]', r':1: each line is an object with "prompt" and "workload"'),
+                      ('{"prompt": "x"}', r':1: each line is an object with "prompt" and "workload"'),
+                      ('{"prompt": "x", "workload": "code", "max_tokens": 9}', r"unknown key\(s\) \['max_tokens'\]"),
+                      ('{"prompt": " ", "workload": "code"}', r'"prompt" must be a non-empty string'),
+                      ('{"prompt": "x", "workload": "poetry"}', r"workload 'poetry' is not one of code, chat"),
+                      ('{"prompt": "x", "workload": "code", "id": "a"}\n{"prompt": "y", "workload": "code", "id": "a"}',
+                       r":2: id 'a' repeats"),
+                      ("\n", r"no prompt in the file")):
+        f.write_text(line)
+        with pytest.raises(ValueError, match=msg):
+            from_file(f, ("code", "chat"))

@@ -131,9 +131,13 @@ def test_bench_engine_without_drafts_says_what_to_do(tmp_path):
     from tidespec.bench.cli import bench_engine
     params = Path(__file__).resolve().parents[1] / "params.yaml"
     kw = dict(root=tmp_path, params=params, static=None, adapted=None, prompts=1, max_new_tokens=1, threads=1,
-              prompt_lookup=10, out=tmp_path / "out")
+              prompt_lookup=10, out=tmp_path / "out", prompts_file=None)
     with pytest.raises(ValueError, match="make demo"):
         bench_engine(**kw, workload=["code", "math"], concurrency=[1, 4])
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"prompt": "Hi", "workload": "chat"}\n')
+    with pytest.raises(ValueError, match=r"holds workloads \['chat'\], none of --workload's"):
+        bench_engine(**(kw | {"prompts_file": mine}), workload=["code", "math"], concurrency=[1])
     with pytest.raises(ValueError, match="unknown workload"):
         bench_engine(**kw, workload=["poetry"], concurrency=[1])
     with pytest.raises(ValueError, match="--concurrency must be >= 1"):

@@ -142,10 +142,10 @@ def tidespec_invocations(line: str) -> list[list[str]]:
 
 
 def script_parser(path: list[str]):
-    """The argparse parser of a `tidespec bench` experiment script (`bench.cli.SCRIPTS`), or None."""
+    """The argparse parser of a `tidespec bench` experiment script (`bench.scripts.SCRIPTS`), or None."""
     import importlib
 
-    from tidespec.bench.cli import SCRIPTS
+    from tidespec.bench.scripts import SCRIPTS
     if path[:2] != ["tidespec", "bench"] or len(path) != 3 or path[2] not in SCRIPTS:
         return None
     return importlib.import_module(f"tidespec.bench.{SCRIPTS[path[2]][0]}").parser()

@@ -11,7 +11,8 @@ Sets and workloads:
     sharegpt-json   first human turns → a classification form (json_schema)           "structured"
     mtbench-json    MT-Bench extraction questions → JSON (json_object)                "structured"
 
-Prompt ids are stable across runs and unique within a set; `split` partitions by id.
+Prompt ids are stable across runs and unique within a set; `split` partitions by id. A user's own
+prompts come from a JSONL file (`from_file`: "prompt", "workload", optional "id" per line).
 """
 
 from __future__ import annotations
@@ -360,3 +361,39 @@ def load(name: str, cache: Path | None = None, **kw) -> list[Prompt]:
     if name.startswith("gsm-") and name in NAMES:
         return gsm(name[4:], cache, **kw)
     raise ValueError(f"unknown prompt set {name!r}; valid: {', '.join(NAMES)}")
+
+
+FILE_KEYS = ("prompt", "workload", "id")
+
+
+def from_file(path: Path, workloads: Iterable[str]) -> list[Prompt]:
+    """A user's prompts, one JSON object per line of `path` (blank lines skipped): "prompt" (the
+    user turn, str), "workload" (one of `workloads`), optional "id" (default "<file stem>/<line>").
+    Raises FileNotFoundError, or ValueError naming the line and the fix for a line that is not a
+    JSON object, a missing or unknown key, an empty prompt, a workload outside `workloads`, a
+    repeated id, or a file with no prompt."""
+    allowed, out, seen = tuple(workloads), [], set()
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg}); write one object per line") from None
+        if not isinstance(rec, dict) or not {"prompt", "workload"} <= rec.keys():
+            raise ValueError(f'{where}: each line is an object with "prompt" and "workload" (and optional "id")')
+        if extra := sorted(rec.keys() - set(FILE_KEYS)):
+            raise ValueError(f"{where}: unknown key(s) {extra}; allowed: {', '.join(FILE_KEYS)}")
+        if not isinstance(rec["prompt"], str) or not rec["prompt"].strip():
+            raise ValueError(f'{where}: "prompt" must be a non-empty string')
+        if rec["workload"] not in allowed:
+            raise ValueError(f"{where}: workload {rec['workload']!r} is not one of {', '.join(allowed)}")
+        pid = str(rec.get("id", f"{Path(path).stem}/{n}"))
+        if pid in seen:
+            raise ValueError(f"{where}: id {pid!r} repeats an earlier line's; ids are unique per file")
+        seen.add(pid)
+        out.append(Prompt(pid, rec["prompt"], rec["workload"]))
+    if not out:
+        raise ValueError(f"{path}: no prompt in the file")
+    return out

@@ -12,11 +12,14 @@ from rich.console import Console
 
 from ..assets.prompts import STRUCTURED
 from ..workspace import DRAFT_FILES, Workspace, engine_dir
+from .scripts import SCRIPTS, register_script
 
 bench_app = typer.Typer(help="Benchmarks; results to bench/results/*.json + a markdown table.")
 console = Console()
 PARAMS = typer.Option(Path("params.yaml"), "--params", help="params.yaml")
 ROOT = typer.Option(Path("."), "--root", help="workspace root (data/ lives here)")
+PROMPTS_FILE_HELP = ('your prompts instead of the built-in sets: JSONL, {"prompt": ..., "workload": "code"|"chat"|'
+                     '"math", "id": ...} a line; --prompts caps each workload\'s')
 
 
 @bench_app.command("train")
@@ -226,6 +229,7 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
                  threads: int = typer.Option(None, min=1, help="torch CPU threads (default: all cores)"),
                  prompt_lookup: int = typer.Option(10, min=1, help="HF prompt_lookup_num_tokens"),
                  workload: list[str] = typer.Option(["code", "chat", "math"], help="code, chat and/or math"),
+                 prompts_file: Path = typer.Option(None, exists=True, dir_okay=False, help=PROMPTS_FILE_HELP),
                  concurrency: list[int] = typer.Option([1, 4, 8, 16], help="closed-loop clients (repeat); "
                                                        "levels above 1 run the tidespec methods only"),
                  passes: int = typer.Option(3, min=1, help="interleaved passes (paired ratios, their spread)"),
@@ -255,6 +259,8 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     bad = set(workload) - set(WORKLOADS)
     if bad:
         raise ValueError(f"unknown workload(s) {sorted(bad)}; use {', '.join(WORKLOADS)}")
+    if prompts_file is not None:  # the file's workloads, checked before any model is loaded
+        workload = bench.file_workloads(prompts_file, workload)
     if any(c < 1 for c in concurrency):
         raise ValueError(f"--concurrency must be >= 1, got {sorted(concurrency)}")
     adapted = adapted or Workspace(root.resolve()).champion
@@ -273,7 +279,8 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     specs = bench.select_methods(p, static, adapted, prompt_lookup, vllm_python, precision, llama_skipped, method)
     res = bench.run(p, out, static, adapted, prompts, max_new_tokens, threads, prompt_lookup, tuple(workload),
                     progress=console.print, passes=passes, methods=specs, profile=profile,
-                    concurrency=tuple(concurrency), vllm_skipped=vllm_skipped, llama_cpp_skipped=llama_skipped)
+                    concurrency=tuple(concurrency), vllm_skipped=vllm_skipped, llama_cpp_skipped=llama_skipped,
+                    prompts_file=prompts_file)
     console.print((out / "engine.md").read_text())
     console.print(f"wrote {out / 'engine.json'} and {out / 'engine.md'} in {res['setup']['wall_s']:.0f} s")
 
@@ -421,30 +428,5 @@ def bench_online(target: str = typer.Option("smollm2", help="smollm2 (params.yam
     console.print((out / f"{res['stem']}.md").read_text())
 
 
-# The experiment scripts: argparse programs of their own, run as `tidespec bench NAME ARGS...` (their
-# --help is theirs); one module each in this package, `main(argv)`.
-SCRIPTS = {
-    "inprocess-ab": ("inprocess_ab", "A speculation config vs no speculation, both engines in one process "
-                                     "(the engine's own work per step, paired ratios)."),
-    "static-baseline": ("static_baseline", "τ per workload of static and adapted drafts (fixed chain k; trees)."),
-    "vllm-agreement": ("vllm_agreement", "vLLM and tidespec's engine, same prompts and draft: equal tokens, counters."),
-    "llama-cpp-agreement": ("llama_cpp_agreement", "llama.cpp against tidespec's int4 engine, same draft: acceptance."),
-    "vllm-swap": ("vllm_swap", "A new draft into a serving vLLM: in place against blue/green (seconds, memory)."),
-    "grammar-libs": ("grammar_libs", "xgrammar vs llguidance: compile, mask and consume costs on the target's "
-                                     "tokenizer."),
-    "pretrain-code": ("pretrain_code", "A draft pretrained on teacher-forced generic code (the standard library)."),
-    "static-general": ("static_general", "A well-trained general static draft (≥ 1M ShareGPT tokens, resumable), "
-                                         "its curve per epoch on a general holdout."),
-}
-
-
-def _script(name: str, module: str, doc: str) -> None:
-    @bench_app.command(name, help=f"{doc} Arguments: `tidespec bench {name} --help`.", add_help_option=False,
-                       context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def run(ctx: typer.Context) -> None:
-        import importlib
-        importlib.import_module(f"{__package__}.{module}").main(list(ctx.args))
-
-
-for _name, (_module, _doc) in SCRIPTS.items():
-    _script(_name, _module, _doc)
+for _name, (_module, _doc) in SCRIPTS.items():  # the experiment scripts (`bench.scripts`)
+    register_script(bench_app, _name, _module, _doc)

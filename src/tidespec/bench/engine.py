@@ -25,7 +25,7 @@ from ..engine.stats import itl_percentiles
 from ..models.chat import prompt_ids
 from ..models.load import get_target
 from ..models.precision import precision_name
-from .engine_report import REF, VLLM_NGRAM_MAX, _cpu, markdown, ratios
+from .engine_report import REF, VLLM_NGRAM_MAX, WORKLOADS, _cpu, markdown, ratios
 from .methods import PRECISIONS, MethodSpec, TidespecMethod, worker
 
 TREE = (4, 12)  # the tree methods' (eagle_topk, num_draft_tokens): up to 11 nodes, the policy sizes each step
@@ -109,15 +109,30 @@ def select_methods(params, static: Path | None, adapted: Path | None, prompt_loo
     return [s for s in specs if s.name in keep]
 
 
-def workload_prompts(tok, params, n: int) -> dict[str, list[tuple[str, list[int]]]]:
+def workload_prompts(tok, params, n: int, prompts_file: Path | None = None) -> dict[str, list[tuple[str, list[int]]]]:
     """{"code": HumanEval holdout, "chat": MT-Bench turn 1, "math": GSM8K (English)}, n each, as
-    (id, chat-templated ids)."""
+    (id, chat-templated ids); with `prompts_file`, the file's prompts per its workloads instead
+    (`assets.prompts.from_file`, raising its ValueError)."""
+    if prompts_file is not None:
+        out: dict[str, list[tuple[str, list[int]]]] = {}
+        for p in prompts.from_file(prompts_file, WORKLOADS):
+            out.setdefault(p.workload, []).append((p.id, prompt_ids(tok, p.text)))
+        return {k: v[:n] for k, v in out.items()}
     w = params.workload
     _, hold = prompts.split(prompts.load("humaneval"), w.holdout_fraction, w.seed)
     chat = [p for p in prompts.load("mtbench") if p.workload == "chat"]
     return {"code": [(p.id, prompt_ids(tok, p.text)) for p in hold[:n]],
             "chat": [(p.id, prompt_ids(tok, p.text)) for p in chat[:n]],
             "math": [(p.id, prompt_ids(tok, p.text)) for p in prompts.load("gsm-en")[:n]]}
+
+
+def file_workloads(prompts_file: Path, wanted) -> list[str]:
+    """The workloads of `wanted` that `prompts_file` holds (`assets.prompts.from_file`, raising its
+    ValueError); ValueError when it holds none of them."""
+    have = {p.workload for p in prompts.from_file(prompts_file, WORKLOADS)}
+    if not (keep := [w for w in wanted if w in have]):
+        raise ValueError(f"{prompts_file} holds workloads {sorted(have)}, none of --workload's: name one of them")
+    return keep
 
 
 class _Worker:
@@ -181,7 +196,8 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
         max_new_tokens: int = 96, threads: int | None = None, prompt_lookup: int = 10,
         workloads: tuple[str, ...] = ("code", "chat"), profile: bool = True, progress=print, passes: int = 3,
         methods: list[MethodSpec] | None = None, concurrency: tuple[int, ...] = (1,),
-        vllm_skipped: str | None = None, llama_cpp_skipped: str | None = None) -> dict:
+        vllm_skipped: str | None = None, llama_cpp_skipped: str | None = None,
+        prompts_file: Path | None = None) -> dict:
     """Run the benchmark; writes `out/engine.json` and `out/engine.md`, returns the result dict.
 
     `passes` interleaved passes over the same prompts (each pass rotates the method order; the
@@ -190,13 +206,15 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
     the report gives their median and range (`spread`) and flags a ratio whose range spans 1.0 as
     inside the noise. `methods`: default `default_methods`. `concurrency`: levels above 1 add the
     sweep (module docstring). `vllm_skipped` / `llama_cpp_skipped`: why there are no vLLM / llama.cpp
-    rows (recorded in the report). Each row's outputs are compared with its reference's
+    rows (recorded in the report). `prompts_file`: the prompts a user brings (`workload_prompts`) in
+    place of the built-in sets; `workloads` are then the file's. Each row's outputs are compared with its reference's
     (`reference_of`: lossless at its precision) and with params' precision's
     (`identical_to_reference_precision`)."""
     threads = threads or torch.get_num_threads()
     _, tok = get_target(params)
     levels = sorted({c for c in concurrency if c > 1})
-    wl_all = {k: v for k, v in workload_prompts(tok, params, max([n_prompts, *levels])).items() if k in workloads}
+    wl_all = {k: v for k, v in workload_prompts(tok, params, max([n_prompts, *levels]), prompts_file).items()
+              if k in workloads}
     wl = {k: v[:n_prompts] for k, v in wl_all.items()}
     k = params.engine.num_draft_tokens
     specs = methods or default_methods(static, adapted, k, prompt_lookup)
@@ -264,6 +282,7 @@ def run(params, out: Path, static: Path | None, adapted: Path | None, n_prompts:
            "setup": {"prompts_per_workload": n_prompts, "max_new_tokens": max_new_tokens, "greedy": True,
                      "dtype": params.target.dtype, "quantization": params.target.quantization, "k": k,
                      "prompt_lookup_num_tokens": prompt_lookup,
+                     "prompts": str(prompts_file) if prompts_file else "built-in sets",
                      "static_draft": str(static) if static else None,
                      "adapted_draft": str(adapted) if adapted else None, "passes": passes,
                      "concurrency": [1, *levels], "wall_s": time.time() - t0, "vllm_skipped": vllm_skipped,
