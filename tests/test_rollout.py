@@ -8,6 +8,7 @@ canary version first, the stable one keeps the champion until the decision, then
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -131,6 +132,12 @@ def test_a_traffic_shift_moves_both_sides_and_too_few_drafts_wait(mlflow_server,
     r = rollout.decide(uri, tid, windows=3)
     assert r.verdict == rollout.WAIT and r.windows == () and f"a window needs {WINDOW_DRAFTS} drafts" in r.reason
     assert registry.canary(uri, tid).version == v2 and registry.champion(uri, tid).version == v1
+    assert rollout.decide(uri, tid, windows=3, max_wait_s=3600).verdict == rollout.WAIT  # within its wait
+    r = rollout.decide(uri, tid, windows=3, max_wait_s=0.001)  # too few drafts for longer: rolled back
+    assert r.verdict == rollout.ROLL_BACK and r.acted and r.windows == (), r
+    assert re.search(r"not judged within deploy.canary_max_wait_s 0.001 s \(drafts since the alias: canary "
+                     rf"{WINDOW_DRAFTS // 2}, champion {WINDOW_DRAFTS // 2}\)", r.reason), r.reason
+    assert registry.canary(uri, tid) is None and registry.champion(uri, tid).version == v1
 
 
 def test_the_gate_of_a_canary_rollout_sets_the_canary_alias(mlflow_server, tmp_path):

@@ -365,8 +365,8 @@ def test_a_replica_is_named_by_its_id_else_by_host_and_port(monkeypatch):
 
 def test_a_canary_replica_follows_the_registry_and_logs_its_counters(tmp_path):
     """serve.canary needs serve.champion_source: registry and serve.live_stats_s > 0, refused naming the
-    key and the fix; deploy.canary_windows goes with deploy.rollout: canary; a canary at --sglang-url is
-    refused as the other keys of a server tidespec starts."""
+    key and the fix; deploy.canary_windows and canary_max_wait_s go with deploy.rollout: canary; a
+    canary at --sglang-url is refused as the other keys of a server tidespec starts."""
     with pytest.raises(ValueError, match="serve.canary: true .* set serve.champion_source: registry"):
         ServeParams(canary=True)
     with pytest.raises(ValueError, match="serve.live_stats_s is 0 .* set it > 0"):
@@ -379,8 +379,9 @@ def test_a_canary_replica_follows_the_registry_and_logs_its_counters(tmp_path):
         ServeLaunch.build(backend="sglang", sglang_url="http://127.0.0.1:30000", capture=False).check(
             shipped(serve={"canary": True, "champion_source": "registry"}), {"MLFLOW_TRACKING_URI": "u"})
     assert shipped(deploy={"rollout": "canary", "canary_windows": 5}).deploy.canary_windows == 5
-    with pytest.raises(ValueError, match="deploy.canary_windows counts the windows of a canary rollout: set "
-                                         "deploy.rollout: canary"):
-        shipped(deploy={"canary_windows": 5})
+    for knob, v in (("canary_windows", 5), ("canary_max_wait_s", 60)):
+        with pytest.raises(ValueError, match=f"deploy.{knob} belongs to a canary rollout: set deploy.rollout: canary"):
+            shipped(deploy={knob: v})
+    assert shipped(deploy={"rollout": "canary", "canary_max_wait_s": 60}).deploy.canary_max_wait_s == 60
     with pytest.raises(ValueError, match="rollout"):
         shipped(deploy={"rollout": "blue-green"})

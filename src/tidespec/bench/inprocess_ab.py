@@ -5,7 +5,9 @@ weights, alternating run by run, per workload × concurrency cell. A paired rati
 the engine's own work per step (planning, proposals, bookkeeping), not what differs between two
 processes. `--breakdown` adds the seconds each engine spent in its steps, plans, the draft's
 catch-up and the verify forwards, and a counted ratio (forwards costed by the calibration at the
-cell's measured speed). `--workload` also takes traffic the warm-up never shows (`UNSEEN`). Timed:
+cell's measured speed). `--workload` also takes traffic the warm-up never shows (`UNSEEN`), and
+`--prompts-file` a user's prompts (JSONL, `assets.prompts.from_file`): cells `<file stem>/<workload>`,
+served as their workload's class after a warm-up on the built-in sets. Timed:
 run it alone on the machine. Results: `--out PREFIX`.json/.md; `--render` rewrites the report.
 
     tidespec bench inprocess-ab --draft data/drafts/champion --workload code --concurrency 16 \
@@ -227,6 +229,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--workload", action="append", choices=(*WORKLOADS, *UNSEEN),
                     help="repeatable (default: code); " + ", ".join(UNSEEN) + ": traffic the warm-up never shows")
+    ap.add_argument("--prompts-file", help="JSONL prompts ({prompt, workload, id} a line), never warmed up on: "
+                                           "a cell per workload of the file, in place of --workload's")
     ap.add_argument("--config", default="hybrid", choices=("hybrid", "default", "none"),
                     help="hybrid: draft + suffix proposer (params.yaml's default); default: the draft alone "
                          "(the name is historical: engine.suffix.enabled: false); none: a second plain engine "
@@ -269,6 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     context = params.engine.max_seq_len or target.cfg.max_position
     fits = context - a.max_new_tokens - params.engine.num_draft_tokens - 1
     wl |= unseen_prompts(tok, per_wave(top), [w for w in workloads if w in UNSEEN], fits)
+    cls = {w: w for w in workloads}  # a cell's name → the class its requests are served as
+    if a.prompts_file:
+        mine = workload_prompts(tok, params, per_wave(top), Path(a.prompts_file))
+        cls = {f"{Path(a.prompts_file).stem}/{w}": w for w in mine}
+        wl |= {cell: mine[w] for cell, w in cls.items()}
+        workloads = list(cls)
     name = "none (A/A)" if a.config == "none" else a.config
     none = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top), params)
     spec = TidespecMethod(MethodSpec("none", "tidespec", max_batch=top) if a.config == "none" else
@@ -286,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             for n, m in ((("none", none), (name, spec)) if ps % 2 == 0 else ((name, spec), ("none", none))):
                 SPENT.clear()
                 _current[0] = n
-                runs[(w, c)][n].append(_wave(m, wl[w][:per_wave(c)], a.max_new_tokens, w, c))
+                runs[(w, c)][n].append(_wave(m, wl[w][:per_wave(c)], a.max_new_tokens, cls[w], c))
                 for k, v in SPENT[n].items():
                     spent[(w, c)][n][k] += v
     res = {"experiment": "inprocess_ab", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -294,10 +304,12 @@ def main(argv: list[str] | None = None) -> None:
            "prompts_per_wave": "max(concurrency, 8)" if a.prompts_per_client == 1 else
            f"max({a.prompts_per_client} × concurrency, 8)", "breakdown": a.breakdown, "wall_s": time.time() - t0,
            "command": (f"tidespec bench inprocess-ab --draft {a.draft} --config {a.config} "
-                       + "".join(f"--workload {w} " for w in workloads) + "".join(f"--concurrency {c} " for c in levels)
+                       + "".join(f"--workload {w} " for w in ([] if a.prompts_file else workloads))
+                       + "".join(f"--concurrency {c} " for c in levels)
                        + f"--passes {a.passes} --max-new-tokens {a.max_new_tokens} --out {a.out}"
                        + (f" --prompts-per-client {a.prompts_per_client}" if a.prompts_per_client > 1 else "")
-                       + (" --breakdown" if a.breakdown else "")),
+                       + (" --breakdown" if a.breakdown else "")
+                       + (f" --prompts-file {a.prompts_file}" if a.prompts_file else "")),
            "policy": report(spec.engine.policy) if spec.engine.policy else None,
            "realized": spec.engine.policy.margins.report() if spec.engine.policy else None, "cells": []}
     for w, c in cells:

@@ -339,17 +339,21 @@ class DeployParams(_Strict):
     `tidespec rollout decide` / the `tide-rollout` deployment move `champion` once its live τ is not
     worse than the stable replicas' on the same windows, or roll it back: `adapters.registry.rollout`);
     canary_windows: windows (each at least `engine.spec_counters.WINDOW_DRAFTS` drafts per side) the
-    canary must be not worse over before it is promoted."""
+    canary must be not worse over before it is promoted; canary_max_wait_s: a canary that has not
+    shown them this long after its alias was set (s) is rolled back, the champion serving on (its
+    traffic drafted too little with the draft to judge: e.g. the suffix proposer took its steps)."""
 
     sagemaker: SageMakerDeployParams | None = None
     rollout: Literal["direct", "canary"] = "direct"
     canary_windows: int = Field(3, ge=1)
+    canary_max_wait_s: float = Field(3600.0, gt=0)
 
     @model_validator(mode="after")
     def _windows_of_a_canary(self):
-        if self.rollout != "canary" and self.changed("canary_windows"):
-            raise ValueError("deploy.canary_windows counts the windows of a canary rollout: set deploy.rollout: "
-                             "canary, or remove deploy.canary_windows")
+        for knob in ("canary_windows", "canary_max_wait_s"):
+            if self.rollout != "canary" and self.changed(knob):
+                raise ValueError(f"deploy.{knob} belongs to a canary rollout: set deploy.rollout: canary, or "
+                                 f"remove deploy.{knob}")
         return self
 
 

@@ -18,7 +18,8 @@ def step_rollout(ws: Workspace, params: Params, tracking_uri: str, target_id: st
     """The decision on the canary (`rollout.decide`; `act` False: what it would decide, the registry
     untouched) as `Rollout.summary()`, plus `deploy` (`step_deploy`'s result) after a promotion. Raises
     as `decide` and `step_deploy` do."""
-    r = rollout.decide(tracking_uri, target_id, params.deploy.canary_windows, act=act)
+    r = rollout.decide(tracking_uri, target_id, params.deploy.canary_windows, act=act,
+                       max_wait_s=params.deploy.canary_max_wait_s)
     out = r.summary()
     if r.acted:
         log.warning("rollout: %s: %s", "promoted" if r.verdict == rollout.PROMOTE else "rolled back", r.reason)

@@ -16,8 +16,11 @@ a window is *worse* when `serve.guard.below_reference(canary, stable, z)` (τ_st
 sqrt(SE_canary² + SE_stable²), z = `engine.spec_counters.Z`, windows of `WINDOW_DRAFTS` drafts);
 `confirm` (`serve.guard.CONFIRM`) worse windows in a row → **roll back**; after `windows` windows
 (`deploy.canary_windows`) the pooled windows decide: not clearly below → **promote**, clearly below →
-**roll back**; else **wait**. The windows are walked in order, so the verdict does not depend on when
-the decision runs. Acting moves the registry (`decisions.end_canary`: audited on both versions).
+**roll back**; else **wait**, until `max_wait_s` after the alias was set: then **roll back** (a
+canary's traffic that drafts too little with its draft cannot show that it is not worse; the
+champion keeps serving and the reason gives each side's drafts). The windows are walked in order,
+so the verdict does not depend on when the decision runs. Acting moves the registry
+(`decisions.end_canary`: audited on both versions).
 More: docs/serving.md ("Canary rollout").
 """
 from __future__ import annotations
@@ -131,12 +134,12 @@ def side_increments(tracking_uri: str, run_id: str | None, since_ms: int) -> lis
 
 
 def decide(tracking_uri: str, target_id: str, windows: int, min_drafts: int = WINDOW_DRAFTS,
-           confirm: int = CONFIRM, z: float = Z, act: bool = True) -> Rollout:
+           confirm: int = CONFIRM, z: float = Z, act: bool = True, max_wait_s: float | None = None) -> Rollout:
     """The canary rollout's decision (module docstring): the `canary` version against the `champion`
     on the same windows since tag `canary_since` (missing — an alias set by hand —: set to now, the
-    windows start there). With `act`, a promote or roll-back verdict moves the registry (audited; the
-    replicas follow). Raises MlflowException on server errors, RegistryError when the canary moved
-    while deciding (nothing changed)."""
+    windows start there; `max_wait_s`: the wait's limit, None: none). With `act`, a promote or
+    roll-back verdict moves the registry (audited; the replicas follow). Raises MlflowException on
+    server errors, RegistryError when the canary moved while deciding (nothing changed)."""
     can = canary(tracking_uri, target_id)
     champ = champion(tracking_uri, target_id)
     if can is None:
@@ -145,12 +148,16 @@ def decide(tracking_uri: str, target_id: str, windows: int, min_drafts: int = WI
         return Rollout(WAIT, f"canary v{can.version} has no champion to be compared with: promote it by hand",
                        can.version)
     since = _since(tracking_uri, target_id, can)
-    wins = same_windows(side_increments(tracking_uri, can.run_id, since),
-                        side_increments(tracking_uri, champ.run_id, since), min_drafts, z)
+    sides = side_increments(tracking_uri, can.run_id, since), side_increments(tracking_uri, champ.run_id, since)
+    wins = same_windows(*sides, min_drafts, z)
     verdict, reason = judge(wins, windows, confirm, z)
     reason = f"canary v{can.version} vs champion v{champ.version}: {reason}"
     if verdict == WAIT:
         reason += f" (a window needs {min_drafts} drafts on each side)"
+        if max_wait_s is not None and time.time() * 1000 - since > max_wait_s * 1000:
+            drafts = [sum(c.num_drafts for _, c in side) for side in sides]
+            verdict, reason = ROLL_BACK, (f"{reason}; not judged within deploy.canary_max_wait_s {max_wait_s:g} s "
+                                          f"(drafts since the alias: canary {drafts[0]}, champion {drafts[1]})")
     acted = act and verdict in (PROMOTE, ROLL_BACK)
     if acted:
         end_canary(tracking_uri, target_id, can.version, reason, promote=verdict == PROMOTE)
