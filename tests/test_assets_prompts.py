@@ -286,3 +286,14 @@ def test_a_users_prompts_file_is_read_whole_or_refused_naming_the_line(tmp_path)
         f.write_text(line)
         with pytest.raises(ValueError, match=msg):
             from_file(f, ("code", "chat"))
+
+
+def test_inprocess_ab_refuses_a_prompts_file_with_workloads(tmp_path, capsys):
+    """The file gives the cells: `--workload` beside it would be ignored, so it is refused by name."""
+    from tidespec.bench import inprocess_ab
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "Hi", "workload": "chat"}\n')
+    with pytest.raises(SystemExit):
+        inprocess_ab.main(["--draft", str(tmp_path), "--prompts-file", str(f), "--workload", "code",
+                           "--out", str(tmp_path / "out")])
+    assert "--prompts-file gives the cells (its workloads): drop --workload" in capsys.readouterr().err

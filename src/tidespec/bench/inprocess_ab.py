@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.render:
         print(write_report(json.loads(out.with_suffix(".json").read_text()), out))
         return
+    if a.prompts_file and a.workload:
+        ap.error("--prompts-file gives the cells (its workloads): drop --workload, or drop --prompts-file")
     if not a.draft and a.config != "none":
         ap.error("--draft is required (unless --render or --config none)")
     workloads, levels = a.workload or ["code"], sorted(set(a.concurrency or [16]))
