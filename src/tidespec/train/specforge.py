@@ -115,34 +115,34 @@ def commands(bin_path: str, config: Path, checkpoint: Path, draft_config: Path, 
 
 
 def prepare_run(train_records: list[dict], target: Target, target_dir: Path, dparams: DraftParams,
-                tparams: TrainParams, work: Path) -> dict:
-    """Write everything `specforge train` needs under `work`; returns paths and the draft config.
+                tparams: TrainParams, work: Path, bin_path: str = "specforge") -> dict:
+    """Write everything `specforge train` needs under `work`; returns paths, the draft config and
+    `argv` (the train and export commands of `bin_path`, as `commands`).
     A `work` dir left by a run with other data/params/target is wiped first (resume only the same run)."""
-    cfg = Eagle3Config.for_target(target.cfg, target.aux_layers, dparams.draft_vocab_size,
-                                  dparams.intermediate_size, target.target_id)
-    counts: Counter = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
-    d2t, t2d = build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size)
-    fp = fingerprint(tparams.model_dump(exclude={"threads"}), dparams.model_dump(), target.target_id,
+    fp = fingerprint(tparams.learning_dump(), dparams.model_dump(), target.target_id,
                      records_fingerprint(train_records))
     if (work / "fingerprint").exists() and (work / "fingerprint").read_text() != fp:
         shutil.rmtree(work)  # another cycle's run: never resume it
     work.mkdir(parents=True, exist_ok=True)
     (work / "fingerprint").write_text(fp)
-    mapping = work / "vocab_mapping.pt"
-    torch.save({"d2t": d2t, "t2d": t2d}, mapping)
-    draft_json = work / "draft_config.json"
-    draft_json.write_text(json.dumps(cfg.to_hf(), indent=2))
-    data = work / "hidden_states"
+    data, mapping, draft_json = work / "hidden_states", work / "vocab_mapping.pt", work / "draft_config.json"
     shutil.rmtree(data, ignore_errors=True)
     n = write_offline_data(train_records, data, tparams.max_seq_len)
     view, key = target_view(target_dir, work / "target")
-    runs = work / "runs"
-    latest = runs / "tidespec-latest"
+    latest = work / "runs" / "tidespec-latest"
     conf = train_config(view, key, draft_json, mapping, data, work, tparams,
                         resume_from=latest if latest.exists() else None)
+    argv = commands(bin_path, work / "specforge.yaml", work / "runs", draft_json, mapping, work / "export")
+    cfg = Eagle3Config.for_target(target.cfg, target.aux_layers, dparams.draft_vocab_size,
+                                  dparams.intermediate_size, target.target_id)
+    counts: Counter = count_tokens([r["input_ids"] for r in train_records], [r["loss_mask"] for r in train_records])
+    d2t, t2d = build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size)
+    torch.save({"d2t": d2t, "t2d": t2d}, mapping)
+    draft_json.write_text(json.dumps(cfg.to_hf(), indent=2))
     (work / "specforge.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
     return {"config": work / "specforge.yaml", "draft_config": draft_json, "vocab_mapping": mapping,
-            "data": data, "num_samples": n, "checkpoint": runs, "export": work / "export", "eagle3": cfg}
+            "data": data, "num_samples": n, "checkpoint": work / "runs", "export": work / "export", "eagle3": cfg,
+            "argv": argv}
 
 
 def train_specforge(train_records: list[dict], val_records: list[dict], target: Target, dparams: DraftParams,
@@ -164,10 +164,8 @@ def train_specforge(train_records: list[dict], val_records: list[dict], target: 
     if target.source_dir is None:
         raise ValueError("SpecForge loads the target from its files: load it with models.target.load_target")
     work = Path(out).with_name(Path(out).name + ".specforge")
-    run = prepare_run(train_records, target, target.source_dir, dparams, tparams, work)
-    train_argv, export_argv = commands(bin_path, run["config"], run["checkpoint"], run["draft_config"],
-                                       run["vocab_mapping"], run["export"])
-    for argv in (train_argv, export_argv):
+    run = prepare_run(train_records, target, target.source_dir, dparams, tparams, work, bin_path)
+    for argv in run["argv"]:
         log(" ".join(argv))
         p = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if p.returncode:
