@@ -3,9 +3,10 @@
 its own root and repo — and a fleet worker in a third, all on one DVC remote on S3 (moto), one MLflow
 registry and one Prefect server.
 
-Both replicas capture (the vLLM front door text, rehydrated by its machine's `tide-capture` — the
-shipped embedded prefill; vLLM's own extraction is test_vllm_real's — the embedded one hidden states) and publish their seals with manifests; neither reaches
-`capture.fleet_min_tokens` alone. The fleet's seals fire the threshold event; `tidespec fleet deploy`'s
+Both replicas capture (the vLLM front door text, rehydrated by its machine's `tide-capture` with the
+shipped embedded prefill — vLLM's own extraction is test_vllm_real's —, the embedded one hidden states)
+and publish their seals with manifests; neither reaches `capture.fleet_min_tokens` alone. The fleet's
+seals fire the threshold event; `tidespec fleet deploy`'s
 cycle runs on the worker from its own workspace, trains on both replicas' snapshots and, with
 `deploy.rollout: canary`, sets the `canary` alias: the canary replica serves the new version, vLLM keeps
 the champion. The same traffic on both; the `tide-rollout` deployment on the worker promotes it on the

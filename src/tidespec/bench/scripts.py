@@ -10,6 +10,8 @@ SCRIPTS = {
     "static-baseline": ("static_baseline", "τ per workload of static and adapted drafts (fixed chain k; trees)."),
     "vllm-agreement": ("vllm_agreement", "vLLM and tidespec's engine, same prompts and draft: equal tokens, counters."),
     "llama-cpp-agreement": ("llama_cpp_agreement", "llama.cpp against tidespec's int4 engine, same draft: acceptance."),
+    "llama-server": ("llama_server", "llama.cpp's server without speculation, with EAGLE-3 (static, adapted "
+                                     "drafts) and its n-gram proposers, at c = 1, 4, 8: paired ratios, τ."),
     "vllm-swap": ("vllm_swap", "A new draft into a serving vLLM: in place against blue/green (seconds, memory)."),
     "grammar-libs": ("grammar_libs", "xgrammar vs llguidance: compile, mask and consume costs on the target's "
                                      "tokenizer."),

@@ -119,7 +119,8 @@ def prepare_run(train_records: list[dict], target: Target, target_dir: Path, dpa
     """Write everything `specforge train` needs under `work`; returns paths, the draft config and
     `argv` (the train and export commands of `bin_path`, as `commands`).
     A `work` dir left by a run with other data/params/target is wiped first (resume only the same run)."""
-    fp = fingerprint(tparams.learning_dump(), dparams.model_dump(), target.target_id,
+    ranks = {"nproc_per_node": tparams.nproc_per_node, "nnodes": tparams.nnodes}  # SpecForge's batch is per rank
+    fp = fingerprint(tparams.learning_dump() | ranks, dparams.model_dump(), target.target_id,
                      records_fingerprint(train_records))
     if (work / "fingerprint").exists() and (work / "fingerprint").read_text() != fp:
         shutil.rmtree(work)  # another cycle's run: never resume it

@@ -1,0 +1,39 @@
+"""`tidespec bench llama-server`'s arithmetic and refusals (the servers themselves: test_llama_cpp_real)."""
+import pytest
+
+from tidespec.bench import llama_server as ls
+
+X = "llama_cpp_server_eagle3_static"
+
+
+def _run(ps, row, wall, toks, drafts=None):
+    return {"pass": ps, "c": 1, "workload": "code", "row": row, "wall_s": wall, "tokens": toks, "drafts": drafts}
+
+
+def test_paired_ratio_tau_and_identical_share_per_pass():
+    d = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 15, "num_accepted_tokens_per_pos": [8, 4]}
+    runs = [_run(0, ls.NO_SPEC, 2.0, {"a": [1] * 10, "b": [2] * 10}),  # 10 tokens/s
+            _run(0, X, 1.0, {"a": [1] * 10, "b": [2] * 10}, d),  # 20 tokens/s: 2.0x
+            _run(1, ls.NO_SPEC, 1.0, {"a": [1] * 10, "b": [2] * 10}),  # 20 tokens/s
+            _run(1, X, 4.0, {"a": [1] * 10, "b": [3] * 10}, d)]  # 5 tokens/s: 0.25x, b differs
+    s = ls.summarize(runs)["1"]["code"]
+    x = s[X]
+    assert x["ratio"] == {"median": 1.125, "min": 0.25, "max": 2.0, "inside_noise": True}
+    assert x["tokens_per_s"] == 12.5 and x["identical"] == 0.75
+    assert x["tau"] == pytest.approx(1 + 30 / 20)  # summed counters over both passes
+    assert s[ls.NO_SPEC]["tau"] is None and s[ls.NO_SPEC]["ratio"]["median"] == 1.0
+    md = ls.markdown({"date": "2026-12-06", "machine": {"cpu": "cpu", "cores": 2}, "command": "c",
+                      "setup": {"threads": 2, "llama_cpp": "x", "k": 4, "prompts": 2, "prompt_source": "p",
+                                "max_new_tokens": 8, "passes": 2}, "results": ls.summarize(runs)})
+    assert f"| 1 | code | {X} | 12.5 | 1.125 (0.250–2.000) * | 2.50 | 0.75 |" in md
+    assert f"| 1 | code | {ls.NO_SPEC} | 15.0 | reference | — | 1.00 |" in md
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--prompts", "4", "--concurrency", "1", "8"], "--prompts 4 < the highest --concurrency 8"),
+    (["--passes", "0"], "must be >= 1"),
+    (["--static", "/nonexistent"], "--static /nonexistent: no draft there"),
+])
+def test_refused_before_any_server_starts(args, msg):
+    with pytest.raises(SystemExit, match=msg):
+        ls.main(args)
