@@ -84,9 +84,11 @@ def _check(a: argparse.Namespace) -> None:
         raise SystemExit(f"llama.cpp cannot run here: {reason}")
 
 
-def rows(a: argparse.Namespace, k: int, parallel: int) -> dict[str, llama_cpp.LlamaCppLaunch]:
-    """Each row's server, by row name (`parallel` slots of 1024 tokens, `a.threads` threads)."""
-    params = load_params(a.params)
+def rows(a: argparse.Namespace, params, parallel: int) -> dict[str, llama_cpp.LlamaCppLaunch]:
+    """Each row's server, by row name (`parallel` slots of 1024 tokens, `a.threads` threads, k =
+    `params.engine.num_draft_tokens`); the drafts' GGUFs converted once and cached (`draft_gguf`).
+    Raises LlamaCppError when a conversion fails."""
+    k = params.engine.num_draft_tokens
     base = {"parallel": parallel, "ctx_per_slot": 1024, "threads": a.threads}
     out = {NO_SPEC: llama_cpp.LlamaCppLaunch.from_params(params, **base)}
     for name in ("static", "adapted"):
@@ -228,6 +230,9 @@ def _provenance(d: Path | None) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the bench (`parser` for the arguments): writes `--out` (JSON: setup, drafts' provenance,
+    per-level results, every run's wall time and counters) and its `.md` table, and prints the table.
+    Exits with the reason (SystemExit) on a refused argument or a row that does not speculate."""
     a = parser().parse_args(argv)
     _check(a)
     params = load_params(a.params)
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     logs, runs = Path(tempfile.mkdtemp(prefix="tidespec-bench-llama-server-")), []
     for ps in range(a.passes):
         for ci, c in enumerate(levels):  # fresh servers (and free ports) for each run
-            cfgs = rows(a, k, max(levels))
+            cfgs = rows(a, params, max(levels))
             runs += one_run(cfgs, logs, wl, ps, ci, c, a.max_new_tokens)
     res = {"benchmark": "llama-server", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": "tidespec bench llama-server " + " ".join(argv or []),
@@ -254,8 +259,8 @@ def main(argv: list[str] | None = None) -> None:
                      "args": {n: llama_cpp.launch_args(c)[1:] for n, c in cfgs.items()}},
            "drafts": {"static": _provenance(a.static), "adapted": _provenance(a.adapted)},
            "results": summarize(runs),
-           "runs": [{k: v for k, v in r.items() if k != "tokens"} | {"new_tokens": sum(map(len, r["tokens"].values()))}
-                    for r in runs]}
+           "runs": [{key: v for key, v in r.items() if key != "tokens"}
+                    | {"new_tokens": sum(map(len, r["tokens"].values()))} for r in runs]}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
     a.out.with_suffix(".md").write_text(markdown(res))
