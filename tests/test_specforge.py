@@ -76,6 +76,7 @@ def test_target_view_and_config(tiny_target, tiny_target_dir, tmp_path):
     assert cfg["draft_vocab_size"] == 64 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     tr, ex = sf.commands("specforge", run["config"], run["checkpoint"], run["draft_config"], run["vocab_mapping"],
                          run["export"])
+    assert run["argv"] == (tr, ex)  # the commands train_specforge runs are built from the files prepare_run wrote
     assert tr == ["specforge", "train", "--config", str(run["config"])]
     assert ex[:4] == ["specforge", "export", "--to", "sglang"] and "--vocab-mapping" in ex
 

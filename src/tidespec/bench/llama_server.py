@@ -39,6 +39,7 @@ import httpx
 
 from ..backends import llama_cpp
 from ..config import load_params
+from ..engine.spec_counters import SpecDecodeCounters
 from ..models.load import get_target, target_dir
 from ..workspace import engine_dir
 from .engine import file_workloads, workload_prompts
@@ -121,11 +122,8 @@ def closed_loop(url: str, prompts: list[tuple[str, list[int]]], max_new: int, c:
         outs = list(ex.map(lambda p: _complete(cl, url, p[1], max_new), prompts))
     wall = time.perf_counter() - t0
     after = llama_cpp.scrape(url)
-    d = after - before if before is not None and after is not None else None
     return {"tokens": {p[0]: o for p, o in zip(prompts, outs)}, "wall_s": wall,
-            "drafts": None if d is None else {"num_drafts": d.num_drafts, "num_draft_tokens": d.num_draft_tokens,
-                                              "num_accepted_tokens": d.num_accepted_tokens,
-                                              "num_accepted_tokens_per_pos": list(d.accepted_per_pos)}}
+            "drafts": (after - before).as_dict() if before is not None and after is not None else None}
 
 
 def measure(urls: dict[str, str], wl: dict[str, list], ps: int, ci: int, c: int, max_new: int,
@@ -162,9 +160,9 @@ def one_run(cfgs: dict[str, llama_cpp.LlamaCppLaunch], logs: Path, wl: dict[str,
 
 
 def _tau(drafts: list[dict | None]) -> float | None:
-    """Acceptance length (1 + accepted / drafts) over runs' summed counters; None without drafts."""
-    n = sum(d["num_drafts"] for d in drafts if d)
-    return 1 + sum(d["num_accepted_tokens"] for d in drafts if d) / n if n else None
+    """τ over runs' summed counters (`SpecDecodeCounters.acceptance_length`); None without drafts."""
+    got = [SpecDecodeCounters.from_dict(d) for d in drafts if d]
+    return sum(got[1:], got[0]).acceptance_length if got else None
 
 
 def summarize(runs: list[dict]) -> dict:

@@ -307,10 +307,7 @@ class VLLMMethod:
     def _drafts(self, before, after) -> dict | None:
         if not self.speculative or before is None or after is None:
             return None
-        d = after - before
-        return {"num_drafts": d.num_drafts, "num_draft_tokens": d.num_draft_tokens,
-                "num_accepted_tokens": d.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": list(d.accepted_per_pos)}
+        return (after - before).as_dict()
 
     def run(self, ids: list[int], max_new: int, workload: str) -> dict:
         """One request (prompt token ids, ≤ `max_new` tokens, greedy): {"tokens", "ttft_s" (s), "steps"

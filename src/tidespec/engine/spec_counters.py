@@ -26,6 +26,19 @@ class SpecDecodeCounters:
         """Mean acceptance length τ = 1 + accepted / drafts (tokens per verify step); None without drafts."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
+    def as_dict(self) -> dict:
+        """The counters under vLLM's per-request names (`num_drafts`, `num_draft_tokens`,
+        `num_accepted_tokens`, `num_accepted_tokens_per_pos`), JSON-ready; `from_dict` reads them back."""
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpecDecodeCounters:
+        """Counters from `as_dict`'s names. Raises KeyError for a missing name."""
+        return cls(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"],
+                   tuple(d["num_accepted_tokens_per_pos"]))
+
     @property
     def acceptance_rate(self) -> float | None:
         """accepted / drafted tokens; None without drafts."""
