@@ -6,7 +6,9 @@ its parallel slots serve. Rows:
 drafts converted to EAGLE-3 GGUFs (`backends.llama_cpp.draft_gguf`, f32 as `serve` converts them;
 each `--draft-outtype` adds `..._<outtype>` rows) at k = engine.num_draft_tokens;
 `llama_cpp_server_<type>` for each of llama.cpp's n-gram proposers named (`--spec-type`, its own
-defaults). Every row is its own server (`-np` = the highest concurrency); all are started afresh
+defaults); with `--tidespec P`, `tidespec serve`'s own rows at precision P beside them, without
+speculation and at params.yaml's default config with the adapted draft (`bench.tidespec_server`).
+Every row is its own server (`-np` = the highest concurrency); all are started afresh
 for each pass and level (llama.cpp's n-gram proposers keep a pool across requests: a later run would
 draft an earlier run's outputs of the same prompts) and are up together while it runs.
 
@@ -15,10 +17,11 @@ level) serves the workload's prompts from c closed-loop clients: greedy, native 
 token-id prompts, `cache_prompt: false` (a later pass must not find its prompt cached; tidespec's
 engine has no prefix cache either), stopping at EOS or `--max-new-tokens`. tokens/s = generated
 tokens / the run's wall time. Each row's paired ratio to no speculation per pass gives the median
-and range; a range that spans 1.0 is inside the noise. τ from llama.cpp's own counters
-(`llamacpp:spec_decode_*`, before and after the run: exact, a request counts when it finishes).
-Outputs are compared with no speculation's at the same level and pass (`identical`): llama.cpp's
-batched kernels may round otherwise at c > 1, so a share below 1 there is reported, not raised.
+and range; a range that spans 1.0 is inside the noise. τ from each server's own counters
+(`llamacpp:spec_decode_*`, `tidespec:spec_decode_*`, before and after the run: exact, a request
+counts when it finishes). Outputs are compared with the same server's plain decoding at the same
+level and pass (`identical`, `plain_of`) and with llama.cpp's (`as_llama_cpp`): llama.cpp's batched
+kernels may round otherwise at c > 1, so a share below 1 there is reported, not raised.
 
     tidespec bench llama-server --static DIR --adapted data/drafts/champion \\
         --prompts-file bench/prompts/unseen.jsonl --concurrency 1 4 8 --passes 3 \\
@@ -33,6 +36,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -42,8 +46,11 @@ from ..config import load_params
 from ..engine.spec_counters import SpecDecodeCounters
 from ..models.load import get_target, target_dir
 from ..workspace import engine_dir
+from . import tidespec_server
 from .engine import file_workloads, workload_prompts
 from .engine_report import WORKLOADS, _cpu
+from .methods import PRECISIONS
+from .tidespec_server import ServeRow
 
 NO_SPEC = "llama_cpp_server_no_spec"
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
@@ -65,7 +72,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8], help="closed-loop clients")
     ap.add_argument("--passes", type=int, default=3, help="interleaved passes (paired ratios, their spread)")
-    ap.add_argument("--threads", type=int, default=2, help="each llama-server's CPU threads (-t)")
+    ap.add_argument("--tidespec", action="append", default=[], choices=tuple(PRECISIONS),
+                    help="also tidespec serve's rows at this precision (repeat): ..._no_spec and ..._default "
+                         "(params.yaml's config with --adapted as the champion)")
+    ap.add_argument("--threads", type=int, default=2, help="each server's CPU threads (llama-server -t; "
+                                                           "tidespec serve: OMP_NUM_THREADS)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/llama-server.json"))
     return ap
 
@@ -81,14 +92,17 @@ def _check(a: argparse.Namespace) -> None:
         d = getattr(a, name)
         if d is not None and not (engine_dir(d) / "model.safetensors").is_file():
             raise SystemExit(f"--{name} {d}: no draft there (model.safetensors): pass a draft bundle or engine dir")
+    if a.tidespec and a.adapted is None:
+        raise SystemExit("--tidespec's default rows serve --adapted as the champion: pass --adapted")
     if reason := llama_cpp.unavailable_reason():
         raise SystemExit(f"llama.cpp cannot run here: {reason}")
 
 
-def rows(a: argparse.Namespace, params, parallel: int) -> dict[str, llama_cpp.LlamaCppLaunch]:
-    """Each row's server, by row name (`parallel` slots of 1024 tokens, `a.threads` threads, k =
-    `params.engine.num_draft_tokens`); the drafts' GGUFs converted once and cached (`draft_gguf`).
-    Raises LlamaCppError when a conversion fails."""
+def rows(a: argparse.Namespace, params, parallel: int) -> dict[str, llama_cpp.LlamaCppLaunch | ServeRow]:
+    """Each row's server, by row name: llama-server's (`parallel` slots of 1024 tokens, `a.threads`
+    threads, k = `params.engine.num_draft_tokens`; the drafts' GGUFs converted once and cached,
+    `draft_gguf`), then `tidespec serve`'s for each `--tidespec` precision. Raises LlamaCppError when
+    a conversion fails."""
     k = params.engine.num_draft_tokens
     base = {"parallel": parallel, "ctx_per_slot": 1024, "threads": a.threads}
     out = {NO_SPEC: llama_cpp.LlamaCppLaunch.from_params(params, **base)}
@@ -102,6 +116,8 @@ def rows(a: argparse.Namespace, params, parallel: int) -> dict[str, llama_cpp.Ll
     for t in dict.fromkeys(a.ngram):
         out[f"llama_cpp_server_{t}"] = llama_cpp.LlamaCppLaunch.from_params(
             params, extra_args=("--spec-type", t), **base)
+    if a.tidespec:
+        out |= tidespec_server.ServeRow.rows(params, a.tidespec, a.adapted)
     return out
 
 
@@ -113,20 +129,38 @@ def _complete(client: httpx.Client, url: str, ids: list[int], max_new: int) -> l
     return r.json()["tokens"]
 
 
-def closed_loop(url: str, prompts: list[tuple[str, list[int]]], max_new: int, c: int) -> dict:
+@dataclass(frozen=True)
+class Endpoint:
+    """A started row's server: its URL and whether it is `tidespec serve` (else llama-server)."""
+
+    url: str
+    tidespec: bool = False
+
+    def complete(self, client: httpx.Client, ids: list[int], max_new: int, workload: str) -> list[int]:
+        if self.tidespec:
+            return tidespec_server.complete(client, self.url, ids, max_new, workload)
+        return _complete(client, self.url, ids, max_new)
+
+    def scrape(self) -> SpecDecodeCounters | None:
+        return (tidespec_server.scrape if self.tidespec else llama_cpp.scrape)(self.url)
+
+
+def closed_loop(ep: Endpoint, prompts: list[tuple[str, list[int]]], max_new: int, c: int, workload: str) -> dict:
     """`prompts` from `c` clients, each taking the next prompt when its last one is answered:
     {"tokens": {id: generated ids}, "wall_s", "drafts": the server's counters over the run}."""
-    before = llama_cpp.scrape(url)
+    before = ep.scrape()
     t0 = time.perf_counter()
     with httpx.Client(limits=httpx.Limits(max_connections=c)) as cl, ThreadPoolExecutor(c) as ex:
-        outs = list(ex.map(lambda p: _complete(cl, url, p[1], max_new), prompts))
+        outs = list(ex.map(lambda p: ep.complete(cl, p[1], max_new, workload), prompts))
     wall = time.perf_counter() - t0
-    after = llama_cpp.scrape(url)
-    return {"tokens": {p[0]: o for p, o in zip(prompts, outs)}, "wall_s": wall,
-            "drafts": (after - before).as_dict() if before is not None and after is not None else None}
+    after = ep.scrape()
+    drafts = None
+    if after is not None:
+        drafts = (after - before if before is not None else after).as_dict()
+    return {"tokens": {p[0]: o for p, o in zip(prompts, outs)}, "wall_s": wall, "drafts": drafts}
 
 
-def measure(urls: dict[str, str], wl: dict[str, list], ps: int, ci: int, c: int, max_new: int,
+def measure(urls: dict[str, Endpoint], wl: dict[str, list], ps: int, ci: int, c: int, max_new: int,
             progress=print) -> list[dict]:
     """Pass `ps` at level `c` (the `ci`-th): every (workload, row) run, rows rotated by pass and
     level: a list of {"pass", "c", "workload", "row", **closed_loop(...)}."""
@@ -134,26 +168,33 @@ def measure(urls: dict[str, str], wl: dict[str, list], ps: int, ci: int, c: int,
     for w, prompts in wl.items():
         r0 = (ps + ci) % len(names)
         for row in names[r0:] + names[:r0]:
-            r = closed_loop(urls[row], prompts, max_new, c)
+            r = closed_loop(urls[row], prompts, max_new, c, w)
             runs.append({"pass": ps, "c": c, "workload": w, "row": row, **r})
         progress(f"pass {ps + 1} · c={c} · {w}")
     return runs
 
 
-def one_run(cfgs: dict[str, llama_cpp.LlamaCppLaunch], logs: Path, wl: dict[str, list], ps: int, ci: int, c: int,
-            max_new: int) -> list[dict]:
-    """Start every row's server (one at a time: starts must not overlap), check that the
+def one_run(cfgs: dict[str, llama_cpp.LlamaCppLaunch | ServeRow], logs: Path, wl: dict[str, list], ps: int, ci: int,
+            c: int, max_new: int, threads: int) -> list[dict]:
+    """Start every row's server (one at a time: starts must not overlap), check that llama-server's
     speculative ones speculate (`/slots`), warm each up, run pass `ps` at level `c` (`measure`),
     stop them all."""
-    servers = {}
+    servers: dict = {}
+    eps: dict[str, Endpoint] = {}
     try:
         for name, cfg in cfgs.items():
-            servers[name] = llama_cpp.LlamaCppServer(cfg, logs / f"{name}.log").start()
-            if name != NO_SPEC and not llama_cpp.speculating(servers[name].url):
-                raise SystemExit(f"{name}: llama-server does not speculate (/slots); see {logs / name}.log")
-            with httpx.Client() as client:  # warm-up
-                _complete(client, servers[name].url, next(iter(wl.values()))[0][1], 8)
-        return measure({n: s.url for n, s in servers.items()}, wl, ps, ci, c, max_new)
+            if isinstance(cfg, ServeRow):
+                servers[name] = tidespec_server.TidespecServer(cfg, logs / f"{name}.log", threads).start()
+            else:
+                servers[name] = llama_cpp.LlamaCppServer(cfg, logs / f"{name}.log").start()
+                if name != NO_SPEC and not llama_cpp.speculating(servers[name].url):
+                    raise SystemExit(f"{name}: llama-server does not speculate (/slots); see {logs / name}.log")
+            eps[name] = Endpoint(servers[name].url, isinstance(cfg, ServeRow))
+        with httpx.Client() as client:  # warm-up, once every server is up (a start's own work is over)
+            for ep in eps.values():
+                for w, prompts in wl.items():
+                    ep.complete(client, prompts[0][1], 8, w)
+        return measure(eps, wl, ps, ci, c, max_new)
     finally:
         for s in servers.values():
             s.stop()
@@ -165,19 +206,30 @@ def _tau(drafts: list[dict | None]) -> float | None:
     return sum(got[1:], got[0]).acceptance_length if got else None
 
 
+def plain_of(row: str) -> str:
+    """The row whose outputs `row`'s must equal: its server's own plain decoding (`tidespec serve`'s
+    at the row's precision, else llama-server's)."""
+    if row.startswith(tidespec_server.ROW_PREFIX):
+        precision = row.removeprefix(tidespec_server.ROW_PREFIX).split("_")[0]
+        return f"{tidespec_server.ROW_PREFIX}{precision}_no_spec"
+    return NO_SPEC
+
+
 def summarize(runs: list[dict]) -> dict:
     """{c: {workload: {row: tokens/s (median over passes), ratio to NO_SPEC per pass (median, min,
-    max, inside_noise), τ, identical (share of prompts equal to NO_SPEC's in the same pass)}}}."""
+    max, inside_noise), τ, identical (share of prompts equal to its own plain decoding's in the same
+    pass, `plain_of`), as_llama_cpp (share equal to NO_SPEC's)}}}."""
     at = {(r["pass"], r["c"], r["workload"], r["row"]): r for r in runs}
     out: dict = {}
     for (ps, c, w, row), r in sorted(at.items(), key=lambda x: (x[0][1], x[0][2], x[0][3], x[0][0])):
-        ref = at[(ps, c, w, NO_SPEC)]
+        ref, own = at[(ps, c, w, NO_SPEC)], at[(ps, c, w, plain_of(row))]
         cell = out.setdefault(str(c), {}).setdefault(w, {}).setdefault(row, {"tps": [], "ratio": [], "same": [],
-                                                                             "drafts": []})
+                                                                             "llama": [], "drafts": []})
         tps = sum(map(len, r["tokens"].values())) / r["wall_s"]
         cell["tps"].append(tps)
         cell["ratio"].append(tps / (sum(map(len, ref["tokens"].values())) / ref["wall_s"]))
-        cell["same"] += [r["tokens"][i] == ref["tokens"][i] for i in r["tokens"]]
+        cell["same"] += [r["tokens"][i] == own["tokens"][i] for i in r["tokens"]]
+        cell["llama"] += [r["tokens"][i] == ref["tokens"][i] for i in r["tokens"]]
         cell["drafts"].append(r["drafts"])
     for by_w in out.values():
         for by_row in by_w.values():
@@ -186,7 +238,8 @@ def summarize(runs: list[dict]) -> dict:
                 by_row[row] = {"tokens_per_s": round(statistics.median(cell["tps"]), 2),
                                "ratio": {"median": round(statistics.median(cell["ratio"]), 3), "min": round(lo, 3),
                                          "max": round(hi, 3), "inside_noise": lo <= 1.0 <= hi},
-                               "tau": _tau(cell["drafts"]), "identical": sum(cell["same"]) / len(cell["same"])}
+                               "tau": _tau(cell["drafts"]), "identical": sum(cell["same"]) / len(cell["same"]),
+                               "as_llama_cpp": sum(cell["llama"]) / len(cell["llama"])}
     return out
 
 
@@ -198,9 +251,11 @@ def markdown(res: dict) -> str:
              f"{res['setup']['llama_cpp']}; k = {res['setup']['k']}; {res['setup']['prompts']} prompts per workload "
              f"({res['setup']['prompt_source']}), ≤ {res['setup']['max_new_tokens']} new tokens, greedy; "
              f"{res['setup']['passes']} interleaved passes. Ratio: paired per pass against "
-             f"`{NO_SPEC}`, median (min–max); * = inside the noise.", "",
+             f"`{NO_SPEC}`, median (min–max); * = inside the noise. identical: the share of outputs equal to the "
+             "same server's plain decoding (its own no_spec row); as llama.cpp: equal to llama-server's.", "",
              f"Command: `{res['command']}`", "",
-             "| c | workload | row | tokens/s | ratio | τ | identical |", "|---|---|---|---|---|---|---|"]
+             "| c | workload | row | tokens/s | ratio | τ | identical | as llama.cpp |",
+             "|---|---|---|---|---|---|---|---|"]
     for c, by_w in res["results"].items():
         for w, by_row in by_w.items():
             for row, s in by_row.items():
@@ -209,7 +264,7 @@ def markdown(res: dict) -> str:
                 ratio = "reference" if row == NO_SPEC else (
                     f"{r['median']:.3f} ({r['min']:.3f}–{r['max']:.3f}){' *' if r['inside_noise'] else ''}")
                 lines.append(f"| {c} | {w} | {row} | {s['tokens_per_s']:.1f} | {ratio} | {tau} | "
-                             f"{s['identical']:.2f} |")
+                             f"{s['identical']:.2f} | {s['as_llama_cpp']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -247,14 +302,15 @@ def main(argv: list[str] | None = None) -> None:
     for ps in range(a.passes):
         for ci, c in enumerate(levels):  # fresh servers (and free ports) for each run
             cfgs = rows(a, params, max(levels))
-            runs += one_run(cfgs, logs, wl, ps, ci, c, a.max_new_tokens)
+            runs += one_run(cfgs, logs, wl, ps, ci, c, a.max_new_tokens, a.threads)
     res = {"benchmark": "llama-server", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": "tidespec bench llama-server " + " ".join(argv or []),
            "machine": {"cpu": _cpu(), "cores": os.cpu_count()},
            "setup": {"threads": a.threads, "k": k, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
                      "passes": a.passes, "concurrency": levels, "llama_cpp": llama_cpp.LLAMA_CPP_COMMIT,
                      "prompt_source": str(a.prompts_file) if a.prompts_file else "built-in sets",
-                     "args": {n: llama_cpp.launch_args(c)[1:] for n, c in cfgs.items()}},
+                     "args": {n: llama_cpp.launch_args(c)[1:] for n, c in cfgs.items() if not isinstance(c, ServeRow)},
+                     "tidespec": {n: c.describe() for n, c in cfgs.items() if isinstance(c, ServeRow)}},
            "drafts": {"static": _provenance(a.static), "adapted": _provenance(a.adapted)},
            "results": summarize(runs),
            "runs": [{key: v for key, v in r.items() if key != "tokens"}
