@@ -71,3 +71,20 @@ def test_tidespec_rows_per_precision_plain_and_default(tmp_path):
 def test_tidespec_rows_need_the_adapted_champion():
     with pytest.raises(SystemExit, match="--tidespec's default rows serve --adapted"):
         ls.main(["--tidespec", "fp32"])
+
+
+def test_launch_leaves_out_the_unset_variables_and_runs_in_cwd(tmp_path, monkeypatch):
+    """What keeps a bench's `tidespec serve` off the shell's registry (`tidespec_server.UNSET`)."""
+    import json
+    import sys
+
+    from tidespec.adapters import process
+    from tidespec.bench.tidespec_server import UNSET
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://registry.example")
+    monkeypatch.setenv("TIDESPEC_KEEP_ME", "kept")
+    code = ("import json, os; print(json.dumps([os.environ.get(k) for k in "
+            "('MLFLOW_TRACKING_URI', 'TIDESPEC_KEEP_ME', 'OMP_NUM_THREADS')] + [os.getcwd()]))")
+    log = tmp_path / "log"
+    p = process.launch([sys.executable, "-c", code], log, env={"OMP_NUM_THREADS": "2"}, cwd=tmp_path, unset=UNSET)
+    assert p.wait(60) == 0
+    assert json.loads(log.read_text().splitlines()[-1]) == [None, "kept", "2", str(tmp_path)]

@@ -185,17 +185,20 @@ def group_alive(pgid: int) -> bool:
 # ---------------------------------------------------------------- launch / wait / stop
 
 
-def launch(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+def launch(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
+           unset: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start `cmd` in its own session (process group), stdin closed, stdout and stderr appended to
-    `log` after a `=== <UTC time> <command>` line; `env` is added to this process's environment.
-    Returns the Popen (its pid is the group id). Raises OSError when `cmd` cannot be started."""
+    `log` after a `=== <UTC time> <command>` line; `env` is added to this process's environment,
+    the variables named in `unset` left out of it. Returns the Popen (its pid is the group id).
+    Raises OSError when `cmd` cannot be started."""
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as fh:
         fh.write(f"\n=== {datetime.now(UTC).isoformat()} {' '.join(cmd)}\n".encode())
         fh.flush()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=os.environ | (env or {}), start_new_session=True, cwd=cwd)
+                                env={k: v for k, v in os.environ.items() if k not in unset} | (env or {}),
+                                start_new_session=True, cwd=cwd)
     _CHILDREN[proc.pid] = proc
     return proc
 
@@ -256,17 +259,19 @@ def stop(pid: int, grace_s: float = STOP_GRACE_S) -> None:
 class ServerProcess:
     """One supervised HTTP server (context manager): `start()` refuses a busy port (another server's
     health would pass for ours), launches `args` (`launch`), waits until `health_url` answers 200;
-    `stop()` stops its process group. Used by the engine adapters (`sglang`, `vllm`).
+    `stop()` stops its process group. Used by the engine adapters (`sglang`, `vllm`,
+    `llama_cpp`) and the benches' `tidespec serve` rows.
 
     what: how errors name it ("vLLM server"); error: the exception class raised (ProcessError's
-    contract: the message names the log and its tail)."""
+    contract: the message names the log and its tail); env / unset / cwd: as `launch` takes them."""
 
     def __init__(self, args: list[str], host: str, port: int, health_url: str, log_path: Path, what: str,
                  error: type[Exception] = ProcessError, env: dict[str, str] | None = None,
                  ready_timeout_s: float = 600.0, grace_s: float = 30.0, poll_s: float = 1.0,
-                 probe_timeout_s: float = 5.0):
+                 probe_timeout_s: float = 5.0, unset: tuple[str, ...] = (), cwd: Path | None = None):
         self.args, self.host, self.port, self.health_url = list(args), host, port, health_url
         self.log_path, self.what, self.error, self.env = Path(log_path), what, error, env
+        self.unset, self.cwd = tuple(unset), cwd
         self.ready_timeout_s, self.grace_s, self.poll_s, self.probe_timeout_s = (
             ready_timeout_s,
             grace_s,
@@ -281,7 +286,7 @@ class ServerProcess:
         if not port_is_free(self.host, self.port):
             raise self.error(f"port {self.port} on {self.host} is in use: stop what listens there or choose "
                              "another port")
-        self.proc = launch(self.args, self.log_path, env=self.env)
+        self.proc = launch(self.args, self.log_path, env=self.env, cwd=self.cwd, unset=self.unset)
         try:
             wait_healthy(self.proc, self.health_url, self.ready_timeout_s, self.log_path, self.what,
                          error=self.error, poll_s=self.poll_s, probe_timeout_s=self.probe_timeout_s)

@@ -14,24 +14,24 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import yaml
 
-from ..adapters.process import free_port
+from ..adapters.process import ServerProcess, free_port
 from ..assets import cache_dir
 from ..backends.base import metrics_text, parse_spec_decode
 from ..config import Params
+from ..config.serve_launch import API_KEY_ENV
 from ..engine.spec_counters import SpecDecodeCounters
 from .methods import at_precision
 
 PREFIX = "tidespec:spec_decode_"
+UNSET = ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")  # a bench's server reports to no registry, publishes no event
 ROW_PREFIX = "tidespec_serve_"
 
 
@@ -64,62 +64,50 @@ class ServeRow:
 
 class TidespecServer:
     """`tidespec serve` for one row, on a free port of 127.0.0.1 (`start`, `url`, `stop`), its torch
-    threads `threads` (OMP_NUM_THREADS: the server sets none of its own)."""
+    threads `threads` (OMP_NUM_THREADS: the server sets none of its own). It never reports to the
+    registry of the shell that runs the bench (MLFLOW_TRACKING_URI and PREFECT_API_URL left out);
+    a `$TIDESPEC_API_KEY` it inherits, the bench's requests send."""
 
     def __init__(self, row: ServeRow, log: Path, threads: int):
         self.row, self.log, self.threads = row, Path(log), threads
-        self.proc: subprocess.Popen | None = None
         self.root = Path(tempfile.mkdtemp(prefix="tidespec-bench-serve-"))
+        self.server: ServerProcess | None = None
         self.url = ""
 
     def start(self, timeout_s: float = 600) -> TidespecServer:
-        """Write the workspace, start the server, wait for `/health`. Raises RuntimeError with the
-        log's tail when it exits or is not healthy within `timeout_s` s."""
+        """Write the workspace, start the server, wait for `/health`. Raises ProcessError with the
+        log's tail when it exits or is not healthy within `timeout_s` s (nothing left running)."""
         (self.root / "params.yaml").write_text(yaml.safe_dump(self.row.params.model_dump(mode="json"), sort_keys=False))
         if self.row.champion is not None:
             shutil.copytree(self.row.champion, self.root / "data" / "drafts" / "champion")
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if k not in ("TIDESPEC_API_KEY", "MLFLOW_TRACKING_URI",
-                                                                 "PREFECT_API_URL")}
-        env |= {"TIDESPEC_CACHE": str(cache_dir().resolve()), "OMP_NUM_THREADS": str(self.threads)}
         cmd = [sys.executable, "-m", "tidespec.cli", "serve", "--root", str(self.root), "--params",
                str(self.root / "params.yaml"), "--port", str(port), "--no-capture"]
-        with open(self.log, "w") as lf:
-            self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=lf, stderr=subprocess.STDOUT)
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tidespec serve exited ({self.proc.returncode}): {self._tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"tidespec serve not healthy after {timeout_s:.0f} s: {self._tail()}")
-
-    def _tail(self) -> str:
-        return self.log.read_text(errors="replace")[-1500:] if self.log.exists() else "(no log)"
+        env = {"TIDESPEC_CACHE": str(cache_dir().resolve()), "OMP_NUM_THREADS": str(self.threads)}
+        self.server = ServerProcess(cmd, "127.0.0.1", port, f"{self.url}/health", self.log, "tidespec serve",
+                                    env=env, ready_timeout_s=timeout_s, unset=UNSET, cwd=self.root)
+        try:
+            self.server.start()
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
+        return self
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 60 s) and remove its workspace."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Stop the server's process group and remove its workspace."""
+        if self.server is not None:
+            self.server.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
 def complete(client: httpx.Client, url: str, ids: list[int], max_new: int, workload: str) -> list[int]:
     """One greedy `/v1/completions` of token-id prompt `ids`: the generated token ids (the response's
     `tidespec.token_ids`). Raises RuntimeError for a non-200 answer."""
+    key = os.environ.get(API_KEY_ENV)
     r = client.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": max_new, "temperature": 0,
-                                                    "workload": workload}, timeout=600)
+                                                    "workload": workload}, timeout=600,
+                    headers={"Authorization": f"Bearer {key}"} if key else None)
     if r.status_code != 200:
         raise RuntimeError(f"tidespec serve at {url} answered {r.status_code}: {r.text[:300]}")
     return r.json()["choices"][0]["tidespec"]["token_ids"]
