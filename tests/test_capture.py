@@ -84,6 +84,41 @@ def test_zstd_is_smaller_on_smooth_states(tmp_path):
     assert sizes["zstd"] < 0.8 * sizes["none"]
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_fp8_at_rest_halves_the_hidden_states_within_its_rounding(tmp_path, compression):
+    """capture.hidden_dtype fp8_e4m3: the writer stores e4m3 + a per-row scale, readers get bf16
+    back. Bound (derived): e4m3 rounds to nearest with 3 mantissa bits, ≤ 2⁻⁴ of the value relative
+    to itself, or half its subnormal step 2⁻¹⁰ × the row's scale s below 2⁻⁶ s; the bf16 it comes back
+    as adds ≤ 2⁻⁸ of the value: |x̂ − x| ≤ 0.07 |x| + 2⁻⁹ s."""
+    T, H = 40, 64
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(T, 4 * H, generator=g) * torch.logspace(-3, 4, T)[:, None]  # row scales ≪ 1 and ≫ 1
+    h[5] = 0.0  # an all-zero row (scale 1)
+    r = {"input_ids": torch.arange(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
+         "aux_hidden_states": h[:, :3 * H], "hidden_states": h[:, 3 * H:]}
+    sizes = {}
+    for dt in ("bf16", "fp8_e4m3"):
+        w = CaptureWriter(tmp_path / dt, "tid", CaptureParams(compression=compression, hidden_dtype=dt))
+        w.submit(r, request_id="a", workload="x", acceptance_length=1.0)
+        w.close()
+        sizes[dt] = w.stats().bytes_total
+        back = read_record(tmp_path / dt, read_manifest(tmp_path / dt)[0])
+        for k in ("aux_hidden_states", "hidden_states"):
+            x, y = r[k], back[k]
+            assert y.dtype == torch.bfloat16 and y.shape == x.shape
+            s = x.abs().amax(dim=1, keepdim=True) / 448
+            assert bool(((y.float() - x).abs() <= 0.07 * x.abs() + 2 ** -9 * s).all()), (dt, k)
+        assert bool((back["hidden_states"][5] == 0).all())
+        assert torch.equal(back["input_ids"], r["input_ids"])
+    if compression == "none":  # 1 byte + 4/(4H) of a scale per element against 2
+        assert sizes["fp8_e4m3"] < 0.55 * sizes["bf16"], sizes
+    with pytest.raises(ValueError, match="capture.hidden_dtype must be one of"):
+        from tidespec.capture.store import encode_shard
+        encode_shard([r], hidden_dtype="fp4")
+    with pytest.raises(ValueError, match="hidden_dtype"):
+        CaptureParams(hidden_dtype="fp16")
+
+
 def test_store_text_opt_in(tmp_path):
     w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(store_text=True))
     w.submit(_rec(6), request_id="a", workload="x", acceptance_length=1.0, text={"prompt": "p", "completion": "c"})

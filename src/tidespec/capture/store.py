@@ -6,8 +6,12 @@ online`) holds the first two alone, its manifest row says `tokens_only`, and the
 rebuilds its hidden states from the target as it trains (`train.online`). A shard is written to a temp name,
 fsynced and renamed, and its manifest lines are appended and fsynced only after the rename: a
 reader trusts the manifest only, so it never sees a torn shard. `capture.compression: zstd`
-byte-shuffles bf16 and compresses the shard as a whole (`*.safetensors.zst`). Sealing, recovery and
-locks: `capture.snapshots`. Measurements: docs/design/capture.md.
+byte-shuffles bf16 and compresses the shard as a whole (`*.safetensors.zst`). `capture.hidden_dtype:
+fp8_e4m3` keeps the two hidden-state fields at rest as float8 e4m3 with a per-row fp32 scale
+(`{i}.{field}.scale [T]`, the row's absmax / 448): half bf16's bytes; readers get bf16 back
+(`read_record`), each element within 2⁻⁴ of its value relative to itself, or 2⁻⁹ × the row's scale
+below e4m3's smallest normal. Sealing, recovery and locks: `capture.snapshots`. Measurements:
+docs/design/capture.md.
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ HIDDEN_FIELDS = FIELDS[2:]
 DTYPES = {"input_ids": torch.int32, "loss_mask": torch.uint8,
           "aux_hidden_states": torch.bfloat16, "hidden_states": torch.bfloat16}
 CODECS = ("none", "zstd")
+HIDDEN_DTYPES = ("bf16", "fp8_e4m3")  # the hidden-state fields at rest (`capture.hidden_dtype`)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
 MANIFEST = "manifest.jsonl"
 
 
@@ -144,25 +151,46 @@ def _unshuffle(planes: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return torch.stack([planes[1], planes[0]], dim=1).contiguous().view(torch.bfloat16).view(shape)
 
 
+def to_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, D]` floating → (`[T, D]` float8 e4m3, `[T]` fp32 scale): each row divided by its absmax /
+    448 (an all-zero row by 1), rounded to nearest (torch's cast). Per-row scaling as in the FP8
+    formats paper (Micikevicius et al. 2022, arXiv 2209.05433 §4)."""
+    x = t.detach().to("cpu", torch.float32)
+    scale = (x.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = torch.where(x.abs().amax(dim=1) > 0, scale, torch.ones_like(scale))
+    return (x / scale[:, None]).to(FP8).contiguous(), scale.contiguous()
+
+
+def from_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`to_fp8`'s inverse, as bf16 `[T, D]` (what the other codecs store)."""
+    return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
+
+
 def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "none",
-                 validated: bool = False) -> bytes:
+                 validated: bool = False, hidden_dtype: str = "bf16") -> bytes:
     """Serialise records (per store.FIELDS, or TOKEN_FIELDS for a tokens-only record; cast to
-    DTYPES) as one shard's bytes. Keys `{i}.{field}`.
+    DTYPES, or the hidden states to float8 with their scales for `hidden_dtype="fp8_e4m3"`) as one
+    shard's bytes. Keys `{i}.{field}` (and `{i}.{field}.scale`).
     `validated`: the caller already ran `validate_record` on each (the writer does, at submit).
-    Raises ValueError for an unknown codec or a record breaking the contract."""
+    Raises ValueError for an unknown codec or hidden dtype, or a record breaking the contract."""
     if compression not in CODECS:
         raise ValueError(f"capture.compression must be one of {CODECS}, got {compression!r}")
+    if hidden_dtype not in HIDDEN_DTYPES:
+        raise ValueError(f"capture.hidden_dtype must be one of {HIDDEN_DTYPES}, got {hidden_dtype!r}")
     tensors, shapes = {}, {}
     for i, r in enumerate(records):
         if not validated:
             validate_record(r)
         for f in TOKEN_FIELDS if is_tokens_only(r) else FIELDS:  # a copy: records may share storage
+            if hidden_dtype == "fp8_e4m3" and f in HIDDEN_FIELDS:
+                tensors[f"{i}.{f}"], tensors[f"{i}.{f}.scale"] = to_fp8(r[f])
+                continue
             t = r[f].detach().to("cpu", DTYPES[f], copy=True).contiguous()
             if compression == "zstd" and t.dtype == torch.bfloat16:
                 shapes[f"{i}.{f}"] = list(t.shape)
                 t = _shuffle(t)
             tensors[f"{i}.{f}"] = t
-    meta = {"records": str(len(records)), "codec": compression}
+    meta = {"records": str(len(records)), "codec": compression, "hidden_dtype": hidden_dtype}
     if compression == "none":
         return st_save(tensors, metadata=meta)
     import zstandard
@@ -209,20 +237,27 @@ class CorruptShard(ValueError):
     """A shard listed in a manifest cannot be read (truncated, overwritten, bit rot)."""
 
 
+def _field(get, key: str) -> torch.Tensor:
+    """Tensor `key` through `get` (a shard's lookup), a float8 one restored to bf16 with its scale."""
+    t = get(key)
+    return from_fp8(t, get(f"{key}.scale")) if t.dtype == FP8 else t
+
+
 def read_record(directory: Path, row: ManifestRow, fields: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-    """Load one record's tensors (see module docstring for shapes/dtypes), either codec; `fields`:
-    which (an uncompressed shard reads only those bytes; None: all the record holds).
+    """Load one record's tensors (see module docstring for shapes/dtypes: hidden states come back as
+    bf16 whatever `capture.hidden_dtype` stored), either codec; `fields`: which (an uncompressed shard
+    reads only those bytes; None: all the record holds).
     Raises FileNotFoundError (shard missing) or CorruptShard naming the shard and the fix."""
     path = Path(directory) / row.shard
     fields = fields or (TOKEN_FIELDS if row.tokens_only else FIELDS)
     try:
         if row.shard.endswith(".zst"):
             t = _decoded(str(path), path.stat().st_mtime_ns)
-            return {k: t[f"{row.offset}.{k}"] for k in fields}
+            return {k: _field(t.__getitem__, f"{row.offset}.{k}") for k in fields}
         with safe_open(str(path), framework="pt") as f:
             # copied out: a tensor safetensors maps from the file keeps the whole shard mapped while it
             # lives, and records queued by the trainer's producer thread kept every shard resident
-            return {k: f.get_tensor(f"{row.offset}.{k}").clone() for k in fields}
+            return {k: _field(lambda key: f.get_tensor(key).clone(), f"{row.offset}.{k}") for k in fields}
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors/zstd raise their own types

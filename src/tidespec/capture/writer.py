@@ -316,7 +316,7 @@ class CaptureWriter:
         batch, self._pending = self._pending, []
         c0, w0 = time.thread_time(), time.perf_counter()
         try:
-            data = encode_shard([r for r, _ in batch], self.cfg.compression, validated=True)  # checked at submit
+            data = encode_shard([r for r, _ in batch], self.cfg.compression, True, self.cfg.hidden_dtype)  # validated
             rows = manifest_rows(batch, self.target_id)
         except Exception as e:  # noqa: BLE001 - one bad batch (validated at submit: should not happen)
             self._fail(e, batch)
