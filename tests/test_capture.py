@@ -112,6 +112,9 @@ def test_fp8_at_rest_halves_the_hidden_states_within_its_rounding(tmp_path, comp
         assert torch.equal(back["input_ids"], r["input_ids"])
     if compression == "none":  # 1 byte + 4/(4H) of a scale per element against 2
         assert sizes["fp8_e4m3"] < 0.55 * sizes["bf16"], sizes
+    from tidespec.bench.fp8_capture import fp8_round_trip  # what the fp8 bench trains on is what a reader gets
+    rt = fp8_round_trip(r)
+    assert all(torch.equal(rt[k], back[k]) for k in back)
     with pytest.raises(ValueError, match="capture.hidden_dtype must be one of"):
         from tidespec.capture.store import encode_shard
         encode_shard([r], hidden_dtype="fp4")

@@ -16,6 +16,8 @@ SCRIPTS = {
     "grammar-libs": ("grammar_libs", "xgrammar vs llguidance: compile, mask and consume costs on the target's "
                                      "tokenizer."),
     "pretrain-code": ("pretrain_code", "A draft pretrained on teacher-forced generic code (the standard library)."),
+    "fp8-capture": ("fp8_capture", "Drafts trained on hidden states as captured (bf16) and after fp8 at rest, "
+                                   "paired per seed: simulated τ on the same holdout."),
     "static-general": ("static_general", "A well-trained general static draft (≥ 1M ShareGPT tokens, resumable), "
                                          "its curve per epoch on a general holdout."),
 }
