@@ -566,3 +566,39 @@ def test_snapshot_ids_never_collide(tmp_path, monkeypatch):
     snaps = list_snapshots(tmp_path / "snaps", "tid")
     assert [s.name for s in snaps] == ["s1-aaaa", "s2-bbbb"]
     assert [[r.request_id for r in read_manifest(s)] for s in snaps] == [["a"], ["b"]]
+
+
+def test_fp8_keeps_a_rows_finite_values_next_to_inf_and_nan_and_refuses_bad_shapes():
+    from tidespec.capture.store import from_fp8, to_fp8
+    x = torch.tensor([[1000.0, float("nan"), 0.05, -600.0, 3.0], [1.0, float("inf"), 2.0, -3.0, 0.5]])
+    y = from_fp8(*to_fp8(x)).float()
+    fin = torch.isfinite(x)
+    s = torch.where(fin, x.abs(), 0.0).amax(dim=1, keepdim=True) / 448
+    assert bool(((y - x).abs()[fin] <= (0.07 * x.abs() + 2 ** -9 * s)[fin]).all()), y  # not clipped, not NaN
+    assert bool(torch.isnan(y[~fin]).all())
+    with pytest.raises(ValueError, match=r"\[T, D\] floating point"):
+        to_fp8(torch.ones(4))
+    with pytest.raises(ValueError, match="one per row"):
+        q, sc = to_fp8(torch.ones(3, 4))
+        from_fp8(q, sc[:1])
+
+
+@pytest.mark.parametrize("dtype, args, msg", [
+    ("bf16", ["--val", "0"], "--val and --threads must be >= 1"),
+    ("bf16", ["--val", "-1"], "--val and --threads must be >= 1"),
+    ("bf16", ["--threads", "0"], "--val and --threads must be >= 1"),
+    ("bf16", ["--seeds", "0", "0"], "each seed once"),
+    ("bf16", ["--val", "6"], "holds 6 records: more than --val 6"),
+    ("fp8_e4m3", ["--val", "2"], r"stores hidden states as \['fp8_e4m3'\]"),
+])
+def test_fp8_bench_refuses_before_loading_the_target(tmp_path, dtype, args, msg):
+    from tidespec.bench.fp8_capture import main
+    from tidespec.capture.store import shard_hidden_dtype
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(hidden_dtype=dtype, shard_max_records=4))
+    for i in range(6):
+        w.submit(_rec(8, seed=i), request_id=f"r{i}", workload="code", acceptance_length=1.0)
+    w.close()
+    snap = seal(tmp_path / "cap", tmp_path / "snaps", "tid")
+    assert {shard_hidden_dtype(snap.path / r.shard) for r in read_manifest(snap.path)} == {dtype}
+    with pytest.raises(SystemExit, match=msg):
+        main(["--snapshot", str(snap.path), *args])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..capture.store import HIDDEN_FIELDS, from_fp8, iter_records, to_fp8
+from ..capture.store import HIDDEN_FIELDS, from_fp8, iter_records, read_manifest, shard_hidden_dtype, to_fp8
 from ..config import load_params
 from ..models.load import get_target
 from ..train.trainer import train_draft
@@ -46,17 +46,36 @@ def fp8_round_trip(r: dict) -> dict:
     return dict(r, **{k: from_fp8(*to_fp8(r[k])) for k in HIDDEN_FIELDS})
 
 
+def _check(a: argparse.Namespace) -> None:
+    """Refuse, before the target loads, what would make the pairs meaningless (SystemExit naming the fix)."""
+    if a.val < 1 or a.threads < 1:
+        raise SystemExit("--val and --threads must be >= 1")
+    if len(set(a.seeds)) != len(a.seeds):
+        raise SystemExit(f"--seeds {a.seeds}: each seed once (a repeated pair would count twice)")
+    if a.init is not None and not a.init.exists():
+        raise SystemExit(f"--init {a.init}: no such draft")
+    if not (a.snapshot / "snapshot.json").is_file():
+        raise SystemExit(f"--snapshot {a.snapshot}: not a sealed snapshot directory (no snapshot.json in it)")
+    rows = read_manifest(a.snapshot)
+    if len(rows) <= a.val:
+        raise SystemExit(f"--snapshot holds {len(rows)} records: more than --val {a.val} are needed")
+    if any(r.tokens_only for r in rows):
+        raise SystemExit(f"--snapshot {a.snapshot} holds tokens-only records (ingest.mode: online): the bench "
+                         "needs captured hidden states")
+    stored = {shard_hidden_dtype(a.snapshot / s) for s in {r.shard for r in rows}}
+    if stored != {"bf16"}:
+        raise SystemExit(f"--snapshot {a.snapshot} stores hidden states as {sorted(stored)}: the bench compares "
+                         "against bf16 as captured, so it needs a snapshot captured with capture.hidden_dtype: bf16")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the pairs (`parser`); SystemExit naming the fix for a snapshot that is not one or too small."""
     a = parser().parse_args(argv)
-    if not (a.snapshot / "snapshot.json").is_file():
-        raise SystemExit(f"--snapshot {a.snapshot}: not a sealed snapshot (no snapshot.json)")
+    _check(a)
     torch.set_num_threads(a.threads)
     params = load_params(a.params)
     target, _ = get_target(params)
     recs = [r for _, r in iter_records(a.snapshot)]
-    if len(recs) <= a.val:
-        raise SystemExit(f"--snapshot holds {len(recs)} records: more than --val {a.val} are needed")
     order = torch.randperm(len(recs), generator=torch.Generator().manual_seed(0)).tolist()
     val, train = [recs[i] for i in order[:a.val]], [recs[i] for i in order[a.val:]]
     runs = []

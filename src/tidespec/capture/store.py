@@ -152,18 +152,41 @@ def _unshuffle(planes: torch.Tensor, shape: list[int]) -> torch.Tensor:
 
 
 def to_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[T, D]` floating → (`[T, D]` float8 e4m3, `[T]` fp32 scale): each row divided by its absmax /
-    448 (an all-zero row by 1), rounded to nearest (torch's cast). Per-row scaling as in the FP8
-    formats paper (Micikevicius et al. 2022, arXiv 2209.05433 §4)."""
+    """`[T, D]` floating → (`[T, D]` float8 e4m3, `[T]` fp32 scale): each row divided by the absmax of
+    its finite values / 448 (a row with none, or all zero, by 1), rounded to nearest (torch's cast);
+    an inf or NaN element comes back NaN (e4m3 has no inf), the row's finite values unharmed.
+    Per-row scaling as in the FP8 formats paper (Micikevicius et al. 2022, arXiv 2209.05433 §4).
+    Raises ValueError for a tensor that is not 2-D floating point."""
+    if t.dim() != 2 or not t.is_floating_point():
+        raise ValueError(f"fp8 storage takes [T, D] floating point hidden states, got {t.dtype} {tuple(t.shape)}")
     x = t.detach().to("cpu", torch.float32)
-    scale = (x.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    scale = torch.where(x.abs().amax(dim=1) > 0, scale, torch.ones_like(scale))
-    return (x / scale[:, None]).to(FP8).contiguous(), scale.contiguous()
+    finite = torch.isfinite(x)
+    amax = torch.where(finite, x.abs(), 0.0).amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0])
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.where(finite, x / scale[:, None], float("nan"))
+    return q.to(FP8).contiguous(), scale.contiguous()
 
 
 def from_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`to_fp8`'s inverse, as bf16 `[T, D]` (what the other codecs store)."""
+    """`to_fp8`'s inverse, as bf16 `[T, D]` (what the other codecs store). Raises ValueError when the
+    scale is not one per row (a corrupt shard)."""
+    if scale.shape != q.shape[:1]:
+        raise ValueError(f"fp8 scale of shape {tuple(scale.shape)} for values {tuple(q.shape)}: one per row expected")
     return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
+
+
+def shard_hidden_dtype(path: Path) -> str:
+    """How shard `path` stores its hidden states (`HIDDEN_DTYPES`; "bf16" for a shard written before
+    `capture.hidden_dtype` existed). Raises what reading the shard raises."""
+    path = Path(path)
+    if path.name.endswith(".zst"):
+        import zstandard
+        with open(path, "rb") as fh:
+            meta = _header_meta(zstandard.ZstdDecompressor().decompress(fh.read()))
+    else:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    return meta.get("hidden_dtype", "bf16")
 
 
 def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "none",
