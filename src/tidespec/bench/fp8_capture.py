@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def fp8_round_trip(r: dict) -> dict:
-    """Record `r` with its hidden states as an fp8 shard's reader gets them back (bf16)."""
+    """Record `r` with its hidden states (`aux_hidden_states [T, 3H]`, `hidden_states [T, H]`) as a
+    reader of an fp8 shard gets them back: through `to_fp8` / `from_fp8`, bf16; the token fields as they are."""
     return dict(r, **{k: from_fp8(*to_fp8(r[k])) for k in HIDDEN_FIELDS})
 
 

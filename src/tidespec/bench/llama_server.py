@@ -137,11 +137,15 @@ class Endpoint:
     tidespec: bool = False
 
     def complete(self, client: httpx.Client, ids: list[int], max_new: int, workload: str) -> list[int]:
+        """One greedy completion of token-id prompt `ids` (≤ `max_new` tokens; `workload`: the class
+        tidespec serve is told, llama-server has none): the generated ids. Raises RuntimeError for a
+        non-200 answer."""
         if self.tidespec:
             return tidespec_server.complete(client, self.url, ids, max_new, workload)
         return _complete(client, self.url, ids, max_new)
 
     def scrape(self) -> SpecDecodeCounters | None:
+        """The server's cumulative spec-decode counters (None: no speculation counted yet)."""
         return (tidespec_server.scrape if self.tidespec else llama_cpp.scrape)(self.url)
 
 

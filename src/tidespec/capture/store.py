@@ -180,9 +180,7 @@ def shard_hidden_dtype(path: Path) -> str:
     `capture.hidden_dtype` existed). Raises what reading the shard raises."""
     path = Path(path)
     if path.name.endswith(".zst"):
-        import zstandard
-        with open(path, "rb") as fh:
-            meta = _header_meta(zstandard.ZstdDecompressor().decompress(fh.read()))
+        meta = _header_meta(_zst_bytes(path))
     else:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -240,11 +238,16 @@ def write_shard(directory: Path, name: str, records: list[dict[str, torch.Tensor
     return final
 
 
-@functools.lru_cache(maxsize=4)
-def _decoded(path: str, mtime_ns: int) -> dict[str, torch.Tensor]:
+def _zst_bytes(path: str | Path) -> bytes:
+    """A `.safetensors.zst` shard's safetensors bytes."""
     import zstandard
     with open(path, "rb") as fh:
-        raw = zstandard.ZstdDecompressor().decompress(fh.read())
+        return zstandard.ZstdDecompressor().decompress(fh.read())
+
+
+@functools.lru_cache(maxsize=4)
+def _decoded(path: str, mtime_ns: int) -> dict[str, torch.Tensor]:
+    raw = _zst_bytes(path)
     shapes = json.loads(_header_meta(raw).get("shapes", "{}"))
     t = st_load(raw)
     return {k: (_unshuffle(v, shapes[k]) if k in shapes else v) for k, v in t.items()}
