@@ -94,14 +94,19 @@ def _samples(uri: str, tid: str) -> str:
     return "; ".join(f"{name} v{v.version}: {side(v)}" for name, v in (("canary", can), ("champion", champ)) if v)
 
 
-def _decided(uri: str, tid: str) -> object:
-    """The rollout's verdict once a window is judged (the registry untouched); fails with both sides'
-    samples."""
+def _decided(uri: str, tid: str, version: str) -> str:
+    """The rollout's verdict on canary `version` once a window is judged (the registry untouched), or the
+    one the worker's scheduled `tide-rollout` recorded on it when that run acted first (every 300 s: the
+    alias is gone, the version's latest decision says which way); fails with both sides' samples."""
+    from tidespec.adapters import registry
     from tidespec.adapters.registry import rollout
 
     def judged():
         d = rollout.decide(uri, tid, windows=1, act=False)
-        return d if d.verdict != rollout.WAIT else None
+        if d.verdict == rollout.NO_CANARY:
+            done = registry.version_tags(uri, tid, version).get("decision")
+            return {"promoted": rollout.PROMOTE, "rolled_back": rollout.ROLL_BACK}.get(done)
+        return d.verdict if d.verdict != rollout.WAIT else None
     try:
         return wait_until(judged, 120, "a window of both replicas' counters")
     except AssertionError as e:
@@ -199,7 +204,7 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
         # ≤ 1 + 16 + 16): no further seal, so no second cycle moves the canary meanwhile
         for k in urls:
             _traffic(urls[k], seed=1, n=12 if k == "vllm" else 16)
-        assert _decided(uri, tid).verdict == rollout.PROMOTE
+        assert _decided(uri, tid, can.version) == rollout.PROMOTE
         _run_rollout(api, "tide_rollout/tide-cycle")
         assert registry.champion(uri, tid).version == can.version and registry.canary(uri, tid) is None
         wait_until(lambda: health(urls["vllm"])["draft_version"] == can.version, 400, "vLLM to follow", procs["vllm"])
@@ -224,7 +229,7 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
         wait_until(lambda: health(urls["canary"])["draft_version"] == bad, 60, "the canary to serve it")
         for k in urls:
             _traffic(urls[k], seed=2, n=12 if k == "vllm" else 16)
-        assert _decided(uri, tid).verdict == rollout.ROLL_BACK
+        assert _decided(uri, tid, bad) == rollout.ROLL_BACK
         _run_rollout(api, "tide_rollout/tide-cycle")
         assert registry.canary(uri, tid) is None
         assert registry.champion(uri, tid).version == can.version
