@@ -121,6 +121,8 @@ def bench_adapt(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
                 traffic_prompts: int = typer.Option(None, min=1, help="fresh prompts per cycle (default 15, quick 8)"),
                 passes: int = typer.Option(None, min=1, help="measurements per point, arms interleaved; tokens/s "
                                            "is their median (default 2; 3 adds ≈ 25 min)"),
+                static: Path = typer.Option(None, help="the first champion and the static arm: this draft dir "
+                                            "(e.g. `bench static-general`'s; default: make demo's bootstrap static)"),
                 out: Path = typer.Option(Path("bench/results")),
                 work: Path = typer.Option(Path(".tidespec/bench-adapt"), help="scratch workspace (wiped)")):
     """Self-improvement over time: ≥ 6 threshold-triggered cycles on one workload with fresh traffic,
@@ -128,12 +130,15 @@ def bench_adapt(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
     as serve runs it) at concurrency 1/4/8, then a switch and back; bench/results/adapt-<date>.*"""
     from ..config import load_params
     from . import adapt
+    from .adapt import static_label
     cfg = adapt.AdaptConfig.quick() if quick else adapt.AdaptConfig()
     upd = {"workload": workload, "switch_to": switch_to, "traffic_concurrency": traffic_concurrency}
     upd |= {k: v for k, v in (("cycles", cycles), ("traffic_prompts", traffic_prompts), ("passes", passes))
             if v is not None}
+    upd |= {"static": str(static)} if static else {}
     name = cfg.name + (f"-{workload}" if workload != "code" else "") + (
         f"-tc{traffic_concurrency}" if traffic_concurrency != 8 else "")
+    name += f"-{static_label(static)}" if static else ""
     try:
         cfg = replace(cfg, **upd, name=name).validate()
     except ValueError as e:

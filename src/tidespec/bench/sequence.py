@@ -38,7 +38,8 @@ from ..models.load import runner_for
 from ..steps.bootstrap import bootstrap_static
 from ..workspace import Workspace, served
 from . import shift
-from .adapt import ratio_spread, seal_tokens
+from .adapt import seal_tokens
+from .adapt_report import ratio_spread
 from .sequence_report import summarize, write_report
 
 ARMS = ("single", "classes")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .adapt import ratio_spread
+from .adapt_report import ratio_spread
 
 FORGETTING_GOAL = 0.02  # forgetting ≤ 2 % on every class after the sequence
 GENERALIST_GOAL = 0.05  # the generalist within 5 % of the best class draft on every class

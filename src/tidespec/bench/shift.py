@@ -200,12 +200,13 @@ def bench_params(params: Params, cfg: ShiftConfig) -> Params:
 
 
 @contextmanager
-def experiment(base: Params, params: Params, work: Path, label: str):
+def experiment(base: Params, params: Params, work: Path, label: str, static: Path | None = None):
     """The scratch workspace of a cycle experiment (`bench shift`, `bench adapt`): `work` wiped, the
     run's `params` written to its params.yaml (the cycles read it), Prefect + MLflow started (stopped on
-    exit, an error included), the static draft (trained from `base`, the unmodified params: cached by
-    `make demo`) registered and deployed as the first champion. Yields (workspace, MLflow URI, target,
-    tokenizer, static draft dir)."""
+    exit, an error included), the static draft registered and deployed as the first champion: `static`
+    (a draft dir, e.g. `bench static-general`'s) or the bootstrap static trained from `base`, the
+    unmodified params (cached by `make demo`). Yields (workspace, MLflow URI, target, tokenizer, static
+    draft dir)."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     (work / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
@@ -216,7 +217,7 @@ def experiment(base: Params, params: Params, work: Path, label: str):
         os.environ.update(env)
         uri = env["MLFLOW_TRACKING_URI"]
         target, tok = get_target(params)
-        static = bootstrap_static(base, target, tok, cache_dir(), say=print)
+        static = static or bootstrap_static(base, target, tok, cache_dir(), say=print)
         _, v = registry.log_candidate(uri, target.target_id, static, params.model_dump(mode="json"), {},
                                       {"role": "static-bootstrap", "params_sha": params.sha()}, run_name="static")
         registry.promote(uri, target.target_id, v, f"{label}: the static draft is the first champion",
