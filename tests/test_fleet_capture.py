@@ -4,7 +4,9 @@ their snapshots from the remote's manifests and curates the newest across replic
 repos; the threshold fires on the fleet's tokens since the last cycle. Real DVC, a local remote and
 a moto S3 remote."""
 import json
+import os
 import time
+from pathlib import Path
 
 import boto3
 import pytest
@@ -13,7 +15,7 @@ import torch
 from tidespec.adapters import versioning
 from tidespec.adapters.publish import Publisher
 from tidespec.adapters.remote_snapshots import RemoteIndex, list_remote_snapshots
-from tidespec.capture.snapshots import new_snapshot_id, seal
+from tidespec.capture.snapshots import list_snapshots, new_snapshot_id, seal
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import CaptureParams, CurateParams, Params
 from tidespec.steps import cycle
@@ -112,3 +114,66 @@ def test_a_replica_and_a_worker_on_s3(tmp_path, aws_env):
     assert [m["snapshot_id"] for m in list_remote_snapshots(ws.root, TID)] == [sid]
     cur = cycle.step_curate(ws, _params(True, window=1), TID)
     assert cur["pulled"] == [sid] and cur["num_train"] == 3
+
+
+KILLED_REPLICA = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_fleet_capture import _rec
+from tidespec.capture.writer import CaptureWriter
+from tidespec.config import CaptureParams
+from tidespec.workspace import Workspace
+ws = Workspace(Path({root!r}))
+def publishing(info):  # the publish under way when the process is killed
+    print("SEALED", info.snapshot_id, flush=True)
+    time.sleep(3600)
+w = CaptureWriter(ws.capture_dir({tid!r}), {tid!r}, CaptureParams(shard_max_records=2, seal_min_tokens=6 * {T}),
+                  snapshots_root=ws.snapshots, on_seal=publishing, replica_id="r1", idle_flush_s=0.1)
+for i in range(6):
+    w.submit(_rec(i), request_id=f"r1-{{i}}", workload="code", acceptance_length=1.0)
+time.sleep(3600)
+"""
+
+
+def test_a_replica_killed_between_its_seal_and_its_publish_publishes_it_once_restarted(tmp_path, tiny_target_dir):
+    """SIGKILL while a seal's publish is under way (a replica process whose publish blocks): every record is in
+    the sealed snapshot and the remote has nothing of it; `tidespec serve` restarted on the root publishes it
+    at start (its DVC pointer, one manifest on the remote: what a fleet's worker lists), and a second restart
+    publishes nothing again."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import health, serving, tiny_params_yaml, wait_until
+    from tidespec.capture.store import read_manifest
+    from tidespec.config import load_params
+    from tidespec.models.load import get_target
+    root = tmp_path / "replica"
+    root.mkdir()
+    (root / "params.yaml").write_text(tiny_params_yaml(tiny_target_dir))
+    tid = get_target(load_params(root / "params.yaml"))[0].target_id
+    versioning.ensure_repo(root, str(tmp_path / "remote"))
+    script = KILLED_REPLICA.format(tests=str(Path(__file__).parent), root=str(root), tid=tid, T=T)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("SEALED "), line
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+    ws, sid = Workspace(root), line.split()[1]
+    (snap,) = list_snapshots(ws.snapshots, tid)
+    assert snap.name == sid and not snap.with_name(sid + ".dvc").exists()
+    assert sorted(r.request_id for r in read_manifest(snap)) == [f"r1-{i}" for i in range(6)]
+    index = RemoteIndex(root)
+    assert index.ids(tid) == []
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    with serving(root, tmp_path, env) as (url, proc):
+        wait_until(lambda: health(url), 180, "/health", proc)
+        wait_until(lambda: index.ids(tid) == [sid], 120, "the killed seal's manifest on the remote", proc)
+    assert snap.with_name(sid + ".dvc").exists() and [m["num_records"] for m in index.manifests(tid)] == [6]
+    assert f'"snapshot_id": "{sid}"' in (tmp_path / "serve.log").read_text()  # its publish, logged
+    with serving(root, tmp_path, env) as (url, proc):  # nothing left to publish: nothing published twice
+        wait_until(lambda: health(url), 180, "/health", proc)
+    assert index.ids(tid) == [sid] and "published" not in (tmp_path / "serve.log").read_text()

@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,19 +84,19 @@ class CaptureWriter:
     """Writes finished requests to `directory` as shards of `cfg.shard_max_records` records, as
     `cfg` (`CaptureParams`, whole: queue, shards, compression, disk quota and floor, sample rate,
     the acceptance filter, store_text, seal thresholds; default `CaptureParams()`) says.
-
     With `snapshots_root`, seals `directory` into `snapshots_root/<target_id>/<sid>/` at
     `cfg.seal_min_tokens` unsealed tokens or `cfg.seal_max_age_s` (the oldest unsealed record's age),
     and publishes each seal with `on_seal(SnapshotInfo)` (`snapshots.SealPublisher`: its own thread,
-    retried `publish_attempts` times from `publish_retry_s` s). On start it removes temp files and
-    finishes (and publishes) seals a crash interrupted; snapshot ids carry `replica_id` (`serve.replica_id`).
+    retried `publish_attempts` times from `publish_retry_s` s). On start it removes temp files, finishes (and
+    publishes) seals a crash interrupted and publishes `unpublished` (sealed, publish never finished:
+    `Publisher.pending`); snapshot ids carry `replica_id` (`serve.replica_id`).
     Holds an exclusive lock on `directory` until `close()`: another writer or an offline `seal` gets CaptureDirBusy."""
 
     def __init__(self, directory: Path, target_id: str, cfg: CaptureParams | None = None, *,
                  snapshots_root: Path | None = None, on_seal: Callable[[SnapshotInfo], object] | None = None,
                  idle_flush_s: float = 2.0, seed: int = 0, detokenize: Callable[[list[int]], str] | None = None,
                  publish_retry_s: float = PUBLISH_RETRY_S, publish_attempts: int = PUBLISH_ATTEMPTS,
-                 replica_id: str | None = None):
+                 replica_id: str | None = None, unpublished: Sequence[SnapshotInfo] = ()):
         self.cfg = cfg = cfg or CaptureParams()
         self.dir = private_dir(Path(directory))
         self._dir_lock = lock_capture_dir(self.dir)  # one writer per directory; raises CaptureDirBusy
@@ -120,7 +120,7 @@ class CaptureWriter:
         self._pending: list[tuple[dict, dict]] = []
         self.recent = RecentRecords()  # the newest records, for the draft-health guard's paired scoring
         self._publisher = SealPublisher(on_seal, publish_retry_s, publish_attempts) if on_seal else None
-        for info in recover(self.dir, self.snapshots_root, target_id, replica_id):
+        for info in [*recover(self.dir, self.snapshots_root, target_id, replica_id), *unpublished]:
             if self._publisher:
                 self._publisher.publish(info)
         self._rescan()

@@ -87,6 +87,7 @@ def serve(root: Path = ROOT, params: Path = PARAMS, host: str = "127.0.0.1", por
             on_seal=pub,
             detokenize=tok.decode if tok is not None else None,
             replica_id=p.serve.replica_id,  # snapshot ids carry it: unique across the fleet
+            unpublished=_unpublished(pub, target.target_id),  # sealed before a kill, never published
         )
         if hidden
         else None
@@ -208,6 +209,22 @@ def _with_flags(p, launch):
     except ValidationError as e:
         named = ", ".join(launch.labels[k] + f" {v:g}" for k, v in flags.items())
         raise ValueError(f"{named}: {one_line(e)}") from None
+
+
+def _unpublished(pub, target_id: str) -> list:
+    """The newest local snapshot whose publish never finished (`Publisher.pending`; its publish takes
+    older ones along), for the writer to publish at start; [] without a publisher. A remote that cannot
+    be listed now is reported: the next seal's publish takes them along."""
+    if pub is None:
+        return []
+    from ..adapters.versioning import VersioningError
+    from ..capture.snapshots import load_snapshot
+    try:
+        return [load_snapshot(s) for s in pub.pending(target_id)[-1:]]
+    except (VersioningError, OSError) as e:  # no default remote, or it is unreachable or denied: serving goes on
+        console.print(f"serve: the DVC remote cannot be listed ({e}): snapshots sealed before this start are "
+                      "published with the next seal", markup=False)
+        return []
 
 
 def _serve_publisher(p, ws, env=None):
