@@ -141,6 +141,7 @@ def test_a_replica_killed_between_its_seal_and_its_publish_publishes_it_once_res
     the sealed snapshot and the remote has nothing of it; `tidespec serve` restarted on the root publishes it
     at start (its DVC pointer, one manifest on the remote: what a fleet's worker lists), and a second restart
     publishes nothing again."""
+    import select
     import signal
     import subprocess
     import sys
@@ -157,6 +158,7 @@ def test_a_replica_killed_between_its_seal_and_its_publish_publishes_it_once_res
     script = KILLED_REPLICA.format(tests=str(Path(__file__).parent), root=str(root), tid=tid, T=T)
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
+        assert select.select([child.stdout], [], [], 120)[0], "the replica never sealed"
         line = child.stdout.readline()
         assert line.startswith("SEALED "), line
     finally:
@@ -173,7 +175,35 @@ def test_a_replica_killed_between_its_seal_and_its_publish_publishes_it_once_res
         wait_until(lambda: health(url), 180, "/health", proc)
         wait_until(lambda: index.ids(tid) == [sid], 120, "the killed seal's manifest on the remote", proc)
     assert snap.with_name(sid + ".dvc").exists() and [m["num_records"] for m in index.manifests(tid)] == [6]
-    assert f'"snapshot_id": "{sid}"' in (tmp_path / "serve.log").read_text()  # its publish, logged
+    assert (tmp_path / "serve.log").read_text().count(f'published {{"snapshot_id": "{sid}"') == 1  # once
     with serving(root, tmp_path, env) as (url, proc):  # nothing left to publish: nothing published twice
         wait_until(lambda: health(url), 180, "/health", proc)
     assert index.ids(tid) == [sid] and "published" not in (tmp_path / "serve.log").read_text()
+
+
+def test_a_seal_finished_at_start_is_published_once_and_the_newest_unpublished_otherwise(tmp_path, monkeypatch):
+    """The writer's start publishes what recovery finished, else the newest of `unpublished` (its publish takes
+    older ones along), never one snapshot twice: a seal interrupted after its rename is both recovered and
+    listed as unpublished (no pointer), and is published once."""
+    from tidespec.capture import snapshots
+    from tidespec.capture.snapshots import load_snapshot
+    cap, snaps = tmp_path / "cap", tmp_path / "snaps"
+    a = _seal(tmp_path, "r1", 0)  # sealed in tmp_path/data: another replica root's layout
+    w = CaptureWriter(cap, TID, CaptureParams(shard_max_records=4))
+    for i in range(3):
+        w.submit(_rec(i), request_id=f"r2-{i}", workload="code", acceptance_length=1.0)
+    w.close()
+    monkeypatch.setattr(snapshots.Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(OSError()))
+    with pytest.raises(OSError):
+        seal(cap, snaps, TID, replica_id="r2")  # renamed into place, its capture files not yet removed
+    monkeypatch.undo()
+    (b,) = list_snapshots(snaps, TID)
+    published = []
+    CaptureWriter(cap, TID, snapshots_root=snaps, on_seal=published.append,
+                  unpublished=[load_snapshot(b)]).close()
+    assert [i.snapshot_id for i in published] == [b.name]  # recovered, not published a second time
+    published.clear()
+    older = load_snapshot(tmp_path / "data" / "snapshots" / TID / a.snapshot_id)
+    CaptureWriter(tmp_path / "cap2", TID, snapshots_root=snaps, on_seal=published.append,
+                  unpublished=[older, load_snapshot(b)]).close()
+    assert [i.snapshot_id for i in published] == [b.name]  # the newest only

@@ -76,13 +76,13 @@ class Publisher:
                    params.curate.drift_threshold, commit=commit, fleet_min_tokens=params.capture.fleet_min_tokens)
 
     def pending(self, target_id: str) -> list[Path]:
-        """Local snapshots of `target_id` whose publish never finished — no `.dvc` pointer, or no
-        manifest on the remote: the process was killed between a seal and its publish —, oldest first.
-        A serving process hands the newest to its writer at start (`CaptureWriter(unpublished=)`): its
-        publish takes the older ones along. Raises as `RemoteIndex` does (no remote, remote errors)."""
-        on_remote = set(remote_snapshots.RemoteIndex(self.repo).ids(target_id))
+        """Local snapshots of `target_id` a publish never reached (no `.dvc` pointer: the process was
+        killed between a seal and its `dvc add`), oldest first; local reads only. A serving process hands
+        the newest to its writer at start (`CaptureWriter(unpublished=)`): its publish takes the older
+        ones along. One killed later, during its push, has its pointer: the next publish pushes every
+        tracked snapshot and writes the manifests the remote lacks."""
         return [s for s in list_snapshots(self.snapshots_root, target_id)
-                if not s.with_name(s.name + ".dvc").exists() or s.name not in on_remote]
+                if not s.with_name(s.name + ".dvc").exists()]
 
     def __call__(self, info: SnapshotInfo) -> dict:
         """Publish one sealed snapshot. Returns {snapshot_id, snapshot_rev, git_commit,

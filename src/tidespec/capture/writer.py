@@ -87,9 +87,9 @@ class CaptureWriter:
     With `snapshots_root`, seals `directory` into `snapshots_root/<target_id>/<sid>/` at
     `cfg.seal_min_tokens` unsealed tokens or `cfg.seal_max_age_s` (the oldest unsealed record's age),
     and publishes each seal with `on_seal(SnapshotInfo)` (`snapshots.SealPublisher`: its own thread,
-    retried `publish_attempts` times from `publish_retry_s` s). On start it removes temp files, finishes (and
-    publishes) seals a crash interrupted and publishes `unpublished` (sealed, publish never finished:
-    `Publisher.pending`); snapshot ids carry `replica_id` (`serve.replica_id`).
+    retried `publish_attempts` times from `publish_retry_s` s). On start it removes temp files, finishes and
+    publishes seals a crash interrupted, else publishes the newest of `unpublished` (`Publisher.pending`; each
+    publish takes older unpublished ones along); snapshot ids carry `replica_id` (`serve.replica_id`).
     Holds an exclusive lock on `directory` until `close()`: another writer or an offline `seal` gets CaptureDirBusy."""
 
     def __init__(self, directory: Path, target_id: str, cfg: CaptureParams | None = None, *,
@@ -120,7 +120,7 @@ class CaptureWriter:
         self._pending: list[tuple[dict, dict]] = []
         self.recent = RecentRecords()  # the newest records, for the draft-health guard's paired scoring
         self._publisher = SealPublisher(on_seal, publish_retry_s, publish_attempts) if on_seal else None
-        for info in [*recover(self.dir, self.snapshots_root, target_id, replica_id), *unpublished]:
+        for info in recover(self.dir, self.snapshots_root, target_id, replica_id) or list(unpublished)[-1:]:
             if self._publisher:
                 self._publisher.publish(info)
         self._rescan()

@@ -212,19 +212,12 @@ def _with_flags(p, launch):
 
 
 def _unpublished(pub, target_id: str) -> list:
-    """The newest local snapshot whose publish never finished (`Publisher.pending`; its publish takes
-    older ones along), for the writer to publish at start; [] without a publisher. A remote that cannot
-    be listed now is reported: the next seal's publish takes them along."""
+    """The local snapshots a killed process sealed but never published (`Publisher.pending`), for the
+    writer to publish at start; [] without a publisher."""
     if pub is None:
         return []
-    from ..adapters.versioning import VersioningError
     from ..capture.snapshots import load_snapshot
-    try:
-        return [load_snapshot(s) for s in pub.pending(target_id)[-1:]]
-    except (VersioningError, OSError) as e:  # no default remote, or it is unreachable or denied: serving goes on
-        console.print(f"serve: the DVC remote cannot be listed ({e}): snapshots sealed before this start are "
-                      "published with the next seal", markup=False)
-        return []
+    return [load_snapshot(s) for s in pub.pending(target_id)]
 
 
 def _serve_publisher(p, ws, env=None):
