@@ -1,5 +1,5 @@
 """bench adapt (self-improvement over many cycles): its schedule, sizes, seal threshold, and the summary
-against issue 28's goals, report and plots from a run's records. The run itself (`tidespec bench adapt`)
+against the bench's goals, report and plots from a run's records. The run itself (`tidespec bench adapt`)
 needs SmolLM2 and 15–120 min; its serving, cycle and measurement pieces are bench shift's (test_bench_shift)."""
 from dataclasses import asdict
 

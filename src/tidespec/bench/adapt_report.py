@@ -36,7 +36,7 @@ def tau_se(m: dict) -> float:
 
 
 def summarize(rep: dict) -> dict:
-    """The goals of issue 28 as figures: adapted (default config) / static tokens/s per concurrency at
+    """The bench's goals as figures: adapted (default config) / static tokens/s per concurrency at
     the last cycle on the workload before the switch; τ trajectory and whether it still rises at the
     last such cycle (or where it saturated); promotions that lowered held-out τ; τ after the switch
     and back against its best before; outputs == target-only everywhere."""

@@ -27,7 +27,7 @@ def _cpu() -> str:
 
 
 def ratios(rows: dict, k: int, pl: int) -> dict:
-    """The goal figures (issue 3) as measured ratios of tokens/s (and ITL for capture)."""
+    """The goal figures as measured ratios of tokens/s (and ITL for capture)."""
     def tps(m, w):
         return rows.get(m, {}).get(w, {}).get("tokens_per_s")
 

@@ -13,7 +13,7 @@ NOISE_FLOOR = 0.97  # "never slower": a speed-up ≥ this counts as equal (run-t
 
 # -- summary, report, plots ----------------------------------------------------------------------------
 def summarize(rep: dict) -> dict:
-    """Headline figures and the goals (issue 8) vs where the run landed."""
+    """Headline figures and the bench's goals vs where the run landed."""
     k = rep["k"]
     rows = []
     for ph in rep["phases"]:
@@ -48,7 +48,7 @@ def summarize(rep: dict) -> dict:
         "breakeven_tau_k": cost["breakeven_tau"][k] if cost and k < len(cost["breakeven_tau"]) else None,
     }
     hyb = [r for r in rows if "hybrid_over_none" in r]
-    if hyb:  # the adapting arm as served: champion draft + suffix proposer, goodput policy (issue 19)
+    if hyb:  # the adapting arm as served: champion draft + suffix proposer, goodput policy
         code_h = [r for r in hyb if r["phase"] == "code"]
         c1 = [r for r in hyb if r["concurrency"] == min(x["concurrency"] for x in hyb)
               and r["phase"] in ("code", "math-en")]
@@ -234,7 +234,7 @@ def markdown(rep: dict, figs: dict[str, str]) -> str:
                   f"k={i}: {b:.2f}" for i, b in enumerate(cost["breakeven_tau"]) if i) +
               f". At k={k} the drafts above need τ > {cost['breakeven_tau'][k]:.2f} to beat no speculation; the "
               "adapted τ per phase is in the tables."]
-    L += ["", "## Goals (issue 8) and where this run landed", ""]
+    L += ["", "## Goals and where this run landed", ""]
     for name, ok in g["met"].items():
         L.append(f"- {'met' if ok else 'NOT met'}: {name}")
     if g.get("hybrid_over_none_min") is not None:

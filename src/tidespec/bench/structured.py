@@ -198,7 +198,7 @@ def markdown(res: dict) -> str:
                      f"{' ~' if v[w]['ratio']['inside_noise'] else ''}" for m, v in lvl.items() if "ratio" in v[w]]
             lines += ["", f"Concurrency {c} (closed loop, paired per pass): " + "; ".join(cells)]
         lines.append("")
-    lines += ["## Goals (issue 27)", "", "| set | best c=1 | ratio | τ | forced alone | best at c | ratio | valid | "
+    lines += ["## Goals", "", "| set | best c=1 | ratio | τ | forced alone | best at c | ratio | valid | "
               "identical |", "|---|---|---|---|---|---|---|---|---|"]
     for w, g in res["goals"].items():
         gf = g["grammar_forced_ratio_c1"]
