@@ -25,7 +25,7 @@ def test_schedule_validation_and_seal_threshold():
 def test_a_given_static_is_checked_and_named_in_the_command(tmp_path):
     """`--static DIR`: a dir without the draft's files is refused naming the field; the command that
     reproduces a run carries it."""
-    with pytest.raises(ValueError, match="static .*not a draft dir"):
+    with pytest.raises(ValueError, match="--static .*not a draft dir"):
         adapt.AdaptConfig(static=str(tmp_path)).validate()
     for f in ("config.json", "model.safetensors"):
         (tmp_path / f).write_text("{}")

@@ -44,3 +44,27 @@ def test_coverage_per_draft_and_workload_and_the_size_sweep(tmp_path):
     assert "| small (5) | 0.500 | 0.625 |" in (tmp_path / "out" / "vc.md").read_text()
     with pytest.raises(FileNotFoundError, match="no sealed snapshot"):
         vocab_coverage.completions([tmp_path / "empty" / TID])
+
+
+def test_bad_options_are_refused_naming_them_and_a_snapshot_twice_counts_once(tmp_path, capsys):
+    snaps = _snapshot(tmp_path, [("code", [1], [3, 4]), ("code", [1], [3, 5])])
+    (tmp_path / "d").mkdir()
+    save_file({"t2d": torch.ones(V, dtype=torch.bool)}, str(tmp_path / "d" / "model.safetensors"))
+    out = str(tmp_path / "o" / "v1.2")
+    base = ["--snapshots", str(snaps), "--out", out]
+    for bad, says in ((["--draft", str(tmp_path / "d")], "expected NAME=DIR"),
+                      (["--draft", f"a={tmp_path / 'd'}", "--draft", f"a={tmp_path / 'd'}"], "given twice"),
+                      (["--sizes", "0"], "positive integers"), (["--sizes", "abc"], "positive integers")):
+        with pytest.raises(SystemExit):
+            vocab_coverage.main(base + bad)
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        vocab_coverage.main(["--snapshots", str(snaps), "--out", str(tmp_path) + "/"])
+    assert "not a directory" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="above the target's vocabulary of 50"):
+        vocab_coverage.main(base + ["--draft", f"a={tmp_path / 'd'}", "--sizes", "51"])
+    (snap,) = [p for p in snaps.iterdir() if p.is_dir()]
+    rep = vocab_coverage.main(["--snapshots", str(snap), str(snaps / ".." / snaps.name / snap.name), "--out", out,
+                               "--sizes", "1"])
+    assert rep["tokens"] == {"code": 4}  # the same snapshot named twice: read once
+    assert (tmp_path / "o" / "v1.2.json").exists() and (tmp_path / "o" / "v1.2.md").exists()  # the prefix as given

@@ -24,7 +24,7 @@ from ..capture.writer import CaptureWriter
 from ..config import Params
 from ..engine.grammar_state import GrammarCompiler
 from ..models.load import runner_for
-from ..workspace import DRAFT_FILES, Workspace, copy_engine_files, served_version
+from ..workspace import DRAFT_FILES, Workspace, copy_engine_files, engine_dir, served_version
 from . import shift
 from .adapt_report import summarize, write_report
 
@@ -70,8 +70,9 @@ class AdaptConfig:
         if self.cycles < 1 or self.traffic_prompts < 1 or self.passes < 1 or self.eval_prompts < max(self.concurrency):
             raise ValueError("cycles, traffic_prompts and passes must be >= 1 and eval_prompts >= the highest "
                              "concurrency")
-        if self.static and not all((Path(self.static) / f).is_file() for f in DRAFT_FILES):
-            raise ValueError(f"static {self.static!r}: not a draft dir (needs {' + '.join(DRAFT_FILES)})")
+        if self.static and not all((engine_dir(Path(self.static)) / f).is_file() for f in DRAFT_FILES):
+            raise ValueError(f"--static {self.static}: not a draft dir (needs {' + '.join(DRAFT_FILES)} in it "
+                             "or in its draft/)")
         return self
 
     def as_shift(self) -> shift.ShiftConfig:
@@ -143,7 +144,7 @@ def run(params: Params, out: Path, work: Path, cfg: AdaptConfig, progress=print)
         params,
         shift.bench_params(params, replace(sc, concurrency=(*cfg.concurrency, cfg.traffic_concurrency))),
     )
-    first = Path(cfg.static).resolve() if cfg.static else None
+    first = engine_dir(Path(cfg.static)).resolve() if cfg.static else None  # a bundle's draft/, or the dir
     with shift.experiment(base, params, work, "bench adapt", first) as (ws, uri, target, tok, static):
         rep = _cycles(params, ws, uri, target, tok, static, work, cfg, progress)
     rep["wall_s"] = time.perf_counter() - t0

@@ -32,7 +32,9 @@ from tidespec.workspace import engine_dir
 
 def parser() -> argparse.ArgumentParser:
     """The command line (`tidespec bench vocab-coverage` ARGS)."""
-    ap = argparse.ArgumentParser(prog="tidespec bench vocab-coverage", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="tidespec bench vocab-coverage",
+                                 description="The share of the target's output on captured traffic inside each "
+                                             "draft's vocabulary, and the vocabulary size chosen from data.")
     ap.add_argument("--snapshots", type=Path, nargs="+", required=True,
                     help="snapshot dirs, or a target's snapshots dir (every sealed snapshot in it)")
     ap.add_argument("--draft", action="append", default=[], help="name=DIR (repeat): a draft whose t2d is measured")
@@ -68,7 +70,7 @@ def draft_t2d(path: Path) -> torch.Tensor:
     """A draft checkpoint's `t2d` (bool `[V]`); raises FileNotFoundError naming a dir without one."""
     f = engine_dir(path) / "model.safetensors"
     if not f.is_file():
-        raise FileNotFoundError(f"{path}: no model.safetensors (not a draft dir)")
+        raise FileNotFoundError(f"{path}: not a draft dir (no model.safetensors in it or in its draft/)")
     with safe_open(str(f), "pt") as st:
         return st.get_tensor("t2d").bool()
 
@@ -82,25 +84,52 @@ def size_sweep(records: list[torch.Tensor], sizes: list[int], vocab_size: int) -
     return {0: len(counts), **cov}
 
 
+def _args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str], list[int]]:
+    """Parsed arguments, the drafts {name: dir} and the sizes; exits with a usage error naming the
+    option for a --draft without NAME=, a repeated name, sizes that are not positive integers, or an
+    --out that is a directory."""
+    ap = parser()
+    a = ap.parse_args(argv)
+    drafts: dict[str, str] = {}
+    for x in a.draft:
+        name, sep, path = x.partition("=")
+        if not sep or not name or not path:
+            ap.error(f"--draft {x!r}: expected NAME=DIR")
+        if name in drafts:
+            ap.error(f"--draft {name}: given twice (each draft needs its own name)")
+        drafts[name] = path
+    try:
+        sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sizes {a.sizes!r}: comma-separated positive integers")
+    if not sizes or min(sizes) < 1:
+        ap.error(f"--sizes {a.sizes!r}: comma-separated positive integers")
+    if a.out.endswith("/") or Path(a.out).is_dir():
+        ap.error(f"--out {a.out}: a path prefix (PREFIX.json and PREFIX.md are written), not a directory")
+    a.snapshots = list(dict.fromkeys(p.resolve() for p in a.snapshots))  # a snapshot given twice counts once
+    return a, drafts, sizes
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Run it; writes PREFIX.json and PREFIX.md, returns the report."""
-    a = parser().parse_args(argv)
-    drafts = dict(x.split("=", 1) for x in a.draft)
+    """Run it; writes PREFIX.json and PREFIX.md, returns the report. Raises SystemExit (usage) for bad
+    options, FileNotFoundError for a draft or snapshot that is not there, ValueError for a size above
+    the target's vocabulary."""
+    a, drafts, sizes = _args(argv)
     masks = {n: draft_t2d(Path(p)) for n, p in drafts.items()}
     by_w = completions(a.snapshots)
     top = max(int(torch.cat(t).max()) for t in by_w.values())
     vocab_size = next(iter(masks.values())).numel() if masks else top + 1
-    sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
+    if max(sizes) > vocab_size:
+        raise ValueError(f"--sizes: {max(sizes)} is above the target's vocabulary of {vocab_size} ids")
     rep = {"date": date.today().isoformat(), "snapshots": [str(p) for p in a.snapshots], "drafts": drafts,
            "tokens": {w: int(sum(len(t) for t in ts)) for w, ts in by_w.items()},
            "draft_vocab_size": {n: int(m.sum()) for n, m in masks.items()},
            "coverage": {n: {w: coverage(m, ts) for w, ts in by_w.items()} for n, m in masks.items()},
            "size_sweep": {w: size_sweep(ts, sizes, vocab_size) for w, ts in by_w.items() if len(ts) >= 2}}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rep, indent=2))
-    out.with_suffix(".md").write_text(markdown(rep, sizes))
-    print(out.with_suffix(".md").read_text())
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps(rep, indent=2))
+    Path(a.out + ".md").write_text(markdown(rep, sizes))
+    print(Path(a.out + ".md").read_text())
     return rep
 
 
