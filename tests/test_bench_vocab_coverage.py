@@ -39,7 +39,8 @@ def test_coverage_per_draft_and_workload_and_the_size_sweep(tmp_path):
     assert rep["tokens"] == {"code": 8, "chat": 4}
     assert rep["coverage"]["small"] == {"code": pytest.approx(5 / 8), "chat": pytest.approx(2 / 4)}  # 3,3,4,3,4 / 6,6
     # code: first half [3, 3, 4, 5] → top-1 {3}, top-2 {3, 4}; second half [3, 4, 9, 9]
-    assert rep["size_sweep"]["code"] == {0: 3, 1: pytest.approx(1 / 4), 2: pytest.approx(2 / 4)}
+    assert rep["size_sweep"]["code"] == {1: pytest.approx(1 / 4), 2: pytest.approx(2 / 4)}
+    assert rep["distinct_first_half"]["code"] == 3
     assert json.loads((tmp_path / "out" / "vc.json").read_text())["draft_vocab_size"] == {"small": 5}
     assert "| small (5) | 0.500 | 0.625 |" in (tmp_path / "out" / "vc.md").read_text()
     with pytest.raises(FileNotFoundError, match="no sealed snapshot"):

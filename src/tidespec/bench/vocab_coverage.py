@@ -75,13 +75,12 @@ def draft_t2d(path: Path) -> torch.Tensor:
         return st.get_tensor("t2d").bool()
 
 
-def size_sweep(records: list[torch.Tensor], sizes: list[int], vocab_size: int) -> dict[int, float]:
-    """N → coverage of the second half of `records` by the N most frequent tokens of the first half;
-    key 0: the distinct tokens of the first half (an N above it is padded with ids never seen there)."""
+def size_sweep(records: list[torch.Tensor], sizes: list[int], vocab_size: int) -> tuple[dict[int, float], int]:
+    """(N → coverage of the second half of `records` by the N most frequent tokens of the first half,
+    the number of distinct tokens in the first half: an N above it is padded with ids never seen there)."""
     half = max(1, len(records) // 2)
     counts = Counter(torch.cat(records[:half]).tolist())
-    cov = {n: coverage(build_vocab(counts, min(n, vocab_size), vocab_size)[1], records[half:]) for n in sizes}
-    return {0: len(counts), **cov}
+    return {n: coverage(build_vocab(counts, n, vocab_size)[1], records[half:]) for n in sizes}, len(counts)
 
 
 def _args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str], list[int]]:
@@ -106,7 +105,10 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str], l
         ap.error(f"--sizes {a.sizes!r}: comma-separated positive integers")
     if a.out.endswith("/") or Path(a.out).is_dir():
         ap.error(f"--out {a.out}: a path prefix (PREFIX.json and PREFIX.md are written), not a directory")
-    a.snapshots = list(dict.fromkeys(p.resolve() for p in a.snapshots))  # a snapshot given twice counts once
+    first: dict[Path, Path] = {}  # a snapshot given twice (however spelled) counts once, kept as given first
+    for p in a.snapshots:
+        first.setdefault(p.resolve(), p)
+    a.snapshots = list(first.values())
     return a, drafts, sizes
 
 
@@ -125,7 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
            "tokens": {w: int(sum(len(t) for t in ts)) for w, ts in by_w.items()},
            "draft_vocab_size": {n: int(m.sum()) for n, m in masks.items()},
            "coverage": {n: {w: coverage(m, ts) for w, ts in by_w.items()} for n, m in masks.items()},
-           "size_sweep": {w: size_sweep(ts, sizes, vocab_size) for w, ts in by_w.items() if len(ts) >= 2}}
+           "size_sweep": {}, "distinct_first_half": {}}
+    for w, ts in by_w.items():
+        if len(ts) >= 2:
+            rep["size_sweep"][w], rep["distinct_first_half"][w] = size_sweep(ts, sizes, vocab_size)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(rep, indent=2))
     Path(a.out + ".md").write_text(markdown(rep, sizes))
@@ -145,6 +150,6 @@ def markdown(rep: dict, sizes: list[int]) -> str:
     lines += ["", "Built from the first half of each workload's records, measured on the second half (an N "
               "above the first half's distinct tokens is padded with ids never seen there):", "",
               "| N | " + " | ".join(sw) + " |", "|---|" + "---|" * len(sw),
-              "| distinct tokens, first half | " + " | ".join(str(rep["size_sweep"][w][0]) for w in sw) + " |"]
+              "| distinct tokens, first half | " + " | ".join(str(rep["distinct_first_half"][w]) for w in sw) + " |"]
     lines += [f"| {n} | " + " | ".join(f"{rep['size_sweep'][w][n]:.3f}" for w in sw) + " |" for n in sizes]
     return "\n".join(lines) + "\n"
