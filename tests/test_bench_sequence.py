@@ -73,3 +73,44 @@ def test_summary_and_markdown_state_every_goal():
     md = markdown(rep)
     assert "| code | 2.20 | 2.10 | v7 |" in md and "12,345 ShareGPT tokens" in md and "forgetting_le_2pct: True" in md
     assert "Command: `tidespec bench sequence --sequence code,chat,code`" in md
+
+
+def test_a_given_static_and_the_in_domain_statics_are_named_and_compared(tmp_path, tiny_target):
+    """`--static DIR`: refused unless a draft dir; named in the report with its provenance's tokens. The
+    in-domain statics (the single arm's champion after each class's first phase, frozen): a class-drafts
+    root the engine installs, one per class; ratios and the 1.10× goal against them, in the markdown."""
+    from conftest import random_draft
+    from tidespec.engine.build import install_class_drafts, make_engine
+    from tidespec.models.eagle3 import save_checkpoint
+    from tidespec.workspace import make_bundle, write_version
+    with pytest.raises(ValueError, match=f"--static {tmp_path}: not a draft dir"):
+        seq.SequenceConfig(static=str(tmp_path)).validate()
+    target = tiny_target
+    champ = make_bundle(save_checkpoint(random_draft(target, 64), tmp_path / "d"), tmp_path / "champion")
+    write_version(champ, "4", "run")
+    root = seq.in_domain_root(tmp_path / "single")
+    assert seq.freeze_in_domain(champ, root, "code", 1) == {"cycle": 1, "version": "4", "dir": str(root / "code")}
+    write_version(champ, "5", "run")  # the champion moves on; the frozen copy does not
+    assert seq.freeze_in_domain(champ, root, "chat", 2)["version"] == "5"
+    eng = make_engine(Params().engine.fixed(), target)
+    assert install_class_drafts(eng, root) == {"chat": "5", "code": "4"}
+    cfg = seq.SequenceConfig(sequence=("code", "chat", "code"), concurrency=(1, 8), static=str(tmp_path / "d"))
+    assert cfg.validate().static == str(tmp_path / "d")
+    tp = {"pooled": {c: _by({"none": [10, 10], "static": [12, 12], "in_domain": [14, 14], "single": [15, 15],
+                             "classes": [16, 17]}) for c in (1, 8)}}
+    pts = [_point(0, "", {"code": 1.1, "chat": 1.1}), _point(1, "code", {"code": 2.0, "chat": 1.1})]
+    rep = {"config": {**seq.asdict(cfg), "sequence": list(cfg.sequence)}, "k": 4, "cpu_threads": 2, "wall_s": 60,
+           "static_tokens": 1_000_000, "static_given": True, "static_dir": str(tmp_path / "d"), "throughput": tp,
+           "arms": {"single": {"points": pts, "cycles": [], "in_domain": {
+               "code": {"cycle": 1, "version": "4"}, "chat": {"cycle": 2, "version": "5"}}},
+               "classes": {"points": pts, "cycles": []}}}
+    s = summarize(rep)
+    assert s["ratios"]["classes/in_domain"]["8"] == (pytest.approx((16 / 14 + 17 / 14) / 2), 16 / 14, 17 / 14)
+    assert s["goals"]["classes_over_in_domain_ge_1_10"] is True  # 16/14 = 1.14 at the low end
+    rep["summary"], rep["command"] = s, seq.command(rep["config"])
+    md = markdown(rep)
+    assert f"static: the given draft `{tmp_path / 'd'}`, trained on 1,000,000 tokens" in md
+    assert "code v4 at cycle 1, chat v5 at cycle 2" in md and "classes/in_domain" in md
+    assert rep["command"] == f"tidespec bench sequence --sequence code,chat,code --static {tmp_path / 'd'}"
+    del tp["pooled"][1]["in_domain"], tp["pooled"][8]["in_domain"]
+    assert "classes/in_domain" not in summarize(rep)["ratios"]  # not measured: not reported

@@ -158,15 +158,21 @@ def bench_sequence(params: Path = PARAMS,
                    traffic_prompts: int = typer.Option(None, min=1, help="fresh prompts per cycle (default 12, "
                                                        "quick 8)"),
                    passes: int = typer.Option(None, min=1, help="throughput passes, arms interleaved (default 2)"),
+                   static: Path = typer.Option(None, help="the static arm: this draft dir or bundle (e.g. `bench "
+                                               "static-general`'s); default: one trained on the classes arm's tokens"),
                    out: Path = typer.Option(Path("bench/results")),
                    work: Path = typer.Option(Path(".tidespec/bench-sequence"), help="scratch workspaces (wiped)")):
     """Drafts per workload class + replay against one draft without replay over a traffic-shift
     sequence: τ per class after each cycle, forgetting, then tokens/s at concurrency 1/4/8 against a
-    static draft trained on as many tokens and against no speculation; bench/results/sequence-<date>.*"""
+    static draft (given, or trained on as many tokens), the in-domain statics (each class's first
+    champion, frozen) and no speculation; bench/results/sequence-<date>.*"""
     from ..config import load_params
     from . import sequence as seq
     cfg = seq.SequenceConfig.quick() if quick else seq.SequenceConfig()
     upd = {k: v for k, v in (("traffic_prompts", traffic_prompts), ("passes", passes)) if v is not None}
+    if static:
+        from .adapt import static_label
+        upd |= {"static": str(static), "name": f"{cfg.name}-{static_label(static)}"}
     if sequence:
         upd["sequence"] = tuple(x.strip() for x in sequence.split(",") if x.strip())
     try:

@@ -10,12 +10,15 @@ buffer's (the question is what retraining keeps, not what a wide window hides). 
 per class at fixed k on every class's held-out prompts, greedy (deterministic), with the engine as
 `tidespec serve` runs it (each class's own draft, else the generalist). Forgetting per class = (its
 best τ − its τ after the last cycle) / best (Aurora, arXiv 2602.06932, measures adaptation under
-shift; no forgetting figure is published). Then a static draft trained once on as many ShareGPT
-tokens as the `classes` arm's drafts processed in all (Σ over its cycles and classes of training
-tokens × epochs), never fewer than `bootstrap.tokens` (cached), and tokens/s at each concurrency of
-no speculation, that static (fixed k), and each arm's final champions as `tidespec serve` runs them
-(goodput policy, suffix proposer, class drafts), waves interleaved, `passes` passes, paired ratios
-with their range. Writes bench/results/<name>-<date>.{json,md}; the protocol: docs/design/bench.md.
+shift; no forgetting figure is published). Then tokens/s at each concurrency of no speculation, a
+static draft (fixed k), the in-domain statics (fixed k) and each arm's final champions as `tidespec
+serve` runs them (goodput policy, suffix proposer, class drafts), waves interleaved, `passes` passes,
+paired ratios with their range. The static is the one given (`static`: e.g. `bench static-general`'s
+well-trained draft), else one trained once on as many ShareGPT tokens as the `classes` arm's drafts
+processed in all (Σ over its cycles and classes of training tokens × epochs), never fewer than
+`bootstrap.tokens` (cached). The in-domain statics: "train once on your own traffic" — for each class,
+the `single` arm's champion right after that class's first phase, frozen from then on, each serving its
+own class. Writes bench/results/<name>-<date>.{json,md}; the protocol: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from ..engine.grammar_state import GrammarCompiler
 from ..engine.replay import replay
 from ..models.load import runner_for
 from ..steps.bootstrap import bootstrap_static
-from ..workspace import Workspace, served
+from ..workspace import DRAFT_FILES, Workspace, class_dirs, engine_dir, served, served_version
 from . import shift
 from .adapt import seal_tokens
 from .adapt_report import ratio_spread
@@ -65,6 +68,7 @@ class SequenceConfig:
     passes: int = 2
     name: str = "sequence"
     seed: int = 0
+    static: str = ""  # the static arm: a draft dir or bundle ("" = one trained on the classes arm's token count)
 
     @classmethod
     def quick(cls) -> SequenceConfig:
@@ -81,6 +85,9 @@ class SequenceConfig:
             raise ValueError("traffic_prompts, eval_prompts and passes must be >= 1")
         if self.eval_prompts * len(self.classes) < max(self.concurrency):
             raise ValueError("eval_prompts × classes must be >= the highest concurrency (one full wave)")
+        if self.static and not all((engine_dir(Path(self.static)) / f).is_file() for f in DRAFT_FILES):
+            raise ValueError(f"--static {self.static}: not a draft dir (needs {' + '.join(DRAFT_FILES)} in it "
+                             "or in its draft/)")
         return self
 
     @property
@@ -157,7 +164,8 @@ def tau_point(params: Params, target, ws: Workspace, hold: dict, cfg: SequenceCo
 
 def run_arm(base: Params, cfg: SequenceConfig, arm: str, work: Path, traffic: dict, hold: dict, progress) -> dict:
     """One arm's run (module docstring). Returns {"points": [{cycle, phase, tau, versions, mismatches}],
-    "cycles": [...], "workspace"}."""
+    "cycles": [...], "workspace"}; the `single` arm also {"in_domain": {class: {cycle, version, dir}}}: its
+    champion after each class's first phase, frozen under `work/in-domain/<class>` (`in_domain_root`)."""
     params = arm_params(base, cfg, arm)
     sc = replace(cfg.as_shift(), concurrency=(cfg.traffic_concurrency,))
     with shift.experiment(base, params, work, f"bench sequence ({arm})") as (ws, uri, target, tok, _static):
@@ -181,6 +189,8 @@ def run_arm(base: Params, cfg: SequenceConfig, arm: str, work: Path, traffic: di
                 cyc = shift._serve_traffic(w, chunk, target, params, ws, writer, seals, flow, uri, tid, work, sc,
                                            progress)
                 rep["cycles"] += [dict(c, cycle=i) for c in cyc]
+                if arm == "single" and w not in rep.setdefault("in_domain", {}):
+                    rep["in_domain"][w] = freeze_in_domain(ws.champion, in_domain_root(work), w, i)
                 pt = dict(tau_point(params, target, ws, hold, cfg, ref), cycle=i, phase=w)
                 rep["points"].append(pt)
                 progress(f"{arm}: cycle {i} ({w}): τ " + ", ".join(f"{c} {t:.2f}" for c, t in pt["tau"].items()
@@ -188,6 +198,21 @@ def run_arm(base: Params, cfg: SequenceConfig, arm: str, work: Path, traffic: di
         finally:
             writer.close()
     return rep
+
+
+def in_domain_root(arm_work: Path) -> Path:
+    """Where the `single` arm's run in `arm_work` freezes its in-domain statics (a class-drafts root)."""
+    return Path(arm_work) / "in-domain"
+
+
+def freeze_in_domain(champion: Path, root: Path, workload: str, cycle: int) -> dict:
+    """Copy the champion bundle `champion` to `root/<workload>` (a class champion `engine.build.
+    install_class_drafts` serves; replaced if there). Returns {"cycle", "version", "dir"}."""
+    import shutil
+    dest = Path(root) / workload
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(champion, dest)
+    return {"cycle": cycle, "version": served_version(dest), "dir": str(dest)}
 
 
 def static_tokens(arm: dict) -> int:
@@ -203,11 +228,13 @@ def static_tokens(arm: dict) -> int:
 
 
 def throughput(params: Params, target, arms: dict[str, Workspace], static: Path, hold: dict,
-               cfg: SequenceConfig) -> dict:
-    """Tokens/s per concurrency of no speculation, the static draft (fixed k) and each arm as serve runs
-    it, on the pooled held-out prompts, waves interleaved, `cfg.passes` passes (fresh engines each).
-    Returns {c: {arm: metrics with tokens_per_s the median, tokens_per_s_passes, mismatches}} and the
-    code-only figures at concurrency 1 under "code"."""
+               cfg: SequenceConfig, in_domain: Path | None = None) -> dict:
+    """Tokens/s per concurrency of no speculation, the static draft (fixed k), the in-domain statics under
+    `in_domain` (a class-drafts root; fixed k, each class its own — every held-out prompt has a class —;
+    None or empty: no such arm) and each arm as serve runs it, on the pooled held-out prompts, waves
+    interleaved, `cfg.passes` passes (fresh engines each). Returns {c: {arm: metrics with tokens_per_s
+    the median, tokens_per_s_passes, mismatches}} and the code-only figures at concurrency 1 under "code"."""
+    frozen = class_dirs(in_domain) if in_domain else {}
     ps = [p for w in cfg.classes for p in hold[w]]
     out: dict = {}
     for label, prompts_, cs in (("pooled", ps, cfg.concurrency), ("code", hold.get("code", []), (1,))):
@@ -217,6 +244,10 @@ def throughput(params: Params, target, arms: dict[str, Workspace], static: Path,
         for _ in range(cfg.passes):
             engines = {"none": (make_engine(params.engine.fixed(), target), False),
                        "static": (make_engine(params.engine.fixed(), target, runner_for(static, target)), True)}
+            if frozen:
+                eng = make_engine(params.engine.fixed(), target, runner_for(next(iter(frozen.values())), target))
+                install_class_drafts(eng, in_domain)
+                engines["in_domain"] = (eng, True)
             engines |= {a: (serving_engine(params, target, ws, adaptive=True), True) for a, ws in arms.items()}
             m = shift.measure(engines, prompts_, replace(cfg.as_shift(), concurrency=cs), None)
             runs.append(m["by_concurrency"])
@@ -234,7 +265,8 @@ def command(cfg: dict) -> str:
     flags = [" --quick"] if quick else []
     if tuple(cfg["sequence"]) != base.sequence:
         flags.append(f" --sequence {','.join(cfg['sequence'])}")
-    flags += [f" --{f.replace('_', '-')} {cfg[f]}" for f in ("traffic_prompts", "passes") if cfg[f] != getattr(base, f)]
+    flags += [f" --{f.replace('_', '-')} {cfg[f]}" for f in ("traffic_prompts", "passes", "static")
+              if cfg.get(f, getattr(base, f)) != getattr(base, f)]
     return "tidespec bench sequence" + "".join(flags)
 
 
@@ -254,20 +286,34 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(rep, indent=2, default=str))  # an arm's hour survives a later failure
     rep["static_tokens_matched"] = static_tokens(rep["arms"]["classes"])
-    n = rep["static_tokens"] = max(rep["static_tokens_matched"], params.bootstrap.tokens)  # never below today's static
-    big = params.model_copy(update={"bootstrap": params.bootstrap.model_copy(
-        update={"tokens": n, "epochs": 1, "conversations": cfg.static_conversations})})
-    progress(f"static draft on {n} ShareGPT tokens (built once, cached)")
-    static = bootstrap_static(big, target, tok, cache_dir(), say=progress)
-    rep["static_dir"] = str(static)
+    static = _static(params, cfg, rep, target, tok, progress)
     bp = arm_params(params, cfg, "classes")
-    rep["throughput"] = throughput(bp, target, {a: Workspace(work / a) for a in ARMS}, static, hold, cfg)
+    rep["throughput"] = throughput(bp, target, {a: Workspace(work / a) for a in ARMS}, static, hold, cfg,
+                                   in_domain_root(work / "single"))
     rep["wall_s"] = time.perf_counter() - t0
     rep["summary"] = summarize(rep)
     rep["stem"] = f"{cfg.name}-{date.today().isoformat()}"
     write_report(rep, out, rep["stem"])
     partial.unlink(missing_ok=True)
     return rep
+
+
+def _static(params: Params, cfg: SequenceConfig, rep: dict, target, tok, progress) -> Path:
+    """The static arm's draft dir: `cfg.static` (its provenance.json's tokens, when it has one, in the
+    report), else one trained on the classes arm's token count (module docstring, cached)."""
+    if cfg.static:
+        rep["static_dir"], rep["static_given"] = str(engine_dir(Path(cfg.static))), True
+        try:
+            rep["static_tokens"] = int(json.loads((Path(cfg.static) / "provenance.json").read_text())["tokens"])
+        except (OSError, ValueError, KeyError, TypeError):
+            rep["static_tokens"] = None
+        return Path(rep["static_dir"])
+    n = rep["static_tokens"] = max(rep["static_tokens_matched"], params.bootstrap.tokens)  # never below today's static
+    big = params.model_copy(update={"bootstrap": params.bootstrap.model_copy(
+        update={"tokens": n, "epochs": 1, "conversations": cfg.static_conversations})})
+    progress(f"static draft on {n} ShareGPT tokens (built once, cached)")
+    rep["static_dir"] = str(bootstrap_static(big, target, tok, cache_dir(), say=progress))
+    return Path(rep["static_dir"])
 
 
 __all__ = ["SequenceConfig", "run", "ratio_spread"]

@@ -10,6 +10,7 @@ from .adapt_report import ratio_spread
 FORGETTING_GOAL = 0.02  # forgetting ≤ 2 % on every class after the sequence
 GENERALIST_GOAL = 0.05  # the generalist within 5 % of the best class draft on every class
 STATIC_GOAL = 1.25  # adapted / well-trained static tokens/s (Aurora, arXiv 2602.06932: 1.25× under shift)
+IN_DOMAIN_GOAL = 1.10  # adapted / in-domain static ("train once on your own traffic") tokens/s
 CODE_GOAL = 2.0  # code at c = 1 against no speculation
 
 
@@ -30,7 +31,8 @@ def forgetting(points: list[dict], classes: list[str]) -> dict[str, dict]:
 def summarize(rep: dict) -> dict:
     """Forgetting per class and arm; class draft vs generalist τ on each class (classes arm, last point);
     tokens/s ratios per concurrency (paired median and range over passes): classes / static, classes /
-    none, single / static, and code at c = 1 / none; outputs == target-only."""
+    none, single / static, with in-domain statics measured classes / in_domain and single / in_domain,
+    and code at c = 1 / none; outputs == target-only."""
     classes = list(dict.fromkeys(rep["config"]["sequence"]))
     s: dict = {"forgetting": {a: forgetting(arm["points"], classes) for a, arm in rep["arms"].items()}}
     last = rep["arms"]["classes"]["points"][-1]
@@ -42,10 +44,12 @@ def summarize(rep: dict) -> dict:
     s["generalist_gap"] = {w: 1 - (s["class_vs_generalist"][w]["generalist"] or 0) / b for w, b in best.items()}
     tp = rep.get("throughput", {})
     pooled = tp.get("pooled", {})
+    pairs = [("classes/static", ("classes", "static")), ("classes/none", ("classes", "none")),
+             ("single/static", ("single", "static"))]
+    if any("in_domain" in by for by in pooled.values()):
+        pairs += [("classes/in_domain", ("classes", "in_domain")), ("single/in_domain", ("single", "in_domain"))]
     s["ratios"] = {name: {str(c): ratio_spread({c: by}, num, den)[c] for c, by in pooled.items()}
-                   for name, (num, den) in (("classes/static", ("classes", "static")),
-                                            ("classes/none", ("classes", "none")),
-                                            ("single/static", ("single", "static")))}
+                   for name, (num, den) in pairs}
     code = tp.get("code", {})
     s["code_c1_over_none"] = ratio_spread(code, "classes", "none").get(1) if code else None
     s["mismatches"] = (sum(p["mismatches"] for arm in rep["arms"].values() for p in arm["points"])
@@ -59,6 +63,9 @@ def summarize(rep: dict) -> dict:
         "code_c1_ge_2x": None if s["code_c1_over_none"] is None else s["code_c1_over_none"][0] >= CODE_GOAL,
         "classes_over_static_ge_1_25": all(r[0] >= STATIC_GOAL for r in s["ratios"]["classes/static"].values())
         if pooled else None,
+        "classes_over_in_domain_ge_1_10": all(r[0] >= IN_DOMAIN_GOAL
+                                              for r in s["ratios"]["classes/in_domain"].values())
+        if "classes/in_domain" in s["ratios"] else None,
         "lossless": s["mismatches"] == 0}
     return s
 
@@ -91,9 +98,7 @@ def markdown(rep: dict) -> str:
     for w, x in s["class_vs_generalist"].items():
         L.append(f"| {w} | {x['class'] or 0:.2f} | {x['generalist'] or 0:.2f} | v{x['served_by']} |")
     if rep.get("throughput"):
-        L += ["", f"## Throughput (pooled held-out prompts; static trained once on {rep['static_tokens']:,} "
-              f"ShareGPT tokens: the classes arm's drafts processed {rep.get('static_tokens_matched', 0):,}, "
-              "and the static is never smaller than `bootstrap.tokens`)", "",
+        L += ["", f"## Throughput (pooled held-out prompts; {_static_words(rep)})", "",
               "| concurrency | " + " | ".join(f"{n} (median, range)" for n in s["ratios"]) + " |",
               "|---|" + "---|" * len(s["ratios"])]
         for c in sorted({c for r in s["ratios"].values() for c in r}, key=int):
@@ -105,6 +110,22 @@ def markdown(rep: dict) -> str:
     L += ["", "## Goals", ""] + [f"- {k}: {v}" for k, v in s["goals"].items()]
     L += ["", f"Command: `{rep.get('command', 'tidespec bench sequence')}`", ""]
     return "\n".join(L)
+
+
+def _static_words(rep: dict) -> str:
+    """Which static the throughput compares with, and the in-domain statics when measured."""
+    n = rep.get("static_tokens")
+    if rep.get("static_given"):
+        words = (f"static: the given draft `{rep['static_dir']}`"
+                 + (f", trained on {n:,} tokens (its provenance.json)" if n else ""))
+    else:
+        words = (f"static trained once on {n:,} ShareGPT tokens: the classes arm's drafts processed "
+                 f"{rep.get('static_tokens_matched', 0):,}, and the static is never smaller than `bootstrap.tokens`")
+    frozen = rep.get("arms", {}).get("single", {}).get("in_domain")
+    if frozen:
+        words += "; in_domain: each class served by the single arm's champion after its first phase (" + ", ".join(
+            f"{w} v{x['version']} at cycle {x['cycle']}" for w, x in frozen.items()) + "), frozen"
+    return words
 
 
 def write_report(rep: dict, out: Path, stem: str) -> None:
