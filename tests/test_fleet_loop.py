@@ -1,24 +1,27 @@
-"""The loop across machines, end to end on real servers (docs/fleet.md): two replicas that share no disk
-— `tidespec serve --backend vllm` (stable) and an embedded `tidespec serve` (`serve.canary: true`), each in
-its own root and repo — and a fleet worker in a third, all on one DVC remote on S3 (moto), one MLflow
-registry and one Prefect server.
+"""The loop across machines, end to end on real servers (docs/fleet.md): three replicas that share no
+disk — `tidespec serve --backend vllm` and an embedded `tidespec serve` (both stable), and an embedded
+`tidespec serve` with `serve.canary: true`, each in its own root and repo — and a fleet worker in a
+fourth, all on one DVC remote on S3 (moto), one MLflow registry and one Prefect server.
 
-Both replicas capture (the vLLM front door text, rehydrated by its machine's `tide-capture` with the
-shipped embedded prefill — vLLM's own extraction is test_vllm_real's —, the embedded one hidden states)
-and publish their seals with manifests; neither reaches `capture.fleet_min_tokens` alone. The fleet's
+Every replica captures (the vLLM front door text, rehydrated by its machine's `tide-capture` with the
+shipped embedded prefill — vLLM's own extraction is test_vllm_real's —, the embedded ones hidden states)
+and publishes its seals with manifests; no two reach `capture.fleet_min_tokens` together. The fleet's
 seals fire the threshold event; `tidespec fleet deploy`'s
-cycle runs on the worker from its own workspace, trains on both replicas' snapshots and, with
-`deploy.rollout: canary`, sets the `canary` alias: the canary replica serves the new version, vLLM keeps
-the champion. The same traffic on both; the `tide-rollout` deployment on the worker promotes it on the
-same windows; vLLM loads it in place (the same server) and its own counters give τ before and after. A
-worse version put under the canary alias is rolled back: it never reaches vLLM, the champion stays.
-No file copied by hand between the roots."""
+cycle runs on the worker from its own workspace, trains on the three replicas' snapshots and, with
+`deploy.rollout: canary`, sets the `canary` alias: the canary replica serves the new version, the stable
+ones keep the champion. Then the traffic shifts to another workload (prompts of other tokens) on every
+replica at once: the `tide-rollout` deployment on the worker judges the canary against the stable side on
+the same windows of the new traffic and promotes it, and no replica's live guard rolls anything back;
+both stable replicas follow, vLLM in place (the same server), its own counters giving τ before and
+after. A worse version put under the canary alias is rolled back: it never reaches a stable replica,
+the champion stays. No file copied by hand between the roots."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import boto3
@@ -40,7 +43,8 @@ from conftest import (
 pytestmark = pytest.mark.services
 POOL = "tidespec-fleet-loop"
 SEAL = 1800  # tokens per seal on each replica (60 requests of 31 record tokens, 33 by usage)
-FLEET = 2600  # more than one replica's seal: the cycle needs both
+FLEET = 4200  # more than two replicas' seals (≤ 2 × 60 × 33): the cycle needs all three
+STABLE = ("vllm", "embedded")  # the replicas that follow the champion alias
 
 
 def _counters(url: str):
@@ -48,12 +52,13 @@ def _counters(url: str):
     return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
-def _traffic(url: str, seed: int, n: int) -> None:
-    """`n` requests of (8 + 1) prompt + 24 generated tokens: word-tokenizer text, a learnable workload."""
+def _traffic(url: str, seed: int, n: int, vocab: tuple[int, int] = (6, 60)) -> None:
+    """`n` requests of (8 + 1) prompt + 24 generated tokens: word-tokenizer text of the words
+    t<lo>..t<hi-1> (`vocab`), a learnable workload; another range is another workload."""
     import torch
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
-        words = " ".join(f"t{i}" for i in torch.randint(6, 60, (8,), generator=g).tolist())
+        words = " ".join(f"t{i}" for i in torch.randint(*vocab, (8,), generator=g).tolist())
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": words, "max_tokens": 24,
                                                       "temperature": 0, "ignore_eos": True}, timeout=120)
         assert r.status_code == 200, r.text
@@ -61,8 +66,8 @@ def _traffic(url: str, seed: int, n: int) -> None:
 
 def _params(tdir: Path, replica: str, canary: bool) -> dict:
     raw = shipped_params(tdir)  # the shipped defaults, as make demo-vllm's
-    raw["capture"] |= {"seal_min_tokens": SEAL, "fleet_min_tokens": FLEET}
-    raw["curate"] |= {"fleet": True}
+    raw["capture"] |= {"seal_min_tokens": SEAL, "fleet_min_tokens": FLEET, "keep_local_snapshots": 3}
+    raw["curate"] |= {"fleet": True, "window": 3}  # one seal of each replica
     raw["serve"] |= {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0,
                      "champion_source": "registry", "replica_id": replica, "canary": canary}
     raw["engine"]["adaptive"] = False  # k fixed, and the draft alone proposes (the suffix proposer, whose drafts
@@ -139,7 +144,9 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
     boto3.client("s3", endpoint_url=moto_server).create_bucket(Bucket="fleet")
     remote = "s3://fleet/dvc"
     tdir = make_vllm_tiny_target(tmp_path / "target")
-    roots = {"vllm": copy_prefect_project(tmp_path / "vllm"), "canary": tmp_path / "canary"}
+    roots = {"vllm": copy_prefect_project(tmp_path / "vllm"), "embedded": tmp_path / "embedded",
+             "canary": tmp_path / "canary"}
+    roots["embedded"].mkdir()
     roots["canary"].mkdir()
     for name, root in roots.items():
         (root / "params.yaml").write_text(yaml.safe_dump(_params(tdir, name, name == "canary")))
@@ -168,15 +175,17 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
         urls = {}
         urls["vllm"], procs["vllm"] = _serve(roots["vllm"], ["--backend", "vllm", "--vllm-python", python], env,
                                              tmp_path / "vllm.log")
-        urls["canary"], procs["canary"] = _serve(roots["canary"], [], env, tmp_path / "canary.log")
+        for k in ("embedded", "canary"):
+            urls[k], procs[k] = _serve(roots[k], [], env, tmp_path / f"{k}.log")
         for k in urls:
             h = wait_until(lambda k=k: health(urls[k]), 400, f"{k} /health", procs[k])
             assert h["draft_version"] == v1 and h["replica_id"] == k
         assert health(urls["canary"])["canary"] is True and health(urls["vllm"])["engine"] == "vllm"
 
-        # the same traffic on both: each seals ~1,800 tokens, the fleet's ~3,600 pass fleet_min_tokens → a cycle
+        # traffic on all three: each seals ~1,800 tokens, the fleet's ~5,400 pass fleet_min_tokens → a cycle. The
+        # stable embedded replica gets other prompts of the workload (curate keeps one record per prompt)
         for k in urls:
-            _traffic(urls[k], seed=0, n=60)
+            _traffic(urls[k], seed=10 if k == "embedded" else 0, n=60)
         before = _counters(urls["vllm"])  # vLLM's own counters, v1 (random draft)
         assert before is not None and before.num_drafts > 0
         wait_until(lambda: live_tau(uri, tid, v1) == before.acceptance_length, 60, "v1's live τ in MLflow")
@@ -184,11 +193,12 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
 
         def sealed():  # each replica's seal on the remote: the embedded one's own, the front door's by tide-capture
             seals = {m["snapshot_id"]: m["replica_id"] for m in index.manifests(tid)}
-            return seals if set(seals.values()) == {"canary", "vllm"} else None
+            return seals if set(seals.values()) == set(roots) else None
         seals = wait_until(sealed, 600, "a seal of each replica on the DVC remote")
-        assert len(seals) == 2, seals
+        assert len(seals) == 3, seals
+        sizes = {m["replica_id"]: (m["num_tokens"], m["num_bytes"]) for m in index.manifests(tid)}
         can = wait_until(lambda: registry.canary(uri, tid), 600, "the fleet cycle's candidate under the canary alias")
-        assert set(json.loads(can.tags["snapshot_revs"])) == set(seals)  # the window: both replicas' seals
+        assert set(json.loads(can.tags["snapshot_revs"])) == set(seals)  # the window: every replica's seal
         assert registry.champion(uri, tid).version == v1  # canary first: the champion has not moved
         mark = wait_until(lambda: index.cycle_mark(tid), 120, "the cycle's mark on the remote (its last step)")
         assert mark["through"] == max(seals)  # the fleet threshold counts from the newest snapshot it curated
@@ -197,17 +207,24 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
 
         wait_until(lambda: health(urls["canary"])["draft_version"] == can.version, 60, "the canary to serve it",
                    procs["canary"])
-        assert health(urls["vllm"])["draft_version"] == v1  # the stable replica waits for the decision
+        t = {"canary alias": int(can.tags["canary_since"]) / 1000, "canary serving": time.time()}
+        assert all(health(urls[k])["draft_version"] == v1 for k in STABLE)  # the stable ones wait for the decision
 
-        # the same traffic on both windows (≥ 100 drafts a side); the worker's tide-rollout decides on them. After
-        # their seals each replica has < seal_min_tokens left to take (vLLM ≤ 5 exchanges + 12 + 8 + 12, the canary
-        # ≤ 1 + 16 + 16): no further seal, so no second cycle moves the canary meanwhile
+        # the traffic shifts to another workload (words t160..t319, none in any training prompt) on every replica
+        # at once: the same new traffic on both sides' windows (≥ 100 drafts a side), on which the worker's
+        # tide-rollout promotes the canary. After their seals each replica has < seal_min_tokens left to take
+        # (vLLM ≤ 5 exchanges + 12 + 8 + 12, the embedded ones ≤ 1 + 16 + 16): no further seal, so no second
+        # cycle moves the canary meanwhile
         for k in urls:
-            _traffic(urls[k], seed=1, n=12 if k == "vllm" else 16)
+            _traffic(urls[k], seed=1, n=12 if k == "vllm" else 16, vocab=(160, 320))
         assert _decided(uri, tid, can.version) == rollout.PROMOTE
+        t["decided"] = time.time()
         _run_rollout(api, "tide_rollout/tide-cycle")
+        t["promoted"] = time.time()
         assert registry.champion(uri, tid).version == can.version and registry.canary(uri, tid) is None
-        wait_until(lambda: health(urls["vllm"])["draft_version"] == can.version, 400, "vLLM to follow", procs["vllm"])
+        for k in STABLE:
+            wait_until(lambda k=k: health(urls[k])["draft_version"] == can.version, 400, f"{k} to follow", procs[k])
+        t["fleet serving"] = time.time()
         at_swap = _counters(urls["vllm"])  # loaded in place: the same server, its counters went on
         assert at_swap.num_drafts >= before.num_drafts
         _traffic(urls["vllm"], seed=0, n=8)  # the first burst's prompts again, now on the new draft
@@ -234,9 +251,16 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
         assert registry.canary(uri, tid) is None
         assert registry.champion(uri, tid).version == can.version
         wait_until(lambda: health(urls["canary"])["draft_version"] == can.version, 60, "the canary back on it")
-        assert health(urls["vllm"])["draft_version"] == can.version  # vLLM never loaded the worse one
+        assert all(health(urls[k])["draft_version"] == can.version for k in STABLE)  # never loaded the worse one
+        # the shift rolled nothing back: no replica's guard, no rollout; the one rollback is the worse canary's
+        trail = {v: registry.decisions(uri, tid, v) for v in (v1, can.version, bad)}
+        rolled = {v: [d for d in ds if " rolled_back: " in d] for v, ds in trail.items()}
+        assert not rolled[v1] and not rolled[can.version] and len(rolled[bad]) == 1, trail
         print(f"vLLM's counters: v{v1} τ {before.acceptance_length:.3f}; "
               f"v{can.version} τ {after.acceptance_length:.3f}")
+        print("s after the canary alias: " + ", ".join(f"{k} {v - t['canary alias']:.1f}" for k, v in t.items()))
+        print("capture per replica: " + ", ".join(f"{r} {n} tokens {b} bytes ({b / n:.0f} B/token)"
+                                                  for r, (n, b) in sorted(sizes.items())))
     finally:
         for p in procs.values():
             p.terminate()
