@@ -358,3 +358,31 @@ def test_no_validation_records_reports_no_val_metrics(tiny_target, tmp_path):
     m = train_draft(recs[:3], recs[3:], tiny_target, DraftParams(draft_vocab_size=64), tp, tmp_path / "e")
     assert 1.0 <= m["simulated_acceptance_length"] <= 3.0 and m["val_positions"] == 30  # 40 tokens, last 3/4 generated
     assert {f"val/acc_{j}" for j in range(2)} | {f"val/cond_acc_{j}" for j in range(2)} <= set(m)
+
+
+def test_lk_loss_is_minus_log_the_acceptance_probability_and_trains_other_weights(tiny_target, tmp_path):
+    """`train.loss: lk` (arXiv 2602.23881): per row −log Σ_v min(p, q) — 0 where the draft matches the
+    target, −log 0.5 for half the mass shared, by hand below — and its gradient moves q toward p; the
+    knob reaches the trainer (other weights than kl from the same data and seed); refused with SpecForge."""
+    from tidespec.models.ttt import row_loss
+    p = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    logits = torch.log(torch.tensor([[0.5, 0.5, 1e-9], [0.0, 0.5, 0.5]]).clamp_min(1e-12)).requires_grad_()
+    got = row_loss(p, logits, "lk")
+    assert got[0].item() == pytest.approx(0.0, abs=1e-6) and got[1].item() == pytest.approx(-torch.log(
+        torch.tensor(1e-6)).item(), rel=1e-4)  # no shared mass: α floored at 1e-6
+    half = row_loss(torch.tensor([[1.0, 0.0]]), torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_(), "lk")
+    assert half.item() == pytest.approx(-torch.log(torch.tensor(0.5)).item(), rel=1e-6)
+    lg = torch.zeros(1, 2, requires_grad=True)
+    row_loss(torch.tensor([[0.9, 0.1]]), lg, "lk").sum().backward()
+    assert lg.grad[0, 0] < 0 < lg.grad[0, 1]  # descent raises the under-drafted token's logit
+    with pytest.raises(ValueError, match="train.loss 'x'"):
+        row_loss(p, logits, "x")
+    recs = _records(tiny_target, n=6)
+    dp, tp = DraftParams(draft_vocab_size=64), TrainParams(epochs=1, ttt_steps=2, batch_tokens=80)
+    w = {}
+    for loss in ("kl", "lk"):
+        train_draft(recs[:5], recs[5:], tiny_target, dp, tp.model_copy(update={"loss": loss}), tmp_path / loss)
+        w[loss] = load_checkpoint(tmp_path / loss, tiny_target.embed, tiny_target.target_id).state_dict()
+    assert any(not torch.equal(w["kl"][k], w["lk"][k]) for k in w["kl"])
+    with pytest.raises(ValueError, match="train.loss lk is the embedded trainer's"):
+        TrainParams(loss="lk", backend="specforge")

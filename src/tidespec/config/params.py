@@ -239,6 +239,8 @@ class TrainParams(_Strict):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     loss_decay: float = Field(0.8, gt=0, le=1)  # Σ_j decay^j · L_j (SpecForge ploss_decay)
+    # per-position loss: kl (−Σ p log q, SpecForge's) | lk (−log Σ min(p, q): the acceptance rate, arXiv 2602.23881)
+    loss: Literal["kl", "lk"] = "kl"
     max_seq_len: int = Field(512, ge=8)
     batch_tokens: int = Field(1024, ge=8)  # padded B·T per optimizer step
     loss_on_prompt: bool = False  # also fit the target at prompt positions (SpecForge: False)
@@ -275,6 +277,9 @@ class TrainParams(_Strict):
 
     @model_validator(mode="after")
     def _ranks(self):
+        if self.loss != "kl" and self.backend == "specforge":
+            raise ValueError(f"train.loss {self.loss} is the embedded trainer's (SpecForge trains with its own KL): "
+                             "set train.loss: kl, or train.backend: embedded")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"train.nnodes is {self.nnodes}: set train.rdzv_endpoint (host:port of the rendezvous, "
                              "reachable from every node)")

@@ -94,14 +94,17 @@ def step_targets(tlogits: torch.Tensor, valid: torch.Tensor, j: int) -> tuple[to
 
 
 def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int, decay: float,
-             denom: int | None = None):
+             denom: int | None = None, objective: str = "kl"):
     """Returns (loss, [correct_j], [count_j]) for one padded batch.
 
     aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid/key_valid `[B,T]` bool.
     Step j row t is trained on the target distribution at position t+1+j. As SpecForge
-    (`core/loss.py`), L_j sums the cross-entropy over step j's valid rows and divides by all
+    (`core/loss.py`), L_j sums a per-row loss over step j's valid rows and divides by all
     (non-padding) positions, so later steps, with fewer valid rows, weigh less. `denom`: that
     position count when this batch is one rank's share of a global batch (the global batch's).
+    The per-row loss (`row_loss`): `objective` "kl" the cross-entropy −Σ_v p(v) log q(v) (KL(p‖q) up to
+    p's entropy), "lk" −log α with α = Σ_v min(p(v), q(v)), the acceptance probability of a draft
+    token under speculative sampling (LK losses, Samarin et al., arXiv 2602.23881).
     """
     hs = draft.ttt_forward(aux, ids, steps, key_valid)
     loss = torch.zeros((), device=aux.device)
@@ -116,11 +119,24 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
             continue
         logits = draft.logits(h[m])  # only valid rows pay for the lm_head
         tp = torch.softmax(tl[m].float(), -1)
-        lj = -(tp * torch.log_softmax(logits, -1)).sum() / denom
+        lj = row_loss(tp, logits, objective).sum() / denom
         loss = loss + decay ** j * lj
         correct.append(int((logits.argmax(-1) == tp.argmax(-1)).sum()))
         count.append(n)
     return loss, correct, count
+
+
+def row_loss(p: torch.Tensor, logits: torch.Tensor, objective: str) -> torch.Tensor:
+    """Per-row loss of the draft's `logits` `[N, Vd]` against the target's distribution `p` `[N, Vd]`
+    (float32, rows sum to 1), by `objective`: "kl" −Σ_v p log softmax(logits), "lk" −log Σ_v min(p, softmax(logits))
+    (α floored at 1e-6: a row with no overlap keeps a finite loss). Returns `[N]` float32. Raises
+    ValueError for another `objective`."""
+    if objective == "kl":
+        return -(p * torch.log_softmax(logits, -1)).sum(-1)
+    if objective == "lk":
+        alpha = torch.minimum(p, torch.softmax(logits.float(), -1)).sum(-1)
+        return -torch.log(alpha.clamp_min(1e-6))
+    raise ValueError(f"train.loss {objective!r}: use kl or lk")
 
 
 class TTTOutcomes(NamedTuple):

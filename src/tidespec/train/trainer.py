@@ -1,7 +1,8 @@
 """The embedded EAGLE3 trainer: training-time test (TTT) over captured hidden states (`train_draft`).
 
 Loss (`models.ttt.ttt_loss`, as SpecForge `specforge/core/loss.py::_compute_loss`): L = Σ_j decay^j · L_j,
-L_j the mean over valid positions of −Σ_v p_target(v) · log q_draft(v), p_target the target's distribution
+L_j the mean over valid positions of −Σ_v p_target(v) · log q_draft(v) (`train.loss: kl`; `lk`: −log Σ_v
+min(p_target(v), q_draft(v)), LK losses, arXiv 2602.23881), p_target the target's distribution
 restricted to the draft vocabulary, from the captured final hidden state through its lm_head; positions
 whose target argmax is outside the draft vocabulary are dropped. Warm start from a draft (its vocabulary
 remapped), resumable state every `checkpoint_every` steps, the holdout evaluated per epoch
@@ -192,7 +193,7 @@ def _train_epoch(draft, opt, sched, params: list, stream: ExampleStream, tparams
         loss, c, n = torch.zeros(()), [0] * steps, [0] * steps
         if batch is not None:
             with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
-                loss, c, n = ttt_loss(draft, *batch, steps, tparams.loss_decay, denom=tokens)
+                loss, c, n = ttt_loss(draft, *batch, steps, tparams.loss_decay, denom=tokens, objective=tparams.loss)
         run["batches_done"] = bi + 1
         finite = bool(torch.isfinite(loss))
         learn = loss.requires_grad and finite
