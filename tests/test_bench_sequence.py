@@ -102,7 +102,8 @@ def test_a_given_static_and_the_in_domain_statics_are_named_and_compared(tmp_pat
     rep = {"config": {**seq.asdict(cfg), "sequence": list(cfg.sequence)}, "k": 4, "cpu_threads": 2, "wall_s": 60,
            "static_tokens": 1_000_000, "static_given": True, "static_dir": str(tmp_path / "d"), "throughput": tp,
            "arms": {"single": {"points": pts, "cycles": [], "in_domain": {
-               "code": {"cycle": 1, "version": "4"}, "chat": {"cycle": 2, "version": "5"}}},
+               "code": {"cycle": 1, "version": "4", "promoted": True},
+               "chat": {"cycle": 2, "version": "5", "promoted": False}}},
                "classes": {"points": pts, "cycles": []}}}
     s = summarize(rep)
     assert s["ratios"]["classes/in_domain"]["8"] == (pytest.approx((16 / 14 + 17 / 14) / 2), 16 / 14, 17 / 14)
@@ -110,7 +111,8 @@ def test_a_given_static_and_the_in_domain_statics_are_named_and_compared(tmp_pat
     rep["summary"], rep["command"] = s, seq.command(rep["config"])
     md = markdown(rep)
     assert f"static: the given draft `{tmp_path / 'd'}`, trained on 1,000,000 tokens" in md
-    assert "code v4 at cycle 1, chat v5 at cycle 2" in md and "classes/in_domain" in md
+    assert "code v4 at cycle 1, chat v5 at cycle 2, not promoted there: an earlier phase's draft" in md
+    assert "classes/in_domain" in md
     assert rep["command"] == f"tidespec bench sequence --sequence code,chat,code --static {tmp_path / 'd'}"
     del tp["pooled"][1]["in_domain"], tp["pooled"][8]["in_domain"]
     assert "classes/in_domain" not in summarize(rep)["ratios"]  # not measured: not reported

@@ -11,10 +11,12 @@ cycle runs on the worker from its own workspace, trains on the three replicas' s
 `deploy.rollout: canary`, sets the `canary` alias: the canary replica serves the new version, the stable
 ones keep the champion. Then the traffic shifts to another workload (prompts of other tokens) on every
 replica at once: the `tide-rollout` deployment on the worker judges the canary against the stable side on
-the same windows of the new traffic and promotes it, and no replica's live guard rolls anything back;
-both stable replicas follow, vLLM in place (the same server), its own counters giving τ before and
-after. A worse version put under the canary alias is rolled back: it never reaches a stable replica,
-the champion stays. No file copied by hand between the roots."""
+the same windows of the new traffic and promotes it; both stable replicas follow, vLLM in place (the
+same server), its own counters giving τ before and after; the shifted traffic again on every replica
+leaves each on the new champion, and the registry records no rollback by the rollout or by a replica's
+live guard (every replica checks each second here). A worse version put under the canary alias is
+rolled back: it never reaches a stable replica, the champion stays. No file copied by hand between the
+roots."""
 from __future__ import annotations
 
 import json
@@ -68,8 +70,8 @@ def _params(tdir: Path, replica: str, canary: bool) -> dict:
     raw = shipped_params(tdir)  # the shipped defaults, as make demo-vllm's
     raw["capture"] |= {"seal_min_tokens": SEAL, "fleet_min_tokens": FLEET, "keep_local_snapshots": 3}
     raw["curate"] |= {"fleet": True, "window": 3}  # one seal of each replica
-    raw["serve"] |= {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0,
-                     "champion_source": "registry", "replica_id": replica, "canary": canary}
+    raw["serve"] |= {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0, "health_check_s": 1.0,
+                     "champion_source": "registry", "replica_id": replica, "canary": canary}  # guards: every 1 s
     raw["engine"]["adaptive"] = False  # k fixed, and the draft alone proposes (the suffix proposer, whose drafts
     raw["engine"]["suffix"]["enabled"] = False  # a version's counters leave out, would take the repeated prompts)
     raw["deploy"] = {"rollout": "canary", "canary_windows": 1,
@@ -213,8 +215,8 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
         # the traffic shifts to another workload (words t160..t319, none in any training prompt) on every replica
         # at once: the same new traffic on both sides' windows (≥ 100 drafts a side), on which the worker's
         # tide-rollout promotes the canary. After their seals each replica has < seal_min_tokens left to take
-        # (vLLM ≤ 5 exchanges + 12 + 8 + 12, the embedded ones ≤ 1 + 16 + 16): no further seal, so no second
-        # cycle moves the canary meanwhile
+        # (vLLM ≤ 5 exchanges + 12 + 8 + 8 + 12, the embedded ones ≤ 1 + 16 + 8 + 16): no further seal, so no
+        # second cycle moves the canary meanwhile
         for k in urls:
             _traffic(urls[k], seed=1, n=12 if k == "vllm" else 16, vocab=(160, 320))
         assert _decided(uri, tid, can.version) == rollout.PROMOTE
@@ -238,6 +240,10 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
         assert set(want) == {"gpu", "trn2"}
         wait_until(lambda: {p: registry.version_tags(uri, tid, can.version).get(f"live_tuned_k.{p}")
                             for p in want} == want, 60, "the live-tuned windows on the version")
+        for k in urls:  # the shifted workload again, now that every replica serves the new champion
+            _traffic(urls[k], seed=3, n=8, vocab=(160, 320))
+        time.sleep(3)  # three rounds of every replica's guard (serve.health_check_s, live_stats_s: 1 s)
+        assert all(health(urls[k])["draft_version"] == can.version for k in urls)
 
         # a worse version under the canary alias: the canary serves it, the windows roll it back
         _, bad = registry.log_candidate(uri, tid, save_checkpoint(random_draft(target, 64, seed=5), tmp_path / "d3"),
@@ -252,7 +258,8 @@ def test_a_fleet_learns_from_every_replica_and_rolls_out_canary_first(
         assert registry.champion(uri, tid).version == can.version
         wait_until(lambda: health(urls["canary"])["draft_version"] == can.version, 60, "the canary back on it")
         assert all(health(urls[k])["draft_version"] == can.version for k in STABLE)  # never loaded the worse one
-        # the shift rolled nothing back: no replica's guard, no rollout; the one rollback is the worse canary's
+        # the shifts rolled nothing back: no rollback recorded by a replica's guard or by the rollout, the one
+        # rollback is the worse canary's (the vLLM replica's guard, with no hidden states, could only reload)
         trail = {v: registry.decisions(uri, tid, v) for v in (v1, can.version, bad)}
         rolled = {v: [d for d in ds if " rolled_back: " in d] for v, ds in trail.items()}
         assert not rolled[v1] and not rolled[can.version] and len(rolled[bad]) == 1, trail

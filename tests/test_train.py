@@ -362,14 +362,17 @@ def test_no_validation_records_reports_no_val_metrics(tiny_target, tmp_path):
 
 def test_lk_loss_is_minus_log_the_acceptance_probability_and_trains_other_weights(tiny_target, tmp_path):
     """`train.loss: lk` (arXiv 2602.23881): per row −log Σ_v min(p, q) — 0 where the draft matches the
-    target, −log 0.5 for half the mass shared, by hand below — and its gradient moves q toward p; the
-    knob reaches the trainer (other weights than kl from the same data and seed); refused with SpecForge."""
+    target, −log 0.5 for half the mass shared, −log q(t) where the target is sure of t, by hand below —
+    and its gradient moves q toward p, also on a row where the draft is confidently wrong; the knob
+    reaches the trainer (other weights than kl from the same data and seed); refused with SpecForge."""
     from tidespec.models.ttt import row_loss
     p = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
-    logits = torch.log(torch.tensor([[0.5, 0.5, 1e-9], [0.0, 0.5, 0.5]]).clamp_min(1e-12)).requires_grad_()
+    logits = torch.tensor([[0.0, 0.0, -30.0], [-20.0, 0.0, 0.0]], requires_grad=True)
     got = row_loss(p, logits, "lk")
-    assert got[0].item() == pytest.approx(0.0, abs=1e-6) and got[1].item() == pytest.approx(-torch.log(
-        torch.tensor(1e-6)).item(), rel=1e-4)  # no shared mass: α floored at 1e-6
+    q1 = torch.softmax(logits[1].detach(), -1)
+    assert got[0].item() == pytest.approx(0.0, abs=1e-6) and got[1].item() == pytest.approx(-q1[0].log().item())
+    got[1].backward()  # q(t) ≈ 1e-9: still pushed up (a floor on α would stop the gradient here)
+    assert logits.grad[1, 0] < -0.9 and logits.grad[1, 1] > 0.4
     half = row_loss(torch.tensor([[1.0, 0.0]]), torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_(), "lk")
     assert half.item() == pytest.approx(-torch.log(torch.tensor(0.5)).item(), rel=1e-6)
     lg = torch.zeros(1, 2, requires_grad=True)

@@ -172,7 +172,7 @@ def bench_sequence(params: Path = PARAMS,
     upd = {k: v for k, v in (("traffic_prompts", traffic_prompts), ("passes", passes)) if v is not None}
     if static:
         from .adapt import static_label
-        upd |= {"static": str(static), "name": f"{cfg.name}-{static_label(static)}"}
+        upd |= {"static": str(static.resolve()), "name": f"{cfg.name}-{static_label(static)}"}
     if sequence:
         upd["sequence"] = tuple(x.strip() for x in sequence.split(",") if x.strip())
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shlex
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -189,8 +190,9 @@ def run_arm(base: Params, cfg: SequenceConfig, arm: str, work: Path, traffic: di
                 cyc = shift._serve_traffic(w, chunk, target, params, ws, writer, seals, flow, uri, tid, work, sc,
                                            progress)
                 rep["cycles"] += [dict(c, cycle=i) for c in cyc]
-                if arm == "single" and w not in rep.setdefault("in_domain", {}):
-                    rep["in_domain"][w] = freeze_in_domain(ws.champion, in_domain_root(work), w, i)
+                if arm == "single" and w not in rep.setdefault("in_domain", {}):  # promoted: trained on w's traffic
+                    rep["in_domain"][w] = freeze_in_domain(ws.champion, in_domain_root(work), w, i) | {
+                        "promoted": any(c.get("promoted") for c in cyc)}
                 pt = dict(tau_point(params, target, ws, hold, cfg, ref), cycle=i, phase=w)
                 rep["points"].append(pt)
                 progress(f"{arm}: cycle {i} ({w}): τ " + ", ".join(f"{c} {t:.2f}" for c, t in pt["tau"].items()
@@ -265,8 +267,8 @@ def command(cfg: dict) -> str:
     flags = [" --quick"] if quick else []
     if tuple(cfg["sequence"]) != base.sequence:
         flags.append(f" --sequence {','.join(cfg['sequence'])}")
-    flags += [f" --{f.replace('_', '-')} {cfg[f]}" for f in ("traffic_prompts", "passes", "static")
-              if cfg.get(f, getattr(base, f)) != getattr(base, f)]
+    flags += [f" --{f.replace('_', '-')} {cfg[f]}" for f in ("traffic_prompts", "passes") if cfg[f] != getattr(base, f)]
+    flags += [f" --static {shlex.quote(cfg['static'])}"] if cfg.get("static") else []
     return "tidespec bench sequence" + "".join(flags)
 
 
@@ -276,6 +278,8 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
     t0 = time.perf_counter()
     from ..models.load import get_target
     target, tok = get_target(params)
+    if cfg.static:
+        runner_for(engine_dir(Path(cfg.static)), target)  # a draft of another target fails now, not after the arms
     traffic, hold = prompts(params, tok, cfg, GrammarCompiler.for_target(target, tok))
     rep = {"config": asdict(cfg), "command": command(asdict(cfg)), "params_sha": params.sha(),
            "target_id": target.target_id,
@@ -285,7 +289,6 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
         rep["arms"][arm] = run_arm(params, cfg, arm, work / arm, traffic, hold, progress)
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(rep, indent=2, default=str))  # an arm's hour survives a later failure
-    rep["static_tokens_matched"] = static_tokens(rep["arms"]["classes"])
     static = _static(params, cfg, rep, target, tok, progress)
     bp = arm_params(params, cfg, "classes")
     rep["throughput"] = throughput(bp, target, {a: Workspace(work / a) for a in ARMS}, static, hold, cfg,
@@ -308,6 +311,7 @@ def _static(params: Params, cfg: SequenceConfig, rep: dict, target, tok, progres
         except (OSError, ValueError, KeyError, TypeError):
             rep["static_tokens"] = None
         return Path(rep["static_dir"])
+    rep["static_tokens_matched"] = static_tokens(rep["arms"]["classes"])
     n = rep["static_tokens"] = max(rep["static_tokens_matched"], params.bootstrap.tokens)  # never below today's static
     big = params.model_copy(update={"bootstrap": params.bootstrap.model_copy(
         update={"tokens": n, "epochs": 1, "conversations": cfg.static_conversations})})

@@ -124,7 +124,9 @@ def _static_words(rep: dict) -> str:
     frozen = rep.get("arms", {}).get("single", {}).get("in_domain")
     if frozen:
         words += "; in_domain: each class served by the single arm's champion after its first phase (" + ", ".join(
-            f"{w} v{x['version']} at cycle {x['cycle']}" for w, x in frozen.items()) + "), frozen"
+            f"{w} v{x['version']} at cycle {x['cycle']}" + ("" if x.get("promoted", True) else
+                                                            ", not promoted there: an earlier phase's draft")
+            for w, x in frozen.items()) + "), frozen"
     return words
 
 

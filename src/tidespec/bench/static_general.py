@@ -70,8 +70,10 @@ def recipe_dirs(params, target_id: str, a, cache: Path) -> tuple[Path, Path]:
     data = [target_id, [params.target.dtype, params.target.quantization], a.tokens, a.skip, a.holdout,
             a.max_tokens]
     root = cache / "bench-static" / f"general-data-{_key(data)}"
-    train = data + [a.epochs, a.train_tokens, params.draft.model_dump(),
-                    params.train.learning_dump() | {"epochs": a.epochs}]
+    learn = params.train.learning_dump() | {"epochs": a.epochs}
+    if learn.get("loss") == "kl":  # the default: the key drafts were cached under before train.loss
+        del learn["loss"]
+    train = data + [a.epochs, a.train_tokens, params.draft.model_dump(), learn]
     return root / "records", root / f"draft-{_key(train)}"
 
 

@@ -129,13 +129,12 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
 def row_loss(p: torch.Tensor, logits: torch.Tensor, objective: str) -> torch.Tensor:
     """Per-row loss of the draft's `logits` `[N, Vd]` against the target's distribution `p` `[N, Vd]`
     (float32, rows sum to 1), by `objective`: "kl" −Σ_v p log softmax(logits), "lk" −log Σ_v min(p, softmax(logits))
-    (α floored at 1e-6: a row with no overlap keeps a finite loss). Returns `[N]` float32. Raises
-    ValueError for another `objective`."""
+    (in log space, −logsumexp_v min(log p, log q): finite, with a gradient, however little the draft puts
+    where the target does). Returns `[N]` float32. Raises ValueError for another `objective`."""
     if objective == "kl":
         return -(p * torch.log_softmax(logits, -1)).sum(-1)
     if objective == "lk":
-        alpha = torch.minimum(p, torch.softmax(logits.float(), -1)).sum(-1)
-        return -torch.log(alpha.clamp_min(1e-6))
+        return -torch.logsumexp(torch.minimum(torch.log(p), torch.log_softmax(logits.float(), -1)), -1)
     raise ValueError(f"train.loss {objective!r}: use kl or lk")
 
 

@@ -72,7 +72,8 @@ def static_draft_dir(params: Params, target_id: str, cache: Path) -> Path:
     that precision)."""
     b = params.bootstrap  # answers: dataset (the default) keeps the key drafts were cached under before the knob
     boot = b.model_dump(exclude={"answers"}) if b.answers == "dataset" else b.model_dump()
-    parts = [target_id, boot, params.draft.model_dump(), params.train.model_dump()]
+    train = params.train.model_dump(exclude={"loss"} if params.train.loss == "kl" else None)  # kl: the key before it
+    parts = [target_id, boot, params.draft.model_dump(), train]
     t = params.target
     if (t.dtype, t.quantization) != ("float32", "none"):  # fp32 keeps the key drafts were cached under before
         parts.append([t.dtype, t.quantization])
