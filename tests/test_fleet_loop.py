@@ -70,8 +70,10 @@ def _params(tdir: Path, replica: str, canary: bool) -> dict:
     raw = shipped_params(tdir)  # the shipped defaults, as make demo-vllm's
     raw["capture"] |= {"seal_min_tokens": SEAL, "fleet_min_tokens": FLEET, "keep_local_snapshots": 3}
     raw["curate"] |= {"fleet": True, "window": 3}  # one seal of each replica
-    raw["serve"] |= {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0, "health_check_s": 1.0,
-                     "champion_source": "registry", "replica_id": replica, "canary": canary}  # guards: every 1 s
+    raw["serve"] |= {"watch_champion_s": 0.5, "served_model_name": "tiny", "live_stats_s": 1.0,
+                     "champion_source": "registry", "replica_id": replica, "canary": canary}
+    if replica != "vllm":  # the embedded guard every 1 s (vLLM's runs with its counters, every live_stats_s)
+        raw["serve"]["health_check_s"] = 1.0
     raw["engine"]["adaptive"] = False  # k fixed, and the draft alone proposes (the suffix proposer, whose drafts
     raw["engine"]["suffix"]["enabled"] = False  # a version's counters leave out, would take the repeated prompts)
     raw["deploy"] = {"rollout": "canary", "canary_windows": 1,
