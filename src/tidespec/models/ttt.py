@@ -119,7 +119,10 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
             continue
         logits = draft.logits(h[m])  # only valid rows pay for the lm_head
         tp = torch.softmax(tl[m].float(), -1)
-        lj = row_loss(tp, logits, objective).sum() / denom
+        if objective == "kl":  # one sum over the rows and the vocabulary, as before the objective was a choice
+            lj = -(tp * torch.log_softmax(logits, -1)).sum() / denom
+        else:
+            lj = row_loss(tp, logits, objective).sum() / denom
         loss = loss + decay ** j * lj
         correct.append(int((logits.argmax(-1) == tp.argmax(-1)).sum()))
         count.append(n)
