@@ -28,7 +28,9 @@ def test_launch_line_names_the_draft_and_k(tmp_path, monkeypatch):
         "nobind",
         "3",
     )
-    assert vllm.launch_env(vllm.VLLMLaunch("/m", threads=2, bind_threads=True))["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # unpinned: the worker inside the engine core
+    pinned = vllm.launch_env(vllm.VLLMLaunch("/m", threads=2, bind_threads=True))
+    assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in pinned
     for omp, want in (("1", "1"), ("3", "3"), ("", str(os.cpu_count())), ("x", str(os.cpu_count()))):
         monkeypatch.setenv("OMP_NUM_THREADS", omp)  # no threads named: the engine's rule, as llama.cpp's
         assert vllm.launch_env(vllm.VLLMLaunch("/m"))["OMP_NUM_THREADS"] == want, omp

@@ -133,6 +133,8 @@ def test_in_place_swap_live_guard_blue_green_and_agreement(tiny_vllm_setup, weak
     dep.proxy = app.state.proxy
     url, pid = dep.url, dep.server.server.proc.pid
     try:
+        names = _descendant_names(pid)  # unpinned (launch_env): the worker inside the engine core, no spinning queue
+        assert names.count("VLLM::EngineCor") == 1 and not any(n.startswith("VLLM::Worker") for n in names), names
         weak_out, weak_counts = _fixed_pass(url, prompts)
         res, statuses = _under_load(app, prompts, lambda: dep.install(bundles["2"]))
         assert res["mode"] == "in_place" and res["draft_version"] == "2" == dep.draft_version, res
@@ -207,6 +209,26 @@ def test_in_place_swap_live_guard_blue_green_and_agreement(tiny_vllm_setup, weak
     assert fresh_out == ours  # lossless across engines
     assert total.num_accepted_tokens > 0.2 * total.num_draft_tokens  # a trained draft: counters discriminate
     assert fresh_counts == vllm.SpecDecodeCounters(*total.as_vllm())
+
+
+def _descendant_names(pid: int) -> list[str]:
+    """The process names (/proc comm, 15 characters) of every descendant of `pid`."""
+    parent = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                name, rest = (p / "stat").read_text().rsplit(")", 1)
+                parent[int(p.name)] = (int(rest.split()[1]), name.split("(", 1)[1])
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def under(q: int) -> bool:
+        while q > 1:
+            q = parent.get(q, (0, ""))[0]
+            if q == pid:
+                return True
+        return False
+    return [name for q, (_, name) in parent.items() if under(q)]
 
 
 def _under_load(app, prompts, swap):

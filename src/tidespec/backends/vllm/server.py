@@ -205,7 +205,11 @@ def launch_env(cfg: VLLMLaunch) -> dict[str, str]:
     """Environment of the server: CPU KV cache size, OMP threads. Threads are pinned to cores 0..n-1
     only with `bind_threads`: vLLM's pinning (KMP_AFFINITY explicit + 5 ms spin) suits a dedicated
     machine, but two pinned servers on the same cores (a blue/green swap under load) stalled the new
-    one's start for minutes here; unpinned, with idle threads sleeping (KMP_BLOCKTIME 0), they share."""
+    one's start for minutes here; unpinned, with idle threads sleeping (KMP_BLOCKTIME 0), they share, and
+    the worker runs inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING 0 keeps vLLM's one-process
+    executor, as on one GPU; its CPU platform otherwise moves the worker to a process of its own, reached
+    through a shared-memory queue whose readers spin for 1 s after every message — `shm_broadcast.py`
+    SpinCondition — so with requests under a second apart two processes each hold a core between steps)."""
     n = cfg.threads or default_threads()
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), "OMP_NUM_THREADS": str(n),
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -215,7 +219,7 @@ def launch_env(cfg: VLLMLaunch) -> dict[str, str]:
         env |= {"VLLM_SERVER_DEV_MODE": "1", "TIDESPEC_DRAFT_ROOT": str(cfg.draft_swap_root)}
     if cfg.bind_threads:
         return env | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}"}
-    return env | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "KMP_BLOCKTIME": "0"}
+    return env | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "KMP_BLOCKTIME": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def unavailable_reason(python: str) -> str | None:
