@@ -235,8 +235,9 @@ def _start_canary(c: MlflowClient, name: str, version: str, reason: str, champio
     """``version`` under the ``canary`` alias from now (tag ``canary_since``), recorded ``canary``; a
     canary it replaces before a decision is recorded ``canary_replaced``."""
     prev = _alias_version(c, name, CANARY)
-    c.set_registered_model_alias(name, CANARY, version)
+    # the tag before the alias: whoever sees the alias (a replica, the rollout) reads where its windows start
     c.set_model_version_tag(name, version, CANARY_SINCE_TAG, str(int(time.time() * 1000)))
+    c.set_registered_model_alias(name, CANARY, version)
     if prev is not None and prev != version:
         _record(c, name, prev, "canary_replaced", f"canary replaced by v{version} before a decision")
     _record(c, name, version, "canary", f"{reason}; served by the canary replicas beside champion v{champion} "
