@@ -316,16 +316,24 @@ def champion(tracking_uri: str, target_id: str, workload: str = "") -> ModelVers
     return _by_alias(tracking_uri, target_id, champion_alias(workload))
 
 
-def class_champions(tracking_uri: str, target_id: str) -> dict[str, str]:
-    """{class: version} of every workload class with a champion of its own ({} without a model)."""
+def aliases(tracking_uri: str, target_id: str) -> dict[str, str]:
+    """{alias: version} of the target's registered model, every alias in one registry call ({} without a
+    model). Raises MlflowException on other server errors."""
     try:
-        aliases = _client(tracking_uri).get_registered_model(model_name(target_id)).aliases
+        got = _client(tracking_uri).get_registered_model(model_name(target_id)).aliases
     except MlflowException as e:
         if _not_found(e):
             return {}
         raise
+    return {a: str(v) for a, v in got.items()}
+
+
+def class_champions(tracking_uri: str, target_id: str, known: dict[str, str] | None = None) -> dict[str, str]:
+    """{class: version} of every workload class with a champion of its own ({} without a model), from
+    `known` (an `aliases` answer) when given, else from the registry."""
     pre = CHAMPION + "-"
-    return {a[len(pre):]: str(v) for a, v in aliases.items() if a.startswith(pre) and CLASS_NAME.match(a[len(pre):])}
+    return {a[len(pre):]: v for a, v in (aliases(tracking_uri, target_id) if known is None else known).items()
+            if a.startswith(pre) and CLASS_NAME.match(a[len(pre):])}
 
 
 def canary(tracking_uri: str, target_id: str) -> ModelVersionInfo | None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ...serve.poller import Poller
 from ...workspace import served_version
-from .artifacts import download_champion, served_by
-from .client import class_champions
+from .artifacts import download_champion
+from .client import CANARY, CHAMPION, aliases, class_champions
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,14 @@ def materialize_champion(tracking_uri: str, target_id: str, dest: Path, workload
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def materialize_class_champions(tracking_uri: str, target_id: str, root: Path) -> dict[str, str | None]:
+def materialize_class_champions(tracking_uri: str, target_id: str, root: Path,
+                                known: dict[str, str] | None = None) -> dict[str, str | None]:
     """Each workload class's own champion (registry alias ``champion-<class>``) into ``root/<class>``
     (`materialize_champion`, skipped when it already holds that version); a class directory whose
     alias is gone (rolled back to the generalist) is removed (renamed away first), so the server
-    falls back to the generalist. Returns {class: version written, None for a class removed}."""
-    want = class_champions(tracking_uri, target_id)
+    falls back to the generalist. `known`: the model's aliases already read (`client.aliases`), else
+    read here. Returns {class: version written, None for a class removed}."""
+    want = class_champions(tracking_uri, target_id, known)
     root = Path(root)
     out: dict[str, str | None] = {}
     for workload, version in sorted(want.items()):
@@ -135,13 +137,14 @@ class RegistryFollower(Poller):
         return not t.is_alive()
 
     def _round(self, out: dict[str, str | None]) -> None:
-        info = served_by(self.tracking_uri, self.target_id, canary=self.canary)
-        if info is not None and _held(self.champion_dir) != info.version:
+        known = aliases(self.tracking_uri, self.target_id)  # one registry call while nothing moves
+        version = (known.get(CANARY) if self.canary else None) or known.get(CHAMPION)  # `served_by`'s rule
+        if version is not None and _held(self.champion_dir) != version:
             v = materialize_champion(self.tracking_uri, self.target_id, self.champion_dir, canary=self.canary)
             if v is not None:  # None: the alias went away meanwhile
                 out[""] = v
         if self.classes_dir is not None:
-            out.update(materialize_class_champions(self.tracking_uri, self.target_id, self.classes_dir))
+            out.update(materialize_class_champions(self.tracking_uri, self.target_id, self.classes_dir, known))
 
     def _failed(self, error: str) -> None:
         if error != self.error:  # logged once per error
