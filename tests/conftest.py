@@ -156,11 +156,11 @@ def train_on_greedy(target, out):
     return prompts, gens
 
 
-def wait_until(pred, timeout_s: float, what: str, proc=None):
-    """Poll `pred()` every 0.5 s until it returns something truthy (returned); AssertionError when
+def wait_until(pred, timeout_s: float, what: str, proc=None, poll_s: float = 0.5):
+    """Poll `pred()` every `poll_s` s until it returns something truthy (returned); AssertionError when
     `timeout_s` (s) pass first or `proc` (a server's Popen) exits meanwhile, naming `what`."""
     from tidespec.adapters.process import poll_until
-    return poll_until(pred, timeout_s, what, proc, error=AssertionError)
+    return poll_until(pred, timeout_s, what, proc, poll_s=poll_s, error=AssertionError)
 
 
 def health(url: str) -> dict | None:

@@ -116,8 +116,8 @@ def _decided(uri: str, tid: str, version: str) -> str:
             done = registry.version_tags(uri, tid, version).get("decision")
             return {"promoted": rollout.PROMOTE, "rolled_back": rollout.ROLL_BACK}.get(done)
         return d.verdict if d.verdict != rollout.WAIT else None
-    try:
-        return wait_until(judged, 120, "a window of both replicas' counters")
+    try:  # every 2 s: a decision reads every replica's counter history (~50 registry calls)
+        return wait_until(judged, 120, "a window of both replicas' counters", poll_s=2.0)
     except AssertionError as e:
         raise AssertionError(f"{e}: {_samples(uri, tid)}") from None
 

@@ -83,13 +83,14 @@ def stage_classes(root: Path = ROOT, params: Path = PARAMS):
     evaluation and registration under data/work/classes/<class>/ → data/work/classes.json (the
     generalist's cycle is untouched by a class that fails). Needs MLFLOW_TRACKING_URI."""
     from ..config import load_params
-    from ..models.load import target_id
-    from ..steps.classes import class_cycles
     ws, p = ws_of(root), load_params(params)
     if not ws.curated.exists():
         raise FileNotFoundError(f"{ws.curated} missing: run the curate stage first (dvc repro)")
-    res = class_cycles(ws, p, target_id(p), tracking_uri() if p.train.class_drafts else "", trigger="dvc-repro",
-                       params_path=params) if p.train.class_drafts else {}
+    res = {}
+    if p.train.class_drafts:  # none: nothing to import (torch, MLflow) for a stage that does nothing
+        from ..models.load import target_id
+        from ..steps.classes import class_cycles
+        res = class_cycles(ws, p, target_id(p), tracking_uri(), trigger="dvc-repro", params_path=params)
     (ws.work / "classes.json").write_text(json.dumps(res, indent=2, default=str))
     for workload, r in res.items():
         what = r.get("error") or r.get("skipped") or r["register"]["reason"]
