@@ -65,3 +65,21 @@ def test_a_class_draft_is_trained_gated_against_the_generalist_registered_and_se
     assert same["version"] not in (gen["version"], dec["version"]) and same["reason"].startswith("class 'code':")
     again = register.step_register(params, tid, ws.candidate, rep, tm, uri, cycle.lineage(ws.curated))
     assert again["version"] == gen["version"]  # the generalist's retry still finds its own
+
+
+def test_stage_classes_without_class_drafts_writes_none(tmp_path, tiny_target_dir):
+    """`tidespec stage classes` (dvc.yaml's last stage) with `train.class_drafts` empty: classes.json is {}
+    and the generalist is named as serving every class; before curate, an error naming that stage."""
+    from typer.testing import CliRunner
+
+    from tidespec.cli import app
+    from tidespec.steps.cycle import step_curate
+    ws, params, target = make_tiny_workspace(tmp_path, tiny_target_dir, n_requests=6)
+    args = ["stage", "classes", "--root", str(tmp_path), "--params", str(tmp_path / "params.yaml")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code != 0 and "run the curate stage first" in str(r.exception), r.output
+    step_curate(ws, params, target.target_id)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads((ws.work / "classes.json").read_text()) == {}
+    assert "the generalist serves every class" in r.output

@@ -223,10 +223,12 @@ def _descendant_names(pid: int) -> list[str]:
                 continue
 
     def under(q: int) -> bool:
-        while q > 1:
+        for _ in range(64):  # a bounded walk: a pid reused mid-scan cannot loop it
             q = parent.get(q, (0, ""))[0]
             if q == pid:
                 return True
+            if q <= 1:
+                return False
         return False
     return [name for q, (_, name) in parent.items() if under(q)]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from ...serve.poller import Poller
 from ...workspace import served_version
 from .artifacts import download_champion
-from .client import CANARY, CHAMPION, aliases, class_champions
+from .client import CANARY, CHAMPION, aliases, champion, class_champions
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +137,14 @@ class RegistryFollower(Poller):
         return not t.is_alive()
 
     def _round(self, out: dict[str, str | None]) -> None:
-        known = aliases(self.tracking_uri, self.target_id)  # one registry call while nothing moves
-        version = (known.get(CANARY) if self.canary else None) or known.get(CHAMPION)  # `served_by`'s rule
+        # one registry call while nothing moves: the champion's alias alone, or every alias at once (a canary
+        # replica's two, the class aliases) — `get_registered_model` reads every version row, so not for one alias
+        known = None if self.classes_dir is None and not self.canary else aliases(self.tracking_uri, self.target_id)
+        if known is None:
+            info = champion(self.tracking_uri, self.target_id)
+            version = info.version if info is not None else None
+        else:
+            version = (known.get(CANARY) if self.canary else None) or known.get(CHAMPION)  # `served_by`'s rule
         if version is not None and _held(self.champion_dir) != version:
             v = materialize_champion(self.tracking_uri, self.target_id, self.champion_dir, canary=self.canary)
             if v is not None:  # None: the alias went away meanwhile
