@@ -15,7 +15,8 @@ from tidespec.backends.vllm import rehydrator_for
 from tidespec.capture.ingest import ingest_source
 from tidespec.capture.writer import CaptureWriter
 from tidespec.config import load_params
-from tidespec.models.load import get_target, target_id
+from tidespec.models.hf_files import target_id
+from tidespec.models.load import get_target
 from tidespec.workspace import Workspace
 
 

@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger, task
 
 from tidespec.adapters import orchestrate, registry
 from tidespec.config import load_params
-from tidespec.models.load import target_id as target_id_of
+from tidespec.models.hf_files import target_id as target_id_of
 from tidespec.steps import cycle
 from tidespec.steps.classes import class_cycles
 from tidespec.steps.evaluate import step_evaluate

@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from tidespec.config import load_params
-from tidespec.models.load import target_id as target_id_of
+from tidespec.models.hf_files import target_id as target_id_of
 from tidespec.steps.rollout import step_rollout
 from tidespec.workspace import Workspace
 

@@ -70,7 +70,7 @@ def _params():
 
 
 def test_eagle3_draft_is_lossless_and_a_wrong_conversion_collapses_acceptance(trained, tmp_path):
-    from tidespec.models.load import target_dir
+    from tidespec.models.hf_files import target_dir
     draft, cache = trained
     hf = target_dir("smollm2")
     gguf = draft_gguf(draft, hf, cache=cache)

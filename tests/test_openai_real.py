@@ -36,6 +36,15 @@ def comp(c, **kw):
     return r.json()
 
 
+def test_byte_level_alphabet_is_gpt2s():
+    """logprobs' bytes of a byte-level BPE token: the alphabet, byte for byte, of GPT-2's encoder (as
+    transformers ships it), without importing transformers to serve."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from tidespec.models.detok import byte_level_alphabet
+    assert byte_level_alphabet() == {c: b for b, c in bytes_to_unicode().items()}
+
+
 def test_decode_stream_never_splits_a_character(real_target):
     _, tok = real_target
     ids = tok(JAPANESE, add_special_tokens=False)["input_ids"]

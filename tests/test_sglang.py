@@ -692,7 +692,7 @@ def test_real_sglang_serves_losslessly_and_captures(tmp_path, real_target):
     from tidespec.adapters.process import free_port
     from tidespec.engine.speculative import Engine
     from tidespec.models.eagle3 import save_checkpoint
-    from tidespec.models.load import target_dir
+    from tidespec.models.hf_files import target_dir
     from tidespec.workspace import engine_dir
     target, tok = real_target
     hf = Path(target_dir("smollm2"))  # the GGUF dequantised once into an HF dir
@@ -738,7 +738,7 @@ def test_real_sglang_swaps_the_draft_in_place(tmp_path, real_target):
     from tidespec.adapters.process import free_port
     from tidespec.backends.sglang.deployment import SGLangDeployment
     from tidespec.models.eagle3 import save_checkpoint
-    from tidespec.models.load import target_dir
+    from tidespec.models.hf_files import target_dir
     from tidespec.workspace import make_bundle, write_version
     target, tok = real_target
     hf = str(target_dir("smollm2"))

@@ -232,10 +232,11 @@ def test_check_decides_before_loading_the_target(tmp_path, tiny_target_dir, monk
     the ranks' (each rank checks it against the target it loads): a set too small to train is
     skipped, another target's refused, and the target is never loaded to decide."""
     from tidespec.config import Params
+    from tidespec.models import hf_files
     from tidespec.models import target as tmod
     from tidespec.train.entry import check
     p = Params.model_validate({"target": {"source": str(tiny_target_dir)}, "train": {"min_train_tokens": 100}})
-    monkeypatch.setattr(tmod, "load_hf", lambda *a, **k: pytest.fail("check loaded the target"))
+    monkeypatch.setattr(hf_files, "read_target", lambda *a, **k: pytest.fail("check loaded the target"))
     cur = tmp_path / "c.json"
     for tid in (tmod.target_id_for(tiny_target_dir, None), "f" * 64):
         cur.write_text(json.dumps({"target_id": tid, "train": [{"num_tokens": 24}], "val": [], "dropped": {}}))

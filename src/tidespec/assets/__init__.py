@@ -86,7 +86,7 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 def sha256_cached(path: Path) -> str:
     """`sha256_file` of `path`, read once per process while the file stays as it was (same inode,
     size, modification and change times; a rewritten file is read again): a target's id is
-    hashed from its weights before the target is loaded (`models.load.target_id`, the train
+    hashed from its weights before the target is loaded (`models.hf_files.target_id`, the train
     step's check) and again by the load (`models.target.load_target`)."""
     st = Path(path).stat()
     return _sha256_at(Path(path).resolve(), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

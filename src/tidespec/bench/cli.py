@@ -261,7 +261,7 @@ def bench_engine(root: Path = ROOT, params: Path = PARAMS,
     spread; JSON + markdown + a PNG of tokens/s by concurrency."""
     from .. import assets
     from ..config import load_params
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     from ..steps.bootstrap import static_draft_dir
     from . import engine as bench
     from .engine_report import WORKLOADS
@@ -314,7 +314,7 @@ def bench_structured(root: Path = ROOT, params: Path = PARAMS,
     1 and a closed-loop sweep; every output checked valid and equal to the constrained reference."""
     from .. import assets
     from ..config import load_params
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     from ..steps.bootstrap import static_draft_dir
     from . import structured as bench
     p = load_params(params)

@@ -28,7 +28,7 @@ import yaml
 from ..capture.snapshots import seal
 from ..capture.writer import CaptureWriter
 from ..config import CaptureParams, load_params
-from ..models.load import target_id
+from ..models.hf_files import target_id
 from ..steps.cycle import step_curate
 from ..workspace import Workspace
 

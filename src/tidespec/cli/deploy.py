@@ -19,7 +19,7 @@ def deploy_local(root: Path = ROOT, params: Path = PARAMS):
     server ($TIDESPEC_SERVER_URL) told to hot-swap, then deploy.sagemaker.on_promote profiles. Needs
     MLFLOW_TRACKING_URI."""
     from ..config import load_params
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     from ..steps.cycle import step_deploy
     p = load_params(params)
     dep = step_deploy(ws_of(root), tracking_uri(), target_id(p), p)
@@ -38,7 +38,7 @@ def deploy_sagemaker(profile: str = typer.Option(..., help="deploy.sagemaker.pro
     (Model with the engine's EAGLE3 settings, EndpointConfig, auto-rollback alarms); waits."""
     from ..adapters import sagemaker_deploy as smd
     from ..config import load_params
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     p = load_params(params)
     if p.deploy.sagemaker is None:
         raise ValueError(f"{params}: deploy.sagemaker is not configured (role_arn, s3_prefix, target_model); "

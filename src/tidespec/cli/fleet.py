@@ -27,7 +27,7 @@ def fleet_status(root: Path = ROOT, params: Path = PARAMS,
     from ..adapters.registry.fleet import STALE_ROUNDS
     from ..adapters.registry.fleet import fleet as replicas
     from ..config import load_params
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     uri = tracking_uri()
     p = load_params(params)
     tid = target or target_id(p)

@@ -62,7 +62,7 @@ def rollback(reason: str = typer.Option("", help="why (recorded with the decisio
 def _decide(root: Path, params: Path, act) -> None:
     from ..adapters import registry
     from ..config import load_params
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     from ..steps.cycle import step_deploy
     uri = tracking_uri()
     p = load_params(params)

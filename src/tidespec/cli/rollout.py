@@ -23,7 +23,7 @@ def decide(root: Path = ROOT, params: Path = PARAMS):
 
 def _rollout(root: Path, params: Path, act: bool) -> None:
     from ..config import load_params
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     from ..steps.rollout import step_rollout
     p = load_params(params)
     console.print_json(json.dumps(step_rollout(ws_of(root), p, tracking_uri(), target_id(p), act=act), default=str))

@@ -252,7 +252,7 @@ def _serve_frontdoor(p, ws, launch, host: str, port: int, api_key: str | None = 
     import uvicorn
 
     from ..capture.text import TextCapture
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     from ..serve.frontdoor import build_frontdoor
     capture = launch.capture
     if p.train.class_drafts:  # one draft per engine server there: said, never silently dropped
@@ -365,7 +365,7 @@ def _start_llama_cpp(p, ws, host: str, champion: Path | None = None):
     from ..adapters.process import loopback
     from ..backends.llama_cpp import LlamaCppLaunch
     from ..backends.llama_cpp.deployment import LlamaCppDeployment
-    from ..models.load import target_dir
+    from ..models.hf_files import target_dir
     launch = LlamaCppLaunch.from_params(p, host=loopback(host), alias=p.serve_resolved().served_model_name)
     console.print(f"serve: starting llama-server ({launch.home}; log under {ws.state / 'llama-cpp' / 'logs'})",
                   markup=False)
@@ -383,7 +383,7 @@ def _start_sglang(p, ws, python: str | None, host: str, champion: Path | None = 
     from ..backends.sglang import SGLANG_FLOAT32_ARGS, SGLangLaunch, default_python
     from ..backends.sglang.deployment import SGLangDeployment
     from ..config import tree_num_draft_tokens
-    from ..models.load import target_dir
+    from ..models.hf_files import target_dir
     e, sv = p.engine, p.serve_resolved()
     topk = e.tree.eagle_topk
     host = loopback(host)  # only the front door and the swap script talk to it

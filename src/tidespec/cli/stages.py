@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 def stage_curate(root: Path = ROOT, params: Path = PARAMS):
     """Curate data/snapshots/<target_id> → data/work/curated.json."""
     from ..config import load_params
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     from ..steps.cycle import step_curate
     p = load_params(params)
     console.print_json(json.dumps(step_curate(ws_of(root), p, target_id(p))))
@@ -61,7 +61,7 @@ def stage_register(root: Path = ROOT, params: Path = PARAMS):
     Deploying the champion is the next step (`tidespec deploy local`; make repro runs both). Needs
     MLFLOW_TRACKING_URI (make repro starts the services)."""
     from ..config import load_params
-    from ..models.load import target_id
+    from ..models.hf_files import target_id
     from ..steps.cycle import lineage
     from ..steps.register import step_register
     ws, p, uri = ws_of(root), load_params(params), tracking_uri()
@@ -88,7 +88,7 @@ def stage_classes(root: Path = ROOT, params: Path = PARAMS):
         raise FileNotFoundError(f"{ws.curated} missing: run the curate stage first (dvc repro)")
     res = {}
     if p.train.class_drafts:  # none: nothing to import (torch, MLflow) for a stage that does nothing
-        from ..models.load import target_id
+        from ..models.hf_files import target_id
         from ..steps.classes import class_cycles
         res = class_cycles(ws, p, target_id(p), tracking_uri(), trigger="dvc-repro", params_path=params)
     (ws.work / "classes.json").write_text(json.dumps(res, indent=2, default=str))

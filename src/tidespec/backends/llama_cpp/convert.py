@@ -47,7 +47,7 @@ def drafts_dir(cache: Path | None = None) -> Path:
 def draft_gguf(draft: Path, target_hf_dir: Path, cache: Path | None = None, home: Path | None = None,
                outtype: str = "f32", timeout_s: float = 900.0) -> Path:
     """The EAGLE-3 GGUF of `draft` (a bundle or its `draft/` dir) for the target whose HF dir is
-    `target_hf_dir` (`models.load.target_dir`), converted with `home`'s converter (default
+    `target_hf_dir` (`models.hf_files.target_dir`), converted with `home`'s converter (default
     `build.server_home()`) into `drafts_dir(cache)/<draft_key>.gguf` unless already there (written
     to a temp file, then renamed: a reader never sees a partial GGUF). `outtype`: f32 (tidespec's
     weights as trained) or f16. Raises FileNotFoundError (a missing file), LlamaCppError (the

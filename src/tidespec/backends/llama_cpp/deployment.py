@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class LlamaCppDeployment(ServedDeployment):
     """The llama-server(s) serving the target GGUF `launch.model_path` behind `proxy` (a
     `frontdoor.Proxy`; None: no front door yet, `url` says where llama-server is). `target_hf_dir`:
-    the target's HF dir the converter reads (`models.load.target_dir`); `state_dir`: private copies
+    the target's HF dir the converter reads (`models.hf_files.target_dir`); `state_dir`: private copies
     of deployed drafts and the servers' logs; `cache`: the asset cache the converted drafts go to
     (None: `assets.cache_dir()`). `served`: what serves now (`backends.base.ServedDraft`)."""
 

@@ -123,7 +123,7 @@ class VLLMLaunch:
         `host` (127.0.0.1 unless overridden); `overrides`: any other field, or one of those (a
         benchmark's served name, an extraction server's layers). The one place a `VLLMLaunch` is
         built from settings. Raises ValueError as the constructor."""
-        from ...models.load import target_dir
+        from ...models.hf_files import target_dir
         e = params.engine
         fields = {"model_path": str(target_dir(params.target.source)), "num_speculative_tokens": e.num_draft_tokens,
                   "dtype": params.target.dtype, "max_model_len": e.max_seq_len, "max_num_seqs": e.max_batch}
