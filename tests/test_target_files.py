@@ -1,6 +1,7 @@
 """A target's files: a Llama directory of safetensors is read as stored (no HF model built, transformers'
 modeling not imported) and gives the target `from_pretrained` gives, tied or not, in one file or shards;
-a checkpoint that cannot be read that way is refused with the key it lacks."""
+a checkpoint that cannot be read that way is refused with the key it lacks; a tokenizer saved with the
+generic fast class is the one AutoTokenizer builds."""
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny_target
+from conftest import add_tiny_word_tokenizer, make_tiny_target
 from tidespec.models.target import Target, load_hf, load_target, target_id_for
 
 
@@ -63,3 +64,16 @@ def test_an_untied_checkpoint_without_its_output_projection_is_refused(tmp_path)
     save_file({k: v for k, v in w.items() if k != "lm_head.weight"}, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="tie_word_embeddings false but the safetensors hold no lm_head.weight"):
         load_target(d)
+
+
+def test_a_generic_fast_tokenizer_is_the_one_autotokenizer_builds(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tidespec.models.hf_files import load_tokenizer
+    d = add_tiny_word_tokenizer(make_tiny_target(tmp_path / "t"))
+    auto, fast = AutoTokenizer.from_pretrained(d), load_tokenizer(d)
+    msgs = [{"role": "system", "content": "t3 t4"}, {"role": "user", "content": "t7 t9 t11"}]
+    def seen(t):
+        return (type(t), t.encode("t7 t9 t11"), t.apply_chat_template(msgs, add_generation_prompt=True),
+                t.eos_token_id, t.all_special_ids, t.chat_template, len(t), t.decode(list(range(30))))
+    assert seen(fast) == seen(auto) and fast.eos_token_id is not None
