@@ -9,14 +9,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from tidespec.adapters.publish import Publisher
-from tidespec.adapters.s3_capture import S3Objects, default_sources
-from tidespec.backends.vllm import rehydrator_for
-from tidespec.capture.ingest import ingest_source
-from tidespec.capture.writer import CaptureWriter
 from tidespec.config import load_params
-from tidespec.models.hf_files import target_id
-from tidespec.models.load import get_target
 from tidespec.workspace import Workspace
 
 
@@ -29,6 +22,14 @@ def tide_capture(root: str = ".", params_path: str = "params.yaml", publish: boo
     it: the front door counted that many tokens of `usage.total_tokens`, and the rehydrated records
     hold a few fewer, so a seal on the writer's own count could wait for the next burst). Returns
     per-source counts. A run with no new objects does nothing (the ledger)."""
+    # here, not at import: `prefect deploy` loads this file for the flow's parameters only
+    from tidespec.adapters.publish import Publisher
+    from tidespec.adapters.s3_capture import S3Objects, default_sources
+    from tidespec.backends.vllm import rehydrator_for
+    from tidespec.capture.ingest import ingest_source
+    from tidespec.capture.writer import CaptureWriter
+    from tidespec.models.hf_files import target_id
+    from tidespec.models.load import get_target
     log = get_run_logger()
     ws, params = Workspace(Path(root).resolve()), load_params(params_path)
     sources = default_sources(params, target_id(params), ws)

@@ -19,14 +19,12 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from tidespec.adapters import orchestrate, registry
+from tidespec.adapters import orchestrate
 from tidespec.config import load_params
-from tidespec.models.hf_files import target_id as target_id_of
-from tidespec.steps import cycle
-from tidespec.steps.classes import class_cycles
-from tidespec.steps.evaluate import step_evaluate
-from tidespec.steps.register import step_register
 from tidespec.workspace import Workspace
+
+# the steps (torch, MLflow) are imported where a task runs them: `prefect deploy` loads this file for
+# the flow's parameters only
 
 TRANSIENT = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": orchestrate.retry_if_transient}
 
@@ -37,17 +35,20 @@ def _ws(root: str) -> Workspace:
 
 @task(name="curate")
 def curate(root: str, params_path: str, target_id: str) -> dict:
+    from tidespec.steps import cycle
     return cycle.step_curate(_ws(root), load_params(params_path), target_id)
 
 
 @task(name="champion", **TRANSIENT)
 def fetch_champion(root: str, tracking_uri: str, target_id: str) -> str | None:
+    from tidespec.adapters import registry
     got = registry.download_champion(tracking_uri, target_id, _ws(root).work / "champion")
     return str(got) if got else None
 
 
 @task(name="train", **TRANSIENT)
 def train(root: str, params_path: str, curated: str, init: str | None) -> dict:
+    from tidespec.steps import cycle
     ws = _ws(root)
     return cycle.train_candidate(ws, load_params(params_path), Path(curated), Path(init) if init else None,
                                  ws.candidate, params_path=Path(params_path))
@@ -55,6 +56,7 @@ def train(root: str, params_path: str, curated: str, init: str | None) -> dict:
 
 @task(name="evaluate")
 def evaluate(root: str, params_path: str, champion: str | None) -> dict:
+    from tidespec.steps.evaluate import step_evaluate
     ws = _ws(root)
     return step_evaluate(ws, load_params(params_path), ws.candidate, Path(champion) if champion else None,
                          ws.eval_prompts, ws.eval_report)
@@ -64,6 +66,8 @@ def evaluate(root: str, params_path: str, champion: str | None) -> dict:
 def register(params_path: str, target_id: str, candidate: str, report: dict, train_metrics: dict,
              tracking_uri: str, curated: str, snapshot_rev: str, workload_mix: dict,
              drift_jsd: float | None = None, trigger: str = "manual") -> dict:
+    from tidespec.steps import cycle
+    from tidespec.steps.register import step_register
     return step_register(load_params(params_path), target_id, Path(candidate), report, train_metrics,
                          tracking_uri, cycle.lineage(Path(curated), snapshot_rev), workload_mix, drift_jsd, trigger)
 
@@ -71,12 +75,14 @@ def register(params_path: str, target_id: str, candidate: str, report: dict, tra
 @task(name="class drafts")
 def class_drafts(root: str, params_path: str, target_id: str, tracking_uri: str, snapshot_rev: str,
                  trigger: str) -> dict:
+    from tidespec.steps.classes import class_cycles
     return class_cycles(_ws(root), load_params(params_path), target_id, tracking_uri, snapshot_rev=snapshot_rev,
                         trigger=trigger, params_path=Path(params_path))
 
 
 @task(name="deploy", **TRANSIENT)
 def deploy(root: str, tracking_uri: str, target_id: str, params_path: str = "params.yaml") -> dict:
+    from tidespec.steps import cycle
     return cycle.step_deploy(_ws(root), tracking_uri, target_id, load_params(params_path))
 
 
@@ -90,6 +96,8 @@ def tide_cycle(root: str = ".", params_path: str = "params.yaml", target_id: str
     trigger: why it runs (manual, schedule, tokens, drift: from the event). A cycle with no sealed
     snapshot newer than the last completed cycle's is skipped unless `force`. `params_path` is read
     once, here: the tasks get its frozen copy."""
+    from tidespec.models.hf_files import target_id as target_id_of
+    from tidespec.steps import cycle
     log = get_run_logger()
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking_uri:

@@ -15,7 +15,6 @@ from prefect import flow, get_run_logger
 
 from tidespec.config import load_params
 from tidespec.models.hf_files import target_id as target_id_of
-from tidespec.steps.rollout import step_rollout
 from tidespec.workspace import Workspace
 
 
@@ -23,6 +22,7 @@ from tidespec.workspace import Workspace
 def tide_rollout(root: str = ".", params_path: str = "params.yaml", target_id: str = "",
                  tracking_uri: str | None = None) -> dict:
     """One decision on the registry's canary of `target_id` (default: params' target)."""
+    from tidespec.steps.rollout import step_rollout  # here, not at import: `prefect deploy` loads this file
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking_uri:
         raise ValueError("no MLflow tracking URI: pass tracking_uri or set MLFLOW_TRACKING_URI "

@@ -12,7 +12,6 @@ from pathlib import Path
 from prefect import flow
 
 from tidespec.config import load_params
-from tidespec.steps import cycle
 from tidespec.workspace import Workspace
 
 
@@ -20,6 +19,7 @@ from tidespec.workspace import Workspace
 def tide_train(curated: str, out: str, init: str | None = None, root: str = ".",
                params_path: str = "params.yaml") -> dict:
     """Train a candidate draft from the curated index `curated` into `out` (warm start: `init`)."""
+    from tidespec.steps import cycle  # here, not at import: `prefect deploy` loads this file for its parameters
     ws = Workspace(Path(root).resolve())
     m = cycle.train_candidate(ws, load_params(params_path), Path(curated), Path(init) if init else None, Path(out),
                               params_path=Path(params_path), here=True)
