@@ -1,9 +1,10 @@
 """Shared pytest fixtures.
 
-Service fixtures (session scoped, started on free loopback ports under one tmp state dir,
-stopped at session end): ``services_state_dir``, ``mlflow_server``, ``prefect_server``,
-``moto_server`` (each server fixture yields its URL: MLFLOW_TRACKING_URI / PREFECT_API_URL /
-AWS_ENDPOINT_URL), ``prefect_worker`` (a process worker on pool ``tidespec``).
+Service fixtures (started on free loopback ports under one tmp state dir per session, stopped at
+session end): ``services_state_dir``, ``mlflow_server``, ``prefect_server``, ``moto_server`` (each
+server fixture gives its URL: MLFLOW_TRACKING_URI / PREFECT_API_URL / AWS_ENDPOINT_URL),
+``prefect_worker`` (a process worker on pool ``tidespec``). The Prefect ones are per module: stopped
+before a file that does not use them, as the files that do run first.
 ``copy_prefect_project(dest)``: prefect.yaml + flows/ for a test's own project dir.
 """
 
@@ -31,9 +32,28 @@ LONGEST_FIRST = ("test_vllm_real.py", "test_fleet_loop.py", "test_llama_cpp_loop
                  "test_capture_loop.py")
 
 
+PREFECT_FIXTURES = {"prefect_server", "prefect_worker"}
+PREFECT_FILES = pytest.StashKey[set]()
+_SESSION = {}  # "services": this process's session services state dir, once made
+
+
 def pytest_collection_modifyitems(config, items):
+    """The files that use the session's Prefect server go first (longest first among them), then the
+    rest, longest first: once a worker starts a file without Prefect, no Prefect file is left for it,
+    and it stops its Prefect server and workers (`pytest_runtest_setup`), which idle at ~4 % of a core."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    prefect = config.stash[PREFECT_FILES] = {item.path for item in items if PREFECT_FIXTURES & set(item.fixturenames)}
+    items.sort(key=lambda item: (item.path not in prefect, rank.get(item.path.name, len(rank))))  # stable
+
+
+def pytest_runtest_setup(item):
+    """Stop this process's session Prefect server and workers before a file that does not use them
+    (a later file that does starts them again: the fixtures below are per module)."""
+    state = _SESSION.get("services")
+    if state is not None and item.path not in item.config.stash.get(PREFECT_FILES, set()) \
+            and (state / "prefect.json").exists():
+        from tidespec.adapters import services
+        services.down(state, which=[n for n in services.recorded(state) if n == "prefect" or n.startswith("worker")])
 
 
 def copy_prefect_project(dest: Path) -> Path:
@@ -47,8 +67,13 @@ def copy_prefect_project(dest: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def services_state_dir(tmp_path_factory):
-    """State dir shared by the session's servers (logs, sqlite dbs, pid files)."""
-    return tmp_path_factory.mktemp("services")
+    """State dir shared by the session's servers (logs, sqlite dbs, pid files); every server recorded
+    there is stopped at session end."""
+    from tidespec.adapters import services
+
+    state = _SESSION["services"] = tmp_path_factory.mktemp("services")
+    yield state
+    services.down(state)
 
 
 @pytest.fixture(scope="session")
@@ -56,30 +81,25 @@ def mlflow_server(services_state_dir):
     """URL of a real MLflow server (sqlite backend, proxied artifacts) for this session."""
     from tidespec.adapters import services
 
-    svc = services.up(services_state_dir, which=("mlflow",))["mlflow"]
-    yield svc.url
-    services.down(services_state_dir, which=("mlflow",))
+    return services.up(services_state_dir, which=("mlflow",))["mlflow"].url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prefect_server(services_state_dir):
-    """PREFECT_API_URL of a real Prefect server for this session."""
+    """PREFECT_API_URL of a real Prefect server for this session: started by the first module that asks,
+    reused (`services.up` is idempotent) by the next, stopped before a module that does not use it."""
     from tidespec.adapters import services
 
-    svc = services.up(services_state_dir, which=("prefect",))["prefect"]
-    yield svc.url
-    services.down(services_state_dir, which=("prefect",))
+    return services.up(services_state_dir, which=("prefect",))["prefect"].url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prefect_worker(services_state_dir, prefect_server, mlflow_server):
     """A Prefect process worker on pool ``tidespec`` (its flow runs get MLFLOW_TRACKING_URI) for
-    this session; yields the Service."""
+    this session (per module as `prefect_server`); yields the Service."""
     from tidespec.adapters import services
 
-    svc = services.up(services_state_dir, which=("prefect", "mlflow", "worker"))["worker"]
-    yield svc
-    services.down(services_state_dir, which=("worker",))
+    return services.up(services_state_dir, which=("prefect", "mlflow", "worker"))["worker"]
 
 
 @pytest.fixture(scope="session")
