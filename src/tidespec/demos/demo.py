@@ -97,7 +97,7 @@ def run_demo(root: Path, params_path: Path, results: Path | None = None) -> dict
     os.environ.update(env)
     uri = env["MLFLOW_TRACKING_URI"]
     console.print(f"services: Prefect {env['PREFECT_API_URL']}  MLflow {uri}")
-    with console.status("loading target (SmolLM2-135M-Instruct GGUF via transformers)"):
+    with console.status("loading target (SmolLM2-135M-Instruct, converted once from its GGUF)"):
         target, tok = get_target(params)
     tid = target.target_id
     console.print(f"target {tid[:12]}: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, "

@@ -50,54 +50,66 @@ def read_target(path: str | Path, gguf_file: str | None = None) -> tuple[dict, d
     """`(config, weights, tokenizer | None)` of the target at `path`: config.json's keys (HF names),
     the HF state dict (`model.layers.{i}.self_attn.q_proj.weight` `[heads*head_dim, hidden]`, …, with
     `lm_head.weight` the embedding's tensor when tied), in the dtype stored (`Target` casts), and the
-    HF tokenizer (None for a bare weights dir). Raises FileNotFoundError naming the fix when `path`
-    is missing; ValueError when an untied checkpoint has no `lm_head.weight`."""
+    HF tokenizer (None for a bare weights dir). Read as stored when `_as_stored` says the directory is
+    one `from_pretrained` would load unchanged, else through it (`load_hf`). Raises FileNotFoundError
+    naming the fix when `path` is missing; ValueError when an untied checkpoint has no `lm_head.weight`."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"target model not found at {path}; run `tidespec fetch` (or `make assets`)")
-    files = _safetensors(path)
-    if gguf_file is None and (path / "config.json").exists() and files:
-        cfg = json.loads((path / "config.json").read_text())
-        if cfg.get("model_type") in ARCHITECTURES:
-            return cfg, _weights(path, files, cfg), load_tokenizer(path)
+    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    if gguf_file is None and (weights := _as_stored(path, cfg)) is not None:
+        return cfg, weights, load_tokenizer(path)
     model, tok = load_hf(path, gguf_file)
     return model.config.to_dict(), {k: v.detach() for k, v in model.state_dict().items()}, tok
 
 
-def _safetensors(path: Path) -> list[Path]:
-    """The directory's safetensors files: the shards its index names, or model.safetensors; [] for none."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [path / "model.safetensors"] if (path / "model.safetensors").exists() else []
-
-
-def _weights(path: Path, files: list[Path], cfg: dict) -> dict[str, torch.Tensor]:
+def _as_stored(path: Path, cfg: dict) -> dict[str, torch.Tensor] | None:
+    """The state dict of a plain Llama checkpoint of safetensors, read as stored; None for what
+    `from_pretrained` transforms or treats on its own (no safetensors, another model_type, a
+    `quantization_config`, keys without the `model.` prefix, a tied model that stores an output
+    projection of its own)."""
+    files = _safetensors(path)
+    if not files or cfg.get("model_type") not in ARCHITECTURES or "quantization_config" in cfg:
+        return None
     from safetensors.torch import load_file  # imports torch: the tensors are torch's
     w: dict[str, torch.Tensor] = {}
     for f in files:
         w |= load_file(str(f))
-    if EMBED not in w:
-        raise ValueError(f"{path}: its safetensors hold no {EMBED}: not a LlamaForCausalLM checkpoint")
-    if cfg.get("tie_word_embeddings", False):  # LlamaConfig's default: untied
+    tied = cfg.get("tie_word_embeddings", False)  # LlamaConfig's default: untied
+    if EMBED not in w or (tied and HEAD in w):
+        return None
+    if tied:
         w[HEAD] = w[EMBED]
     elif HEAD not in w:
-        raise ValueError(f"{path}: config.json has tie_word_embeddings false but the safetensors hold no {HEAD}; "
-                         "set tie_word_embeddings: true if the output projection is the embedding")
+        raise ValueError(f"{path}: config.json has tie_word_embeddings false (or leaves it out: false) but the "
+                         f"safetensors hold no {HEAD}; set tie_word_embeddings: true if the output projection is the "
+                         "embedding")
     return w
+
+
+def _safetensors(path: Path) -> list[Path]:
+    """The directory's safetensors, as `from_pretrained` picks them: model.safetensors, else the shards
+    its index names; [] for none."""
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return []
 
 
 def load_tokenizer(path: Path, gguf_file: str | None = None):
     """The HF tokenizer of `path` (or of its GGUF file); None for a directory without tokenizer files
     (a bare weights dir: token ids only), without importing `transformers` for it. A tokenizer whose
     tokenizer_config.json names the generic fast class (`GENERIC_TOKENIZERS`, what transformers 5
-    saves) is built by that class directly: the one `AutoTokenizer` picks, without the model config
-    it reads first (~2.5 CPU-s)."""
+    saves) for a Llama model is built by that class directly: the one `AutoTokenizer` picks, without
+    the model config it reads first (~2.5 CPU-s)."""
     if gguf_file is None and not any((path / f).exists() for f in TOKENIZER_FILES):
         return None
-    conf = path / "tokenizer_config.json"
+    conf, model = path / "tokenizer_config.json", path / "config.json"
     named = json.loads(conf.read_text()).get("tokenizer_class") if gguf_file is None and conf.exists() else None
-    if named in GENERIC_TOKENIZERS:
+    llama = model.exists() and json.loads(model.read_text()).get("model_type") in ARCHITECTURES
+    if named in GENERIC_TOKENIZERS and llama:  # another model type may map to a class of its own
         from transformers import PreTrainedTokenizerFast as Tokenizer
     else:
         from transformers import AutoTokenizer as Tokenizer

@@ -342,15 +342,40 @@ def load_target(path: str | Path, gguf_file: str | None = None, dtype=torch.floa
     """Load a target onto `device`: returns `(Target, tokenizer)`. See `models.hf_files.read_target`
     (what is read, and how) and `Target` for errors."""
     cfg, weights, tok = hf_files.read_target(path, gguf_file)
-    target = Target(target_config(cfg), weights, dtype=dtype, aux_layers=aux_layers,
+    tc = target_config(cfg)
+    _check_shapes(tc, weights, Path(path))
+    target = Target(tc, weights, dtype=dtype, aux_layers=aux_layers,
                     target_id=target_id_for(Path(path), gguf_file), device=device, quantization=quantization)
     target.source_dir = Path(path)
     return target, tok
 
 
+def _check_shapes(cfg: TargetConfig, w: dict, path: Path) -> None:
+    """The checkpoint's tensors against its config.json (as `from_pretrained` checks them); ValueError
+    naming the first that differs."""
+    kv = cfg.num_kv_heads * cfg.head_dim
+    want = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "lm_head.weight": (cfg.vocab_size,
+            cfg.hidden_size)} | {f"model.layers.{i}.{k}": shape for i in range(cfg.num_layers) for k, shape in (
+                ("self_attn.q_proj.weight", (cfg.num_heads * cfg.head_dim, cfg.hidden_size)),
+                ("self_attn.k_proj.weight", (kv, cfg.hidden_size)), ("self_attn.v_proj.weight", (kv, cfg.hidden_size)),
+                ("mlp.gate_proj.weight", (cfg.intermediate_size, cfg.hidden_size)))}
+    for key, shape in want.items():
+        got = tuple(w[key].shape) if key in w else None
+        if got != shape:
+            raise ValueError(f"{path}: {key} is {got or 'missing'}, config.json makes it {shape}: the weights and "
+                             "config.json are of different models")
+
+
 def target_config(c: dict) -> TargetConfig:
     """`TargetConfig` from an HF Llama config (config.json's keys, or `config.to_dict()`); a key left
-    out takes `LlamaConfig`'s default. Raises NotImplementedError for a RoPE other than the default."""
+    out takes `LlamaConfig`'s default. Raises NotImplementedError for what the forward does not run:
+    a RoPE other than the default, biases (`attention_bias`, `mlp_bias`), an activation but SiLU."""
+    unsupported = {k: c[k] for k in ("attention_bias", "mlp_bias") if c.get(k)}
+    if c.get("hidden_act", "silu") != "silu":
+        unsupported["hidden_act"] = c["hidden_act"]
+    if unsupported:
+        raise NotImplementedError(f"config.json {unsupported}: the target's forward runs Llama without biases, "
+                                  "with SiLU")
     eos = c.get("eos_token_id", 2)
     eos = eos if isinstance(eos, (list, tuple)) else [eos]
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 / 4 spellings
