@@ -96,7 +96,7 @@ def prefect_server(services_state_dir):
 @pytest.fixture(scope="module")
 def prefect_worker(services_state_dir, prefect_server, mlflow_server):
     """A Prefect process worker on pool ``tidespec`` (its flow runs get MLFLOW_TRACKING_URI) for
-    this session (per module as `prefect_server`); yields the Service."""
+    this session (per module as `prefect_server`): its Service."""
     from tidespec.adapters import services
 
     return services.up(services_state_dir, which=("prefect", "mlflow", "worker"))["worker"]
@@ -107,9 +107,7 @@ def moto_server(services_state_dir):
     """AWS endpoint URL of a real moto server (S3 + SageMaker API emulator) for this session."""
     from tidespec.adapters import services
 
-    svc = services.up(services_state_dir, which=("moto",))["moto"]
-    yield svc.url
-    services.down(services_state_dir, which=("moto",))
+    return services.up(services_state_dir, which=("moto",))["moto"].url
 
 
 @pytest.fixture

@@ -60,7 +60,13 @@ def read_target(path: str | Path, gguf_file: str | None = None) -> tuple[dict, d
     if gguf_file is None and (weights := _as_stored(path, cfg)) is not None:
         return cfg, weights, load_tokenizer(path)
     model, tok = load_hf(path, gguf_file)
-    return model.config.to_dict(), {k: v.detach() for k, v in model.state_dict().items()}, tok
+    return (*hf_model_state(model), tok)
+
+
+def hf_model_state(model) -> tuple[dict, dict[str, torch.Tensor]]:
+    """`(config, weights)` of a loaded HF model, as `read_target` gives them: `model.config.to_dict()`
+    and its state dict (detached tensors, `[out, in]` linears)."""
+    return model.config.to_dict(), {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def _as_stored(path: Path, cfg: dict) -> dict[str, torch.Tensor] | None:

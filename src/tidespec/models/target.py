@@ -218,8 +218,9 @@ class Target:
                 device: torch.device | str = "cpu", quantization: str = "none") -> Target:
         """Wrap a loaded HF `LlamaForCausalLM` (weights are copied to `dtype` on `device`, linears
         quantized as `quantization` says)."""
-        return cls(target_config(model.config.to_dict()), {k: v.detach() for k, v in model.state_dict().items()},
-                   dtype=dtype, aux_layers=aux_layers, target_id=target_id, device=device, quantization=quantization)
+        cfg, weights = hf_files.hf_model_state(model)
+        return cls(target_config(cfg), weights, dtype=dtype, aux_layers=aux_layers, target_id=target_id,
+                   device=device, quantization=quantization)
 
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.cfg.max_position:
