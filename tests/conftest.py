@@ -128,7 +128,9 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def make_tiny_target(path, seed: int = 0, **overrides):
     """A randomly initialised Llama saved as an HF dir (config.json + model.safetensors), no tokenizer.
-    `overrides`: LlamaConfig fields replacing TINY's."""
+    `overrides`: LlamaConfig fields replacing TINY's. The seed fixes the weights, hence the target id and
+    its registered model in the session's MLflow (shared by the files one xdist worker runs): a file that
+    registers with a seed of its own must not share it with another file (tests/test_suite_isolation.py)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -113,7 +113,7 @@ def test_a_worker_on_another_machine_runs_the_cycle(tmp_path, prefect_server, ml
     from tidespec.capture.snapshots import list_snapshots, load_snapshot
     from tidespec.cli import app
 
-    target_dir = make_tiny_target(tmp_path / "target", seed=7)  # a target of its own: its first champion
+    target_dir = make_tiny_target(tmp_path / "target", seed=58)  # a target of its own: its first champion
     remote, replica, loop, home = (tmp_path / n for n in ("remote", "replica", "loop", "worker-home"))
     replica.mkdir()
     loop.mkdir()
