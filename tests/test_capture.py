@@ -602,3 +602,41 @@ def test_fp8_bench_refuses_before_loading_the_target(tmp_path, dtype, args, msg)
     assert {shard_hidden_dtype(snap.path / r.shard) for r in read_manifest(snap.path)} == {dtype}
     with pytest.raises(SystemExit, match=msg):
         main(["--snapshot", str(snap.path), *args])
+
+
+def test_where_the_draft_was_rejected_travels_from_the_generation_to_the_curated_records(tmp_path):
+    """A captured Generation's rejected tokens (indices into its tokens) land in the manifest as record
+    positions (prompt length + index; the last token, not in the record, left out), come back from
+    `read_record` and a curated entry as `rejected_mask`, and only when all fields are read. A request
+    the draft model never served records None (nothing to weigh); a position outside the record is
+    refused at submit."""
+    from tidespec.capture.curate import load_records
+    from tidespec.capture.writer import rejected_positions
+    from tidespec.engine.generation import Generation
+    from tidespec.engine.stats import RequestTiming, SpecDecodingStats
+
+    def gen(rid, rejected, drafted=True):
+        stats = SpecDecodingStats(3, num_drafts=4, num_draft_tokens=12, num_accepted_tokens=2)
+        return Generation(rid, 4, list(range(20, 32)), stats, RequestTiming(), record=_rec(15, seed=len(rid)),
+                          by_proposer={"eagle3": stats} if drafted else {},
+                          draft_kinds=frozenset({"eagle3"}) if drafted else frozenset(), rejected=rejected)
+    assert rejected_positions(gen("a", [0, 5, 11])) == [4, 9]  # token 11 is the last: not in the record
+    assert rejected_positions(gen("b", [], drafted=False)) is None
+    w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=8))
+    assert w.submit_generation(gen("a", [0, 5, 11]), "code") and w.submit_generation(gen("bb", [], False), "code")
+    with pytest.raises(ValueError, match="outside a record of 15 tokens"):
+        w.submit(_rec(15), request_id="c", workload="code", acceptance_length=1.0, rejected=[15])
+    w.close()
+    info = seal(tmp_path / "cap", tmp_path / "snaps", "tid")
+    rows = {r.request_id: r for r in read_manifest(info.path)}
+    assert rows["a"].rejected == [4, 9] and rows["bb"].rejected is None and "c" not in rows
+    mask = read_record(info.path, rows["a"])["rejected_mask"]
+    assert mask.dtype == torch.uint8 and mask.nonzero().flatten().tolist() == [4, 9]
+    assert "rejected_mask" not in read_record(info.path, rows["a"], ("input_ids", "loss_mask"))
+    assert "rejected_mask" not in read_record(info.path, rows["bb"])
+    r = curate(tmp_path / "snaps", "tid", CurateParams(val_fraction=0, holdout_fraction=0, min_tokens=4),
+               tmp_path / "work" / "curated.json")
+    entries = {e["request_id"]: e for e in json.loads(r.path.read_text())["train"]}
+    assert entries["a"]["rejected"] == [4, 9] and "rejected" not in entries["bb"]
+    back = load_records([entries["a"], entries["bb"]], r.path.parent)
+    assert back[0]["rejected_mask"].nonzero().flatten().tolist() == [4, 9] and "rejected_mask" not in back[1]

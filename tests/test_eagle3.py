@@ -160,3 +160,40 @@ def test_shallow_targets_get_three_distinct_aux_layers(tmp_path):
         load_target(tmp_path / "t6", aux_layers=(2, 2, 4))
     with pytest.raises(ValueError, match="2 layer\\(s\\).*at least 3 layers"):  # no setting can serve it
         load_target(make_tiny_target(tmp_path / "t2", num_hidden_layers=2))
+
+
+@pytest.mark.parametrize("objective", ["kl", "lk"])
+def test_a_loss_weight_scales_the_rows_held_to_its_position(tiny_target, objective):
+    """`ttt_loss` with weight e_p (1 at target position p, 0 elsewhere) is the loss of the rows held
+    to p alone (every TTT step's: the same batch with only p learnable, unweighted); all ones is the
+    unweighted loss; the loss is linear in the weight: L(1 + 3·e_p) = L(1) + 3·L(e_p)."""
+    d = _draft(tiny_target)
+    recs = _records(tiny_target)
+    aux, ids, tl, valid, kv, w = next(batches(prepare(recs, tiny_target, d.t2d, 64), 4096, False, random.Random(0)))
+    assert w is None  # no example weighted: the unweighted path
+    b, p = [(int(b), int(t)) for b, t in valid.nonzero() if t >= 4][0]  # rows p-1..p-3 hold it at steps 0..2
+    e = torch.zeros(valid.shape)
+    e[b, p] = 1
+    only = torch.zeros_like(valid)
+    only[b, p] = True
+
+    def loss(weight, v=valid):
+        with torch.no_grad():
+            return float(ttt_loss(d, aux, ids, tl, v, kv, weight, 3, 0.8, objective=objective)[0])
+    assert loss(e) == pytest.approx(loss(None, only), rel=1e-5) and loss(e) > 0
+    assert loss(torch.ones(valid.shape)) == pytest.approx(loss(None), rel=1e-5)
+    assert loss(1 + 3 * e) == pytest.approx(loss(None) + 3 * loss(e), rel=1e-5)
+
+
+def test_rejected_positions_weigh_more_only_when_asked(tiny_target):
+    """`prepare` gives an example weight 1 + rejected_weight at its record's `rejected_mask` positions
+    and 1 elsewhere; none without rejected_weight or without a mask; a batch mixing both pads ones."""
+    d = _draft(tiny_target)
+    recs = _records(tiny_target, n=2)
+    recs[0]["rejected_mask"] = torch.zeros(40, dtype=torch.uint8)
+    recs[0]["rejected_mask"][[12, 30]] = 1
+    plain, weighted = prepare(recs, tiny_target, d.t2d, 64), prepare(recs, tiny_target, d.t2d, 64, rejected_weight=2.5)
+    assert all(x.weight is None for x in plain) and weighted[1].weight is None
+    assert weighted[0].weight[[12, 30]].tolist() == [3.5, 3.5] and int((weighted[0].weight != 1).sum()) == 2
+    *_, w = next(batches(weighted, 4096, False, random.Random(0)))
+    assert w.shape == (2, 40) and int((w != 1).sum()) == 2 and float(w.sum()) == 80 + 2 * 2.5

@@ -390,3 +390,25 @@ def test_lk_loss_is_minus_log_the_acceptance_probability_and_trains_other_weight
     assert any(not torch.equal(w["kl"][k], w["lk"][k]) for k in w["kl"])
     with pytest.raises(ValueError, match="train.loss lk is the embedded trainer's"):
         TrainParams(loss="lk", backend="specforge")
+
+
+def test_rejected_weight_changes_what_is_learnt_says_what_it_weighed_and_warns_when_nothing(tiny_target, tmp_path,
+                                                                                          caplog):
+    """`train.rejected_weight` on records with `rejected_mask`: other weights than without it, and
+    `train_rejected_positions` the positions it weighed; on records without one: the same weights as
+    off, a warning naming the knob and 0; refused for SpecForge by name."""
+    recs = _records(tiny_target, n=6)
+    marked = [dict(r, rejected_mask=(torch.arange(40) % 5 == 0).to(torch.uint8)) for r in recs[:5]]
+    dp, tp = DraftParams(draft_vocab_size=64), TrainParams(epochs=1, ttt_steps=2, batch_tokens=80)
+    on = tp.model_copy(update={"rejected_weight": 2.0})
+    w, m = {}, {}
+    for name, data, params in (("off", marked, tp), ("on", marked, on), ("none", recs[:5], on)):
+        m[name] = train_draft(data, recs[5:], tiny_target, dp, params, tmp_path / name)
+        w[name] = load_checkpoint(tmp_path / name, tiny_target.embed, tiny_target.target_id).state_dict()
+    assert any(not torch.equal(w["off"][k], w["on"][k]) for k in w["off"])
+    assert all(torch.equal(w["off"][k], w["none"][k]) for k in w["off"])
+    assert m["on"]["train_rejected_positions"] == 5 * 8 and "train_rejected_positions" not in m["off"]
+    assert m["none"]["train_rejected_positions"] == 0
+    assert "train.rejected_weight 2.0 weighs nothing here" in caplog.text
+    with pytest.raises(ValueError, match="train.rejected_weight 1.0 is the embedded trainer's"):
+        TrainParams(rejected_weight=1.0, backend="specforge")

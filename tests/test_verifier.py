@@ -439,3 +439,48 @@ def test_sampled_speculation_matches_target_distribution(varied, trained, k):
     assert acc > 0, f"acceptance rate {acc}/{drafted}"
     pv = all_pvalues(seqs, exact, L3)
     assert min(pv.values()) > ALPHA, (pv, f"acceptance rate {acc}/{drafted} = {acc / drafted:.2f}")
+
+
+def _step_ends(gen) -> list[tuple[int, int]]:
+    """(index in gen.tokens of a verify step's last token, tokens the step emitted) per step; the
+    first token comes from the prefill."""
+    ends, at = [], 0
+    for _, m in gen.timing.steps:
+        at += m
+        ends.append((at, m))
+    return ends
+
+
+def test_rejected_tokens_are_the_ends_of_the_steps_a_rejection_cut_short(lossless_runs):
+    """Generation.rejected (the tokens the target emitted in place of a draft proposal it rejected) on
+    greedy chains of k drafts: the last token of every verify step that emitted fewer than k + 1
+    tokens, none of a step that emitted k + 1 (all drafts accepted); a generation's last step may end
+    on the length cut either way. Both kinds of step occur."""
+    short = full = 0
+    for k, runs in lossless_runs.items():
+        for p, _, cut, spec, _ in runs:
+            if cut is not None:
+                continue
+            ends = _step_ends(spec)
+            want = [t for t, m in ends[:-1] if m < k + 1]
+            assert spec.rejected[:len(want)] == want, (p, k, ends)
+            assert spec.rejected[len(want):] in ([], [ends[-1][0]]), (p, k, ends, spec.rejected)
+            short, full = short + len(want), full + sum(m == k + 1 for _, m in ends[:-1])
+    assert short > 0 and full > 0, (short, full)
+
+
+def test_rejected_tokens_of_a_tree_end_steps_that_stopped_above_a_drafted_child(varied, trained):
+    """On EAGLE-2 trees (depth 3, top-2): every rejected token ends a verify step, and a step that
+    accepted a path down to the full depth (a leaf: no child was rejected) is never one."""
+    _, target = varied
+    runner, prompts, _ = trained
+    eng = Engine(target, runner, EngineParams(num_draft_tokens=3, max_seq_len=128, tree={"eagle_topk": 2}))
+    deep = rejected = 0
+    for p in prompts[:6]:
+        gen = eng.generate(p, 40)
+        ends = _step_ends(gen)
+        assert set(gen.rejected) <= {t for t, _ in ends}, (p, ends, gen.rejected)
+        assert not set(gen.rejected) & {t for t, m in ends if m == 4}, (p, ends, gen.rejected)
+        assert gen.rejected == sorted(gen.rejected)
+        deep, rejected = deep + sum(m == 4 for _, m in ends), rejected + len(gen.rejected)
+    assert deep > 0 and rejected > 0, (deep, rejected)

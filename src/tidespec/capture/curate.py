@@ -121,6 +121,8 @@ def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: 
              "num_tokens": row.num_tokens, "workload": row.workload, "prompt_hash": row.prompt_hash, "ts": row.ts}
         if row.tokens_only:
             e["tokens_only"] = True
+        if row.rejected is not None:  # where the serving draft was rejected (`train.rejected_weight`)
+            e["rejected"] = row.rejected
         if keep_prompt_ids:
             e["prompt_ids"] = rec["input_ids"][rec["loss_mask"] == 0].tolist()
             if row.constraint is not None:  # evaluate replays it under the same grammar
@@ -301,7 +303,8 @@ def load_records(
     entries: list[dict], base: Path, fields: tuple[str, ...] | None = None,
     locate: Callable[[Path], Path] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Read the tensors of curated index entries (all, or only `fields`); `base`: the index's
+    """Read the tensors of curated index entries (all, with `rejected_mask` where the entry has
+    `rejected`, or only `fields`); `base`: the index's
     directory (entry paths are relative to it); `locate`: maps a shard's path to the local file
     holding it (`adapters.versioning.RemoteShards.locate`: fetched from the DVC remote when the
     workspace lacks it; None: the path itself). To go over a large set, read and drop one record
@@ -312,7 +315,7 @@ def load_records(
         path = locate(path) if locate else path
         row = ManifestRow(request_id=e["request_id"], ts="", workload=e.get("workload", ""), target_id="",
                           num_tokens=e["num_tokens"], acceptance_length=0.0, shard=path.name, offset=e["offset"],
-                          tokens_only=bool(e.get("tokens_only")))
+                          tokens_only=bool(e.get("tokens_only")), rejected=e.get("rejected"))
         out.append(read_record(path.parent, row, *((fields,) if fields else ())))
     return out
 

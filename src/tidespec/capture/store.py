@@ -60,6 +60,9 @@ class ManifestRow:
     origin: str = "live"  # live (served here) | rehydrated (endpoint text → one prefill) | regenerated (no response)
     constraint: dict | None = None  # a constrained request's spec (response_format / tools, `engine.constraint`)
     tokens_only: bool = False  # input_ids + loss_mask at rest, no hidden states (`ingest.mode: online`)
+    # positions in input_ids of the generated tokens the target emitted in place of a draft-model proposal
+    # it rejected, ascending (the embedded engine; None: not recorded, e.g. the draft never ran)
+    rejected: list[int] | None = None
 
 
 def utc_now() -> str:
@@ -272,10 +275,34 @@ def _field(get, key: str) -> torch.Tensor:
 def read_record(directory: Path, row: ManifestRow, fields: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """Load one record's tensors (see module docstring for shapes/dtypes: hidden states come back as
     bf16 whatever `capture.hidden_dtype` stored), either codec; `fields`: which (an uncompressed shard
-    reads only those bytes; None: all the record holds).
+    reads only those bytes; None: all the record holds, plus `rejected_mask` `[T]` uint8 (1 at the row's
+    `rejected` positions) when the row has them).
     Raises FileNotFoundError (shard missing) or CorruptShard naming the shard and the fix."""
-    path = Path(directory) / row.shard
-    fields = fields or (TOKEN_FIELDS if row.tokens_only else FIELDS)
+    rec = _read_fields(Path(directory) / row.shard, row, fields or (TOKEN_FIELDS if row.tokens_only else FIELDS))
+    if fields is None and row.rejected is not None:
+        rec["rejected_mask"] = rejected_mask(row.rejected, row.num_tokens)
+    return rec
+
+
+def checked_positions(positions, num_tokens: int) -> list[int]:
+    """`positions` (a row's `rejected`) as distinct ascending ints. Raises ValueError for one outside
+    a record of `num_tokens` tokens."""
+    out = sorted({int(i) for i in positions})
+    if out and (out[0] < 0 or out[-1] >= num_tokens):
+        raise ValueError(f"rejected positions {out[:4]}... outside a record of {num_tokens} tokens")
+    return out
+
+
+def rejected_mask(positions: list[int], num_tokens: int) -> torch.Tensor:
+    """`[num_tokens]` uint8, 1 at `positions` (a row's `rejected`). Raises ValueError for a position
+    outside the record."""
+    mask = torch.zeros(num_tokens, dtype=torch.uint8)
+    mask[checked_positions(positions, num_tokens)] = 1
+    return mask
+
+
+def _read_fields(path: Path, row: ManifestRow, fields: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    directory = path.parent
     try:
         if row.shard.endswith(".zst"):
             t = _decoded(str(path), path.stat().st_mtime_ns)

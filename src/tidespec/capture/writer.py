@@ -35,6 +35,7 @@ from .snapshots import SealPublisher, SnapshotInfo, lock_capture_dir, recover, s
 from .store import (
     ManifestRow,
     append_manifest,
+    checked_positions,
     encode_shard,
     is_tokens_only,
     parse_ts,
@@ -100,19 +101,15 @@ class CaptureWriter:
         self.cfg = cfg = cfg or CaptureParams()
         self.dir = private_dir(Path(directory))
         self._dir_lock = lock_capture_dir(self.dir)  # one writer per directory; raises CaptureDirBusy
-        self.target_id = target_id
-        self.quota = cfg.disk_quota_mb * MB if cfg.disk_quota_mb else None
-        self.min_free = cfg.min_free_disk_mb * MB
+        self.target_id, self.manifest = target_id, self.dir / "manifest.jsonl"
+        self.quota, self.min_free = cfg.disk_quota_mb * MB if cfg.disk_quota_mb else None, cfg.min_free_disk_mb * MB
         self.seed, self.detokenize, self.on_seal, self.idle_flush_s = seed, detokenize, on_seal, idle_flush_s
         self.snapshots_root, self.replica_id = Path(snapshots_root) if snapshots_root else None, replica_id
-        self.manifest = self.dir / "manifest.jsonl"
         self.q: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
         self._lock = threading.Lock()  # counters
-        self._dropped: Counter = Counter()
-        self._filtered: Counter = Counter()
+        self._dropped, self._filtered = Counter(), Counter()  # reason → requests
         self.written_total = self.tokens_total = self.bytes_total = self.sealed_total = self.seal_errors = 0
-        self._seal_retry_at = 0.0
-        self._closing = False
+        self._seal_retry_at, self._closing = 0.0, False
         self._submit_lock = threading.Lock()  # orders submits against close(): nothing enters after STOP
         self.write_cpu_s = self.write_wall_s = 0.0
         self.error: BaseException | None = None
@@ -139,23 +136,26 @@ class CaptureWriter:
 
     def submit(self, record: dict[str, torch.Tensor], *, request_id: str, workload: str,
                acceptance_length: float, prompt_id: str = "", acceptance_rate: float | None = None,
-               text: dict | None = None, origin: str = "live", constraint: dict | None = None) -> bool:
+               text: dict | None = None, origin: str = "live", constraint: dict | None = None,
+               rejected: list[int] | None = None) -> bool:
         """Enqueue one finished request (tensors per store.FIELDS, any float dtype: cast to bf16 on the
         writer thread). `acceptance_rate`: serving-time accepted/drafted (None: no drafts), filtered
         by `max_acceptance_rate`. `text` ({"prompt", "completion"}) is kept only with `store_text`;
         `constraint`: a constrained request's spec (replay and evaluation constrain it the same way).
-        Returns True if queued; False if filtered or dropped (both counted). Raises ValueError for a
-        record that breaks the contract (`store.validate_record`), before anything is queued."""
+        `rejected`: `ManifestRow.rejected`. Returns True if queued; False if filtered or dropped (both
+        counted). Raises ValueError for a record that breaks the contract (`store.validate_record`) or a
+        `rejected` position outside it, before anything is queued."""
         if (self.cfg.max_acceptance_rate is not None and acceptance_rate is not None
                 and acceptance_rate >= self.cfg.max_acceptance_rate):
             with self._lock:
                 self._filtered["high_acceptance"] += 1
             return False
-        validate_record(record)
+        T = validate_record(record)
+        rejected = None if rejected is None else checked_positions(rejected, T)
         rate = None if acceptance_rate is None else float(acceptance_rate)
         meta = dict(request_id=request_id, workload=workload, acceptance_length=float(acceptance_length),
                     origin=origin, acceptance_rate=rate, prompt_id=prompt_id, ts=utc_now(),
-                    text=text if self.cfg.store_text else None, constraint=constraint)
+                    text=text if self.cfg.store_text else None, constraint=constraint, rejected=rejected)
         with self._submit_lock:
             reason = "closed" if self._closing or not self._thread.is_alive() else self._full
             if reason is None:
@@ -173,8 +173,9 @@ class CaptureWriter:
         this: `engine.speculative.CaptureSink`): its record, request id, serving-time τ (every
         proposer) and the EAGLE3 draft's acceptance rate (None when the draft drafted nothing for
         it: the filter keeps the requests the draft serves worst, whatever the suffix proposer
-        added). With `store_text` and a `detokenize` callable, prompt and completion text go into
-        the manifest. Raises ValueError for a Generation without a record."""
+        added), where its proposals were rejected (`rejected_positions`). With `store_text` and a
+        `detokenize` callable, prompt and completion text go into the manifest. Raises ValueError for
+        a Generation without a record."""
         if gen.record is None:
             raise ValueError(f"request {gen.request_id} has no capture record: submit it with capture=True")
         self.recent.submit_generation(gen, workload, prompt_id)
@@ -184,7 +185,7 @@ class CaptureWriter:
             text = {"prompt": self.detokenize(ids[:gen.prompt_len]), "completion": self.detokenize(gen.tokens)}
         return self.submit(gen.record, request_id=gen.request_id, workload=workload, prompt_id=prompt_id, text=text,
                            acceptance_length=gen.stats.acceptance_length, acceptance_rate=draft_acceptance_rate(gen),
-                           constraint=gen.constraint)
+                           constraint=gen.constraint, rejected=rejected_positions(gen))
 
     def collector(self):
         """A prometheus-client collector over this writer's counters (`capture.metrics`)."""
@@ -406,6 +407,15 @@ def draft_acceptance_rate(gen) -> float | None:
     return draft.acceptance_rate if draft is not None and draft.num_draft_tokens else None
 
 
+def rejected_positions(gen) -> list[int] | None:
+    """A captured Generation's rejected tokens (`Generation.rejected`, indices into its tokens) as
+    positions in its record's input_ids (prompt + tokens[:-1]: the last token is not in the record);
+    None when no draft-model proposer ran for it."""
+    if not gen.draft_kinds or gen.draft_stats is None:
+        return None
+    return [gen.prompt_len + t for t in gen.rejected if t < len(gen.tokens) - 1]
+
+
 def manifest_rows(batch: list[tuple[dict, dict]], target_id: str) -> list[ManifestRow]:
     """The manifest rows of a batch of (record, metadata) about to be written as one shard (shard name
     set when it is)."""
@@ -413,7 +423,7 @@ def manifest_rows(batch: list[tuple[dict, dict]], target_id: str) -> list[Manife
                         num_tokens=int(r["input_ids"].shape[0]), acceptance_length=m["acceptance_length"], shard="",
                         offset=i, prompt_hash=prompt_hash(r["input_ids"], r["loss_mask"]), prompt_id=m["prompt_id"],
                         acceptance_rate=m["acceptance_rate"], text=m["text"], origin=m["origin"],
-                        constraint=m["constraint"], tokens_only=is_tokens_only(r))
+                        constraint=m["constraint"], tokens_only=is_tokens_only(r), rejected=m["rejected"])
             for i, (r, m) in enumerate(batch)]
 
 

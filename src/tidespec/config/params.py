@@ -241,6 +241,8 @@ class TrainParams(_Strict):
     loss_decay: float = Field(0.8, gt=0, le=1)  # Σ_j decay^j · L_j (SpecForge ploss_decay)
     # per-position loss: kl (−Σ p log q, SpecForge's) | lk (−log Σ min(p, q): the acceptance rate, arXiv 2602.23881)
     loss: Literal["kl", "lk"] = "kl"
+    # loss weight 1 + w where the serving draft's proposal was rejected (capture's `rejected`), 1 elsewhere; 0: off
+    rejected_weight: float = Field(0.0, ge=0, allow_inf_nan=False)
     max_seq_len: int = Field(512, ge=8)
     batch_tokens: int = Field(1024, ge=8)  # padded B·T per optimizer step
     loss_on_prompt: bool = False  # also fit the target at prompt positions (SpecForge: False)
@@ -277,9 +279,10 @@ class TrainParams(_Strict):
 
     @model_validator(mode="after")
     def _ranks(self):
-        if self.loss != "kl" and self.backend == "specforge":
-            raise ValueError(f"train.loss {self.loss} is the embedded trainer's (SpecForge trains with its own KL): "
-                             "set train.loss: kl, or train.backend: embedded")
+        for name, own, fix in (("loss", self.loss != "kl", "kl"), ("rejected_weight", self.rejected_weight, "0")):
+            if own and self.backend == "specforge":  # SpecForge trains with its own KL, every position alike
+                raise ValueError(f"train.{name} {getattr(self, name)} is the embedded trainer's, not SpecForge's: "
+                                 f"set train.{name}: {fix}, or train.backend: embedded")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"train.nnodes is {self.nnodes}: set train.rdzv_endpoint (host:port of the rendezvous, "
                              "reachable from every node)")

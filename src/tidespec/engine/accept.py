@@ -39,13 +39,16 @@ def after_verify(sl: Slot, out, dt: float, suffix: SuffixCache | None, health: D
     the accepted drafts plus the target's token after them, cut at a stop (`Seq.emit`); the KV cache
     keeps the accepted rows only (a tree's path compacted); counters count drafts accepted and kept
     (a draft past a stop is never counted accepted; `SpecDecodingStats.as_vllm` adds them back); the
-    accepted rows' aux join the draft's backlog and, when captured, the capture rows; a draft
+    accepted rows' aux join the draft's backlog and, when captured, the capture rows; a token the
+    target emitted in place of a rejected draft-model proposal is noted (`Seq.rejected`); a draft
     model's chains teach its health their first-token acceptance."""
     s = sl.seq
     start = s.cache.length - sl.k - 1  # the cache before this step's verify rows
     new, rows, idx = accept_tree(sl, out) if sl.layout is not None else accept_chain(sl, out)
     n = sl.accepted = len(new) - 1
     kept = s.emit(new, rows)
+    if kept == len(new) and sl.proposer is not None and sl.proposer.uses_draft and _rejected_one(sl, idx):
+        s.rejected.append(len(s.gen) - 1)  # the target's token replaced a draft-model proposal
     if suffix is not None:
         suffix.append(s.rid, new[:kept])
     s.cache.keep(start, idx)  # roll back: the rejected rows go
@@ -68,6 +71,14 @@ def after_verify(sl: Slot, out, dt: float, suffix: SuffixCache | None, health: D
         if sl.proposer.uses_draft:
             s.draft_kinds.add(sl.proposer.name)
     s.timing.steps.append((dt, kept))
+
+
+def _rejected_one(sl: Slot, idx: list[int]) -> bool:
+    """Did verification reject a draft token where the target's own token went (`idx`: the verify rows
+    kept, root first)? A chain: a draft past the accepted ones; a tree: a child of the last accepted node."""
+    if sl.layout is None:
+        return sl.k > len(idx) - 1
+    return idx[-1] in sl.layout.parent
 
 
 def accept_chain(sl: Slot, out) -> tuple[list[int], torch.Tensor, list[int]]:

@@ -26,7 +26,9 @@ class Generation:
     request asked (`SamplingParams.logprobs`); grammar_error: why the request's grammar could not go on
     (finish_reason "length"; None otherwise); by_proposer: the spec-decode counters per proposer
     kind (`Proposer.name`), draft_kinds the kinds among them that ran the draft model
-    (`Proposer.uses_draft`; their counters together: `draft_stats`); record: capture tensors (when
+    (`Proposer.uses_draft`; their counters together: `draft_stats`); rejected: indices into tokens of
+    those the target emitted in place of a draft-model proposal it rejected, ascending (the positions the
+    serving draft got wrong; `train.rejected_weight`); record: capture tensors (when
     the request was captured): input_ids `[T]` int32, loss_mask `[T]` uint8, aux_hidden_states
     `[T, 3H]`, hidden_states `[T, H]` where T = tokens the target processed (prompt + generated
     minus the last, whose hidden state is never computed).
@@ -47,6 +49,7 @@ class Generation:
     constraint: dict | None = None  # the constraint spec of a constrained request (`engine.constraint`)
     workload: str = "default"  # the request's workload class (the policy's and the capture's key)
     draft_kinds: frozenset[str] = frozenset()
+    rejected: list[int] = field(default_factory=list)
 
     @property
     def draft_stats(self) -> SpecDecodingStats | None:
@@ -96,7 +99,7 @@ def generation_of(s) -> Generation:
                      finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason, logprobs=s.logprobs,
                      by_proposer=dict(s.by_proposer), grammar_error=s.grammar_error,
                      constraint=s.req.grammar.spec if s.req.grammar is not None else None, workload=s.req.workload,
-                     draft_kinds=frozenset(s.draft_kinds))
+                     draft_kinds=frozenset(s.draft_kinds), rejected=list(s.rejected))
     if s.capture and not s.aborted:
         p = list(s.req.prompt_ids)
         T = len(p) + len(gen) - 1

@@ -148,7 +148,8 @@ class Seq:
     emitted token, the next step's first verify row. backlog: (aux `[n, 3H]`, next tokens `[n]`
     int64) of verified rows the draft has not read yet. stats / by_proposer: spec-decode counters
     (all, and per proposer kind); draft_kinds: the kinds in by_proposer that ran the draft model
-    (`Proposer.uses_draft`); rows: capture rows (`capture`).
+    (`Proposer.uses_draft`); rows: capture rows (`capture`); rejected: indices into gen of the tokens the
+    target emitted in place of a draft-model proposal it rejected (`accept.after_verify`).
     """
 
     def __init__(self, req: Request, rid: str, draft, version: str | None, vocab_size: int, capture: bool,
@@ -172,6 +173,7 @@ class Seq:
         self.draft_kinds: set[str] = set()
         self.timing = RequestTiming()
         self.rows = CaptureRows()
+        self.rejected: list[int] = []
         self.t_submit = time.perf_counter()
         self.future: Future = Future()
         self.finish_reason: str | None = None

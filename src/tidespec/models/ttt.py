@@ -26,13 +26,15 @@ class Example:
     fp32 on the training device, `collate`), ids `[T]` int64, target logits over the draft
     vocab `[T, Vd]` bf16, valid `[T]` bool (learnable position: kept by the loss mask, and its
     target argmax is in the draft vocab), keep `[T]` bool (kept by the loss mask, whatever the
-    argmax: the positions a draft is evaluated on; None = same as valid)."""
+    argmax: the positions a draft is evaluated on; None = same as valid), weight `[T]` float32 (the
+    loss weight of position t as a target, `train.rejected_weight`; None = 1 everywhere)."""
 
     aux: torch.Tensor
     ids: torch.Tensor
     tlogits: torch.Tensor
     valid: torch.Tensor
     keep: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
 
 
 def group_by_length(lengths: list[int], max_tokens: int, shuffle: bool, rng: random.Random) -> list[list[int]]:
@@ -64,12 +66,17 @@ def _pad(t: torch.Tensor, T: int, v=0) -> torch.Tensor:
 
 def collate(ex: list[Example], device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
     """One padded batch on `device`: (aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid
-    `[B,T]`, key_valid `[B,T]` (not padding)), T the longest example."""
+    `[B,T]`, key_valid `[B,T]` (not padding), weight `[B,T]` float32 or None when no example has one),
+    T the longest example."""
     T = max(e.ids.shape[0] for e in ex)
     batch = (torch.stack([_pad(e.ids, T) for e in ex]), torch.stack([_pad(e.tlogits, T) for e in ex]),
              torch.stack([_pad(e.valid, T, False) for e in ex]),
              torch.stack([_pad(torch.ones(e.ids.shape[0], dtype=torch.bool), T, False) for e in ex]))
-    return (stack_aux(ex, T, device), *(t.to(device) for t in batch))
+    weight = None
+    if any(e.weight is not None for e in ex):
+        weight = torch.stack([_pad(torch.ones(e.ids.shape[0]) if e.weight is None else e.weight.float(), T)
+                              for e in ex]).to(device)
+    return (stack_aux(ex, T, device), *(t.to(device) for t in batch), weight)
 
 
 def stack_aux(ex: list[Example], T: int, device: torch.device | str) -> torch.Tensor:
@@ -93,11 +100,14 @@ def step_targets(tlogits: torch.Tensor, valid: torch.Tensor, j: int) -> tuple[to
     return F.pad(tlogits[:, 1 + j:], (0, 0, 0, 1 + j)), F.pad(valid[:, 1 + j:], (0, 1 + j), value=False)
 
 
-def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int, decay: float,
+def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, weight, steps: int, decay: float,
              denom: int | None = None, objective: str = "kl"):
-    """Returns (loss, [correct_j], [count_j]) for one padded batch.
+    """Returns (loss, [correct_j], [count_j]) for one padded batch (`collate`'s).
 
-    aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid/key_valid `[B,T]` bool.
+    aux `[B,T,3H]`, ids `[B,T]`, tlogits `[B,T,Vd]`, valid/key_valid `[B,T]` bool, weight `[B,T]`
+    float32 or None: the per-row loss of a row held to position p is multiplied by weight[p] (at every
+    TTT step: each step's attempt at that token; the positions the serving draft got wrong, as Aurora
+    (arXiv 2602.06932) separates accepted from rejected tokens); None: all 1.
     Step j row t is trained on the target distribution at position t+1+j. As SpecForge
     (`core/loss.py`), L_j sums a per-row loss over step j's valid rows and divides by all
     (non-padding) positions, so later steps, with fewer valid rows, weigh less. `denom`: that
@@ -119,7 +129,9 @@ def ttt_loss(draft: Eagle3Draft, aux, ids, tlogits, valid, key_valid, steps: int
             continue
         logits = draft.logits(h[m])  # only valid rows pay for the lm_head
         tp = torch.softmax(tl[m].float(), -1)
-        if objective == "kl":  # one sum over the rows and the vocabulary, as before the objective was a choice
+        if weight is not None:
+            lj = (row_loss(tp, logits, objective) * F.pad(weight[:, 1 + j:], (0, 1 + j))[m]).sum() / denom
+        elif objective == "kl":  # one sum over the rows and the vocabulary, as before the objective was a choice
             lj = -(tp * torch.log_softmax(logits, -1)).sum() / denom
         else:
             lj = row_loss(tp, logits, objective).sum() / denom
@@ -164,7 +176,7 @@ def ttt_outcomes(draft: Eagle3Draft, chunks: Iterable[list[Example]], steps: int
     with torch.no_grad():
         for examples, g in ((ex, g) for ex in chunks for g in _groups(ex, batch_tokens, False, random.Random(0))):
             ex = [examples[i] for i in g]
-            aux, ids, tl, valid, kv = collate(ex, dev)
+            aux, ids, tl, valid, kv, _ = collate(ex, dev)
             keep = torch.stack([_pad(e.valid if e.keep is None else e.keep, ids.shape[1], False) for e in ex]).to(dev)
             right = []
             for j, h in enumerate(draft.ttt_forward(aux, ids, steps, kv)):

@@ -13,11 +13,14 @@ from ..models.ttt import Example
 
 
 def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int,
-            loss_on_prompt: bool = False, dropped: Counter | None = None) -> list[Example]:
+            loss_on_prompt: bool = False, dropped: Counter | None = None,
+            rejected_weight: float = 0.0) -> list[Example]:
     """Turn capture records into examples (target logits computed once, restricted to the draft vocab).
 
     `loss_on_prompt`: also learn the target's distribution at prompt positions (loss_mask == 0).
     SpecForge masks them; on small captures they are extra in-domain signal for free.
+    `rejected_weight` w > 0: an example of a record with `rejected_mask` (`capture.store.read_record`)
+    gets weight 1 + w at the positions the serving draft got wrong, 1 elsewhere (`Example.weight`).
     Records with NaN/Inf hidden states, shorter than 3 tokens, or without a position to learn
     (all cut off by `max_len`, or every target argmax outside the draft vocab) are dropped and
     counted in `dropped` (keys `non_finite`, `too_short`, `no_valid_positions`).
@@ -42,6 +45,10 @@ def prepare(records: list[dict], target: Target, t2d: torch.Tensor, max_len: int
         if not valid[1:].any():  # nothing to learn (e.g. generation cut off by max_len, or out of vocab)
             dropped["no_valid_positions"] += 1
             continue
-        out.append(Example(r["aux_hidden_states"][:T].clone(), r["input_ids"][:T].long(), tlogits, valid, keep))
+        weight = None
+        if rejected_weight and "rejected_mask" in r:
+            weight = 1.0 + rejected_weight * r["rejected_mask"][:T].float()
+        out.append(Example(r["aux_hidden_states"][:T].clone(), r["input_ids"][:T].long(), tlogits, valid, keep,
+                           weight))
     return out
 

@@ -60,18 +60,18 @@ def release_free_heap() -> None:
 _TRIM = None
 
 
-def example_bytes_per_token(hidden: int, draft_vocab: int) -> int:
+def example_bytes_per_token(hidden: int, draft_vocab: int, weighted: bool = False) -> int:
     """Bytes one prepared token holds, at most: aux (3·4·H counted at fp32; bf16 records hold half)
-    + teacher logits bf16 (2·Vd) + ids int64 + valid/keep bools."""
-    return 12 * hidden + 2 * draft_vocab + 8 + 2
+    + teacher logits bf16 (2·Vd) + ids int64 + valid/keep bools (+ a loss weight fp32 when `weighted`)."""
+    return 12 * hidden + 2 * draft_vocab + 8 + 2 + 4 * weighted
 
 
 class ExampleStream:
     """Examples of `source` for one rank (`rank` of `world`), as `tparams` (`train` params) says:
     cut at `max_seq_len`, batched by `batch_tokens`, planned in buffers of at most `buffer_mb` MiB of
     prepared examples, records read `prefetch_mb` MiB ahead by a producer thread (0: in line),
-    shuffled by `seed`; `loss_on_prompt` (never for a `validation` stream: it scores generated
-    positions). `dropped` counts the records `prepare` drops (every rank's, gathered).
+    shuffled by `seed`; `loss_on_prompt` and `rejected_weight` (never for a `validation` stream: it
+    scores generated positions, unweighted). `dropped` counts the records `prepare` drops (every rank's, gathered).
     Raises as `RecordSource.read` (a missing or corrupt shard, a record the target cannot
     rehydrate)."""
 
@@ -82,9 +82,10 @@ class ExampleStream:
         self.prefetch_bytes = int(tparams.prefetch_mb * 2**20)
         self.max_len, self.batch_tokens, self.seed = tparams.max_seq_len, tparams.batch_tokens, tparams.seed
         self.loss_on_prompt = tparams.loss_on_prompt and not validation  # validation scores generated positions
+        self.rejected_weight = 0.0 if validation else tparams.rejected_weight  # a loss weight: not scored
         buffer_mb, batch_tokens = tparams.buffer_mb, tparams.batch_tokens
         self.rank, self.world = rank, world
-        per_token = example_bytes_per_token(target.cfg.hidden_size, int(t2d.sum()))
+        per_token = example_bytes_per_token(target.cfg.hidden_size, int(t2d.sum()), self.rejected_weight > 0)
         self.capacity = max(1, int(buffer_mb * 2**20 // per_token))  # tokens of prepared examples per buffer
         if self.capacity < batch_tokens:  # batches are cut within a buffer: a smaller one would shrink them
             raise ValueError(f"train.buffer_mb {buffer_mb} holds {self.capacity} prepared tokens, fewer than "
@@ -101,7 +102,7 @@ class ExampleStream:
         return sum(1 for t in self.lengths if t)
 
     def _prepare(self, record: dict, dropped: Counter) -> Example | None:
-        ex = prepare([record], self.target, self.t2d, self.max_len, self.loss_on_prompt, dropped)
+        ex = prepare([record], self.target, self.t2d, self.max_len, self.loss_on_prompt, dropped, self.rejected_weight)
         return ex[0] if ex else None
 
     def _read(self, positions: list[int]):
@@ -110,24 +111,28 @@ class ExampleStream:
 
     def _survey(self, dropped: Counter, collective: bool) -> list[int]:
         """Every record's prepared length (0: dropped); each rank prepares its share, kept in the
-        cache while the total fits one buffer (one process: the set is prepared once)."""
+        cache while the total fits one buffer (one process: the set is prepared once). Sets
+        `weighted_positions`: positions whose loss weight is not 1 (`rejected_weight`), all ranks'."""
         n = len(self.source)
         first, step = (self.rank, self.world) if collective else (0, 1)
-        mine, local, held = {}, Counter(), 0
+        mine, local, held, weighted = {}, Counter(), 0, 0
         for i, rec in self._read(range(first, n, step)):
             ex = self._prepare(rec, local)
             mine[i] = 0 if ex is None else int(ex.ids.shape[0])
+            if ex is not None and ex.weight is not None:
+                weighted += int((ex.weight != 1).sum())
             if ex is not None and self._cache is not None and step == 1:  # ranks cache their own rows later
                 held += mine[i]
                 self._cache[i] = ex
                 if held > self.capacity:
                     self._cache = None  # does not fit: stream it
-        parts = ranks.gather((mine, local)) if collective else [(mine, local)]
-        lengths = [0] * n
-        for m, c in parts:
+        parts = ranks.gather((mine, local, weighted)) if collective else [(mine, local, weighted)]
+        lengths, self.weighted_positions = [0] * n, 0
+        for m, c, w in parts:
             for i, t in m.items():
                 lengths[i] = t
             dropped.update(c)
+            self.weighted_positions += w
         return lengths
 
     def epoch_plan(self, epoch: int, rng: random.Random, shuffle: bool = True) -> list[list[list[int]]]:

@@ -13,6 +13,7 @@ More: docs/design/train.md.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import time
@@ -39,6 +40,8 @@ from .holdout import HoldoutEval, evaluate_chunks
 from .resume import clear_state, fingerprint, load_state, save_state, state_dir, weights_digest
 from .source import RecordSource, as_source
 from .stream import ExampleStream, token_counts
+
+log = logging.getLogger(__name__)
 
 
 def init_draft(target: Target, dparams: DraftParams, counts, init: Path | None) -> Eagle3Draft:
@@ -93,6 +96,7 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     `train_input_wait_seconds` (of those, waiting for batches: reading, preparing, copying),
     `train_tokens`, `train_steps` (optimizer steps), `dropped/{reason}`, `val_dropped/{reason}`,
     `skipped_nonfinite_steps` (batches with a non-finite loss or nothing to learn),
+    `train_rejected_positions` (with `train.rejected_weight`: the positions it weighed),
     `resumed_from_step`, `train_world_size`, `train_buffers` (buffers per epoch; 1: held in
     memory). The resume fingerprint covers params, the records' content, the
     target (id, dtype, aux layers) and the warm start's weights. Raises ValueError for an empty
@@ -114,6 +118,10 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
         val = ExampleStream(val_src, target, draft.t2d, tparams, val_dropped, validation=True, collective=False)
     if not len(stream):
         raise ValueError(f"every training record was dropped ({dict(dropped)}); capture more traffic")
+    if tparams.rejected_weight and not stream.weighted_positions:
+        log.warning("train.rejected_weight %s weighs nothing here: no training record says where the serving "
+                    "draft was rejected (the embedded engine's capture records it; endpoint, vLLM and SGLang "
+                    "traffic does not)", tparams.rejected_weight)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt, sched, total = _optimizer(params, stream, tparams)
     rng = random.Random(tparams.seed)
@@ -269,6 +277,8 @@ def _metrics(draft, stream: ExampleStream, val: ExampleStream | None, run: dict,
                "train_buffers": len(stream.epoch_plan(0, random.Random(0))),
                "skipped_nonfinite_steps": run["skipped"], "resumed_from_step": resumed_from,
                "curve": run.get("curve", [])}
+    if tparams.rejected_weight:
+        metrics["train_rejected_positions"] = stream.weighted_positions
     metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
     metrics.update({f"val_dropped/{k}": v for k, v in val_dropped.items()})
     metrics.update({f"train/acc_{j}": a for j, a in enumerate(train_acc)})
