@@ -20,6 +20,8 @@ SCRIPTS = {
                                    "paired per seed: simulated τ on the same holdout."),
     "static-general": ("static_general", "A well-trained general static draft (≥ 1M ShareGPT tokens, resumable), "
                                          "its curve per epoch on a general holdout."),
+    "train-ab": ("train_ab", "Training arms (train.* changes) paired per seed on code traffic a draft served: "
+                             "replayed and simulated τ on a holdout."),
     "vocab-coverage": ("vocab_coverage", "The share of the target's output on captured traffic inside each "
                                          "draft's vocabulary, and the vocabulary size chosen from data."),
 }

@@ -48,27 +48,33 @@ def humaneval_prompts(tok, params: Params) -> tuple[list[tuple[str, list[int]]],
 
 
 def serve_and_capture(target: Target, prompts: list[tuple[str, list[int]]], max_new_tokens: int, capture_dir: Path,
-                      workload: str, max_batch: int = 8, progress: Callable[[int], None] | None = None) -> dict:
-    """Greedy target-only generation of every prompt (continuous batching), captured to `capture_dir`.
-    Returns {id: generated token ids} and tokens/s."""
+                      workload: str, max_batch: int = 8, progress: Callable[[int], None] | None = None,
+                      draft: DraftRunner | None = None, k: int = 0) -> dict:
+    """Greedy generation of every prompt (continuous batching), captured to `capture_dir`: target-only,
+    or EAGLE-3 chains of `k` from `draft` (the records then say where it was rejected). Returns
+    {"outputs": {id: generated token ids}, "tokens_per_s", "seconds", "acceptance_length" (τ; 1.0
+    target-only)}."""
     w = CaptureWriter(capture_dir, target.target_id, CaptureParams(shard_max_records=16))
-    eng = make_engine(EngineParams().fixed(max_seq_len=max(len(p) for _, p in prompts) + max_new_tokens + 1,
-                                           max_batch=max_batch), target, capture=w)
-    futs = {pid: eng.submit(Request(ids, max_new_tokens, speculative=False, capture=True, request_id=pid,
-                                    workload=workload, prompt_id=pid)) for pid, ids in prompts}  # the engine captures
-    t0, outs, done = time.perf_counter(), {}, 0
+    L = max(len(p) for _, p in prompts) + max_new_tokens + k + 2
+    eng = make_engine(EngineParams().fixed(num_draft_tokens=max(k, 1), max_seq_len=L, max_batch=max_batch),
+                      target, draft, capture=w)
+    futs = {pid: eng.submit(Request(ids, max_new_tokens, speculative=draft is not None, k=k or None, capture=True,
+                                    request_id=pid, workload=workload, prompt_id=pid))
+            for pid, ids in prompts}  # the engine captures
+    t0, outs, done, stats = time.perf_counter(), {}, 0, SpecDecodingStats(k)
     while eng.num_unfinished:
         eng.step()
         for pid, f in futs.items():
             if pid not in outs and f.done():
                 g = f.result()
-                outs[pid] = g.tokens
+                outs[pid], stats = g.tokens, stats.merge(g.stats)
                 done += 1
                 if progress:
                     progress(done)
     w.close()
     secs = time.perf_counter() - t0
-    return {"outputs": outs, "tokens_per_s": sum(map(len, outs.values())) / secs, "seconds": secs}
+    return {"outputs": outs, "tokens_per_s": sum(map(len, outs.values())) / secs, "seconds": secs,
+            "acceptance_length": stats.acceptance_length}
 
 
 def build_snapshot(root: Path, target: Target, train_p, hold_p, max_new_tokens: int, max_batch: int = 8,
