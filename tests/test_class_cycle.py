@@ -83,3 +83,34 @@ def test_stage_classes_without_class_drafts_writes_none(tmp_path, tiny_target_di
     assert r.exit_code == 0, r.output
     assert json.loads((ws.work / "classes.json").read_text()) == {}
     assert "the generalist serves every class" in r.output
+
+
+def test_auto_gives_a_draft_to_each_class_with_enough_traffic_of_its_own(tmp_path, tiny_target_dir):
+    """`train.class_drafts: auto`: the classes whose own requests in the curated training set (replay
+    entries and unclassified `default` ones aside) reach `train.min_train_tokens`, sorted, when at
+    least two do; none when one class has the window to itself; a list is taken as written; another
+    string is refused."""
+    import pytest
+
+    from conftest import shipped_params
+    from tidespec.config import Params
+    from tidespec.steps.classes import classes_to_train
+
+    raw = shipped_params(tiny_target_dir)
+    raw["train"] |= {"class_drafts": "auto", "min_train_tokens": 100}
+    p = Params.model_validate(raw)
+
+    def picked(entries):
+        (tmp_path / "c.json").write_text(json.dumps({"train": [
+            {"workload": e[0], "num_tokens": e[1]} | ({"replay": True} if e[2:] else {}) for e in entries]}))
+        return classes_to_train(p, tmp_path / "c.json")
+    assert picked([("math", 60), ("math", 40), ("code", 100), ("chat", 99), ("default", 500)]) == ["code", "math"]
+    assert picked([("code", 100), ("chat", 60), ("chat", 60, True)]) == []  # replayed tokens are not its traffic
+    assert picked([("code", 100), ("chat", 99), ("structured", 100)]) == ["code", "structured"]
+    assert picked([("code", 5000)]) == []
+    raw["train"]["class_drafts"] = ["structured", "code"]
+    assert classes_to_train(Params.model_validate(raw), tmp_path / "c.json") == ["structured", "code"]
+    for bad in ("all", ["code", "code"]):
+        raw["train"]["class_drafts"] = bad
+        with pytest.raises(ValueError, match="class_drafts"):
+            Params.model_validate(raw)

@@ -267,13 +267,14 @@ class TrainParams(_Strict):
     rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d+$", json_schema_extra=PLACEMENT)
     # torchrun --max-restarts: ranks restart from the last training state
     max_restarts: int = Field(0, ge=0, json_schema_extra=PLACEMENT)
-    # workload classes that get a draft of their own each cycle (alias champion-<class>); [] = the generalist only
-    class_drafts: list[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]] = []
+    # classes with a draft of their own each cycle (alias champion-<class>); [] = the generalist only; auto:
+    # each class with min_train_tokens of its own in the window, when two or more have (`steps.classes`)
+    class_drafts: list[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]] | Literal["auto"] = []
 
     @field_validator("class_drafts")
     @classmethod
     def _distinct(cls, v):
-        if len(set(v)) != len(v):
+        if isinstance(v, list) and len(set(v)) != len(v):
             raise ValueError(f"train.class_drafts lists a class twice: {v}")
         return v
 

@@ -1,5 +1,6 @@
 """The cycle's class drafts: after the generalist, one candidate per workload class in
-`train.class_drafts`, trained on its class (plus `curate.class_replay_fraction` from the others),
+`train.class_drafts` (`auto`: chosen from the window's traffic, `classes_to_train`), trained on its
+class (plus `curate.class_replay_fraction` from the others),
 warm-started from the class's champion or, for its first, from the generalist's; evaluated on its
 class's holdout against what serves the class now; registered with tag `workload` and promoted to
 `champion-<class>` only if τ improves (`registry.promote_if_better(workload=...)`). The deploy step
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 from ..adapters import registry
@@ -24,12 +26,29 @@ from .register import step_register
 log = logging.getLogger(__name__)
 
 
+def classes_to_train(params: Params, curated: Path) -> list[str]:
+    """The classes that get a candidate this cycle: `train.class_drafts` as listed; with `auto`, every
+    workload class (not `default`, the label of unclassified requests) whose own requests in the
+    curated training set (`curated`, the cycle's index; replay-buffer entries aside) hold at least
+    `train.min_train_tokens` tokens, when two or more classes do — a class alone in the window is
+    what the generalist trains on. Which of them takes over its class is the gate's decision
+    (`evaluate.class_first_gain`, then `min_relative_gain`). Sorted by name."""
+    if params.train.class_drafts != "auto":
+        return list(params.train.class_drafts)
+    tokens = Counter()
+    for e in json.loads(Path(curated).read_text())["train"]:
+        if not e.get("replay") and e.get("workload") not in (None, "", "default"):
+            tokens[e["workload"]] += e["num_tokens"]
+    enough = sorted(w for w, n in tokens.items() if n >= params.train.min_train_tokens)
+    return enough if len(enough) >= 2 else []
+
+
 def class_cycles(ws: Workspace, params: Params, target_id: str, tracking_uri: str, *, snapshot_rev: str = "",
                  trigger: str = "manual", params_path: Path | None = None) -> dict[str, dict]:
-    """`class_cycle` for each class of `train.class_drafts`, in order. Returns {class: its result},
+    """`class_cycle` for each class of `classes_to_train`, in order. Returns {class: its result},
     {"error": message} for a class that failed (logged with its traceback; the others go on)."""
     out = {}
-    for workload in params.train.class_drafts:
+    for workload in classes_to_train(params, ws.curated):
         try:
             out[workload] = class_cycle(ws, params, target_id, workload, tracking_uri, snapshot_rev=snapshot_rev,
                                    trigger=trigger, params_path=params_path)
