@@ -605,8 +605,9 @@ def test_fp8_bench_refuses_before_loading_the_target(tmp_path, dtype, args, msg)
 
 
 def test_where_the_draft_was_rejected_travels_from_the_generation_to_the_curated_records(tmp_path):
-    """A captured Generation's rejected tokens (indices into its tokens) land in the manifest as record
-    positions (prompt length + index; the last token, not in the record, left out), come back from
+    """A captured Generation's rejected tokens (indices into its tokens) land in the manifest as the
+    record positions whose next-token distribution gave them (prompt length + index − 1: the hidden
+    state before the token; the last token's too), come back from
     `read_record` and a curated entry as `rejected_mask`, and only when all fields are read. A request
     the draft model never served records None (nothing to weigh); a position outside the record is
     refused at submit."""
@@ -620,23 +621,29 @@ def test_where_the_draft_was_rejected_travels_from_the_generation_to_the_curated
         return Generation(rid, 4, list(range(20, 32)), stats, RequestTiming(), record=_rec(15, seed=len(rid)),
                           by_proposer={"eagle3": stats} if drafted else {},
                           draft_kinds=frozenset({"eagle3"}) if drafted else frozenset(), rejected=rejected)
-    assert rejected_positions(gen("a", [0, 5, 11])) == [4, 9]  # token 11 is the last: not in the record
+    assert rejected_positions(gen("a", [1, 5, 11])) == [4, 8, 14]  # token 11, the last: predicted at T - 1
     assert rejected_positions(gen("b", [], drafted=False)) is None
     w = CaptureWriter(tmp_path / "cap", "tid", CaptureParams(shard_max_records=8))
-    assert w.submit_generation(gen("a", [0, 5, 11]), "code") and w.submit_generation(gen("bb", [], False), "code")
+    assert w.submit_generation(gen("a", [1, 5, 11]), "code") and w.submit_generation(gen("bb", [], False), "code")
     with pytest.raises(ValueError, match="outside a record of 15 tokens"):
         w.submit(_rec(15), request_id="c", workload="code", acceptance_length=1.0, rejected=[15])
     w.close()
     info = seal(tmp_path / "cap", tmp_path / "snaps", "tid")
     rows = {r.request_id: r for r in read_manifest(info.path)}
-    assert rows["a"].rejected == [4, 9] and rows["bb"].rejected is None and "c" not in rows
+    assert rows["a"].rejected == [4, 8, 14] and rows["bb"].rejected is None and "c" not in rows
     mask = read_record(info.path, rows["a"])["rejected_mask"]
-    assert mask.dtype == torch.uint8 and mask.nonzero().flatten().tolist() == [4, 9]
+    assert mask.dtype == torch.uint8 and mask.nonzero().flatten().tolist() == [4, 8, 14]
     assert "rejected_mask" not in read_record(info.path, rows["a"], ("input_ids", "loss_mask"))
     assert "rejected_mask" not in read_record(info.path, rows["bb"])
     r = curate(tmp_path / "snaps", "tid", CurateParams(val_fraction=0, holdout_fraction=0, min_tokens=4),
                tmp_path / "work" / "curated.json")
     entries = {e["request_id"]: e for e in json.loads(r.path.read_text())["train"]}
-    assert entries["a"]["rejected"] == [4, 9] and "rejected" not in entries["bb"]
+    assert entries["a"]["rejected"] == [4, 8, 14] and "rejected" not in entries["bb"]
     back = load_records([entries["a"], entries["bb"]], r.path.parent)
-    assert back[0]["rejected_mask"].nonzero().flatten().tolist() == [4, 9] and "rejected_mask" not in back[1]
+    assert back[0]["rejected_mask"].nonzero().flatten().tolist() == [4, 8, 14] and "rejected_mask" not in back[1]
+    manifest = info.path / "manifest.jsonl"  # a row naming a position outside its record: dropped, the rest curated
+    manifest.write_text(manifest.read_text().replace("[4, 8, 14]", "[4, 15]"))
+    r = curate(tmp_path / "snaps", "tid", CurateParams(val_fraction=0, holdout_fraction=0, min_tokens=4),
+               tmp_path / "work2" / "curated.json")
+    assert r.dropped == {"unreadable": 1}
+    assert [e["request_id"] for e in json.loads(r.path.read_text())["train"]] == ["bb"]

@@ -108,6 +108,9 @@ def test_auto_gives_a_draft_to_each_class_with_enough_traffic_of_its_own(tmp_pat
     assert picked([("code", 100), ("chat", 60), ("chat", 60, True)]) == []  # replayed tokens are not its traffic
     assert picked([("code", 100), ("chat", 99), ("structured", 100)]) == ["code", "structured"]
     assert picked([("code", 5000)]) == []
+    assert picked([("code", 100), ("../x", 900), ("Chat", 900), ("math", 100)]) == ["code", "math"]  # not class names
+    many = [(f"c{i:02d}", 100 + i) for i in range(10)]  # the 8 largest
+    assert picked(many) == [f"c{i:02d}" for i in range(2, 10)]
     raw["train"]["class_drafts"] = ["structured", "code"]
     assert classes_to_train(Params.model_validate(raw), tmp_path / "c.json") == ["structured", "code"]
     for bad in ("all", ["code", "code"]):

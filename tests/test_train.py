@@ -407,8 +407,37 @@ def test_rejected_weight_changes_what_is_learnt_says_what_it_weighed_and_warns_w
         w[name] = load_checkpoint(tmp_path / name, tiny_target.embed, tiny_target.target_id).state_dict()
     assert any(not torch.equal(w["off"][k], w["on"][k]) for k in w["off"])
     assert all(torch.equal(w["off"][k], w["none"][k]) for k in w["off"])
-    assert m["on"]["train_rejected_positions"] == 5 * 8 and "train_rejected_positions" not in m["off"]
+    from tidespec.train.examples import prepare  # the learnable marked positions, under the trained draft's vocab
+    t2d = load_checkpoint(tmp_path / "on", tiny_target.embed, tiny_target.target_id).t2d
+    want = sum(int(((x.weight != 1) & x.valid).sum()) for x in prepare(marked, tiny_target, t2d, 512, False, None, 2.0))
+    assert 0 < want < 5 * 8  # some marks fall on the prompt or outside the draft vocabulary
+    assert m["on"]["train_rejected_positions"] == want and "train_rejected_positions" not in m["off"]
     assert m["none"]["train_rejected_positions"] == 0
     assert "train.rejected_weight 2.0 weighs nothing here" in caplog.text
     with pytest.raises(ValueError, match="train.rejected_weight 1.0 is the embedded trainer's"):
         TrainParams(rejected_weight=1.0, backend="specforge")
+
+
+def test_a_new_train_field_at_its_default_keeps_the_cache_keys():
+    """The static draft's cache key and the training-state key (`learning_dump`) of the shipped params
+    are what they were before `train.rejected_weight` existed (a user's cached static is not rebuilt
+    after an upgrade); setting it changes the training key, never the static's (no draft served its
+    teacher-forced records)."""
+    import hashlib
+    from pathlib import Path
+
+    import yaml
+
+    from tidespec.config import Params
+    from tidespec.steps.bootstrap import static_draft_dir
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    p = Params.model_validate(raw)
+
+    def key(x):
+        return hashlib.sha256(json.dumps(x.train.learning_dump(), sort_keys=True).encode()).hexdigest()[:12]
+    assert static_draft_dir(p, "0" * 64, Path("/c")).name == "static-92d99ce7ec28"
+    assert key(p) == "798c7edf9b87"
+    raw["train"]["rejected_weight"] = 1.0
+    w = Params.model_validate(raw)
+    assert key(w) != key(p) and static_draft_dir(w, "0" * 64, Path("/c")) == static_draft_dir(p, "0" * 64, Path("/c"))

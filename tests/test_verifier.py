@@ -484,3 +484,36 @@ def test_rejected_tokens_of_a_tree_end_steps_that_stopped_above_a_drafted_child(
         assert gen.rejected == sorted(gen.rejected)
         deep, rejected = deep + sum(m == 4 for _, m in ends), rejected + len(gen.rejected)
     assert deep > 0 and rejected > 0, (deep, rejected)
+
+
+def test_the_positions_capture_weighs_are_where_the_served_draft_was_wrong(varied, trained):
+    """k = 1 chains with the trained draft, captured: each generated token after the first is an
+    accepted draft (the first of a two-token step), a bonus token, or the target's token in place of
+    a rejected draft (a one-token step). The draft's own prediction of token q, teacher-forced on the
+    captured aux (`ttt_forward` step 0, row q − 2), is wrong at every position `rejected_positions`
+    lists (p = q − 1: the distribution the trainer holds those rows to) and right at every accepted
+    draft: the weight lands where the served draft failed, not a token later."""
+    from tidespec.capture.writer import rejected_positions
+    _, target = varied
+    runner, prompts, _ = trained
+    eng = Engine(target, runner, EngineParams(num_draft_tokens=1, max_seq_len=128))
+    wrong = right = 0
+    for p in prompts[:8]:
+        gen = eng.generate(p, 40, k=1, capture=True)
+        P, rec, seq = len(p), gen.record, p + gen.tokens
+        with torch.no_grad():
+            h = runner.draft.ttt_forward(rec["aux_hidden_states"][None].float(), rec["input_ids"][None].long(), 1)[0]
+            pred = runner.draft.logits(h[0]).argmax(-1)
+        pred = pred + runner.draft.d2t[pred]  # draft ids → target ids; row r predicts token r + 2
+        weighted, ends = set(rejected_positions(gen)), _step_ends(gen)
+        for end, m in ends[:-1]:  # the last step may be cut by the length
+            first = end - m + 1  # index in gen.tokens of the step's first token
+            q = P + first
+            if m == 1:
+                assert q - 1 in weighted and int(pred[q - 2]) != seq[q], (p, first)
+                wrong += 1
+            else:
+                assert q - 1 not in weighted and int(pred[q - 2]) == seq[q], (p, first)
+                right += 1
+        assert weighted <= {P + e - 1 for e, _ in ends}
+    assert wrong > 0 and right > 0, (wrong, right)

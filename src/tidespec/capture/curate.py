@@ -107,7 +107,7 @@ def _scan(snap: Path, target_id: str, params: CurateParams, seen: set, dropped: 
             continue
         try:  # a tokens-only record (ingest.mode: online) has no hidden states to check: the trainer rebuilds them
             rec = read_record(snap, row)
-        except (CorruptShard, FileNotFoundError) as e:  # one bad shard must not block the cycle
+        except (CorruptShard, FileNotFoundError, ValueError) as e:  # one bad shard or row must not block the cycle
             log.error("%s", e)
             dropped["unreadable"] += 1
             continue

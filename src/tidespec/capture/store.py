@@ -60,8 +60,8 @@ class ManifestRow:
     origin: str = "live"  # live (served here) | rehydrated (endpoint text → one prefill) | regenerated (no response)
     constraint: dict | None = None  # a constrained request's spec (response_format / tools, `engine.constraint`)
     tokens_only: bool = False  # input_ids + loss_mask at rest, no hidden states (`ingest.mode: online`)
-    # positions in input_ids of the generated tokens the target emitted in place of a draft-model proposal
-    # it rejected, ascending (the embedded engine; None: not recorded, e.g. the draft never ran)
+    # positions whose next token the target emitted in place of a draft-model proposal it rejected (the
+    # distribution there is what the draft got wrong), ascending; the embedded engine's; None: not recorded
     rejected: list[int] | None = None
 
 

@@ -408,12 +408,14 @@ def draft_acceptance_rate(gen) -> float | None:
 
 
 def rejected_positions(gen) -> list[int] | None:
-    """A captured Generation's rejected tokens (`Generation.rejected`, indices into its tokens) as
-    positions in its record's input_ids (prompt + tokens[:-1]: the last token is not in the record);
-    None when no draft-model proposer ran for it."""
+    """A captured Generation's rejected tokens (`Generation.rejected`, indices into its tokens) as the
+    record positions whose next-token distribution produced them: token t sits at prompt_len + t in
+    prompt + tokens, and the target's hidden state one position before it gave it (the draft was
+    wrong about that distribution; what `train.rejected_weight` weighs, as the trainer holds a row to
+    the distribution at a position). None when no draft-model proposer ran for the request."""
     if not gen.draft_kinds or gen.draft_stats is None:
         return None
-    return [gen.prompt_len + t for t in gen.rejected if t < len(gen.tokens) - 1]
+    return [gen.prompt_len + t - 1 for t in gen.rejected if t >= 1]  # token 0 comes from the prefill
 
 
 def manifest_rows(batch: list[tuple[dict, dict]], target_id: str) -> list[ManifestRow]:

@@ -96,4 +96,5 @@ def stage_classes(root: Path = ROOT, params: Path = PARAMS):
         what = r.get("error") or r.get("skipped") or r["register"]["reason"]
         console.print(f"class {workload}: {what}", highlight=False)
     if not res:
-        console.print("train.class_drafts is empty: the generalist serves every class")
+        console.print(f"train.class_drafts {p.train.class_drafts}: no class gets a draft of its own this cycle; "
+                      "the generalist serves every class", highlight=False, soft_wrap=True)

@@ -255,12 +255,10 @@ class TrainParams(_Strict):
     sagemaker: SageMakerTrainParams | None = Field(None, json_schema_extra=PLACEMENT)
     checkpoint_every: int = Field(50, ge=0)  # optimizer steps between resumable state saves (0: epoch ends only)
     buffer_mb: float = Field(1024.0, gt=0, allow_inf_nan=False)  # prepared examples held at once (train.stream)
-    # records a producer thread reads ahead (0: in line)
-    prefetch_mb: float = Field(64.0, ge=0, allow_inf_nan=False, json_schema_extra=PLACEMENT)
+    prefetch_mb: float = Field(64.0, ge=0, allow_inf_nan=False, json_schema_extra=PLACEMENT)  # read ahead (0: in line)
     # shards fetched from the DVC remote, kept at once
     shard_cache_mb: float = Field(4096.0, gt=0, allow_inf_nan=False, json_schema_extra=PLACEMENT)
-    # ranks on this machine (torchrun --nproc-per-node; 1: no torchrun)
-    nproc_per_node: int = Field(1, ge=1, json_schema_extra=PLACEMENT)
+    nproc_per_node: int = Field(1, ge=1, json_schema_extra=PLACEMENT)  # ranks here (torchrun --nproc-per-node; 1: none)
     # machines (torchrun --nnodes; > 1 needs rdzv_endpoint, every node runs the step)
     nnodes: int = Field(1, ge=1, json_schema_extra=PLACEMENT)
     # host:port of the c10d rendezvous
@@ -305,9 +303,11 @@ class TrainParams(_Strict):
         return self.nproc_per_node * self.nnodes
 
     def learning_dump(self) -> dict:
-        """The fields that shape the trained weights (every field not marked `PLACEMENT`), as a dict."""
+        """The fields that shape the trained weights (every field not marked `PLACEMENT`), as a dict;
+        `rejected_weight` only when set (0 keeps the keys drafts and training states were cached under)."""
         return self.model_dump(exclude={n for n, f in type(self).model_fields.items()
-                                        if (f.json_schema_extra or {}).get("placement")})
+                                        if (f.json_schema_extra or {}).get("placement")
+                                        or (n == "rejected_weight" and not self.rejected_weight)})
     min_train_tokens: int = Field(512, ge=1)  # fewer curated tokens: the cycle is skipped, champion untouched
     seed: int = 0
     threads: int | None = Field(None, ge=1, json_schema_extra=PLACEMENT)

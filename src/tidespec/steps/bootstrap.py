@@ -72,7 +72,8 @@ def static_draft_dir(params: Params, target_id: str, cache: Path) -> Path:
     that precision)."""
     b = params.bootstrap  # answers: dataset (the default) keeps the key drafts were cached under before the knob
     boot = b.model_dump(exclude={"answers"}) if b.answers == "dataset" else b.model_dump()
-    train = params.train.model_dump(exclude={"loss"} if params.train.loss == "kl" else None)  # kl: the key before it
+    # kl: the key before `loss` existed; rejected_weight: never weighs teacher-forced records (no draft served them)
+    train = params.train.model_dump(exclude={"rejected_weight"} | ({"loss"} if params.train.loss == "kl" else set()))
     parts = [target_id, boot, params.draft.model_dump(), train]
     t = params.target
     if (t.dtype, t.quantization) != ("float32", "none"):  # fp32 keeps the key drafts were cached under before
@@ -107,7 +108,7 @@ def bootstrap_static(params: Params, target: Target, tok, cache: Path, progress:
         recs = teacher_force(target, tok, convs, b.max_tokens, progress=count("bootstrap: teacher-force ShareGPT "
                                                                               "(tokens)"), token_budget=b.tokens)
     n_val = max(1, len(recs) // 10)
-    tp = params.train.model_copy(update={"epochs": b.epochs, "warm_start": False})
+    tp = params.train.model_copy(update={"epochs": b.epochs, "warm_start": False, "rejected_weight": 0.0})
     m = train_draft(recs[n_val:], recs[:n_val], target, params.draft, tp, out.with_suffix(".tmp"),
                     progress=lambda step, total, loss: report("bootstrap: train the static EAGLE3 draft (steps)", step,
                                                               total, f"loss {loss:.3f}"))

@@ -18,12 +18,13 @@ from pathlib import Path
 from ..adapters import registry
 from ..capture.curate import class_subset
 from ..config import Params
-from ..workspace import Workspace
+from ..workspace import CLASS_NAME, Workspace
 from .cycle import lineage, train_candidate
 from .evaluate import step_evaluate
 from .register import step_register
 
 log = logging.getLogger(__name__)
+AUTO_MAX_CLASSES = 8  # `auto`: class drafts trained per cycle at most (each is a train + evaluate)
 
 
 def classes_to_train(params: Params, curated: Path) -> list[str]:
@@ -31,7 +32,9 @@ def classes_to_train(params: Params, curated: Path) -> list[str]:
     workload class (not `default`, the label of unclassified requests) whose own requests in the
     curated training set (`curated`, the cycle's index; replay-buffer entries aside) hold at least
     `train.min_train_tokens` tokens, when two or more classes do — a class alone in the window is
-    what the generalist trains on. Which of them takes over its class is the gate's decision
+    what the generalist trains on — at most `AUTO_MAX_CLASSES`, the most tokens first. A label that is
+    not a class name (`workspace.CLASS_NAME`: a request's `workload` is the client's word) is left out
+    with a warning. Which of them takes over its class is the gate's decision
     (`evaluate.class_first_gain`, then `min_relative_gain`). Sorted by name."""
     if params.train.class_drafts != "auto":
         return list(params.train.class_drafts)
@@ -39,8 +42,14 @@ def classes_to_train(params: Params, curated: Path) -> list[str]:
     for e in json.loads(Path(curated).read_text())["train"]:
         if not e.get("replay") and e.get("workload") not in (None, "", "default"):
             tokens[e["workload"]] += e["num_tokens"]
-    enough = sorted(w for w, n in tokens.items() if n >= params.train.min_train_tokens)
-    return enough if len(enough) >= 2 else []
+    if bad := sorted(w for w in tokens if not CLASS_NAME.match(w)):
+        log.warning("train.class_drafts auto: %d workload label(s) are not class names ([a-z0-9][a-z0-9_-]{0,63}), "
+                    "no draft of their own: %s", len(bad), [w[:40] for w in bad[:5]])
+    enough = [w for w, n in tokens.most_common() if n >= params.train.min_train_tokens and CLASS_NAME.match(w)]
+    if len(enough) > AUTO_MAX_CLASSES:
+        log.warning("train.class_drafts auto: %d classes have the traffic, the %d largest get a draft: left out %s",
+                    len(enough), AUTO_MAX_CLASSES, enough[AUTO_MAX_CLASSES:])
+    return sorted(enough[:AUTO_MAX_CLASSES]) if len(enough) >= 2 else []
 
 
 def class_cycles(ws: Workspace, params: Params, target_id: str, tracking_uri: str, *, snapshot_rev: str = "",

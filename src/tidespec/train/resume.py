@@ -25,10 +25,13 @@ def fingerprint(*parts) -> str:
 
 
 def records_fingerprint(records: list[dict]) -> str:
-    """sha256 (16 hex) over every tensor field of every record, in order (bf16 hashed by its bits)."""
+    """sha256 (16 hex) over every tensor field of every record (and its `rejected_mask` when it has one), in
+    order (bf16 hashed by its bits)."""
     h = hashlib.sha256()
     for r in records:
-        for f in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states"):
+        for f in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states", "rejected_mask"):
+            if f not in r:  # rejected_mask: only where the serving draft's rejections were recorded
+                continue
             t = r[f].contiguous()
             h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())
         h.update(b"|")

@@ -111,6 +111,7 @@ class IndexRecords(RecordSource):
         its DVC md5 when `shards` knows it (nothing fetched), else its bytes read in 1 MiB blocks
         (the memory a fingerprint takes does not grow with the set)."""
         h = hashlib.sha256(json.dumps([(e["snapshot"], e["shard"], e["offset"], e["request_id"])
+                                       + ((e["rejected"],) if e.get("rejected") is not None else ())
                                        for e in self.entries]).encode())
         for snap, shard in dict.fromkeys((e["snapshot"], e["shard"]) for e in self.entries):
             path = self.base / snap / shard

@@ -112,7 +112,7 @@ class ExampleStream:
     def _survey(self, dropped: Counter, collective: bool) -> list[int]:
         """Every record's prepared length (0: dropped); each rank prepares its share, kept in the
         cache while the total fits one buffer (one process: the set is prepared once). Sets
-        `weighted_positions`: positions whose loss weight is not 1 (`rejected_weight`), all ranks'."""
+        `weighted_positions`: learnable positions whose loss weight is not 1 (`rejected_weight`), all ranks'."""
         n = len(self.source)
         first, step = (self.rank, self.world) if collective else (0, 1)
         mine, local, held, weighted = {}, Counter(), 0, 0
@@ -120,7 +120,7 @@ class ExampleStream:
             ex = self._prepare(rec, local)
             mine[i] = 0 if ex is None else int(ex.ids.shape[0])
             if ex is not None and ex.weight is not None:
-                weighted += int((ex.weight != 1).sum())
+                weighted += int(((ex.weight != 1) & ex.valid).sum())  # learnable ones
             if ex is not None and self._cache is not None and step == 1:  # ranks cache their own rows later
                 held += mine[i]
                 self._cache[i] = ex

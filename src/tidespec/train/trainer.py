@@ -96,7 +96,7 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
     `train_input_wait_seconds` (of those, waiting for batches: reading, preparing, copying),
     `train_tokens`, `train_steps` (optimizer steps), `dropped/{reason}`, `val_dropped/{reason}`,
     `skipped_nonfinite_steps` (batches with a non-finite loss or nothing to learn),
-    `train_rejected_positions` (with `train.rejected_weight`: the positions it weighed),
+    `train_rejected_positions` (with `train.rejected_weight`: the learnable positions it weighed),
     `resumed_from_step`, `train_world_size`, `train_buffers` (buffers per epoch; 1: held in
     memory). The resume fingerprint covers params, the records' content, the
     target (id, dtype, aux layers) and the warm start's weights. Raises ValueError for an empty
@@ -118,10 +118,10 @@ def train_draft(train_records: RecordSource | list[dict], val_records: RecordSou
         val = ExampleStream(val_src, target, draft.t2d, tparams, val_dropped, validation=True, collective=False)
     if not len(stream):
         raise ValueError(f"every training record was dropped ({dict(dropped)}); capture more traffic")
-    if tparams.rejected_weight and not stream.weighted_positions:
-        log.warning("train.rejected_weight %s weighs nothing here: no training record says where the serving "
-                    "draft was rejected (the embedded engine's capture records it; endpoint, vLLM and SGLang "
-                    "traffic does not)", tparams.rejected_weight)
+    if tparams.rejected_weight and not stream.weighted_positions and rank == 0:
+        log.warning("train.rejected_weight %s weighs nothing here: no learnable position of the training records "
+                    "is one where the serving draft was rejected (the embedded engine's capture records them; "
+                    "endpoint, vLLM and SGLang traffic does not)", tparams.rejected_weight)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt, sched, total = _optimizer(params, stream, tparams)
     rng = random.Random(tparams.seed)
