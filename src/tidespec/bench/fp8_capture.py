@@ -1,10 +1,10 @@
-"""`tidespec bench fp8-capture`: does storing hidden states as fp8 (`capture.hidden_dtype: fp8_e4m3`)
-change the draft trained on them?
+"""`tidespec bench fp8-capture`: does storing hidden states as fp8 (`capture.hidden_dtype: fp8_e4m3`, a
+scale per row; `fp8_e4m3_b32`, a scale per 32 values) change the draft trained on them?
 
 Paired, per seed: one sealed snapshot's records split once into train and validation records; the
-same warm start, params and seed train two drafts, one on the records as captured (bf16) and one on
-the same records after the fp8 round trip (`capture.store.to_fp8` → `from_fp8`, what a reader of an
-fp8 shard gets); both are scored on the bf16 validation records (simulated τ at k = train.ttt_steps
+same warm start, params and seed train three drafts, one on the records as captured (bf16) and one
+on the same records after each fp8 round trip (`capture.store.to_fp8` → `from_fp8`, what a reader
+of such a shard gets); all are scored on the bf16 validation records (simulated τ at k = train.ttt_steps
 and the conditional acceptance per position, `train_draft`'s holdout metrics). Writes `--out` (JSON)
 and its `.md` table; prints the table.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..capture.store import HIDDEN_FIELDS, from_fp8, iter_records, read_manifest, shard_hidden_dtype, to_fp8
+from ..capture.store import FP8_BLOCK, HIDDEN_FIELDS, from_fp8, iter_records, read_manifest, shard_hidden_dtype, to_fp8
 from ..config import load_params
 from ..models.load import get_target
 from ..train.trainer import train_draft
@@ -41,10 +41,14 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def fp8_round_trip(r: dict) -> dict:
+ARMS = {"fp8_e4m3": None, "fp8_e4m3_b32": FP8_BLOCK}  # hidden dtype → its scale block (None: per row)
+
+
+def fp8_round_trip(r: dict, block: int | None = None) -> dict:
     """Record `r` with its hidden states (`aux_hidden_states [T, 3H]`, `hidden_states [T, H]`) as a
-    reader of an fp8 shard gets them back: through `to_fp8` / `from_fp8`, bf16; the token fields as they are."""
-    return dict(r, **{k: from_fp8(*to_fp8(r[k])) for k in HIDDEN_FIELDS})
+    reader of an fp8 shard gets them back: through `to_fp8` / `from_fp8` (a scale per row, or per
+    `block` values), bf16; the token fields as they are."""
+    return dict(r, **{k: from_fp8(*to_fp8(r[k], block)) for k in HIDDEN_FIELDS})
 
 
 def _check(a: argparse.Namespace) -> None:
@@ -82,23 +86,25 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     for seed in a.seeds:
         tp = params.train.model_copy(update={"seed": seed})
-        for arm, data in (("bf16", train), ("fp8_e4m3", [fp8_round_trip(r) for r in train])):
+        for arm, data in [("bf16", train)] + [(n, [fp8_round_trip(r, b) for r in train]) for n, b in ARMS.items()]:
             m = train_draft(data, val, target, params.draft, tp, Path(tempfile.mkdtemp()) / "draft", init=a.init)
             runs.append({"seed": seed, "arm": arm, "tau": m["simulated_acceptance_length"],
                          "cond_acc": [m[f"val/cond_acc_{j}"] for j in range(tp.ttt_steps)]})
             print(f"seed {seed} {arm}: simulated τ {m['simulated_acceptance_length']:.4f}", flush=True)
     tau = {(r["seed"], r["arm"]): r["tau"] for r in runs}
-    ratios = [tau[(s, "fp8_e4m3")] / tau[(s, "bf16")] for s in a.seeds]
+    ratios = {n: [tau[(s, n)] / tau[(s, "bf16")] for s in a.seeds] for n in ARMS}
     res = {"benchmark": "fp8-capture", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": "tidespec bench fp8-capture " + " ".join(argv or []), "snapshot": str(a.snapshot),
            "init": str(a.init) if a.init else None, "train_records": len(train), "val_records": len(val),
            "train_tokens": sum(len(r["input_ids"]) for r in train), "runs": runs,
-           "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}}
+           "ratio": {n: {"median": statistics.median(q), "min": min(q), "max": max(q)} for n, q in ratios.items()}}
     md = [f"# fp8 hidden states at rest: the trained draft ({res['date'][:10]})", "",
           f"{len(train)} train / {len(val)} validation records ({res['train_tokens']} train tokens) of "
           f"`{a.snapshot}`; warm start `{res['init']}`; simulated τ on the bf16 validation records.", "",
-          f"Command: `{res['command']}`", "", "| seed | bf16 τ | fp8_e4m3 τ | fp8 ÷ bf16 |", "|---|---|---|---|"]
-    md += [f"| {s} | {tau[(s, 'bf16')]:.3f} | {tau[(s, 'fp8_e4m3')]:.3f} | {q:.3f} |" for s, q in zip(a.seeds, ratios)]
+          f"Command: `{res['command']}`", "", "| seed | bf16 τ | " + " | ".join(f"{n} τ (÷ bf16)" for n in ARMS) + " |",
+          "|---|---|" + "---|" * len(ARMS)]
+    md += [f"| {s} | {tau[(s, 'bf16')]:.3f} | " + " | ".join(f"{tau[(s, n)]:.3f} ({tau[(s, n)] / tau[(s, 'bf16')]:.3f})"
+                                                        for n in ARMS) + " |" for s in a.seeds]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
     a.out.with_suffix(".md").write_text("\n".join(md) + "\n")

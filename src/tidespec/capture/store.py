@@ -37,9 +37,10 @@ HIDDEN_FIELDS = FIELDS[2:]
 DTYPES = {"input_ids": torch.int32, "loss_mask": torch.uint8,
           "aux_hidden_states": torch.bfloat16, "hidden_states": torch.bfloat16}
 CODECS = ("none", "zstd")
-HIDDEN_DTYPES = ("bf16", "fp8_e4m3")  # the hidden-state fields at rest (`capture.hidden_dtype`)
+HIDDEN_DTYPES = ("bf16", "fp8_e4m3", "fp8_e4m3_b32")  # the hidden-state fields at rest (`capture.hidden_dtype`)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
+FP8_BLOCK = 32  # values per scale of `fp8_e4m3_b32` (the last block of a row may be shorter)
 MANIFEST = "manifest.jsonl"
 
 
@@ -154,28 +155,42 @@ def _unshuffle(planes: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return torch.stack([planes[1], planes[0]], dim=1).contiguous().view(torch.bfloat16).view(shape)
 
 
-def to_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[T, D]` floating → (`[T, D]` float8 e4m3, `[T]` fp32 scale): each row divided by the absmax of
-    its finite values / 448 (a row with none, or all zero, by 1), rounded to nearest (torch's cast);
-    an inf or NaN element comes back NaN (e4m3 has no inf), the row's finite values unharmed.
-    Per-row scaling as in the FP8 formats paper (Micikevicius et al. 2022, arXiv 2209.05433 §4).
-    Raises ValueError for a tensor that is not 2-D floating point."""
+def to_fp8(t: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, D]` floating → (`[T, D]` float8 e4m3, fp32 scale `[T]`, or `[T, ceil(D / block)]` with a
+    `block`): each row (each block of `block` values of a row) divided by the absmax of its finite
+    values / 448 (none, or all zero: by 1), rounded to nearest (torch's cast); an inf or NaN element
+    comes back NaN (e4m3 has no inf), the other values unharmed. Per-row scaling as in the FP8 formats
+    paper (Micikevicius et al. 2022, arXiv 2209.05433 §4); per block of 32 as the OCP Microscaling
+    formats (MX v1.0 §5; an fp32 scale here, not E8M0), so one outlier dimension coarsens its block only.
+    Raises ValueError for a tensor that is not 2-D floating point, or a block < 1."""
     if t.dim() != 2 or not t.is_floating_point():
         raise ValueError(f"fp8 storage takes [T, D] floating point hidden states, got {t.dtype} {tuple(t.shape)}")
+    if block is not None and block < 1:
+        raise ValueError(f"fp8 block of {block} values: must be >= 1")
     x = t.detach().to("cpu", torch.float32)
+    T, D = x.shape
+    b = D if block is None else block
+    nb = -(-D // b) if D else 0
     finite = torch.isfinite(x)
-    amax = torch.where(finite, x.abs(), 0.0).amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0])
-    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.where(finite, x / scale[:, None], float("nan"))
+    mag = torch.nn.functional.pad(torch.where(finite, x.abs(), 0.0), (0, nb * b - D)).view(T, nb, b)
+    amax = mag.amax(dim=2) if nb else torch.zeros(T, 0)
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0).clamp_min(torch.finfo(torch.float32).tiny)  # [T, nb]
+    q = torch.where(finite, x / scale.repeat_interleave(b, dim=1)[:, :D], float("nan"))
+    if block is None:
+        scale = scale[:, 0] if nb else torch.ones(T)
     return q.to(FP8).contiguous(), scale.contiguous()
 
 
 def from_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`to_fp8`'s inverse, as bf16 `[T, D]` (what the other codecs store). Raises ValueError when the
-    scale is not one per row (a corrupt shard)."""
-    if scale.shape != q.shape[:1]:
-        raise ValueError(f"fp8 scale of shape {tuple(scale.shape)} for values {tuple(q.shape)}: one per row expected")
-    return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
+    """`to_fp8`'s inverse, as bf16 `[T, D]` (what the other codecs store): a `[T]` scale per row, a
+    `[T, ceil(D / FP8_BLOCK)]` one per block. Raises ValueError for another scale shape (a corrupt shard)."""
+    T, D = q.shape
+    if scale.shape == (T,):
+        return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
+    if scale.shape != (T, -(-D // FP8_BLOCK)):
+        raise ValueError(f"fp8 scale of shape {tuple(scale.shape)} for values {tuple(q.shape)}: one per row or "
+                         f"per block of {FP8_BLOCK} expected")
+    return (q.to(torch.float32) * scale.repeat_interleave(FP8_BLOCK, dim=1)[:, :D]).to(torch.bfloat16)
 
 
 def shard_hidden_dtype(path: Path) -> str:
@@ -206,8 +221,9 @@ def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "non
         if not validated:
             validate_record(r)
         for f in TOKEN_FIELDS if is_tokens_only(r) else FIELDS:  # a copy: records may share storage
-            if hidden_dtype == "fp8_e4m3" and f in HIDDEN_FIELDS:
-                tensors[f"{i}.{f}"], tensors[f"{i}.{f}.scale"] = to_fp8(r[f])
+            if hidden_dtype != "bf16" and f in HIDDEN_FIELDS:
+                block = FP8_BLOCK if hidden_dtype == "fp8_e4m3_b32" else None
+                tensors[f"{i}.{f}"], tensors[f"{i}.{f}.scale"] = to_fp8(r[f], block)
                 continue
             t = r[f].detach().to("cpu", DTYPES[f], copy=True).contiguous()
             if compression == "zstd" and t.dtype == torch.bfloat16:

@@ -145,7 +145,7 @@ class CaptureParams(_Strict):
     sample_rate: float = Field(1.0, gt=0, le=1)  # share of requests captured (by request-id hash)
     max_acceptance_rate: float | None = Field(None, ge=0, le=1)  # TIDE filter: keep requests served below it
     compression: Literal["none", "zstd"] = "none"  # zstd: byte-shuffled bf16, ~0.72× the bytes
-    hidden_dtype: Literal["bf16", "fp8_e4m3"] = "bf16"  # hidden states at rest; fp8_e4m3: per-row scale, half the bytes
+    hidden_dtype: Literal["bf16", "fp8_e4m3", "fp8_e4m3_b32"] = "bf16"  # at rest; fp8: a scale per row / per 32 values
     disk_quota_mb: float | None = Field(None, gt=0)  # unsealed capture bytes; over it capture stops (counted)
     min_free_disk_mb: float = Field(512, ge=0)  # stop capture (counted) before the filesystem fills
     seal_min_tokens: int = Field(16384, ge=1)  # seal a snapshot once this many tokens are unsealed
