@@ -96,11 +96,16 @@ def build_snapshot(root: Path, target: Target, train_p, hold_p, max_new_tokens: 
                       "generated_tokens": sum(map(len, res["outputs"].values())),
                       "serve_tokens_per_s": res["tokens_per_s"], "serve_seconds": res["seconds"]}
         if name == "holdout":
-            (root / "holdout.jsonl").write_text("".join(
-                json.dumps({"id": pid, "workload": "code", "input_ids": ids, "reference": res["outputs"][pid]}) + "\n"
-                for pid, ids in part))
+            write_holdout(root / "holdout.jsonl", part, res["outputs"])
     meta.write_text(json.dumps(info, indent=2))
     return info
+
+
+def write_holdout(path: Path, prompts: list[tuple[str, list[int]]], outputs: dict[str, list[int]]) -> None:
+    """The holdout file `replay_tau` reads: a JSON line per prompt, {"id", "workload": "code",
+    "input_ids", "reference": its target-only output}."""
+    path.write_text("".join(json.dumps({"id": pid, "workload": "code", "input_ids": ids, "reference": outputs[pid]})
+                            + "\n" for pid, ids in prompts))
 
 
 def replay_tau(target: Target, draft_dir: Path, holdout: list[dict], k: int, max_new_tokens: int,

@@ -40,7 +40,7 @@ from ..models.load import get_target
 from ..models.runner import DraftRunner
 from ..train.resume import weights_digest
 from ..train.trainer import train_draft
-from .train import holdout_tau, humaneval_prompts, replay_tau, serve_and_capture
+from .train import holdout_tau, humaneval_prompts, replay_tau, serve_and_capture, write_holdout
 
 
 def parser() -> argparse.ArgumentParser:
@@ -114,9 +114,7 @@ def build(root: Path, target, runner: DraftRunner, k: int, train_p, hold_p, max_
                       "rejected_positions": sum(len(r.rejected or []) for r in rows),
                       "acceptance_length": res.get("acceptance_length")}
         if name == "holdout":
-            (root / "holdout.jsonl").write_text("".join(
-                json.dumps({"id": pid, "workload": "code", "input_ids": ids, "reference": res["outputs"][pid]}) + "\n"
-                for pid, ids in part))
+            write_holdout(root / "holdout.jsonl", part, res["outputs"])
     meta.write_text(json.dumps(info, indent=2))
     return info
 
