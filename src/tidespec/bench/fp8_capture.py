@@ -22,7 +22,15 @@ from pathlib import Path
 
 import torch
 
-from ..capture.store import FP8_BLOCK, HIDDEN_FIELDS, from_fp8, iter_records, read_manifest, shard_hidden_dtype, to_fp8
+from ..capture.store import (
+    FP8_SCALE_BLOCK,
+    HIDDEN_FIELDS,
+    from_fp8,
+    iter_records,
+    read_manifest,
+    shard_hidden_dtype,
+    to_fp8,
+)
 from ..config import load_params
 from ..models.load import get_target
 from ..train.trainer import train_draft
@@ -41,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-ARMS = {"fp8_e4m3": None, "fp8_e4m3_b32": FP8_BLOCK}  # hidden dtype → its scale block (None: per row)
+ARMS = FP8_SCALE_BLOCK  # each fp8 hidden dtype against bf16, with its scale block
 
 
 def fp8_round_trip(r: dict, block: int | None = None) -> dict:

@@ -41,6 +41,7 @@ HIDDEN_DTYPES = ("bf16", "fp8_e4m3", "fp8_e4m3_b32")  # the hidden-state fields 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 FP8_BLOCK = 32  # values per scale of `fp8_e4m3_b32` (the last block of a row may be shorter)
+FP8_SCALE_BLOCK = {"fp8_e4m3": None, "fp8_e4m3_b32": FP8_BLOCK}  # fp8 hidden dtype → values per scale (None: a row)
 MANIFEST = "manifest.jsonl"
 
 
@@ -222,8 +223,7 @@ def encode_shard(records: list[dict[str, torch.Tensor]], compression: str = "non
             validate_record(r)
         for f in TOKEN_FIELDS if is_tokens_only(r) else FIELDS:  # a copy: records may share storage
             if hidden_dtype != "bf16" and f in HIDDEN_FIELDS:
-                block = FP8_BLOCK if hidden_dtype == "fp8_e4m3_b32" else None
-                tensors[f"{i}.{f}"], tensors[f"{i}.{f}.scale"] = to_fp8(r[f], block)
+                tensors[f"{i}.{f}"], tensors[f"{i}.{f}.scale"] = to_fp8(r[f], FP8_SCALE_BLOCK[hidden_dtype])
                 continue
             t = r[f].detach().to("cpu", DTYPES[f], copy=True).contiguous()
             if compression == "zstd" and t.dtype == torch.bfloat16:

@@ -27,8 +27,8 @@ class Generation:
     (finish_reason "length"; None otherwise); by_proposer: the spec-decode counters per proposer
     kind (`Proposer.name`), draft_kinds the kinds among them that ran the draft model
     (`Proposer.uses_draft`; their counters together: `draft_stats`); rejected: indices into tokens of
-    those the target emitted in place of a draft-model proposal it rejected, ascending (the positions the
-    serving draft got wrong; `train.rejected_weight`); record: capture tensors (when
+    those the target emitted in place of a draft-model proposal it rejected, ascending (as record
+    positions: `capture.writer.rejected_positions`; what `train.rejected_weight` weighs); record: capture tensors (when
     the request was captured): input_ids `[T]` int32, loss_mask `[T]` uint8, aux_hidden_states
     `[T, 3H]`, hidden_states `[T, H]` where T = tokens the target processed (prompt + generated
     minus the last, whose hidden state is never computed).
