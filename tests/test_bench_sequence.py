@@ -14,6 +14,13 @@ def test_arm_params_differ_only_in_class_drafts_and_replay():
     assert classes.curate.replay_fraction == 0.25 and classes.train.class_drafts == ["code", "chat", "math-en",
                                                                                       "structured"]
     assert single.train.epochs == classes.train.epochs == 3
+    auto = seq.SequenceConfig(class_drafts="auto").validate()
+    assert seq.arm_params(Params(), auto, "classes").train.class_drafts == "auto"
+    assert seq.arm_params(Params(), auto, "single").train.class_drafts == []
+    assert seq.command(seq.asdict(auto)) == "tidespec bench sequence --class-drafts auto"
+    assert seq.command(seq.asdict(cfg)) == "tidespec bench sequence"
+    with pytest.raises(ValueError, match="class-drafts"):
+        seq.SequenceConfig(class_drafts="all").validate()
     with pytest.raises(ValueError, match="sequence"):
         seq.SequenceConfig(sequence=("code", "poetry")).validate()
     with pytest.raises(ValueError, match="highest concurrency"):

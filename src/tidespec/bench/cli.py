@@ -160,6 +160,8 @@ def bench_sequence(params: Path = PARAMS,
                    passes: int = typer.Option(None, min=1, help="throughput passes, arms interleaved (default 2)"),
                    static: Path = typer.Option(None, help="the static arm: this draft dir or bundle (e.g. `bench "
                                                "static-general`'s); default: one trained on the classes arm's tokens"),
+                   class_drafts: str = typer.Option("listed", help="the classes arm's train.class_drafts: listed "
+                                                    "(every class of the sequence) or auto"),
                    out: Path = typer.Option(Path("bench/results")),
                    work: Path = typer.Option(Path(".tidespec/bench-sequence"), help="scratch workspaces (wiped)")):
     """Drafts per workload class + replay against one draft without replay over a traffic-shift
@@ -175,6 +177,8 @@ def bench_sequence(params: Path = PARAMS,
         upd |= {"static": str(static.resolve()), "name": f"{cfg.name}-{static_label(static)}"}
     if sequence:
         upd["sequence"] = tuple(x.strip() for x in sequence.split(",") if x.strip())
+    if class_drafts != "listed":
+        upd |= {"class_drafts": class_drafts, "name": f"{upd.get('name', cfg.name)}-{class_drafts}"}
     try:
         cfg = replace(cfg, **upd).validate()
     except ValueError as e:

@@ -70,6 +70,7 @@ class SequenceConfig:
     name: str = "sequence"
     seed: int = 0
     static: str = ""  # the static arm: a draft dir or bundle ("" = one trained on the classes arm's token count)
+    class_drafts: str = "listed"  # the classes arm's train.class_drafts: every class of the sequence, or "auto"
 
     @classmethod
     def quick(cls) -> SequenceConfig:
@@ -86,6 +87,8 @@ class SequenceConfig:
             raise ValueError("traffic_prompts, eval_prompts and passes must be >= 1")
         if self.eval_prompts * len(self.classes) < max(self.concurrency):
             raise ValueError("eval_prompts × classes must be >= the highest concurrency (one full wave)")
+        if self.class_drafts not in ("listed", "auto"):
+            raise ValueError(f"--class-drafts {self.class_drafts!r}: listed (every class of the sequence) or auto")
         if self.static and not all((engine_dir(Path(self.static)) / f).is_file() for f in DRAFT_FILES):
             raise ValueError(f"--static {self.static}: not a draft dir (needs {' + '.join(DRAFT_FILES)} in it "
                              "or in its draft/)")
@@ -106,14 +109,16 @@ class SequenceConfig:
 
 
 def arm_params(params: Params, cfg: SequenceConfig, arm: str) -> Params:
-    """The run's params for one arm (module docstring): window 1; `classes` with a draft per class and
-    the replay buffer, `single` with neither."""
+    """The run's params for one arm (module docstring): window 1; `classes` with a draft per class
+    (`cfg.class_drafts`: every class of the sequence listed, or `auto`) and the replay buffer, `single`
+    with neither."""
     classes = arm == "classes"
     sc = replace(cfg.as_shift(), concurrency=(*cfg.concurrency, cfg.traffic_concurrency))
     p = shift.bench_params(params, sc)
     return p.model_copy(update={
         "curate": p.curate.model_copy(update={"window": 1, "replay_fraction": cfg.replay_fraction if classes else 0.0}),
-        "train": p.train.model_copy(update={"class_drafts": list(cfg.classes) if classes else []})})
+        "train": p.train.model_copy(update={"class_drafts": (
+            ("auto" if cfg.class_drafts == "auto" else list(cfg.classes)) if classes else [])})})
 
 
 def prompts(params: Params, tok, cfg: SequenceConfig, compiler) -> tuple[dict, dict]:
@@ -269,6 +274,7 @@ def command(cfg: dict) -> str:
         flags.append(f" --sequence {','.join(cfg['sequence'])}")
     flags += [f" --{f.replace('_', '-')} {cfg[f]}" for f in ("traffic_prompts", "passes") if cfg[f] != getattr(base, f)]
     flags += [f" --static {shlex.quote(cfg['static'])}"] if cfg.get("static") else []
+    flags += [" --class-drafts auto"] if cfg.get("class_drafts") == "auto" else []
     return "tidespec bench sequence" + "".join(flags)
 
 

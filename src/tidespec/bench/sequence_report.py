@@ -78,7 +78,8 @@ def markdown(rep: dict) -> str:
     L = [f"# Drafts per workload class and replay over {' → '.join(cfg['sequence'])}", "",
          f"SmolLM2-135M-Instruct fp32, greedy, k={rep['k']}, {rep['cpu_threads']} CPU threads; "
          f"{cfg['traffic_prompts']} fresh prompts per cycle, {cfg['eval_prompts']} held-out prompts per class × "
-         f"≤{cfg['max_new_tokens']} tokens; curate.window 1 in both arms; `classes` = a draft per class + the "
+         f"≤{cfg['max_new_tokens']} tokens; curate.window 1 in both arms; `classes` = "
+         + ("`train.class_drafts: auto`" if cfg.get("class_drafts") == "auto" else "a draft per class") + " + the "
          f"replay buffer ({cfg['replay_fraction']:.0%}), `single` = one draft, no replay; "
          f"{cfg['train_epochs']} epochs per cycle; wall time {rep['wall_s'] / 60:.0f} min.", ""]
     for arm, a in rep["arms"].items():
