@@ -123,3 +123,25 @@ def test_a_given_static_and_the_in_domain_statics_are_named_and_compared(tmp_pat
     assert rep["command"] == f"tidespec bench sequence --sequence code,chat,code --static {tmp_path / 'd'}"
     del tp["pooled"][1]["in_domain"], tp["pooled"][8]["in_domain"]
     assert "classes/in_domain" not in summarize(rep)["ratios"]  # not measured: not reported
+
+
+def test_a_given_static_is_both_arms_first_champion(tmp_path, monkeypatch):
+    """`--static DIR` starts the loop from that draft (as `bench adapt`), not only the throughput arm;
+    without it the bootstrap static does (experiment's `static` None)."""
+    from contextlib import contextmanager
+
+    from tidespec.bench import shift
+    seen = []
+
+    @contextmanager
+    def experiment(base, params, work, label, static=None):
+        seen.append((label, static))
+        raise RuntimeError("stop here")
+        yield
+    monkeypatch.setattr(shift, "experiment", experiment)
+    d = tmp_path / "static"
+    d.mkdir()
+    for arm, cfg in (("single", seq.SequenceConfig(static=str(d))), ("classes", seq.SequenceConfig())):
+        with pytest.raises(RuntimeError, match="stop here"):
+            seq.run_arm(Params(), cfg, arm, tmp_path / arm, {}, {}, print)
+    assert seen == [("bench sequence (single)", d.resolve()), ("bench sequence (classes)", None)]

@@ -158,8 +158,9 @@ def bench_sequence(params: Path = PARAMS,
                    traffic_prompts: int = typer.Option(None, min=1, help="fresh prompts per cycle (default 12, "
                                                        "quick 8)"),
                    passes: int = typer.Option(None, min=1, help="throughput passes, arms interleaved (default 2)"),
-                   static: Path = typer.Option(None, help="the static arm: this draft dir or bundle (e.g. `bench "
-                                               "static-general`'s); default: one trained on the classes arm's tokens"),
+                   static: Path = typer.Option(None, help="the first champion and the static arm: this draft dir or "
+                                               "bundle (e.g. `bench static-general`'s); default: the bootstrap static "
+                                               "starts, the static arm is one trained on the classes arm's tokens"),
                    class_drafts: str = typer.Option("listed", help="the classes arm's train.class_drafts: listed "
                                                     "(every class of the sequence) or auto"),
                    out: Path = typer.Option(Path("bench/results")),

@@ -14,7 +14,8 @@ shift; no forgetting figure is published). Then tokens/s at each concurrency of 
 static draft (fixed k), the in-domain statics (fixed k) and each arm's final champions as `tidespec
 serve` runs them (goodput policy, suffix proposer, class drafts), waves interleaved, `passes` passes,
 paired ratios with their range. The static is the one given (`static`: e.g. `bench static-general`'s
-well-trained draft), else one trained once on as many ShareGPT tokens as the `classes` arm's drafts
+well-trained draft, which is then also both arms' first champion: the draft a team deployed, which the
+loop adapts, as in `bench adapt`), else one trained once on as many ShareGPT tokens as the `classes` arm's drafts
 processed in all (Σ over its cycles and classes of training tokens × epochs), never fewer than
 `bootstrap.tokens` (cached). The in-domain statics: "train once on your own traffic" — for each class,
 the `single` arm's champion right after that class's first phase, frozen from then on, each serving its
@@ -69,7 +70,8 @@ class SequenceConfig:
     passes: int = 2
     name: str = "sequence"
     seed: int = 0
-    static: str = ""  # the static arm: a draft dir or bundle ("" = one trained on the classes arm's token count)
+    static: str = ""  # the first champion and the static arm: a draft dir or bundle ("" = the bootstrap static
+    # starts the loop, the static arm is one trained on the classes arm's token count)
     class_drafts: str = "listed"  # the classes arm's train.class_drafts: every class of the sequence, or "auto"
 
     @classmethod
@@ -174,7 +176,8 @@ def run_arm(base: Params, cfg: SequenceConfig, arm: str, work: Path, traffic: di
     champion after each class's first phase, frozen under `work/in-domain/<class>` (`in_domain_root`)."""
     params = arm_params(base, cfg, arm)
     sc = replace(cfg.as_shift(), concurrency=(cfg.traffic_concurrency,))
-    with shift.experiment(base, params, work, f"bench sequence ({arm})") as (ws, uri, target, tok, _static):
+    first = engine_dir(Path(cfg.static)).resolve() if cfg.static else None  # else the bootstrap static
+    with shift.experiment(base, params, work, f"bench sequence ({arm})", first) as (ws, uri, target, tok, _static):
         tid = target.target_id
         plain = make_engine(params.engine.fixed(), target)
         ps = [p for w in cfg.classes for p in hold[w]]

@@ -118,7 +118,8 @@ def _static_words(rep: dict) -> str:
     n = rep.get("static_tokens")
     if rep.get("static_given"):
         words = (f"static: the given draft `{rep['static_dir']}`"
-                 + (f", trained on {n:,} tokens (its provenance.json)" if n else ""))
+                 + (f", trained on {n:,} tokens (its provenance.json)" if n else "")
+                 + ", both arms' first champion")
     else:
         words = (f"static trained once on {n:,} ShareGPT tokens: the classes arm's drafts processed "
                  f"{rep.get('static_tokens_matched', 0):,}, and the static is never smaller than `bootstrap.tokens`")
