@@ -49,8 +49,14 @@ def test_forgetting_counts_from_the_first_cycle_a_class_was_served():
     pts = [_point(0, "", {"code": 3.0, "chat": 1.2}), _point(1, "code", {"code": 2.0, "chat": 1.1}),
            _point(2, "chat", {"code": 1.9, "chat": 1.5}), _point(3, "code", {"code": 2.1, "chat": 1.2})]
     f = forgetting(pts, ["code", "chat"])
-    assert f["code"] == {"best": 2.1, "last": 2.1, "forgetting": 0.0}  # cycle 0's 3.0 is before code traffic
+    # cycle 0's 3.0 is before code traffic
+    assert f["code"] == {"best": 2.1, "last": 2.1, "forgetting": 0.0, "noise": None}
     assert f["chat"]["best"] == 1.5 and f["chat"]["forgetting"] == pytest.approx(0.3 / 1.5)
+    assert f["chat"]["noise"] is None  # no standard errors in these points
+    for p, se in zip(pts, (0.5, 0.5, 0.03, 0.04)):
+        p["tau_se"] = {"code": se, "chat": se}
+    f = forgetting(pts, ["code", "chat"])  # best at cycle 2 (SE 0.03), last at cycle 3 (SE 0.04)
+    assert f["chat"]["noise"] == pytest.approx(2 * 0.05 / 1.5)
 
 
 def test_summary_and_markdown_state_every_goal():

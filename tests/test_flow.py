@@ -46,6 +46,9 @@ def test_tide_cycle_flow_registers_champion(tmp_path, tiny_target_dir, prefect_s
     m = run.data.metrics
     assert m["acceptance_length/code"] == pytest.approx(rep["candidate"]["acceptance_length"])  # one workload
     assert m["accepted_per_pos/0"] == pytest.approx(rep["candidate"]["accepted_per_pos/0"])
+    from tidespec.engine.stats import tau_standard_error
+    per = [rep["candidate"][f"accepted_per_pos/{i}"] for i in range(params.engine.num_draft_tokens)]
+    assert m["tau_se/code"] == pytest.approx(tau_standard_error(per, rep["candidate"]["num_drafts"]))
     losses = [x.value for x in c.get_metric_history(dec["run_id"], "train/loss")]
     import json
     logged = json.loads((ws.candidate / "train_metrics.json").read_text())["train/loss"]

@@ -155,8 +155,8 @@ def serving_engine(params: Params, target, ws: Workspace, adaptive: bool):
 
 
 def tau_point(params: Params, target, ws: Workspace, hold: dict, cfg: SequenceConfig, ref: dict) -> dict:
-    """τ per class at fixed k (greedy, concurrency 1) on every class's held-out prompts, and the
-    mismatches against target-only outputs `ref` ({prompt id: tokens})."""
+    """τ per class at fixed k (greedy, concurrency 1) on every class's held-out prompts, its standard
+    error (`tau_se`), and the mismatches against target-only outputs `ref` ({prompt id: tokens})."""
     eng = serving_engine(params, target, ws, adaptive=False)
     ps = [p for w in cfg.classes for p in hold[w]]
     configs = {"adapted": (eng, True)}
@@ -166,6 +166,7 @@ def tau_point(params: Params, target, ws: Workspace, hold: dict, cfg: SequenceCo
     runs = replay(configs, ps, cfg.max_new_tokens)
     tau = {name: {w: r["metrics"].get(f"acceptance_length/{w}") for w in cfg.classes} for name, r in runs.items()}
     return {"tau": tau["adapted"], "tau_generalist": tau.get("generalist", tau["adapted"]),
+            "tau_se": {w: runs["adapted"]["metrics"].get(f"tau_se/{w}") for w in cfg.classes},
             "versions": eng.draft_versions,
             "mismatches": sum(ref[i] != t for r in runs.values() for i, t in r["outputs"].items())}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from .adapt_report import ratio_spread
@@ -16,15 +17,21 @@ CODE_GOAL = 2.0  # code at c = 1 against no speculation
 
 def forgetting(points: list[dict], classes: list[str]) -> dict[str, dict]:
     """Per class: best τ over the points from the cycle its class was first served (cycle 0 counts for
-    none), τ after the last cycle, and forgetting = (best − last) / best (≥ 0)."""
+    none), τ after the last cycle, forgetting = (best − last) / best (≥ 0), and, when the points carry
+    τ's standard error (`tau_se`), `noise`: 2 standard errors of best − last over best, the two points
+    taken as independent (`stats.tau_standard_error`; a drop below it is inside the measurement's
+    noise), else None."""
     out = {}
     for w in classes:
         first = next((p["cycle"] for p in points if p["phase"] == w), None)
-        taus = [p["tau"][w] for p in points if first is not None and p["cycle"] >= first and p["tau"].get(w)]
-        if not taus:
+        pts = [p for p in points if first is not None and p["cycle"] >= first and p["tau"].get(w)]
+        if not pts:
             continue
-        best, last = max(taus), taus[-1]
-        out[w] = {"best": best, "last": last, "forgetting": (best - last) / best}
+        top = max(pts, key=lambda p: p["tau"][w])
+        best, last = top["tau"][w], pts[-1]["tau"][w]
+        ses = [p.get("tau_se", {}).get(w) for p in (top, pts[-1])]
+        noise = 2 * math.hypot(*ses) / best if all(s is not None for s in ses) else None
+        out[w] = {"best": best, "last": last, "forgetting": (best - last) / best, "noise": noise}
     return out
 
 
@@ -57,6 +64,8 @@ def summarize(rep: dict) -> dict:
     f = s["forgetting"].get("classes", {})
     s["goals"] = {
         "forgetting_le_2pct": all(x["forgetting"] <= FORGETTING_GOAL for x in f.values()) if f else None,
+        "forgetting_inside_noise": all(x["forgetting"] <= x["noise"] for x in f.values())
+        if f and all(x["noise"] is not None for x in f.values()) else None,
         "class_ge_generalist": all((x["class"] or 0) >= (x["generalist"] or 0)
                                    for x in s["class_vs_generalist"].values()),
         "generalist_within_5pct": all(g <= GENERALIST_GOAL for g in s["generalist_gap"].values()),
@@ -90,9 +99,10 @@ def markdown(rep: dict) -> str:
             cells = [f"{p['tau'][w]:.2f}" if p["tau"].get(w) else "–" for w in classes]
             vs = ", ".join(f"{w or 'generalist'} v{v}" for w, v in sorted(p["versions"].items()))
             L.append(f"| {p['cycle']} | {p['phase'] or 'start'} | " + " | ".join(cells) + f" | {vs} |")
-        L += ["", "| class | best τ | τ at the end | forgetting |", "|---|---|---|---|"]
+        L += ["", "| class | best τ | τ at the end | forgetting | noise (2 SE) |", "|---|---|---|---|---|"]
         for w, x in s["forgetting"][arm].items():
-            L.append(f"| {w} | {x['best']:.2f} | {x['last']:.2f} | {x['forgetting']:.1%} |")
+            nz = "–" if x.get("noise") is None else f"{x['noise']:.1%}"
+            L.append(f"| {w} | {x['best']:.2f} | {x['last']:.2f} | {x['forgetting']:.1%} | {nz} |")
         L.append("")
     L += ["## Class draft vs generalist (classes arm, after the last cycle)", "",
           "| class | its own draft τ | generalist τ | served by |", "|---|---|---|---|"]

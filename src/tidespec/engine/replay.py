@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from .speculative import Engine, Request
-from .stats import SpecDecodingStats, itl_percentiles
+from .stats import SpecDecodingStats, itl_percentiles, tau_standard_error
 
 
 def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new_tokens: int,
@@ -23,9 +23,10 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
     Returns name → {"metrics", "outputs", "mismatched_ids"}; with `reference` (a config name, run
     first per wave) mismatches count outputs that differ from that config's. Metrics:
     acceptance_length, acceptance_rate, accepted_per_pos/{i}, acceptance_length/{workload},
-    first_token_acceptance/{workload} and num_drafts/{workload} (τ, first-token acceptance and chains per
-    workload tag of the prompts), tokens_per_s (generated tokens / wall seconds of the waves, incl.
-    prefill), itl_ms_p50/p99, new_tokens, seconds, mismatches. Raises ValueError for concurrency < 1.
+    tau_se/{workload}, first_token_acceptance/{workload} and num_drafts/{workload} (τ, its standard error
+    `stats.tau_standard_error`, first-token acceptance and chains per workload tag of the prompts),
+    tokens_per_s (generated tokens / wall seconds of the waves, incl. prefill), itl_ms_p50/p99,
+    new_tokens, seconds, mismatches. Raises ValueError for concurrency < 1.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -68,6 +69,7 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
         if spec:  # τ and first-token acceptance per workload class (the holdout's workload tags)
             for workload, st in sorted(a["by_workload"].items()):
                 m[f"acceptance_length/{workload}"] = st.metrics()["acceptance_length"]
+                m[f"tau_se/{workload}"] = tau_standard_error(st.accepted_per_pos, st.num_drafts)
                 if st.num_drafts:
                     m[f"first_token_acceptance/{workload}"] = st.num_accepted_tokens_per_pos[0] / st.num_drafts
                     m[f"num_drafts/{workload}"] = st.num_drafts
