@@ -86,6 +86,20 @@ def test_summary_and_markdown_state_every_goal():
     md = markdown(rep)
     assert "| code | 2.20 | 2.10 | v7 |" in md and "12,345 ShareGPT tokens" in md and "forgetting_le_2pct: True" in md
     assert "Command: `tidespec bench sequence --sequence code,chat,code`" in md
+    assert g["forgetting_inside_noise"] is None and "| code | 2.20 | 2.20 | 0.0% | – |" in md  # no SEs
+    for p, se in zip(pts, (0.5, 0.06, 0.06)):
+        p["tau_se"] = {"code": se, "chat": se}
+    pts[1]["tau"], pts[2]["tau"] = {"code": 2.15, "chat": 1.1}, {"code": 2.0, "chat": 1.5}  # code: best 2.15, last 2.0
+    s = summarize(rep)
+    f = s["forgetting"]["classes"]["code"]
+    assert f["forgetting"] == pytest.approx(0.15 / 2.15) and f["noise"] == pytest.approx(2 * 0.06 * 2 ** 0.5 / 2.15)
+    assert s["goals"]["forgetting_le_2pct"] is False and s["goals"]["forgetting_inside_noise"] is True
+    rep["arms"]["classes"]["points"][2]["tau_se"] = {"code": 0.01, "chat": 0.01}  # a tighter last point
+    assert summarize(rep)["goals"]["forgetting_inside_noise"] is False  # 0.070 > 2·hypot(.06, .01)/2.15
+    rep["summary"] = summarize(rep)
+    assert "| code | 2.15 | 2.00 | 7.0% | 5.7% |" in markdown(rep) and "a draft per class + the" in markdown(rep)
+    rep["config"]["class_drafts"] = "auto"
+    assert "`classes` = `train.class_drafts: auto` + the replay buffer" in markdown(rep)
 
 
 def test_a_given_static_and_the_in_domain_statics_are_named_and_compared(tmp_path, tiny_target):

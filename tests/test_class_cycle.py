@@ -88,8 +88,9 @@ def test_stage_classes_without_class_drafts_writes_none(tmp_path, tiny_target_di
 def test_auto_gives_a_draft_to_each_class_with_enough_traffic_of_its_own(tmp_path, tiny_target_dir):
     """`train.class_drafts: auto`: the classes whose own requests in the curated training set (replay
     entries and unclassified `default` ones aside) reach `train.min_train_tokens`, sorted, once the
-    service has served two classes (in the set, or one there and another in the replayed entries);
-    none while it has only served one; a list is taken as written; another string is refused."""
+    service has served two kinds of traffic (classes, or unclassified requests, in the set or in the
+    replay buffer); none while it has only served one; a list is taken as written; another string is
+    refused."""
     import pytest
 
     from conftest import shipped_params
@@ -100,14 +101,20 @@ def test_auto_gives_a_draft_to_each_class_with_enough_traffic_of_its_own(tmp_pat
     raw["train"] |= {"class_drafts": "auto", "min_train_tokens": 100}
     p = Params.model_validate(raw)
 
-    def picked(entries):
-        (tmp_path / "c.json").write_text(json.dumps({"train": [
+    def picked(entries, buffer=None):
+        (tmp_path / "c.json").write_text(json.dumps({"replay_buffer": buffer or {}, "train": [
             {"workload": e[0], "num_tokens": e[1]} | ({"replay": True} if e[2:] else {}) for e in entries]}))
         return classes_to_train(p, tmp_path / "c.json")
     assert picked([("math", 60), ("math", 40), ("code", 100), ("chat", 99), ("default", 500)]) == ["code", "math"]
     assert picked([("code", 100), ("chat", 60), ("chat", 60, True)]) == ["code"]  # replayed tokens are not its traffic
     assert picked([("code", 5000), ("math", 10, True)]) == ["code"]  # traffic moved to code: code gets its own
-    assert picked([("code", 5000), ("code", 900, True), ("default", 900, True), ("X!", 9, True)]) == []
+    assert picked([("code", 5000), ("code", 900, True), ("X!", 9, True)]) == []
+    assert picked([("code", 5000), ("default", 900, True)]) == ["code"]  # unclassified traffic served before
+    assert picked([("code", 5000), ("", 90)]) == ["code"]  # and now: no label is `default`
+    assert picked([("code", 5000), ("chat", 10)]) == ["code"]  # chat was served, if too little to train on
+    assert picked([("code", 5000), ("Chat", 900)]) == []  # not a class name: not a class served
+    assert picked([("code", 5000)], buffer={"chat": {"records": 3, "tokens": 900}}) == ["code"]  # none drawn
+    assert picked([("code", 5000)], buffer={"code": {"records": 3, "tokens": 900}, "Chat": {}}) == []
     assert picked([("code", 100), ("chat", 99), ("structured", 100)]) == ["code", "structured"]
     assert picked([("code", 5000)]) == []
     assert picked([("code", 100), ("../x", 900), ("Chat", 900), ("math", 100)]) == ["code", "math"]  # not class names

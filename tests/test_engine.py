@@ -362,6 +362,38 @@ def test_replay_interleaves_configs_and_counts_mismatches(tiny_target):
     assert runs2["spec"]["outputs"] == runs["base"]["outputs"] and runs2["spec"]["metrics"]["mismatches"] == 0
 
 
+def test_replay_reports_tau_and_its_standard_error_per_workload():
+    """`tau_se/<workload>` is `stats.tau_standard_error` of that workload's own per-position acceptance
+    and chains (not the pooled ones); a workload without a chain gets none."""
+    from types import SimpleNamespace
+
+    from tidespec.engine.replay import replay
+    from tidespec.engine.stats import RequestTiming, SpecDecodingStats, tau_standard_error
+    accepted = {"code": [3, 2, 3, 1], "chat": [0, 1, 0, 0], "math": []}  # accepted drafts per chain, k = 3
+
+    class Fake:
+        cfg = SimpleNamespace(num_draft_tokens=3)
+
+        def generate_batch(self, reqs):
+            out = []
+            for r in reqs:
+                st = SpecDecodingStats(3)
+                for n in accepted[r.workload]:
+                    st.observe(3, n)
+                out.append(SimpleNamespace(tokens=[1, 2], stats=st, timing=RequestTiming()))
+            return out
+    ps = [{"id": w, "input_ids": [5], "workload": w} for w in accepted]
+    m = replay({"spec": (Fake(), True)}, ps, 2)["spec"]["metrics"]
+    for w in ("code", "chat"):
+        xs = accepted[w]
+        per = [sum(x > i for x in xs) / len(xs) for i in range(3)]
+        assert m[f"acceptance_length/{w}"] == pytest.approx(1 + sum(xs) / len(xs))
+        assert m[f"tau_se/{w}"] == pytest.approx(tau_standard_error(per, len(xs)))
+    assert m["tau_se/code"] == pytest.approx(((9 + 4 + 9 + 1) / 4 - 2.25 ** 2) ** 0.5 / 2)  # sqrt(Var X / n)
+    assert m["tau_se/chat"] == pytest.approx(((1 / 4 - (1 / 4) ** 2) / 4) ** 0.5)
+    assert "tau_se/math" not in m
+
+
 class _Sink:
     """A capture sink that wants every other request (or raises at admission)."""
 

@@ -316,6 +316,7 @@ def _static(params: Params, cfg: SequenceConfig, rep: dict, target, tok, progres
     report), else one trained on the classes arm's token count (module docstring, cached)."""
     if cfg.static:
         rep["static_dir"], rep["static_given"] = str(engine_dir(Path(cfg.static))), True
+        rep["static_first_champion"] = True  # run_arm started both arms from it
         try:
             rep["static_tokens"] = int(json.loads((Path(cfg.static) / "provenance.json").read_text())["tokens"])
         except (OSError, ValueError, KeyError, TypeError):

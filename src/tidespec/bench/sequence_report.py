@@ -129,7 +129,7 @@ def _static_words(rep: dict) -> str:
     if rep.get("static_given"):
         words = (f"static: the given draft `{rep['static_dir']}`"
                  + (f", trained on {n:,} tokens (its provenance.json)" if n else "")
-                 + ", both arms' first champion")
+                 + (", both arms' first champion" if rep.get("static_first_champion") else ""))
     else:
         words = (f"static trained once on {n:,} ShareGPT tokens: the classes arm's drafts processed "
                  f"{rep.get('static_tokens_matched', 0):,}, and the static is never smaller than `bootstrap.tokens`")

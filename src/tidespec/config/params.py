@@ -266,7 +266,7 @@ class TrainParams(_Strict):
     # torchrun --max-restarts: ranks restart from the last training state
     max_restarts: int = Field(0, ge=0, json_schema_extra=PLACEMENT)
     # classes with a draft of their own each cycle (alias champion-<class>); [] = the generalist only; auto:
-    # each class with min_train_tokens of its own in the window, when two or more have (`steps.classes`)
+    # each class with min_train_tokens of its own in the window, once two kinds were served (`steps.classes`)
     class_drafts: list[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]] | Literal["auto"] = []
 
     @field_validator("class_drafts")

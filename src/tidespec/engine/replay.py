@@ -69,8 +69,8 @@ def replay(configs: dict[str, tuple[Engine, bool]], prompts: list[dict], max_new
         if spec:  # τ and first-token acceptance per workload class (the holdout's workload tags)
             for workload, st in sorted(a["by_workload"].items()):
                 m[f"acceptance_length/{workload}"] = st.metrics()["acceptance_length"]
-                m[f"tau_se/{workload}"] = tau_standard_error(st.accepted_per_pos, st.num_drafts)
                 if st.num_drafts:
+                    m[f"tau_se/{workload}"] = tau_standard_error(st.accepted_per_pos, st.num_drafts)
                     m[f"first_token_acceptance/{workload}"] = st.num_accepted_tokens_per_pos[0] / st.num_drafts
                     m[f"num_drafts/{workload}"] = st.num_drafts
         m.update(itl_percentiles(a["itl"]))

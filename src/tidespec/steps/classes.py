@@ -31,24 +31,25 @@ def classes_to_train(params: Params, curated: Path) -> list[str]:
     """The classes that get a candidate this cycle: `train.class_drafts` as listed; with `auto`, every
     workload class (not `default`, the label of unclassified requests) whose own requests in the
     curated training set (`curated`, the cycle's index; replay-buffer entries aside) hold at least
-    `train.min_train_tokens` tokens, once the service has served two or more classes (two with
-    requests in the set, or one there and others in its replay-buffer entries, `replay: true`): a
-    service that has only served one class trains the generalist on it; one whose traffic moved to a
-    class gives that class a draft of its own, so the generalist goes on serving the classes it served
-    before. At most `AUTO_MAX_CLASSES`, the most tokens first. A label that is not a class name
-    (`workspace.CLASS_NAME`: a request's `workload` is the client's word) is left out with a warning.
-    Which of them takes over its class is the gate's decision (`evaluate.class_first_gain`, then
-    `min_relative_gain`). Sorted by name."""
+    `train.min_train_tokens` tokens, once the service has served two or more kinds of traffic: classes,
+    unclassified (`default`) requests counting as one, in the set or in the replay buffer (its summary
+    in the index, `replay_buffer`, and the entries drawn from it, `replay: true`). A service that has
+    only served one kind trains the generalist on it; once it serves another, each class with the
+    traffic gets a draft of its own, so the generalist goes on serving the rest. At most
+    `AUTO_MAX_CLASSES`, the most tokens first. A label that is not a class name (`workspace.CLASS_NAME`:
+    a request's `workload` is the client's word) is left out with a warning. Which of them takes over
+    its class is the gate's decision (`evaluate.class_first_gain`, then `min_relative_gain`). Sorted by
+    name."""
     if params.train.class_drafts != "auto":
         return list(params.train.class_drafts)
-    tokens, replayed = Counter(), set()
-    for e in json.loads(Path(curated).read_text())["train"]:
-        if e.get("workload") in (None, "", "default"):
-            continue
-        if e.get("replay"):
-            replayed.add(e["workload"])
-        else:
-            tokens[e["workload"]] += e["num_tokens"]
+    index = json.loads(Path(curated).read_text())
+    served = {w or "default" for w in index.get("replay_buffer") or {}}  # every class the buffer holds
+    tokens = Counter()
+    for e in index["train"]:
+        w = e.get("workload") or "default"
+        served.add(w)
+        if w != "default" and not e.get("replay"):
+            tokens[w] += e["num_tokens"]
     if bad := sorted(w for w in tokens if not CLASS_NAME.match(w)):
         log.warning("train.class_drafts auto: %d workload label(s) are not class names ([a-z0-9][a-z0-9_-]{0,63}), "
                     "no draft of their own: %s", len(bad), [w[:40] for w in bad[:5]])
@@ -56,8 +57,8 @@ def classes_to_train(params: Params, curated: Path) -> list[str]:
     if len(enough) > AUTO_MAX_CLASSES:
         log.warning("train.class_drafts auto: %d classes have the traffic, the %d largest get a draft: left out %s",
                     len(enough), AUTO_MAX_CLASSES, enough[AUTO_MAX_CLASSES:])
-    served = {w for w in set(tokens) | replayed if CLASS_NAME.match(w)}
-    return sorted(enough[:AUTO_MAX_CLASSES]) if len(enough) >= 2 or (enough and len(served) >= 2) else []
+    kinds = {w for w in served if CLASS_NAME.match(w)}  # `default` matches: the unclassified traffic
+    return sorted(enough[:AUTO_MAX_CLASSES]) if len(enough) >= 2 or (enough and len(kinds) >= 2) else []
 
 
 def class_cycles(ws: Workspace, params: Params, target_id: str, tracking_uri: str, *, snapshot_rev: str = "",

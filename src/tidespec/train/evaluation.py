@@ -128,7 +128,8 @@ def evaluate_candidate(params: Params, target: Target, tok, candidate: Path, cha
            "gate": ev.gate}
     cand, champ_m = runs["candidate"], runs.get("champion")
     if teacher_forced:
-        cand = ({m: v for m, v in cand.items() if not m.startswith(("accepted_per_pos/", "acceptance_length"))}
+        replayed_only = ("accepted_per_pos/", "acceptance_length", "tau_se/")
+        cand = ({m: v for m, v in cand.items() if not m.startswith(replayed_only)}
                 | {"replay_acceptance_length": cand["acceptance_length"]}
                 | teacher_forced_metrics(candidate, target, records, params.train, k))
         if champion and Path(champion).exists():
