@@ -141,8 +141,18 @@ def test_a_given_static_and_the_in_domain_statics_are_named_and_compared(tmp_pat
     assert "code v4 at cycle 1, chat v5 at cycle 2, not promoted there: an earlier phase's draft" in md
     assert "classes/in_domain" in md
     assert rep["command"] == f"tidespec bench sequence --sequence code,chat,code --static {tmp_path / 'd'}"
+    assert "classes_drafts" not in md and s["goals"]["drafts_over_in_domain_ge_1_10"] is None
+    for c in (1, 8):  # the classes arm's drafts alone at fixed k: draft for draft against the statics
+        tp["pooled"][c] |= _by({"classes_drafts": [15, 15.5]})
+    s = summarize(rep)
+    assert s["ratios"]["classes_drafts/in_domain"]["1"] == (pytest.approx((15 / 14 + 15.5 / 14) / 2), 15 / 14,
+                                                           15.5 / 14)
+    assert s["goals"]["drafts_over_in_domain_ge_1_10"] is False and s["goals"]["drafts_over_static_ge_1_25"] is True
+    rep["summary"] = s
+    assert "classes_drafts/in_domain (median, range)" in markdown(rep) and "draft for draft" in markdown(rep)
     del tp["pooled"][1]["in_domain"], tp["pooled"][8]["in_domain"]
     assert "classes/in_domain" not in summarize(rep)["ratios"]  # not measured: not reported
+    assert "classes_drafts/in_domain" not in summarize(rep)["ratios"]
 
 
 def test_a_given_static_is_both_arms_first_champion(tmp_path, monkeypatch):

@@ -242,7 +242,8 @@ def throughput(params: Params, target, arms: dict[str, Workspace], static: Path,
                cfg: SequenceConfig, in_domain: Path | None = None) -> dict:
     """Tokens/s per concurrency of no speculation, the static draft (fixed k), the in-domain statics under
     `in_domain` (a class-drafts root; fixed k, each class its own — every held-out prompt has a class —;
-    None or empty: no such arm) and each arm as serve runs it, on the pooled held-out prompts, waves
+    None or empty: no such arm), each arm as serve runs it and the classes arm's drafts alone at fixed k
+    (`classes_drafts`, served as the statics are), on the pooled held-out prompts, waves
     interleaved, `cfg.passes` passes (fresh engines each). Returns {c: {arm: metrics with tokens_per_s
     the median, tokens_per_s_passes, mismatches}} and the code-only figures at concurrency 1 under "code"."""
     frozen = class_dirs(in_domain) if in_domain else {}
@@ -260,6 +261,8 @@ def throughput(params: Params, target, arms: dict[str, Workspace], static: Path,
                 install_class_drafts(eng, in_domain)
                 engines["in_domain"] = (eng, True)
             engines |= {a: (serving_engine(params, target, ws, adaptive=True), True) for a, ws in arms.items()}
+            if "classes" in arms:  # its drafts alone at fixed k, served as the statics are: draft for draft
+                engines["classes_drafts"] = (serving_engine(params, target, arms["classes"], adaptive=False), True)
             m = shift.measure(engines, prompts_, replace(cfg.as_shift(), concurrency=cs), None)
             runs.append(m["by_concurrency"])
         out[label] = {c: {a: dict(r, tokens_per_s=statistics.median(run[c][a]["tokens_per_s"] for run in runs),

@@ -39,7 +39,8 @@ def summarize(rep: dict) -> dict:
     """Forgetting per class and arm; class draft vs generalist τ on each class (classes arm, last point);
     tokens/s ratios per concurrency (paired median and range over passes): classes / static, classes /
     none, single / static, with in-domain statics measured classes / in_domain and single / in_domain,
-    and code at c = 1 / none; outputs == target-only."""
+    draft for draft (both at fixed k, when measured) classes_drafts / static and / in_domain, and code
+    at c = 1 / none; outputs == target-only."""
     classes = list(dict.fromkeys(rep["config"]["sequence"]))
     s: dict = {"forgetting": {a: forgetting(arm["points"], classes) for a, arm in rep["arms"].items()}}
     last = rep["arms"]["classes"]["points"][-1]
@@ -55,6 +56,10 @@ def summarize(rep: dict) -> dict:
              ("single/static", ("single", "static"))]
     if any("in_domain" in by for by in pooled.values()):
         pairs += [("classes/in_domain", ("classes", "in_domain")), ("single/in_domain", ("single", "in_domain"))]
+    if any("classes_drafts" in by for by in pooled.values()):  # draft for draft: both at fixed k
+        pairs += [("classes_drafts/static", ("classes_drafts", "static"))] + (
+            [("classes_drafts/in_domain", ("classes_drafts", "in_domain"))]
+            if any("in_domain" in by for by in pooled.values()) else [])
     s["ratios"] = {name: {str(c): ratio_spread({c: by}, num, den)[c] for c, by in pooled.items()}
                    for name, (num, den) in pairs}
     code = tp.get("code", {})
@@ -75,6 +80,11 @@ def summarize(rep: dict) -> dict:
         "classes_over_in_domain_ge_1_10": all(r[0] >= IN_DOMAIN_GOAL
                                               for r in s["ratios"]["classes/in_domain"].values())
         if "classes/in_domain" in s["ratios"] else None,
+        "drafts_over_static_ge_1_25": all(r[0] >= STATIC_GOAL for r in s["ratios"]["classes_drafts/static"].values())
+        if "classes_drafts/static" in s["ratios"] else None,
+        "drafts_over_in_domain_ge_1_10": all(r[0] >= IN_DOMAIN_GOAL
+                                             for r in s["ratios"]["classes_drafts/in_domain"].values())
+        if "classes_drafts/in_domain" in s["ratios"] else None,
         "lossless": s["mismatches"] == 0}
     return s
 
@@ -110,6 +120,10 @@ def markdown(rep: dict) -> str:
         L.append(f"| {w} | {x['class'] or 0:.2f} | {x['generalist'] or 0:.2f} | v{x['served_by']} |")
     if rep.get("throughput"):
         L += ["", f"## Throughput (pooled held-out prompts; {_static_words(rep)})", "",
+              "`classes` and `single`: each arm as `tidespec serve` runs it (goodput policy, suffix proposer, "
+              "class drafts); the statics at fixed k"
+              + ("; `classes_drafts`: the classes arm's drafts alone at fixed k, as the statics are (draft "
+                 "for draft)" if any(n.startswith("classes_drafts") for n in s["ratios"]) else "") + ".", "",
               "| concurrency | " + " | ".join(f"{n} (median, range)" for n in s["ratios"]) + " |",
               "|---|" + "---|" * len(s["ratios"])]
         for c in sorted({c for r in s["ratios"].values() for c in r}, key=int):
