@@ -58,7 +58,7 @@ def classes_to_train(params: Params, curated: Path) -> list[str]:
         log.warning("train.class_drafts auto: %d classes have the traffic, the %d largest get a draft: left out %s",
                     len(enough), AUTO_MAX_CLASSES, enough[AUTO_MAX_CLASSES:])
     kinds = {w for w in served if CLASS_NAME.match(w)}  # `default` matches: the unclassified traffic
-    return sorted(enough[:AUTO_MAX_CLASSES]) if len(enough) >= 2 or (enough and len(kinds) >= 2) else []
+    return sorted(enough[:AUTO_MAX_CLASSES]) if enough and len(kinds) >= 2 else []  # enough ⊆ kinds
 
 
 def class_cycles(ws: Workspace, params: Params, target_id: str, tracking_uri: str, *, snapshot_rev: str = "",
