@@ -15,9 +15,11 @@ is the target and the recipe: the records by the data recipe (tokens, skip, hold
 draft by those and the training recipe (epochs, draft and train params), so records are reused.
 Per epoch the curve logs the holdout's unconditional accuracy per position and the simulated τ
 (`train.holdout.holdout_accuracy`, EAGLE-3 arXiv 2503.01840 §3 / SpecForge's eval). The draft and
-`provenance.json` (tokens, source, epochs, curve, command) land in the draft dir.
+`provenance.json` (tokens, source, epochs, curve, command, hardware) land in the draft dir; `--out PREFIX`
+also writes PREFIX.json (the provenance and the draft dir) and PREFIX.md (the curve), for a draft
+trained now or found in the cache.
 
-    tidespec bench static-general --tokens 1000000 --epochs 4
+    tidespec bench static-general --tokens 1000000 --epochs 4 --out bench/results/static-general-1M
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 from tidespec.assets import cache_dir, prompts
 from tidespec.capture.store import MANIFEST, ManifestRow, append_manifest, read_rows, utc_now, write_shard
 from tidespec.config import load_params
+from tidespec.engine.calibration import cpu_model
 from tidespec.models.load import get_target
 from tidespec.steps.bootstrap import teacher_force
 from tidespec.train.holdout import holdout_accuracy
@@ -55,6 +58,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--cache", type=Path, default=None, help="default: the workspace's download cache")
+    ap.add_argument("--out", default=None, help="path prefix: also write PREFIX.json and PREFIX.md (the curve)")
     return ap
 
 
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     if (draft_dir / "provenance.json").exists():
         say(f"already trained: {draft_dir}")
         print((draft_dir / "provenance.json").read_text())
+        write_report(json.loads((draft_dir / "provenance.json").read_text()), draft_dir, a.out)
         return
     convs = prompts.sharegpt_conversations()
     hold_convs, train_convs = convs[-a.holdout:], convs[a.skip: len(convs) - a.holdout]
@@ -154,7 +159,36 @@ def main(argv: list[str] | None = None) -> None:
             "tokens": sum(e["num_tokens"] for e in entries), "records": len(entries), "epochs": a.epochs,
             "prepare_seconds_last_run": prep_s, "target_id": target.target_id,
             "command": "tidespec bench static-general " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "hardware": f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+            "date": time.strftime("%Y-%m-%d"),
             "metrics": {k: v for k, v in m.items() if k != "curve"}, "curve": m.get("curve", [])}
     (draft_dir / "provenance.json").write_text(json.dumps(prov, indent=2))
     say(f"done: {draft_dir}")
     print(json.dumps(prov, indent=2))
+    write_report(prov, draft_dir, a.out)
+
+
+def report(prov: dict) -> str:
+    """Markdown of a static's `provenance.json`: the recipe, then the general holdout's curve per epoch
+    (unconditional acceptance per TTT position, simulated τ at k = ttt_steps, cumulative training
+    seconds; a resumed run's seconds count only its own part)."""
+    m = prov.get("metrics", {})
+    lines = [f"# A general static draft: {prov['tokens']:,} tokens, {prov['epochs']} epochs", "",
+             f"{prov['source']}; conversations {prov['conversations'][0]:,}–{prov['conversations'][1]:,}, "
+             f"{prov['records']:,} records, holdout {prov['holdout_conversations']} conversations (disjoint). "
+             f"Trained on {prov.get('hardware', 'unrecorded hardware')} ({prov.get('date', 'undated')}), "
+             f"{m.get('train_device', 'cpu')} {m.get('train_precision', 'float32')}.", "",
+             "| epoch | train tokens | train s | holdout acc per position | simulated τ |", "|---|---|---|---|---|"]
+    for c in prov.get("curve", []):
+        acc = " / ".join(f"{x:.3f}" for x in c["holdout/acc"])
+        lines.append(f"| {c['epoch']} | {c['train_tokens']:,} | {c['train_seconds']:,.0f} | {acc} | "
+                     f"{c['simulated_acceptance_length']:.3f} |")
+    return "\n".join(lines + ["", f"Reproduce: `{prov['command']}`", ""])
+
+
+def write_report(prov: dict, draft_dir: Path, out: str | None) -> None:
+    """With `--out PREFIX`: PREFIX.json (`prov` and the draft dir) and PREFIX.md (`report`)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out + ".json").write_text(json.dumps(prov | {"draft_dir": str(draft_dir)}, indent=2) + "\n")
+        Path(out + ".md").write_text(report(prov))
