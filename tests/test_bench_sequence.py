@@ -1,4 +1,6 @@
 """`tidespec bench sequence`: the arms' params, the static baseline's size and the report's figures."""
+import json
+
 import pytest
 
 from tidespec.bench import sequence as seq
@@ -153,6 +155,28 @@ def test_a_given_static_and_the_in_domain_statics_are_named_and_compared(tmp_pat
     del tp["pooled"][1]["in_domain"], tp["pooled"][8]["in_domain"]
     assert "classes/in_domain" not in summarize(rep)["ratios"]  # not measured: not reported
     assert "classes_drafts/in_domain" not in summarize(rep)["ratios"]
+
+
+def test_a_given_statics_recipe_comes_from_its_provenance(tmp_path):
+    """`bench static-general`'s provenance.json names the static's recipe in the report (tokens, epochs,
+    source, its holdout's simulated τ, where and how it was built); a draft without one gives None."""
+    from tidespec.bench.sequence_report import _static_words
+    d = tmp_path / "general"
+    d.mkdir()
+    assert seq.static_provenance(d) is None
+    (d / "provenance.json").write_text(json.dumps({
+        "tokens": 1_000_164, "epochs": 4, "source": "ShareGPT first exchanges", "records": 3323,
+        "command": "tidespec bench static-general --tokens 1000000 --epochs 4", "hardware": "Xeon, 2 threads",
+        "date": "2026-12-07", "metrics": {"simulated_acceptance_length": 1.6495}, "curve": []}))
+    prov = seq.static_provenance(d)
+    assert prov == {"tokens": 1_000_164, "epochs": 4, "source": "ShareGPT first exchanges",
+                    "command": "tidespec bench static-general --tokens 1000000 --epochs 4",
+                    "hardware": "Xeon, 2 threads", "date": "2026-12-07", "simulated_tau": 1.6495}
+    words = _static_words({"static_given": True, "static_dir": str(d), "static_tokens": prov["tokens"],
+                           "static_provenance": prov})
+    assert words == (f"static: the given draft `{d}`, trained on 1,000,164 tokens × 4 epochs (ShareGPT first "
+                     "exchanges; its general holdout's simulated τ 1.65; Xeon, 2 threads, 2026-12-07; "
+                     "`tidespec bench static-general --tokens 1000000 --epochs 4`)")
 
 
 def test_a_given_static_is_both_arms_first_champion(tmp_path, monkeypatch):

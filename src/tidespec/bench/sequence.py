@@ -314,16 +314,27 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
     return rep
 
 
+def static_provenance(static: Path) -> dict | None:
+    """What a given static's provenance.json (`bench static-general` writes one) says of its recipe:
+    {tokens, epochs, source, command, hardware?, date?, simulated_tau (its general holdout's, at
+    k = train.ttt_steps)}; None without a readable one."""
+    try:
+        prov = json.loads((Path(static) / "provenance.json").read_text())
+        out = {k: prov[k] for k in ("tokens", "epochs", "source", "command")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return out | {k: prov[k] for k in ("hardware", "date") if k in prov} | {
+        "simulated_tau": prov.get("metrics", {}).get("simulated_acceptance_length")}
+
+
 def _static(params: Params, cfg: SequenceConfig, rep: dict, target, tok, progress) -> Path:
-    """The static arm's draft dir: `cfg.static` (its provenance.json's tokens, when it has one, in the
-    report), else one trained on the classes arm's token count (module docstring, cached)."""
+    """The static arm's draft dir: `cfg.static` (its provenance.json's recipe, when it has one, in the
+    report: `static_provenance`), else one trained on the classes arm's token count (module docstring, cached)."""
     if cfg.static:
         rep["static_dir"], rep["static_given"] = str(engine_dir(Path(cfg.static))), True
         rep["static_first_champion"] = True  # run_arm started both arms from it
-        try:
-            rep["static_tokens"] = int(json.loads((Path(cfg.static) / "provenance.json").read_text())["tokens"])
-        except (OSError, ValueError, KeyError, TypeError):
-            rep["static_tokens"] = None
+        rep["static_provenance"] = static_provenance(Path(cfg.static))
+        rep["static_tokens"] = (rep["static_provenance"] or {}).get("tokens")
         return Path(rep["static_dir"])
     rep["static_tokens_matched"] = static_tokens(rep["arms"]["classes"])
     n = rep["static_tokens"] = max(rep["static_tokens_matched"], params.bootstrap.tokens)  # never below today's static

@@ -139,10 +139,10 @@ def markdown(rep: dict) -> str:
 
 def _static_words(rep: dict) -> str:
     """Which static the throughput compares with, and the in-domain statics when measured."""
-    n = rep.get("static_tokens")
+    n, prov = rep.get("static_tokens"), rep.get("static_provenance")
     if rep.get("static_given"):
         words = (f"static: the given draft `{rep['static_dir']}`"
-                 + (f", trained on {n:,} tokens (its provenance.json)" if n else "")
+                 + (_provenance_words(prov) if prov else f", trained on {n:,} tokens" if n else "")
                  + (", both arms' first champion" if rep.get("static_first_champion") else ""))
     else:
         words = (f"static trained once on {n:,} ShareGPT tokens: the classes arm's drafts processed "
@@ -154,6 +154,15 @@ def _static_words(rep: dict) -> str:
                                                             ", not promoted there: an earlier phase's draft")
             for w, x in frozen.items()) + "), frozen"
     return words
+
+
+def _provenance_words(prov: dict) -> str:
+    """A given static's recipe from its provenance (`sequence.static_provenance`)."""
+    tau = prov.get("simulated_tau")
+    where = ", ".join(x for x in (prov.get("hardware"), prov.get("date")) if x)
+    return (f", trained on {prov['tokens']:,} tokens × {prov['epochs']} epochs ({prov['source']}"
+            + (f"; its general holdout's simulated τ {tau:.2f}" if tau else "") + (f"; {where}" if where else "")
+            + f"; `{prov['command']}`)")
 
 
 def write_report(rep: dict, out: Path, stem: str) -> None:
