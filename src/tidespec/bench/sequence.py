@@ -316,15 +316,18 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
 
 def static_provenance(static: Path) -> dict | None:
     """What a given static's provenance.json (`bench static-general` writes one) says of its recipe:
-    {tokens, epochs, source, command, hardware?, date?, simulated_tau (its general holdout's, at
-    k = train.ttt_steps)}; None without a readable one."""
+    {tokens, epochs?, source?, command?, hardware?, date?, simulated_tau (its general holdout's, at
+    k = train.ttt_steps; None when absent)}; None without a readable one that counts its tokens."""
     try:
         prov = json.loads((Path(static) / "provenance.json").read_text())
-        out = {k: prov[k] for k in ("tokens", "epochs", "source", "command")}
+        out = {"tokens": int(prov["tokens"])}
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return out | {k: prov[k] for k in ("hardware", "date") if k in prov} | {
-        "simulated_tau": prov.get("metrics", {}).get("simulated_acceptance_length")}
+    out |= {k: prov[k] for k in ("epochs", "source", "command", "hardware", "date")
+            if isinstance(prov.get(k), (str, int))}
+    metrics = prov.get("metrics")
+    tau = metrics.get("simulated_acceptance_length") if isinstance(metrics, dict) else None
+    return out | {"simulated_tau": tau if isinstance(tau, (int, float)) else None}
 
 
 def _static(params: Params, cfg: SequenceConfig, rep: dict, target, tok, progress) -> Path:

@@ -157,12 +157,14 @@ def _static_words(rep: dict) -> str:
 
 
 def _provenance_words(prov: dict) -> str:
-    """A given static's recipe from its provenance (`sequence.static_provenance`)."""
+    """A given static's recipe from its provenance (`sequence.static_provenance`: only tokens is sure)."""
     tau = prov.get("simulated_tau")
-    where = ", ".join(x for x in (prov.get("hardware"), prov.get("date")) if x)
-    return (f", trained on {prov['tokens']:,} tokens × {prov['epochs']} epochs ({prov['source']}"
-            + (f"; its general holdout's simulated τ {tau:.2f}" if tau else "") + (f"; {where}" if where else "")
-            + f"; `{prov['command']}`)")
+    parts = [prov.get("source"), tau and f"its general holdout's simulated τ {tau:.2f}",
+             ", ".join(str(prov[k]) for k in ("hardware", "date") if k in prov),
+             prov.get("command") and f"`{prov['command']}`"]
+    epochs = f" × {prov['epochs']} epochs" if "epochs" in prov else ""
+    detail = "; ".join(str(x) for x in parts if x)
+    return f", trained on {prov['tokens']:,} tokens{epochs}" + (f" ({detail})" if detail else "")
 
 
 def write_report(rep: dict, out: Path, stem: str) -> None:

@@ -15,7 +15,8 @@ is the target and the recipe: the records by the data recipe (tokens, skip, hold
 draft by those and the training recipe (epochs, draft and train params), so records are reused.
 Per epoch the curve logs the holdout's unconditional accuracy per position and the simulated τ
 (`train.holdout.holdout_accuracy`, EAGLE-3 arXiv 2503.01840 §3 / SpecForge's eval). The draft and
-`provenance.json` (tokens, source, epochs, curve, command, hardware) land in the draft dir; `--out PREFIX`
+`provenance.json` (tokens, source, epochs, curve, command, and the hardware and date the training
+finished on) land in the draft dir; `--out PREFIX`
 also writes PREFIX.json (the provenance and the draft dir) and PREFIX.md (the curve), for a draft
 trained now or found in the cache.
 
@@ -159,8 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             "tokens": sum(e["num_tokens"] for e in entries), "records": len(entries), "epochs": a.epochs,
             "prepare_seconds_last_run": prep_s, "target_id": target.target_id,
             "command": "tidespec bench static-general " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "hardware": f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-            "date": time.strftime("%Y-%m-%d"),
+            "hardware": _hardware(str(m.get("train_device", "cpu"))), "date": time.strftime("%Y-%m-%d"),
             "metrics": {k: v for k, v in m.items() if k != "curve"}, "curve": m.get("curve", [])}
     (draft_dir / "provenance.json").write_text(json.dumps(prov, indent=2))
     say(f"done: {draft_dir}")
@@ -170,13 +170,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(prov: dict) -> str:
     """Markdown of a static's `provenance.json`: the recipe, then the general holdout's curve per epoch
-    (unconditional acceptance per TTT position, simulated τ at k = ttt_steps, cumulative training
-    seconds; a resumed run's seconds count only its own part)."""
+    (unconditional acceptance per TTT position, simulated τ at k = ttt_steps, training seconds
+    cumulative over resumed runs, less work lost after the last checkpoint). A provenance written
+    before it recorded the hardware and date says so."""
     m = prov.get("metrics", {})
     lines = [f"# A general static draft: {prov['tokens']:,} tokens, {prov['epochs']} epochs", "",
              f"{prov['source']}; conversations {prov['conversations'][0]:,}–{prov['conversations'][1]:,}, "
              f"{prov['records']:,} records, holdout {prov['holdout_conversations']} conversations (disjoint). "
-             f"Trained on {prov.get('hardware', 'unrecorded hardware')} ({prov.get('date', 'undated')}), "
+             f"Training finished on {prov.get('hardware', 'unrecorded hardware')} ({prov.get('date', 'undated')}), "
              f"{m.get('train_device', 'cpu')} {m.get('train_precision', 'float32')}.", "",
              "| epoch | train tokens | train s | holdout acc per position | simulated τ |", "|---|---|---|---|---|"]
     for c in prov.get("curve", []):
@@ -184,6 +185,13 @@ def report(prov: dict) -> str:
         lines.append(f"| {c['epoch']} | {c['train_tokens']:,} | {c['train_seconds']:,.0f} | {acc} | "
                      f"{c['simulated_acceptance_length']:.3f} |")
     return "\n".join(lines + ["", f"Reproduce: `{prov['command']}`", ""])
+
+
+def _hardware(device: str) -> str:
+    """Where the training that wrote a provenance finished: the CPU (or the GPU, when it trained on
+    CUDA), the torch threads and version (a resumed training may have started elsewhere)."""
+    chip = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else cpu_model()
+    return f"{chip}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def write_report(prov: dict, draft_dir: Path, out: str | None) -> None:
