@@ -16,11 +16,10 @@ draft by those and the training recipe (epochs, draft and train params), so reco
 Per epoch the curve logs the holdout's unconditional accuracy per position and the simulated τ
 (`train.holdout.holdout_accuracy`, EAGLE-3 arXiv 2503.01840 §3 / SpecForge's eval). The draft and
 `provenance.json` (tokens, source, epochs, curve, command, and the hardware and date the training
-finished on) land in the draft dir; `--out PREFIX`
-also writes PREFIX.json (the provenance and the draft dir) and PREFIX.md (the curve), for a draft
-trained now or found in the cache.
+finished on) land in the draft dir; `--out PREFIX` also writes PREFIX.json (the provenance and the
+draft dir) and PREFIX.md (the curve), for a draft trained now or found in the cache.
 
-    tidespec bench static-general --tokens 1000000 --epochs 4 --out bench/results/static-general-1M
+    tidespec bench static-general --tokens 1000000 --epochs 4 --out bench/results/static-general-1M-provenance
 """
 from __future__ import annotations
 
