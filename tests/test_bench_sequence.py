@@ -89,6 +89,15 @@ def test_summary_and_markdown_state_every_goal():
     md = markdown(rep)
     assert "| code | 2.20 | 2.10 | v7 |" in md and "12,345 ShareGPT tokens" in md and "forgetting_le_2pct: True" in md
     assert "Command: `tidespec bench sequence --sequence code,chat,code`" in md
+    assert "Forgetting at each decision" not in md  # no cycle measured it
+    rep["arms"]["single"]["cycles"] = [
+        {"cycle": 1, "phase": "code", "promoted": True, "retained": {}},
+        {"cycle": 3, "phase": "code", "promoted": False, "retained": {
+            "chat": {"records": 6, "candidate": 1.3, "champion": 1.5, "forgetting": 1 - 1.3 / 1.5},
+            "": {"records": 2, "candidate": 1.2, "champion": None, "forgetting": None}}}]
+    md = markdown(rep)
+    assert "| single | 3 | code | no | unclassified: – → 1.20, 2; chat: 1.50 → 1.30 (+13.3%), 6 |" in md
+    assert "| single | 1 |" not in md
     assert g["forgetting_inside_noise"] is None and "| code | 2.20 | 2.20 | 0.0% | – |" in md  # no SEs
     for p, se in zip(pts, (0.5, 0.06, 0.06)):
         p["tau_se"] = {"code": se, "chat": se}

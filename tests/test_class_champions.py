@@ -70,3 +70,15 @@ def test_a_class_champion_is_gated_against_what_serves_the_class_deployed_served
                                                  {"workload": "code", "version": code}) is None
     finally:
         watcher.close()
+
+
+def test_the_generalist_is_held_to_forgetting_on_the_classes_it_serves_and_a_class_draft_on_its_own(monkeypatch):
+    """A class with a champion of its own is not the generalist's to forget; unclassified traffic always
+    is; a class draft answers for its class alone; classes without a champion measured are left out."""
+    from tidespec.steps import register
+    monkeypatch.setattr(register.registry, "champion", lambda uri, tid, w="": object() if w == "code" else None)
+    rep = {"retained": {"code": {"forgetting": 0.3}, "chat": {"forgetting": 0.04}, "": {"forgetting": 0.01},
+                        "math": {"forgetting": None}}}
+    assert register._served_forgetting("uri", "tid", rep, "") == {"chat": 0.04, "": 0.01}
+    assert register._served_forgetting("uri", "tid", rep, "code") == {"code": 0.3}
+    assert register._served_forgetting("uri", "tid", {}, "") == {}

@@ -303,3 +303,43 @@ def test_teacher_forced_gate_compares_simulated_tau_and_replays_a_subset(tmp_pat
     assert not bad["lossless"] and bad["candidate"]["mismatches"] > 0
     with pytest.raises(ValidationError, match="replay_subset"):
         EvaluateParams(replay_subset=3)
+
+
+def test_evaluate_scores_forgetting_on_the_retained_holdout_of_each_class(tmp_path):
+    """The curated index's retained holdout (per class, requests never trained on): each class's
+    teacher-forced simulated τ for the candidate and the champion on the same records (as
+    `train.holdout` computes it, independently here), their forgetting, and the candidate's
+    `retained_tau/<class>` metrics; no champion, no forgetting; no retained holdout, nothing."""
+    from conftest import random_draft
+    from tidespec.capture import curate
+    from tidespec.config import EvaluateParams
+    from tidespec.models.eagle3 import load_checkpoint, save_checkpoint
+    from tidespec.steps import cycle, evaluate
+    from tidespec.train.holdout import holdout_accuracy
+    (tmp_path / "ws").mkdir()
+    ws, params, target = make_tiny_workspace(tmp_path / "ws", make_tiny_target(tmp_path / "target", seed=5),
+                                             n_requests=32, max_token=12)
+    cycle.step_curate(ws, params, target.target_id)
+    cand = tmp_path / "cand"
+    cycle.train_candidate(ws, params, ws.curated, None, cand)
+    champ = save_checkpoint(random_draft(target, 64, seed=1), tmp_path / "champ")
+    p = params.model_copy(update={"evaluate": EvaluateParams(max_new_tokens=8)})
+    idx = json.loads(ws.curated.read_text())
+    assert idx["retained_holdout"] == {}  # one snapshot: nothing has left the window
+    rep = evaluate.step_evaluate(ws, p, cand, champ, ws.eval_prompts, tmp_path / "eval0.json")
+    assert rep["retained"] == {} and not any(m.startswith("retained_") for m in rep["candidate"])
+    idx["retained_holdout"] = {"chat": idx["holdout"]}  # an earlier class's requests, by the index's paths
+    ws.curated.write_text(json.dumps(idx))
+    recs = curate.load_records(idx["holdout"], ws.curated.parent)
+    k = p.engine.num_draft_tokens
+    tau = {a: holdout_accuracy(load_checkpoint(d, target.embed.float(), target.target_id).eval(), target, recs,
+                               p.train).simulated_tau(k) for a, d in (("candidate", cand), ("champion", champ))}
+    rep = evaluate.step_evaluate(ws, p, cand, champ, ws.eval_prompts, tmp_path / "eval.json")
+    r = rep["retained"]["chat"]
+    assert (r["records"], r["candidate"], r["champion"]) == (len(recs), tau["candidate"], tau["champion"])
+    assert r["forgetting"] == pytest.approx(1 - tau["candidate"] / tau["champion"], rel=1e-12)
+    assert tau["candidate"] > tau["champion"]  # the trained candidate beats the random draft: negative forgetting
+    assert rep["candidate"]["retained_tau/chat"] == tau["candidate"]
+    assert rep["candidate"]["retained_forgetting/chat"] == r["forgetting"]
+    alone = evaluate.step_evaluate(ws, p, cand, None, ws.eval_prompts, tmp_path / "eval1.json")["retained"]["chat"]
+    assert alone["champion"] is None and alone["forgetting"] is None and alone["candidate"] == tau["candidate"]

@@ -92,3 +92,56 @@ def test_a_snapshot_dropped_before_it_entered_the_buffer_is_counted_once(tmp_pat
     curate(tmp_path / "snaps", "tid", p, tmp_path / "again.json")
     assert json.loads((tmp_path / "again.json").read_text())["replay_dropped"] == {}
     assert s.path.name in json.loads(replay_buffer_path(tmp_path / "snaps", "tid").read_text())["absorbed"]
+
+
+def test_entries_never_trained_on_are_held_apart_as_the_retained_holdout(tmp_path):
+    """`held` entries go to their own per-class bottom-k within `held_budget`, are never drawn for
+    training, survive a save, and come back relative to the index's directory; a buffer file saved
+    before they were kept reads as holding none."""
+    def ent(i, w):
+        return {"snapshot": str(tmp_path / "snaps" / "s"), "shard": "x", "offset": i, "request_id": f"r{i}",
+                "num_tokens": TOKENS, "workload": w, "prompt_hash": f"h{i}"}
+    (tmp_path / "replay").mkdir()
+    buf = ReplayBuffer(tmp_path / "replay" / "b.json", 0)
+    buf.absorb("s1", [ent(i, "code") for i in range(10)], 100 * TOKENS,
+               held=[ent(i, "code") for i in range(10, 20)] + [ent(20, "chat")], held_budget=3 * TOKENS)
+    assert {w: len(es) for w, es in buf.held.items()} == {"code": 3, "chat": 1}
+    drawn = {e["request_id"] for e in buf.draw(1000 * TOKENS, set(), tmp_path)}
+    assert drawn == {f"r{i}" for i in range(10)}  # the held entries are never trained on
+    buf.save()
+    again = ReplayBuffer(buf.path, 0)
+    assert again.held == buf.held and again.summary() == {"code": {"records": 10, "tokens": 10 * TOKENS}}
+    ret = again.retained(tmp_path / "curated")
+    assert sorted(ret) == ["chat", "code"] and len(ret["code"]) == 3
+    assert all(e["snapshot"] == "../snaps/s" for es in ret.values() for e in es)
+    old = json.loads(buf.path.read_text())
+    del old["held"]
+    buf.path.write_text(json.dumps(old))
+    assert ReplayBuffer(buf.path, 0).held == {} and ReplayBuffer(buf.path, 0).retained(tmp_path) == {}
+
+
+def test_curate_keeps_the_requests_it_never_trained_on_as_each_class_retained_holdout(tmp_path):
+    """code, then chat with a window of one: the chat cycle's index carries code's retained holdout —
+    code requests of the holdout and val buckets, none of them in either cycle's training set — within
+    `retained_holdout_tokens`; 0 keeps none."""
+    from tidespec.capture.curate import split_of
+    p = CurateParams(window=1, val_fraction=0.2, holdout_fraction=0.3, replay_fraction=0.5,
+                     retained_holdout_tokens=6 * TOKENS)
+    _, first = _cycle(tmp_path, "code", range(0, 40), p, "a.json")
+    assert first["retained_holdout"] == {}
+    _, idx = _cycle(tmp_path, "chat", range(100, 140), p, "b.json")
+    kept = idx["retained_holdout"]["code"]
+    assert list(idx["retained_holdout"]) == ["code"] and len(kept) == 6
+    trained = {e["request_id"] for x in (first, idx) for e in x["train"]}
+    assert not trained & {e["request_id"] for e in kept}
+    assert {split_of(e, p) for e in kept} <= {"holdout", "val"}
+    assert all((tmp_path / e["snapshot"]).is_dir() for e in kept)  # relative to the index's directory
+    from tidespec.capture.curate import class_subset
+    for w, want in (("code", 6), ("chat", 0)):  # a class draft's set keeps its own class's, re-rooted
+        class_subset(tmp_path / "b.json", w, 0.1, 0, tmp_path / "classes" / w / "curated.json")
+        sub = json.loads((tmp_path / "classes" / w / "curated.json").read_text())["retained_holdout"]
+        assert len(sub.get(w, [])) == want and set(sub) <= {w}
+        assert [(tmp_path / "classes" / w / e["snapshot"]).resolve() for e in sub.get(w, [])] == [
+            (tmp_path / e["snapshot"]).resolve() for e in kept][:want]
+    _, none = _cycle(tmp_path, "math", range(200, 240), p.model_copy(update={"retained_holdout_tokens": 0}), "c.json")
+    assert none["retained_holdout"] == {}

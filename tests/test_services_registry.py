@@ -348,3 +348,21 @@ def test_stop_kills_a_process_whose_main_thread_exited_while_others_run(tmp_path
     process.stop(proc.pid, grace_s=1.0)
     assert proc.poll() is not None and not process.group_alive(proc.pid)
     assert time.monotonic() - t0 < 10  # SIGTERM ends it (the default action), no need to wait the 120 s
+
+
+def test_a_candidate_that_forgets_a_class_beyond_max_forgetting_is_not_promoted(mlflow_server, tid, ckpt):
+    """`max_forgetting`: a τ gain on the window does not promote a candidate that loses more than that
+    share on a class's retained holdout; at or under it, or with the check off (None), it does."""
+    uri = mlflow_server
+    _, v1 = _log(uri, tid, ckpt, 2.0)
+    registry.promote_if_better(uri, tid, v1, 2.0, None, 0.02, True)
+    _, v2 = _log(uri, tid, ckpt, 2.5)
+    d = registry.promote_if_better(uri, tid, v2, 2.5, 2.0, 0.02, True, forgetting={"chat": 0.05, "math": 0.01},
+                                   max_forgetting=0.02)
+    assert not d.promoted and d.reason.endswith("but it forgets chat (5.0% > 2.0% on its retained holdout)")
+    assert registry.champion(uri, tid).version == v1
+    assert registry.promote_if_better(uri, tid, v2, 2.5, 2.0, 0.02, True, forgetting={"chat": 0.05},
+                                      max_forgetting=None).promoted  # reported, not gated
+    _, v3 = _log(uri, tid, ckpt, 2.6)
+    assert registry.promote_if_better(uri, tid, v3, 2.6, 2.5, 0.02, True, forgetting={"chat": 0.02},
+                                      max_forgetting=0.02).promoted  # at the bound

@@ -114,6 +114,7 @@ def markdown(rep: dict) -> str:
             nz = "–" if x.get("noise") is None else f"{x['noise']:.1%}"
             L.append(f"| {w} | {x['best']:.2f} | {x['last']:.2f} | {x['forgetting']:.1%} | {nz} |")
         L.append("")
+    L += _retained_lines(rep)
     L += ["## Class draft vs generalist (classes arm, after the last cycle)", "",
           "| class | its own draft τ | generalist τ | served by |", "|---|---|---|---|"]
     for w, x in s["class_vs_generalist"].items():
@@ -154,6 +155,24 @@ def _static_words(rep: dict) -> str:
                                                             ", not promoted there: an earlier phase's draft")
             for w, x in frozen.items()) + "), frozen"
     return words
+
+
+def _retained_lines(rep: dict) -> list[str]:
+    """Each generalist decision's forgetting on the retained holdout (`steps.evaluate`: teacher-forced
+    τ of candidate and champion on earlier classes' requests never trained on); none when no cycle
+    measured one."""
+    rows = [(arm, c) for arm, a in rep["arms"].items() for c in a["cycles"] if c.get("retained")]
+    if not rows:
+        return []
+    L = ["## Forgetting at each decision (generalist; retained holdout, teacher-forced, paired)", "",
+         "| arm | cycle | phase | promoted | class: champion τ → candidate τ (forgetting), records |",
+         "|---|---|---|---|---|"]
+    for arm, c in rows:
+        cells = "; ".join(f"{w or 'unclassified'}: {'–' if r['champion'] is None else format(r['champion'], '.2f')} → "
+                          f"{r['candidate']:.2f}" + ("" if r["forgetting"] is None else f" ({r['forgetting']:+.1%})")
+                          + f", {r['records']}" for w, r in sorted(c["retained"].items()))
+        L.append(f"| {arm} | {c['cycle']} | {c['phase']} | {'yes' if c.get('promoted') else 'no'} | {cells} |")
+    return L + [""]
 
 
 def _provenance_words(prov: dict) -> str:

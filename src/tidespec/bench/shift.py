@@ -322,7 +322,8 @@ def _serve_traffic(phase, traffic, target, params, ws, writer, seals, flow, uri,
                         "champion_tau": (ev.get("champion") or {}).get("acceptance_length"),
                         "drift_jsd": res["curate"].get("drift_jsd"), "train_s": res["train"].get("train_seconds"),
                         "train_tokens": res["train"].get("train_tokens"), "num_replay": res["curate"].get("num_replay"),
-                        "classes": {c: _class_record(r) for c, r in (res.get("classes") or {}).items()}}
+                        "classes": {c: _class_record(r) for c, r in (res.get("classes") or {}).items()},
+                        "retained": ev.get("retained", {})}
                 eng.set_draft(runner_for(ws.champion, target), **served(ws.champion))
                 install_class_drafts(eng, ws.class_champions)
             progress(f"{phase}: cycle {secs:.0f} s: {rec.get('reason', rec.get('skipped'))}")

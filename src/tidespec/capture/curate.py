@@ -174,8 +174,8 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
         r.pop("constraint", None)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    replay, replay_dropped, buffer_summary = _replay(snapshots_root, target_id, params, older, snaps, seen,
-                                                    sum(r["num_tokens"] for r in train), out.parent)
+    replay, replay_dropped, buffer_summary, retained = _replay(snapshots_root, target_id, params, older, snaps, seen,
+                                                              sum(r["num_tokens"] for r in train), out.parent)
     train += replay
     drift = None
     if previous and Path(previous).exists():
@@ -192,7 +192,7 @@ def curate(snapshots_root: Path, target_id: str, params: CurateParams, out: Path
     index = {"target_id": target_id, "snapshots": [os.path.relpath(s, out.parent) for s in snaps],
              "replay_snapshots": sorted({r["snapshot"] for r in replay}),
              "train": train, "val": val, "holdout": holdout_index, "holdout_split": params.holdout_split,
-             "num_replay": len(replay), "replay_buffer": buffer_summary,
+             "num_replay": len(replay), "replay_buffer": buffer_summary, "retained_holdout": retained,
              "dropped": dict(dropped), "replay_dropped": dict(replay_dropped), "drift_jsd": drift,
              "workload_mix": dict(Counter(r["workload"] for r in train)),
              "token_counts": {str(k): v for k, v in counts.items()}}
@@ -234,10 +234,11 @@ def _trainable(entry: dict, params: CurateParams) -> bool:
 
 
 def _replay(snapshots_root: Path, target_id: str, params: CurateParams, older: list[Path], snaps: list[Path],
-            seen: set, train_tokens: int, base: Path) -> tuple[list[dict], Counter, dict]:
-    """Absorb the snapshots that left the window into the target's replay buffer, then draw
-    `replay_fraction` of the training set from it (`ReplayBuffer`). Returns (replay entries, drops
-    while absorbing, the buffer's {class: {records, tokens}})."""
+            seen: set, train_tokens: int, base: Path) -> tuple[list[dict], Counter, dict, dict]:
+    """Absorb the snapshots that left the window into the target's replay buffer (their entries never
+    trained on, `_trainable`'s complement, as its retained holdout), then draw `replay_fraction` of
+    the training set from it (`ReplayBuffer`). Returns (replay entries, drops while absorbing, the
+    buffer's {class: {records, tokens}}, the retained holdout {class: entries relative to `base`})."""
     dropped: Counter = Counter()
     buf = ReplayBuffer(replay_buffer_path(snapshots_root, target_id), params.seed)
     with buf.lock():
@@ -245,7 +246,8 @@ def _replay(snapshots_root: Path, target_id: str, params: CurateParams, older: l
         fresh = [s for s in older if s.name not in buf.absorbed]
         for snap in fresh:
             pool = _scan(snap, target_id, params, set(), dropped, Counter(), keep_prompt_ids=False)
-            buf.absorb(snap.name, [r for r in pool if _trainable(r, params)], params.replay_tokens)
+            buf.absorb(snap.name, [r for r in pool if _trainable(r, params)], params.replay_tokens,
+                       held=[r for r in pool if not _trainable(r, params)], held_budget=params.retained_holdout_tokens)
         gone = {p.name[:-4] for p in (Path(snapshots_root) / target_id).glob("*.dvc")} - {s.name for s in older + snaps}
         if gone := {g for g in gone if g < snaps[0].name} - buf.absorbed:  # dropped by retention before a curate saw it
             log.warning("replay: %d snapshot(s) left local disk before entering the replay buffer (%s...): keep "
@@ -256,7 +258,8 @@ def _replay(snapshots_root: Path, target_id: str, params: CurateParams, older: l
         if fresh or gone or not buf.path.exists():
             buf.save()
     want = train_tokens * params.replay_fraction / (1 - params.replay_fraction)
-    return (buf.draw(want, seen, base) if want > 0 else []), dropped, buf.summary()
+    retained = buf.retained(base) if params.retained_holdout_tokens else {}
+    return (buf.draw(want, seen, base) if want > 0 else []), dropped, buf.summary(), retained
 
 
 def class_subset(index: Path, workload: str, replay_fraction: float, seed: int, out: Path) -> CurateResult:
@@ -264,8 +267,9 @@ def class_subset(index: Path, workload: str, replay_fraction: float, seed: int, 
     cycle's curated index `index`: the class's train, val and holdout entries (its replay-buffer
     entries stay tagged `"replay": true`), plus `replay_fraction` of its training tokens drawn from
     the other classes' training entries in a seeded order (tagged replay: a class draft keeps some of
-    what the generalist knows; same nearest-total rule as `ReplayBuffer.draw`). Window and lineage
-    are the index's. Raises FileNotFoundError for a missing index or holdout file."""
+    what the generalist knows; same nearest-total rule as `ReplayBuffer.draw`), and the class's own
+    retained holdout. Window and lineage are the index's. Raises FileNotFoundError for a missing index
+    or holdout file."""
     index, out = Path(index), Path(out)
     idx = json.loads(index.read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -293,7 +297,9 @@ def class_subset(index: Path, workload: str, replay_fraction: float, seed: int, 
     sub = idx | {"snapshots": rel, "train": train, "val": val, "holdout": holdout, "workload": workload,
                  "replay_snapshots": sorted({e["snapshot"] for e in train if e.get("replay")}),
                  "num_replay": sum(bool(e.get("replay")) for e in train),
-                 "workload_mix": dict(Counter(e["workload"] for e in train))}
+                 "workload_mix": dict(Counter(e["workload"] for e in train)),
+                 "retained_holdout": {w: [moved(e) for e in es] for w, es in idx.get("retained_holdout", {}).items()
+                                      if w == workload}}  # a class draft answers for its own class
     write_private(out, json.dumps(sub).encode())
     return CurateResult(out, len(train), len(val), sum(e["num_tokens"] for e in train), {}, idx.get("drift_jsd"),
                         sub["num_replay"], len(rows), hold_path)

@@ -47,6 +47,7 @@ class ReplayBuffer:
     def __init__(self, path: Path, seed: int):
         self.path, self.seed = Path(path), seed
         self.classes: dict[str, list[dict]] = {}
+        self.held: dict[str, list[dict]] = {}
         self.absorbed: set[str] = set()
         if self.path.exists():
             raw = json.loads(self.path.read_text())
@@ -54,31 +55,40 @@ class ReplayBuffer:
                 raise ValueError(f"replay buffer {self.path} has format {raw.get('version')!r}, not {VERSION}: "
                                  "delete it (it is rebuilt from the older snapshots on disk)")
             self.classes, self.absorbed = raw["classes"], set(raw["absorbed"])
+            self.held = raw.get("held", {})  # absent in a buffer saved before it was kept
 
     def lock(self) -> FileLock:
         """The buffer's lock: hold it from reading to `save` (two curates never interleave)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         return FileLock(str(self.path) + ".lock")
 
-    def absorb(self, snapshot_id: str, entries: list[dict], budget_tokens: int) -> int:
+    def absorb(self, snapshot_id: str, entries: list[dict], budget_tokens: int, held: list[dict] = (),
+               held_budget: int = 0) -> int:
         """Add a snapshot's train-bucket entries (paths absolute or relative to the cwd) to their
         classes, then keep each class within `budget_tokens` (the bottom-k rule above; a prompt seen
-        twice keeps its newest record). Idempotent per snapshot. Returns the entries added."""
+        twice keeps its newest record); `held`, its entries never trained on (holdout and val
+        buckets), go to `self.held` the same way within `held_budget` tokens per class: the retained
+        holdout a candidate's forgetting is checked on (`retained`). Idempotent per snapshot.
+        Returns the training entries added."""
         if snapshot_id in self.absorbed:
             return 0
         self.absorbed.add(snapshot_id)
+        self._add(self.classes, entries, budget_tokens)
+        self._add(self.held, list(held), held_budget)
+        return len(entries)
+
+    def _add(self, store: dict[str, list[dict]], entries: list[dict], budget: int) -> None:
         touched = set()
         for e in entries:
             e = {k: v for k, v in e.items() if k not in ("prompt_ids", "constraint", "replay")}
             e["snapshot"] = os.path.relpath(Path(e["snapshot"]).resolve(), self.path.parent.resolve())
             workload = e.get("workload") or ""
-            kept = self.classes.setdefault(workload, [])
+            kept = store.setdefault(workload, [])
             kept[:] = [x for x in kept if _key(x) != _key(e)]
             kept.append(e)
             touched.add(workload)
         for workload in touched:
-            self.classes[workload] = self._within(self.classes[workload], budget_tokens)
-        return len(entries)
+            store[workload] = self._within(store[workload], budget)
 
     def _within(self, entries: list[dict], budget: int) -> list[dict]:
         out, tokens = [], 0
@@ -108,6 +118,13 @@ class ReplayBuffer:
                 total += e["num_tokens"]
         return out
 
+    def retained(self, base: Path) -> dict[str, list[dict]]:
+        """The retained holdout: {class: its held entries, bottom-k order}, paths relative to `base`
+        (the curated index's directory). None of them was ever in a training set."""
+        here, there = self.path.parent, Path(base).resolve()
+        return {w: [dict(e, snapshot=os.path.relpath((here / e["snapshot"]).resolve(), there)) for e in es]
+                for w, es in sorted(self.held.items()) if es}
+
     def summary(self) -> dict[str, dict[str, int]]:
         """{class: {"records", "tokens"}} held now."""
         return {workload: {"records": len(es), "tokens": sum(e["num_tokens"] for e in es)}
@@ -117,5 +134,5 @@ class ReplayBuffer:
         """Write the buffer to `path` atomically (a temporary file, 0600, then rename). Raises OSError."""
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         write_private(tmp, json.dumps({"version": VERSION, "seed": self.seed, "absorbed": sorted(self.absorbed),
-                                       "classes": self.classes}).encode())
+                                       "classes": self.classes, "held": self.held}).encode())
         os.replace(tmp, self.path)

@@ -67,10 +67,8 @@ def tree_num_draft_tokens(num_steps: int, eagle_topk: int, num_draft_tokens: int
         raise ValueError(f"with eagle_topk 1 (chains) a step verifies num_draft_tokens + 1 = {num_steps + 1} tokens, "
                          f"got tree num_draft_tokens {n}: remove it or set engine.tree.eagle_topk > 1")
     if n > 64:
-        raise ValueError(
-            f"a tree of 1 + num_steps × eagle_topk = {n} tokens is over 64; set engine.tree.num_draft_tokens "
-            "(<= 64) or a smaller eagle_topk"
-        )
+        raise ValueError(f"a tree of 1 + num_steps × eagle_topk = {n} tokens is over 64; set "
+                         "engine.tree.num_draft_tokens (<= 64) or a smaller eagle_topk")
     if not num_steps + 1 <= n <= most:
         raise ValueError(f"tree num_draft_tokens {n} must be in [num_steps + 1, 1 + topk + (num_steps - 1) * topk^2] = "
                          f"[{num_steps + 1}, {most}] for num_steps {num_steps}, eagle_topk {eagle_topk}")
@@ -222,6 +220,7 @@ class CurateParams(_Strict):
     replay_fraction: float = Field(0.25, ge=0, lt=1)  # share of the training tokens drawn from the replay buffer
     replay_tokens: int = Field(65536, ge=0)  # replay buffer: tokens kept per workload class (0: no buffer)
     class_replay_fraction: float = Field(0.1, ge=0, lt=1)  # a class draft's set: this share from the other classes
+    retained_holdout_tokens: int = Field(4096, ge=0)  # per class, never trained on: forgetting is checked on it
     seed: int = 0
     fleet: bool = False  # the window from every replica's snapshots on the DVC remote (false: this checkout's)
 
@@ -333,6 +332,7 @@ class EvaluateParams(_Strict):
     concurrency: int = Field(1, ge=1, le=256)
     gate: Literal["replay", "teacher_forced"] = "replay"
     replay_subset: int | None = Field(None, ge=1)  # teacher_forced: prompts replayed for losslessness (None: 4)
+    max_forgetting: float | None = Field(None, ge=0, lt=1)  # a class's retained-holdout τ may drop this share at most
 
     @model_validator(mode="after")
     def _subset_needs_teacher_forced(self):

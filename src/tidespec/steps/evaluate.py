@@ -6,13 +6,16 @@ reads the holdout, and records the report with its speedups."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from ..config import Params
 from ..models.load import get_target
-from ..train.evaluation import Holdout, evaluate_candidate
+from ..train.evaluation import Holdout, evaluate_candidate, retained_check
 from ..workspace import Workspace
 from .train_data import remote_shards, train_rehydrator
+
+log = logging.getLogger(__name__)
 
 
 def read_eval_prompts(path: Path) -> list[dict]:
@@ -45,14 +48,41 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
         rehydrator = train_rehydrator(params, target, curated, ws.state)  # entered while they are read
         holdout = Holdout(curated, rehydrator, remote_shards(params.train, ws.root))
     rep = evaluate_candidate(params, target, tok, candidate, champion, prompts, holdout, progress)
+    rep["retained"], err = _retained(ws, params, target, curated, candidate, champion)
+    if err:
+        rep["retained_error"] = err
     bt = rep["baseline"]["tokens_per_s"] or 1.0
     rep["speedup"] = {k: rep[k]["tokens_per_s"] / bt for k in ("champion", "candidate")
                       if rep[k] and rep[k].get("tokens_per_s") is not None}
+    for w, r in rep["retained"].items():  # logged with the candidate's version (steps.register)
+        rep["candidate"][f"retained_tau/{w}"] = r["candidate"]
+        if r["forgetting"] is not None:
+            rep["candidate"][f"retained_forgetting/{w}"] = r["forgetting"]
     if curated.exists():  # which holdout the gate scores (curate.holdout_split)
         rep["holdout_split"] = json.loads(curated.read_text()).get("holdout_split", "random")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=2))
     return rep
+
+
+def _retained(ws: Workspace, params: Params, target, curated: Path, candidate: Path,
+              champion: Path | None) -> tuple[dict, str | None]:
+    """(`train.evaluation.retained_check` on the curated index's retained holdout, read as the trainer
+    reads it; None) — ({}, None) without one, ({}, why) when its records cannot be read (logged; the
+    cycle goes on, the report and the decision's reason say so)."""
+    retained = json.loads(curated.read_text()).get("retained_holdout") if curated.exists() else None
+    if not retained:
+        return {}, None
+    src = Holdout(curated, train_rehydrator(params, target, curated, ws.state), remote_shards(params.train, ws.root))
+    flat = [(w, e) for w, entries in retained.items() for e in entries]  # one read: the rehydrator is entered once
+    records: dict[str, list[dict]] = {}
+    try:
+        for (w, _), rec in zip(flat, src.records(target, [e for _, e in flat])):
+            records.setdefault(w, []).append(rec)
+    except (OSError, ValueError) as e:  # e.g. an older shard neither here nor on the DVC remote: the gate goes on
+        log.warning("retained holdout not read (%s): forgetting not measured this cycle", e)
+        return {}, f"retained holdout not read: {e}"
+    return retained_check(candidate, champion, target, records, params.train, params.engine.num_draft_tokens), None
 
 
 

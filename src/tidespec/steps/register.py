@@ -45,8 +45,10 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     Every version carries the τ(k) its replay measured (tag `tau_k`, JSON [τ(0..K)]: the reference of
     the live-acceptance checks, SageMaker's alarm among them). With deploy.sagemaker, each profile's
     tuned window goes on the version (tags `tuned_k.<profile>`, metrics `tau_k/<k>`,
-    `predicted_speedup/<profile>`; `tune_windows`) and into the result's `tuned_k`. Raises ValueError
-    for empty lineage."""
+    `predicted_speedup/<profile>`; `tune_windows`) and into the result's `tuned_k`. Evaluate's
+    forgetting on the retained holdout (metrics `retained_tau/<class>`, `retained_forgetting/<class>`)
+    gates the classes the candidate would serve when `evaluate.max_forgetting` is set
+    (`_served_forgetting`). Raises ValueError for empty lineage."""
     if not data.get("snapshot_rev") or not json.loads(data.get("snapshot_revs") or "{}"):
         raise ValueError("no data lineage for this candidate: pass lineage(curated) (snapshot revs of its curated set)")
     cand, champ = report["candidate"], report.get("champion")
@@ -95,15 +97,29 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
     d = registry.promote_if_better(tracking_uri, target_id, version, cand["acceptance_length"], champ_tau,
                                    gain, bool(report["lossless"]),
                                    evaluated_champion=report.get("champion_version") if champ else None,
-                                   workload=workload, canary=params.deploy.rollout == "canary" and not workload)
+                                   workload=workload, canary=params.deploy.rollout == "canary" and not workload,
+                                   forgetting=_served_forgetting(tracking_uri, target_id, report, workload),
+                                   max_forgetting=params.evaluate.max_forgetting)
     try:  # plots are a view: failing to draw or upload them does not undo or block the decision
         losses = list(train_metrics.get("train/loss", []))
         registry.log_figures(tracking_uri, run_id, _figures(tracking_uri, target_id, report, losses))
     except Exception as e:  # noqa: BLE001 - figures are best effort: the version stands without them
         log.warning("plots not logged for run %s: %s", run_id, e)
-    return {"run_id": run_id, "version": version, "promoted": d.promoted, "canary": d.canary, "reason": d.reason,
+    unread = report.get("retained_error")
+    reason = d.reason + (f"; forgetting not checked ({unread})" if unread else "")
+    return {"run_id": run_id, "version": version, "promoted": d.promoted, "canary": d.canary, "reason": reason,
             "previous_champion": d.previous_champion,
             "tuned_k": {p: w["k"] for p, w in tune_windows(params, cand).items()}}
+
+
+def _served_forgetting(tracking_uri: str, target_id: str, report: dict, workload: str) -> dict[str, float]:
+    """{class: forgetting} of evaluate's retained holdout (`steps.evaluate`) over the classes the
+    candidate would serve: a class draft its own class; the generalist every class without a champion
+    of its own (a class draft's forgetting is its own gate's business)."""
+    measured = {w: r["forgetting"] for w, r in report.get("retained", {}).items() if r.get("forgetting") is not None}
+    if workload:
+        return {w: f for w, f in measured.items() if w == workload}
+    return {w: f for w, f in measured.items() if not w or registry.champion(tracking_uri, target_id, w) is None}
 
 
 def _figures(tracking_uri: str, target_id: str, report: dict, losses: list[float]) -> dict:

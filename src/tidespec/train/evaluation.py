@@ -66,12 +66,13 @@ class Holdout:
     rehydrator: AbstractContextManager[Rehydrator | None]
     shards: ShardLocator | None = None
 
-    def records(self, target: Target) -> list[dict]:
-        """The holdout's records (tensors as `capture.store` documents them). Raises
-        FileNotFoundError without a curated index."""
-        idx = json.loads(Path(self.curated).read_text())
+    def records(self, target: Target, entries: list[dict] | None = None) -> list[dict]:
+        """The records of `entries` (index entries relative to the index; None: the holdout's), tensors
+        as `capture.store` documents them. Raises FileNotFoundError without a curated index."""
+        if entries is None:
+            entries = json.loads(Path(self.curated).read_text())["holdout"]
         with self.rehydrator as rh:
-            src = online(IndexRecords(idx["holdout"], Path(self.curated).parent, self.shards), rh, target)
+            src = online(IndexRecords(entries, Path(self.curated).parent, self.shards), rh, target)
             return [src.read(i) for i in range(len(src))]
 
 
@@ -140,6 +141,26 @@ def evaluate_candidate(params: Params, target: Target, tok, candidate: Path, cha
             "champion": champ_m, "candidate": cand}
     rep["lossless"] = all(rep[a]["mismatches"] == 0 for a in runs if a != "baseline")
     return rep
+
+
+def retained_check(candidate: Path, champion: Path | None, target: Target, retained: dict[str, list[dict]],
+                   tparams: TrainParams, k: int) -> dict[str, dict]:
+    """Forgetting on the retained holdout (`capture.replay_buffer`: per class, earlier requests no draft
+    was trained on): each class's teacher-forced simulated τ at k (`teacher_forced_metrics`) for the
+    candidate and the champion, on the same records. Returns {class: {"records", "candidate",
+    "champion" (None without one), "forgetting" (1 − candidate / champion, None without one)}}; a
+    class whose records are all unusable is left out."""
+    out = {}
+    for w, records in sorted(retained.items()):
+        try:
+            cand = teacher_forced_metrics(candidate, target, records, tparams, k)["acceptance_length"]
+            champ = (teacher_forced_metrics(champion, target, records, tparams, k)["acceptance_length"]
+                     if champion and Path(champion).exists() else None)
+        except ValueError:  # every record dropped (too short, out of the draft vocabulary)
+            continue
+        out[w] = {"records": len(records), "candidate": cand, "champion": champ,
+                  "forgetting": None if not champ else 1.0 - cand / champ}
+    return out
 
 
 def replay_drafts(cfg: EngineParams, target: Target, runners: dict, prompts: list[dict], max_new_tokens: int,

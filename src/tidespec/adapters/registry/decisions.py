@@ -92,7 +92,8 @@ def _make_champion(c: MlflowClient, name: str, version: str, workload: str = "")
 
 def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate_tau: float,
                       champion_tau: float | None, min_relative_gain: float, lossless: bool,
-                      evaluated_champion: str | None = None, workload: str = "", canary: bool = False) -> Decision:
+                      evaluated_champion: str | None = None, workload: str = "", canary: bool = False,
+                      forgetting: dict[str, float] | None = None, max_forgetting: float | None = None) -> Decision:
     """Promote ``version`` to ``champion`` iff ``lossless`` and (no champion yet or
     ``candidate_tau >= champion_tau * (1 + min_relative_gain)``); τ in tokens per target forward,
     both measured on the same holdout. ``evaluated_champion``: the champion version ``champion_tau``
@@ -104,7 +105,9 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
     class has none, its reference is the generalist that serves it (``champion_tau`` measured on it).
     ``canary`` (``deploy.rollout: canary``; the generalist only): a candidate that passes goes to the
     ``canary`` alias instead (`start_canary`; Decision with canary=True, promoted=False), unless it is
-    the first champion (no stable version to compare it with: promoted).
+    the first champion (no stable version to compare it with: promoted). ``forgetting`` {class: 1 −
+    candidate τ / champion τ on that class's retained holdout} with ``max_forgetting``: a candidate
+    that loses more than that share on any class it would serve is not promoted (None: not gated).
     Raises RegistryError if a champion exists but ``champion_tau`` is None (evaluate it first).
     """
     c = _client(tracking_uri)
@@ -132,6 +135,11 @@ def promote_if_better(tracking_uri: str, target_id: str, version: str, candidate
         cmp = ">=" if ok else "<"
         reason = (f"τ {candidate_tau:.4f} {cmp} {bar:.4f} = champion v{current} τ {champion_tau:.4f} "
                   f"× (1 + {min_relative_gain:g})")
+        lost = {w: f for w, f in (forgetting or {}).items() if max_forgetting is not None and f > max_forgetting}
+        if ok and lost:
+            ok, reason = False, reason + "; but it forgets " + ", ".join(
+                f"{w or 'unclassified'} ({f:.1%} > {max_forgetting:.1%} on its retained holdout)"
+                for w, f in sorted(lost.items()))
     reason = _of(workload) + reason
     if ok and canary and current is not None and not workload:
         return _start_canary(c, name, version, f"passed the gate: {reason}", current)
