@@ -76,9 +76,16 @@ def test_the_generalist_is_held_to_forgetting_on_the_classes_it_serves_and_a_cla
     """A class with a champion of its own is not the generalist's to forget; unclassified traffic always
     is; a class draft answers for its class alone; classes without a champion measured are left out."""
     from tidespec.steps import register
-    monkeypatch.setattr(register.registry, "champion", lambda uri, tid, w="": object() if w == "code" else None)
+
+    def champion(uri, tid, w=""):  # as the registry: a label that is no class name has no alias
+        if w and not registry.CLASS_NAME.match(w):
+            raise registry.RegistryError(f"not a class name: {w!r}")
+        return object() if w == "code" else None
+    monkeypatch.setattr(register.registry, "champion", champion)
     rep = {"retained": {"code": {"forgetting": 0.3}, "chat": {"forgetting": 0.04}, "": {"forgetting": 0.01},
-                        "math": {"forgetting": None}}}
-    assert register._served_forgetting("uri", "tid", rep, "") == {"chat": 0.04, "": 0.01}
+                        "math": {"forgetting": None}, "My App": {"forgetting": 0.2}}}
+    assert register._served_forgetting("uri", "tid", rep, "") == {"chat": 0.04, "": 0.01, "My App": 0.2}
     assert register._served_forgetting("uri", "tid", rep, "code") == {"code": 0.3}
     assert register._served_forgetting("uri", "tid", {}, "") == {}
+    monkeypatch.setattr(register.registry, "champion", None)  # not gated: no registry call at all
+    assert register._served_forgetting("uri", "tid", rep, "", gated=False) == {}

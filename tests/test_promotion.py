@@ -343,3 +343,26 @@ def test_evaluate_scores_forgetting_on_the_retained_holdout_of_each_class(tmp_pa
     assert rep["candidate"]["retained_forgetting/chat"] == r["forgetting"]
     alone = evaluate.step_evaluate(ws, p, cand, None, ws.eval_prompts, tmp_path / "eval1.json")["retained"]["chat"]
     assert alone["champion"] is None and alone["forgetting"] is None and alone["candidate"] == tau["candidate"]
+
+
+def test_a_retained_holdout_that_cannot_be_scored_leaves_the_gate_going(tmp_path, monkeypatch):
+    """Reading or scoring the retained holdout failing (a shard gone, a rehydration server down) is
+    reported and named, not a failed cycle."""
+    from tidespec.config import EvaluateParams
+    from tidespec.steps import cycle, evaluate
+    (tmp_path / "ws").mkdir()
+    ws, params, target = make_tiny_workspace(tmp_path / "ws", make_tiny_target(tmp_path / "target", seed=5),
+                                             n_requests=16, max_token=12)
+    cycle.step_curate(ws, params, target.target_id)
+    cand = tmp_path / "cand"
+    cycle.train_candidate(ws, params, ws.curated, None, cand)
+    idx = json.loads(ws.curated.read_text())
+    ws.curated.write_text(json.dumps(idx | {"retained_holdout": {"chat": idx["holdout"]}}))
+
+    def down(*a, **k):
+        raise RuntimeError("extraction server exited")
+    monkeypatch.setattr(evaluate, "retained_check", down)
+    p = params.model_copy(update={"evaluate": EvaluateParams(max_new_tokens=8)})
+    rep = evaluate.step_evaluate(ws, p, cand, None, ws.eval_prompts, tmp_path / "eval.json")
+    assert rep["retained"] == {} and rep["retained_error"] == "retained holdout not scored: extraction server exited"
+    assert rep["lossless"] and rep["candidate"]["acceptance_length"] > 0

@@ -114,6 +114,10 @@ def test_entries_never_trained_on_are_held_apart_as_the_retained_holdout(tmp_pat
     ret = again.retained(tmp_path / "curated")
     assert sorted(ret) == ["chat", "code"] and len(ret["code"]) == 3
     assert all(e["snapshot"] == "../snaps/s" for es in ret.values() for e in es)
+    assert [e["request_id"] for e in again.retained(tmp_path, exclude={"h20"})["code"]] == [
+        e["request_id"] for e in ret["code"]] and "chat" not in again.retained(tmp_path, exclude={"h20"})
+    again.classes["code"].append(dict(ret["code"][0], snapshot="../snaps/s"))  # a split setting changed: trained now
+    assert len(again.retained(tmp_path)["code"]) == 2
     old = json.loads(buf.path.read_text())
     del old["held"]
     buf.path.write_text(json.dumps(old))

@@ -258,7 +258,7 @@ def _replay(snapshots_root: Path, target_id: str, params: CurateParams, older: l
         if fresh or gone or not buf.path.exists():
             buf.save()
     want = train_tokens * params.replay_fraction / (1 - params.replay_fraction)
-    retained = buf.retained(base) if params.retained_holdout_tokens else {}
+    retained = buf.retained(base, seen) if params.retained_holdout_tokens else {}
     return (buf.draw(want, seen, base) if want > 0 else []), dropped, buf.summary(), retained
 
 

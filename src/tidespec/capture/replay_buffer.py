@@ -118,12 +118,15 @@ class ReplayBuffer:
                 total += e["num_tokens"]
         return out
 
-    def retained(self, base: Path) -> dict[str, list[dict]]:
+    def retained(self, base: Path, exclude: set[str] = frozenset()) -> dict[str, list[dict]]:
         """The retained holdout: {class: its held entries, bottom-k order}, paths relative to `base`
-        (the curated index's directory). None of them was ever in a training set."""
+        (the curated index's directory), less any whose prompt is in `exclude` (the window's) or in the
+        training buffer (a split setting changed since: that prompt may be trained on now)."""
         here, there = self.path.parent, Path(base).resolve()
-        return {w: [dict(e, snapshot=os.path.relpath((here / e["snapshot"]).resolve(), there)) for e in es]
-                for w, es in sorted(self.held.items()) if es}
+        trained = set(exclude) | {_key(e) for es in self.classes.values() for e in es}
+        out = {w: [dict(e, snapshot=os.path.relpath((here / e["snapshot"]).resolve(), there))
+                   for e in es if _key(e) not in trained] for w, es in sorted(self.held.items())}
+        return {w: es for w, es in out.items() if es}
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{class: {"records", "tokens"}} held now."""

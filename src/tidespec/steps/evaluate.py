@@ -13,7 +13,7 @@ from ..config import Params
 from ..models.load import get_target
 from ..train.evaluation import Holdout, evaluate_candidate, retained_check
 from ..workspace import Workspace
-from .train_data import remote_shards, train_rehydrator
+from .train_data import holds_tokens_only, remote_shards, train_rehydrator
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +68,24 @@ def step_evaluate(ws: Workspace, params: Params, candidate: Path, champion: Path
 def _retained(ws: Workspace, params: Params, target, curated: Path, candidate: Path,
               champion: Path | None) -> tuple[dict, str | None]:
     """(`train.evaluation.retained_check` on the curated index's retained holdout, read as the trainer
-    reads it; None) — ({}, None) without one, ({}, why) when its records cannot be read (logged; the
+    reads it; None) — ({}, None) without one, ({}, why) when it cannot be read or scored (logged; the
     cycle goes on, the report and the decision's reason say so)."""
     retained = json.loads(curated.read_text()).get("retained_holdout") if curated.exists() else None
     if not retained:
         return {}, None
+    if params.ingest.rehydrate_backend != "embedded" and holds_tokens_only(curated):
+        return {}, ("retained holdout not scored: tokens-only records with ingest.rehydrate_backend vllm would "
+                    "start an extraction server for it (rehydrate_backend embedded scores them with the target here)")
     src = Holdout(curated, train_rehydrator(params, target, curated, ws.state), remote_shards(params.train, ws.root))
     flat = [(w, e) for w, entries in retained.items() for e in entries]  # one read: the rehydrator is entered once
     records: dict[str, list[dict]] = {}
     try:
         for (w, _), rec in zip(flat, src.records(target, [e for _, e in flat])):
             records.setdefault(w, []).append(rec)
-    except (OSError, ValueError) as e:  # e.g. an older shard neither here nor on the DVC remote: the gate goes on
-        log.warning("retained holdout not read (%s): forgetting not measured this cycle", e)
-        return {}, f"retained holdout not read: {e}"
-    return retained_check(candidate, champion, target, records, params.train, params.engine.num_draft_tokens), None
+        return retained_check(candidate, champion, target, records, params.train, params.engine.num_draft_tokens), None
+    except (OSError, ValueError, RuntimeError) as e:  # a shard gone, a rehydration server or memory failing
+        log.warning("retained holdout not scored (%s): forgetting not measured this cycle", e)
+        return {}, f"retained holdout not scored: {e}"
 
 
 

@@ -98,7 +98,8 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
                                    gain, bool(report["lossless"]),
                                    evaluated_champion=report.get("champion_version") if champ else None,
                                    workload=workload, canary=params.deploy.rollout == "canary" and not workload,
-                                   forgetting=_served_forgetting(tracking_uri, target_id, report, workload),
+                                   forgetting=_served_forgetting(tracking_uri, target_id, report, workload,
+                                                                 params.evaluate.max_forgetting is not None),
                                    max_forgetting=params.evaluate.max_forgetting)
     try:  # plots are a view: failing to draw or upload them does not undo or block the decision
         losses = list(train_metrics.get("train/loss", []))
@@ -112,14 +113,18 @@ def step_register(params: Params, target_id: str, candidate: Path, report: dict,
             "tuned_k": {p: w["k"] for p, w in tune_windows(params, cand).items()}}
 
 
-def _served_forgetting(tracking_uri: str, target_id: str, report: dict, workload: str) -> dict[str, float]:
+def _served_forgetting(tracking_uri: str, target_id: str, report: dict, workload: str,
+                       gated: bool = True) -> dict[str, float]:
     """{class: forgetting} of evaluate's retained holdout (`steps.evaluate`) over the classes the
     candidate would serve: a class draft its own class; the generalist every class without a champion
-    of its own (a class draft's forgetting is its own gate's business)."""
+    of its own (a label that is no class name never has one). {} when not `gated` (no registry call)."""
     measured = {w: r["forgetting"] for w, r in report.get("retained", {}).items() if r.get("forgetting") is not None}
+    if not gated:
+        return {}
     if workload:
         return {w: f for w, f in measured.items() if w == workload}
-    return {w: f for w, f in measured.items() if not w or registry.champion(tracking_uri, target_id, w) is None}
+    return {w: f for w, f in measured.items()
+            if not registry.CLASS_NAME.match(w) or registry.champion(tracking_uri, target_id, w) is None}
 
 
 def _figures(tracking_uri: str, target_id: str, report: dict, losses: list[float]) -> dict:
