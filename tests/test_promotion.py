@@ -305,6 +305,18 @@ def test_teacher_forced_gate_compares_simulated_tau_and_replays_a_subset(tmp_pat
         EvaluateParams(replay_subset=3)
 
 
+def _curated_and_trained(tmp_path, n_requests: int):
+    """A tiny workspace curated once (a 9-token prompt alphabet: learnable continuations) and a candidate
+    trained on it: (ws, params, target, candidate dir)."""
+    from tidespec.steps import cycle
+    (tmp_path / "ws").mkdir()
+    ws, params, target = make_tiny_workspace(tmp_path / "ws", make_tiny_target(tmp_path / "target", seed=5),
+                                             n_requests=n_requests, max_token=12)
+    cycle.step_curate(ws, params, target.target_id)
+    cycle.train_candidate(ws, params, ws.curated, None, tmp_path / "cand")
+    return ws, params, target, tmp_path / "cand"
+
+
 def test_evaluate_scores_forgetting_on_the_retained_holdout_of_each_class(tmp_path):
     """The curated index's retained holdout (per class, requests never trained on): each class's
     teacher-forced simulated τ for the candidate and the champion on the same records (as
@@ -314,14 +326,9 @@ def test_evaluate_scores_forgetting_on_the_retained_holdout_of_each_class(tmp_pa
     from tidespec.capture import curate
     from tidespec.config import EvaluateParams
     from tidespec.models.eagle3 import load_checkpoint, save_checkpoint
-    from tidespec.steps import cycle, evaluate
+    from tidespec.steps import evaluate
     from tidespec.train.holdout import holdout_accuracy
-    (tmp_path / "ws").mkdir()
-    ws, params, target = make_tiny_workspace(tmp_path / "ws", make_tiny_target(tmp_path / "target", seed=5),
-                                             n_requests=32, max_token=12)
-    cycle.step_curate(ws, params, target.target_id)
-    cand = tmp_path / "cand"
-    cycle.train_candidate(ws, params, ws.curated, None, cand)
+    ws, params, target, cand = _curated_and_trained(tmp_path, 32)
     champ = save_checkpoint(random_draft(target, 64, seed=1), tmp_path / "champ")
     p = params.model_copy(update={"evaluate": EvaluateParams(max_new_tokens=8)})
     idx = json.loads(ws.curated.read_text())
@@ -349,13 +356,8 @@ def test_a_retained_holdout_that_cannot_be_scored_leaves_the_gate_going(tmp_path
     """Reading or scoring the retained holdout failing (a shard gone, a rehydration server down) is
     reported and named, not a failed cycle."""
     from tidespec.config import EvaluateParams
-    from tidespec.steps import cycle, evaluate
-    (tmp_path / "ws").mkdir()
-    ws, params, target = make_tiny_workspace(tmp_path / "ws", make_tiny_target(tmp_path / "target", seed=5),
-                                             n_requests=16, max_token=12)
-    cycle.step_curate(ws, params, target.target_id)
-    cand = tmp_path / "cand"
-    cycle.train_candidate(ws, params, ws.curated, None, cand)
+    from tidespec.steps import evaluate
+    ws, params, target, cand = _curated_and_trained(tmp_path, 16)
     idx = json.loads(ws.curated.read_text())
     ws.curated.write_text(json.dumps(idx | {"retained_holdout": {"chat": idx["holdout"]}}))
 
