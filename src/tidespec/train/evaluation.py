@@ -147,9 +147,11 @@ def retained_check(candidate: Path, champion: Path | None, target: Target, retai
                    tparams: TrainParams, k: int) -> dict[str, dict]:
     """Forgetting on the retained holdout (`capture.replay_buffer`: per class, earlier requests no draft
     was trained on): each class's teacher-forced simulated τ at k (`teacher_forced_metrics`) for the
-    candidate and the champion, on the same records. Returns {class: {"records", "candidate",
-    "champion" (None without one), "forgetting" (1 − candidate / champion, None without one)}}; a
-    class whose records are all unusable is left out."""
+    candidate and the champion, on the same records (`retained`: {class: capture records}; each draft
+    is loaded once per class). Returns {class: {"records" (count), "candidate", "champion" (τ in
+    tokens per target forward; champion None without one), "forgetting" (1 − candidate / champion, a
+    share: 0.05 = 5 % lost; None without a champion)}}; a class whose records are all unusable is left
+    out."""
     out = {}
     for w, records in sorted(retained.items()):
         try:
