@@ -222,3 +222,47 @@ def test_a_given_static_is_both_arms_first_champion(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="stop here"):
             seq.run_arm(Params(), cfg, arm, tmp_path / arm, {}, {}, print)
     assert seen == [("bench sequence (single)", d.resolve()), ("bench sequence (classes)", None)]
+
+
+def test_a_rerun_keeps_the_arms_an_interrupted_run_finished(tmp_path, monkeypatch):
+    """Killed in its second arm, the same command keeps the first arm (its report and workspace) and runs
+    only the second; another config, a lost workspace or `--no-resume` start over."""
+    from types import SimpleNamespace
+
+    from tidespec.models import load
+    from tidespec.workspace import Workspace
+    calls, said = [], []
+
+    def run_arm(params, cfg, arm, work, traffic, hold, progress):
+        calls.append(arm)
+        if arm == "classes" and killed:
+            raise KeyboardInterrupt
+        Workspace(work).champion.mkdir(parents=True, exist_ok=True)
+        frozen = seq.in_domain_root(work) / "code"
+        frozen.mkdir(parents=True, exist_ok=True)
+        return {"points": [arm], "in_domain": {"code": {"dir": str(frozen)}}} if arm == "single" else {"points": []}
+    monkeypatch.setattr(load, "get_target", lambda params: (SimpleNamespace(target_id="t"), None))
+    monkeypatch.setattr(seq.GrammarCompiler, "for_target", staticmethod(lambda target, tok: None))
+    for name, fake in (("run_arm", run_arm), ("prompts", lambda *a: ({}, {})), ("_static", lambda *a: tmp_path),
+                       ("throughput", lambda *a: {}), ("summarize", lambda rep: {}), ("write_report", lambda *a: None)):
+        monkeypatch.setattr(seq, name, fake)
+    cfg, out, work = seq.SequenceConfig(), tmp_path / "out", tmp_path / "work"
+    killed = True
+    with pytest.raises(KeyboardInterrupt):
+        seq.run(Params(), out, work, cfg, said.append)
+    assert calls == ["single", "classes"] and (out / "sequence.partial.json").is_file()
+    killed = False
+    rep = seq.run(Params(), out, work, cfg, said.append)
+    assert calls == ["single", "classes", "classes"] and rep["resumed_arms"] == ["single"]
+    assert rep["arms"]["single"]["points"] == ["single"] and not (out / "sequence.partial.json").exists()
+    assert any(m.startswith("single: kept from the interrupted run") for m in said)
+    partial = json.loads(json.dumps(rep | {"arms": {"single": rep["arms"]["single"]}}))
+    (out / "sequence.partial.json").write_text(json.dumps(partial))
+    other = {k: partial[k] for k in ("config", "params_sha", "target_id")}
+    assert list(seq.finished_arms(out / "sequence.partial.json", other, work, said.append)) == ["single"]
+    assert seq.finished_arms(out / "sequence.partial.json", other | {"params_sha": "x"}, work, said.append) == {}
+    assert said[-1].endswith("another run's (params_sha differ): starting over")
+    (seq.in_domain_root(work / "single") / "code").rmdir()  # a frozen in-domain static lost: the arm reruns
+    assert seq.finished_arms(out / "sequence.partial.json", other, work, said.append) == {}
+    seq.run(Params(), out, work, cfg, said.append, resume=False)
+    assert calls[-2:] == ["single", "classes"]

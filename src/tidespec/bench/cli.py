@@ -164,6 +164,8 @@ def bench_sequence(params: Path = PARAMS,
                    class_drafts: str = typer.Option("listed", help="the classes arm's train.class_drafts: listed "
                                                     "(every class of the sequence) or auto"),
                    out: Path = typer.Option(Path("bench/results")),
+                   resume: bool = typer.Option(True, help="keep the arms an interrupted run of the same config "
+                                               "finished (out/<name>.partial.json, their workspaces in --work)"),
                    work: Path = typer.Option(Path(".tidespec/bench-sequence"), help="scratch workspaces (wiped)")):
     """Drafts per workload class + replay against one draft without replay over a traffic-shift
     sequence: τ per class after each cycle, forgetting, then tokens/s at concurrency 1/4/8 against a
@@ -184,7 +186,7 @@ def bench_sequence(params: Path = PARAMS,
         cfg = replace(cfg, **upd).validate()
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    rep = seq.run(load_params(params), out, work.resolve(), cfg, progress=console.print)
+    rep = seq.run(load_params(params), out, work.resolve(), cfg, progress=console.print, resume=resume)
     console.print((out / f"{rep['stem']}.md").read_text(), markup=False, soft_wrap=True)
     console.print(f"wrote {out / rep['stem']}.json/.md in {rep['wall_s'] / 60:.1f} min")
 

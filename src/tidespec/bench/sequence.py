@@ -19,7 +19,8 @@ loop adapts, as in `bench adapt`), else one trained once on as many ShareGPT tok
 processed in all (Σ over its cycles and classes of training tokens × epochs), never fewer than
 `bootstrap.tokens` (cached). The in-domain statics: "train once on your own traffic" — for each class,
 the `single` arm's champion right after that class's first phase, frozen from then on, each serving its
-own class. Writes bench/results/<name>-<date>.{json,md}; the protocol: docs/design/bench.md.
+own class. Writes bench/results/<name>-<date>.{json,md}; rerun after an interruption, it keeps the arms
+already finished (`finished_arms`). The protocol: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -285,8 +286,10 @@ def command(cfg: dict) -> str:
     return "tidespec bench sequence" + "".join(flags)
 
 
-def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=print) -> dict:
-    """The experiment; returns the report (also written to out/<name>-<date>.{json,md})."""
+def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=print, resume: bool = True) -> dict:
+    """The experiment; returns the report (also written to out/<name>-<date>.{json,md}). After each arm
+    the report so far goes to out/<name>.partial.json; with `resume`, a rerun keeps the arms an earlier
+    run of the same config finished (`resumed_arms`), their workspaces under `work` intact."""
     cfg.validate()
     t0 = time.perf_counter()
     from ..models.load import get_target
@@ -297,9 +300,11 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
     rep = {"config": asdict(cfg), "command": command(asdict(cfg)), "params_sha": params.sha(),
            "target_id": target.target_id,
            "k": params.engine.num_draft_tokens, "cpu_threads": shift._threads(), "arms": {}}
-    partial = Path(out) / f"{cfg.name}-{date.today().isoformat()}.partial.json"
+    partial = Path(out) / f"{cfg.name}.partial.json"
+    done = finished_arms(partial, rep, work, progress) if resume else {}
     for arm in ARMS:
-        rep["arms"][arm] = run_arm(params, cfg, arm, work / arm, traffic, hold, progress)
+        rep["arms"][arm] = done.get(arm) or run_arm(params, cfg, arm, work / arm, traffic, hold, progress)
+        rep["resumed_arms"] = [a for a in ARMS if a in done]
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(rep, indent=2, default=str))  # an arm's hour survives a later failure
     static = _static(params, cfg, rep, target, tok, progress)
@@ -312,6 +317,34 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
     write_report(rep, out, rep["stem"])
     partial.unlink(missing_ok=True)
     return rep
+
+
+def finished_arms(partial: Path, rep: dict, work: Path, progress=print) -> dict[str, dict]:
+    """The arms an interrupted run left in `partial` (its report so far) that a rerun can keep: {arm:
+    its report}, only when that run's config, params and target are `rep`'s and the arm's workspace
+    under `work` still holds its champion (and, for `single`, every frozen in-domain static). Says
+    what it keeps, and why it starts over, through `progress`."""
+    try:
+        old = json.loads(Path(partial).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        progress(f"{partial}: unreadable ({e}): starting over")
+        return {}
+    same = json.loads(json.dumps({k: rep[k] for k in ("config", "params_sha", "target_id")}))
+    differ = [k for k, v in same.items() if old.get(k) != v]
+    if differ:
+        progress(f"{partial}: another run's ({', '.join(differ)} differ): starting over")
+        return {}
+    keep = {}
+    for arm, r in (old.get("arms") or {}).items():
+        dirs = [Workspace(Path(work) / arm).champion] + [Path(d["dir"]) for d in (r.get("in_domain") or {}).values()]
+        if arm in ARMS and all(d.is_dir() for d in dirs):
+            keep[arm] = r
+            progress(f"{arm}: kept from the interrupted run ({partial}; --no-resume reruns it)")
+        else:
+            progress(f"{arm}: its workspace under {work} is gone: run again")
+    return keep
 
 
 def static_provenance(static: Path) -> dict | None:

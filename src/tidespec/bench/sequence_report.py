@@ -100,7 +100,9 @@ def markdown(rep: dict) -> str:
          f"≤{cfg['max_new_tokens']} tokens; curate.window 1 in both arms; `classes` = "
          + ("`train.class_drafts: auto`" if cfg.get("class_drafts") == "auto" else "a draft per class") + " + the "
          f"replay buffer ({cfg['replay_fraction']:.0%}), `single` = one draft, no replay; "
-         f"{cfg['train_epochs']} epochs per cycle; wall time {rep['wall_s'] / 60:.0f} min.", ""]
+         f"{cfg['train_epochs']} epochs per cycle; wall time {rep['wall_s'] / 60:.0f} min"
+         + (f" (the {' and '.join(f'`{a}`' for a in rep['resumed_arms'])} arm kept from an interrupted run, not "
+            "counted)" if rep.get("resumed_arms") else "") + ".", ""]
     for arm, a in rep["arms"].items():
         L += [f"## τ per class, `{arm}` (fixed k, as serve routes)", "",
               "| cycle | phase | " + " | ".join(classes) + " | drafts served |",
