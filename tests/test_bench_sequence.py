@@ -1,5 +1,6 @@
 """`tidespec bench sequence`: the arms' params, the static baseline's size and the report's figures."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -226,43 +227,70 @@ def test_a_given_static_is_both_arms_first_champion(tmp_path, monkeypatch):
 
 def test_a_rerun_keeps_the_arms_an_interrupted_run_finished(tmp_path, monkeypatch):
     """Killed in its second arm, the same command keeps the first arm (its report and workspace) and runs
-    only the second; another config, a lost workspace or `--no-resume` start over."""
+    only the second; another config or params, another --work, a lost workspace or `--no-resume` start
+    over, and a run that starts over drops the old report before it wipes a workspace."""
     from types import SimpleNamespace
 
     from tidespec.models import load
     from tidespec.workspace import Workspace
-    calls, said = [], []
+    calls, said, kill = [], [], set()
 
     def run_arm(params, cfg, arm, work, traffic, hold, progress):
         calls.append(arm)
-        if arm == "classes" and killed:
+        Workspace(work).champion.mkdir(parents=True, exist_ok=True)  # experiment deploys the first champion
+        if arm in kill:
             raise KeyboardInterrupt
-        Workspace(work).champion.mkdir(parents=True, exist_ok=True)
         frozen = seq.in_domain_root(work) / "code"
         frozen.mkdir(parents=True, exist_ok=True)
-        return {"points": [arm], "in_domain": {"code": {"dir": str(frozen)}}} if arm == "single" else {"points": []}
+        return {"points": [arm], "workspace": str(work)} | (
+            {"in_domain": {"code": {"dir": str(frozen)}}} if arm == "single" else {})
     monkeypatch.setattr(load, "get_target", lambda params: (SimpleNamespace(target_id="t"), None))
     monkeypatch.setattr(seq.GrammarCompiler, "for_target", staticmethod(lambda target, tok: None))
     for name, fake in (("run_arm", run_arm), ("prompts", lambda *a: ({}, {})), ("_static", lambda *a: tmp_path),
                        ("throughput", lambda *a: {}), ("summarize", lambda rep: {}), ("write_report", lambda *a: None)):
         monkeypatch.setattr(seq, name, fake)
     cfg, out, work = seq.SequenceConfig(), tmp_path / "out", tmp_path / "work"
-    killed = True
+    partial = out / "sequence.partial.json"
+
+    def run(cfg=cfg, work=work, resume=True, killed=()):
+        kill.clear()
+        kill.update(killed)
+        return seq.run(Params(), out, work, cfg, said.append, resume=resume)
     with pytest.raises(KeyboardInterrupt):
-        seq.run(Params(), out, work, cfg, said.append)
-    assert calls == ["single", "classes"] and (out / "sequence.partial.json").is_file()
-    killed = False
-    rep = seq.run(Params(), out, work, cfg, said.append)
-    assert calls == ["single", "classes", "classes"] and rep["resumed_arms"] == ["single"]
-    assert rep["arms"]["single"]["points"] == ["single"] and not (out / "sequence.partial.json").exists()
+        run(killed={"classes"})
+    assert calls == ["single", "classes"] and list(json.loads(partial.read_text())["arms"]) == ["single"]
+    rep = run()
+    assert calls[2:] == ["classes"] and rep["resumed_arms"] == ["single"] and list(rep["arms"]) == list(seq.ARMS)
+    assert rep["arms"]["single"]["points"] == ["single"] and not partial.exists()
     assert any(m.startswith("single: kept from the interrupted run") for m in said)
-    partial = json.loads(json.dumps(rep | {"arms": {"single": rep["arms"]["single"]}}))
-    (out / "sequence.partial.json").write_text(json.dumps(partial))
-    other = {k: partial[k] for k in ("config", "params_sha", "target_id")}
-    assert list(seq.finished_arms(out / "sequence.partial.json", other, work, said.append)) == ["single"]
-    assert seq.finished_arms(out / "sequence.partial.json", other | {"params_sha": "x"}, work, said.append) == {}
+    with pytest.raises(KeyboardInterrupt):
+        run(killed={"classes"})
+    rep = run(resume=False)  # its workspaces intact, still run again
+    assert calls[-2:] == ["single", "classes"] and rep["resumed_arms"] == []
+    with pytest.raises(KeyboardInterrupt):
+        run(killed={"classes"})
+    other = replace(cfg, traffic_prompts=6)
+    with pytest.raises(KeyboardInterrupt):  # another config starts over, and drops the old arm's report at once
+        run(cfg=other, killed={"single"})
+    assert said[-1].endswith("another run's (config differ): starting over")
+    assert json.loads(partial.read_text())["arms"] == {}
+    with pytest.raises(KeyboardInterrupt):
+        run(killed={"classes"})
+    n = len(calls)
+    with pytest.raises(KeyboardInterrupt):  # another --work: its own workspaces, none finished
+        run(work=tmp_path / "elsewhere", killed={"classes"})
+    assert calls[n:] == ["single", "classes"]
+    old = json.loads(partial.read_text())
+    ids = {k: old[k] for k in ("config", "params_sha", "target_id")}
+    assert list(seq.finished_arms(partial, ids, tmp_path / "elsewhere", said.append)) == ["single"]
+    assert seq.finished_arms(partial, ids | {"params_sha": "x"}, tmp_path / "elsewhere", said.append) == {}
     assert said[-1].endswith("another run's (params_sha differ): starting over")
-    (seq.in_domain_root(work / "single") / "code").rmdir()  # a frozen in-domain static lost: the arm reruns
-    assert seq.finished_arms(out / "sequence.partial.json", other, work, said.append) == {}
-    seq.run(Params(), out, work, cfg, said.append, resume=False)
-    assert calls[-2:] == ["single", "classes"]
+    assert seq.finished_arms(partial, ids, work, said.append) == {}  # the report is of another --work
+    (seq.in_domain_root(tmp_path / "elsewhere" / "single") / "code").rmdir()  # a frozen in-domain static lost
+    assert seq.finished_arms(partial, ids, tmp_path / "elsewhere", said.append) == {}
+    (seq.in_domain_root(tmp_path / "elsewhere" / "single") / "code").mkdir()
+    Workspace(tmp_path / "elsewhere" / "single").champion.rmdir()  # the champion lost
+    assert seq.finished_arms(partial, ids, tmp_path / "elsewhere", said.append) == {}
+    partial.write_text('{"config": ')  # cut short: said, and started over
+    assert seq.finished_arms(partial, ids, tmp_path / "elsewhere", said.append) == {}
+    assert "unreadable" in said[-1]

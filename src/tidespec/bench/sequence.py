@@ -302,11 +302,14 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
            "k": params.engine.num_draft_tokens, "cpu_threads": shift._threads(), "arms": {}}
     partial = Path(out) / f"{cfg.name}.partial.json"
     done = finished_arms(partial, rep, work, progress) if resume else {}
+    rep["resumed_arms"] = [a for a in ARMS if a in done]
+    rep["arms"] = dict(done)
+    _save_partial(partial, rep)  # before an arm's workspace is wiped: no report of a workspace about to go
     for arm in ARMS:
-        rep["arms"][arm] = done.get(arm) or run_arm(params, cfg, arm, work / arm, traffic, hold, progress)
-        rep["resumed_arms"] = [a for a in ARMS if a in done]
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(rep, indent=2, default=str))  # an arm's hour survives a later failure
+        if arm not in done:
+            rep["arms"][arm] = run_arm(params, cfg, arm, work / arm, traffic, hold, progress)
+            _save_partial(partial, rep)  # an arm's hour survives a later failure
+    rep["arms"] = {a: rep["arms"][a] for a in ARMS}
     static = _static(params, cfg, rep, target, tok, progress)
     bp = arm_params(params, cfg, "classes")
     rep["throughput"] = throughput(bp, target, {a: Workspace(work / a) for a in ARMS}, static, hold, cfg,
@@ -319,11 +322,19 @@ def run(params: Params, out: Path, work: Path, cfg: SequenceConfig, progress=pri
     return rep
 
 
+def _save_partial(partial: Path, rep: dict) -> None:
+    """Write the report so far to `partial` atomically (a temporary file, then rename). Raises OSError."""
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial.with_name(f".{partial.name}.tmp")
+    tmp.write_text(json.dumps(rep, indent=2, default=str))
+    tmp.replace(partial)
+
+
 def finished_arms(partial: Path, rep: dict, work: Path, progress=print) -> dict[str, dict]:
     """The arms an interrupted run left in `partial` (its report so far) that a rerun can keep: {arm:
-    its report}, only when that run's config, params and target are `rep`'s and the arm's workspace
-    under `work` still holds its champion (and, for `single`, every frozen in-domain static). Says
-    what it keeps, and why it starts over, through `progress`."""
+    its report}, only when that run's config, params and target are `rep`'s, it ran in `work`, and the
+    arm's workspace there still holds its champion (and, for `single`, every frozen in-domain static).
+    Says what it keeps, and why it starts over, through `progress`."""
     try:
         old = json.loads(Path(partial).read_text())
     except FileNotFoundError:
@@ -339,11 +350,11 @@ def finished_arms(partial: Path, rep: dict, work: Path, progress=print) -> dict[
     keep = {}
     for arm, r in (old.get("arms") or {}).items():
         dirs = [Workspace(Path(work) / arm).champion] + [Path(d["dir"]) for d in (r.get("in_domain") or {}).values()]
-        if arm in ARMS and all(d.is_dir() for d in dirs):
+        if arm in ARMS and r.get("workspace") == str(Path(work) / arm) and all(d.is_dir() for d in dirs):
             keep[arm] = r
             progress(f"{arm}: kept from the interrupted run ({partial}; --no-resume reruns it)")
         else:
-            progress(f"{arm}: its workspace under {work} is gone: run again")
+            progress(f"{arm}: its workspace is not under {work} any more: run again")
     return keep
 
 
