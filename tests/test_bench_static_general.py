@@ -97,8 +97,9 @@ def test_the_report_prints_each_epoch_of_the_curve():
 
 
 def test_a_provenance_from_before_the_hardware_was_recorded_still_reports():
-    """The 1M static's provenance in bench/results predates `hardware` and `date`: the report says so."""
-    prov = json.loads((REPO / "bench/results/static-general-1M-provenance.json").read_text())
+    """The 1M static's first provenance (2026-12-06, bench/results) predates `hardware` and `date`: the
+    report says so."""
+    prov = json.loads((REPO / "bench/results/static-general-1M-provenance-2026-12-06.json").read_text())
     assert "hardware" not in prov and "date" not in prov
     md = sg.report(prov)
     assert "Training finished on unrecorded hardware (undated), cpu float32." in md
