@@ -152,7 +152,7 @@ def bench_adapt(params: Path = PARAMS, quick: bool = typer.Option(False, "--quic
 @bench_app.command("sequence")
 def bench_sequence(params: Path = PARAMS,
                    quick: bool = typer.Option(False, "--quick", help="code → chat → code, concurrency 1 and 8, one "
-                                              "pass (≈50 min)"),
+                                              "pass (about half the full run)"),
                    sequence: str = typer.Option(None, help="comma-separated bench shift phases (default "
                                                 "code,chat,math-en,structured,code)"),
                    traffic_prompts: int = typer.Option(None, min=1, help="fresh prompts per cycle (default 12, "

@@ -53,7 +53,7 @@ ARMS = ("single", "classes")
 
 @dataclass(frozen=True)
 class SequenceConfig:
-    """Sizes of one run (2 CPU cores, SmolLM2-135M fp32: full ≈ 2.5 h, quick ≈ 50 min)."""
+    """Sizes of one run (2 idle CPU cores, SmolLM2-135M fp32: full ≈ 40 min as measured, quick about half)."""
 
     sequence: tuple[str, ...] = ("code", "chat", "math-en", "structured", "code")
     concurrency: tuple[int, ...] = (1, 4, 8)  # the throughput measurement
