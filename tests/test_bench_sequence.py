@@ -295,3 +295,28 @@ def test_a_rerun_keeps_the_arms_an_interrupted_run_finished(tmp_path, monkeypatc
     partial.write_text('{"config": ')  # cut short: said, and started over
     assert seq.finished_arms(partial, ids, tmp_path / "elsewhere", said.append) == {}
     assert "unreadable" in said[-1]
+
+
+def test_static_tau_serves_each_draft_on_the_held_out_prompts_of_the_run(real_target, tmp_path, capsys):
+    """`bench static-baseline --holdout sequence`: the sequence's held-out prompts (not its traffic), every
+    output equal to target-only, τ within [1, k + 1]; a dir without a draft and `--tree` are refused."""
+    from conftest import random_draft
+    from tidespec.bench import static_baseline
+    from tidespec.engine.grammar_state import GrammarCompiler
+    from tidespec.models.eagle3 import save_checkpoint
+
+    target, tok = real_target
+    d = save_checkpoint(random_draft(target, 64), tmp_path / "static")
+    cfg = seq.SequenceConfig(sequence=("code", "chat"), eval_prompts=2, max_new_tokens=4, concurrency=(1,),
+                             traffic_prompts=1)
+    traffic, hold = seq.prompts(Params(), tok, cfg, GrammarCompiler.for_target(target, tok))
+    res = seq.static_tau(Params(), cfg, {"random": d})
+    assert res["prompt_ids"] == {w: [p["id"] for p in hold[w]] for w in ("code", "chat")}
+    served = {p["id"] for w in traffic for chunk in traffic[w] for p in chunk}
+    assert not served & set(sum(res["prompt_ids"].values(), []))
+    assert res["mismatches"] == {"random": 0}
+    assert all(1.0 <= t <= 1 + Params().engine.num_draft_tokens for t in res["tau"]["random"].values())
+    with pytest.raises(FileNotFoundError, match="not a draft checkpoint"):
+        seq.static_tau(Params(), cfg, {"empty": tmp_path})
+    with pytest.raises(SystemExit, match="--tree"):
+        static_baseline.main(["--holdout", "sequence", "--tree", "4,12", "--draft", f"x={d}", "--out", "y"])

@@ -141,28 +141,32 @@ def prompts(params: Params, tok, cfg: SequenceConfig, compiler) -> tuple[dict, d
     return traffic, hold
 
 
-def serving_engine(params: Params, target, ws: Workspace, adaptive: bool):
-    """The engine `tidespec serve` would run on `ws`'s deployed champions: the generalist, each class's
-    own draft, and — `adaptive` — the goodput policy and the suffix proposer with the generalist's corpus
-    (else fixed k, chains only, no grammar-forced tokens: the drafts' own τ)."""
+def serving_engine(params: Params, target, champion: Path, class_root: Path | None, adaptive: bool):
+    """The engine `tidespec serve` would run on the deployed champions: the generalist in `champion`
+    (a draft dir or bundle), each class's own draft under `class_root` (`Workspace.class_champions`;
+    None: no class drafts), and — `adaptive` — the goodput policy and the suffix proposer with the
+    generalist's corpus (else fixed k, chains only, no grammar-forced tokens: the drafts' own τ)."""
     e = params.engine
     cfg = e.model_copy(update={"adaptive": True, "suffix": e.suffix.model_copy(update={"enabled": True})}) \
         if adaptive else e.fixed()
-    eng = make_engine(cfg, target, runner_for(ws.champion, target), **served(ws.champion), forced_tokens=adaptive)
+    eng = make_engine(cfg, target, runner_for(champion, target), **served(champion), forced_tokens=adaptive)
     if adaptive:
-        load_suffix_corpus(eng, ws.champion)
-    install_class_drafts(eng, ws.class_champions)
+        load_suffix_corpus(eng, champion)
+    if class_root is not None:
+        install_class_drafts(eng, class_root)
     return eng
 
 
-def tau_point(params: Params, target, ws: Workspace, hold: dict, cfg: SequenceConfig, ref: dict) -> dict:
-    """τ per class at fixed k (greedy, concurrency 1) on every class's held-out prompts, its standard
-    error (`tau_se`), and the mismatches against target-only outputs `ref` ({prompt id: tokens})."""
-    eng = serving_engine(params, target, ws, adaptive=False)
+def tau_point(params: Params, target, champion: Path, class_root: Path | None, hold: dict, cfg: SequenceConfig,
+              ref: dict) -> dict:
+    """τ per class at fixed k (greedy, concurrency 1) on every class's held-out prompts, served from
+    `champion` and `class_root` as `serving_engine`, its standard error (`tau_se`), and the mismatches
+    against target-only outputs `ref` ({prompt id: tokens})."""
+    eng = serving_engine(params, target, champion, class_root, adaptive=False)
     ps = [p for w in cfg.classes for p in hold[w]]
     configs = {"adapted": (eng, True)}
     if len(eng.draft_versions) > 1:  # class drafts serve: the generalist alone too, on every class
-        configs["generalist"] = (make_engine(params.engine.fixed(), target, runner_for(ws.champion, target),
+        configs["generalist"] = (make_engine(params.engine.fixed(), target, runner_for(champion, target),
                                              forced_tokens=False), True)
     runs = replay(configs, ps, cfg.max_new_tokens)
     tau = {name: {w: r["metrics"].get(f"acceptance_length/{w}") for w in cfg.classes} for name, r in runs.items()}
@@ -170,6 +174,28 @@ def tau_point(params: Params, target, ws: Workspace, hold: dict, cfg: SequenceCo
             "tau_se": {w: runs["adapted"]["metrics"].get(f"tau_se/{w}") for w in cfg.classes},
             "versions": eng.draft_versions,
             "mismatches": sum(ref[i] != t for r in runs.values() for i, t in r["outputs"].items())}
+
+
+def static_tau(params: Params, cfg: SequenceConfig, drafts: dict[str, Path]) -> dict:
+    """τ per class of each draft in `drafts` ({name: draft dir or bundle}) served alone at fixed k on the
+    run's held-out prompts: the cycle-0 point `run_arm` measures for its first champion (same prompts,
+    engine and tokens), without running the arms — so a static's figures sit beside a run's static arm.
+    Returns {"tau": {name: {class: τ}}, "tau_se": {name: {class: SE}}, "mismatches": {name: outputs ≠
+    target-only}, "prompt_ids": {class: [held-out prompt ids]}}. Raises ValueError for a class with too
+    few prompts, a missing dir or another target's draft; FileNotFoundError for a dir without a checkpoint."""
+    from ..models.load import get_target
+    target, tok = get_target(params)
+    _, hold = prompts(params, tok, cfg, GrammarCompiler.for_target(target, tok))
+    p = arm_params(params, cfg, "single")
+    ps = [x for w in cfg.classes for x in hold[w]]
+    ref = replay({"none": (make_engine(p.engine.fixed(), target), False)}, ps, cfg.max_new_tokens)["none"]["outputs"]
+    out: dict = {"tau": {}, "tau_se": {}, "mismatches": {}, "prompt_ids": {w: [x["id"] for x in hold[w]] for w in hold}}
+    for name, d in drafts.items():
+        if runner_for(engine_dir(Path(d)), target) is None:
+            raise ValueError(f"draft {name}: {d} does not exist")
+        pt = tau_point(p, target, engine_dir(Path(d)), None, hold, cfg, ref)
+        out["tau"][name], out["tau_se"][name], out["mismatches"][name] = pt["tau"], pt["tau_se"], pt["mismatches"]
+    return out
 
 
 def run_arm(base: Params, cfg: SequenceConfig, arm: str, work: Path, traffic: dict, hold: dict, progress) -> dict:
@@ -184,7 +210,8 @@ def run_arm(base: Params, cfg: SequenceConfig, arm: str, work: Path, traffic: di
         plain = make_engine(params.engine.fixed(), target)
         ps = [p for w in cfg.classes for p in hold[w]]
         ref = replay({"none": (plain, False)}, ps, cfg.max_new_tokens)["none"]["outputs"]
-        rep = {"points": [dict(tau_point(params, target, ws, hold, cfg, ref), cycle=0, phase="")], "cycles": [],
+        rep = {"points": [dict(tau_point(params, target, ws.champion, ws.class_champions, hold, cfg, ref),
+                               cycle=0, phase="")], "cycles": [],
                "workspace": str(work)}
         thr = {w: seal_tokens(cs, cfg.traffic_max_new_tokens) for w, cs in traffic.items()}
         seals: queue.Queue = queue.Queue()
@@ -203,7 +230,7 @@ def run_arm(base: Params, cfg: SequenceConfig, arm: str, work: Path, traffic: di
                 if arm == "single" and w not in rep.setdefault("in_domain", {}):  # promoted: trained on w's traffic
                     rep["in_domain"][w] = freeze_in_domain(ws.champion, in_domain_root(work), w, i) | {
                         "promoted": any(c.get("promoted") for c in cyc)}
-                pt = dict(tau_point(params, target, ws, hold, cfg, ref), cycle=i, phase=w)
+                pt = dict(tau_point(params, target, ws.champion, ws.class_champions, hold, cfg, ref), cycle=i, phase=w)
                 rep["points"].append(pt)
                 progress(f"{arm}: cycle {i} ({w}): τ " + ", ".join(f"{c} {t:.2f}" for c, t in pt["tau"].items()
                                                                    if t is not None))
@@ -261,9 +288,11 @@ def throughput(params: Params, target, arms: dict[str, Workspace], static: Path,
                 eng = make_engine(params.engine.fixed(), target, runner_for(next(iter(frozen.values())), target))
                 install_class_drafts(eng, in_domain)
                 engines["in_domain"] = (eng, True)
-            engines |= {a: (serving_engine(params, target, ws, adaptive=True), True) for a, ws in arms.items()}
+            engines |= {a: (serving_engine(params, target, ws.champion, ws.class_champions, adaptive=True), True)
+                        for a, ws in arms.items()}
             if "classes" in arms:  # its drafts alone at fixed k, served as the statics are: draft for draft
-                engines["classes_drafts"] = (serving_engine(params, target, arms["classes"], adaptive=False), True)
+                engines["classes_drafts"] = (serving_engine(params, target, arms["classes"].champion,
+                                                         arms["classes"].class_champions, adaptive=False), True)
             m = shift.measure(engines, prompts_, replace(cfg.as_shift(), concurrency=cs), None)
             runs.append(m["by_concurrency"])
         out[label] = {c: {a: dict(r, tokens_per_s=statistics.median(run[c][a]["tokens_per_s"] for run in runs),
@@ -392,4 +421,4 @@ def _static(params: Params, cfg: SequenceConfig, rep: dict, target, tok, progres
     return Path(rep["static_dir"])
 
 
-__all__ = ["SequenceConfig", "run", "ratio_spread"]
+__all__ = ["SequenceConfig", "run", "ratio_spread", "static_tau"]

@@ -6,17 +6,24 @@ k = engine.num_draft_tokens (no goodput policy: τ describes the draft, not the 
 `--tree TOPK,N`, with EAGLE-2 trees of that topk and size. τ only (no timing): safe to run on a busy
 machine. Every output is checked against target-only decoding.
 
+`--holdout sequence`: instead, the held-out prompts per class of `tidespec bench sequence` (code,
+chat, math-en, structured; 8 × 32 tokens by default), served as its cycle-0 point serves the first
+champion (`sequence.static_tau`): a static's τ beside a sequence run's static arm, without the arms
+(a learning curve of statics, say; ≈ 2 min per draft on 2 cores).
+
     tidespec bench static-baseline \\
         --draft static-old=.cache/tidespec/bootstrap/static-523ca57e5ba2 \\
         --draft static-100k=<the static draft dir make demo cached> \\
         --draft adapted=data/drafts/champion --prompts 6 --max-new-tokens 64 --tree 4,12 \\
         --out bench/results/static-baseline-2026-12-01
+    tidespec bench static-baseline --holdout sequence --draft general-100k=<DIR> --out /tmp/curve
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tidespec.bench.engine import workload_prompts
@@ -32,9 +39,13 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tidespec bench static-baseline", description=__doc__.splitlines()[0])
     ap.add_argument("--draft", action="append", required=True, help="name=DIR (repeat)")
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--tree", default="", help="TOPK,N: also EAGLE-2 trees (eagle_topk, num_draft_tokens)")
+    ap.add_argument("--holdout", choices=("engine", "sequence"), default="engine",
+                    help="engine: `bench engine`'s sets (code, chat, math); sequence: `bench sequence`'s held-out "
+                         "prompts per class, as its cycle-0 point")
+    ap.add_argument("--prompts", type=int, default=None, help="per workload (default 6; sequence: 8)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (sequence: 32)")
+    ap.add_argument("--tree", default="", help="TOPK,N: also EAGLE-2 trees (eagle_topk, num_draft_tokens); "
+                                               "--holdout engine only")
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
     return ap
 
@@ -42,6 +53,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
     params = load_params(a.params)
+    if a.holdout == "sequence":
+        return sequence_holdout(a, params)
+    a.prompts = 6 if a.prompts is None else a.prompts
+    a.max_new_tokens = 64 if a.max_new_tokens is None else a.max_new_tokens
     target, tok = get_target(params)
     k = params.engine.num_draft_tokens
     wl = workload_prompts(tok, params, a.prompts)
@@ -53,10 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         runner = runner_for(Path(path), target)
         if runner is None:
             raise SystemExit(f"draft {name}: no checkpoint at {path}")
-        tm = Path(path) / "train_metrics.json"
-        meta[name] = {"path": path, **({kk: v for kk, v in json.loads(tm.read_text()).items()
-                                         if kk in ("train_tokens", "train_examples", "train_seconds")}
-                                       if tm.exists() else {})}
+        meta[name] = _meta(Path(path))
         configs[f"{name} chain k={k}"] = (make_engine(params.engine.fixed(num_draft_tokens=k), target, runner), True)
         if a.tree:
             topk, n = (int(x) for x in a.tree.split(","))
@@ -85,3 +97,47 @@ def main(argv: list[str] | None = None) -> None:
     Path(a.out + ".md").write_text("\n".join(lines))
     print("\n".join(lines))
 
+
+
+def sequence_holdout(a: argparse.Namespace, params) -> None:
+    """`--holdout sequence`: `sequence.static_tau` for every `--draft`, written to `a.out`.{json,md}.
+    Exits with a message for `--tree` (the sequence measures chains) or a missing draft."""
+    from tidespec.bench.sequence import SequenceConfig, static_tau
+    if a.tree:
+        raise SystemExit("--tree: EAGLE-2 trees are measured with --holdout engine; the sequence's point is chains")
+    cfg = SequenceConfig()
+    cfg = replace(cfg, **{k: v for k, v in (("eval_prompts", a.prompts), ("max_new_tokens", a.max_new_tokens))
+                          if v is not None})
+    drafts = dict(spec.partition("=")[::2] for spec in a.draft)
+    t0 = time.time()
+    try:
+        res = static_tau(params, cfg.validate(), {n: Path(d) for n, d in drafts.items()})
+    except (ValueError, OSError) as e:
+        raise SystemExit(str(e)) from None
+    out = {"date": time.strftime("%Y-%m-%d"), "holdout": "sequence", "k": params.engine.num_draft_tokens,
+           "classes": list(cfg.classes), "max_new_tokens": cfg.max_new_tokens, "drafts": {n: _meta(Path(d))
+           for n, d in drafts.items()}, **res, "wall_s": time.time() - t0}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps(out, indent=2) + "\n")
+    n = max(len(ids) for ids in res["prompt_ids"].values())
+    lines = [f"# τ per class on `bench sequence`'s held-out prompts ({out['date']}): {n} prompts × "
+             f"{cfg.max_new_tokens} tokens per class, greedy, k = {out['k']} chains", "",
+             "| draft | " + " | ".join(cfg.classes) + " | outputs ≠ target-only |",
+             "|---|" + "---|" * (len(cfg.classes) + 1)]
+    for name, tau in res["tau"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{tau[w]:.2f}" if tau[w] else "–" for w in cfg.classes)
+                     + f" | {res['mismatches'][name]} |")
+    lines += ["", "Drafts: " + "; ".join(f"{n}: {m}" for n, m in out["drafts"].items()), ""]
+    Path(a.out + ".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def _meta(d: Path) -> dict:
+    """What a draft dir says of its training: its path, train_metrics.json's token counts, and its
+    provenance.json's recipe (`bench static-general`'s) when it has one."""
+    from tidespec.bench.sequence import static_provenance
+    tm = d / "train_metrics.json"
+    out = {"path": str(d)} | ({k: v for k, v in json.loads(tm.read_text()).items()
+                               if k in ("train_tokens", "train_examples", "train_seconds")} if tm.exists() else {})
+    prov = static_provenance(d)
+    return out | ({"provenance": prov} if prov else {})
