@@ -297,11 +297,11 @@ def test_a_rerun_keeps_the_arms_an_interrupted_run_finished(tmp_path, monkeypatc
     assert "unreadable" in said[-1]
 
 
-def test_static_tau_serves_each_draft_on_the_held_out_prompts_of_the_run(real_target, tmp_path, capsys):
-    """`bench static-baseline --holdout sequence`: the sequence's held-out prompts (not its traffic), every
-    output equal to target-only, τ within [1, k + 1]; a dir without a draft and `--tree` are refused."""
+def test_static_tau_serves_each_draft_on_the_held_out_prompts_of_the_run(real_target, tmp_path, monkeypatch):
+    """`bench static-baseline --holdout sequence`: the run's held-out prompts (not its traffic) at its
+    tokens, with the engine of the run's arms and no class drafts; every output equal to target-only,
+    τ within [1, k + 1]; a dir without a draft is refused before anything is measured."""
     from conftest import random_draft
-    from tidespec.bench import static_baseline
     from tidespec.engine.grammar_state import GrammarCompiler
     from tidespec.models.eagle3 import save_checkpoint
 
@@ -310,13 +310,49 @@ def test_static_tau_serves_each_draft_on_the_held_out_prompts_of_the_run(real_ta
     cfg = seq.SequenceConfig(sequence=("code", "chat"), eval_prompts=2, max_new_tokens=4, concurrency=(1,),
                              traffic_prompts=1)
     traffic, hold = seq.prompts(Params(), tok, cfg, GrammarCompiler.for_target(target, tok))
+    calls, points = [], []
+    real_replay, real_point = seq.replay, seq.tau_point
+    monkeypatch.setattr(seq, "replay", lambda c, ps, n, **kw: calls.append(([p["id"] for p in ps], n))
+                        or real_replay(c, ps, n, **kw))
+    monkeypatch.setattr(seq, "tau_point", lambda p, t, ch, root, *a: points.append((p.engine, root))
+                        or real_point(p, t, ch, root, *a))
     res = seq.static_tau(Params(), cfg, {"random": d})
+    held = [p["id"] for w in ("code", "chat") for p in hold[w]]
+    assert calls == [(held, 4), (held, 4)]  # target-only, then the draft
+    assert points == [(seq.arm_params(Params(), cfg, "single").engine, None)]
     assert res["prompt_ids"] == {w: [p["id"] for p in hold[w]] for w in ("code", "chat")}
-    served = {p["id"] for w in traffic for chunk in traffic[w] for p in chunk}
-    assert not served & set(sum(res["prompt_ids"].values(), []))
-    assert res["mismatches"] == {"random": 0}
+    assert not {p["id"] for w in traffic for chunk in traffic[w] for p in chunk} & set(held)
+    assert res["mismatches"] == {"random": 0} and res["target_id"] == target.target_id
     assert all(1.0 <= t <= 1 + Params().engine.num_draft_tokens for t in res["tau"]["random"].values())
+    calls.clear()
     with pytest.raises(FileNotFoundError, match="not a draft checkpoint"):
-        seq.static_tau(Params(), cfg, {"empty": tmp_path})
-    with pytest.raises(SystemExit, match="--tree"):
-        static_baseline.main(["--holdout", "sequence", "--tree", "4,12", "--draft", f"x={d}", "--out", "y"])
+        seq.static_tau(Params(), cfg, {"random": d, "empty": tmp_path})
+    assert calls == []
+
+
+def test_static_baseline_sequence_holdout_honours_or_refuses_each_flag(tmp_path, monkeypatch):
+    """--prompts / --max-new-tokens size the run's held-out set, --draft is NAME=DIR once per name,
+    --tree is refused (chains only); the report names the sizes it measured."""
+    from tidespec.bench import static_baseline
+
+    seen = {}
+
+    def fake(params, cfg, drafts):
+        seen.update(cfg=cfg, drafts=drafts)
+        return {"tau": {n: dict.fromkeys(cfg.classes, 1.5) for n in drafts}, "tau_se": {}, "target_id": "t",
+                "mismatches": dict.fromkeys(drafts, 0),
+                "prompt_ids": dict.fromkeys(cfg.classes, ["a"] * cfg.eval_prompts)}
+    monkeypatch.setattr(seq, "static_tau", fake)
+    out = str(tmp_path / "curve")
+    static_baseline.main(["--holdout", "sequence", "--prompts", "3", "--max-new-tokens", "5",
+                          "--draft", f"a={tmp_path}", "--draft", "b=/x", "--out", out])
+    assert (seen["cfg"].eval_prompts, seen["cfg"].max_new_tokens) == (3, 5)
+    assert seen["drafts"] == {"a": tmp_path, "b": seq.Path("/x")}
+    rep = json.loads((tmp_path / "curve.json").read_text())
+    assert rep["config"]["eval_prompts"] == 3 and rep["max_new_tokens"] == 5 and rep["tau"]["b"]["structured"] == 1.5
+    assert "3 prompts × 5 tokens" in (tmp_path / "curve.md").read_text()
+    for argv, msg in ((["--tree", "4,12", "--draft", "x=/x"], "--tree"), (["--draft", "x"], "NAME=DIR"),
+                      (["--draft", "x=/a", "--draft", "x=/b"], "given twice"),
+                      (["--prompts", "0", "--draft", "x=/x"], "--prompts 0")):
+        with pytest.raises(SystemExit, match=msg):
+            static_baseline.main(["--holdout", "sequence", *argv, "--out", out])

@@ -104,3 +104,9 @@ def test_a_provenance_from_before_the_hardware_was_recorded_still_reports():
     md = sg.report(prov)
     assert "Training finished on unrecorded hardware (undated), cpu float32." in md
     assert "| 4 | 4,000,656 | 40,654 | 0.491 / 0.444 / 0.417 / 0.397 | 1.650 |" in md
+
+
+@pytest.mark.parametrize("n", [0, 1001])
+def test_train_tokens_outside_the_preparation_are_refused(n):
+    with pytest.raises(SystemExit, match=f"--train-tokens {n}: must be in 1..--tokens \\(1000\\)"):
+        sg.main(["--tokens", "1000", "--train-tokens", str(n)])

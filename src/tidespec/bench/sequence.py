@@ -135,7 +135,8 @@ def prompts(params: Params, tok, cfg: SequenceConfig, compiler) -> tuple[dict, d
         sc = replace(cfg.as_shift(), traffic_prompts=n * cfg.traffic_prompts)
         tr, ho = shift.split_phase(shift.phase_prompts(w, params), tok, sc, params.workload.holdout_fraction, compiler)
         if len(tr) < n * cfg.traffic_prompts or len(ho) < cfg.eval_prompts:
-            raise ValueError(f"{w}: {len(tr)} traffic / {len(ho)} held-out prompts fit; lower --traffic-prompts")
+            raise ValueError(f"{w}: {len(tr)} traffic / {len(ho)} held-out prompts fit, {n * cfg.traffic_prompts} / "
+                             f"{cfg.eval_prompts} needed; lower --traffic-prompts or the held-out prompts per class")
         traffic[w] = [tr[i * cfg.traffic_prompts:(i + 1) * cfg.traffic_prompts] for i in range(n)]
         hold[w] = ho
     return traffic, hold
@@ -181,18 +182,21 @@ def static_tau(params: Params, cfg: SequenceConfig, drafts: dict[str, Path]) -> 
     run's held-out prompts: the cycle-0 point `run_arm` measures for its first champion (same prompts,
     engine and tokens), without running the arms — so a static's figures sit beside a run's static arm.
     Returns {"tau": {name: {class: τ}}, "tau_se": {name: {class: SE}}, "mismatches": {name: outputs ≠
-    target-only}, "prompt_ids": {class: [held-out prompt ids]}}. Raises ValueError for a class with too
-    few prompts, a missing dir or another target's draft; FileNotFoundError for a dir without a checkpoint."""
+    target-only}, "prompt_ids": {class: [held-out prompt ids]}, "target_id"}. Raises, before measuring,
+    ValueError for a class with too few prompts, a missing dir or another target's draft, FileNotFoundError
+    for a dir without a checkpoint."""
     from ..models.load import get_target
     target, tok = get_target(params)
+    for name, d in drafts.items():  # every draft checked before minutes of measuring
+        if runner_for(engine_dir(Path(d)), target) is None:
+            raise ValueError(f"draft {name}: {d} does not exist")
     _, hold = prompts(params, tok, cfg, GrammarCompiler.for_target(target, tok))
     p = arm_params(params, cfg, "single")
     ps = [x for w in cfg.classes for x in hold[w]]
     ref = replay({"none": (make_engine(p.engine.fixed(), target), False)}, ps, cfg.max_new_tokens)["none"]["outputs"]
-    out: dict = {"tau": {}, "tau_se": {}, "mismatches": {}, "prompt_ids": {w: [x["id"] for x in hold[w]] for w in hold}}
+    out: dict = {"tau": {}, "tau_se": {}, "mismatches": {}, "prompt_ids": {w: [x["id"] for x in hold[w]] for w in hold},
+                 "target_id": target.target_id}
     for name, d in drafts.items():
-        if runner_for(engine_dir(Path(d)), target) is None:
-            raise ValueError(f"draft {name}: {d} does not exist")
         pt = tau_point(p, target, engine_dir(Path(d)), None, hold, cfg, ref)
         out["tau"][name], out["tau_se"][name], out["mismatches"][name] = pt["tau"], pt["tau_se"], pt["mismatches"]
     return out

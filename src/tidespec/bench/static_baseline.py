@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tidespec.bench.engine import workload_prompts
@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
+    for flag, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens)):
+        if v is not None and v < 1:
+            raise SystemExit(f"{flag} {v}: must be >= 1")
     params = load_params(a.params)
     if a.holdout == "sequence":
         return sequence_holdout(a, params)
@@ -63,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [{"id": pid, "input_ids": ids, "workload": w} for w in WORKLOADS for pid, ids in wl[w]]
     configs = {"target-only": (make_engine(params.engine.fixed(num_draft_tokens=k), target), False)}
     meta = {}
-    for spec in a.draft:
-        name, _, path = spec.partition("=")
+    for name, path in parse_drafts(a.draft).items():
         runner = runner_for(Path(path), target)
         if runner is None:
             raise SystemExit(f"draft {name}: no checkpoint at {path}")
@@ -105,18 +107,19 @@ def sequence_holdout(a: argparse.Namespace, params) -> None:
     from tidespec.bench.sequence import SequenceConfig, static_tau
     if a.tree:
         raise SystemExit("--tree: EAGLE-2 trees are measured with --holdout engine; the sequence's point is chains")
-    cfg = SequenceConfig()
+    cfg = SequenceConfig()  # other sizes than a run's measure what no `bench sequence` report shows
     cfg = replace(cfg, **{k: v for k, v in (("eval_prompts", a.prompts), ("max_new_tokens", a.max_new_tokens))
                           if v is not None})
-    drafts = dict(spec.partition("=")[::2] for spec in a.draft)
+    drafts = parse_drafts(a.draft)
     t0 = time.time()
     try:
-        res = static_tau(params, cfg.validate(), {n: Path(d) for n, d in drafts.items()})
+        res = static_tau(params, cfg, drafts)
     except (ValueError, OSError) as e:
         raise SystemExit(str(e)) from None
     out = {"date": time.strftime("%Y-%m-%d"), "holdout": "sequence", "k": params.engine.num_draft_tokens,
-           "classes": list(cfg.classes), "max_new_tokens": cfg.max_new_tokens, "drafts": {n: _meta(Path(d))
-           for n, d in drafts.items()}, **res, "wall_s": time.time() - t0}
+           "params_sha": params.sha(), "config": asdict(cfg), "classes": list(cfg.classes),
+           "max_new_tokens": cfg.max_new_tokens, "drafts": {n: _meta(d) for n, d in drafts.items()}, **res,
+           "wall_s": time.time() - t0}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(out, indent=2) + "\n")
     n = max(len(ids) for ids in res["prompt_ids"].values())
@@ -130,6 +133,20 @@ def sequence_holdout(a: argparse.Namespace, params) -> None:
     lines += ["", "Drafts: " + "; ".join(f"{n}: {m}" for n, m in out["drafts"].items()), ""]
     Path(a.out + ".md").write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+def parse_drafts(specs: list[str]) -> dict[str, Path]:
+    """`--draft NAME=DIR` flags as {name: dir}; exits naming `--draft` for a spec without a name or a
+    dir, or a name given twice."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, eq, path = spec.partition("=")
+        if not (name and eq and path):
+            raise SystemExit(f"--draft {spec!r}: expected NAME=DIR")
+        if name in out:
+            raise SystemExit(f"--draft {name}: given twice; name each draft once")
+        out[name] = Path(path)
+    return out
 
 
 def _meta(d: Path) -> dict:

@@ -19,7 +19,15 @@ Per epoch the curve logs the holdout's unconditional accuracy per position and t
 finished on) land in the draft dir; `--out PREFIX` also writes PREFIX.json (the provenance and the
 draft dir) and PREFIX.md (the curve), for a draft trained now or found in the cache.
 
+A learning curve over one data order: `--train-tokens N` trains on the first records up to N tokens.
+The preparation reads conversations in order and keeps whole records until its budget, so the first N
+tokens are the same records (token ids; their hidden states are recomputed, bit-equal on the same CPU
+and threads) whatever `--tokens` is at or above N: `--tokens 300000 --train-tokens
+100000` trains on exactly the records `--tokens 1000000 --train-tokens 100000` would, and `--tokens
+300000` on those of `--tokens 1000000 --train-tokens 300000`, for a fraction of the preparation.
+
     tidespec bench static-general --tokens 1000000 --epochs 4 --out bench/results/static-general-1M-provenance
+    tidespec bench static-general --tokens 300000 --epochs 4 --train-tokens 100000 --out /tmp/general-100k
 """
 from __future__ import annotations
 
@@ -116,6 +124,8 @@ def prepare(target, tok, convs: list, rec_dir: Path, token_budget: int, max_toke
 
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
+    if a.train_tokens is not None and not 0 < a.train_tokens <= a.tokens:
+        raise SystemExit(f"--train-tokens {a.train_tokens}: must be in 1..--tokens ({a.tokens}); prepare more tokens")
     if a.threads:
         torch.set_num_threads(a.threads)
     params = load_params(a.params)
