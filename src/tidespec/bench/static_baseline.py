@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
 
 
-
 def sequence_holdout(a: argparse.Namespace, params) -> None:
     """`--holdout sequence`: `sequence.static_tau` for every `--draft`, written to `a.out`.{json,md}.
     Exits with a message for `--tree` (the sequence measures chains) or a missing draft."""
