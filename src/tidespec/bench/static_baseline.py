@@ -134,16 +134,21 @@ def sequence_holdout(a: argparse.Namespace, params) -> None:
     print("\n".join(lines))
 
 
-def parse_drafts(specs: list[str]) -> dict[str, Path]:
-    """`--draft NAME=DIR` flags as {name: dir}; exits naming `--draft` for a spec without a name or a
-    dir, or a name given twice."""
+def _exit(msg: str) -> None:
+    raise SystemExit(msg)
+
+
+def parse_drafts(specs: list[str], error=_exit) -> dict[str, Path]:
+    """`--draft NAME=DIR` flags (every `tidespec bench` that takes drafts) as {name: dir}; calls
+    `error(message)` (default: exit with it; an argparse parser's `error` for a usage error), naming
+    `--draft`, for a spec without a name or a dir, or a name given twice."""
     out: dict[str, Path] = {}
     for spec in specs:
         name, eq, path = spec.partition("=")
         if not (name and eq and path):
-            raise SystemExit(f"--draft {spec!r}: expected NAME=DIR")
+            error(f"--draft {spec!r}: expected NAME=DIR")
         if name in out:
-            raise SystemExit(f"--draft {name}: given twice; name each draft once")
+            error(f"--draft {name}: given twice; name each draft once")
         out[name] = Path(path)
     return out
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tidespec.bench.static_baseline import parse_drafts
 from tidespec.capture.snapshots import list_snapshots
 from tidespec.capture.store import read_manifest, read_record
 from tidespec.models.eagle3 import build_vocab
@@ -89,14 +90,7 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str], l
     --out that is a directory."""
     ap = parser()
     a = ap.parse_args(argv)
-    drafts: dict[str, str] = {}
-    for x in a.draft:
-        name, sep, path = x.partition("=")
-        if not sep or not name or not path:
-            ap.error(f"--draft {x!r}: expected NAME=DIR")
-        if name in drafts:
-            ap.error(f"--draft {name}: given twice (each draft needs its own name)")
-        drafts[name] = path
+    drafts = {name: str(path) for name, path in parse_drafts(a.draft, ap.error).items()}
     try:
         sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
     except ValueError:
